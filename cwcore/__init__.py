@@ -8,3 +8,8 @@ One call from a model to its decomposition::
 """
 
 __version__ = "0.1.0"
+
+from .architectures import UnsupportedModelError, attention_blocks, register_output_projection
+from .decompose import METRICS, Decomposition, LayerDecomposition, decompose
+from .decompose import prepare_inputs
+from .interventions import intervene

@@ -1,0 +1,124 @@
+"""Where each architecture keeps its attention blocks and their output projections.
+
+cwcore sees a block's queries, keys and values through transformers' attention interface; what it
+cannot see there is the output projection W_O that maps the mixed values back to model space. This
+registry finds it. Add an architecture with :func:`register_output_projection`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["AttentionBlock", "attention_blocks", "register_output_projection", "UnsupportedModelError"]
+
+
+class UnsupportedModelError(ValueError):
+    """The model's attention blocks or their output projections could not be found."""
+
+
+# An output-projection finder takes (attention module, its parent module) and returns
+# (weight [model, head * head_dim], bias [model] or None), or None when it does not apply.
+ProjectionFinder = Callable[[nn.Module, nn.Module | None], "tuple[torch.Tensor, torch.Tensor | None] | None"]
+_FINDERS: list[ProjectionFinder] = []
+
+
+def register_output_projection(finder: ProjectionFinder, first: bool = True) -> ProjectionFinder:
+    """Register a finder ``(attention_module, parent) -> (weight [model, inner], bias) | None``."""
+    if first:
+        _FINDERS.insert(0, finder)
+    else:
+        _FINDERS.append(finder)
+    return finder
+
+
+def _linear(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    if isinstance(layer, nn.Linear):
+        return layer.weight, layer.bias
+    # transformers' Conv1D (GPT-2): y = x W + b with W [inner, model]
+    if type(layer).__name__ == "Conv1D" and hasattr(layer, "weight"):
+        return layer.weight.t(), layer.bias
+    return None
+
+
+def _own_projection(module, parent):
+    # Llama, Mistral, Qwen2/3, Gemma3, ViT (o_proj); GPT-2 (c_proj); GPT-NeoX (dense); others (out_proj)
+    for name in ("o_proj", "c_proj", "dense", "out_proj"):
+        layer = getattr(module, name, None)
+        if layer is not None and (found := _linear(layer)) is not None:
+            return found
+    return None
+
+
+def _sibling_output(module, parent):
+    # BERT-style: BertAttention(self=BertSelfAttention, output=BertSelfOutput(dense, LayerNorm))
+    output = getattr(parent, "output", None) if parent is not None else None
+    if output is not None and getattr(parent, "self", None) is module:
+        return _linear(getattr(output, "dense", None))
+    return None
+
+
+register_output_projection(_own_projection, first=False)
+register_output_projection(_sibling_output, first=False)
+
+
+@dataclass
+class AttentionBlock:
+    """One attention block: its number, the module the attention interface receives, and W_O."""
+
+    layer: int
+    name: str
+    module: nn.Module
+    parent: nn.Module | None
+
+    def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight [model, head * head_dim], bias [model] | None)``, read live from the module."""
+        for finder in _FINDERS:
+            found = finder(self.module, self.parent)
+            if found is not None:
+                return found
+        raise UnsupportedModelError(f"no output projection found for attention block {self.name!r}")
+
+
+def _is_attention_module(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return name.endswith("Attention") and "Cross" not in name
+
+
+def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
+    """The model's self-attention blocks in forward order, numbered from 0.
+
+    A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded)
+    and whose output projection a registered finder can locate.
+    """
+    cached = getattr(model, "_cwcore_blocks", None)
+    if cached is not None:
+        return cached
+    parents: dict[int, nn.Module] = {}
+    names: dict[int, str] = {}
+    for name, module in model.named_modules():
+        names[id(module)] = name
+        for child in module.children():
+            parents[id(child)] = module
+    candidates = [m for _, m in model.named_modules() if _is_attention_module(m)]
+    innermost = [
+        m for m in candidates if not any(c is not m and _is_attention_module(c) for c in m.modules())
+    ]
+    blocks = []
+    for module in innermost:
+        block = AttentionBlock(len(blocks), names[id(module)], module, parents.get(id(module)))
+        try:
+            block.output_projection()
+        except UnsupportedModelError:
+            continue
+        blocks.append(block)
+    if not blocks:
+        raise UnsupportedModelError(
+            f"cwcore found no attention block with a known output projection in {type(model).__name__}; "
+            "register one with cwcore.register_output_projection"
+        )
+    object.__setattr__(model, "_cwcore_blocks", blocks)
+    return blocks

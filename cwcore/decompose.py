@@ -1,0 +1,285 @@
+"""``cwcore.decompose``: attention, value-aware metrics and contribution weights of a forward pass.
+
+Terminology (PAPER.md sections 2-4), for layer l, head h, query i, key j:
+
+- ``attention``: alpha_ij, ``[batch, head, query, key]``
+- ``value_norm``: ||v~_j||, the projected value vector's norm, ``[batch, head, key]``
+- ``head_output_norm`` ||o^h_i|| ``[batch, head, query]``; ``output_norm`` ||o_i|| ``[batch, query]``
+  (o_i is the block's output without the output projection's bias, exposed as ``output_bias``)
+- ``intra``: alpha_ij <o^h_i, v~_j> / ||o^h_i||^2 (sums to 1 over keys for each head and query)
+- ``inter``: alpha_ij <o_i, v~_j> / ||o_i||^2 (sums to 1 over heads and keys for each query)
+- factors: ``*_relative_norm`` ||v~_j|| / ||o_i|| and ``*_cosine`` cos(o_i, v~_j), ``[batch, head, query, key]``
+- ``value_weighted`` alpha_ij ||v~_j|| and ``*_value_weighted_normalized`` alpha_ij ||v~_j|| / ||o_i||
+
+Where an output norm is at most :data:`ZERO_NORM` the quantities divided by it are NaN, never a
+silently huge number. Padded query rows are NaN; padded keys get zero attention and zero weight.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cached_property
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+from .attention import AttentionSession, cwcore_attention
+from .geometry import HeadSpaceGeometry
+
+__all__ = ["Decomposition", "LayerDecomposition", "decompose", "METRICS", "ZERO_NORM", "prepare_inputs"]
+
+#: Norms at or below this (in the compute dtype) count as zero: weights divided by them are NaN.
+ZERO_NORM = 1e-12
+
+#: The geometric ladder of PAPER.md section 4, in order.
+METRICS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+
+
+def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    return numerator / denominator.masked_fill(denominator.abs() <= ZERO_NORM, float("nan"))
+
+
+class LayerDecomposition:
+    """The decomposition of one attention layer. All tensors are in the compute dtype."""
+
+    def __init__(
+        self,
+        layer: int,
+        geometry: HeadSpaceGeometry,
+        output_bias: torch.Tensor | None = None,
+        key_valid: torch.Tensor | None = None,
+    ):
+        self.layer = layer
+        self.geometry = geometry
+        self.output_bias = output_bias
+        self.key_valid = key_valid
+
+    def __repr__(self) -> str:
+        b, h, q, k = self.attention.shape
+        return f"LayerDecomposition(layer={self.layer}, batch={b}, heads={h}, queries={q}, keys={k})"
+
+    # -- stored quantities -------------------------------------------------------------------------
+    @property
+    def attention(self) -> torch.Tensor:
+        """alpha ``[batch, head, query, key]``."""
+        return self.geometry.attention
+
+    @property
+    def value_norm(self) -> torch.Tensor:
+        """||v~_j|| ``[batch, head, key]``."""
+        return self.geometry.value_norm
+
+    @property
+    def head_output_norm(self) -> torch.Tensor:
+        """||o^h_i|| ``[batch, head, query]``."""
+        return self.geometry.head_output_norm
+
+    @property
+    def output_norm(self) -> torch.Tensor:
+        """||o_i|| of the combined output without bias, ``[batch, query]``."""
+        return self.geometry.output_norm
+
+    # -- factors ----------------------------------------------------------------------------------
+    def _norm(self, kind: str) -> torch.Tensor:
+        """The output norm for ``kind``, broadcastable to ``[batch, head, query, key]``."""
+        if kind == "intra":
+            return self.head_output_norm[..., None]
+        if kind == "inter":
+            return self.output_norm[:, None, :, None]
+        raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
+
+    def _dot(self, kind: str) -> torch.Tensor:
+        return self.geometry.intra_dot if kind == "intra" else self.geometry.inter_dot
+
+    def relative_norm(self, kind: str = "inter") -> torch.Tensor:
+        """||v~_j|| / ||o_i|| ``[batch, head, query, key]``."""
+        return _safe_divide(self.value_norm[:, :, None, :], self._norm(kind))
+
+    def cosine(self, kind: str = "inter") -> torch.Tensor:
+        """cos(o_i, v~_j) ``[batch, head, query, key]`` (NaN where either norm is zero)."""
+        return _safe_divide(_safe_divide(self._dot(kind), self._norm(kind)), self.value_norm[:, :, None, :])
+
+    def contribution(self, kind: str = "inter") -> torch.Tensor:
+        """c_ij = alpha_ij <o_i, v~_j> / ||o_i||^2 ``[batch, head, query, key]``."""
+        return self.attention * _safe_divide(self._dot(kind), self._norm(kind) ** 2)
+
+    def metric(self, name: str, kind: str = "inter") -> torch.Tensor:
+        """One rung of the geometric ladder (:data:`METRICS`), ``[batch, head, query, key]``.
+
+        ``kind`` picks the output that normalises: the head's own (``intra``) or the combined one
+        (``inter``); it does not affect ``attention`` and ``value_weighted``.
+        """
+        if name == "attention":
+            return self.attention
+        if name == "value_weighted":
+            return self.value_weighted
+        if name == "value_weighted_output_normalized":
+            return _safe_divide(self.value_weighted, self._norm(kind))
+        if name == "contribution":
+            return self.contribution(kind)
+        raise ValueError(f"unknown metric {name!r}; choose from {', '.join(METRICS)}")
+
+    # -- named views (computed on first access) ------------------------------------------------------
+    @cached_property
+    def intra(self) -> torch.Tensor:
+        """Intra-head contribution weights ``[batch, head, query, key]``."""
+        return self.contribution("intra")
+
+    @cached_property
+    def inter(self) -> torch.Tensor:
+        """Inter-head contribution weights ``[batch, head, query, key]``."""
+        return self.contribution("inter")
+
+    @property
+    def intra_relative_norm(self) -> torch.Tensor:
+        return self.relative_norm("intra")
+
+    @property
+    def inter_relative_norm(self) -> torch.Tensor:
+        return self.relative_norm("inter")
+
+    @property
+    def intra_cosine(self) -> torch.Tensor:
+        return self.cosine("intra")
+
+    @property
+    def inter_cosine(self) -> torch.Tensor:
+        return self.cosine("inter")
+
+    @property
+    def value_weighted(self) -> torch.Tensor:
+        """alpha_ij ||v~_j|| (Kobayashi et al. 2020) ``[batch, head, query, key]``."""
+        # padded keys have NaN norm but zero attention: they weigh zero
+        return self.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
+
+    @property
+    def intra_value_weighted_normalized(self) -> torch.Tensor:
+        return self.metric("value_weighted_output_normalized", "intra")
+
+    @property
+    def inter_value_weighted_normalized(self) -> torch.Tensor:
+        return self.metric("value_weighted_output_normalized", "inter")
+
+    def token_level(self, name: str = "contribution", kind: str = "inter") -> torch.Tensor:
+        """A head-aggregated ``[batch, query, key]`` view: attention is averaged over heads, every other
+        metric summed (so inter-head contributions of a query sum to 1 over keys)."""
+        values = self.metric(name, kind)
+        return values.mean(1) if name == "attention" else values.sum(1)
+
+    def to(self, *args, **kwargs) -> "LayerDecomposition":
+        """Move every tensor (e.g. ``.to("cpu")``)."""
+        g = self.geometry
+        moved = HeadSpaceGeometry(*(None if t is None else t.to(*args, **kwargs) for t in (
+            g.attention, g.value_norm, g.head_output_norm, g.output_norm, g.intra_dot, g.inter_dot, g.output)))
+        bias = None if self.output_bias is None else self.output_bias.to(*args, **kwargs)
+        valid = None if self.key_valid is None else self.key_valid.to(moved.attention.device)
+        return LayerDecomposition(self.layer, moved, bias, valid)
+
+
+class _FieldView(Mapping):
+    """``d.<field>[layer]``: one field of every recorded layer, indexed by layer number."""
+
+    def __init__(self, layers: dict[int, LayerDecomposition], field: str):
+        self._layers, self._field = layers, field
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self._layers:
+            raise KeyError(f"layer {layer} was not decomposed; recorded layers: {sorted(self._layers)}")
+        return getattr(self._layers[layer], self._field)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(sorted(self._layers))
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+class Decomposition:
+    """The decomposition of a forward pass: ``d[layer]`` is a :class:`LayerDecomposition` and
+    ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.inter[3]``.
+
+    ``outputs`` holds the model's own output of that forward pass (logits, hidden states, ...).
+    """
+
+    FIELDS = (
+        "attention", "value_norm", "head_output_norm", "output_norm", "intra", "inter",
+        "intra_relative_norm", "inter_relative_norm", "intra_cosine", "inter_cosine",
+        "value_weighted", "intra_value_weighted_normalized", "inter_value_weighted_normalized",
+        "output_bias",
+    )
+
+    def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None):
+        self.layer_decompositions = dict(sorted(layers.items()))
+        self.outputs = outputs
+        self.attention_mask = attention_mask
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.layer_decompositions)
+
+    def __getitem__(self, layer: int) -> LayerDecomposition:
+        return self.layer_decompositions[layer]
+
+    def __iter__(self) -> Iterator[LayerDecomposition]:
+        return iter(self.layer_decompositions.values())
+
+    def __len__(self) -> int:
+        return len(self.layer_decompositions)
+
+    def __getattr__(self, name: str):
+        if name in Decomposition.FIELDS:
+            return _FieldView(self.layer_decompositions, name)
+        raise AttributeError(name)
+
+    def __repr__(self) -> str:
+        return f"Decomposition(layers={self.layers})"
+
+
+def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
+    """Add ``position_ids`` consistent with left padding when the model accepts them.
+
+    transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts
+    every real token's position. Counting only real tokens makes a padded row equal its unpadded
+    sequence.
+    """
+    mask = inputs.get("attention_mask")
+    if mask is None or "position_ids" in inputs or bool(mask[:, 0].all()):
+        return inputs
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return inputs
+    return {**inputs, "position_ids": (mask.long().cumsum(-1) - 1).clamp_min(0)}
+
+
+def key_validity(inputs: dict) -> torch.Tensor | None:
+    mask = inputs.get("attention_mask")
+    return None if mask is None else mask.bool()
+
+
+def decompose(
+    model: nn.Module,
+    layers: int | Iterable[int] | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    **inputs,
+) -> Decomposition:
+    """Decompose every requested layer's attention output into projected value vectors.
+
+    ``inputs`` are the model's usual forward arguments (``input_ids``, ``attention_mask``,
+    ``pixel_values``, ...). ``layers`` is a layer number, a list of them, or None for all.
+    The model runs as usual (same outputs as its eager attention); the geometry is computed in
+    ``compute_dtype`` (float32 or float64) whatever the model's dtype.
+    """
+    from .architectures import attention_blocks
+
+    num_layers = len(attention_blocks(model))
+    if layers is None:
+        wanted = set(range(num_layers))
+    elif isinstance(layers, int):
+        wanted = {layers}
+    else:
+        wanted = set(layers)
+    inputs = prepare_inputs(model, inputs)
+    session = AttentionSession(model, record=wanted, key_valid=key_validity(inputs), compute_dtype=compute_dtype)
+    with torch.inference_mode(), cwcore_attention(model, session):
+        outputs = model(**inputs)
+    return Decomposition(session.recorded, outputs, inputs.get("attention_mask"))
