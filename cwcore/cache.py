@@ -1,0 +1,106 @@
+"""A result cache for long runs: keyed by every parameter, written incrementally and atomically.
+
+Each run (one set of parameters) owns a folder ``<cache>/results/<namespace>/<key>``; its pieces
+(a batch of sequences, one ratio, ...) are separate parquet files, so an interrupted run resumes
+where it stopped. A piece is written to a temporary file and renamed into place, so a reader never
+sees a half-written file. The key hashes the parameters and cwcore's source code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import pandas as pd
+
+__all__ = ["cache_root", "code_version", "parameters_key", "ResultCache", "atomic_write_bytes"]
+
+
+def cache_root() -> Path:
+    """Root of cwcore's caches: ``$CWCORE_CACHE`` or ``~/.cache/cwcore``."""
+    return Path(os.environ.get("CWCORE_CACHE") or Path.home() / ".cache" / "cwcore")
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """A hash of cwcore's source files: results computed by other code are never reused."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _canonical(value):
+    if isinstance(value, dict):
+        return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_canonical(v) for v in value]
+        return sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)  # torch dtypes, paths, ...
+
+
+def parameters_key(parameters: dict) -> str:
+    """A stable hash of the parameters together with :func:`code_version`."""
+    text = json.dumps({"parameters": _canonical(parameters), "code": code_version()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResultCache:
+    """Pieces of one run's results, as DataFrames.
+
+    >>> cache = ResultCache("faithfulness", {"model": "smollm2-135m", "ratios": [0.1, 0.2]})
+    >>> frame = cache.get_or_compute("batch-0", lambda: compute_batch(0))
+    """
+
+    def __init__(self, namespace: str, parameters: dict, root: Path | None = None, enabled: bool = True):
+        self.parameters = parameters
+        self.enabled = enabled
+        self.directory = (root or cache_root()) / "results" / namespace / parameters_key(parameters)
+
+    def _path(self, piece: str) -> Path:
+        return self.directory / f"{piece}.parquet"
+
+    def get(self, piece: str) -> pd.DataFrame | None:
+        """The stored piece, or None if it was never completed."""
+        path = self._path(piece)
+        if not self.enabled or not path.exists():
+            return None
+        return pd.read_parquet(path)
+
+    def put(self, piece: str, frame: pd.DataFrame) -> None:
+        if not self.enabled:
+            return
+        if not (self.directory / "parameters.json").exists():
+            text = json.dumps({"parameters": _canonical(self.parameters), "code": code_version()}, indent=1)
+            atomic_write_bytes(self.directory / "parameters.json", text.encode())
+        atomic_write_bytes(self._path(piece), frame.to_parquet(index=False))
+
+    def get_or_compute(self, piece: str, compute: Callable[[], pd.DataFrame]) -> pd.DataFrame:
+        frame = self.get(piece)
+        if frame is None:
+            frame = compute()
+            self.put(piece, frame)
+        return frame
