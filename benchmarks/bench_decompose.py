@@ -1,0 +1,129 @@
+"""Speed and memory of cwcore.decompose against a plain eager forward and the naive approach.
+
+Targets (issue "Foundation"), all measured in one run of this script on the default model:
+- decompose(all layers) at 512 tokens <= 1.5x a plain eager forward that returns attention maps;
+- one layer at 3072 tokens under 3 GiB peak memory for the whole process.
+
+Each memory figure comes from a fresh subprocess (peak resident set size, ``ru_maxrss``), so one
+measurement cannot inherit another's allocations. Usage::
+
+    .venv/bin/python benchmarks/bench_decompose.py [--model smollm2-135m] [--tokens 512] [--long 3072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import cwcore
+from cwcore.architectures import attention_blocks
+from cwcore.geometry import naive_geometry, split_output_projection
+
+GIB = 1024**3
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def naive_layers(model, input_ids, layers):
+    """The naive approach: materialise every alpha_ij v~_j ([batch, head, query, key, model]) per layer."""
+    d = cwcore.decompose(model, layers=layers, input_ids=input_ids)  # alpha only; values re-derived below
+    values = {}
+    blocks = attention_blocks(model)
+    handles = [
+        blocks[l].module.v_proj.register_forward_hook(lambda m, a, out, l=l: values.__setitem__(l, out))
+        for l in layers
+    ]
+    with torch.inference_mode():
+        model(input_ids=input_ids)
+    for handle in handles:
+        handle.remove()
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    for l in layers:
+        v = values[l].reshape(*input_ids.shape, cfg.num_key_value_heads, head_dim).transpose(1, 2)
+        v = v.repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, dim=1).float()
+        w_o = split_output_projection(blocks[l].output_projection()[0].detach().float(), cfg.num_attention_heads)
+        naive_geometry(d.attention[l], v, w_o)
+
+
+def measure(args) -> dict:
+    """Runs inside a subprocess: one measurement, reporting time and peak memory."""
+    torch.manual_seed(0)
+    model, _ = cwcore.load_model(args.model)
+    ids = torch.randint(100, model.config.vocab_size - 100, (1, args.tokens))
+    if args.what == "eager":
+        def run():
+            with torch.inference_mode():
+                model(input_ids=ids, output_attentions=True)
+    elif args.what == "decompose":
+        def run():
+            cwcore.decompose(model, input_ids=ids)
+    elif args.what == "decompose-one-layer":
+        def run():
+            cwcore.decompose(model, layers=[args.layer], input_ids=ids)
+    elif args.what == "naive-one-layer":
+        def run():
+            naive_layers(model, ids, [args.layer])
+    else:
+        raise ValueError(args.what)
+    seconds = timed(run, args.repeats)
+    return {"what": args.what, "tokens": args.tokens, "seconds": seconds,
+            "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+
+
+def spawn(model: str, what: str, tokens: int, repeats: int, layer: int = 0) -> dict:
+    command = [sys.executable, __file__, "--child", what, "--model", model, "--tokens", str(tokens),
+               "--repeats", str(repeats), "--layer", str(layer)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--long", type=int, default=3072)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layer", type=int, default=0)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.what = args.child
+        print(json.dumps(measure(args)))
+        return
+    rows = [
+        spawn(args.model, "eager", args.tokens, args.repeats),
+        spawn(args.model, "decompose", args.tokens, args.repeats),
+        spawn(args.model, "naive-one-layer", args.tokens, 1, args.layer),
+        spawn(args.model, "decompose-one-layer", args.long, 1, args.layer),
+    ]
+    eager, full, naive, long = rows
+    layers = len(attention_blocks(cwcore.load_model(args.model)[0]))
+    print(f"model {args.model}, torch threads {torch.get_num_threads()}")
+    print(f"| measurement | tokens | time (s) | peak memory (GiB) |")
+    print(f"|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['what']} | {row['tokens']} | {row['seconds']:.3f} | {row['peak_gib']:.2f} |")
+    print(f"decompose(all {layers} layers) / eager forward with attention maps = {full['seconds'] / eager['seconds']:.2f}x (target <= 1.5x)")
+    print(f"naive, one layer: {naive['seconds']:.2f} s, i.e. ~{naive['seconds'] * layers:.0f} s for all layers "
+          f"= {naive['seconds'] * layers / full['seconds']:.0f}x decompose")
+    print(f"one layer at {args.long} tokens: peak {long['peak_gib']:.2f} GiB (target < 3 GiB)")
+
+
+if __name__ == "__main__":
+    main()
