@@ -1,0 +1,198 @@
+"""The intervention primitive ``cwcore.intervene`` against independent references.
+
+Removing a term alpha^h_ij v~^h_j zeroes one post-softmax probability without renormalising, so the
+input of the output projection must be exactly sum_j alpha_ij (1 - m_ij) v_j with alpha taken from the
+model's own eager attention maps and v from a hook on the value projection.
+"""
+
+import pytest
+import torch
+
+import cwcore
+from tiny_models import VOCAB, tiny_model
+
+FAMILIES = ["llama", "qwen2", "gpt2", "bert"]
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def _output(out):
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _ids(batch=2, length=9, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _value_and_projection(model, family, layer):
+    """(module producing the values, output projection, function extracting values from its output)."""
+    if family in ("llama", "qwen2"):
+        attn = model.model.layers[layer].self_attn
+        return attn.v_proj, attn.o_proj, lambda out: out
+    if family == "gpt2":
+        attn = model.transformer.h[layer].attn
+        width = model.config.n_embd
+        return attn.c_attn, attn.c_proj, lambda out: out[..., 2 * width:]
+    if family == "bert":
+        block = model.encoder.layer[layer].attention
+        return block.self.value, block.output.dense, lambda out: out
+    raise ValueError(family)
+
+
+def _heads(model):
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    return heads, kv
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_empty_mask_is_bit_identical_to_eager(family):
+    model = tiny_model(family)
+    ids = _ids()
+    heads, _ = _heads(model)
+    with torch.inference_mode():
+        reference = _output(model(input_ids=ids))
+        with cwcore.intervene(model, {}):
+            empty = _output(model(input_ids=ids))
+        with cwcore.intervene(model, {0: torch.zeros(2, heads, 9, 9, dtype=torch.bool), 1: torch.zeros((), dtype=torch.bool)}):
+            zeros = _output(model(input_ids=ids))
+        # a callable that sees the live decomposition and removes nothing, with recording on
+        with cwcore.intervene(model, {1: lambda layer: torch.zeros_like(layer.attention, dtype=torch.bool)}, record=[0, 1]):
+            live = _output(model(input_ids=ids))
+    for out in (empty, zeros, live):
+        assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layer", [0, 1])
+def test_removed_terms_match_a_naive_sum_of_remaining_values(family, layer):
+    """o_proj input == sum_j alpha_ij (1 - m_ij) v_j, alpha from eager attention maps, v from a hook."""
+    model = tiny_model(family)
+    ids = _ids(length=8, seed=3)
+    heads, kv = _heads(model)
+    b, n = ids.shape
+    with torch.no_grad():
+        alpha = model(input_ids=ids, output_attentions=True).attentions[layer].double()  # [b, h, q, k]
+    mask = torch.rand(b, heads, n, n, generator=torch.Generator().manual_seed(4)) < 0.4
+    value_module, projection, extract = _value_and_projection(model, family, layer)
+    captured = {}
+    handles = [
+        value_module.register_forward_hook(lambda m, a, out: captured.__setitem__("v", extract(out).detach())),
+        projection.register_forward_pre_hook(lambda m, args: captured.__setitem__("z", args[0].detach())),
+    ]
+    try:
+        with torch.no_grad(), cwcore.intervene(model, {layer: mask}):
+            model(input_ids=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    head_dim = captured["v"].shape[-1] // kv
+    v = captured["v"].double().reshape(b, n, kv, head_dim).transpose(1, 2).repeat_interleave(heads // kv, dim=1)
+    expected = (alpha * (~mask)) @ v  # [b, h, q, d]
+    got = captured["z"].double().reshape(b, n, heads, head_dim).transpose(1, 2)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    # and the removal did something
+    assert (got - alpha @ v).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_removing_every_term_of_a_row_zeroes_its_head_output(family):
+    model = tiny_model(family)
+    ids = _ids(length=6)
+    heads, _ = _heads(model)
+    mask = torch.zeros(2, heads, 6, 6, dtype=torch.bool)
+    mask[0, 1, 4, :] = True
+    with cwcore.intervene(model, {0: mask}, record=[0]) as session:
+        with torch.no_grad():
+            model(input_ids=ids)
+    layer = session.recorded[0]  # decomposition after the removal
+    assert layer.head_output_norm[0, 1, 4] == 0
+    assert torch.equal(layer.attention[0, 1, 4], torch.zeros(6))
+    assert layer.head_output_norm[0, 1, 3] > 0
+
+
+def test_later_layer_masks_leave_earlier_layers_alone():
+    model = tiny_model("llama")
+    ids = _ids()
+    mask = torch.ones(1, 1, 9, 9, dtype=torch.bool).tril()
+    clean = cwcore.decompose(model, input_ids=ids)
+    with torch.no_grad(), cwcore.intervene(model, {1: mask}, record=[0, 1]) as session:
+        model(input_ids=ids)
+    assert torch.equal(session.recorded[0].attention, clean[0].attention)
+    assert session.recorded[1].output_norm.abs().max() == 0  # every term of layer 1 removed
+
+
+def test_callable_mask_sees_the_live_intervened_state():
+    model = tiny_model("llama")
+    ids = _ids()
+    seen = {}
+
+    def spy(name):
+        def callback(layer):
+            seen[name] = layer.attention.clone()
+            return torch.zeros((), dtype=torch.bool)
+        return callback
+
+    clean = cwcore.decompose(model, input_ids=ids)
+    removal = torch.rand(2, 4, 9, 9, generator=torch.Generator().manual_seed(0)) < 0.5
+    with torch.no_grad():
+        with cwcore.intervene(model, {1: spy("clean")}):
+            model(input_ids=ids)
+        with cwcore.intervene(model, {0: removal, 1: spy("after_layer0")}):
+            model(input_ids=ids)
+        with cwcore.intervene(model, {0: lambda layer: (seen.__setitem__("layer0", layer.attention.clone()), removal)[1]}):
+            model(input_ids=ids)
+    # without upstream removal the callable sees the clean decomposition
+    torch.testing.assert_close(seen["clean"], clean[1].attention, rtol=0, atol=0)
+    # masking layer 0 changes what layer 1's callable sees
+    assert (seen["after_layer0"] - clean[1].attention).abs().max() > 1e-4
+    # a layer's callable sees that layer before its own removal
+    torch.testing.assert_close(seen["layer0"], clean[0].attention, rtol=0, atol=0)
+
+
+def test_callable_mask_from_live_scores_equals_the_precomputed_mask_in_the_first_layer():
+    model = tiny_model("qwen2")
+    ids = _ids()
+    clean = cwcore.decompose(model, input_ids=ids)
+    fixed = clean[0].contribution("inter") < 0.05
+    with torch.inference_mode():
+        with cwcore.intervene(model, {0: fixed}):
+            a = model(input_ids=ids).logits
+        with cwcore.intervene(model, {0: lambda layer: layer.contribution("inter") < 0.05}):
+            b = model(input_ids=ids).logits
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_equal_single_sequences(family, side):
+    """A mask on the real positions of a padded row acts exactly as on the unpadded sequence."""
+    model = tiny_model(family)
+    heads, _ = _heads(model)
+    lengths = [9, 6]
+    full = 9
+    generator = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, VOCAB, (n,), generator=generator) for n in lengths]
+    masks = [torch.rand(heads, n, n, generator=generator) < 0.3 for n in lengths]
+    ids = torch.zeros(2, full, dtype=torch.long)
+    attention_mask = torch.zeros(2, full, dtype=torch.long)
+    batch_mask = torch.zeros(2, heads, full, full, dtype=torch.bool)
+    spans = []
+    for row, (seq, mask) in enumerate(zip(seqs, masks)):
+        n = len(seq)
+        span = slice(full - n, full) if side == "left" else slice(0, n)
+        spans.append(span)
+        ids[row, span] = seq
+        attention_mask[row, span] = 1
+        batch_mask[row, :, span, span] = mask
+    inputs = cwcore.prepare_inputs(model, {"input_ids": ids, "attention_mask": attention_mask})
+    with torch.inference_mode():
+        with cwcore.intervene(model, {0: batch_mask, 1: batch_mask}, attention_mask=attention_mask):
+            batched = model(**inputs).logits
+        for row, (seq, mask) in enumerate(zip(seqs, masks)):
+            with cwcore.intervene(model, {0: mask[None], 1: mask[None]}):
+                single = model(input_ids=seq[None]).logits[0]
+            torch.testing.assert_close(batched[row, spans[row]], single, rtol=RTOL, atol=ATOL)
+            with torch.no_grad():
+                clean = model(input_ids=seq[None]).logits[0]
+            assert (single - clean).abs().max() > 1e-4
