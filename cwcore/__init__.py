@@ -13,3 +13,4 @@ from .architectures import UnsupportedModelError, attention_blocks, register_out
 from .decompose import METRICS, Decomposition, LayerDecomposition, decompose
 from .decompose import prepare_inputs
 from .interventions import intervene
+from .models import PACKAGED_MODELS, load_model

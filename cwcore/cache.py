@@ -23,7 +23,8 @@ __all__ = ["cache_root", "code_version", "parameters_key", "ResultCache", "atomi
 
 def cache_root() -> Path:
     """Root of cwcore's caches: ``$CWCORE_CACHE`` or ``~/.cache/cwcore``."""
-    return Path(os.environ.get("CWCORE_CACHE") or Path.home() / ".cache" / "cwcore")
+    configured = os.environ.get("CWCORE_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "cwcore"
 
 
 @lru_cache(maxsize=1)

@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlparse
 
+from .cache import cache_root
+
 __all__ = [
     "CACHE_ENV_VAR",
     "CACHE_MARKER",
@@ -89,12 +91,6 @@ class ModelNotFoundError(ValueError):
 def list_models() -> list[str]:
     """Return the names of the packaged models, the default first."""
     return list(PACKAGED_MODELS)
-
-
-def cache_root() -> Path:
-    """Return the root of all cwcore caches: ``$CWCORE_CACHE`` or ``~/.cache/cwcore``."""
-    configured = os.environ.get(CACHE_ENV_VAR)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "cwcore"
 
 
 def model_cache_dir() -> Path:
