@@ -35,7 +35,8 @@ def _check_output_path(out: str) -> Path:
     return path
 
 
-def explain(text: str, model, tokenizer, layer: int | None = None, head: int | None = None, kind: str = "inter"):
+def explain(text: str, model, tokenizer, layer: int | None = None, head: int | None = None, kind: str = "inter",
+            model_name: str | None = None):
     """Attention beside contribution weights for one text.
 
     Returns ``(figure, attention [query, key], contribution [query, key], tokens)``; with ``head``
@@ -83,7 +84,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     which = "all heads" if head is None else f"head {head}"
     contribution_heatmap(axes[0], attention, tokens, f"attention α ({which})")
     contribution_heatmap(axes[1], contribution, tokens, f"{kind}-head contribution weights c ({which})")
-    name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+    name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
     fig.suptitle(f"{name} · layer {layer}")
     return fig, attention, contribution, tokens
 
@@ -102,7 +103,8 @@ def _explain_command(args) -> None:
         model, tokenizer = load_model(args.model)
     except ValueError as error:  # ModelNotFoundError and bad dtype/device strings
         raise UsageError(str(error)) from None
-    fig, *_ = explain(args.text, model, tokenizer, layer=args.layer, head=args.head, kind=args.kind)
+    fig, *_ = explain(args.text, model, tokenizer, layer=args.layer, head=args.head, kind=args.kind,
+                      model_name=args.model)
     buffer = io.BytesIO()
     fig.savefig(buffer, format=out.suffix.lower().lstrip(".").replace("jpg", "jpeg"))
     atomic_write_bytes(out, buffer.getvalue())
