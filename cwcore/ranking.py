@@ -1,0 +1,267 @@
+"""Which terms alpha^h_ij v~^h_j a faithfulness intervention removes: candidates, ranks and masks.
+
+The protocol of PAPER.md section 5 ranks the candidate terms of one attention layer by a score
+(attention, value-weighted attention, ..., contribution weights, or a seeded random control) and
+removes a fraction r of them: the most important (comprehensiveness) or the least important
+(sufficiency). This module turns scores ``[batch, head, query, key]`` into those removal masks.
+
+Vocabulary
+----------
+candidate
+    a term that may be removed: key j <= query i (causal), both real tokens (not padding), inside
+    the layer's sliding window where it has one, and (with ``keep_first_token``) j is not the
+    sequence's first real token. Only candidates are ranked, counted and removed.
+unit
+    what is ranked as one item. ``"head_key"``: a (head, key) pair, ranked jointly over heads for a
+    query; ``"key"``: a key within one head; ``"token"``: a key, with the head-aggregated score
+    (:meth:`cwcore.LayerDecomposition.token_level`: attention averaged, other metrics summed over
+    heads) and removed from every head.
+scope
+    ``"row"``: one ranking per query row (per (sequence, query) for head_key/token units, per
+    (sequence, head, query) for key units); ``"layer"``: one ranking per sequence and layer (per
+    (sequence, head) for key units) of the units' scores averaged over the candidate queries that
+    see them, the selected units then being removed for every query.
+group
+    the set of units ranked together (a row, or a whole layer of a sequence). In each group, with n
+    candidate units, the fraction r removes k(r) = floor(r * n + 1/2) of them: the first k in the
+    descending order for comprehensiveness, the last k for sufficiency.
+ties and NaN
+    the order is a stable descending sort of the scores, so ties keep the units' index order
+    (heads before keys, lower index first); NaN scores (undefined weights where ||o_i|| = 0) sort
+    as the least important. Both make every mask deterministic.
+
+Masks for many ratios
+---------------------
+Ratios are nested: the terms removed at r are also removed at every larger r. So instead of one
+mask per ratio, :func:`selection_buckets` stores per term the index of the first ratio that removes
+it (``uint8``, :data:`NEVER` when no ratio does), and the mask for ratio index t is ``bucket <= t``.
+One sort per metric then serves every ratio.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "UNITS",
+    "SCOPES",
+    "MODES",
+    "NEVER",
+    "candidate_mask",
+    "descending_ranks",
+    "removal_counts",
+    "selection_buckets",
+    "removal_mask",
+    "hashed_uniform",
+]
+
+UNITS = ("head_key", "key", "token")
+SCOPES = ("row", "layer")
+MODES = ("comprehensiveness", "sufficiency")
+#: Bucket value of a term that no ratio removes (non-candidates included).
+NEVER = 255
+
+
+def _check(unit: str, scope: str, mode: str | None = None) -> None:
+    if unit not in UNITS:
+        raise ValueError(f"unit must be one of {UNITS}, not {unit!r}")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, not {scope!r}")
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+
+
+def candidate_mask(
+    attention_mask: torch.Tensor,
+    keep_first_token: bool = True,
+    window: int | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """The removable terms of one layer, ``[batch, 1, query, key]`` bool.
+
+    attention_mask: ``[batch, seq]`` (1 = real token, 0 = padding; left or right padding).
+    ``window``: the layer's sliding window (key j is visible from query i when i - j < window).
+    ``keep_first_token``: the first *real* token of each sequence is never a candidate.
+    """
+    valid = attention_mask.bool()
+    n = valid.shape[-1]
+    idx = torch.arange(n, device=valid.device)
+    pairs = valid[:, :, None] & valid[:, None, :]  # [b, q, k]
+    if causal:
+        pairs = pairs & (idx[None, :, None] >= idx[None, None, :])
+    if window is not None:
+        pairs = pairs & ((idx[:, None] - idx[None, :]) < window)[None]
+    if keep_first_token:
+        first = valid.long().argmax(-1)  # first real position of each sequence
+        pairs = pairs & (idx[None, None, :] != first[:, None, None])
+    return pairs[:, None]
+
+
+def _grouped(scores: torch.Tensor, unit: str) -> tuple[torch.Tensor, tuple]:
+    """Reshape ``[b, h, q, k]`` (``[b, 1, q, k]`` for token) so that the last axis is one row group."""
+    if unit == "head_key":
+        b, h, q, k = scores.shape
+        return scores.permute(0, 2, 1, 3).reshape(b, q, h * k), (b, q, h, k)
+    return scores, scores.shape
+
+
+def _ungrouped(values: torch.Tensor, unit: str, shape: tuple) -> torch.Tensor:
+    if unit == "head_key":
+        b, q, h, k = shape
+        return values.reshape(b, q, h, k).permute(0, 2, 1, 3)
+    return values
+
+
+def descending_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank along the last axis: candidates first in descending score order (stable), then the rest.
+
+    scores, candidates: same shape ``[..., n]``. Returns (ranks ``[..., n]`` int64 with 0 = most
+    important candidate, counts ``[..., 1]`` = number of candidates). NaN scores count as -inf.
+    """
+    keys = scores.nan_to_num(float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    order = torch.sort(keys, dim=-1, descending=True, stable=True).indices
+    # second stable pass: candidates before non-candidates, the score order kept within each
+    flag = candidates.gather(-1, order).to(torch.int8)
+    order = order.gather(-1, torch.sort(flag, dim=-1, descending=True, stable=True).indices)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return ranks, candidates.sum(-1, keepdim=True)
+
+
+def removal_counts(counts: torch.Tensor, ratio: float) -> torch.Tensor:
+    """k(r) = floor(r * n + 1/2): how many of n candidate units the fraction r removes."""
+    return torch.floor(counts.double() * float(ratio) + 0.5).long()
+
+
+def _unit_scores(scores: torch.Tensor, candidates: torch.Tensor, unit: str, scope: str):
+    """Scores and candidate flags of the ranked units.
+
+    Returns (unit scores, unit candidates), both broadcastable to ``[b, h, q, k]``: row scope
+    ``[b, h, q, k]`` (``[b, 1, q, k]`` for token units); layer scope ``[b, h, 1, k]`` (``[b, 1, 1, k]``).
+    """
+    cand = candidates.expand(scores.shape[0], -1, -1, -1)
+    if scope == "row":
+        return scores, cand
+    # layer scope: mean over the candidate queries that see the key (NaN scores left out)
+    usable = cand & ~torch.isnan(scores)
+    total = torch.where(usable, scores, torch.zeros((), dtype=scores.dtype)).sum(2, keepdim=True)
+    seen = usable.sum(2, keepdim=True)
+    mean = total / seen.clamp_min(1)
+    mean = mean.masked_fill(seen == 0, float("nan"))
+    return mean, cand.any(2, keepdim=True)
+
+
+def _aggregate_heads(scores: torch.Tensor, unit: str) -> torch.Tensor:
+    """Token units: sum over heads (for attention the head mean of token_level ranks identically)."""
+    if unit != "token" or scores.shape[1] == 1:
+        return scores
+    return scores.sum(1, keepdim=True)
+
+
+def selection_buckets(
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    ratios: Sequence[float],
+    modes: Sequence[str] = MODES,
+    unit: str = "head_key",
+    scope: str = "row",
+) -> dict[str, torch.Tensor]:
+    """For each mode, the index of the first ratio that removes each term.
+
+    scores: ``[batch, head, query, key]`` (already transformed: signed or absolute);
+    candidates: ``[batch, 1, query, key]`` from :func:`candidate_mask`; ratios: ascending.
+    Returns ``{mode: uint8 tensor}`` broadcastable to ``[batch, head, query, key]`` (``[b, h, 1, k]``
+    for layer scope, ``[b, 1, ...]`` for token units); the mask for ``ratios[t]`` is
+    ``removal_mask(bucket, t, candidates)``.
+    """
+    _check(unit, scope)
+    ratios = [float(r) for r in ratios]
+    if any(b < a for a, b in zip(ratios, ratios[1:])):
+        raise ValueError(f"ratios must be ascending, got {ratios}")
+    if len(ratios) >= NEVER:
+        raise ValueError(f"at most {NEVER - 1} ratios")
+    unit_scores, unit_cand = _unit_scores(_aggregate_heads(scores, unit), candidates, unit, scope)
+    if unit == "token":
+        unit_cand = unit_cand[:, :1]
+    if scope == "layer" and unit == "head_key":
+        # one group per sequence: [b, h, 1, k] -> [b, 1, 1, h*k]
+        b, h, _, n_keys = unit_scores.shape
+        grouped = unit_scores.reshape(b, 1, 1, h * n_keys)
+        grouped_cand = unit_cand.expand(b, h, 1, n_keys).reshape(b, 1, 1, h * n_keys)
+        shape = (b, h, 1, n_keys)
+    else:
+        grouped, shape = _grouped(unit_scores, unit if scope == "row" else "key")
+        grouped_cand, _ = _grouped(unit_cand.expand_as(unit_scores), unit if scope == "row" else "key")
+    ranks, counts = descending_ranks(grouped, grouped_cand)
+    out = {}
+    for mode in modes:
+        _check(unit, scope, mode)
+        bucket = torch.zeros(ranks.shape, dtype=torch.uint8, device=ranks.device)
+        for r in ratios:
+            removed = removal_counts(counts, r)
+            kept = ranks >= removed if mode == "comprehensiveness" else ranks < counts - removed
+            bucket += kept.to(torch.uint8)
+        bucket = bucket.masked_fill(~grouped_cand, NEVER)
+        if scope == "layer" and unit == "head_key":
+            out[mode] = bucket.reshape(shape)
+        else:
+            out[mode] = _ungrouped(bucket, unit if scope == "row" else "key", shape)
+    return out
+
+
+def removal_mask(bucket: torch.Tensor, ratio_index: int, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """The bool removal mask of ``ratios[ratio_index]`` from a bucket of :func:`selection_buckets`.
+
+    For layer scope pass ``candidates`` (``[b, 1, q, k]``): the selected units are removed from every
+    query that may see them.
+    """
+    mask = bucket <= ratio_index
+    if candidates is not None and mask.shape[-2] == 1 and candidates.shape[-2] != 1:
+        mask = mask & candidates
+    return mask
+
+
+# -- a counter-based random score: a pure function of its coordinates -------------------------------
+_M64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    value &= _M64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MIX1 = _signed(0xBF58476D1CE4E5B9)
+_MIX2 = _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch shifts arithmetically)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix(x: torch.Tensor) -> torch.Tensor:
+    x = x * _GOLDEN  # int64 arithmetic wraps modulo 2^64
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def hashed_uniform(seed: int, groups: torch.Tensor, layer: int, heads: int, positions: torch.Tensor) -> torch.Tensor:
+    """Seeded random scores in [0, 1), ``[batch, head, query, key]`` float64.
+
+    Each score is a hash (splitmix64) of (seed, group id, layer, head, query position, key position),
+    so it does not depend on the batch it is computed in, on the padding or on the padded length.
+    groups: ``[batch]`` int (sequence or example ids; rows with the same id get the same scores);
+    positions: ``[batch, seq]`` int, the positions of the tokens within their sequence.
+    """
+    groups = groups.long()
+    b, n = positions.shape
+    x = _splitmix(torch.tensor(int(seed), dtype=torch.long) + _splitmix(groups.view(b, 1, 1, 1) + 1))
+    x = _splitmix(x + layer + 1)
+    x = _splitmix(x + torch.arange(heads).view(1, heads, 1, 1) + 1)
+    x = _splitmix(x + positions.long().view(b, 1, n, 1) + 1)
+    x = _splitmix(x + positions.long().view(b, 1, 1, n) + 1)
+    return _shift_right(x, 11).double() / float(1 << 53)
