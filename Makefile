@@ -7,8 +7,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 STAMP := $(VENV)/.cwcore-installed
+CHROMIUM_STAMP := .stamps/chromium
+PROFILE ?= default
+MODELS ?=
 
-.PHONY: test venv clean-venv
+.PHONY: test venv clean-venv book
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
 $(STAMP): pyproject.toml constraints.txt assets.txt
@@ -26,3 +29,25 @@ test: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# make book [PROFILE=smoke|default|paper] [MODELS=m1,m2]: profiles, chapters and models are in
+# book/run.yml; notebooks whose inputs did not change are not executed again.
+book: $(STAMP)
+	$(PY) -m cwcore.book build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
+
+# The browser tests (tests/test_book.py, marker `browser`) drive Debian's chromium; install it once,
+# as root, where it is missing. Without it those tests are skipped with the reason.
+test: $(CHROMIUM_STAMP)
+
+$(CHROMIUM_STAMP):
+	@mkdir -p $(@D)
+	@if [ ! -x /usr/bin/chromium ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing chromium for the browser tests (apt-get)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } >/dev/null \
+	      || echo "chromium could not be installed: the browser tests will be skipped"; \
+	  else \
+	    echo "chromium is missing and needs root and apt-get to install: the browser tests will be skipped"; \
+	  fi; \
+	fi
+	@if [ -x /usr/bin/chromium ]; then touch $@; fi

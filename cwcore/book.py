@@ -1,0 +1,569 @@
+"""Build the executable companion book: papermill runs the notebooks, Jupyter Book renders them.
+
+Usage::
+
+    python -m cwcore.book build [--profile P] [--models m1,m2] [--only CHAPTER] [--force]
+    python -m cwcore.book plan  [--profile P] [--models m1,m2] [--only CHAPTER]
+
+``book/run.yml`` lists the chapters (``chapters:``: a notebook name in ``notebooks/``, whether it
+runs ``once`` or ``per_model``, optionally a fixed ``models`` list) and the profiles
+(``profiles:``: the models and the parameters each notebook receives). ``build``
+
+1. executes ``notebooks/<chapter>.ipynb`` for each (chapter, model) with papermill, injecting the
+   profile's parameters (only those the notebook's ``parameters`` cell declares, plus ``profile``,
+   ``model`` and ``output_dir`` where declared), into ``book/generated/`` through a temporary file and
+   an atomic rename; an executed copy whose stamp (hash of the source notebook, the parameters and
+   the ``cwcore`` sources) is current is skipped;
+2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters);
+3. runs ``jupyter-book build -W`` into a temporary directory and, only if that succeeds, replaces
+   ``book/_build/html``; when no input of the book changed since the last build it does nothing.
+
+Layout of ``book/generated/`` (relative to it; ``<slug>`` is the model name made URL-safe)::
+
+    <chapter>.ipynb                       once-chapters
+    figures/<chapter>/                    ... their ``output_dir``
+    <chapter>/index.md                    per_model chapters: the chapter page, linking the models
+    <chapter>/<slug>.ipynb                ... one executed copy per model
+    <chapter>/figures/<slug>/             ... its ``output_dir``
+
+A notebook runs with its executed copy's folder as working directory, so ``output_dir`` is a
+relative path. A failing notebook stops the build; its executed copy (with the error) is kept in
+``<build-dir>/failed/`` and the previous good copy, if any, stays in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .cache import atomic_write_bytes, parameters_key
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BOOK_DIR = REPO_ROOT / "book"
+DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+KERNEL_NAME = "cwcore"
+RUN_MODES = ("once", "per_model")
+BUILD_STAMP = ".cwcore-build-stamp"
+# Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
+# (no ipywidgets here) would otherwise print to stderr in every page that imports transformers.
+KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
+
+
+class BookError(RuntimeError):
+    """A problem the user must fix (bad run.yml, failing notebook, failing Sphinx build)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Run configuration
+# --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Chapter:
+    name: str  # notebook stem in notebooks/, e.g. "02_geometry"
+    runs: str  # "once" or "per_model"
+    models: tuple[str, ...] | None = None  # fixed models (e.g. an encoder chapter); None: the profile's
+
+
+@dataclass
+class Run:
+    """One notebook execution: a chapter, on one model for per_model chapters."""
+
+    chapter: Chapter
+    model: str | None
+    source: Path  # notebooks/<chapter>.ipynb
+    output: Path  # executed copy under generated/
+    parameters: dict = field(default_factory=dict)  # everything the profile offers this run
+    explicit: frozenset = frozenset()  # parameters run.yml sets for this very notebook
+
+    @property
+    def label(self) -> str:
+        return self.chapter.name if self.model is None else f"{self.chapter.name} [{self.model}]"
+
+
+def slug(name: str) -> str:
+    """A model name as a file and URL component: 'Qwen/Qwen3-8B' -> 'qwen-qwen3-8b'."""
+    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    if not s:
+        raise BookError(f"model name {name!r} has no letters or digits")
+    return s
+
+
+def load_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise BookError(f"run configuration {path} does not exist")
+    with path.open() as fh:
+        config = yaml.safe_load(fh) or {}
+    if not isinstance(config.get("chapters"), list) or not isinstance(config.get("profiles"), dict):
+        raise BookError(f"{path}: needs a 'chapters' list and a 'profiles' mapping")
+    return config
+
+
+def chapters(config: dict) -> list[Chapter]:
+    out = []
+    for i, entry in enumerate(config["chapters"]):
+        if not isinstance(entry, dict) or "notebook" not in entry:
+            raise BookError(f"run.yml chapter #{i + 1}: each chapter needs 'notebook: <name>'")
+        unknown = set(entry) - {"notebook", "runs", "models"}
+        if unknown:
+            raise BookError(f"run.yml chapter {entry['notebook']}: unknown keys {sorted(unknown)}")
+        runs = entry.get("runs", "once")
+        if runs not in RUN_MODES:
+            raise BookError(f"run.yml chapter {entry['notebook']}: runs must be one of {RUN_MODES}, not {runs!r}")
+        models = entry.get("models")
+        if models is not None and (runs != "per_model" or not isinstance(models, list) or not models):
+            raise BookError(f"run.yml chapter {entry['notebook']}: 'models' is a non-empty list, for per_model chapters")
+        out.append(Chapter(str(entry["notebook"]), runs, tuple(models) if models else None))
+    names = [c.name for c in out]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise BookError(f"run.yml lists chapters more than once: {dupes}")
+    return out
+
+
+def select_chapters(all_chapters: list[Chapter], only: str | list[str] | None) -> list[Chapter]:
+    """Chapters named by ``only`` (comma-separated names or unique prefixes such as '02'), in book order."""
+    if not only:
+        return all_chapters
+    wanted = [w.strip() for w in (only.split(",") if isinstance(only, str) else only) if w.strip()]
+    chosen = set()
+    for w in wanted:
+        exact = [c.name for c in all_chapters if c.name == w]
+        hits = exact or [c.name for c in all_chapters if c.name.startswith(w)]
+        if len(hits) != 1:
+            known = ", ".join(c.name for c in all_chapters)
+            what = "matches no chapter" if not hits else f"is ambiguous ({', '.join(hits)})"
+            raise BookError(f"--only {w!r} {what}; run.yml lists: {known}")
+        chosen.add(hits[0])
+    return [c for c in all_chapters if c.name in chosen]
+
+
+def profile_config(config: dict, profile: str | None) -> tuple[str, dict]:
+    name = profile or config.get("default_profile") or "default"
+    profiles = config["profiles"]
+    if name not in profiles:
+        raise BookError(f"profile {name!r} is not in run.yml; known profiles: {', '.join(profiles)}")
+    prof = profiles[name] or {}
+    unknown = set(prof) - {"description", "models", "params", "notebooks"}
+    if unknown:
+        raise BookError(f"run.yml profile {name}: unknown keys {sorted(unknown)}")
+    return name, prof
+
+
+def plan(config: dict, *, profile: str | None = None, models: str | list[str] | None = None,
+         only: str | list[str] | None = None, notebooks_dir: Path = DEFAULT_NOTEBOOKS_DIR,
+         generated_dir: Path = DEFAULT_BOOK_DIR / "generated") -> tuple[str, list[Chapter], list[Run]]:
+    """Resolve run.yml for a profile into the chapters of the book and the notebook runs.
+
+    Models of a per_model chapter, first that applies: the profile's ``notebooks.<chapter>.models``,
+    the chapter's own ``models`` (pinned, e.g. an encoder chapter), ``models`` given here
+    (``--models``), the profile's ``models``. Parameters of a run: the profile's ``params``, updated
+    with ``notebooks.<chapter>`` (less ``models``), plus ``profile``, ``model`` and ``output_dir``.
+    """
+    name, prof = profile_config(config, profile)
+    all_chapters = chapters(config)
+    chosen = select_chapters(all_chapters, only)
+    if isinstance(models, str):
+        models = [m.strip() for m in models.split(",") if m.strip()]
+    profile_models = list(models or prof.get("models") or [])
+    per_notebook = prof.get("notebooks") or {}
+    stray = sorted(set(per_notebook) - {c.name for c in all_chapters})
+    if stray:
+        raise BookError(f"run.yml profile {name}: notebooks {stray} are not chapters")
+
+    runs: list[Run] = []
+    for chapter in chosen:
+        source = Path(notebooks_dir) / f"{chapter.name}.ipynb"
+        if not source.is_file():
+            raise BookError(f"run.yml lists chapter {chapter.name} but {source} does not exist")
+        overrides = dict(per_notebook.get(chapter.name) or {})
+        chapter_models = overrides.pop("models", None)
+        params = {**(prof.get("params") or {}), **overrides, "profile": name}
+        explicit = frozenset(overrides)
+        if chapter.runs == "once":
+            out = Path(generated_dir) / f"{chapter.name}.ipynb"
+            runs.append(Run(chapter, None, source, out, {**params, "output_dir": f"figures/{chapter.name}"},
+                            explicit))
+            continue
+        chapter_models = list(chapter_models or chapter.models or profile_models)
+        if not chapter_models:
+            raise BookError(f"chapter {chapter.name} runs per model but profile {name} names no models")
+        for model in chapter_models:
+            out = Path(generated_dir) / chapter.name / f"{slug(model)}.ipynb"
+            runs.append(Run(chapter, model, source, out,
+                            {**params, "model": model, "output_dir": f"figures/{slug(model)}"}, explicit))
+    return name, chosen, runs
+
+
+# --------------------------------------------------------------------------------------------------
+# Table of contents
+# --------------------------------------------------------------------------------------------------
+def notebook_title(path: Path) -> str:
+    """The first '# ' heading of a notebook's markdown cells (the page title), else its name."""
+    nb = json.loads(Path(path).read_text())
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            for line in "".join(cell.get("source", "")).splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return Path(path).stem
+
+
+def toc(chapter_list: list[Chapter], runs: list[Run], generated_dir: Path, book_dir: Path,
+        root: str = "intro") -> dict:
+    """The jb-book table of contents: a page per chapter, a sub-page per model for per_model chapters."""
+
+    def docname(path: Path) -> str:
+        return Path(os.path.relpath(path, book_dir)).with_suffix("").as_posix()
+
+    entries = []
+    for chapter in chapter_list:
+        mine = [r for r in runs if r.chapter == chapter]
+        if chapter.runs == "once":
+            entries.extend({"file": docname(r.output)} for r in mine)
+        else:
+            entries.append({
+                "file": docname(Path(generated_dir) / chapter.name / "index.md"),
+                "sections": [{"file": docname(r.output), "title": r.model} for r in mine],
+            })
+    return {"format": "jb-book", "root": root, "chapters": entries}
+
+
+def chapter_index(chapter: Chapter, runs: list[Run], profile: str) -> str:
+    """The page of a per_model chapter: its title and a link to each model's executed copy."""
+    title = notebook_title(runs[0].source)
+    lines = [f"# {title}", "",
+             f"This chapter is one notebook, `notebooks/{chapter.name}.ipynb`, executed once per model "
+             f"(profile `{profile}`):", ""]
+    lines += [f"- {{doc}}`{r.model} <{r.output.stem}>`" for r in runs]
+    return "\n".join(lines) + "\n"
+
+
+def write_if_changed(path: Path, text: str) -> bool:
+    """Write ``text`` to ``path`` atomically unless it already holds exactly that; True if written."""
+    path = Path(path)
+    if path.is_file() and path.read_text() == text:
+        return False
+    atomic_write_bytes(path, text.encode())
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Stamps: is an executed copy current?
+# --------------------------------------------------------------------------------------------------
+def stamp(source: Path, parameters: dict) -> str:
+    """What an executed copy was made from: the source notebook, its parameters and (through
+    :func:`cwcore.cache.parameters_key`) the hash of cwcore's source files."""
+    notebook = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    return parameters_key({"notebook": notebook, "parameters": parameters})
+
+
+def read_stamp(executed: Path) -> str | None:
+    """The stamp stored in an executed copy (None if there is no readable copy)."""
+    try:
+        nb = json.loads(Path(executed).read_text())
+    except (OSError, ValueError):
+        return None
+    return nb.get("metadata", {}).get("cwcore", {}).get("stamp")
+
+
+def notebook_parameters(source: Path) -> set[str]:
+    """Names the notebook's ``parameters`` cell declares."""
+    import papermill as pm
+
+    return set(pm.inspect_notebook(str(source)))
+
+
+def injected_parameters(run: Run, declared: set[str]) -> dict:
+    """The parameters given to one run: those its notebook declares.
+
+    Profile-wide parameters a notebook does not declare are left out; a parameter set for this very
+    notebook (``notebooks.<chapter>`` in run.yml) that it does not declare is an error (a typo), and
+    so is a per_model notebook that declares no ``model``.
+    """
+    missing = sorted(k for k in run.explicit if k not in declared)
+    if run.model is not None:
+        missing += [] if "model" in declared else ["model"]
+    if missing:
+        raise BookError(f"{run.label}: notebooks/{run.chapter.name}.ipynb does not declare {missing} "
+                        f"in its 'parameters' cell (declared: {sorted(declared)})")
+    return {k: v for k, v in run.parameters.items() if k in declared}
+
+
+# --------------------------------------------------------------------------------------------------
+# Execution
+# --------------------------------------------------------------------------------------------------
+def ensure_kernel(name: str = KERNEL_NAME) -> str:
+    """Make sure Jupyter kernel ``name`` runs this interpreter; (re)install it into sys.prefix if not.
+
+    The kernel logs at ERROR level only: its start-up warnings (e.g. about unencrypted local TCP)
+    would otherwise interleave with the build's progress lines.
+    """
+    from ipykernel.kernelspec import get_kernel_dict, write_kernel_spec
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    quiet = ["--IPKernelApp.log_level=ERROR"]
+    argv = get_kernel_dict(extra_arguments=quiet)["argv"]
+
+    def current() -> list[str] | None:
+        try:
+            return KernelSpecManager().get_kernel_spec(name).argv
+        except NoSuchKernel:
+            return None
+
+    if current() == argv:
+        return name
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_dir = write_kernel_spec(Path(tmp) / name, extra_arguments=quiet,
+                                     overrides={"display_name": f"Python (cwcore, {sys.prefix})"})
+        KernelSpecManager().install_kernel_spec(spec_dir, name, prefix=sys.prefix)
+    found = current()
+    if found != argv:
+        raise BookError(f"Jupyter kernel {name!r} runs {found}, not {argv}: another kernelspec named "
+                        f"{name!r} shadows the one in {sys.prefix}/share/jupyter/kernels; remove it")
+    return name
+
+
+@contextlib.contextmanager
+def _kernel_environment():
+    """Environment of the kernels papermill starts (they inherit this process's)."""
+    old = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old, *KERNEL_WARNING_FILTERS]))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONWARNINGS", None)
+        else:
+            os.environ["PYTHONWARNINGS"] = old
+
+
+def _tag(cell, tag: str) -> None:
+    tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+    if tag not in tags:
+        tags.append(tag)
+
+
+def _finish(nb, run: Run, stamp_value: str) -> None:
+    """Post-process an executed notebook: record the stamp, fold the parameter cells, name the model."""
+    nb.metadata["cwcore"] = {"stamp": stamp_value, "chapter": run.chapter.name, "model": run.model,
+                             "profile": run.parameters.get("profile")}
+    nb.metadata.setdefault("papermill", {})["output_path"] = run.output.name
+    heading_done = run.model is None
+    for cell in nb.cells:
+        tags = cell.get("metadata", {}).get("tags", [])
+        if "parameters" in tags or "injected-parameters" in tags:
+            _tag(cell, "hide-cell")
+        if not heading_done and cell.cell_type == "markdown":
+            lines = cell.source.splitlines()
+            for i, line in enumerate(lines):
+                if line.startswith("# "):
+                    lines[i] = f"{line.rstrip()} ({run.model})"
+                    cell.source = "\n".join(lines)
+                    heading_done = True
+                    break
+
+
+def execute(run: Run, parameters: dict, stamp_value: str, kernel: str, failed_dir: Path) -> None:
+    """Execute ``run`` with papermill into a temporary file, then rename it onto ``run.output``.
+
+    On failure nothing at ``run.output`` changes; the failed copy is moved to ``failed_dir`` and a
+    BookError names the chapter, the model and the failing cell.
+    """
+    import nbformat
+    import papermill as pm
+    from papermill.exceptions import PapermillExecutionError
+
+    out = run.output
+    (out.parent / parameters.get("output_dir", ".")).mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=".partial.ipynb")
+    os.close(fd)
+    try:
+        try:
+            with _kernel_environment():
+                nb = pm.execute_notebook(str(run.source), tmp, parameters=parameters, kernel_name=kernel,
+                                         cwd=str(out.parent), progress_bar=False, log_output=False,
+                                         request_save_on_cell_execute=False)
+        except PapermillExecutionError as err:
+            failed = _keep_failed(tmp, run, failed_dir)
+            src = "\n".join("    " + line for line in err.source.splitlines())
+            raise BookError(
+                f"{run.label}: notebook notebooks/{run.chapter.name}.ipynb failed in cell {err.cell_index} "
+                f"(In [{err.exec_count}]) with {err.ename}: {err.evalue}\n"
+                f"--- failing cell ---\n{src}\n--- traceback ---{err}"
+                f"executed copy with the error: {failed}") from None
+        except Exception as err:  # kernel died, missing kernel, unreadable notebook, ...
+            failed = _keep_failed(tmp, run, failed_dir)
+            raise BookError(f"{run.label}: papermill could not execute notebooks/{run.chapter.name}.ipynb: "
+                            f"{type(err).__name__}: {err}" + (f"\npartial copy: {failed}" if failed else "")) from err
+        _finish(nb, run, stamp_value)
+        nbformat.write(nb, tmp)
+        os.replace(tmp, out)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _keep_failed(tmp: str, run: Run, failed_dir: Path) -> Path | None:
+    if not Path(tmp).is_file() or Path(tmp).stat().st_size == 0:
+        return None
+    failed_dir.mkdir(parents=True, exist_ok=True)
+    name = run.chapter.name + (f"--{slug(run.model)}" if run.model else "") + ".ipynb"
+    os.replace(tmp, failed_dir / name)
+    return failed_dir / name
+
+
+# --------------------------------------------------------------------------------------------------
+# HTML
+# --------------------------------------------------------------------------------------------------
+def _book_inputs_hash(book_dir: Path, build_dir: Path) -> str:
+    """Hash of everything the HTML is made from: the book's files and the jupyter-book version."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(f"jupyter-book {version('jupyter-book')}\0".encode())
+    skip = {Path(book_dir) / "_build", Path(build_dir)}
+    for root, dirs, files in os.walk(book_dir):
+        root_path = Path(root)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and root_path / d not in skip)
+        for f in sorted(files):
+            if not f.startswith("."):
+                path = root_path / f
+                h.update(path.relative_to(book_dir).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def build_html(book_dir: Path, build_dir: Path, force: bool = False) -> Path:
+    """``jupyter-book build -W`` into a temporary folder; replace ``build_dir/html`` only on success."""
+    book_dir, build_dir = Path(book_dir), Path(build_dir)
+    html = build_dir / "html"
+    inputs = _book_inputs_hash(book_dir, build_dir)
+    stamp_file = html / BUILD_STAMP
+    if not force and stamp_file.is_file() and stamp_file.read_text() == inputs and (html / "index.html").is_file():
+        print(f"html  up to date: {html}", flush=True)
+        return html
+    build_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=build_dir, prefix=".tmp-build-"))
+    t0 = time.monotonic()
+    try:
+        cmd = [sys.executable, "-c", "import sys; from jupyter_book.cli.main import main; sys.exit(main())",
+               "build", str(book_dir), "--path-output", str(tmp), "--warningiserror", "--keep-going",
+               "--builder", "html"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        new = tmp / "_build" / "html"
+        if proc.returncode != 0 or not (new / "index.html").is_file():
+            log = (proc.stdout + proc.stderr).strip().splitlines()
+            warnings = [line for line in log if "WARNING" in line or "ERROR" in line]
+            shown = "\n".join(warnings or log[-40:])
+            raise BookError(f"jupyter-book build failed (warnings are errors); {html} was left as it was:\n{shown}")
+        (new / BUILD_STAMP).write_text(inputs)
+        old = build_dir / f".old-html-{os.getpid()}"
+        if html.exists():
+            os.replace(html, old)
+        os.replace(new, html)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"html  built in {time.monotonic() - t0:.1f}s: {html / 'index.html'}", flush=True)
+    return html
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole build
+# --------------------------------------------------------------------------------------------------
+def build(*, profile: str | None = None, models: str | list[str] | None = None,
+          only: str | list[str] | None = None, book_dir: str | os.PathLike = DEFAULT_BOOK_DIR,
+          build_dir: str | os.PathLike | None = None, notebooks_dir: str | os.PathLike = DEFAULT_NOTEBOOKS_DIR,
+          config_path: str | os.PathLike | None = None, force: bool = False, html: bool = True) -> Path | None:
+    """Execute the notebooks of a profile, write the table of contents, build the HTML."""
+    book_dir = Path(book_dir).resolve()
+    build_dir = Path(build_dir).resolve() if build_dir else book_dir / "_build"
+    generated = book_dir / "generated"
+    config = load_config(config_path or book_dir / "run.yml")
+    name, chosen, runs = plan(config, profile=profile, models=models, only=only,
+                              notebooks_dir=Path(notebooks_dir), generated_dir=generated)
+    kernel = None
+    t_all = time.monotonic()
+    print(f"book  profile {name}: {len(runs)} notebook run(s) of {len(chosen)} chapter(s)", flush=True)
+    declared: dict[Path, set[str]] = {}
+    for i, run in enumerate(runs, 1):
+        if run.source not in declared:
+            declared[run.source] = notebook_parameters(run.source)
+        params = injected_parameters(run, declared[run.source])
+        run_stamp = stamp(run.source, params)
+        prefix = f"[{i}/{len(runs)}] {run.label:<44}"
+        if not force and read_stamp(run.output) == run_stamp:
+            print(f"{prefix} up to date", flush=True)
+            continue
+        kernel = kernel or ensure_kernel()
+        run.output.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        print(f"{prefix} executing ...", end="", flush=True)
+        try:
+            execute(run, params, run_stamp, kernel, build_dir / "failed")
+        except BaseException:
+            print(f" FAILED after {time.monotonic() - t0:.1f}s", flush=True)
+            raise
+        print(f" done in {time.monotonic() - t0:.1f}s", flush=True)
+
+    for chapter in chosen:
+        if chapter.runs == "per_model":
+            mine = [r for r in runs if r.chapter == chapter]
+            write_if_changed(generated / chapter.name / "index.md", chapter_index(chapter, mine, name))
+    toc_text = ("# Generated by `python -m cwcore.book build` from run.yml; do not edit.\n"
+                + yaml.safe_dump(toc(chosen, runs, generated, book_dir), sort_keys=False))
+    write_if_changed(book_dir / "_toc.yml", toc_text)
+    out = build_html(book_dir, build_dir, force=force) if html else None
+    print(f"book  finished in {time.monotonic() - t_all:.1f}s", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cwcore.book", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for cmd, text in (("build", "execute the notebooks and build the HTML book"),
+                      ("plan", "print the notebook runs and their parameters; execute nothing")):
+        p = sub.add_parser(cmd, help=text)
+        p.add_argument("--profile", help="profile of run.yml (default: its default_profile)")
+        p.add_argument("--models", help="comma-separated models replacing the profile's (per_model chapters "
+                                        "without a fixed model list)")
+        p.add_argument("--only", help="comma-separated chapters (names or unique prefixes, e.g. 02)")
+        p.add_argument("--book-dir", default=os.environ.get("CWCORE_BOOK_DIR", DEFAULT_BOOK_DIR), type=Path)
+        p.add_argument("--build-dir", default=os.environ.get("CWCORE_BOOK_BUILD_DIR"), type=Path,
+                       help="where html/ goes (default: <book-dir>/_build)")
+        p.add_argument("--notebooks-dir", default=DEFAULT_NOTEBOOKS_DIR, type=Path)
+        p.add_argument("--config", type=Path, help="run configuration (default: <book-dir>/run.yml)")
+        if cmd == "build":
+            p.add_argument("--force", action="store_true", help="execute every notebook and rebuild the HTML")
+            p.add_argument("--no-html", action="store_true", help="execute the notebooks only")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            config = load_config(args.config or args.book_dir / "run.yml")
+            name, _, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
+                                 notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated")
+            for run in runs:
+                params = injected_parameters(run, notebook_parameters(run.source))
+                print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
+            return 0
+        build(profile=args.profile, models=args.models, only=args.only, book_dir=args.book_dir,
+              build_dir=args.build_dir, notebooks_dir=args.notebooks_dir, config_path=args.config,
+              force=args.force, html=not args.no_html)
+    except BookError as err:
+        print(f"\nbook build FAILED: {err}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

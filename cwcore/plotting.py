@@ -1,0 +1,149 @@
+"""One plotting style for the book, the notebooks and ``cwcore explain``.
+
+* :func:`set_style` — seaborn theme with the colour-blind-safe ``colorblind`` palette.
+* :func:`save_figure` — write a figure next to the book's pages, atomically (PNG, optionally SVG).
+* :func:`diverging_cmap` / :func:`contribution_heatmap` — a [query, key] matrix drawn with a
+  diverging colour map centred at zero, so that negative contribution weights (destructive
+  interference) read blue, positive ones red, and attention (never negative) is drawn on the same
+  scale as contribution weights when ``vmin``/``vmax`` are shared.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib.colors as mcolors
+import numpy as np
+
+from .cache import atomic_write_bytes
+
+PALETTE_NAME = "colorblind"
+DIVERGING_NAME = "vlag"  # seaborn's blue-white-red map; perceptually balanced, safe for red-green CVD
+BAD_COLOUR = "#d9d9d9"  # cells that are undefined (NaN), e.g. keys after the query in a causal model
+
+
+def set_style(context: str = "notebook") -> None:
+    """Apply the project's one plotting style (seaborn whitegrid + the ``colorblind`` palette)."""
+    import matplotlib as mpl
+    import seaborn as sns
+
+    sns.set_theme(context=context, style="whitegrid", palette=PALETTE_NAME)
+    mpl.rcParams.update(
+        {
+            "figure.figsize": (6.4, 4.0),
+            "figure.dpi": 110,
+            "savefig.dpi": 150,
+            "savefig.bbox": "tight",
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+            "axes.titleweight": "bold",
+            "image.cmap": "viridis",
+        }
+    )
+
+
+def palette(n: int | None = None) -> list[tuple[float, float, float]]:
+    """The project's categorical colours (seaborn ``colorblind``), ``n`` of them (cycled)."""
+    import seaborn as sns
+
+    return list(sns.color_palette(PALETTE_NAME, n))
+
+
+def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence[str] = ("png",),
+                dpi: int | None = None) -> Path:
+    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format, each written atomically.
+
+    Each image is rendered in memory, then written to a temporary file in ``output_dir`` and renamed
+    into place, so a reader never sees a half-written image. Returns the path of the first format's
+    file (the PNG by default).
+    """
+    if not name or Path(name).name != name or name.startswith("."):
+        raise ValueError(f"figure name must be a plain file name without a directory: {name!r}")
+    if not formats:
+        raise ValueError("at least one format is needed")
+    paths = []
+    for fmt in formats:
+        fmt = fmt.lower().lstrip(".")
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format=fmt, dpi=dpi)
+        paths.append(Path(output_dir) / f"{name}.{fmt}")
+        atomic_write_bytes(paths[-1], buffer.getvalue())
+    return paths[0]
+
+
+def diverging_cmap() -> mcolors.Colormap:
+    """The diverging colour map of contribution heatmaps; NaN cells are drawn light grey."""
+    import seaborn as sns
+
+    return sns.color_palette(DIVERGING_NAME, as_cmap=True).with_extremes(bad=BAD_COLOUR)
+
+
+def centred_norm(values, vmin: float | None = None, vmax: float | None = None) -> mcolors.TwoSlopeNorm:
+    """A ``TwoSlopeNorm`` centred at 0 covering ``values`` (NaNs ignored).
+
+    Each side of zero is stretched to the full colour range, so small negative weights stay visible
+    next to large positive ones. Pass ``vmin``/``vmax`` to share one scale between panels.
+    """
+    arr = np.asarray(values, dtype=float)
+    finite = arr[np.isfinite(arr)]
+    lo = float(vmin if vmin is not None else (finite.min() if finite.size else 0.0))
+    hi = float(vmax if vmax is not None else (finite.max() if finite.size else 0.0))
+    # TwoSlopeNorm needs vmin < 0 < vmax: give an all-positive (attention) or all-negative matrix a
+    # token other side, so its colours stay on the same side of white as in a mixed-sign matrix.
+    span = max(abs(lo), abs(hi), 1e-12)
+    lo = min(lo, -1e-3 * span)
+    hi = max(hi, 1e-3 * span)
+    return mcolors.TwoSlopeNorm(vmin=lo, vcenter=0.0, vmax=hi)
+
+
+def _label(token) -> str:
+    """A token as a tick label: visible whitespace, no accidental matplotlib mathtext."""
+    s = str(token).replace("\n", "\\n").replace("\t", "\\t").replace("$", r"\$")
+    return s.replace(" ", "\u2423") if s.strip() == "" or s.startswith(" ") else s
+
+
+def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None, *,
+                         key_tokens: Sequence | None = None, vmin: float | None = None,
+                         vmax: float | None = None, colorbar: bool = True, annotate: bool | None = None,
+                         fmt: str = ".2f", max_labels: int = 40):
+    """Draw a [query, key] weight matrix on ``ax`` with a zero-centred diverging colour map.
+
+    ``tokens`` label the rows (queries) and, unless ``key_tokens`` is given, the columns (keys).
+    NaN cells (undefined weights, masked keys) are grey. ``annotate`` writes each value in its cell
+    (default: only for matrices up to 12x12). Returns the ``AxesImage``.
+    """
+    w = np.asarray(weights, dtype=float)
+    if w.ndim != 2:
+        raise ValueError(f"weights must be a [query, key] matrix, got shape {w.shape}")
+    keys = list(tokens if key_tokens is None else key_tokens)
+    queries = list(tokens)
+    if len(queries) != w.shape[0] or len(keys) != w.shape[1]:
+        raise ValueError(f"{len(queries)} query and {len(keys)} key labels for a matrix of shape {w.shape}")
+
+    norm = centred_norm(w, vmin, vmax)
+    image = ax.imshow(np.ma.masked_invalid(w), cmap=diverging_cmap(), norm=norm, aspect="auto",
+                      interpolation="nearest")
+    step_q = max(1, -(-len(queries) // max_labels))
+    step_k = max(1, -(-len(keys) // max_labels))
+    ax.set_yticks(range(0, len(queries), step_q), [_label(t) for t in queries[::step_q]])
+    ax.set_xticks(range(0, len(keys), step_k), [_label(t) for t in keys[::step_k]], rotation=60,
+                  ha="right", rotation_mode="anchor")
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    ax.grid(False)
+    if title:
+        ax.set_title(title)
+    if annotate is None:
+        annotate = w.shape[0] <= 12 and w.shape[1] <= 12
+    if annotate:
+        for (q, k), value in np.ndenumerate(w):
+            if np.isfinite(value):
+                strong = abs(norm(value) - 0.5) > 0.3
+                ax.text(k, q, format(value, fmt), ha="center", va="center", fontsize=8,
+                        color="white" if strong else "black")
+    if colorbar:
+        ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
+    return image

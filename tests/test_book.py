@@ -1,0 +1,479 @@
+"""The book runner (cwcore.book): run configuration, table of contents, stamps, atomic execution,
+an end-to-end build of the real book with the smoke profile, and headless Chromium on the result."""
+
+from __future__ import annotations
+
+import functools
+import html as htmllib
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import threading
+import urllib.parse
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from cwcore import book
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers: a tiny book in tmp_path
+# --------------------------------------------------------------------------------------------------
+def write_notebook(path: Path, parameters: str, *body: str, title: str = "A tiny chapter") -> Path:
+    cells = [nbformat.v4.new_markdown_cell(f"# {title}\n\nSome text.")]
+    params = nbformat.v4.new_code_cell(parameters)
+    params.metadata["tags"] = ["parameters"]
+    cells.append(params)
+    cells += [nbformat.v4.new_code_cell(src) for src in body]
+    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                                         "display_name": "Python 3"}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+RUN_YML = {
+    "default_profile": "small",
+    "chapters": [
+        {"notebook": "01_once", "runs": "once"},
+        {"notebook": "02_models", "runs": "per_model"},
+        {"notebook": "03_encoder", "runs": "per_model", "models": ["minilm-l6"]},
+    ],
+    "profiles": {
+        "small": {
+            "models": ["smollm2-135m", "Qwen/Qwen3-8B"],
+            "params": {"seed": 1, "device": "cpu", "n_sequences": 2},
+            "notebooks": {"01_once": {"n_trials": 5}},
+        },
+        "other": {"models": ["gemma3-270m"], "params": {"seed": 2},
+                  "notebooks": {"02_models": {"models": ["only-this"]}}},
+    },
+}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A run.yml with a once chapter, a per-model chapter and a pinned per-model chapter."""
+    nbdir = tmp_path / "notebooks"
+    write_notebook(nbdir / "01_once.ipynb", 'seed = 0\nprofile = "x"\noutput_dir = "."\nn_trials = 1',
+                   "print('once', seed, n_trials, profile)")
+    write_notebook(nbdir / "02_models.ipynb", 'model = "m"\nseed = 0\nn_sequences = 1',
+                   "print('model', model, seed, n_sequences)", title="Per model")
+    write_notebook(nbdir / "03_encoder.ipynb", 'model = "m"', "print(model)", title="Encoders")
+    bookdir = tmp_path / "book"
+    bookdir.mkdir()
+    (bookdir / "run.yml").write_text(yaml.safe_dump(RUN_YML))
+    return bookdir, nbdir
+
+
+def plan_tiny(tiny, **kw):
+    bookdir, nbdir = tiny
+    config = book.load_config(bookdir / "run.yml")
+    return book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated", **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Run configuration and table of contents (no kernel)
+# --------------------------------------------------------------------------------------------------
+def test_plan_resolves_models_and_parameters(tiny):
+    bookdir, _ = tiny
+    name, chapters, runs = plan_tiny(tiny)
+    assert name == "small" and [c.name for c in chapters] == ["01_once", "02_models", "03_encoder"]
+    assert [(r.chapter.name, r.model) for r in runs] == [
+        ("01_once", None), ("02_models", "smollm2-135m"), ("02_models", "Qwen/Qwen3-8B"),
+        ("03_encoder", "minilm-l6")]
+    once, small, qwen, enc = runs
+    assert once.output == bookdir / "generated" / "01_once.ipynb"
+    assert once.parameters == {"seed": 1, "device": "cpu", "n_sequences": 2, "n_trials": 5,
+                               "profile": "small", "output_dir": "figures/01_once"}
+    assert once.explicit == {"n_trials"}
+    assert qwen.output == bookdir / "generated" / "02_models" / "qwen-qwen3-8b.ipynb"
+    assert qwen.parameters["model"] == "Qwen/Qwen3-8B" and qwen.parameters["output_dir"] == "figures/qwen-qwen3-8b"
+    assert "n_trials" not in small.parameters
+
+    # --models replaces the profile's models, not a chapter's pinned list
+    _, _, runs = plan_tiny(tiny, models="a,b")
+    assert [r.model for r in runs] == [None, "a", "b", "minilm-l6"]
+    # a profile may fix a chapter's models
+    _, _, runs = plan_tiny(tiny, profile="other")
+    assert [r.model for r in runs] == [None, "only-this", "minilm-l6"]
+    # --only takes names or unique prefixes
+    _, chapters, runs = plan_tiny(tiny, only="03,01_once")
+    assert [c.name for c in chapters] == ["01_once", "03_encoder"] and len(runs) == 2
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(profiles={"p": {}}), "profile 'small' is not in run.yml"),
+    (lambda c: c["chapters"].append({"notebook": "09_missing"}), "09_missing.ipynb does not exist"),
+    (lambda c: c["chapters"].append({"notebook": "01_once"}), "more than once"),
+    (lambda c: c["chapters"][0].update(runs="twice"), "runs must be one of"),
+    (lambda c: c["chapters"][0].update(models=["x"]), "for per_model chapters"),
+    (lambda c: c["profiles"]["small"]["notebooks"].update({"07_nope": {}}), "are not chapters"),
+])
+def test_plan_rejects_bad_configurations(tiny, change, message):
+    bookdir, nbdir = tiny
+    config = yaml.safe_load(yaml.safe_dump(RUN_YML))
+    change(config)
+    with pytest.raises(book.BookError, match=re.escape(message)):
+        book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+
+
+def test_only_must_match_one_chapter(tiny):
+    with pytest.raises(book.BookError, match="matches no chapter"):
+        plan_tiny(tiny, only="99")
+    with pytest.raises(book.BookError, match="ambiguous"):
+        plan_tiny(tiny, only="0")
+
+
+def test_toc_has_a_page_per_chapter_and_a_subpage_per_model(tiny):
+    bookdir, _ = tiny
+    name, chapters, runs = plan_tiny(tiny)
+    toc = book.toc(chapters, runs, bookdir / "generated", bookdir)
+    assert toc == {
+        "format": "jb-book", "root": "intro",
+        "chapters": [
+            {"file": "generated/01_once"},
+            {"file": "generated/02_models/index", "sections": [
+                {"file": "generated/02_models/smollm2-135m", "title": "smollm2-135m"},
+                {"file": "generated/02_models/qwen-qwen3-8b", "title": "Qwen/Qwen3-8B"}]},
+            {"file": "generated/03_encoder/index", "sections": [
+                {"file": "generated/03_encoder/minilm-l6", "title": "minilm-l6"}]},
+        ]}
+    index = book.chapter_index(chapters[1], runs[1:3], name)
+    assert index.startswith("# Per model\n")
+    assert "{doc}`smollm2-135m <smollm2-135m>`" in index and "{doc}`Qwen/Qwen3-8B <qwen-qwen3-8b>`" in index
+
+
+def test_parameters_are_filtered_to_what_the_notebook_declares(tiny):
+    _, _, runs = plan_tiny(tiny)
+    once, small = runs[0], runs[1]
+    declared = book.notebook_parameters(once.source)
+    assert declared == {"seed", "profile", "output_dir", "n_trials"}
+    assert book.injected_parameters(once, declared) == {"seed": 1, "n_trials": 5, "profile": "small",
+                                                         "output_dir": "figures/01_once"}
+    # a parameter set for this very notebook in run.yml but not declared by it is a typo
+    with pytest.raises(book.BookError, match=r"does not declare \['n_trials'\]"):
+        book.injected_parameters(once, {"seed"})
+    # a per-model notebook must declare `model`
+    with pytest.raises(book.BookError, match=r"does not declare \['model'\]"):
+        book.injected_parameters(small, {"seed"})
+
+
+def test_stamp_changes_with_notebook_parameters_and_code(tmp_path, monkeypatch):
+    from cwcore import cache
+
+    nb = write_notebook(tmp_path / "a.ipynb", "seed = 0")
+    base = book.stamp(nb, {"seed": 0, "profile": "p"})
+    assert base == book.stamp(nb, {"profile": "p", "seed": 0})  # key order is irrelevant
+    assert base != book.stamp(nb, {"seed": 1, "profile": "p"})
+    monkeypatch.setattr(cache, "code_version", lambda: "other cwcore sources")
+    assert book.stamp(nb, {"seed": 0, "profile": "p"}) != base
+    monkeypatch.undo()
+    write_notebook(nb, "seed = 0", "print(1)")
+    assert book.stamp(nb, {"seed": 0, "profile": "p"}) != base
+    assert book.read_stamp(tmp_path / "missing.ipynb") is None
+
+
+def test_slug():
+    assert book.slug("mistralai/Mistral-7B-v0.1") == "mistralai-mistral-7b-v0-1"
+    assert book.slug("smollm2-135m") == "smollm2-135m"
+
+
+# --------------------------------------------------------------------------------------------------
+# Execution with papermill (a kernel per notebook run: a few seconds each)
+# --------------------------------------------------------------------------------------------------
+def outputs_text(path: Path) -> str:
+    nb = nbformat.read(path, as_version=4)
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_execute_skip_and_rerun(tiny, capsys):
+    bookdir, nbdir = tiny
+    kw = dict(book_dir=bookdir, notebooks_dir=nbdir, html=False)
+    book.build(only="01,02", **kw)
+    generated = bookdir / "generated"
+    once, small = generated / "01_once.ipynb", generated / "02_models" / "smollm2-135m.ipynb"
+    assert "once 1 5 small" in outputs_text(once)
+    assert "model Qwen/Qwen3-8B 1 2" in outputs_text(generated / "02_models" / "qwen-qwen3-8b.ipynb")
+    nb = nbformat.read(small, as_version=4)
+    assert nb.metadata.cwcore.model == "smollm2-135m" and nb.metadata.cwcore.stamp
+    assert nb.cells[0].source.startswith("# Per model (smollm2-135m)")  # model named in the title
+    tagged = [c for c in nb.cells if {"parameters", "injected-parameters"} & set(c.metadata.get("tags", []))]
+    assert len(tagged) == 2 and all("hide-cell" in c.metadata.tags for c in tagged)
+    assert (generated / "02_models" / "index.md").is_file() and (generated / "figures" / "01_once").is_dir()
+    toc = yaml.safe_load((bookdir / "_toc.yml").read_text())
+    assert [c["file"] for c in toc["chapters"]] == ["generated/01_once", "generated/02_models/index"]
+    first = capsys.readouterr().out
+    assert first.count("done in") == 3
+
+    # unchanged: nothing runs, nothing is rewritten
+    mtimes = {p: p.stat().st_mtime_ns for p in (once, small)}
+    book.build(only="01,02", **kw)
+    out = capsys.readouterr().out
+    assert out.count("up to date") == 3 and "done in" not in out
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+    # a changed parameter reruns that notebook only
+    config = yaml.safe_load((bookdir / "run.yml").read_text())
+    config["profiles"]["small"]["notebooks"]["01_once"]["n_trials"] = 7
+    (bookdir / "run.yml").write_text(yaml.safe_dump(config))
+    book.build(only="01,02", **kw)
+    out = capsys.readouterr().out
+    assert out.count("done in") == 1 and out.count("up to date") == 2
+    assert "once 1 7 small" in outputs_text(once)
+
+
+def test_failing_notebook_keeps_the_previous_copy_and_leaves_no_partial_file(tiny, capsys):
+    bookdir, nbdir = tiny
+    kw = dict(book_dir=bookdir, notebooks_dir=nbdir, html=False, only="01")
+    book.build(**kw)
+    once = bookdir / "generated" / "01_once.ipynb"
+    good = once.read_bytes()
+
+    write_notebook(nbdir / "01_once.ipynb", 'seed = 0\nprofile = "x"\noutput_dir = "."\nn_trials = 1',
+                   "x = 1", "raise ValueError('broken on purpose ' + str(n_trials))")
+    with pytest.raises(book.BookError) as err:
+        book.build(**kw)
+    message = str(err.value)
+    assert "01_once" in message and "ValueError: broken on purpose 5" in message
+    assert "raise ValueError('broken on purpose ' + str(n_trials))" in message  # the failing cell
+    assert once.read_bytes() == good  # the previous executed copy is untouched
+    assert not list((bookdir / "generated").glob(".*partial*"))  # no half-written notebook left
+    failed = bookdir / "_build" / "failed" / "01_once.ipynb"
+    assert "broken on purpose" in json.dumps(json.loads(failed.read_text()))
+
+    # a notebook that never succeeded leaves no executed copy at all
+    once.unlink()
+    with pytest.raises(book.BookError):
+        book.build(**kw)
+    assert not once.exists() and not list((bookdir / "generated").glob(".*partial*"))
+
+
+def test_cli_reports_failure_with_chapter_and_model(tiny, capsys):
+    bookdir, nbdir = tiny
+    write_notebook(nbdir / "03_encoder.ipynb", 'model = "m"', "1 / 0")
+    rc = book.main(["build", "--book-dir", str(bookdir), "--notebooks-dir", str(nbdir), "--only", "03",
+                    "--no-html"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "book build FAILED: 03_encoder [minilm-l6]" in err and "ZeroDivisionError" in err and "1 / 0" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end: the real book, smoke profile, in a temporary directory
+# --------------------------------------------------------------------------------------------------
+class _Links(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.images, self.links = [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "img" and attrs.get("src"):
+            self.images.append(attrs["src"])
+        if tag == "a" and attrs.get("href"):
+            self.links.append(attrs["href"])
+
+
+def parse_page(path: Path) -> _Links:
+    parser = _Links()
+    parser.feed(path.read_text())
+    return parser
+
+
+@pytest.fixture(scope="module")
+def smoke_book(tmp_path_factory):
+    """The real book (book/*.md, _config.yml, run.yml, notebooks/) built with the smoke profile."""
+    root = tmp_path_factory.mktemp("smoke")
+    bookdir = root / "book"
+    shutil.copytree(REPO / "book", bookdir, ignore=shutil.ignore_patterns("_build", "generated", "_toc.yml"))
+    # Freeze the code hash for this module's builds: other edits to cwcore/ while the tests run
+    # (a developer's tree) must not make the "unchanged rebuild" below execute the notebooks again.
+    from cwcore import cache
+
+    frozen = cache.code_version()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cache, "code_version", lambda: frozen)
+        html = book.build(profile="smoke", book_dir=bookdir, build_dir=root / "build")
+        yield bookdir, root / "build", html
+
+
+def test_smoke_book_pages_and_images(smoke_book):
+    bookdir, _, html = smoke_book
+    config = book.load_config(bookdir / "run.yml")
+    _, _, runs = book.plan(config, profile="smoke", generated_dir=bookdir / "generated")
+    assert runs, "run.yml lists no chapters"
+    pages = [html / "intro.html"] + [html / Path(os.path.relpath(r.output, bookdir)).with_suffix(".html")
+                                     for r in runs]
+    assert (html / "index.html").is_file()
+    for page in pages:
+        assert page.is_file(), f"missing page {page}"
+        parsed = parse_page(page)
+        for src in parsed.images:
+            if not src.startswith(("http:", "https:", "data:")):
+                target = (page.parent / urllib.parse.unquote(src.split("#")[0])).resolve()
+                assert target.is_file(), f"{page.name}: <img src={src}> points at nothing"
+        for href in parsed.links:
+            if not href.startswith(("http:", "https:", "mailto:", "#", "javascript:")):
+                target = (page.parent / urllib.parse.unquote(href.split("#")[0])).resolve()
+                assert target.exists(), f"{page.name}: link {href} points at nothing"
+    geometry = html / "generated" / "02_geometry.html"
+    assert len(parse_page(geometry).images) >= 5  # the chapter's figures are in the page
+    figures = sorted(p.name for p in (bookdir / "generated" / "figures" / "02_geometry").iterdir())
+    assert "sum_of_arrows.png" in figures and not [f for f in figures if f.startswith(".")]
+    text = geometry.read_text()
+    assert "Failed to format" not in text and "Traceback" not in text
+
+
+def test_unchanged_rebuild_does_nothing_and_a_failed_html_build_keeps_the_old_site(smoke_book, capsys):
+    bookdir, build_dir, html = smoke_book
+    capsys.readouterr()
+    book.build(profile="smoke", book_dir=bookdir, build_dir=build_dir)
+    out = capsys.readouterr().out
+    assert "done in" not in out and "html  up to date" in out
+
+    index = (html / "intro.html").read_bytes()
+    intro = bookdir / "intro.md"
+    original = intro.read_text()
+    try:
+        intro.write_text(original + "\nSee {doc}`a page that does not exist <nowhere>`.\n")
+        with pytest.raises(book.BookError, match="warnings are errors"):
+            book.build_html(bookdir, build_dir)
+        assert (html / "intro.html").read_bytes() == index  # the previous site is intact
+        assert not [p for p in build_dir.iterdir() if p.name.startswith(".tmp-build")]
+    finally:
+        intro.write_text(original)
+
+
+# --------------------------------------------------------------------------------------------------
+# A real browser on the built book
+# --------------------------------------------------------------------------------------------------
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHECK_SCRIPT = b"""<script>
+window.addEventListener("load", function () {
+  var images = Array.from(document.images).map(function (im) {
+    return {src: im.currentSrc || im.src, complete: im.complete, width: im.naturalWidth};
+  });
+  var links = Array.from(document.querySelectorAll(
+      ".bd-sidebar-primary a[href], .prev-next-area a[href]")).map(function (a) { return a.href; });
+  var out = document.createElement("pre");
+  out.id = "cwcore-check";
+  out.textContent = JSON.stringify({images: images, links: links});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    """Serves the build; HTML pages get a script that reports images and navigation links on load."""
+
+    def do_GET(self):
+        path = Path(self.translate_path(self.path))
+        if path.suffix == ".html" and path.is_file():
+            body = path.read_bytes().replace(b"</body>", CHECK_SCRIPT + b"</body>", 1)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def served(smoke_book):
+    html = smoke_book[2]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(html)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+def chromium(tmp_path, *args, timeout=90) -> subprocess.CompletedProcess:
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'chromium-profile'}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed and could not be: `make test` installs "
+                                              "Debian's chromium as root (apt-get install chromium)")
+def test_browser_renders_images_and_navigation(smoke_book, served, tmp_path):
+    build_dir = smoke_book[1]
+    checked_links = set()
+    for page in ("intro.html", "generated/02_geometry.html"):
+        proc = chromium(tmp_path, "--virtual-time-budget=10000", "--dump-dom", served + page)
+        match = re.search(r'<pre id="cwcore-check"[^>]*>(.*?)</pre>', proc.stdout, re.S)
+        assert match, f"{page}: no report from the page script\n{proc.stderr[-2000:]}"
+        report = json.loads(htmllib.unescape(match.group(1)))
+        broken = [im["src"] for im in report["images"] if not im["complete"] or im["width"] == 0]
+        assert not broken, f"{page}: broken images {broken}"
+        if page.startswith("generated/"):
+            assert len(report["images"]) >= 5
+        nav = {link.split("#")[0] for link in report["links"] if link.startswith(served)}
+        assert served + "generated/02_geometry.html" in nav and served + "intro.html" in nav
+        for link in nav - checked_links:
+            with urllib.request.urlopen(link, timeout=10) as resp:
+                assert resp.status == 200, link
+        checked_links |= nav
+
+    shots = build_dir / "screenshots"
+    shots.mkdir(exist_ok=True)
+    for page, name in (("intro.html", "intro.png"), ("generated/02_geometry.html", "02_geometry.png")):
+        proc = chromium(tmp_path, "--hide-scrollbars", "--window-size=1280,1600", "--virtual-time-budget=10000",
+                        f"--screenshot={shots / name}", served + page)
+        assert (shots / name).is_file(), proc.stderr[-2000:]
+        import matplotlib.image
+
+        pixels = matplotlib.image.imread(shots / name)
+        assert pixels.shape[0] >= 1000 and pixels.std() > 0.05, f"{name} looks blank"
+
+
+# --------------------------------------------------------------------------------------------------
+# The shared plotting style (cwcore.plotting)
+# --------------------------------------------------------------------------------------------------
+def test_save_figure_is_atomic_and_heatmap_is_centred_at_zero(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from cwcore import plotting
+
+    plotting.set_style()
+    weights = np.array([[1.0, np.nan], [1.6, -0.6]])
+    fig, (ax0, ax1) = plt.subplots(1, 2)
+    image = plotting.contribution_heatmap(ax0, weights, ["<s>", " cat"], "contribution")
+    assert image.norm.vcenter == 0 and image.norm.vmin == -0.6 and image.norm.vmax == 1.6
+    assert [t.get_text() for t in ax0.get_yticklabels()] == ["<s>", "\u2423cat"]
+    attention = plotting.contribution_heatmap(ax1, [[1.0, 0.0], [0.3, 0.7]], ["$", "b"], "attention",
+                                              vmin=-0.6, vmax=1.6)  # one scale for both panels
+    assert attention.norm.vmin == -0.6 and ax1.get_yticklabels()[0].get_text() == r"\$"
+
+    path = plotting.save_figure(fig, tmp_path / "figs", "heat", formats=("png", "svg"))
+    assert path == tmp_path / "figs" / "heat.png" and path.read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "figs" / "heat.svg").is_file()
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["heat.png", "heat.svg"]  # no temp files
+    with pytest.raises(ValueError):
+        plotting.save_figure(fig, tmp_path, "../escape")
+    with pytest.raises(ValueError):
+        plotting.save_figure(fig, tmp_path / "figs", "bad", formats=("nope",))
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["heat.png", "heat.svg"]
+    plt.close(fig)
