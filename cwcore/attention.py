@@ -54,15 +54,15 @@ def attention_forward(
     value = _repeat_heads(value, groups)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.tanh(probs / softcap) * softcap
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+            probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
         else:
-            scores = scores + attention_mask[..., : key.shape[-2]]
-    probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32)
+            probs = probs + attention_mask[..., : key.shape[-2]]
+    probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
     if _SESSIONS:
         probs = _SESSIONS[-1].on_attention(module, probs, value)
     probs = probs.to(query.dtype)

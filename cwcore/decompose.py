@@ -169,9 +169,7 @@ class LayerDecomposition:
 
     def to(self, *args, **kwargs) -> "LayerDecomposition":
         """Move every tensor (e.g. ``.to("cpu")``)."""
-        g = self.geometry
-        moved = HeadSpaceGeometry(*(None if t is None else t.to(*args, **kwargs) for t in (
-            g.attention, g.value_norm, g.head_output_norm, g.output_norm, g.intra_dot, g.inter_dot, g.output)))
+        moved = self.geometry.to(*args, **kwargs)
         bias = None if self.output_bias is None else self.output_bias.to(*args, **kwargs)
         valid = None if self.key_valid is None else self.key_valid.to(moved.attention.device)
         return LayerDecomposition(self.layer, moved, bias, valid)

@@ -14,8 +14,6 @@ terms alpha_ij v~_j and serves as the independent reference in the tests.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 __all__ = ["HeadSpaceGeometry", "head_space_geometry", "naive_geometry", "split_output_projection"]
@@ -33,55 +31,78 @@ def split_output_projection(weight: torch.Tensor, num_heads: int) -> torch.Tenso
     return weight.reshape(model_dim, num_heads, inner // num_heads).permute(1, 0, 2)
 
 
-@dataclass
 class HeadSpaceGeometry:
-    """The raw inner products of one layer, from which every metric is derived.
+    """The geometry of one layer, from which every metric is derived.
 
-    Shapes: ``attention``, ``intra_dot``, ``inter_dot``: ``[batch, head, query, key]``;
-    ``value_norm``: ``[batch, head, key]``; ``head_output_norm``: ``[batch, head, query]``;
-    ``output_norm``: ``[batch, query]``; ``output``: ``[batch, query, model]`` or None.
-    ``intra_dot`` = <o^h_i, v~^h_j>, ``inter_dot`` = <o_i, v~^h_j> (o_i combined over heads, no bias).
+    Stored: ``attention`` ``[batch, head, query, key]``, ``value_norm`` ||v~_j|| ``[batch, head, key]``,
+    ``head_output_norm`` ||o^h_i|| ``[batch, head, query]``, ``output_norm`` ||o_i|| ``[batch, query]``,
+    ``output`` o_i ``[batch, query, model]`` (combined over heads, no bias) and, when built by
+    :func:`head_space_geometry`, the head-space ``values`` ``[batch, head, key, head_dim]``, mixed values
+    ``mixed`` z^h_i ``[batch, head, query, head_dim]`` and per-head ``w_o`` ``[head, model, head_dim]``.
+
+    The attention-sized inner products ``intra_dot`` = <o^h_i, v~^h_j> and ``inter_dot`` = <o_i, v~^h_j>
+    (``[batch, head, query, key]``) are computed when read, so a decomposition of many layers keeps one
+    attention-sized tensor per layer rather than three.
     """
 
-    attention: torch.Tensor
-    value_norm: torch.Tensor
-    head_output_norm: torch.Tensor
-    output_norm: torch.Tensor
-    intra_dot: torch.Tensor
-    inter_dot: torch.Tensor
-    output: torch.Tensor | None = None
+    def __init__(self, attention, value_norm, head_output_norm, output_norm, intra_dot=None, inter_dot=None,
+                 output=None, *, values=None, mixed=None, w_o=None):
+        self.attention = attention
+        self.value_norm = value_norm
+        self.head_output_norm = head_output_norm
+        self.output_norm = output_norm
+        self.output = output
+        self.values, self.mixed, self.w_o = values, mixed, w_o
+        self._intra_dot, self._inter_dot = intra_dot, inter_dot
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """G_h = W_O^h^T W_O^h ``[head, head_dim, head_dim]``."""
+        return self.w_o.transpose(1, 2) @ self.w_o
+
+    @property
+    def intra_dot(self) -> torch.Tensor:
+        if self._intra_dot is not None:
+            return self._intra_dot
+        return self.mixed @ (self.values @ self.gram).transpose(-1, -2)  # z^T G v (G symmetric)
+
+    @property
+    def inter_dot(self) -> torch.Tensor:
+        if self._inter_dot is not None:
+            return self._inter_dot
+        pulled_back = torch.einsum("bqm,hmd->bhqd", self.output, self.w_o)  # W_O^h^T o_i
+        return pulled_back @ self.values.transpose(-1, -2)
+
+    def to(self, *args, **kwargs) -> "HeadSpaceGeometry":
+        """A copy with every tensor moved/cast (``.to("cpu")``, ``.to(torch.float64)``)."""
+        def move(t):
+            return None if t is None else t.to(*args, **kwargs)
+
+        return HeadSpaceGeometry(
+            move(self.attention), move(self.value_norm), move(self.head_output_norm), move(self.output_norm),
+            move(self._intra_dot), move(self._inter_dot), move(self.output),
+            values=move(self.values), mixed=move(self.mixed), w_o=move(self.w_o),
+        )
 
 
 def head_space_geometry(
     attention: torch.Tensor,
     values: torch.Tensor,
     w_o: torch.Tensor,
-    keep_output: bool = False,
 ) -> HeadSpaceGeometry:
-    """Inner products of projected value vectors and outputs, computed in head space.
+    """The geometry of one layer, computed in head space.
 
     attention: ``[batch, head, query, key]``; values: ``[batch, head, key, head_dim]`` (already
     repeated for grouped-query attention, bias included); w_o: ``[head, model, head_dim]``.
     All inputs must share one floating dtype (float32 or float64).
     """
     gram = w_o.transpose(1, 2) @ w_o  # [head, head_dim, head_dim]; symmetric
-    values_gram = values @ gram  # [b, h, k, d]  = G v_j
-    value_norm = (values_gram * values).sum(-1).clamp_min(0).sqrt()
+    value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt()
     mixed = attention @ values  # z^h_i: [b, h, q, d]
-    intra_dot = mixed @ values_gram.transpose(-1, -2)  # z^T G v: [b, h, q, k]
     head_output_norm = ((mixed @ gram) * mixed).sum(-1).clamp_min(0).sqrt()
     output = torch.einsum("bhqd,hmd->bqm", mixed, w_o)  # o_i without bias
-    pulled_back = torch.einsum("bqm,hmd->bhqd", output, w_o)  # W_O^h^T o_i
-    inter_dot = pulled_back @ values.transpose(-1, -2)
-    return HeadSpaceGeometry(
-        attention=attention,
-        value_norm=value_norm,
-        head_output_norm=head_output_norm,
-        output_norm=output.norm(dim=-1),
-        intra_dot=intra_dot,
-        inter_dot=inter_dot,
-        output=output if keep_output else None,
-    )
+    return HeadSpaceGeometry(attention, value_norm, head_output_norm, output.norm(dim=-1), output=output,
+                             values=values, mixed=mixed, w_o=w_o)
 
 
 def naive_geometry(attention: torch.Tensor, values: torch.Tensor, w_o: torch.Tensor) -> HeadSpaceGeometry:
