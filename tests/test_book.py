@@ -269,6 +269,19 @@ def test_cli_reports_failure_with_chapter_and_model(tiny, capsys):
     assert "book build FAILED: 03_encoder [minilm-l6]" in err and "ZeroDivisionError" in err and "1 / 0" in err
 
 
+def test_per_model_chapter_becomes_a_page_with_a_subpage_per_model(tiny):
+    bookdir, nbdir = tiny
+    for name in ("_config.yml", "intro.md"):
+        shutil.copy(REPO / "book" / name, bookdir / name)
+    html = book.build(only="02", book_dir=bookdir, notebooks_dir=nbdir)
+    chapter = html / "generated" / "02_models"
+    index = parse_page(chapter / "index.html")
+    assert {"smollm2-135m.html", "qwen-qwen3-8b.html"} <= set(index.links)
+    page = (chapter / "qwen-qwen3-8b.html").read_text()
+    assert "Per model (Qwen/Qwen3-8B)" in page and "model Qwen/Qwen3-8B 1 2" in page
+    assert ">Qwen/Qwen3-8B</a>" in page  # the sidebar names the model
+
+
 # --------------------------------------------------------------------------------------------------
 # End to end: the real book, smoke profile, in a temporary directory
 # --------------------------------------------------------------------------------------------------
