@@ -82,21 +82,18 @@ def diverging_cmap() -> mcolors.Colormap:
 
 
 def centred_norm(values, vmin: float | None = None, vmax: float | None = None) -> mcolors.TwoSlopeNorm:
-    """A ``TwoSlopeNorm`` centred at 0 covering ``values`` (NaNs ignored).
+    """A norm centred at 0 and symmetric: equal magnitudes get equal colour strength on both sides.
 
-    Each side of zero is stretched to the full colour range, so small negative weights stay visible
-    next to large positive ones. Pass ``vmin``/``vmax`` to share one scale between panels.
+    The range is [-m, m] with m the largest |value| (NaNs ignored), so a weight of -0.03 next to
+    +0.9 stays faint, as it should. Pass ``vmin``/``vmax`` to share one scale between panels.
     """
     arr = np.asarray(values, dtype=float)
     finite = arr[np.isfinite(arr)]
-    lo = float(vmin if vmin is not None else (finite.min() if finite.size else 0.0))
-    hi = float(vmax if vmax is not None else (finite.max() if finite.size else 0.0))
-    # TwoSlopeNorm needs vmin < 0 < vmax: give an all-positive (attention) or all-negative matrix a
-    # token other side, so its colours stay on the same side of white as in a mixed-sign matrix.
+    largest = float(np.abs(finite).max()) if finite.size else 1.0
+    lo = -largest if vmin is None else float(vmin)
+    hi = largest if vmax is None else float(vmax)
     span = max(abs(lo), abs(hi), 1e-12)
-    lo = min(lo, -1e-3 * span)
-    hi = max(hi, 1e-3 * span)
-    return mcolors.TwoSlopeNorm(vmin=lo, vcenter=0.0, vmax=hi)
+    return mcolors.TwoSlopeNorm(vmin=min(lo, -1e-3 * span), vcenter=0.0, vmax=max(hi, 1e-3 * span))
 
 
 def _label(token) -> str:
