@@ -90,7 +90,7 @@ import torch
 from torch import nn
 
 from .architectures import attention_blocks
-from .decompose import METRICS, LayerDecomposition, prepare_inputs
+from .decomposition import METRICS, LayerDecomposition, prepare_inputs
 from .interventions import intervene
 from .ranking import MODES, SCOPES, UNITS, candidate_mask, hashed_uniform, removal_mask, selection_buckets
 
@@ -826,6 +826,18 @@ def _with_deltas(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
+def _default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
+    """Consecutive rungs (every variant of a rung against every variant of the next), attention
+    against each contribution variant, and random against every rung."""
+    rungs = [[m for m in labels if m == base or m.startswith(base + "_")] for base in LADDER]
+    rungs[1] = [m for m in rungs[1] if m not in rungs[2]]  # "value_weighted_..." prefixes rung 3 names
+    pairs = [(a, b) for lower, higher in zip(rungs, rungs[1:]) for a in lower for b in higher]
+    pairs += [(a, b) for a in rungs[0] for b in rungs[3]]
+    if "random" in labels:
+        pairs += [("random", m) for rung in rungs for m in rung]
+    return pairs
+
+
 def ladder_comparison(
     per_unit: pd.DataFrame,
     value: str = "delta_nll",
@@ -837,8 +849,9 @@ def ladder_comparison(
     """Paired bootstrap differences of AOPC between metrics, per mode (and task).
 
     Default pairs: consecutive rungs of the ladder present in the table (attention ->
-    value_weighted -> value_weighted_output_normalized[_intra] -> contribution), each rung against
-    random, and contribution against attention. ``difference = AOPC(higher) - AOPC(lower)``; the
+    value_weighted -> value_weighted_output_normalized[_intra] -> contribution[_intra], every variant
+    of a rung against every variant of the next), attention against contribution, and each rung
+    against random. ``difference = AOPC(higher) - AOPC(lower)``; the
     ladder's claim holds for a pair when the difference is > 0 for comprehensiveness and < 0 for
     sufficiency. Column ``verdict``: ``"holds"`` / ``"reversed"`` when the interval excludes 0 on
     the claimed / the opposite side, else ``"tie"``.
@@ -848,14 +861,7 @@ def ladder_comparison(
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
     labels = list(dict.fromkeys(frame["metric"]))
     if pairs is None:
-        rungs = [m for m in ("attention", "value_weighted", "value_weighted_output_normalized",
-                             "value_weighted_output_normalized_intra", "value_weighted_output_normalized_inter",
-                             "contribution", "contribution_intra", "contribution_inter") if m in labels]
-        pairs = list(zip(rungs, rungs[1:]))
-        if "attention" in labels and "contribution" in labels:
-            pairs.append(("attention", "contribution"))
-        if "random" in labels:
-            pairs += [("random", m) for m in rungs]
+        pairs = _default_pairs(labels)
     rows = []
     for key, group in frame.groupby(keys, sort=False, dropna=False):
         curves = {m: _per_unit_curves(g, value, ["metric"]) for m, g in group.groupby("metric")}
@@ -985,8 +991,9 @@ def downstream_eval(
     are single tokens (MMLU letters, BoolQ yes/no) is run as one row (the context) whose last logits
     score every choice: identical results, since causal attention means the answer token cannot
     influence its own prediction and row-scope rankings of earlier queries do not see it.
-    Batches hold up to ``batch_size`` rows and ``rows * length^2 <= max_batch_pairs`` (bounds the
-    memory of the stored selections); an example is never split.
+    Examples are packed by length into batches of up to ``batch_size`` rows with
+    ``rows * length^2 <= max_batch_pairs`` (bounds the memory of the stored selections); an example
+    is never split.
 
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
     nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy,
@@ -1026,8 +1033,11 @@ def downstream_eval(
             batches.append(_pad_batch(len(batches), rows, groups, pad, "right", meta))
         rows, meta, length = [], [], 0
 
-    for index, example in enumerate(dataset):
-        ex_rows, choices, gold = _example_rows(example, tokenizer, max_length, collapse and scope == "row")
+    prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and scope == "row"))
+                for index, example in enumerate(dataset)]
+    # pack examples of similar length together (less padding); results do not depend on the packing
+    prepared.sort(key=lambda item: max(len(r) for r in item[1]))
+    for index, ex_rows, choices, gold in prepared:
         longest = max(length, max(len(r) for r in ex_rows))
         if rows and (len(rows) + len(ex_rows) > batch_size or (len(rows) + len(ex_rows)) * longest ** 2 > max_batch_pairs):
             flush()

@@ -117,22 +117,24 @@ def _ungrouped(values: torch.Tensor, unit: str, shape: tuple) -> torch.Tensor:
 def descending_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank along the last axis: candidates first in descending score order (stable), then the rest.
 
-    scores, candidates: same shape ``[..., n]``. Returns (ranks ``[..., n]`` int64 with 0 = most
-    important candidate, counts ``[..., 1]`` = number of candidates). NaN scores count as -inf.
+    scores, candidates: same shape ``[..., n]``. Returns (ranks ``[..., n]`` int32 with 0 = most
+    important candidate, counts ``[..., 1]`` = number of candidates). NaN scores count as the lowest
+    candidates. One stable sort: candidates' keys are finite (NaN and -inf become the lowest finite
+    value), non-candidates' keys are -inf.
     """
-    keys = scores.nan_to_num(float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    lowest = torch.finfo(scores.dtype).min
+    keys = scores.nan_to_num(lowest, posinf=torch.finfo(scores.dtype).max, neginf=lowest)
+    keys = keys.masked_fill(~candidates, float("-inf"))
     order = torch.sort(keys, dim=-1, descending=True, stable=True).indices
-    # second stable pass: candidates before non-candidates, the score order kept within each
-    flag = candidates.gather(-1, order).to(torch.int8)
-    order = order.gather(-1, torch.sort(flag, dim=-1, descending=True, stable=True).indices)
-    ranks = torch.empty_like(order)
-    ranks.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return ranks, candidates.sum(-1, keepdim=True)
+    ranks = torch.empty(order.shape, dtype=torch.int32, device=order.device)
+    positions = torch.arange(order.shape[-1], dtype=torch.int32, device=order.device)
+    ranks.scatter_(-1, order, positions.expand(order.shape))
+    return ranks, candidates.sum(-1, keepdim=True, dtype=torch.int32)
 
 
 def removal_counts(counts: torch.Tensor, ratio: float) -> torch.Tensor:
     """k(r) = floor(r * n + 1/2): how many of n candidate units the fraction r removes."""
-    return torch.floor(counts.double() * float(ratio) + 0.5).long()
+    return torch.floor(counts.double() * float(ratio) + 0.5).to(counts.dtype)
 
 
 def _unit_scores(scores: torch.Tensor, candidates: torch.Tensor, unit: str, scope: str):
@@ -250,7 +252,7 @@ def _splitmix(x: torch.Tensor) -> torch.Tensor:
 
 
 def hashed_uniform(seed: int, groups: torch.Tensor, layer: int, heads: int, positions: torch.Tensor) -> torch.Tensor:
-    """Seeded random scores in [0, 1), ``[batch, head, query, key]`` float64.
+    """Seeded random scores in [0, 1) on a 2^-24 grid, ``[batch, head, query, key]`` float32.
 
     Each score is a hash (splitmix64) of (seed, group id, layer, head, query position, key position),
     so it does not depend on the batch it is computed in, on the padding or on the padded length.
@@ -264,4 +266,4 @@ def hashed_uniform(seed: int, groups: torch.Tensor, layer: int, heads: int, posi
     x = _splitmix(x + torch.arange(heads).view(1, heads, 1, 1) + 1)
     x = _splitmix(x + positions.long().view(b, 1, n, 1) + 1)
     x = _splitmix(x + positions.long().view(b, 1, 1, n) + 1)
-    return _shift_right(x, 11).double() / float(1 << 53)
+    return _shift_right(x, 40).float() / float(1 << 24)

@@ -1,0 +1,110 @@
+"""Speed of a full faithfulness sweep against one clean forward over the same batch.
+
+Target (issue 3): a full sweep, 5 metrics (the ladder + random) x 7 ratios x 2 modes, over 16 GSM8K
+sequences of 128 tokens on smollm2-135m takes at most 75x one clean forward of the same batch. The
+sweep is one decomposed clean pass (scores of every metric, sorted once) plus one forward per
+(metric, mode, nonzero ratio) point; rankings identical to an earlier metric's (value-weighted and its
+inter-normalised version under the default protocol) reuse its forwards (``deduplicate``), which the
+script also measures switched off. It also reports how the ratio scales with the sequence length.
+
+Everything is measured in one run. The clean forward is the model's own forward (eager attention,
+as ``cwcore.models.load_model`` returns it) under ``torch.inference_mode()``; its time is the median
+of ``--repeats`` runs taken right before and right after each sweep, so a shared machine's load
+drifting during a sweep affects both sides. Usage::
+
+    .venv/bin/python benchmarks/bench_faithfulness.py [--model smollm2-135m] [--lengths 64 128 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from cwcore import faithfulness as fa
+from cwcore.data import lm_batches, lm_blocks, load_dataset
+from cwcore.models import load_model
+
+TARGET = 75.0
+
+
+class Counter:
+    def __init__(self, model):
+        self.calls = 0
+        self.handle = model.register_forward_pre_hook(lambda module, args: self._count())
+
+    def _count(self):
+        self.calls += 1
+
+
+def clean_forward_times(model, batch, repeats):
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(**batch)
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def measure(model, tokenizer, texts, length, num_sequences, repeats, deduplicate=True):
+    blocks = lm_blocks(texts, tokenizer, block_size=length, num_blocks=num_sequences)
+    batch = next(lm_batches(blocks, num_sequences))
+    with torch.inference_mode():
+        model(**batch)  # warm-up
+    before = clean_forward_times(model, batch, repeats)
+    counter = Counter(model)
+    start = time.perf_counter()
+    fa.faithfulness_curve(model, tokenizer, blocks, list(fa.DEFAULT_METRICS), list(fa.DEFAULT_RATIOS),
+                          list(fa.MODES), batch_size=num_sequences, max_length=None, cache=False, progress=False,
+                          deduplicate=deduplicate)
+    sweep = time.perf_counter() - start
+    counter.handle.remove()
+    after = clean_forward_times(model, batch, repeats)
+    clean = statistics.median(before + after)
+    return {
+        "length": length, "sequences": num_sequences, "deduplicate": deduplicate,
+        "clean_forward_s": round(clean, 3), "sweep_s": round(sweep, 2), "forwards": counter.calls,
+        "ratio": round(sweep / clean, 1), "clean_times_s": [round(t, 3) for t in before + after],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[64, 128, 256])
+    parser.add_argument("--num-sequences", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-no-dedup", action="store_true", help="do not also time deduplicate=False at 128")
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    model, tokenizer = load_model(args.model)
+    texts = load_dataset("gsm8k")
+    print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
+    results = []
+    for length in args.lengths:
+        row = measure(model, tokenizer, texts, length, args.num_sequences, args.repeats)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+        if length == 128 and not args.skip_no_dedup:
+            row = measure(model, tokenizer, texts, length, args.num_sequences, args.repeats, deduplicate=False)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| tokens | dedup | forwards | clean forward (s) | sweep (s) | sweep / clean |")
+    print("|---:|:---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['length']} | {'yes' if r['deduplicate'] else 'no'} | {r['forwards']} | {r['clean_forward_s']} "
+              f"| {r['sweep_s']} | {r['ratio']}x |")
+    target = [r for r in results if r["length"] == 128 and r["deduplicate"]]
+    if target:
+        verdict = "PASS" if target[0]["ratio"] <= TARGET else "FAIL"
+        print(f"\ntarget (128 tokens, 16 sequences): {target[0]['ratio']}x <= {TARGET}x: {verdict}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
