@@ -83,7 +83,7 @@ LayerMask = torch.Tensor | Callable[..., torch.Tensor]
 class AttentionSession:
     """What cwcore does inside the attention of one forward pass.
 
-    record: layer numbers whose geometry is kept (see :class:`cwcore.decompose.LayerDecomposition`).
+    record: layer numbers whose geometry is kept (see :class:`cwcore.decomposition.LayerDecomposition`).
     masks: ``{layer: LayerMask}``; removes the selected terms before the values are mixed.
     key_valid: ``[batch, key]`` bool, False at padding (padded queries become NaN in the geometry).
     """
@@ -109,8 +109,8 @@ class AttentionSession:
         self.recorded: dict[int, "object"] = {}
 
     def layer_geometry(self, block: AttentionBlock, probs: torch.Tensor, value: torch.Tensor):
-        """The :class:`~cwcore.decompose.LayerDecomposition` of one layer from its probabilities and values."""
-        from .decompose import LayerDecomposition  # decompose imports this module
+        """The :class:`~cwcore.decomposition.LayerDecomposition` of one layer from its probabilities and values."""
+        from .decomposition import LayerDecomposition  # decomposition imports this module
 
         dtype = self.compute_dtype
         weight, bias = block.output_projection()

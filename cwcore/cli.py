@@ -49,7 +49,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     import torch
 
     from .architectures import attention_blocks
-    from .decompose import decompose
+    from .decomposition import decompose
     from .plotting import contribution_heatmap, set_style
 
     if not text.strip():

@@ -1,4 +1,4 @@
-"""``cwcore.decompose``: attention, value-aware metrics and contribution weights of a forward pass.
+"""``cwcore.decompose`` (defined here): attention, value-aware metrics and contribution weights of a forward pass.
 
 Terminology (PAPER.md sections 2-4), for layer l, head h, query i, key j:
 
