@@ -474,7 +474,8 @@ def test_save_figure_is_atomic_and_heatmap_is_centred_at_zero(tmp_path):
     weights = np.array([[1.0, np.nan], [1.6, -0.6]])
     fig, (ax0, ax1) = plt.subplots(1, 2)
     image = plotting.contribution_heatmap(ax0, weights, ["<s>", " cat"], "contribution")
-    assert image.norm.vcenter == 0 and image.norm.vmin == -0.6 and image.norm.vmax == 1.6
+    # symmetric about zero: -0.6 must look weaker than +1.6, not equally strong
+    assert image.norm.vcenter == 0 and image.norm.vmin == -1.6 and image.norm.vmax == 1.6
     assert [t.get_text() for t in ax0.get_yticklabels()] == ["<s>", "\u2423cat"]
     attention = plotting.contribution_heatmap(ax1, [[1.0, 0.0], [0.3, 0.7]], ["$", "b"], "attention",
                                               vmin=-0.6, vmax=1.6)  # one scale for both panels
