@@ -29,16 +29,6 @@ from cwcore.geometry import naive_geometry, split_output_projection
 GIB = 1024**3
 
 
-def timed(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def naive_layers(model, input_ids, layers):
     """The naive approach: materialise every alpha_ij v~_j ([batch, head, query, key, model]) per layer."""
     d = cwcore.decompose(model, layers=layers, input_ids=input_ids)  # alpha only; values re-derived below
@@ -61,37 +51,54 @@ def naive_layers(model, input_ids, layers):
         naive_geometry(d.attention[l], v, w_o)
 
 
+def workloads(model, ids, layer):
+    def eager():
+        with torch.inference_mode():
+            model(input_ids=ids, output_attentions=True)
+
+    def decompose():
+        cwcore.decompose(model, input_ids=ids)
+
+    def decompose_weights():  # every layer's intra- and inter-head weights materialised too
+        d = cwcore.decompose(model, input_ids=ids)
+        for layer_d in d:
+            layer_d.intra, layer_d.inter
+
+    return {
+        "eager": eager,
+        "decompose": decompose,
+        "decompose+weights": decompose_weights,
+        "decompose-one-layer": lambda: cwcore.decompose(model, layers=[layer], input_ids=ids),
+        "naive-one-layer": lambda: naive_layers(model, ids, [layer]),
+    }
+
+
 def measure(args) -> dict:
-    """Runs inside a subprocess: one measurement, reporting time and peak memory."""
+    """Runs inside a subprocess. ``--child time``: the timed workloads interleaved round by round
+    (so that load from other processes hits them alike), medians. Otherwise one workload, once,
+    for its peak memory."""
     torch.manual_seed(0)
     model, _ = cwcore.load_model(args.model)
     ids = torch.randint(100, model.config.vocab_size - 100, (1, args.tokens))
-    if args.what == "eager":
-        def run():
-            with torch.inference_mode():
-                model(input_ids=ids, output_attentions=True)
-    elif args.what == "decompose":
-        def run():
-            cwcore.decompose(model, input_ids=ids)
-    elif args.what == "decompose+weights":
-        def run():  # every layer's intra- and inter-head weights materialised too
-            d = cwcore.decompose(model, input_ids=ids)
-            for layer in d:
-                layer.intra, layer.inter
-    elif args.what == "decompose-one-layer":
-        def run():
-            cwcore.decompose(model, layers=[args.layer], input_ids=ids)
-    elif args.what == "naive-one-layer":
-        def run():
-            naive_layers(model, ids, [args.layer])
-    else:
-        raise ValueError(args.what)
-    seconds = timed(run, args.repeats)
-    return {"what": args.what, "tokens": args.tokens, "seconds": seconds,
+    jobs = workloads(model, ids, args.layer)
+    if args.what == "time":
+        names = ["eager", "decompose", "decompose+weights"]
+        for name in names:
+            jobs[name]()  # warm-up
+        times = {name: [] for name in names}
+        for _ in range(args.repeats):
+            for name in names:
+                start = time.perf_counter()
+                jobs[name]()
+                times[name].append(time.perf_counter() - start)
+        return {name: statistics.median(values) for name, values in times.items()}
+    start = time.perf_counter()
+    jobs[args.what]()
+    return {"what": args.what, "tokens": args.tokens, "seconds": time.perf_counter() - start,
             "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
 
 
-def spawn(model: str, what: str, tokens: int, repeats: int, layer: int = 0) -> dict:
+def spawn(model: str, what: str, tokens: int, repeats: int = 1, layer: int = 0) -> dict:
     command = [sys.executable, __file__, "--child", what, "--model", model, "--tokens", str(tokens),
                "--repeats", str(repeats), "--layer", str(layer)]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -103,7 +110,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--long", type=int, default=3072)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layer", type=int, default=0)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -111,27 +118,25 @@ def main() -> None:
         args.what = args.child
         print(json.dumps(measure(args)))
         return
-    rows = [
-        spawn(args.model, "eager", args.tokens, args.repeats),
-        spawn(args.model, "decompose", args.tokens, args.repeats),
-        spawn(args.model, "decompose+weights", args.tokens, args.repeats),
-        spawn(args.model, "naive-one-layer", args.tokens, 1, args.layer),
-        spawn(args.model, "decompose-one-layer", args.long, 1, args.layer),
-    ]
-    eager, lazy, full, naive, long = rows
+    times = spawn(args.model, "time", args.tokens, args.repeats)
+    memory = [spawn(args.model, what, args.tokens) for what in ("eager", "decompose", "decompose+weights", "naive-one-layer")]
+    memory.append(spawn(args.model, "decompose-one-layer", args.long, layer=args.layer))
     layers = len(attention_blocks(cwcore.load_model(args.model)[0]))
-    print(f"model {args.model}, torch threads {torch.get_num_threads()}")
-    print(f"| measurement | tokens | time (s) | peak memory (GiB) |")
-    print(f"|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['what']} | {row['tokens']} | {row['seconds']:.3f} | {row['peak_gib']:.2f} |")
-    print(f"decompose(all {layers} layers) / eager forward with attention maps = {lazy['seconds'] / eager['seconds']:.2f}x (target <= 1.5x)")
-    print(f"decompose(all {layers} layers) with every intra and inter weight materialised / eager forward = "
-          f"{full['seconds'] / eager['seconds']:.2f}x")
-    print(f"naive, one layer: {naive['seconds']:.2f} s, i.e. ~{naive['seconds'] * layers:.0f} s for all layers "
-          f"= {naive['seconds'] * layers / full['seconds']:.0f}x decompose")
-    print(f"one layer at {args.long} tokens: peak {long['peak_gib']:.2f} GiB (target < 3 GiB)")
-
+    print(f"model {args.model}, {layers} layers, torch threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} interleaved rounds")
+    print("| measurement | tokens | time (s) | peak memory of the process (GiB) |")
+    print("|---|---|---|---|")
+    for row in memory:
+        seconds = times.get(row["what"], row["seconds"])
+        print(f"| {row['what']} | {row['tokens']} | {seconds:.3f} | {row['peak_gib']:.2f} |")
+    print(f"decompose(all layers) / eager forward with attention maps = "
+          f"{times['decompose'] / times['eager']:.2f}x (target <= 1.5x)")
+    print(f"decompose(all layers) with every intra and inter weight materialised / eager forward = "
+          f"{times['decompose+weights'] / times['eager']:.2f}x")
+    naive = memory[3]["seconds"]
+    print(f"naive, one layer: {naive:.2f} s and {memory[3]['peak_gib']:.2f} GiB; ~{naive * layers:.0f} s for all layers "
+          f"= {naive * layers / times['decompose+weights']:.0f}x decompose with weights")
+    print(f"one layer at {args.long} tokens: peak {memory[4]['peak_gib']:.2f} GiB (target < 3 GiB)")
 
 if __name__ == "__main__":
     main()
