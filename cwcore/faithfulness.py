@@ -294,6 +294,7 @@ class _Sweep:
                 raise IndexError(f"layer {layer} out of range: the model has {self.num_layers} attention layers")
         self.layers = list(layers)
         self.windows = _layer_windows(model, self.num_layers)
+        self.heads = _num_heads(model)
         self.nonzero = [r for r in ratios if r > 0]
         self.deduplicate = True
         points = len(specs) * len(modes) * len(ratios)
@@ -361,13 +362,6 @@ class _Sweep:
 
         masks = {layer: ranker(layer) for layer in self.layers} if specs and self.nonzero else {}
         return self._forward(batch, masks), buckets
-
-    def _removed(self, masks: dict, heads: int, rows: int) -> torch.Tensor:
-        total = torch.zeros(rows, dtype=torch.long)
-        for mask in masks.values():
-            count = mask.sum((1, 2, 3)).long()
-            total += count * (heads if mask.shape[1] == 1 else 1)
-        return total
 
     # -- one batch ---------------------------------------------------------------------------------
     def run(self, batch: _Batch, scorer: Scorer) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
@@ -438,7 +432,7 @@ class _Sweep:
             logits = self._forward(batch, masks)
             removed = torch.zeros(rows, dtype=torch.long)
             for layer, mask in masks.items():
-                removed += mask.sum((1, 2, 3)).long() * (self._heads if mask.shape[1] == 1 else 1)
+                removed += mask.sum((1, 2, 3)).long() * (self.heads if mask.shape[1] == 1 else 1)
         else:
             removed = torch.zeros(rows, dtype=torch.long)
             unit, scope = self.protocol.unit, self.protocol.scope
@@ -449,19 +443,13 @@ class _Sweep:
                     scores = self._scores(layer_decomposition, spec, layer, batch)
                     bucket = selection_buckets(scores, candidates[layer], [ratio], [mode], unit, scope)[mode]
                     mask = removal_mask(bucket, 0, candidates[layer] if layer_scope else None)
-                    removed = removed + mask.sum((1, 2, 3)).long() * (self._heads if mask.shape[1] == 1 else 1)
+                    removed = removed + mask.sum((1, 2, 3)).long() * (self.heads if mask.shape[1] == 1 else 1)
                     return mask
                 return callback
 
             logits = self._forward(batch, {layer: live(layer) for layer in self.layers})
         return scorer(logits, batch, removed)
 
-    @property
-    def _heads(self) -> int:
-        return self._num_heads
-
-    def set_heads(self, heads: int):
-        self._num_heads = heads
 
 
 def _num_heads(model: nn.Module) -> int:
@@ -476,7 +464,7 @@ def _candidate_terms(sweep: _Sweep, batch: _Batch) -> torch.Tensor:
     """Number of candidate terms (head, query, key) per row, summed over the intervened layers."""
     total = torch.zeros(batch.input_ids.shape[0], dtype=torch.long)
     for mask in sweep._candidates(batch).values():
-        total += mask.sum((1, 2, 3)).long() * sweep._heads
+        total += mask.sum((1, 2, 3)).long() * sweep.heads
     return total
 
 
@@ -648,7 +636,6 @@ def faithfulness_curve(
     store = _cache("faithfulness", parameters, cache, cache_dir)
     sweep = _Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
     sweep.deduplicate = deduplicate
-    sweep.set_heads(_num_heads(model))
     candidates = {b.index: _candidate_terms(sweep, b) for b in batches}
     scorer = _lm_scorer(candidates)
     frames, cleans = [], []
@@ -1055,7 +1042,6 @@ def downstream_eval(
     store = _cache("downstream", parameters, cache, cache_dir)
     sweep = _Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
     sweep.deduplicate = deduplicate
-    sweep.set_heads(_num_heads(model))
     candidates = {b.index: _candidate_terms(sweep, b) for b in batches}
     scorer = _downstream_scorer(candidates)
     frames, cleans = [], []

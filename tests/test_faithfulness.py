@@ -213,7 +213,6 @@ def test_ratio_zero_run_is_bit_identical_to_the_clean_model(peaked):
         reference = model(input_ids=ids).logits
         sweep = fa._Sweep(model, [fa.parse_metric("contribution")], ["comprehensiveness"], [0.0], fa.Protocol(),
                           None, False, 1)
-        sweep.set_heads(4)
         batch = fa._pad_batch(0, ids.tolist(), list(range(len(ids))), 0, "right")
         logits, _ = sweep._clean_pass(batch, [fa.parse_metric("contribution")], sweep._candidates(batch))
     assert torch.equal(logits, reference)
