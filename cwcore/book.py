@@ -6,15 +6,17 @@ Usage::
     python -m cwcore.book plan  [--profile P] [--models m1,m2] [--only CHAPTER]
 
 ``book/run.yml`` lists the chapters (``chapters:``: a notebook name in ``notebooks/``, whether it
-runs ``once`` or ``per_model``, optionally a fixed ``models`` list) and the profiles
-(``profiles:``: the models and the parameters each notebook receives). ``build``
+runs ``once`` or ``per_model``, optionally a fixed ``models`` list; or a static page ``book/<name>.md``,
+which is not executed) and the profiles (``profiles:``: the models and the parameters each notebook
+receives). ``build``
 
 1. executes ``notebooks/<chapter>.ipynb`` for each (chapter, model) with papermill, injecting the
    profile's parameters (only those the notebook's ``parameters`` cell declares, plus ``profile``,
    ``model`` and ``output_dir`` where declared), into ``book/generated/`` through a temporary file and
    an atomic rename; an executed copy whose stamp (hash of the source notebook, the parameters and
    the ``cwcore`` sources) is current is skipped;
-2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters);
+2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters,
+   static pages where run.yml lists them);
 3. runs ``jupyter-book build -W`` into a temporary directory and, only if that succeeds, replaces
    ``book/_build/html``; when no input of the book changed since the last build it does nothing.
 
@@ -56,10 +58,16 @@ DEFAULT_BOOK_DIR = REPO_ROOT / "book"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "cwcore"
 RUN_MODES = ("once", "per_model")
+PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md
 BUILD_STAMP = ".cwcore-build-stamp"
 # Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
 # (no ipywidgets here) would otherwise print to stderr in every page that imports transformers.
 KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
+# Environment defaults of the kernels (a value already set in the environment wins). OpenMP threads
+# that spin while waiting make PyTorch several times slower on a CPU shared with other processes
+# (measured: a decomposition 4x slower with 2 spinning threads on 2 busy cores); passive waiting
+# costs next to nothing on an idle machine.
+KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 class BookError(RuntimeError):
@@ -71,9 +79,13 @@ class BookError(RuntimeError):
 # --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Chapter:
-    name: str  # notebook stem in notebooks/, e.g. "02_geometry"
-    runs: str  # "once" or "per_model"
+    name: str  # notebook stem in notebooks/, e.g. "02_geometry"; for a page, the stem of book/<name>.md
+    runs: str  # "once" or "per_model"; "page" for a static page (nothing is executed)
     models: tuple[str, ...] | None = None  # fixed models (e.g. an encoder chapter); None: the profile's
+
+    @property
+    def is_page(self) -> bool:
+        return self.runs == PAGE
 
 
 @dataclass
@@ -114,8 +126,17 @@ def load_config(path: str | os.PathLike) -> dict:
 def chapters(config: dict) -> list[Chapter]:
     out = []
     for i, entry in enumerate(config["chapters"]):
+        if isinstance(entry, dict) and PAGE in entry and "notebook" not in entry:
+            unknown = set(entry) - {PAGE}
+            if unknown:
+                raise BookError(f"run.yml page {entry[PAGE]}: unknown keys {sorted(unknown)} (a page is not executed)")
+            name = str(entry[PAGE])
+            if not name or Path(name).name != name or name.endswith(".md"):
+                raise BookError(f"run.yml page {name!r}: give the name of book/<name>.md without '.md' or folders")
+            out.append(Chapter(name, PAGE))
+            continue
         if not isinstance(entry, dict) or "notebook" not in entry:
-            raise BookError(f"run.yml chapter #{i + 1}: each chapter needs 'notebook: <name>'")
+            raise BookError(f"run.yml chapter #{i + 1}: each chapter needs 'notebook: <name>' (or 'page: <name>')")
         unknown = set(entry) - {"notebook", "runs", "models"}
         if unknown:
             raise BookError(f"run.yml chapter {entry['notebook']}: unknown keys {sorted(unknown)}")
@@ -164,13 +185,16 @@ def profile_config(config: dict, profile: str | None) -> tuple[str, dict]:
 
 def plan(config: dict, *, profile: str | None = None, models: str | list[str] | None = None,
          only: str | list[str] | None = None, notebooks_dir: Path = DEFAULT_NOTEBOOKS_DIR,
-         generated_dir: Path = DEFAULT_BOOK_DIR / "generated") -> tuple[str, list[Chapter], list[Run]]:
+         generated_dir: Path = DEFAULT_BOOK_DIR / "generated",
+         book_dir: Path | None = None) -> tuple[str, list[Chapter], list[Run]]:
     """Resolve run.yml for a profile into the chapters of the book and the notebook runs.
 
     Models of a per_model chapter, first that applies: the profile's ``notebooks.<chapter>.models``,
     the chapter's own ``models`` (pinned, e.g. an encoder chapter), ``models`` given here
     (``--models``), the profile's ``models``. Parameters of a run: the profile's ``params``, updated
     with ``notebooks.<chapter>`` (less ``models``), plus ``profile``, ``model`` and ``output_dir``.
+    Page chapters have no runs; their file, ``book_dir/<name>.md`` (``book_dir`` defaults to the parent
+    of ``generated_dir``), must exist.
     """
     name, prof = profile_config(config, profile)
     all_chapters = chapters(config)
@@ -179,12 +203,17 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
         models = [m.strip() for m in models.split(",") if m.strip()]
     profile_models = list(models or prof.get("models") or [])
     per_notebook = prof.get("notebooks") or {}
-    stray = sorted(set(per_notebook) - {c.name for c in all_chapters})
+    stray = sorted(set(per_notebook) - {c.name for c in all_chapters if not c.is_page})
     if stray:
         raise BookError(f"run.yml profile {name}: notebooks {stray} are not chapters")
+    book_dir = Path(book_dir) if book_dir is not None else Path(generated_dir).parent
 
     runs: list[Run] = []
     for chapter in chosen:
+        if chapter.is_page:
+            if not (book_dir / f"{chapter.name}.md").is_file():
+                raise BookError(f"run.yml lists page {chapter.name} but {book_dir / chapter.name}.md does not exist")
+            continue
         source = Path(notebooks_dir) / f"{chapter.name}.ipynb"
         if not source.is_file():
             raise BookError(f"run.yml lists chapter {chapter.name} but {source} does not exist")
@@ -223,7 +252,8 @@ def notebook_title(path: Path) -> str:
 
 def toc(chapter_list: list[Chapter], runs: list[Run], generated_dir: Path, book_dir: Path,
         root: str = "intro") -> dict:
-    """The jb-book table of contents: a page per chapter, a sub-page per model for per_model chapters."""
+    """The jb-book table of contents: a page per chapter, a sub-page per model for per_model chapters;
+    a static page chapter is its file ``book_dir/<name>.md``."""
 
     def docname(path: Path) -> str:
         return Path(os.path.relpath(path, book_dir)).with_suffix("").as_posix()
@@ -231,7 +261,9 @@ def toc(chapter_list: list[Chapter], runs: list[Run], generated_dir: Path, book_
     entries = []
     for chapter in chapter_list:
         mine = [r for r in runs if r.chapter == chapter]
-        if chapter.runs == "once":
+        if chapter.is_page:
+            entries.append({"file": chapter.name})
+        elif chapter.runs == "once":
             entries.extend({"file": docname(r.output)} for r in mine)
         else:
             entries.append({
@@ -339,15 +371,19 @@ def ensure_kernel(name: str = KERNEL_NAME) -> str:
 @contextlib.contextmanager
 def _kernel_environment():
     """Environment of the kernels papermill starts (they inherit this process's)."""
-    old = os.environ.get("PYTHONWARNINGS")
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old, *KERNEL_WARNING_FILTERS]))
+    old = {name: os.environ.get(name) for name in ("PYTHONWARNINGS", *KERNEL_ENVIRONMENT_DEFAULTS)}
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old["PYTHONWARNINGS"], *KERNEL_WARNING_FILTERS]))
+    for name, value in KERNEL_ENVIRONMENT_DEFAULTS.items():
+        if not os.environ.get(name):  # unset or empty
+            os.environ[name] = value
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("PYTHONWARNINGS", None)
-        else:
-            os.environ["PYTHONWARNINGS"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _tag(cell, tag: str) -> None:
@@ -491,7 +527,7 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
     generated = book_dir / "generated"
     config = load_config(config_path or book_dir / "run.yml")
     name, chosen, runs = plan(config, profile=profile, models=models, only=only,
-                              notebooks_dir=Path(notebooks_dir), generated_dir=generated)
+                              notebooks_dir=Path(notebooks_dir), generated_dir=generated, book_dir=book_dir)
     kernel = None
     t_all = time.monotonic()
     print(f"book  profile {name}: {len(runs)} notebook run(s) of {len(chosen)} chapter(s)", flush=True)
@@ -550,11 +586,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             config = load_config(args.config or args.book_dir / "run.yml")
-            name, _, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
-                                 notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated")
-            for run in runs:
-                params = injected_parameters(run, notebook_parameters(run.source))
-                print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
+            name, chosen, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
+                                      notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
+                                      book_dir=args.book_dir)
+            for chapter in chosen:
+                if chapter.is_page:
+                    print(f"{chapter.name:<44} -> {chapter.name}.md  (page, not executed)")
+                for run in (r for r in runs if r.chapter == chapter):
+                    params = injected_parameters(run, notebook_parameters(run.source))
+                    print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
             return 0
         build(profile=args.profile, models=args.models, only=args.only, book_dir=args.book_dir,
               build_dir=args.build_dir, notebooks_dir=args.notebooks_dir, config_path=args.config,

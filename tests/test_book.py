@@ -128,6 +128,42 @@ def test_plan_rejects_bad_configurations(tiny, change, message):
         book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
 
 
+def test_page_chapters_are_listed_in_the_toc_and_never_executed(tiny):
+    bookdir, nbdir = tiny
+    config = yaml.safe_load(yaml.safe_dump(RUN_YML))
+    config["chapters"].insert(1, {"page": "notes"})
+    config["chapters"].append({"page": "rerun"})
+    (bookdir / "notes.md").write_text("# Notes\n")
+    (bookdir / "rerun.md").write_text("# Rerun it yourself\n")
+    name, chapters, runs = book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    assert [(c.name, c.runs) for c in chapters] == [
+        ("01_once", "once"), ("notes", "page"), ("02_models", "per_model"), ("03_encoder", "per_model"),
+        ("rerun", "page")]
+    assert [c.is_page for c in chapters] == [False, True, False, False, True]
+    assert len(runs) == 4 and not [r for r in runs if r.chapter.is_page]  # pages are not executed
+    entries = book.toc(chapters, runs, bookdir / "generated", bookdir)["chapters"]
+    assert [e["file"] for e in entries] == ["generated/01_once", "notes", "generated/02_models/index",
+                                            "generated/03_encoder/index", "rerun"]
+    # --only selects pages like notebooks; a page runs nothing
+    _, chapters, runs = book.plan(config, only="rerun,01", notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    assert [c.name for c in chapters] == ["01_once", "rerun"] and len(runs) == 1
+
+    (bookdir / "rerun.md").unlink()
+    with pytest.raises(book.BookError, match=r"lists page rerun but .*rerun\.md does not exist"):
+        book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    for bad, message in (({"page": "notes", "runs": "once"}, "unknown keys ['runs']"),
+                         ({"page": "notes.md"}, "without '.md'"),
+                         ({"page": "notes"}, "more than once")):
+        broken = yaml.safe_load(yaml.safe_dump(config))
+        broken["chapters"].append(bad)
+        with pytest.raises(book.BookError, match=re.escape(message)):
+            book.plan(broken, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    # a page takes no parameters
+    config["profiles"]["small"]["notebooks"]["notes"] = {"seed": 1}
+    with pytest.raises(book.BookError, match="are not chapters"):
+        book.plan(config, only="01", notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+
+
 def test_only_must_match_one_chapter(tiny):
     with pytest.raises(book.BookError, match="matches no chapter"):
         plan_tiny(tiny, only="99")
@@ -195,6 +231,19 @@ def test_slug():
 def outputs_text(path: Path) -> str:
     nb = nbformat.read(path, as_version=4)
     return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+
+
+def test_kernel_environment_waits_passively_unless_told_otherwise_and_is_restored(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    with book._kernel_environment():
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert os.environ["PYTHONWARNINGS"] == "default,ignore:IProgress not found"
+    assert "OMP_WAIT_POLICY" not in os.environ and os.environ["PYTHONWARNINGS"] == "default"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
+    with book._kernel_environment():
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_execute_skip_and_rerun(tiny, capsys):
@@ -282,6 +331,22 @@ def test_per_model_chapter_becomes_a_page_with_a_subpage_per_model(tiny):
     assert ">Qwen/Qwen3-8B</a>" in page  # the sidebar names the model
 
 
+def test_rerun_page_lists_the_parameters_the_notebooks_declare():
+    """book/rerun.md has a parameter table for some chapters: it must name exactly what they declare."""
+    text = (REPO / "book" / "rerun.md").read_text()
+    sections = re.findall(r"^\*\*[^*]+\*\* \(`(\w+)`[^)]*\)\n\n((?:\|.*\n)+)", text, flags=re.M)
+    assert {name for name, _ in sections} >= {"02_geometry", "03_contribution_maps", "08_encoders"}
+    chapters = {c.name for c in book.chapters(book.load_config(REPO / "book" / "run.yml"))}
+    for name, table in sections:
+        assert name in chapters, f"rerun.md documents {name}, which run.yml does not list"
+        listed = set()
+        for line in table.splitlines()[2:]:  # after the header and the |---| line
+            first = line.split("|")[1]
+            listed |= set(re.findall(r"`(\w+)`", first))
+        declared = book.notebook_parameters(REPO / "notebooks" / f"{name}.ipynb") - {"profile", "output_dir"}
+        assert listed == declared, f"rerun.md, {name}: documents {sorted(listed)}, declared {sorted(declared)}"
+
+
 # --------------------------------------------------------------------------------------------------
 # End to end: the real book, smoke profile, in a temporary directory
 # --------------------------------------------------------------------------------------------------
@@ -328,6 +393,7 @@ def test_smoke_book_pages_and_images(smoke_book):
     assert runs, "run.yml lists no chapters"
     pages = [html / "intro.html"] + [html / Path(os.path.relpath(r.output, bookdir)).with_suffix(".html")
                                      for r in runs]
+    pages += [html / f"{c.name}.html" for c in book.chapters(config) if c.is_page]
     assert (html / "index.html").is_file()
     for page in pages:
         assert page.is_file(), f"missing page {page}"

@@ -1,0 +1,440 @@
+"""Per-layer statistics of attention and contribution weights, for the book's model chapters.
+
+Everything here reads a :class:`cwcore.decomposition.LayerDecomposition` (or plain tensors) and returns
+numbers per *sequence*, so that the error bars of a per-layer mean come from resampling sequences
+(:func:`bootstrap_ci`): rows of one sequence are not independent draws.
+
+Conventions (for layer l, head h, query i, key j):
+
+* A key is **visible** to a query when some head gives it non-zero attention: the causal mask, a
+  sliding window and padding all hide keys (:func:`visible_keys`). Padded queries see nothing.
+* A query **counts** when it sees at least ``min_keys`` keys (:func:`counted_queries`). With the
+  default ``min_keys=2`` a decoder's query 0 is left out: its only key is itself, alpha_00 = 1
+  trivially, and it says nothing about how attention is spread.
+* **Views** of the weights of a query row:
+
+  ``intra``
+      per head: alpha^h_i. against the intra-head contribution c^h_i. (which sums to 1 over keys);
+  ``inter``
+      per head: alpha^h_i. against the inter-head contribution c^h_i. (sums to 1 over heads and keys);
+  ``token``
+      per token: attention averaged over heads against the inter-head contribution summed over heads
+      (the layer's token-level weights, which sum to 1 over keys).
+
+* **Key groups** are named boolean masks ``[batch, key]`` (e.g. the first position, or the [CLS] and
+  [SEP] tokens of an encoder); the mass a group receives is the sum of the row's weights over its keys.
+* Undefined contribution weights (an output norm of zero, reported as NaN by ``decompose``) are left
+  out of means and shares; a rank correlation of a row with an undefined weight is NaN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+__all__ = [
+    "VIEWS",
+    "average_ranks",
+    "bootstrap_ci",
+    "collect",
+    "counted_queries",
+    "factor_sample",
+    "first_token_group",
+    "kendall_rows",
+    "layer_statistics",
+    "spearman_rows",
+    "summarize",
+    "token_groups",
+    "visible_keys",
+]
+
+VIEWS = ("intra", "inter", "token")
+
+
+# --------------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------------
+def visible_keys(attention: torch.Tensor) -> torch.Tensor:
+    """``[batch, query, key]`` bool: keys that at least one head attends to with non-zero weight.
+
+    ``attention`` is ``[batch, head, query, key]``; NaN rows (padded queries) see nothing.
+    """
+    return attention.nan_to_num(0.0).sum(1) > 0
+
+
+def counted_queries(visible: torch.Tensor, min_keys: int = 2) -> torch.Tensor:
+    """``[batch, query]`` bool: queries that see at least ``min_keys`` keys."""
+    return visible.sum(-1) >= min_keys
+
+
+def first_token_group(batch: int, keys: int, device=None) -> dict[str, torch.Tensor]:
+    """``{"first": mask}`` selecting key position 0 of every sequence (unpadded, or right-padded)."""
+    mask = torch.zeros(batch, keys, dtype=torch.bool, device=device)
+    mask[:, 0] = True
+    return {"first": mask}
+
+
+def token_groups(input_ids: torch.Tensor, groups: Mapping[str, Sequence[int]]) -> dict[str, torch.Tensor]:
+    """Masks of keys whose token id is in each group, e.g. ``{"[CLS]": [101], "[SEP]": [102]}``."""
+    out = {}
+    for name, ids in groups.items():
+        ids = torch.as_tensor(list(ids), dtype=input_ids.dtype, device=input_ids.device)
+        out[name] = torch.isin(input_ids, ids)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Rank agreement per row
+# --------------------------------------------------------------------------------------------------
+def _ranks(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Average ranks among the visible entries (0-based), 0 at invisible entries."""
+    filled = x.masked_fill(~visible, float("inf"))  # invisible keys sort last
+    ordered, order = filled.sort(-1)
+    ranks = torch.empty_like(x)
+    positions = torch.arange(x.shape[-1], dtype=x.dtype, device=x.device).expand_as(x)
+    ranks.scatter_(-1, order, positions)
+    ties = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] != float("inf"))
+    if ties.any():  # exact average ranks only where needed (ties are rare in float data)
+        rows = ties.any(-1)
+        sub, sub_sorted = filled[rows], ordered[rows]
+        left = torch.searchsorted(sub_sorted, sub, side="left")
+        right = torch.searchsorted(sub_sorted, sub, side="right")
+        ranks[rows] = (left + right - 1).to(x.dtype) / 2
+    return ranks.masked_fill_(~visible, 0.0)
+
+
+def average_ranks(x: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Ranks (0-based, ties get their average rank) of ``x`` along the last axis among the visible
+    entries; invisible entries get NaN. ``x`` must be finite where visible."""
+    visible = visible.expand_as(x)
+    return _ranks(x, visible).masked_fill(~visible, float("nan"))
+
+
+def _valid_rows(x: torch.Tensor, y: torch.Tensor, visible: torch.Tensor, min_keys: int) -> torch.Tensor:
+    """Rows with at least ``min_keys`` visible entries, all of them finite in ``x`` and ``y``."""
+    finite = torch.isfinite(x) & torch.isfinite(y)
+    return (visible.sum(-1) >= min_keys) & (finite | ~visible).all(-1)
+
+
+def _spearman_from_ranks(rx: torch.Tensor, ry: torch.Tensor, visible: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    n = visible.sum(-1, dtype=rx.dtype)
+    mean = ((n - 1) / 2)[..., None]  # average ranks always average to (n - 1) / 2
+    dx = (rx - mean).masked_fill_(~visible, 0.0)
+    dy = (ry - mean).masked_fill_(~visible, 0.0)
+    cov = (dx * dy).sum(-1)
+    var = (dx * dx).sum(-1) * (dy * dy).sum(-1)
+    return (cov / var.sqrt()).masked_fill_(~ok | (var <= 0), float("nan"))
+
+
+def spearman_rows(x: torch.Tensor, y: torch.Tensor, visible: torch.Tensor, min_keys: int = 3) -> torch.Tensor:
+    """Spearman's rho between ``x`` and ``y`` along the last axis, over the visible entries of each row.
+
+    Ties get average ranks (as :func:`scipy.stats.spearmanr`). NaN for rows with fewer than
+    ``min_keys`` visible entries, a non-finite visible value, or a constant ``x`` or ``y``.
+    """
+    visible = visible.expand_as(x)
+    ok = _valid_rows(x, y, visible, min_keys)
+    vis = visible & ok[..., None]
+    return _spearman_from_ranks(_ranks(x, vis), _ranks(y, vis), vis, ok)
+
+
+def kendall_rows(x: torch.Tensor, y: torch.Tensor, visible: torch.Tensor, min_keys: int = 3,
+                 chunk_elements: int = 2 ** 23) -> torch.Tensor:
+    """Kendall's tau-b between ``x`` and ``y`` along the last axis, over the visible entries of each row.
+
+    tau-b = sum_{j,k} s^x_jk s^y_jk / sqrt(sum s^x_jk^2 * sum s^y_jk^2) with s_jk = sign(x_j - x_k)
+    over pairs of visible entries (as :func:`scipy.stats.kendalltau`). Costs O(keys^2) per row:
+    rows are processed in chunks, each cut to the keys its rows can see (a causal row i needs only
+    the keys up to i). NaN where :func:`spearman_rows` is.
+    """
+    shape = x.shape[:-1]
+    keys = x.shape[-1]
+    visible = visible.expand_as(x).reshape(-1, keys)
+    xf, yf = x.reshape(-1, keys), y.reshape(-1, keys)
+    ok = _valid_rows(xf, yf, visible, min_keys)
+    out = torch.full((xf.shape[0],), float("nan"), dtype=x.dtype, device=x.device)
+    rows = ok.nonzero().squeeze(-1)
+    if rows.numel():
+        positions = torch.arange(keys, device=x.device)
+        last = torch.where(visible[rows], positions, -1).max(-1).values + 1  # keys a row needs
+        order = last.argsort()
+        rows, last = rows[order], last[order]
+        start = 0
+        while start < rows.numel():
+            # the longest run of rows (sorted by width) whose pairwise tensors fit in chunk_elements
+            cost = torch.arange(1, rows.numel() - start + 1, device=x.device) * last[start:] ** 2
+            stop = start + max(1, int((cost <= chunk_elements).sum()))
+            width = int(last[stop - 1])
+            idx = rows[start:stop]
+            v = visible[idx, :width]
+            pair = v[:, :, None] & v[:, None, :]
+            a, b = xf[idx, :width], yf[idx, :width]
+            sx = torch.sign(a[:, :, None] - a[:, None, :]) * pair
+            sy = torch.sign(b[:, :, None] - b[:, None, :]) * pair
+            num = (sx * sy).sum((1, 2))
+            den = ((sx * sx).sum((1, 2)) * (sy * sy).sum((1, 2))).sqrt()
+            out[idx] = torch.where(den > 0, num / den, torch.full_like(num, float("nan")))
+            start = stop
+    return out.reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer statistics, one row per sequence
+# --------------------------------------------------------------------------------------------------
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor, dims) -> torch.Tensor:
+    """Mean of ``values`` over ``dims`` where ``mask``; NaN where nothing counts."""
+    total = torch.where(mask, values, torch.zeros_like(values)).sum(dims)
+    return total / mask.sum(dims).to(values.dtype)
+
+
+def layer_statistics(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *, min_keys: int = 2,
+                     rank_min_keys: int = 5, rank_views: Sequence[str] = VIEWS,
+                     kendall_views: Sequence[str] = (), sequence_offset: int = 0) -> pd.DataFrame:
+    """Statistics of one layer of a decomposition, one value per sequence of the batch.
+
+    Returns a long table with columns ``sequence, layer, statistic, view, group, value``:
+
+    ``mass`` (view ``attention``, ``intra`` or ``token``; one row per key group)
+        the weight a query row puts on the group's keys, averaged over counted queries (and over
+        heads for ``attention`` and ``intra``; ``token`` sums the inter-head weights over heads, so
+        all three are shares of one unit). Rows with an undefined weight are left out;
+    ``negative_share`` (views ``intra``, ``inter``, ``token``)
+        the fraction of the defined, visible weights of counted queries that are negative;
+    ``negative_mass`` (same views)
+        minus the sum of a row's negative weights, averaged over rows (for ``intra`` and ``token``
+        rows sum to 1, so this is how far past 1 the positive weights must go);
+    ``spearman`` (``rank_views``) / ``kendall`` (``kendall_views``)
+        the rank correlation of attention and contribution along each row, averaged over the rows of
+        queries that see at least ``rank_min_keys`` keys (Kendall costs O(keys^2) per row).
+
+    ``sequence`` numbers the batch's rows from ``sequence_offset``.
+    """
+    for name in (*rank_views, *kendall_views):
+        if name not in VIEWS:
+            raise ValueError(f"unknown view {name!r}; views are {', '.join(VIEWS)}")
+    attention = layer.attention
+    batch, heads, queries, keys = attention.shape
+    visible = visible_keys(attention)  # [b, q, k]
+    counted = counted_queries(visible, min_keys)  # [b, q]
+    ranked = counted_queries(visible, rank_min_keys)
+    weights = {  # view -> (attention, contribution); per head [b, h, q, k], token level [b, q, k]
+        "intra": (attention, layer.intra),
+        "inter": (attention, layer.inter),
+        "token": (attention.mean(1), layer.inter.sum(1)),
+    }
+    records: list[tuple] = []
+
+    def add(statistic, view, group, per_sequence):
+        for b, value in enumerate(per_sequence.tolist()):
+            records.append((sequence_offset + b, layer.layer, statistic, view, group, value))
+
+    alpha_ranks = {}
+    for view, (alpha, contribution) in weights.items():
+        per_head = contribution.dim() == 4
+        expand = (lambda m: m[:, None].expand(batch, heads, *m.shape[1:])) if per_head else (lambda m: m)
+        vis = expand(visible & counted[..., None])
+        finite = vis & ~contribution.isnan()
+        row_ok = expand(counted) & (finite == vis).all(-1)  # counted rows whose weights are all defined
+        dims = tuple(range(1, contribution.dim() - 1))  # all but batch and key
+
+        negative = (contribution < 0) & finite
+        share = negative.sum((*dims, -1)) / finite.sum((*dims, -1)).clamp_min(1)
+        add("negative_share", view, "", share)
+        neg_mass = -torch.where(negative, contribution, torch.zeros_like(contribution)).sum(-1)
+        add("negative_mass", view, "", _masked_mean(neg_mass, row_ok, dims))
+
+        if view != "inter":  # mass on key groups: attention (per head), intra (per head), token
+            for group, mask in (key_groups or {}).items():
+                keymask = (mask.to(attention.device)[:, None, None, :] if per_head else
+                           mask.to(attention.device)[:, None, :]) & vis
+                if view == "intra":
+                    mass = torch.where(keymask, alpha, torch.zeros_like(alpha)).sum(-1)
+                    add("mass", "attention", group, _masked_mean(mass, expand(counted), dims))
+                mass = torch.where(keymask, contribution, torch.zeros_like(contribution)).sum(-1)
+                add("mass", view, group, _masked_mean(mass, row_ok, dims))
+
+        if view in rank_views or view in kendall_views:
+            rvis = expand(visible & ranked[..., None])
+            ok = expand(ranked) & (finite == vis).all(-1) & (rvis.sum(-1) >= rank_min_keys)
+            rvis = rvis & ok[..., None]
+            if view in rank_views:
+                key = per_head
+                if key not in alpha_ranks:  # intra and inter share attention and the same rows
+                    alpha_ranks[key] = (_ranks(alpha, rvis), rvis)
+                ra, avis = alpha_ranks[key]
+                if not torch.equal(avis, rvis):
+                    ra = _ranks(alpha, rvis)
+                rho = _spearman_from_ranks(ra, _ranks(contribution.nan_to_num(0.0), rvis), rvis, ok)
+                add("spearman", view, "", _masked_mean(rho, ~rho.isnan(), dims))
+            if view in kendall_views:
+                tau = kendall_rows(alpha, contribution, rvis, min_keys=rank_min_keys)
+                add("kendall", view, "", _masked_mean(tau, ~tau.isnan(), dims))
+
+    return pd.DataFrame.from_records(records, columns=["sequence", "layer", "statistic", "view", "group", "value"])
+
+
+def factor_sample(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *, kind: str = "intra",
+                  per_group: int = 256, min_keys: int = 2, seed: int = 0, sequence_offset: int = 0) -> pd.DataFrame:
+    """A random sample of (head, query, key) terms with their three factors, stratified by key group.
+
+    For each sequence and each group (the key groups, then ``other`` for the remaining keys) at most
+    ``per_group`` visible terms of counted queries are drawn uniformly without replacement
+    (``numpy.random.default_rng([seed, layer, sequence])``). Columns: ``sequence, layer, group,
+    head, query, key, attention, relative_norm, cosine, contribution`` (the factors of ``kind``).
+    Terms with an undefined factor (zero output norm) are not drawn.
+    """
+    attention = layer.attention
+    batch, heads, queries, keys = attention.shape
+    visible = visible_keys(attention)
+    rows_vis = (visible & counted_queries(visible, min_keys)[..., None])[:, None].expand(batch, heads, queries, keys)
+    rel, cos, con = layer.relative_norm(kind), layer.cosine(kind), layer.contribution(kind)
+    defined = rows_vis & torch.isfinite(rel) & torch.isfinite(cos) & torch.isfinite(con)
+    groups = dict(key_groups or {})
+    taken = torch.zeros(batch, keys, dtype=torch.bool, device=attention.device)
+    masks = []
+    for name, mask in groups.items():
+        mask = mask.to(attention.device) & ~taken
+        masks.append((name, mask))
+        taken |= mask
+    masks.append(("other", ~taken))
+    frames = []
+    for b in range(batch):
+        rng = np.random.default_rng([seed, layer.layer, sequence_offset + b])
+        for name, mask in masks:
+            candidates = (defined[b] & mask[b][None, None, :]).nonzero()  # [n, 3]: head, query, key
+            if candidates.shape[0] == 0:
+                continue
+            pick = rng.choice(candidates.shape[0], size=min(per_group, candidates.shape[0]), replace=False)
+            h, q, k = candidates[torch.as_tensor(np.sort(pick))].unbind(-1)
+            frames.append(pd.DataFrame({
+                "sequence": sequence_offset + b, "layer": layer.layer, "group": name,
+                "head": h.cpu().numpy(), "query": q.cpu().numpy(), "key": k.cpu().numpy(),
+                "attention": attention[b, h, q, k].cpu().numpy(),
+                "relative_norm": rel[b, h, q, k].cpu().numpy(),
+                "cosine": cos[b, h, q, k].cpu().numpy(),
+                "contribution": con[b, h, q, k].cpu().numpy(),
+            }))
+    columns = ["sequence", "layer", "group", "head", "query", "key", "attention", "relative_norm", "cosine",
+               "contribution"]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+
+
+# --------------------------------------------------------------------------------------------------
+# Many batches, cached
+# --------------------------------------------------------------------------------------------------
+def _fingerprint(model) -> str:
+    """A cheap hash of a model: class, name, and every parameter's name, shape, dtype and end values."""
+    digest = hashlib.sha256(type(model).__name__.encode())
+    digest.update(str(getattr(getattr(model, "config", None), "_name_or_path", "")).encode())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            digest.update(torch.cat([flat[:32], flat[-32:]]).float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def _digest(batch: Mapping[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(batch):
+        t = batch[name]
+        digest.update(f"{name}{tuple(t.shape)}".encode())
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:20]
+
+
+def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
+            key_groups: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
+            layers: Sequence[int] | None = None, kind: str = "intra", min_keys: int = 2, rank_min_keys: int = 5,
+            rank_views: Sequence[str] = VIEWS, kendall_views: Sequence[str] = (), factor_samples: int = 256,
+            seed: int = 0, cache: bool = True, cache_root=None,
+            progress: Callable[[int], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Decompose every batch and gather :func:`layer_statistics` and :func:`factor_sample` of each layer.
+
+    ``batches`` yields the model's inputs (e.g. :func:`cwcore.data.lm_batches`); sequences are numbered
+    0, 1, ... across batches. ``key_groups(batch)`` gives the key groups of a batch (default: the first
+    position, :func:`first_token_group`). Each batch's two tables are cached
+    (:class:`cwcore.cache.ResultCache`, namespace ``layer-statistics``) under a key made of a
+    fingerprint of the model, the batch's tensors, the options and cwcore's code, so a rerun reads
+    them back instead of running the model; ``cache=False`` switches that off. ``progress(sequences_done)`` is
+    called after each batch. Returns ``(statistics, factor samples)``.
+    """
+    import cwcore  # cwcore.decompose, the function (the module that defines it is an implementation detail)
+
+    from .cache import ResultCache
+
+    options = dict(model=_fingerprint(model), layers=None if layers is None else sorted(layers), kind=kind,
+                   min_keys=min_keys, rank_min_keys=rank_min_keys, rank_views=list(rank_views),
+                   kendall_views=list(kendall_views), factor_samples=factor_samples, seed=seed)
+    store = ResultCache("layer-statistics", options, root=cache_root, enabled=cache)
+    stats, factors = [], []
+    offset = 0
+    for batch in batches:
+        batch = dict(batch)
+        size = int(next(iter(batch.values())).shape[0])
+        piece = _digest(batch)
+        got_stats, got_factors = store.get(f"{piece}-stats"), store.get(f"{piece}-factors")
+        if got_stats is None or got_factors is None:
+            groups = key_groups(batch) if key_groups else None
+            d = cwcore.decompose(model, layers=layers, **batch)
+            per_layer, samples = [], []
+            for layer in d:
+                if groups is None:
+                    b, _, _, k = layer.attention.shape
+                    groups = first_token_group(b, k)
+                per_layer.append(layer_statistics(layer, groups, min_keys=min_keys, rank_min_keys=rank_min_keys,
+                                                  rank_views=rank_views, kendall_views=kendall_views))
+                samples.append(factor_sample(layer, groups, kind=kind, per_group=factor_samples,
+                                             min_keys=min_keys, seed=seed))
+            del d
+            got_stats = pd.concat(per_layer, ignore_index=True)
+            got_factors = pd.concat(samples, ignore_index=True)
+            store.put(f"{piece}-stats", got_stats)
+            store.put(f"{piece}-factors", got_factors)
+        # the cached tables number sequences from 0 within their batch
+        stats.append(got_stats.assign(sequence=got_stats["sequence"] + offset))
+        factors.append(got_factors.assign(sequence=got_factors["sequence"] + offset))
+        offset += size
+        if progress is not None:
+            progress(offset)
+    return pd.concat(stats, ignore_index=True), pd.concat(factors, ignore_index=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Error bars
+# --------------------------------------------------------------------------------------------------
+def bootstrap_ci(values, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """Mean of ``values`` (NaNs dropped) and a percentile bootstrap confidence interval of the mean.
+
+    Returns ``(mean, low, high)``; with a single value the interval is that value, with none NaN.
+    """
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return (float("nan"),) * 3
+    mean = float(v.mean())
+    if v.size == 1:
+        return mean, mean, mean
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, v.size, size=(n_bootstrap, v.size))].mean(1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return mean, float(low), float(high)
+
+
+def summarize(stats: pd.DataFrame, by: Sequence[str] = ("layer", "statistic", "view", "group"),
+              n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """Per-group mean over sequences with a bootstrap CI: columns ``*by, mean, low, high, n``.
+
+    Sequences are the resampled unit (rows within a sequence are not independent).
+    """
+    out = []
+    for key, frame in stats.groupby(list(by), sort=True, dropna=False):
+        mean, low, high = bootstrap_ci(frame["value"].to_numpy(), n_bootstrap, confidence, seed)
+        n = int(np.isfinite(frame["value"].to_numpy(dtype=float)).sum())
+        out.append((*((key,) if len(by) == 1 else key), mean, low, high, n))
+    return pd.DataFrame(out, columns=[*by, "mean", "low", "high", "n"])
