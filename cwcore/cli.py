@@ -42,9 +42,6 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     Returns ``(figure, attention [query, key], contribution [query, key], tokens)``; with ``head``
     None the token-level views are drawn (attention averaged over heads, contributions summed).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import torch
 
@@ -90,6 +87,9 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
 
 
 def _explain_command(args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # the command line draws to a file, never to a window
     from .cache import atomic_write_bytes
     from .models import load_model
 
