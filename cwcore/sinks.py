@@ -46,6 +46,7 @@ import argparse
 import hashlib
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -67,14 +68,22 @@ __all__ = [
     "ConvexityTables",
     "DecompositionTables",
     "SemanticConeTables",
+    "SequenceBootstrap",
     "anti_alignment",
+    "bootstrap_ci",
+    "combine_verdicts",
+    "cone_points",
     "convexity",
     "model_fingerprint",
     "semantic_cone",
     "sink_decomposition",
+    "sequence_bootstrap",
+    "share_ci",
     "sink_rates",
+    "spearman_ci",
     "summarize",
     "token_blocks",
+    "verdict",
     "main",
     "run_analyses",
 ]
@@ -1192,18 +1201,48 @@ def _cone_stats(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     }).reset_index()
 
 
-def _cone_tables(points: pd.DataFrame, sequences: pd.DataFrame, heads: pd.DataFrame, quantiles: int) -> SemanticConeTables:
-    # quantile of each clean output norm within its head (over all of the head's queries and sequences)
+def _within_head_quantile(points: pd.DataFrame, quantiles: int) -> np.ndarray:
+    """1..quantiles: the quantile of each point's clean output norm within its head (edges over all of
+    the head's touched queries and sequences in the ``sink`` condition)."""
     clean = points[points["condition"] == "sink"][["layer", "head", "norm_clean"]]
     edges = clean.groupby(["layer", "head"])["norm_clean"].quantile(np.linspace(0, 1, quantiles + 1)[1:-1]).unstack()
     edge_rows = edges.loc[pd.MultiIndex.from_frame(points[["layer", "head"]])].to_numpy() if len(edges.columns) else \
         np.zeros((len(points), 0))
-    points = points.assign(quantile=1 + (points["norm_clean"].to_numpy()[:, None] > edge_rows).sum(1))
+    return 1 + (points["norm_clean"].to_numpy()[:, None] > edge_rows).sum(1)
+
+
+def _head_summary(heads: pd.DataFrame, quantiles: int) -> pd.DataFrame:
+    """Per (layer, head): sink rate, selected, mean clean norm, its rank among the heads and its bin."""
     summary = heads.groupby(["layer", "head"]).agg(sink_rate=("sink_rate", "mean"), selected=("selected", "mean"),
                                                     head_norm=("norm_clean_mean", "mean")).reset_index()
     summary["norm_quantile_of_head"] = summary["head_norm"].rank(pct=True)
     # heads binned by their mean clean output norm among the model's heads
     summary["head_bin"] = np.ceil(summary["norm_quantile_of_head"] * quantiles).clip(1, quantiles).astype(int)
+    return summary
+
+
+def cone_points(raw: dict[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFrame:
+    """The per-output rows of :func:`semantic_cone` with their bins, for intervals over sequences.
+
+    ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
+    Returns its ``points`` (condition, layer, sequence, head, query, norm_clean, cos_clean, norm_after,
+    cos_after, drift) plus ``quantile`` (the ``within_head`` bin of ``by_quantile``), ``head_bin`` (the
+    ``across_heads`` bin), ``sink_rate`` (the head's), ``log_norm_ratio`` = log(norm_after / norm_clean)
+    and ``delta_cos`` = cos_after - cos_clean.
+    """
+    points = raw["points"]
+    summary = _head_summary(raw["heads"], quantiles)
+    out = points.assign(quantile=_within_head_quantile(points, quantiles))
+    out = out.merge(summary[["layer", "head", "head_bin", "sink_rate"]], on=["layer", "head"], how="left")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["log_norm_ratio"] = np.log(out["norm_after"].to_numpy(float) / out["norm_clean"].to_numpy(float))
+    out["delta_cos"] = out["cos_after"] - out["cos_clean"]
+    return out
+
+
+def _cone_tables(points: pd.DataFrame, sequences: pd.DataFrame, heads: pd.DataFrame, quantiles: int) -> SemanticConeTables:
+    points = points.assign(quantile=_within_head_quantile(points, quantiles))
+    summary = _head_summary(heads, quantiles)
     by_head = points.merge(summary[["layer", "head", "head_bin"]], on=["layer", "head"], how="left")
     by_quantile = pd.concat([
         _cone_stats(points, ["condition", "quantile"]).assign(binning="within_head"),
@@ -1259,15 +1298,27 @@ def run_analyses(
     cache_root=None,
     progress: bool = True,
     compute_dtype: torch.dtype = torch.float32,
+    raw: bool = False,
+    precompute: Iterable[str] = (),
 ) -> dict:
     """Several analyses sharing one clean forward pass per batch; options as in the single functions.
 
     Returns ``{name: result}`` with the results of :func:`sink_rates` (``rates``),
     :func:`sink_decomposition`, :func:`anti_alignment`, :func:`convexity` and :func:`semantic_cone`,
     equal to what those functions return (they share the cache: calling one afterwards reads it).
+    With ``raw=True`` the result also holds ``"raw"``: ``{name: {part: DataFrame}}``, the per-point
+    material the tables are made from (e.g. for intervals over sequences with :func:`sequence_bootstrap`;
+    :func:`cone_points` bins the semantic cone's). ``raw`` is not part of the cache key.
+
+    ``precompute``: further analyses whose raw material is computed in the same forward passes and
+    cached, without building their tables (which can take longer than reading them): a later call for
+    them with the same options reads the cache. Several callers that each need some of the analyses
+    (the book's sink chapters) can pass ``precompute=ANALYSES`` so that whichever runs first does one
+    shared pass for all of them.
     """
     analyses = list(analyses)
-    unknown = sorted(set(analyses) - set(ANALYSES))
+    precompute = [a for a in dict.fromkeys(precompute) if a not in analyses]
+    unknown = sorted((set(analyses) | set(precompute)) - set(ANALYSES))
     if unknown:
         raise ValueError(f"unknown analyses {unknown}; choose from {', '.join(ANALYSES)}")
     if kind not in ("intra", "inter"):
@@ -1278,10 +1329,13 @@ def run_analyses(
         raise ValueError(f"fit_on must be 'norm' or 'squared_norm', not {fit_on!r}")
     specs = _specs(kind=kind, quantile_sample=quantile_sample, seed=seed, heads=heads, threshold=threshold)
     common = {k: v for k, v in locals().items() if k in _COMMON}
-    parts, blocks = _run(model, tokenizer, data, [specs[a] for a in analyses], **common)
+    parts, blocks = _run(model, tokenizer, data, [specs[a] for a in analyses + precompute], **common)
     options = dict(eps=eps, sample_size=sample_size, seed=seed, bins=bins, fit_on=fit_on, min_range=min_range,
                    quantiles=quantiles)
-    return {name: _tables(name, parts[name], blocks, **options) for name in analyses}
+    results = {name: _tables(name, parts[name], blocks, **options) for name in analyses}
+    if raw:
+        results["raw"] = {name: parts[name] for name in analyses}
+    return results
 
 
 def _specs(kind, quantile_sample, seed, heads, threshold) -> dict[str, _Spec]:
@@ -1308,6 +1362,175 @@ def _tables(name: str, p: dict[str, pd.DataFrame], blocks: _Blocks, *, eps, samp
     if name == "convexity":
         return _convexity_tables(p["points"], bins, fit_on, min_range, eps)
     return _cone_tables(p["points"], p["sequences"], p["heads"], quantiles)
+
+
+# ---------------------------------------------------------------------------------------------------
+# intervals and verdicts (the book's sink chapters state each claim with an interval and a verdict)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _percentile_interval(replicates: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
+    tail = 100 * (1 - level) / 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN
+        return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100 - tail, axis=0)
+
+
+def bootstrap_ci(values, statistic=np.median, *, n_bootstrap: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> tuple[float, float, float]:
+    """``(statistic(values), low, high)``: a percentile bootstrap interval, resampling the values.
+
+    ``statistic`` takes an array and ``axis=`` (np.median, np.mean, ...). NaNs are dropped first;
+    with fewer than two values the interval is NaN.
+    """
+    x = np.asarray(values, dtype=float)
+    x = x[np.isfinite(x)]
+    if len(x) == 0:
+        return (np.nan, np.nan, np.nan)
+    estimate = float(statistic(x, axis=0))
+    if len(x) < 2:
+        return (estimate, np.nan, np.nan)
+    rng = np.random.default_rng(seed)
+    replicates = statistic(x[rng.integers(0, len(x), (n_bootstrap, len(x)))], axis=1)
+    low, high = _percentile_interval(replicates[:, None], level)
+    return (estimate, float(low[0]), float(high[0]))
+
+
+def spearman_ci(x, y, *, n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """Spearman's rho of the pairs (x, y) and a percentile bootstrap interval resampling the pairs.
+
+    Pairs with a NaN are dropped; ties get average ranks (as :func:`scipy.stats.spearmanr`).
+    Returns ``(rho, low, high)``; NaN where undefined (fewer than three pairs, a constant variable).
+    """
+    from scipy.stats import rankdata
+
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    if len(x) < 3:
+        return (np.nan, np.nan, np.nan)
+
+    def rho(a, b):  # row-wise Pearson correlation of ranks, [r, n] -> [r]
+        ra, rb = rankdata(a, axis=-1), rankdata(b, axis=-1)
+        ra, rb = ra - ra.mean(-1, keepdims=True), rb - rb.mean(-1, keepdims=True)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return (ra * rb).sum(-1) / np.sqrt((ra**2).sum(-1) * (rb**2).sum(-1))
+
+    estimate = float(rho(x[None], y[None])[0])
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), (n_bootstrap, len(x)))
+    low, high = _percentile_interval(rho(x[idx], y[idx])[:, None], level)
+    return (estimate, float(low[0]), float(high[0]))
+
+
+def share_ci(flags, *, level: float = 0.95) -> tuple[float, float, float]:
+    """The share of true ``flags`` (NaN/None dropped) with its Wilson score interval: ``(share, low, high)``.
+
+    Used for shares of heads (e.g. heads with an interior minimum); unlike a bootstrap, the Wilson
+    interval does not collapse to a point when every head agrees.
+    """
+    from scipy.stats import norm
+
+    f = pd.Series(flags, dtype="object").dropna().astype(bool).to_numpy()
+    n = len(f)
+    if n == 0:
+        return (np.nan, np.nan, np.nan)
+    p = f.mean()
+    z = norm.ppf(0.5 + level / 2)
+    centre = (p + z**2 / (2 * n)) / (1 + z**2 / n)
+    half = z / (1 + z**2 / n) * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
+    return (float(p), float(max(0.0, centre - half)), float(min(1.0, centre + half)))
+
+
+class SequenceBootstrap(NamedTuple):
+    """``table``: per group, ``n`` (rows), ``n_sequences`` and each column's pooled mean with ``<column>_low`` /
+    ``<column>_high``; ``replicates``: ``{column: [n_bootstrap, group]}``, groups in ``table``'s row order. The
+    same resampled sequences are used for every group and column, so replicates of two groups can be
+    subtracted for a paired interval of their difference."""
+
+    table: pd.DataFrame
+    replicates: dict[str, np.ndarray]
+
+
+def sequence_bootstrap(points: pd.DataFrame, columns, by=(), *, weight: str | None = None, unit: str = "sequence",
+                       n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> SequenceBootstrap:
+    """Means of ``columns`` per group ``by``, pooled over rows, with intervals resampling whole sequences.
+
+    The rows of one sequence (its queries, heads, layers) are not independent, so the percentile
+    bootstrap draws the ``unit`` values (sequences) with replacement and pools the rows of each drawn
+    sequence. The mean of a column in a group is sum(w x) / sum(w) over its rows with a finite x
+    (w = the ``weight`` column, or 1). Groups are in sorted order of ``by``.
+    """
+    columns = [columns] if isinstance(columns, str) else list(columns)
+    by = [by] if isinstance(by, str) else list(by)
+    units, unit_index = np.unique(points[unit].to_numpy(), return_inverse=True)
+    if by:
+        grouped = points.groupby(by, sort=True, observed=True)
+        codes = grouped.ngroup().to_numpy()
+        table = grouped.size().rename("n").reset_index()
+        table["n_sequences"] = grouped[unit].nunique().to_numpy()
+    else:
+        codes = np.zeros(len(points), dtype=np.int64)
+        table = pd.DataFrame({"n": [len(points)], "n_sequences": [len(units)]})
+    groups, n_units = len(table), len(units)
+    cell = codes * n_units + unit_index
+    w_all = np.ones(len(points)) if weight is None else points[weight].to_numpy(float)
+    rng = np.random.default_rng(seed)
+    draws = rng.multinomial(n_units, np.full(n_units, 1 / n_units), size=n_bootstrap).astype(float)  # [B, units]
+    replicates = {}
+    for column in columns:
+        x = points[column].to_numpy(float)
+        ok = np.isfinite(x) & np.isfinite(w_all)
+        sums = np.bincount(cell[ok], weights=(w_all * x)[ok], minlength=groups * n_units).reshape(groups, n_units)
+        counts = np.bincount(cell[ok], weights=w_all[ok], minlength=groups * n_units).reshape(groups, n_units)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            table[column] = sums.sum(1) / counts.sum(1)
+            replicates[column] = (draws @ sums.T) / (draws @ counts.T)
+        table[f"{column}_low"], table[f"{column}_high"] = _percentile_interval(replicates[column], level)
+        if n_units < 2:
+            table[f"{column}_low"] = table[f"{column}_high"] = np.nan
+    return SequenceBootstrap(table, replicates)
+
+
+UNMEASURED = "cannot be evaluated"
+
+
+def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "above") -> str:
+    """The book's rule for a claim "the statistic is above (``side="above"``) / below ``threshold``",
+    given the 95% interval [low, high] of the statistic:
+
+    * ``"holds"``: the whole interval is on the claimed side (low > threshold for "above");
+    * ``"does not hold"``: the whole interval is on the other side, the threshold included
+      (high <= threshold for "above");
+    * ``"inconclusive"``: the interval contains the threshold;
+    * :data:`UNMEASURED` when the interval is not defined (NaN).
+    """
+    if side not in ("above", "below"):
+        raise ValueError(f"side must be 'above' or 'below', not {side!r}")
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return UNMEASURED
+    if side == "below":
+        low, high, threshold = -high, -low, -threshold
+    if low > threshold:
+        return "holds"
+    if high <= threshold:
+        return "does not hold"
+    return "inconclusive"
+
+
+def combine_verdicts(parts) -> str:
+    """One verdict for a claim made of several parts, each judged by :func:`verdict`: "holds" if every part
+    holds; "holds partly" if some but not all do; otherwise "does not hold" if a part does not hold,
+    else "inconclusive". Parts that cannot be evaluated are left out (all of them: :data:`UNMEASURED`)."""
+    parts = [p for p in parts if p != UNMEASURED]
+    if not parts:
+        return UNMEASURED
+    held = sum(p == "holds" for p in parts)
+    if held == len(parts):
+        return "holds"
+    if held:
+        return "holds partly"
+    return "does not hold" if "does not hold" in parts else "inconclusive"
 
 
 # ---------------------------------------------------------------------------------------------------

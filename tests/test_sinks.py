@@ -465,3 +465,115 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     assert sinks.main([*args, "--from-raw", "--out", str(tmp_path / "b")]) == 0
     for name in written:
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "a" / name), pd.read_csv(tmp_path / "b" / name))
+
+
+# ---------------------------------------------------------------------------------------------------
+# intervals and verdicts used by the book's sink chapters
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_verdict_rule_and_combination():
+    assert sinks.verdict(0.1, 0.4) == "holds"
+    assert sinks.verdict(-0.4, -0.1) == "does not hold"
+    assert sinks.verdict(-0.4, 0.0) == "does not hold"  # touching the threshold from below is not above it
+    assert sinks.verdict(-0.1, 0.2) == "inconclusive"
+    assert sinks.verdict(-0.4, -0.1, side="below") == "holds"
+    assert sinks.verdict(0.55, 0.7, threshold=0.5, side="below") == "does not hold"
+    assert sinks.verdict(0.52, 0.7, threshold=0.5) == "holds"
+    assert sinks.verdict(float("nan"), 0.3) == sinks.UNMEASURED
+    with pytest.raises(ValueError, match="side"):
+        sinks.verdict(0, 1, side="left")
+    assert sinks.combine_verdicts(["holds", "holds"]) == "holds"
+    assert sinks.combine_verdicts(["holds", "does not hold"]) == "holds partly"
+    assert sinks.combine_verdicts(["holds", "inconclusive"]) == "holds partly"
+    assert sinks.combine_verdicts(["inconclusive", "does not hold"]) == "does not hold"
+    assert sinks.combine_verdicts(["inconclusive", sinks.UNMEASURED]) == "inconclusive"
+    assert sinks.combine_verdicts([sinks.UNMEASURED]) == sinks.UNMEASURED
+
+
+def test_share_ci_is_the_wilson_interval():
+    share, low, high = sinks.share_ci([True] * 8 + [False] * 2)
+    assert share == pytest.approx(0.8)
+    assert (low, high) == pytest.approx((0.4902, 0.9433), abs=1e-4)
+    share, low, high = sinks.share_ci([True] * 20 + [None])  # NaN/None dropped; no collapse at 1
+    assert share == 1.0 and high == 1.0 and low == pytest.approx(0.8389, abs=1e-4)
+    assert np.isnan(sinks.share_ci([])[0])
+
+
+def test_spearman_and_bootstrap_intervals():
+    x = np.arange(30.0)
+    rho, low, high = sinks.spearman_ci(x, x**3)  # monotone: rho = 1 in every resample
+    assert (rho, low, high) == (1.0, 1.0, 1.0)
+    rho, low, high = sinks.spearman_ci(x, -np.exp(x / 10), n_bootstrap=200)
+    assert (rho, low, high) == (-1.0, -1.0, -1.0)
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=200)
+    b = a + rng.normal(size=200)
+    rho, low, high = sinks.spearman_ci(a, b, seed=1)
+    from scipy.stats import spearmanr
+
+    assert rho == pytest.approx(spearmanr(a, b).statistic)
+    assert low < rho < high and 0.5 < low and high < 0.85
+    assert sinks.spearman_ci(a, b, seed=1) == (rho, low, high)  # seeded
+    est, low, high = sinks.bootstrap_ci([1.0, 2.0, 3.0, np.nan, 10.0])
+    assert est == 2.5 and 1.0 <= low <= est <= high <= 10.0
+    assert sinks.bootstrap_ci([4.0], np.mean)[0] == 4.0 and np.isnan(sinks.bootstrap_ci([4.0])[1])
+
+
+def test_sequence_bootstrap_pools_rows_and_resamples_whole_sequences():
+    # sequence 0: three rows of 1.0 in group "a"; sequence 1: one row of 5.0 in "a"; "b" doubles "a"
+    points = pd.DataFrame({"sequence": [0, 0, 0, 1] * 2, "g": ["a"] * 4 + ["b"] * 4,
+                           "x": [1.0, 1.0, 1.0, 5.0, 2.0, 2.0, 2.0, 10.0], "w": [1.0, 1.0, 1.0, 3.0] * 2})
+    boot = sinks.sequence_bootstrap(points, ["x"], by="g", n_bootstrap=500)
+    table = boot.table.set_index("g")
+    assert table.loc["a", "x"] == pytest.approx(2.0)  # pooled over rows: (1 + 1 + 1 + 5) / 4
+    assert table.loc["b", "x"] == pytest.approx(4.0)
+    assert list(table["n"]) == [4, 4] and list(table["n_sequences"]) == [2, 2]
+    # a resample holds sequence 0 k times and sequence 1 (2 - k) times: means 1, 2 or 5 only
+    assert set(np.round(np.unique(boot.replicates["x"][:, 0]), 6)) <= {1.0, 2.0, 5.0}
+    assert table.loc["a", "x_low"] == 1.0 and table.loc["a", "x_high"] == 5.0
+    # the same resamples for every group: "b" is exactly twice "a" in every replicate
+    assert np.allclose(boot.replicates["x"][:, 1], 2 * boot.replicates["x"][:, 0])
+    weighted = sinks.sequence_bootstrap(points, "x", by="g", weight="w", n_bootstrap=10).table
+    assert weighted["x"].iloc[0] == pytest.approx((3 * 1.0 + 3 * 5.0) / 6)
+    one = sinks.sequence_bootstrap(points[points["sequence"] == 0], ["x"]).table
+    assert one["x"].iloc[0] == pytest.approx(1.5) and np.isnan(one["x_low"].iloc[0])
+
+
+def test_raw_material_and_cone_points_reproduce_the_tables():
+    model = planted_model()
+    ids = planted_ids(n=4, length=20)
+    result = sinks.run_analyses(model, None, ids, ["semantic_cone", "convexity"], batch_size=2, raw=True, **FAST)
+    assert set(result) == {"semantic_cone", "convexity", "raw"}
+    points = sinks.cone_points(result["raw"]["semantic_cone"], quantiles=5)
+    by_quantile = result["semantic_cone"].by_quantile
+    within = by_quantile[by_quantile["binning"] == "within_head"].set_index(["condition", "quantile"])
+    mine = points.groupby(["condition", "quantile"])[["delta_cos", "norm_after"]].mean()
+    assert np.allclose(mine["delta_cos"], within.loc[mine.index, "delta_cos"], atol=1e-6)
+    assert np.allclose(mine["norm_after"], within.loc[mine.index, "norm_after"], rtol=1e-5)
+    # head 0: o_i = a_i (-e) + (1 - a_i) e and s_i = (1 - a_i) e, so ||s_i|| / ||o_i|| = (1 - a) / |1 - 2a|
+    sink = points[(points["condition"] == "sink") & (points["head"] == 0)]
+    sink = sink[sink["query"] != E]  # a = 1/2: the clean output is zero
+    a = E / (E + sink["query"].to_numpy(float))
+    assert np.allclose(sink["log_norm_ratio"], np.log((1 - a) / np.abs(1 - 2 * a)), atol=1e-4)
+    assert "points" in result["raw"]["convexity"]
+
+
+def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
+    model = planted_model()
+    ids = planted_ids(n=2, length=16)
+    options = dict(batch_size=2, cache_root=tmp_path, progress=False)
+    first = sinks.run_analyses(model, None, ids, ["rates"], precompute=sinks.ANALYSES, **options)
+    assert set(first) == {"rates"}  # tables only for what was asked
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward pass ran although the cache was filled")
+
+    monkeypatch.setattr(sinks, "_forward", no_forward)
+    later = sinks.run_analyses(model, None, ids, ["convexity", "semantic_cone"], raw=True, **options)
+    assert set(later) == {"convexity", "semantic_cone", "raw"} and set(later["raw"]) == {"convexity", "semantic_cone"}
+    monkeypatch.undo()
+    fresh = sinks.convexity(model, None, ids, batch_size=2, cache=False, progress=False)
+    pd.testing.assert_frame_equal(later["convexity"].fits, fresh.fits)
+    with pytest.raises(ValueError, match="unknown analyses"):
+        sinks.run_analyses(model, None, ids, ["rates"], precompute=["nonsense"], **options)
