@@ -193,6 +193,8 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
     the chapter's own ``models`` (pinned, e.g. an encoder chapter), ``models`` given here
     (``--models``), the profile's ``models``. Parameters of a run: the profile's ``params``, updated
     with ``notebooks.<chapter>`` (less ``models``), plus ``profile``, ``model`` and ``output_dir``.
+    A once-chapter receives ``models`` (where it declares it): its ``notebooks.<chapter>.models``, else
+    ``--models``, else the profile's models (e.g. a summary over the models of the per_model chapters).
     Page chapters have no runs; their file, ``book_dir/<name>.md`` (``book_dir`` defaults to the parent
     of ``generated_dir``), must exist.
     """
@@ -223,8 +225,9 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
         explicit = frozenset(overrides)
         if chapter.runs == "once":
             out = Path(generated_dir) / f"{chapter.name}.ipynb"
-            runs.append(Run(chapter, None, source, out, {**params, "output_dir": f"figures/{chapter.name}"},
-                            explicit))
+            once_models = list(chapter_models or profile_models)
+            runs.append(Run(chapter, None, source, out, {**params, "models": once_models,
+                                                         "output_dir": f"figures/{chapter.name}"}, explicit))
             continue
         chapter_models = list(chapter_models or chapter.models or profile_models)
         if not chapter_models:

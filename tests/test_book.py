@@ -95,7 +95,8 @@ def test_plan_resolves_models_and_parameters(tiny):
     once, small, qwen, enc = runs
     assert once.output == bookdir / "generated" / "01_once.ipynb"
     assert once.parameters == {"seed": 1, "device": "cpu", "n_sequences": 2, "n_trials": 5,
-                               "profile": "small", "output_dir": "figures/01_once"}
+                               "profile": "small", "models": ["smollm2-135m", "Qwen/Qwen3-8B"],
+                               "output_dir": "figures/01_once"}
     assert once.explicit == {"n_trials"}
     assert qwen.output == bookdir / "generated" / "02_models" / "qwen-qwen3-8b.ipynb"
     assert qwen.parameters["model"] == "Qwen/Qwen3-8B" and qwen.parameters["output_dir"] == "figures/qwen-qwen3-8b"
@@ -104,6 +105,7 @@ def test_plan_resolves_models_and_parameters(tiny):
     # --models replaces the profile's models, not a chapter's pinned list
     _, _, runs = plan_tiny(tiny, models="a,b")
     assert [r.model for r in runs] == [None, "a", "b", "minilm-l6"]
+    assert runs[0].parameters["models"] == ["a", "b"]  # a once-chapter sees the models of the book
     # a profile may fix a chapter's models
     _, _, runs = plan_tiny(tiny, profile="other")
     assert [r.model for r in runs] == [None, "only-this", "minilm-l6"]
