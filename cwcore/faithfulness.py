@@ -68,9 +68,10 @@ Per batch of sequences: one clean pass computes the decomposition of every layer
 (nothing larger than one layer's geometry is kept), the selection buckets of every metric
 (:func:`cwcore.ranking.selection_buckets`: one uint8 per term and mode); then one forward per
 (metric, mode, ratio) point with fixed boolean masks. Everything runs under ``torch.inference_mode()``.
-Results are cached per (batch, metric, mode, ratio) piece with :class:`cwcore.cache.ResultCache`, keyed
-by a fingerprint of the model's weights, the token ids, the protocol and cwcore's code version, so a
-rerun is free and an interrupted run resumes.
+Results are cached per (batch, metric, mode, ratio) piece with :class:`cwcore.cache.ResultCache`: the
+key holds a fingerprint of the model's weights, the protocol and cwcore's code version, and each piece
+is named by its batch's content (token ids, padding, sequence ids), so a rerun is free, an interrupted
+run resumes, and a longer run over the same first sequences reuses the shorter run's batches.
 """
 
 from __future__ import annotations
@@ -270,6 +271,7 @@ class _Batch:
     attention_mask: torch.Tensor
     groups: torch.Tensor  # [rows] ids for the random control (sequence or example ids)
     meta: Any = None  # scorer-specific (downstream: the examples in the batch)
+    digest: str = ""  # content hash: token ids, padding, group ids (and the scored choices)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -306,10 +308,11 @@ class _Sweep:
 
     # -- pieces ------------------------------------------------------------------------------------
     @staticmethod
-    def _piece(batch: int, spec: MetricSpec | None = None, mode: str = "", ratio: float = 0.0) -> str:
+    def _piece(batch: "_Batch", spec: MetricSpec | None = None, mode: str = "", ratio: float = 0.0) -> str:
+        """Pieces are named by the batch's content digest, so a longer run reuses a shorter one's batches."""
         if spec is None:
-            return f"b{batch:05d}-clean"
-        return f"b{batch:05d}-{spec.label}-{mode}-r{ratio:.6g}"
+            return f"{batch.digest}-clean"
+        return f"{batch.digest}-{spec.label}-{mode}-r{ratio:.6g}"
 
     def _get(self, piece):
         return None if self.cache is None else self.cache.get(piece)
@@ -368,10 +371,10 @@ class _Sweep:
         """(clean frame, one frame per point) for one batch, each computed or read from the cache."""
         rows = batch.input_ids.shape[0]
         frames: list[pd.DataFrame] = []
-        clean_piece = self._piece(batch.index)
+        clean_piece = self._piece(batch)
         clean = self._get(clean_piece)
         missing = {
-            (s.label, m, r): self._get(self._piece(batch.index, s, m, r))
+            (s.label, m, r): self._get(self._piece(batch, s, m, r))
             for s in self.specs for m in self.modes for r in self.nonzero
         }
         todo = [key for key, frame in missing.items() if frame is None]
@@ -398,7 +401,7 @@ class _Sweep:
                                 frame = missing[(source, mode, ratio)]
                             else:
                                 frame = self._point(batch, scorer, spec, mode, ratio, buckets.get(spec.label), candidates)
-                            self._put(self._piece(batch.index, spec, mode, ratio), frame)
+                            self._put(self._piece(batch, spec, mode, ratio), frame)
                             missing[(spec.label, mode, ratio)] = frame
                     self._tick()
                     frames.append(frame.assign(metric=spec.label, kind=spec.kind, mode=mode, ratio=ratio))
@@ -516,7 +519,11 @@ def _pad_batch(index, rows: list[list[int]], groups: list[int], pad: int, side: 
         span = slice(length - len(row), length) if side == "left" else slice(0, len(row))
         ids[i, span] = torch.tensor(row, dtype=torch.long)
         mask[i, span] = 1
-    return _Batch(index, ids, mask, torch.tensor(groups, dtype=torch.long), meta)
+    groups = torch.tensor(groups, dtype=torch.long)
+    digest = _tensor_digest(ids, mask, groups)
+    if meta is not None:
+        digest = hashlib.sha256((digest + repr(meta)).encode()).hexdigest()[:20]
+    return _Batch(index, ids, mask, groups, meta, digest)
 
 
 def _sequence_nll(logits: torch.Tensor, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,7 +637,6 @@ def faithfulness_curve(
     ]
     parameters = {
         "model": model_fingerprint(model),
-        "data": _tensor_digest(*[t for b in batches for t in (b.input_ids, b.attention_mask, b.groups)]),
         "protocol": asdict(protocol),
     }
     store = _cache("faithfulness", parameters, cache, cache_dir)
@@ -1035,8 +1041,6 @@ def downstream_eval(
     parameters = {
         "model": model_fingerprint(model),
         "task": task,
-        "data": _tensor_digest(*[t for b in batches for t in (b.input_ids, b.attention_mask, b.groups)]),
-        "choices": hashlib.sha256(repr([[(m["choices"], m["gold"]) for m in b.meta] for b in batches]).encode()).hexdigest()[:20],
         "protocol": asdict(protocol),
     }
     store = _cache("downstream", parameters, cache, cache_dir)

@@ -373,6 +373,20 @@ def test_cache_hit_runs_no_forward(peaked, tmp_path):
         counter.remove()
 
 
+def test_a_longer_run_reuses_the_batches_of_a_shorter_one(peaked, tmp_path):
+    model, ids = peaked
+    kwargs = dict(metric="attention", ratios=[0.5], mode="comprehensiveness", cache_dir=tmp_path, progress=False,
+                  batch_size=3, per_sequence=True)
+    short = fa.faithfulness_curve(model, None, ids[:6], **kwargs)
+    counter = ForwardCounter(model)
+    try:
+        longer = fa.faithfulness_curve(model, None, ids[:9], **kwargs)
+        assert counter.calls == 2  # only the third batch: its clean pass and its one point
+    finally:
+        counter.remove()
+    pd.testing.assert_frame_equal(longer[longer.sequence < 6].reset_index(drop=True), short)
+
+
 def test_interrupted_run_resumes(peaked, tmp_path):
     model, ids = peaked
     kwargs = dict(metric=["attention", "random"], ratios=[0.2, 0.5], progress=False, batch_size=10)
