@@ -10,7 +10,9 @@ script also measures switched off. It also reports how the ratio scales with the
 Everything is measured in one run. The clean forward is the model's own forward (eager attention,
 as ``cwcore.models.load_model`` returns it) under ``torch.inference_mode()``; its time is the median
 of ``--repeats`` runs taken right before and right after each sweep, so a shared machine's load
-drifting during a sweep affects both sides. Usage::
+drifting during a sweep affects both sides. Process CPU time (``time.process_time``, all threads) is
+reported beside wall-clock time: on a machine shared with other jobs it is the steadier measure of
+the work done. Usage::
 
     .venv/bin/python benchmarks/bench_faithfulness.py [--model smollm2-135m] [--lengths 64 128 256]
 """
@@ -42,13 +44,15 @@ class Counter:
 
 
 def clean_forward_times(model, batch, repeats):
-    times = []
+    """(wall-clock seconds, process CPU seconds) of each of ``repeats`` clean forwards."""
+    walls, cpus = [], []
     with torch.inference_mode():
         for _ in range(repeats):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             model(**batch)
-            times.append(time.perf_counter() - start)
-    return times
+            walls.append(time.perf_counter() - start)
+            cpus.append(time.process_time() - cpu)
+    return walls, cpus
 
 
 def measure(model, tokenizer, texts, length, num_sequences, repeats, deduplicate=True):
@@ -56,20 +60,24 @@ def measure(model, tokenizer, texts, length, num_sequences, repeats, deduplicate
     batch = next(lm_batches(blocks, num_sequences))
     with torch.inference_mode():
         model(**batch)  # warm-up
-    before = clean_forward_times(model, batch, repeats)
+    before_wall, before_cpu = clean_forward_times(model, batch, repeats)
     counter = Counter(model)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fa.faithfulness_curve(model, tokenizer, blocks, list(fa.DEFAULT_METRICS), list(fa.DEFAULT_RATIOS),
                           list(fa.MODES), batch_size=num_sequences, max_length=None, cache=False, progress=False,
                           deduplicate=deduplicate)
-    sweep = time.perf_counter() - start
+    sweep, sweep_cpu = time.perf_counter() - start, time.process_time() - cpu
     counter.handle.remove()
-    after = clean_forward_times(model, batch, repeats)
-    clean = statistics.median(before + after)
+    after_wall, after_cpu = clean_forward_times(model, batch, repeats)
+    clean = statistics.median(before_wall + after_wall)
+    clean_cpu = statistics.median(before_cpu + after_cpu)
     return {
         "length": length, "sequences": num_sequences, "deduplicate": deduplicate,
         "clean_forward_s": round(clean, 3), "sweep_s": round(sweep, 2), "forwards": counter.calls,
-        "ratio": round(sweep / clean, 1), "clean_times_s": [round(t, 3) for t in before + after],
+        "ratio": round(sweep / clean, 1),
+        "clean_forward_cpu_s": round(clean_cpu, 3), "sweep_cpu_s": round(sweep_cpu, 2),
+        "ratio_cpu": round(sweep_cpu / clean_cpu, 1),
+        "clean_times_s": [round(t, 3) for t in before_wall + after_wall],
     }
 
 
@@ -104,15 +112,17 @@ def main(argv=None) -> int:
             row = measure(model, tokenizer, texts, length, args.num_sequences, args.repeats, deduplicate=False)
             results.append(row)
             print(json.dumps(row), flush=True)
-    print("\n| tokens | sequences | dedup | forwards | clean forward (s) | sweep (s) | sweep / clean |")
-    print("|---:|---:|:---:|---:|---:|---:|---:|")
+    print("\n| tokens | sequences | dedup | forwards | clean forward (s) | sweep (s) | sweep / clean (wall) "
+          "| sweep / clean (CPU) |")
+    print("|---:|---:|:---:|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['length']} | {r['sequences']} | {'yes' if r['deduplicate'] else 'no'} | {r['forwards']} | {r['clean_forward_s']} "
-              f"| {r['sweep_s']} | {r['ratio']}x |")
+        print(f"| {r['length']} | {r['sequences']} | {'yes' if r['deduplicate'] else 'no'} | {r['forwards']} "
+              f"| {r['clean_forward_s']} | {r['sweep_s']} | {r['ratio']}x | {r['ratio_cpu']}x |")
     target = [r for r in results if r["length"] == 128 and r["sequences"] == args.num_sequences and r["deduplicate"]]
     if target:
         verdict = "PASS" if target[0]["ratio"] <= TARGET else "FAIL"
-        print(f"\ntarget (128 tokens, 16 sequences): {target[0]['ratio']}x <= {TARGET}x: {verdict}")
+        print(f"\ntarget (128 tokens, {args.num_sequences} sequences): wall {target[0]['ratio']}x, "
+              f"CPU {target[0]['ratio_cpu']}x <= {TARGET}x: {verdict} (judged on wall-clock)")
     return 0
 
 

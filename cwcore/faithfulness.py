@@ -820,12 +820,14 @@ def _with_deltas(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
-    """Consecutive rungs (every variant of a rung against every variant of the next), attention
-    against each contribution variant, and random against every rung."""
+    """Consecutive rungs present (every variant of a rung against every variant of the next present
+    one), attention against each contribution variant, and random against every rung."""
     rungs = [[m for m in labels if m == base or m.startswith(base + "_")] for base in LADDER]
     rungs[1] = [m for m in rungs[1] if m not in rungs[2]]  # "value_weighted_..." prefixes rung 3 names
-    pairs = [(a, b) for lower, higher in zip(rungs, rungs[1:]) for a in lower for b in higher]
-    pairs += [(a, b) for a in rungs[0] for b in rungs[3]]
+    present = [rung for rung in rungs if rung]  # a missing rung: compare its neighbours directly
+    pairs = [(a, b) for lower, higher in zip(present, present[1:]) for a in lower for b in higher]
+    if rungs[2] or rungs[1]:
+        pairs += [(a, b) for a in rungs[0] for b in rungs[3]]
     if "random" in labels:
         pairs += [("random", m) for rung in rungs for m in rung]
     return pairs
