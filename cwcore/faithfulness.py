@@ -559,6 +559,22 @@ def _cache(namespace: str, parameters: dict, cache: bool, cache_dir):
     return ResultCache(namespace, parameters, root=None if cache_dir is None else Path(cache_dir))
 
 
+
+def _run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches, deduplicate, make_scorer):
+    """Run every batch through one :class:`_Sweep`; returns (point frames, clean frames)."""
+    sweep = _Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
+    sweep.deduplicate = deduplicate
+    scorer = make_scorer({b.index: _candidate_terms(sweep, b) for b in batches})
+    frames, cleans = [], []
+    try:
+        for batch in batches:
+            clean, points = sweep.run(batch, scorer)
+            cleans.append(clean)
+            frames.extend(points)
+    finally:
+        sweep.close()
+    return frames, cleans
+
 def faithfulness_curve(
     model: nn.Module,
     tokenizer,
@@ -640,18 +656,8 @@ def faithfulness_curve(
         "protocol": asdict(protocol),
     }
     store = _cache("faithfulness", parameters, cache, cache_dir)
-    sweep = _Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
-    sweep.deduplicate = deduplicate
-    candidates = {b.index: _candidate_terms(sweep, b) for b in batches}
-    scorer = _lm_scorer(candidates)
-    frames, cleans = [], []
-    try:
-        for batch in batches:
-            clean, points = sweep.run(batch, scorer)
-            cleans.append(clean)
-            frames.extend(points)
-    finally:
-        sweep.close()
+    frames, cleans = _run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
+                                deduplicate, _lm_scorer)
     table = _canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "sequence")
     table["clean_nll"] = table["sequence"].map(pd.concat(cleans).set_index("sequence")["nll"])
     for key, value in protocol.columns().items():
@@ -1046,18 +1052,8 @@ def downstream_eval(
         "protocol": asdict(protocol),
     }
     store = _cache("downstream", parameters, cache, cache_dir)
-    sweep = _Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
-    sweep.deduplicate = deduplicate
-    candidates = {b.index: _candidate_terms(sweep, b) for b in batches}
-    scorer = _downstream_scorer(candidates)
-    frames, cleans = [], []
-    try:
-        for batch in batches:
-            clean, points = sweep.run(batch, scorer)
-            cleans.append(clean)
-            frames.extend(points)
-    finally:
-        sweep.close()
+    frames, cleans = _run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
+                                deduplicate, _downstream_scorer)
     table = _canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "example")
     clean = pd.concat(cleans).set_index("example")
     table["clean_nll"] = table["example"].map(clean["nll"])
