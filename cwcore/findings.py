@@ -1,9 +1,11 @@
 """The paper's claims against what the book measured: one verdict per claim and model.
 
 Each function takes the tables the chapters compute (:func:`cwcore.faithfulness.ladder_comparison`,
-:func:`cwcore.sinks.summarize` rows ``claim, statistic, value``, the ``verdict`` strings of
-:func:`cwcore.sinks.verdict`) and returns a :class:`Finding`: the verdict (one of :data:`VERDICTS`),
-the numbers it rests on, as text, and the rule. :func:`findings_table` stacks them.
+:func:`cwcore.sinks.summarize` rows ``claim, statistic, value``, the claims tables of
+:mod:`cwcore.sink_claims` that chapters 5-7 show) and returns a :class:`Finding`: the verdict (one of
+:data:`VERDICTS`), the numbers it rests on, as text, and the rule. :func:`findings_table` stacks them.
+The sink findings reuse the chapters' verdicts (:func:`from_claims`), so the findings page and a
+chapter never judge the same claim differently.
 
 Verdicts
 --------
@@ -19,6 +21,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pandas as pd
 
+from . import sink_claims, sinks
+
 AGREES, PARTLY, NO, UNMEASURED = "agrees", "partly", "does not reproduce", "not measured"
 VERDICTS = (AGREES, PARTLY, NO, UNMEASURED)
 RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
@@ -29,6 +33,7 @@ CLAIMS = {
     "sink_rates": "many heads are sink heads (Sink_eps, eps = 0.3)",
     "decomposition": "sink contribution driven by geometry, tail by attention",
     "anti_alignment": "the sink's value points against the semantic values",
+    "anti_alignment_trend": "the stronger the sink, the stronger the anti-alignment",
     "suppression": "the sink suppresses the output norm",
     "convexity": "output norm convex in the sink rate, interior minimum",
     "semantic_cone": "removing the sink: low-norm outputs collapse into the semantic cone, PPL rises",
@@ -172,77 +177,34 @@ def sink_tables(results: dict) -> dict[str, pd.DataFrame]:
     return tables
 
 
-def _two_parts(claim: str, parts: list[bool | None], measured: str, rule: str) -> Finding:
-    known = [p for p in parts if p is not None]
-    if not known:
-        return Finding(claim, UNMEASURED, measured, rule)
-    held = sum(known)
-    return Finding(claim, AGREES if held == len(known) else PARTLY if held else NO, measured, rule)
+# the chapters' claims (cwcore.sink_claims) behind each finding: a finding agrees when every part of those
+# claims holds by the chapter's interval rule, so the chapters and this table never disagree
+CHAPTER_CLAIMS = {
+    "decomposition": (sink_claims.DECOMPOSITION,),
+    "anti_alignment": (sink_claims.ANTI_ALIGNMENT,),
+    "anti_alignment_trend": (sink_claims.TREND,),
+    "suppression": (sink_claims.SUPPRESSION,),
+    "convexity": (sink_claims.CONVEXITY,),
+    "semantic_cone": (sink_claims.CONE, sink_claims.PERPLEXITY),
+}
 
 
-def _test(x: float, predicate) -> bool | None:
-    return None if not np.isfinite(x) else bool(predicate(x))
+def from_claims(claim: str, claims: pd.DataFrame) -> Finding:
+    """The finding ``claim`` (a key of :data:`CHAPTER_CLAIMS`) from a claims table of
+    :mod:`cwcore.sink_claims`: the parts of its chapter claims combined by
+    :func:`cwcore.sinks.combine_verdicts` (holds -> agrees, holds partly / inconclusive -> partly, does
+    not hold -> does not reproduce), with every part's estimate and interval as the measured text."""
+    rows = claims[claims["claim"].isin(CHAPTER_CLAIMS[claim])]
+    measured = "; ".join(f"{r['part']}: {_fmt(r['estimate'])} [{_fmt(r['low'])}, {_fmt(r['high'])}] {r['verdict']}"
+                         for _, r in rows.iterrows())
+    combined = sinks.combine_verdicts(list(rows["verdict"])) if len(rows) else None
+    chapters = ", ".join(str(c) for c in dict.fromkeys(rows["chapter"])) or "5-7"
+    return _from_verdict(claim, combined, measured,
+                         f"chapter {chapters}: every part's 95% interval on the claimed side of its threshold "
+                         "(cwcore.sink_claims)")
 
 
-def decomposition(summary: pd.DataFrame) -> Finding:
-    """Rule, in sink heads: (1) geometry explains more of the sink's log|c| variance than attention in
-    more than half of the heads; (2) attention explains more of the tail's than geometry in more than
-    half. Both: agrees; one: partly; none: does not reproduce."""
-    sink = _stat(summary, "sink_heads_sink_share_of_heads_geometry_dominates")
-    tail = _stat(summary, "sink_heads_tail_share_of_heads_geometry_dominates")
-    return _two_parts("decomposition", [_test(sink, lambda x: x > 0.5), _test(tail, lambda x: 1 - x > 0.5)],
-                      f"sink heads where geometry dominates: sink {_fmt(sink)}, tail {_fmt(tail)}",
-                      "(1) geometry dominates the sink in > 1/2 of sink heads; (2) attention the tail in > 1/2")
-
-
-def anti_alignment(summary: pd.DataFrame) -> Finding:
-    """Rule, in sink heads: (1) median cos(sink value, semantic values) < 0; (2) more than half of the
-    sink heads have a negative one."""
-    med = _stat(summary, "median_cos_semantic_sink_heads")
-    share = _stat(summary, "share_sink_heads_cos_semantic_negative")
-    return _two_parts("anti_alignment", [_test(med, lambda x: x < 0), _test(share, lambda x: x > 0.5)],
-                      f"median cos(sink, semantic) {_fmt(med)}; share of sink heads negative {_fmt(share)}",
-                      "(1) median cosine < 0 in sink heads; (2) negative in > 1/2 of them")
-
-
-def suppression(summary: pd.DataFrame) -> Finding:
-    """Rule, in sink heads: (1) median ||o|| / ||semantic part|| < 1 (the sink shortens the output);
-    (2) the sink mostly suppresses the norm in more than half of the sink heads."""
-    ratio = _stat(summary, "median_norm_over_semantic_sink_heads")
-    share = _stat(summary, "share_sink_heads_mostly_suppressed")
-    return _two_parts("suppression", [_test(ratio, lambda x: x < 1), _test(share, lambda x: x > 0.5)],
-                      f"median ||o||/||semantic|| {_fmt(ratio)}; share of sink heads mostly suppressed {_fmt(share)}",
-                      "(1) median norm ratio < 1 in sink heads; (2) mostly suppressed in > 1/2 of them")
-
-
-def convexity(summary: pd.DataFrame) -> Finding:
-    """Rule, over fitted sink heads: (1) convex fit in more than half; (2) interior minimum (alpha* < 1)
-    in more than half."""
-    convex = _stat(summary, "share_sink_heads_convex")
-    interior = _stat(summary, "share_sink_heads_interior_minimum")
-    star = _stat(summary, "median_alpha_star_interior")
-    return _two_parts("convexity", [_test(convex, lambda x: x > 0.5), _test(interior, lambda x: x > 0.5)],
-                      f"convex {_fmt(convex)}, interior minimum {_fmt(interior)} of sink heads; "
-                      f"median alpha* {_fmt(star)}",
-                      "(1) convex in > 1/2 of sink heads; (2) interior minimum in > 1/2")
-
-
-def semantic_cone(summary: pd.DataFrame) -> Finding:
-    """Rule: (1) removing the sink raises the lowest-norm outputs' cosine with the semantic mean more
-    than the control does; (2) the sink's Delta log-PPL interval lies above the control's."""
-    sink = _stat(summary, "sink_delta_cos_lowest_norm_quantile")
-    control = _stat(summary, "control_delta_cos_lowest_norm_quantile")
-    low = _stat(summary, "sink_delta_log_ppl_ci_low")
-    high = _stat(summary, "control_delta_log_ppl_ci_high")
-    cone = None if not (np.isfinite(sink) and np.isfinite(control)) else bool(sink > control)
-    ppl = None if not (np.isfinite(low) and np.isfinite(high)) else bool(low > high)
-    return _two_parts("semantic_cone", [cone, ppl],
-                      f"Delta cos (lowest-norm quantile) sink {_fmt(sink)} vs control {_fmt(control)}; "
-                      f"Delta log-PPL sink {_fmt(_stat(summary, 'sink_delta_log_ppl'))} vs control "
-                      f"{_fmt(_stat(summary, 'control_delta_log_ppl'))}",
-                      "(1) cosine gain above the control's; (2) sink Delta log-PPL interval above the control's")
-
-
-def sink_findings(summary: pd.DataFrame) -> list[Finding]:
-    return [sink_rates(summary), decomposition(summary), anti_alignment(summary), suppression(summary),
-            convexity(summary), semantic_cone(summary)]
+def sink_findings(summary: pd.DataFrame, claims: pd.DataFrame) -> list[Finding]:
+    """The sink findings: the rate of sink heads from ``summary`` (:func:`cwcore.sinks.summarize`), the
+    others from the chapters' ``claims`` (:func:`cwcore.sink_claims.all_claims`)."""
+    return [sink_rates(summary), *(from_claims(key, claims) for key in CHAPTER_CLAIMS)]

@@ -2,6 +2,8 @@ import numpy as np
 import pandas as pd
 
 from cwcore import findings as F
+from cwcore import sink_claims as SC
+from cwcore import sinks
 
 
 def ladder(diffs, mode="comprehensiveness", verdicts=None):
@@ -45,23 +47,37 @@ def summary(**values):
     return pd.DataFrame({"claim": "x", "statistic": list(values), "value": list(values.values())})
 
 
-def test_sink_claims_from_summary_rows():
-    s = summary(sink_eps=0.55, mean_sink_rate=0.4,
-                sink_heads_sink_share_of_heads_geometry_dominates=0.9,
-                sink_heads_tail_share_of_heads_geometry_dominates=0.0,
-                median_cos_semantic_sink_heads=-0.15, share_sink_heads_cos_semantic_negative=0.77,
-                median_norm_over_semantic_sink_heads=1.05, share_sink_heads_mostly_suppressed=0.3,
-                share_sink_heads_convex=1.0, share_sink_heads_interior_minimum=0.67,
-                sink_delta_cos_lowest_norm_quantile=0.2, control_delta_cos_lowest_norm_quantile=0.01,
-                sink_delta_log_ppl_ci_low=0.5, control_delta_log_ppl_ci_high=0.05)
-    got = {f.claim: f.verdict for f in F.sink_findings(s)}
-    assert got == {"sink_rates": F.AGREES, "decomposition": F.AGREES, "anti_alignment": F.AGREES,
-                   "suppression": F.NO, "convexity": F.AGREES, "semantic_cone": F.AGREES}
-    s2 = summary(sink_eps=0.2, share_sink_heads_convex=1.0, share_sink_heads_interior_minimum=0.2,
-                 median_norm_over_semantic_sink_heads=0.9, share_sink_heads_mostly_suppressed=0.2)
-    got = {f.claim: f.verdict for f in F.sink_findings(s2)}
-    assert got["sink_rates"] == F.PARTLY and got["convexity"] == F.PARTLY and got["suppression"] == F.PARTLY
-    assert got["anti_alignment"] == F.UNMEASURED and got["semantic_cone"] == F.UNMEASURED
+def claims_table(parts):
+    """A claims table of cwcore.sink_claims from (claim, low, high, threshold, side) parts."""
+    rows = [{"chapter": 6, "claim": claim, "part": f"part {i}", "statistic": "s", "key": f"k{i}",
+             "estimate": (low + high) / 2, "low": low, "high": high, "threshold": threshold, "side": side, "n": 10,
+             "verdict": sinks.verdict(low, high, threshold=threshold, side=side)}
+            for i, (claim, low, high, threshold, side) in enumerate(parts)]
+    return pd.DataFrame(rows, columns=SC.COLUMNS)
+
+
+def test_sink_findings_take_the_chapters_verdicts():
+    claims = claims_table([
+        (SC.DECOMPOSITION, 0.6, 0.9, 0.5, "above"), (SC.DECOMPOSITION, 0.7, 0.95, 0.5, "above"),  # both hold
+        (SC.ANTI_ALIGNMENT, -0.3, -0.1, 0.0, "below"), (SC.ANTI_ALIGNMENT, -0.2, 0.1, 0.0, "below"),  # one holds
+        (SC.TREND, 0.1, 0.4, 0.0, "below"),  # the other side: does not hold
+        (SC.SUPPRESSION, 0.3, 0.6, 0.5, "above"),  # interval contains the threshold: inconclusive
+        (SC.CONE, 0.1, 0.2, 0.0, "above"), (SC.PERPLEXITY, 0.4, 0.9, 0.0, "above"),  # two claims, one finding
+    ])
+    summary = pd.DataFrame({"claim": "sink_rate", "statistic": ["sink_eps", "mean_sink_rate"], "value": [0.55, 0.4]})
+    got = {f.claim: f for f in F.sink_findings(summary, claims)}
+    verdicts = {k: f.verdict for k, f in got.items()}
+    assert verdicts == {"sink_rates": F.AGREES, "decomposition": F.AGREES, "anti_alignment": F.PARTLY,
+                        "anti_alignment_trend": F.NO, "suppression": F.PARTLY, "convexity": F.UNMEASURED,
+                        "semantic_cone": F.AGREES}
+    # the measured text quotes every part's estimate and interval
+    assert "[-0.3, -0.1] holds" in got["anti_alignment"].measured
+    assert "[-0.2, 0.1] inconclusive" in got["anti_alignment"].measured
+    assert got["semantic_cone"].measured.count("holds") == 2
+    # one part of the cone failing makes the finding partly, as the chapter's "holds partly"
+    worse = claims_table([(SC.CONE, 0.1, 0.2, 0.0, "above"), (SC.PERPLEXITY, -0.4, -0.1, 0.0, "above")])
+    assert F.from_claims("semantic_cone", worse).verdict == F.PARTLY
+    assert sinks.combine_verdicts(list(worse["verdict"])) == "holds partly"
 
 
 def test_table_and_chapter_verdicts():

@@ -1,0 +1,161 @@
+"""The sink chapters' claims tables (cwcore.sink_claims) against independent computations.
+
+Shares of heads are checked against scipy's Wilson interval, medians and rank correlations against
+numpy/scipy, pooled means against naive sums, and paired intervals against constructions where the
+pairing makes them collapse to a point. The last test runs the planted one-layer model of
+test_sinks through every analysis and checks the table against the raw points.
+"""
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from cwcore import sink_claims as SC
+from cwcore import sinks
+from test_sinks import FAST, planted_ids, planted_model
+
+
+def wilson(k, n):
+    ci = stats.binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    return ci.low, ci.high
+
+
+def decomposition_inputs(seed=0, heads=24):
+    rng = np.random.default_rng(seed)
+    layer, head = np.divmod(np.arange(heads), 4)
+    rates = pd.DataFrame({"layer": layer, "head": head, "sink_rate": rng.uniform(0, 1, heads)})
+    rows = []
+    for l, h in zip(layer, head):
+        for cls in ("sink", "tail"):
+            shares = rng.dirichlet([1, 1, 1])
+            rows += [{"scope": "head", "layer": l, "head": h, "token_class": cls, "factor": f, "share": v}
+                     for f, v in zip(("alpha", "relative_norm", "cosine"), shares)]
+    rows.append({"scope": "sink_heads", "layer": -1, "head": -1, "token_class": "sink", "factor": "alpha", "share": 0.3})
+    return rates, pd.DataFrame(rows)
+
+
+def test_decomposition_claims_count_sink_heads_with_wilson_intervals():
+    rates, summary = decomposition_inputs()
+    eps = 0.4
+    claims = SC.decomposition_claims(rates, summary, eps)
+    share = summary[summary["scope"] == "head"].pivot_table(index=["layer", "head", "token_class"], columns="factor",
+                                                             values="share")
+    expected = {}
+    for cls, key in (("sink", "sink_geometry_share"), ("tail", "tail_attention_share")):
+        flags = []
+        for _, r in rates[rates["sink_rate"] > eps].iterrows():
+            s = share.loc[(r["layer"], r["head"], cls)]
+            geometry = s["relative_norm"] + s["cosine"]
+            flags.append(geometry > s["alpha"] if cls == "sink" else s["alpha"] > geometry)
+        k, n = int(np.sum(flags)), len(flags)
+        est, low, high = SC.triple(claims, key)
+        assert est == pytest.approx(k / n)
+        assert (low, high) == pytest.approx(wilson(k, n), abs=1e-9)
+        expected[key] = sinks.verdict(low, high, threshold=0.5)
+    assert list(claims["verdict"]) == list(expected.values())
+    assert list(claims["n"]) == [int((rates["sink_rate"] > eps).sum())] * 2
+    assert list(claims.columns) == SC.COLUMNS
+
+
+def suppressor_inputs(seed=0, heads=30, sequences=6, queries=20):
+    rng = np.random.default_rng(seed)
+    layer, head = np.divmod(np.arange(heads), 5)
+    rate = rng.uniform(0, 1, heads)
+    aa = pd.DataFrame({"layer": layer, "head": head, "sink_rate": rate, "is_sink_head": rate > 0.3,
+                       # planted: stronger sinks point further against the text
+                       "cos_value_mean": -0.5 * rate + rng.normal(0, 0.05, heads),
+                       "cos_semantic_mean": -0.8 * rate + rng.normal(0, 0.05, heads)})
+    fits = pd.DataFrame({"scope": "head", "layer": layer, "head": head, "sink_rate": rate,
+                         "is_sink_head": rate > 0.3, "fitted": rng.uniform(0, 1, heads) > 0.2,
+                         "interior_minimum": rng.uniform(0, 1, heads) > 0.3,
+                         "minimum_in_range": rng.uniform(0, 1, heads) > 0.7})
+    grid = pd.MultiIndex.from_product([range(sequences), range(heads), range(queries)],
+                                      names=["sequence", "index", "query"]).to_frame(index=False)
+    points = grid.assign(layer=layer[grid["index"]], head=head[grid["index"]],
+                         norm=rng.uniform(0, 2, len(grid)), s_sq=rng.uniform(-0.1, 2, len(grid)))
+    return aa, fits, points.drop(columns="index"), 0.3
+
+
+def test_suppressor_claims_against_numpy_and_scipy():
+    aa, fits, points, eps = suppressor_inputs()
+    claims = SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=400, seed=1)
+    sink = aa[aa["is_sink_head"]]
+    for key, column in (("cos_value", "cos_value_mean"), ("cos_semantic", "cos_semantic_mean")):
+        est, low, high = SC.triple(claims, key)
+        assert est == pytest.approx(np.median(sink[column]))
+        assert low <= est <= high < 0  # planted: every sink head is anti-aligned
+    rho, low, high = SC.triple(claims, "rho_semantic")
+    assert rho == pytest.approx(stats.spearmanr(aa["sink_rate"], aa["cos_semantic_mean"]).statistic)
+    assert high < 0
+    # pooled share of shortened outputs over the sink heads' queries with s_sq > 0, naively
+    rate = dict(zip(zip(fits["layer"], fits["head"]), fits["sink_rate"]))
+    keep = [rate[(l, h)] > eps and s > 0 for l, h, s in zip(points["layer"], points["head"], points["s_sq"])]
+    chosen = points[keep]
+    est, low, high = SC.triple(claims, "shortened")
+    assert est == pytest.approx(np.mean(chosen["norm"] < np.sqrt(chosen["s_sq"])))
+    assert low < est < high
+    fitted = fits[fits["fitted"]]
+    for key, column in (("share_interior", "interior_minimum"), ("share_in_range", "minimum_in_range")):
+        k, n = int(fitted[column].sum()), len(fitted)
+        est, low, high = SC.triple(claims, key)
+        assert est == pytest.approx(k / n) and (low, high) == pytest.approx(wilson(k, n), abs=1e-9)
+    verdicts = SC.claim_verdicts(claims)
+    assert verdicts[SC.ANTI_ALIGNMENT] == "holds" and verdicts[SC.TREND] == "holds"
+    for _, r in claims.iterrows():
+        assert r["verdict"] == sinks.verdict(r["low"], r["high"], threshold=r["threshold"], side=r["side"])
+    # deterministic for a seed
+    assert claims.equals(SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=400, seed=1))
+
+
+def test_paired_contrast_collapses_when_the_difference_is_constant():
+    rng = np.random.default_rng(0)
+    base = pd.DataFrame({"sequence": np.repeat(np.arange(8), 5), "x": rng.normal(size=40)})
+    points = pd.concat([base.assign(group="a", x=base["x"] + 1.0), base.assign(group="b")], ignore_index=True)
+    boot = sinks.sequence_bootstrap(points, "x", by="group", n_bootstrap=300, seed=0)
+    est, low, high = SC.contrast(boot, "x", {"group": "a"}, {"group": "b"})
+    assert (est, low, high) == pytest.approx((1.0, 1.0, 1.0))
+    assert SC.group_value(boot, "x", group="b")[0] == pytest.approx(base["x"].mean())
+    assert all(np.isnan(SC.contrast(boot, "x", {"group": "a"}, {"group": "zzz"})))
+
+
+def test_perplexity_changes_are_token_weighted_and_paired():
+    rng = np.random.default_rng(0)
+    n_tokens = rng.integers(20, 60, 10)
+    clean = rng.uniform(1.5, 3.0, 10) * n_tokens  # summed NLL per sequence
+    seqs = pd.DataFrame({"sequence": np.arange(10), "n_tokens": n_tokens, "nll_clean": clean,
+                         "nll_sink": clean + 0.5 * n_tokens, "nll_sink_renorm": clean + 0.1 * n_tokens,
+                         "nll_control": clean + rng.uniform(0, 0.05, 10) * n_tokens})
+    changes = SC.perplexity_changes(seqs, n_bootstrap=300, seed=0)
+    mean_clean = clean.sum() / n_tokens.sum()
+    assert changes.ppl["clean"][0] == pytest.approx(np.exp(mean_clean))
+    assert changes.delta_log["sink"] == pytest.approx((0.5, 0.5, 0.5))  # paired: every resample gives 0.5
+    assert changes.delta_ppl["sink"][0] == pytest.approx(np.exp(mean_clean + 0.5) - np.exp(mean_clean))
+    control = seqs["nll_control"].sum() / n_tokens.sum() - mean_clean
+    est, low, high = changes.sink_minus_control
+    assert est == pytest.approx(0.5 - control) and low <= est <= high
+
+
+def test_all_claims_on_the_planted_model_match_its_raw_points():
+    model = planted_model()
+    ids = planted_ids(n=4, length=24)
+    results = sinks.run_analyses(model, None, ids, sinks.ANALYSES, batch_size=2, raw=True, **FAST)
+    claims = SC.all_claims(results, eps=0.3, quantiles=5, n_bootstrap=200, seed=0)
+    assert set(claims["chapter"]) == {5, 6, 7}
+    assert set(claims["claim"]) == {SC.DECOMPOSITION, SC.ANTI_ALIGNMENT, SC.TREND, SC.SUPPRESSION, SC.CONVEXITY,
+                                    SC.CONE, SC.PERPLEXITY}
+    points = sinks.cone_points(results["raw"]["semantic_cone"], quantiles=5)
+    lowest = points[points["quantile"] == 1]
+    naive = lowest.loc[lowest["condition"] == "sink", "delta_cos"].mean()
+    # the raw points are float32; the claims pool them in float64
+    assert SC.triple(claims, "dcos_sink_q1")[0] == pytest.approx(naive, abs=1e-6)
+    control = lowest.loc[lowest["condition"] == "control", "delta_cos"].mean()
+    # (NaN where the control touched no lowest-norm output: then the contrast is NaN too)
+    assert SC.triple(claims, "dcos_sink_minus_control")[0] == pytest.approx(naive - control, abs=1e-6, nan_ok=True)
+    seqs = results["raw"]["semantic_cone"]["sequences"]
+    dlog = (seqs["nll_sink"].sum() - seqs["nll_clean"].sum()) / seqs["n_tokens"].sum()
+    assert SC.triple(claims, "dlog_sink")[0] == pytest.approx(dlog, rel=1e-6)
+    # planted head 0: the sink value is exactly anti-parallel to the tail values
+    assert SC.triple(claims, "cos_value")[0] < 0
+    shown = SC.display(claims)
+    assert len(shown) == len(claims) and shown["95% interval"].str.contains(" to ").all()
