@@ -135,12 +135,15 @@ class AttentionSession:
             return probs
         layer = block.layer
         mask = self.masks.get(layer)
-        if callable(mask):
+        shared = callable(mask)  # the live decomposition handed to the callable may hold `probs` itself
+        if shared:
             mask = mask(self.layer_geometry(block, probs, value))
         if mask is not None:
             mask = torch.as_tensor(mask, dtype=torch.bool, device=probs.device)
-            if mask.any():  # an empty mask leaves the run bit-for-bit unchanged
-                probs = probs.masked_fill(mask, 0.0)
+            # zeroing leaves every other probability bit-for-bit unchanged (an empty mask changes nothing);
+            # in place where nothing else holds the softmax output, which saves a copy per layer
+            in_place = not (shared or probs.requires_grad)
+            probs = probs.masked_fill_(mask, 0.0) if in_place else probs.masked_fill(mask, 0.0)
         if layer in self.record:
             self.recorded[layer] = self.layer_geometry(block, probs, value)
         return probs

@@ -93,7 +93,8 @@ from torch import nn
 from .architectures import attention_blocks
 from .decomposition import METRICS, LayerDecomposition, prepare_inputs
 from .interventions import intervene
-from .ranking import MODES, SCOPES, UNITS, candidate_mask, hashed_uniform, removal_mask, selection_buckets
+from .ranking import (MODES, SCOPES, UNITS, candidate_mask, hashed_uniform, removal_mask, selection,
+                      selection_buckets)
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -350,21 +351,26 @@ class _Sweep:
         return out.logits if hasattr(out, "logits") else out[0]
 
     def _clean_pass(self, batch: _Batch, specs: list[MetricSpec], candidates):
-        """Clean logits and ``{label: {layer: {mode: bucket}}}`` from one decomposed forward."""
+        """Clean logits, ``{label: {layer: {mode: bucket}}}`` and ``{label: {mode: removed}}`` (terms each
+        ratio removes per sequence, summed over layers: ``[batch, n_ratios]``) from one decomposed forward."""
         buckets: dict[str, dict[int, dict[str, torch.Tensor]]] = {s.label: {} for s in specs}
+        removed = {s.label: {m: torch.zeros(batch.input_ids.shape[0], len(self.nonzero), dtype=torch.long)
+                             for m in self.modes} for s in specs}
         unit, scope = self.protocol.unit, self.protocol.scope
 
         def ranker(layer):
             def callback(layer_decomposition):
                 for spec in specs:
                     scores = self._scores(layer_decomposition, spec, layer, batch)
-                    buckets[spec.label][layer] = selection_buckets(
-                        scores, candidates[layer], self.nonzero, self.modes, unit, scope)
+                    chosen = selection(scores, candidates[layer], self.nonzero, self.modes, unit, scope)
+                    buckets[spec.label][layer] = chosen.buckets
+                    for mode, count in chosen.removed.items():
+                        removed[spec.label][mode] += count
                 return torch.zeros((), dtype=torch.bool)  # remove nothing: the clean run
             return callback
 
         masks = {layer: ranker(layer) for layer in self.layers} if specs and self.nonzero else {}
-        return self._forward(batch, masks), buckets
+        return self._forward(batch, masks), buckets, removed
 
     # -- one batch ---------------------------------------------------------------------------------
     def run(self, batch: _Batch, scorer: Scorer) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
@@ -379,10 +385,10 @@ class _Sweep:
         }
         todo = [key for key, frame in missing.items() if frame is None]
         candidates = self._candidates(batch)
-        buckets = {}
+        buckets, removed = {}, {}
         if clean is None or (todo and self.protocol.scores == "clean"):
             need = [s for s in self.specs if any(k[0] == s.label for k in todo)] if self.protocol.scores == "clean" else []
-            logits, buckets = self._clean_pass(batch, need, candidates)
+            logits, buckets, removed = self._clean_pass(batch, need, candidates)
             if clean is None:
                 clean = scorer(logits, batch, torch.zeros(rows, dtype=torch.long))
                 self._put(clean_piece, clean)
@@ -400,7 +406,8 @@ class _Sweep:
                             if source is not None and missing.get((source, mode, ratio)) is not None:
                                 frame = missing[(source, mode, ratio)]
                             else:
-                                frame = self._point(batch, scorer, spec, mode, ratio, buckets.get(spec.label), candidates)
+                                frame = self._point(batch, scorer, spec, mode, ratio, buckets.get(spec.label),
+                                                    removed.get(spec.label), candidates)
                             self._put(self._piece(batch, spec, mode, ratio), frame)
                             missing[(spec.label, mode, ratio)] = frame
                     self._tick()
@@ -423,7 +430,7 @@ class _Sweep:
                     break
         return alias
 
-    def _point(self, batch, scorer, spec, mode, ratio, buckets, candidates) -> pd.DataFrame:
+    def _point(self, batch, scorer, spec, mode, ratio, buckets, removed_counts, candidates) -> pd.DataFrame:
         rows = batch.input_ids.shape[0]
         layer_scope = self.protocol.scope == "layer"
         if self.protocol.scores == "clean":
@@ -433,9 +440,7 @@ class _Sweep:
                 for layer in self.layers
             }
             logits = self._forward(batch, masks)
-            removed = torch.zeros(rows, dtype=torch.long)
-            for layer, mask in masks.items():
-                removed += mask.sum((1, 2, 3)).long() * (self.heads if mask.shape[1] == 1 else 1)
+            removed = removed_counts[mode][:, t].clone()
         else:
             removed = torch.zeros(rows, dtype=torch.long)
             unit, scope = self.protocol.unit, self.protocol.scope

@@ -40,7 +40,7 @@ One sort per metric then serves every ratio.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -54,6 +54,8 @@ __all__ = [
     "removal_counts",
     "selection_buckets",
     "removal_mask",
+    "selection",
+    "Selection",
     "hashed_uniform",
 ]
 
@@ -162,6 +164,111 @@ def _aggregate_heads(scores: torch.Tensor, unit: str) -> torch.Tensor:
     return scores.sum(1, keepdim=True)
 
 
+class Selection(NamedTuple):
+    """What one layer's ranking removes at every ratio: ``buckets[mode]`` (uint8, see
+    :func:`selection_buckets`) and ``removed[mode]``, the number of terms (head, query, key) each
+    ratio's mask removes per sequence, ``[batch, n_ratios]`` int64."""
+
+    buckets: dict[str, torch.Tensor]
+    removed: dict[str, torch.Tensor]
+
+
+def _bucket(ranks: torch.Tensor, counts: torch.Tensor, candidates: torch.Tensor, cuts: list[torch.Tensor],
+            mode: str) -> torch.Tensor:
+    """The number of ratios that keep each unit (NEVER for non-candidates). Comprehensiveness keeps
+    the unit of rank p at ratio t iff p >= k_t; sufficiency iff p < n - k_t, i.e. n - 1 - p >= k_t."""
+    position = ranks if mode == "comprehensiveness" else counts - 1 - ranks
+    bucket = torch.zeros(ranks.shape, dtype=torch.uint8, device=ranks.device)
+    for cut in cuts:
+        bucket += position >= cut
+    return bucket.masked_fill_(~candidates, NEVER)
+
+
+def _query_blocks(candidates: torch.Tensor, max_blocks: int = 16, min_size: int = 8) -> list[tuple[int, int, int]]:
+    """``(first query, end query, key limit)`` blocks such that no query of a block has a candidate key at
+    or beyond the limit: under causal masks the keys after a block's last query are never candidates,
+    so each block sorts only its left part of the rows (about half the work of whole rows)."""
+    rows = candidates[:, 0]  # [b, q, k]
+    n_q, n_k = rows.shape[-2:]
+    seen = rows.any(0)  # [q, k]
+    last = torch.where(seen.any(-1), (seen * torch.arange(1, n_k + 1, device=rows.device)).amax(-1), 0)
+    size = max(min_size, -(-n_q // max_blocks))
+    blocks = []
+    for q0 in range(0, n_q, size):
+        q1 = min(n_q, q0 + size)
+        limit = int(last[q0:q1].max()) if q1 > q0 else 0
+        if limit:
+            blocks.append((q0, q1, limit))
+    return blocks
+
+
+def selection(
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    ratios: Sequence[float],
+    modes: Sequence[str] = MODES,
+    unit: str = "head_key",
+    scope: str = "row",
+) -> Selection:
+    """Buckets and removed-term counts of one layer for every ratio and mode (one sort per group).
+
+    scores: ``[batch, head, query, key]`` (already transformed: signed or absolute);
+    candidates: ``[batch, 1, query, key]`` from :func:`candidate_mask`; ratios: ascending.
+    Buckets are broadcastable to ``[batch, head, query, key]`` (``[b, h, 1, k]`` for layer scope,
+    ``[b, 1, ...]`` for token units); the mask for ``ratios[t]`` is ``removal_mask(bucket, t, candidates)``.
+    """
+    _check(unit, scope)
+    for mode in modes:
+        _check(unit, scope, mode)
+    ratios = [float(r) for r in ratios]
+    if any(b < a for a, b in zip(ratios, ratios[1:])):
+        raise ValueError(f"ratios must be ascending, got {ratios}")
+    if len(ratios) >= NEVER:
+        raise ValueError(f"at most {NEVER - 1} ratios")
+    heads = scores.shape[1]
+    unit_scores, unit_cand = _unit_scores(_aggregate_heads(scores, unit), candidates, unit, scope)
+    if unit == "token":
+        unit_cand = unit_cand[:, :1]
+    broadcast = heads if unit_scores.shape[1] == 1 else 1  # token units are removed from every head
+    b = unit_scores.shape[0]
+    removed = {m: torch.zeros(b, len(ratios), dtype=torch.long, device=scores.device) for m in modes}
+    if scope == "row":
+        buckets = {m: torch.full(unit_scores.shape, NEVER, dtype=torch.uint8, device=scores.device) for m in modes}
+        for q0, q1, limit in _query_blocks(unit_cand):
+            part = unit_scores[:, :, q0:q1, :limit]
+            grouped, shape = _grouped(part, unit)
+            grouped_cand, _ = _grouped(unit_cand[:, :, q0:q1, :limit].expand_as(part), unit)
+            ranks, counts = descending_ranks(grouped, grouped_cand)
+            cuts = [removal_counts(counts, r) for r in ratios]
+            # every group removes exactly k_t of its candidates, in both modes
+            per_sequence = [cut.reshape(b, -1).sum(-1, dtype=torch.long) * broadcast for cut in cuts]
+            for mode in modes:
+                bucket = _bucket(ranks, counts, grouped_cand, cuts, mode)
+                buckets[mode][:, :, q0:q1, :limit] = _ungrouped(bucket, unit, shape)
+                for t, count in enumerate(per_sequence):
+                    removed[mode][:, t] += count
+        return Selection(buckets, removed)
+    if unit == "head_key":
+        # one group per sequence: [b, h, 1, k] -> [b, 1, 1, h*k]
+        _, h, _, n_keys = unit_scores.shape
+        grouped = unit_scores.reshape(b, 1, 1, h * n_keys)
+        grouped_cand = unit_cand.expand(b, h, 1, n_keys).reshape(b, 1, 1, h * n_keys)
+        shape = (b, h, 1, n_keys)
+    else:
+        grouped, shape = _grouped(unit_scores, "key")
+        grouped_cand, _ = _grouped(unit_cand.expand_as(unit_scores), "key")
+    ranks, counts = descending_ranks(grouped, grouped_cand)
+    cuts = [removal_counts(counts, r) for r in ratios]
+    buckets = {}
+    for mode in modes:
+        bucket = _bucket(ranks, counts, grouped_cand, cuts, mode)
+        buckets[mode] = bucket.reshape(shape) if unit == "head_key" else _ungrouped(bucket, "key", shape)
+        # a unit selected in layer scope is removed from every candidate query that sees it
+        for t in range(len(ratios)):
+            removed[mode][:, t] = removal_mask(buckets[mode], t, candidates).sum((1, 2, 3)) * broadcast
+    return Selection(buckets, removed)
+
+
 def selection_buckets(
     scores: torch.Tensor,
     candidates: torch.Tensor,
@@ -170,47 +277,12 @@ def selection_buckets(
     unit: str = "head_key",
     scope: str = "row",
 ) -> dict[str, torch.Tensor]:
-    """For each mode, the index of the first ratio that removes each term.
+    """For each mode, the index of the first ratio that removes each term (``{mode: uint8 tensor}``).
 
-    scores: ``[batch, head, query, key]`` (already transformed: signed or absolute);
-    candidates: ``[batch, 1, query, key]`` from :func:`candidate_mask`; ratios: ascending.
-    Returns ``{mode: uint8 tensor}`` broadcastable to ``[batch, head, query, key]`` (``[b, h, 1, k]``
-    for layer scope, ``[b, 1, ...]`` for token units); the mask for ``ratios[t]`` is
+    Arguments and shapes as in :func:`selection`; the mask for ``ratios[t]`` is
     ``removal_mask(bucket, t, candidates)``.
     """
-    _check(unit, scope)
-    ratios = [float(r) for r in ratios]
-    if any(b < a for a, b in zip(ratios, ratios[1:])):
-        raise ValueError(f"ratios must be ascending, got {ratios}")
-    if len(ratios) >= NEVER:
-        raise ValueError(f"at most {NEVER - 1} ratios")
-    unit_scores, unit_cand = _unit_scores(_aggregate_heads(scores, unit), candidates, unit, scope)
-    if unit == "token":
-        unit_cand = unit_cand[:, :1]
-    if scope == "layer" and unit == "head_key":
-        # one group per sequence: [b, h, 1, k] -> [b, 1, 1, h*k]
-        b, h, _, n_keys = unit_scores.shape
-        grouped = unit_scores.reshape(b, 1, 1, h * n_keys)
-        grouped_cand = unit_cand.expand(b, h, 1, n_keys).reshape(b, 1, 1, h * n_keys)
-        shape = (b, h, 1, n_keys)
-    else:
-        grouped, shape = _grouped(unit_scores, unit if scope == "row" else "key")
-        grouped_cand, _ = _grouped(unit_cand.expand_as(unit_scores), unit if scope == "row" else "key")
-    ranks, counts = descending_ranks(grouped, grouped_cand)
-    out = {}
-    for mode in modes:
-        _check(unit, scope, mode)
-        bucket = torch.zeros(ranks.shape, dtype=torch.uint8, device=ranks.device)
-        for r in ratios:
-            removed = removal_counts(counts, r)
-            kept = ranks >= removed if mode == "comprehensiveness" else ranks < counts - removed
-            bucket += kept.to(torch.uint8)
-        bucket = bucket.masked_fill(~grouped_cand, NEVER)
-        if scope == "layer" and unit == "head_key":
-            out[mode] = bucket.reshape(shape)
-        else:
-            out[mode] = _ungrouped(bucket, unit if scope == "row" else "key", shape)
-    return out
+    return selection(scores, candidates, ratios, modes, unit, scope).buckets
 
 
 def removal_mask(bucket: torch.Tensor, ratio_index: int, candidates: torch.Tensor | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 import transformers as tf
 
 from cwcore import faithfulness as fa
-from cwcore.ranking import candidate_mask, removal_mask, selection_buckets
+from cwcore.ranking import candidate_mask, removal_mask, selection, selection_buckets
 from tiny_models import VOCAB, tiny_model
 
 NON_RANDOM = ["attention", "value_weighted", "value_weighted_output_normalized", "contribution"]
@@ -155,9 +155,10 @@ def _naive_masks(scores, cand, unit, scope, ratio, mode):
 @pytest.mark.parametrize("unit", ["head_key", "key", "token"])
 @pytest.mark.parametrize("scope", ["row", "layer"])
 @pytest.mark.parametrize("keep_first", [True, False])
-def test_selection_matches_a_naive_per_group_sort(unit, scope, keep_first):
+@pytest.mark.parametrize("n", [7, 37])  # 37: several query blocks, each sorting only its causal left part
+def test_selection_matches_a_naive_per_group_sort(unit, scope, keep_first, n):
     generator = torch.Generator().manual_seed(0)
-    b, h, n = 3, 3, 7
+    b, h = 3, 3
     # coarse dyadic values: many ties, which must break by index; sums and means are exact in float64
     # (one rounding in the division), so layer-scope means tie exactly where they tie mathematically
     scores = (torch.rand(b, h, n, n, generator=generator, dtype=torch.float64) * 4).round() / 4 - 0.25
@@ -168,12 +169,15 @@ def test_selection_matches_a_naive_per_group_sort(unit, scope, keep_first):
     cand = candidate_mask(attention_mask, keep_first_token=keep_first)
     ratios = [0.1, 0.25, 0.5, 0.8, 1.0]
     buckets = selection_buckets(scores, cand, ratios, unit=unit, scope=scope)
+    counted = selection(scores, cand, ratios, unit=unit, scope=scope).removed
     for t, ratio in enumerate(ratios):
         for mode in ("comprehensiveness", "sufficiency"):
             mask = removal_mask(buckets[mode], t, cand if scope == "layer" else None).expand(b, h, n, n)
             expected = _naive_masks(scores, cand, unit, scope, ratio, mode)
             assert torch.equal(mask, expected), (unit, scope, ratio, mode)
             assert not (mask & ~cand).any()
+            # the sweep counts removed terms from the bucket histogram instead of summing every mask
+            assert torch.equal(counted[mode][:, t], expected.sum((1, 2, 3))), (unit, scope, ratio, mode)
 
 
 def test_candidates_are_causal_real_and_exclude_the_first_real_token():
@@ -214,7 +218,7 @@ def test_ratio_zero_run_is_bit_identical_to_the_clean_model(peaked):
         sweep = fa._Sweep(model, [fa.parse_metric("contribution")], ["comprehensiveness"], [0.0], fa.Protocol(),
                           None, False, 1)
         batch = fa._pad_batch(0, ids.tolist(), list(range(len(ids))), 0, "right")
-        logits, _ = sweep._clean_pass(batch, [fa.parse_metric("contribution")], sweep._candidates(batch))
+        logits, _, _ = sweep._clean_pass(batch, [fa.parse_metric("contribution")], sweep._candidates(batch))
     assert torch.equal(logits, reference)
 
 
