@@ -35,7 +35,8 @@ Masks for many ratios
 Ratios are nested: the terms removed at r are also removed at every larger r. So instead of one
 mask per ratio, :func:`selection_buckets` stores per term the index of the first ratio that removes
 it (``uint8``, :data:`NEVER` when no ratio does), and the mask for ratio index t is ``bucket <= t``.
-One sort per metric then serves every ratio.
+One sort per metric then serves every ratio. :func:`selection` also returns how many terms each
+ratio removes per sequence (every ranked group removes exactly k(r) of its candidates).
 """
 
 from __future__ import annotations
