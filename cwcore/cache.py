@@ -18,7 +18,7 @@ from typing import Callable
 
 import pandas as pd
 
-__all__ = ["cache_root", "code_version", "parameters_key", "ResultCache", "atomic_write_bytes"]
+__all__ = ["cache_root", "code_version", "parameters_key", "ResultCache", "atomic_write_bytes", "result_runs", "prune"]
 
 
 def cache_root() -> Path:
@@ -105,3 +105,44 @@ class ResultCache:
             frame = compute()
             self.put(piece, frame)
         return frame
+
+
+def result_runs(root: Path | None = None) -> pd.DataFrame:
+    """Every cached run under ``<root>/results``: one row per folder with ``namespace, key, current``
+    (computed by the installed cwcore code), ``pieces``, ``bytes``, ``modified`` (POSIX time) and ``path``.
+    """
+    base = (root or cache_root()) / "results"
+    current = code_version()
+    rows = []
+    for folder in sorted(base.glob("*/*")) if base.is_dir() else []:
+        if not folder.is_dir():
+            continue
+        try:
+            code = json.loads((folder / "parameters.json").read_text()).get("code")
+        except (OSError, ValueError):
+            code = None  # no piece was ever completed here, or the file is unreadable
+        files = [f for f in folder.iterdir() if f.is_file()]
+        rows.append({"namespace": folder.parent.name, "key": folder.name, "current": code == current,
+                     "pieces": sum(f.suffix == ".parquet" for f in files),
+                     "bytes": sum(f.stat().st_size for f in files),
+                     "modified": max([f.stat().st_mtime for f in files], default=folder.stat().st_mtime),
+                     "path": str(folder)})
+    return pd.DataFrame(rows, columns=["namespace", "key", "current", "pieces", "bytes", "modified", "path"])
+
+
+def prune(root: Path | None = None, everything: bool = False, dry_run: bool = False,
+          min_age_seconds: float = 60.0) -> pd.DataFrame:
+    """Delete cached runs that no installed code can read: those computed by another version of cwcore
+    (``everything=True``: every run). Runs touched in the last ``min_age_seconds`` are kept, so a job
+    writing into the cache right now is not disturbed. Converted models (``<root>/models``) are never
+    touched. Returns the rows of :func:`result_runs` that were (``dry_run``: would be) deleted."""
+    import shutil
+    import time
+
+    runs = result_runs(root)
+    doomed = runs if everything else runs[~runs["current"]]
+    doomed = doomed[doomed["modified"] < time.time() - min_age_seconds]
+    if not dry_run:
+        for path in doomed["path"]:
+            shutil.rmtree(path, ignore_errors=True)
+    return doomed.reset_index(drop=True)

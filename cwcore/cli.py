@@ -2,6 +2,7 @@
 
     cwcore explain "The cat sat on the mat" --model smollm2-135m --layer 5 --kind inter --out fig.png
     cwcore models
+    cwcore cache [prune [--all] [--dry-run]]
 
 Bad input ends with one ``error: ...`` line on stderr and exit status 2, never a traceback.
 """
@@ -118,6 +119,38 @@ def _models_command(args) -> None:
         print(f"{name:16s} {description}")
 
 
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _cache_command(args) -> None:
+    from .cache import cache_root, prune, result_runs
+
+    root = cache_root()
+    if args.action == "prune":
+        gone = prune(root, everything=args.all, dry_run=args.dry_run)
+        verb = "would delete" if args.dry_run else "deleted"
+        print(f"{verb} {len(gone)} cached run(s), {_size(gone['bytes'].sum())}, under {root / 'results'}")
+        return
+    runs = result_runs(root)
+    print(f"cwcore cache: {root}")
+    if runs.empty:
+        print("no cached results")
+        return
+    table = runs.groupby("namespace").agg(runs=("key", "size"), current=("current", "sum"), pieces=("pieces", "sum"),
+                                          size=("bytes", "sum"))
+    for name, row in table.iterrows():
+        print(f"  {name:28s} {int(row['runs']):4d} runs ({int(row['current'])} current)  {int(row['pieces']):6d} pieces"
+              f"  {_size(row['size']):>9s}")
+    stale = runs[~runs["current"]]
+    print(f"{len(stale)} run(s) written by other versions of cwcore ({_size(stale['bytes'].sum())}) are never read "
+          "again: `cwcore cache prune` deletes them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cwcore", description="Contribution weights of transformer attention.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(run=_explain_command)
     models = sub.add_parser("models", help="list the packaged models")
     models.set_defaults(run=_models_command)
+    cache = sub.add_parser("cache", help="what the result cache holds; `prune` deletes what no code reads")
+    cache.add_argument("action", nargs="?", default="info", choices=["info", "prune"])
+    cache.add_argument("--all", action="store_true", help="prune: delete every cached result, current ones too")
+    cache.add_argument("--dry-run", action="store_true", help="prune: only say what would be deleted")
+    cache.set_defaults(run=_cache_command)
     return parser
 
 

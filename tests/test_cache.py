@@ -39,3 +39,55 @@ def test_interrupted_write_leaves_no_piece(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         atomic_write_bytes(target, b"data")
     assert list(tmp_path.iterdir()) == []
+
+
+def _age(folder: Path, seconds: float) -> None:
+    """Make every file of a run look ``seconds`` old."""
+    import time
+
+    for f in folder.iterdir():
+        os.utime(f, (time.time() - seconds, time.time() - seconds))
+
+
+def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkeypatch):
+    import json
+
+    from cwcore import cli
+    from cwcore.cache import code_version, prune, result_runs
+
+    current = ResultCache("demo", {"a": 1}, root=tmp_path)
+    current.put("p0", pd.DataFrame({"x": [1.0]}))
+    old = ResultCache("demo", {"a": 2}, root=tmp_path)
+    old.put("p0", pd.DataFrame({"x": [2.0]}))
+    old.put("p1", pd.DataFrame({"x": [3.0]}))
+    meta = old.directory / "parameters.json"
+    meta.write_text(json.dumps({"parameters": {"a": 2}, "code": "an-older-version"}))
+    fresh_old = ResultCache("other", {"b": 1}, root=tmp_path)  # stale, but being written right now
+    fresh_old.put("p0", pd.DataFrame({"x": [4.0]}))
+    (fresh_old.directory / "parameters.json").write_text(json.dumps({"parameters": {}, "code": "older"}))
+    for run in (current, old):
+        _age(run.directory, 3600)
+    (tmp_path / "models").mkdir()  # converted models are never touched
+    (tmp_path / "models" / "weights.safetensors").write_bytes(b"w")
+
+    runs = result_runs(tmp_path).set_index("key")
+    assert runs.loc[current.directory.name, "current"] and not runs.loc[old.directory.name, "current"]
+    assert runs.loc[old.directory.name, "pieces"] == 2
+    assert runs.loc[old.directory.name, "bytes"] == sum(f.stat().st_size for f in old.directory.iterdir())
+
+    would = prune(tmp_path, dry_run=True)
+    assert list(would["key"]) == [old.directory.name] and old.directory.exists()
+    gone = prune(tmp_path)
+    assert list(gone["key"]) == [old.directory.name]
+    assert not old.directory.exists() and current.directory.exists() and fresh_old.directory.exists()
+    assert current.get("p0")["x"].tolist() == [1.0] and (tmp_path / "models" / "weights.safetensors").exists()
+    assert code_version() in (current.directory / "parameters.json").read_text()
+
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    assert cli.main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert "demo" in out and "1 runs (1 current)" in out
+    _age(current.directory, 3600)
+    assert cli.main(["cache", "prune", "--all"]) == 0
+    assert "deleted 1 cached run(s)" in capsys.readouterr().out  # `other` is too recent to touch
+    assert not current.directory.exists() and fresh_old.directory.exists()
