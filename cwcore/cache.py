@@ -121,11 +121,11 @@ def result_runs(root: Path | None = None) -> pd.DataFrame:
             code = json.loads((folder / "parameters.json").read_text()).get("code")
         except (OSError, ValueError):
             code = None  # no piece was ever completed here, or the file is unreadable
-        files = [f for f in folder.iterdir() if f.is_file()]
+        files = {f: f.stat() for f in folder.iterdir() if f.is_file()}  # one stat per file
         rows.append({"namespace": folder.parent.name, "key": folder.name, "current": code == current,
                      "pieces": sum(f.suffix == ".parquet" for f in files),
-                     "bytes": sum(f.stat().st_size for f in files),
-                     "modified": max([f.stat().st_mtime for f in files], default=folder.stat().st_mtime),
+                     "bytes": sum(st.st_size for st in files.values()),
+                     "modified": max([st.st_mtime for st in files.values()], default=folder.stat().st_mtime),
                      "path": str(folder)})
     return pd.DataFrame(rows, columns=["namespace", "key", "current", "pieces", "bytes", "modified", "path"])
 

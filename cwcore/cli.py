@@ -120,11 +120,12 @@ def _models_command(args) -> None:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB", "GB"):
         n /= 1024
-    return f"{n:.1f} GB"
+        if n < 1024 or unit == "GB":
+            return f"{n:.1f} {unit}"
 
 
 def _cache_command(args) -> None:

@@ -93,8 +93,7 @@ from torch import nn
 from .architectures import attention_blocks
 from .decomposition import METRICS, LayerDecomposition, prepare_inputs
 from .interventions import intervene
-from .ranking import (MODES, SCOPES, UNITS, candidate_mask, hashed_uniform, removal_mask, selection,
-                      selection_buckets)
+from .ranking import MODES, SCOPES, UNITS, candidate_mask, hashed_uniform, removal_mask, selection
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -449,10 +448,9 @@ class _Sweep:
                 def callback(layer_decomposition):
                     nonlocal removed
                     scores = self._scores(layer_decomposition, spec, layer, batch)
-                    bucket = selection_buckets(scores, candidates[layer], [ratio], [mode], unit, scope)[mode]
-                    mask = removal_mask(bucket, 0, candidates[layer] if layer_scope else None)
-                    removed = removed + mask.sum((1, 2, 3)).long() * (self.heads if mask.shape[1] == 1 else 1)
-                    return mask
+                    chosen = selection(scores, candidates[layer], [ratio], [mode], unit, scope)
+                    removed = removed + chosen.removed[mode][:, 0]
+                    return removal_mask(chosen.buckets[mode], 0, candidates[layer] if layer_scope else None)
                 return callback
 
             logits = self._forward(batch, {layer: live(layer) for layer in self.layers})

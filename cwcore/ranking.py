@@ -242,12 +242,11 @@ def selection(
             ranks, counts = descending_ranks(grouped, grouped_cand)
             cuts = [removal_counts(counts, r) for r in ratios]
             # every group removes exactly k_t of its candidates, in both modes
-            per_sequence = [cut.reshape(b, -1).sum(-1, dtype=torch.long) * broadcast for cut in cuts]
+            per_sequence = torch.stack([cut.reshape(b, -1).sum(-1, dtype=torch.long) for cut in cuts], -1) * broadcast
             for mode in modes:
                 bucket = _bucket(ranks, counts, grouped_cand, cuts, mode)
                 buckets[mode][:, :, q0:q1, :limit] = _ungrouped(bucket, unit, shape)
-                for t, count in enumerate(per_sequence):
-                    removed[mode][:, t] += count
+                removed[mode] += per_sequence
         return Selection(buckets, removed)
     if unit == "head_key":
         # one group per sequence: [b, h, 1, k] -> [b, 1, 1, h*k]
