@@ -14,23 +14,41 @@ from __future__ import annotations
 
 import importlib
 
+from . import _compat
+
+_compat.install()  # old module paths (cwcore.attention, cwcore.sink_claims, ...) keep importing
+
 __version__ = "0.1.0"
 
-# public name -> submodule that defines it
+# public name -> submodule that defines it (each concept has one home; see the README's layout table)
 _EXPORTS = {
-    "UnsupportedModelError": "architectures",
-    "attention_blocks": "architectures",
-    "register_output_projection": "architectures",
-    "METRICS": "decomposition",
-    "Decomposition": "decomposition",
-    "LayerDecomposition": "decomposition",
-    "decompose": "decomposition",
-    "prepare_inputs": "decomposition",
-    "intervene": "interventions",
+    "UnsupportedModelError": "core.architectures",
+    "attention_blocks": "core.architectures",
+    "register_output_projection": "core.architectures",
+    "METRICS": "core.decomposition",
+    "Decomposition": "core.decomposition",
+    "LayerDecomposition": "core.decomposition",
+    "decompose": "core.decomposition",
+    "prepare_inputs": "core.decomposition",
+    "AttentionSession": "core.attention",
+    "LayerCall": "core.attention",
+    "intervene": "core.interventions",
     "PACKAGED_MODELS": "models",
     "load_model": "models",
     "PACKAGED_DATASETS": "data",
     "load_dataset": "data",
+    # section 5: faithfulness by causal intervention
+    "faithfulness_curve": "faithfulness",
+    "downstream_eval": "faithfulness",
+    "aopc": "faithfulness",
+    "ladder_comparison": "faithfulness",
+    # section 6: the value geometry of attention sinks
+    "sink_rates": "sinks",
+    "sink_decomposition": "sinks",
+    "anti_alignment": "sinks",
+    "convexity": "sinks",
+    "semantic_cone": "sinks",
+    "run_analyses": "sinks",
 }
 __all__ = sorted(_EXPORTS)
 

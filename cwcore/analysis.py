@@ -1,8 +1,9 @@
 """Per-layer statistics of attention and contribution weights, for the book's model chapters.
 
-Everything here reads a :class:`cwcore.decomposition.LayerDecomposition` (or plain tensors) and returns
+Everything here reads a :class:`cwcore.core.decomposition.LayerDecomposition` (or plain tensors) and returns
 numbers per *sequence*, so that the error bars of a per-layer mean come from resampling sequences
-(:func:`bootstrap_ci`): rows of one sequence are not independent draws.
+(:func:`summarize`, with :func:`cwcore.stats.bootstrap_ci`): rows of one sequence are not independent
+draws. :func:`collect` runs the model over many batches through :mod:`cwcore.runs` (cached pieces).
 
 Conventions (for layer l, head h, query i, key j):
 
@@ -29,12 +30,13 @@ Conventions (for layer l, head h, query i, key j):
 
 from __future__ import annotations
 
-import hashlib
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
+
+from . import runs, stats
 
 __all__ = [
     "VIEWS",
@@ -326,116 +328,81 @@ def factor_sample(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *
 # --------------------------------------------------------------------------------------------------
 # Many batches, cached
 # --------------------------------------------------------------------------------------------------
-def _fingerprint(model) -> str:
-    """A cheap hash of a model: class, name, and every parameter's name, shape, dtype and end values."""
-    digest = hashlib.sha256(type(model).__name__.encode())
-    digest.update(str(getattr(getattr(model, "config", None), "_name_or_path", "")).encode())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            if flat.device.type != "meta":  # weights offloaded by accelerate have no values here
-                digest.update(torch.cat([flat[:32], flat[-32:]]).float().cpu().numpy().tobytes())
-    return digest.hexdigest()[:20]
-
-
-def _digest(batch: Mapping[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    for name in sorted(batch):
-        t = batch[name]
-        digest.update(f"{name}{tuple(t.shape)}".encode())
-        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()[:20]
-
-
 def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
             key_groups: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
             layers: Sequence[int] | None = None, kind: str = "intra", min_keys: int = 2, rank_min_keys: int = 5,
             rank_views: Sequence[str] = VIEWS, kendall_views: Sequence[str] = (), factor_samples: int = 256,
             seed: int = 0, cache: bool = True, cache_root=None,
-            progress: Callable[[int], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+            progress: Callable[[int], None] | bool | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Decompose every batch and gather :func:`layer_statistics` and :func:`factor_sample` of each layer.
 
     ``batches`` yields the model's inputs (e.g. :func:`cwcore.data.lm_batches`); sequences are numbered
     0, 1, ... across batches. ``key_groups(batch)`` gives the key groups of a batch (default: the first
-    position, :func:`first_token_group`). Each batch's two tables are cached
-    (:class:`cwcore.cache.ResultCache`, namespace ``layer-statistics``) under a key made of a
-    fingerprint of the model, the batch's tensors, the options and cwcore's code, so a rerun reads
-    them back instead of running the model; ``cache=False`` switches that off. ``progress(sequences_done)`` is
-    called after each batch. Returns ``(statistics, factor samples)``.
+    position, :func:`first_token_group`). The batches run through :func:`cwcore.runs.for_each_batch`:
+    each batch's two tables are a cached piece of a :class:`cwcore.runs.PieceStore` (namespace
+    ``layer-statistics``) whose key is made of the model's fingerprint
+    (:func:`cwcore.runs.model_fingerprint`), the batch's tensors (:func:`cwcore.runs.tensor_digest`),
+    the options and the code that computes them (the core and this module), so a rerun reads them back
+    instead of running the model; ``cache=False`` switches that off. ``progress``: ``True`` shows a
+    progress bar over the batches; a callable is called with the number of sequences done after each
+    batch. Returns ``(statistics, factor samples)``.
     """
     import cwcore  # cwcore.decompose, the function (the module that defines it is an implementation detail)
 
-    from .cache import ResultCache
+    options = dict(layers=None if layers is None else sorted(layers), kind=kind, min_keys=min_keys,
+                   rank_min_keys=rank_min_keys, rank_views=list(rank_views), kendall_views=list(kendall_views),
+                   factor_samples=factor_samples, seed=seed)
+    store = runs.PieceStore("layer-statistics", options, model=model, code=("analysis",), cache=cache,
+                            cache_root=cache_root)
 
-    options = dict(model=_fingerprint(model), layers=None if layers is None else sorted(layers), kind=kind,
-                   min_keys=min_keys, rank_min_keys=rank_min_keys, rank_views=list(rank_views),
-                   kendall_views=list(kendall_views), factor_samples=factor_samples, seed=seed)
-    store = ResultCache("layer-statistics", options, root=cache_root, enabled=cache)
-    stats, factors = [], []
+    def compute(batch) -> dict[str, pd.DataFrame]:
+        groups = key_groups(batch) if key_groups else None
+        d = cwcore.decompose(model, layers=layers, **batch)
+        per_layer, samples = [], []
+        for layer in d:
+            if groups is None:
+                b, _, _, k = layer.attention.shape
+                groups = first_token_group(b, k)
+            per_layer.append(layer_statistics(layer, groups, min_keys=min_keys, rank_min_keys=rank_min_keys,
+                                              rank_views=rank_views, kendall_views=kendall_views))
+            samples.append(factor_sample(layer, groups, kind=kind, per_group=factor_samples,
+                                         min_keys=min_keys, seed=seed))
+        del d
+        return {"stats": pd.concat(per_layer, ignore_index=True), "factors": pd.concat(samples, ignore_index=True)}
+
+    stats_parts, factors = [], []
     offset = 0
-    for batch in batches:
-        batch = dict(batch)
+    for batch, frames in runs.for_each_batch((dict(b) for b in batches), compute, store,
+                                             desc="layer statistics", show_progress=progress is True):
         size = int(next(iter(batch.values())).shape[0])
-        piece = _digest(batch)
-        got_stats, got_factors = store.get(f"{piece}-stats"), store.get(f"{piece}-factors")
-        if got_stats is None or got_factors is None:
-            groups = key_groups(batch) if key_groups else None
-            d = cwcore.decompose(model, layers=layers, **batch)
-            per_layer, samples = [], []
-            for layer in d:
-                if groups is None:
-                    b, _, _, k = layer.attention.shape
-                    groups = first_token_group(b, k)
-                per_layer.append(layer_statistics(layer, groups, min_keys=min_keys, rank_min_keys=rank_min_keys,
-                                                  rank_views=rank_views, kendall_views=kendall_views))
-                samples.append(factor_sample(layer, groups, kind=kind, per_group=factor_samples,
-                                             min_keys=min_keys, seed=seed))
-            del d
-            got_stats = pd.concat(per_layer, ignore_index=True)
-            got_factors = pd.concat(samples, ignore_index=True)
-            store.put(f"{piece}-stats", got_stats)
-            store.put(f"{piece}-factors", got_factors)
         # the cached tables number sequences from 0 within their batch
-        stats.append(got_stats.assign(sequence=got_stats["sequence"] + offset))
-        factors.append(got_factors.assign(sequence=got_factors["sequence"] + offset))
+        stats_parts.append(frames["stats"].assign(sequence=frames["stats"]["sequence"] + offset))
+        factors.append(frames["factors"].assign(sequence=frames["factors"]["sequence"] + offset))
         offset += size
-        if progress is not None:
+        if callable(progress):
             progress(offset)
-    return pd.concat(stats, ignore_index=True), pd.concat(factors, ignore_index=True)
+    return pd.concat(stats_parts, ignore_index=True), pd.concat(factors, ignore_index=True)
 
 
 # --------------------------------------------------------------------------------------------------
 # Error bars
 # --------------------------------------------------------------------------------------------------
-def bootstrap_ci(values, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
-    """Mean of ``values`` (NaNs dropped) and a percentile bootstrap confidence interval of the mean.
-
-    Returns ``(mean, low, high)``; with a single value the interval is that value, with none NaN.
-    """
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    if v.size == 0:
-        return (float("nan"),) * 3
-    mean = float(v.mean())
-    if v.size == 1:
-        return mean, mean, mean
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, v.size, size=(n_bootstrap, v.size))].mean(1)
-    tail = (1 - confidence) / 2
-    low, high = np.quantile(means, [tail, 1 - tail])
-    return mean, float(low), float(high)
+#: :func:`cwcore.stats.bootstrap_ci` under its old name here (one bootstrap for the whole project)
+bootstrap_ci = stats.bootstrap_ci
 
 
-def summarize(stats: pd.DataFrame, by: Sequence[str] = ("layer", "statistic", "view", "group"),
+def summarize(statistics: pd.DataFrame, by: Sequence[str] = ("layer", "statistic", "view", "group"),
               n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
     """Per-group mean over sequences with a bootstrap CI: columns ``*by, mean, low, high, n``.
 
-    Sequences are the resampled unit (rows within a sequence are not independent).
+    Sequences are the resampled unit (rows within a sequence are not independent); the interval is
+    :func:`cwcore.stats.bootstrap_ci` of the mean (percentile, ``n_bootstrap`` resamples, NaNs
+    dropped; a group with a single finite value has no interval: ``low`` and ``high`` are NaN).
     """
     out = []
-    for key, frame in stats.groupby(list(by), sort=True, dropna=False):
-        mean, low, high = bootstrap_ci(frame["value"].to_numpy(), n_bootstrap, confidence, seed)
-        n = int(np.isfinite(frame["value"].to_numpy(dtype=float)).sum())
+    for key, frame in statistics.groupby(list(by), sort=True, dropna=False):
+        values = frame["value"].to_numpy(dtype=float)
+        mean, low, high = stats.bootstrap_ci(values, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
+        n = int(np.isfinite(values).sum())
         out.append((*((key,) if len(by) == 1 else key), mean, low, high, n))
     return pd.DataFrame(out, columns=[*by, "mean", "low", "high", "n"])

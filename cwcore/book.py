@@ -12,9 +12,11 @@ receives). ``build``
 
 1. executes ``notebooks/<chapter>.ipynb`` for each (chapter, model) with papermill, injecting the
    profile's parameters (only those the notebook's ``parameters`` cell declares, plus ``profile``,
-   ``model`` and ``output_dir`` where declared), into ``book/generated/`` through a temporary file and
-   an atomic rename; an executed copy whose stamp (hash of the source notebook, the parameters and
-   the ``cwcore`` sources) is current is skipped;
+   ``model``, ``output_dir``, ``results_file`` and ``results_dir`` where declared), into
+   ``book/generated/`` through a temporary file and an atomic rename; an executed copy whose stamp
+   (hash of the source notebook, the parameters and the ``cwcore`` sources; for a notebook that
+   declares ``results_dir``, also the result tables in it) is current, and whose ``results_file``
+   exists, is skipped;
 2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters,
    static pages where run.yml lists them);
 3. runs ``jupyter-book build -W`` into a temporary directory and, only if that succeeds, replaces
@@ -27,9 +29,17 @@ Layout of ``book/generated/`` (relative to it; ``<slug>`` is the model name made
     <chapter>/index.md                    per_model chapters: the chapter page, linking the models
     <chapter>/<slug>.ipynb                ... one executed copy per model
     <chapter>/figures/<slug>/             ... its ``output_dir``
+    results/<profile>/                    ``results_dir``: the tables chapters hand to later pages
+    results/<profile>/<chapter>/<slug>.csv  ... ``results_file`` of a per_model run (a once run:
+                                          ``results/<profile>/<chapter>.csv``); see :func:`results_path`
 
-A notebook runs with its executed copy's folder as working directory, so ``output_dir`` is a
-relative path. A failing notebook stops the build; its executed copy (with the error) is kept in
+A notebook runs with its executed copy's folder as working directory, so ``output_dir``,
+``results_file`` and ``results_dir`` are relative paths. ``results_file`` is where a chapter writes
+the table that later pages read (chapters 4-7 write their claims and ladder tables there; see
+:mod:`cwcore.findings`); ``results_dir`` is the folder of all of them, for a page that reads them (the
+findings page), which is executed again whenever one of those tables changes.
+
+A failing notebook stops the build; its executed copy (with the error) is kept in
 ``<build-dir>/failed/`` and the previous good copy, if any, stays in place.
 """
 
@@ -58,6 +68,7 @@ DEFAULT_BOOK_DIR = REPO_ROOT / "book"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "cwcore"
 RUN_MODES = ("once", "per_model")
+RESULTS = "results"  # generated/results/<profile>/: the tables chapters write for later pages
 PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md
 BUILD_STAMP = ".cwcore-build-stamp"
 # Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
@@ -192,7 +203,8 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
     Models of a per_model chapter, first that applies: the profile's ``notebooks.<chapter>.models``,
     the chapter's own ``models`` (pinned, e.g. an encoder chapter), ``models`` given here
     (``--models``), the profile's ``models``. Parameters of a run: the profile's ``params``, updated
-    with ``notebooks.<chapter>`` (less ``models``), plus ``profile``, ``model`` and ``output_dir``.
+    with ``notebooks.<chapter>`` (less ``models``), plus ``profile``, ``model``, ``output_dir``,
+    ``results_file`` and ``results_dir``.
     A once-chapter receives ``models`` (where it declares it): its ``notebooks.<chapter>.models``, else
     ``--models``, else the profile's models (e.g. a summary over the models of the per_model chapters).
     Page chapters have no runs; their file, ``book_dir/<name>.md`` (``book_dir`` defaults to the parent
@@ -210,6 +222,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
         raise BookError(f"run.yml profile {name}: notebooks {stray} are not chapters")
     book_dir = Path(book_dir) if book_dir is not None else Path(generated_dir).parent
 
+    results = Path(generated_dir) / RESULTS / slug(name)
     runs: list[Run] = []
     for chapter in chosen:
         if chapter.is_page:
@@ -227,7 +240,9 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
             out = Path(generated_dir) / f"{chapter.name}.ipynb"
             once_models = list(chapter_models or profile_models)
             runs.append(Run(chapter, None, source, out, {**params, "models": once_models,
-                                                         "output_dir": f"figures/{chapter.name}"}, explicit))
+                                                         "output_dir": f"figures/{chapter.name}",
+                                                         **_results_parameters(results, chapter, None, out)},
+                            explicit))
             continue
         chapter_models = list(chapter_models or chapter.models or profile_models)
         if not chapter_models:
@@ -235,8 +250,36 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
         for model in chapter_models:
             out = Path(generated_dir) / chapter.name / f"{slug(model)}.ipynb"
             runs.append(Run(chapter, model, source, out,
-                            {**params, "model": model, "output_dir": f"figures/{slug(model)}"}, explicit))
+                            {**params, "model": model, "output_dir": f"figures/{slug(model)}",
+                             **_results_parameters(results, chapter, model, out)}, explicit))
     return name, chosen, runs
+
+
+def results_path(results_dir: str | os.PathLike, chapter: str, model: str | None = None) -> Path:
+    """Where chapter ``chapter`` (run on ``model``; None: a once chapter) writes its results table
+    inside ``results_dir``: ``<chapter>/<slug(model)>.csv``, or ``<chapter>.csv``. Its metadata goes
+    beside it, with the suffix ``.json`` (:func:`cwcore.findings.save_results`)."""
+    if model is None:
+        return Path(results_dir) / f"{chapter}.csv"
+    return Path(results_dir) / chapter / f"{slug(model)}.csv"
+
+
+def _results_parameters(results: Path, chapter: Chapter, model: str | None, output: Path) -> dict:
+    """``results_file`` and ``results_dir`` of one run, relative to its working directory."""
+    rel = lambda p: Path(os.path.relpath(p, output.parent)).as_posix()  # noqa: E731
+    return {"results_file": rel(results_path(results, chapter.name, model)), "results_dir": rel(results)}
+
+
+def results_digest(results_dir: Path, exclude: Path | None = None) -> str:
+    """Hash of the result tables under ``results_dir`` (names and contents; ``exclude`` left out)."""
+    h = hashlib.sha256()
+    root = Path(results_dir)
+    if root.is_dir():
+        for path in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".")):
+            if exclude is not None and path.with_suffix("") == Path(exclude).with_suffix(""):
+                continue  # the run's own table and its metadata
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,11 +341,29 @@ def write_if_changed(path: Path, text: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Stamps: is an executed copy current?
 # --------------------------------------------------------------------------------------------------
-def stamp(source: Path, parameters: dict) -> str:
-    """What an executed copy was made from: the source notebook, its parameters and (through
+def stamp(source: Path, parameters: dict, inputs: str | None = None) -> str:
+    """What an executed copy was made from: the source notebook, its parameters, ``inputs`` (the
+    :func:`results_digest` of the tables a page reads, if any) and (through
     :func:`cwcore.cache.parameters_key`) the hash of cwcore's source files."""
     notebook = hashlib.sha256(Path(source).read_bytes()).hexdigest()
-    return parameters_key({"notebook": notebook, "parameters": parameters})
+    key = {"notebook": notebook, "parameters": parameters}
+    if inputs is not None:
+        key["inputs"] = inputs
+    return parameters_key(key)
+
+
+def run_stamp(run: Run, parameters: dict) -> str:
+    """:func:`stamp` of one run: a page that declares ``results_dir`` also depends on its tables."""
+    inputs = None
+    if "results_dir" in parameters:
+        own = run.output.parent / parameters["results_file"] if "results_file" in parameters else None
+        inputs = results_digest(run.output.parent / parameters["results_dir"], exclude=own)
+    return stamp(run.source, parameters, inputs)
+
+
+def outputs_present(run: Run, parameters: dict) -> bool:
+    """False when the run declares ``results_file`` and that table is missing (so it runs again)."""
+    return "results_file" not in parameters or (run.output.parent / parameters["results_file"]).is_file()
 
 
 def read_stamp(executed: Path) -> str | None:
@@ -427,6 +488,10 @@ def execute(run: Run, parameters: dict, stamp_value: str, kernel: str, failed_di
 
     out = run.output
     (out.parent / parameters.get("output_dir", ".")).mkdir(parents=True, exist_ok=True)
+    for name in ("results_file", "results_dir"):
+        if name in parameters:
+            folder = out.parent / parameters[name]
+            (folder.parent if name == "results_file" else folder).mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=".partial.ipynb")
     os.close(fd)
     try:
@@ -539,9 +604,9 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
         if run.source not in declared:
             declared[run.source] = notebook_parameters(run.source)
         params = injected_parameters(run, declared[run.source])
-        run_stamp = stamp(run.source, params)
+        current = run_stamp(run, params)
         prefix = f"[{i}/{len(runs)}] {run.label:<44}"
-        if not force and read_stamp(run.output) == run_stamp:
+        if not force and read_stamp(run.output) == current and outputs_present(run, params):
             print(f"{prefix} up to date", flush=True)
             continue
         kernel = kernel or ensure_kernel()
@@ -549,7 +614,7 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
         t0 = time.monotonic()
         print(f"{prefix} executing ...", end="", flush=True)
         try:
-            execute(run, params, run_stamp, kernel, build_dir / "failed")
+            execute(run, params, current, kernel, build_dir / "failed")
         except BaseException:
             print(f" FAILED after {time.monotonic() - t0:.1f}s", flush=True)
             raise

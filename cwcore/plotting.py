@@ -6,6 +6,11 @@
   diverging colour map centred at zero, so that negative contribution weights (destructive
   interference) read blue, positive ones red, and attention (never negative) is drawn on the same
   scale as contribution weights when ``vmin``/``vmax`` are shared.
+* Per-layer figures of the model chapters (3 and 8): :func:`per_layer` picks one statistic of
+  :func:`cwcore.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
+  :func:`layer_axis` labels the layers, :func:`plain_log` and :func:`legend_below` finish the axes.
+
+Importing this module loads neither torch nor seaborn (they are imported where a function needs them).
 """
 
 from __future__ import annotations
@@ -84,8 +89,8 @@ def diverging_cmap() -> mcolors.Colormap:
 def centred_norm(values, vmin: float | None = None, vmax: float | None = None) -> mcolors.TwoSlopeNorm:
     """A norm centred at 0 and symmetric: equal magnitudes get equal colour strength on both sides.
 
-    The range is [-m, m] with m the largest |value| (NaNs ignored), so a weight of -0.03 next to
-    +0.9 stays faint, as it should. Pass ``vmin``/``vmax`` to share one scale between panels.
+    The range is ``[-m, m]`` with ``m`` the largest ``|value|`` (NaNs ignored), so a weight of -0.03
+    next to +0.9 stays faint, as it should. Pass ``vmin``/``vmax`` to share one scale between panels.
     """
     arr = np.asarray(values, dtype=float)
     finite = arr[np.isfinite(arr)]
@@ -144,3 +149,54 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
     if colorbar:
         ax.figure.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
     return image
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-layer figures (chapters 3 and 8)
+# --------------------------------------------------------------------------------------------------
+def per_layer(summary, statistic: str, view: str, group: str = ""):
+    """The rows of one statistic of :func:`cwcore.analysis.summarize`'s table, indexed by layer.
+
+    ``summary`` has columns ``layer, statistic, view, group, mean, low, high, n``; the result is a
+    DataFrame with columns ``mean, low, high`` (the mean over sequences and its interval), one row per
+    layer, for the rows with this ``statistic``, ``view`` and key ``group`` (``""``: no group).
+    """
+    rows = summary[(summary["statistic"] == statistic) & (summary["view"] == view) & (summary["group"] == group)]
+    return rows.set_index("layer")[["mean", "low", "high"]]
+
+
+def band(ax, frame, colour, label: str | None = None, *, alpha: float = 0.25, lw: float = 2):
+    """Draw ``frame["mean"]`` against its index as a line, and the interval ``low``-``high`` as a band.
+
+    ``frame`` is what :func:`per_layer` returns (any frame with ``mean``, ``low`` and ``high`` columns).
+    """
+    ax.plot(frame.index, frame["mean"], color=colour, lw=lw, label=label)
+    ax.fill_between(frame.index, frame["low"], frame["high"], color=colour, alpha=alpha, lw=0)
+
+
+def layer_axis(ax, n_layers: int | None = None, label: str = "layer") -> None:
+    """Label the x axis with layer numbers: every layer ``0 .. n_layers - 1`` when ``n_layers`` is given
+    (a small encoder), otherwise integer ticks chosen by matplotlib (a deep decoder)."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel(label)
+    if n_layers is None:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        ax.set_xticks(range(n_layers))
+
+
+def plain_log(ax, axis: str = "y") -> None:
+    """A logarithmic ``axis`` labelled 0.01, 0.1, 1 rather than 10^-2, 10^-1, 10^0 (no minor labels)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    getattr(ax, f"set_{axis}scale")("log")
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(NullFormatter())
+
+
+def legend_below(fig, ax, ncols: int = 3, fontsize: float = 9) -> None:
+    """The legend of ``ax`` under the figure, where it cannot hide a curve (a constrained-layout figure)."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)

@@ -182,25 +182,27 @@ def test_factor_sample_is_stratified_and_exact(padded_decomposition):
 # --------------------------------------------------------------------------------------------------
 # Error bars
 # --------------------------------------------------------------------------------------------------
-def test_bootstrap_ci_and_summarize():
+def test_bootstrap_ci_is_the_stats_one_and_summarize_keeps_its_columns():
+    from cwcore import stats as S
+
+    assert analysis.bootstrap_ci is S.bootstrap_ci  # one bootstrap in the project, old name kept
     values = np.array([0.1, 0.5, 0.2, 0.9, 0.4, np.nan])
-    mean, low, high = analysis.bootstrap_ci(values, n_bootstrap=2000, seed=1)
-    assert mean == pytest.approx(np.nanmean(values))
-    rng = np.random.default_rng(1)
-    finite = values[np.isfinite(values)]
-    boot = finite[rng.integers(0, 5, size=(2000, 5))].mean(1)
-    assert (low, high) == pytest.approx(tuple(np.quantile(boot, [0.025, 0.975])))
-    assert low < mean < high
-    assert analysis.bootstrap_ci([0.3]) == (0.3, 0.3, 0.3)
+    mean, low, high = analysis.bootstrap_ci(values, n_resamples=2000, seed=1)
+    assert mean == pytest.approx(np.nanmean(values)) and low < mean < high
+    one = analysis.bootstrap_ci([0.3])  # the stats contract: one value, no interval
+    assert one[0] == pytest.approx(0.3) and np.isnan(one[1]) and np.isnan(one[2])
     assert all(np.isnan(analysis.bootstrap_ci([np.nan])))
 
-    stats = pd.DataFrame({"sequence": [0, 1, 2, 0, 1, 2], "layer": [0, 0, 0, 1, 1, 1],
+    stats = pd.DataFrame({"sequence": [0, 1, 2, 0, 1, 2, 0], "layer": [0, 0, 0, 1, 1, 1, 2],
                           "statistic": "spearman", "view": "token", "group": "",
-                          "value": [0.1, 0.2, 0.6, 0.5, 0.5, 0.5]})
+                          "value": [0.1, 0.2, 0.6, 0.5, 0.5, 0.5, 0.7]})
     summary = analysis.summarize(stats, n_bootstrap=500)
     assert list(summary.columns) == ["layer", "statistic", "view", "group", "mean", "low", "high", "n"]
-    assert summary["mean"].tolist() == pytest.approx([0.3, 0.5]) and summary["n"].tolist() == [3, 3]
+    assert summary["mean"].tolist() == pytest.approx([0.3, 0.5, 0.7]) and summary["n"].tolist() == [3, 3, 1]
+    expected = S.bootstrap_ci([0.1, 0.2, 0.6], n_resamples=500, seed=0)
+    assert (summary.loc[0, "low"], summary.loc[0, "high"]) == pytest.approx((expected.low, expected.high))
     assert summary.loc[1, "low"] == pytest.approx(0.5) and summary.loc[1, "high"] == pytest.approx(0.5)
+    assert np.isnan(summary.loc[2, "low"]) and np.isnan(summary.loc[2, "high"])  # one sequence: no interval
 
 
 def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, monkeypatch):

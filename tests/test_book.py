@@ -96,10 +96,16 @@ def test_plan_resolves_models_and_parameters(tiny):
     assert once.output == bookdir / "generated" / "01_once.ipynb"
     assert once.parameters == {"seed": 1, "device": "cpu", "n_sequences": 2, "n_trials": 5,
                                "profile": "small", "models": ["smollm2-135m", "Qwen/Qwen3-8B"],
-                               "output_dir": "figures/01_once"}
+                               "output_dir": "figures/01_once", "results_file": "results/small/01_once.csv",
+                               "results_dir": "results/small"}
     assert once.explicit == {"n_trials"}
     assert qwen.output == bookdir / "generated" / "02_models" / "qwen-qwen3-8b.ipynb"
     assert qwen.parameters["model"] == "Qwen/Qwen3-8B" and qwen.parameters["output_dir"] == "figures/qwen-qwen3-8b"
+    # result tables: relative to the run's working directory, one folder per profile
+    assert qwen.parameters["results_file"] == "../results/small/02_models/qwen-qwen3-8b.csv"
+    assert qwen.parameters["results_dir"] == "../results/small"
+    assert (qwen.output.parent / qwen.parameters["results_file"]).resolve() == \
+        book.results_path(bookdir / "generated" / "results" / "small", "02_models", "Qwen/Qwen3-8B").resolve()
     assert "n_trials" not in small.parameters
 
     # --models replaces the profile's models, not a chapter's pinned list
@@ -220,6 +226,43 @@ def test_stamp_changes_with_notebook_parameters_and_code(tmp_path, monkeypatch):
     write_notebook(nb, "seed = 0", "print(1)")
     assert book.stamp(nb, {"seed": 0, "profile": "p"}) != base
     assert book.read_stamp(tmp_path / "missing.ipynb") is None
+
+
+def test_a_page_reading_results_dir_reruns_when_a_table_changes_and_a_missing_table_reruns_its_writer(tmp_path):
+    """The findings page's stamp covers the tables it reads; a writer whose table is gone runs again."""
+    nbdir, bookdir = tmp_path / "notebooks", tmp_path / "book"
+    write_notebook(nbdir / "04_writer.ipynb", 'model = "m"\nresults_file = None',
+                   "from pathlib import Path\nPath(results_file).write_text(model)", title="Writer")
+    write_notebook(nbdir / "09_reader.ipynb", 'models = []\nresults_dir = "."',
+                   "from pathlib import Path\nprint(sorted(p.name for p in Path(results_dir).rglob('*.csv')))",
+                   title="Reader")
+    bookdir.mkdir()
+    (bookdir / "run.yml").write_text(yaml.safe_dump({
+        "chapters": [{"notebook": "04_writer", "runs": "per_model"}, {"notebook": "09_reader", "runs": "once"}],
+        "profiles": {"p": {"models": ["a", "b"]}}, "default_profile": "p"}))
+    config = book.load_config(bookdir / "run.yml")
+    _, _, runs = book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    reader = runs[-1]
+    params = book.injected_parameters(reader, book.notebook_parameters(reader.source))
+    assert params == {"models": ["a", "b"], "results_dir": "results/p"}
+    before = book.run_stamp(reader, params)
+    table = bookdir / "generated" / "results" / "p" / "04_writer" / "a.csv"
+    table.parent.mkdir(parents=True)
+    table.write_text("x")
+    assert book.run_stamp(reader, params) != before  # a new table
+    changed = book.run_stamp(reader, params)
+    table.write_text("y")
+    assert book.run_stamp(reader, params) != changed  # a changed table
+
+    kw = dict(book_dir=bookdir, notebooks_dir=nbdir, html=False)
+    book.build(**kw)
+    executed = bookdir / "generated" / "09_reader.ipynb"
+    assert "['a.csv', 'b.csv']" in outputs_text(executed)
+    (bookdir / "generated" / "results" / "p" / "04_writer" / "b.csv").unlink()
+    mtime = executed.stat().st_mtime_ns
+    book.build(**kw)  # b's writer runs again (its table is missing); the page then reads the same tables
+    assert "['a.csv', 'b.csv']" in outputs_text(executed)
+    assert executed.stat().st_mtime_ns == mtime
 
 
 def test_slug():
@@ -345,7 +388,8 @@ def test_rerun_page_lists_the_parameters_the_notebooks_declare():
         for line in table.splitlines()[2:]:  # after the header and the |---| line
             first = line.split("|")[1]
             listed |= set(re.findall(r"`(\w+)`", first))
-        declared = book.notebook_parameters(REPO / "notebooks" / f"{name}.ipynb") - {"profile", "output_dir"}
+        declared = book.notebook_parameters(REPO / "notebooks" / f"{name}.ipynb") - {
+            "profile", "output_dir", "results_file", "results_dir"}
         assert listed == declared, f"rerun.md, {name}: documents {sorted(listed)}, declared {sorted(declared)}"
 
 

@@ -236,8 +236,10 @@ def test_limit_is_seeded_and_reproducible():
 
 
 def test_unknown_name_offline(monkeypatch):
-    monkeypatch.setattr(data, "_hub_reachable", lambda *a, **k: False)
-    monkeypatch.setattr(data, "_hub_offline_mode", lambda: False)
+    from cwcore import hub
+
+    monkeypatch.setattr(hub, "reachable", lambda *a, **k: False)
+    monkeypatch.setattr(hub, "offline", lambda: False)
     with pytest.raises(ValueError) as err:
         load_dataset("no-such-org/no-such-dataset")
     msg = str(err.value)

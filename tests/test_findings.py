@@ -1,93 +1,133 @@
+"""cwcore.findings: the verdict rules in the one vocabulary of cwcore.stats, and the tables the chapters
+write and the findings page reads (missing chapters: not measured)."""
+
+import json
+
 import numpy as np
 import pandas as pd
+import pytest
 
-from cwcore import findings as F
-from cwcore import sink_claims as SC
-from cwcore import sinks
+from cwcore import book, findings as F
+from cwcore import stats
+from cwcore.sinks import claims as SC
+
+H, C, I, N = stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NOT_MEASURED
 
 
-def ladder(diffs, mode="comprehensiveness", verdicts=None):
-    """Consecutive rung pairs with (difference, ci_low, ci_high)."""
-    rows = []
-    for (a, b), (d, lo, hi) in zip(zip(F.RUNGS, F.RUNGS[1:]), diffs):
-        sign = 1 if mode == "comprehensiveness" else -1
-        v = "holds" if sign * lo > 0 and sign * hi > 0 else "reversed" if sign * lo < 0 and sign * hi < 0 else "tie"
-        rows.append({"mode": mode, "lower": a, "higher": b, "difference": d, "ci_low": lo, "ci_high": hi,
-                     "verdict": v})
+def ladder(diffs, mode="comprehensiveness"):
+    """Consecutive rung pairs with (difference, ci_low, ci_high), judged as ladder_comparison does."""
+    side = "above" if mode == "comprehensiveness" else "below"
+    rows = [{"mode": mode, "lower": a, "higher": b, "difference": d, "ci_low": lo, "ci_high": hi,
+             "verdict": stats.verdict(lo, hi, threshold=0.0, side=side)}
+            for (a, b), (d, lo, hi) in zip(zip(F.RUNGS, F.RUNGS[1:]), diffs)]
     rows.append({"mode": mode, "lower": "random", "higher": "attention", "difference": 5.0, "ci_low": 4.0,
-                 "ci_high": 6.0, "verdict": "holds"})
+                 "ci_high": 6.0, "verdict": H})
     return pd.DataFrame(rows)
 
 
-def test_ordering_all_hold_agrees_and_identical_rungs_are_left_out():
-    t = ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)])
-    f = F.ordering(t)
-    assert f.verdict == F.AGREES and "identical ranking" in f.measured
+def test_the_vocabulary_is_the_stats_one():
+    assert F.VERDICTS == stats.VERDICTS == (H, C, I, N)
+    assert (F.HOLDS, F.CONTRADICTED, F.INCONCLUSIVE, F.NOT_MEASURED) == (H, C, I, N)
 
 
-def test_ordering_partly_and_not():
-    assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.1, 0.05, 0.2), (-0.1, -0.2, 0.05)])).verdict == F.PARTLY
-    assert F.ordering(ladder([(-0.2, -0.3, -0.1), (0.0, 0.0, 0.0), (-0.1, -0.2, 0.05)])).verdict == F.NO
-    assert F.ordering(ladder([(0.0, 0.0, 0.0)] * 3)).verdict == F.UNMEASURED
-    assert F.ordering(ladder([], mode="comprehensiveness")).verdict == F.UNMEASURED
+def test_ordering_all_hold_and_identical_rungs_are_not_measured():
+    f = F.ordering(ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)]))
+    assert f.verdict == H and "identical ranking" in f.measured
+
+
+def test_ordering_combines_pairs_by_the_stats_rule():
+    # one pair holds, one contains 0: inconclusive (not "partly")
+    assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.1, 0.05, 0.2), (-0.1, -0.2, 0.05)])).verdict == I
+    # a significant reversal next to a holding step: contradicted
+    assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (-0.2, -0.3, -0.1)])).verdict == C
+    assert F.ordering(ladder([(0.0, 0.0, 0.0)] * 3)).verdict == N
+    assert F.ordering(ladder([])).verdict == N
 
 
 def test_ordering_sufficiency_wants_negative_differences():
     t = ladder([(-0.2, -0.3, -0.1), (-0.1, -0.2, -0.05), (-0.3, -0.4, -0.2)], mode="sufficiency")
-    assert F.ordering(t, mode="sufficiency").verdict == F.AGREES
+    assert F.ordering(t, mode="sufficiency").verdict == H
+
+
+def test_ordering_judges_a_table_without_the_new_words_by_its_intervals():
+    t = ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (-0.2, -0.3, -0.1)]).assign(verdict="?")
+    assert F.ordering(t).verdict == C
 
 
 def test_cosine_gain():
-    assert F.cosine_gain(ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.6, 0.5, 0.7)])).verdict == F.AGREES
-    assert F.cosine_gain(ladder([(0.2, 0.1, 0.35), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)])).verdict == F.PARTLY
-    assert F.cosine_gain(ladder([(0.5, 0.4, 0.6), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)])).verdict == F.NO
-
-
-def summary(**values):
-    return pd.DataFrame({"claim": "x", "statistic": list(values), "value": list(values.values())})
+    assert F.cosine_gain(ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.6, 0.5, 0.7)])).verdict == H
+    assert F.cosine_gain(ladder([(0.2, 0.1, 0.35), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)])).verdict == I
+    assert F.cosine_gain(ladder([(0.5, 0.45, 0.6), (0.0, 0.0, 0.0), (0.3, 0.2, 0.4)])).verdict == C
+    assert F.cosine_gain(ladder([(0.5, 0.4, 0.6)])).verdict == N  # no 3 -> 4 pair
 
 
 def claims_table(parts):
-    """A claims table of cwcore.sink_claims from (claim, low, high, threshold, side) parts."""
+    """A claims table (cwcore.sinks.claims columns) from (claim, low, high, threshold, side) parts."""
     rows = [{"chapter": 6, "claim": claim, "part": f"part {i}", "statistic": "s", "key": f"k{i}",
              "estimate": (low + high) / 2, "low": low, "high": high, "threshold": threshold, "side": side, "n": 10,
-             "verdict": sinks.verdict(low, high, threshold=threshold, side=side)}
+             "verdict": stats.verdict(low, high, threshold=threshold, side=side)}
             for i, (claim, low, high, threshold, side) in enumerate(parts)]
     return pd.DataFrame(rows, columns=SC.COLUMNS)
 
 
 def test_sink_findings_take_the_chapters_verdicts():
-    claims = claims_table([
+    rates = pd.DataFrame({"layer": [0] * 10, "head": range(10), "sink_rate": [0.9] * 9 + [0.1]})
+    claims = pd.concat([F.sink_rate_claims(rates, eps=0.3), claims_table([
         (SC.DECOMPOSITION, 0.6, 0.9, 0.5, "above"), (SC.DECOMPOSITION, 0.7, 0.95, 0.5, "above"),  # both hold
-        (SC.ANTI_ALIGNMENT, -0.3, -0.1, 0.0, "below"), (SC.ANTI_ALIGNMENT, -0.2, 0.1, 0.0, "below"),  # one holds
-        (SC.TREND, 0.1, 0.4, 0.0, "below"),  # the other side: does not hold
+        (SC.ANTI_ALIGNMENT, -0.3, -0.1, 0.0, "below"), (SC.ANTI_ALIGNMENT, -0.2, 0.1, 0.0, "below"),  # one open
+        (SC.TREND, 0.1, 0.4, 0.0, "below"),  # the other side: contradicted
         (SC.SUPPRESSION, 0.3, 0.6, 0.5, "above"),  # interval contains the threshold: inconclusive
         (SC.CONE, 0.1, 0.2, 0.0, "above"), (SC.PERPLEXITY, 0.4, 0.9, 0.0, "above"),  # two claims, one finding
-    ])
-    summary = pd.DataFrame({"claim": "sink_rate", "statistic": ["sink_eps", "mean_sink_rate"], "value": [0.55, 0.4]})
-    got = {f.claim: f for f in F.sink_findings(summary, claims)}
-    verdicts = {k: f.verdict for k, f in got.items()}
-    assert verdicts == {"sink_rates": F.AGREES, "decomposition": F.AGREES, "anti_alignment": F.PARTLY,
-                        "anti_alignment_trend": F.NO, "suppression": F.PARTLY, "convexity": F.UNMEASURED,
-                        "semantic_cone": F.AGREES}
-    # the measured text quotes every part's estimate and interval
+    ])], ignore_index=True)
+    got = {f.claim: f for f in F.sink_findings(claims)}
+    assert {k: f.verdict for k, f in got.items()} == {
+        "sink_rates": H, "decomposition": H, "anti_alignment": I, "anti_alignment_trend": C, "suppression": I,
+        "convexity": N, "semantic_cone": H}
     assert "[-0.3, -0.1] holds" in got["anti_alignment"].measured
     assert "[-0.2, 0.1] inconclusive" in got["anti_alignment"].measured
     assert got["semantic_cone"].measured.count("holds") == 2
-    # one part of the cone failing makes the finding partly, as the chapter's "holds partly"
+    # one part of the cone contradicted makes the finding contradicted, as in the chapter
     worse = claims_table([(SC.CONE, 0.1, 0.2, 0.0, "above"), (SC.PERPLEXITY, -0.4, -0.1, 0.0, "above")])
-    assert F.from_claims("semantic_cone", worse).verdict == F.PARTLY
-    assert sinks.combine_verdicts(list(worse["verdict"])) == "holds partly"
+    assert F.from_claims("semantic_cone", worse).verdict == C == stats.combine_verdicts(worse["verdict"])
 
 
-def test_table_and_chapter_verdicts():
-    table = F.findings_table({"m": [F.from_chapter("encoders", "holds", "x"),
-                                    F.from_chapter("anti_alignment", "inconclusive"),
-                                    F.from_chapter("convexity", None)]})
-    assert list(table["verdict"]) == [F.AGREES, F.PARTLY, F.UNMEASURED]
-    assert F.scoreboard(table).shape == (3, 1)
+def test_sink_rate_claim_is_a_wilson_interval_against_one_half():
+    few = F.sink_rate_claims(pd.DataFrame({"sink_rate": [0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]}), eps=0.3)
+    assert list(few.columns) == SC.COLUMNS and few["verdict"].iloc[0] == C
+    assert few["estimate"].iloc[0] == pytest.approx(1 / 8) and few["n"].iloc[0] == 8
 
 
-def test_sink_tables_names_parts_as_the_cli():
-    out = F.sink_tables({"rates": "r", "decomposition": ("d", "ds"), "raw": {}})
-    assert out == {"rates": "r", "decomposition": "d", "decomposition-sample": "ds"}
+def test_table_scoreboard_and_counts():
+    table = F.findings_table({"m": [F.Finding("encoders", H, "x", "r"), F.Finding("convexity", N, "", "r")]})
+    assert list(table["verdict"]) == [H, N] and F.scoreboard(table).shape == (2, 1)
+    assert F.verdict_counts(table, "m") == {H: 1, C: 0, I: 0, N: 1}
+
+
+def test_results_round_trip_and_missing_chapters_are_not_measured(tmp_path):
+    model = "Qwen/Qwen3-8B"
+    lad = ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)])
+    path = book.results_path(tmp_path, "04_faithfulness", model)
+    assert path == tmp_path / "04_faithfulness" / "qwen-qwen3-8b.csv"
+    F.save_results(path, lad, chapter="04_faithfulness", model=model, profile="smoke",
+                   parameters={"n_sequences": np.int64(2), "ratios": [0.3, 0.7], "x": float("nan")})
+    meta = json.loads(path.with_suffix(".json").read_text())
+    assert meta["parameters"] == {"n_sequences": 2, "ratios": [0.3, 0.7], "x": None} and meta["profile"] == "smoke"
+    back = F.load_results(tmp_path, "04_faithfulness", model)
+    pd.testing.assert_frame_equal(back.table, lad)
+    assert F.save_results(None, lad, chapter="04_faithfulness") is None  # a notebook run by hand
+
+    claims = claims_table([(SC.CONVEXITY, 0.6, 0.8, 0.5, "above")])
+    F.save_results(book.results_path(tmp_path, "06_sinks_as_suppressors", model), claims,
+                   chapter="06_sinks_as_suppressors", model=model)
+    found, read = F.model_findings(tmp_path, model)
+    assert set(read) == {"04_faithfulness", "06_sinks_as_suppressors"}
+    verdicts = {f.claim: f for f in found}
+    assert verdicts["ordering"].verdict == H and verdicts["convexity"].verdict == H
+    for key in ("sink_rates", "decomposition", "semantic_cone"):
+        assert verdicts[key].verdict == N
+    assert verdicts["decomposition"].measured == "not measured: chapter 5 was not built"
+    assert verdicts["semantic_cone"].measured == "not measured: chapter 7 was not built"
+    # nothing built at all: every claim not measured, nothing fails
+    nothing, _ = F.model_findings(tmp_path / "absent", model)
+    assert {f.verdict for f in nothing} == {N}
+    assert "chapter 4 was not built" in {f.claim: f for f in nothing}["ordering"].measured

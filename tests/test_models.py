@@ -397,7 +397,9 @@ def test_unreachable_hub_fails_fast_without_retries(monkeypatch):
     for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(models, "_hub_reachable", lambda timeout=3.0: False)
+    from cwcore import hub
+
+    monkeypatch.setattr(hub, "reachable", lambda timeout=3.0: False)
     started = time.perf_counter()
     with pytest.raises(ModelNotFoundError, match="not reachable"):
         load_model("no-such-org/no-such-model-cwcore")

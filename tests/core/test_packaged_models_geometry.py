@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cwcore
-from cwcore.architectures import attention_blocks
+from cwcore.core.architectures import attention_blocks
 from test_decompose import ATOL, RTOL, capture_projections
 
 TEXT = "Contribution weights account for the geometry of value vectors, not only for attention."

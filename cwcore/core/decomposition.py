@@ -24,8 +24,10 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .attention import AttentionSession, cwcore_attention
+from .architectures import attention_blocks
+from .attention import AttentionSession, LayerCall, cwcore_attention
 from .geometry import HeadSpaceGeometry
+from .inputs import check_compute_dtype, check_inputs, check_layers
 
 __all__ = ["Decomposition", "LayerDecomposition", "decompose", "METRICS", "ZERO_NORM", "prepare_inputs"]
 
@@ -54,6 +56,13 @@ class LayerDecomposition:
         self.geometry = geometry
         self.output_bias = output_bias
         self.key_valid = key_valid
+
+    @classmethod
+    def from_call(cls, call: LayerCall) -> "LayerDecomposition":
+        """The decomposition of the layer an observer or transform sees (see :class:`~cwcore.core.attention.LayerCall`)."""
+        _, bias = call.output_projection()
+        bias = None if bias is None else bias.detach().to(call.compute_dtype)
+        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid)
 
     def __repr__(self) -> str:
         b, h, q, k = self.attention.shape
@@ -262,22 +271,25 @@ def decompose(
 ) -> Decomposition:
     """Decompose every requested layer's attention output into projected value vectors.
 
-    ``inputs`` are the model's usual forward arguments (``input_ids``, ``attention_mask``,
-    ``pixel_values``, ...). ``layers`` is a layer number, a list of them, or None for all.
+    ``inputs`` are the model's usual forward arguments (``input_ids`` ``[batch, sequence]`` integer
+    ids, or one sequence ``[sequence]`` promoted to a batch of one; ``attention_mask`` of the same
+    shape; ``pixel_values``, ...); unknown keywords, out-of-vocabulary ids and inputs longer than the
+    model's context raise at once. ``layers`` is a layer number, a list of them, or None for all;
+    ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
     ``compute_dtype`` (float32 or float64) whatever the model's dtype.
     """
-    from .architectures import attention_blocks
-
     num_layers = len(attention_blocks(model))
-    if layers is None:
-        wanted = set(range(num_layers))
-    elif isinstance(layers, int):
-        wanted = {layers}
-    else:
-        wanted = set(layers)
-    inputs = prepare_inputs(model, inputs)
-    session = AttentionSession(model, record=wanted, key_valid=key_validity(inputs), compute_dtype=compute_dtype)
+    wanted = check_layers(layers, num_layers)
+    compute_dtype = check_compute_dtype(compute_dtype)
+    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose"))
+    recorded: dict[int, LayerDecomposition] = {}
+
+    def record(call: LayerCall) -> None:
+        recorded[call.layer] = LayerDecomposition.from_call(call)
+
+    session = AttentionSession(model, observers={layer: [record] for layer in wanted},
+                               key_valid=key_validity(inputs), compute_dtype=compute_dtype)
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
-    return Decomposition(session.recorded, outputs, inputs.get("attention_mask"))
+    return Decomposition(recorded, outputs, inputs.get("attention_mask"))

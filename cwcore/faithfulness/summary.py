@@ -1,0 +1,246 @@
+"""Summaries of the per-sequence / per-example tables: curves, AOPC and the ladder's paired tests.
+
+Intervals are percentile bootstraps over sequences (or examples) from :mod:`cwcore.stats`
+(``scipy.stats.bootstrap``, ``n_bootstrap`` resamples drawn with ``numpy.random.default_rng(seed)``).
+Every point, metric and mode of one table has the same units, so it is resampled with the same
+draws: intervals are comparable, deterministic and, for :func:`ladder_comparison`, paired.
+Verdicts use the project's one vocabulary (:func:`cwcore.stats.verdict`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .. import stats
+from .protocol import LADDER
+
+__all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "curve_mean"]
+
+_GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "scores", "keep_first_token",
+                  "importance", "layers")
+
+
+def _group_columns(frame: pd.DataFrame, exclude=()) -> list[str]:
+    return [c for c in _GROUP_COLUMNS if c in frame.columns and c not in exclude]
+
+
+def _unit_column(frame: pd.DataFrame) -> str | None:
+    for column in ("sequence", "example"):
+        if column in frame.columns:
+            return column
+    return None
+
+
+def _with_deltas(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()
+    if "delta_nll" not in frame:
+        frame["delta_nll"] = frame["nll"] - frame["clean_nll"]
+    if "delta_ppl" not in frame:
+        frame["delta_ppl"] = np.exp(frame["nll"]) - np.exp(frame["clean_nll"])
+    return frame
+
+
+def _mean_interval(values, n_bootstrap: int, confidence: float, seed: int) -> stats.Interval:
+    """Mean of ``values [units]`` with its percentile bootstrap interval (zero-width for constant values)."""
+    return stats.bootstrap_ci(values, np.mean, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
+
+
+def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """The summary of :func:`~cwcore.faithfulness.faithfulness_curve` from its per-sequence table.
+
+    One row per point: ``delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl,
+    ppl, removed_fraction, n_sequences`` (means over sequences, bootstrap intervals over sequences).
+    """
+    frame = per_sequence.copy()
+    frame["ppl"] = np.exp(frame["nll"])
+    frame["clean_ppl"] = np.exp(frame["clean_nll"])
+    frame["delta_nll"] = frame["nll"] - frame["clean_nll"]
+    frame["delta_ppl"] = frame["ppl"] - frame["clean_ppl"]
+    ids = np.sort(frame["sequence"].unique())
+    rows = []
+    keys = _group_columns(frame)
+    for key, group in frame.groupby(keys, sort=False, dropna=False):
+        group = group.sort_values("sequence")
+        if len(group) != len(ids) or not np.array_equal(group["sequence"].to_numpy(), ids):
+            raise ValueError("every point needs every sequence")
+        d_ppl = _mean_interval(group["delta_ppl"].to_numpy(), n_bootstrap, confidence, seed)
+        d_nll = _mean_interval(group["delta_nll"].to_numpy(), n_bootstrap, confidence, seed)
+        rows.append({
+            **dict(zip(keys, key)),
+            "delta_ppl": d_ppl.estimate, "ci_low": d_ppl.low, "ci_high": d_ppl.high,
+            "delta_nll": d_nll.estimate, "nll_ci_low": d_nll.low, "nll_ci_high": d_nll.high,
+            "clean_ppl": float(group["clean_ppl"].mean()), "ppl": float(group["ppl"].mean()),
+            "removed_fraction": float(group["n_removed"].sum() / max(group["n_candidates"].sum(), 1)),
+            "n_sequences": len(group),
+        })
+    return pd.DataFrame(rows)
+
+
+def summarize_downstream(per_example: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
+                         seed: int = 0) -> pd.DataFrame:
+    """The summary of :func:`~cwcore.faithfulness.downstream_eval` from its per-example table.
+
+    One row per (task, point): ``delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high,
+    accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy, clean_ppl, ppl, removed_fraction,
+    n_examples`` (bootstrap over the task's examples).
+    """
+    frame = _with_deltas(per_example)
+    rows = []
+    keys = _group_columns(frame)
+    for task, task_frame in frame.groupby("task", sort=False):
+        clean = task_frame.drop_duplicates("example").sort_values("example")
+        clean_correct, clean_nll = clean["clean_correct"].to_numpy(float), clean["clean_nll"].to_numpy(float)
+        for key, group in task_frame.groupby(keys, sort=False, dropna=False):
+            group = group.sort_values("example")
+            d_ppl = _mean_interval(group["delta_ppl"].to_numpy(), n_bootstrap, confidence, seed)
+            d_nll = _mean_interval(group["delta_nll"].to_numpy(), n_bootstrap, confidence, seed)
+            acc = _mean_interval(group["correct"].to_numpy(float), n_bootstrap, confidence, seed)
+            rows.append({
+                **dict(zip(keys, key)),
+                "delta_ppl": d_ppl.estimate, "ci_low": d_ppl.low, "ci_high": d_ppl.high,
+                "delta_nll": d_nll.estimate, "nll_ci_low": d_nll.low, "nll_ci_high": d_nll.high,
+                "accuracy": acc.estimate, "accuracy_ci_low": acc.low, "accuracy_ci_high": acc.high,
+                "clean_accuracy": float(clean_correct.mean()),
+                "clean_ppl": float(np.exp(clean_nll).mean()), "ppl": float(np.exp(group["nll"]).mean()),
+                "removed_fraction": float(group["n_removed"].sum() / max(group["n_candidates"].sum(), 1)),
+                "n_examples": len(group),
+            })
+    return pd.DataFrame(rows)
+
+
+def curve_mean(ratios, values) -> np.ndarray:
+    """Mean height over [0, max ratio] of curves ``values [..., len(ratios)]`` (trapezoid rule), with
+    (0, 0) prepended when ratio 0 was not measured."""
+    ratios = np.asarray(ratios, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    if ratios[0] > 0:
+        ratios = np.concatenate([[0.0], ratios])
+        values = np.concatenate([np.zeros(values.shape[:-1] + (1,)), values], axis=-1)
+    if ratios[-1] == 0:
+        return values[..., 0]
+    return stats.trapezoid_mean(ratios, values, axis=-1)
+
+
+def _per_unit_curves(frame: pd.DataFrame, value: str, keys: list[str]):
+    """{group key: (ratios [r], units [n], matrix [n, r])} from a per-sequence/per-example table."""
+    unit = _unit_column(frame)
+    out = {}
+    for key, group in frame.groupby(keys, sort=False, dropna=False):
+        pivot = group.pivot_table(index=unit, columns="ratio", values=value).sort_index()
+        out[key] = (pivot.columns.to_numpy(dtype=np.float64), pivot.index.to_numpy(), pivot.to_numpy())
+    return out
+
+
+def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+    """Area over the perturbation curve per metric and mode.
+
+    AOPC = (1 / r_max) * integral_0^{r_max} delta(r) dr by the trapezoid rule over the measured
+    ratios, with (0, 0) prepended when ratio 0 was not measured: the mean height of the curve over
+    [0, r_max], in the units of delta. Columns ``aopc_nll`` (from ``delta_nll``, the primary summary:
+    log-PPL deltas stay comparable when the model is destroyed at large ratios) and ``aopc_ppl`` (from
+    ``delta_ppl``). Comprehensiveness: higher = more faithful; sufficiency: lower = more faithful.
+
+    ``frame`` is either a summary (:func:`~cwcore.faithfulness.faithfulness_curve`,
+    :func:`~cwcore.faithfulness.downstream_eval`): point estimates only, intervals NaN; or a
+    per-sequence / per-example table (``per_sequence=True``): then ``*_ci_low``/``*_ci_high`` are
+    bootstrap intervals over sequences (the same resamples for every metric, so intervals are paired).
+    """
+    unit = _unit_column(frame)
+    keys = _group_columns(frame, exclude=("ratio",))
+    rows = []
+    if unit is None:
+        for key, group in frame.groupby(keys, sort=False, dropna=False):
+            group = group.sort_values("ratio")
+            r = group["ratio"].to_numpy(dtype=np.float64)
+            row = dict(zip(keys, key))
+            for value, name in (("delta_nll", "aopc_nll"), ("delta_ppl", "aopc_ppl")):
+                if value in group:
+                    row[name] = float(curve_mean(r, group[value].to_numpy(dtype=np.float64)))
+                    row[f"{name}_ci_low"] = row[f"{name}_ci_high"] = np.nan
+            row["n_ratios"] = len(r)
+            rows.append(row)
+        return pd.DataFrame(rows)
+    frame = _with_deltas(frame)
+    for value, name in (("delta_nll", "aopc_nll"), ("delta_ppl", "aopc_ppl")):
+        for key, (r, units, matrix) in _per_unit_curves(frame, value, keys).items():
+            area = _mean_interval(curve_mean(r, matrix), n_bootstrap, confidence, seed)
+            rows.append({**dict(zip(keys, key)), "statistic": name, "value": area.estimate, "low": area.low,
+                         "high": area.high, "n_ratios": len(r), "n": len(units)})
+    long = pd.DataFrame(rows)
+    wide = long.pivot_table(index=keys + ["n_ratios", "n"], columns="statistic", values=["value", "low", "high"],
+                            sort=False)
+    out = pd.DataFrame(index=wide.index)
+    for name in ("aopc_nll", "aopc_ppl"):
+        out[name] = wide[("value", name)]
+        out[f"{name}_ci_low"] = wide[("low", name)]
+        out[f"{name}_ci_high"] = wide[("high", name)]
+    out = out.reset_index()
+    return out.rename(columns={"n": "n_sequences" if unit == "sequence" else "n_examples"})
+
+
+def _default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
+    """Consecutive rungs present (every variant of a rung against every variant of the next present
+    one), attention against each contribution variant, and random against every rung."""
+    rungs = [[m for m in labels if m == base or m.startswith(base + "_")] for base in LADDER]
+    rungs[1] = [m for m in rungs[1] if m not in rungs[2]]  # "value_weighted_..." prefixes rung 3 names
+    present = [rung for rung in rungs if rung]  # a missing rung: compare its neighbours directly
+    pairs = [(a, b) for lower, higher in zip(present, present[1:]) for a in lower for b in higher]
+    if rungs[2] or rungs[1]:
+        pairs += [(a, b) for a in rungs[0] for b in rungs[3]]
+    if "random" in labels:
+        pairs += [("random", m) for rung in rungs for m in rung]
+    return pairs
+
+
+def ladder_comparison(
+    per_unit: pd.DataFrame,
+    value: str = "delta_nll",
+    pairs: Sequence[tuple[str, str]] | None = None,
+    n_bootstrap: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Paired bootstrap differences of AOPC between metrics, per mode (and task).
+
+    Default pairs: consecutive rungs of the ladder present in the table (attention ->
+    value_weighted -> value_weighted_output_normalized[_intra] -> contribution[_intra], every variant
+    of a rung against every variant of the next), attention against contribution, and each rung
+    against random. ``difference = AOPC(higher) - AOPC(lower)``; the ladder's claim is that the
+    difference is > 0 for comprehensiveness and < 0 for sufficiency. Column ``verdict``
+    (:func:`cwcore.stats.verdict` of the interval against 0 on the claimed side): ``"holds"`` /
+    ``"contradicted"`` when the interval lies entirely on the claimed / the opposite side,
+    ``"inconclusive"`` when it touches 0 (two identically ranked rungs: difference and interval
+    exactly 0), ``"not measured"`` without an interval (one unit).
+    """
+    frame = _with_deltas(per_unit)
+    keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
+    labels = list(dict.fromkeys(frame["metric"]))
+    if pairs is None:
+        pairs = _default_pairs(labels)
+    rows = []
+    for key, group in frame.groupby(keys, sort=False, dropna=False):
+        curves = {m: _per_unit_curves(g, value, ["metric"]) for m, g in group.groupby("metric")}
+        per = {}
+        for metric, found in curves.items():
+            (r, units, matrix), = found.values()
+            per[metric] = (units, curve_mean(r, matrix))
+        mode = dict(zip(keys, key)).get("mode")
+        side = "above" if mode == "comprehensiveness" else "below"
+        for lower, higher in pairs:
+            if lower not in per or higher not in per:
+                continue
+            units, a = per[lower]
+            units_b, b = per[higher]
+            if not np.array_equal(units, units_b):
+                raise ValueError("metrics were measured on different sequences")
+            difference = stats.paired_bootstrap_ci(b, a, np.mean, n_resamples=n_bootstrap, confidence=confidence,
+                                                   seed=seed)
+            rows.append({**dict(zip(keys, key)), "lower": lower, "higher": higher, "value": value,
+                         "aopc_lower": float(a.mean()), "aopc_higher": float(b.mean()),
+                         "difference": difference.estimate, "ci_low": difference.low, "ci_high": difference.high,
+                         "verdict": stats.verdict(difference.low, difference.high, threshold=0.0, side=side),
+                         "n": len(units)})
+    return pd.DataFrame(rows)

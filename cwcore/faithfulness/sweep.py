@@ -1,0 +1,279 @@
+"""The sweep engine: one clean pass per batch, then one forward per (metric, mode, ratio) point.
+
+The clean pass runs the unmodified model with an *observer* on every intervened layer
+(:class:`cwcore.core.attention.LayerCall`): it ranks the layer's terms by every metric and keeps
+the selection buckets (:func:`~cwcore.faithfulness.ranking.selection`, one uint8 per term and
+mode). Each point then runs with fixed boolean masks (``scores="clean"``) or with a mask callable
+that ranks the live decomposition inside the intervened run (``scores="live"``). Pieces (the
+clean frame, each point's frame) are cached per batch in a :class:`cwcore.runs.PieceStore`, named
+by the batch's content, so a rerun is free and an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..core.architectures import attention_blocks
+from ..core.decomposition import LayerDecomposition, prepare_inputs
+from ..core.interventions import intervene
+from ..runs import PieceStore, tensor_digest
+from ..runs import progress as progress_bar
+from .protocol import MetricSpec, Protocol, layer_windows, num_heads
+from .ranking import candidate_mask, hashed_uniform, removal_mask, selection
+
+__all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store"]
+
+
+@dataclass
+class Batch:
+    """One padded batch: ``input_ids``/``attention_mask`` ``[rows, length]`` plus what the scorer needs."""
+
+    index: int
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    groups: torch.Tensor  # [rows] ids for the random control (sequence or example ids)
+    meta: Any = None  # scorer-specific (downstream: the examples in the batch)
+    digest: str = ""  # content hash: token ids, padding, group ids (and the scored choices)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[rows, length]`` position of each token among its row's real tokens."""
+        return (self.attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+#: ``scorer(logits [rows, length, vocab], batch, removed [rows]) -> frame`` (one row per sequence/example)
+Scorer = Callable[[torch.Tensor, Batch, torch.Tensor], pd.DataFrame]
+
+
+def pad_batch(index, rows: list[list[int]], groups: list[int], pad: int, side: str, meta=None) -> Batch:
+    """Token id lists padded on ``side`` into one :class:`Batch` (its digest covers ``meta`` too)."""
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(length - len(row), length) if side == "left" else slice(0, len(row))
+        ids[i, span] = torch.tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    groups = torch.tensor(groups, dtype=torch.long)
+    digest = tensor_digest(ids, mask, groups)
+    if meta is not None:
+        digest = hashlib.sha256((digest + repr(meta)).encode()).hexdigest()[:20]
+    return Batch(index, ids, mask, groups, meta, digest)
+
+
+class Sweep:
+    """Runs every (metric, mode, ratio) point over batches, with a piece store and a progress bar."""
+
+    def __init__(self, model, specs, modes, ratios, protocol: Protocol, store, progress, total_batches):
+        self.model = model
+        self.specs, self.modes, self.ratios, self.protocol = specs, modes, ratios, protocol
+        self.store = store
+        self.num_layers = len(attention_blocks(model))
+        layers = range(self.num_layers) if protocol.layers is None else protocol.layers
+        for layer in layers:
+            if not 0 <= layer < self.num_layers:
+                raise IndexError(f"layer {layer} out of range: the model has {self.num_layers} attention layers")
+        self.layers = list(layers)
+        self.windows = layer_windows(model, self.num_layers)
+        self.heads = num_heads(model)
+        self.nonzero = [r for r in ratios if r > 0]
+        self.deduplicate = True
+        points = len(specs) * len(modes) * len(ratios)
+        self.bar = progress_bar(total_batches * points, "faithfulness", "point", enabled=bool(progress), leave=False)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    @staticmethod
+    def _piece(batch: Batch, spec: MetricSpec | None = None, mode: str = "", ratio: float = 0.0) -> str:
+        """Pieces are named by the batch's content digest, so a longer run reuses a shorter one's batches."""
+        if spec is None:
+            return f"{batch.digest}-clean"
+        return f"{batch.digest}-{spec.label}-{mode}-r{ratio:.6g}"
+
+    def _get(self, piece):
+        return None if self.store is None else self.store.get(piece)
+
+    def _put(self, piece, frame):
+        if self.store is not None:
+            self.store.put(piece, frame)
+
+    def close(self):
+        self.bar.close()
+
+    # -- scores ------------------------------------------------------------------------------------
+    def _scores(self, layer_decomposition: LayerDecomposition, spec: MetricSpec, layer: int, batch: Batch):
+        """``[batch, head, query, key]`` scores of ``spec`` (the seeded hash for the random control)."""
+        if spec.name == "random":
+            heads = layer_decomposition.attention.shape[1]
+            return hashed_uniform(self.protocol.seed, batch.groups, layer, heads, batch.positions)
+        scores = layer_decomposition.metric(spec.name, spec.kind or "inter")
+        return scores.abs() if self.protocol.importance == "absolute" else scores
+
+    def candidates(self, batch: Batch) -> dict[int, torch.Tensor]:
+        """``{layer: [batch, 1, query, key]}`` candidate terms of every intervened layer."""
+        return {
+            layer: candidate_mask(batch.attention_mask, self.protocol.keep_first_token, self.windows[layer])
+            for layer in self.layers
+        }
+
+    def _forward(self, batch: Batch, masks=None, observers=None) -> torch.Tensor:
+        inputs = prepare_inputs(self.model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
+        with torch.inference_mode(), intervene(self.model, masks or {}, attention_mask=batch.attention_mask,
+                                               observers=observers or {}):
+            out = self.model(**inputs)
+        return out.logits if hasattr(out, "logits") else out[0]
+
+    def clean_pass(self, batch: Batch, specs: list[MetricSpec], candidates):
+        """Clean logits, ``{label: {layer: {mode: bucket}}}`` and ``{label: {mode: removed}}`` (terms each
+        ratio removes per sequence, summed over layers: ``[batch, n_ratios]``) from one observed forward."""
+        buckets: dict[str, dict[int, dict[str, torch.Tensor]]] = {s.label: {} for s in specs}
+        removed = {s.label: {m: torch.zeros(batch.input_ids.shape[0], len(self.nonzero), dtype=torch.long)
+                             for m in self.modes} for s in specs}
+        unit, scope = self.protocol.unit, self.protocol.scope
+
+        def ranker(call):
+            layer_decomposition = LayerDecomposition.from_call(call)
+            for spec in specs:
+                scores = self._scores(layer_decomposition, spec, call.layer, batch)
+                chosen = selection(scores, candidates[call.layer], self.nonzero, self.modes, unit, scope)
+                buckets[spec.label][call.layer] = chosen.buckets
+                for mode, count in chosen.removed.items():
+                    removed[spec.label][mode] += count
+
+        observers = {layer: [ranker] for layer in self.layers} if specs and self.nonzero else {}
+        return self._forward(batch, observers=observers), buckets, removed
+
+    # -- one batch ---------------------------------------------------------------------------------
+    def run(self, batch: Batch, scorer: Scorer) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
+        """(clean frame, one frame per point) for one batch, each computed or read from the store."""
+        rows = batch.input_ids.shape[0]
+        frames: list[pd.DataFrame] = []
+        clean_piece = self._piece(batch)
+        clean = self._get(clean_piece)
+        missing = {
+            (s.label, m, r): self._get(self._piece(batch, s, m, r))
+            for s in self.specs for m in self.modes for r in self.nonzero
+        }
+        todo = [key for key, frame in missing.items() if frame is None]
+        candidates = self.candidates(batch)
+        buckets, removed = {}, {}
+        if clean is None or (todo and self.protocol.scores == "clean"):
+            need = [s for s in self.specs if any(k[0] == s.label for k in todo)] if self.protocol.scores == "clean" else []
+            logits, buckets, removed = self.clean_pass(batch, need, candidates)
+            if clean is None:
+                clean = scorer(logits, batch, torch.zeros(rows, dtype=torch.long))
+                self._put(clean_piece, clean)
+            del logits
+        alias = self._aliases(buckets) if self.deduplicate else {}
+        for spec in self.specs:
+            for mode in self.modes:
+                for ratio in self.ratios:
+                    if ratio == 0:
+                        frame = clean.copy()
+                    else:
+                        frame = missing[(spec.label, mode, ratio)]
+                        if frame is None:
+                            source = alias.get(spec.label)
+                            if source is not None and missing.get((source, mode, ratio)) is not None:
+                                frame = missing[(source, mode, ratio)]
+                            else:
+                                frame = self._point(batch, scorer, spec, mode, ratio, buckets.get(spec.label),
+                                                    removed.get(spec.label), candidates)
+                            self._put(self._piece(batch, spec, mode, ratio), frame)
+                            missing[(spec.label, mode, ratio)] = frame
+                    self.bar.update(1)
+                    frames.append(frame.assign(metric=spec.label, kind=spec.kind, mode=mode, ratio=ratio))
+        return clean, frames
+
+    def _aliases(self, buckets) -> dict[str, str]:
+        """Metrics whose buckets equal an earlier metric's in every layer and mode (same masks)."""
+        alias, labels = {}, list(buckets)
+        for i, label in enumerate(labels):
+            for earlier in labels[:i]:
+                if earlier in alias:
+                    continue
+                same = all(
+                    torch.equal(buckets[label][layer][mode], buckets[earlier][layer][mode])
+                    for layer in buckets[label] for mode in buckets[label][layer]
+                )
+                if same and buckets[label]:
+                    alias[label] = earlier
+                    break
+        return alias
+
+    def _point(self, batch, scorer, spec, mode, ratio, buckets, removed_counts, candidates) -> pd.DataFrame:
+        rows = batch.input_ids.shape[0]
+        layer_scope = self.protocol.scope == "layer"
+        if self.protocol.scores == "clean":
+            t = self.nonzero.index(ratio)
+            masks = {
+                layer: removal_mask(buckets[layer][mode], t, candidates[layer] if layer_scope else None)
+                for layer in self.layers
+            }
+            logits = self._forward(batch, masks)
+            removed = removed_counts[mode][:, t].clone()
+        else:
+            removed = torch.zeros(rows, dtype=torch.long)
+            unit, scope = self.protocol.unit, self.protocol.scope
+
+            def live(layer):
+                def callback(layer_decomposition):
+                    nonlocal removed
+                    scores = self._scores(layer_decomposition, spec, layer, batch)
+                    chosen = selection(scores, candidates[layer], [ratio], [mode], unit, scope)
+                    removed = removed + chosen.removed[mode][:, 0]
+                    return removal_mask(chosen.buckets[mode], 0, candidates[layer] if layer_scope else None)
+                return callback
+
+            logits = self._forward(batch, {layer: live(layer) for layer in self.layers})
+        return scorer(logits, batch, removed)
+
+    def candidate_terms(self, batch: Batch) -> torch.Tensor:
+        """``[rows]`` candidate terms (head, query, key) per row, summed over the intervened layers."""
+        total = torch.zeros(batch.input_ids.shape[0], dtype=torch.long)
+        for mask in self.candidates(batch).values():
+            total += mask.sum((1, 2, 3)).long() * self.heads
+        return total
+
+
+def run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches, deduplicate, make_scorer):
+    """Run every batch through one :class:`Sweep`; returns (point frames, clean frames).
+
+    ``make_scorer({batch index: candidate terms [rows]})`` builds the :data:`Scorer`.
+    """
+    sweep = Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
+    sweep.deduplicate = deduplicate
+    scorer = make_scorer({b.index: sweep.candidate_terms(b) for b in batches})
+    frames, cleans = [], []
+    try:
+        for batch in batches:
+            clean, points = sweep.run(batch, scorer)
+            cleans.append(clean)
+            frames.extend(points)
+    finally:
+        sweep.close()
+    return frames, cleans
+
+
+def canonical_order(table: pd.DataFrame, specs, modes, unit: str) -> pd.DataFrame:
+    """Rows ordered by (metric as requested, mode as requested, ratio, sequence/example), whatever
+    the batching."""
+    order = {s.label: i for i, s in enumerate(specs)}
+    mode_order = {m: i for i, m in enumerate(modes)}
+    keys = pd.DataFrame({"m": table["metric"].map(order), "o": table["mode"].map(mode_order),
+                         "r": table["ratio"], "u": table[unit]})
+    return table.loc[keys.sort_values(["m", "o", "r", "u"], kind="stable").index].reset_index(drop=True)
+
+
+def piece_store(namespace: str, parameters: dict, model: nn.Module, cache: bool, cache_dir):
+    """The :class:`cwcore.runs.PieceStore` of one run (None without ``cache``)."""
+    if not cache:
+        return None
+    return PieceStore(namespace, parameters, model=model, code=("faithfulness",), cache=True,
+                      cache_root=None if cache_dir is None else Path(cache_dir))

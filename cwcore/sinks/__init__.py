@@ -1,0 +1,92 @@
+"""The value geometry of attention sinks (PAPER.md section 6), as five analyses returning tidy tables.
+
+Every analysis has the same signature::
+
+    analysis(model, tokenizer, data, *, block_size=128, num_sequences=None, add_bos=None,
+             batch_size=8, seed=0, cache=True, cache_root=None, progress=True, compute_dtype=float32,
+             <analysis options>)
+
+``data`` is text (a :class:`datasets.Dataset` with a ``text`` column or an iterable of strings, cut
+into ``num_sequences`` blocks of ``block_size`` tokens by :func:`cwcore.data.lm_blocks`, with a BOS
+token prepended when ``add_bos`` says so, None = the tokenizer's default), or ready token blocks: a
+``[sequence, position]`` integer tensor, or rows with ``input_ids`` (the output of ``lm_blocks``).
+``tokenizer`` may be None for ready blocks. Blocks must be unpadded (the sink is position 0).
+
+Conventions shared by all analyses:
+
+* The **sink** is key position 0 (the BOS token when one is prepended, otherwise the first text
+  token). **Tail** tokens are keys 1..i of query i.
+* **Query 0 is excluded** everywhere: in a decoder its only key is itself, so alpha_00 = 1 trivially
+  and it says nothing about sink behaviour. (``sink_rate_all_queries`` in :func:`sink_rates` keeps it,
+  as Gu et al. 2025 do; with 128 positions the two differ by at most 1/128.)
+* Projected values v~^h_j = W_O^h v^h_j, head outputs o^h_i = sum_j alpha_ij v~^h_j and every inner
+  product between them are computed in head space with the Gram matrix G_h = W_O^h^T W_O^h
+  (:mod:`cwcore.core.geometry`); nothing ``[query, key, model]``-sized is materialised.
+* Work is batched (``batch_size`` sequences a forward pass, with a tqdm bar); the raw per-batch
+  material is cached as :class:`cwcore.runs.PieceStore` pieces (namespace ``sinks-<analysis>``,
+  keyed by :func:`cwcore.runs.model_fingerprint`, every option, the batch's tokens and the source of
+  this subpackage, the core and the statistics), so a rerun or an interrupted run resumes;
+  ``cache=False`` switches the cache off.
+* Random choices (samples, the control token) use ``numpy.random.default_rng([seed, sequence index])``
+  per sequence: results are deterministic and do not depend on ``batch_size`` (up to float rounding).
+
+:func:`run_analyses` runs several analyses on one clean forward pass per batch (they fill the same
+cache as the single functions). The analyses observe each layer through
+:class:`cwcore.core.attention.AttentionSession` (observers read, transforms remove terms or
+renormalise rows for ``sink_renorm``); see :mod:`cwcore.sinks.engine`.
+
+Layout: :mod:`~cwcore.sinks.engine` (blocks, layer state, registry, batch loop), one module per
+analysis (:mod:`~cwcore.sinks.rates`, :mod:`~cwcore.sinks.decomposition`,
+:mod:`~cwcore.sinks.anti_alignment`, :mod:`~cwcore.sinks.convexity`,
+:mod:`~cwcore.sinks.semantic_cone`: each one registered :class:`~cwcore.sinks.engine.Analysis` with
+its collector, tables, summary rows and claims), :mod:`~cwcore.sinks.analyses` (the registry's
+order, :func:`run_analyses`), :mod:`~cwcore.sinks.claims` (the chapters' claims tables),
+:mod:`~cwcore.sinks.intervals` (the old interval and verdict names over :mod:`cwcore.stats`),
+:mod:`~cwcore.sinks.summary` and :mod:`~cwcore.sinks.cli`.
+
+The command line runs all five on a named model and data set and writes small CSVs
+``sinks_<table>_<model>_<data>.csv`` plus ``sinks_summary_<model>_<data>.csv`` (:func:`summarize`)::
+
+    python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out data/results/
+"""
+
+from __future__ import annotations
+
+from .analyses import ANALYSES, run_analyses
+from .anti_alignment import anti_alignment
+from .cli import main
+from .convexity import ConvexityTables, convexity
+from .decomposition import DecompositionTables, sink_decomposition
+from .engine import model_fingerprint, token_blocks
+from .intervals import (SequenceBootstrap, UNMEASURED, bootstrap_ci, combine_verdicts, sequence_bootstrap, share_ci,
+                        spearman_ci, verdict)
+from .rates import sink_rates
+from .semantic_cone import CONDITIONS, SemanticConeTables, cone_points, semantic_cone
+from .summary import summarize
+
+__all__ = [
+    "ANALYSES",
+    "CONDITIONS",
+    "ConvexityTables",
+    "DecompositionTables",
+    "SemanticConeTables",
+    "SequenceBootstrap",
+    "UNMEASURED",
+    "anti_alignment",
+    "bootstrap_ci",
+    "combine_verdicts",
+    "cone_points",
+    "convexity",
+    "model_fingerprint",
+    "semantic_cone",
+    "sink_decomposition",
+    "sequence_bootstrap",
+    "share_ci",
+    "sink_rates",
+    "spearman_ci",
+    "summarize",
+    "token_blocks",
+    "verdict",
+    "main",
+    "run_analyses",
+]

@@ -1,0 +1,120 @@
+"""The command line: all sink analyses on a named model and data set, written as small CSVs::
+
+    python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out data/results/
+
+writes ``sinks_<table>_<model>_<data>.csv`` (the registered analyses' stems) plus
+``sinks_summary_<model>_<data>.csv`` (:func:`cwcore.sinks.summarize`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .analyses import ANALYSES, REGISTRY
+from .engine import _Blocks, _run
+from .summary import summarize
+
+__all__ = ["main"]
+
+_DESCRIPTION = "The value geometry of attention sinks (PAPER.md section 6), as five analyses returning tidy tables."
+
+
+def _round(frame: pd.DataFrame, digits: int = 6) -> pd.DataFrame:
+    floats = frame.select_dtypes("floating").columns
+    return frame.assign(**{c: frame[c].astype(float).round(digits) for c in floats})
+
+
+def _save_raw(folder: Path, parts: dict, blocks: _Blocks) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, frames in parts.items():
+        for part, frame in frames.items():
+            frame.to_parquet(folder / f"{name}.{part}.parquet", index=False)
+    np.save(folder / "ids.npy", blocks.ids.numpy())
+    meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos}
+    (folder / "blocks.json").write_text(json.dumps(meta))
+
+
+def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, _Blocks]:
+    meta = json.loads((folder / "blocks.json").read_text())
+    blocks = _Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"])
+    parts = {}
+    for name in analyses:
+        files = sorted(folder.glob(f"{name}.*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"no raw material for {name} in {folder}")
+        parts[name] = {f.name[len(name) + 1 : -len(".parquet")]: pd.read_parquet(f) for f in files}
+    return parts, blocks
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """``python -m cwcore.sinks --model NAME --data NAME --num-sequences N --out DIR``."""
+    parser = argparse.ArgumentParser(prog="python -m cwcore.sinks", description=_DESCRIPTION)
+    parser.add_argument("--model", required=True, help="a name cwcore.models.load_model knows, e.g. smollm2-135m")
+    parser.add_argument("--data", required=True, help="a data set cwcore.data.load_dataset knows, e.g. gsm8k, web-text")
+    parser.add_argument("--num-sequences", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default")
+    parser.add_argument("--analyses", default=",".join(ANALYSES), help=f"comma-separated subset of {','.join(ANALYSES)}")
+    parser.add_argument("--cone-heads", choices=("all", "sink"), default="all")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--out", default="data/results/")
+    parser.add_argument("--raw", default=None,
+                        help="also keep the raw per-batch material under RAW/<model>_<data>/ (parquet), independent "
+                             "of the code version, so the tables can be rebuilt with --from-raw")
+    parser.add_argument("--from-raw", action="store_true", help="rebuild the tables from --raw without running the model")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    wanted = [a.strip() for a in args.analyses.split(",") if a.strip()]
+    unknown = sorted(set(wanted) - set(ANALYSES))
+    if unknown:
+        parser.error(f"unknown analyses: {', '.join(unknown)}")
+
+    from ..data import load_dataset
+    from ..models import load_model
+
+    suffix = f"{args.model}_{args.data}"
+    raw = Path(args.raw) / suffix if args.raw else None
+    if args.from_raw:
+        if raw is None:
+            parser.error("--from-raw needs --raw")
+        parts, blocks = _load_raw(raw, wanted)
+    else:
+        torch.manual_seed(args.seed)
+        model, tokenizer = load_model(args.model)
+        dataset = load_dataset(args.data)
+        add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
+        collect = dict(kind="intra", quantile_sample=128, seed=args.seed, heads=args.cone_heads, threshold=0.3)
+        parts, blocks = _run(model, tokenizer, dataset, [REGISTRY[a].spec(collect) for a in wanted],
+                             block_size=args.block_size,
+                             num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
+                             cache=not args.no_cache, progress=True)
+        if raw is not None:
+            _save_raw(raw, parts, blocks)
+    options = dict(eps=0.3, sample_size=2000, seed=args.seed, bins=10, fit_on="norm", min_range=0.05, quantiles=5)
+    tables: dict[str, pd.DataFrame] = {}
+    for name in wanted:
+        tables.update(REGISTRY[name].named_tables(REGISTRY[name].tables(parts[name], blocks, **options)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stem, table in tables.items():
+        frame = table.copy()
+        frame.insert(0, "data", args.data)
+        frame.insert(0, "model", args.model)
+        _round(frame).to_csv(out / f"sinks_{stem}_{suffix}.csv", index=False)
+    summary = summarize(tables)
+    summary.insert(0, "data", args.data)
+    summary.insert(0, "model", args.model)
+    summary["add_bos"] = blocks.add_bos
+    summary["num_sequences"] = int(blocks.ids.shape[0])
+    _round(summary).to_csv(out / f"sinks_summary_{suffix}.csv", index=False)
+    print(summary.to_string(index=False), file=sys.stdout)
+    return 0

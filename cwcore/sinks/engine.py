@@ -1,0 +1,425 @@
+"""The sink analyses' engine: token blocks, one layer's state, the registry of analyses, the batch loop.
+
+An analysis is one :class:`Analysis` object, registered with :func:`register` by its module
+(``cwcore/sinks/<name>.py``): a *collector* that turns each layer of a clean forward pass into
+DataFrames (the batch's cached pieces), the *tables* built from all batches' pieces, the CSV stems
+of those tables, the rows it adds to :func:`cwcore.sinks.summarize` and its *claims* (rows of the
+chapters' claims tables, see :mod:`cwcore.sinks.claims`).
+
+The forward pass uses :class:`cwcore.core.attention.AttentionSession` without subclassing it: the
+collectors are *observers* that read each layer (:class:`_LayerState` built from the
+:class:`~cwcore.core.attention.LayerCall`), interventions are *transforms* (term removals by
+:func:`cwcore.core.interventions.removal`, and :func:`exclude_sink` for the ``sink_renorm``
+condition). The batch loop is :func:`cwcore.runs.for_each_batch` over one
+:class:`cwcore.runs.PieceStore` per analysis (namespace ``sinks-<name>``), so the single functions
+and :func:`cwcore.sinks.run_analyses` share the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from .. import runs
+from ..core.architectures import attention_blocks
+from ..core.attention import AttentionSession, LayerCall, cwcore_attention
+from ..core.decomposition import LayerDecomposition
+from ..core.geometry import head_space_geometry, split_output_projection
+from ..core.interventions import removal
+
+__all__ = ["Analysis", "REGISTRY", "register", "token_blocks", "model_fingerprint", "exclude_sink"]
+
+#: The one model fingerprint of the project (cache identity of the weights).
+model_fingerprint = runs.model_fingerprint
+
+# the options every analysis function takes (besides model, tokenizer, data, seed)
+_COMMON = ("block_size", "num_sequences", "add_bos", "batch_size", "cache", "cache_root", "progress", "compute_dtype")
+
+
+# ---------------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Blocks:
+    """Token blocks ``ids [sequence, position]`` and what is known about their first token."""
+
+    ids: torch.Tensor
+    add_bos: bool | None  # None: blocks were given ready-made
+    first_token_is_bos: float  # share of sequences starting with tokenizer.bos_token_id (NaN: unknown)
+
+
+def token_blocks(
+    data,
+    tokenizer=None,
+    block_size: int = 128,
+    num_sequences: int | None = None,
+    add_bos: bool | None = None,
+) -> _Blocks:
+    """Normalise ``data`` (text or ready blocks, see :mod:`cwcore.sinks`) to ``ids [n, block_size]``."""
+    ready = None
+    if isinstance(data, torch.Tensor):
+        ready = data
+    elif hasattr(data, "column_names") and "input_ids" in data.column_names:
+        if "attention_mask" in data.column_names and not all(all(m) for m in data["attention_mask"]):
+            raise ValueError("sink analyses need unpadded blocks: the attention mask has zeros")
+        ready = torch.tensor(data["input_ids"])
+    elif isinstance(data, (list, tuple)) and data and isinstance(data[0], dict) and "input_ids" in data[0]:
+        if any("attention_mask" in r and not all(r["attention_mask"]) for r in data):
+            raise ValueError("sink analyses need unpadded blocks: the attention mask has zeros")
+        ready = torch.tensor([list(r["input_ids"]) for r in data])
+    if ready is not None:
+        if add_bos is not None:
+            raise ValueError("add_bos applies to text; these blocks are already tokenised")
+        ids = torch.as_tensor(ready).long()
+        if ids.dim() != 2:
+            raise ValueError(f"token blocks must be [sequence, position], got shape {tuple(ids.shape)}")
+        if num_sequences is not None:
+            ids = ids[:num_sequences]
+        resolved = None
+    else:
+        if tokenizer is None:
+            raise ValueError("text data needs a tokenizer")
+        from ..data import _resolve_bos, lm_blocks
+
+        resolved = _resolve_bos(tokenizer, add_bos) is not None
+        blocks = lm_blocks(data, tokenizer, block_size=block_size, num_blocks=num_sequences, add_bos=add_bos)
+        ids = torch.tensor(blocks["input_ids"], dtype=torch.long).reshape(len(blocks), block_size)
+    if ids.shape[0] == 0 or ids.shape[1] < 2:
+        raise ValueError(f"need at least one block of at least 2 tokens, got shape {tuple(ids.shape)}")
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    first = float("nan") if bos is None else float((ids[:, 0] == bos).float().mean())
+    return _Blocks(ids, resolved, first)
+
+
+# ---------------------------------------------------------------------------------------------------
+# one layer of one forward pass, and the forward pass itself
+# ---------------------------------------------------------------------------------------------------
+
+
+class _LayerState:
+    """What one attention layer did in one forward pass, in the compute dtype.
+
+    ``probs`` ``[batch, head, query, key]`` (after any transform), ``values`` ``[batch, head, key, dim]``
+    (already repeated for grouped-query attention), ``w_o`` ``[head, model, dim]``, ``gram``
+    ``[head, dim, dim]`` = W_O^h^T W_O^h. Inner products of head-space vectors x, y ``[b, h, n, dim]``
+    are those of the projected vectors W_O^h x, W_O^h y.
+    """
+
+    def __init__(self, layer: int, probs: torch.Tensor, values: torch.Tensor, weight: torch.Tensor, dtype):
+        self.layer = layer
+        self.probs = probs.detach().to(dtype)
+        self.values = values.detach().to(dtype)
+        self.w_o = split_output_projection(weight.detach().to(dtype), probs.shape[1])
+        self.gram = self.w_o.transpose(1, 2) @ self.w_o
+
+    @classmethod
+    def from_call(cls, call: LayerCall) -> "_LayerState":
+        """The state of the layer a session's observer sees (its final probabilities)."""
+        weight, _ = call.output_projection()
+        return cls(call.layer, call.probs, call.value, weight, call.compute_dtype)
+
+    def inner(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """<W_O^h x, W_O^h y> over the last axis: ``[b, h, n, d] x [b, h, n, d] -> [b, h, n]``."""
+        return ((x @ self.gram) * y).sum(-1)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """||W_O^h x|| ``[b, h, n]``."""
+        return self.inner(x, x).clamp_min(0).sqrt()
+
+    @cached_property
+    def mixed(self) -> torch.Tensor:
+        """z^h_i = sum_j alpha_ij v^h_j ``[b, h, q, d]`` (o^h_i = W_O^h z^h_i)."""
+        return self.probs @ self.values
+
+    @cached_property
+    def values_gram(self) -> torch.Tensor:
+        """G_h v^h_j ``[b, h, k, d]``: <v~_0, v~_j> = (G v_0) . v_j."""
+        return self.values @ self.gram
+
+    @cached_property
+    def value_norm(self) -> torch.Tensor:
+        """||v~_j|| ``[b, h, k]``."""
+        return (self.values_gram * self.values).sum(-1).clamp_min(0).sqrt()
+
+    def sink_inner(self, x: torch.Tensor) -> torch.Tensor:
+        """<v~_0, W_O^h x> for head-space vectors x ``[b, h, n, d]`` -> ``[b, h, n]``."""
+        return (self.values_gram[:, :, :1, :] * x).sum(-1)
+
+    @cached_property
+    def semantic_norm(self) -> torch.Tensor:
+        """||s_i|| ``[b, h, q]``."""
+        return self.norm(self.semantic)
+
+    @cached_property
+    def output_norm(self) -> torch.Tensor:
+        """||o^h_i|| ``[b, h, q]``."""
+        return self.norm(self.mixed)
+
+    @cached_property
+    def semantic(self) -> torch.Tensor:
+        """s^h_i = sum_{j>0} alpha_ij v^h_j ``[b, h, q, d]`` (head space), the non-sink component."""
+        return self.mixed - self.probs[..., :1] * self.values[:, :, None, 0, :]
+
+    @cached_property
+    def decomposition(self) -> LayerDecomposition:
+        """The layer's contribution weights (no output bias), from these probabilities and values."""
+        return LayerDecomposition(self.layer, head_space_geometry(self.probs, self.values, self.w_o))
+
+
+def _exclude_sink(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Softmax without key 0 for queries >= 1 of the selected ``rows [batch, head]``."""
+    tail = probs[..., 1:]
+    total = tail.sum(-1, keepdim=True)
+    renormalised = torch.cat([torch.zeros_like(probs[..., :1]), torch.where(total > 0, tail / total, tail)], -1)
+    queries = torch.arange(probs.shape[-2], device=probs.device) >= 1
+    selected = rows.bool()[:, :, None, None] & queries[None, None, :, None]
+    return torch.where(selected, renormalised, probs)
+
+
+def exclude_sink(rows: torch.Tensor):
+    """The transform of the ``sink_renorm`` condition: in the heads ``rows [batch, head]`` (bool), for
+    queries i >= 1, alpha_i0 := 0 and the other probabilities are divided by their sum (the softmax
+    with key 0 left out)."""
+
+    def transform(call: LayerCall) -> torch.Tensor:
+        return _exclude_sink(call.probs, rows.to(call.probs.device))
+
+    return transform
+
+
+def _backbone(model: nn.Module) -> nn.Module:
+    """The model without its language-modelling head (avoids computing unused logits)."""
+    base = getattr(model, "base_model", None)
+    return base if isinstance(base, nn.Module) else model
+
+
+def _forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=False, compute_dtype=torch.float32):
+    """Run ``model`` on ``ids [b, T]`` through cwcore's attention; returns the logits ``[b, T, vocab]`` or None.
+
+    ``on_layer(state: _LayerState)`` observes every layer; ``masks`` ``{layer: bool [.., q, k]}`` remove
+    terms (no renormalisation); ``renormalise`` ``{layer: bool [b, h]}`` applies :func:`exclude_sink`.
+    """
+    transforms: dict[int, list] = {}
+    for layer, mask in (masks or {}).items():
+        transforms.setdefault(layer, []).append(removal(mask))
+    for layer, rows in (renormalise or {}).items():
+        transforms.setdefault(layer, []).append(exclude_sink(rows))
+    observers = {}
+    if on_layer is not None:
+        def observe(call: LayerCall) -> None:
+            on_layer(_LayerState.from_call(call))
+
+        observers = {block.layer: [observe] for block in attention_blocks(model)}
+    session = AttentionSession(model, observers=observers, transforms=transforms, compute_dtype=compute_dtype)
+    device = next(model.parameters()).device
+    ids = ids.to(device)
+    network = model if logits else _backbone(model)
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), cwcore_attention(model, session):
+            out = network(input_ids=ids, attention_mask=torch.ones_like(ids))
+    finally:
+        model.train(training)
+    return out.logits if logits else None
+
+
+# ---------------------------------------------------------------------------------------------------
+# the registry: one Analysis object per module
+# ---------------------------------------------------------------------------------------------------
+
+
+class Collector:
+    """Collects one analysis's raw material from one batch's clean forward pass.
+
+    Built as ``Collector(model, ids [b, T], start, dtype, **options)`` (``start``: index of the batch's
+    first sequence); :meth:`on_layer` sees every layer's :class:`_LayerState`; :meth:`finish` gets the
+    logits ``[b, T, vocab]`` (None unless ``needs_logits``) and returns named DataFrames, the batch's
+    cache pieces.
+    """
+
+    needs_logits = False
+
+    def __init__(self, model, ids: torch.Tensor, start: int, dtype: torch.dtype, **options):
+        self.model, self.ids, self.start, self.dtype = model, ids, start, dtype
+        self.options = options
+
+    def on_layer(self, s: _LayerState) -> None:
+        raise NotImplementedError
+
+    def finish(self, logits: torch.Tensor | None) -> dict[str, pd.DataFrame]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One sink analysis, everything about it in one object.
+
+    ``collector``: a :class:`Collector` class; ``collector_options``: the run options it takes (also in
+    the cache key); ``tables(parts, blocks, **table_options)``: its result from the concatenated pieces
+    ``{part: DataFrame}`` (table options: eps, sample_size, seed, bins, fit_on, min_range, quantiles;
+    each takes what it needs); ``stems``: the CSV stems of the result's tables, in the order of its
+    fields (one stem: the result is a DataFrame); ``summary(tables, add)``: adds this analysis's rows
+    to :func:`cwcore.sinks.summarize` (``tables``: ``{stem: DataFrame}``, ``add(claim, statistic,
+    value)``); ``claims(results, *, eps, quantiles, n_bootstrap, seed)``: its rows of the claims table
+    (see :mod:`cwcore.sinks.claims`) from :func:`cwcore.sinks.run_analyses`' results with ``raw=True``.
+    """
+
+    name: str
+    collector: type
+    tables: Callable
+    stems: tuple[str, ...]
+    collector_options: tuple[str, ...] = ()
+    summary: Callable | None = None
+    claims: Callable | None = None
+
+    def spec(self, options: dict) -> "_Spec":
+        """What to collect for these run options."""
+        return _Spec(self.name, self.collector, {k: options[k] for k in self.collector_options})
+
+    def named_tables(self, result) -> dict[str, pd.DataFrame]:
+        """``{stem: DataFrame}`` of one result (as the command line writes them)."""
+        return {self.stems[0]: result} if len(self.stems) == 1 else dict(zip(self.stems, result))
+
+
+#: name -> Analysis, in registration order (the order of cwcore.sinks.ANALYSES)
+REGISTRY: dict[str, Analysis] = {}
+
+
+def register(analysis: Analysis) -> Analysis:
+    """Add ``analysis`` to :data:`REGISTRY` (one call at the end of each analysis module)."""
+    REGISTRY[analysis.name] = analysis
+    return analysis
+
+
+# ---------------------------------------------------------------------------------------------------
+# the batch loop: one shared clean forward pass, one PieceStore per analysis
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Spec:
+    """One analysis to run: its name (cache namespace ``sinks-<name>``), collector and per-batch options."""
+
+    name: str
+    collector: type
+    options: dict
+
+
+class _Stores:
+    """The PieceStores of several analyses as the one store :func:`cwcore.runs.for_each_batch` reads: a
+    batch is found when every analysis has its pieces; the ones found are kept for ``compute``."""
+
+    def __init__(self, stores: dict):
+        self.stores = stores
+        self.found: dict[str, dict[str, dict[str, pd.DataFrame]]] = {}
+
+    def get_group(self, key: str):
+        found = {}
+        for name, store in self.stores.items():
+            frames = store.get_group(key)
+            if frames is not None:
+                found[name] = frames
+        self.found[key] = found
+        if len(found) < len(self.stores):
+            return None
+        return {f"{name}/{part}": frame for name, frames in found.items() for part, frame in frames.items()}
+
+    def put_group(self, key: str, frames: dict[str, pd.DataFrame]) -> None:
+        grouped: dict[str, dict[str, pd.DataFrame]] = {}
+        for label, frame in frames.items():
+            name, part = label.split("/", 1)
+            grouped.setdefault(name, {})[part] = frame
+        for name, parts in grouped.items():
+            if name not in self.found.get(key, {}):
+                self.stores[name].put_group(key, parts)
+        self.found.pop(key, None)
+
+
+def _batch_key(batch) -> str:
+    start, ids = batch
+    return f"{start:06d}-{len(ids)}-{runs.tensor_digest(ids)}"
+
+
+def _run(model, tokenizer, data, specs: list[_Spec], *, block_size=128, num_sequences=None, add_bos=None,
+         batch_size=8, cache=True, cache_root=None, progress=True, compute_dtype=torch.float32):
+    """Compute (or read from the cache) every batch's pieces of every analysis in ``specs``.
+
+    The analyses whose pieces are missing for a batch share one clean forward pass. Returns
+    ``({analysis: {part: concatenated DataFrame}}, blocks)``.
+    """
+    blocks = token_blocks(data, tokenizer, block_size, num_sequences, add_bos)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    fingerprint = model_fingerprint(model)  # once, not once per analysis
+    stores = _Stores({
+        spec.name: runs.PieceStore(f"sinks-{spec.name}", {"analysis": spec.name, "model": fingerprint,
+                                                          "dtype": str(compute_dtype), **spec.options},
+                                   code=("sinks",), cache=bool(cache), cache_root=cache_root)
+        for spec in specs
+    })
+
+    def compute(batch) -> dict[str, pd.DataFrame]:
+        start, ids = batch
+        found = stores.found.get(_batch_key(batch), {})
+        todo = [spec for spec in specs if spec.name not in found]
+        collectors = [spec.collector(model, ids, start, compute_dtype, **spec.options) for spec in todo]
+
+        def on_layer(s: _LayerState):
+            for collector in collectors:
+                collector.on_layer(s)
+
+        logits = _forward(model, ids, on_layer, logits=any(c.needs_logits for c in collectors),
+                         compute_dtype=compute_dtype)
+        frames = {name: dict(parts) for name, parts in found.items()}
+        for spec, collector in zip(todo, collectors):
+            frames[spec.name] = collector.finish(logits)
+        return {f"{name}/{part}": frame for name, parts in frames.items() for part, frame in parts.items()}
+
+    n = blocks.ids.shape[0]
+    batches = [(start, blocks.ids[start : start + batch_size]) for start in range(0, n, batch_size)]
+    parts: dict[str, dict[str, list[pd.DataFrame]]] = {spec.name: {} for spec in specs}
+    label = "+".join(spec.name for spec in specs)
+    for _, frames in runs.for_each_batch(batches, compute, stores, key=_batch_key, desc=f"sinks:{label}",
+                                         show_progress=progress):
+        for key, frame in frames.items():
+            name, part = key.split("/", 1)
+            parts[name].setdefault(part, []).append(frame)
+    joined = {name: {p: pd.concat(f, ignore_index=True) for p, f in ps.items()} for name, ps in parts.items()}
+    return joined, blocks
+
+
+def run_one(name: str, model, tokenizer, data, options: dict, common: dict):
+    """The result of one registered analysis (what its public function returns)."""
+    analysis = REGISTRY[name]
+    parts, blocks = _run(model, tokenizer, data, [analysis.spec(options)], **common)
+    return analysis.tables(parts[name], blocks, **options)
+
+
+# ---------------------------------------------------------------------------------------------------
+# small helpers shared by the collectors
+# ---------------------------------------------------------------------------------------------------
+
+
+def _grid(shape: tuple[int, ...], names: tuple[str, ...], offsets: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    """Index columns of a C-ordered grid: ``{name: int array}``, each of length prod(shape)."""
+    grids = np.meshgrid(*[np.arange(s) for s in shape], indexing="ij")
+    offsets = offsets or {}
+    return {n: (g.reshape(-1) + offsets.get(n, 0)).astype(np.int32) for n, g in zip(names, grids)}
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    """A tensor as a flat numpy array."""
+    return x.detach().cpu().numpy().reshape(-1)
+
+
+def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    return pd.concat(frames, ignore_index=True)

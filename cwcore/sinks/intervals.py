@@ -1,0 +1,101 @@
+"""Intervals and verdicts of the sink chapters: the old public names, as thin shims over :mod:`cwcore.stats`.
+
+No statistics are computed here: :func:`bootstrap_ci`, :func:`spearman_ci` and
+:func:`sequence_bootstrap` only translate the keywords the sink chapters use (``n_bootstrap=`` ->
+``n_resamples=``, ``level=`` -> ``confidence=``; :func:`bootstrap_ci` keeps its default statistic,
+the median). :func:`group_value` and :func:`contrast` read a :class:`cwcore.stats.ClusterBootstrap` by
+group keys instead of row numbers. :func:`share_ci`,
+:func:`verdict`, :func:`combine_verdicts` and :data:`UNMEASURED` *are* the stats objects (one
+verdict vocabulary: holds / contradicted / inconclusive / not measured).
+
+The claims tables' row (:data:`COLUMNS`, :func:`claim_row`) lives here too, so every analysis
+module can state its claims without importing :mod:`cwcore.sinks.claims`.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+
+from .. import stats
+
+__all__ = ["COLUMNS", "SequenceBootstrap", "UNMEASURED", "bootstrap_ci", "claim_row", "claims_frame",
+           "combine_verdicts", "contrast", "group_value", "sequence_bootstrap", "share_ci", "spearman_ci",
+           "verdict"]
+
+share_ci = stats.share_ci
+verdict = stats.verdict
+combine_verdicts = stats.combine_verdicts
+UNMEASURED = stats.NOT_MEASURED
+
+
+def bootstrap_ci(values, statistic=np.median, *, n_bootstrap: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> stats.Interval:
+    """:func:`cwcore.stats.bootstrap_ci` (percentile) with the sink chapters' keywords and the median."""
+    return stats.bootstrap_ci(values, statistic, n_resamples=n_bootstrap, confidence=level, seed=seed)
+
+
+def spearman_ci(x, y, *, n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> stats.Interval:
+    """:func:`cwcore.stats.spearman_ci` with the sink chapters' keywords."""
+    return stats.spearman_ci(x, y, n_resamples=n_bootstrap, seed=seed, confidence=level)
+
+
+#: :func:`sequence_bootstrap`'s result: ``table`` (per group the ``by`` keys, ``n`` rows, ``n_clusters``
+#: sequences, each column's pooled mean with ``<column>_low`` / ``<column>_high``) and ``replicates``
+#: (``{column: [n_resamples, group]}``, the same resampled sequences for every group and column).
+SequenceBootstrap = stats.ClusterBootstrap
+
+
+def sequence_bootstrap(points: pd.DataFrame, columns, by=(), *, weight: str | None = None, unit: str = "sequence",
+                       n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> stats.ClusterBootstrap:
+    """Means of ``columns`` per group ``by``, pooled over rows (weighted by the ``weight`` column), with
+    intervals resampling whole ``unit`` clusters: :func:`cwcore.stats.cluster_bootstrap` with the sink
+    chapters' keywords."""
+    return stats.cluster_bootstrap(points, columns, by, cluster=unit, weight=weight, n_resamples=n_bootstrap,
+                                   seed=seed, confidence=level)
+
+
+def _group_index(table: pd.DataFrame, where: Mapping) -> int | None:
+    hit = np.flatnonzero(np.logical_and.reduce([table[k].to_numpy() == v for k, v in where.items()]))
+    return int(hit[0]) if len(hit) else None
+
+
+def group_value(boot: SequenceBootstrap, column: str, **where) -> tuple[float, float, float]:
+    """``(estimate, low, high)`` of one group of a :func:`sequence_bootstrap` table (NaNs if missing)."""
+    i = _group_index(boot.table, where)
+    if i is None:
+        return (np.nan, np.nan, np.nan)
+    return tuple(float(boot.table[column + s].iloc[i]) for s in ("", "_low", "_high"))
+
+
+def contrast(boot: SequenceBootstrap, column: str, first: Mapping, second: Mapping) -> tuple[float, float, float]:
+    """``(estimate, low, high)`` of group ``first`` minus group ``second`` of one :func:`sequence_bootstrap`
+    (e.g. ``{"condition": "sink", "quantile": 1}``): the same resampled sequences on both sides, so the
+    interval is paired (:meth:`cwcore.stats.ClusterBootstrap.contrast`). NaNs if a group is missing."""
+    i, j = _group_index(boot.table, first), _group_index(boot.table, second)
+    if i is None or j is None:
+        return (np.nan, np.nan, np.nan)
+    return tuple(float(x) for x in boot.contrast(i, j, column))
+
+
+# ---------------------------------------------------------------------------------------------------
+# the claims table's row
+# ---------------------------------------------------------------------------------------------------
+
+COLUMNS = ["chapter", "claim", "part", "statistic", "key", "estimate", "low", "high", "threshold", "side", "n",
+           "verdict"]
+
+
+def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan) -> dict:
+    """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`."""
+    est, low, high = (float(x) for x in triple_)
+    return {"chapter": chapter, "claim": claim, "part": part, "statistic": statistic, "key": key, "estimate": est,
+            "low": low, "high": high, "threshold": float(threshold), "side": side, "n": n,
+            "verdict": verdict(low, high, threshold=threshold, side=side)}
+
+
+def claims_frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows of :func:`claim_row` as a claims table (columns :data:`COLUMNS`)."""
+    return pd.DataFrame(rows, columns=COLUMNS)

@@ -1,0 +1,386 @@
+"""Analysis 5, the semantic cone: remove the sink, watch the head outputs and the perplexity (chapter 7)."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, NamedTuple
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import stats
+from .engine import _COMMON, Analysis, Collector, _concat, _forward, _grid, _LayerState, _np, register, run_one
+from .intervals import claim_row, claims_frame, contrast, group_value
+
+__all__ = ["CONDITIONS", "CONE", "PERPLEXITY", "PerplexityChanges", "SemanticConeTables", "cone_claims",
+           "cone_points", "perplexity_changes", "semantic_cone"]
+
+#: the claims chapter 7 judges
+CONE = "low-norm outputs collapse into the cone"
+PERPLEXITY = "removing the sink raises perplexity"
+
+
+class _Clean(NamedTuple):
+    mixed: torch.Tensor  # z^h_i [b, h, q, d]
+    output_norm: torch.Tensor  # ||o^h_i|| [b, h, q]
+    rate: torch.Tensor  # mean alpha_i0 over queries >= 1, [b, h]
+
+
+class SemanticConeTables(NamedTuple):
+    """``by_quantile``: per (condition, output-norm quantile); ``heads``: per (condition, layer, head);
+    ``ppl``: per condition."""
+
+    by_quantile: pd.DataFrame
+    heads: pd.DataFrame
+    ppl: pd.DataFrame
+
+
+CONDITIONS = ("sink", "sink_renorm", "control")
+
+
+def _token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token negative log-likelihood ``[b, T-1]`` (float64)."""
+    logp = torch.log_softmax(logits[:, :-1].float(), -1)
+    return -logp.gather(-1, ids[:, 1:, None].to(logp.device))[..., 0].double()
+
+
+class _SemanticConeCollector(Collector):
+    """Clean measurements from the shared pass; :meth:`finish` runs one intervened pass per condition.
+
+    Pieces: ``points`` (per condition, layer, sequence, head, touched query: clean and intervened norm and
+    axis cosine, drift), ``sequences`` (per sequence: summed NLL per condition, control key) and
+    ``heads`` (per layer, sequence, head: clean sink rate, whether intervened, mean clean norm).
+    """
+
+    needs_logits = True
+
+    def __init__(self, *args, heads, threshold, seed):
+        super().__init__(*args)
+        self.heads, self.threshold, self.seed = heads, threshold, seed
+        self.clean: dict[int, _Clean] = {}
+        self.clean_measure: dict[int, dict] = {}
+
+    @staticmethod
+    def measure(s: _LayerState) -> dict:
+        """||o^h_i|| and cos(o^h_i, m_i), m_i = mean_{1<=j<=i} v~_j, each ``[b, h, q]`` (query 0: NaN)."""
+        v = s.values[:, :, 1:]
+        T = s.values.shape[2]
+        counts = torch.arange(1, T, dtype=v.dtype, device=v.device)[None, None, :, None]
+        axis = torch.cat([torch.zeros_like(v[:, :, :1]), v.cumsum(2) / counts], 2)
+        return {"norm": s.output_norm, "cos": s.inner(s.mixed, axis) / (s.output_norm * s.norm(axis))}
+
+    def on_layer(self, s):
+        self.clean[s.layer] = _Clean(s.mixed, s.output_norm, s.probs[:, :, 1:, 0].mean(-1))
+        self.clean_measure[s.layer] = self.measure(s)
+
+    def finish(self, logits):
+        ids, start = self.ids, self.start
+        b, T = ids.shape
+        nll_clean = _token_nll(logits, ids)
+        rates = {l: c.rate for l, c in self.clean.items()}  # [b, h]
+        selected = {l: (r > self.threshold) if self.heads == "sink" else torch.ones_like(r, dtype=torch.bool)
+                    for l, r in rates.items()}
+        control_key = np.array([np.random.default_rng([self.seed, start + i]).integers(1, T - 1) if T > 2 else 1
+                                for i in range(b)])
+        q = torch.arange(T)
+        key = torch.as_tensor(control_key)
+        sink_rows = (q[:, None] >= 1) & (q[None, :] == 0)  # [q, k]
+        control_rows = (q[None, :, None] > key[:, None, None]) & (q[None, None, :] == key[:, None, None])  # [b, q, k]
+        masks = {
+            "sink": {l: sel[:, :, None, None] & sink_rows.to(sel.device)[None, None] for l, sel in selected.items()},
+            "sink_renorm": {},
+            "control": {l: sel[:, :, None, None] & control_rows.to(sel.device)[:, None] for l, sel in selected.items()},
+        }
+        touched = {"sink": (q >= 1)[None, :].expand(b, T), "sink_renorm": (q >= 1)[None, :].expand(b, T),
+                   "control": q[None, :] > key[:, None]}  # [b, q]
+        sequences = {"sequence": np.arange(start, start + b, dtype=np.int32), "control_key": control_key,
+                     "n_tokens": np.full(b, T - 1), "nll_clean": _np(nll_clean.sum(-1))}
+        frames = []
+        for condition in CONDITIONS:
+            after: dict[int, dict] = {}
+
+            def on_layer(s: _LayerState, after=after):
+                m = self.measure(s)
+                c = self.clean[s.layer]
+                m["drift"] = s.inner(c.mixed, s.mixed) / (c.output_norm * s.output_norm)
+                after[s.layer] = m
+
+            logits = _forward(self.model, ids, on_layer, masks=masks[condition],
+                              renormalise=selected if condition == "sink_renorm" else None, logits=True,
+                              compute_dtype=self.dtype)
+            sequences[f"nll_{condition}"] = _np(_token_nll(logits, ids).sum(-1))
+            del logits
+            for layer, m in sorted(after.items()):
+                keep = selected[layer][:, :, None] & touched[condition][:, None, :].to(selected[layer].device)
+                bi, hi, qi = torch.nonzero(keep, as_tuple=True)
+                c = self.clean_measure[layer]
+                frames.append(pd.DataFrame({
+                    "condition": condition, "layer": np.full(len(bi), layer, np.int32),
+                    "sequence": (_np(bi) + start).astype(np.int32), "head": _np(hi).astype(np.int32),
+                    "query": _np(qi).astype(np.int32),
+                    "norm_clean": _np(c["norm"][bi, hi, qi]).astype(np.float32),
+                    "cos_clean": _np(c["cos"][bi, hi, qi]).astype(np.float32),
+                    "norm_after": _np(m["norm"][bi, hi, qi]).astype(np.float32),
+                    "cos_after": _np(m["cos"][bi, hi, qi]).astype(np.float32),
+                    "drift": _np(m["drift"][bi, hi, qi]).astype(np.float32),
+                }))
+        heads = _concat([pd.DataFrame({
+            "layer": np.full(rates[l].numel(), l, np.int32),
+            **_grid(tuple(rates[l].shape), ("sequence", "head"), {"sequence": start}),
+            "sink_rate": _np(rates[l]), "selected": _np(selected[l]),
+            "norm_clean_mean": _np(self.clean_measure[l]["norm"][:, :, 1:].mean(-1)),
+        }) for l in sorted(rates)])
+        return {"points": _concat(frames), "sequences": pd.DataFrame(sequences), "heads": heads}
+
+
+def semantic_cone(
+    model,
+    tokenizer,
+    data,
+    *,
+    heads: str = "all",
+    threshold: float = 0.3,
+    quantiles: int = 5,
+    block_size: int = 128,
+    num_sequences: int | None = None,
+    add_bos: bool | None = None,
+    batch_size: int = 8,
+    seed: int = 0,
+    cache: bool = True,
+    cache_root=None,
+    progress: bool = True,
+    compute_dtype: torch.dtype = torch.float32,
+) -> SemanticConeTables:
+    """Remove the sink's value in every layer and compare head outputs and perplexity with a control.
+
+    Conditions (each one forward pass intervening in every layer at once, on queries i >= 1; query 0,
+    whose only key is the sink itself, is left alone so the sink token's own stream is only changed
+    through the layers below):
+
+    * ``sink``: alpha_i0 := 0 without renormalising: the term alpha_i0 v~_0 is removed and the head output
+      becomes its semantic component s_i. This is "removing the sink's value vector": it is the same as
+      setting v~_0 = 0 for these queries.
+    * ``sink_renorm``: the sink is left out of the softmax: alpha_i0 := 0 and the other probabilities are
+      divided by their sum 1 - alpha_i0, so the output becomes s^_i = s_i / (1 - alpha_i0). The sink's
+      term is gone *and* its mass goes to the other tokens, whose relative weights are kept (what the
+      head would do if key 0 were masked out). It separates "the sink's vector is missing" from "the
+      output norm collapses": ``sink`` changes both, ``sink_renorm`` only the first.
+    * ``control``: one non-sink key r per sequence, uniform in 1..T-2 (seeded), gets alpha_ir := 0 for
+      all queries i > r, without renormalising (the same kind of removal as ``sink``, of a random token).
+
+    ``heads``: "all", or "sink": only heads whose clean sink rate in that sequence (mean alpha_i0 over
+    queries >= 1) exceeds ``threshold``; the control uses the same heads.
+
+    Per head and query the clean and the intervened run give ||o^h_i|| and cos(o^h_i, m_i) with
+    m_i = mean_{1<=j<=i} v~_j, the axis of the semantic cone visible to query i (from each run's own
+    values), and the drift cos(o^h_i clean, o^h_i intervened). Measured over the queries the
+    condition touches (control: i > r) in the selected heads.
+
+    ``by_quantile``: per (binning, condition, quantile), columns ``n``, ``norm_clean``, ``norm_after``
+    (means), ``norm_ratio`` (median of after/clean), ``cos_clean``, ``cos_after``, ``delta_cos`` (means),
+    ``drift`` (mean). Two binnings into ``quantiles`` bins (1 = lowest norm): ``within_head`` bins each
+    output o^h_i by the quantile of its clean norm among its own head's outputs (low-norm *outputs*);
+    ``across_heads`` bins whole heads by their mean clean output norm among the model's heads
+    (low-norm *heads*).
+    ``heads``: the same per (condition, layer, head), plus ``sink_rate``, ``selected`` (share of
+    sequences in which the head was intervened on), ``head_norm`` (mean clean norm) and
+    ``norm_quantile_of_head`` (its rank among the model's heads, in (0, 1]).
+    ``ppl``: per condition ``ppl_clean``, ``ppl`` (exp of the mean token NLL over all sequences),
+    ``delta_ppl``, ``delta_log_ppl`` (mean over sequences of the per-sequence difference of mean NLL)
+    with a normal 95% interval ``ci_low``/``ci_high``, ``num_sequences``.
+    """
+    if heads not in ("all", "sink"):
+        raise ValueError(f"heads must be 'all' or 'sink', not {heads!r}")
+    common = {k: v for k, v in locals().items() if k in _COMMON}
+    options = dict(heads=heads, threshold=threshold, seed=seed, quantiles=quantiles)
+    return run_one("semantic_cone", model, tokenizer, data, options, common)
+
+
+def _cone_stats(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
+    g = frame.assign(ratio=frame["norm_after"] / frame["norm_clean"], delta_cos=frame["cos_after"] - frame["cos_clean"]).groupby(by)
+    return pd.DataFrame({
+        "n": g.size(), "norm_clean": g["norm_clean"].mean(), "norm_after": g["norm_after"].mean(),
+        "norm_ratio": g["ratio"].median(), "cos_clean": g["cos_clean"].mean(), "cos_after": g["cos_after"].mean(),
+        "delta_cos": g["delta_cos"].mean(), "drift": g["drift"].mean(),
+    }).reset_index()
+
+
+def _within_head_quantile(points: pd.DataFrame, quantiles: int) -> np.ndarray:
+    """1..quantiles: the quantile of each point's clean output norm within its head (edges over all of
+    the head's touched queries and sequences in the ``sink`` condition)."""
+    clean = points[points["condition"] == "sink"][["layer", "head", "norm_clean"]]
+    edges = clean.groupby(["layer", "head"])["norm_clean"].quantile(np.linspace(0, 1, quantiles + 1)[1:-1]).unstack()
+    edge_rows = edges.loc[pd.MultiIndex.from_frame(points[["layer", "head"]])].to_numpy() if len(edges.columns) else \
+        np.zeros((len(points), 0))
+    return 1 + (points["norm_clean"].to_numpy()[:, None] > edge_rows).sum(1)
+
+
+def _head_summary(heads: pd.DataFrame, quantiles: int) -> pd.DataFrame:
+    """Per (layer, head): sink rate, selected, mean clean norm, its rank among the heads and its bin."""
+    summary = heads.groupby(["layer", "head"]).agg(sink_rate=("sink_rate", "mean"), selected=("selected", "mean"),
+                                                    head_norm=("norm_clean_mean", "mean")).reset_index()
+    summary["norm_quantile_of_head"] = summary["head_norm"].rank(pct=True)
+    # heads binned by their mean clean output norm among the model's heads
+    summary["head_bin"] = np.ceil(summary["norm_quantile_of_head"] * quantiles).clip(1, quantiles).astype(int)
+    return summary
+
+
+def cone_points(raw: dict[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFrame:
+    """The per-output rows of :func:`semantic_cone` with their bins, for intervals over sequences.
+
+    ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
+    Returns its ``points`` (condition, layer, sequence, head, query, norm_clean, cos_clean, norm_after,
+    cos_after, drift) plus ``quantile`` (the ``within_head`` bin of ``by_quantile``), ``head_bin`` (the
+    ``across_heads`` bin), ``sink_rate`` (the head's), ``log_norm_ratio`` = log(norm_after / norm_clean)
+    and ``delta_cos`` = cos_after - cos_clean.
+    """
+    points = raw["points"]
+    summary = _head_summary(raw["heads"], quantiles)
+    out = points.assign(quantile=_within_head_quantile(points, quantiles))
+    out = out.merge(summary[["layer", "head", "head_bin", "sink_rate"]], on=["layer", "head"], how="left")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["log_norm_ratio"] = np.log(out["norm_after"].to_numpy(float) / out["norm_clean"].to_numpy(float))
+    out["delta_cos"] = out["cos_after"] - out["cos_clean"]
+    return out
+
+
+def _cone_tables(points: pd.DataFrame, sequences: pd.DataFrame, heads: pd.DataFrame, quantiles: int) -> SemanticConeTables:
+    points = points.assign(quantile=_within_head_quantile(points, quantiles))
+    summary = _head_summary(heads, quantiles)
+    by_head = points.merge(summary[["layer", "head", "head_bin"]], on=["layer", "head"], how="left")
+    by_quantile = pd.concat([
+        _cone_stats(points, ["condition", "quantile"]).assign(binning="within_head"),
+        _cone_stats(by_head.drop(columns="quantile").rename(columns={"head_bin": "quantile"}),
+                    ["condition", "quantile"]).assign(binning="across_heads"),
+    ], ignore_index=True)
+    by_quantile = by_quantile[["binning", *[c for c in by_quantile.columns if c != "binning"]]]
+    per_head = _cone_stats(points, ["condition", "layer", "head"])
+    per_head = summary.drop(columns="head_bin").merge(per_head, on=["layer", "head"], how="right")
+    rows = []
+    n_tokens = sequences["n_tokens"].sum()
+    for condition in CONDITIONS:
+        ppl_clean = math.exp(sequences["nll_clean"].sum() / n_tokens)
+        ppl = math.exp(sequences[f"nll_{condition}"].sum() / n_tokens)
+        diff = (sequences[f"nll_{condition}"] - sequences["nll_clean"]) / sequences["n_tokens"]
+        half = 1.96 * diff.std(ddof=1) / math.sqrt(len(diff)) if len(diff) > 1 else np.nan
+        rows.append({"condition": condition, "ppl_clean": ppl_clean, "ppl": ppl, "delta_ppl": ppl - ppl_clean,
+                     "delta_log_ppl": diff.mean(), "ci_low": diff.mean() - half, "ci_high": diff.mean() + half,
+                     "num_sequences": len(diff)})
+    return SemanticConeTables(by_quantile, per_head, pd.DataFrame(rows))
+
+
+def _tables(parts: dict, blocks, *, quantiles: int, **_) -> SemanticConeTables:
+    return _cone_tables(parts["points"], parts["sequences"], parts["heads"], quantiles)
+
+
+def _summary(tables: dict, add) -> None:
+    if "semantic_cone" in tables:
+        q = tables["semantic_cone"]
+        for binning, prefix in (("within_head", ""), ("across_heads", "heads_")):
+            for condition in CONDITIONS:
+                rows = q[(q["condition"] == condition) & (q["binning"] == binning)].sort_values("quantile")
+                if len(rows):
+                    low, high = rows.iloc[0], rows.iloc[-1]
+                    name = f"{prefix}{condition}"
+                    add("semantic_cone", f"{name}_cos_clean_lowest_norm_quantile", low["cos_clean"])
+                    add("semantic_cone", f"{name}_cos_after_lowest_norm_quantile", low["cos_after"])
+                    add("semantic_cone", f"{name}_delta_cos_lowest_norm_quantile", low["delta_cos"])
+                    add("semantic_cone", f"{name}_delta_cos_highest_norm_quantile", high["delta_cos"])
+                    add("semantic_cone", f"{name}_norm_ratio_lowest_norm_quantile", low["norm_ratio"])
+                    add("semantic_cone", f"{name}_norm_ratio_highest_norm_quantile", high["norm_ratio"])
+    if "semantic_cone-ppl" in tables:
+        p = tables["semantic_cone-ppl"]
+        for _, row in p.iterrows():
+            add("semantic_cone", f"{row['condition']}_ppl_clean", row["ppl_clean"])
+            add("semantic_cone", f"{row['condition']}_delta_ppl", row["delta_ppl"])
+            add("semantic_cone", f"{row['condition']}_delta_log_ppl", row["delta_log_ppl"])
+            add("semantic_cone", f"{row['condition']}_delta_log_ppl_ci_low", row["ci_low"])
+            add("semantic_cone", f"{row['condition']}_delta_log_ppl_ci_high", row["ci_high"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# claims
+# ---------------------------------------------------------------------------------------------------
+
+
+class PerplexityChanges(NamedTuple):
+    """Per condition (and ``"clean"``) the perplexity; per intervention the change against clean, as
+    ``delta_log`` (mean NLL per token, nats) and ``delta_ppl``; ``sink_minus_control``: Delta log-PPL of
+    removing the sink minus that of the control. Each value is ``(estimate, low, high)``, intervals by
+    a bootstrap over sequences (token-weighted means; the same resamples for every condition)."""
+
+    ppl: dict
+    delta_log: dict
+    delta_ppl: dict
+    sink_minus_control: tuple
+
+
+def perplexity_changes(sequences: pd.DataFrame, conditions=("sink", "sink_renorm", "control"),
+                       n_bootstrap: int = 1000, seed: int = 0) -> PerplexityChanges:
+    """From the cone's raw ``sequences`` table (``n_tokens`` and summed ``nll_<condition>`` per sequence)."""
+    names = ["clean", *conditions]
+    long = pd.concat([pd.DataFrame({"sequence": sequences["sequence"], "condition": name,
+                                    "n_tokens": sequences["n_tokens"], "nll": sequences[f"nll_{name}"] / sequences["n_tokens"]})
+                      for name in names], ignore_index=True)
+    boot = stats.cluster_bootstrap(long, "nll", "condition", weight="n_tokens", n_resamples=n_bootstrap, seed=seed)
+    row = {c: i for i, c in enumerate(boot.table["condition"])}
+    ppl = {c: tuple(np.exp(boot.interval(row[c], "nll"))) for c in names}
+    delta_log = {c: tuple(boot.contrast(row[c], row["clean"], "nll")) for c in conditions}
+    delta_ppl = {c: _delta_ppl(boot, row[c], row["clean"]) for c in conditions}
+    minus = (tuple(boot.contrast(row["sink"], row["control"], "nll"))
+             if {"sink", "control"} <= set(conditions) else (np.nan,) * 3)
+    return PerplexityChanges(ppl, delta_log, delta_ppl, minus)
+
+
+def _delta_ppl(boot: stats.ClusterBootstrap, first: int, second: int) -> tuple[float, float, float]:
+    """exp(mean NLL) of row ``first`` minus that of row ``second``, percentile interval over the same resamples."""
+    nll, reps = boot.table["nll"].to_numpy(float), boot.replicates["nll"]
+    estimate = float(np.exp(nll[first]) - np.exp(nll[second]))
+    if min(boot.table["n_clusters"].iloc[[first, second]]) < 2:
+        return (estimate, np.nan, np.nan)
+    low, high = stats.percentile_interval((np.exp(reps[:, first]) - np.exp(reps[:, second]))[:, None], boot.confidence)
+    return (estimate, float(low[0]), float(high[0]))
+
+
+def cone_claims(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap: int = 1000,
+                seed: int = 0) -> pd.DataFrame:
+    """Chapter 7: removing the sink turns the lowest-norm outputs towards the cone axis (Delta cos > 0),
+    more than removing a random token does, and more than for the highest-norm outputs; and it raises
+    perplexity, more than the control. Every interval is a bootstrap over sequences, paired for
+    differences; each part holds when its interval is above 0.
+
+    ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
+    """
+    return claims_frame(_claim_rows(raw, quantiles, n_bootstrap, seed))
+
+
+def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: int, seed: int) -> list[dict]:
+    points = cone_points(raw, quantiles)
+    within = stats.cluster_bootstrap(points, "delta_cos", ["condition", "quantile"], n_resamples=n_bootstrap,
+                                     seed=seed)
+    changes = perplexity_changes(raw["sequences"], n_bootstrap=n_bootstrap, seed=seed)
+    sink_low = dict(condition="sink", quantile=1)
+    return [
+        claim_row(7, CONE, "removing the sink turns them towards the cone axis", "Δcos, lowest-norm bin, sink removed",
+                  "dcos_sink_q1", group_value(within, "delta_cos", **sink_low), 0.0, "above"),
+        claim_row(7, CONE, "more than the control does", "Δcos(sink) − Δcos(control), lowest-norm bin",
+                  "dcos_sink_minus_control",
+                  contrast(within, "delta_cos", sink_low, dict(condition="control", quantile=1)), 0.0, "above"),
+        claim_row(7, CONE, "more for low-norm than for high-norm outputs",
+                  "Δcos(lowest bin) − Δcos(highest bin), sink removed", "dcos_low_minus_high",
+                  contrast(within, "delta_cos", sink_low, dict(condition="sink", quantile=quantiles)), 0.0, "above"),
+        claim_row(7, PERPLEXITY, "perplexity rises", "Δ log PPL, sink removed", "dlog_sink",
+                  changes.delta_log["sink"], 0.0, "above"),
+        claim_row(7, PERPLEXITY, "more than removing a random token", "Δ log PPL(sink) − Δ log PPL(control)",
+                  "dlog_sink_minus_control", changes.sink_minus_control, 0.0, "above"),
+    ]
+
+
+def _claims(results, *, quantiles: int, n_bootstrap: int, seed: int, **_) -> list[dict]:
+    return _claim_rows(results["raw"]["semantic_cone"], quantiles, n_bootstrap, seed)
+
+
+ANALYSIS = register(Analysis("semantic_cone", _SemanticConeCollector, _tables,
+                             stems=("semantic_cone", "semantic_cone-heads", "semantic_cone-ppl"),
+                             collector_options=("heads", "threshold", "seed"), summary=_summary, claims=_claims))

@@ -1,0 +1,89 @@
+"""The architecture registry's extension point: a new family is one registered finder."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import cwcore
+from cwcore.core import architectures
+from cwcore.core.geometry import naive_geometry, split_output_projection
+
+
+class ToyAttention(nn.Module):
+    """Self-attention that calls transformers' attention interface and names its W_O ``mix`` (unknown to cwcore)."""
+
+    def __init__(self, config, width=16, heads=2):
+        super().__init__()
+        self.config, self.heads, self.dim = config, heads, width // heads
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.mix = nn.Linear(width, width)
+        self.scaling = self.dim**-0.5
+        self.is_causal = False
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        split = lambda t: t.view(b, n, self.heads, self.dim).transpose(1, 2)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        implementation = self.config._attn_implementation
+        if implementation == "eager":
+            probs = torch.softmax(q @ k.transpose(2, 3) * self.scaling, -1, dtype=torch.float32)
+            out = (probs @ v).transpose(1, 2)
+        else:
+            out, probs = ALL_ATTENTION_FUNCTIONS[implementation](self, q, k, v, None, scaling=self.scaling)
+        return self.mix(out.reshape(b, n, -1)), probs
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.config._attn_implementation = "eager"
+        self.embed = nn.Embedding(11, 16)
+        self.attn = ToyAttention(self.config)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.attn(self.embed(input_ids))
+
+
+def _mix_finder(module, parent):
+    layer = getattr(module, "mix", None)
+    return (layer.weight, layer.bias) if isinstance(layer, nn.Linear) else None
+
+
+@pytest.fixture
+def registered():
+    finders = list(architectures._FINDERS)
+    cwcore.register_output_projection(_mix_finder)
+    yield
+    architectures._FINDERS[:] = finders
+
+
+def test_an_unknown_projection_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    with pytest.raises(cwcore.UnsupportedModelError, match="register_output_projection"):
+        cwcore.decompose(ToyModel().eval(), input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_a_registered_finder_makes_the_family_exact(registered):
+    torch.manual_seed(0)
+    model = ToyModel().eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        expected_output, expected_probs = model(ids)
+    d = cwcore.decompose(model, input_ids=ids)
+    assert d.layers == [0]
+    out, probs = d.outputs
+    assert torch.equal(out, expected_output)  # the model computes what it always computes
+    torch.testing.assert_close(d.attention[0], expected_probs, rtol=0, atol=1e-7)
+    # every field against a naive model-space computation from the module's own weights
+    with torch.no_grad():
+        values = model.attn.v(model.embed(ids)).view(1, 5, 2, 8).transpose(1, 2)
+    w_o = split_output_projection(model.attn.mix.weight.detach(), 2)
+    naive = naive_geometry(expected_probs, values, w_o)
+    torch.testing.assert_close(d.output_norm[0], naive.output_norm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d[0].geometry.inter_dot, naive.inter_dot, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d.output_bias[0], model.attn.mix.bias.detach())
+    # o_i + b_O is what the output projection returned
+    torch.testing.assert_close(d[0].geometry.output + d.output_bias[0], expected_output, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,135 @@
+"""Exact or refused: every decompose/intervene checks itself against what the model computed.
+
+Each family is a tiny random model; the references are the model's own eager run and the
+output projection's actual input and output.
+"""
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+import cwcore
+from cwcore.core import architectures
+from cwcore.core.attention import AttentionSession, cwcore_attention, every_layer
+from tiny_models import VOCAB, tiny_model
+
+IDS = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64)
+
+
+def _model(config_cls, model_cls, **extra):
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def gpt_oss():
+    return _model(tf.GptOssConfig, tf.GptOssForCausalLM, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                  num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+
+
+def test_learned_sink_logits_are_exact_and_their_mass_is_exposed():
+    model = gpt_oss()
+    with torch.no_grad():
+        eager = model(input_ids=IDS, output_attentions=True)
+    d = cwcore.decompose(model, input_ids=IDS)
+    assert torch.equal(d.outputs.logits, eager.logits)  # the model computes what it always computes
+    masses = {}
+    session = AttentionSession(model, observers=every_layer(model, lambda c: masses.__setitem__(c.layer, (c.probs, c.learned_sink_mass))))
+    with torch.no_grad(), cwcore_attention(model, session):
+        model(input_ids=IDS)
+    for layer in d.layers:
+        torch.testing.assert_close(d.attention[layer], eager.attentions[layer], rtol=0, atol=1e-7)
+        probs, mass = masses[layer]
+        assert float(mass.min()) > 0  # the sink absorbs some mass, so alpha sums to less than 1
+        torch.testing.assert_close(mass, 1 - probs.sum(-1), rtol=0, atol=1e-6)
+        # the terms still sum to o_i: contribution weights sum to one
+        sums = d.inter[layer].sum((1, 3))
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
+
+
+def test_gated_attention_is_refused_with_the_reason():
+    model = _model(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
+                   layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=32, linear_num_value_heads=4,
+                   linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)
+    with pytest.raises(cwcore.UnsupportedModelError, match="output projection received something other"):
+        cwcore.decompose(model, input_ids=IDS)
+
+
+class _OwnAttention(nn.Module):
+    """Computes attention itself instead of calling transformers' attention interface."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.o_proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.o_proj(torch.softmax(q @ k.transpose(1, 2), -1) @ v)
+
+
+class _OwnModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(5, 8)
+        self.attn = _OwnAttention()
+
+    def forward(self, input_ids):
+        return self.attn(self.embed(input_ids))
+
+
+def test_a_block_that_bypasses_the_attention_interface_is_refused_not_empty():
+    with pytest.raises(cwcore.UnsupportedModelError, match="did not run through cwcore's attention function"):
+        cwcore.decompose(_OwnModel().eval(), input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_a_wrong_output_projection_is_caught_by_the_reconstruction_check():
+    model = tiny_model("llama")
+
+    def wrong(module, parent):  # W_O of the *other* layer: plausible shapes, wrong numbers
+        layers = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+        if module in layers:
+            other = layers[1 - layers.index(module)]
+            return other.o_proj.weight, None
+        return None
+
+    finders = list(architectures._FINDERS)
+    object.__setattr__(model, "_cwcore_blocks", None)
+    cwcore.register_output_projection(wrong)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match="not a module of the block"):
+            cwcore.decompose(model, input_ids=IDS)
+    finally:
+        architectures._FINDERS[:] = finders
+        object.__setattr__(model, "_cwcore_blocks", None)
+
+
+def test_a_decomposition_that_does_not_add_up_is_refused(monkeypatch):
+    from cwcore.core import attention, geometry
+
+    def off_by_one_percent(*args):
+        g = geometry.head_space_geometry(*args)
+        g.output = g.output * 1.01
+        return g
+
+    monkeypatch.setattr(attention, "head_space_geometry", off_by_one_percent)
+    with pytest.raises(cwcore.UnsupportedModelError, match=r"do not reproduce .*relative error 0\.0"):
+        cwcore.decompose(tiny_model("qwen2"), input_ids=IDS)
+
+
+def test_interventions_are_checked_too():
+    model = _OwnModel().eval()
+    with pytest.raises(cwcore.UnsupportedModelError, match="did not run through"):
+        with cwcore.intervene(model, {0: torch.zeros((), dtype=torch.bool)}):
+            model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_reconstruction_tolerance_holds_in_bfloat16():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    d = cwcore.decompose(model, input_ids=IDS)  # geometry in float32, checked against the bf16 projection
+    assert d[0].attention.dtype == torch.float32

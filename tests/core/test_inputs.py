@@ -1,0 +1,76 @@
+"""Bad input at the core's boundary fails at once, in one sentence that names the argument."""
+
+import pytest
+import torch
+
+import cwcore
+from tiny_models import VOCAB, tiny_model
+
+IDS = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def test_a_misspelled_keyword_is_a_type_error_with_a_suggestion(model):
+    with pytest.raises(TypeError, match=r"'attention_maks' \(did you mean 'attention_mask'\?\)"):
+        cwcore.decompose(model, input_ids=IDS, attention_maks=torch.ones_like(IDS))
+
+
+@pytest.mark.parametrize("ids, error, match", [
+    (IDS.float(), TypeError, "integer token ids"),
+    (IDS[:0], ValueError, "empty"),
+    (IDS + VOCAB, ValueError, rf"\[0, {VOCAB}\)"),
+    (IDS[None], ValueError, r"\[batch, sequence\]"),
+])
+def test_bad_ids(model, ids, error, match):
+    with pytest.raises(error, match=match):
+        cwcore.decompose(model, input_ids=ids)
+
+
+def test_one_sequence_is_a_batch_of_one(model):
+    one = cwcore.decompose(model, layers=0, input_ids=IDS[0])
+    two = cwcore.decompose(model, layers=0, input_ids=IDS[:1])
+    assert torch.equal(one.inter[0], two.inter[0])
+
+
+def test_a_mask_of_another_shape_is_refused(model):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 5\) but the inputs are \(2, 6\)"):
+        cwcore.decompose(model, input_ids=IDS, attention_mask=torch.ones(2, 5, dtype=torch.long))
+
+
+def test_an_input_longer_than_the_context_is_refused(model):
+    long = torch.zeros(1, 65, dtype=torch.long)
+    with pytest.raises(ValueError, match="built for at most 64"):
+        cwcore.decompose(model, input_ids=long)
+
+
+@pytest.mark.parametrize("layers, error", [("3", TypeError), (7, IndexError), ([0, 1.0], TypeError), (True, TypeError)])
+def test_layers_argument(model, layers, error):
+    with pytest.raises(error, match="layer"):
+        cwcore.decompose(model, layers=layers, input_ids=IDS)
+
+
+def test_compute_dtype_accepts_its_name(model):
+    d = cwcore.decompose(model, layers=0, compute_dtype="float64", input_ids=IDS)
+    assert d[0].attention.dtype == torch.float64
+    with pytest.raises(ValueError, match="compute_dtype"):
+        cwcore.decompose(model, compute_dtype=torch.float16, input_ids=IDS)
+
+
+def test_intervention_masks_must_be_boolean_and_of_the_layer_shape(model):
+    with pytest.raises(TypeError, match=r"masks\[1\] must be boolean"):
+        with cwcore.intervene(model, {1: torch.full((1, 4, 6, 6), 0.5)}):
+            model(input_ids=IDS)
+    with pytest.raises(ValueError, match=r"masks\[0\] has shape \(3, 6\).*\[2, 4, 6, 6\]"):
+        with cwcore.intervene(model, {0: torch.zeros(3, 6, dtype=torch.bool)}):
+            model(input_ids=IDS)
+    ints = torch.zeros(1, 4, 6, 6, dtype=torch.long)
+    ints[..., 2] = 1
+    with torch.no_grad(), cwcore.intervene(model, {0: ints}):
+        by_int = model(input_ids=IDS).logits
+    with torch.no_grad(), cwcore.intervene(model, {0: ints.bool()}):
+        by_bool = model(input_ids=IDS).logits
+    assert torch.equal(by_int, by_bool)

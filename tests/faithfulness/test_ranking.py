@@ -1,0 +1,114 @@
+"""Ranking: the removal masks against a naive per-group sort, and the candidate terms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from cwcore.faithfulness.protocol import layer_windows
+from cwcore.faithfulness.ranking import candidate_mask, removal_mask, selection, selection_buckets
+from tiny_models import tiny_model
+
+
+def _naive_masks(scores, cand, unit, scope, ratio, mode):
+    """Python loops: sort each group's candidate units by (-score, index), NaN last; take k(r)."""
+    b, h, q, k = scores.shape
+    cand = cand[:, 0]
+    out = torch.zeros(b, h, q, k, dtype=torch.bool)
+
+    def chosen(items):
+        def key(item):
+            return (math.inf if math.isnan(item[0]) else -item[0], item[1])
+        ordered = sorted(items, key=key)
+        n = len(ordered)
+        count = math.floor(ratio * n + 0.5)
+        picked = ordered[:count] if mode == "comprehensiveness" else ordered[n - count:]
+        return [item[2] for item in picked]
+
+    def nanmean(values):
+        values = [v for v in values if not math.isnan(v)]
+        return sum(values) / len(values) if values else math.nan
+
+    token = scores.sum(1)  # [b, q, k]
+    for s in range(b):
+        if scope == "row":
+            for i in range(q):
+                keys = [j for j in range(k) if cand[s, i, j]]
+                if unit == "head_key":
+                    items = [(float(scores[s, hh, i, j]), hh * k + j, (hh, j)) for hh in range(h) for j in keys]
+                    for hh, j in chosen(items):
+                        out[s, hh, i, j] = True
+                elif unit == "key":
+                    for hh in range(h):
+                        for j in chosen([(float(scores[s, hh, i, j]), j, j) for j in keys]):
+                            out[s, hh, i, j] = True
+                else:
+                    for j in chosen([(float(token[s, i, j]), j, j) for j in keys]):
+                        out[s, :, i, j] = True
+        else:
+            seen = {j: [i for i in range(q) if cand[s, i, j]] for j in range(k)}
+            keys = [j for j in range(k) if seen[j]]
+
+            def unit_score(values_for_query, j):
+                return nanmean([float(values_for_query(i)) for i in seen[j]])
+
+            if unit == "head_key":
+                items = [(unit_score(lambda i: scores[s, hh, i, j], j), hh * k + j, (hh, j)) for hh in range(h) for j in keys]
+                for hh, j in chosen(items):
+                    out[s, hh, seen[j], j] = True
+            elif unit == "key":
+                for hh in range(h):
+                    for j in chosen([(unit_score(lambda i: scores[s, hh, i, j], j), j, j) for j in keys]):
+                        out[s, hh, seen[j], j] = True
+            else:
+                for j in chosen([(unit_score(lambda i: token[s, i, j], j), j, j) for j in keys]):
+                    for i in seen[j]:
+                        out[s, :, i, j] = True
+    return out
+
+
+@pytest.mark.parametrize("unit", ["head_key", "key", "token"])
+@pytest.mark.parametrize("scope", ["row", "layer"])
+@pytest.mark.parametrize("keep_first", [True, False])
+@pytest.mark.parametrize("n", [7, 37])  # 37: several query blocks, each sorting only its causal left part
+def test_selection_matches_a_naive_per_group_sort(unit, scope, keep_first, n):
+    generator = torch.Generator().manual_seed(0)
+    b, h = 3, 3
+    # coarse dyadic values: many ties, which must break by index; sums and means are exact in float64
+    # (one rounding in the division), so layer-scope means tie exactly where they tie mathematically
+    scores = (torch.rand(b, h, n, n, generator=generator, dtype=torch.float64) * 4).round() / 4 - 0.25
+    scores[0, 1, 4, 2] = float("nan")
+    attention_mask = torch.ones(b, n, dtype=torch.long)
+    attention_mask[1, 5:] = 0  # right padding
+    attention_mask[2, :2] = 0  # left padding
+    cand = candidate_mask(attention_mask, keep_first_token=keep_first)
+    ratios = [0.1, 0.25, 0.5, 0.8, 1.0]
+    buckets = selection_buckets(scores, cand, ratios, unit=unit, scope=scope)
+    counted = selection(scores, cand, ratios, unit=unit, scope=scope).removed
+    for t, ratio in enumerate(ratios):
+        for mode in ("comprehensiveness", "sufficiency"):
+            mask = removal_mask(buckets[mode], t, cand if scope == "layer" else None).expand(b, h, n, n)
+            expected = _naive_masks(scores, cand, unit, scope, ratio, mode)
+            assert torch.equal(mask, expected), (unit, scope, ratio, mode)
+            assert not (mask & ~cand).any()
+            # the sweep counts removed terms from the bucket histogram instead of summing every mask
+            assert torch.equal(counted[mode][:, t], expected.sum((1, 2, 3))), (unit, scope, ratio, mode)
+
+
+def test_candidates_are_causal_real_and_exclude_the_first_real_token():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+    cand = candidate_mask(mask, keep_first_token=True)[:, 0]
+    assert cand[0].nonzero().tolist() == [[3, 3], [4, 3], [4, 4]]
+    assert cand[1].nonzero().tolist() == [[1, 1], [2, 1], [2, 2]]
+    with_first = candidate_mask(mask, keep_first_token=False)[:, 0]
+    assert with_first[0, 4, 2] and with_first[1, 2, 0] and not with_first[1, 3, 0]
+    windowed = candidate_mask(torch.ones(1, 6), keep_first_token=False, window=2)[0, 0]
+    assert windowed[5, 4] and not windowed[5, 3] and windowed[1, 0]
+
+
+def test_sliding_windows_come_from_the_config():
+    assert layer_windows(tiny_model("mistral"), 2) == [4, 4]
+    assert layer_windows(tiny_model("gemma3"), 2) == [4, None]
+    assert layer_windows(tiny_model("qwen2"), 2) == [None, None]

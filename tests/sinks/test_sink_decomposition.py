@@ -1,0 +1,78 @@
+"""The decomposition of c_ij for sink and tail tokens (cwcore.sinks.decomposition)."""
+
+import numpy as np
+import pytest
+import torch
+
+from cwcore import sinks
+from sink_fixtures import (E, FAST, T, cos as _cos, expected_alpha, naive_run, planted_ids, planted_model,
+                           random_ids)
+from tiny_models import tiny_model
+
+
+# -- 2. decomposition ------------------------------------------------------------------------------
+
+
+def test_decomposition_factors_match_naive_products_and_shares_sum_to_one():
+    model, ids = tiny_model("llama"), random_ids()
+    tables = sinks.sink_decomposition(model, None, ids, batch_size=2, quantile_sample=10_000, sample_size=10**6, **FAST)
+    summary, sample = tables.summary, tables.sample
+    reference, _ = naive_run(model, ids)
+    # every (query, key) pair is in the sample: compare each factor with the materialised vectors
+    a = torch.stack([r["attention"] for r in reference])  # [l, b, h, q, k]
+    v = torch.stack([r["values"] for r in reference])  # [l, b, h, k, m]
+    o = torch.stack([r["outputs"] for r in reference])  # [l, b, h, q, m]
+    idx = [torch.as_tensor(sample[c].to_numpy(np.int64)) for c in ("layer", "sequence", "head", "query", "key")]
+    vj = v[idx[0], idx[1], idx[2], idx[4]]
+    oi = o[idx[0], idx[1], idx[2], idx[3]]
+    alpha = a[tuple(idx)]
+    np.testing.assert_allclose(sample["alpha"], alpha, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(sample["relative_norm"], vj.norm(dim=-1) / oi.norm(dim=-1), rtol=1e-4)
+    np.testing.assert_allclose(sample["cosine"], _cos(oi, vj), atol=1e-5)
+    np.testing.assert_allclose(sample["contribution"], alpha * (oi * vj).sum(-1) / (oi * oi).sum(-1), atol=1e-5)
+    assert (sample["token_class"] == "sink").sum() == 2 * 4 * 3 * 11  # layers * heads * sequences * queries
+    assert (sample["token_class"] == "tail").sum() == 2 * 4 * 3 * (11 * 12 // 2)
+    # the shares of the three factors add up to one, per head and pooled
+    for (scope, layer, head, cls), group in summary[summary["factor"] != "contribution"].groupby(
+            ["scope", "layer", "head", "token_class"], dropna=False):
+        assert group["share"].sum() == pytest.approx(1.0, abs=1e-6)
+    # the pooled sink shares equal a naive covariance computation over every sink pair
+    sink = sample[sample["token_class"] == "sink"]
+    logs = np.log(np.abs(sink[["alpha", "relative_norm", "cosine"]].to_numpy(np.float64)))
+    total = logs.sum(1)
+    model_rows = summary[(summary["scope"] == "model") & (summary["token_class"] == "sink")].set_index("factor")
+    for k, factor in enumerate(["alpha", "relative_norm", "cosine"]):
+        share = np.cov(logs[:, k], total, bias=True)[0, 1] / total.var()
+        assert model_rows.loc[factor, "share"] == pytest.approx(share, abs=1e-3)
+        assert model_rows.loc[factor, "mean_log"] == pytest.approx(logs[:, k].mean(), abs=1e-4)
+        assert model_rows.loc[factor, "median"] == pytest.approx(np.median(np.abs(sink[factor])) if factor != "cosine"
+                                                                  else np.median(sink[factor]), abs=1e-5)
+    assert model_rows.loc["contribution", "frac_negative"] == pytest.approx((sink["contribution"] < 0).mean())
+
+
+def test_decomposition_separates_sink_and_tail_on_the_planted_model():
+    model, ids = planted_model(), planted_ids()
+    summary = sinks.sink_decomposition(model, None, ids, **FAST).summary
+    rows = summary[summary["scope"] == "head"].set_index(["head", "token_class", "factor"])
+    # head 0: o_i and v0 are collinear, so |cos| = 1 and the cosine explains no variance
+    assert rows.loc[(0, "sink", "cosine"), "share"] == pytest.approx(0.0, abs=1e-4)
+    assert rows.loc[(0, "sink", "alpha"), "median"] == pytest.approx(np.median(expected_alpha()), abs=1e-5)
+    # tail values are identical, so the tail's alpha is 1 / (E + i) for every key
+    i = np.arange(1, T)
+    assert rows.loc[(1, "tail", "alpha"), "n"] == 3 * (T - 1) * T // 2
+    assert rows.loc[(1, "tail", "alpha"), "mean"] == pytest.approx(
+        np.sum(i / (E + i)) / np.sum(i), rel=0.05)  # mean over the sample of 1/(E+i), weighted by i keys
+
+
+def test_decomposition_scopes_split_heads_by_sink_rate():
+    model, ids = tiny_model("llama"), random_ids()
+    rates = sinks.sink_rates(model, None, ids, **FAST)
+    eps = float(rates["sink_rate"].median())
+    summary = sinks.sink_decomposition(model, None, ids, eps=eps, **FAST).summary
+    heads = summary[(summary["scope"] == "head") & (summary["token_class"] == "sink") & (summary["factor"] == "alpha")]
+    np.testing.assert_allclose(heads.sort_values(["layer", "head"])["sink_rate"], rates["sink_rate"], atol=1e-6)
+    pooled = summary[(summary["factor"] == "alpha")].set_index(["scope", "token_class"])
+    for cls in ("sink", "tail"):
+        assert pooled.loc[("sink_heads", cls), "n"] + pooled.loc[("other_heads", cls), "n"] == pooled.loc[("model", cls), "n"]
+        assert pooled.loc[("sink_heads", cls), "num_heads"] == int((rates["sink_rate"] > eps).sum())
+        assert pooled.loc[("model", cls), "num_heads"] == 8

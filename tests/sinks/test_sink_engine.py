@@ -1,0 +1,109 @@
+"""The sinks engine: determinism, the shared cache, precompute, the registry and the command line."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cwcore import sinks
+from cwcore.sinks import engine
+from sink_fixtures import FAST, planted_ids, planted_model, random_ids, word_tokenizer as _word_tokenizer
+from tiny_models import tiny_model
+
+
+# -- determinism, cache, batch size ----------------------------------------------------------------
+
+
+def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, monkeypatch):
+    model, ids = tiny_model("llama"), random_ids(n=4)
+    kwargs = dict(cache=True, cache_root=tmp_path, progress=False, batch_size=2)
+    first = sinks.run_analyses(model, None, ids, **kwargs)
+    second = sinks.run_analyses(model, None, ids, **{**kwargs, "cache": False})
+    for name in sinks.ANALYSES:
+        for a, b in zip(*(r[name] if isinstance(r[name], tuple) else (r[name],) for r in (first, second))):
+            pd.testing.assert_frame_equal(a, b)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("recomputed instead of reading the cache")
+
+    monkeypatch.setattr(engine, "_forward", boom)
+    cached = sinks.semantic_cone(model, None, ids, **kwargs)  # the single function reads run_analyses' pieces
+    pd.testing.assert_frame_equal(cached.ppl, first["semantic_cone"].ppl)
+    monkeypatch.undo()
+    other = sinks.sink_decomposition(model, None, ids, batch_size=3, sample_size=50, **FAST)
+    pd.testing.assert_frame_equal(other.summary, first["decomposition"].summary, atol=1e-5, rtol=1e-4)
+    assert (sinks.model_fingerprint(model) != sinks.model_fingerprint(tiny_model("llama", seed=1)))
+
+
+def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeypatch):
+    import cwcore.data
+    import cwcore.models
+
+    texts = [" ".join(f"w{(i * 5 + j) % 20}" for j in range(40)) for i in range(6)]
+    monkeypatch.setattr(cwcore.models, "load_model", lambda name: (tiny_model("llama"), _word_tokenizer()))
+    monkeypatch.setattr(cwcore.data, "load_dataset", lambda name: texts)
+    args = ["--model", "tiny", "--data", "words", "--num-sequences", "3", "--block-size", "12", "--batch-size", "2",
+            "--add-bos", "yes", "--no-cache", "--raw", str(tmp_path / "raw")]
+    assert sinks.main([*args, "--out", str(tmp_path / "a")]) == 0
+    written = sorted(p.name for p in (tmp_path / "a").iterdir())
+    stems = ["anti_alignment", "convexity", "convexity-curves", "decomposition", "decomposition-sample", "rates",
+             "semantic_cone", "semantic_cone-heads", "semantic_cone-ppl", "summary"]
+    assert written == sorted(f"sinks_{s}_tiny_words.csv" for s in stems)
+    rates = pd.read_csv(tmp_path / "a" / "sinks_rates_tiny_words.csv")
+    assert rates["add_bos"].all() and (rates["first_token_is_bos"] == 1.0).all() and (rates["model"] == "tiny").all()
+    summary = pd.read_csv(tmp_path / "a" / "sinks_summary_tiny_words.csv")
+    assert {"sink_rate", "decomposition", "anti_alignment", "convexity", "semantic_cone"} <= set(summary["claim"])
+    monkeypatch.setattr(cwcore.models, "load_model", lambda name: pytest.fail("--from-raw must not load the model"))
+    assert sinks.main([*args, "--from-raw", "--out", str(tmp_path / "b")]) == 0
+    for name in written:
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "a" / name), pd.read_csv(tmp_path / "b" / name))
+
+
+def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
+    model = planted_model()
+    ids = planted_ids(n=2, length=16)
+    options = dict(batch_size=2, cache_root=tmp_path, progress=False)
+    first = sinks.run_analyses(model, None, ids, ["rates"], precompute=sinks.ANALYSES, **options)
+    assert set(first) == {"rates"}  # tables only for what was asked
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("a forward pass ran although the cache was filled")
+
+    monkeypatch.setattr(engine, "_forward", no_forward)
+    later = sinks.run_analyses(model, None, ids, ["convexity", "semantic_cone"], raw=True, **options)
+    assert set(later) == {"convexity", "semantic_cone", "raw"} and set(later["raw"]) == {"convexity", "semantic_cone"}
+    monkeypatch.undo()
+    fresh = sinks.convexity(model, None, ids, batch_size=2, cache=False, progress=False)
+    pd.testing.assert_frame_equal(later["convexity"].fits, fresh.fits)
+    with pytest.raises(ValueError, match="unknown analyses"):
+        sinks.run_analyses(model, None, ids, ["rates"], precompute=["nonsense"], **options)
+
+
+def test_a_new_analysis_is_one_registered_object(monkeypatch):
+    """The extension point: an Analysis registered from outside runs through run_analyses, shares the forward
+    pass with the built-in ones, and its table agrees with an independent computation (here: sink_rates)."""
+    from cwcore.sinks.engine import REGISTRY, Analysis, Collector
+
+    class MeanSink(Collector):
+        def __init__(self, *args, **options):
+            super().__init__(*args, **options)
+            self.rows = []
+
+        def on_layer(self, s):
+            mean = s.probs[:, :, 1:, 0].mean(-1).sum(0)  # [head]: summed over the batch's sequences
+            self.rows.append(pd.DataFrame({"layer": s.layer, "head": range(len(mean)),
+                                           "total": mean.cpu().numpy(), "n": s.probs.shape[0]}))
+
+        def finish(self, logits):
+            return {"means": pd.concat(self.rows, ignore_index=True)}
+
+    def tables(parts, blocks, **_):
+        sums = parts["means"].groupby(["layer", "head"])[["total", "n"]].sum()
+        return (sums["total"] / sums["n"]).rename("mean_sink").reset_index()
+
+    toy = Analysis("toy", MeanSink, tables, stems=("toy",))
+    monkeypatch.setitem(REGISTRY, "toy", toy)
+    model, ids = tiny_model("llama"), random_ids()
+    result = sinks.run_analyses(model, None, ids, ["toy", "rates"], batch_size=2, **FAST)
+    np.testing.assert_allclose(result["toy"]["mean_sink"], result["rates"]["sink_rate"], atol=1e-6)
+    assert toy.named_tables(result["toy"]).keys() == {"toy"}
+    assert "toy" not in sinks.ANALYSES  # the built-in order is fixed at import; the registry is open

@@ -1,0 +1,114 @@
+"""The semantic cone (cwcore.sinks.semantic_cone): interventions, bins and raw points."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cwcore import sinks
+from sink_fixtures import (E, FAST, P_TAIL, Q_SINK, T, VT, cos as _cos, expected_alpha, naive_run,
+                           planted_ids, planted_model, random_ids)
+from tiny_models import VOCAB, tiny_model
+
+
+# -- 5. semantic cone ------------------------------------------------------------------------------
+
+
+def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
+    model, ids = planted_model(), planted_ids()
+    tables = sinks.semantic_cone(model, None, ids, **FAST)
+    heads = tables.heads.set_index(["condition", "head"])
+    # head 1: removing the sink leaves (1 - a) vt, exactly on the cone's axis; before, the angle is planted
+    assert heads.loc[("sink", 1), "cos_after"] == pytest.approx(1.0, abs=1e-5)
+    assert heads.loc[("sink", 1), "cos_clean"] < 0.99
+    assert heads.loc[("sink_renorm", 1), "cos_after"] == pytest.approx(1.0, abs=1e-5)
+    assert heads.loc[("sink_renorm", 1), "norm_after"] == pytest.approx(np.linalg.norm(VT), rel=1e-5)  # s^ = vt
+    # the control removes one tail token: the output keeps its sink component
+    assert heads.loc[("control", 1), "cos_after"] < 0.99
+    assert abs(heads.loc[("control", 1), "delta_cos"]) < 0.5 * heads.loc[("sink", 1), "delta_cos"]
+    # head 0: the norm after removing the sink term is (1 - a) P for every query
+    a = expected_alpha()
+    assert heads.loc[("sink", 0), "norm_after"] == pytest.approx(np.mean((1 - a) * P_TAIL), rel=1e-5)
+    assert heads.loc[("sink", 0), "norm_clean"] == pytest.approx(np.mean(np.abs((1 - a) * P_TAIL - a * Q_SINK)), rel=1e-5)
+    assert set(tables.ppl["condition"]) == {"sink", "sink_renorm", "control"}
+    for binning in ("within_head", "across_heads"):
+        by_q = tables.by_quantile[tables.by_quantile["binning"] == binning]
+        assert (by_q.groupby("condition")["n"].sum().loc["sink"]) == 2 * 3 * (T - 1)
+    within = tables.by_quantile[tables.by_quantile["binning"] == "within_head"]
+    assert set(within["quantile"]) == {1, 2, 3, 4, 5}
+    across = tables.by_quantile[tables.by_quantile["binning"] == "across_heads"]
+    assert set(across["quantile"]) == {3, 5}  # two heads: ranks 1/2 and 2/2
+
+
+def test_semantic_cone_matches_naive_interventions():
+    model, ids = tiny_model("llama"), random_ids()
+    tables = sinks.semantic_cone(model, None, ids, batch_size=2, **FAST)
+    clean, clean_logits = naive_run(model, ids)
+    b, n = ids.shape
+    mask = torch.zeros(b, 4, n, n, dtype=torch.bool)
+    mask[:, :, 1:, 0] = True
+    after, after_logits = naive_run(model, ids, masks={0: mask, 1: mask})
+    heads = tables.heads[tables.heads["condition"] == "sink"].set_index(["layer", "head"])
+    for l in range(2):
+        np.testing.assert_allclose(heads.loc[l, "norm_clean"], clean[l]["outputs"][:, :, 1:].norm(dim=-1).mean((0, 2)), rtol=1e-4)
+        np.testing.assert_allclose(heads.loc[l, "norm_after"], after[l]["outputs"][:, :, 1:].norm(dim=-1).mean((0, 2)), rtol=1e-4)
+        drift = _cos(clean[l]["outputs"], after[l]["outputs"])[:, :, 1:].mean((0, 2))
+        np.testing.assert_allclose(heads.loc[l, "drift"], drift, atol=1e-5)
+        v = after[l]["values"][:, :, 1:]
+        axis = v.cumsum(2) / torch.arange(1, n, dtype=v.dtype)[None, None, :, None]
+        cos = _cos(after[l]["outputs"][:, :, 1:], axis).mean((0, 2))
+        np.testing.assert_allclose(heads.loc[l, "cos_after"], cos, atol=1e-5)
+
+    def ppl(logits):
+        return math.exp(torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).item())
+
+    row = tables.ppl.set_index("condition").loc["sink"]
+    assert row["ppl_clean"] == pytest.approx(ppl(clean_logits), rel=1e-5)
+    assert row["ppl"] == pytest.approx(ppl(after_logits), rel=1e-5)
+    # sink_renorm in layer 0 (nothing upstream changed): the output is s_i / (1 - alpha_i0)
+    renorm = tables.heads[tables.heads["condition"] == "sink_renorm"].set_index(["layer", "head"])
+    a, o, v = clean[0]["attention"], clean[0]["outputs"], clean[0]["values"]
+    s_hat = (o - a[..., :1] * v[:, :, :1]) / (1 - a[..., :1])
+    np.testing.assert_allclose(renorm.loc[0, "norm_after"], s_hat[:, :, 1:].norm(dim=-1).mean((0, 2)), rtol=1e-4)
+    # the control's seeded key, removed for later queries only
+    control = tables.heads[tables.heads["condition"] == "control"]
+    assert (control["n"] < heads["n"].to_numpy()).all()
+
+
+def test_sink_heads_scope_only_touches_heads_above_the_threshold():
+    model, ids = tiny_model("llama"), random_ids()
+    reference, _ = naive_run(model, ids)
+    rates = torch.stack([r["attention"][:, :, 1:, 0].mean(-1) for r in reference])  # [layer, sequence, head]
+    highest = rates.max(1).values  # [layer, head]
+    threshold = float(highest.median())
+    tables = sinks.semantic_cone(model, None, ids, heads="sink", threshold=threshold, **FAST)
+    for condition in sinks.CONDITIONS:
+        touched = tables.heads[tables.heads["condition"] == condition]
+        expected = {(l, h) for l in range(2) for h in range(4) if highest[l, h] > threshold}
+        assert set(zip(touched["layer"], touched["head"])) == expected
+        assert 0 < len(expected) < 8
+    sink = tables.heads[tables.heads["condition"] == "sink"].set_index(["layer", "head"])
+    for (l, h), row in sink.iterrows():
+        chosen = rates[l, :, h] > threshold
+        assert row["selected"] == pytest.approx(float(chosen.float().mean()))
+        assert row["n"] == int(chosen.sum()) * (ids.shape[1] - 1)
+
+
+def test_raw_material_and_cone_points_reproduce_the_tables():
+    model = planted_model()
+    ids = planted_ids(n=4, length=20)
+    result = sinks.run_analyses(model, None, ids, ["semantic_cone", "convexity"], batch_size=2, raw=True, **FAST)
+    assert set(result) == {"semantic_cone", "convexity", "raw"}
+    points = sinks.cone_points(result["raw"]["semantic_cone"], quantiles=5)
+    by_quantile = result["semantic_cone"].by_quantile
+    within = by_quantile[by_quantile["binning"] == "within_head"].set_index(["condition", "quantile"])
+    mine = points.groupby(["condition", "quantile"])[["delta_cos", "norm_after"]].mean()
+    assert np.allclose(mine["delta_cos"], within.loc[mine.index, "delta_cos"], atol=1e-6)
+    assert np.allclose(mine["norm_after"], within.loc[mine.index, "norm_after"], rtol=1e-5)
+    # head 0: o_i = a_i (-e) + (1 - a_i) e and s_i = (1 - a_i) e, so ||s_i|| / ||o_i|| = (1 - a) / |1 - 2a|
+    sink = points[(points["condition"] == "sink") & (points["head"] == 0)]
+    sink = sink[sink["query"] != E]  # a = 1/2: the clean output is zero
+    a = E / (E + sink["query"].to_numpy(float))
+    assert np.allclose(sink["log_norm_ratio"], np.log((1 - a) / np.abs(1 - 2 * a)), atol=1e-4)
+    assert "points" in result["raw"]["convexity"]

@@ -1,0 +1,106 @@
+"""The package's layout rules: no import cycle (lazy imports count), old paths keep importing, one home."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "cwcore"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every cwcore module ``path`` imports, at module level or inside functions."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "cwcore"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "cwcore":
+                continue
+            modules = {f"{target}.{a.name}" for a in node.names}
+            found |= {m for m in modules if m in MODULES} or {target}
+    return {m for m in found if m in MODULES and m != name}
+
+
+MODULES = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def test_no_import_cycle_inside_cwcore():
+    graph = {name: _imports(path) for name, path in MODULES.items()}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_no_source_file_is_much_over_800_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 850}
+    assert not long, f"split these modules: {long}"
+
+
+@pytest.mark.parametrize("old, new", [
+    ("cwcore.attention", "cwcore.core.attention"), ("cwcore.decomposition", "cwcore.core.decomposition"),
+    ("cwcore.geometry", "cwcore.core.geometry"), ("cwcore.architectures", "cwcore.core.architectures"),
+    ("cwcore.interventions", "cwcore.core.interventions"), ("cwcore.ranking", "cwcore.faithfulness.ranking"),
+    ("cwcore.sink_claims", "cwcore.sinks.claims"),
+])
+def test_old_module_paths_are_the_new_modules(old, new):
+    import importlib
+
+    assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_top_level_names_resolve():
+    import cwcore
+
+    for name in cwcore.__all__:
+        assert getattr(cwcore, name) is not None, name
+    assert cwcore.faithfulness_curve is __import__("cwcore.faithfulness", fromlist=["x"]).faithfulness_curve
+
+
+def _delegates(node: ast.FunctionDef) -> bool:
+    """A compatibility wrapper: its body (after the docstring) is one ``return stats.f(...)``/``runs.f(...)``."""
+    body = [n for n in node.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or not isinstance(body[0].value, ast.Call):
+        return False
+    func = body[0].value.func
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in ("stats", "runs")
+
+
+def test_one_fingerprint_one_bootstrap_family():
+    """Helpers with one purpose exist once: the names below are implemented in one module only (other
+    modules may keep an old name as a one-line wrapper that calls the one implementation)."""
+    defined: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and not _delegates(node):
+                defined.setdefault(node.name, []).append(_module_name(path))
+    for name in ("model_fingerprint", "_fingerprint", "bootstrap_ci", "_bootstrap_indices", "_mean_ci",
+                 "spearman_ci", "share_ci", "verdict", "combine_verdicts", "_hub_reachable", "_hub_offline",
+                 "sequence_bootstrap", "cluster_bootstrap", "wilson_ci", "tensor_digest", "_digest", "_tensor_digest"):
+        homes = defined.get(name, [])
+        assert len(homes) <= 1, f"{name} is defined in {homes}"

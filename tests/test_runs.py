@@ -1,0 +1,69 @@
+"""The run driver: one model identity (safe with offloaded weights) and resumable cached batches."""
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from cwcore import runs
+from tiny_models import tiny_model
+
+
+def test_fingerprint_tracks_weights_and_names():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    assert runs.model_fingerprint(a) == runs.model_fingerprint(b)
+    with torch.no_grad():
+        b.model.layers[1].self_attn.o_proj.weight[3, 5] += 1e-3  # one weight, inside the strided sample
+    assert runs.model_fingerprint(a) != runs.model_fingerprint(b)
+    assert runs.model_fingerprint(a) != runs.model_fingerprint(tiny_model("qwen2"))
+
+
+def test_fingerprint_of_offloaded_meta_weights_is_stable():
+    def offloaded():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+
+    first, second = runs.model_fingerprint(offloaded()), runs.model_fingerprint(offloaded())
+    assert first == second
+    with torch.device("meta"):
+        other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    assert runs.model_fingerprint(other) != first
+
+
+def test_tensor_digest_is_content_based():
+    x = torch.arange(6).reshape(2, 3)
+    assert runs.tensor_digest({"a": x, "b": x + 1}) == runs.tensor_digest({"b": x + 1, "a": x.clone()})
+    assert runs.tensor_digest(x) != runs.tensor_digest(x.float())
+    assert runs.tensor_digest(x) != runs.tensor_digest(x.reshape(3, 2))
+
+
+def test_for_each_batch_computes_once_and_resumes_after_an_interruption(tmp_path):
+    batches = [torch.full((2, 3), i) for i in range(4)]
+    calls = []
+
+    def compute(batch, fail_at=None):
+        value = int(batch[0, 0])
+        if value == fail_at:
+            raise KeyboardInterrupt
+        calls.append(value)
+        return {"x": pd.DataFrame({"v": [value]}), "y": pd.DataFrame({"w": [value * 2]})}
+
+    store = runs.PieceStore("demo", {"p": 1}, cache_root=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        for _ in runs.for_each_batch(batches, lambda b: compute(b, fail_at=2), store, show_progress=False):
+            pass
+    assert calls == [0, 1]
+    got = [frames["y"]["w"].item() for _, frames in runs.for_each_batch(batches, compute, store, show_progress=False)]
+    assert got == [0, 2, 4, 6] and calls == [0, 1, 2, 3]  # batches 0-1 were read back, not recomputed
+    # a group without its `.done` marker is incomplete
+    (store.directory / f"{runs.tensor_digest(batches[3])}.done.parquet").unlink()
+    assert store.get_group(runs.tensor_digest(batches[3])) is None
+
+
+def test_piece_store_keys_by_model_and_parameters(tmp_path):
+    model = tiny_model("llama")
+    one = runs.PieceStore("demo", {"p": 1}, model=model, code="analysis", cache_root=tmp_path)
+    same = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama"), code="analysis", cache_root=tmp_path)
+    other = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama", seed=1), code="analysis", cache_root=tmp_path)
+    assert one.directory == same.directory != other.directory
+    assert runs.PieceStore("demo", {"p": 1}, cache=False, cache_root=tmp_path).get("anything") is None

@@ -1,0 +1,120 @@
+"""cwcore.stats against independent computations (closed forms, scipy directly, brute force)."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sps
+
+from cwcore import stats
+
+
+def test_bootstrap_mean_interval_matches_the_normal_theory_interval():
+    x = np.random.default_rng(0).normal(2.0, 1.0, 400)
+    est, low, high = stats.bootstrap_ci(x, n_resamples=4000)
+    half = 1.96 * x.std(ddof=1) / math.sqrt(x.size)
+    assert est == pytest.approx(x.mean())
+    assert low == pytest.approx(x.mean() - half, abs=0.02) and high == pytest.approx(x.mean() + half, abs=0.02)
+
+
+def test_bootstrap_is_deterministic_and_uses_scipy():
+    x = np.random.default_rng(1).exponential(size=30)
+    a, b = stats.bootstrap_ci(x, np.median, seed=5), stats.bootstrap_ci(x, np.median, seed=5)
+    assert a == b
+    ref = sps.bootstrap((x,), np.median, n_resamples=1000, method="percentile", rng=np.random.default_rng(5))
+    assert (a.low, a.high) == (ref.confidence_interval.low, ref.confidence_interval.high)
+
+
+@pytest.mark.parametrize("values, expected", [
+    ([], (np.nan,) * 3), ([np.nan, np.nan], (np.nan,) * 3), ([3.0], (3.0, np.nan, np.nan)),
+    ([2.0, 2.0, np.nan], (2.0, 2.0, 2.0)),
+])
+def test_edge_cases_have_one_contract(values, expected):
+    got = stats.bootstrap_ci(values)
+    np.testing.assert_equal(np.array(got), np.array(expected))
+
+
+def test_paired_bootstrap_resamples_pairs_not_samples():
+    rng = np.random.default_rng(2)
+    shared = rng.normal(0, 10, 200)  # large unit effect, tiny paired difference
+    x, y = shared + 0.5 + rng.normal(0, 0.1, 200), shared
+    est, low, high = stats.paired_bootstrap_ci(x, y)
+    assert est == pytest.approx(np.mean(x - y))
+    assert 0.4 < low < 0.5 < high < 0.6  # an unpaired interval would be ~+-1.4 wide
+
+
+def test_bootstrap_rows_share_resamples_across_rows():
+    x = np.random.default_rng(3).normal(size=(1, 40))
+    matrix = np.vstack([x, x + 1.0])
+    est, low, high = stats.bootstrap_rows(matrix)
+    np.testing.assert_allclose(est[1] - est[0], 1.0)
+    np.testing.assert_allclose([low[1] - low[0], high[1] - high[0]], [1.0, 1.0])  # same units drawn
+
+
+def test_cluster_bootstrap_pools_rows_and_resamples_clusters():
+    rng = np.random.default_rng(4)
+    rows = []
+    for cluster in range(30):
+        effect = rng.normal(0, 1)  # rows of a cluster share its effect: they are not independent
+        rows += [{"sequence": cluster, "g": g, "v": effect + rng.normal(0, 0.1)} for g in (0, 1) for _ in range(20)]
+    frame = pd.DataFrame(rows)
+    boot = stats.cluster_bootstrap(frame, "v", by="g", n_resamples=2000)
+    per_cluster = frame.groupby("sequence")["v"].mean().to_numpy()
+    naive_half = 1.96 * per_cluster.std(ddof=1) / math.sqrt(30)  # the right width: clusters are the units
+    est, low, high = boot.interval(0, "v")
+    assert est == pytest.approx(frame[frame.g == 0]["v"].mean())
+    assert (high - low) / 2 == pytest.approx(naive_half, rel=0.2)
+    assert boot.table["n_clusters"].tolist() == [30, 30]
+    # the two groups share clusters, so their difference is tiny and its interval narrow
+    d, dlow, dhigh = boot.contrast(0, 1, "v")
+    assert abs(d) < 0.05 and dhigh - dlow < 0.1
+
+
+def test_wilson_matches_the_closed_form():
+    k, n, z = 7, 20, sps.norm.ppf(0.975)
+    p = k / n
+    centre = (p + z**2 / (2 * n)) / (1 + z**2 / n)
+    half = z / (1 + z**2 / n) * math.sqrt(p * (1 - p) / n + z**2 / (4 * n**2))
+    got = stats.wilson_ci(k, n)
+    assert got.estimate == p
+    assert (got.low, got.high) == pytest.approx((centre - half, centre + half))
+    assert stats.share_ci([True] * 7 + [False] * 13 + [None]) == got
+    assert stats.wilson_ci(20, 20).low < 1.0  # does not collapse when every unit agrees
+
+
+def test_spearman_matches_scipy():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=60)
+    y = x + rng.normal(size=60)
+    got = stats.spearman_ci(x, y)
+    assert got.estimate == pytest.approx(sps.spearmanr(x, y).statistic)
+    assert got.low < got.estimate < got.high
+    assert np.isnan(stats.spearman_ci([1, 2], [2, 1]).estimate)
+
+
+def test_trapezoid_mean_and_min_detectable_effect():
+    assert stats.trapezoid_mean([0.0, 0.5, 1.0], [0.0, 1.0, 0.0]) == pytest.approx(0.5)
+    assert stats.trapezoid_mean([0.1, 0.3], [[1.0, 3.0]]) == pytest.approx([2.0])
+    assert stats.min_detectable_effect(1.0, 100) == pytest.approx((1.959964 + 0.841621) / 10, rel=1e-5)
+    assert np.isnan(stats.min_detectable_effect(1.0, 1))
+
+
+@pytest.mark.parametrize("low, high, side, expected", [
+    (0.1, 0.3, "above", stats.HOLDS), (-0.3, -0.1, "above", stats.CONTRADICTED), (-0.1, 0.2, "above", stats.INCONCLUSIVE),
+    (0.0, 0.0, "above", stats.INCONCLUSIVE), (0.0, 0.2, "above", stats.INCONCLUSIVE), (np.nan, 0.2, "above", stats.NOT_MEASURED),
+    (-0.3, -0.1, "below", stats.HOLDS), (0.1, 0.3, "below", stats.CONTRADICTED),
+])
+def test_verdict_rule(low, high, side, expected):
+    assert stats.verdict(low, high, side=side) == expected
+
+
+def test_verdict_threshold_and_combination():
+    assert stats.verdict(0.31, 0.5, threshold=0.3) == stats.HOLDS
+    H, C, I, N = stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NOT_MEASURED
+    assert stats.combine_verdicts([H, H, N]) == H
+    assert stats.combine_verdicts([H, C]) == C  # a significant reversal is never "partly"
+    assert stats.combine_verdicts([H, I]) == I
+    assert stats.combine_verdicts([N, N]) == N and stats.combine_verdicts([]) == N
+    with pytest.raises(ValueError, match="vocabulary"):
+        stats.combine_verdicts(["agrees"])
