@@ -45,8 +45,9 @@ def _linear(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
 
 
 def _own_projection(module, parent):
-    # Llama, Mistral, Qwen2/3, Gemma3, ViT (o_proj); GPT-2 (c_proj); GPT-NeoX (dense); others (out_proj)
-    for name in ("o_proj", "c_proj", "dense", "out_proj"):
+    # Llama, Mistral, Qwen2/3, Gemma3, ViT (o_proj); GPT-2 (c_proj); GPT-NeoX (dense); DistilBERT
+    # (out_lin); others (out_proj)
+    for name in ("o_proj", "c_proj", "dense", "out_proj", "out_lin"):
         layer = getattr(module, name, None)
         if layer is not None and (found := _linear(layer)) is not None:
             return found

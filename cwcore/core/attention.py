@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
 from .geometry import HeadSpaceGeometry, head_space_geometry, split_output_projection
@@ -58,6 +58,12 @@ def attention_forward(
     extra column that is then dropped, exactly as the model's eager attention does: alpha excludes
     them, and the mass they absorb is :attr:`LayerCall.learned_sink_mass`.
     """
+    session = _SESSIONS[-1] if _SESSIONS else None
+    if session is not None and session.fast_path is not None and not session.touches(module):
+        # a layer nobody reads or changes runs the model's configured implementation (SDPA)
+        extra = {} if s_aux is None else {"s_aux": s_aux}
+        return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                 softcap=softcap, **extra, **kwargs)
     _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
     groups = query.shape[1] // key.shape[1]
     key = _repeat_heads(key, groups)
@@ -67,6 +73,10 @@ def attention_forward(
     probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
     if softcap is not None:
         probs = torch.tanh(probs / softcap) * softcap
+    if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
+        # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it
+        q_len, k_len = query.shape[2], key.shape[2]
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
@@ -83,7 +93,6 @@ def attention_forward(
         del combined
     else:
         probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
-    session = _SESSIONS[-1] if _SESSIONS else None
     if session is not None:
         probs = session.on_attention(module, probs, value, sink_mass)
     probs = probs.to(query.dtype)
@@ -119,8 +128,17 @@ def _refuse_unknown_attention_features(module: nn.Module, kwargs: dict, has_sink
             raise UnsupportedModelError(f"{type(module).__name__}.{name}: {why}; cwcore refuses to decompose it")
 
 
+def attention_mask_function(*args, **kwargs):
+    """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
+    pattern) while a session runs the layers it does not touch through SDPA."""
+    session = _SESSIONS[-1] if _SESSIONS else None
+    if session is not None and session.fast_path is not None:
+        return sdpa_mask(*args, **kwargs)
+    return eager_mask(*args, **kwargs)
+
+
 AttentionInterface.register(ATTENTION_NAME, attention_forward)
-AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
 
 
 class LayerCall:
@@ -231,6 +249,8 @@ class AttentionSession:
     between, and the block did run through cwcore's function) and, where the layer's geometry was
     computed, that the terms plus bias reproduce the projection's output within
     :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
+    allow_fast_path: when the model is configured for SDPA, layers the session does not touch run SDPA
+    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward).
     """
 
     def __init__(
@@ -242,6 +262,7 @@ class AttentionSession:
         key_valid: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
         verify: bool = True,
+        allow_fast_path: bool = True,
     ):
         self.blocks = attention_blocks(model)
         self._by_module = {id(b.module): b for b in self.blocks}
@@ -250,6 +271,9 @@ class AttentionSession:
         self.key_valid = key_valid
         self.compute_dtype = compute_dtype
         self.verify = verify
+        self.allow_fast_path = allow_fast_path
+        self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
+        self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
         self._hooks: list = []
@@ -258,6 +282,10 @@ class AttentionSession:
     def layers(self) -> set[int]:
         """The layers this session touches (observes or transforms)."""
         return set(self.observers) | set(self.transforms)
+
+    def touches(self, module: nn.Module) -> bool:
+        """Whether this attention module's layer is observed or transformed."""
+        return id(module) in self._touched_modules
 
     def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
                      learned_sink_mass: torch.Tensor | None = None) -> torch.Tensor:
@@ -357,6 +385,22 @@ class AttentionSession:
         return hook
 
 
+#: Implementations whose function takes transformers' SDPA-style masks; layers a session does not touch
+#: keep running them (the user's real alternative is an SDPA forward, not eager).
+FAST_IMPLEMENTATIONS = ("sdpa",)
+
+
+def _fast_path(previous: list, session: AttentionSession):
+    """The model's own attention function for untouched layers, or None (every layer runs cwcore's)."""
+    names = {p for p in previous if p is not None}
+    if len(names) != 1 or not session.allow_fast_path:
+        return None
+    name = names.pop()
+    if name not in FAST_IMPLEMENTATIONS or len(session.layers) == len(session.blocks):
+        return None
+    return AttentionInterface._global_mapping[name]
+
+
 def _configs(model: nn.Module) -> list:
     seen, configs = set(), []
     for module in model.modules():
@@ -377,6 +421,8 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
         session.attach()  # first: a model it refuses is left untouched
     configs = _configs(model)
     previous = [c._attn_implementation_internal if hasattr(c, "_attn_implementation_internal") else c._attn_implementation for c in configs]
+    if session is not None:
+        session.fast_path = _fast_path(previous, session)
     for config in configs:
         config._attn_implementation_internal = ATTENTION_NAME
     if session is not None:

@@ -243,17 +243,28 @@ class Decomposition:
         return f"Decomposition(layers={self.layers})"
 
 
-def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
-    """Add ``position_ids`` consistent with left padding when the model accepts them.
+def _numbers_own_positions(model: nn.Module) -> bool:
+    """Whether the model derives position ids from its input ids itself (RoBERTa's family numbers real
+    tokens from ``padding_idx + 1`` and gives padding ``padding_idx``), so padding is already handled."""
+    cached = getattr(model, "_cwcore_own_positions", None)
+    if cached is None:
+        cached = any(hasattr(type(m), "create_position_ids_from_input_ids") for m in model.modules())
+        object.__setattr__(model, "_cwcore_own_positions", cached)
+    return cached
 
-    transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts
-    every real token's position. Counting only real tokens makes a padded row equal its unpadded
-    sequence.
+
+def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
+    """Add ``position_ids`` consistent with left padding when the model needs them.
+
+    transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts every
+    real token's position. Counting only real tokens makes a padded row equal its unpadded sequence,
+    for every supported family: models that take no ``position_ids``, and models that number positions
+    from the ids themselves (RoBERTa and its relatives), are left alone.
     """
     mask = inputs.get("attention_mask")
     if mask is None or "position_ids" in inputs or bool(mask[:, 0].all()):
         return inputs
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    if "position_ids" not in inspect.signature(model.forward).parameters or _numbers_own_positions(model):
         return inputs
     return {**inputs, "position_ids": (mask.long().cumsum(-1) - 1).clamp_min(0)}
 

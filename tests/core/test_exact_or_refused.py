@@ -133,3 +133,28 @@ def test_reconstruction_tolerance_holds_in_bfloat16():
     model = tiny_model("llama", dtype=torch.bfloat16)
     d = cwcore.decompose(model, input_ids=IDS)  # geometry in float32, checked against the bf16 projection
     assert d[0].attention.dtype == torch.float32
+
+
+@pytest.mark.parametrize("family", ["roberta", "distilbert"])
+def test_encoders_with_own_positions_or_projection_names_are_exact_when_padded(family):
+    torch.manual_seed(0)
+    if family == "roberta":  # numbers positions from padding_idx + 1 itself
+        model = tf.RobertaModel(tf.RobertaConfig(**COMMON, pad_token_id=1)).eval()
+    else:  # its output projection is called out_lin
+        model = tf.DistilBertModel(tf.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=96,
+                                                       max_position_embeddings=64)).eval()
+    model.config._attn_implementation = "eager"
+    pad = model.config.pad_token_id or 0
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([torch.full((1, 3), pad), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)], 1)
+    with torch.no_grad():
+        eager = model(input_ids=ids, output_attentions=True)
+    alone = cwcore.decompose(model, input_ids=ids)
+    together = cwcore.decompose(model, input_ids=padded, attention_mask=mask)
+    assert alone.layers == [0, 1]
+    torch.testing.assert_close(alone.outputs.last_hidden_state, eager.last_hidden_state, rtol=0, atol=1e-6)
+    torch.testing.assert_close(together.outputs.last_hidden_state[:, 3:], eager.last_hidden_state, rtol=1e-5, atol=1e-5)
+    for layer in alone.layers:
+        torch.testing.assert_close(alone.attention[layer], eager.attentions[layer], rtol=0, atol=1e-6)
+        torch.testing.assert_close(together.inter[layer][:, :, 3:, 3:], alone.inter[layer], rtol=1e-4, atol=1e-5)

@@ -1,0 +1,59 @@
+"""Layers a session does not touch keep the model's SDPA attention; touched layers stay exact."""
+
+import pytest
+import torch
+
+import cwcore
+from cwcore.core import attention
+from tiny_models import VOCAB, tiny_model
+
+IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
+
+
+def _sdpa(family):
+    model = tiny_model(family)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_recorded_layer_runs_eager_the_others_sdpa(family, padded, monkeypatch):
+    model = _sdpa(family)
+    mask = torch.ones_like(IDS)
+    if padded:
+        mask[1, :3] = 0
+    inputs = dict(input_ids=IDS, attention_mask=mask)
+    eager_calls = []
+    original = attention.AttentionSession.on_attention
+
+    def counting(self, module, *args):
+        eager_calls.append(self.blocks[[b.module for b in self.blocks].index(module)].layer)
+        return original(self, module, *args)
+
+    monkeypatch.setattr(attention.AttentionSession, "on_attention", counting)
+    d = cwcore.decompose(model, layers=1, **inputs)
+    assert eager_calls == [1]  # layer 0 went through SDPA, not cwcore's eager arithmetic
+    monkeypatch.undo()
+    with torch.no_grad():
+        sdpa_logits = model(**cwcore.prepare_inputs(model, inputs)).logits
+    # the model's own SDPA forward and the decomposed one differ only by eager-vs-SDPA rounding in layer 1
+    real = mask.bool()
+    torch.testing.assert_close(d.outputs.logits[real], sdpa_logits[real], rtol=1e-4, atol=1e-5)
+    everything = cwcore.decompose(model, **inputs)  # all layers touched: eager everywhere, no fast path
+    torch.testing.assert_close(d.inter[1], everything.inter[1], rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def test_no_fast_path_for_eager_models_and_when_every_layer_is_touched():
+    model = tiny_model("llama")
+    session = attention.AttentionSession(model, observers={0: [lambda c: None]})
+    with attention.cwcore_attention(model, session):
+        assert session.fast_path is None  # configured eager: cwcore's function is eager's arithmetic
+    model = _sdpa("llama")
+    session = attention.AttentionSession(model, observers=attention.every_layer(model, lambda c: None))
+    with attention.cwcore_attention(model, session):
+        assert session.fast_path is None
+    session = attention.AttentionSession(model, observers={0: [lambda c: None]})
+    with attention.cwcore_attention(model, session):
+        assert session.fast_path is not None
+    assert model.config._attn_implementation == "sdpa"  # restored
