@@ -51,8 +51,11 @@ class LayerDecomposition:
         geometry: HeadSpaceGeometry,
         output_bias: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
+        block_name: str | None = None,
     ):
         self.layer = layer
+        #: the attention module this layer number refers to, e.g. ``"model.layers.3.self_attn"``
+        self.block_name = block_name
         self.geometry = geometry
         self.output_bias = output_bias
         self.key_valid = key_valid
@@ -62,11 +65,12 @@ class LayerDecomposition:
         """The decomposition of the layer an observer or transform sees (see :class:`~cwcore.core.attention.LayerCall`)."""
         _, bias = call.output_projection()
         bias = None if bias is None else bias.detach().to(call.compute_dtype)
-        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid)
+        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid, block_name=call.block.name)
 
     def __repr__(self) -> str:
         b, h, q, k = self.attention.shape
-        return f"LayerDecomposition(layer={self.layer}, batch={b}, heads={h}, queries={q}, keys={k})"
+        where = f", block={self.block_name!r}" if self.block_name else ""
+        return f"LayerDecomposition(layer={self.layer}{where}, batch={b}, heads={h}, queries={q}, keys={k})"
 
     # -- stored quantities -------------------------------------------------------------------------
     @property
@@ -181,7 +185,7 @@ class LayerDecomposition:
         moved = self.geometry.to(*args, **kwargs)
         bias = None if self.output_bias is None else self.output_bias.to(*args, **kwargs)
         valid = None if self.key_valid is None else self.key_valid.to(moved.attention.device)
-        return LayerDecomposition(self.layer, moved, bias, valid)
+        return LayerDecomposition(self.layer, moved, bias, valid, self.block_name)
 
 
 class _FieldView(Mapping):
@@ -286,6 +290,9 @@ def decompose(
     ids, or one sequence ``[sequence]`` promoted to a batch of one; ``attention_mask`` of the same
     shape; ``pixel_values``, ...); unknown keywords, out-of-vocabulary ids and inputs longer than the
     model's context raise at once. ``layers`` is a layer number, a list of them, or None for all;
+    layer numbers count the model's softmax-attention blocks in forward order (in a hybrid model the
+    state-space or linear-attention layers are not numbered; ``d[l].block_name`` and
+    :func:`cwcore.attention_blocks` say which module each number is);
     ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
     ``compute_dtype`` (float32 or float64) whatever the model's dtype.
