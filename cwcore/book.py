@@ -61,7 +61,7 @@ from pathlib import Path
 
 import yaml
 
-from .cache import atomic_write_bytes, parameters_key
+from .cache import atomic_write_bytes, current_umask, parameters_key
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_BOOK_DIR = REPO_ROOT / "book"
@@ -492,7 +492,9 @@ def execute(run: Run, parameters: dict, stamp_value: str, kernel: str, failed_di
         if name in parameters:
             folder = out.parent / parameters[name]
             (folder.parent if name == "results_file" else folder).mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=".partial.ipynb")
+    # the writer's pid in the name: the next build removes the copies of builds that were killed
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.{os.getpid()}.", suffix=PARTIAL_SUFFIX)
+    os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would become the executed copy's mode
     os.close(fd)
     try:
         try:
@@ -517,6 +519,39 @@ def execute(run: Run, parameters: dict, stamp_value: str, kernel: str, failed_di
         os.replace(tmp, out)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+PARTIAL_SUFFIX = ".partial.ipynb"
+# a partial copy without a writer's pid in its name (older cwcore) is stale after this long
+STALE_PARTIAL_SECONDS = 3600
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # someone else's process
+    return True
+
+
+def remove_stale_partials(folder: Path) -> list[Path]:
+    """Delete the partial executed copies (``.<chapter>.<pid>.*.partial.ipynb``) under ``folder`` whose
+    writer is no longer running (a killed build); one without a pid when it is an hour old. Returns them."""
+    removed = []
+    now = time.time()
+    for path in Path(folder).rglob(f".*{PARTIAL_SUFFIX}") if Path(folder).is_dir() else []:
+        parts = path.name[: -len(PARTIAL_SUFFIX)].split(".")
+        pid = int(parts[2]) if len(parts) >= 4 and parts[2].isdigit() else None
+        try:
+            stale = not _pid_alive(pid) if pid is not None else now - path.stat().st_mtime > STALE_PARTIAL_SECONDS
+            if stale and pid != os.getpid():
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def _keep_failed(tmp: str, run: Run, failed_dir: Path) -> Path | None:
@@ -598,6 +633,9 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
                               notebooks_dir=Path(notebooks_dir), generated_dir=generated, book_dir=book_dir)
     kernel = None
     t_all = time.monotonic()
+    stale = remove_stale_partials(generated)
+    if stale:
+        print(f"book  removed {len(stale)} partial copies left by a killed build", flush=True)
     print(f"book  profile {name}: {len(runs)} notebook run(s) of {len(chosen)} chapter(s)", flush=True)
     declared: dict[Path, set[str]] = {}
     for i, run in enumerate(runs, 1):

@@ -1,10 +1,13 @@
 """The ``cwcore`` command line.
 
     cwcore explain "The cat sat on the mat" --model smollm2-135m --layer 5 --kind inter --out fig.png
+    cwcore explain "The cat sat on the mat" --model smollm2-135m --out fig.html   (the interactive explorer)
     cwcore models
-    cwcore cache [prune [--all] [--dry-run]]
+    cwcore cache [prune [--all] [--dry-run] | verify [--repair]]
 
-Bad input ends with one ``error: ...`` line on stderr and exit status 2, never a traceback.
+Bad input ends with one ``cwcore: error: ...`` line on stderr and exit status 2, never a traceback;
+``--debug`` (or ``CWCORE_DEBUG=1``) shows the traceback of any error. ``--no-cache`` runs without the
+result cache (as ``CWCORE_NO_CACHE=1``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from pathlib import Path
 
 __all__ = ["main", "explain"]
 
-_FORMATS = {".png", ".pdf", ".svg", ".jpg", ".jpeg"}
+_FORMATS = {".png", ".pdf", ".svg", ".jpg", ".jpeg", ".html"}  # .html: the interactive explorer (cwcore.explorer)
+#: the widest figure `cwcore explain` draws (inches, both panels); longer texts get thinned labels
+MAX_FIGURE_WIDTH = 40.0
+DEFAULT_MAX_TOKENS = 512
 
 
 class UsageError(Exception):
@@ -37,11 +43,14 @@ def _check_output_path(out: str) -> Path:
 
 
 def explain(text: str, model, tokenizer, layer: int | None = None, head: int | None = None, kind: str = "inter",
-            model_name: str | None = None):
+            model_name: str | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS):
     """Attention beside contribution weights for one text.
 
     Returns ``(figure, attention [query, key], contribution [query, key], tokens)``; with ``head``
     None the token-level views are drawn (attention averaged over heads, contributions summed).
+    Token labels come from the text at the tokenizer's offsets (:func:`cwcore.data.token_labels`), so
+    emoji and CJK characters show. A text of more than ``max_tokens`` tokens is refused; the figure is
+    at most :data:`MAX_FIGURE_WIDTH` inches wide (beyond about 55 tokens the labels are thinned).
     """
     import matplotlib.pyplot as plt
 
@@ -59,7 +68,18 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     layer = num_layers // 2 if layer is None else layer
     if not 0 <= layer < num_layers:
         raise UsageError(f"layer {layer} out of range: the model has layers 0..{num_layers - 1}")
+    from .data import token_labels
+
     inputs = tokenizer(text, return_tensors="pt")
+    n_tokens = int(inputs["input_ids"].shape[1])
+    if max_tokens is not None and n_tokens > max_tokens:
+        raise UsageError(f"the text has {n_tokens} tokens and the maps would have {n_tokens}x{n_tokens} cells; "
+                         f"give a shorter text, or raise --max-tokens (now {max_tokens})")
+    from .core.inputs import context_length
+
+    limit = context_length(model)
+    if limit is not None and n_tokens > limit:
+        raise UsageError(f"the text has {n_tokens} tokens but the model reads at most {limit}; give a shorter text")
     inputs = {k: v.to(model.device) for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     d = decompose(model, layers=[layer], **inputs)[layer]
     num_heads = d.attention.shape[1]
@@ -73,16 +93,20 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     hidden = d.attention[0].sum(0) == 0
     attention = attention.masked_fill(hidden, float("nan")).cpu().numpy()
     contribution = contribution.masked_fill(hidden, float("nan")).cpu().numpy()
-    tokens = [tokenizer.decode([int(t)]) for t in inputs["input_ids"][0]]
+    tokens = token_labels(tokenizer, text)
+    if len(tokens) != n_tokens:  # a tokenizer whose offsets disagree with its own call: label the ids
+        tokens = token_labels(tokenizer, inputs["input_ids"][0])
 
     set_style()
-    size = max(5.0, 0.32 * len(tokens) + 2.5)
+    size = min(max(5.0, 0.32 * len(tokens) + 2.5), MAX_FIGURE_WIDTH / 2)
     fig, axes = plt.subplots(1, 2, figsize=(2 * size, size), constrained_layout=True)
     which = "all heads" if head is None else f"head {head}"
     contribution_heatmap(axes[0], attention, tokens, f"attention α ({which})")
     contribution_heatmap(axes[1], contribution, tokens, f"{kind}-head contribution weights c ({which})")
     name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    fig.suptitle(f"{name} · layer {layer}")
+    capped = size == MAX_FIGURE_WIDTH / 2 and len(tokens) > 40
+    fig.suptitle(f"{name} · layer {layer}" + (f" · {len(tokens)} tokens, one label per "
+                                               f"{-(-len(tokens) // 40)}" if capped else ""))
     return fig, attention, contribution, tokens
 
 
@@ -99,16 +123,36 @@ def _explain_command(args) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
-    try:
-        model, tokenizer = load_model(args.model)
-    except ValueError as error:  # ModelNotFoundError and bad dtype/device strings
-        raise UsageError(str(error)) from None
+    model, tokenizer = load_model(args.model)  # ModelNotFoundError, ModelCacheError: one line from main()
+    if out.suffix.lower() == ".html":  # every layer, head and quantity in one offline page
+        from .explorer import write_explorer
+
+        if len(tokenizer(args.text)["input_ids"]) > args.max_tokens:
+            raise UsageError(f"the text is longer than --max-tokens {args.max_tokens}")
+        try:
+            write_explorer(out, model, tokenizer, args.text, model_name=args.model,
+                           start={"layer": args.layer, "head": args.head, "quantity": args.kind})
+        except ValueError as error:  # a layer or head out of range, a model cwcore refuses
+            raise UsageError(str(error)) from None
+        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        return
     fig, *_ = explain(args.text, model, tokenizer, layer=args.layer, head=args.head, kind=args.kind,
-                      model_name=args.model)
+                      model_name=args.model, max_tokens=args.max_tokens)
     buffer = io.BytesIO()
-    fig.savefig(buffer, format=out.suffix.lower().lstrip(".").replace("jpg", "jpeg"))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fig.savefig(buffer, format=out.suffix.lower().lstrip(".").replace("jpg", "jpeg"))
+    import re
+
+    missing = sorted({chr(int(m.group(1))) for w in caught if "missing from font" in str(w.message)
+                      for m in [re.match(r"Glyph (\d+)", str(w.message))] if m})
     atomic_write_bytes(out, buffer.getvalue())
     print(f"wrote {out}")
+    if missing:  # the labels hold the characters; the installed fonts cannot draw them
+        print(f"cwcore: note: no installed font draws {', '.join(missing)}; they show as boxes in {out.name} "
+              "(install e.g. Noto Sans CJK / Noto Emoji, or write .html)", file=sys.stderr)
 
 
 def _models_command(args) -> None:
@@ -127,10 +171,28 @@ def _size(n: float) -> str:
             return f"{n:.1f} {unit}"
 
 
-def _cache_command(args) -> None:
+def _verify_command(root: Path, repair: bool) -> int:
+    from .cache import verify
+    from .models import verify_models
+
+    problems = verify(root, repair=repair) + verify_models(repair=repair)
+    for p in problems:
+        print(f"{p['path']}: {p['problem']} [{p['action']}]")
+    fixed = sum(p["action"] in ("deleted", "converted again") for p in problems)
+    if not problems:
+        print(f"cwcore cache: {root}: every cached piece and converted model verifies")
+        return 0
+    print(f"{len(problems)} problem(s) under {root}" + (f", {fixed} repaired" if repair else
+                                                       "; `cwcore cache verify --repair` repairs them"))
+    return 0 if repair and fixed == len(problems) else 1
+
+
+def _cache_command(args) -> int | None:
     from .cache import cache_root, prune, result_runs
 
     root = cache_root()
+    if args.action == "verify":
+        return _verify_command(root, args.repair)
     if args.action == "prune":
         gone = prune(root, everything=args.all, dry_run=args.dry_run)
         verb = "would delete" if args.dry_run else "deleted"
@@ -153,37 +215,119 @@ def _cache_command(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cwcore", description="Contribution weights of transformer attention.")
+    common = argparse.ArgumentParser(add_help=False)  # accepted before and after the command
+    for p, default in ((parser, False), (common, argparse.SUPPRESS)):
+        p.add_argument("--debug", action="store_true", default=default,
+                       help="show the traceback of any error (or CWCORE_DEBUG=1)")
+        p.add_argument("--no-cache", action="store_true", default=default,
+                       help="run without the result cache (or CWCORE_NO_CACHE=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("explain", help="draw attention beside contribution weights for a text")
+    ex = sub.add_parser("explain", help="draw attention beside contribution weights for a text", parents=[common])
     ex.add_argument("text")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level)")
     ex.add_argument("--kind", default="inter", choices=["intra", "inter"])
-    ex.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, .jpg)")
+    ex.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, .jpg), or .html for the interactive explorer "
+                    "(every layer, head and quantity; --layer, --head and --kind pick the first view)")
+    ex.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                    help=f"refuse longer texts (default {DEFAULT_MAX_TOKENS})")
     ex.set_defaults(run=_explain_command)
-    models = sub.add_parser("models", help="list the packaged models")
+    models = sub.add_parser("models", help="list the packaged models", parents=[common])
     models.set_defaults(run=_models_command)
-    cache = sub.add_parser("cache", help="what the result cache holds; `prune` deletes what no code reads")
-    cache.add_argument("action", nargs="?", default="info", choices=["info", "prune"])
+    cache = sub.add_parser("cache", help="what the result cache holds; `prune` deletes what no code reads, "
+                                         "`verify` checks every piece and converted model", parents=[common])
+    cache.add_argument("action", nargs="?", default="info", choices=["info", "prune", "verify"])
+    cache.add_argument("--repair", action="store_true", help="verify: delete damaged pieces, convert damaged "
+                                                             "models again (exit 0 when everything was repaired)")
     cache.add_argument("--all", action="store_true", help="prune: delete every cached result, current ones too")
     cache.add_argument("--dry-run", action="store_true", help="prune: only say what would be deleted")
     cache.set_defaults(run=_cache_command)
     return parser
 
 
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def _raised_in_cwcore(error: BaseException) -> bool:
+    """Whether the innermost frame of ``error``'s traceback is cwcore's own code (a refused input),
+    not a library's (more likely a bug of cwcore's call)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
+
+
+def _user_error(error: BaseException) -> bool:
+    from .core.architectures import UnsupportedModelError
+    from .models import ModelCacheError, ModelNotFoundError
+
+    if isinstance(error, (UsageError, UnsupportedModelError, ModelNotFoundError, ModelCacheError)):
+        return True
+    return isinstance(error, (TypeError, ValueError, IndexError, FileNotFoundError)) and _raised_in_cwcore(error)
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text
+
+
+def _short_cache_warnings() -> None:
+    """Show cwcore's cache warnings (a damaged piece, a model converted again) as one line each."""
+    import warnings
+
+    from .cache import CacheWarning
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, CacheWarning):
+            print(str(message), file=sys.stderr if file is None else file)
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("CWCORE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    if args.no_cache:
+        os.environ["CWCORE_NO_CACHE"] = "1"
+    import warnings
+
+    shown = warnings.showwarning
+    if not debug:
+        _short_cache_warnings()
     try:
-        args.run(args)
-    except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except OSError as error:  # e.g. the disk filled up while writing the figure
-        print(f"error: {error.strerror or error}: {getattr(error, 'filename', '') or ''}".rstrip(": "), file=sys.stderr)
-        return 2
-    return 0
+        return _run(args, debug)
+    finally:
+        warnings.showwarning = shown
+
+
+def _run(args, debug: bool) -> int:
+    try:
+        code = args.run(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("cwcore: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 - every error ends in one line unless --debug
+        if debug:
+            raise
+        if _user_error(error):
+            print(f"cwcore: error: {_one_line(error)}", file=sys.stderr)
+            return 2
+        if isinstance(error, OSError):  # e.g. the disk filled up while writing the figure
+            where = getattr(error, "filename", "") or ""
+            print(f"cwcore: error: {error.strerror or error}" + (f": {where}" if where else ""), file=sys.stderr)
+            return 2
+        print(f"cwcore: error: internal error {type(error).__name__}: {_one_line(error)} (this is a bug of cwcore; "
+              "run again with --debug or CWCORE_DEBUG=1 for the traceback, and report it)", file=sys.stderr)
+        return 1
+    return int(code or 0)
 
 
 if __name__ == "__main__":

@@ -52,9 +52,11 @@ __all__ = [
     "PACKAGED_SPLITS",
     "load_dataset",
     "lm_blocks",
+    "document_blocks",
     "lm_batches",
     "choice_batches",
     "continuation_logprobs",
+    "token_labels",
 ]
 
 PACKAGED_DATASETS: dict[str, str] = {
@@ -504,6 +506,85 @@ def lm_blocks(
     )
 
 
+def document_blocks(
+    dataset: datasets.Dataset | Sequence[str],
+    tokenizer,
+    block_size: int = 128,
+    num_documents: int | None = None,
+    seed: int = 0,
+    add_bos: bool | None = None,
+    text_column: str = "text",
+) -> datasets.Dataset:
+    """One language-modelling block per document: the first ``block_size`` tokens of documents drawn
+    at random (without replacement) with ``seed``, so that blocks are independent units.
+
+    The documents are visited in the order of ``numpy.random.default_rng(seed).permutation(n)``; each
+    is tokenised as in :func:`lm_blocks` (no special tokens, followed by ``eos_token_id``, a BOS first
+    when the tokenizer adds one), and its first block is kept when the document has at least
+    ``block_size`` tokens (shorter ones are skipped, so every block has the same length; for GSM8K,
+    where one document is one problem with its solution, that is one problem per block). Stops after
+    ``num_documents`` blocks (``None``: every long enough document); warns if fewer were found.
+
+    Returns a :class:`datasets.Dataset` with ``input_ids``, ``attention_mask`` (all ones) and
+    ``document`` (the document's row index in ``dataset``), in the order drawn. The same ``seed``
+    always gives the same documents, and a larger ``num_documents`` extends a smaller one's list.
+    """
+    block_size = int(block_size)
+    bos = _resolve_bos(tokenizer, add_bos)
+    body = block_size - (1 if bos is not None else 0)
+    if body < 1:
+        raise ValueError(f"block_size={block_size} leaves no room for text after the BOS token")
+    if num_documents is not None and num_documents < 0:
+        raise ValueError(f"num_documents must be >= 0 or None, got {num_documents}")
+    if isinstance(dataset, datasets.Dataset):
+        if text_column not in dataset.column_names:
+            raise ValueError(f"the data set has no column '{text_column}' (columns: {', '.join(dataset.column_names)})")
+        n = len(dataset)
+
+        def texts_of(index):
+            return list(dataset.select(index)[text_column])
+    else:
+        items = list(dataset)
+        n = len(items)
+
+        def texts_of(index):
+            return [items[i][text_column] if isinstance(items[i], Mapping) else items[i] for i in index]
+    eos = getattr(tokenizer, "eos_token_id", None)
+    tail = [int(eos)] if eos is not None else []
+    order = np.random.default_rng(seed).permutation(n)
+    blocks: list[list[int]] = []
+    documents: list[int] = []
+    chunk = 64
+    for start in range(0, n, chunk):
+        if num_documents is not None and len(blocks) >= num_documents:
+            break
+        index = [int(i) for i in order[start:start + chunk]]
+        texts = texts_of(index)
+        keep = [(i, t) for i, t in zip(index, texts) if t]
+        if not keep:
+            continue
+        for i, ids in zip([i for i, _ in keep], _encode(tokenizer, [t for _, t in keep])):
+            ids = list(ids) + tail
+            if len(ids) < body:
+                continue
+            if num_documents is not None and len(blocks) >= num_documents:
+                break
+            blocks.append([bos, *ids[:body]] if bos is not None else ids[:body])
+            documents.append(i)
+    if num_documents is not None and len(blocks) < num_documents:
+        warnings.warn(f"only {len(blocks)} documents of at least {block_size} tokens available, "
+                      f"{num_documents} requested")
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int64")),
+        "attention_mask": datasets.Sequence(datasets.Value("int64")),
+        "document": datasets.Value("int64"),
+    })
+    return datasets.Dataset.from_dict(
+        {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks], "document": documents},
+        features=features,
+    )
+
+
 def _text_batches(dataset, text_column: str, batch: int = 256) -> Iterator[list[str]]:
     if isinstance(dataset, datasets.Dataset):
         if text_column not in dataset.column_names:
@@ -638,3 +719,60 @@ def continuation_logprobs(logits, batch: Mapping[str, Any]):
     mask = batch["continuation_mask"][:, 1:].to(logp.device)
     token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     return (token_logp * mask).sum(-1)
+
+
+_CONTINUATION = "+"  # label prefix of a token that carries more bytes of the character before it
+
+
+def token_labels(tokenizer, text_or_ids, *, add_special_tokens: bool = True) -> list[str]:
+    """One readable label per token, so that every character of multi-byte text (emoji, CJK) shows.
+
+    Decoding one token at a time turns a character split over several byte-level tokens into
+    replacement characters (``\ufffd``). Given a text and a fast tokenizer, the labels are the text's
+    own characters at each token's offsets (``return_offsets_mapping=True``; the tokens are those of
+    ``tokenizer(text, add_special_tokens=add_special_tokens)``); special tokens show their name. Given
+    ids (a list, or a tensor of one sequence), or a slow tokenizer, a run of tokens is decoded
+    together until it ends on a whole character. Either way, the first token of a split character
+    shows it and the tokens that continue it show it after a ``+`` (``" 🍕", "+🍕", "+🍕"``).
+    """
+    if isinstance(text_or_ids, str):
+        text = text_or_ids
+        if getattr(tokenizer, "is_fast", False):
+            encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
+            return _labels_from_offsets(tokenizer, text, encoded["input_ids"], encoded["offset_mapping"])
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    else:
+        ids = text_or_ids.tolist() if hasattr(text_or_ids, "tolist") else list(text_or_ids)
+        if ids and isinstance(ids[0], list):
+            if len(ids) != 1:
+                raise ValueError(f"token_labels takes one sequence, got a batch of {len(ids)}")
+            ids = ids[0]
+    return _labels_from_ids(tokenizer, [int(i) for i in ids])
+
+
+def _labels_from_offsets(tokenizer, text: str, ids, offsets) -> list[str]:
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    labels, covered = [], 0
+    for token, (start, end) in zip(ids, offsets):
+        if end <= start:  # special tokens (and tokens that stand for no text)
+            labels.append(tokenizer.convert_ids_to_tokens(int(token)) if token in special
+                          else tokenizer.decode([int(token)]))
+        elif start < covered:  # more bytes of a character an earlier token began
+            labels.append(_CONTINUATION + text[start:end].strip())
+        else:
+            labels.append(text[start:end])
+        covered = max(covered, end)
+    return labels
+
+
+def _labels_from_ids(tokenizer, ids: list[int]) -> list[str]:
+    labels: list[str] = []
+    start = 0
+    for i in range(len(ids)):
+        piece = tokenizer.decode(ids[start:i + 1])
+        if piece.endswith("\ufffd") and i + 1 < len(ids) and i - start < 3:  # a UTF-8 character has <= 4 bytes
+            continue
+        labels.append(piece)
+        labels += [_CONTINUATION + piece.strip()] * (i - start)
+        start = i + 1
+    return labels

@@ -21,8 +21,10 @@ import torch
 from torch import nn
 
 from .cache import ResultCache
+from .core.inputs import check_inputs
 
-__all__ = ["PieceStore", "for_each_batch", "model_fingerprint", "progress", "tensor_digest"]
+__all__ = ["PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
+           "model_fingerprint", "progress", "tensor_digest"]
 
 _SAMPLES_PER_PARAMETER = 4096
 
@@ -72,12 +74,46 @@ def tensor_digest(*values: Any) -> str:
     return digest.hexdigest()[:20]
 
 
+def check_count(value, argument: str, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """An experiment's count option (``batch_size``, ``num_sequences``, ...) as an int >= ``minimum``;
+    ``TypeError``/``ValueError`` naming ``argument`` otherwise (``None`` passes when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{argument} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{argument} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def check_batch_size(batch_size) -> int:
+    """``batch_size`` as an int >= 1 (a float, a string or 0 are refused with one sentence)."""
+    return check_count(batch_size, "batch_size")
+
+
+def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: str = "input_ids",
+                       caller: str = "the experiment") -> torch.Tensor:
+    """Token blocks an experiment runs on, as a ``[sequence, token]`` integer tensor: at least one
+    sequence of at least one token, inside ``model``'s vocabulary and context when a model is given
+    (through :func:`cwcore.core.inputs.check_inputs`, so the sentences are the core's)."""
+    if model is not None:
+        return check_inputs(model, {"input_ids": input_ids}, caller=caller)["input_ids"]
+    ids = torch.as_tensor(input_ids)
+    if ids.ndim != 2 or ids.numel() == 0:
+        raise ValueError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        raise TypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
+    return ids
+
+
 class PieceStore:
     """The cached pieces of one run (a :class:`cwcore.cache.ResultCache` folder).
 
     ``parameters`` are every option that changes the result; ``model`` adds :func:`model_fingerprint`;
     ``code`` names the producing module or subpackage (``"faithfulness"``, ``"sinks"``, ``"analysis"``)
-    whose source, with the core's, is part of the key. ``cache=False`` stores nothing.
+    whose source, with the core's, is part of the key. ``cache=False`` (or ``$CWCORE_NO_CACHE=1``)
+    stores nothing. Every piece is read through :class:`cwcore.cache.ResultCache`, which verifies its
+    checksum: a damaged part makes its batch incomplete, so the batch is computed again.
     """
 
     def __init__(self, namespace: str, parameters: Mapping, *, model: nn.Module | None = None,

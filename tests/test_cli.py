@@ -94,7 +94,7 @@ def test_cli_errors_are_one_line(local_model, tmp_path, capsys, monkeypatch, arg
     pairs = dict(zip(args[::2], args[1::2]))
     assert main(["explain", "the cat"] + [x for k, v in (base | pairs).items() for x in (k, v)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("cwcore: error: ") and message in lines[0], lines
 
 
 def test_cli_process_exits_without_traceback(local_model, tmp_path):
@@ -102,7 +102,7 @@ def test_cli_process_exits_without_traceback(local_model, tmp_path):
                           (["--model", str(local_model), "--layer", "7"], "out of range")):
         result = run_cli("explain", "the cat", *args, "--out", str(tmp_path / "f.png"))
         assert result.returncode == 2
-        assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("error: "), result.stderr
+        assert result.stderr.strip().count("\n") == 0 and result.stderr.startswith("cwcore: error: "), result.stderr
         assert message in result.stderr and "Traceback" not in result.stderr
 
 
@@ -120,3 +120,111 @@ def test_cli_rejects_empty_text_and_unwritable_path(local_model, tmp_path):
         assert main(["explain", "the cat", "--model", str(local_model), "--out", target]) == 2
     finally:
         locked.chmod(0o700)
+
+
+# --------------------------------------------------------------------------------------------------
+# issue 11: labels of multi-byte text, the figure's width, one line for every user error
+# --------------------------------------------------------------------------------------------------
+def byte_tokenizer():
+    """A byte-level BPE without merges: every UTF-8 byte is one token, so an emoji is 4 tokens."""
+    from tokenizers import decoders
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="!", pad_token="!")
+
+
+def wide_llama(vocab=256, positions=1024):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions)
+    return LlamaForCausalLM(config).eval()
+
+
+TEXT = "pizza 🍕 in 東京, très bien"
+
+
+def test_token_labels_show_every_character_of_multi_byte_text():
+    from cwcore.data import token_labels
+
+    tokenizer = byte_tokenizer()
+    ids = tokenizer(TEXT).input_ids
+    assert len(ids) == len(TEXT.encode("utf-8"))  # one token per byte
+    naive = [tokenizer.decode([i]) for i in ids]
+    assert "\ufffd" in "".join(naive)  # the bug: one token at a time shows replacement characters
+    labels = token_labels(tokenizer, TEXT)
+    assert len(labels) == len(ids) and "\ufffd" not in "".join(labels)
+    assert "".join(label for label in labels if not label.startswith("+")) == TEXT
+    emoji = [label for label in labels if "🍕" in label]
+    assert emoji == ["🍕", "+🍕", "+🍕", "+🍕"]  # the space before it is a token of its own
+    assert token_labels(tokenizer, ids) == labels == token_labels(tokenizer, torch.tensor([ids]))
+    assert token_labels(tiny_tokenizer(), "the cat sat") == ["the", "cat", "sat"]
+
+
+def test_explain_labels_multi_byte_text():
+    fig, _, _, tokens = explain(TEXT, wide_llama(), byte_tokenizer(), layer=0)
+    assert "🍕" in tokens and "+東" in tokens and not any("\ufffd" in t for t in tokens)
+    shown = {t.get_text() for t in fig.axes[0].get_xticklabels()}
+    assert "🍕" in "".join(shown)
+
+
+def test_explain_caps_the_figure_width_and_refuses_very_long_texts():
+    model, tokenizer = wide_llama(vocab=len(WORDS), positions=2048), tiny_tokenizer()
+    short, *_ = explain("the cat sat", model, tokenizer, layer=0)
+    assert short.get_size_inches()[0] == pytest.approx(10.0)
+    text = " ".join(["the cat sat on a mat"] * 50)  # 300 tokens: 196 inches uncapped
+    fig, attention, _, tokens = explain(text, model, tokenizer, layer=0)
+    assert len(tokens) == 300 and attention.shape == (300, 300)
+    assert fig.get_size_inches()[0] == pytest.approx(40.0)
+    assert "300 tokens, one label per 8" in fig._suptitle.get_text()
+    with pytest.raises(UsageError, match="has 300 tokens.*shorter text, or raise --max-tokens \\(now 100\\)"):
+        explain(text, model, tokenizer, layer=0, max_tokens=100)
+
+
+def test_cli_refuses_inputs_longer_than_the_context_in_one_line(tmp_path, capsys):
+    folder = tmp_path / "short-context"
+    wide_llama(vocab=len(WORDS), positions=16).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    capsys.readouterr()
+    text = " ".join(["the cat sat on a mat"] * 5)
+    assert main(["explain", text, "--model", str(folder), "--out", str(tmp_path / "f.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cwcore: error: ") and "30 tokens but the model reads at most 16" in err[0], err
+    assert main(["explain", text, "--model", str(folder), "--out", str(tmp_path / "f.png"), "--max-tokens", "10"]) == 2
+    assert "raise --max-tokens (now 10)" in capsys.readouterr().err
+
+
+def test_user_errors_are_one_line_bugs_say_so_and_debug_shows_the_traceback(local_model, tmp_path, capsys,
+                                                                              monkeypatch):
+    from cwcore import cli
+
+    def refused(args):
+        from cwcore.core.inputs import check_compute_dtype
+
+        check_compute_dtype("float16")  # a ValueError raised by cwcore: the user's input
+
+    def bug(args):
+        return {}["missing"]  # a KeyError: cwcore's fault
+
+    def library_value_error(args):
+        import json
+
+        json.loads("{")  # a ValueError raised inside a library: not a refused input
+
+    for handler, code, start in ((refused, 2, "cwcore: error: compute_dtype must be"),
+                                 (bug, 1, "cwcore: error: internal error KeyError"),
+                                 (library_value_error, 1, "cwcore: error: internal error JSONDecodeError")):
+        monkeypatch.setattr(cli, "_models_command", handler)
+        assert main(["models"]) == code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(start), err
+        with pytest.raises(Exception):
+            main(["models", "--debug"])
+        monkeypatch.setenv("CWCORE_DEBUG", "1")
+        with pytest.raises(Exception):
+            main(["models"])
+        monkeypatch.delenv("CWCORE_DEBUG")

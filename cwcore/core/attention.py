@@ -264,6 +264,7 @@ class AttentionSession:
         verify: bool = True,
         allow_fast_path: bool = True,
     ):
+        self.model = model
         self.blocks = attention_blocks(model)
         self._by_module = {id(b.module): b for b in self.blocks}
         self.observers = _per_layer(observers, len(self.blocks), "observer")
@@ -276,6 +277,7 @@ class AttentionSession:
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
+        self._runs: dict[int, int] = {}  # layer -> calls in the current forward
         self._hooks: list = []
 
     @property
@@ -296,6 +298,13 @@ class AttentionSession:
         observers = self.observers.get(block.layer, ())
         if not transforms and not observers:
             return probs
+        if self.verify:
+            self._runs[block.layer] = runs = self._runs.get(block.layer, 0) + 1
+            if runs > 1:
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
+                    "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
+                    "report one of the calls as the layer")
         call = LayerCall(block, probs, value, self.key_valid, self.compute_dtype, learned_sink_mass)
         for transform in transforms:
             new = transform(call)
@@ -318,6 +327,14 @@ class AttentionSession:
         """Install the verification hooks (done by :func:`cwcore_attention`)."""
         if not self.verify:
             return
+        # a new forward pass (of the model or of its backbone, as the sink analyses call it) starts the
+        # per-forward call counts afresh
+        entries = {id(self.model): self.model}
+        base = getattr(self.model, "base_model", None)
+        if isinstance(base, nn.Module):
+            entries[id(base)] = base
+        for entry in entries.values():
+            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: self._runs.clear()))
         for layer in sorted(self.layers):
             block = self.blocks[layer]
             projection = block.output_module()
@@ -335,6 +352,7 @@ class AttentionSession:
         self._hooks.clear()
         self._outputs.clear()
         self._calls.clear()
+        self._runs.clear()
 
     def _check_input(self, block: AttentionBlock):
         def hook(projection, args):

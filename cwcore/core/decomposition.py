@@ -282,6 +282,7 @@ def decompose(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    truncate: bool = False,
     **inputs,
 ) -> Decomposition:
     """Decompose every requested layer's attention output into projected value vectors.
@@ -293,14 +294,15 @@ def decompose(
     layer numbers count the model's softmax-attention blocks in forward order (in a hybrid model the
     state-space or linear-attention layers are not numbered; ``d[l].block_name`` and
     :func:`cwcore.attention_blocks` say which module each number is);
-    ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name.
+    ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name. An input longer than the
+    model's context is refused unless ``truncate=True``, which keeps its first tokens.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
     ``compute_dtype`` (float32 or float64) whatever the model's dtype.
     """
     num_layers = len(attention_blocks(model))
     wanted = check_layers(layers, num_layers)
     compute_dtype = check_compute_dtype(compute_dtype)
-    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose"))
+    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose", truncate=truncate))
     recorded: dict[int, LayerDecomposition] = {}
 
     def record(call: LayerCall) -> None:

@@ -110,7 +110,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
         if not truncate:
             raise ValueError(f"{caller}: the input has {reference.shape[1]} tokens but {type(model).__name__} was built "
                              f"for at most {limit}; shorten it (tokenizer(..., truncation=True, max_length={limit})) "
-                             "or pass truncate=True")
+                             "or pass truncate=True to keep the first tokens")
         for name in ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "position_ids"):
             if isinstance(inputs.get(name), torch.Tensor):
                 inputs[name] = inputs[name][:, :limit]

@@ -71,6 +71,9 @@ def intervene(
     if not isinstance(masks, Mapping):
         raise TypeError(f"masks must map layer numbers to masks, got {type(masks).__name__}")
     check_layers(list(masks), num_layers, argument="masks")
+    for layer, mask in masks.items():  # wrong dtypes fail here; shapes are checked against each layer's call
+        if not callable(mask):
+            check_mask(mask, torch.as_tensor(mask).shape, layer)
     recorded: dict[int, LayerDecomposition] = {}
 
     def keep(call: LayerCall) -> None:
