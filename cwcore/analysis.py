@@ -37,6 +37,7 @@ import pandas as pd
 import torch
 
 from . import runs, stats
+from .core.decomposition import decompose
 
 __all__ = [
     "VIEWS",
@@ -347,7 +348,9 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
     progress bar over the batches; a callable is called with the number of sequences done after each
     batch. Returns ``(statistics, factor samples)``.
     """
-    import cwcore  # cwcore.decompose, the function (the module that defines it is an implementation detail)
+    factor_samples = runs.check_count(factor_samples, "factor_samples", minimum=0)
+    min_keys = runs.check_count(min_keys, "min_keys", minimum=0)
+    rank_min_keys = runs.check_count(rank_min_keys, "rank_min_keys", minimum=0)
 
     options = dict(layers=None if layers is None else sorted(layers), kind=kind, min_keys=min_keys,
                    rank_min_keys=rank_min_keys, rank_views=list(rank_views), kendall_views=list(kendall_views),
@@ -357,7 +360,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
 
     def compute(batch) -> dict[str, pd.DataFrame]:
         groups = key_groups(batch) if key_groups else None
-        d = cwcore.decompose(model, layers=layers, **batch)
+        d = decompose(model, layers=layers, **batch)
         per_layer, samples = [], []
         for layer in d:
             if groups is None:

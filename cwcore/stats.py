@@ -65,6 +65,15 @@ def _check_confidence(confidence: float) -> None:
         raise ValueError(f"confidence must be between 0 and 1, got {confidence}")
 
 
+def _scipy_bootstrap(data, statistic, **options):
+    """:func:`scipy.stats.bootstrap`, quiet about degenerate resamples (few units, all alike): the
+    interval is then NaN, which the verdict rule reports as not measured."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The BCa confidence interval cannot be calculated")
+        warnings.filterwarnings("ignore", category=getattr(_scipy_stats, "DegenerateDataWarning", RuntimeWarning))
+        return _scipy_stats.bootstrap(data, statistic, **options)
+
+
 def bootstrap_ci(values, statistic: Callable = np.mean, *, n_resamples: int = 1000, confidence: float = 0.95,
                  method: str = "percentile", seed: int = 0) -> Interval:
     """``statistic`` of one value per independent unit, with a bootstrap interval (:func:`scipy.stats.bootstrap`).
@@ -81,7 +90,7 @@ def bootstrap_ci(values, statistic: Callable = np.mean, *, n_resamples: int = 10
         return Interval(estimate, _NAN, _NAN)
     if np.all(x == x[0]):  # no spread: every resample gives the same value
         return Interval(estimate, estimate, estimate)
-    result = _scipy_stats.bootstrap((x,), statistic, n_resamples=n_resamples, confidence_level=confidence,
+    result = _scipy_bootstrap((x,), statistic, n_resamples=n_resamples, confidence_level=confidence,
                                     method=method, rng=np.random.default_rng(seed), vectorized=True, axis=-1)
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 
@@ -109,7 +118,7 @@ def paired_bootstrap_ci(x, y, statistic: Callable = np.mean, *, n_resamples: int
     def difference(a, b, axis=-1):
         return statistic(a - b, axis=axis)
 
-    result = _scipy_stats.bootstrap((x, y), difference, paired=True, n_resamples=n_resamples,
+    result = _scipy_bootstrap((x, y), difference, paired=True, n_resamples=n_resamples,
                                     confidence_level=confidence, method=method, rng=np.random.default_rng(seed),
                                     vectorized=True, axis=-1)
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
@@ -271,7 +280,7 @@ def spearman_ci(x, y, *, n_resamples: int = 1000, seed: int = 0, confidence: flo
             return _rowwise_spearman(a, b)
 
     estimate = float(_scipy_stats.spearmanr(x, y).statistic)
-    result = _scipy_stats.bootstrap((x, y), rho, paired=True, n_resamples=n_resamples, confidence_level=confidence,
+    result = _scipy_bootstrap((x, y), rho, paired=True, n_resamples=n_resamples, confidence_level=confidence,
                                     method="percentile", rng=np.random.default_rng(seed), vectorized=True, axis=-1)
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
 

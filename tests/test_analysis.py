@@ -224,7 +224,7 @@ def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, 
     def boom(*args, **kwargs):
         raise AssertionError("decompose called although the results are cached")
 
-    monkeypatch.setattr(cwcore, "decompose", boom)
+    monkeypatch.setattr(analysis, "decompose", boom)
     again = analysis.collect(model, batches, factor_samples=10, cache_root=tmp_path)
     pd.testing.assert_frame_equal(again[0], stats)
     pd.testing.assert_frame_equal(again[1], factors)

@@ -7,7 +7,7 @@ import pandas as pd
 import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
-from .intervals import bootstrap_ci, claim_row, spearman_ci
+from .intervals import bootstrap_ci, claim_row, no_sink_heads, spearman_ci
 
 __all__ = ["ANTI_ALIGNMENT", "TREND", "anti_alignment"]
 
@@ -128,25 +128,27 @@ def _summary(tables: dict, add) -> None:
             sink["relative_sink_value_norm"].median() if len(sink) else np.nan)
 
 
-def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0, eps: float = 0.3) -> list[dict]:
     """Medians over sink heads of the mean cosines below 0 (bootstrap over heads), and their trend with the
     sink rate over all heads (Spearman rho below 0)."""
     boot = dict(n_bootstrap=n_bootstrap, seed=seed)
     sink_aa = anti_alignment[anti_alignment["is_sink_head"].astype(bool)]
+    why = "" if len(sink_aa) else no_sink_heads(eps)
     return [
         claim_row(6, ANTI_ALIGNMENT, "sink value against the tail values", "median over sink heads of mean cos(ṽ₀, ṽⱼ)",
-                  "cos_value", bootstrap_ci(sink_aa["cos_value_mean"], np.median, **boot), 0.0, "below", len(sink_aa)),
+                  "cos_value", bootstrap_ci(sink_aa["cos_value_mean"], np.median, **boot), 0.0, "below", len(sink_aa),
+                  why),
         claim_row(6, ANTI_ALIGNMENT, "sink value against the semantic component",
                   "median over sink heads of mean cos(ṽ₀, sᵢ)", "cos_semantic",
-                  bootstrap_ci(sink_aa["cos_semantic_mean"], np.median, **boot), 0.0, "below", len(sink_aa)),
+                  bootstrap_ci(sink_aa["cos_semantic_mean"], np.median, **boot), 0.0, "below", len(sink_aa), why),
         claim_row(6, TREND, "rank correlation over all heads", "Spearman ρ(sink rate, mean cos(ṽ₀, sᵢ))",
                   "rho_semantic", spearman_ci(anti_alignment["sink_rate"], anti_alignment["cos_semantic_mean"], **boot),
                   0.0, "below", len(anti_alignment)),
     ]
 
 
-def _claims(results, *, n_bootstrap: int, seed: int, **_) -> list[dict]:
-    return _claim_rows(results["anti_alignment"], n_bootstrap, seed)
+def _claims(results, *, n_bootstrap: int, seed: int, eps: float = 0.3, **_) -> list[dict]:
+    return _claim_rows(results["anti_alignment"], n_bootstrap, seed, eps)
 
 
 ANALYSIS = register(Analysis("anti_alignment", _AntiAlignmentCollector, _tables, stems=("anti_alignment",),

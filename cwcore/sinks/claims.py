@@ -4,13 +4,14 @@ Chapters 5-7 of the book and the findings page (chapter 9) call these functions 
 :func:`cwcore.sinks.run_analyses` (``raw=True``), so a claim gets the same verdict wherever it is shown.
 Every function returns a claims table, one row per part of a claim:
 
-``chapter, claim, part, statistic, key, estimate, low, high, threshold, side, n, verdict``
+``chapter, claim, part, statistic, key, estimate, low, high, threshold, side, n, verdict, why``
 
 ``estimate`` is the statistic, ``[low, high]`` its 95% interval (Wilson for shares of heads, a
 percentile bootstrap otherwise: over heads for medians and rank correlations, over whole sequences for
 pooled means), and ``verdict`` is :func:`cwcore.stats.verdict` of that interval against ``threshold``
-on the claimed ``side`` (holds / contradicted / inconclusive / not measured). :func:`claim_verdicts`
-combines the parts of each claim (:func:`cwcore.stats.combine_verdicts`). ``key`` names a part for
+on the claimed ``side`` (holds / contradicted / inconclusive / not measured); ``why`` says, for a part
+not measured, what the model lacks (e.g. "no sink heads at eps=0.3"), and :func:`display` shows it.
+:func:`claim_verdicts` combines the parts of each claim (:func:`cwcore.stats.combine_verdicts`). ``key`` names a part for
 code (e.g. ``"cos_semantic"``); :func:`triple` reads ``(estimate, low, high)`` by key.
 
 Each analysis module states its own claims (its registered :class:`~cwcore.sinks.engine.Analysis`
@@ -32,13 +33,15 @@ from .convexity import CONVEXITY, SUPPRESSION, pooled_suppression
 from .convexity import _claim_rows as _convexity_rows
 from .decomposition import DECOMPOSITION, decomposition_claims, head_shares
 from .engine import REGISTRY
-from .intervals import COLUMNS, claims_frame, contrast, group_value
+from .intervals import COLUMNS, claims_frame, contrast, group_value, no_sink_heads, verdict_text
 from .semantic_cone import CONE, PERPLEXITY, PerplexityChanges, cone_claims, perplexity_changes
 
 __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims", "all_claims",
-           "claim_verdicts", "triple", "display", "head_shares", "pooled_suppression", "contrast",
-           "group_value", "perplexity_changes", "PerplexityChanges", "DECOMPOSITION", "ANTI_ALIGNMENT", "TREND",
-           "SUPPRESSION", "CONVEXITY", "CONE", "PERPLEXITY"]
+           "claim_verdicts", "claim_verdict_texts", "triple", "display", "head_shares", "pooled_suppression",
+           "contrast",
+           "group_value", "no_sink_heads", "sink_heads_sentence", "verdict_text", "perplexity_changes",
+           "PerplexityChanges", "DECOMPOSITION", "ANTI_ALIGNMENT", "TREND", "SUPPRESSION", "CONVEXITY", "CONE",
+           "PERPLEXITY"]
 
 
 def triple(claims: pd.DataFrame, key: str) -> tuple[float, float, float]:
@@ -49,9 +52,37 @@ def triple(claims: pd.DataFrame, key: str) -> tuple[float, float, float]:
     return tuple(float(row[c].iloc[0]) for c in ("estimate", "low", "high"))
 
 
+def sink_heads_sentence(n_sink_heads: int, n_heads: int, eps: float, short: bool = False) -> str:
+    """The sentence a chapter puts before its statistics over sink heads (markdown): what they are taken
+    over, or, on a model without sink heads, that they are not measured and why (instead of bare NaNs).
+    ``short``: the reminder for later paragraphs of the same page."""
+    if n_sink_heads > 0:
+        if short:
+            return f"(Sink heads: {n_sink_heads} of {n_heads}.)"
+        return (f"The statistics over sink heads below are taken over the {n_sink_heads} of {n_heads} heads whose "
+                f"sink rate exceeds eps = {eps:g}.")
+    if short:
+        return f"**Not measured: {no_sink_heads(eps)}** (the numbers over sink heads are nan)."
+    return (f"**Not measured: {no_sink_heads(eps)}.** None of the {n_heads} heads of this model puts more than "
+            f"{eps:g} of its attention on position 0 on average, so every statistic over sink heads below is "
+            "undefined (shown as nan) and its verdict is *not measured*.")
+
+
 def claim_verdicts(claims: pd.DataFrame) -> pd.Series:
     """One verdict per claim (in table order), its parts combined by :func:`cwcore.stats.combine_verdicts`."""
     return claims.groupby("claim", sort=False)["verdict"].apply(stats.combine_verdicts)
+
+
+def claim_verdict_texts(claims: pd.DataFrame) -> pd.Series:
+    """:func:`claim_verdicts` as the chapters write them: a claim "not measured" says why (its parts'
+    reasons, e.g. "not measured: no sink heads at eps=0.3")."""
+    verdicts = claim_verdicts(claims)
+    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
+    out = {}
+    for claim, result in verdicts.items():
+        reasons = [w for w in dict.fromkeys(why[claims["claim"] == claim]) if w and w != "nan"]
+        out[claim] = f"{result}: {'; '.join(reasons)}" if result == stats.NOT_MEASURED and reasons else result
+    return pd.Series(out, name="verdict")
 
 
 def display(claims: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
@@ -63,7 +94,7 @@ def display(claims: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
         "95% interval": [f"{fmt.format(lo)} to {fmt.format(hi)}" for lo, hi in zip(claims["low"], claims["high"])],
         "holds if the interval is": [f"{'<' if s == 'below' else '>'} {t:g}"
                                      for s, t in zip(claims["side"], claims["threshold"])],
-        "verdict": claims["verdict"],
+        "verdict": verdict_text(claims),
     })
 
 
@@ -77,7 +108,7 @@ def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: 
     ``anti_alignment``: :func:`cwcore.sinks.anti_alignment`'s table; ``fits``/``points``: see
     :func:`pooled_suppression`.
     """
-    return claims_frame(_anti_alignment_rows(anti_alignment, n_bootstrap, seed)
+    return claims_frame(_anti_alignment_rows(anti_alignment, n_bootstrap, seed, eps)
                         + _convexity_rows(fits, points, eps, n_bootstrap, seed))
 
 

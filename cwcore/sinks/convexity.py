@@ -10,7 +10,7 @@ import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
 from .. import stats
-from .intervals import claim_row, share_ci
+from .intervals import claim_row, no_sink_heads, share_ci
 
 __all__ = ["CONVEXITY", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression"]
 
@@ -273,13 +273,15 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
     above 0.5, Wilson)."""
     head_fits = fits[fits["scope"] == "head"]
     fitted = head_fits[head_fits["fitted"].astype(bool)]
+    no_sinks = no_sink_heads(eps) if not bool((head_fits["sink_rate"] > eps).any()) else ""
+    unfitted = f"no head's sink rates span min_range (none of {len(head_fits)} fitted)"
     return [
         claim_row(6, SUPPRESSION, "sink term shortens most outputs", "share of sink-head queries with ‖oᵢ‖ < ‖sᵢ‖",
-                  "shortened", pooled_suppression(fits, points, eps, n_bootstrap, seed), 0.5, "above"),
+                  "shortened", pooled_suppression(fits, points, eps, n_bootstrap, seed), 0.5, "above", why=no_sinks),
         claim_row(6, CONVEXITY, "convex with an interior minimum", "share of fitted heads with 0 < α* < 1, c₂ > 0",
-                  "share_interior", share_ci(fitted["interior_minimum"]), 0.5, "above", len(fitted)),
+                  "share_interior", share_ci(fitted["interior_minimum"]), 0.5, "above", len(fitted), unfitted),
         claim_row(6, CONVEXITY, "the minimum is observed", "share of fitted heads with α* in [q05, q95]",
-                  "share_in_range", share_ci(fitted["minimum_in_range"]), 0.5, "above", len(fitted)),
+                  "share_in_range", share_ci(fitted["minimum_in_range"]), 0.5, "above", len(fitted), unfitted),
     ]
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _np, register, run_one
-from .intervals import claim_row, claims_frame, share_ci
+from .intervals import claim_row, claims_frame, no_sink_heads, share_ci
 
 __all__ = ["DECOMPOSITION", "DecompositionTables", "decomposition_claims", "head_shares", "sink_decomposition"]
 
@@ -293,13 +293,14 @@ def _claim_rows(heads: pd.DataFrame, eps: float) -> list[dict]:
     in_sink = heads[heads["sink_rate"] > eps]
     sink = in_sink[in_sink["token_class"] == "sink"]
     tail = in_sink[in_sink["token_class"] == "tail"]
+    why = "" if len(in_sink) else no_sink_heads(eps)
     return [
         claim_row(5, DECOMPOSITION, "sink: geometry explains more than attention",
                   "share of sink heads where geometry's share of var(log|c|) > attention's", "sink_geometry_share",
-                  share_ci(sink["geometry"] > sink["alpha"]), 0.5, "above", len(sink)),
+                  share_ci(sink["geometry"] > sink["alpha"]), 0.5, "above", len(sink), why),
         claim_row(5, DECOMPOSITION, "tail: attention explains more than geometry",
                   "share of sink heads where attention's share of var(log|c|) > geometry's", "tail_attention_share",
-                  share_ci(tail["alpha"] > tail["geometry"]), 0.5, "above", len(tail)),
+                  share_ci(tail["alpha"] > tail["geometry"]), 0.5, "above", len(tail), why),
     ]
 
 

@@ -356,9 +356,10 @@ def _run(model, tokenizer, data, specs: list[_Spec], *, block_size=128, num_sequ
     The analyses whose pieces are missing for a batch share one clean forward pass. Returns
     ``({analysis: {part: concatenated DataFrame}}, blocks)``.
     """
+    batch_size = runs.check_batch_size(batch_size)
+    num_sequences = runs.check_count(num_sequences, "num_sequences", allow_none=True)
+    block_size = runs.check_count(block_size, "block_size", minimum=2)
     blocks = token_blocks(data, tokenizer, block_size, num_sequences, add_bos)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     fingerprint = model_fingerprint(model)  # once, not once per analysis
     stores = _Stores({
         spec.name: runs.PieceStore(f"sinks-{spec.name}", {"analysis": spec.name, "model": fingerprint,

@@ -22,7 +22,7 @@ import pandas as pd
 from .. import stats
 
 __all__ = ["COLUMNS", "SequenceBootstrap", "UNMEASURED", "bootstrap_ci", "claim_row", "claims_frame",
-           "combine_verdicts", "contrast", "group_value", "sequence_bootstrap", "share_ci", "spearman_ci",
+           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "verdict_text", "sequence_bootstrap", "share_ci", "spearman_ci",
            "verdict"]
 
 share_ci = stats.share_ci
@@ -85,17 +85,38 @@ def contrast(boot: SequenceBootstrap, column: str, first: Mapping, second: Mappi
 # ---------------------------------------------------------------------------------------------------
 
 COLUMNS = ["chapter", "claim", "part", "statistic", "key", "estimate", "low", "high", "threshold", "side", "n",
-           "verdict"]
+           "verdict", "why"]
 
 
-def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan) -> dict:
-    """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`."""
+def no_sink_heads(eps: float) -> str:
+    """Why a part over sink heads is not measured on a model without them (the ``why`` of :func:`claim_row`)."""
+    return f"no sink heads at eps={eps:g}"
+
+
+def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan, why: str = "") -> dict:
+    """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`.
+
+    ``why``: what a model lacks when the part cannot be measured (e.g. :func:`no_sink_heads`); kept only
+    when the verdict is "not measured", which then says why (a generic reason if none is given)."""
     est, low, high = (float(x) for x in triple_)
+    judged = verdict(low, high, threshold=threshold, side=side)
+    if judged != UNMEASURED:
+        why = ""
+    elif not why:
+        why = "no interval" if not isinstance(n, (int, np.integer)) else f"too few values for an interval (n={n})"
     return {"chapter": chapter, "claim": claim, "part": part, "statistic": statistic, "key": key, "estimate": est,
             "low": low, "high": high, "threshold": float(threshold), "side": side, "n": n,
-            "verdict": verdict(low, high, threshold=threshold, side=side)}
+            "verdict": judged, "why": why}
 
 
 def claims_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows of :func:`claim_row` as a claims table (columns :data:`COLUMNS`)."""
-    return pd.DataFrame(rows, columns=COLUMNS)
+    frame = pd.DataFrame(rows, columns=COLUMNS)
+    frame["why"] = frame["why"].fillna("").astype(str)
+    return frame
+
+
+def verdict_text(claims: pd.DataFrame) -> list[str]:
+    """Each part's verdict as the chapters show it: "not measured: <why>" where the table says why."""
+    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
+    return [f"{v}: {w}" if v == UNMEASURED and w and w != "nan" else str(v) for v, w in zip(claims["verdict"], why)]

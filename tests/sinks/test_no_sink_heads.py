@@ -1,0 +1,97 @@
+"""A model without sink heads: the sink claims say "not measured" and why, never raise, never excuse a
+measured part. The same inputs as test_sink_claims, with every sink rate pushed below eps."""
+
+import numpy as np
+import pandas as pd
+
+from cwcore import findings
+from cwcore import sink_claims as SC
+from test_sink_claims import decomposition_inputs, suppressor_inputs
+
+WHY = "no sink heads at eps=0.3"
+
+
+def without_sinks(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()
+    if "sink_rate" in frame:
+        frame["sink_rate"] = frame["sink_rate"] * 0.25  # all below 0.3
+    if "is_sink_head" in frame:
+        frame["is_sink_head"] = False
+    return frame
+
+
+def test_claims_over_sink_heads_are_not_measured_with_the_reason():
+    rates, summary = decomposition_inputs()
+    decomposition = SC.decomposition_claims(without_sinks(rates), summary, 0.3)
+    aa, fits, points, eps = suppressor_inputs()
+    suppressor = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
+    claims = pd.concat([decomposition, suppressor], ignore_index=True).set_index("key")
+    for key in ("sink_geometry_share", "tail_attention_share", "cos_value", "cos_semantic", "shortened"):
+        assert claims.loc[key, "verdict"] == "not measured" and claims.loc[key, "why"] == WHY, key
+    # what does not need sink heads is still measured, and a measured part gives no reason
+    for key in ("rho_semantic", "share_interior", "share_in_range"):
+        assert claims.loc[key, "verdict"] != "not measured" and claims.loc[key, "why"] == "", key
+    shown = SC.display(suppressor)
+    assert f"not measured: {WHY}" in list(shown["verdict"])
+    assert set(shown["verdict"]) - {f"not measured: {WHY}"} <= {"holds", "contradicted", "inconclusive"}
+
+
+def test_with_sink_heads_nothing_is_excused():
+    aa, fits, points, eps = suppressor_inputs()
+    claims = SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=200)
+    assert (claims["why"] == "").all() and (claims["verdict"] != "not measured").all()
+    assert list(SC.display(claims)["verdict"]) == list(claims["verdict"])
+
+
+def test_a_part_without_an_interval_says_so_even_without_a_reason():
+    fits = pd.DataFrame({"scope": "head", "layer": [0], "head": [0], "sink_rate": [0.9], "is_sink_head": [True],
+                         "fitted": [False], "interior_minimum": [False], "minimum_in_range": [False]})
+    points = pd.DataFrame({"sequence": [0, 0], "layer": [0, 0], "head": [0, 0], "norm": [1.0, 2.0],
+                           "s_sq": [1.0, 1.0]})
+    aa = pd.DataFrame({"layer": [0], "head": [0], "sink_rate": [0.9], "is_sink_head": [True],
+                       "cos_value_mean": [-0.5], "cos_semantic_mean": [-0.4]})
+    claims = SC.suppressor_claims(aa, fits, points, 0.3, n_bootstrap=50).set_index("key")
+    assert claims.loc["share_interior", "verdict"] == "not measured"
+    assert "none of 1 fitted" in claims.loc["share_interior", "why"]
+
+
+def test_the_findings_page_repeats_the_reason():
+    aa, fits, points, eps = suppressor_inputs()
+    claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
+    keys = [k for k, names in findings.CHAPTER_CLAIMS.items() if SC.SUPPRESSION in names]
+    finding = findings.from_claims(keys[0], claims)
+    assert finding.verdict == "not measured"
+    assert f"not measured: {WHY}" in finding.measured
+    # a table written before the `why` column existed still reads
+    old = claims.drop(columns="why")
+    assert findings.from_claims(keys[0], old).verdict == "not measured"
+    assert np.isnan(SC.triple(claims, "shortened")[0])
+
+
+def test_claim_verdict_texts_give_the_reason_of_an_unmeasured_claim():
+    aa, fits, points, eps = suppressor_inputs()
+    plain = SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=200)
+    assert SC.claim_verdict_texts(plain).equals(SC.claim_verdicts(plain).rename("verdict"))
+    claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
+    texts, verdicts = SC.claim_verdict_texts(claims), SC.claim_verdicts(claims)
+    assert texts[SC.ANTI_ALIGNMENT] == f"not measured: {WHY}" and texts[SC.SUPPRESSION] == f"not measured: {WHY}"
+    assert texts[SC.CONVEXITY] == verdicts[SC.CONVEXITY] != "not measured"  # measured: no reason added
+
+
+def test_a_degenerate_interval_is_nan_without_a_warning_on_the_page():
+    import warnings
+
+    from cwcore import sinks, stats
+
+    x, y = np.array([0.1, 0.1, 0.2, 0.1]), np.array([1.0, 2.0, 3.0, 4.0])  # four heads, three alike
+    with warnings.catch_warnings():  # scipy warns on this sample (degenerate resamples); stats keeps it quiet
+        warnings.simplefilter("error")
+        expected = stats.spearman_ci(x, y, n_resamples=100, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = sinks.spearman_ci(x, y, n_bootstrap=100, seed=0)
+    assert np.isnan(got.low) and np.isnan(got.high) and got.estimate == expected.estimate
+    from cwcore.sinks.intervals import claim_row
+
+    row = claim_row(6, "c", "p", "s", "k", got, 0.0, "below", 4)
+    assert row["verdict"] == "not measured" and row["why"] == "too few values for an interval (n=4)"

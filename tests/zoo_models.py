@@ -1,0 +1,201 @@
+"""The zoo: tiny randomly initialised models of many transformers families, for tests/core/test_zoo.py.
+
+Each :class:`Species` builds a 2-layer (hybrids: 3-4 layers), width-32/64 model with eager attention
+and random biases, and says what cwcore must do with it: decompose it exactly (``refused=None``) or
+refuse it with an :class:`~cwcore.UnsupportedModelError` whose message matches ``refused``.
+``projection`` names the output projection W_O relative to the attention block (``"../output.dense"``:
+the parent's ``output.dense``), written here independently of cwcore's registry, so the test can hook
+the module the model really calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import transformers as tf
+from torch import nn
+
+VOCAB = 97
+SEQ = 9
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, attn_implementation="eager")
+
+
+@dataclass(frozen=True)
+class Species:
+    name: str
+    build: Callable[[], nn.Module] = field(repr=False)
+    kind: str = "decoder"  # decoder (left padding), encoder (right padding), vision (no padding)
+    what: str = ""  # the feature this family brings to the zoo
+    projection: str = "o_proj"  # W_O, relative to the attention block ("../x.y": from its parent)
+    blocks: int = 2  # softmax attention blocks cwcore must find
+    layers: tuple[int, ...] | None = None  # the decoder layers that hold them (hybrids), None: 0..blocks-1
+    refused: str | None = None  # regex of the expected UnsupportedModelError, None: must be exact
+    pad_token: int = 0  # the id padded positions carry (RoBERTa-style models number positions from it)
+
+
+def _randomise_biases(model: nn.Module) -> nn.Module:
+    """Random init leaves biases at zero; give them values so bias handling is exercised."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    return model
+
+
+def _make(config_cls, model_cls, common=COMMON, **extra):
+    def build():
+        torch.manual_seed(0)
+        config = config_cls(**{**common, **extra})
+        model = model_cls(config).eval()
+        model.config._attn_implementation = "eager"
+        return _randomise_biases(model)
+    return build
+
+
+GQA = dict(num_key_value_heads=2)
+_ENC = dict(COMMON, max_position_embeddings=64)
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+_ZOO = [
+    # ---- decoders ---------------------------------------------------------------------------------
+    Species("llama", _make(tf.LlamaConfig, tf.LlamaForCausalLM, **GQA), what="GQA, RoPE"),
+    Species("mistral", _make(tf.MistralConfig, tf.MistralForCausalLM, **GQA, sliding_window=4),
+            what="sliding window 4"),
+    Species("qwen2", _make(tf.Qwen2Config, tf.Qwen2ForCausalLM, **GQA), what="qkv biases"),
+    Species("qwen3", _make(tf.Qwen3Config, tf.Qwen3ForCausalLM, **GQA, head_dim=16), what="q/k norms"),
+    Species("gemma", _make(tf.GemmaConfig, tf.GemmaForCausalLM, num_key_value_heads=1, head_dim=16), what="MQA"),
+    Species("gemma2", _make(tf.Gemma2Config, tf.Gemma2ForCausalLM, **GQA, head_dim=16, sliding_window=4,
+                            attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                            layer_types=["sliding_attention", "full_attention"]),
+            what="attention logit softcapping, sliding window"),
+    Species("gemma3", _make(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, num_key_value_heads=1, head_dim=16,
+                            sliding_window=4, layer_types=["sliding_attention", "full_attention"]),
+            what="MQA, sliding + global layers"),
+    Species("phi", _make(tf.PhiConfig, tf.PhiForCausalLM, partial_rotary_factor=0.5), projection="dense",
+            what="parallel block, partial rotary, biases"),
+    Species("phi3", _make(tf.Phi3Config, tf.Phi3ForCausalLM, **GQA, pad_token_id=0), what="fused qkv_proj"),
+    Species("gpt2", _make(tf.GPT2Config, tf.GPT2LMHeadModel, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                                                  n_positions=64, attn_implementation="eager")),
+            projection="c_proj", what="Conv1D, absolute positions"),
+    Species("gpt_neox", _make(tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM), projection="dense",
+            what="parallel residual, fused qkv"),
+    Species("gptj", _make(tf.GPTJConfig, tf.GPTJForCausalLM, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
+                                                                  n_positions=64, rotary_dim=8,
+                                                                  attn_implementation="eager")),
+            projection="out_proj", what="parallel block, rotary on part of the head"),
+    Species("stablelm", _make(tf.StableLmConfig, tf.StableLmForCausalLM, **GQA, use_qkv_bias=True,
+                              partial_rotary_factor=0.25), what="partial rotary, qkv bias"),
+    Species("olmo2", _make(tf.Olmo2Config, tf.Olmo2ForCausalLM, **GQA), what="q/k norm over all heads, post-norm"),
+    Species("cohere", _make(tf.CohereConfig, tf.CohereForCausalLM, **GQA, use_qk_norm=False, pad_token_id=0),
+            what="parallel block, logit scale"),
+    Species("starcoder2", _make(tf.Starcoder2Config, tf.Starcoder2ForCausalLM, **GQA, sliding_window=4,
+                                use_bias=True), what="biases everywhere, sliding window"),
+    Species("granite", _make(tf.GraniteConfig, tf.GraniteForCausalLM, **GQA, attention_multiplier=0.3,
+                             residual_multiplier=0.5, embedding_multiplier=2.0, logits_scaling=4.0),
+            what="custom attention scaling"),
+    Species("gpt_bigcode", _make(tf.GPTBigCodeConfig, tf.GPTBigCodeForCausalLM,
+                                 dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                      multi_query=True, attn_implementation="eager")),
+            projection="c_proj", what="MQA with fused c_attn, absolute positions"),
+    Species("opt", _make(tf.OPTConfig, tf.OPTForCausalLM, dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=96,
+                                                               num_hidden_layers=2, num_attention_heads=4,
+                                                               max_position_embeddings=64, word_embed_proj_dim=64,
+                                                               pad_token_id=1, attn_implementation="eager")),
+            projection="out_proj", pad_token=1, what="learned positions offset by 2, derived from the mask"),
+    Species("persimmon", _make(tf.PersimmonConfig, tf.PersimmonForCausalLM, partial_rotary_factor=0.5, qk_layernorm=True),
+            projection="dense", what="fused qkv, q/k layer norm, partial rotary"),
+    Species("mixtral", _make(tf.MixtralConfig, tf.MixtralForCausalLM, **GQA, **_MOE), what="MoE"),
+    Species("qwen2_moe", _make(tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM, **GQA, **_QWEN_MOE),
+            what="MoE with shared expert"),
+    Species("gpt_oss", _make(tf.GptOssConfig, tf.GptOssForCausalLM, **GQA, head_dim=16, **_MOE,
+                             layer_types=["sliding_attention", "full_attention"], sliding_window=4),
+            what="learned sink logits, sliding window, MoE"),
+    Species("qwen3_next", _make(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, **GQA, head_dim=16,
+                                layer_types=["linear_attention", "full_attention"], **_QWEN_MOE,
+                                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16),
+            blocks=1, layers=(1,), refused="output projection received something other",
+            what="output gate, linear attention"),
+    Species("jamba", _make(tf.JambaConfig, tf.JambaForCausalLM, **GQA, num_hidden_layers=4, attn_layer_period=2,
+                           attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                           num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                           mamba_dt_rank=8, use_mamba_kernels=False),
+            layers=(1, 3), what="hybrid: 2 attention layers among 4 (Mamba), MoE"),
+    Species("granitemoehybrid", _make(tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM, **GQA,
+                                      num_hidden_layers=3,
+                                      layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+                                      num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+                                      mamba_d_state=8, mamba_chunk_size=4),
+            blocks=1, layers=(1,), what="hybrid: 1 attention layer among 3 (Mamba-2)"),
+    # ---- refused: blocks that do not call transformers' attention interface -----------------------
+    Species("gpt_neo", _make(tf.GPTNeoConfig, tf.GPTNeoForCausalLM, dict(vocab_size=VOCAB, hidden_size=64, num_layers=2,
+                                                                         num_heads=4, max_position_embeddings=64,
+                                                                         attention_types=[[["global", "local"], 1]],
+                                                                         window_size=4, attn_implementation="eager")),
+            projection="out_proj", refused="did not run through cwcore's attention function",
+            what="local attention, unscaled scores, own code"),
+    Species("falcon", _make(tf.FalconConfig, tf.FalconForCausalLM, dict(vocab_size=VOCAB, hidden_size=64,
+                                                                        num_hidden_layers=2, num_attention_heads=4,
+                                                                        multi_query=True, parallel_attn=True,
+                                                                        alibi=False, attn_implementation="eager")),
+            projection="dense", refused="did not run through cwcore's attention function", what="own attention code"),
+    Species("bloom", _make(tf.BloomConfig, tf.BloomForCausalLM, dict(vocab_size=VOCAB, hidden_size=64, n_layer=2,
+                                                                     n_head=4, attn_implementation="eager")),
+            projection="dense", refused="did not run through cwcore's attention function", what="ALiBi, own code"),
+    # ---- encoders ---------------------------------------------------------------------------------
+    Species("bert", _make(tf.BertConfig, tf.BertModel, _ENC), kind="encoder", projection="../output.dense",
+            what="absolute positions, token types"),
+    Species("roberta", _make(tf.RobertaConfig, tf.RobertaModel, _ENC, max_position_embeddings=80, pad_token_id=1),
+            kind="encoder", projection="../output.dense", pad_token=1,
+            what="positions numbered from padding_idx + 1"),
+    Species("electra", _make(tf.ElectraConfig, tf.ElectraModel, _ENC, embedding_size=32), kind="encoder",
+            projection="../output.dense", what="embedding projection"),
+    Species("xlm_roberta", _make(tf.XLMRobertaConfig, tf.XLMRobertaModel, _ENC, max_position_embeddings=80,
+                                 pad_token_id=1), kind="encoder", projection="../output.dense", pad_token=1,
+            what="RoBERTa positions, another class tree"),
+    Species("albert", _make(tf.AlbertConfig, tf.AlbertModel, _ENC, embedding_size=32), kind="encoder",
+            projection="dense", what="one attention module shared by all layers",
+            refused="ran 2 times in one forward pass"),
+    Species("distilbert", _make(tf.DistilBertConfig, tf.DistilBertModel, dict(vocab_size=VOCAB, dim=64, n_layers=2,
+                                                                              n_heads=4, hidden_dim=96,
+                                                                              max_position_embeddings=64,
+                                                                              attn_implementation="eager")),
+            kind="encoder", projection="out_lin", what="output projection named out_lin"),
+    # ---- vision -----------------------------------------------------------------------------------
+    Species("vit", _make(tf.ViTConfig, tf.ViTModel, dict(image_size=16, patch_size=4, num_channels=3, hidden_size=64,
+                                                         num_hidden_layers=2, num_attention_heads=4,
+                                                         intermediate_size=96, attn_implementation="eager")),
+            kind="vision", what="patches, CLS"),
+    Species("deit", _make(tf.DeiTConfig, tf.DeiTModel, dict(image_size=16, patch_size=4, num_channels=3,
+                                                            hidden_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=4, intermediate_size=96,
+                                                            attn_implementation="eager")),
+            kind="vision", what="CLS + distillation token"),
+    Species("dinov2", _make(tf.Dinov2Config, tf.Dinov2Model, dict(image_size=16, patch_size=4, num_channels=3,
+                                                                  hidden_size=64, num_hidden_layers=2,
+                                                                  num_attention_heads=4, mlp_ratio=2,
+                                                                  attn_implementation="eager")),
+            kind="vision", what="layer scale, interpolated positions"),
+]
+ZOO: dict[str, Species] = {s.name: s for s in _ZOO}
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_model(name: str) -> nn.Module:
+    """The (cached) tiny model of ``name``; tests must not change its weights."""
+    return ZOO[name].build()
+
+
+def projection_of(block_module: nn.Module, parent: nn.Module | None, path: str) -> nn.Module:
+    """The module at ``path`` relative to the attention block (``../a.b`` relative to its parent)."""
+    root = block_module
+    if path.startswith("../"):
+        root, path = parent, path[3:]
+    for part in path.split("."):
+        root = getattr(root, part)
+    return root
