@@ -1,0 +1,245 @@
+"""Signed direct logit attribution per (layer, head, query, source token), computed in head space.
+
+For layer l, head h, query i and key j, the term alpha_ij v~_j (v~_j = W_O^h v_j) is added to the
+residual stream at position i. Its **direct logit attribution** toward token t is how much that term
+moves the logit of t along the direct path, the path that skips every later layer:
+
+    DLA^h_ij(t) = alpha_ij <W_U[t], L_i(v~_j)> = alpha_ij (W_O^h^T e_i(t)) . v_j
+
+where L_i is the *linear part* of the final norm (and, for sandwich-norm models such as Gemma 2/3,
+of the norm applied to the attention output before the residual stream) with its scale **frozen at
+the clean run's value** (the standard DLA convention): for an RMSNorm y = g (x / s_i), for a
+LayerNorm y = g (P x / s_i) + b with P the centring projection; the norm's bias b and the output
+projection's bias are constants that no (head, key) term owns. Hence
+
+    e_i(t) = P (g * W_U[t]) / s_i      (P symmetric; P = I for an RMSNorm)
+
+so the whole computation is one pull-back W_O^h^T e_i per (head, query) and one attention-sized
+product, with no model-dimension tensor per (query, key) pair. Softcapping or scaling applied to the
+logits after the unembedding is not part of the linear map: :func:`logit_attribution` checks that
+the frozen linearisation reproduces the model's own logits and raises
+:class:`~cwcore.core.architectures.UnsupportedModelError` where it does not.
+
+By default the target of query i is the next token of the text (``input_ids[:, i + 1]``) and, at
+the last position, the model's own top prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .core.architectures import UnsupportedModelError, attention_blocks
+from .core.decomposition import Decomposition, decompose
+
+__all__ = ["FrozenNorm", "LogitAttribution", "logit_attribution", "direct_logit_attribution", "frozen_norm",
+           "naive_logit_attribution"]
+
+_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
+
+
+@dataclass
+class FrozenNorm:
+    """The linear part of a norm at fixed statistics: ``y = gain * P(x) / scale[b, q] + bias``."""
+
+    gain: torch.Tensor  # [model]
+    centred: bool  # P is the centring projection (LayerNorm) rather than the identity (RMSNorm)
+    scale: torch.Tensor  # [batch, query]: the clean run's s_i
+    bias: torch.Tensor  # [model]
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean(-1, keepdim=True) if self.centred else x
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen linear part applied to model-space vectors ``[batch, query, ..., model]`` (no bias)."""
+        scale = self.scale.reshape(*self.scale.shape, *([1] * (x.dim() - 3)), 1)
+        return self.gain * self.project(x) / scale
+
+    def pull_back(self, direction: torch.Tensor) -> torch.Tensor:
+        """The adjoint: ``<direction, apply(x)> = <pull_back(direction), x>`` for ``direction [batch, query, model]``."""
+        return self.project(self.gain * direction) / self.scale[..., None]
+
+
+def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dtype=torch.float64,
+                tolerance: float | None = None) -> FrozenNorm:
+    """Read a norm's gain, bias and centring by probing it, and fit the clean run's scales.
+
+    ``inputs``/``outputs`` ``[batch, query, model]`` are what the norm received and returned in the
+    clean run. The norm must be of the form ``g * P(x) / s(x) + b`` (RMSNorm with ``weight`` or
+    ``1 + weight``, LayerNorm); otherwise :class:`UnsupportedModelError` is raised.
+    """
+    width = inputs.shape[-1]
+    if width % 2:
+        raise UnsupportedModelError(f"direct logit attribution: model width {width} is odd, the norm probe needs it even")
+    param = next(norm.parameters(), inputs)
+    with torch.no_grad():
+        probe = torch.zeros(2, width, dtype=param.dtype, device=param.device)
+        probe[1] = 1.0
+        probe[1, 1::2] = -1.0  # alternating +-1: mean zero, mean square one, so P z = z either way
+        bias, response = norm(probe[None]).to(dtype)[0]
+    sign = probe[1].to(dtype)
+    gain = (response - bias) * sign  # g / sqrt(1 + eps); the fitted scales absorb the sqrt(1 + eps)
+    x, y = inputs.to(dtype), outputs.to(dtype) - bias
+    best = None
+    for centred in (False, True):
+        u = gain * (x - x.mean(-1, keepdim=True) if centred else x)
+        scale = (u * u).sum(-1) / (u * y).sum(-1)  # least squares for y = u / s
+        error = ((y - u / scale[..., None]).norm(dim=-1) / y.norm(dim=-1).clamp_min(1e-30)).max().item()
+        if best is None or error < best[0]:
+            best = (error, FrozenNorm(gain, centred, scale, bias))
+    if tolerance is None:
+        tolerance = 1e-3 if param.dtype in (torch.float32, torch.float64) else 5e-2
+    if not best[0] <= tolerance:
+        raise UnsupportedModelError(
+            f"direct logit attribution: {type(norm).__name__} is not of the form g * P(x) / s + b "
+            f"(relative error {best[0]:.2g} > {tolerance:g})")
+    return best[1]
+
+
+def _final_norm(model: nn.Module) -> nn.Module:
+    base = getattr(model, "base_model", model)
+    for root in (base, getattr(base, "decoder", None)):
+        for name in _FINAL_NORMS:
+            module = getattr(root, name, None) if root is not None else None
+            if isinstance(module, nn.Module):
+                return module
+    raise UnsupportedModelError(f"direct logit attribution: no final norm found in {type(model).__name__} "
+                                f"(looked for {', '.join(_FINAL_NORMS)})")
+
+
+def _post_attention_norm(block) -> nn.Module | None:
+    """The norm a sandwich-norm layer (Gemma 2/3) applies to the attention output before the residual."""
+    parent = block.parent
+    if parent is not None and hasattr(parent, "pre_feedforward_layernorm"):
+        return getattr(parent, "post_attention_layernorm", None)
+    return None
+
+
+def _unembedding(model: nn.Module) -> nn.Linear:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        raise UnsupportedModelError(
+            f"direct logit attribution needs an unembedding: {type(model).__name__} has no language-model head")
+    return head
+
+
+@dataclass
+class LogitAttribution:
+    """Direct logit attribution of one forward pass.
+
+    ``by_layer[l]``: ``[batch, head, query, key]`` signed logit pushes toward ``targets[b, i]``;
+    ``decomposition`` is the pass's :class:`~cwcore.core.decomposition.Decomposition`;
+    ``final_norm`` the frozen final norm, ``post_norms[l]`` the frozen post-attention norms (if any).
+    """
+
+    by_layer: dict[int, torch.Tensor]
+    targets: torch.Tensor  # [batch, query]
+    decomposition: Decomposition
+    final_norm: FrozenNorm
+    post_norms: dict[int, FrozenNorm]
+    unembedding: torch.Tensor  # [vocab, model]
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.by_layer[layer]
+
+    def token_level(self, layer: int) -> torch.Tensor:
+        """``[batch, query, key]``: summed over heads."""
+        return self.by_layer[layer].sum(1)
+
+
+def direct_logit_attribution(layer, directions: torch.Tensor, post_norm: FrozenNorm | None = None) -> torch.Tensor:
+    """Head-space DLA of one :class:`~cwcore.core.decomposition.LayerDecomposition`.
+
+    ``directions`` ``[batch, query, model]``: e_i, the final norm's pull-back of the target's
+    unembedding row. Returns ``[batch, head, query, key]`` = alpha_ij (W_O^h^T e_i) . v_j.
+    """
+    geometry = layer.geometry
+    e = directions.to(geometry.values.dtype)
+    if post_norm is not None:
+        e = post_norm.pull_back(e.to(post_norm.gain.dtype)).to(e.dtype)
+    pulled = torch.einsum("bqm,hmd->bhqd", e, geometry.w_o)  # W_O^h^T e_i
+    return geometry.attention * (pulled @ geometry.values.transpose(-1, -2))
+
+
+def _default_targets(input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    targets = torch.empty_like(input_ids)
+    targets[:, :-1] = input_ids[:, 1:]
+    targets[:, -1] = logits[:, -1].argmax(-1)
+    return targets
+
+
+def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = None,
+                      layers: int | Iterable[int] | None = None, compute_dtype: torch.dtype = torch.float32,
+                      **inputs) -> LogitAttribution:
+    """Decompose a forward pass and attribute the target logits to every (layer, head, query, key).
+
+    ``targets``: None (the next token, and the model's top prediction at the last position), one token
+    id for every position, or ``[batch, query]`` ids. ``inputs`` are those of :func:`cwcore.decompose`.
+    """
+    head = _unembedding(model)
+    final = _final_norm(model)
+    blocks = attention_blocks(model)
+    captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def capture(name):
+        def hook(module, args, output):
+            captured[name] = (args[0].detach(), output.detach())
+        return hook
+
+    post = {b.layer: n for b in blocks if (n := _post_attention_norm(b)) is not None}
+    handles = [final.register_forward_hook(capture("final"))]
+    handles += [n.register_forward_hook(capture(f"post{layer}")) for layer, n in post.items()]
+    try:
+        d = decompose(model, layers=layers, compute_dtype=compute_dtype, **inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    dtype = compute_dtype if isinstance(compute_dtype, torch.dtype) else getattr(torch, compute_dtype)
+    frozen = frozen_norm(final, *captured["final"])
+    input_ids = inputs["input_ids"] if inputs["input_ids"].dim() == 2 else inputs["input_ids"][None]
+    logits = getattr(d.outputs, "logits", None)
+    w_u = head.weight.detach().to(torch.float64)
+    # the frozen linearisation must give the model's own logits (catches softcapping and logit scales)
+    x, _ = captured["final"]
+    lin = frozen.apply(x.to(torch.float64)) + frozen.bias
+    expected = lin @ w_u.T + (0 if head.bias is None else head.bias.detach().to(torch.float64))
+    if logits is not None:
+        got = logits.detach().to(torch.float64)
+        error = ((got - expected).norm() / got.norm()).item()
+        tolerance = 1e-3 if head.weight.dtype in (torch.float32, torch.float64) else 5e-2
+        if not error <= tolerance:
+            raise UnsupportedModelError(
+                f"direct logit attribution: {type(model).__name__}'s logits are not the unembedding of the final "
+                f"norm's output (relative error {error:.2g}); softcapped or scaled logits are not supported")
+    if targets is None:
+        targets = _default_targets(input_ids, logits)
+    elif isinstance(targets, int):
+        targets = torch.full_like(input_ids, targets)
+    targets = torch.as_tensor(targets, device=input_ids.device).reshape(input_ids.shape)
+    directions = frozen.pull_back(w_u[targets.to(w_u.device)])  # [batch, query, model]
+    post_frozen = {layer: frozen_norm(post[layer], *captured[f"post{layer}"]) for layer in d.layers if layer in post}
+    by_layer = {}
+    for layer in d.layers:
+        ld = d[layer]
+        e = directions.to(ld.geometry.values.device)
+        by_layer[layer] = direct_logit_attribution(ld, e.to(dtype), post_frozen.get(layer))
+    return LogitAttribution(by_layer, targets, d, frozen, post_frozen, head.weight.detach())
+
+
+def naive_logit_attribution(attribution: LogitAttribution, layer: int) -> torch.Tensor:
+    """Reference: materialise every term alpha_ij v~_j in model space ``[batch, head, query, key, model]``,
+    apply the frozen norms' linear parts and the unembedding. For tests and small inputs only."""
+    geometry = attribution.decomposition[layer].geometry
+    dtype = torch.float64
+    projected = torch.einsum("bhkd,hmd->bhkm", geometry.values.to(dtype), geometry.w_o.to(dtype))  # v~_j
+    terms = geometry.attention.to(dtype)[..., None] * projected[:, :, None]  # [b, h, q, k, m]
+    terms = terms.permute(0, 2, 1, 3, 4)  # [b, q, h, k, m] so the norms' [b, q] scales broadcast
+    if layer in attribution.post_norms:
+        terms = attribution.post_norms[layer].apply(terms)
+    normed = attribution.final_norm.apply(terms)
+    w_u = attribution.unembedding.to(dtype)[attribution.targets]  # [b, q, m]
+    logits = torch.einsum("bqhkm,bqm->bqhk", normed, w_u)
+    return logits.permute(0, 2, 1, 3)

@@ -1,0 +1,96 @@
+"""Signed direct logit attribution (cwcore.logit_attribution) against a naive model-space computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cwcore.core.architectures import UnsupportedModelError
+from cwcore.logit_attribution import frozen_norm, logit_attribution, naive_logit_attribution
+from tiny_models import VOCAB, tiny_model
+
+
+def _ids(seed=0, batch=2, length=7):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "gpt2", "gpt_neox"])
+def test_head_space_dla_equals_the_naive_model_space_computation(family):
+    model = tiny_model(family)
+    ids = _ids()
+    att = logit_attribution(model, input_ids=ids, compute_dtype=torch.float64)
+    assert sorted(att.by_layer) == [0, 1]
+    assert (att.targets[:, :-1] == ids[:, 1:]).all()  # the next token, then the model's top prediction
+    assert (att.targets[:, -1] == att.decomposition.outputs.logits[:, -1].argmax(-1)).all()
+    for layer in (0, 1):
+        fast, naive = att[layer], naive_logit_attribution(att, layer)
+        assert fast.shape == (2, 4, 7, 7)
+        torch.testing.assert_close(fast.double(), naive, rtol=1e-9, atol=1e-9)
+        # causal: keys after the query push nothing; the signed values do both
+        assert (fast.triu(1) == 0).all() and (fast < 0).any() and (fast > 0).any()
+    # gemma3 freezes its post-attention (sandwich) norm too; the others have none
+    assert bool(att.post_norms) == (family == "gemma3")
+
+
+def test_dla_sums_to_the_frozen_direct_effect_of_the_block_output():
+    """Independent of the head split: sum over heads and keys = <W_U[t], L_i(o_i)> with o_i taken
+    from the model itself (the output projection's input, hooked) and the final norm frozen by hand."""
+    model = tiny_model("llama")
+    ids = _ids(1, batch=1, length=6)
+    with torch.no_grad():
+        model.model.norm.weight.normal_(1.0, 0.3)  # a gain that is not all ones
+    assert model.model.layers[1].self_attn.o_proj.bias is None
+    seen = {}
+    block = model.model.layers[1].self_attn
+
+    def keep(name, which):
+        def hook(module, args, out):
+            seen.setdefault(name, (out if which == "out" else args[0]).detach())  # the first call: the clean run
+        return hook
+
+    h = block.o_proj.register_forward_hook(keep("o", "out"))  # no bias: the block output o_i
+    h2 = model.model.norm.register_forward_hook(keep("x", "in"))
+    att = logit_attribution(model, layers=[1], input_ids=ids)
+    h.remove(), h2.remove()
+    norm = model.model.norm
+    x = seen["x"].double()
+    rms = (x.pow(2).mean(-1) + norm.variance_epsilon).sqrt()  # the clean run's RMS, frozen
+    direct = norm.weight.double() * seen["o"].double() / rms[..., None]
+    w_u = model.lm_head.weight.double()[att.targets[0]]
+    expected = (direct[0] * w_u).sum(-1)  # [query]
+    torch.testing.assert_close(att.token_level(1)[0].sum(-1).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_chosen_target_and_layernorm_centring():
+    model = tiny_model("gpt2")
+    ids = _ids(2, batch=1, length=5)
+    att = logit_attribution(model, targets=3, input_ids=ids)
+    assert (att.targets == 3).all() and att.final_norm.centred  # GPT-2's ln_f is a LayerNorm
+    torch.testing.assert_close(att[0].double(), naive_logit_attribution(att, 0), rtol=1e-5, atol=1e-6)
+    llama = logit_attribution(tiny_model("llama"), input_ids=ids)
+    assert not llama.final_norm.centred
+
+
+def test_norms_that_are_not_affine_at_frozen_scale_are_refused():
+    class Tanh(torch.nn.Module):
+        weight = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return torch.tanh(x) * self.weight
+
+    x = torch.randn(1, 3, 8) * 3
+    with pytest.raises(UnsupportedModelError, match="not of the form"):
+        frozen_norm(Tanh(), x, Tanh()(x))
+
+
+def test_encoders_without_a_language_model_head_are_refused():
+    with pytest.raises(UnsupportedModelError, match="no language-model head"):
+        logit_attribution(tiny_model("bert"), input_ids=_ids(batch=1))
+
+
+def test_softcapped_logits_are_refused():
+    model = tiny_model("gemma3")
+    model.config.final_logit_softcapping = 0.5
+    with pytest.raises(UnsupportedModelError, match="softcapped"):
+        logit_attribution(model, input_ids=_ids(batch=1))
