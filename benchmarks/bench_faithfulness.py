@@ -15,6 +15,12 @@ reported beside wall-clock time: on a machine shared with other jobs it is the s
 the work done. Usage::
 
     .venv/bin/python benchmarks/bench_faithfulness.py [--model smollm2-135m] [--lengths 64 128 256]
+
+``--per-layer`` instead times a per-layer sweep (:mod:`cwcore.faithfulness.layers`: one metric, one
+mode, one ratio, every layer in turn, each forward starting from the clean residual stream at its
+layer) and reports it in forward-equivalents against the (L + 1) / 2 its decoder layers need::
+
+    .venv/bin/python benchmarks/bench_faithfulness.py --per-layer --num-sequences 4 --lengths 128
 """
 
 from __future__ import annotations
@@ -81,6 +87,29 @@ def measure(model, tokenizer, texts, length, num_sequences, repeats, deduplicate
     }
 
 
+def measure_per_layer(model, tokenizer, texts, length, num_sequences, repeats):
+    """A per-layer sweep (contribution, comprehensiveness, r = 0.05, every layer) in clean forwards."""
+    from cwcore.faithfulness import layers as per_layer
+
+    blocks = lm_blocks(texts, tokenizer, block_size=length, num_blocks=num_sequences)
+    batch = next(lm_batches(blocks, num_sequences))
+    with torch.inference_mode():
+        model(**batch)
+    before_wall, before_cpu = clean_forward_times(model, batch, repeats)
+    start, cpu = time.perf_counter(), time.process_time()
+    per_layer.per_layer_curve(model, tokenizer, blocks, "contribution", [0.05], "comprehensiveness",
+                              batch_size=num_sequences, max_length=None)
+    sweep, sweep_cpu = time.perf_counter() - start, time.process_time() - cpu
+    after_wall, after_cpu = clean_forward_times(model, batch, repeats)
+    clean, clean_cpu = statistics.median(before_wall + after_wall), statistics.median(before_cpu + after_cpu)
+    n_layers = len(per_layer.decoder_layers(model))
+    return {"length": length, "sequences": num_sequences, "layers": n_layers,
+            "expected_forwards": per_layer.forward_equivalents(n_layers), "naive_forwards": n_layers,
+            "clean_forward_s": round(clean, 3), "sweep_s": round(sweep, 2), "forwards_wall": round(sweep / clean, 1),
+            "clean_forward_cpu_s": round(clean_cpu, 3), "sweep_cpu_s": round(sweep_cpu, 2),
+            "forwards_cpu": round(sweep_cpu / clean_cpu, 1)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -90,11 +119,17 @@ def main(argv=None) -> int:
                         help="sequences for the other lengths and for a second 128-token point (default: the same)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-no-dedup", action="store_true", help="do not also time deduplicate=False at 128")
+    parser.add_argument("--per-layer", action="store_true", help="time a per-layer sweep instead (see above)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
     texts = load_dataset("gsm8k")
     print(f"torch threads: {torch.get_num_threads()}", file=sys.stderr)
+    if args.per_layer:
+        for length in args.lengths:
+            print(json.dumps(measure_per_layer(model, tokenizer, texts, length, args.num_sequences, args.repeats)),
+                  flush=True)
+        return 0
     results = []
     plan = []
     for length in args.lengths:

@@ -44,7 +44,8 @@ from .sinks import claims as sink_claims
 __all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "RUNGS", "CLAIMS",
            "CHAPTERS", "CHAPTER_CLAIMS", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
            "sink_rate_claims", "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
-           "save_results", "load_results", "model_findings", "not_built"]
+           "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
+           "faithfulness_findings", "findings_csv"]
 
 RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
 
@@ -199,6 +200,90 @@ def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Findin
     return Finding("cosine_gain", verdict, text, rule)
 
 
+FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
+                        "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured"]
+
+#: the slice of chapter 4's ladder that the scoreboard judges (the other slices are in findings.csv)
+HEADLINE = {"protocol": "default", "importance": "signed", "range": "full"}
+
+
+def headline_ladder(ladder: pd.DataFrame) -> pd.DataFrame:
+    """The scoreboard's slice of a stacked ladder table: its first data set, the default protocol, signed
+    importance, the full ratio range (each where the table has the column; an older single-slice table
+    is returned as it is)."""
+    rows = ladder
+    if "data" in rows and len(rows):
+        rows = rows[rows["data"] == rows["data"].iloc[0]]
+    for column, value in HEADLINE.items():
+        if column in rows and (rows[column] == value).any():
+            rows = rows[rows[column] == value]
+    return rows
+
+
+def _step_row(r, mode: str) -> tuple[str, float, float, float, str]:
+    identical = _identical(r)
+    verdict = NOT_MEASURED if identical else _pair_verdict(r, mode)
+    return verdict, float(r["difference"]), float(r["ci_low"]), float(r["ci_high"]), \
+        ("identical ranking" if identical else verdict)
+
+
+def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
+    """Every faithfulness claim of chapter 4's stacked ladder table, one row per claim x data set x mode x
+    protocol x importance x ratio range (:data:`FAITHFULNESS_COLUMNS`).
+
+    Claims: each consecutive step of the ladder (``step 1->2``, ``step 2->3``, ``step 3->4``: the paired
+    AOPC difference, higher minus lower rung, with its interval, verdict and ``mde``, the smallest
+    difference the sample could detect), ``contribution beats random``, the combined ``ordering``
+    (:func:`ordering`) and the ``cosine_gain`` (:func:`cosine_gain`), whose estimate is left empty. A
+    step whose rungs ranked identically is *not measured* (estimate 0)."""
+    if ladder is None or ladder.empty:
+        return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+    ladder = ladder.copy()
+    for column, default in (("data", ""), ("protocol", "default"), ("importance", "signed"), ("range", "full")):
+        if column not in ladder:
+            ladder[column] = default
+    rows = []
+    keys = ["data", "protocol", "importance", "range", "mode"]
+    for key, part in ladder.groupby(keys, sort=False, dropna=False):
+        data, protocol, importance, rng, mode = key
+        base = {"model": model, "data": data, "mode": mode, "protocol": protocol, "importance": importance,
+                "range": rng, "profile": profile}
+        pairs = [(f"step {i + 1}->{i + 2}", a, b) for i, (a, b) in enumerate(zip(RUNGS, RUNGS[1:]))]
+        pairs.append(("contribution beats random", "random", "contribution"))
+        for claim, lower, higher in pairs:
+            found = part[(part["lower"] == lower) & (part["higher"] == higher)]
+            if found.empty:
+                rows.append({**base, "claim": claim, "verdict": NOT_MEASURED, "measured": "pair not in the table"})
+                continue
+            r = found.iloc[0]
+            verdict, est, low, high, shown = _step_row(r, mode)
+            rows.append({**base, "claim": claim, "verdict": verdict, "estimate": est, "ci_low": low, "ci_high": high,
+                         "n_units": int(r["n"]), "unit": r.get("sample_unit", "sequence"),
+                         "mde": float(r.get("mde", np.nan)),
+                         "measured": f"{lower}->{higher}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] {shown}"})
+        n = int(part["n"].max())
+        unit = part["sample_unit"].iloc[0] if "sample_unit" in part else "sequence"
+        for finding in (ordering(part, mode), cosine_gain(part, mode)):
+            rows.append({**base, "claim": finding.claim, "verdict": finding.verdict, "n_units": n, "unit": unit,
+                         "measured": finding.measured})
+    return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
+
+
+def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile: str | None = None) -> pd.DataFrame:
+    """The downloadable findings table: :func:`faithfulness_findings` of chapter 4's table for every
+    model (a model whose chapter 4 was not built gets one "not measured" row)."""
+    frames = []
+    for model in models:
+        got = load_results(results_dir, "04_faithfulness", model)
+        if got is None:
+            frames.append(pd.DataFrame([{"claim": "ordering", "model": model, "verdict": NOT_MEASURED,
+                                         "profile": profile, "measured": "chapter 4 was not built"}],
+                                       columns=FAITHFULNESS_COLUMNS))
+            continue
+        frames.append(faithfulness_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+
+
 # ------------------------------------------------------------------------------------------------
 # chapters 5-7: the sinks' claims tables
 # ------------------------------------------------------------------------------------------------
@@ -215,7 +300,8 @@ def sink_rate_claims(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.
     row = {"chapter": 5, "claim": SINK_RATES, "part": f"more than {majority:g} of the heads are sink heads",
            "statistic": f"share of heads with sink rate > {eps:g} (Sink_eps)", "key": "sink_eps",
            "estimate": est, "low": low, "high": high, "threshold": float(majority), "side": "above",
-           "n": len(rate), "verdict": stats.verdict(low, high, threshold=majority, side="above")}
+           "n": len(rate), "verdict": stats.verdict(low, high, threshold=majority, side="above"),
+           "why": "" if len(rate) else "no finite sink rate"}
     return pd.DataFrame([row], columns=sink_claims.COLUMNS)
 
 
@@ -228,13 +314,20 @@ def _part_verdict(row) -> str:
     return stats.verdict(row["low"], row["high"], threshold=row["threshold"], side=row["side"])
 
 
+def _why(row) -> str:
+    """What a claims row says the model lacked (its ``why``; "" if none, also in tables written without it)."""
+    why = row.get("why") if hasattr(row, "get") else None
+    return why if isinstance(why, str) and why and why != "nan" else ""
+
+
 def from_claims(claim: str, claims: pd.DataFrame) -> Finding:
     """The finding ``claim`` (a key of :data:`CHAPTER_CLAIMS`) from a claims table: the verdicts of the
     parts of its chapter claims combined by :func:`cwcore.stats.combine_verdicts`, with every part's
     estimate, interval and verdict as the measured text."""
     rows = claims[claims["claim"].isin(CHAPTER_CLAIMS[claim])]
     verdicts = [_part_verdict(r) for _, r in rows.iterrows()]
-    measured = "; ".join(f"{r['part']}: {_fmt(r['estimate'])} [{_fmt(r['low'])}, {_fmt(r['high'])}] {v}"
+    measured = "; ".join(f"{r['part']}: " + (f"{v}: {_why(r)}" if v == NOT_MEASURED and _why(r) else
+                                             f"{_fmt(r['estimate'])} [{_fmt(r['low'])}, {_fmt(r['high'])}] {v}")
                          for (_, r), v in zip(rows.iterrows(), verdicts))
     chapters = ", ".join(str(c) for c in dict.fromkeys(rows["chapter"])) or "5-7"
     rule = (f"chapter {chapters}: every part's 95% interval against its threshold on the claimed side, "
@@ -333,7 +426,8 @@ def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Fin
     if ladder is None:
         out += [not_built("ordering", "04_faithfulness"), not_built("cosine_gain", "04_faithfulness")]
     else:
-        out += [ordering(ladder.table, "comprehensiveness"), cosine_gain(ladder.table, "comprehensiveness")]
+        headline = headline_ladder(ladder.table)
+        out += [ordering(headline, "comprehensiveness"), cosine_gain(headline, "comprehensiveness")]
     claims = [r.table for c, r in found.items() if CHAPTERS[c] == "claims"]
     claims = pd.concat(claims, ignore_index=True) if claims else pd.DataFrame(columns=sink_claims.COLUMNS)
     for key in CHAPTER_CLAIMS:

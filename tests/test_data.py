@@ -412,3 +412,30 @@ def test_continuation_logprobs(tiny):
     flat = continuation_logprobs(torch.zeros(n, length, vocab), batch)
     counts = batch["continuation_mask"].sum(-1).float()
     assert torch.allclose(flat, -counts * math.log(vocab))
+
+
+def test_document_blocks_one_seeded_block_per_distinct_document(tiny):
+    words = "the a cat dog sat on mat and ran away".split()
+    # 150 documents of 1..13 words: some shorter than a block, all distinct
+    docs = [" ".join(words[(i + k) % len(words)] for k in range(1 + i % 13)) + f" {i % 7}" for i in range(150)]
+    ds = datasets.Dataset.from_dict({"text": docs})
+    blocks = data.document_blocks(ds, tiny, block_size=8, num_documents=20, seed=3)
+    assert len(blocks) == 20 and len(set(blocks["document"])) == 20
+    order = [int(i) for i in __import__("numpy").random.default_rng(3).permutation(len(docs))]
+    expected_docs, expected_ids = [], []
+    for i in order:  # the naive definition: visit in the seeded order, keep documents of >= 7 body tokens
+        ids = _ids(tiny, docs[i]) + [tiny.eos_token_id]
+        if len(ids) >= 7:
+            expected_docs.append(i)
+            expected_ids.append([tiny.bos_token_id] + ids[:7])
+    assert blocks["document"] == expected_docs[:20]
+    assert blocks["input_ids"] == expected_ids[:20]
+    assert all(m == [1] * 8 for m in blocks["attention_mask"])
+    # the same seed gives the same documents, another seed others; a longer list extends a shorter one
+    assert data.document_blocks(ds, tiny, 8, 20, seed=3)["input_ids"] == blocks["input_ids"]
+    assert data.document_blocks(ds, tiny, 8, 20, seed=4)["document"] != blocks["document"]
+    assert data.document_blocks(ds, tiny, 8, 5, seed=3)["document"] == blocks["document"][:5]
+    assert data.document_blocks(docs, tiny, 8, 20, seed=3)["input_ids"] == blocks["input_ids"]  # a list of strings
+    with pytest.warns(UserWarning):
+        every = data.document_blocks(ds, tiny, 8, 10_000, seed=3)
+    assert every["document"] == expected_docs

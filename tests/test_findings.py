@@ -131,3 +131,51 @@ def test_results_round_trip_and_missing_chapters_are_not_measured(tmp_path):
     nothing, _ = F.model_findings(tmp_path / "absent", model)
     assert {f.verdict for f in nothing} == {N}
     assert "chapter 4 was not built" in {f.claim: f for f in nothing}["ordering"].measured
+
+
+def _stacked_ladder():
+    """A chapter-4-style stacked ladder: two data sets x two protocols x one sign x two ranges."""
+    parts = []
+    for data in ("gsm8k", "web-text"):
+        for protocol, step23 in (("default", (0.0, 0.0, 0.0)), ("per-head", (-0.3, -0.4, -0.2))):
+            for rng, shift in (("low", 0.0), ("full", 1.0)):
+                lad = ladder([(0.2 + shift, 0.1 + shift, 0.3 + shift), step23, (0.4, -0.1, 0.9)])
+                parts.append(lad.assign(data=data, protocol=protocol, importance="signed", range=rng, n=12,
+                                        sample_unit="document", mde=0.25))
+    return pd.concat(parts, ignore_index=True)
+
+
+def test_faithfulness_findings_one_row_per_claim_and_slice():
+    table = F.faithfulness_findings(_stacked_ladder(), model="m", profile="smoke")
+    assert list(table.columns) == F.FAITHFULNESS_COLUMNS
+    # 2 data x 2 protocols x 2 ranges x 1 mode slices, 6 claims each (3 steps, random, ordering, cosine)
+    assert len(table) == 8 * 6
+    default = table[(table["protocol"] == "default") & (table["claim"] == "step 2->3")]
+    assert set(default["verdict"]) == {N} and (default["estimate"] == 0).all()
+    per_head = table[(table["protocol"] == "per-head") & (table["data"] == "gsm8k") & (table["range"] == "low")]
+    row = per_head.set_index("claim")
+    assert row.loc["step 2->3", "verdict"] == C and row.loc["step 2->3", "ci_high"] == -0.2
+    assert row.loc["step 3->4", "verdict"] == I  # the interval contains zero
+    assert row.loc["step 1->2", "verdict"] == stats.verdict(0.1, 0.3, side="above") == H
+    assert row.loc["ordering", "verdict"] == C and np.isnan(row.loc["ordering", "estimate"])
+    assert row.loc["step 1->2", "n_units"] == 12 and row.loc["step 1->2", "unit"] == "document"
+    assert row.loc["step 1->2", "mde"] == 0.25 and (table["profile"] == "smoke").all()
+    # the random pair is absent from the ladder: not measured, never dropped
+    assert set(table.loc[table["claim"] == "contribution beats random", "verdict"]) == {N}
+
+
+def test_headline_slice_and_findings_csv(tmp_path):
+    stacked = _stacked_ladder()
+    head = F.headline_ladder(stacked)
+    assert set(head["data"]) == {"gsm8k"} and set(head["protocol"]) == {"default"} and set(head["range"]) == {"full"}
+    assert len(head) == 4
+    F.save_results(book.results_path(tmp_path, "04_faithfulness", "m"), stacked, chapter="04_faithfulness",
+                   model="m", profile="smoke")
+    found, _ = F.model_findings(tmp_path, "m")
+    ordering = {f.claim: f for f in found}["ordering"]
+    # judged on the headline slice only: 1->2 holds (1.2 [1.1, 1.3]), 2->3 identical, 3->4 inconclusive
+    assert ordering.verdict == I and "1.2 [1.1, 1.3]" in ordering.measured
+    csv = F.findings_csv(tmp_path, ["m", "absent"], profile="smoke")
+    assert list(csv.columns) == F.FAITHFULNESS_COLUMNS
+    assert len(csv[csv["model"] == "m"]) == 48
+    assert csv[csv["model"] == "absent"]["verdict"].tolist() == [N]

@@ -17,7 +17,10 @@ Modules, one concept each: :mod:`~cwcore.faithfulness.protocol` (the choices bel
 :mod:`~cwcore.faithfulness.ranking` (candidates, ranks, removal masks), :mod:`~cwcore.faithfulness.sweep`
 (the engine: clean pass, points, cached pieces), :mod:`~cwcore.faithfulness.lm` and
 :mod:`~cwcore.faithfulness.downstream` (the two scorers), :mod:`~cwcore.faithfulness.summary`
-(curves, AOPC, ladder tests), :mod:`~cwcore.faithfulness.cli` (the command line).
+(curves, AOPC, ladder tests), :mod:`~cwcore.faithfulness.layers` (one layer at a time, from the
+clean residual stream), :mod:`~cwcore.faithfulness.evidence` (the book's main protocols, ratio
+ranges and importance signs, run on one sample of documents), :mod:`~cwcore.faithfulness.cli` (the
+command line).
 
 Protocol defaults (each a keyword argument) and why
 ----------------------------------------------------
@@ -62,7 +65,9 @@ Statistics
 ----------
 Per sequence: NLL = mean negative log-likelihood over its next-token predictions (position t predicts
 token t+1, both real), PPL = exp(NLL). Deltas are intervened minus clean, per sequence, then averaged.
-Confidence intervals are percentile bootstraps over sequences (:func:`cwcore.stats.bootstrap_ci`,
+Confidence intervals are percentile bootstraps over documents (a table with a ``document`` column, e.g.
+from :func:`cwcore.data.document_blocks`, is averaged over each document's blocks first: a cluster
+bootstrap; without the column each sequence is its own document) (:func:`cwcore.stats.bootstrap_ci`,
 ``n_bootstrap`` resamples drawn with ``numpy.random.default_rng(seed)``; the same resamples for every
 point, so intervals are comparable, paired and deterministic). Ladder verdicts use the project's one
 vocabulary (:func:`cwcore.stats.verdict`: holds / contradicted / inconclusive / not measured).
@@ -92,6 +97,7 @@ from .lm import faithfulness_curve
 from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, LADDER, MetricSpec, Protocol, parse_metric
 from .ranking import MODES, SCOPES, UNITS
 from .summary import aopc, ladder_comparison, summarize, summarize_downstream
+from . import evidence
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -111,5 +117,6 @@ __all__ = [
     "aopc",
     "ladder_comparison",
     "model_fingerprint",
+    "evidence",
     "main",
 ]

@@ -40,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="LM data sets (gsm8k, web-text, wikipedia, a path...) and/or mmlu, winogrande, boolq")
     parser.add_argument("--num-sequences", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--sampling", default="documents", choices=("documents", "stream"),
+                        help="documents: the first block of each of --num-sequences documents drawn with --seed "
+                             "(cwcore.data.document_blocks); stream: consecutive blocks of the data-set stream "
+                             "(cwcore.data.lm_blocks, how the tables before issue 12 were made)")
     parser.add_argument("--num-examples", type=int, default=100, help="examples per multiple-choice task")
     parser.add_argument("--max-length", type=int, default=512, help="multiple choice: context tokens kept")
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
@@ -76,7 +80,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tasks = [d for d in args.data if d in _MC_TASKS]
     for name in [d for d in args.data if d not in _MC_TASKS]:
         texts = data.load_dataset(name, seed=args.seed)
-        blocks = data.lm_blocks(texts, tokenizer, block_size=args.block_size, num_blocks=args.num_sequences)
+        if args.sampling == "documents":
+            blocks = data.document_blocks(texts, tokenizer, args.block_size, args.num_sequences, seed=args.seed)
+        else:
+            blocks = data.lm_blocks(texts, tokenizer, block_size=args.block_size, num_blocks=args.num_sequences)
         per_seq = faithfulness_curve(model, tokenizer, blocks, args.metrics, args.ratios, args.modes,
                                      batch_size=args.batch_size, max_length=None, per_sequence=True, **protocol)
         curve = summarize(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)

@@ -70,6 +70,16 @@ def sequence_nll(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
     return sums, counts
 
 
+def _documents(texts, n: int) -> list[int]:
+    """The document of each sequence: the ``document`` column of a Dataset of blocks
+    (:func:`cwcore.data.document_blocks`), else each sequence its own document."""
+    if isinstance(texts, datasets.Dataset) and "document" in texts.column_names:
+        return [int(d) for d in texts["document"]]
+    if isinstance(texts, dict) and "document" in texts:
+        return [int(d) for d in texts["document"]]
+    return list(range(n))
+
+
 def _lm_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
     def score(logits, batch, removed):
         sums, counts = sequence_nll(logits, batch)
@@ -134,7 +144,8 @@ def faithfulness_curve(
         construction.
     per_sequence
         return the per-sequence table (one row per sequence and point: ``sequence, nll, n_tokens,
-        n_removed, n_candidates, metric, kind, mode, ratio, clean_nll`` + protocol columns) instead of
+        n_removed, n_candidates, metric, kind, mode, ratio, clean_nll, document`` + protocol columns)
+        instead of
         the summary; :func:`summarize` turns it into the summary and :func:`aopc` gives bootstrap
         intervals from it.
     cache, cache_dir
@@ -165,6 +176,7 @@ def faithfulness_curve(
                                deduplicate, _lm_scorer)
     table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "sequence")
     table["clean_nll"] = table["sequence"].map(pd.concat(cleans).set_index("sequence")["nll"])
+    table["document"] = table["sequence"].map(dict(enumerate(_documents(texts, len(sequences)))))
     for key, value in protocol.columns().items():
         table[key] = value
     if per_sequence:

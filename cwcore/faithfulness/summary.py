@@ -5,6 +5,19 @@ Intervals are percentile bootstraps over sequences (or examples) from :mod:`cwco
 Every point, metric and mode of one table has the same units, so it is resampled with the same
 draws: intervals are comparable, deterministic and, for :func:`ladder_comparison`, paired.
 Verdicts use the project's one vocabulary (:func:`cwcore.stats.verdict`).
+
+Documents are the units. A per-sequence table with a ``document`` column (blocks from
+:func:`cwcore.data.document_blocks`) is first averaged over the blocks of each document, and the
+bootstrap resamples documents: a cluster bootstrap, so blocks cut from one document never count as
+independent evidence. With one block per document (the book's sampling) it is the bootstrap over
+sequences; tables without the column are treated as one document per sequence.
+
+Ratio ranges: :func:`aopc` and :func:`ladder_comparison` take ``max_ratio`` to summarise only the
+ratios up to it (the *low range*, where removal is still gentle), beside the full range.
+
+Power: every paired difference carries ``mde``, the smallest true difference its sample detects with
+80% power at the 5% level (:func:`cwcore.stats.min_detectable_effect` of the per-document standard
+deviation of the paired differences).
 """
 
 from __future__ import annotations
@@ -28,7 +41,8 @@ def _group_columns(frame: pd.DataFrame, exclude=()) -> list[str]:
 
 
 def _unit_column(frame: pd.DataFrame) -> str | None:
-    for column in ("sequence", "example"):
+    """The resampled unit: ``document`` when the table has it, else ``sequence`` / ``example``."""
+    for column in ("document", "sequence", "example"):
         if column in frame.columns:
             return column
     return None
@@ -62,12 +76,14 @@ def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: f
     ids = np.sort(frame["sequence"].unique())
     rows = []
     keys = _group_columns(frame)
+    clustered = "document" in frame and frame["document"].nunique() < len(ids)
     for key, group in frame.groupby(keys, sort=False, dropna=False):
         group = group.sort_values("sequence")
         if len(group) != len(ids) or not np.array_equal(group["sequence"].to_numpy(), ids):
             raise ValueError("every point needs every sequence")
-        d_ppl = _mean_interval(group["delta_ppl"].to_numpy(), n_bootstrap, confidence, seed)
-        d_nll = _mean_interval(group["delta_nll"].to_numpy(), n_bootstrap, confidence, seed)
+        units = group.groupby("document")[["delta_ppl", "delta_nll"]].mean() if clustered else group
+        d_ppl = _mean_interval(units["delta_ppl"].to_numpy(), n_bootstrap, confidence, seed)
+        d_nll = _mean_interval(units["delta_nll"].to_numpy(), n_bootstrap, confidence, seed)
         rows.append({
             **dict(zip(keys, key)),
             "delta_ppl": d_ppl.estimate, "ci_low": d_ppl.low, "ci_high": d_ppl.high,
@@ -75,6 +91,7 @@ def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: f
             "clean_ppl": float(group["clean_ppl"].mean()), "ppl": float(group["ppl"].mean()),
             "removed_fraction": float(group["n_removed"].sum() / max(group["n_candidates"].sum(), 1)),
             "n_sequences": len(group),
+            **({"n_documents": int(group["document"].nunique())} if "document" in group else {}),
         })
     return pd.DataFrame(rows)
 
@@ -124,17 +141,28 @@ def curve_mean(ratios, values) -> np.ndarray:
     return stats.trapezoid_mean(ratios, values, axis=-1)
 
 
+def _in_range(frame: pd.DataFrame, max_ratio: float | None) -> pd.DataFrame:
+    if max_ratio is None:
+        return frame
+    kept = frame[frame["ratio"] <= max_ratio + 1e-12]
+    if kept.empty:
+        raise ValueError(f"no ratio <= max_ratio={max_ratio:g} was measured")
+    return kept
+
+
 def _per_unit_curves(frame: pd.DataFrame, value: str, keys: list[str]):
-    """{group key: (ratios [r], units [n], matrix [n, r])} from a per-sequence/per-example table."""
+    """{group key: (ratios [r], units [n], matrix [n, r])} from a per-sequence/per-example table
+    (rows of one document averaged: the unit is the document when the table has the column)."""
     unit = _unit_column(frame)
     out = {}
     for key, group in frame.groupby(keys, sort=False, dropna=False):
-        pivot = group.pivot_table(index=unit, columns="ratio", values=value).sort_index()
+        pivot = group.pivot_table(index=unit, columns="ratio", values=value, aggfunc="mean").sort_index()
         out[key] = (pivot.columns.to_numpy(dtype=np.float64), pivot.index.to_numpy(), pivot.to_numpy())
     return out
 
 
-def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
+def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
+         max_ratio: float | None = None) -> pd.DataFrame:
     """Area over the perturbation curve per metric and mode.
 
     AOPC = (1 / r_max) * integral_0^{r_max} delta(r) dr by the trapezoid rule over the measured
@@ -146,8 +174,11 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
     ``frame`` is either a summary (:func:`~cwcore.faithfulness.faithfulness_curve`,
     :func:`~cwcore.faithfulness.downstream_eval`): point estimates only, intervals NaN; or a
     per-sequence / per-example table (``per_sequence=True``): then ``*_ci_low``/``*_ci_high`` are
-    bootstrap intervals over sequences (the same resamples for every metric, so intervals are paired).
+    bootstrap intervals over documents (the same resamples for every metric, so intervals are paired).
+    ``max_ratio``: only the ratios up to it (r_max is then the largest measured ratio <= max_ratio);
+    the column ``r_max`` says which range a row covers.
     """
+    frame = _in_range(frame, max_ratio)
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio",))
     rows = []
@@ -161,6 +192,7 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
                     row[name] = float(curve_mean(r, group[value].to_numpy(dtype=np.float64)))
                     row[f"{name}_ci_low"] = row[f"{name}_ci_high"] = np.nan
             row["n_ratios"] = len(r)
+            row["r_max"] = float(r[-1])
             rows.append(row)
         return pd.DataFrame(rows)
     frame = _with_deltas(frame)
@@ -178,7 +210,11 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
         out[f"{name}_ci_low"] = wide[("low", name)]
         out[f"{name}_ci_high"] = wide[("high", name)]
     out = out.reset_index()
-    return out.rename(columns={"n": "n_sequences" if unit == "sequence" else "n_examples"})
+    out["r_max"] = float(frame["ratio"].max())
+    out = out.rename(columns={"n": {"sequence": "n_sequences", "document": "n_documents"}.get(unit, "n_examples")})
+    if unit == "document":
+        out.insert(list(out.columns).index("n_documents"), "n_sequences", int(frame["sequence"].nunique()))
+    return out
 
 
 def _default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
@@ -202,6 +238,7 @@ def ladder_comparison(
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    max_ratio: float | None = None,
 ) -> pd.DataFrame:
     """Paired bootstrap differences of AOPC between metrics, per mode (and task).
 
@@ -214,8 +251,15 @@ def ladder_comparison(
     ``"contradicted"`` when the interval lies entirely on the claimed / the opposite side,
     ``"inconclusive"`` when it touches 0 (two identically ranked rungs: difference and interval
     exactly 0), ``"not measured"`` without an interval (one unit).
+
+    ``max_ratio`` restricts the AOPC to the ratios up to it (column ``r_max``). Power columns:
+    ``sd`` (standard deviation of the per-document paired differences), ``mde``
+    (:func:`cwcore.stats.min_detectable_effect`: the smallest true difference this sample detects with
+    80% power in a two-sided 5% test) and ``sample_unit`` (what ``n`` counts: documents, sequences or
+    examples).
     """
-    frame = _with_deltas(per_unit)
+    frame = _with_deltas(_in_range(per_unit, max_ratio))
+    unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
     labels = list(dict.fromkeys(frame["metric"]))
     if pairs is None:
@@ -238,9 +282,11 @@ def ladder_comparison(
                 raise ValueError("metrics were measured on different sequences")
             difference = stats.paired_bootstrap_ci(b, a, np.mean, n_resamples=n_bootstrap, confidence=confidence,
                                                    seed=seed)
+            sd = float(np.std(b - a, ddof=1)) if len(units) > 1 else np.nan
             rows.append({**dict(zip(keys, key)), "lower": lower, "higher": higher, "value": value,
                          "aopc_lower": float(a.mean()), "aopc_higher": float(b.mean()),
                          "difference": difference.estimate, "ci_low": difference.low, "ci_high": difference.high,
                          "verdict": stats.verdict(difference.low, difference.high, threshold=0.0, side=side),
-                         "n": len(units)})
+                         "n": len(units), "sample_unit": unit, "sd": sd,
+                         "mde": stats.min_detectable_effect(sd, len(units)), "r_max": float(frame["ratio"].max())})
     return pd.DataFrame(rows)

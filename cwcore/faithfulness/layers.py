@@ -1,0 +1,154 @@
+"""Per-layer interventions: remove a metric's terms in one layer at a time, :func:`per_layer_curve`.
+
+Each intervened forward for layer l starts from the clean residual stream entering decoder layer l:
+the clean pass records every decoder layer's output (a forward hook), and while layer l is intervened
+the decoder layers before it return their recorded clean output instead of computing (their
+``forward`` is replaced for that call only). Layers l..L-1, the final norm and the head run as usual,
+so layer l costs about (L - l) / L of a forward (plus the embedding and the head) and a sweep over all
+L layers about (L + 1) / 2 forwards per (metric, mode, ratio) point instead of L.
+
+The decoder layers are found generically (:func:`decoder_layers`): the ``nn.ModuleList`` whose
+elements each hold exactly one of the model's attention blocks, in order. With an empty mask the
+skipped forward is bit-identical to a full forward (tested), and layer l's result is that of a full
+forward with ``layers=[l]`` (tested against :func:`~cwcore.faithfulness.faithfulness_curve`).
+Scores come from the clean run (``scores="clean"``); the rest of the protocol is :class:`Protocol`'s.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Sequence
+
+import pandas as pd
+import torch
+from torch import nn
+
+from ..core.architectures import attention_blocks
+from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
+from .protocol import Protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .ranking import removal_mask
+from .summary import aopc
+from .sweep import Sweep, canonical_order, pad_batch
+
+__all__ = ["decoder_layers", "skip_to", "per_layer_curve", "per_layer_aopc", "forward_equivalents"]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The ``nn.ModuleList`` of decoder layers: each element holds exactly one attention block, in the
+    order of :func:`cwcore.core.architectures.attention_blocks`."""
+    blocks = [b.module for b in attention_blocks(model)]
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) != len(blocks):
+            continue
+        held = []
+        for element in module:
+            inside = [i for i, b in enumerate(blocks) if any(m is b for m in element.modules())]
+            held.append(inside)
+        if all(h == [i] for i, h in enumerate(held)):
+            return module
+    raise ValueError("cannot find the decoder layers: no ModuleList holds one attention block per element")
+
+
+@contextmanager
+def skip_to(layers: nn.ModuleList, start: int, outputs: Sequence):
+    """Inside the block, decoder layers ``< start`` return ``outputs[i]`` (their recorded clean output)
+    instead of computing."""
+    saved = []
+    try:
+        for i in range(start):
+            layer = layers[i]
+            saved.append((layer, layer.__dict__.get("forward")))
+            layer.forward = (lambda out: (lambda *args, **kwargs: out))(outputs[i])
+        yield
+    finally:
+        for layer, original in saved:
+            if original is None:
+                del layer.forward
+            else:
+                layer.forward = original
+
+
+def _record_outputs(layers: nn.ModuleList):
+    outputs: list = [None] * len(layers)
+    handles = [layer.register_forward_hook(lambda mod, args, out, i=i: outputs.__setitem__(i, out))
+               for i, layer in enumerate(layers)]
+    return outputs, handles
+
+
+def forward_equivalents(num_layers: int, layers: Iterable[int] | None = None) -> float:
+    """Decoder-layer work of a per-layer sweep over ``layers`` (default all), in full forwards per point:
+    sum of (L - l) / L (embedding and head not counted)."""
+    chosen = range(num_layers) if layers is None else list(layers)
+    return float(sum((num_layers - l) / num_layers for l in chosen))
+
+
+def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None, mode=None, *,
+                    layers: Iterable[int] | None = None, unit: str = "head_key", scope: str = "row",
+                    keep_first_token: bool = True, kind: str = "inter", importance: str = "signed", seed: int = 0,
+                    batch_size: int = 16, max_length: int | None = 128, padding_side: str = "right",
+                    progress: bool = False) -> pd.DataFrame:
+    """Per-sequence table like :func:`~cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``)
+    with a ``layer`` column: each row's terms were removed in that one layer only. ``layers``: which
+    layers to intervene in (default all); every layer is ranked as under the full protocol."""
+    protocol = Protocol(unit, scope, None, keep_first_token, "clean", kind, importance, seed)
+    specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
+    sequences = _lm_sequences(texts, tokenizer, max_length)
+    documents = _documents(texts, len(sequences))
+    pad = pad_id(tokenizer)
+    stack = decoder_layers(model)
+    n_layers = len(stack)
+    chosen = list(range(n_layers)) if layers is None else sorted({int(l) for l in layers})
+    batches = [pad_batch(i // batch_size, sequences[i:i + batch_size],
+                         list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side)
+               for i in range(0, len(sequences), batch_size)]
+    sweep = Sweep(model, specs, modes, ratio_list, protocol, None, progress, len(batches))
+    scorer = _lm_scorer({b.index: sweep.candidate_terms(b) for b in batches})
+    frames = []
+    try:
+        for batch in batches:
+            candidates = sweep.candidates(batch)
+            outputs, handles = _record_outputs(stack)
+            try:
+                logits, buckets, _ = sweep.clean_pass(batch, specs, candidates)
+            finally:
+                for h in handles:
+                    h.remove()
+            clean = scorer(logits, batch, torch.zeros(batch.input_ids.shape[0], dtype=torch.long))
+            del logits
+            layer_scope = scope == "layer"
+            for layer in chosen:
+                for spec in specs:
+                    for m in modes:
+                        for ratio in ratio_list:
+                            if ratio == 0:
+                                frame = clean.copy()
+                            else:
+                                t = sweep.nonzero.index(ratio)
+                                bucket = buckets[spec.label][layer][m]
+                                mask = removal_mask(bucket, t, candidates[layer] if layer_scope else None)
+                                # a mask shared by the heads ([b, 1, q, k]) removes the term from each head
+                                removed = mask.flatten(1).sum(-1).long() * (sweep.heads // mask.shape[1])
+                                with skip_to(stack, layer, outputs):
+                                    logits = sweep._forward(batch, {layer: mask})
+                                frame = scorer(logits, batch, removed)
+                            frames.append(frame.assign(metric=spec.label, kind=spec.kind, mode=m, ratio=ratio,
+                                                       layer=layer, clean_nll=clean["nll"].to_numpy()))
+    finally:
+        sweep.close()
+    table = pd.concat(frames, ignore_index=True)
+    table = pd.concat([canonical_order(g, specs, modes, "sequence") for _, g in table.groupby("layer", sort=True)],
+                      ignore_index=True)
+    table["document"] = table["sequence"].map(dict(enumerate(documents)))
+    for key, value in protocol.columns().items():
+        if key != "layers":
+            table[key] = value
+    return table
+
+
+def per_layer_aopc(per_layer: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0,
+                   max_ratio: float | None = None) -> pd.DataFrame:
+    """:func:`~cwcore.faithfulness.aopc` of each layer's curves (column ``layer``), intervals over documents."""
+    parts = [aopc(g.drop(columns="layer").assign(layers=str(layer)), n_bootstrap=n_bootstrap, seed=seed,
+                  max_ratio=max_ratio).assign(layer=layer)
+             for layer, g in per_layer.groupby("layer", sort=True)]
+    return pd.concat(parts, ignore_index=True)

@@ -1,0 +1,53 @@
+"""Per-layer interventions: the skipped forward starts from the clean residual stream (bit-identical on
+an empty mask), and layer l's rows are those of a full forward that intervenes in layer l only."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from cwcore import faithfulness as fa
+from cwcore.faithfulness import layers as pl
+from cwcore.faithfulness.sweep import pad_batch, Sweep
+from cwcore.faithfulness.protocol import Protocol
+
+
+def test_decoder_layers_are_found_generically(peaked):
+    model, _ = peaked
+    stack = pl.decoder_layers(model)
+    assert stack is model.model.layers
+    assert pl.forward_equivalents(2) == pytest.approx(1.5)
+    assert pl.forward_equivalents(30) == pytest.approx(15.5)
+
+
+def test_skipped_forward_is_bit_identical_on_an_empty_mask(peaked):
+    model, ids = peaked
+    stack = pl.decoder_layers(model)
+    batch = pad_batch(0, ids[:4].tolist(), [0, 1, 2, 3], 0, "right")
+    sweep = Sweep(model, [], ["comprehensiveness"], [0.5], Protocol(), None, False, 1)
+    outputs, handles = pl._record_outputs(stack)
+    full = sweep._forward(batch)
+    for h in handles:
+        h.remove()
+    for start in range(len(stack) + 1):
+        empty = torch.zeros(4, 1, ids.shape[1], ids.shape[1], dtype=torch.bool)
+        with pl.skip_to(stack, start, outputs):
+            skipped = sweep._forward(batch, {min(start, len(stack) - 1): empty})
+        assert torch.equal(skipped, full)
+    assert "forward" not in stack[0].__dict__  # restored
+
+
+def test_per_layer_rows_equal_full_forwards_on_one_layer(peaked):
+    model, ids = peaked
+    kw = dict(batch_size=5)
+    table = pl.per_layer_curve(model, None, ids, ["attention", "contribution", "random"], [0.2, 0.5], **kw)
+    assert set(table["layer"]) == {0, 1}
+    for layer in (0, 1):
+        full = fa.faithfulness_curve(model, None, ids, ["attention", "contribution", "random"], [0.2, 0.5],
+                                     layers=[layer], per_sequence=True, cache=False, progress=False, **kw)
+        mine = table[table.layer == layer].reset_index(drop=True)
+        for column in ("sequence", "metric", "mode", "ratio", "nll", "clean_nll", "n_removed"):
+            pd.testing.assert_series_equal(mine[column], full[column], check_dtype=False)
+    areas = pl.per_layer_aopc(table, n_bootstrap=100)
+    assert set(areas["layer"]) == {0, 1} and (areas["n_documents"] == len(ids)).all()
