@@ -318,9 +318,8 @@ class AttentionSession:
 
     def on_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """attention_forward's output ``[batch, query, head, dim]``, kept until the projection reads it."""
-        block = self._by_module.get(id(module))
-        if self.verify and block is not None and block.layer in self.layers:
-            self._outputs[block.layer] = output
+        if self.verify and self.touches(module):  # a set lookup: this runs for every attention call
+            self._outputs[self._by_module[id(module)].layer] = output
 
     # -- verification: hooks on the output projections of the touched layers --------------------------
     def attach(self) -> None:

@@ -39,6 +39,14 @@ def removal(mask: LayerMask) -> Transform:
     return remove
 
 
+def _merged(first: Mapping[int, list], second: Mapping | None) -> dict[int, list]:
+    """``{layer: first[layer] + second[layer]}``; ``second``'s values may be one function or a list."""
+    merged = {layer: list(functions) for layer, functions in first.items()}
+    for layer, functions in dict(second or {}).items():
+        merged.setdefault(layer, []).extend([functions] if callable(functions) else functions)
+    return merged
+
+
 @contextlib.contextmanager
 def intervene(
     model: nn.Module,
@@ -79,16 +87,9 @@ def intervene(
     def keep(call: LayerCall) -> None:
         recorded[call.layer] = LayerDecomposition.from_call(call)
 
-    all_transforms: dict[int, list] = {}
-    for layer, mask in dict(masks).items():
-        all_transforms.setdefault(layer, []).append(removal(mask))
-    for layer, functions in dict(transforms or {}).items():
-        all_transforms.setdefault(layer, []).extend([functions] if callable(functions) else functions)
-    all_observers: dict[int, list] = {}
-    for layer in ([] if record is None else check_layers(record, num_layers, argument="record")):
-        all_observers.setdefault(layer, []).append(keep)
-    for layer, functions in dict(observers or {}).items():
-        all_observers.setdefault(layer, []).extend([functions] if callable(functions) else functions)
+    kept = {} if record is None else {layer: [keep] for layer in check_layers(record, num_layers, argument="record")}
+    all_transforms = _merged({layer: [removal(mask)] for layer, mask in masks.items()}, transforms)
+    all_observers = _merged(kept, observers)
     key_valid = None if attention_mask is None else attention_mask.bool()
     session = AttentionSession(model, observers=all_observers, transforms=all_transforms, key_valid=key_valid,
                                compute_dtype=compute_dtype)
