@@ -70,18 +70,21 @@ def attention_forward(
     value = _repeat_heads(value, groups)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
-    if softcap is not None:
-        probs = torch.tanh(probs / softcap) * softcap
     if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
         # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it
         q_len, k_len = query.shape[2], key.shape[2]
         attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
-        else:
-            probs = probs + attention_mask[..., : key.shape[-2]]
+    if softcap is None and query.dtype in _FUSED_DTYPES:
+        probs = _masked_scores(query, key, attention_mask, scaling)
+    else:
+        probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
+        if softcap is not None:
+            probs = torch.tanh(probs / softcap) * softcap
+        if attention_mask is not None:
+            if attention_mask.dtype == torch.bool:
+                probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
+            else:
+                probs = probs + attention_mask[..., : key.shape[-2]]
     sink_mass = None
     if s_aux is not None:  # GPT-OSS's eager arithmetic, step for step
         sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
@@ -97,7 +100,9 @@ def attention_forward(
         probs = session.on_attention(module, probs, value, sink_mass)
     probs = probs.to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
-    output = torch.matmul(probs, value)
+    output = session.computed_output(module, probs, value) if session is not None else None
+    if output is None:
+        output = torch.matmul(probs, value)
     output = output.transpose(1, 2).contiguous()
     if session is not None:
         session.on_output(module, output)
@@ -141,6 +146,47 @@ AttentionInterface.register(ATTENTION_NAME, attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
 
 
+#: Dtypes whose scores are computed in one fused pass (:func:`_masked_scores`). Their range makes
+#: "score + finfo.min" equal to finfo.min, so the additive mask equals eager's masked_fill; float16 is
+#: left on eager's own arithmetic (its min is -65504: a score added to it could shift or overflow).
+_FUSED_DTYPES = (torch.float32, torch.float64)
+
+
+def _masked_scores(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                   scaling: float) -> torch.Tensor:
+    """``scaling * query key^T + mask`` ``[batch, head, query, key]`` in one pass per batch row.
+
+    Eager computes the product, then scales it, then masks it: three passes over an attention-sized
+    tensor. ``baddbmm`` writes the mask once and accumulates the scaled product onto it. A boolean mask
+    becomes an additive one (0 or finfo.min, built once per batch row, not per head); in float32/64
+    ``score + finfo.min`` rounds to finfo.min, so masked scores equal eager's ``masked_fill`` exactly.
+    """
+    batch, heads, q_len, dim = query.shape
+    k_len = key.shape[-2]
+    key_t = key.transpose(2, 3)
+    if attention_mask is None:
+        return torch.matmul(query, key_t).mul_(scaling)
+    if attention_mask.dtype == torch.bool:
+        additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        additive.masked_fill_(~attention_mask, torch.finfo(query.dtype).min)
+    else:
+        additive = attention_mask[..., :k_len].to(query.dtype)
+    additive = additive.reshape((1,) * (4 - additive.dim()) + tuple(additive.shape))
+
+    def row_scores(row: int, out=None) -> torch.Tensor:
+        mask_row = additive[row if additive.shape[0] > 1 else 0].expand(heads, q_len, k_len)  # [head, query, key]
+        return torch.baddbmm(mask_row, query[row], key_t[row], alpha=scaling, out=out)
+
+    if batch == 1:
+        return row_scores(0)[None]
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or additive.requires_grad):
+        return torch.stack([row_scores(row) for row in range(batch)])  # out= does not support autograd
+    scores = torch.empty(batch, heads, q_len, k_len, dtype=query.dtype, device=query.device)
+    for row in range(batch):
+        row_scores(row, out=scores[row])
+    return scores
+
+
 class LayerCall:
     """One attention layer inside one forward pass, as transforms and observers see it.
 
@@ -162,6 +208,7 @@ class LayerCall:
         self.key_valid = key_valid
         self.compute_dtype = compute_dtype
         self._geometry: HeadSpaceGeometry | None = None
+        self._mixed_is_output = False
 
     @property
     def probs(self) -> torch.Tensor:
@@ -201,6 +248,8 @@ class LayerCall:
         alpha = self._probs.detach().to(dtype)
         values = self.value.detach().to(dtype)
         valid = self.valid_keys()
+        if valid is not None and bool(valid.all()):
+            valid = None  # no padding: nothing to mask (and no copy of alpha)
         if valid is not None and alpha.shape[-1] == alpha.shape[-2]:
             # Padded queries are not tokens: make that explicit instead of reporting garbage rows.
             alpha = alpha.masked_fill(~valid[:, None, :, None], float("nan"))
@@ -208,7 +257,20 @@ class LayerCall:
         geometry = head_space_geometry(alpha, values, w_o)
         if valid is not None:
             geometry.value_norm = geometry.value_norm.masked_fill(~valid[:, None, :], float("nan"))
+        # alpha and values are the layer's own tensors (no cast, no masking): the mixed values are then
+        # exactly the layer's alpha @ V, which attention_forward reuses instead of computing it again
+        self._mixed_is_output = (alpha.dtype == self._probs.dtype and values.dtype == self.value.dtype
+                                 and not (self._probs.requires_grad or self.value.requires_grad)
+                                 and alpha.data_ptr() == self._probs.data_ptr()
+                                 and values.data_ptr() == self.value.data_ptr())
         return geometry
+
+    def layer_output(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        """``probs @ value`` ``[batch, head, query, dim]`` when the geometry already holds it (computed from
+        these very tensors), else None."""
+        if self._geometry is None or not self._mixed_is_output or probs is not self._probs or value is not self.value:
+            return None
+        return self._geometry.mixed
 
 
 #: Reads a layer (records it, collects statistics); must not change ``call.probs``.
@@ -277,6 +339,7 @@ class AttentionSession:
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
+        self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
         self._hooks: list = []
 
@@ -314,7 +377,14 @@ class AttentionSession:
             observer(call)
         if self.verify and call.geometry_computed:
             self._calls[block.layer] = call
+        if call.geometry_computed:
+            self._last_call[id(module)] = call
         return call.probs
+
+    def computed_output(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
+        """The layer's ``probs @ value`` if an observer's geometry already computed it, else None."""
+        call = self._last_call.pop(id(module), None) if self._last_call else None
+        return None if call is None else call.layer_output(probs, value)
 
     def on_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """attention_forward's output ``[batch, query, head, dim]``, kept until the projection reads it."""
@@ -351,6 +421,7 @@ class AttentionSession:
         self._hooks.clear()
         self._outputs.clear()
         self._calls.clear()
+        self._last_call.clear()
         self._runs.clear()
 
     def _check_input(self, block: AttentionBlock):
