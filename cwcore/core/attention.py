@@ -1,7 +1,11 @@
 """One attention function for measurement and intervention, plugged in through transformers' interface.
 
 :func:`attention_forward` follows the eager implementation's arithmetic exactly (same matmul, mask
-addition and float32 softmax), so a model run through it gives the same outputs as ``eager``. While an
+addition and float32 softmax), so a model configured ``eager`` gives the same outputs through it. A
+model configured for SDPA, whose outputs are SDPA's and not eager's bits anyway, runs its untouched
+layers through SDPA and computes the softmax of its touched layers a block of queries at a time
+(:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
+skipping keys that a causal mask hides from a whole block). While an
 :class:`AttentionSession` is active, each attention layer's post-softmax probabilities pass through
 the session's *transforms* (which may change them, e.g. zero terms alpha^h_ij v~^h_j without
 renormalising) and are then shown to its *observers* (which read them, e.g. to record the layer's
@@ -74,8 +78,9 @@ def attention_forward(
         # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it
         q_len, k_len = query.shape[2], key.shape[2]
         attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    if softcap is None and query.dtype in _FUSED_DTYPES:
-        probs = _masked_scores(query, key, attention_mask, scaling)
+    sink_mass = None
+    if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
+        probs = _probs_in_chunks(query, key, attention_mask, scaling)
     else:
         probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
         if softcap is not None:
@@ -85,17 +90,16 @@ def attention_forward(
                 probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
             else:
                 probs = probs + attention_mask[..., : key.shape[-2]]
-    sink_mass = None
-    if s_aux is not None:  # GPT-OSS's eager arithmetic, step for step
-        sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
-        combined = torch.cat([probs, sinks.to(probs.dtype)], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        combined = nn.functional.softmax(combined, dim=-1, dtype=combined.dtype)
-        probs = combined[..., :-1].float()
-        sink_mass = combined[..., -1].float()
-        del combined
-    else:
-        probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
+        if s_aux is not None:  # GPT-OSS's eager arithmetic, step for step
+            sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[-2], -1)
+            combined = torch.cat([probs, sinks.to(probs.dtype)], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            combined = nn.functional.softmax(combined, dim=-1, dtype=combined.dtype)
+            probs = combined[..., :-1].float()
+            sink_mass = combined[..., -1].float()
+            del combined
+        else:
+            probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
     if session is not None:
         probs = session.on_attention(module, probs, value, sink_mass)
     probs = probs.to(query.dtype)
@@ -146,45 +150,72 @@ AttentionInterface.register(ATTENTION_NAME, attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
 
 
-#: Dtypes whose scores are computed in one fused pass (:func:`_masked_scores`). Their range makes
-#: "score + finfo.min" equal to finfo.min, so the additive mask equals eager's masked_fill; float16 is
-#: left on eager's own arithmetic (its min is -65504: a score added to it could shift or overflow).
-_FUSED_DTYPES = (torch.float32, torch.float64)
+#: :func:`_probs_in_chunks` computes the scores of at most QUERY_BLOCK queries (all heads), and at most
+#: CHUNK_ELEMENTS scores (32 MiB in float32), at a time: memory then holds the probabilities and one
+#: block, whatever the length, and a causal mask lets each block skip the keys after its last query.
+QUERY_BLOCK = 256
+CHUNK_ELEMENTS = 1 << 23
 
 
-def _masked_scores(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                   scaling: float) -> torch.Tensor:
-    """``scaling * query key^T + mask`` ``[batch, head, query, key]`` in one pass per batch row.
+def _chunkable(query: torch.Tensor, key: torch.Tensor, softcap, s_aux) -> bool:
+    """Whether :func:`_probs_in_chunks` computes this call (float32, no softcap, no sink logits, no autograd)."""
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    return query.dtype == torch.float32 and softcap is None and s_aux is None and not needs_grad
 
-    Eager computes the product, then scales it, then masks it: three passes over an attention-sized
-    tensor. ``baddbmm`` writes the mask once and accumulates the scaled product onto it. A boolean mask
-    becomes an additive one (0 or finfo.min, built once per batch row, not per head); in float32/64
-    ``score + finfo.min`` rounds to finfo.min, so masked scores equal eager's ``masked_fill`` exactly.
+
+def _probs_in_chunks(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """``softmax(scaling * query key^T + mask)`` ``[batch, head, query, key]`` (float32), a block of queries
+    at a time.
+
+    The same arithmetic as eager (scores, masked scores at finfo.min, float32 softmax) without its
+    attention-sized temporaries: each block's scores are written once (``baddbmm`` puts an additive mask
+    and the scaled product in one pass) and its softmax goes straight into the returned tensor. Keys
+    that every row of a block masks (the future, under a causal mask) are not computed: their
+    probability is exactly 0, as eager's softmax of finfo.min gives, unless a row of the block masks
+    every key (eager then spreads it uniformly), in which case the block keeps every key; likewise the
+    keys before a sliding window.
     """
-    batch, heads, q_len, dim = query.shape
+    batch, heads, q_len, _ = query.shape
     k_len = key.shape[-2]
+    minimum = torch.finfo(torch.float32).min
+    allowed = None  # [batch or 1, head or 1, query, key] bool
+    additive = None
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            allowed = attention_mask
+        else:
+            additive = attention_mask[..., :k_len].to(torch.float32)
+            allowed = additive > minimum
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        if additive is not None:
+            additive = additive.reshape(allowed.shape)
+    probs = torch.empty(batch, heads, q_len, k_len, dtype=torch.float32, device=query.device)
+    rows = max(1, min(QUERY_BLOCK, CHUNK_ELEMENTS // max(1, heads * k_len)))
     key_t = key.transpose(2, 3)
-    if attention_mask is None:
-        return torch.matmul(query, key_t).mul_(scaling)
-    if attention_mask.dtype == torch.bool:
-        additive = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
-        additive.masked_fill_(~attention_mask, torch.finfo(query.dtype).min)
-    else:
-        additive = attention_mask[..., :k_len].to(query.dtype)
-    additive = additive.reshape((1,) * (4 - additive.dim()) + tuple(additive.shape))
-
-    def row_scores(row: int, out=None) -> torch.Tensor:
-        mask_row = additive[row if additive.shape[0] > 1 else 0].expand(heads, q_len, k_len)  # [head, query, key]
-        return torch.baddbmm(mask_row, query[row], key_t[row], alpha=scaling, out=out)
-
-    if batch == 1:
-        return row_scores(0)[None]
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or additive.requires_grad):
-        return torch.stack([row_scores(row) for row in range(batch)])  # out= does not support autograd
-    scores = torch.empty(batch, heads, q_len, k_len, dtype=query.dtype, device=query.device)
-    for row in range(batch):
-        row_scores(row, out=scores[row])
-    return scores
+    for b in range(batch):
+        mask_b = None if allowed is None else allowed[b if allowed.shape[0] > 1 else 0]  # [head or 1, q, k]
+        bias_b = None if additive is None else additive[b if additive.shape[0] > 1 else 0]
+        for start in range(0, q_len, rows):
+            stop = min(q_len, start + rows)
+            first, limit = 0, k_len
+            if mask_b is not None:
+                block = mask_b[:, start:stop]
+                if bool(block.any(-1).all()):  # no row masks every key: drop the keys all rows mask
+                    columns = block.any(1).any(0).nonzero()
+                    first, limit = int(columns[0]), int(columns[-1]) + 1
+            q_block, keys = query[b, :, start:stop], key_t[b, :, :, first:limit]
+            if bias_b is not None:
+                scores = torch.baddbmm(bias_b[:, start:stop, first:limit], q_block, keys, alpha=scaling)
+            else:
+                scores = torch.matmul(q_block, keys).mul_(scaling)
+                if mask_b is not None:
+                    scores.masked_fill_(~mask_b[:, start:stop, first:limit], minimum)
+            target = probs[b, :, start:stop]  # [head, block, key]
+            torch.softmax(scores, -1, out=target[..., first:limit])
+            target[..., :first] = 0.0
+            target[..., limit:] = 0.0
+    return probs
 
 
 class LayerCall:
@@ -336,6 +367,7 @@ class AttentionSession:
         self.verify = verify
         self.allow_fast_path = allow_fast_path
         self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
+        self.blockwise = False  # set by cwcore_attention: recorded layers use _probs_in_chunks
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
@@ -511,6 +543,10 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
     previous = [c._attn_implementation_internal if hasattr(c, "_attn_implementation_internal") else c._attn_implementation for c in configs]
     if session is not None:
         session.fast_path = _fast_path(previous, session)
+        # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
+        # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)
+        names = {p for p in previous if p is not None}
+        session.blockwise = len(names) == 1 and names <= set(FAST_IMPLEMENTATIONS)
     for config in configs:
         config._attn_implementation_internal = ATTENTION_NAME
     if session is not None:

@@ -57,3 +57,32 @@ def test_no_fast_path_for_eager_models_and_when_every_layer_is_touched():
     with attention.cwcore_attention(model, session):
         assert session.fast_path is not None
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, monkeypatch):
+    """A model configured for SDPA gets its recorded layers' softmax a block of queries at a time (keys every
+    row of a block masks are skipped); blocks of 3 queries here, so causal, padded and sliding-window
+    blocks all occur. Against the same model configured eager (eager's own arithmetic): probabilities to
+    float32 rounding, exact zeros where eager has them, and every output within the self-check's tolerance."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 3)
+    mask = torch.ones_like(IDS)
+    if padded:
+        mask[1, :4] = 0
+    inputs = dict(input_ids=IDS, attention_mask=mask)
+    model = tiny_model(family)
+    eager = cwcore.decompose(model, **inputs)
+    model.config._attn_implementation = "sdpa"
+    calls = []
+    original = attention._probs_in_chunks
+    monkeypatch.setattr(attention, "_probs_in_chunks", lambda *a: calls.append(1) or original(*a))
+    blockwise = cwcore.decompose(model, **inputs)
+    assert len(calls) == len(eager.layers)  # every layer went through the blockwise path
+    for layer in eager.layers:
+        a, b = eager.attention[layer], blockwise.attention[layer]
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-7, equal_nan=True)
+        assert torch.equal(a == 0, b == 0)
+        torch.testing.assert_close(blockwise.inter[layer], eager.inter[layer], rtol=1e-4, atol=1e-5, equal_nan=True)
+    real = mask.bool()
+    torch.testing.assert_close(blockwise.outputs.logits[real], eager.outputs.logits[real], rtol=1e-4, atol=1e-5)
