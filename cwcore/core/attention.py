@@ -476,7 +476,9 @@ class AttentionSession:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the output projection received something other than the "
                     f"attention output (max |difference| {difference:.3g}): the block transforms the head outputs "
-                    "before W_O (an output gate, a norm, ...), which cwcore does not decompose")
+                    "before W_O (an output gate, a norm, ...), which cwcore does not decompose: with a gate g_i the "
+                    "term of key j becomes W_O^h (g_i * alpha_ij v_j), a projected value that depends on the query, so "
+                    "value norms and the head-space inner products would need one matrix per query")
         return hook
 
     def _check_output(self, block: AttentionBlock):
