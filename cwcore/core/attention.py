@@ -151,10 +151,10 @@ AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
 
 
 #: :func:`_probs_in_chunks` computes the scores of at most QUERY_BLOCK queries (all heads), and at most
-#: CHUNK_ELEMENTS scores (32 MiB in float32), at a time: memory then holds the probabilities and one
+#: CHUNK_ELEMENTS scores (64 MiB in float32), at a time: memory then holds the probabilities and one
 #: block, whatever the length, and a causal mask lets each block skip the keys after its last query.
-QUERY_BLOCK = 256
-CHUNK_ELEMENTS = 1 << 23
+QUERY_BLOCK = 512
+CHUNK_ELEMENTS = 1 << 24
 
 
 def _chunkable(query: torch.Tensor, key: torch.Tensor, softcap, s_aux) -> bool:
