@@ -15,7 +15,15 @@ token prepended when ``add_bos`` says so, None = the tokenizer's default), or re
 Conventions shared by all analyses:
 
 * The **sink** is key position 0 (the BOS token when one is prepended, otherwise the first text
-  token). **Tail** tokens are keys 1..i of query i.
+  token): :data:`cwcore.sinks.engine.SINK_POSITION`, carried to every collector as
+  ``_LayerState.sink_position``. It is the paper's reading, and it is checked rather than assumed:
+  :func:`sink_rates` reports per head which key position takes the most attention, the strongest later
+  key, and the attention each token class receives (BOS/first token, special, newline, punctuation,
+  word) against uniform causal attention. **Tail** tokens are keys 1..i of query i.
+* Every layer has a **layer type**, "sliding" or "global" (:func:`cwcore.sinks.engine.layer_types`, from
+  ``config.layer_types`` or the module's sliding window), in the tables that pool heads; pooled claims
+  over heads use a cluster bootstrap by layer (:func:`cwcore.sinks.intervals.pooled_by_layer`). A
+  learned sink logit's mass (GPT-OSS) is reported as ``learned_sink_mass``.
 * **Query 0 is excluded** everywhere: in a decoder its only key is itself, so alpha_00 = 1 trivially
   and it says nothing about sink behaviour. (``sink_rate_all_queries`` in :func:`sink_rates` keeps it,
   as Gu et al. 2025 do; with 128 positions the two differ by at most 1/128.)
@@ -53,9 +61,10 @@ The command line runs all five on a named model and data set and writes small CS
 from __future__ import annotations
 
 from .analyses import ANALYSES, run_analyses
-from .anti_alignment import anti_alignment
+from . import suppression
+from .anti_alignment import anti_alignment, layer_profile
 from .cli import main
-from .convexity import ConvexityTables, convexity
+from .convexity import ConvexityTables, convexity, vertex_intervals
 from .decomposition import DecompositionTables, sink_decomposition
 from .engine import model_fingerprint, token_blocks
 from .intervals import (SequenceBootstrap, UNMEASURED, bootstrap_ci, combine_verdicts, sequence_bootstrap, share_ci,
@@ -87,6 +96,9 @@ __all__ = [
     "summarize",
     "token_blocks",
     "verdict",
+    "vertex_intervals",
+    "layer_profile",
+    "suppression",
     "main",
     "run_analyses",
 ]

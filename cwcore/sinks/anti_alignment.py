@@ -7,9 +7,10 @@ import pandas as pd
 import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
-from .intervals import bootstrap_ci, claim_row, no_sink_heads, spearman_ci
+from .. import stats
+from .intervals import claim_row, no_sink_heads, spearman_ci
 
-__all__ = ["ANTI_ALIGNMENT", "TREND", "anti_alignment"]
+__all__ = ["ANTI_ALIGNMENT", "TREND", "anti_alignment", "layer_profile"]
 
 #: the claims chapter 6 judges with this analysis
 ANTI_ALIGNMENT = "anti-alignment"
@@ -18,35 +19,66 @@ TREND = "stronger sink, stronger anti-alignment"
 
 class _AntiAlignmentCollector(Collector):
     """Piece ``points``: per (sequence, layer, head, position p >= 1) alpha_p0, cos(v~_0, v~_p) (key p),
-    cos(v~_0, s_p) (query p), and per-sequence constants."""
+    cos(v~_0, s_p) (query p), the baseline and centred cosines of query p (see :func:`anti_alignment`),
+    and per-sequence constants. Piece ``layers``: each layer's type (sliding / global)."""
 
     def __init__(self, *args, **options):
         super().__init__(*args, **options)
-        self.rows = []
+        self.rows, self.layers = [], []
 
     def on_layer(self, s):
         v = s.values  # [b, h, k, d]
-        b, h, T, _ = v.shape
+        b, h, T, d = v.shape
+        p = getattr(s, "sink_position", 0)
         norms = s.value_norm  # [b, h, k]
-        cos_vv = s.sink_inner(v) / (norms[..., :1] * norms)
-        cos_vs = s.sink_inner(s.semantic) / (norms[..., :1] * s.semantic_norm)
-        axis = v[:, :, 1:].mean(2, keepdim=True)
-        cos_axis = s.sink_inner(axis)[..., 0] / (norms[..., 0] * s.norm(axis)[..., 0])  # [b, h]
-        tail_median = norms[..., 1:].median(-1).values
+        sink_value = v[:, :, p : p + 1]  # [b, h, 1, d]
+        semantic = s.semantic  # [b, h, q, d]
+        cos_vv = s.sink_inner(v) / (norms[..., p : p + 1] * norms)
+        cos_vs = s.sink_inner(semantic) / (norms[..., p : p + 1] * s.semantic_norm)
+        axis = v[:, :, p + 1 :].mean(2, keepdim=True)
+        cos_axis = s.sink_inner(axis)[..., 0] / (norms[..., p] * s.norm(axis)[..., 0])  # [b, h]
+        tail_median = norms[..., p + 1 :].median(-1).values
+        # the baseline: for query i a random non-sink key k it can see (alpha_ik > 0, uniformly), against
+        # the rest of s_i
+        generator = torch.Generator().manual_seed(1_000_003 * int(s.layer) + int(self.start))
+        visible = (s.probs[..., p + 1 :] > 0).reshape(-1, T - 1 - p).float().cpu()
+        alone = (visible.sum(-1) < 2).reshape(b, h, T).to(v.device)  # k is the only tail key: no rest (NaN)
+        visible[visible.sum(-1) == 0, 0] = 1.0  # queries up to the sink: no tail key (their rows are dropped)
+        key = (p + 1 + torch.multinomial(visible, 1, generator=generator)[:, 0]).reshape(b, h, T).to(v.device)
+        v_key = v.gather(2, key[..., None].expand(-1, -1, -1, d))  # [b, h, q, d]
+        a_key = s.probs.gather(-1, key[..., None])[..., 0]  # [b, h, q]
+        rest = semantic - a_key[..., None] * v_key  # s_i without key k's own term
+
+        def cos(x, y, empty=None):
+            c = s.inner(x, y) / (s.norm(x) * s.norm(y))
+            return c if empty is None else c.masked_fill(empty, float("nan"))
+
+        # centring: subtract the head's mean non-sink value m of the sequence from every value
+        mean = axis  # [b, h, 1, d]
+        tail_mass = s.probs[..., p + 1 :].sum(-1)  # sum_{j > p} alpha_ij = 1 - a_i without a learned sink
+        semantic_c = semantic - tail_mass[..., None] * mean
+        rest_c = rest - (tail_mass - a_key)[..., None] * mean
+        q = slice(p + 1, None)
+        cols = _grid((b, h, T - 1 - p), ("sequence", "head", "position"), {"sequence": self.start, "position": p + 1})
 
         def per_row(x):  # [b, h] -> one value per row
-            return np.repeat(_np(x), T - 1)
+            return np.repeat(_np(x), T - 1 - p)
 
-        cols = _grid((b, h, T - 1), ("sequence", "head", "position"), {"sequence": self.start, "position": 1})
         self.rows.append(pd.DataFrame({
-            "layer": np.full(b * h * (T - 1), s.layer, np.int32), **cols,
-            "alpha0": _np(s.probs[:, :, 1:, 0]), "cos_value": _np(cos_vv[..., 1:]),
-            "cos_semantic": _np(cos_vs[..., 1:]), "cos_axis": per_row(cos_axis),
-            "sink_value_norm": per_row(norms[..., 0]), "relative_sink_value_norm": per_row(norms[..., 0] / tail_median),
+            "layer": np.full(b * h * (T - 1 - p), s.layer, np.int32), **cols,
+            "alpha0": _np(s.probs[:, :, q, p]), "cos_value": _np(cos_vv[..., q]),
+            "cos_semantic": _np(cos_vs[..., q]),
+            "key": _np(key[..., q]).astype(np.int32), "cos_key": _np(cos(v_key, rest, alone)[..., q]),
+            "cos_key_literal": _np(cos(v_key, semantic)[..., q]),
+            "cos_semantic_centred": _np(cos((sink_value - mean).expand_as(semantic), semantic_c)[..., q]),
+            "cos_key_centred": _np(cos(v_key - mean, rest_c, alone)[..., q]),
+            "cos_axis": per_row(cos_axis),
+            "sink_value_norm": per_row(norms[..., p]), "relative_sink_value_norm": per_row(norms[..., p] / tail_median),
         }))
+        self.layers.append((s.layer, getattr(s, "layer_type", "global")))
 
     def finish(self, logits):
-        return {"points": _concat(self.rows)}
+        return {"points": _concat(self.rows), "layers": pd.DataFrame(self.layers, columns=["layer", "layer_type"])}
 
 
 def anti_alignment(
@@ -69,20 +101,29 @@ def anti_alignment(
 
     Per sequence and head: ``cos(v~_0, v~_j)`` for every key j >= 1; ``cos(v~_0, s_i)`` for every query
     i >= 1, with s_i = sum_{j>0} alpha_ij v~_j the head's non-sink ("semantic") output component;
-    ``cos(v~_0, m)`` with m = mean_{j>=1} v~_j the semantic mean of the sequence.
+    ``cos(v~_0, m)`` with m = mean_{j>=1} v~_j the semantic mean of the sequence. Baselines, per query
+    i >= 1: ``cos(v~_k, s_i - alpha_ik v~_k)`` for one key k drawn uniformly from the non-sink keys the
+    query sees (alpha_ik > 0; column ``key``): a random non-sink key against the rest of the semantic
+    component, as the sink is against s_i, which excludes it (NaN when k is the only such key;
+    ``cos_key_literal``: against s_i itself, which contains k's own term), and both cosines on *centred*
+    values (m subtracted from every value: cos(v~_0 - m, s_i - (1 - a_i) m) and the key's likewise).
     One row per (layer, head): ``sink_rate`` (mean alpha_i0, queries >= 1), ``is_sink_head`` (> eps),
     ``cos_value_mean``/``_median``/``_frac_negative`` (over keys and sequences),
     ``cos_semantic_mean``/``_median``/``_frac_negative`` (over queries and sequences; queries whose s_i is
     zero are skipped), ``cos_semantic_weighted`` (the same mean weighted by alpha_i0 (1 - alpha_i0): the
     queries where both components matter), ``cos_axis_mean`` (over sequences), ``sink_value_norm`` (mean
-    of ||v~_0||) and ``relative_sink_value_norm`` (||v~_0|| / median_j ||v~_j||, mean over sequences).
+    of ||v~_0||) and ``relative_sink_value_norm`` (||v~_0|| / median_j ||v~_j||, mean over sequences),
+    ``cos_key_mean``, ``cos_key_literal_mean``, ``cos_semantic_centred_mean``, ``cos_key_centred_mean``
+    (means over queries and sequences), ``contrast`` = ``cos_semantic_mean - cos_key_mean`` (the sink
+    against a random key; below 0: the sink is more anti-aligned than an ordinary token),
+    ``contrast_centred`` likewise on centred values, and ``layer_type`` (sliding / global).
     """
     del seed
     common = {k: v for k, v in locals().items() if k in _COMMON}
     return run_one("anti_alignment", model, tokenizer, data, {"eps": eps}, common)
 
 
-def _anti_alignment_table(points: pd.DataFrame, eps: float) -> pd.DataFrame:
+def _anti_alignment_table(points: pd.DataFrame, eps: float, layers: pd.DataFrame | None = None) -> pd.DataFrame:
     g = points.groupby(["layer", "head"])
     weight = points["alpha0"] * (1 - points["alpha0"])
     finite = points["cos_semantic"].notna()
@@ -101,13 +142,24 @@ def _anti_alignment_table(points: pd.DataFrame, eps: float) -> pd.DataFrame:
         "cos_axis_mean": per_sequence["cos_axis"].groupby(["layer", "head"]).mean(),
         "sink_value_norm": per_sequence["sink_value_norm"].groupby(["layer", "head"]).mean(),
         "relative_sink_value_norm": per_sequence["relative_sink_value_norm"].groupby(["layer", "head"]).mean(),
+        **{f"{c}_mean": g[c].mean() for c in _BASELINES if c in points},
     }).reset_index()
     table.insert(3, "is_sink_head", table["sink_rate"] > eps)
+    if "cos_key_mean" in table:
+        table["contrast"] = table["cos_semantic_mean"] - table["cos_key_mean"]
+        table["contrast_centred"] = table["cos_semantic_centred_mean"] - table["cos_key_centred_mean"]
+    types = {} if layers is None else dict(layers.drop_duplicates("layer")[["layer", "layer_type"]].itertuples(
+        index=False, name=None))
+    table["layer_type"] = [types.get(int(layer), "global") for layer in table["layer"]]
     return table
 
 
+#: the per-query baseline and centred cosines of the ``points`` piece
+_BASELINES = ("cos_key", "cos_key_literal", "cos_semantic_centred", "cos_key_centred")
+
+
 def _tables(parts: dict, blocks, *, eps: float, **_) -> pd.DataFrame:
-    return _anti_alignment_table(parts["points"], eps)
+    return _anti_alignment_table(parts["points"], eps, parts.get("layers"))
 
 
 def _summary(tables: dict, add) -> None:
@@ -128,22 +180,72 @@ def _summary(tables: dict, add) -> None:
             sink["relative_sink_value_norm"].median() if len(sink) else np.nan)
 
 
+def layer_profile(points: pd.DataFrame, table: pd.DataFrame, columns=("cos_semantic", "cos_key"), *,
+                  sink_only: bool = False, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per layer: the mean of ``columns`` over its heads' queries (all heads, or only sink heads), with
+    95% intervals resampling whole sequences (documents), plus ``<first>_minus_<second>`` (a paired
+    contrast of the first two columns), ``n_heads``, ``n_sink_heads`` and ``layer_type``."""
+    columns = list(columns)
+    heads = table.set_index(["layer", "head"])
+    if sink_only:
+        keep = pd.MultiIndex.from_frame(points[["layer", "head"]]).isin(heads.index[heads["is_sink_head"].astype(bool)])
+        points = points[keep]
+    if not len(points):
+        return pd.DataFrame(columns=["layer", "layer_type", "n_heads", "n_sink_heads", *columns])
+    boot = stats.cluster_bootstrap(points, columns, "layer", cluster="sequence", n_resamples=n_bootstrap, seed=seed)
+    out = boot.table.copy()
+    if len(columns) >= 2:
+        name = f"{columns[0]}_minus_{columns[1]}"
+        diff = boot.replicates[columns[0]] - boot.replicates[columns[1]]
+        out[name] = out[columns[0]] - out[columns[1]]
+        out[f"{name}_low"], out[f"{name}_high"] = stats.percentile_interval(diff)
+        if (out["n_clusters"] < 2).any():
+            out.loc[out["n_clusters"] < 2, [f"{name}_low", f"{name}_high"]] = np.nan
+    grouped = table.groupby("layer")
+    out["n_heads"] = out["layer"].map(grouped.size())
+    out["n_sink_heads"] = out["layer"].map(grouped["is_sink_head"].sum()).astype(int)
+    types = grouped["layer_type"].first().to_dict() if "layer_type" in table else {}
+    out["layer_type"] = [types.get(layer, "global") for layer in out["layer"]]
+    return out
+
+
 def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0, eps: float = 0.3) -> list[dict]:
-    """Medians over sink heads of the mean cosines below 0 (bootstrap over heads), and their trend with the
-    sink rate over all heads (Spearman rho below 0)."""
-    boot = dict(n_bootstrap=n_bootstrap, seed=seed)
-    sink_aa = anti_alignment[anti_alignment["is_sink_head"].astype(bool)]
-    why = "" if len(sink_aa) else no_sink_heads(eps)
+    """Medians over sink heads of the mean cosines below 0, the sink against a random non-sink key (the
+    mean over sink heads of ``contrast`` below 0) and both on centred values; intervals by the cluster
+    bootstrap over layers (heads of one layer are not independent), with one row per layer type
+    (:func:`cwcore.sinks.intervals.pooled_claim_rows`); and the trend with the sink rate over all heads
+    (Spearman rho below 0, bootstrap over heads)."""
+    from . import intervals
+
+    table = anti_alignment.copy()
+    if "layer_type" not in table:
+        table["layer_type"] = "global"
+    sink_aa = table[table["is_sink_head"].astype(bool)]
+    why = no_sink_heads(eps)
+    boot = dict(n_bootstrap=n_bootstrap, seed=seed, why=why)
+
+    def pooled(column, claim, part, text, key, statistic="median"):
+        if column not in table:
+            return []  # a table without the baseline columns (built by hand): no row
+        return intervals.pooled_claim_rows(sink_aa, column, chapter=6, claim=claim, part=part, statistic_text=text,
+                                           key=key, threshold=0.0, side="below", statistic=statistic, **boot)
+
+    baseline = f"{ANTI_ALIGNMENT} [against a random key]"
+    centred = f"{ANTI_ALIGNMENT} [centred values]"
     return [
-        claim_row(6, ANTI_ALIGNMENT, "sink value against the tail values", "median over sink heads of mean cos(ṽ₀, ṽⱼ)",
-                  "cos_value", bootstrap_ci(sink_aa["cos_value_mean"], np.median, **boot), 0.0, "below", len(sink_aa),
-                  why),
-        claim_row(6, ANTI_ALIGNMENT, "sink value against the semantic component",
-                  "median over sink heads of mean cos(ṽ₀, sᵢ)", "cos_semantic",
-                  bootstrap_ci(sink_aa["cos_semantic_mean"], np.median, **boot), 0.0, "below", len(sink_aa), why),
+        *pooled("cos_value_mean", ANTI_ALIGNMENT, "sink value against the tail values",
+                "median over sink heads of mean cos(ṽ₀, ṽⱼ)", "cos_value"),
+        *pooled("cos_semantic_mean", ANTI_ALIGNMENT, "sink value against the semantic component",
+                "median over sink heads of mean cos(ṽ₀, sᵢ)", "cos_semantic"),
+        *pooled("contrast", baseline, "sink more anti-aligned than a random non-sink key",
+                "mean over sink heads of cos(ṽ₀, sᵢ) − cos(ṽₖ, sᵢ − αᵢₖṽₖ)", "contrast", "mean"),
+        *pooled("cos_semantic_centred_mean", centred, "centred sink value against the centred semantic component",
+                "median over sink heads of mean cos(ṽ₀ − m, sᵢ − (1 − aᵢ)m)", "cos_semantic_centred"),
+        *pooled("contrast_centred", centred, "centred: sink more anti-aligned than a random key",
+                "mean over sink heads of the centred contrast", "contrast_centred", "mean"),
         claim_row(6, TREND, "rank correlation over all heads", "Spearman ρ(sink rate, mean cos(ṽ₀, sᵢ))",
-                  "rho_semantic", spearman_ci(anti_alignment["sink_rate"], anti_alignment["cos_semantic_mean"], **boot),
-                  0.0, "below", len(anti_alignment)),
+                  "rho_semantic", spearman_ci(table["sink_rate"], table["cos_semantic_mean"], n_bootstrap=n_bootstrap,
+                                              seed=seed), 0.0, "below", len(table)),
     ]
 
 

@@ -31,17 +31,21 @@ from .anti_alignment import ANTI_ALIGNMENT, TREND
 from .anti_alignment import _claim_rows as _anti_alignment_rows
 from .convexity import CONVEXITY, SUPPRESSION, pooled_suppression
 from .convexity import _claim_rows as _convexity_rows
-from .decomposition import DECOMPOSITION, decomposition_claims, head_shares
+from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, decomposition_claims, head_shares, joint_shares
 from .engine import REGISTRY
-from .intervals import COLUMNS, claims_frame, contrast, group_value, no_sink_heads, verdict_text
-from .semantic_cone import CONE, PERPLEXITY, PerplexityChanges, cone_claims, perplexity_changes
+from .intervals import (COLUMNS, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
+                        pooled_claim_rows, verdict_text)
+from .rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
+from .semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
+                            perplexity_changes)
 
 __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims", "all_claims",
            "claim_verdicts", "claim_verdict_texts", "triple", "display", "head_shares", "pooled_suppression",
            "contrast",
            "group_value", "no_sink_heads", "sink_heads_sentence", "verdict_text", "perplexity_changes",
            "PerplexityChanges", "DECOMPOSITION", "ANTI_ALIGNMENT", "TREND", "SUPPRESSION", "CONVEXITY", "CONE",
-           "PERPLEXITY"]
+           "PERPLEXITY", "DRIFT", "SINK_RATES", "SINK_POSITION_CLAIM", "TAIL_ATTENTION_ONLY", "for_data",
+           "rate_claims", "joint_shares", "drift_curve", "pooled_by_layer", "pooled_claim_rows", "stack_data"]
 
 
 def triple(claims: pd.DataFrame, key: str) -> tuple[float, float, float]:
@@ -110,6 +114,28 @@ def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: 
     """
     return claims_frame(_anti_alignment_rows(anti_alignment, n_bootstrap, seed, eps)
                         + _convexity_rows(fits, points, eps, n_bootstrap, seed))
+
+
+def rate_claims(rates: pd.DataFrame, eps: float = 0.3, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Chapter 5's claims on the sink rates ("many heads are sink heads", Wilson and by layer; "the sink is
+    position 0"), see :func:`cwcore.sinks.rates.rate_claim_rows`."""
+    return claims_frame(rate_claim_rows(rates, eps, n_bootstrap=n_bootstrap, seed=seed))
+
+
+def for_data(claims: pd.DataFrame, data: str) -> pd.DataFrame:
+    """A claims table of one data set, ready to be stacked with others' (columns unchanged): ``part``
+    prefixed with ``"<data>: "`` and ``key`` with ``"<data>/"``. A finding that combines the parts of a
+    claim then combines them over the data sets too (it holds when it holds on each)."""
+    out = claims.copy()
+    out["part"] = f"{data}: " + out["part"].astype(str)
+    out["key"] = f"{data}/" + out["key"].astype(str)
+    return out
+
+
+def stack_data(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
+    """``{data: claims table}`` as one table (:func:`for_data` of each, in order)."""
+    return claims_frame([]) if not tables else pd.concat([for_data(t, d) for d, t in tables.items()],
+                                                           ignore_index=True)
 
 
 def all_claims(results: Mapping, eps: float = 0.3, quantiles: int = 5, n_bootstrap: int = 1000,

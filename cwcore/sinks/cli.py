@@ -38,13 +38,17 @@ def _save_raw(folder: Path, parts: dict, blocks: _Blocks) -> None:
         for part, frame in frames.items():
             frame.to_parquet(folder / f"{name}.{part}.parquet", index=False)
     np.save(folder / "ids.npy", blocks.ids.numpy())
+    if blocks.classes is not None:
+        np.save(folder / "classes.npy", blocks.classes)
     meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos}
     (folder / "blocks.json").write_text(json.dumps(meta))
 
 
 def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, _Blocks]:
     meta = json.loads((folder / "blocks.json").read_text())
-    blocks = _Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"])
+    classes = np.load(folder / "classes.npy") if (folder / "classes.npy").is_file() else None
+    blocks = _Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
+                     classes)
     parts = {}
     for name in analyses:
         files = sorted(folder.glob(f"{name}.*.parquet"))

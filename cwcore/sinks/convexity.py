@@ -10,9 +10,11 @@ import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
 from .. import stats
+from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
+from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
-__all__ = ["CONVEXITY", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression"]
+__all__ = ["CONVEXITY", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression", "vertex_intervals"]
 
 #: the claims chapter 6 judges with this analysis
 SUPPRESSION = "the sink suppresses the output norm"
@@ -28,24 +30,33 @@ class ConvexityTables(NamedTuple):
 
 class _ConvexityCollector(Collector):
     """Piece ``points``: per (sequence, layer, head, query >= 1) alpha_i0, ||o^h_i|| and the inner products
-    ||v~_0||^2, ||s_i||^2, <v~_0, s_i> from which the two-vector reference is built."""
+    ||v~_0||^2, ||s_i||^2, <v~_0, s_i> from which the two-vector reference is built. Piece ``block``: per
+    (sequence, layer, query >= 1) the attention output's norm and its two counterfactuals, before and after
+    the post-attention norm (:func:`cwcore.sinks.suppression.block_points`)."""
 
     def __init__(self, *args, **options):
         super().__init__(*args, **options)
-        self.rows = []
+        self.rows, self.block, self.layers = [], [], []
+        self.blocks = {b.layer: b for b in attention_blocks(self.model)}
+        self.norms = post_attention_norms(self.model, self.ids)
 
     def on_layer(self, s):
         b, h, T, _ = s.probs.shape
+        p = getattr(s, "sink_position", 0)
         cols = _grid((b, h, T - 1), ("sequence", "head", "query"), {"sequence": self.start, "query": 1})
         self.rows.append(pd.DataFrame({
             "layer": np.full(b * h * (T - 1), s.layer, np.int32), **cols,
-            "alpha0": _np(s.probs[:, :, 1:, 0]), "norm": _np(s.output_norm[..., 1:]),
-            "v0_sq": np.repeat(_np(s.value_norm[..., 0] ** 2), T - 1), "s_sq": _np(s.semantic_norm[..., 1:] ** 2),
+            "alpha0": _np(s.probs[:, :, 1:, p]), "norm": _np(s.output_norm[..., 1:]),
+            "v0_sq": np.repeat(_np(s.value_norm[..., p] ** 2), T - 1), "s_sq": _np(s.semantic_norm[..., 1:] ** 2),
             "v0_s": _np(s.sink_inner(s.semantic)[..., 1:]),
         }))
+        _, bias = self.blocks[s.layer].output_projection()
+        self.block.append(block_points(s, self.start, self.norms.get(s.layer), bias, p))
+        self.layers.append((s.layer, getattr(s, "layer_type", "global"), self.norms.get(s.layer) is not None))
 
     def finish(self, logits):
-        return {"points": _concat(self.rows)}
+        layers = pd.DataFrame(self.layers, columns=["layer", "layer_type", "post_norm"])
+        return {"points": _concat(self.rows), "block": _concat(self.block), "layers": layers}
 
 
 def convexity(
@@ -206,6 +217,90 @@ def _convexity_tables(points: pd.DataFrame, bins: int, fit_on: str, min_range: f
     return ConvexityTables(fits[columns], curves)
 
 
+def _fit_points(points: pd.DataFrame, scope: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(a, norm)`` of a fit scope, made dimensionless as in :func:`convexity`'s pooled rows."""
+    a, norm = points["alpha0"].to_numpy(float), points["norm"].to_numpy(float)
+    if scope == "model":
+        norm = norm / points.groupby(["layer", "head"])["norm"].transform("mean").to_numpy(float)
+    elif scope == "model_v0":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            norm = norm / np.sqrt(points["v0_sq"].clip(lower=0).to_numpy(float))
+    return a, norm
+
+
+def _solve_quadratics(moments: np.ndarray) -> np.ndarray:
+    """Least-squares ``(c2, c1, c0)`` from moments ``[..., 8]`` = (sum a^0..a^4, sum y, a y, a^2 y)."""
+    s0, s1, s2, s3, s4, t0, t1, t2 = np.moveaxis(moments, -1, 0)
+    m = np.stack([np.stack([s4, s3, s2], -1), np.stack([s3, s2, s1], -1), np.stack([s2, s1, s0], -1)], -2)
+    rhs = np.stack([t2, t1, t0], -1)
+    out = np.full(rhs.shape, np.nan)
+    ok = np.isfinite(m).all((-1, -2)) & (np.abs(np.linalg.det(m)) > 1e-12 * np.maximum(1, s0) ** 3)
+    if ok.any():
+        out[ok] = np.linalg.solve(m[ok], rhs[ok][..., None])[..., 0]
+    return out
+
+
+def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "norm", n_bootstrap: int = 1000,
+                     seed: int = 0) -> pd.DataFrame:
+    """Where the vertex lies, with an interval: the quadratic fits of :func:`convexity` refitted on
+    ``n_bootstrap`` resamples of whole sequences (documents), per fitted head and for the pooled rows.
+
+    One row per (scope, layer, head) of ``fits`` that was fitted: ``alpha_star`` and ``curvature`` (the
+    full-sample fit) with ``_low``/``_high`` (95% percentile intervals), ``share_interior`` (share of
+    resamples with c2 > 0 and 0 < alpha* < 1), ``vertex_inside`` (the whole alpha* interval inside (0, 1)
+    and the curvature interval above 0: an interior minimum established) and ``n_sequences``. The
+    reference curve ||a v~_0 + (1 - a) s^|| is convex by algebra; only this location is informative.
+    """
+    rows = []
+    sequences, seq_index = np.unique(points["sequence"].to_numpy(), return_inverse=True)
+    n_seq = len(sequences)
+    idx = stats.resample_indices(n_seq, n_bootstrap, seed) if n_seq else np.zeros((n_bootstrap, 0), int)
+    counts = np.stack([np.bincount(r, minlength=n_seq) for r in idx]).astype(float) if n_seq else idx.astype(float)
+    fitted = fits[fits["fitted"].astype(bool)]
+    for scope in ("head", "model", "model_v0"):
+        wanted = fitted[fitted["scope"] == scope]
+        if not len(wanted):
+            continue
+        a, y = _fit_points(points, scope)
+        y = y if fit_on == "norm" else y**2
+        if scope == "head":
+            keys = pd.MultiIndex.from_frame(points[["layer", "head"]])
+            chosen = pd.MultiIndex.from_arrays([wanted["layer"].astype(int), wanted["head"].astype(int)])
+            code = chosen.get_indexer(keys)
+            labels = list(zip(wanted["layer"].astype(int), wanted["head"].astype(int)))
+        else:
+            code = np.zeros(len(points), dtype=np.int64)
+            labels = [(pd.NA, pd.NA)]
+        ok = (code >= 0) & np.isfinite(a) & np.isfinite(y)
+        g = len(labels)
+        cell = code[ok] * n_seq + seq_index[ok]
+        terms = [a[ok] ** k for k in range(5)] + [y[ok] * a[ok] ** k for k in range(3)]
+        moments = np.stack([np.bincount(cell, weights=t, minlength=g * n_seq) for t in terms], -1).reshape(g, n_seq, 8)
+        full = _solve_quadratics(moments.sum(1))  # [g, 3]
+        reps = _solve_quadratics(np.einsum("rs,gsk->rgk", counts, moments))  # [R, g, 3]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            star, rep_star = -full[:, 1] / (2 * full[:, 0]), -reps[..., 1] / (2 * reps[..., 0])
+        star_lo, star_hi = stats.percentile_interval(rep_star)
+        c2_lo, c2_hi = stats.percentile_interval(reps[..., 0])
+        interior = np.where(np.isfinite(rep_star), (reps[..., 0] > 0) & (rep_star > 0) & (rep_star < 1), np.nan)
+        share = np.nanmean(interior, 0) if len(interior) else np.full(g, np.nan)
+        per_group_seq = (moments[..., 0] > 0).sum(1)
+        for k, (layer, head) in enumerate(labels):
+            few = per_group_seq[k] < 2
+            lo_hi = (np.nan, np.nan, np.nan, np.nan) if few else (star_lo[k], star_hi[k], c2_lo[k], c2_hi[k])
+            rows.append({"scope": scope, "layer": layer, "head": head, "alpha_star": star[k],
+                         "alpha_star_low": lo_hi[0], "alpha_star_high": lo_hi[1], "curvature": full[k, 0],
+                         "curvature_low": lo_hi[2], "curvature_high": lo_hi[3], "share_interior": share[k],
+                         "vertex_inside": bool(lo_hi[2] > 0 and lo_hi[0] > 0 and lo_hi[1] < 1),
+                         "n_sequences": int(per_group_seq[k])})
+    out = pd.DataFrame(rows, columns=["scope", "layer", "head", "alpha_star", "alpha_star_low", "alpha_star_high",
+                                      "curvature", "curvature_low", "curvature_high", "share_interior",
+                                      "vertex_inside", "n_sequences"])
+    for col in ("layer", "head"):
+        out[col] = out[col].astype("Int64")
+    return out
+
+
 def _tables(parts: dict, blocks, *, bins: int, fit_on: str, min_range: float, eps: float, **_) -> ConvexityTables:
     return _convexity_tables(parts["points"], bins, fit_on, min_range, eps)
 
@@ -266,27 +361,78 @@ def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.
     return tuple(float(x) for x in boot.interval(0, "shortened"))
 
 
+def _layer_type_map(layers: pd.DataFrame | None) -> dict:
+    if layers is None or not len(layers):
+        return {}
+    return dict(layers.drop_duplicates("layer")[["layer", "layer_type"]].itertuples(index=False, name=None))
+
+
+def _pooled_rows(table: pd.DataFrame, column: str, *, claim: str, part: str, statistic_text: str, key: str,
+                 why: str, n_bootstrap: int, seed: int) -> list[dict]:
+    """A share over heads with the cluster bootstrap by layer (and per layer type):
+    :func:`cwcore.sinks.intervals.pooled_claim_rows`."""
+    from . import intervals
+
+    return intervals.pooled_claim_rows(table, column, chapter=6, claim=claim, part=part, statistic_text=statistic_text,
+                                       key=key, threshold=0.5, side="above", statistic="share", why=why,
+                                       n_bootstrap=n_bootstrap, seed=seed)
+
+
 def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bootstrap: int = 1000,
-                seed: int = 0) -> list[dict]:
-    """Suppression (pooled share of shortened sink-head outputs above 0.5, bootstrap over sequences) and
-    convexity (shares of fitted heads with an interior minimum, and with it inside the observed range,
-    above 0.5, Wilson)."""
+                seed: int = 0, block: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
+                fit_on: str = "norm") -> list[dict]:
+    """Suppression, both readings at every place (:func:`cwcore.sinks.suppression.suppression_claim_rows`),
+    and convexity judged by where the vertex lies: pooled over heads and queries (the paper's "across
+    heads/queries": curvature above 0, vertex above 0 and below 1, intervals from refits on resampled
+    documents, :func:`vertex_intervals`) and per head (shares of fitted heads with an interior minimum,
+    with it inside the observed range, and with it established by its interval; cluster bootstrap by
+    layer, and per layer type)."""
+    rows = suppression_claim_rows(fits, points, block, eps, n_bootstrap, seed)
     head_fits = fits[fits["scope"] == "head"]
-    fitted = head_fits[head_fits["fitted"].astype(bool)]
-    no_sinks = no_sink_heads(eps) if not bool((head_fits["sink_rate"] > eps).any()) else ""
+    fitted = head_fits[head_fits["fitted"].astype(bool)].copy()
     unfitted = f"no head's sink rates span min_range (none of {len(head_fits)} fitted)"
-    return [
-        claim_row(6, SUPPRESSION, "sink term shortens most outputs", "share of sink-head queries with ‖oᵢ‖ < ‖sᵢ‖",
-                  "shortened", pooled_suppression(fits, points, eps, n_bootstrap, seed), 0.5, "above", why=no_sinks),
-        claim_row(6, CONVEXITY, "convex with an interior minimum", "share of fitted heads with 0 < α* < 1, c₂ > 0",
-                  "share_interior", share_ci(fitted["interior_minimum"]), 0.5, "above", len(fitted), unfitted),
-        claim_row(6, CONVEXITY, "the minimum is observed", "share of fitted heads with α* in [q05, q95]",
-                  "share_in_range", share_ci(fitted["minimum_in_range"]), 0.5, "above", len(fitted), unfitted),
-    ]
+    vertices = vertex_intervals(points, fits, fit_on, n_bootstrap, seed)
+    for scope, claim, what in (("model", CONVEXITY, "pooled fit (each head's norms over its mean)"),
+                               ("model_v0", f"{CONVEXITY} [pooled, norms over ‖ṽ₀‖]", "pooled fit (norms over ‖ṽ₀‖)")):
+        if not (fits["scope"] == scope).any():
+            continue  # a fits table without pooled rows (built by hand): nothing to judge, no row
+        v = vertices[vertices["scope"] == scope]
+        triple_c = tuple(v[["curvature", "curvature_low", "curvature_high"]].iloc[0]) if len(v) else (np.nan,) * 3
+        triple_a = tuple(v[["alpha_star", "alpha_star_low", "alpha_star_high"]].iloc[0]) if len(v) else (np.nan,) * 3
+        n = int(v["n_sequences"].iloc[0]) if len(v) else 0
+        why = "" if len(v) else "the pooled sink rates do not span min_range"
+        vertex_why = why
+        if len(v) and not triple_c[0] > 0:  # a concave fit's vertex is its maximum: no minimum to locate
+            triple_a, vertex_why = (np.nan,) * 3, "the pooled fit is concave: its vertex is a maximum"
+        tag = "" if scope == "model" else "_v0"
+        rows += [
+            claim_row(6, claim, f"{what}: convex", "curvature c₂ of the pooled quadratic", f"pooled_curvature{tag}",
+                      triple_c, 0.0, "above", n, why),
+            claim_row(6, claim, f"{what}: vertex at a positive sink rate", "vertex α* of the pooled fit",
+                      f"pooled_vertex_above_0{tag}", triple_a, 0.0, "above", n, vertex_why),
+            claim_row(6, claim, f"{what}: vertex below α = 1", "vertex α* of the pooled fit",
+                      f"pooled_vertex_below_1{tag}", triple_a, 1.0, "below", n, vertex_why),
+        ]
+    types = _layer_type_map(layers)
+    head_v = vertices[vertices["scope"] == "head"][["layer", "head", "vertex_inside"]]
+    fitted = fitted.merge(head_v, on=["layer", "head"], how="left")
+    fitted["layer_type"] = [types.get(int(layer), "global") for layer in fitted["layer"]]
+    per_head = f"{CONVEXITY} [per head]"
+    boot = dict(n_bootstrap=n_bootstrap, seed=seed, why=unfitted)
+    rows += _pooled_rows(fitted, "interior_minimum", claim=per_head, part="convex with an interior minimum",
+                         statistic_text="share of fitted heads with 0 < α* < 1, c₂ > 0", key="share_interior", **boot)
+    rows += _pooled_rows(fitted, "minimum_in_range", claim=per_head, part="the minimum is observed",
+                         statistic_text="share of fitted heads with α* in [q05, q95]", key="share_in_range", **boot)
+    rows += _pooled_rows(fitted, "vertex_inside", claim=per_head, part="the interior minimum is established",
+                         statistic_text="share of fitted heads whose α* interval lies in (0, 1), c₂ interval > 0",
+                         key="share_vertex_inside", **boot)
+    return rows
 
 
-def _claims(results, *, eps: float, n_bootstrap: int, seed: int, **_) -> list[dict]:
-    return _claim_rows(results["convexity"].fits, results["raw"]["convexity"]["points"], eps, n_bootstrap, seed)
+def _claims(results, *, eps: float, n_bootstrap: int, seed: int, fit_on: str = "norm", **_) -> list[dict]:
+    raw = results["raw"]["convexity"]
+    return _claim_rows(results["convexity"].fits, raw["points"], eps, n_bootstrap, seed, raw.get("block"),
+                       raw.get("layers"), fit_on)
 
 
 ANALYSIS = register(Analysis("convexity", _ConvexityCollector, _tables, stems=("convexity", "convexity-curves"),

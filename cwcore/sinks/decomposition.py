@@ -9,14 +9,18 @@ import pandas as pd
 import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _np, register, run_one
-from .intervals import claim_row, claims_frame, no_sink_heads, share_ci
+from .. import stats as _stats
+from .intervals import claim_row, claims_frame, no_sink_heads, pooled_claim_rows, share_ci
 
-__all__ = ["DECOMPOSITION", "DecompositionTables", "decomposition_claims", "head_shares", "sink_decomposition"]
+stats_resample = _stats.resample_indices
+percentile = _stats.percentile_interval
+
+__all__ = ["DECOMPOSITION", "DecompositionTables", "JOINT_MEASURES", "joint_shares", "decomposition_claims", "head_shares", "sink_decomposition"]
 
 _FACTORS = ("alpha", "relative_norm", "cosine")
 
 #: the claim chapter 5 judges
-DECOMPOSITION = "sink driven by value geometry, tail by attention"
+DECOMPOSITION = "sink driven by value geometry, tail by attention and alignment"
 
 
 class DecompositionTables(NamedTuple):
@@ -57,28 +61,31 @@ class _DecompositionCollector(Collector):
         for cls, mask in self.masks.items():
             if cls == "sink":  # only key 0 of queries >= 1: slice instead of masking
                 parts = [x[:, :, 1:, 0] for x in (alpha, rel, cos, contribution)]
-                total = b * (alpha.shape[2] - 1)
             else:
                 keep = mask.to(alpha.device)
                 parts = [x[:, :, keep] for x in (alpha, rel, cos, contribution)]  # [b, h, pairs]
-                total = b * int(keep.sum())
             a_, r_, c_, contrib = parts
             logs = torch.stack([a_.log(), r_.log(), c_.abs().log()])  # [3, b, h, n]
             valid = logs.sum(0).isfinite()  # log|c| is finite iff all three logs are
             ones = valid.to(logs.dtype)
             x = torch.cat([ones[None], torch.where(valid, logs, 0.0)])  # [4, b, h, n]
-            x = x.permute(2, 0, 1, 3).reshape(heads, 4, -1).double()
-            moments = x @ x.transpose(1, 2)  # [h, 4, 4]: n, sums of log f, sums of log f * log g
-            n = moments[:, 0, 0]
-            frame = {"layer": np.full(heads, s.layer, np.int32), "head": np.arange(heads, dtype=np.int32),
-                     "token_class": [cls] * heads, "n": _np(n), "n_excluded": total - _np(n),
-                     "n_pairs": np.full(heads, float(total)), "sum_alpha_linear": _np(a_.sum((0, 2), dtype=torch.float64)),
-                     "sum_L": _np(moments[:, 0, 1:].sum(-1)), "sum_LL": _np(moments[:, 1:, 1:].sum((1, 2))),
-                     "n_negative": _np((valid & (contrib < 0)).sum((0, 2))).astype(np.float64),
-                     "n_negative_cosine": _np((valid & (c_ < 0)).sum((0, 2))).astype(np.float64)}
+            x = x.permute(2, 1, 0, 3).double()  # [h, b, 4, n]
+            moments = x @ x.transpose(-1, -2)  # [h, b, 4, 4]: per sequence n, sums of log f, of log f * log g
+            per_pair = a_.shape[-1]
+            frame = {"sequence": np.tile(np.arange(self.start, self.start + b, dtype=np.int32), heads),
+                     "layer": np.full(heads * b, s.layer, np.int32),
+                     "head": np.repeat(np.arange(heads, dtype=np.int32), b),
+                     "layer_type": s.layer_type, "token_class": cls,
+                     "n": _np(moments[..., 0, 0]), "n_pairs": np.full(heads * b, float(per_pair)),
+                     "sum_alpha_linear": _np(a_.sum(-1, dtype=torch.float64).transpose(0, 1)),
+                     "n_negative": _np((valid & (contrib < 0)).sum(-1).transpose(0, 1)).astype(np.float64),
+                     "n_negative_cosine": _np((valid & (c_ < 0)).sum(-1).transpose(0, 1)).astype(np.float64)}
+            frame["n_excluded"] = frame["n_pairs"] - frame["n"]
             for k, name in enumerate(_FACTORS, start=1):
-                frame[f"sum_{name}"] = _np(moments[:, 0, k])
-                frame[f"sum_{name}_L"] = _np(moments[:, k, 1:].sum(-1))
+                frame[f"sum_{name}"] = _np(moments[..., 0, k])
+                for k2, name2 in enumerate(_FACTORS, start=1):
+                    if k2 >= k:
+                        frame[f"m_{name}_{name2}"] = _np(moments[..., k, k2])
             self.stats.append(pd.DataFrame(frame))
             for seq, (qi, kj) in enumerate(self.picks[cls]):
                 m = len(qi)
@@ -148,8 +155,26 @@ def sink_decomposition(
     return run_one("decomposition", model, tokenizer, data, options, common)
 
 
+def _moment(frame: pd.DataFrame, f: str, g: str) -> pd.Series:
+    """sum of log|f| log|g| over a row's pairs (the stats piece stores each unordered pair once)."""
+    i, j = sorted((_FACTORS.index(f), _FACTORS.index(g)))
+    return frame[f"m_{_FACTORS[i]}_{_FACTORS[j]}"]
+
+
+def _with_contribution_sums(stats: pd.DataFrame) -> pd.DataFrame:
+    """Add sum_L, sum_LL and sum_<f>_L (L = log|c| = the sum of the three log factors) to the stats piece."""
+    out = stats.copy()
+    out["sum_L"] = sum(out[f"sum_{f}"] for f in _FACTORS)
+    for f in _FACTORS:
+        out[f"sum_{f}_L"] = sum(_moment(out, f, g) for g in _FACTORS)
+    out["sum_LL"] = sum(out[f"sum_{f}_L"] for f in _FACTORS)
+    return out
+
+
 def _decomposition_tables(parts: dict, sample_size: int, seed: int, eps: float) -> DecompositionTables:
-    summary = _decomposition_summary(parts["stats"], parts["sample"], eps)
+    stats_ = _with_contribution_sums(parts["stats"]).drop(columns=["sequence", "layer_type"], errors="ignore")
+    stats_ = stats_.drop(columns=[c for c in stats_.columns if c.startswith("m_")])
+    summary = _decomposition_summary(stats_, parts["sample"], eps)
     sample = parts["sample"]
     rng = np.random.default_rng(seed)
     drawn = []
@@ -267,6 +292,105 @@ def _summary(tables: dict, add) -> None:
                     dominates[sink_heads].mean() if sink_heads.any() else np.nan)
 
 
+# ---------------------------------------------------------------------------------------------------
+# the joint model: attention and alignment together, intervals over documents
+# ---------------------------------------------------------------------------------------------------
+
+_PAIRS = [(f, g) for i, f in enumerate(_FACTORS) for g in _FACTORS[i:]]
+_MOMENTS = ["n", *[f"sum_{f}" for f in _FACTORS], *[f"m_{f}_{g}" for f, g in _PAIRS]]
+#: the measures of :func:`joint_shares`
+JOINT_MEASURES = ("share_alpha", "share_relative_norm", "share_cosine", "share_alpha_cosine", "share_geometry",
+                  "geometry_minus_alpha", "r2_alpha", "r2_cosine", "r2_joint", "r2_gain")
+
+
+def _joint_measures(sums: np.ndarray) -> dict[str, np.ndarray]:
+    """The measures of :func:`joint_shares` from moment sums ``[..., len(_MOMENTS)]``."""
+    n = sums[..., 0]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = sums[..., 1:4] / n[..., None]
+        second = np.zeros(sums.shape[:-1] + (3, 3))
+        for k, (f, g) in enumerate(_PAIRS):
+            i, j = _FACTORS.index(f), _FACTORS.index(g)
+            second[..., i, j] = second[..., j, i] = sums[..., 4 + k]
+        cov = second / n[..., None, None] - mean[..., :, None] * mean[..., None, :]  # of (log a, log r, log|cos|)
+        cov_l = cov.sum(-1)  # cov(log|f|, log|c|)
+        var_l = cov_l.sum(-1)
+        out = {f"share_{f}": cov_l[..., i] / var_l for i, f in enumerate(_FACTORS)}
+        out["share_alpha_cosine"] = out["share_alpha"] + out["share_cosine"]
+        out["share_geometry"] = out["share_relative_norm"] + out["share_cosine"]
+        out["geometry_minus_alpha"] = out["share_geometry"] - out["share_alpha"]
+        out["r2_alpha"] = cov_l[..., 0] ** 2 / (cov[..., 0, 0] * var_l)
+        out["r2_cosine"] = cov_l[..., 2] ** 2 / (cov[..., 2, 2] * var_l)
+        # least squares of log|c| on (log a, log|cos|): R^2 = b' C_XX^-1 b / var, b = cov(X, log|c|)
+        a, c, d = cov[..., 0, 0], cov[..., 0, 2], cov[..., 2, 2]
+        b1, b2 = cov_l[..., 0], cov_l[..., 2]
+        det = a * d - c * c
+        out["r2_joint"] = (d * b1 * b1 - 2 * c * b1 * b2 + a * b2 * b2) / (det * var_l)
+        out["r2_gain"] = out["r2_joint"] - np.fmax(out["r2_alpha"], out["r2_cosine"])
+    return out
+
+
+def _head_rates(stats: pd.DataFrame) -> pd.Series:
+    sink = stats[stats["token_class"] == "sink"].groupby(["layer", "head"])[["sum_alpha_linear", "n_pairs"]].sum()
+    return (sink["sum_alpha_linear"] / sink["n_pairs"]).rename("sink_rate")
+
+
+def joint_shares(stats: pd.DataFrame, eps: float = 0.3, *, n_bootstrap: int = 1000, seed: int = 0,
+                 level: float = 0.95) -> pd.DataFrame:
+    """Attention and alignment as a joint model of log|c|, pooled over groups of heads, with intervals
+    from a cluster bootstrap over documents (sequences: every pair of a sequence resampled together).
+
+    ``stats``: the decomposition's raw ``stats`` piece (``run_analyses(..., raw=True)["raw"]
+    ["decomposition"]["stats"]``: per sequence, layer, head and token class the moment sums of the three
+    log factors). Per ``group`` ("sink_heads": sink rate > ``eps``, "other_heads", "all"), ``layer_type``
+    ("all", then each type when there are two or more) and ``token_class``:
+
+    * ``share_<factor>`` = cov(log|f|, log|c|) / var(log|c|) (summing to 1 over the three), pooled over the
+      group's pairs; ``share_alpha_cosine`` = attention's + alignment's (what the paper's "attention and
+      alignment together" explain of the variation); ``share_geometry`` = relative norm's + alignment's;
+      ``geometry_minus_alpha``;
+    * ``r2_alpha``, ``r2_cosine``: R^2 of a least-squares fit of log|c| on log alpha alone, on log|cos| alone;
+      ``r2_joint``: on both together (the joint model log|c| = b0 + b1 log alpha + b2 log|cos|);
+      ``r2_gain`` = r2_joint - max(r2_alpha, r2_cosine), what the second term adds;
+
+    each with ``<measure>_low``/``<measure>_high``; plus ``n`` pairs, ``n_heads``, ``n_sequences``. Groups
+    without pairs are left out.
+    """
+    rate = _head_rates(stats)
+    frame = stats.merge(rate.reset_index(), on=["layer", "head"], how="left")
+    frame["group"] = np.where(frame["sink_rate"] > eps, "sink_heads", "other_heads")
+    if "layer_type" not in frame:
+        frame["layer_type"] = "global"
+    types = sorted(frame["layer_type"].unique())
+    sequences = np.unique(frame["sequence"])
+    draws = stats_resample(len(sequences), n_bootstrap, seed)
+    rows = []
+    for group in ("sink_heads", "other_heads", "all"):
+        in_group = frame if group == "all" else frame[frame["group"] == group]
+        for layer_type in ["all", *types] if len(types) > 1 else ["all"]:
+            here = in_group if layer_type == "all" else in_group[in_group["layer_type"] == layer_type]
+            for cls in ("sink", "tail"):
+                rows_ = here[here["token_class"] == cls]
+                if not len(rows_) or rows_["n"].sum() == 0:
+                    continue
+                per_seq = (rows_.groupby("sequence")[_MOMENTS].sum().reindex(sequences, fill_value=0.0)
+                           .to_numpy(float))
+                estimate = _joint_measures(per_seq.sum(0))
+                replicates = _joint_measures(per_seq[draws].sum(1)) if len(sequences) > 1 else None
+                row = {"group": group, "layer_type": layer_type, "token_class": cls, "n": int(rows_["n"].sum()),
+                       "n_heads": int(rows_[["layer", "head"]].drop_duplicates().shape[0]),
+                       "n_sequences": int((per_seq[:, 0] > 0).sum())}
+                for m in JOINT_MEASURES:
+                    row[m] = float(estimate[m])
+                    if replicates is None:
+                        row[f"{m}_low"] = row[f"{m}_high"] = np.nan
+                    else:
+                        low, high = percentile(replicates[m][:, None], level)
+                        row[f"{m}_low"], row[f"{m}_high"] = float(low[0]), float(high[0])
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def head_shares(rates: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
     """Per (layer, head, token class): the share of var(log|c|) of each factor, ``geometry`` (relative
     norm + cosine) and the head's ``sink_rate``; heads with an undefined share are left out.
@@ -278,34 +402,93 @@ def head_shares(rates: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
              .reset_index())
     rate = rates.set_index(["layer", "head"])["sink_rate"]
     heads["sink_rate"] = rate.reindex(pd.MultiIndex.from_frame(heads[["layer", "head"]])).to_numpy()
+    if "layer_type" in rates:
+        kind = rates.set_index(["layer", "head"])["layer_type"]
+        heads["layer_type"] = kind.reindex(pd.MultiIndex.from_frame(heads[["layer", "head"]])).to_numpy()
     heads["geometry"] = heads["relative_norm"] + heads["cosine"]
     return heads[np.isfinite(heads["geometry"]) & np.isfinite(heads["alpha"])].reset_index(drop=True)
 
 
-def decomposition_claims(rates: pd.DataFrame, summary: pd.DataFrame, eps: float = 0.3) -> pd.DataFrame:
-    """Chapter 5: in sink heads (sink rate > ``eps``), the geometry (relative norm + cosine) explains more
-    of the sink's var(log|c|) than attention does in more than half of the heads, and attention more of
-    the tail's in more than half (shares of heads with Wilson intervals, threshold 0.5)."""
-    return claims_frame(_claim_rows(head_shares(rates, summary), eps))
+#: the older reading of the tail part, kept as its own claim (not the paper's wording: see _claim_rows)
+TAIL_ATTENTION_ONLY = "tail driven by attention more than by geometry"
 
 
-def _claim_rows(heads: pd.DataFrame, eps: float) -> list[dict]:
+def decomposition_claims(rates: pd.DataFrame, summary: pd.DataFrame, eps: float = 0.3, stats: pd.DataFrame | None = None,
+                         n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Chapter 5's decomposition claims (see :func:`_claim_rows`). ``stats``: the raw ``stats`` piece
+    for the pooled parts with intervals over documents (without it only the per-head parts)."""
+    joint = joint_shares(stats, eps, n_bootstrap=n_bootstrap, seed=seed) if stats is not None else None
+    return claims_frame(_claim_rows(head_shares(rates, summary), eps, joint, n_bootstrap, seed))
+
+
+def _joint_triple(joint: pd.DataFrame | None, measure: str, cls: str, group: str = "sink_heads",
+                  layer_type: str = "all") -> tuple[tuple[float, float, float], int]:
+    if joint is None:
+        return (np.nan, np.nan, np.nan), 0
+    row = joint[(joint["group"] == group) & (joint["token_class"] == cls) & (joint["layer_type"] == layer_type)]
+    if not len(row):
+        return (np.nan, np.nan, np.nan), 0
+    r = row.iloc[0]
+    return (r[measure], r[f"{measure}_low"], r[f"{measure}_high"]), int(r["n_sequences"])
+
+
+def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = None, n_bootstrap: int = 1000,
+                seed: int = 0) -> list[dict]:
+    """The claim "sink driven by value geometry, tail by attention" (PAPER.md: "for tail tokens by alpha
+    and alignment together"), in sink heads:
+
+    * sink, per head: the share of sink heads where geometry's share of var(log|c|) exceeds attention's
+      (Wilson) above 0.5; and the mean over sink heads of (geometry's - attention's share), above 0, with
+      a cluster bootstrap by layer (plus per-layer-type claims);
+    * sink, pooled (with ``joint``): geometry's minus attention's share of the pooled var(log|c|), above 0,
+      bootstrap over documents;
+    * tail, jointly (with ``joint``): attention's plus alignment's share above 0.5 (together they explain
+      most of the variation), and each of the two shares above 0 (both terms drive it), bootstrap over
+      documents.
+
+    The older per-head reading "attention explains more of the tail than geometry" is the separate claim
+    :data:`TAIL_ATTENTION_ONLY`.
+    """
     in_sink = heads[heads["sink_rate"] > eps]
     sink = in_sink[in_sink["token_class"] == "sink"]
     tail = in_sink[in_sink["token_class"] == "tail"]
     why = "" if len(in_sink) else no_sink_heads(eps)
-    return [
+    rows = [
         claim_row(5, DECOMPOSITION, "sink: geometry explains more than attention",
                   "share of sink heads where geometry's share of var(log|c|) > attention's", "sink_geometry_share",
                   share_ci(sink["geometry"] > sink["alpha"]), 0.5, "above", len(sink), why),
-        claim_row(5, DECOMPOSITION, "tail: attention explains more than geometry",
+        claim_row(5, TAIL_ATTENTION_ONLY, "tail: attention explains more than geometry",
                   "share of sink heads where attention's share of var(log|c|) > geometry's", "tail_attention_share",
                   share_ci(tail["alpha"] > tail["geometry"]), 0.5, "above", len(tail), why),
     ]
+    if "layer" in sink:
+        diff = sink.assign(margin=sink["geometry"] - sink["alpha"])
+        rows += pooled_claim_rows(diff, "margin", chapter=5, claim=DECOMPOSITION,
+                                  part="sink: geometry explains more than attention, heads clustered by layer",
+                                  statistic_text="mean over sink heads of geometry's − attention's share",
+                                  key="sink_geometry_margin_by_layer", threshold=0.0, side="above", why=why,
+                                  n_bootstrap=n_bootstrap, seed=seed)
+    if joint is not None:
+        for cls, measure, part, statistic, key, threshold in (
+            ("sink", "geometry_minus_alpha", "sink, pooled: geometry explains more than attention",
+             "geometry's − attention's share of pooled var(log|c|), sink pairs of sink heads", "sink_geometry_pooled", 0.0),
+            ("tail", "share_alpha_cosine", "tail: attention and alignment together explain most of it",
+             "attention's + alignment's share of pooled var(log|c|), tail pairs of sink heads", "tail_joint_share", 0.5),
+            ("tail", "share_alpha", "tail: attention drives it", "attention's share, tail pairs of sink heads",
+             "tail_alpha_share", 0.0),
+            ("tail", "share_cosine", "tail: alignment drives it", "alignment's share, tail pairs of sink heads",
+             "tail_cosine_share", 0.0),
+        ):
+            value, n = _joint_triple(joint, measure, cls)
+            rows.append(claim_row(5, DECOMPOSITION, part, statistic + " (bootstrap over documents)", key, value,
+                                  threshold, "above", n, why))
+    return rows
 
 
-def _claims(results, *, eps: float, **_) -> list[dict]:
-    return _claim_rows(head_shares(results["rates"], results["decomposition"].summary), eps)
+def _claims(results, *, eps: float, n_bootstrap: int = 1000, seed: int = 0, **_) -> list[dict]:
+    raw = results.get("raw", {}).get("decomposition", {})
+    joint = joint_shares(raw["stats"], eps, n_bootstrap=n_bootstrap, seed=seed) if "stats" in raw else None
+    return _claim_rows(head_shares(results["rates"], results["decomposition"].summary), eps, joint, n_bootstrap, seed)
 
 
 ANALYSIS = register(Analysis("decomposition", _DecompositionCollector, _tables,

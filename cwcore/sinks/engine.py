@@ -33,7 +33,13 @@ from ..core.decomposition import LayerDecomposition
 from ..core.geometry import head_space_geometry, split_output_projection
 from ..core.interventions import removal
 
-__all__ = ["Analysis", "REGISTRY", "register", "token_blocks", "model_fingerprint", "exclude_sink"]
+__all__ = ["Analysis", "REGISTRY", "SINK_POSITION", "register", "token_blocks", "model_fingerprint", "exclude_sink",
+           "layer_types", "token_classes"]
+
+#: The key position every analysis treats as the sink: position 0, the paper's reading. Whether the
+#: attention statistics agree (which positions take the mass) is measured by :mod:`cwcore.sinks.rates`
+#: (its ``positions`` table), not assumed; :attr:`_LayerState.sink_position` carries it to the collectors.
+SINK_POSITION = 0
 
 #: The one model fingerprint of the project (cache identity of the weights).
 model_fingerprint = runs.model_fingerprint
@@ -54,6 +60,7 @@ class _Blocks:
     ids: torch.Tensor
     add_bos: bool | None  # None: blocks were given ready-made
     first_token_is_bos: float  # share of sequences starting with tokenizer.bos_token_id (NaN: unknown)
+    classes: np.ndarray | None = None  # token class of every position [n, T] (None without a tokenizer)
 
 
 def token_blocks(
@@ -96,7 +103,60 @@ def token_blocks(
         raise ValueError(f"need at least one block of at least 2 tokens, got shape {tuple(ids.shape)}")
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     first = float("nan") if bos is None else float((ids[:, 0] == bos).float().mean())
-    return _Blocks(ids, resolved, first)
+    classes = token_classes(ids, tokenizer) if tokenizer is not None else None
+    return _Blocks(ids, resolved, first, classes)
+
+
+#: the token classes of :func:`token_classes`, in the order the tables list them
+TOKEN_CLASSES = ("bos", "first", "special", "newline", "punctuation", "word")
+
+
+def token_classes(ids: torch.Tensor, tokenizer) -> np.ndarray:
+    """The class of every token of ``ids [n, T]`` (a string array of the same shape).
+
+    Position 0: ``"bos"`` when it is the tokenizer's BOS token, else ``"first"`` (the first text token).
+    Later positions: ``"special"`` (the tokenizer's special tokens: BOS, EOS, padding, ...), ``"newline"``
+    (the token's text contains a line break), ``"punctuation"`` (its text, stripped, is nothing but
+    punctuation or symbols), ``"word"`` otherwise.
+    """
+    ids = torch.as_tensor(ids)
+    special = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None}
+    bos = getattr(tokenizer, "bos_token_id", None)
+    vocab = {}
+    for t in np.unique(ids.numpy()).tolist():
+        if t in special:
+            vocab[t] = "special"
+            continue
+        text = tokenizer.decode([t])
+        stripped = text.strip()
+        if "\n" in text or "\r" in text:
+            vocab[t] = "newline"
+        elif stripped and all(not c.isalnum() for c in stripped):
+            vocab[t] = "punctuation"
+        else:
+            vocab[t] = "word"
+    out = np.vectorize(vocab.get, otypes=[object])(ids.numpy()).astype("<U11")
+    out[:, 0] = np.where(ids[:, 0].numpy() == bos, "bos", "first") if bos is not None else "first"
+    return out
+
+
+def _layer_type_of(model: nn.Module, block) -> str:
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    types = getattr(text, "layer_types", None)
+    index = getattr(block.module, "layer_idx", block.layer)
+    if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
+        return "sliding" if "sliding" in str(types[index]) else "global"
+    if getattr(block.module, "is_sliding", False) or getattr(block.module, "sliding_window", None):
+        return "sliding"
+    return "global"
+
+
+def layer_types(model: nn.Module) -> dict[int, str]:
+    """``{layer: "sliding" | "global"}`` for every attention layer (the numbering of ``_LayerState.layer``):
+    from ``config.layer_types`` where the config has it (Gemma 3, GPT-OSS, ...), else ``"sliding"`` when the
+    module has a sliding window, else ``"global"``."""
+    return {block.layer: _layer_type_of(model, block) for block in attention_blocks(model)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -111,20 +171,30 @@ class _LayerState:
     (already repeated for grouped-query attention), ``w_o`` ``[head, model, dim]``, ``gram``
     ``[head, dim, dim]`` = W_O^h^T W_O^h. Inner products of head-space vectors x, y ``[b, h, n, dim]``
     are those of the projected vectors W_O^h x, W_O^h y.
+
+    ``sink_position`` (int): the key the analyses treat as the sink (:data:`SINK_POSITION`, 0);
+    ``layer_type``: ``"sliding"`` or ``"global"`` (:func:`layer_types`); ``learned_sink_mass``
+    ``[batch, head, query]`` or None: the softmax mass a learned sink logit (GPT-OSS ``s_aux``) absorbed.
     """
 
-    def __init__(self, layer: int, probs: torch.Tensor, values: torch.Tensor, weight: torch.Tensor, dtype):
+    sink_position: int = SINK_POSITION
+
+    def __init__(self, layer: int, probs: torch.Tensor, values: torch.Tensor, weight: torch.Tensor, dtype,
+                 layer_type: str = "global", learned_sink_mass: torch.Tensor | None = None):
         self.layer = layer
+        self.layer_type = layer_type
+        self.learned_sink_mass = None if learned_sink_mass is None else learned_sink_mass.detach().to(dtype)
         self.probs = probs.detach().to(dtype)
         self.values = values.detach().to(dtype)
         self.w_o = split_output_projection(weight.detach().to(dtype), probs.shape[1])
         self.gram = self.w_o.transpose(1, 2) @ self.w_o
 
     @classmethod
-    def from_call(cls, call: LayerCall) -> "_LayerState":
+    def from_call(cls, call: LayerCall, layer_type: str = "global") -> "_LayerState":
         """The state of the layer a session's observer sees (its final probabilities)."""
         weight, _ = call.output_projection()
-        return cls(call.layer, call.probs, call.value, weight, call.compute_dtype)
+        return cls(call.layer, call.probs, call.value, weight, call.compute_dtype, layer_type,
+                   call.learned_sink_mass)
 
     def inner(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """<W_O^h x, W_O^h y> over the last axis: ``[b, h, n, d] x [b, h, n, d] -> [b, h, n]``."""
@@ -201,21 +271,28 @@ def _backbone(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else model
 
 
-def _forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=False, compute_dtype=torch.float32):
+def _forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=False, compute_dtype=torch.float32,
+             transforms=None):
     """Run ``model`` on ``ids [b, T]`` through cwcore's attention; returns the logits ``[b, T, vocab]`` or None.
 
     ``on_layer(state: _LayerState)`` observes every layer; ``masks`` ``{layer: bool [.., q, k]}`` remove
-    terms (no renormalisation); ``renormalise`` ``{layer: bool [b, h]}`` applies :func:`exclude_sink`.
+    terms (no renormalisation); ``renormalise`` ``{layer: bool [b, h]}`` applies :func:`exclude_sink`;
+    ``transforms`` ``{layer: callable(LayerCall) -> probs}``: any other change of the probabilities.
     """
+    extra = transforms
     transforms: dict[int, list] = {}
+    for layer, transform in (extra or {}).items():
+        transforms.setdefault(layer, []).append(transform)
     for layer, mask in (masks or {}).items():
         transforms.setdefault(layer, []).append(removal(mask))
     for layer, rows in (renormalise or {}).items():
         transforms.setdefault(layer, []).append(exclude_sink(rows))
     observers = {}
     if on_layer is not None:
+        types = layer_types(model)
+
         def observe(call: LayerCall) -> None:
-            on_layer(_LayerState.from_call(call))
+            on_layer(_LayerState.from_call(call, types.get(call.layer, "global")))
 
         observers = {block.layer: [observe] for block in attention_blocks(model)}
     session = AttentionSession(model, observers=observers, transforms=transforms, compute_dtype=compute_dtype)

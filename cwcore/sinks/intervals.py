@@ -21,7 +21,7 @@ import pandas as pd
 
 from .. import stats
 
-__all__ = ["COLUMNS", "SequenceBootstrap", "UNMEASURED", "bootstrap_ci", "claim_row", "claims_frame",
+__all__ = ["COLUMNS", "pooled_by_layer", "pooled_claim_rows", "SequenceBootstrap", "UNMEASURED", "bootstrap_ci", "claim_row", "claims_frame",
            "combine_verdicts", "contrast", "group_value", "no_sink_heads", "verdict_text", "sequence_bootstrap", "share_ci", "spearman_ci",
            "verdict"]
 
@@ -120,3 +120,79 @@ def verdict_text(claims: pd.DataFrame) -> list[str]:
     """Each part's verdict as the chapters show it: "not measured: <why>" where the table says why."""
     why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
     return [f"{v}: {w}" if v == UNMEASURED and w and w != "nan" else str(v) for v, w in zip(claims["verdict"], why)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# head tables -> pooled claims, resampling whole layers
+# ---------------------------------------------------------------------------------------------------
+
+_STATISTICS = {"mean": np.nanmean, "share": np.nanmean, "median": np.nanmedian}
+
+
+def _by_layer(values: np.ndarray, layers: np.ndarray, statistic: str, n_bootstrap: int, seed: int,
+              level: float) -> tuple[float, float, float, int]:
+    """(estimate, low, high, n_layers) of ``statistic`` over heads, resampling whole layers."""
+    f = _STATISTICS[statistic]
+    ok = np.isfinite(values)
+    values, layers = values[ok], layers[ok]
+    if not len(values):
+        return (np.nan, np.nan, np.nan, 0)
+    units, index = np.unique(layers, return_inverse=True)
+    estimate = float(f(values))
+    if len(units) < 2:
+        return (estimate, np.nan, np.nan, len(units))
+    members = [np.flatnonzero(index == u) for u in range(len(units))]
+    draws = stats.resample_indices(len(units), n_bootstrap, seed)
+    if statistic in ("mean", "share"):  # pooled mean of the drawn layers' heads: from per-layer sums
+        sums = np.array([values[m].sum() for m in members])
+        counts = np.array([len(m) for m in members], float)
+        replicates = sums[draws].sum(1) / counts[draws].sum(1)
+    else:
+        replicates = np.array([f(np.concatenate([values[members[u]] for u in d])) for d in draws])
+    low, high = stats.percentile_interval(replicates[:, None], level)
+    return (estimate, float(low[0]), float(high[0]), len(units))
+
+
+def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean", n_bootstrap: int = 1000,
+                    seed: int = 0, level: float = 0.95, layer: str = "layer",
+                    layer_type: str = "layer_type") -> pd.DataFrame:
+    """A head-level statistic pooled over heads, with a 95% interval from a cluster bootstrap by layer.
+
+    ``table``: one row per head with columns ``layer`` and ``column`` (boolean for ``statistic="share"``)
+    and optionally ``layer_type``. Heads of one layer are not independent (they share the layer's input,
+    and their statistics cluster by layer), so each resample draws whole layers with replacement and
+    pools their heads. ``statistic``: "mean", "median" or "share" (share of True). Returns one row per
+    ``scope``: "all", then one per layer type when the table has two or more (columns ``scope``,
+    ``estimate``, ``low``, ``high``, ``n`` heads, ``n_layers``). Empty groups give NaNs.
+    """
+    if statistic not in _STATISTICS:
+        raise ValueError(f"statistic must be one of {', '.join(_STATISTICS)}, not {statistic!r}")
+    scopes = [("all", np.ones(len(table), bool))]
+    if layer_type in table and table[layer_type].nunique() > 1:
+        scopes += [(str(t), (table[layer_type] == t).to_numpy()) for t in sorted(table[layer_type].unique())]
+    rows = []
+    for scope, keep in scopes:
+        values = table.loc[keep, column].to_numpy(float) if len(table) else np.zeros(0)
+        layers = table.loc[keep, layer].to_numpy() if len(table) else np.zeros(0)
+        est, low, high, n_layers = _by_layer(values, layers, statistic, n_bootstrap, seed, level)
+        rows.append({"scope": scope, "estimate": est, "low": low, "high": high,
+                     "n": int(np.isfinite(values).sum()), "n_layers": n_layers})
+    return pd.DataFrame(rows, columns=["scope", "estimate", "low", "high", "n", "n_layers"])
+
+
+def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, part: str, statistic_text: str,
+                      key: str, threshold: float, side: str, statistic: str = "mean", why: str = "",
+                      n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+    """The claim rows (:data:`COLUMNS`) of :func:`pooled_by_layer`: the pooled row is a part of ``claim``
+    (key ``key``; its statistic says "cluster bootstrap by layer"); each layer type's row is a part of the
+    separate claim ``"<claim> [<type> layers]"`` (key ``"<key>@<type>"``), so a finding that combines the
+    parts of ``claim`` takes the pooled row only. An empty ``table`` gives the pooled row, not measured,
+    with ``why``."""
+    pooled = pooled_by_layer(table, column, statistic=statistic, n_bootstrap=n_bootstrap, seed=seed)
+    rows = []
+    for r in pooled.itertuples():
+        here_claim, here_key = (claim, key) if r.scope == "all" else (f"{claim} [{r.scope} layers]", f"{key}@{r.scope}")
+        text = f"{statistic_text} (cluster bootstrap by layer, {r.n_layers} layers)"
+        rows.append(claim_row(chapter, here_claim, part, text, here_key, (r.estimate, r.low, r.high), threshold, side,
+                              int(r.n), why if r.n == 0 else ""))
+    return rows

@@ -1,4 +1,5 @@
-"""Analysis 1, sink rates: the attention the first token receives, and Gu et al.'s Sink_eps."""
+"""Analysis 1, sink rates: the attention the first token receives, Gu et al.'s Sink_eps, and which key
+positions take the attention mass (the sink found by statistics, not assumed)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import _COMMON, Analysis, Collector, _Blocks, _concat, _grid, _np, register, run_one
+from .engine import _COMMON, TOKEN_CLASSES, Analysis, Collector, _Blocks, _concat, _grid, _np, register, run_one
+from .intervals import claim_row, no_sink_heads, pooled_claim_rows, share_ci
 
-__all__ = ["sink_rates"]
+__all__ = ["SINK_RATES", "SINK_POSITION_CLAIM", "sink_rates"]
+
+#: the claims this analysis states (chapter 5)
+SINK_RATES = "many heads are sink heads"
+SINK_POSITION_CLAIM = "the sink is position 0"
 
 
 class _RatesCollector(Collector):
@@ -16,16 +22,25 @@ class _RatesCollector(Collector):
 
     def __init__(self, *args, **options):
         super().__init__(*args, **options)
-        self.rows = []
+        self.rows, self.mass, self.layers = [], [], []
 
     def on_layer(self, s):
-        a0 = s.probs[:, :, :, 0]  # [b, h, q]
+        a0 = s.probs[:, :, :, s.sink_position]  # [b, h, q]
         cols = _grid(tuple(a0.shape), ("sequence", "head", "query"), {"sequence": self.start})
         self.rows.append(pd.DataFrame({"layer": np.full(a0.numel(), s.layer, np.int32), **cols,
                                        "alpha0": _np(a0).astype(np.float32)}))
+        mass = s.probs[:, :, 1:, :].mean(2)  # [b, h, k]: mean over queries >= 1 of alpha_ij (sums to 1 over k)
+        self.mass.append(pd.DataFrame({"layer": np.full(mass.numel(), s.layer, np.int16),
+                                       **_grid(tuple(mass.shape), ("sequence", "head", "key"), {"sequence": self.start}),
+                                       "mass": _np(mass).astype(np.float32)}))
+        learned = (s.learned_sink_mass[:, :, 1:].mean(-1) if s.learned_sink_mass is not None
+                   else torch.full(a0.shape[:2], float("nan")))
+        self.layers.append(pd.DataFrame({"layer": np.full(learned.numel(), s.layer, np.int32),
+                                         **_grid(tuple(learned.shape), ("sequence", "head"), {"sequence": self.start}),
+                                         "layer_type": s.layer_type, "learned_sink_mass": _np(learned).astype(float)}))
 
     def finish(self, logits):
-        return {"alpha0": _concat(self.rows)}
+        return {"alpha0": _concat(self.rows), "mass": _concat(self.mass), "layers": _concat(self.layers)}
 
 
 def sink_rates(
@@ -55,13 +70,59 @@ def sink_rates(
     ``sink_eps_all_queries`` (the same with Gu et al.'s rate), ``eps``, ``add_bos`` (True/False, NA for
     ready-made blocks), ``first_token_is_bos`` (share of sequences; NaN without a tokenizer with a BOS),
     ``num_sequences``, ``block_size``.
+
+    Structure: ``layer_type`` ("sliding" or "global", :func:`cwcore.sinks.engine.layer_types`) and
+    ``learned_sink_mass`` (mean over queries >= 1 of the softmax mass a learned sink logit absorbs, as in
+    GPT-OSS; NaN for a model without one).
+
+    Where the mass goes (the sink found by statistics): with m_j = the mean over queries i >= 1 of
+    alpha_ij (zero for j > i; sums to 1 over j), averaged over sequences, ``top_key`` is the key position
+    with the largest m_j, ``top_key_mass`` its m_j, ``top_key_class`` its most frequent token class;
+    ``top_later_key``/``top_later_mass`` the same among positions >= 1 (a second sink). ``mass_<class>``
+    (classes of :func:`cwcore.sinks.engine.token_classes`: bos, first, special, newline, punctuation,
+    word) is the attention going to tokens of that class, ``uniform_<class>`` what a uniform causal
+    attention would give them; NaN without a tokenizer.
     """
     del seed  # nothing random; kept for the common signature
     common = {k: v for k, v in locals().items() if k in _COMMON}
     return run_one("rates", model, tokenizer, data, {"eps": eps}, common)
 
 
-def _rates_table(points: pd.DataFrame, eps: float, blocks: _Blocks) -> pd.DataFrame:
+def _position_columns(mass: pd.DataFrame, blocks: _Blocks) -> pd.DataFrame:
+    """Per (layer, head): where the attention mass goes (see :func:`sink_rates`)."""
+    by_key = mass.groupby(["layer", "head", "key"])["mass"].mean().reset_index()
+    top = by_key.loc[by_key.groupby(["layer", "head"])["mass"].idxmax()].set_index(["layer", "head"])
+    later = by_key[by_key["key"] >= 1]
+    top_later = later.loc[later.groupby(["layer", "head"])["mass"].idxmax()].set_index(["layer", "head"])
+    out = pd.DataFrame({"top_key": top["key"].astype(int), "top_key_mass": top["mass"],
+                        "top_later_key": top_later["key"].astype(int), "top_later_mass": top_later["mass"]})
+    classes = blocks.classes
+    if classes is None:
+        out["top_key_class"] = "unknown"
+        for c in TOKEN_CLASSES:
+            out[f"mass_{c}"] = out[f"uniform_{c}"] = np.nan
+        return out.reset_index()
+    seq, key = mass["sequence"].to_numpy(), mass["key"].to_numpy()
+    cls = classes[seq, key]
+    common = []  # the most frequent class at each position
+    for column in classes.T:
+        names, counts = np.unique(column, return_counts=True)
+        common.append(str(names[np.argmax(counts)]))
+    out["top_key_class"] = [common[k] for k in out["top_key"].to_numpy()]
+    n_seq = mass["sequence"].nunique()
+    T = classes.shape[1]
+    # uniform causal attention: query i gives 1/(i+1) to each key j <= i; mean over queries 1..T-1
+    uniform_key = np.array([sum(1 / (i + 1) for i in range(max(j, 1), T)) / (T - 1) for j in range(T)])
+    for c in TOKEN_CLASSES:
+        hit = cls == c
+        out[f"mass_{c}"] = mass["mass"].where(hit, 0).groupby([mass["layer"], mass["head"]]).sum() / n_seq
+        seqs = np.unique(seq)
+        out[f"uniform_{c}"] = float(((classes[seqs] == c) * uniform_key[None]).sum(1).mean())
+    return out.reset_index()
+
+
+def _rates_table(points: pd.DataFrame, eps: float, blocks: _Blocks, mass: pd.DataFrame | None = None,
+                 layers: pd.DataFrame | None = None) -> pd.DataFrame:
     later = points[points["query"] >= 1]
     grouped = later.groupby(["layer", "head"])["alpha0"]
     table = pd.DataFrame({
@@ -74,6 +135,14 @@ def _rates_table(points: pd.DataFrame, eps: float, blocks: _Blocks) -> pd.DataFr
         "q90": grouped.quantile(0.9),
         "sink_rate_all_queries": points.groupby(["layer", "head"])["alpha0"].mean(),
     }).reset_index()
+    if layers is not None:
+        per_head = layers.groupby(["layer", "head"]).agg(layer_type=("layer_type", "first"),
+                                                        learned_sink_mass=("learned_sink_mass", "mean")).reset_index()
+        table = table.merge(per_head, on=["layer", "head"], how="left")
+    else:
+        table["layer_type"], table["learned_sink_mass"] = "global", np.nan
+    if mass is not None:
+        table = table.merge(_position_columns(mass, blocks), on=["layer", "head"], how="left")
     table["is_sink_head"] = table["sink_rate"] > eps
     table["sink_eps"] = float(table["is_sink_head"].mean())
     table["sink_eps_all_queries"] = float((table["sink_rate_all_queries"] > eps).mean())
@@ -86,7 +155,7 @@ def _rates_table(points: pd.DataFrame, eps: float, blocks: _Blocks) -> pd.DataFr
 
 
 def _tables(parts: dict, blocks: _Blocks, *, eps: float, **_) -> pd.DataFrame:
-    return _rates_table(parts["alpha0"], eps, blocks)
+    return _rates_table(parts["alpha0"], eps, blocks, parts.get("mass"), parts.get("layers"))
 
 
 def _summary(tables: dict, add) -> None:
@@ -97,6 +166,53 @@ def _summary(tables: dict, add) -> None:
         add("sink_rate", "mean_sink_rate", r["sink_rate"].mean())
         add("sink_rate", "median_sink_rate", r["sink_rate"].median())
         add("sink_rate", "first_token_is_bos", r["first_token_is_bos"].iloc[0])
+        if "top_key" in r:
+            strong = r[r["top_key_mass"] > r["eps"].iloc[0]]
+            add("sink_rate", "share_strong_heads_top_key_0", (strong["top_key"] == 0).mean() if len(strong) else np.nan)
+            add("sink_rate", "max_top_later_mass", r["top_later_mass"].max())
+        if "learned_sink_mass" in r:
+            add("sink_rate", "mean_learned_sink_mass", r["learned_sink_mass"].mean())
 
 
-ANALYSIS = register(Analysis("rates", _RatesCollector, _tables, stems=("rates",), summary=_summary))
+def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5, n_bootstrap: int = 1000,
+                    seed: int = 0) -> list[dict]:
+    """Chapter 5's claims on the rates table.
+
+    * "many heads are sink heads": the share of heads with sink rate > ``eps`` (Sink_eps) above
+      ``majority``, judged twice: with a Wilson interval (heads as independent units, the reading of a
+      plain Sink_eps) and with a cluster bootstrap by layer (heads of a layer resampled together); the
+      second also per layer type (separate claims "... [sliding layers]", see
+      :func:`cwcore.sinks.intervals.pooled_claim_rows`).
+    * "the sink is position 0": among the heads whose strongest key takes more than ``eps`` of their
+      attention, the share whose strongest key is position 0, above one half (Wilson), and the
+      strongest later key's mass below ``eps`` in the median head (cluster bootstrap by layer).
+    """
+    rate = rates[np.isfinite(rates["sink_rate"].to_numpy(float))]
+    flags = rate.assign(sink=rate["sink_rate"] > eps)
+    rows = [claim_row(5, SINK_RATES, f"more than {majority:g} of the heads are sink heads",
+                      f"share of heads with sink rate > {eps:g} (Sink_eps, Wilson over heads)", "sink_eps",
+                      share_ci(flags["sink"]), majority, "above", len(flags), "" if len(flags) else "no finite sink rate")]
+    rows += pooled_claim_rows(flags, "sink", chapter=5, claim=SINK_RATES,
+                              part=f"more than {majority:g} of the heads are sink heads, heads clustered by layer",
+                              statistic_text=f"share of heads with sink rate > {eps:g}", key="sink_eps_by_layer",
+                              threshold=majority, side="above", statistic="share", why="no finite sink rate",
+                              n_bootstrap=n_bootstrap, seed=seed)
+    if "top_key" in rates:
+        strong = rates[rates["top_key_mass"] > eps]
+        rows.append(claim_row(5, SINK_POSITION_CLAIM, "the strongest key of a strongly attending head is position 0",
+                              f"share of heads whose strongest key (mass > {eps:g}) is position 0 (Wilson)",
+                              "top_key_0", share_ci(strong["top_key"] == 0), 0.5, "above", len(strong),
+                              "" if len(strong) else no_sink_heads(eps)))
+        rows += pooled_claim_rows(rates, "top_later_mass", chapter=5, claim=SINK_POSITION_CLAIM,
+                                  part="no later position is a second sink",
+                                  statistic_text="median over heads of the strongest later key's mass",
+                                  key="top_later_mass", threshold=eps, side="below", statistic="median",
+                                  n_bootstrap=n_bootstrap, seed=seed)
+    return rows
+
+
+def _claims(results, *, eps: float, n_bootstrap: int, seed: int, **_) -> list[dict]:
+    return rate_claim_rows(results["rates"], eps, n_bootstrap=n_bootstrap, seed=seed)
+
+
+ANALYSIS = register(Analysis("rates", _RatesCollector, _tables, stems=("rates",), summary=_summary, claims=_claims))

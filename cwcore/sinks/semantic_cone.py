@@ -13,12 +13,14 @@ from .. import stats
 from .engine import _COMMON, Analysis, Collector, _concat, _forward, _grid, _LayerState, _np, register, run_one
 from .intervals import claim_row, claims_frame, contrast, group_value
 
-__all__ = ["CONDITIONS", "CONE", "PERPLEXITY", "PerplexityChanges", "SemanticConeTables", "cone_claims",
+__all__ = ["CONDITIONS", "CONE", "DRIFT", "PERPLEXITY", "drift_curve", "drift_points", "mass_matched_removal",
+           "weak_token_counts", "PerplexityChanges", "SemanticConeTables", "cone_claims",
            "cone_points", "perplexity_changes", "semantic_cone"]
 
 #: the claims chapter 7 judges
 CONE = "low-norm outputs collapse into the cone"
 PERPLEXITY = "removing the sink raises perplexity"
+DRIFT = "noise from many weak tokens accumulates"
 
 
 class _Clean(NamedTuple):
@@ -36,7 +38,50 @@ class SemanticConeTables(NamedTuple):
     ppl: pd.DataFrame
 
 
-CONDITIONS = ("sink", "sink_renorm", "control")
+CONDITIONS = ("sink", "sink_renorm", "control", "control_mass")
+
+
+def weak_token_counts(T: int) -> list[int]:
+    """The numbers k of weak tokens of the drift curve: powers of two up to (T - 1) // 2 (queries i >= the
+    largest k are measured, so every point of the curve has the same queries)."""
+    ks, k = [], 1
+    while k <= max(1, (T - 1) // 2):
+        ks.append(k)
+        k *= 2
+    return ks
+
+
+def _mass_scores(seed: int, sequences: range, heads: int, T: int) -> torch.Tensor:
+    """Random priorities ``[b, h, q, k]`` (seeded per sequence) of the mass-matched control's removal order."""
+    return torch.stack([torch.as_tensor(np.random.default_rng([seed, s, 1]).random((heads, T, T)), dtype=torch.float32)
+                        for s in sequences])
+
+
+def _removal_order(scores: torch.Tensor) -> torch.Tensor:
+    """Keys 1..i of each row in the random order of ``scores [b, h, q, k]`` (the other keys last)."""
+    T = scores.shape[-1]
+    q = torch.arange(T, device=scores.device)
+    allowed = (q[None, :] >= 1) & (q[None, :] <= q[:, None])  # [q, k]
+    return torch.where(allowed, scores, torch.full_like(scores, float("inf"))).argsort(-1)
+
+
+def mass_matched_removal(probs: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor,
+                         order: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``control_mass`` transform: in the selected ``rows [b, h]`` and queries i >= 1, remove non-sink
+    terms carrying the sink's attention mass alpha_i0: keys 1..i are taken in the random order of
+    ``scores [b, h, q, k]`` and their probabilities zeroed until the removed mass reaches alpha_i0 (the
+    last key only in part, so the removed mass is exactly min(alpha_i0, 1 - alpha_i0)); no renormalisation.
+    ``order``: :func:`_removal_order` of ``scores``, when it is already known (it is the same in every layer)."""
+    T = probs.shape[-1]
+    q = torch.arange(T, device=probs.device)
+    allowed = (q[None, :] >= 1) & (q[None, :] <= q[:, None])  # [q, k]
+    order = _removal_order(scores.to(probs.device, probs.dtype)) if order is None else order.to(probs.device)
+    ranked = torch.where(allowed, probs, torch.zeros_like(probs)).gather(-1, order)
+    before = ranked.cumsum(-1) - ranked
+    take = torch.minimum((probs[..., :1] - before).clamp_min(0), ranked)
+    removed = torch.zeros_like(probs).scatter(-1, order, take)
+    selected = rows.bool().to(probs.device)[:, :, None, None] & (q >= 1)[None, None, :, None]
+    return torch.where(selected, probs - removed, probs)
 
 
 def _token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -60,19 +105,61 @@ class _SemanticConeCollector(Collector):
         self.heads, self.threshold, self.seed = heads, threshold, seed
         self.clean: dict[int, _Clean] = {}
         self.clean_measure: dict[int, dict] = {}
+        self.weak: list[pd.DataFrame] = []
+        self.clean_alpha0: dict[int, torch.Tensor] = {}
 
     @staticmethod
-    def measure(s: _LayerState) -> dict:
-        """||o^h_i|| and cos(o^h_i, m_i), m_i = mean_{1<=j<=i} v~_j, each ``[b, h, q]`` (query 0: NaN)."""
+    def cone_axis(s: _LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """m_i = mean_{1<=j<=i} v_j (head space, query 0: zero) ``[b, h, q, d]`` and G_h m_i (for inner products)."""
         v = s.values[:, :, 1:]
         T = s.values.shape[2]
         counts = torch.arange(1, T, dtype=v.dtype, device=v.device)[None, None, :, None]
         axis = torch.cat([torch.zeros_like(v[:, :, :1]), v.cumsum(2) / counts], 2)
-        return {"norm": s.output_norm, "cos": s.inner(s.mixed, axis) / (s.output_norm * s.norm(axis))}
+        return axis, axis @ s.gram
+
+    @classmethod
+    def measure(cls, s: _LayerState, axis=None) -> dict:
+        """||o^h_i|| and cos(o^h_i, m_i), m_i = mean_{1<=j<=i} v~_j, each ``[b, h, q]`` (query 0: NaN)."""
+        axis, axis_gram = cls.cone_axis(s) if axis is None else axis
+        axis_norm = (axis * axis_gram).sum(-1).clamp_min(0).sqrt()
+        return {"norm": s.output_norm, "cos": (s.mixed * axis_gram).sum(-1) / (s.output_norm * axis_norm)}
 
     def on_layer(self, s):
         self.clean[s.layer] = _Clean(s.mixed, s.output_norm, s.probs[:, :, 1:, 0].mean(-1))
-        self.clean_measure[s.layer] = self.measure(s)
+        self.clean_alpha0[s.layer] = s.probs[:, :, :, 0]
+        axis = self.cone_axis(s)
+        self.clean_measure[s.layer] = self.measure(s, axis)
+        self.weak.append(self.weak_tokens(s, axis))
+
+    def weak_tokens(self, s: _LayerState, axis=None) -> pd.DataFrame:
+        """The drift curve of one clean layer: for queries i >= max k, the cosine with the cone axis m_i of
+        the sum of the k weakest tail terms (smallest alpha_ij, 1 <= j <= i; ties by position), for each k
+        of :func:`weak_token_counts`, and of all tail terms (s_i); NaN where those terms' weights underflow
+        to zero."""
+        b, h, T, _ = s.probs.shape
+        ks = weak_token_counts(T)
+        first = ks[-1]
+        axis, axis_gram = self.cone_axis(s) if axis is None else axis
+        axis, axis_gram = axis[:, :, first:], axis_gram[:, :, first:]
+        axis_norm = (axis * axis_gram).sum(-1).clamp_min(0).sqrt()
+        q = torch.arange(T, device=s.probs.device)
+        tail = ((q[None, :] >= 1) & (q[None, :] <= q[:, None]))[first:]  # queries >= first
+        probs = s.probs[:, :, first:]
+        order = torch.where(tail, probs, torch.full_like(probs, float("inf"))).argsort(-1)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=order.device).expand_as(order))
+        cols = {"layer": np.full(b * h * (T - first), s.layer, np.int32),
+                **_grid((b, h, T - first), ("sequence", "head", "query"), {"sequence": self.start, "query": first}),
+                "norm_clean": _np(s.output_norm[:, :, first:]).astype(np.float32)}
+        zero = torch.zeros_like(probs)
+        for k in [*ks, None]:
+            keep = tail if k is None else (tail & (rank < k))  # rank 0 = the weakest tail key of the row
+            kept = torch.where(keep, probs, zero)
+            total = kept.sum(-1, keepdim=True)  # the cosine is scale-free: weights summing to one avoid underflow
+            z = torch.where(total > 0, kept / total, zero) @ s.values
+            norm = ((z @ s.gram) * z).sum(-1).clamp_min(0).sqrt()
+            cos = torch.where(total[..., 0] > 0, (z * axis_gram).sum(-1) / (norm * axis_norm), float("nan"))
+            cols[f"cos_k{k if k is not None else 'all'}"] = _np(cos).astype(np.float32)
+        return pd.DataFrame(cols)
 
     def finish(self, logits):
         ids, start = self.ids, self.start
@@ -91,9 +178,15 @@ class _SemanticConeCollector(Collector):
             "sink": {l: sel[:, :, None, None] & sink_rows.to(sel.device)[None, None] for l, sel in selected.items()},
             "sink_renorm": {},
             "control": {l: sel[:, :, None, None] & control_rows.to(sel.device)[:, None] for l, sel in selected.items()},
+            "control_mass": {},
         }
+        heads_n = next(iter(rates.values())).shape[1] if rates else 0
+        scores = _mass_scores(self.seed, range(start, start + b), heads_n, T) if rates else None
+        order = _removal_order(scores) if rates else None  # the same random order in every layer
+        mass_transforms = {l: (lambda call, sel=sel: mass_matched_removal(call.probs, scores, sel, order))
+                           for l, sel in selected.items()}
         touched = {"sink": (q >= 1)[None, :].expand(b, T), "sink_renorm": (q >= 1)[None, :].expand(b, T),
-                   "control": q[None, :] > key[:, None]}  # [b, q]
+                   "control": q[None, :] > key[:, None], "control_mass": (q >= 1)[None, :].expand(b, T)}  # [b, q]
         sequences = {"sequence": np.arange(start, start + b, dtype=np.int32), "control_key": control_key,
                      "n_tokens": np.full(b, T - 1), "nll_clean": _np(nll_clean.sum(-1))}
         frames = []
@@ -108,7 +201,8 @@ class _SemanticConeCollector(Collector):
 
             logits = _forward(self.model, ids, on_layer, masks=masks[condition],
                               renormalise=selected if condition == "sink_renorm" else None, logits=True,
-                              compute_dtype=self.dtype)
+                              compute_dtype=self.dtype,
+                              transforms=mass_transforms if condition == "control_mass" else None)
             sequences[f"nll_{condition}"] = _np(_token_nll(logits, ids).sum(-1))
             del logits
             for layer, m in sorted(after.items()):
@@ -124,6 +218,7 @@ class _SemanticConeCollector(Collector):
                     "norm_after": _np(m["norm"][bi, hi, qi]).astype(np.float32),
                     "cos_after": _np(m["cos"][bi, hi, qi]).astype(np.float32),
                     "drift": _np(m["drift"][bi, hi, qi]).astype(np.float32),
+                    "alpha0_clean": _np(self.clean_alpha0[layer][bi, hi, qi]).astype(np.float32),
                 }))
         heads = _concat([pd.DataFrame({
             "layer": np.full(rates[l].numel(), l, np.int32),
@@ -131,7 +226,8 @@ class _SemanticConeCollector(Collector):
             "sink_rate": _np(rates[l]), "selected": _np(selected[l]),
             "norm_clean_mean": _np(self.clean_measure[l]["norm"][:, :, 1:].mean(-1)),
         }) for l in sorted(rates)])
-        return {"points": _concat(frames), "sequences": pd.DataFrame(sequences), "heads": heads}
+        return {"points": _concat(frames), "sequences": pd.DataFrame(sequences), "heads": heads,
+                "weak": _concat(self.weak)}
 
 
 def semantic_cone(
@@ -168,6 +264,13 @@ def semantic_cone(
       output norm collapses": ``sink`` changes both, ``sink_renorm`` only the first.
     * ``control``: one non-sink key r per sequence, uniform in 1..T-2 (seeded), gets alpha_ir := 0 for
       all queries i > r, without renormalising (the same kind of removal as ``sink``, of a random token).
+    * ``control_mass``: the mass-matched control (:func:`mass_matched_removal`): in every query i >= 1,
+      non-sink keys in a random order (seeded per sequence, the same in every layer) lose their
+      probability until the removed mass equals alpha_i0 (at most the 1 - alpha_i0 there is), without
+      renormalising: as much attention removed as ``sink`` removes, from other tokens.
+
+    The raw pieces also hold ``weak`` (:func:`drift_points`, :func:`drift_curve`): on the clean pass, the
+    cosine with m_i of the sum of the k weakest tail terms, for k in :func:`weak_token_counts`.
 
     ``heads``: "all", or "sink": only heads whose clean sink rate in that sequence (mean alpha_i0 over
     queries >= 1) exceeds ``threshold``; the control uses the same heads.
@@ -307,16 +410,45 @@ def _summary(tables: dict, add) -> None:
 class PerplexityChanges(NamedTuple):
     """Per condition (and ``"clean"``) the perplexity; per intervention the change against clean, as
     ``delta_log`` (mean NLL per token, nats) and ``delta_ppl``; ``sink_minus_control``: Delta log-PPL of
-    removing the sink minus that of the control. Each value is ``(estimate, low, high)``, intervals by
+    removing the sink minus that of the control (one random token); ``sink_minus_mass``: minus that of the
+    mass-matched control. Each value is ``(estimate, low, high)``, intervals by
     a bootstrap over sequences (token-weighted means; the same resamples for every condition)."""
 
     ppl: dict
     delta_log: dict
     delta_ppl: dict
     sink_minus_control: tuple
+    sink_minus_mass: tuple = (np.nan, np.nan, np.nan)
 
 
-def perplexity_changes(sequences: pd.DataFrame, conditions=("sink", "sink_renorm", "control"),
+def drift_points(raw: Mapping[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFrame:
+    """The drift curve's rows in long form: per (layer, sequence, head, query) of the clean pass and each
+    number ``k`` of weak tokens kept (``k = 0`` stands for all tail tokens), ``cos`` = cos(sum of the k
+    weakest tail terms, m_i), with ``quantile`` (the output's within-head bin of the clean norm ``norm_clean``, as in
+    :func:`cone_points`). ``raw``: the semantic cone's raw pieces."""
+    weak = raw["weak"]
+    edges = weak.groupby(["layer", "head"])["norm_clean"].quantile(np.linspace(0, 1, quantiles + 1)[1:-1]).unstack()
+    edge_rows = (edges.loc[pd.MultiIndex.from_frame(weak[["layer", "head"]])].to_numpy() if len(edges.columns)
+                 else np.zeros((len(weak), 0)))
+    weak = weak.assign(quantile=1 + (weak["norm_clean"].to_numpy()[:, None] > edge_rows).sum(1))
+    columns = [c for c in weak.columns if c.startswith("cos_k")]
+    long = weak.melt(id_vars=["layer", "sequence", "head", "query", "norm_clean", "quantile"], value_vars=columns,
+                     var_name="k", value_name="cos")
+    long["k"] = long["k"].str.slice(5).replace("all", "0").astype(int)
+    return long
+
+
+def drift_curve(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap: int = 1000,
+                seed: int = 0) -> stats.ClusterBootstrap:
+    """Cone alignment against the number of weak tokens kept: mean cos per (``outputs``, k) with a cluster
+    bootstrap over sequences (``outputs``: "lowest" = the lowest-norm bin, "all"); see :func:`drift_points`."""
+    long = drift_points(raw, quantiles)
+    both = pd.concat([long.assign(outputs="all"), long[long["quantile"] == 1].assign(outputs="lowest")],
+                     ignore_index=True)
+    return stats.cluster_bootstrap(both, "cos", ["outputs", "k"], n_resamples=n_bootstrap, seed=seed)
+
+
+def perplexity_changes(sequences: pd.DataFrame, conditions=("sink", "sink_renorm", "control", "control_mass"),
                        n_bootstrap: int = 1000, seed: int = 0) -> PerplexityChanges:
     """From the cone's raw ``sequences`` table (``n_tokens`` and summed ``nll_<condition>`` per sequence)."""
     names = ["clean", *conditions]
@@ -328,9 +460,9 @@ def perplexity_changes(sequences: pd.DataFrame, conditions=("sink", "sink_renorm
     ppl = {c: tuple(np.exp(boot.interval(row[c], "nll"))) for c in names}
     delta_log = {c: tuple(boot.contrast(row[c], row["clean"], "nll")) for c in conditions}
     delta_ppl = {c: _delta_ppl(boot, row[c], row["clean"]) for c in conditions}
-    minus = (tuple(boot.contrast(row["sink"], row["control"], "nll"))
-             if {"sink", "control"} <= set(conditions) else (np.nan,) * 3)
-    return PerplexityChanges(ppl, delta_log, delta_ppl, minus)
+    minus = {c: (tuple(boot.contrast(row["sink"], row[c], "nll")) if {"sink", c} <= set(conditions) else (np.nan,) * 3)
+             for c in ("control", "control_mass")}
+    return PerplexityChanges(ppl, delta_log, delta_ppl, minus["control"], minus["control_mass"])
 
 
 def _delta_ppl(boot: stats.ClusterBootstrap, first: int, second: int) -> tuple[float, float, float]:
@@ -359,22 +491,46 @@ def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: in
     points = cone_points(raw, quantiles)
     within = stats.cluster_bootstrap(points, "delta_cos", ["condition", "quantile"], n_resamples=n_bootstrap,
                                      seed=seed)
-    changes = perplexity_changes(raw["sequences"], n_bootstrap=n_bootstrap, seed=seed)
+    conditions = tuple(c for c in CONDITIONS if f"nll_{c}" in raw["sequences"])
+    changes = perplexity_changes(raw["sequences"], conditions, n_bootstrap=n_bootstrap, seed=seed)
     sink_low = dict(condition="sink", quantile=1)
-    return [
+    why = "" if raw["heads"]["selected"].any() else "no head intervened on (no sink rate above the threshold)"
+    if why:  # the perplexity is unchanged by construction: not a measurement
+        nan = (np.nan,) * 3
+        changes = PerplexityChanges(changes.ppl, {c: nan for c in changes.delta_log}, changes.delta_ppl, nan, nan)
+    rows = [
         claim_row(7, CONE, "removing the sink turns them towards the cone axis", "Δcos, lowest-norm bin, sink removed",
                   "dcos_sink_q1", group_value(within, "delta_cos", **sink_low), 0.0, "above"),
-        claim_row(7, CONE, "more than the control does", "Δcos(sink) − Δcos(control), lowest-norm bin",
-                  "dcos_sink_minus_control",
+        claim_row(7, CONE, "more than the control does (one random token, the paper's control)",
+                  "Δcos(sink) − Δcos(control), lowest-norm bin", "dcos_sink_minus_control",
                   contrast(within, "delta_cos", sink_low, dict(condition="control", quantile=1)), 0.0, "above"),
+        claim_row(7, CONE, "more than a mass-matched control does",
+                  "Δcos(sink) − Δcos(mass-matched control), lowest-norm bin", "dcos_sink_minus_mass",
+                  contrast(within, "delta_cos", sink_low, dict(condition="control_mass", quantile=1)), 0.0, "above"),
         claim_row(7, CONE, "more for low-norm than for high-norm outputs",
                   "Δcos(lowest bin) − Δcos(highest bin), sink removed", "dcos_low_minus_high",
                   contrast(within, "delta_cos", sink_low, dict(condition="sink", quantile=quantiles)), 0.0, "above"),
         claim_row(7, PERPLEXITY, "perplexity rises", "Δ log PPL, sink removed", "dlog_sink",
                   changes.delta_log["sink"], 0.0, "above"),
-        claim_row(7, PERPLEXITY, "more than removing a random token", "Δ log PPL(sink) − Δ log PPL(control)",
-                  "dlog_sink_minus_control", changes.sink_minus_control, 0.0, "above"),
+        claim_row(7, PERPLEXITY, "more than removing a random token (the paper's control)",
+                  "Δ log PPL(sink) − Δ log PPL(control)", "dlog_sink_minus_control", changes.sink_minus_control, 0.0,
+                  "above"),
+        claim_row(7, PERPLEXITY, "more than removing the same attention mass elsewhere",
+                  "Δ log PPL(sink) − Δ log PPL(mass-matched control)", "dlog_sink_minus_mass", changes.sink_minus_mass,
+                  0.0, "above"),
     ]
+    for row in rows:
+        if why and row["verdict"] == stats.NOT_MEASURED:
+            row["why"] = why
+    if "weak" in raw and len(raw["weak"]):
+        curve = drift_curve(raw, quantiles, n_bootstrap, seed)
+        ks = sorted(k for k in curve.table["k"].unique() if k > 0)
+        for outputs, key, text in (("lowest", "drift_weak_q1", "lowest-norm bin"), ("all", "drift_weak_all", "all outputs")):
+            rows.append(claim_row(7, DRIFT, f"the sum of more weak tokens points closer to the cone axis ({text})",
+                                  f"cos(k={ks[-1]} weakest, mᵢ) − cos(k=1 weakest, mᵢ), {text}", key,
+                                  contrast(curve, "cos", dict(outputs=outputs, k=ks[-1]), dict(outputs=outputs, k=1)),
+                                  0.0, "above"))
+    return rows
 
 
 def _claims(results, *, quantiles: int, n_bootstrap: int, seed: int, **_) -> list[dict]:

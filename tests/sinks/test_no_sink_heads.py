@@ -75,7 +75,7 @@ def test_claim_verdict_texts_give_the_reason_of_an_unmeasured_claim():
     claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
     texts, verdicts = SC.claim_verdict_texts(claims), SC.claim_verdicts(claims)
     assert texts[SC.ANTI_ALIGNMENT] == f"not measured: {WHY}" and texts[SC.SUPPRESSION] == f"not measured: {WHY}"
-    assert texts[SC.CONVEXITY] == verdicts[SC.CONVEXITY] != "not measured"  # measured: no reason added
+    assert texts[f"{SC.CONVEXITY} [per head]"] == verdicts[f"{SC.CONVEXITY} [per head]"] != "not measured"  # measured: no reason added
 
 
 def test_a_degenerate_interval_is_nan_without_a_warning_on_the_page():
@@ -95,3 +95,38 @@ def test_a_degenerate_interval_is_nan_without_a_warning_on_the_page():
 
     row = claim_row(6, "c", "p", "s", "k", got, 0.0, "below", 4)
     assert row["verdict"] == "not measured" and row["why"] == "too few values for an interval (n=4)"
+
+
+def test_a_model_without_sink_heads_runs_every_claim_of_chapters_5_and_7():
+    """A tiny random Llama has no head above eps = 0.3: chapters 5 and 7's claims (the sink-head parts of
+    the decomposition, the cone restricted to sink heads, the drift curve) must say "not measured" and
+    why, never raise; what needs no sink head is still measured."""
+    import torch
+
+    from cwcore import sinks
+    from sink_fixtures import FAST
+    from tiny_models import VOCAB, tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
+    results = sinks.run_analyses(model, None, ids, ["rates", "decomposition", "semantic_cone"], heads="sink",
+                                 threshold=0.3, raw=True, batch_size=2, **FAST)
+    assert not (results["rates"]["sink_rate"] > 0.3).any()
+    rates = SC.rate_claims(results["rates"], 0.3, n_bootstrap=100).set_index("key")
+    assert rates.loc["sink_eps", "estimate"] == 0 and rates.loc["sink_eps", "verdict"] == "contradicted"
+    assert rates.loc["sink_eps_by_layer", "verdict"] != "not measured"  # two layers: an interval exists
+    raw = results["raw"]
+    decomposition = SC.decomposition_claims(results["rates"], results["decomposition"].summary, 0.3,
+                                            stats=raw["decomposition"]["stats"], n_bootstrap=100).set_index("key")
+    for key in ("sink_geometry_share", "sink_geometry_margin_by_layer", "sink_geometry_pooled", "tail_joint_share",
+                "tail_alpha_share", "tail_cosine_share"):
+        assert decomposition.loc[key, "verdict"] == "not measured", key
+        assert decomposition.loc[key, "why"] == WHY, key
+    cone = SC.cone_claims(raw["semantic_cone"], 5, n_bootstrap=100).set_index("key")
+    intervened = cone[cone["claim"] != SC.DRIFT]
+    assert (intervened["verdict"] == "not measured").all()  # nothing was intervened on, and it says so
+    assert intervened["why"].str.startswith("no head intervened on").all()
+    drift = cone[cone["claim"] == SC.DRIFT]  # measured on the clean pass, whatever was intervened on
+    assert len(drift) == 2 and (drift["verdict"] != "not measured").all() and (drift["why"] == "").all()
+    text = SC.claim_verdict_texts(SC.decomposition_claims(results["rates"], results["decomposition"].summary, 0.3))
+    assert text[SC.DECOMPOSITION] == f"not measured: {WHY}"

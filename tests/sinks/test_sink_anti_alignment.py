@@ -1,6 +1,9 @@
 """Anti-alignment of the sink's value (cwcore.sinks.anti_alignment)."""
 
+import sys
+
 import numpy as np
+import pandas as pd
 import pytest
 
 from cwcore import sinks
@@ -42,3 +45,78 @@ def test_anti_alignment_matches_naive_cosines():
         np.testing.assert_allclose(table.loc[l, "cos_axis_mean"], _cos(v0, axis)[..., 0].mean(0), atol=1e-5)
         ratio = v0[..., 0, :].norm(dim=-1) / v[:, :, 1:].norm(dim=-1).median(-1).values
         np.testing.assert_allclose(table.loc[l, "relative_sink_value_norm"], ratio.mean(0), rtol=1e-4)
+
+
+# -- baselines: a random non-sink key, centred values; structure by layer --------------------------
+
+
+def _points(model, ids):
+    out = sinks.run_analyses(model, None, ids, ["anti_alignment"], raw=True, **FAST)
+    return out["anti_alignment"], out["raw"]["anti_alignment"]
+
+
+def test_random_key_baseline_and_centred_cosines_match_naive_model_space_values():
+    model, ids = tiny_model("gemma3"), random_ids(length=12)  # sliding window 4 in layer 0: keys it cannot see
+    table, raw = _points(model, ids)
+    points = raw["points"].set_index(["layer", "sequence", "head", "position"]).sort_index()
+    reference, _ = naive_run(model, ids)
+    for l, ref in enumerate(reference):
+        v, o, a = ref["values"], ref["outputs"], ref["attention"]  # [b,h,k,m], [b,h,q,m], [b,h,q,k]
+        b, h, T, _ = v.shape
+        s = o - a[..., :1] * v[:, :, :1]
+        m = v[:, :, 1:].mean(2, keepdim=True)
+        for seq in range(b):
+            for head in range(h):
+                for i in range(1, T):
+                    row = points.loc[(l, seq, head, i)]
+                    k = int(row["key"])
+                    assert 1 <= k <= i and a[seq, head, i, k] > 0  # a non-sink key the query sees
+                    vk = v[seq, head, k]
+                    rest = s[seq, head, i] - a[seq, head, i, k] * vk
+                    tail = a[seq, head, i, 1:].sum()
+                    expected = {
+                        "cos_key": _cos(vk, rest), "cos_key_literal": _cos(vk, s[seq, head, i]),
+                        "cos_semantic_centred": _cos(v[seq, head, 0] - m[seq, head, 0], s[seq, head, i] - tail * m[seq, head, 0]),
+                        "cos_key_centred": _cos(vk - m[seq, head, 0], rest - (tail - a[seq, head, i, k]) * m[seq, head, 0]),
+                    }
+                    for name, value in expected.items():
+                        if (a[seq, head, i, 1:] > 0).sum() == 1 and name in ("cos_key", "cos_key_centred"):
+                            assert np.isnan(row[name])  # the key is the query's only non-sink term: no rest
+                            continue
+                        assert row[name] == pytest.approx(float(value), abs=1e-4), (l, seq, head, i, name)
+    heads = table.set_index(["layer", "head"])
+    np.testing.assert_allclose(heads["contrast"], heads["cos_semantic_mean"] - heads["cos_key_mean"], atol=1e-12)
+    assert list(table.drop_duplicates("layer")["layer_type"]) == ["sliding", "global"]
+
+
+def test_planted_baseline_separates_the_sink_from_an_ordinary_key():
+    model, ids = planted_model(), planted_ids()
+    table = sinks.anti_alignment(model, None, ids, **FAST).set_index("head")
+    # every tail value is the same vector: a random key is parallel to the rest of s_i (cos 1)
+    assert table.loc[0, "cos_key_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert table.loc[0, "contrast"] == pytest.approx(-2.0, abs=1e-5)
+    planted = np.dot(V0, VT) / (np.linalg.norm(V0) * np.linalg.norm(VT))
+    assert table.loc[1, "contrast"] == pytest.approx(planted - 1.0, abs=1e-5)
+
+
+def test_layer_profile_and_pooled_claims_cluster_by_layer():
+    model, ids = tiny_model("llama"), random_ids(n=4, length=12)
+    table, raw = _points(model, ids)
+    points = raw["points"]
+    aa = sys.modules["cwcore.sinks.anti_alignment"]
+    profile = aa.layer_profile(points, table, ("cos_semantic", "cos_key"), n_bootstrap=200).set_index("layer")
+    for l, g in points.groupby("layer"):
+        assert profile.loc[l, "cos_semantic"] == pytest.approx(g["cos_semantic"].mean())
+        assert profile.loc[l, "cos_semantic_minus_cos_key"] == pytest.approx(g["cos_semantic"].mean() - g["cos_key"].mean())
+        assert profile.loc[l, "cos_semantic_low"] <= profile.loc[l, "cos_semantic"] <= profile.loc[l, "cos_semantic_high"]
+    eps = float(table["sink_rate"].median())
+    table = table.assign(is_sink_head=table["sink_rate"] > eps)
+    rows = pd.DataFrame(aa._claim_rows(table, 200, 0, eps)).set_index("key")
+    sink = table[table["is_sink_head"]]
+    assert rows.loc["cos_semantic", "estimate"] == pytest.approx(sink["cos_semantic_mean"].median())
+    assert rows.loc["contrast", "estimate"] == pytest.approx(sink["contrast"].mean())
+    assert "cluster bootstrap by layer" in rows.loc["contrast", "statistic"]
+    # no sink heads: every part over sink heads is "not measured" and says why; the trend is still measured
+    none = pd.DataFrame(aa._claim_rows(table.assign(is_sink_head=False), 200, 0, 0.99)).set_index("key")
+    assert set(none.drop("rho_semantic")["verdict"]) == {"not measured"}
+    assert set(none.drop("rho_semantic")["why"]) == {"no sink heads at eps=0.99"}

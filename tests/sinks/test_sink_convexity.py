@@ -1,9 +1,11 @@
 """Convexity of the output norm in the sink rate (cwcore.sinks.convexity)."""
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from cwcore import sinks
+from cwcore.sinks.convexity import vertex_intervals
 from sink_fixtures import (FAST, P_TAIL, Q_SINK, T, V0, VT, expected_alpha, naive_run, planted_ids,
                            planted_model, random_ids)
 from tiny_models import tiny_model
@@ -57,3 +59,85 @@ def test_convexity_points_match_naive_head_output_norms():
             c2, c1, c0 = np.polyfit(a0[:, h].reshape(-1).numpy(), norm[:, h].reshape(-1).numpy(), 2)
             assert heads.loc[(l, h), "curvature"] == pytest.approx(c2, rel=1e-3, abs=1e-6)
             assert heads.loc[(l, h), "alpha_star"] == pytest.approx(-c1 / (2 * c2), rel=1e-3, abs=1e-6)
+
+
+# -- where the vertex lies, with an interval over documents ----------------------------------------
+
+
+def test_vertex_intervals_refit_equals_polyfit_and_resamples_whole_sequences():
+    model, ids = tiny_model("gemma3"), random_ids(n=5, length=10)
+    out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, min_range=0.0, **FAST)
+    fits, points = out["convexity"].fits, out["raw"]["convexity"]["points"]
+    vertices = vertex_intervals(points, fits, n_bootstrap=100, seed=0)
+    head = vertices[vertices["scope"] == "head"].set_index(["layer", "head"])
+    heads = fits[fits["scope"] == "head"].set_index(["layer", "head"])
+    np.testing.assert_allclose(head["alpha_star"], heads.loc[head.index, "alpha_star"], rtol=1e-6)
+    np.testing.assert_allclose(head["curvature"], heads.loc[head.index, "curvature"], rtol=1e-6)
+    pooled = vertices[vertices["scope"] == "model"].iloc[0]
+    assert pooled["alpha_star"] == pytest.approx(fits[fits["scope"] == "model"]["alpha_star"].iloc[0], rel=1e-6)
+    # one bootstrap replicate by hand: the same resampled sequences, the rows of each drawn sequence repeated
+    from cwcore import stats
+    draw = stats.resample_indices(5, 100, 0)
+    (layer, h) = head.index[0]
+    mine = points[(points["layer"] == layer) & (points["head"] == h)]
+    stars = []
+    for d in draw:
+        rows = pd.concat([mine[mine["sequence"] == k] for k in d])
+        c2, c1, _ = np.polyfit(rows["alpha0"], rows["norm"], 2)
+        stars.append(-c1 / (2 * c2))
+    low, high = np.percentile(stars, [2.5, 97.5])
+    assert head.loc[(layer, h), "alpha_star_low"] == pytest.approx(low, rel=1e-5, abs=1e-7)
+    assert head.loc[(layer, h), "alpha_star_high"] == pytest.approx(high, rel=1e-5, abs=1e-7)
+
+
+def test_planted_vertex_is_established_and_pooled_claims_judge_the_vertex():
+    model, ids = planted_model(), planted_ids(n=4)
+    vt, v0 = np.array(VT), np.array(V0)
+    a_star = vt @ (vt - v0) / ((vt - v0) @ (vt - v0))
+    out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, fit_on="squared_norm", **FAST)
+    fits, raw = out["convexity"].fits, out["raw"]["convexity"]
+    vertices = vertex_intervals(raw["points"], fits, "squared_norm", n_bootstrap=200)
+    head1 = vertices[(vertices["scope"] == "head") & (vertices["head"] == 1)].iloc[0]
+    # every document is the same planted sequence: each refit finds the exact vertex
+    assert head1["alpha_star_low"] == pytest.approx(a_star, abs=1e-4)
+    assert head1["alpha_star_high"] == pytest.approx(a_star, abs=1e-4)
+    assert bool(head1["vertex_inside"]) and head1["share_interior"] == 1.0
+    from cwcore.sinks.convexity import CONVEXITY, _claim_rows
+    rows = pd.DataFrame(_claim_rows(fits, raw["points"], 0.1, 200, 0, raw["block"], raw["layers"], "squared_norm"))
+    pooled = rows[rows["claim"] == CONVEXITY].set_index("key")
+    assert set(pooled.index) == {"pooled_curvature", "pooled_vertex_above_0", "pooled_vertex_below_1"}
+    model_fit = fits[fits["scope"] == "model"].iloc[0]
+    assert pooled.loc["pooled_vertex_below_1", "estimate"] == pytest.approx(model_fit["alpha_star"], rel=1e-6)
+    assert pooled.loc["pooled_curvature", "estimate"] == pytest.approx(model_fit["curvature"], rel=1e-6)
+    per_head = rows[rows["claim"] == f"{CONVEXITY} [per head]"].set_index("key")
+    fitted = fits[(fits["scope"] == "head") & fits["fitted"]]
+    assert per_head.loc["share_interior", "estimate"] == pytest.approx(fitted["interior_minimum"].mean())
+    # one layer: no interval over layers, so the per-head shares are not measured (not a crash)
+    assert per_head.loc["share_interior", "verdict"] == "not measured"
+
+
+def test_convexity_claims_without_fitted_heads_say_why():
+    model, ids = planted_model(), planted_ids(n=2)
+    out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, min_range=2.0, **FAST)
+    from cwcore.sinks.convexity import _claim_rows
+    raw = out["raw"]["convexity"]
+    rows = pd.DataFrame(_claim_rows(out["convexity"].fits, raw["points"], 0.3, 100, 0, raw["block"], raw["layers"]))
+    convex = rows[rows["claim"].str.startswith("convexity")]
+    assert set(convex["verdict"]) == {"not measured"} and (convex["why"] != "").all()
+
+
+def test_a_concave_pooled_fit_has_no_minimum_to_locate():
+    from cwcore.sinks.convexity import CONVEXITY, _claim_rows, _convexity_tables
+    rng = np.random.default_rng(0)
+    n = 600
+    a = rng.uniform(0, 0.95, n)
+    points = pd.DataFrame({"layer": rng.integers(0, 3, n), "head": rng.integers(0, 2, n), "sequence": rng.integers(0, 6, n),
+                           "query": np.arange(n), "alpha0": a, "norm": 2 - (a - 0.5) ** 2 + rng.normal(0, 0.01, n),
+                           "v0_sq": np.ones(n), "s_sq": np.ones(n), "v0_s": np.zeros(n)})
+    fits = _convexity_tables(points, 10, "norm", 0.05, 0.3).fits
+    rows = pd.DataFrame(_claim_rows(fits, points, 0.3, 200, 0)).set_index("key")
+    assert rows.loc["pooled_curvature", "verdict"] == "contradicted"
+    for key in ("pooled_vertex_above_0", "pooled_vertex_below_1"):
+        assert rows.loc[key, "verdict"] == "not measured"
+        assert "concave" in rows.loc[key, "why"]
+    assert rows.loc["pooled_curvature", "claim"] == CONVEXITY

@@ -76,3 +76,36 @@ def test_decomposition_scopes_split_heads_by_sink_rate():
         assert pooled.loc[("sink_heads", cls), "n"] + pooled.loc[("other_heads", cls), "n"] == pooled.loc[("model", cls), "n"]
         assert pooled.loc[("sink_heads", cls), "num_heads"] == int((rates["sink_rate"] > eps).sum())
         assert pooled.loc[("model", cls), "num_heads"] == 8
+
+
+def test_joint_shares_match_a_naive_least_squares_on_every_pair():
+    from cwcore.sinks.decomposition import joint_shares
+
+    model, ids = tiny_model("llama"), random_ids(n=4)
+    results = sinks.run_analyses(model, None, ids, ["decomposition"], raw=True, batch_size=2, quantile_sample=10_000,
+                                 sample_size=10**6, **FAST)
+    raw = results["raw"]["decomposition"]
+    joint = joint_shares(raw["stats"], eps=0.0, n_bootstrap=200, seed=0)  # eps 0: every head is a sink head
+    sample = raw["sample"]  # every (query, key) pair of every head (quantile_sample exceeds their number)
+    for cls in ("sink", "tail"):
+        pairs = sample[sample["token_class"] == cls]
+        logs = np.log(np.abs(pairs[["alpha", "relative_norm", "cosine"]].to_numpy(float)))
+        logs = logs[np.isfinite(logs).all(1)]
+        L = logs.sum(1)
+        row = joint[(joint["group"] == "sink_heads") & (joint["token_class"] == cls)].iloc[0]
+        assert row["n"] == len(L)
+        for k, f in enumerate(("alpha", "relative_norm", "cosine")):
+            share = np.cov(logs[:, k], L, bias=True)[0, 1] / L.var()
+            assert row[f"share_{f}"] == pytest.approx(share, rel=1e-4, abs=1e-6)
+
+        def r2(columns):
+            x = np.column_stack([np.ones(len(L)), logs[:, columns]])
+            fit = np.linalg.lstsq(x, L, rcond=None)[0]
+            return 1 - ((L - x @ fit) ** 2).sum() / ((L - L.mean()) ** 2).sum()
+
+        assert row["r2_alpha"] == pytest.approx(r2([0]), rel=1e-4, abs=1e-6)
+        assert row["r2_cosine"] == pytest.approx(r2([2]), rel=1e-4, abs=1e-6)
+        assert row["r2_joint"] == pytest.approx(r2([0, 2]), rel=1e-4, abs=1e-6)
+        assert row["share_alpha_low"] <= row["share_alpha"] <= row["share_alpha_high"]
+        assert row["n_sequences"] == 4
+    assert set(joint["group"]) == {"sink_heads", "all"}  # eps = 0: every head is a sink head

@@ -79,3 +79,36 @@ def test_sequence_bootstrap_pools_rows_and_resamples_whole_sequences():
     assert weighted["x"].iloc[0] == pytest.approx((3 * 1.0 + 3 * 5.0) / 6)
     one = sinks.sequence_bootstrap(points[points["sequence"] == 0], ["x"]).table
     assert one["x"].iloc[0] == pytest.approx(1.5) and np.isnan(one["x_low"].iloc[0])
+
+
+def test_pooled_by_layer_resamples_whole_layers_naively():
+    from cwcore import stats
+    from cwcore.sinks.intervals import pooled_by_layer, pooled_claim_rows
+
+    rng = np.random.default_rng(0)
+    layers = np.repeat(np.arange(6), [3, 4, 2, 5, 3, 3])
+    table = pd.DataFrame({"layer": layers, "x": rng.normal(size=len(layers)) + layers * 0.3,
+                          "layer_type": np.where(layers % 3 == 2, "global", "sliding")})
+    table["flag"] = table["x"] > 0.5
+    for statistic, column, f in (("mean", "x", np.mean), ("median", "x", np.median), ("share", "flag", np.mean)):
+        got = pooled_by_layer(table, column, statistic=statistic, n_bootstrap=300, seed=4).set_index("scope")
+        assert list(got.index) == ["all", "global", "sliding"]
+        for scope in got.index:
+            part = table if scope == "all" else table[table["layer_type"] == scope]
+            units = np.unique(part["layer"])
+            draws = stats.resample_indices(len(units), 300, 4)
+            values = [part.loc[part["layer"] == u, column].to_numpy(float) for u in units]
+            replicates = [f(np.concatenate([values[u] for u in d])) for d in draws]
+            low, high = np.quantile(replicates, [0.025, 0.975])
+            assert got.loc[scope, "estimate"] == pytest.approx(f(part[column].to_numpy(float)))
+            assert (got.loc[scope, "low"], got.loc[scope, "high"]) == pytest.approx((low, high), abs=1e-9)
+            assert got.loc[scope, "n"] == len(part) and got.loc[scope, "n_layers"] == len(units)
+    rows = pd.DataFrame(pooled_claim_rows(table, "x", chapter=5, claim="c", part="p", statistic_text="s", key="k",
+                                          threshold=0.0, side="above", n_bootstrap=300, seed=4))
+    assert list(rows["claim"]) == ["c", "c [global layers]", "c [sliding layers]"]
+    assert list(rows["key"]) == ["k", "k@global", "k@sliding"]
+    empty = pooled_claim_rows(table.iloc[:0], "x", chapter=5, claim="c", part="p", statistic_text="s", key="k",
+                              threshold=0.0, side="above", why="no sink heads at eps=0.3")
+    assert len(empty) == 1 and empty[0]["verdict"] == "not measured" and empty[0]["why"] == "no sink heads at eps=0.3"
+    one_layer = pooled_by_layer(table[table["layer"] == 0], "x")
+    assert np.isnan(one_layer["low"].iloc[0]) and one_layer["n_layers"].iloc[0] == 1

@@ -3,6 +3,7 @@
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from cwcore import sinks
 from sink_fixtures import (FAST, T, expected_alpha, naive_run, planted_ids, planted_model, random_ids,
@@ -52,3 +53,72 @@ def test_add_bos_is_a_parameter_and_is_recorded():
     assert (with_bos["num_sequences"] == 3).all() and (with_bos["block_size"] == 10).all()
     with pytest.raises(ValueError, match="already tokenised"):
         sinks.sink_rates(model, None, random_ids(), add_bos=True, **FAST)
+
+
+# -- where the mass goes, layer types, learned sinks --------------------------------------------------
+
+
+def test_key_masses_and_token_classes_match_eager_attention_maps():
+    from cwcore.sinks.engine import TOKEN_CLASSES, token_classes
+
+    model, tok = tiny_model("llama"), _word_tokenizer()
+    ids = torch.tensor([[0, 3, 4, 1, 5, 6, 3, 1, 7, 8], [0, 5, 5, 6, 1, 3, 4, 9, 1, 2]])  # 0 = <bos>, 1 = <eos>
+    table = sinks.sink_rates(model, tok, ids, **FAST).set_index(["layer", "head"])
+    classes = token_classes(ids, tok)
+    assert classes[0, 0] == "bos" and classes[0, 3] == "special" and classes[0, 1] == "word"
+    clean, _ = naive_run(model, ids)
+    n = ids.shape[1]
+    for layer in range(2):
+        attention = clean[layer]["attention"][:, :, 1:, :].numpy()  # queries >= 1
+        key_mass = attention.mean(2)  # [b, h, k]
+        for head in range(attention.shape[1]):
+            row = table.loc[(layer, head)]
+            mean = key_mass[:, head].mean(0)
+            assert row["top_key"] == int(np.argmax(mean)) and row["top_key_mass"] == pytest.approx(mean.max(), abs=1e-5)
+            assert row["top_later_mass"] == pytest.approx(mean[1:].max(), abs=1e-5)
+            total = 0.0
+            for c in TOKEN_CLASSES:
+                expected = np.mean([key_mass[s, head][classes[s] == c].sum() for s in range(2)])
+                assert row[f"mass_{c}"] == pytest.approx(expected, abs=1e-5), c
+                total += row[f"mass_{c}"]
+            assert total == pytest.approx(1.0, abs=1e-5)
+    # the uniform baseline: query i gives 1/(i+1) to each of its keys
+    uniform = np.zeros((2, n))
+    for i in range(1, n):
+        uniform[:, : i + 1] += 1 / (i + 1) / (n - 1)
+    expected = np.mean([uniform[s][classes[s] == "special"].sum() for s in range(2)])
+    assert table["uniform_special"].iloc[0] == pytest.approx(expected)
+    assert (table["layer_type"] == "global").all() and table["learned_sink_mass"].isna().all()
+
+
+def test_layer_types_and_learned_sink_mass_from_the_zoo():
+    from cwcore.sinks.engine import layer_types
+    from zoo_models import zoo_model
+
+    gemma = zoo_model("gemma3")
+    assert layer_types(gemma) == {0: "sliding", 1: "global"}
+    assert set(layer_types(tiny_model("llama")).values()) == {"global"}
+    model = zoo_model("gpt_oss")
+    assert layer_types(model) == {0: "sliding", 1: "global"}
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+    table = sinks.sink_rates(model, None, ids, **FAST)
+    assert list(table.drop_duplicates("layer")["layer_type"]) == ["sliding", "global"]
+    # naive: the learned sink logit joins the softmax; its mass is what the keys' probabilities miss
+    captured = {}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, o, l=l: captured.__setitem__(l, o[1]))
+             for l, layer in enumerate(model.model.layers)]
+    before = model.config._attn_implementation
+    try:
+        with torch.inference_mode():
+            model.config._attn_implementation = "eager"
+            model(input_ids=ids, output_attentions=True)
+    finally:
+        model.config._attn_implementation = before  # the zoo's model is shared by other tests
+        for h in hooks:
+            h.remove()
+    for l in range(2):
+        missing = 1 - captured[l][:, :, 1:, :].sum(-1)  # [b, h, q]: eager probs exclude the sink column
+        expected = missing.mean((0, 2)).numpy()
+        got = table[table["layer"] == l].sort_values("head")["learned_sink_mass"].to_numpy()
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        assert (got > 0).all()

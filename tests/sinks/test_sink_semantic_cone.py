@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cwcore import sinks
-from sink_fixtures import (E, FAST, P_TAIL, Q_SINK, T, VT, cos as _cos, expected_alpha, naive_run,
+from sink_fixtures import (E, FAST, P_TAIL, Q_SINK, T, V0, VT, cos as _cos, expected_alpha, naive_run,
                            planted_ids, planted_model, random_ids)
 from tiny_models import VOCAB, tiny_model
 
@@ -27,11 +27,15 @@ def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
     # the control removes one tail token: the output keeps its sink component
     assert heads.loc[("control", 1), "cos_after"] < 0.99
     assert abs(heads.loc[("control", 1), "delta_cos"]) < 0.5 * heads.loc[("sink", 1), "delta_cos"]
-    # head 0: the norm after removing the sink term is (1 - a) P for every query
     a = expected_alpha()
+    # head 0: the norm after removing the sink term is (1 - a) P for every query
     assert heads.loc[("sink", 0), "norm_after"] == pytest.approx(np.mean((1 - a) * P_TAIL), rel=1e-5)
     assert heads.loc[("sink", 0), "norm_clean"] == pytest.approx(np.mean(np.abs((1 - a) * P_TAIL - a * Q_SINK)), rel=1e-5)
-    assert set(tables.ppl["condition"]) == {"sink", "sink_renorm", "control"}
+    assert set(tables.ppl["condition"]) == {"sink", "sink_renorm", "control", "control_mass"}
+    # the mass-matched control removes min(a, 1 - a) of tail mass from every row: head 1's output becomes
+    # a v0 + (1 - a - min(a, 1 - a)) vt
+    mass = [np.linalg.norm(ai * np.array(V0) + (1 - ai - min(ai, 1 - ai)) * np.array(VT)) for ai in a]
+    assert heads.loc[("control_mass", 1), "norm_after"] == pytest.approx(np.mean(mass), rel=1e-4)
     for binning in ("within_head", "across_heads"):
         by_q = tables.by_quantile[tables.by_quantile["binning"] == binning]
         assert (by_q.groupby("condition")["n"].sum().loc["sink"]) == 2 * 3 * (T - 1)
@@ -112,3 +116,54 @@ def test_raw_material_and_cone_points_reproduce_the_tables():
     a = E / (E + sink["query"].to_numpy(float))
     assert np.allclose(sink["log_norm_ratio"], np.log((1 - a) / np.abs(1 - 2 * a)), atol=1e-4)
     assert "points" in result["raw"]["convexity"]
+
+
+def test_mass_matched_removal_takes_exactly_the_sink_mass_in_random_order():
+    from cwcore.sinks.semantic_cone import mass_matched_removal
+
+    rng = np.random.default_rng(0)
+    b, h, n = 2, 3, 9
+    logits = torch.as_tensor(rng.normal(size=(b, h, n, n)) * 2, dtype=torch.float32)
+    logits[..., 0] += torch.as_tensor(rng.uniform(0, 3, size=(b, h, n)), dtype=torch.float32)
+    causal = torch.ones(n, n).tril().bool()
+    probs = torch.where(causal, logits, torch.tensor(float("-inf"))).softmax(-1)
+    scores = torch.as_tensor(rng.random((b, h, n, n)), dtype=torch.float32)
+    rows = torch.tensor([[True, False, True], [True, True, False]])
+    out = mass_matched_removal(probs, scores, rows)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(n):
+                p, o = probs[bi, hi, i].numpy().astype(float), out[bi, hi, i].numpy().astype(float)
+                if not rows[bi, hi] or i == 0:
+                    np.testing.assert_array_equal(o, p)
+                    continue
+                expected, left = p.copy(), p[0]  # naive: walk the keys 1..i by increasing score
+                for j in sorted(range(1, i + 1), key=lambda j: scores[bi, hi, i, j].item()):
+                    take = min(left, p[j])
+                    expected[j] -= take
+                    left -= take
+                np.testing.assert_allclose(o, expected, atol=1e-6)
+                assert o[0] == p[0]  # the sink term is kept
+                assert p.sum() - o.sum() == pytest.approx(min(p[0], 1 - p[0]), abs=1e-5)
+
+
+def test_weak_token_curve_matches_a_naive_sum_of_the_weakest_terms():
+    from cwcore.sinks.semantic_cone import weak_token_counts
+
+    model, ids = tiny_model("llama"), random_ids(n=2)
+    results = sinks.run_analyses(model, None, ids, ["semantic_cone"], raw=True, batch_size=2, **FAST)
+    weak = results["raw"]["semantic_cone"]["weak"]
+    clean, _ = naive_run(model, ids)
+    n = ids.shape[1]
+    ks = weak_token_counts(n)
+    assert ks == [k for k in (1, 2, 4, 8, 16, 32) if k <= (n - 1) // 2]
+    row = weak[(weak["layer"] == 1) & (weak["sequence"] == 1) & (weak["head"] == 2)].set_index("query")
+    probs, values = clean[1]["attention"][1, 2], clean[1]["values"][1, 2]  # [q, k], projected values [k, model]
+    for i in (ks[-1], n - 1):
+        order = sorted(range(1, i + 1), key=lambda j: probs[i, j].item())
+        axis = values[1:i + 1].mean(0)
+        for k in [*ks, None]:
+            chosen = order if k is None else order[:k]
+            z = sum(probs[i, j] * values[j] for j in chosen)
+            expected = float(torch.nn.functional.cosine_similarity(z, axis, dim=0))
+            assert row.loc[i, f"cos_k{k if k is not None else 'all'}"] == pytest.approx(expected, abs=1e-4)
