@@ -9,6 +9,8 @@ runner gives them, see :mod:`cwcore.book`), and the page reads them back (:func:
   claim and the share of sink heads (:func:`sink_rate_claims`);
 - ``06_sinks_as_suppressors``: claims: anti-alignment, its trend, suppression, convexity;
 - ``07_semantic_cone``: claims: the semantic cone and the perplexity;
+- ``04b_attribution_bench``: the bench's paired comparisons of attribution methods (no claim of the
+  paper: they join the faithfulness rows of ``findings.csv``, :func:`bench_findings`);
 
 each at ``<results_dir>/<chapter>/<model>.csv`` (:func:`cwcore.book.results_path`), so a claim is
 judged on exactly the numbers, parameters and intervals its chapter shows. :func:`model_findings`
@@ -45,7 +47,7 @@ __all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", 
            "CHAPTERS", "CHAPTER_CLAIMS", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
            "sink_rate_claims", "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
-           "faithfulness_findings", "findings_csv"]
+           "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
 RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
 
@@ -53,12 +55,14 @@ CLAIMS = {
     "ordering": "faithfulness: attention < value-weighted < output-normalised < contribution",
     "cosine_gain": "the cosine (rung 3 -> 4) is the largest gain",
     "sink_rates": "many heads are sink heads (Sink_eps, eps = 0.3)",
-    "decomposition": "sink contribution driven by geometry, tail by attention",
+    "decomposition": "sink contribution driven by geometry, tail by attention and alignment",
+    "sink_position": "the sink is the first position",
     "anti_alignment": "the sink's value points against the semantic values",
     "anti_alignment_trend": "the stronger the sink, the stronger the anti-alignment",
     "suppression": "the sink suppresses the output norm",
     "convexity": "output norm convex in the sink rate, interior minimum",
     "semantic_cone": "removing the sink: low-norm outputs collapse into the semantic cone, PPL rises",
+    "weak_token_drift": "noise from many weak tokens accumulates",
     "encoders": "contribution weights apply to encoders",
 }
 
@@ -70,26 +74,29 @@ CHAPTERS = {
     "07_semantic_cone": "claims",
 }
 
-#: the claim of :func:`sink_rate_claims` (chapter 5 writes it beside its decomposition claim)
-SINK_RATES = "many heads are sink heads"
+#: the claim "many heads are sink heads" (chapter 5 writes it through :func:`cwcore.sinks.claims.rate_claims`)
+SINK_RATES = sink_claims.SINK_RATES
 
 # the chapters' claims behind each sink finding: a finding combines every part of those claims with
 # the chapters' own verdicts, so a chapter and this page never judge the same claim differently
 CHAPTER_CLAIMS = {
     "sink_rates": (SINK_RATES,),
+    "sink_position": (sink_claims.SINK_POSITION_CLAIM,),
     "decomposition": (sink_claims.DECOMPOSITION,),
     "anti_alignment": (sink_claims.ANTI_ALIGNMENT,),
     "anti_alignment_trend": (sink_claims.TREND,),
     "suppression": (sink_claims.SUPPRESSION,),
     "convexity": (sink_claims.CONVEXITY,),
     "semantic_cone": (sink_claims.CONE, sink_claims.PERPLEXITY),
+    "weak_token_drift": (sink_claims.DRIFT,),
 }
 
 # the chapter whose table holds each finding's numbers
 _SOURCE = {"ordering": "04_faithfulness", "cosine_gain": "04_faithfulness", "sink_rates": "05_sink_decomposition",
            "decomposition": "05_sink_decomposition", "anti_alignment": "06_sinks_as_suppressors",
            "anti_alignment_trend": "06_sinks_as_suppressors", "suppression": "06_sinks_as_suppressors",
-           "convexity": "06_sinks_as_suppressors", "semantic_cone": "07_semantic_cone"}
+           "convexity": "06_sinks_as_suppressors", "semantic_cone": "07_semantic_cone",
+           "sink_position": "05_sink_decomposition", "weak_token_drift": "07_semantic_cone"}
 
 
 @dataclass(frozen=True)
@@ -269,9 +276,37 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
     return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
 
 
+#: the attribution bench (chapter 4b): its paired comparisons join the faithfulness rows of findings.csv
+BENCH_CHAPTER = "04b_attribution_bench"
+
+
+def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
+    """The attribution bench's paired comparisons (:func:`cwcore.faithfulness.ladder_comparison` with
+    :func:`cwcore.faithfulness.method_pairs`, stacked over data sets and ratio ranges) as findings rows
+    (:data:`FAITHFULNESS_COLUMNS`): claim ``"<higher> beats <lower>"``, judged by the comparison's own
+    verdict (its paired 95% interval against 0 on the mode's side: above for comprehensiveness, below
+    for sufficiency); two methods that ranked identically (difference and interval exactly 0) are *not
+    measured*, as the ladder's identical rungs."""
+    if comparisons is None or comparisons.empty:
+        return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+    rows = []
+    for _, r in comparisons.iterrows():
+        verdict, est, low, high, shown = _step_row(r, r["mode"])
+        rows.append({"claim": f"{r['higher']} beats {r['lower']}", "model": model, "data": r.get("data", ""),
+                     "mode": r["mode"], "protocol": r.get("protocol", "default"),
+                     "importance": r.get("importance", "signed"), "range": r.get("range", "full"),
+                     "verdict": verdict, "estimate": est, "ci_low": low, "ci_high": high, "n_units": int(r["n"]),
+                     "unit": r.get("sample_unit", "sequence"), "mde": float(r.get("mde", np.nan)),
+                     "profile": profile,
+                     "measured": f"chapter 4b, {r['lower']}->{r['higher']}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] "
+                                 f"{shown}"})
+    return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
+
+
 def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile: str | None = None) -> pd.DataFrame:
     """The downloadable findings table: :func:`faithfulness_findings` of chapter 4's table for every
-    model (a model whose chapter 4 was not built gets one "not measured" row)."""
+    model (a model whose chapter 4 was not built gets one "not measured" row), followed by the
+    attribution bench's rows (:func:`bench_findings` of chapter 4b's table, where it was built)."""
     frames = []
     for model in models:
         got = load_results(results_dir, "04_faithfulness", model)
@@ -279,9 +314,48 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
             frames.append(pd.DataFrame([{"claim": "ordering", "model": model, "verdict": NOT_MEASURED,
                                          "profile": profile, "measured": "chapter 4 was not built"}],
                                        columns=FAITHFULNESS_COLUMNS))
-            continue
-        frames.append(faithfulness_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
+        else:
+            frames.append(faithfulness_findings(got.table, model=model,
+                                                profile=got.metadata.get("profile", profile)))
+    for model in models:
+        bench = load_results(results_dir, BENCH_CHAPTER, model)
+        if bench is not None:
+            frames.append(bench_findings(bench.table, model=model, profile=bench.metadata.get("profile", profile)))
+    for model in models:
+        for chapter, kind in CHAPTERS.items():
+            got = load_results(results_dir, chapter, model) if kind == "claims" else None
+            if got is not None:
+                frames.append(claim_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
+    frames = [f for f in frames if not f.empty]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+
+
+def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
+    """The sink chapters' claims tables (:mod:`cwcore.sinks.claims` columns, data sets stacked with
+    :func:`cwcore.sinks.claims.stack_data`) as findings rows (:data:`FAITHFULNESS_COLUMNS`): one row per
+    claim part and data set, with the part's own verdict, estimate and interval. A claim the paper's
+    wording allows to read two ways appears under both readings (e.g. "the sink suppresses the output
+    norm" and its bracketed variants ``[renormalised]``, ``[per head]``, ``[sliding layers]``)."""
+    if claims is None or claims.empty:
+        return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+    rows = []
+    for _, r in claims.iterrows():
+        key = str(r.get("key", ""))
+        data, _, key = key.rpartition("/")
+        part = str(r["part"])
+        if data and part.startswith(f"{data}: "):
+            part = part[len(data) + 2:]
+        verdict = _part_verdict(r)
+        why = _why(r)
+        shown = f"{verdict}: {why}" if verdict == NOT_MEASURED and why else verdict
+        rows.append({"claim": r["claim"], "model": model, "data": data, "mode": "", "protocol": part,
+                     "importance": "", "range": "", "verdict": verdict, "estimate": float(r["estimate"]),
+                     "ci_low": float(r["low"]), "ci_high": float(r["high"]),
+                     "n_units": int(r["n"]) if pd.notna(r.get("n")) else 0, "unit": str(r.get("statistic", "")),
+                     "mde": np.nan, "profile": profile,
+                     "measured": f"chapter {r['chapter']}, {part}: {_fmt(r['estimate'])} [{_fmt(r['low'])}, "
+                                 f"{_fmt(r['high'])}] {shown}"})
+    return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_sink_findings_take_the_chapters_verdicts():
     got = {f.claim: f for f in F.sink_findings(claims)}
     assert {k: f.verdict for k, f in got.items()} == {
         "sink_rates": H, "decomposition": H, "anti_alignment": I, "anti_alignment_trend": C, "suppression": I,
-        "convexity": N, "semantic_cone": H}
+        "convexity": N, "semantic_cone": H, "sink_position": N, "weak_token_drift": N}
     assert "[-0.3, -0.1] holds" in got["anti_alignment"].measured
     assert "[-0.2, 0.1] inconclusive" in got["anti_alignment"].measured
     assert got["semantic_cone"].measured.count("holds") == 2
@@ -179,3 +179,20 @@ def test_headline_slice_and_findings_csv(tmp_path):
     assert list(csv.columns) == F.FAITHFULNESS_COLUMNS
     assert len(csv[csv["model"] == "m"]) == 48
     assert csv[csv["model"] == "absent"]["verdict"].tolist() == [N]
+
+
+def test_findings_csv_has_every_sink_claim_part_per_data_set(tmp_path):
+    gsm = claims_table([(SC.SUPPRESSION, 0.1, 0.2, 0.5, "above"), (SC.SUPPRESSION + " [renormalised]", 0.8, 0.9, 0.5, "above")])
+    web = claims_table([(SC.SUPPRESSION, 0.3, 0.6, 0.5, "above"), (SC.SUPPRESSION + " [renormalised]", 0.7, 0.9, 0.5, "above")])
+    stacked = SC.stack_data({"gsm8k": gsm, "web-text": web})
+    F.save_results(book.results_path(tmp_path, "06_sinks_as_suppressors", "m"), stacked,
+                   chapter="06_sinks_as_suppressors", model="m", profile="smoke")
+    csv = F.findings_csv(tmp_path, ["m"], profile="smoke")
+    sinks = csv[csv["claim"].str.startswith(SC.SUPPRESSION)]
+    assert len(sinks) == 4 and set(sinks["data"]) == {"gsm8k", "web-text"}
+    got = {(r["data"], r["claim"]): r["verdict"] for _, r in sinks.iterrows()}
+    # each part keeps the verdict of its own interval: both readings, both data sets
+    assert got == {("gsm8k", SC.SUPPRESSION): C, ("gsm8k", SC.SUPPRESSION + " [renormalised]"): H,
+                   ("web-text", SC.SUPPRESSION): I, ("web-text", SC.SUPPRESSION + " [renormalised]"): H}
+    assert (sinks["protocol"] == ["part 0", "part 1"] * 2).all()  # the data prefix is stripped from the part
+    assert sinks["ci_low"].tolist() == [0.1, 0.8, 0.3, 0.7]

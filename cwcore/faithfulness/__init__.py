@@ -7,6 +7,11 @@ much the model's perplexity rises:
 - **comprehensiveness** removes the *most* important fraction: a more faithful metric raises PPL more;
 - **sufficiency** removes the *least* important fraction: a more faithful metric raises PPL less.
 
+Any ranking can be evaluated: ``metric=`` takes a registered method's name (the ladder, ``random``,
+``value_zeroing``, ``rollout``, ``contribution_rollout``, ``alti``, ``grad_x_input``; add one with
+:func:`register_method`), a callable ``fn(layer_decomposition=..., **context)`` or precomputed scores
+(see :mod:`~cwcore.faithfulness.methods`).
+
 Entry points: :func:`faithfulness_curve` (language modelling), :func:`downstream_eval` (MMLU,
 WinoGrande, BoolQ: gold-answer perplexity and accuracy), :func:`aopc` (area over the curve) and
 :func:`ladder_comparison` (paired differences between rungs of the geometric ladder). The command
@@ -14,6 +19,7 @@ line ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out dat
 tidy CSVs.
 
 Modules, one concept each: :mod:`~cwcore.faithfulness.protocol` (the choices below, metric names),
+:mod:`~cwcore.faithfulness.methods` (the registry of attribution methods),
 :mod:`~cwcore.faithfulness.ranking` (candidates, ranks, removal masks), :mod:`~cwcore.faithfulness.sweep`
 (the engine: clean pass, points, cached pieces), :mod:`~cwcore.faithfulness.lm` and
 :mod:`~cwcore.faithfulness.downstream` (the two scorers), :mod:`~cwcore.faithfulness.summary`
@@ -96,8 +102,9 @@ from .downstream import downstream_eval
 from .lm import faithfulness_curve
 from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, LADDER, MetricSpec, Protocol, parse_metric
 from .ranking import MODES, SCOPES, UNITS
-from .summary import aopc, ladder_comparison, summarize, summarize_downstream
-from . import evidence
+from .summary import aopc, ladder_comparison, method_pairs, summarize, summarize_downstream
+from .methods import available_methods, method_scores, register_method
+from . import evidence, methods
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -116,7 +123,12 @@ __all__ = [
     "summarize_downstream",
     "aopc",
     "ladder_comparison",
+    "method_pairs",
+    "register_method",
+    "available_methods",
+    "method_scores",
     "model_fingerprint",
     "evidence",
+    "methods",
     "main",
 ]

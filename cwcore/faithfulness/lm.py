@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import datasets
 import pandas as pd
@@ -97,7 +97,7 @@ def faithfulness_curve(
     model: nn.Module,
     tokenizer,
     texts,
-    metric: str | Sequence[str] | None = None,
+    metric: Any = None,
     ratios: float | Sequence[float] | None = None,
     mode: str | Sequence[str] | None = None,
     *,
@@ -128,9 +128,16 @@ def faithfulness_curve(
         optional ``attention_mask``; e.g. :func:`cwcore.data.lm_blocks`) or with a ``text`` column,
         a ``[n, length]`` tensor of token ids, or a dict with ``input_ids``/``attention_mask``.
     metric
-        one name or a list (default: the ladder plus ``"random"``): ``attention``, ``value_weighted``,
-        ``value_weighted_output_normalized``, ``contribution`` (suffix ``_intra``/``_inter`` overrides
-        ``kind``), ``random`` (seeded control: a hash of (seed, sequence, layer, head, query, key)).
+        one ranking or a list of them (default: the ladder plus ``"random"``). A ranking is a registered
+        method's name (:func:`cwcore.faithfulness.methods.available_methods`: the ladder ``attention``,
+        ``value_weighted``, ``value_weighted_output_normalized``, ``contribution``; ``random``, the
+        seeded control, a hash of (seed, sequence, layer, head, query, key); ``value_zeroing``,
+        ``rollout``, ``contribution_rollout``, ``alti``, ``grad_x_input``; suffix ``_intra``/``_inter``
+        overrides ``kind`` for the kind-dependent ones), a callable ``fn(layer_decomposition=...,
+        **context)`` returning scores ``[batch, head, query, key]`` or ``[batch, query, key]`` (see
+        :mod:`cwcore.faithfulness.methods` for the context keywords and how token scores are spread
+        over heads), precomputed scores (``{layer: tensor}`` or one
+        ``[layer, n_sequences, (head,) length, length]`` tensor), or ``{label: ranking}`` to name any of these.
     ratios, mode
         fractions (default :data:`DEFAULT_RATIOS`) and ``"comprehensiveness"``/``"sufficiency"``
         (default both). Lists make one call compute the whole sweep from one clean pass per batch.

@@ -9,12 +9,14 @@ protocol needs from a model's config.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
-from torch import nn
+import torch
 
 from ..core.decomposition import METRICS
-from .ranking import MODES, SCOPES, UNITS
+from . import methods as _methods
+from .ranking import MODES, SCOPES, UNITS, layer_windows, num_heads  # noqa: F401  (re-exported)
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -38,31 +40,57 @@ _KIND_DEPENDENT = ("value_weighted_output_normalized", "contribution")
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One ranked metric: ``label`` (column value), ``name`` (a :data:`METRICS` entry or random), ``kind``."""
+    """One ranked metric: ``label`` (column value), ``name`` (a registered method's name, ``"callable"``
+    or ``"precomputed"``), ``kind``, the :class:`~cwcore.faithfulness.methods.Method` that scores it and
+    ``key``, its identity in cached piece names (the label for the ladder and random)."""
 
     label: str
     name: str
     kind: str
+    method: Any = field(default=None, compare=False, repr=False)
+    key: str = ""
+
+    def __post_init__(self):
+        if self.method is None and self.name in _methods.available_methods():
+            object.__setattr__(self, "method", _methods.get_method(self.name))
+
+    @property
+    def piece_key(self) -> str:
+        return self.key or self.label
 
 
-def parse_metric(metric: str, kind: str = "inter") -> MetricSpec:
-    """``"contribution"``, ``"contribution_intra"``, ``"value_weighted_output_normalized_inter"``, ``"random"``...
+def parse_metric(metric, kind: str = "inter", label: str | None = None) -> MetricSpec:
+    """A metric as a :class:`MetricSpec`: a registered name (``"contribution"``, ``"contribution_intra"``,
+    ``"value_zeroing"``, ``"random"``, ...: :func:`cwcore.faithfulness.methods.available_methods`), a
+    callable (see :mod:`cwcore.faithfulness.methods`), or precomputed scores (a tensor or a
+    ``{layer: tensor}`` dict, see :func:`~cwcore.faithfulness.methods.precomputed`).
 
-    The label is the name with a ``_<kind>`` suffix only when the kind differs from the default
-    ``kind`` (and matters: attention, value_weighted and random have no kind).
+    The label of a name is the name with a ``_<kind>`` suffix only when the kind differs from the
+    default ``kind`` (and matters: only value_weighted_output_normalized and contribution have one);
+    a callable's label is its ``__name__``; ``label`` replaces either.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    if isinstance(metric, (torch.Tensor, Mapping)):
+        method = _methods.precomputed(metric, label or "precomputed")
+        return MetricSpec(method.name, "precomputed", "", method, method.key)
+    if callable(metric):
+        method = _methods.as_method(metric, label)
+        return MetricSpec(method.name, "callable", "", method, method.key)
+    if not isinstance(metric, str):
+        raise TypeError(f"a metric is a name, a callable or precomputed scores, not {type(metric).__name__}")
     match = re.fullmatch(r"(.+?)(?:_(inter|intra))?", metric)
     base, suffix = match.group(1), match.group(2)
-    if base not in METRICS + ("random",):
-        raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(DEFAULT_METRICS)} (+ _intra/_inter)")
-    if base not in _KIND_DEPENDENT:
+    if base not in _methods.available_methods() or (suffix and metric in _methods.available_methods()):
+        base, suffix = metric, None
+    method = _methods.get_method(base)
+    if not method.kind_dependent:
         if suffix:
             raise ValueError(f"metric {base!r} has no intra/inter kind")
-        return MetricSpec(base, base, "")
+        return MetricSpec(label or base, base, "", method, base if label else "")
     chosen = suffix or kind
-    return MetricSpec(base if chosen == kind else f"{base}_{chosen}", base, chosen)
+    default = base if chosen == kind else f"{base}_{chosen}"
+    return MetricSpec(label or default, base, chosen, method, default if label else "")
 
 
 @dataclass(frozen=True)
@@ -126,35 +154,25 @@ def ratios(values) -> list[float]:
     return chosen
 
 
+def _metric_items(metric) -> list[tuple[str | None, Any]]:
+    """``(label or None, metric)`` pairs: a dict with string keys names its metrics."""
+    if metric is None:
+        return [(None, m) for m in DEFAULT_METRICS]
+    if isinstance(metric, Mapping) and metric and all(isinstance(k, str) for k in metric):
+        return list(metric.items())
+    if isinstance(metric, (str, torch.Tensor, Mapping)) or callable(metric) or not hasattr(metric, "__iter__"):
+        return [(None, metric)]
+    return [item for m in metric for item in _metric_items(m)]
+
+
 def specs(metric, kind) -> list[MetricSpec]:
-    """``metric`` (a name, a list or None = :data:`DEFAULT_METRICS`) as specs, one per label."""
-    parsed = [parse_metric(m, kind) for m in _as_list(metric, DEFAULT_METRICS)]
-    return list({s.label: s for s in parsed}.values())
-
-
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
-    """Each layer's sliding window from the config (None = full attention)."""
-    config = _text_config(model)
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return [None] * num_layers
-    types = getattr(config, "layer_types", None)
-    if types:
-        return [int(window) if t == "sliding_attention" else None for t in list(types)[:num_layers]]
-    if getattr(config, "use_sliding_window", True) is False:
-        return [None] * num_layers
-    return [int(window)] * num_layers
-
-
-def num_heads(model: nn.Module) -> int:
-    """Query heads per attention layer, from the config."""
-    config = _text_config(model)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    if heads is None:
-        raise ValueError("cannot tell the number of attention heads from the model's config")
-    return int(heads)
+    """``metric`` (a name, callable, precomputed scores, ``{label: metric}``, a list of them, or None =
+    :data:`DEFAULT_METRICS`) as specs, one per label; two different metrics may not share a label."""
+    chosen: dict[str, MetricSpec] = {}
+    for label, m in _metric_items(metric):
+        spec = parse_metric(m, kind, label)
+        if spec.label in chosen and chosen[spec.label].piece_key != spec.piece_key:
+            raise ValueError(f"two different metrics share the label {spec.label!r}; name them with a dict "
+                             "{label: metric}")
+        chosen.setdefault(spec.label, spec)
+    return list(chosen.values())

@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 import torch
+from torch import nn
 
 __all__ = [
     "UNITS",
@@ -58,6 +59,8 @@ __all__ = [
     "selection",
     "Selection",
     "hashed_uniform",
+    "layer_windows",
+    "num_heads",
 ]
 
 UNITS = ("head_key", "key", "token")
@@ -339,3 +342,32 @@ def hashed_uniform(seed: int, groups: torch.Tensor, layer: int, heads: int, posi
     x = _splitmix(x + positions.long().view(b, 1, n, 1) + 1)
     x = _splitmix(x + positions.long().view(b, 1, 1, n) + 1)
     return _shift_right(x, 40).float() / float(1 << 24)
+
+
+# -- what the candidates need from a model's config ----------------------------------------------------
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
+    """Each layer's sliding window from the config (None = full attention)."""
+    config = _text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * num_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [int(window) if t == "sliding_attention" else None for t in list(types)[:num_layers]]
+    if getattr(config, "use_sliding_window", True) is False:
+        return [None] * num_layers
+    return [int(window)] * num_layers
+
+
+def num_heads(model: nn.Module) -> int:
+    """Query heads per attention layer, from the config."""
+    config = _text_config(model)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if heads is None:
+        raise ValueError("cannot tell the number of attention heads from the model's config")
+    return int(heads)

@@ -30,7 +30,7 @@ import pandas as pd
 from .. import stats
 from .protocol import LADDER
 
-__all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "curve_mean"]
+__all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "method_pairs", "curve_mean"]
 
 _GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "scores", "keep_first_token",
                   "importance", "layers")
@@ -228,6 +228,17 @@ def _default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
         pairs += [(a, b) for a in rungs[0] for b in rungs[3]]
     if "random" in labels:
         pairs += [("random", m) for rung in rungs for m in rung]
+    return pairs
+
+
+def method_pairs(labels: Sequence[str], reference: str = "contribution", control: str = "random") -> list[tuple[str, str]]:
+    """Pairs ``(lower, higher)`` for :func:`ladder_comparison` of an attribution bench: every other method
+    against ``reference`` (difference = AOPC(reference) - AOPC(method): above zero for comprehensiveness,
+    below for sufficiency when the reference is the more faithful), then ``control`` against every method."""
+    labels = list(dict.fromkeys(labels))
+    pairs = [(m, reference) for m in labels if reference in labels and m not in (reference, control)]
+    if control in labels:
+        pairs += [(control, m) for m in labels if m != control]
     return pairs
 
 

@@ -22,11 +22,12 @@ from torch import nn
 
 from ..core.architectures import attention_blocks
 from ..core.decomposition import LayerDecomposition, prepare_inputs
-from ..core.interventions import intervene
+from ..core.interventions import intervene, removal
 from ..runs import PieceStore, tensor_digest
 from ..runs import progress as progress_bar
+from .methods import scoring
 from .protocol import MetricSpec, Protocol, layer_windows, num_heads
-from .ranking import candidate_mask, hashed_uniform, removal_mask, selection
+from .ranking import candidate_mask, removal_mask, selection
 
 __all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store"]
 
@@ -94,7 +95,7 @@ class Sweep:
         """Pieces are named by the batch's content digest, so a longer run reuses a shorter one's batches."""
         if spec is None:
             return f"{batch.digest}-clean"
-        return f"{batch.digest}-{spec.label}-{mode}-r{ratio:.6g}"
+        return f"{batch.digest}-{spec.piece_key}-{mode}-r{ratio:.6g}"
 
     def _get(self, piece):
         return None if self.store is None else self.store.get(piece)
@@ -107,13 +108,30 @@ class Sweep:
         self.bar.close()
 
     # -- scores ------------------------------------------------------------------------------------
-    def _scores(self, layer_decomposition: LayerDecomposition, spec: MetricSpec, layer: int, batch: Batch):
-        """``[batch, head, query, key]`` scores of ``spec`` (the seeded hash for the random control)."""
-        if spec.name == "random":
-            heads = layer_decomposition.attention.shape[1]
-            return hashed_uniform(self.protocol.seed, batch.groups, layer, heads, batch.positions)
-        scores = layer_decomposition.metric(spec.name, spec.kind or "inter")
-        return scores.abs() if self.protocol.importance == "absolute" else scores
+    @staticmethod
+    def _scores(layer_decomposition: LayerDecomposition, spec: MetricSpec, context, call=None) -> torch.Tensor:
+        """``[batch, head, query, key]`` scores of ``spec``'s method (|scores| for absolute importance)."""
+        scores = context.scores(spec.method, layer_decomposition, call, spec.kind or "inter")
+        return scores.abs() if context.importance == "absolute" else scores
+
+    def _scoring(self, batch: Batch, specs, candidates):
+        """The :func:`~cwcore.faithfulness.methods.scoring` context of one forward of ``batch``."""
+        context = scoring(self.model, [s.method for s in specs], batch.input_ids, batch.attention_mask,
+                          layers=self.layers, groups=batch.groups, candidates=candidates, kind=self.protocol.kind,
+                          seed=self.protocol.seed)
+        return context
+
+    def _observed(self, specs) -> dict[int, list[MetricSpec]]:
+        """``{layer: specs scored there}``: the intervened layers, and every earlier layer for methods that
+        build state over layers (rollout)."""
+        wanted = {layer: list(specs) for layer in self.layers}
+        if self.layers:
+            for layer in range(max(self.layers) + 1):
+                if layer not in wanted:
+                    chained = [s for s in specs if "earlier_layers" in s.method.needs]
+                    if chained:
+                        wanted[layer] = chained
+        return dict(sorted(wanted.items()))
 
     def candidates(self, batch: Batch) -> dict[int, torch.Tensor]:
         """``{layer: [batch, 1, query, key]}`` candidate terms of every intervened layer."""
@@ -122,10 +140,10 @@ class Sweep:
             for layer in self.layers
         }
 
-    def _forward(self, batch: Batch, masks=None, observers=None) -> torch.Tensor:
+    def _forward(self, batch: Batch, masks=None, observers=None, transforms=None) -> torch.Tensor:
         inputs = prepare_inputs(self.model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
         with torch.inference_mode(), intervene(self.model, masks or {}, attention_mask=batch.attention_mask,
-                                               observers=observers or {}):
+                                               observers=observers or {}, transforms=transforms or {}):
             out = self.model(**inputs)
         return out.logits if hasattr(out, "logits") else out[0]
 
@@ -136,18 +154,25 @@ class Sweep:
         removed = {s.label: {m: torch.zeros(batch.input_ids.shape[0], len(self.nonzero), dtype=torch.long)
                              for m in self.modes} for s in specs}
         unit, scope = self.protocol.unit, self.protocol.scope
+        observed = self._observed(specs) if specs and self.nonzero else {}
+        intervened = set(self.layers)
 
-        def ranker(call):
-            layer_decomposition = LayerDecomposition.from_call(call)
-            for spec in specs:
-                scores = self._scores(layer_decomposition, spec, call.layer, batch)
-                chosen = selection(scores, candidates[call.layer], self.nonzero, self.modes, unit, scope)
-                buckets[spec.label][call.layer] = chosen.buckets
-                for mode, count in chosen.removed.items():
-                    removed[spec.label][mode] += count
+        with self._scoring(batch, specs if observed else [], candidates) as context:
+            context.importance = self.protocol.importance
 
-        observers = {layer: [ranker] for layer in self.layers} if specs and self.nonzero else {}
-        return self._forward(batch, observers=observers), buckets, removed
+            def ranker(call):
+                layer_decomposition = LayerDecomposition.from_call(call)
+                for spec in observed[call.layer]:
+                    scores = self._scores(layer_decomposition, spec, context, call)
+                    if call.layer not in intervened:
+                        continue
+                    chosen = selection(scores, candidates[call.layer], self.nonzero, self.modes, unit, scope)
+                    buckets[spec.label][call.layer] = chosen.buckets
+                    for mode, count in chosen.removed.items():
+                        removed[spec.label][mode] += count
+
+            logits = self._forward(batch, observers={layer: [ranker] for layer in observed})
+        return logits, buckets, removed
 
     # -- one batch ---------------------------------------------------------------------------------
     def run(self, batch: Batch, scorer: Scorer) -> tuple[pd.DataFrame, list[pd.DataFrame]]:
@@ -221,17 +246,23 @@ class Sweep:
         else:
             removed = torch.zeros(rows, dtype=torch.long)
             unit, scope = self.protocol.unit, self.protocol.scope
+            observed = self._observed([spec])
+            intervened = set(self.layers)
 
-            def live(layer):
-                def callback(layer_decomposition):
+            with self._scoring(batch, [spec], candidates) as context:
+                context.importance = self.protocol.importance
+
+                def live(call):
                     nonlocal removed
-                    scores = self._scores(layer_decomposition, spec, layer, batch)
-                    chosen = selection(scores, candidates[layer], [ratio], [mode], unit, scope)
+                    scores = self._scores(LayerDecomposition.from_call(call), spec, context, call)
+                    if call.layer not in intervened:
+                        return None
+                    chosen = selection(scores, candidates[call.layer], [ratio], [mode], unit, scope)
                     removed = removed + chosen.removed[mode][:, 0]
-                    return removal_mask(chosen.buckets[mode], 0, candidates[layer] if layer_scope else None)
-                return callback
+                    mask = removal_mask(chosen.buckets[mode], 0, candidates[call.layer] if layer_scope else None)
+                    return removal(mask)(call)
 
-            logits = self._forward(batch, {layer: live(layer) for layer in self.layers})
+                logits = self._forward(batch, transforms={layer: [live] for layer in observed})
         return scorer(logits, batch, removed)
 
     def candidate_terms(self, batch: Batch) -> torch.Tensor:

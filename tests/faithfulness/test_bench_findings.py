@@ -1,0 +1,42 @@
+"""The attribution bench's tables: method_pairs, and its comparisons as rows of findings.csv."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cwcore import faithfulness as fa
+from cwcore import findings, stats
+
+
+def test_method_pairs():
+    labels = ["attention", "contribution", "alti", "random"]
+    assert fa.method_pairs(labels) == [("attention", "contribution"), ("alti", "contribution"),
+                                       ("random", "attention"), ("random", "contribution"), ("random", "alti")]
+    assert fa.method_pairs(["alti", "random"], reference="contribution") == [("random", "alti")]
+
+
+def test_bench_comparisons_become_findings_rows(sweep, tmp_path):
+    labels = list(dict.fromkeys(sweep["metric"]))
+    pairs = fa.method_pairs(labels) + [("value_weighted", "value_weighted_output_normalized")]
+    comparisons = fa.ladder_comparison(sweep, pairs=pairs, n_bootstrap=200).assign(
+        data="toy", range="full", protocol="default")
+    rows = findings.bench_findings(comparisons, model="tiny", profile="test")
+    assert list(rows.columns) == findings.FAITHFULNESS_COLUMNS and len(rows) == len(comparisons)
+    for (_, c), (_, r) in zip(comparisons.iterrows(), rows.iterrows()):
+        assert r["claim"] == f"{c['higher']} beats {c['lower']}"
+        side = "above" if c["mode"] == "comprehensiveness" else "below"
+        identical = c["difference"] == c["ci_low"] == c["ci_high"] == 0
+        expected = stats.NOT_MEASURED if identical else stats.verdict(c["ci_low"], c["ci_high"], side=side)
+        assert r["verdict"] == expected and np.isclose(r["estimate"], c["difference"])
+    # value-weighted and output-normalised rank identically under the default protocol: not measured
+    same = rows[rows["claim"] == "value_weighted_output_normalized beats value_weighted"]
+    assert len(same) == 2 and set(same["verdict"]) == {stats.NOT_MEASURED}
+    # findings_csv appends the bench's rows to chapter 4's where chapter 4b's table exists
+    results = tmp_path / "results"
+    path = results / findings.BENCH_CHAPTER / "tiny.csv"
+    findings.save_results(path, comparisons, chapter=findings.BENCH_CHAPTER, model="tiny", profile="test",
+                          parameters={"n_documents": 10})
+    table = findings.findings_csv(results, ["tiny"], "test")
+    assert table.iloc[0]["measured"] == "chapter 4 was not built"
+    bench = table[table["claim"].str.contains(" beats ") & (table["claim"] != "contribution beats random")]
+    assert len(bench) == len(comparisons) - 2 and set(bench["profile"]) == {"test"}
