@@ -19,8 +19,11 @@ receives). ``build``
    exists, is skipped;
 2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters,
    static pages where run.yml lists them);
-3. runs ``jupyter-book build -W`` into a temporary directory and, only if that succeeds, replaces
-   ``book/_build/html``; when no input of the book changed since the last build it does nothing.
+3. runs ``jupyter-book build -W`` into a temporary directory, copies every run's ``output_dir`` (its
+   figure files, PNG and SVG from :func:`cwcore.plotting.save_figure`) into ``html/figures/<chapter>/``
+   (``html/figures/<chapter>/<slug>/`` for per_model chapters) with an index page,
+   ``html/figures/index.html``, and, only if all that succeeds, replaces ``book/_build/html``; when no
+   input of the book changed since the last build it does nothing.
 
 Layout of ``book/generated/`` (relative to it; ``<slug>`` is the model name made URL-safe)::
 
@@ -71,6 +74,8 @@ RUN_MODES = ("once", "per_model")
 RESULTS = "results"  # generated/results/<profile>/: the tables chapters write for later pages
 PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md
 BUILD_STAMP = ".cwcore-build-stamp"
+FIGURES = "figures"  # html/figures/<chapter>/[<slug>/]: the figure files of every run, for slides
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 # Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
 # (no ipywidgets here) would otherwise print to stderr in every page that imports transformers.
 KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
@@ -582,13 +587,103 @@ def _book_inputs_hash(book_dir: Path, build_dir: Path) -> str:
     return h.hexdigest()
 
 
-def build_html(book_dir: Path, build_dir: Path, force: bool = False) -> Path:
-    """``jupyter-book build -W`` into a temporary folder; replace ``build_dir/html`` only on success."""
+@dataclass(frozen=True)
+class FigureFolder:
+    """The figure files of one run: ``source`` (its ``output_dir``) goes to ``html/figures/<dest>``."""
+
+    dest: str  # "<chapter>" or "<chapter>/<slug>"
+    source: Path
+    title: str  # the chapter's title
+    model: str | None = None
+
+
+def figure_folders(runs: list[Run]) -> list[FigureFolder]:
+    """Where each run's figure files (its ``output_dir``) go in the built book, in book order."""
+    out, titles = [], {}
+    for run in runs:
+        rel = run.parameters.get("output_dir")
+        if rel is None:
+            continue
+        if run.source not in titles:
+            titles[run.source] = notebook_title(run.source) if Path(run.source).is_file() else run.chapter.name
+        dest = run.chapter.name if run.model is None else f"{run.chapter.name}/{slug(run.model)}"
+        out.append(FigureFolder(dest, run.output.parent / rel, titles[run.source], run.model))
+    return out
+
+
+def _figure_files(folder: Path) -> list[Path]:
+    if not Path(folder).is_dir():
+        return []
+    return sorted(p for p in Path(folder).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in FIGURE_SUFFIXES)
+
+
+def copy_figures(html: Path, folders: list[FigureFolder]) -> Path:
+    """Copy each run's figure files into ``html/figures/<dest>/`` and write ``html/figures/index.html``,
+    one section per chapter (and model) with a preview of every figure and links to each of its files;
+    a run without figure files (a missing or empty ``output_dir``) is left out."""
+    import html as htmllib
+
+    root = Path(html) / FIGURES
+    root.mkdir(parents=True, exist_ok=True)
+    esc = htmllib.escape
+    body, total = [], 0
+    chapter_seen = set()
+    for folder in folders:
+        files = _figure_files(folder.source)
+        if not files:  # a page without figures (the findings page): not listed
+            continue
+        target = root / folder.dest
+        target.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            shutil.copyfile(f, target / f.name)
+        chapter = folder.dest.split("/")[0]
+        if chapter not in chapter_seen:
+            chapter_seen.add(chapter)
+            body.append(f'<h2 id="{esc(chapter)}">{esc(folder.title)} <small>({esc(chapter)})</small></h2>')
+        if folder.model is not None:
+            body.append(f"<h3>{esc(folder.model)}</h3>")
+        stems: dict[str, list[Path]] = {}
+        for f in files:
+            stems.setdefault(f.stem, []).append(f)
+        body.append('<div class="grid">')
+        for stem, variants in stems.items():
+            preview = next((v for v in variants if v.suffix.lower() in (".png", ".jpg", ".jpeg", ".svg")), None)
+            links = " · ".join(f'<a href="{esc(folder.dest)}/{esc(v.name)}">{esc(v.suffix[1:].upper())}</a>'
+                               for v in variants)
+            img = (f'<a href="{esc(folder.dest)}/{esc(preview.name)}"><img src="{esc(folder.dest)}/'
+                   f'{esc(preview.name)}" alt="{esc(stem)}" loading="lazy"></a>') if preview else ""
+            body.append(f"<figure>{img}<figcaption><code>{esc(stem)}</code>: {links}</figcaption></figure>")
+            total += 1
+        body.append("</div>")
+    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            "<title>Slide-ready figures</title><style>"
+            "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:72em;padding:0 1em;color:#222}"
+            ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(16em,1fr));gap:1em}"
+            "figure{margin:0;border:1px solid #ddd;padding:.5em;border-radius:4px}"
+            "img{width:100%;height:auto}figcaption{font-size:.9em;margin-top:.3em}"
+            "</style></head><body>\n"
+            "<p><a href=\"../index.html\">Back to the book</a></p>\n<h1>Slide-ready figures</h1>\n"
+            f"<p>{total} figures, each as PNG (150 dpi) and SVG, in <code>figures/&lt;chapter&gt;/</code> "
+            "(<code>figures/&lt;chapter&gt;/&lt;model&gt;/</code> for chapters run per model) next to this "
+            "page. They are the files the chapters write with <code>cwcore.plotting.save_figure</code>, "
+            "made again with every build.</p>\n" + "\n".join(body) + "\n</body></html>\n")
+    (root / "index.html").write_text(page)
+    return root / "index.html"
+
+
+def build_html(book_dir: Path, build_dir: Path, force: bool = False,
+               figures: list[FigureFolder] | None = None) -> Path:
+    """``jupyter-book build -W`` into a temporary folder, the figure files of ``figures`` (see
+    :func:`figure_folders`; None: none) copied into its ``figures/``; replace ``build_dir/html`` only
+    on success."""
     book_dir, build_dir = Path(book_dir), Path(build_dir)
     html = build_dir / "html"
     inputs = _book_inputs_hash(book_dir, build_dir)
     stamp_file = html / BUILD_STAMP
-    if not force and stamp_file.is_file() and stamp_file.read_text() == inputs and (html / "index.html").is_file():
+    figures_ok = not figures or (html / FIGURES / "index.html").is_file()
+    if (not force and stamp_file.is_file() and stamp_file.read_text() == inputs and (html / "index.html").is_file()
+            and figures_ok):
         print(f"html  up to date: {html}", flush=True)
         return html
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -605,6 +700,8 @@ def build_html(book_dir: Path, build_dir: Path, force: bool = False) -> Path:
             warnings = [line for line in log if "WARNING" in line or "ERROR" in line]
             shown = "\n".join(warnings or log[-40:])
             raise BookError(f"jupyter-book build failed (warnings are errors); {html} was left as it was:\n{shown}")
+        if figures:
+            copy_figures(new, figures)
         (new / BUILD_STAMP).write_text(inputs)
         old = build_dir / f".old-html-{os.getpid()}"
         if html.exists():
@@ -665,7 +762,7 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
     toc_text = ("# Generated by `python -m cwcore.book build` from run.yml; do not edit.\n"
                 + yaml.safe_dump(toc(chosen, runs, generated, book_dir), sort_keys=False))
     write_if_changed(book_dir / "_toc.yml", toc_text)
-    out = build_html(book_dir, build_dir, force=force) if html else None
+    out = build_html(book_dir, build_dir, force=force, figures=figure_folders(runs)) if html else None
     print(f"book  finished in {time.monotonic() - t_all:.1f}s", flush=True)
     return out
 

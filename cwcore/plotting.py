@@ -1,7 +1,8 @@
 """One plotting style for the book, the notebooks and ``cwcore explain``.
 
 * :func:`set_style` — seaborn theme with the colour-blind-safe ``colorblind`` palette.
-* :func:`save_figure` — write a figure next to the book's pages, atomically (PNG, optionally SVG).
+* :func:`save_figure` — write a figure next to the book's pages, atomically, as PNG and SVG (the
+  book copies every chapter's figure files into ``_build/html/figures/``, for slides).
 * :func:`diverging_cmap` / :func:`contribution_heatmap` — a [query, key] matrix drawn with a
   diverging colour map centred at zero, so that negative contribution weights (destructive
   interference) read blue, positive ones red, and attention (never negative) is drawn on the same
@@ -57,14 +58,22 @@ def palette(n: int | None = None) -> list[tuple[float, float, float]]:
     return list(sns.color_palette(PALETTE_NAME, n))
 
 
-def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence[str] = ("png",),
-                dpi: int | None = None) -> Path:
-    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format, each written atomically.
+FIGURE_FORMATS = ("png", "svg")  # what save_figure writes by default: a bitmap and a vector file, for slides
 
-    Each image is rendered in memory, then written to a temporary file in ``output_dir`` and renamed
-    into place, so a reader never sees a half-written image. Returns the path of the first format's
-    file (the PNG by default).
+
+def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence[str] = FIGURE_FORMATS,
+                dpi: int | None = None) -> Path:
+    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format (PNG and SVG by default), each atomically.
+
+    This is the one call a notebook needs for its figures: the book runner copies every file a chapter
+    writes to its ``output_dir`` into the built book (``_build/html/figures/<chapter>/[<model>/]``, with an
+    index page), so each figure is there as a slide-ready PNG and SVG. Each image is rendered in memory,
+    then written to a temporary file in ``output_dir`` and renamed into place, so a reader never sees a
+    half-written image. The SVG is reproducible: no date, and fixed ids (``svg.hashsalt``), so the same
+    figure gives the same bytes. Returns the path of the first format's file (the PNG by default).
     """
+    import matplotlib as mpl
+
     if not name or Path(name).name != name or name.startswith("."):
         raise ValueError(f"figure name must be a plain file name without a directory: {name!r}")
     if not formats:
@@ -73,7 +82,9 @@ def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence
     for fmt in formats:
         fmt = fmt.lower().lstrip(".")
         buffer = io.BytesIO()
-        fig.savefig(buffer, format=fmt, dpi=dpi)
+        metadata = {"Date": None} if fmt in ("svg", "pdf") else None
+        with mpl.rc_context({"svg.hashsalt": f"cwcore-{name}"}):
+            fig.savefig(buffer, format=fmt, dpi=dpi, metadata=metadata)
         paths.append(Path(output_dir) / f"{name}.{fmt}")
         atomic_write_bytes(paths[-1], buffer.getvalue())
     return paths[0]

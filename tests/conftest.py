@@ -27,3 +27,37 @@ def tiny_decoder(request):
 @pytest.fixture
 def tiny_llama():
     return tiny_model("llama")
+
+
+# --------------------------------------------------------------------------------------------------
+# The real book, built once per test session with the smoke profile (tests/test_book.py,
+# tests/test_exercises.py)
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def smoke_code_version():
+    """cwcore's code hash when the session's smoke book was built. A test that rebuilds it sets
+    ``cwcore.cache.code_version`` to this, so that edits to cwcore/ while the tests run (a developer's
+    tree) do not make the rebuild execute the notebooks again."""
+    from cwcore import cache
+
+    return cache.code_version()
+
+
+@pytest.fixture(scope="session")
+def smoke_book(tmp_path_factory, smoke_code_version):
+    """The real book (book/*.md, _config.yml, run.yml, notebooks/) built with the smoke profile, once
+    per session: ``(book_dir, build_dir, html_dir)``; the executed notebooks are in
+    ``book_dir/generated``."""
+    import shutil
+    from pathlib import Path
+
+    from cwcore import book, cache
+
+    repo = Path(__file__).resolve().parent.parent
+    root = tmp_path_factory.mktemp("smoke")
+    bookdir = root / "book"
+    shutil.copytree(repo / "book", bookdir, ignore=shutil.ignore_patterns("_build", "generated", "_toc.yml"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cache, "code_version", lambda: smoke_code_version)
+        html = book.build(profile="smoke", book_dir=bookdir, build_dir=root / "build")
+    return bookdir, root / "build", html

@@ -415,21 +415,7 @@ def parse_page(path: Path) -> _Links:
     return parser
 
 
-@pytest.fixture(scope="module")
-def smoke_book(tmp_path_factory):
-    """The real book (book/*.md, _config.yml, run.yml, notebooks/) built with the smoke profile."""
-    root = tmp_path_factory.mktemp("smoke")
-    bookdir = root / "book"
-    shutil.copytree(REPO / "book", bookdir, ignore=shutil.ignore_patterns("_build", "generated", "_toc.yml"))
-    # Freeze the code hash for this module's builds: other edits to cwcore/ while the tests run
-    # (a developer's tree) must not make the "unchanged rebuild" below execute the notebooks again.
-    from cwcore import cache
-
-    frozen = cache.code_version()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cache, "code_version", lambda: frozen)
-        html = book.build(profile="smoke", book_dir=bookdir, build_dir=root / "build")
-        yield bookdir, root / "build", html
+# the `smoke_book` fixture (one smoke build per session) is in tests/conftest.py
 
 
 def test_smoke_book_pages_and_images(smoke_book):
@@ -460,8 +446,54 @@ def test_smoke_book_pages_and_images(smoke_book):
     assert "Failed to format" not in text and "Traceback" not in text
 
 
-def test_unchanged_rebuild_does_nothing_and_a_failed_html_build_keeps_the_old_site(smoke_book, capsys):
+def _valid_png(path: Path) -> bool:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    return data[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(path).shape[0] > 50
+
+
+def _valid_svg(path: Path) -> bool:
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()  # well-formed XML ...
+    return root.tag == "{http://www.w3.org/2000/svg}svg" and len(list(root.iter())) > 10  # ... with drawing in it
+
+
+def test_smoke_book_has_slide_ready_figures(smoke_book):
+    """Every figure a run saved with save_figure is in html/figures/<chapter>/[<model>/] as PNG and SVG,
+    and the index page links to each file."""
+    bookdir, _, html = smoke_book
+    config = book.load_config(bookdir / "run.yml")
+    _, _, runs = book.plan(config, profile="smoke", generated_dir=bookdir / "generated")
+    folders = [f for f in book.figure_folders(runs) if f.source.is_dir() and any(f.source.iterdir())]
+    assert {f.dest for f in folders} >= {"02_geometry", "03_contribution_maps/smollm2-135m"}
+    for folder in folders:
+        saved = sorted(p.name for p in folder.source.iterdir() if not p.name.startswith("."))
+        copied = sorted(p.name for p in (html / "figures" / folder.dest).iterdir())
+        assert copied == saved, folder.dest
+        stems = {Path(n).stem for n in saved}
+        for stem in stems:  # save_figure writes both formats
+            assert {f"{stem}.png", f"{stem}.svg"} <= set(saved), f"{folder.dest}/{stem}"
+    chapter2 = html / "figures" / "02_geometry"
+    assert _valid_png(chapter2 / "sum_of_arrows.png") and _valid_svg(chapter2 / "sum_of_arrows.svg")
+    assert (chapter2 / "sum_of_arrows.png").read_bytes() == \
+        (bookdir / "generated" / "figures" / "02_geometry" / "sum_of_arrows.png").read_bytes()
+    index = html / "figures" / "index.html"
+    links = parse_page(index)
+    for href in links.links + links.images:
+        assert (index.parent / urllib.parse.unquote(href)).resolve().is_file(), f"figures/index.html: {href}"
+    listed = {href for href in links.links if href.endswith(".svg")}
+    assert "02_geometry/sum_of_arrows.svg" in listed
+    assert len(listed) == sum(len({Path(n).stem for n in os.listdir(f.source)}) for f in folders)
+
+
+def test_unchanged_rebuild_does_nothing_and_a_failed_html_build_keeps_the_old_site(smoke_book, smoke_code_version,
+                                                                                  monkeypatch, capsys):
+    from cwcore import cache
+
     bookdir, build_dir, html = smoke_book
+    monkeypatch.setattr(cache, "code_version", lambda: smoke_code_version)  # as when it was built
     capsys.readouterr()
     book.build(profile="smoke", book_dir=bookdir, build_dir=build_dir)
     out = capsys.readouterr().out
@@ -478,6 +510,35 @@ def test_unchanged_rebuild_does_nothing_and_a_failed_html_build_keeps_the_old_si
         assert not [p for p in build_dir.iterdir() if p.name.startswith(".tmp-build")]
     finally:
         intro.write_text(original)
+
+
+def test_figures_are_copied_into_the_html_tree_with_an_index(tmp_path):
+    """copy_figures: every figure file of each run's output_dir, under html/figures/<dest>, and one index."""
+    once = tmp_path / "gen" / "figures" / "01_once"
+    per = tmp_path / "gen" / "02_models" / "figures" / "m-1"
+    for folder, names in ((once, ["a.png", "a.svg", ".a.partial", "notes.txt"]), (per, ["b.png", "b.svg"])):
+        folder.mkdir(parents=True)
+        for n in names:
+            (folder / n).write_bytes(n.encode())
+    folders = [book.FigureFolder("01_once", once, "Once <chapter>"),
+               book.FigureFolder("02_models/m-1", per, "Per model", "m/1"),
+               book.FigureFolder("03_none/x", tmp_path / "missing", "Nothing", "x")]
+    html = tmp_path / "html"
+    index = book.copy_figures(html, folders)
+    assert sorted(p.name for p in (html / "figures" / "01_once").iterdir()) == ["a.png", "a.svg"]
+    assert (html / "figures" / "02_models" / "m-1" / "b.svg").read_bytes() == b"b.svg"
+    text = index.read_text()
+    assert "Once &lt;chapter&gt;" in text and "<h3>m/1</h3>" in text and "Nothing" not in text  # no figures: not listed
+    assert not (html / "figures" / "03_none").exists()
+    links = parse_page(index)
+    assert set(links.links) >= {"01_once/a.png", "01_once/a.svg", "02_models/m-1/b.svg", "../index.html"}
+    assert links.images == ["01_once/a.png", "02_models/m-1/b.png"]
+    # the runs of a plan name their folders: once chapters by chapter, per_model ones by chapter and model
+    runs = [book.Run(book.Chapter("01_once", "once"), None, tmp_path / "01_once.ipynb",
+                     tmp_path / "gen" / "01_once.ipynb", {"output_dir": "figures/01_once"}),
+            book.Run(book.Chapter("02_models", "per_model"), "m/1", tmp_path / "02_models.ipynb",
+                     tmp_path / "gen" / "02_models" / "m-1.ipynb", {"output_dir": "figures/m-1"})]
+    assert [(f.dest, f.source) for f in book.figure_folders(runs)] == [("01_once", once), ("02_models/m-1", per)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -602,4 +663,11 @@ def test_save_figure_is_atomic_and_heatmap_is_centred_at_zero(tmp_path):
     with pytest.raises(ValueError):
         plotting.save_figure(fig, tmp_path / "figs", "bad", formats=("nope",))
     assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["heat.png", "heat.svg"]
+    default = plotting.save_figure(fig, tmp_path / "both", "heat")
+    assert default == tmp_path / "both" / "heat.png"
+    assert sorted(p.name for p in (tmp_path / "both").iterdir()) == ["heat.png", "heat.svg"]
+    first = (tmp_path / "both" / "heat.svg").read_bytes()
+    plotting.save_figure(fig, tmp_path / "both", "heat")
+    assert (tmp_path / "both" / "heat.svg").read_bytes() == first  # no date, fixed ids: the same bytes
+    assert b"<dc:date>" not in first
     plt.close(fig)
