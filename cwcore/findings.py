@@ -348,12 +348,15 @@ def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = No
         verdict = _part_verdict(r)
         why = _why(r)
         shown = f"{verdict}: {why}" if verdict == NOT_MEASURED and why else verdict
+        unit = r.get("unit")
+        has_unit = isinstance(unit, str) and unit != ""  # tables written before claims carried their unit
+        n_units = r.get("n_units") if has_unit else r.get("n")
         rows.append({"claim": r["claim"], "model": model, "data": data, "mode": "", "protocol": part,
                      "importance": "", "range": "", "verdict": verdict, "estimate": float(r["estimate"]),
                      "ci_low": float(r["low"]), "ci_high": float(r["high"]),
-                     "n_units": int(r["n"]) if pd.notna(r.get("n")) else 0, "unit": str(r.get("statistic", "")),
-                     "mde": np.nan, "profile": profile,
-                     "measured": f"chapter {r['chapter']}, {part}: {_fmt(r['estimate'])} [{_fmt(r['low'])}, "
+                     "n_units": int(n_units) if pd.notna(n_units) else 0, "unit": unit if has_unit else "",
+                     "mde": stats.detectable_from_interval(float(r["low"]), float(r["high"])), "profile": profile,
+                     "measured": f"chapter {r['chapter']}, {part} ({r.get('statistic', '')}): {_fmt(r['estimate'])} [{_fmt(r['low'])}, "
                                  f"{_fmt(r['high'])}] {shown}"})
     return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
 

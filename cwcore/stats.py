@@ -33,6 +33,7 @@ from scipy import integrate, stats as _scipy_stats
 __all__ = [
     "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS",
     "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_verdicts",
+    "detectable_from_interval",
     "min_detectable_effect", "paired_bootstrap_ci", "percentile_interval", "resample_indices", "share_ci", "spearman_ci",
     "trapezoid_mean", "verdict", "wilson_ci",
 ]
@@ -261,25 +262,44 @@ def share_ci(flags, confidence: float = 0.95) -> Interval:
     return wilson_ci(int(f.sum()), len(f), confidence)
 
 
-def spearman_ci(x, y, *, n_resamples: int = 1000, seed: int = 0, confidence: float = 0.95) -> Interval:
-    """Spearman's rho of the pairs (x, y) with a percentile bootstrap interval resampling the pairs.
+def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, confidence: float = 0.95) -> Interval:
+    """Spearman's rho of the pairs (x, y) with a percentile bootstrap interval resampling the pairs, or,
+    with ``clusters`` (one label per pair, e.g. the layer of each head), resampling whole clusters with
+    replacement and pooling their pairs (pairs of one cluster are not independent).
 
     Pairs with a NaN are dropped; ties get average ranks (:func:`scipy.stats.spearmanr`). NaN where
-    undefined (fewer than three pairs, a constant variable).
+    undefined (fewer than three pairs, a constant variable; for the interval, fewer than two clusters).
     """
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
     ok = np.isfinite(x) & np.isfinite(y)
+    labels = None if clusters is None else np.asarray(clusters).reshape(-1)[ok]
     x, y = x[ok], y[ok]
     if len(x) < 3 or np.all(x == x[0]) or np.all(y == y[0]):
         return Interval(_NAN, _NAN, _NAN)
+    estimate = float(_scipy_stats.spearmanr(x, y).statistic)
+    if labels is not None:
+        units, index = np.unique(labels, return_inverse=True)
+        if len(units) < 2:
+            return Interval(estimate, _NAN, _NAN)
+        members = [np.flatnonzero(index == u) for u in range(len(units))]
+        replicates = np.empty(n_resamples)
+        for r, draw in enumerate(resample_indices(len(units), n_resamples, seed)):
+            rows = np.concatenate([members[u] for u in draw])
+            with warnings.catch_warnings(), np.errstate(invalid="ignore", divide="ignore"):
+                warnings.simplefilter("ignore")  # a constant resample gives NaN
+                replicates[r] = _rowwise_spearman(x[rows], y[rows])
+        replicates = replicates[np.isfinite(replicates)]
+        if not len(replicates):
+            return Interval(estimate, _NAN, _NAN)
+        low, high = percentile_interval(replicates[:, None], confidence)
+        return Interval(estimate, float(low[0]), float(high[0]))
 
     def rho(a, b, axis=-1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # constant resamples give NaN
             return _rowwise_spearman(a, b)
 
-    estimate = float(_scipy_stats.spearmanr(x, y).statistic)
     result = _scipy_bootstrap((x, y), rho, paired=True, n_resamples=n_resamples, confidence_level=confidence,
                                     method="percentile", rng=np.random.default_rng(seed), vectorized=True, axis=-1)
     return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
@@ -313,6 +333,18 @@ def min_detectable_effect(sd: float, n: int, *, alpha: float = 0.05, power: floa
         return _NAN
     z = _scipy_stats.norm.ppf(1 - alpha / 2) + _scipy_stats.norm.ppf(power)
     return float(z * sd / math.sqrt(n))
+
+
+def detectable_from_interval(low: float, high: float, *, confidence: float = 0.95, alpha: float = 0.05,
+                             power: float = 0.8) -> float:
+    """The smallest distance from the threshold a test with this interval's precision detects with
+    probability ``power`` at level ``alpha``, for an interval whose standard error is its half-width over
+    z_{(1+confidence)/2} (a normal approximation, for intervals such as bootstraps and Wilson's that
+    carry no standard deviation): (z_{1-alpha/2} + z_{power}) * SE. NaN without an interval."""
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return _NAN
+    se = (high - low) / (2 * _scipy_stats.norm.ppf((1 + confidence) / 2))
+    return float((_scipy_stats.norm.ppf(1 - alpha / 2) + _scipy_stats.norm.ppf(power)) * se)
 
 
 def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "above") -> str:

@@ -65,7 +65,7 @@ def claims_table(parts):
     """A claims table (cwcore.sinks.claims columns) from (claim, low, high, threshold, side) parts."""
     rows = [{"chapter": 6, "claim": claim, "part": f"part {i}", "statistic": "s", "key": f"k{i}",
              "estimate": (low + high) / 2, "low": low, "high": high, "threshold": threshold, "side": side, "n": 10,
-             "verdict": stats.verdict(low, high, threshold=threshold, side=side)}
+             "verdict": stats.verdict(low, high, threshold=threshold, side=side), "unit": "layer", "n_units": 7}
             for i, (claim, low, high, threshold, side) in enumerate(parts)]
     return pd.DataFrame(rows, columns=SC.COLUMNS)
 
@@ -196,3 +196,7 @@ def test_findings_csv_has_every_sink_claim_part_per_data_set(tmp_path):
                    ("web-text", SC.SUPPRESSION): I, ("web-text", SC.SUPPRESSION + " [renormalised]"): H}
     assert (sinks["protocol"] == ["part 0", "part 1"] * 2).all()  # the data prefix is stripped from the part
     assert sinks["ci_low"].tolist() == [0.1, 0.8, 0.3, 0.7]
+    # the unit the interval resamples and how many, and the power statement from the interval's width
+    assert set(sinks["unit"]) == {"layer"} and set(sinks["n_units"]) == {7}
+    se = (sinks["ci_high"] - sinks["ci_low"]) / (2 * 1.959964)
+    np.testing.assert_allclose(sinks["mde"], (1.959964 + 0.841621) * se, rtol=1e-5)

@@ -118,3 +118,34 @@ def test_verdict_threshold_and_combination():
     assert stats.combine_verdicts([N, N]) == N and stats.combine_verdicts([]) == N
     with pytest.raises(ValueError, match="vocabulary"):
         stats.combine_verdicts(["agrees"])
+
+
+def test_spearman_by_cluster_resamples_whole_clusters_like_a_naive_loop():
+    rng = np.random.default_rng(3)
+    layers = np.repeat(np.arange(8), 5)  # 8 clusters of 5 pairs, with a shared offset per cluster
+    x = rng.normal(size=40) + np.repeat(rng.normal(size=8), 5)
+    y = x + rng.normal(size=40) + np.repeat(rng.normal(size=8) * 2, 5)
+    got = stats.spearman_ci(x, y, clusters=layers, n_resamples=400, seed=5)
+    assert got.estimate == pytest.approx(sps.spearmanr(x, y).statistic)
+    draws = np.random.default_rng(5).integers(0, 8, size=(400, 8))  # the same draws: whole layers
+    naive = []
+    for d in draws:
+        rows = np.concatenate([np.flatnonzero(layers == u) for u in d])
+        naive.append(sps.spearmanr(x[rows], y[rows]).statistic)
+    low, high = np.nanpercentile(naive, [2.5, 97.5])
+    assert (got.low, got.high) == pytest.approx((low, high), abs=1e-12)
+    # pairs that are near-copies within a cluster: 40 pairs carry the information of 8, and only the
+    # cluster bootstrap's interval is as wide as 8 independent pairs' would be
+    xc = np.repeat(rng.normal(size=8), 5) + 0.01 * rng.normal(size=40)
+    yc = np.repeat(rng.normal(size=8), 5) + 0.01 * rng.normal(size=40)
+    clustered = stats.spearman_ci(xc, yc, clusters=layers, n_resamples=400, seed=5)
+    pairs = stats.spearman_ci(xc, yc, n_resamples=400, seed=5)
+    assert clustered.high - clustered.low > 1.5 * (pairs.high - pairs.low)
+    assert np.isnan(stats.spearman_ci(x, y, clusters=np.zeros(40)).low)  # one cluster: no interval
+
+
+def test_detectable_effect_from_an_interval_equals_the_mde_of_a_normal_mean():
+    sd, n = 2.0, 50
+    half = sps.norm.ppf(0.975) * sd / np.sqrt(n)
+    assert stats.detectable_from_interval(1.0 - half, 1.0 + half) == pytest.approx(stats.min_detectable_effect(sd, n))
+    assert np.isnan(stats.detectable_from_interval(np.nan, 1.0))

@@ -243,10 +243,29 @@ def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int
                 "median over sink heads of mean cos(ṽ₀ − m, sᵢ − (1 − aᵢ)m)", "cos_semantic_centred"),
         *pooled("contrast_centred", centred, "centred: sink more anti-aligned than a random key",
                 "mean over sink heads of the centred contrast", "contrast_centred", "mean"),
-        claim_row(6, TREND, "rank correlation over all heads", "Spearman ρ(sink rate, mean cos(ṽ₀, sᵢ))",
-                  "rho_semantic", spearman_ci(table["sink_rate"], table["cos_semantic_mean"], n_bootstrap=n_bootstrap,
-                                              seed=seed), 0.0, "below", len(table)),
+        *trend_rows(table, n_bootstrap, seed),
     ]
+
+
+def trend_rows(table: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+    """The trend "more sink, more anti-aligned": Spearman rho(sink rate, mean cos(ṽ₀, sᵢ)) over all heads
+    below 0, the interval resampling whole layers (heads of one layer cluster); on a model with two layer
+    types, one more claim per type (``"<TREND> [<type> layers]"``, key ``rho_semantic@<type>``)."""
+    if "layer_type" not in table:
+        table = table.assign(layer_type="global")
+    scopes = [("all", table)]
+    if table["layer_type"].nunique() > 1:
+        scopes += [(str(t), table[table["layer_type"] == t]) for t in sorted(table["layer_type"].unique())]
+    rows = []
+    for scope, part in scopes:
+        n_layers = int(part["layer"].nunique())
+        claim, key = (TREND, "rho_semantic") if scope == "all" else (f"{TREND} [{scope} layers]", f"rho_semantic@{scope}")
+        rows.append(claim_row(6, claim, "rank correlation over all heads",
+                              f"Spearman ρ(sink rate, mean cos(ṽ₀, sᵢ)) (cluster bootstrap by layer, {n_layers} layers)",
+                              key, spearman_ci(part["sink_rate"], part["cos_semantic_mean"], clusters=part["layer"],
+                                               n_bootstrap=n_bootstrap, seed=seed), 0.0, "below", len(part),
+                              unit="layer", n_units=n_layers))
+    return rows
 
 
 def _claims(results, *, n_bootstrap: int, seed: int, eps: float = 0.3, **_) -> list[dict]:

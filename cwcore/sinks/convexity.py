@@ -387,7 +387,7 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
     documents, :func:`vertex_intervals`) and per head (shares of fitted heads with an interior minimum,
     with it inside the observed range, and with it established by its interval; cluster bootstrap by
     layer, and per layer type)."""
-    rows = suppression_claim_rows(fits, points, block, eps, n_bootstrap, seed)
+    rows = suppression_claim_rows(fits, points, block, eps, n_bootstrap, seed, layer_types=_layer_type_map(layers))
     head_fits = fits[fits["scope"] == "head"]
     fitted = head_fits[head_fits["fitted"].astype(bool)].copy()
     unfitted = f"no head's sink rates span min_range (none of {len(head_fits)} fitted)"
@@ -407,11 +407,11 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
         tag = "" if scope == "model" else "_v0"
         rows += [
             claim_row(6, claim, f"{what}: convex", "curvature c₂ of the pooled quadratic", f"pooled_curvature{tag}",
-                      triple_c, 0.0, "above", n, why),
+                      triple_c, 0.0, "above", n, why, unit="document", n_units=n),
             claim_row(6, claim, f"{what}: vertex at a positive sink rate", "vertex α* of the pooled fit",
-                      f"pooled_vertex_above_0{tag}", triple_a, 0.0, "above", n, vertex_why),
+                      f"pooled_vertex_above_0{tag}", triple_a, 0.0, "above", n, vertex_why, unit="document", n_units=n),
             claim_row(6, claim, f"{what}: vertex below α = 1", "vertex α* of the pooled fit",
-                      f"pooled_vertex_below_1{tag}", triple_a, 1.0, "below", n, vertex_why),
+                      f"pooled_vertex_below_1{tag}", triple_a, 1.0, "below", n, vertex_why, unit="document", n_units=n),
         ]
     types = _layer_type_map(layers)
     head_v = vertices[vertices["scope"] == "head"][["layer", "head", "vertex_inside"]]

@@ -456,10 +456,12 @@ def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = No
     rows = [
         claim_row(5, DECOMPOSITION, "sink: geometry explains more than attention",
                   "share of sink heads where geometry's share of var(log|c|) > attention's", "sink_geometry_share",
-                  share_ci(sink["geometry"] > sink["alpha"]), 0.5, "above", len(sink), why),
+                  share_ci(sink["geometry"] > sink["alpha"]), 0.5, "above", len(sink), why, unit="head",
+                  n_units=len(sink)),
         claim_row(5, TAIL_ATTENTION_ONLY, "tail: attention explains more than geometry",
                   "share of sink heads where attention's share of var(log|c|) > geometry's", "tail_attention_share",
-                  share_ci(tail["alpha"] > tail["geometry"]), 0.5, "above", len(tail), why),
+                  share_ci(tail["alpha"] > tail["geometry"]), 0.5, "above", len(tail), why, unit="head",
+                  n_units=len(tail)),
     ]
     if "layer" in sink:
         diff = sink.assign(margin=sink["geometry"] - sink["alpha"])
@@ -481,7 +483,7 @@ def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = No
         ):
             value, n = _joint_triple(joint, measure, cls)
             rows.append(claim_row(5, DECOMPOSITION, part, statistic + " (bootstrap over documents)", key, value,
-                                  threshold, "above", n, why))
+                                  threshold, "above", n, why, unit="document", n_units=n))
     return rows
 
 

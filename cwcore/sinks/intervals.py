@@ -37,9 +37,10 @@ def bootstrap_ci(values, statistic=np.median, *, n_bootstrap: int = 1000, seed: 
     return stats.bootstrap_ci(values, statistic, n_resamples=n_bootstrap, confidence=level, seed=seed)
 
 
-def spearman_ci(x, y, *, n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> stats.Interval:
-    """:func:`cwcore.stats.spearman_ci` with the sink chapters' keywords."""
-    return stats.spearman_ci(x, y, n_resamples=n_bootstrap, seed=seed, confidence=level)
+def spearman_ci(x, y, *, clusters=None, n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> stats.Interval:
+    """:func:`cwcore.stats.spearman_ci` with the sink chapters' keywords (``clusters``: e.g. each head's
+    layer, to resample whole layers)."""
+    return stats.spearman_ci(x, y, clusters=clusters, n_resamples=n_bootstrap, seed=seed, confidence=level)
 
 
 #: :func:`sequence_bootstrap`'s result: ``table`` (per group the ``by`` keys, ``n`` rows, ``n_clusters``
@@ -85,7 +86,7 @@ def contrast(boot: SequenceBootstrap, column: str, first: Mapping, second: Mappi
 # ---------------------------------------------------------------------------------------------------
 
 COLUMNS = ["chapter", "claim", "part", "statistic", "key", "estimate", "low", "high", "threshold", "side", "n",
-           "verdict", "why"]
+           "verdict", "why", "unit", "n_units"]
 
 
 def no_sink_heads(eps: float) -> str:
@@ -93,9 +94,13 @@ def no_sink_heads(eps: float) -> str:
     return f"no sink heads at eps={eps:g}"
 
 
-def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan, why: str = "") -> dict:
+def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan, why: str = "",
+              unit: str = "", n_units=np.nan) -> dict:
     """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`.
 
+    ``n``: the values the statistic is taken over (heads, queries); ``unit``: what the interval treats
+    as independent ("document", "layer", "head") and ``n_units`` how many of them there are (the
+    findings table's ``unit`` and ``n_units``; its power statement comes from the interval's width).
     ``why``: what a model lacks when the part cannot be measured (e.g. :func:`no_sink_heads`); kept only
     when the verdict is "not measured", which then says why (a generic reason if none is given)."""
     est, low, high = (float(x) for x in triple_)
@@ -106,7 +111,7 @@ def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=
         why = "no interval" if not isinstance(n, (int, np.integer)) else f"too few values for an interval (n={n})"
     return {"chapter": chapter, "claim": claim, "part": part, "statistic": statistic, "key": key, "estimate": est,
             "low": low, "high": high, "threshold": float(threshold), "side": side, "n": n,
-            "verdict": judged, "why": why}
+            "verdict": judged, "why": why, "unit": unit, "n_units": n_units}
 
 
 def claims_frame(rows: list[dict]) -> pd.DataFrame:
@@ -194,5 +199,5 @@ def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, 
         here_claim, here_key = (claim, key) if r.scope == "all" else (f"{claim} [{r.scope} layers]", f"{key}@{r.scope}")
         text = f"{statistic_text} (cluster bootstrap by layer, {r.n_layers} layers)"
         rows.append(claim_row(chapter, here_claim, part, text, here_key, (r.estimate, r.low, r.high), threshold, side,
-                              int(r.n), why if r.n == 0 else ""))
+                              int(r.n), why if r.n == 0 else "", unit="layer", n_units=int(r.n_layers)))
     return rows

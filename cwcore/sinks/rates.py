@@ -191,7 +191,8 @@ def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5
     flags = rate.assign(sink=rate["sink_rate"] > eps)
     rows = [claim_row(5, SINK_RATES, f"more than {majority:g} of the heads are sink heads",
                       f"share of heads with sink rate > {eps:g} (Sink_eps, Wilson over heads)", "sink_eps",
-                      share_ci(flags["sink"]), majority, "above", len(flags), "" if len(flags) else "no finite sink rate")]
+                      share_ci(flags["sink"]), majority, "above", len(flags), "" if len(flags) else "no finite sink rate",
+                      unit="head", n_units=len(flags))]
     rows += pooled_claim_rows(flags, "sink", chapter=5, claim=SINK_RATES,
                               part=f"more than {majority:g} of the heads are sink heads, heads clustered by layer",
                               statistic_text=f"share of heads with sink rate > {eps:g}", key="sink_eps_by_layer",
@@ -202,7 +203,8 @@ def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5
         rows.append(claim_row(5, SINK_POSITION_CLAIM, "the strongest key of a strongly attending head is position 0",
                               f"share of heads whose strongest key (mass > {eps:g}) is position 0 (Wilson)",
                               "top_key_0", share_ci(strong["top_key"] == 0), 0.5, "above", len(strong),
-                              "" if len(strong) else no_sink_heads(eps)))
+                              "" if len(strong) else no_sink_heads(eps), unit="head",
+                              n_units=len(strong)))
         rows += pooled_claim_rows(rates, "top_later_mass", chapter=5, claim=SINK_POSITION_CLAIM,
                                   part="no later position is a second sink",
                                   statistic_text="median over heads of the strongest later key's mass",

@@ -530,6 +530,9 @@ def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: in
                                   f"cos(k={ks[-1]} weakest, mᵢ) − cos(k=1 weakest, mᵢ), {text}", key,
                                   contrast(curve, "cos", dict(outputs=outputs, k=ks[-1]), dict(outputs=outputs, k=1)),
                                   0.0, "above"))
+    n_documents = int(raw["sequences"]["sequence"].nunique()) if "sequence" in raw["sequences"] else 0
+    for row in rows:  # every interval here resamples whole documents
+        row["unit"], row["n_units"] = "document", n_documents
     return rows
 
 

@@ -256,27 +256,37 @@ def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFr
 
 
 def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = 0.3,
-                           n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+                           n_bootstrap: int = 1000, seed: int = 0, layer_types: dict | None = None) -> list[dict]:
     """Claim rows: per place and reading, the share of shortened outputs above 0.5 (bootstrap over sequences).
 
     The raw reading at the head (key ``shortened``, the chapter's original part) is a part of the claim
     "the sink suppresses the output norm"; the others are parts of the claims
     ``"... [<reading>, <place>]"``, so the findings page's verdict stays the paper's reading while every
-    reading is in the table (keys ``shortened_<reading>@<place>``)."""
-    table = suppression_table(fits, points, block, eps, n_bootstrap=n_bootstrap, seed=seed)
+    reading is in the table (keys ``shortened_<reading>@<place>``). ``layer_types`` (layer -> "sliding" /
+    "global"): on a model with both types, every (place, reading) is also judged per layer type, as the
+    separate claims ``"... [<reading>, <place>] [<type> layers]"`` (keys ``...@<place>@<type>``)."""
+    table = suppression_table(fits, points, block, eps, n_bootstrap=n_bootstrap, seed=seed).assign(layer_type="all")
+    if layer_types and len(set(layer_types.values())) > 1:
+        by_type = suppression_table(fits, points, block, eps, by=("layer_type",), n_bootstrap=n_bootstrap, seed=seed,
+                                    layer_types=layer_types)
+        by_type = by_type[by_type["layer_type"].notna()] if "layer_type" in by_type else by_type.iloc[:0]
+        table = pd.concat([table, by_type], ignore_index=True)
     if block is None:  # no block piece (a points table built by hand): the places it holds are left out
         table = table[table["place"] == "head"]
     rows = []
     for _, r in table.iterrows():
-        primary = r["reading"] == "raw" and r["place"] == "head"
+        primary = r["reading"] == "raw" and r["place"] == "head" and r["layer_type"] == "all"
         claim = _SUPPRESSION if primary else f"{_SUPPRESSION} [{r['reading']}, {r['place']}]"
         key = "shortened" if primary else f"shortened_{r['reading']}@{r['place'].replace(' ', '_')}"
+        if r["layer_type"] != "all":
+            claim, key = f"{claim} [{r['layer_type']} layers]", f"{key}@{r['layer_type']}"
         cf = {"raw": "the output without the sink term", "renormalised": "the output with the sink renormalised away"}
         where = {"head": "sink-head queries", "attention output": "attention outputs of layers with a sink head",
                  "after post-norm": "post-norm outputs of layers with a sink head"}[r["place"]]
         rows.append(claim_row(6, claim, f"{r['reading']} reading, {r['place']}: shorter than {cf[r['reading']]}",
                               f"share of {where} with ‖o‖ < ‖{'s' if r['reading'] == 'raw' else 'ŝ'}‖", key,
-                              (r["share"], r["share_low"], r["share_high"]), 0.5, "above", int(r["n"]), r["why"]))
+                              (r["share"], r["share_low"], r["share_high"]), 0.5, "above", int(r["n"]), r["why"],
+                              unit="document", n_units=int(r["n_sequences"])))
     return rows
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cwcore import sinks
+from cwcore import sinks, stats
 from sink_fixtures import (FAST, P_TAIL, Q_SINK, V0, VT, cos as _cos, expected_alpha, naive_run, planted_ids,
                            planted_model, random_ids)
 from tiny_models import tiny_model
@@ -116,6 +116,12 @@ def test_layer_profile_and_pooled_claims_cluster_by_layer():
     assert rows.loc["cos_semantic", "estimate"] == pytest.approx(sink["cos_semantic_mean"].median())
     assert rows.loc["contrast", "estimate"] == pytest.approx(sink["contrast"].mean())
     assert "cluster bootstrap by layer" in rows.loc["contrast", "statistic"]
+    # the trend over all heads resamples whole layers too
+    trend = stats.spearman_ci(table["sink_rate"], table["cos_semantic_mean"], clusters=table["layer"],
+                              n_resamples=200, seed=0)
+    assert tuple(rows.loc["rho_semantic", ["estimate", "low", "high"]]) == pytest.approx(tuple(trend), nan_ok=True)
+    assert rows.loc["rho_semantic", "unit"] == "layer"
+    assert rows.loc["rho_semantic", "n_units"] == table["layer"].nunique()
     # no sink heads: every part over sink heads is "not measured" and says why; the trend is still measured
     none = pd.DataFrame(aa._claim_rows(table.assign(is_sink_head=False), 200, 0, 0.99)).set_index("key")
     assert set(none.drop("rho_semantic")["verdict"]) == {"not measured"}

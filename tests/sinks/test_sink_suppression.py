@@ -119,3 +119,30 @@ def test_lowest_norm_ratio_against_a_naive_loop():
         out += list(low["norm"])
     assert got.estimate == pytest.approx(np.mean(renorm) / np.mean(out))
     assert got.low < got.estimate < got.high
+
+
+def test_suppression_per_layer_type_equals_the_share_over_that_types_layers():
+    # a Gemma 3 with one sliding and one global layer: each type's row is the share over its own layer's queries
+    model, ids = tiny_model("gemma3"), random_ids(n=4, length=12)
+    fits, raw = _run(model, ids, min_range=0.0)
+    eps = float(fits[fits["scope"] == "head"]["sink_rate"].min()) - 1e-6  # every head is a sink head
+    rows = pd.DataFrame(convexity_rows(fits, raw["points"], eps, 200, 0, raw["block"], raw["layers"]))
+    types = dict(zip(raw["layers"]["layer"], raw["layers"]["layer_type"]))
+    assert sorted(set(types.values())) == ["global", "sliding"]
+    block = raw["block"]
+    for layer_type in ("sliding", "global"):
+        mine = block[block["layer"].map(types) == layer_type]
+        for reading, cf in (("raw", "raw"), ("renormalised", "renorm")):
+            key = f"shortened_{reading}@attention_output@{layer_type}"
+            row = rows[rows["key"] == key]
+            assert len(row) == 1, key
+            assert row["claim"].iloc[0].endswith(f"[{layer_type} layers]")
+            assert row["estimate"].iloc[0] == pytest.approx(np.mean(mine["out"] < mine[cf]))
+            assert row["unit"].iloc[0] == "document" and row["n_units"].iloc[0] == 4
+    # the paper's reading (raw, per head, all layers) is still the one unbracketed suppression part
+    assert (rows["claim"] == SUPPRESSION).sum() == 1
+    # a model with one layer type gets no per-type rows
+    llama_fits, llama_raw = _run(tiny_model("llama"), ids, min_range=0.0)
+    llama = pd.DataFrame(convexity_rows(llama_fits, llama_raw["points"], eps, 200, 0, llama_raw["block"],
+                                        llama_raw["layers"]))
+    assert not llama["key"].str.contains("@global|@sliding").any()
