@@ -2,6 +2,8 @@
 
     python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out data/results/
 
+samples one block per document (``--sampling documents``, as the book does; ``--sampling stream`` cuts
+consecutive blocks in data-set order, as the tables before issue 12 were made) and
 writes ``sinks_<table>_<model>_<data>.csv`` (the registered analyses' stems) plus
 ``sinks_summary_<model>_<data>.csv`` (:func:`cwcore.sinks.summarize`).
 """
@@ -63,7 +65,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwcore.sinks", description=_DESCRIPTION)
     parser.add_argument("--model", required=True, help="a name cwcore.models.load_model knows, e.g. smollm2-135m")
     parser.add_argument("--data", required=True, help="a data set cwcore.data.load_dataset knows, e.g. gsm8k, web-text")
-    parser.add_argument("--num-sequences", type=int, default=32)
+    parser.add_argument("--num-sequences", type=int, default=32, help="documents (or stream blocks) to analyse")
+    parser.add_argument("--sampling", choices=("documents", "stream"), default="documents",
+                        help="documents (default): the first block of each of N documents drawn with the seed, as "
+                             "the book does (cwcore.data.document_blocks); stream: consecutive blocks of the "
+                             "concatenated texts in data-set order (cwcore.data.lm_blocks, the tables before issue 12)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default")
@@ -96,6 +102,11 @@ def main(argv: Iterable[str] | None = None) -> int:
         model, tokenizer = load_model(args.model)
         dataset = load_dataset(args.data)
         add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
+        if args.sampling == "documents":  # independent units: one block per document (intervals over documents)
+            from ..data import document_blocks
+
+            dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
+                                      add_bos=add_bos)
         collect = dict(kind="intra", quantile_sample=128, seed=args.seed, heads=args.cone_heads, threshold=0.3)
         parts, blocks = _run(model, tokenizer, dataset, [REGISTRY[a].spec(collect) for a in wanted],
                              block_size=args.block_size,
@@ -119,6 +130,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     summary.insert(0, "model", args.model)
     summary["add_bos"] = blocks.add_bos
     summary["num_sequences"] = int(blocks.ids.shape[0])
+    summary["sampling"] = args.sampling if not args.from_raw else "from raw"
     _round(summary).to_csv(out / f"sinks_summary_{suffix}.csv", index=False)
     print(summary.to_string(index=False), file=sys.stdout)
     return 0
