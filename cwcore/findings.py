@@ -6,7 +6,7 @@ runner gives them, see :mod:`cwcore.book`), and the page reads them back (:func:
 
 - ``04_faithfulness``: the ladder, :func:`cwcore.faithfulness.ladder_comparison` of its first data set;
 - ``05_sink_decomposition``: claims (the columns of :mod:`cwcore.sinks.claims`): the decomposition
-  claim and the share of sink heads (:func:`sink_rate_claims`);
+  claim and the share of sink heads (:func:`cwcore.sinks.claims.rate_claims`);
 - ``06_sinks_as_suppressors``: claims: anti-alignment, its trend, suppression, convexity;
 - ``07_semantic_cone``: claims: the semantic cone and the perplexity;
 - ``04b_attribution_bench``: the bench's paired comparisons of attribution methods (no claim of the
@@ -45,7 +45,7 @@ from .sinks import claims as sink_claims
 
 __all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "RUNGS", "CLAIMS",
            "CHAPTERS", "CHAPTER_CLAIMS", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
-           "sink_rate_claims", "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
+           "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
@@ -364,24 +364,6 @@ def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = No
 # ------------------------------------------------------------------------------------------------
 # chapters 5-7: the sinks' claims tables
 # ------------------------------------------------------------------------------------------------
-def sink_rate_claims(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5) -> pd.DataFrame:
-    """The claim "many heads are sink heads" as a claims table (one row, :mod:`cwcore.sinks.claims`
-    columns): the share of heads whose sink rate exceeds ``eps`` (Sink_eps), with a Wilson interval
-    (:func:`cwcore.stats.share_ci`), against ``majority`` on the side above.
-
-    ``rates``: :func:`cwcore.sinks.sink_rates`' table (a ``sink_rate`` per layer and head).
-    """
-    rate = rates["sink_rate"].to_numpy(float)
-    rate = rate[np.isfinite(rate)]
-    est, low, high = (float(x) for x in stats.share_ci(rate > eps))
-    row = {"chapter": 5, "claim": SINK_RATES, "part": f"more than {majority:g} of the heads are sink heads",
-           "statistic": f"share of heads with sink rate > {eps:g} (Sink_eps)", "key": "sink_eps",
-           "estimate": est, "low": low, "high": high, "threshold": float(majority), "side": "above",
-           "n": len(rate), "verdict": stats.verdict(low, high, threshold=majority, side="above"),
-           "why": "" if len(rate) else "no finite sink rate"}
-    return pd.DataFrame([row], columns=sink_claims.COLUMNS)
-
-
 def _part_verdict(row) -> str:
     """A claims row's verdict (recomputed by :func:`cwcore.stats.verdict` of its interval against its
     threshold if the table's is not in the project's vocabulary)."""

@@ -72,7 +72,7 @@ def claims_table(parts):
 
 def test_sink_findings_take_the_chapters_verdicts():
     rates = pd.DataFrame({"layer": [0] * 10, "head": range(10), "sink_rate": [0.9] * 9 + [0.1]})
-    claims = pd.concat([F.sink_rate_claims(rates, eps=0.3), claims_table([
+    claims = pd.concat([SC.rate_claims(rates, eps=0.3), claims_table([
         (SC.DECOMPOSITION, 0.6, 0.9, 0.5, "above"), (SC.DECOMPOSITION, 0.7, 0.95, 0.5, "above"),  # both hold
         (SC.ANTI_ALIGNMENT, -0.3, -0.1, 0.0, "below"), (SC.ANTI_ALIGNMENT, -0.2, 0.1, 0.0, "below"),  # one open
         (SC.TREND, 0.1, 0.4, 0.0, "below"),  # the other side: contradicted
@@ -92,9 +92,13 @@ def test_sink_findings_take_the_chapters_verdicts():
 
 
 def test_sink_rate_claim_is_a_wilson_interval_against_one_half():
-    few = F.sink_rate_claims(pd.DataFrame({"sink_rate": [0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]}), eps=0.3)
-    assert list(few.columns) == SC.COLUMNS and few["verdict"].iloc[0] == C
+    rates = pd.DataFrame({"layer": [0, 0, 1, 1, 2, 2, 3, 3], "sink_rate": [0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]})
+    claims = SC.rate_claims(rates, eps=0.3)
+    few = claims[claims["key"] == "sink_eps"]
+    assert list(claims.columns) == SC.COLUMNS and few["verdict"].iloc[0] == C
     assert few["estimate"].iloc[0] == pytest.approx(1 / 8) and few["n"].iloc[0] == 8
+    assert (few["low"].iloc[0], few["high"].iloc[0]) == pytest.approx(tuple(stats.wilson_ci(1, 8))[1:])
+    assert few["unit"].iloc[0] == "head" and few["n_units"].iloc[0] == 8
 
 
 def test_table_scoreboard_and_counts():
