@@ -31,7 +31,7 @@ import pandas as pd
 from scipy import integrate, stats as _scipy_stats
 
 __all__ = [
-    "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS",
+    "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "MIN_CLUSTERS", "NOT_MEASURED", "VERDICTS",
     "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_verdicts",
     "detectable_from_interval",
     "min_detectable_effect", "paired_bootstrap_ci", "percentile_interval", "resample_indices", "share_ci", "spearman_ci",
@@ -46,6 +46,11 @@ NOT_MEASURED = "not measured"
 VERDICTS = (HOLDS, CONTRADICTED, INCONCLUSIVE, NOT_MEASURED)
 
 _NAN = float("nan")
+
+#: the fewest whole clusters a cluster bootstrap resamples to give an interval: with fewer (e.g. the three
+#: global layers of Gemma 3 270M) the resamples take only a handful of distinct values, and a percentile
+#: interval over them can be a point ("[0.75, 0.75]") that looks decisive; it is "not measured" instead
+MIN_CLUSTERS = 5
 
 
 class Interval(NamedTuple):
@@ -268,7 +273,8 @@ def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, 
     replacement and pooling their pairs (pairs of one cluster are not independent).
 
     Pairs with a NaN are dropped; ties get average ranks (:func:`scipy.stats.spearmanr`). NaN where
-    undefined (fewer than three pairs, a constant variable; for the interval, fewer than two clusters).
+    undefined (fewer than three pairs, a constant variable; for the interval, fewer than
+    :data:`MIN_CLUSTERS` clusters).
     """
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
@@ -280,7 +286,7 @@ def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, 
     estimate = float(_scipy_stats.spearmanr(x, y).statistic)
     if labels is not None:
         units, index = np.unique(labels, return_inverse=True)
-        if len(units) < 2:
+        if len(units) < MIN_CLUSTERS:
             return Interval(estimate, _NAN, _NAN)
         members = [np.flatnonzero(index == u) for u in range(len(units))]
         replicates = np.empty(n_resamples)

@@ -8,7 +8,7 @@ import torch
 
 from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
 from .. import stats
-from .intervals import claim_row, no_sink_heads, spearman_ci
+from .intervals import claim_row, no_sink_heads, spearman_ci, too_few_layers
 
 __all__ = ["ANTI_ALIGNMENT", "TREND", "anti_alignment", "layer_profile"]
 
@@ -264,7 +264,7 @@ def trend_rows(table: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> l
                               f"Spearman ρ(sink rate, mean cos(ṽ₀, sᵢ)) (cluster bootstrap by layer, {n_layers} layers)",
                               key, spearman_ci(part["sink_rate"], part["cos_semantic_mean"], clusters=part["layer"],
                                                n_bootstrap=n_bootstrap, seed=seed), 0.0, "below", len(part),
-                              unit="layer", n_units=n_layers))
+                              too_few_layers(n_layers), unit="layer", n_units=n_layers))
     return rows
 
 

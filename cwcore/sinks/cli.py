@@ -34,7 +34,7 @@ def _round(frame: pd.DataFrame, digits: int = 6) -> pd.DataFrame:
     return frame.assign(**{c: frame[c].astype(float).round(digits) for c in floats})
 
 
-def _save_raw(folder: Path, parts: dict, blocks: _Blocks) -> None:
+def _save_raw(folder: Path, parts: dict, blocks: _Blocks, sampling: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, frames in parts.items():
         for part, frame in frames.items():
@@ -42,7 +42,7 @@ def _save_raw(folder: Path, parts: dict, blocks: _Blocks) -> None:
     np.save(folder / "ids.npy", blocks.ids.numpy())
     if blocks.classes is not None:
         np.save(folder / "classes.npy", blocks.classes)
-    meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos}
+    meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling}
     (folder / "blocks.json").write_text(json.dumps(meta))
 
 
@@ -107,13 +107,14 @@ def main(argv: Iterable[str] | None = None) -> int:
 
             dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
                                       add_bos=add_bos)
+            add_bos = None  # applied: the blocks are tokenised
         collect = dict(kind="intra", quantile_sample=128, seed=args.seed, heads=args.cone_heads, threshold=0.3)
         parts, blocks = _run(model, tokenizer, dataset, [REGISTRY[a].spec(collect) for a in wanted],
                              block_size=args.block_size,
                              num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
                              cache=not args.no_cache, progress=True)
         if raw is not None:
-            _save_raw(raw, parts, blocks)
+            _save_raw(raw, parts, blocks, args.sampling)
     options = dict(eps=0.3, sample_size=2000, seed=args.seed, bins=10, fit_on="norm", min_range=0.05, quantiles=5)
     tables: dict[str, pd.DataFrame] = {}
     for name in wanted:
@@ -130,7 +131,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     summary.insert(0, "model", args.model)
     summary["add_bos"] = blocks.add_bos
     summary["num_sequences"] = int(blocks.ids.shape[0])
-    summary["sampling"] = args.sampling if not args.from_raw else "from raw"
+    summary["sampling"] = (json.loads((raw / "blocks.json").read_text()).get("sampling", "stream")  # older raw: stream
+                           if args.from_raw else args.sampling)
     _round(summary).to_csv(out / f"sinks_summary_{suffix}.csv", index=False)
     print(summary.to_string(index=False), file=sys.stdout)
     return 0

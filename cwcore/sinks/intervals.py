@@ -94,6 +94,13 @@ def no_sink_heads(eps: float) -> str:
     return f"no sink heads at eps={eps:g}"
 
 
+def too_few_layers(n_layers: int) -> str:
+    """Why a statistic resampling whole layers has no interval: fewer layers than
+    :data:`cwcore.stats.MIN_CLUSTERS` ("" when there are enough; kept only if the part is not measured)."""
+    return f"{n_layers} layers, too few to resample (fewer than {stats.MIN_CLUSTERS})" \
+        if n_layers < stats.MIN_CLUSTERS else ""
+
+
 def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan, why: str = "",
               unit: str = "", n_units=np.nan) -> dict:
     """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`.
@@ -144,7 +151,7 @@ def _by_layer(values: np.ndarray, layers: np.ndarray, statistic: str, n_bootstra
         return (np.nan, np.nan, np.nan, 0)
     units, index = np.unique(layers, return_inverse=True)
     estimate = float(f(values))
-    if len(units) < 2:
+    if len(units) < stats.MIN_CLUSTERS:  # too few layers to resample: no interval (see stats.MIN_CLUSTERS)
         return (estimate, np.nan, np.nan, len(units))
     members = [np.flatnonzero(index == u) for u in range(len(units))]
     draws = stats.resample_indices(len(units), n_bootstrap, seed)
@@ -168,7 +175,8 @@ def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean"
     and their statistics cluster by layer), so each resample draws whole layers with replacement and
     pools their heads. ``statistic``: "mean", "median" or "share" (share of True). Returns one row per
     ``scope``: "all", then one per layer type when the table has two or more (columns ``scope``,
-    ``estimate``, ``low``, ``high``, ``n`` heads, ``n_layers``). Empty groups give NaNs.
+    ``estimate``, ``low``, ``high``, ``n`` heads, ``n_layers``). Empty groups give NaNs, and so do the
+    intervals of groups with fewer than :data:`cwcore.stats.MIN_CLUSTERS` layers.
     """
     if statistic not in _STATISTICS:
         raise ValueError(f"statistic must be one of {', '.join(_STATISTICS)}, not {statistic!r}")
@@ -198,6 +206,7 @@ def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, 
     for r in pooled.itertuples():
         here_claim, here_key = (claim, key) if r.scope == "all" else (f"{claim} [{r.scope} layers]", f"{key}@{r.scope}")
         text = f"{statistic_text} (cluster bootstrap by layer, {r.n_layers} layers)"
+        here_why = why if r.n == 0 else too_few_layers(r.n_layers)
         rows.append(claim_row(chapter, here_claim, part, text, here_key, (r.estimate, r.low, r.high), threshold, side,
-                              int(r.n), why if r.n == 0 else "", unit="layer", n_units=int(r.n_layers)))
+                              int(r.n), here_why, unit="layer", n_units=int(r.n_layers)))
     return rows

@@ -86,9 +86,9 @@ def test_pooled_by_layer_resamples_whole_layers_naively():
     from cwcore.sinks.intervals import pooled_by_layer, pooled_claim_rows
 
     rng = np.random.default_rng(0)
-    layers = np.repeat(np.arange(6), [3, 4, 2, 5, 3, 3])
+    layers = np.repeat(np.arange(11), [3, 4, 2, 5, 3, 3, 2, 4, 3, 2, 3])
     table = pd.DataFrame({"layer": layers, "x": rng.normal(size=len(layers)) + layers * 0.3,
-                          "layer_type": np.where(layers % 3 == 2, "global", "sliding")})
+                          "layer_type": np.where(layers % 2 == 0, "global", "sliding")})
     table["flag"] = table["x"] > 0.5
     for statistic, column, f in (("mean", "x", np.mean), ("median", "x", np.median), ("share", "flag", np.mean)):
         got = pooled_by_layer(table, column, statistic=statistic, n_bootstrap=300, seed=4).set_index("scope")
@@ -112,3 +112,11 @@ def test_pooled_by_layer_resamples_whole_layers_naively():
     assert len(empty) == 1 and empty[0]["verdict"] == "not measured" and empty[0]["why"] == "no sink heads at eps=0.3"
     one_layer = pooled_by_layer(table[table["layer"] == 0], "x")
     assert np.isnan(one_layer["low"].iloc[0]) and one_layer["n_layers"].iloc[0] == 1
+    # fewer layers than stats.MIN_CLUSTERS: an estimate, no interval, and the part says why
+    few = table[table["layer"] < stats.MIN_CLUSTERS - 1]
+    got = pooled_by_layer(few, "x").set_index("scope")
+    assert got["low"].isna().all() and got.loc["all", "estimate"] == pytest.approx(few["x"].mean())
+    few_rows = pooled_claim_rows(few, "x", chapter=5, claim="c", part="p", statistic_text="s", key="k",
+                                 threshold=0.0, side="above")
+    assert {r["verdict"] for r in few_rows} == {"not measured"}
+    assert few_rows[0]["why"] == f"{stats.MIN_CLUSTERS - 1} layers, too few to resample (fewer than {stats.MIN_CLUSTERS})"
