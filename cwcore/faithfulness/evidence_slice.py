@@ -1,0 +1,351 @@
+"""The committed evidence, per document, and a slice of it recomputed.
+
+The ``evidence`` profile of ``book/run.yml`` runs chapter 4's ladder sweeps for hours; the notebook
+keeps its per-document table only in the result cache. This module
+
+* :func:`per_document` runs :func:`cwcore.faithfulness.evidence.ladder_sweep` exactly as the notebook
+  ``04_faithfulness`` does under a profile (its parameters merged as the book runner merges them:
+  the notebook's defaults, the profile's ``params``, then ``notebooks.04_faithfulness``) on the first
+  ``n_documents`` documents of one data set, for a subset of protocols, importance signs, ratios and
+  metrics, and returns the per-document table with ``data``, ``model`` and ``document`` columns.
+  :func:`cwcore.data.document_blocks` is prefix-stable and the sweep's pieces are named by batch
+  content, so the first batch of a long run is read back from its cache;
+* :func:`export` writes that table to ``data/results/evidence/per_document_<model>_<data>.csv``
+  (floats to 8 significant digits) with a ``.json`` beside it: the commit of the code that ran, the
+  profile, sizes, parameters, wall time, the cache's code hash and how many pieces were cache hits;
+* :func:`compare` lists the rows of a recomputation that do not match the committed ones
+  (``tests/faithfulness/test_evidence_slice.py`` recomputes the first two documents).
+
+It also runs as a script, so that it can export under a frozen checkout of cwcore (whose code hash
+keys that checkout's cache)::
+
+    PYTHONPATH=/path/to/frozen CWCORE_CACHE=... python cwcore/faithfulness/evidence_slice.py export \\
+        --profile evidence --model smollm2-135m --data gsm8k --documents 8 --protocols default --require-cached
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # as a script: this folder (lm.py, ...) must not shadow top-level modules
+    _HERE = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+import cwcore  # noqa: E402
+from cwcore import book  # noqa: E402
+from cwcore import cache as cw_cache  # noqa: E402
+from cwcore.data import document_blocks  # noqa: E402
+from cwcore.faithfulness import evidence  # noqa: E402
+
+__all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "notebook_parameters", "per_document",
+           "export", "compare", "read_committed", "paths", "DEFAULT_OUT"]
+
+CHAPTER = "04_faithfulness"
+#: the columns that name a row of the per-document table
+KEYS = ("data", "model", "protocol", "importance", "metric", "mode", "ratio", "document")
+#: integer columns, equal exactly
+EXACT = ("sequence", "n_tokens", "n_removed", "n_candidates")
+#: float columns, equal within a tolerance
+FLOATS = ("nll", "clean_nll", "delta_nll")
+SIGNIFICANT_DIGITS = 8
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+_FIRST = ["data", "model", "protocol", "importance", "metric", "kind", "mode", "ratio", "document", "sequence",
+          "nll", "clean_nll", "delta_nll", "n_tokens", "n_removed", "n_candidates"]
+
+
+def _parameters_cell(source: Path) -> dict:
+    """The defaults of a notebook's ``parameters`` cell (plain assignments), evaluated."""
+    nb = json.loads(Path(source).read_text())
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
+            scope: dict = {}
+            exec("".join(cell["source"]), {}, scope)  # noqa: S102 - the repository's own notebook
+            return scope
+    raise ValueError(f"{source} has no cell tagged 'parameters'")
+
+
+def notebook_parameters(profile: str, model: str, config: str | Path | None = None) -> dict:
+    """What notebook ``04_faithfulness`` runs with for ``model`` under ``profile``: its parameters
+    cell's defaults, replaced by the parameters the book runner injects (:func:`cwcore.book.plan`, then
+    :func:`cwcore.book.injected_parameters`: the profile's ``params`` updated with
+    ``notebooks.04_faithfulness``, only those the notebook declares)."""
+    conf = book.load_config(config or book.DEFAULT_BOOK_DIR / "run.yml")
+    _, _, runs = book.plan(conf, profile=profile, models=[model], only=CHAPTER)
+    run = next((r for r in runs if r.model == model), None)
+    if run is None:
+        raise ValueError(f"profile {profile!r} does not run {CHAPTER} on {model!r} "
+                         f"(it runs {[r.model for r in runs]})")
+    defaults = _parameters_cell(run.source)
+    return {**defaults, **book.injected_parameters(run, set(defaults))}
+
+
+def _subset(wanted, available, what: str) -> list:
+    if wanted is None:
+        return list(available)
+    chosen = []
+    for w in wanted:
+        hits = [a for a in available if (np.isclose(float(a), float(w), rtol=1e-9, atol=0)
+                                         if what == "ratio" else a == w)]
+        if not hits:
+            raise ValueError(f"{what} {w!r} is not one the notebook runs: {list(available)}")
+        chosen.append(hits[0])
+    return chosen
+
+
+def per_document(profile: str, model: str, data: str, n_documents: int,
+                 protocols: Sequence[str] = ("default",), importances: Sequence[str] | None = None,
+                 ratios: Sequence[float] | None = None, metrics: Sequence[str] | None = None, *,
+                 config: str | Path | None = None, cache: bool | None = None, cache_dir: str | Path | None = None,
+                 loaded=None, progress: bool = False) -> pd.DataFrame:
+    """The per-document table of chapter 4's ladder sweeps under ``profile`` on the first
+    ``n_documents`` documents of ``data``: the notebook's own call, ``ladder_sweep(lm, tokenizer,
+    document_blocks(load_dataset(data), tokenizer, seq_len, n, seed=seed), metrics, grid,
+    protocol=..., importances=..., n_bootstrap=..., seed=..., batch_size=..., max_length=seq_len,
+    progress=False, cache=cache)`` for each protocol, with ``data`` and ``model`` columns.
+
+    ``importances``, ``ratios`` and ``metrics`` default to the notebook's and must be among them (a
+    ratio subset reads the same pieces: they are named by ratio). ``cache`` defaults to the notebook's
+    ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`. ``loaded``: an already
+    loaded ``(model, tokenizer)`` (it must be the notebook's ``model`` in its ``dtype``). The merged
+    notebook parameters are in ``table.attrs["parameters"]``.
+    """
+    p = notebook_parameters(profile, model, config)
+    protocols = _subset(protocols, p["protocols"], "protocol")
+    importances = _subset(importances, p["importances"], "importance")
+    metrics = _subset(metrics, p["metrics"], "metric")
+    grid = _subset(ratios, evidence.ratio_grid(p["low_ratios"], p["ratios"]), "ratio")
+    if data not in p["datasets"]:
+        raise ValueError(f"the notebook does not run data set {data!r} under {profile} (it runs {p['datasets']})")
+    if not 1 <= n_documents <= p["n_sequences"]:
+        raise ValueError(f"n_documents must lie in 1..{p['n_sequences']} (the profile's n_sequences)")
+    if loaded is None:
+        loaded = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
+    lm, tokenizer = loaded
+    common = dict(n_bootstrap=p["n_bootstrap"], seed=p["seed"], batch_size=p["batch_size"], max_length=p["seq_len"],
+                  progress=progress, cache=p["cache"] if cache is None else bool(cache))
+    if cache_dir is not None:
+        common["cache_dir"] = cache_dir
+    blocks = document_blocks(cwcore.load_dataset(data), tokenizer, p["seq_len"], n_documents, seed=p["seed"])
+    parts = [evidence.ladder_sweep(lm, tokenizer, blocks, metrics, grid, protocol=protocol, importances=importances,
+                                   **common) for protocol in protocols]
+    table = pd.concat(parts, ignore_index=True).assign(data=data, model=model)
+    table["delta_nll"] = table["nll"] - table["clean_nll"]
+    table = table[[c for c in _FIRST if c in table] + [c for c in table if c not in _FIRST]]
+    table.attrs["parameters"] = {**p, "grid": grid, "protocols_run": protocols, "importances_run": importances,
+                                 "metrics_run": metrics}
+    return table
+
+
+# -- export ----------------------------------------------------------------------------------------
+def paths(model: str, data: str, out: str | Path | None = None) -> tuple[Path, Path]:
+    """(CSV, JSON) of one model and data set under ``out`` (default ``data/results/evidence``)."""
+    folder = Path(out) if out is not None else DEFAULT_OUT
+    stem = f"per_document_{book.slug(model)}_{data}"
+    return folder / f"{stem}.csv", folder / f"{stem}.json"
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+class _Counted:
+    """Counts the result-cache reads during a run (hits, misses, the folders read); with
+    ``require=True`` a miss raises before anything is computed."""
+
+    def __init__(self, require: bool):
+        self.require, self.hits, self.misses, self.folders = require, 0, 0, set()
+
+    @contextlib.contextmanager
+    def active(self):
+        original = cw_cache.ResultCache.get
+        counter = self
+
+        def get(cache_self, piece):
+            frame = original(cache_self, piece)
+            counter.folders.add(f"{cache_self.directory.parent.name}/{cache_self.directory.name}")
+            if frame is None:
+                counter.misses += 1
+                if counter.require:
+                    raise LookupError(f"piece {piece} is not in {cache_self.directory} (--require-cached)")
+            else:
+                counter.hits += 1
+            return frame
+
+        cw_cache.ResultCache.get = get
+        try:
+            yield self
+        finally:
+            cw_cache.ResultCache.get = original
+
+
+def export(profile: str, model: str, data: str, n_documents: int, protocols: Sequence[str] = ("default",),
+           importances: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
+           metrics: Sequence[str] | None = None, *, out: str | Path | None = None, require_cached: bool = False,
+           config: str | Path | None = None) -> tuple[Path, Path]:
+    """Run :func:`per_document` and write its CSV (floats to :data:`SIGNIFICANT_DIGITS` significant
+    digits) and the provenance JSON; returns their paths. ``require_cached``: fail, computing nothing,
+    unless every piece is in the result cache."""
+    counter = _Counted(require_cached)
+    t0 = time.monotonic()
+    p = notebook_parameters(profile, model, config)
+    loaded = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
+    load_s = time.monotonic() - t0
+    with counter.active():
+        table = per_document(profile, model, data, n_documents, protocols, importances, ratios, metrics,
+                             config=config, loaded=loaded)
+    wall = time.monotonic() - t0
+    used = table.attrs["parameters"]
+    root = Path(cwcore.__file__).resolve().parent.parent
+    status = _git(root, "status", "--porcelain", "--", "cwcore")
+    meta = {
+        "what": f"per-document rows of chapter {CHAPTER}'s ladder sweeps (cwcore.faithfulness.evidence.ladder_sweep)"
+                " on the first documents of the profile's sample; delta_nll = nll - clean_nll (nats)",
+        "commit": _git(root, "rev-parse", "HEAD"),
+        "cwcore_modified": None if status is None else bool(status),
+        "profile": profile, "model": model, "data": data, "documents": int(n_documents),
+        "document_ids": [int(d) for d in table.sort_values("sequence", kind="stable")["document"].unique()],
+        "protocols": list(used["protocols_run"]), "importances": list(used["importances_run"]),
+        "ratios": [float(r) for r in used["grid"]], "metrics": list(used["metrics_run"]),
+        "modes": sorted(table["mode"].unique().tolist()),
+        "seed": used["seed"], "dtype": used["dtype"], "device": used["device"], "seq_len": used["seq_len"],
+        "batch_size": used["batch_size"], "profile_n_sequences": used["n_sequences"],
+        "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g",
+        "wall_s": round(wall, 2), "model_load_s": round(load_s, 2),
+        "cache": {"code_hash": cw_cache.code_version(("faithfulness",)), "hits": counter.hits,
+                  "misses": counter.misses, "folders": sorted(counter.folders)},
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "transformers": _version("transformers")},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    csv, js = paths(model, data, out)
+    csv.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(csv, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g")
+    js.write_text(json.dumps(meta, indent=1) + "\n")
+    return csv, js
+
+
+def _version(name: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(name)
+    except Exception:  # noqa: BLE001 - provenance only
+        return None
+
+
+def read_committed(model: str, data: str, out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
+    """(table, provenance) of an export, or None when either file is absent."""
+    csv, js = paths(model, data, out)
+    if not (csv.is_file() and js.is_file()):
+        return None
+    return pd.read_csv(csv), json.loads(js.read_text())
+
+
+# -- compare ---------------------------------------------------------------------------------------
+def compare(committed: pd.DataFrame, recomputed: pd.DataFrame, atol: float, rtol: float = 0.0) -> pd.DataFrame:
+    """The rows of ``recomputed`` that do not match ``committed`` (a slice: committed rows outside
+    ``recomputed``'s keys are ignored). A row mismatches when it is missing from ``committed``, when an
+    integer column (:data:`EXACT`) differs, or when a float column (:data:`FLOATS`) differs by more
+    than ``atol + rtol * |committed|`` (or only one of the two is NaN). Returns one row per mismatching
+    key, with ``<column>_committed``, ``<column>_recomputed`` and ``problem``; empty when all match."""
+    keys = list(KEYS)
+    values = [c for c in (*EXACT, *FLOATS) if c in recomputed.columns]
+
+    def keyed(frame):
+        frame = frame.copy()
+        frame["ratio"] = frame["ratio"].astype(float).round(9)
+        frame["document"] = frame["document"].astype(int)
+        dup = frame.duplicated(keys)
+        if dup.any():
+            raise ValueError(f"{int(dup.sum())} rows share their keys {keys}")
+        return frame[keys + [c for c in values if c in frame.columns]]
+
+    def tagged(frame, tag):
+        return frame.rename(columns={c: f"{c}_{tag}" for c in values})
+
+    merged = tagged(keyed(recomputed), "recomputed").merge(tagged(keyed(committed), "committed"), on=keys,
+                                                            how="left", indicator=True)
+    problems = pd.Series([""] * len(merged), index=merged.index, dtype=object)
+    problems[merged["_merge"] == "left_only"] = "missing from committed"
+    present = merged["_merge"] == "both"
+    for col in values:
+        a, b = merged[f"{col}_recomputed"], merged.get(f"{col}_committed")
+        if b is None:
+            bad = present
+        elif col in EXACT:
+            bad = present & (a != b)
+        else:
+            a, b = a.astype(float), b.astype(float)
+            close = np.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
+            bad = present & ~close
+        problems[bad] = problems[bad] + f"{col} "
+    out = merged[problems != ""].drop(columns="_merge").assign(problem=problems[problems != ""].str.strip())
+    return out.reset_index(drop=True)
+
+
+# -- command line ----------------------------------------------------------------------------------
+def _arguments(argv=None):
+    parser = argparse.ArgumentParser(prog="evidence_slice", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("export", "write per_document_<model>_<data>.csv/.json"),
+                       ("check", "recompute a slice without the cache and compare it with the export")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--profile", default="evidence")
+        p.add_argument("--model", default="smollm2-135m")
+        p.add_argument("--data", default="gsm8k")
+        p.add_argument("--documents", type=int, default=8 if name == "export" else 2)
+        p.add_argument("--protocols", nargs="+", default=["default"])
+        p.add_argument("--importances", nargs="+", default=None)
+        p.add_argument("--ratios", nargs="+", type=float, default=None,
+                       help="default: the notebook's grid (export), 0.05 (check)")
+        p.add_argument("--metrics", nargs="+", default=None)
+        p.add_argument("--out", default=None, help=f"folder of the files (default {DEFAULT_OUT})")
+        if name == "export":
+            p.add_argument("--require-cached", action="store_true",
+                           help="fail, computing nothing, unless every piece is in the result cache")
+        else:
+            p.add_argument("--atol", type=float, default=2e-4)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    if args.command == "export":
+        csv, js = export(args.profile, args.model, args.data, args.documents, args.protocols, args.importances,
+                         args.ratios, args.metrics, out=args.out, require_cached=args.require_cached)
+        meta = json.loads(js.read_text())
+        print(f"wrote {csv} ({meta['rows']} rows) and {js.name}: {meta['wall_s']} s, "
+              f"cache hits {meta['cache']['hits']}, misses {meta['cache']['misses']}, commit {meta['commit']}")
+        return 0
+    found = read_committed(args.model, args.data, args.out)
+    if found is None:
+        print("no committed export", file=sys.stderr)
+        return 2
+    committed, meta = found
+    t0 = time.monotonic()
+    fresh = per_document(meta["profile"], args.model, args.data, args.documents, args.protocols,
+                         args.importances or meta["importances"], args.ratios or [0.05], args.metrics, cache=False)
+    bad = compare(committed, fresh, atol=args.atol)
+    print(f"{len(fresh)} rows recomputed in {time.monotonic() - t0:.1f} s; {len(bad)} mismatch (atol {args.atol})")
+    if len(bad):
+        print(bad.to_string())
+    return 1 if len(bad) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
