@@ -44,7 +44,7 @@ from .stats import CONTRADICTED, HOLDS, INCONCLUSIVE, NOT_MEASURED, VERDICTS, co
 from .sinks import claims as sink_claims
 
 __all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "RUNGS", "CLAIMS",
-           "CHAPTERS", "CHAPTER_CLAIMS", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
+           "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
            "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
@@ -328,6 +328,36 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
                 frames.append(claim_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
     frames = [f for f in frames if not f.empty]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+
+
+#: the committed evidence tables of this checkout (data/results/evidence: the chapters' tables of the
+#: ``evidence`` profile, laid out as a results folder, with PROVENANCE); absent in an installed package
+EVIDENCE_DIR = Path(__file__).resolve().parents[1] / "data" / "results" / "evidence"
+
+#: the columns that name one findings row (a claim part, or one ladder step, of one model and data set)
+ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range"]
+
+
+def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "live",
+           committed_name: str = "evidence") -> pd.DataFrame:
+    """Two findings tables (:func:`findings_csv`) side by side, row by row (:data:`ROW_KEYS`): for each
+    of the two, ``<name>`` (estimate [low, high] verdict, as text), ``<name> n`` and ``<name> mde``;
+    ``agree`` is True where both give the same verdict. Rows present in one table only are kept (the
+    other side empty), so a claim measured at one size and not the other shows as such."""
+    def side(table: pd.DataFrame, name: str) -> pd.DataFrame:
+        if table is None or table.empty:
+            return pd.DataFrame(columns=[*ROW_KEYS, name, f"{name} verdict", f"{name} n", f"{name} mde"])
+        t = table.copy()
+        for k in ROW_KEYS:
+            t[k] = t[k].fillna("").astype(str)
+        text = [f"{_fmt(e)} [{_fmt(lo)}, {_fmt(hi)}] {v}" if np.isfinite(e) else str(v)
+                for e, lo, hi, v in zip(t["estimate"], t["ci_low"], t["ci_high"], t["verdict"])]
+        return pd.DataFrame({**{k: t[k] for k in ROW_KEYS}, name: text, f"{name} verdict": t["verdict"],
+                             f"{name} n": t["n_units"], f"{name} mde": t["mde"]}).drop_duplicates(ROW_KEYS)
+
+    out = side(live, live_name).merge(side(committed, committed_name), on=ROW_KEYS, how="outer", sort=False)
+    out["agree"] = out[f"{live_name} verdict"] == out[f"{committed_name} verdict"]
+    return out.drop(columns=[f"{live_name} verdict", f"{committed_name} verdict"])
 
 
 def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:

@@ -204,3 +204,19 @@ def test_findings_csv_has_every_sink_claim_part_per_data_set(tmp_path):
     assert set(sinks["unit"]) == {"layer"} and set(sinks["n_units"]) == {7}
     se = (sinks["ci_high"] - sinks["ci_low"]) / (2 * 1.959964)
     np.testing.assert_allclose(sinks["mde"], (1.959964 + 0.841621) * se, rtol=1e-5)
+
+
+def test_beside_pairs_rows_by_claim_part_and_flags_disagreement():
+    def table(rows):
+        return pd.DataFrame([{"claim": c, "model": "m", "data": d, "mode": "", "protocol": part, "importance": "",
+                              "range": "", "verdict": stats.verdict(lo, hi, threshold=0.0), "estimate": (lo + hi) / 2,
+                              "ci_low": lo, "ci_high": hi, "n_units": n, "unit": "document", "mde": 0.1,
+                              "profile": "p", "measured": ""} for c, d, part, lo, hi, n in rows],
+                            columns=F.FAITHFULNESS_COLUMNS)
+    live = table([("a", "gsm8k", "p1", 0.1, 0.3, 8), ("b", "gsm8k", "p1", -0.1, 0.3, 8), ("c", "web-text", "p1", 0.2, 0.4, 8)])
+    evidence = table([("a", "gsm8k", "p1", 0.15, 0.25, 64), ("b", "gsm8k", "p1", 0.05, 0.1, 64)])
+    got = F.beside(live, evidence).set_index("claim")
+    assert got.loc["a", "agree"] and not got.loc["b", "agree"] and not got.loc["c", "agree"]
+    assert got.loc["b", "live"].endswith("inconclusive") and got.loc["b", "evidence"].endswith("holds")
+    assert (got.loc["a", "live n"], got.loc["a", "evidence n"]) == (8, 64)
+    assert pd.isna(got.loc["c", "evidence"])  # measured live only: kept, the other side empty
