@@ -25,8 +25,9 @@ Modules, one concept each: :mod:`~cwcore.faithfulness.protocol` (the choices bel
 :mod:`~cwcore.faithfulness.downstream` (the two scorers), :mod:`~cwcore.faithfulness.summary`
 (curves, AOPC, ladder tests), :mod:`~cwcore.faithfulness.layers` (one layer at a time, from the
 clean residual stream), :mod:`~cwcore.faithfulness.evidence` (the book's main protocols, ratio
-ranges and importance signs, run on one sample of documents), :mod:`~cwcore.faithfulness.cli` (the
-command line).
+ranges and importance signs, run on one sample of documents), :mod:`~cwcore.faithfulness.anatomy`
+(what each ranking removes, measured in the clean run: the test of an explanation for a ladder step),
+:mod:`~cwcore.faithfulness.cli` (the command line).
 
 Protocol defaults (each a keyword argument) and why
 ----------------------------------------------------

@@ -1,0 +1,186 @@
+"""What a ranking removes: the anatomy of a faithfulness selection, measured in the clean run.
+
+The intervention curves say *that* one metric's removal hurts the model more than another's; this
+module says *what* each removal takes away, layer by layer, before any later layer reacts. For every
+document, layer, metric, mode and ratio it ranks the layer's candidate terms exactly as the sweep does
+(:func:`cwcore.faithfulness.ranking.selection`, same unit, scope, kind, sign and candidates) and
+measures the selected terms in the clean forward:
+
+``removed_share``
+    sum of alpha^h_ij ||v~^h_j|| over the removed terms / the same over all candidates: the share of
+    the layer's value-weighted mass that the removal takes;
+``output_shift``
+    mean over the queries that have candidates of ||sum_removed alpha^h_ij v~^h_j|| / ||o_i|| (in model
+    space, summed over heads): how far the removal moves the layer's attention output, to first order;
+``head_norm``
+    mean over the removed terms of ||o^h_i|| / mean_h ||o^h_i||: below 1 when the terms come from heads
+    whose own output is short;
+``first_token_attention``
+    mean over the removed terms of alpha^h_{i,first}, the attention their head's query gives the first
+    token: the sink rate of the heads they come from.
+
+:func:`explain_step` pairs two rungs over documents and asks whether the difference in what they
+remove (``output_shift``) goes with the difference in the damage (``delta_nll`` of the sweep): the
+test of an explanation for a step of the ladder.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from .. import stats
+from ..core.architectures import attention_blocks
+from ..core.decomposition import decompose
+from ..runs import progress as progress_bar
+from .evidence import PROTOCOLS
+from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
+
+__all__ = ["MEASURES", "LADDER", "selection_anatomy", "per_document", "explain_step"]
+
+MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
+LADDER = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+
+
+def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, keep_first_token, window):
+    """``{(metric, mode, ratio): {measure: [batch]}}`` for one layer."""
+    alpha = ld.attention.float()  # [b, h, q, k]
+    cand = candidate_mask(attention_mask, keep_first_token, window).to(alpha.device)  # [b, 1, q, k]
+    vw = ld.value_weighted.float()
+    total_mass = (vw * cand).sum((1, 2, 3))
+    values, w_o = ld.geometry.values, ld.geometry.w_o
+    if values is None or w_o is None:
+        raise ValueError("the layer's geometry has no head-space values: anatomy needs the head-space decomposition")
+    values, w_o = values.float(), w_o.float()
+    output_norm = ld.output_norm.float()  # [b, q]
+    head_norm = ld.head_output_norm.float()  # [b, h, q]
+    relative_head = head_norm / head_norm.mean(1, keepdim=True).clamp_min(torch.finfo(head_norm.dtype).tiny)
+    first = attention_mask.long().argmax(-1).to(alpha.device)  # first real token of each row
+    first_attention = alpha.gather(-1, first[:, None, None, None].expand(*alpha.shape[:3], 1))[..., 0]  # [b, h, q]
+    queries = cand[:, 0].any(-1)  # [b, q] queries with at least one candidate
+    out = {}
+    for metric in metrics:
+        scores = ld.metric(metric, kind).float()
+        if importance == "absolute":
+            scores = scores.abs()
+        chosen = selection(scores, cand, ratios, modes)
+        for mode in modes:
+            for t, ratio in enumerate(ratios):
+                mask = removal_mask(chosen.buckets[mode], t) & cand  # [b, h, q, k]
+                taken = mask.sum((1, 2, 3)).clamp_min(1)
+                removed = (alpha * mask) @ values  # [b, h, q, head_dim]
+                shift_vec = torch.einsum("bhqd,hmd->bqm", removed, w_o)
+                shift = shift_vec.norm(dim=-1) / output_norm.clamp_min(torch.finfo(output_norm.dtype).tiny)
+                shift = (shift * queries).sum(-1) / queries.sum(-1).clamp_min(1)
+                out[(metric, mode, float(ratio))] = {
+                    "removed_share": (vw * mask).sum((1, 2, 3)) / total_mass,
+                    "output_shift": shift,
+                    "head_norm": (relative_head[..., None] * mask).sum((1, 2, 3)) / taken,
+                    "first_token_attention": (first_attention[..., None] * mask).sum((1, 2, 3)) / taken,
+                    "n_removed": mask.sum((1, 2, 3)).float(),
+                }
+    return out
+
+
+def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[float] = (0.01, 0.05),
+                      modes: Sequence[str] = ("comprehensiveness",), *, protocol: str = "per-head",
+                      importance: str = "signed", keep_first_token: bool = True, layers=None, batch_size: int = 8,
+                      progress: bool = True) -> pd.DataFrame:
+    """One row per (document, layer, metric, mode, ratio) with the :data:`MEASURES` of the terms that
+    the main ``protocol`` (a key of :data:`cwcore.faithfulness.evidence.PROTOCOLS`: its ``kind``; unit
+    ``head_key``, scope ``row``) removes, computed in float32 from the clean forward.
+
+    ``blocks``: a :func:`cwcore.data.document_blocks` data set (``input_ids``, ``attention_mask``,
+    ``document``); ratios ascending. Columns: ``document``, ``sequence`` (place in ``blocks``),
+    ``layer``, ``metric``, ``mode``, ``ratio``, the measures and ``n_removed`` (terms removed in the layer).
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, not {protocol!r}")
+    if importance not in ("signed", "absolute"):
+        raise ValueError(f"importance must be 'signed' or 'absolute', not {importance!r}")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    ratios = [float(r) for r in ratios]
+    if any(b <= a for a, b in zip(ratios, ratios[1:])) or not all(0 < r <= 1 for r in ratios):
+        raise ValueError(f"ratios must be ascending in (0, 1], got {ratios}")
+    kind = PROTOCOLS[protocol].get("kind", "inter")
+    num_layers = len(attention_blocks(model))
+    windows = layer_windows(model, num_layers)
+    device = next(model.parameters()).device
+    ids_all = torch.as_tensor(blocks["input_ids"])
+    mask_all = torch.as_tensor(blocks["attention_mask"]) if "attention_mask" in blocks.column_names \
+        else torch.ones_like(ids_all)
+    documents = list(blocks["document"]) if "document" in blocks.column_names else list(range(len(ids_all)))
+    rows = []
+    bar = progress_bar(len(ids_all), "anatomy", "document", enabled=progress, leave=False)
+    try:
+        for start in range(0, len(ids_all), batch_size):
+            ids, attention_mask = ids_all[start:start + batch_size], mask_all[start:start + batch_size]
+            d = decompose(model, layers=layers, input_ids=ids.to(device), attention_mask=attention_mask.to(device))
+            for layer in d.layers:
+                found = _layer_rows(d[layer], attention_mask.to(device), metrics, ratios, modes, kind, importance,
+                                    keep_first_token, windows[layer])
+                for (metric, mode, ratio), measures in found.items():
+                    values = {k: v.detach().cpu().numpy() for k, v in measures.items()}
+                    for i in range(len(ids)):
+                        rows.append({"document": documents[start + i], "sequence": start + i, "layer": layer,
+                                     "metric": metric, "mode": mode, "ratio": ratio,
+                                     **{k: float(v[i]) for k, v in values.items()}})
+            del d
+            bar.update(len(ids))
+    finally:
+        bar.close()
+    return pd.DataFrame(rows).assign(protocol=protocol, importance=importance)
+
+
+def per_document(anatomy: pd.DataFrame) -> pd.DataFrame:
+    """The measures averaged over layers (every layer weighs the same): one row per (document,
+    metric, mode, ratio, protocol, importance)."""
+    keys = [c for c in ("protocol", "importance", "metric", "mode", "ratio", "document") if c in anatomy]
+    return anatomy.groupby(keys, sort=False)[list(MEASURES)].mean().reset_index()
+
+
+def explain_step(anatomy: pd.DataFrame, curves: pd.DataFrame, lower: str, higher: str, *,
+                 measure: str = "output_shift", n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Does a step's difference in damage go with its difference in what it removes?
+
+    ``anatomy``: :func:`selection_anatomy` rows (or :func:`per_document`'s); ``curves``: the sweep's
+    per-document rows (``document``, ``metric``, ``mode``, ``ratio``, ``nll``, ``clean_nll``) of the same
+    documents, protocol and sign; metric labels may carry the sweep's kind suffix (``_intra``). Per mode
+    and ratio present in both: the paired differences ``higher - lower`` over documents of the measure
+    (``measure_gap``, its mean and 95% bootstrap interval) and of ``delta_nll`` (``damage_gap``), and
+    Spearman's rho between the two over documents with a bootstrap interval (``rho``). An explanation
+    "the step changes the damage because it changes ``measure``" predicts a rho above 0: the rule of
+    :func:`cwcore.stats.verdict` judges it (``rho_verdict``).
+    """
+    doc = per_document(anatomy) if "layer" in anatomy else anatomy
+    cv = curves.copy()
+    cv["metric"] = cv["metric"].str.replace(r"_(intra|inter)$", "", regex=True)
+    cv["delta_nll"] = cv["nll"] - cv["clean_nll"]
+    cv = cv.groupby(["metric", "mode", "ratio", "document"], sort=False)["delta_nll"].mean().reset_index()
+    rows = []
+    for (mode, ratio), part in doc.groupby(["mode", "ratio"], sort=False):
+        dmg = cv[(cv["mode"] == mode) & np.isclose(cv["ratio"], ratio)]
+        if dmg.empty:
+            continue
+        a = part.pivot_table(index="document", columns="metric", values=measure)
+        b = dmg.pivot_table(index="document", columns="metric", values="delta_nll")
+        if not {lower, higher} <= set(a.columns) or not {lower, higher} <= set(b.columns):
+            continue
+        both = pd.DataFrame({"measure_gap": a[higher] - a[lower], "damage_gap": b[higher] - b[lower]}).dropna()
+        if len(both) < 2:
+            continue
+        m = stats.bootstrap_ci(both["measure_gap"].to_numpy(), np.mean, n_resamples=n_bootstrap, seed=seed)
+        g = stats.bootstrap_ci(both["damage_gap"].to_numpy(), np.mean, n_resamples=n_bootstrap, seed=seed)
+        rho = stats.spearman_ci(both["measure_gap"], both["damage_gap"], n_resamples=n_bootstrap, seed=seed)
+        rows.append({"mode": mode, "ratio": float(ratio), "lower": lower, "higher": higher, "measure": measure,
+                     "measure_gap": m.estimate, "measure_gap_ci_low": m.low, "measure_gap_ci_high": m.high,
+                     "damage_gap": g.estimate, "damage_gap_ci_low": g.low, "damage_gap_ci_high": g.high,
+                     "rho": rho.estimate, "rho_ci_low": rho.low, "rho_ci_high": rho.high,
+                     "rho_verdict": stats.verdict(rho.low, rho.high) if np.isfinite(rho.low) else stats.NOT_MEASURED,
+                     "n_units": len(both), "unit": "document"})
+    return pd.DataFrame(rows)
