@@ -188,7 +188,8 @@ def explain_step(anatomy: pd.DataFrame, curves: pd.DataFrame, lower: str, higher
 
 # -- the committed evidence: python -m cwcore.faithfulness.anatomy ----------------------------------
 def evidence_files(model_name: str, data: str, documents: int, per_document_csv, out, *, ratios=None,
-                   seq_len: int = 128, seed: int = 0, batch_size: int = 8, n_bootstrap: int = 2000) -> list:
+                   modes: Sequence[str] = MODES, seq_len: int = 128, seed: int = 0, batch_size: int = 8,
+                   n_bootstrap: int = 2000) -> list:
     """Dissect the first ``documents`` documents of the evidence sample (``document_blocks(load_dataset(data),
     tokenizer, seq_len, documents, seed=seed)``, the sample of chapter 4's evidence build) and test the
     per-head 2->3 explanation against that build's exported per-document rows (``per_document_csv``, from
@@ -215,7 +216,7 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     missing = set(blocks["document"]) - set(rows["document"])
     if missing:
         raise ValueError(f"{len(missing)} documents of the sample are not in {per_document_csv}: {sorted(missing)[:5]}")
-    table = selection_anatomy(lm, blocks, LADDER, grid, protocol="per-head", batch_size=batch_size)
+    table = selection_anatomy(lm, blocks, LADDER, grid, modes, protocol="per-head", batch_size=batch_size)
     layer_avg = per_document(table)
     steps = list(zip(LADDER, LADDER[1:]))
     explained = pd.concat([explain_step(table, rows, lo, hi, n_bootstrap=n_bootstrap, seed=seed) for lo, hi in steps],
@@ -229,8 +230,9 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     root = Path(__file__).resolve().parents[2]
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     paths[2].write_text(json.dumps({
-        "what": "cwcore.faithfulness.anatomy on chapter 4's evidence sample: per-head protocol, signed, "
-                "comprehensiveness; damage from the evidence build's per-document rows",
+        "what": "cwcore.faithfulness.anatomy on chapter 4's evidence sample: per-head protocol, signed; "
+                "damage from the evidence build's per-document rows",
+        "modes": list(modes),
         "commit": commit, "model": model_name, "data": data, "documents": int(documents), "seq_len": seq_len,
         "seed": seed, "ratios": grid, "n_bootstrap": n_bootstrap, "per_document_rows": str(per_document_csv),
         "wall_s": round(time.monotonic() - t0, 1),
@@ -248,8 +250,10 @@ def main(argv=None) -> int:
     parser.add_argument("--per-document", required=True, help="per_document_<model>_<data>.csv of the evidence build")
     parser.add_argument("--out", default="data/results/evidence")
     parser.add_argument("--ratios", nargs="+", type=float, default=None, help="default: every ratio of the rows")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     args = parser.parse_args(argv)
-    for path in evidence_files(args.model, args.data, args.documents, args.per_document, args.out, ratios=args.ratios):
+    for path in evidence_files(args.model, args.data, args.documents, args.per_document, args.out, ratios=args.ratios,
+                               modes=args.modes):
         print(f"wrote {path}")
     return 0
 

@@ -144,3 +144,39 @@ def test_bad_input_is_refused(sample):
         anatomy.selection_anatomy(model, blocks, protocol="nope", progress=False)
     with pytest.raises(ValueError, match="ascending"):
         anatomy.selection_anatomy(model, blocks, ratios=(0.3, 0.1), progress=False)
+
+
+@pytest.mark.slow
+def test_evidence_files_on_the_committed_export(tmp_path):
+    """The command line's files on the first documents of the committed smollm2 GSM8K export: the damage
+    gaps are the export's own per-document rows, the anatomy rows are the documents of the sample."""
+    from cwcore.faithfulness import evidence_slice as es
+
+    csv, _ = es.paths("smollm2-135m", "gsm8k")
+    if not csv.is_file():
+        pytest.skip(f"{csv} is absent")
+    rows = pd.read_csv(csv)
+    if not (rows["protocol"] == "per-head").any():
+        pytest.skip("the committed export has no per-head rows")
+    written = anatomy.evidence_files("smollm2-135m", "gsm8k", 5, csv, tmp_path, ratios=[0.01],
+                                     modes=["comprehensiveness"], n_bootstrap=200)
+    table, explained = pd.read_csv(written[0]), pd.read_csv(written[1])
+    first = rows.drop_duplicates("document").sort_values("sequence")["document"].tolist()[:5]
+    assert sorted(table["document"].unique()) == sorted(first)
+    assert len(explained) == 3 and (explained["n_units"] == 5).all()
+    ph = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed") & (rows["mode"] == "comprehensiveness")
+              & np.isclose(rows["ratio"], 0.01) & rows["document"].isin(first)]
+    by = ph.assign(metric=ph["metric"].str.replace("_intra", "")).pivot_table(index="document", columns="metric",
+                                                                               values="delta_nll")
+    step = explained[explained["higher"] == "value_weighted_output_normalized"].iloc[0]
+    expected = (by["value_weighted_output_normalized"] - by["value_weighted"]).mean()
+    assert step["damage_gap"] == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(ValueError, match="not in"):
+        anatomy.evidence_files("smollm2-135m", "gsm8k", 5, _only(rows, first[:2], tmp_path), tmp_path / "x",
+                               ratios=[0.01], modes=["comprehensiveness"], n_bootstrap=50)
+
+
+def _only(rows, documents, folder):
+    path = folder / "subset.csv"
+    rows[rows["document"].isin(documents)].to_csv(path, index=False)
+    return path
