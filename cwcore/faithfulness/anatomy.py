@@ -37,6 +37,7 @@ from ..core.architectures import attention_blocks
 from ..core.decomposition import decompose
 from ..runs import progress as progress_bar
 from .evidence import PROTOCOLS
+from .protocol import Protocol, modes as parse_modes
 from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
 __all__ = ["MEASURES", "LADDER", "selection_anatomy", "per_document", "explain_step"]
@@ -99,11 +100,8 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
     """
     if protocol not in PROTOCOLS:
         raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, not {protocol!r}")
-    if importance not in ("signed", "absolute"):
-        raise ValueError(f"importance must be 'signed' or 'absolute', not {importance!r}")
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    Protocol(**PROTOCOLS[protocol], importance=importance, keep_first_token=keep_first_token)  # validates
+    modes = parse_modes(modes)
     ratios = [float(r) for r in ratios]
     if any(b <= a for a, b in zip(ratios, ratios[1:])) or not all(0 < r <= 1 for r in ratios):
         raise ValueError(f"ratios must be ascending in (0, 1], got {ratios}")
@@ -197,13 +195,13 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     document), ``explain_<model>_<data>.csv`` (:func:`explain_step` for 1->2, 2->3 and 3->4) and a
     ``.json`` with the provenance into ``out``; returns their paths."""
     import json
-    import subprocess
     import time
     from pathlib import Path
 
     import cwcore
     from .. import book
     from ..data import document_blocks
+    from .evidence_slice import _git
 
     t0 = time.monotonic()
     rows = pd.read_csv(per_document_csv)
@@ -228,7 +226,7 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     layer_avg.assign(model=model_name, data=data).to_csv(paths[0], index=False, float_format="%.6g")
     explained.assign(model=model_name, data=data).to_csv(paths[1], index=False, float_format="%.6g")
     root = Path(__file__).resolve().parents[2]
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = _git(root, "rev-parse", "HEAD")
     paths[2].write_text(json.dumps({
         "what": "cwcore.faithfulness.anatomy on chapter 4's evidence sample: per-head protocol, signed; "
                 "damage from the evidence build's per-document rows",
