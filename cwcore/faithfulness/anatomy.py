@@ -40,7 +40,7 @@ from .evidence import PROTOCOLS
 from .protocol import Protocol, modes as parse_modes
 from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
-__all__ = ["MEASURES", "LADDER", "selection_anatomy", "per_document", "explain_step"]
+__all__ = ["MEASURES", "LADDER", "selection_anatomy", "layer_average", "explain_step"]
 
 MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
 LADDER = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
@@ -135,7 +135,7 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
     return pd.DataFrame(rows).assign(protocol=protocol, importance=importance)
 
 
-def per_document(anatomy: pd.DataFrame) -> pd.DataFrame:
+def layer_average(anatomy: pd.DataFrame) -> pd.DataFrame:
     """The measures averaged over layers (every layer weighs the same): one row per (document,
     metric, mode, ratio, protocol, importance)."""
     keys = [c for c in ("protocol", "importance", "metric", "mode", "ratio", "document") if c in anatomy]
@@ -146,7 +146,7 @@ def explain_step(anatomy: pd.DataFrame, curves: pd.DataFrame, lower: str, higher
                  measure: str = "output_shift", n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Does a step's difference in damage go with its difference in what it removes?
 
-    ``anatomy``: :func:`selection_anatomy` rows (or :func:`per_document`'s); ``curves``: the sweep's
+    ``anatomy``: :func:`selection_anatomy` rows (or :func:`layer_average`'s); ``curves``: the sweep's
     per-document rows (``document``, ``metric``, ``mode``, ``ratio``, ``nll``, ``clean_nll``) of the same
     documents, protocol and sign; metric labels may carry the sweep's kind suffix (``_intra``). Per mode
     and ratio present in both: the paired differences ``higher - lower`` over documents of the measure
@@ -155,7 +155,7 @@ def explain_step(anatomy: pd.DataFrame, curves: pd.DataFrame, lower: str, higher
     "the step changes the damage because it changes ``measure``" predicts a rho above 0: the rule of
     :func:`cwcore.stats.verdict` judges it (``rho_verdict``).
     """
-    doc = per_document(anatomy) if "layer" in anatomy else anatomy
+    doc = layer_average(anatomy) if "layer" in anatomy else anatomy
     cv = curves.copy()
     cv["metric"] = cv["metric"].str.replace(r"_(intra|inter)$", "", regex=True)
     cv["delta_nll"] = cv["nll"] - cv["clean_nll"]
@@ -215,7 +215,7 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     if missing:
         raise ValueError(f"{len(missing)} documents of the sample are not in {per_document_csv}: {sorted(missing)[:5]}")
     table = selection_anatomy(lm, blocks, LADDER, grid, modes, protocol="per-head", batch_size=batch_size)
-    layer_avg = per_document(table)
+    layer_avg = layer_average(table)
     steps = list(zip(LADDER, LADDER[1:]))
     explained = pd.concat([explain_step(table, rows, lo, hi, n_bootstrap=n_bootstrap, seed=seed) for lo, hi in steps],
                           ignore_index=True)
