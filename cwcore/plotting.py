@@ -10,6 +10,8 @@
 * Per-layer figures of the model chapters (3 and 8): :func:`per_layer` picks one statistic of
   :func:`cwcore.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
   :func:`layer_axis` labels the layers, :func:`plain_log` and :func:`legend_below` finish the axes.
+* :func:`ladder_forest` — the ladder's steps (rows of :func:`cwcore.findings.faithfulness_findings`)
+  as a forest plot: every step with its interval, in the paper's direction, coloured by verdict.
 
 Importing this module loads neither torch nor seaborn (they are imported where a function needs them).
 """
@@ -211,3 +213,63 @@ def legend_below(fig, ax, ncols: int = 3, fontsize: float = 9) -> None:
     """The legend of ``ax`` under the figure, where it cannot hide a curve (a constrained-layout figure)."""
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)
+
+
+#: verdict colours of :func:`ladder_forest` (colour-blind-safe: blue / vermilion / grey)
+VERDICT_COLOURS = {"holds": "#0072B2", "contradicted": "#D55E00", "inconclusive": "#7f7f7f"}
+_STEP_LABELS = {"step 1->2": "1→2", "step 2->3": "2→3", "step 3->4": "3→4",
+                "contribution beats random": "4 vs random"}
+_VARIANTS = [("signed", "low", "o"), ("signed", "full", "s"), ("absolute", "low", "^"), ("absolute", "full", "D")]
+
+
+def ladder_forest(claims, title: str = ""):
+    """A forest plot of the ladder: one panel per (data set, mode), one line per step x protocol, one
+    marker per importance sign x ratio range, with its 95% interval. ``claims``: rows of
+    :func:`cwcore.findings.faithfulness_findings` (the step claims and ``contribution beats random`` are
+    drawn; a *not measured* step is left out). The x axis is the step in the paper's direction
+    (``estimate``, negated for sufficiency, where lower is better), symmetric-log so that the gentle
+    range and the full range read on one axis: right of zero supports the paper. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    rows = claims[claims["claim"].isin(list(_STEP_LABELS)) & claims["estimate"].notna()
+                  & (claims["verdict"] != "not measured")]
+    datas = list(dict.fromkeys(rows["data"]))
+    modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
+    protocols = list(dict.fromkeys(rows["protocol"]))
+    lines = [(c, p) for c in _STEP_LABELS for p in protocols]
+    fig, axes = plt.subplots(max(len(datas), 1), max(len(modes), 1), squeeze=False, constrained_layout=True,
+                             figsize=(5.2 * max(len(modes), 1), 0.42 * len(lines) * max(len(datas), 1) + 1.2),
+                             sharey=True)
+    for i, data in enumerate(datas):
+        for j, mode in enumerate(modes):
+            ax = axes[i, j]
+            part = rows[(rows["data"] == data) & (rows["mode"] == mode)]
+            sign = -1.0 if mode == "sufficiency" else 1.0
+            for y, (claim, protocol) in enumerate(lines):
+                for k, (importance, rng, marker) in enumerate(_VARIANTS):
+                    hit = part[(part["claim"] == claim) & (part["protocol"] == protocol)
+                               & (part["importance"] == importance) & (part["range"] == rng)]
+                    if hit.empty:
+                        continue
+                    r = hit.iloc[0]
+                    lo, hi = sorted((sign * r["ci_low"], sign * r["ci_high"]))
+                    colour = VERDICT_COLOURS.get(r["verdict"], "black")
+                    yy = y + (k - 1.5) * 0.17
+                    ax.plot([lo, hi], [yy, yy], color=colour, lw=1.4)
+                    ax.plot([sign * r["estimate"]], [yy], marker=marker, ms=4.5, color=colour, ls="none")
+            ax.axvline(0, color="black", lw=0.8)
+            ax.set_xscale("symlog", linthresh=0.01)
+            ax.margins(x=0.06)  # the outermost markers inside the frame
+            ax.set_yticks(range(len(lines)), [f"{_STEP_LABELS[c]} ({p})" for c, p in lines])
+            ax.set_ylim(len(lines) - 0.5, -0.5)
+            ax.set_title(f"{mode} ({data})", fontsize=10)
+            ax.set_xlabel("step in the paper's direction (ΔAOPC, > 0 supports)", fontsize=9)
+            ax.grid(axis="y", visible=False)
+    handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
+    handles += [Line2D([], [], color="black", marker=m, ls="none", label=f"{'|c|' if imp == 'absolute' else imp}, "
+                       f"{rng} range") for imp, rng, m in _VARIANTS]
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=8)
+    if title:
+        fig.suptitle(title, fontweight="bold")
+    return fig

@@ -14,7 +14,10 @@ keeps its per-document table only in the result cache. This module
   (floats to 8 significant digits) with a ``.json`` beside it: the commit of the code that ran, the
   profile, sizes, parameters, wall time, the cache's code hash and how many pieces were cache hits;
 * :func:`compare` lists the rows of a recomputation that do not match the committed ones
-  (``tests/faithfulness/test_evidence_slice.py`` recomputes the first two documents).
+  (``tests/faithfulness/test_evidence_slice.py`` recomputes the first two documents);
+* :func:`tables` turns the exports into chapter 4's evidence tables (the stacked ladder the notebook
+  writes, ``04_faithfulness/<model>.csv`` with its ``.json``) and rewrites ``findings.csv`` beside
+  them, so that the findings page shows what the exports hold while the build is unfinished.
 
 It also runs as a script, so that it can export under a frozen checkout of cwcore (whose code hash
 keys that checkout's cache)::
@@ -46,11 +49,12 @@ import pandas as pd  # noqa: E402
 import cwcore  # noqa: E402
 from cwcore import book  # noqa: E402
 from cwcore import cache as cw_cache  # noqa: E402
+from cwcore import findings  # noqa: E402
 from cwcore.data import document_blocks  # noqa: E402
 from cwcore.faithfulness import evidence  # noqa: E402
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "notebook_parameters", "per_document",
-           "export", "compare", "read_committed", "paths", "DEFAULT_OUT"]
+           "export", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
 #: the columns that name a row of the per-document table
@@ -301,6 +305,64 @@ def compare(committed: pd.DataFrame, recomputed: pd.DataFrame, atol: float, rtol
     return out.reset_index(drop=True)
 
 
+# -- tables ----------------------------------------------------------------------------------------
+def _exports(out: Path) -> dict[str, list[str]]:
+    """{model: [data sets]} of the exports in ``out``, in the order the notebook runs data sets."""
+    found: dict[str, list[str]] = {}
+    for js in sorted(out.glob("per_document_*.json")):
+        meta = json.loads(js.read_text())
+        if paths(meta["model"], meta["data"], out)[0].is_file():
+            found.setdefault(meta["model"], []).append(meta["data"])
+    return found
+
+
+def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
+           all_models: Sequence[str] | None = None) -> list[Path]:
+    """Chapter 4's evidence tables from the exports in ``out`` (default ``data/results/evidence``):
+    for each model, :func:`cwcore.faithfulness.evidence.evidence_tables` of every exported data set
+    (per protocol and ratio range; the profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
+    column as the notebook stacks them, written by :func:`cwcore.findings.save_results` to
+    ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
+    cells the rows hold (data set x protocol, documents) and what is not in them (the downstream tasks:
+    the notebook adds those rows). Then ``out/findings.csv`` is rewritten by
+    :func:`cwcore.findings.findings_csv` over ``all_models`` (default: the models of the exports and of
+    the chapter tables already in ``out``), so its sink rows are those of the committed sink tables.
+    Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
+    differ from the notebook's in-memory one in the 8th digit."""
+    out = Path(out) if out is not None else DEFAULT_OUT
+    exported = _exports(out)
+    written = []
+    for model in models or list(exported):
+        if model not in exported:
+            raise ValueError(f"no per-document export of {model!r} in {out}")
+        ladders, cells, provenance = [], [], {}
+        for data in exported[model]:
+            rows, meta = read_committed(model, data, out)
+            p = notebook_parameters(meta["profile"], model)
+            _, ladder = evidence.evidence_tables(rows.drop(columns=["data", "model", "delta_nll"]),
+                                                 n_bootstrap=p["n_bootstrap"], seed=p["seed"])
+            ladders.append(ladder.assign(data=data))
+            cells += [f"{data} x {protocol} ({meta['documents']} documents)" for protocol in meta["protocols"]]
+            provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
+            provenance[data]["cache_hits"] = meta["cache"]["hits"]
+        path = book.results_path(out, CHAPTER, model)
+        findings.save_results(path, pd.concat(ladders, ignore_index=True), chapter=CHAPTER, model=model,
+                              profile=meta["profile"], parameters=dict(
+                                  source="per-document exports (evidence_slice tables)", cells=cells,
+                                  not_included="downstream tasks, per-layer interventions, protocol variants",
+                                  n_documents=meta["documents"], seq_len=p["seq_len"], ratios=meta["ratios"],
+                                  n_bootstrap=p["n_bootstrap"], seed=p["seed"], dtype=meta["dtype"],
+                                  exports=provenance))
+        written += [path, path.with_suffix(".json")]
+    profile = meta["profile"]
+    if all_models is None:  # the profile's models, in its order, as chapter 9 writes findings.csv
+        conf = book.load_config(book.DEFAULT_BOOK_DIR / "run.yml")
+        all_models = list(dict.fromkeys([*conf["profiles"][profile].get("models", []), *exported]))
+    table = findings.findings_csv(out, list(all_models), profile)
+    table.to_csv(out / "findings.csv", index=False)
+    return [*written, out / "findings.csv"]
+
+
 # -- command line ----------------------------------------------------------------------------------
 def _arguments(argv=None):
     parser = argparse.ArgumentParser(prog="evidence_slice", description=__doc__.split("\n\n")[0])
@@ -323,11 +385,18 @@ def _arguments(argv=None):
                            help="fail, computing nothing, unless every piece is in the result cache")
         else:
             p.add_argument("--atol", type=float, default=2e-4)
+    p = sub.add_parser("tables", help="chapter 4's evidence tables and findings.csv from the exports")
+    p.add_argument("--out", default=None, help=f"folder of the exports and tables (default {DEFAULT_OUT})")
+    p.add_argument("--models", nargs="+", default=None, help="default: every model with an export")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = _arguments(argv)
+    if args.command == "tables":
+        for path in tables(args.out, args.models):
+            print(f"wrote {path}")
+        return 0
     if args.command == "export":
         csv, js = export(args.profile, args.model, args.data, args.documents, args.protocols, args.importances,
                          args.ratios, args.metrics, out=args.out, require_cached=args.require_cached)

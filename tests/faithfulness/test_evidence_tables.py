@@ -1,0 +1,161 @@
+"""Chapter 4's evidence tables from the per-document exports (``evidence_slice tables``).
+
+The ladder's point estimates are checked against a naive AOPC (numpy's trapezoid over each
+document's curve, origin included, divided by r_max; the mean over documents of higher minus lower
+rung) on a slice of the committed smollm2 GSM8K export (8 documents, both protocols, every ratio);
+the verdicts against their intervals; ``findings.csv`` against the ladder it was made from; and the
+committed ``04_faithfulness`` tables against a recomputation from the committed exports.
+Tolerance: 1e-9 nats on the means (float64 over the CSV's 8-digit values).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cwcore import findings
+from cwcore.book import results_path
+from cwcore.faithfulness import evidence, evidence_slice as es
+
+MODEL, DATA, DOCUMENTS = "smollm2-135m", "gsm8k", 8
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    """A folder holding the first 8 documents of the committed export, as an export of 8 documents."""
+    found = es.read_committed(MODEL, DATA)
+    if found is None:
+        pytest.skip("the committed export per_document_smollm2-135m_gsm8k is absent")
+    rows, meta = found
+    keep = meta["document_ids"][:DOCUMENTS]
+    rows = rows[rows["document"].isin(keep)]
+    out = tmp_path_factory.mktemp("evidence")
+    csv, js = es.paths(MODEL, DATA, out)
+    rows.to_csv(csv, index=False, compression="gzip")
+    js.write_text(json.dumps({**meta, "documents": DOCUMENTS, "document_ids": keep, "rows": len(rows)}))
+    written = es.tables(out, all_models=[MODEL])
+    return out, rows, written
+
+
+def naive_aopc(rows: pd.DataFrame, max_ratio: float | None) -> pd.Series:
+    """AOPC per document: trapezoid of (0, 0) + the measured (ratio, nll - clean_nll) points, over r_max
+    (the tables recompute the delta from the two NLLs, as the notebook has them, not from the rounded
+    ``delta_nll`` column)."""
+    if max_ratio is not None:
+        rows = rows[rows["ratio"] <= max_ratio + 1e-12]
+    out = {}
+    for doc, g in rows.groupby("document"):
+        g = g.sort_values("ratio")
+        r = np.concatenate([[0.0], g["ratio"].to_numpy(float)])
+        d = np.concatenate([[0.0], (g["nll"] - g["clean_nll"]).to_numpy(float)])
+        out[doc] = np.sum((r[1:] - r[:-1]) * (d[1:] + d[:-1]) / 2) / r[-1]
+    return pd.Series(out)
+
+
+def test_tables_write_the_books_layout(sliced):
+    out, _, written = sliced
+    path = results_path(out, "04_faithfulness", MODEL)
+    assert written == [path, path.with_suffix(".json"), out / "findings.csv"]
+    got = findings.load_results(out, "04_faithfulness", MODEL)
+    assert got.metadata["profile"] == "evidence" and got.metadata["chapter"] == "04_faithfulness"
+    params = got.metadata["parameters"]
+    assert params["cells"] == [f"{DATA} x default ({DOCUMENTS} documents)", f"{DATA} x per-head ({DOCUMENTS} documents)"]
+    assert params["n_bootstrap"] == es.notebook_parameters("evidence", MODEL)["n_bootstrap"]
+    assert set(got.table["range"]) == {"low", "full"} and set(got.table["protocol"]) == {"default", "per-head"}
+
+
+def test_ladder_estimates_are_the_naive_paired_aopc_difference(sliced):
+    out, rows, _ = sliced
+    ladder = findings.load_results(out, "04_faithfulness", MODEL).table
+    checked = 0
+    for _, step in ladder.iterrows():
+        max_ratio = evidence.LOW_MAX if step["range"] == "low" else None
+        part = rows[(rows["protocol"] == step["protocol"]) & (rows["importance"] == step["importance"])
+                    & (rows["mode"] == step["mode"])]
+        hi = naive_aopc(part[part["metric"] == step["higher"]], max_ratio)
+        lo = naive_aopc(part[part["metric"] == step["lower"]], max_ratio)
+        diff = (hi - lo).dropna()
+        assert len(diff) == step["n"] == DOCUMENTS
+        assert step["difference"] == pytest.approx(diff.mean(), abs=1e-9)
+        assert step["ci_low"] <= step["difference"] + 1e-12 and step["difference"] <= step["ci_high"] + 1e-12
+        checked += 1
+    # 2 protocols x 2 signs x 2 modes x 2 ranges, several pairs each
+    assert checked >= 16 * 4
+
+
+def test_verdicts_follow_the_interval_and_the_mode(sliced):
+    out, _, _ = sliced
+    ladder = findings.load_results(out, "04_faithfulness", MODEL).table
+    for _, step in ladder.iterrows():
+        above, below = step["ci_low"] > 0, step["ci_high"] < 0
+        claimed, other = (above, below) if step["mode"] == "comprehensiveness" else (below, above)
+        identical = step["ci_low"] == step["ci_high"] == 0
+        expected = "holds" if claimed else "contradicted" if other else "inconclusive"
+        assert step["verdict"] == expected or identical, step.to_dict()
+
+
+def test_findings_csv_rows_are_the_ladders_steps(sliced):
+    out, _, _ = sliced
+    table = pd.read_csv(out / "findings.csv")
+    assert list(table.columns) == findings.FAITHFULNESS_COLUMNS
+    ladder = findings.load_results(out, "04_faithfulness", MODEL).table
+    step = ladder[(ladder["lower"] == "attention") & (ladder["higher"] == "value_weighted")
+                  & (ladder["protocol"] == "per-head") & (ladder["importance"] == "signed")
+                  & (ladder["range"] == "low") & (ladder["mode"] == "comprehensiveness")].iloc[0]
+    row = table[(table["claim"] == "step 1->2") & (table["protocol"] == "per-head") & (table["importance"] == "signed")
+                & (table["range"] == "low") & (table["mode"] == "comprehensiveness")].iloc[0]
+    assert row["estimate"] == pytest.approx(step["difference"], rel=1e-12)
+    assert (row["ci_low"], row["ci_high"]) == pytest.approx((step["ci_low"], step["ci_high"]), rel=1e-12)
+    assert row["n_units"] == DOCUMENTS and row["unit"] == "document" and row["profile"] == "evidence"
+    # every (data, protocol, sign, range, mode) group has its three steps, random, ordering and cosine gain
+    assert len(table) == 2 * 2 * 2 * 2 * 6
+
+
+def test_the_committed_tables_are_those_of_the_committed_exports(tmp_path):
+    committed = es.DEFAULT_OUT
+    def from_exports(model):  # written by `evidence_slice tables` (the full build's notebook adds downstream rows)
+        got = findings.load_results(committed, "04_faithfulness", model)
+        return got is not None and got.metadata["parameters"].get("source", "").startswith("per-document exports")
+
+    models = [m for m in ("smollm2-135m", "gemma3-270m") if from_exports(m)]
+    if not models:
+        pytest.skip("no chapter 4 evidence table made from the exports is committed")
+    for js in committed.glob("per_document_*.json"):
+        shutil.copy(js, tmp_path / js.name)
+        shutil.copy(js.with_name(js.name.replace(".json", ".csv.gz")), tmp_path)
+    es.tables(tmp_path, models)
+    for model in models:
+        mine = findings.load_results(tmp_path, "04_faithfulness", model)
+        theirs = findings.load_results(committed, "04_faithfulness", model)
+        assert mine.metadata == theirs.metadata
+        pd.testing.assert_frame_equal(mine.table, theirs.table, check_exact=False, rtol=1e-12, atol=1e-15)
+
+
+def test_the_forest_plot_draws_every_measured_step_in_the_papers_direction(sliced):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cwcore.plotting import VERDICT_COLOURS, ladder_forest
+
+    out, _, _ = sliced
+    claims = pd.read_csv(out / "findings.csv")
+    fig = ladder_forest(claims)
+    drawn = claims[claims["claim"].str.startswith("step") | (claims["claim"] == "contribution beats random")]
+    drawn = drawn[drawn["verdict"] != "not measured"]
+    points = []
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            x = line.get_xdata()
+            if len(x) == 1 and line.get_marker() not in (None, "None", ""):
+                points.append((round(float(x[0]), 12), matplotlib.colors.to_hex(line.get_color())))
+    expected = [(round(float(e) * (-1 if m == "sufficiency" else 1), 12), VERDICT_COLOURS[v].lower())
+                for e, m, v in zip(drawn["estimate"], drawn["mode"], drawn["verdict"])]
+    assert sorted(points) == sorted(expected)
+    assert len(fig.axes) == 2  # one data set x two modes
+    plt.close(fig)
