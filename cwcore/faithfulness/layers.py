@@ -28,7 +28,7 @@ from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import Protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .ranking import removal_mask
 from .summary import aopc
-from .sweep import Sweep, canonical_order, pad_batch
+from .sweep import Sweep, canonical_order, pad_batch, piece_store
 
 __all__ = ["decoder_layers", "skip_to", "per_layer_curve", "per_layer_aopc", "forward_equivalents"]
 
@@ -86,10 +86,12 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
                     layers: Iterable[int] | None = None, unit: str = "head_key", scope: str = "row",
                     keep_first_token: bool = True, kind: str = "inter", importance: str = "signed", seed: int = 0,
                     batch_size: int = 16, max_length: int | None = 128, padding_side: str = "right",
-                    progress: bool = False) -> pd.DataFrame:
+                    progress: bool = False, cache: bool = True, cache_dir=None) -> pd.DataFrame:
     """Per-sequence table like :func:`~cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``)
     with a ``layer`` column: each row's terms were removed in that one layer only. ``layers``: which
-    layers to intervene in (default all); every layer is ranked as under the full protocol."""
+    layers to intervene in (default all); every layer is ranked as under the full protocol.
+    ``cache``: each batch's rows are stored in the result cache (namespace ``faithfulness-per-layer``,
+    named by the batch's content), so an interrupted run resumes and a longer one reuses its batches."""
     protocol = Protocol(unit, scope, None, keep_first_token, "clean", kind, importance, seed)
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
     sequences = _lm_sequences(texts, tokenizer, max_length)
@@ -101,11 +103,20 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     batches = [pad_batch(i // batch_size, sequences[i:i + batch_size],
                          list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side)
                for i in range(0, len(sequences), batch_size)]
+    store = piece_store("faithfulness-per-layer", {
+        **protocol.columns(), "kind": kind, "seed": seed, "layers": chosen, "metrics": [sp.label for sp in specs],
+        "modes": list(modes), "ratios": [float(r) for r in ratio_list], "max_length": max_length,
+        "padding_side": padding_side}, model, cache, cache_dir)
     sweep = Sweep(model, specs, modes, ratio_list, protocol, None, progress, len(batches))
     scorer = _lm_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     frames = []
     try:
         for batch in batches:
+            stored = None if store is None else store.get_group(f"{batch.digest}-per-layer")
+            if stored is not None:
+                frames.append(stored["rows"])
+                continue
+            first = len(frames)
             candidates = sweep.candidates(batch)
             outputs, handles = _record_outputs(stack)
             try:
@@ -133,6 +144,8 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
                                 frame = scorer(logits, batch, removed)
                             frames.append(frame.assign(metric=spec.label, kind=spec.kind, mode=m, ratio=ratio,
                                                        layer=layer, clean_nll=clean["nll"].to_numpy()))
+            if store is not None:
+                store.put_group(f"{batch.digest}-per-layer", {"rows": pd.concat(frames[first:], ignore_index=True)})
     finally:
         sweep.close()
     table = pd.concat(frames, ignore_index=True)

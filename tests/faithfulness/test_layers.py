@@ -51,3 +51,25 @@ def test_per_layer_rows_equal_full_forwards_on_one_layer(peaked):
             pd.testing.assert_series_equal(mine[column], full[column], check_dtype=False)
     areas = pl.per_layer_aopc(table, n_bootstrap=100)
     assert set(areas["layer"]) == {0, 1} and (areas["n_documents"] == len(ids)).all()
+
+
+def test_per_layer_rows_are_cached_per_batch_and_a_longer_run_reuses_them(peaked, tmp_path, monkeypatch):
+    model, ids = peaked
+    kw = dict(batch_size=5, cache_dir=tmp_path, seed=3)
+    metrics, ratios = ["attention", "contribution", "random"], [0.2, 0.5]
+    fresh = pl.per_layer_curve(model, None, ids, metrics, ratios, cache=False, **kw)
+    first = pl.per_layer_curve(model, None, ids[:5], metrics, ratios, **kw)  # one batch, stored
+    forwards = []
+    original = Sweep._forward
+    monkeypatch.setattr(Sweep, "_forward", lambda self, *a, **k: forwards.append(1) or original(self, *a, **k))
+    longer = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)  # first batch read back
+    pd.testing.assert_frame_equal(longer, fresh)
+    pd.testing.assert_frame_equal(longer[longer["sequence"] < 5].reset_index(drop=True),
+                                  first.reset_index(drop=True))
+    n_batches = -(-len(ids) // 5)
+    per_batch = 1 + 2 * len(metrics) * len(ratios) * 2  # clean pass + layers x metrics x modes x ratios
+    assert len(forwards) == (n_batches - 1) * per_batch
+    forwards.clear()
+    again = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)
+    pd.testing.assert_frame_equal(again, fresh)
+    assert forwards == []  # everything read from the cache
