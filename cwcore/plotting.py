@@ -215,7 +215,9 @@ def legend_below(fig, ax, ncols: int = 3, fontsize: float = 9) -> None:
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)
 
 
-#: verdict colours of :func:`ladder_forest` (colour-blind-safe: blue / vermilion / grey)
+#: verdict colours of :func:`ladder_forest` (colour-blind-safe: blue / vermilion / grey), keyed by the
+#: values of :data:`cwcore.stats.HOLDS`, ``CONTRADICTED`` and ``INCONCLUSIVE`` (literals: importing
+#: this module does not load scipy)
 VERDICT_COLOURS = {"holds": "#0072B2", "contradicted": "#D55E00", "inconclusive": "#7f7f7f"}
 _STEP_LABELS = {"step 1->2": "1→2", "step 2->3": "2→3", "step 3->4": "3→4",
                 "contribution beats random": "4 vs random"}
@@ -232,8 +234,10 @@ def ladder_forest(claims, title: str = ""):
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
+    from .stats import NOT_MEASURED
+
     rows = claims[claims["claim"].isin(list(_STEP_LABELS)) & claims["estimate"].notna()
-                  & (claims["verdict"] != "not measured")]
+                  & (claims["verdict"] != NOT_MEASURED)]
     datas = list(dict.fromkeys(rows["data"]))
     modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
     protocols = list(dict.fromkeys(rows["protocol"]))

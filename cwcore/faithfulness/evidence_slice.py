@@ -325,8 +325,8 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
     cells the rows hold (data set x protocol, documents) and what is not in them (the downstream tasks:
     the notebook adds those rows). Then ``out/findings.csv`` is rewritten by
-    :func:`cwcore.findings.findings_csv` over ``all_models`` (default: the models of the exports and of
-    the chapter tables already in ``out``), so its sink rows are those of the committed sink tables.
+    :func:`cwcore.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
+    order, as chapter 9 writes it), so its sink rows are those of the committed sink tables.
     Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
     differ from the notebook's in-memory one in the 8th digit."""
     out = Path(out) if out is not None else DEFAULT_OUT
@@ -335,10 +335,10 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     for model in models or list(exported):
         if model not in exported:
             raise ValueError(f"no per-document export of {model!r} in {out}")
-        ladders, cells, provenance = [], [], {}
+        ladders, cells, provenance, p = [], [], {}, None
         for data in exported[model]:
             rows, meta = read_committed(model, data, out)
-            p = notebook_parameters(meta["profile"], model)
+            p = p or notebook_parameters(meta["profile"], model)  # one profile per folder
             _, ladder = evidence.evidence_tables(rows.drop(columns=["data", "model", "delta_nll"]),
                                                  n_bootstrap=p["n_bootstrap"], seed=p["seed"])
             ladders.append(ladder.assign(data=data))
@@ -355,7 +355,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                                   exports=provenance))
         written += [path, path.with_suffix(".json")]
     profile = meta["profile"]
-    if all_models is None:  # the profile's models, in its order, as chapter 9 writes findings.csv
+    if all_models is None:
         conf = book.load_config(book.DEFAULT_BOOK_DIR / "run.yml")
         all_models = list(dict.fromkeys([*conf["profiles"][profile].get("models", []), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
