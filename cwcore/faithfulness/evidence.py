@@ -35,7 +35,7 @@ log-perplexity) over documents, with a 95% paired bootstrap interval and a two-s
 permutation p-value (:func:`judge`). Its verdict: **negligible** when the interval lies inside
 +-:data:`MARGINS` of its mode; otherwise holds / contradicted / inconclusive by the interval against 0
 on the claimed side; **not measured** when the protocol makes the two rungs the same ranking
-(:data:`IDENTICAL_BY_CONSTRUCTION`), whatever the numbers say. The primary family (:func:`primary_family`)
+(:func:`identical_by_construction`), whatever the numbers say. The primary family (:func:`primary_family`)
 is decided with Holm's adjustment over the whole family (``cwcore.findings``).
 """
 
@@ -49,12 +49,12 @@ import numpy as np
 
 from .. import stats
 from .lm import faithfulness_curve
-from .protocol import DEFAULT_RATIOS, parse_metric
+from .protocol import DEFAULT_RATIOS, Protocol, identical_steps, parse_metric
 from .summary import aopc, ladder_comparison
 
 __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
            "SIGN_INVARIANT", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables", "MARGINS", "ALPHA",
-           "N_PERMUTATIONS", "IDENTICAL_BY_CONSTRUCTION", "PRIMARY", "identical_by_construction", "judge",
+           "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
            "primary_family", "is_primary"]
 
 PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
@@ -77,11 +77,6 @@ MARGINS = {"comprehensiveness": 0.01, "sufficiency": 0.01}
 ALPHA = 0.05
 #: resamples of the sign-flip permutation test of each step (the smallest p is 1 / (N + 1))
 N_PERMUTATIONS = 9999
-#: the rung pairs each main protocol ranks identically by construction: not measured there. Under
-#: ``default`` (kind="inter", head_key units per query row) rung 3 divides rung 2 by ||o_i||, one number
-#: per query row, so their rankings of a row coincide.
-IDENTICAL_BY_CONSTRUCTION = {"default": (("value_weighted", "value_weighted_output_normalized"),), "per-head": ()}
-
 #: the pre-registered primary family (book/preregistration.md): for each model and data set, in both
 #: modes, under the headline importance and ratio range, each of these (lower, higher) rung pairs under
 #: the protocol where the pair is measured. Everything else is secondary (exploratory).
@@ -160,26 +155,30 @@ def evidence_tables(per_sequence: pd.DataFrame, *, n_bootstrap: int = 1000, seed
 
 
 def identical_by_construction(protocol: str, lower: str, higher: str) -> bool:
-    """Whether main ``protocol`` ranks rungs ``lower`` and ``higher`` identically by construction
-    (:data:`IDENTICAL_BY_CONSTRUCTION`; unknown protocols: False)."""
-    return (lower, higher) in IDENTICAL_BY_CONSTRUCTION.get(protocol, ())
+    """Whether main ``protocol`` (a key of :data:`PROTOCOLS`) ranks rungs ``lower`` and ``higher``
+    identically by construction (:func:`cwcore.faithfulness.protocol.identical_steps`: under
+    ``default``, rung 3 divides rung 2 by ||o_i||, one number per query row)."""
+    return (lower, higher) in identical_steps(Protocol(**PROTOCOLS.get(protocol, {})))
 
 
 def judge(ladder: pd.DataFrame, margins: dict | None = None) -> pd.DataFrame:
     """A :func:`~cwcore.faithfulness.ladder_comparison` table (with a ``protocol`` column, or the
     default protocol) judged by the pre-registered rule: column ``margin`` (:data:`MARGINS` of the
     row's mode) and ``verdict`` = :func:`cwcore.stats.verdict` of the interval against 0 on the mode's
-    side with that margin, or not measured where the protocol ranks the pair identically
-    (:func:`identical_by_construction`). Returns a copy."""
+    side with that margin, or not measured where the protocol ranks the pair identically (the table's
+    ``identical`` column, else :func:`identical_by_construction`). Returns a copy."""
     margins = MARGINS if margins is None else margins
     out = ladder.copy()
     if out.empty:
         return out.assign(margin=pd.Series(dtype=float))
     protocols = out["protocol"] if "protocol" in out else pd.Series("default", index=out.index)
+    given = out["identical"] if "identical" in out else pd.Series(None, index=out.index, dtype=object)
     out["margin"] = [float(margins.get(m, np.nan)) for m in out["mode"]]
     verdicts = []
-    for protocol, (_, r) in zip(protocols, out.iterrows()):
-        if identical_by_construction(protocol, r["lower"], r["higher"]):
+    for protocol, identical, (_, r) in zip(protocols, given, out.iterrows()):
+        if not isinstance(identical, (bool, np.bool_)):
+            identical = identical_by_construction(protocol, r["lower"], r["higher"])
+        if identical:
             verdicts.append(stats.NOT_MEASURED)
             continue
         side = "above" if r["mode"] == "comprehensiveness" else "below"
