@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from . import stats
+from .core.decomposition import METRICS
 from .book import results_path
 from .cache import atomic_write_bytes
 from .stats import CONTRADICTED, HOLDS, INCONCLUSIVE, NOT_MEASURED, VERDICTS, combine_verdicts
@@ -49,7 +50,7 @@ __all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", 
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
-RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 
 CLAIMS = {
     "ordering": "faithfulness: attention < value-weighted < output-normalised < contribution",
