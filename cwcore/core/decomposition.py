@@ -29,13 +29,49 @@ from .attention import AttentionSession, LayerCall, cwcore_attention
 from .geometry import HeadSpaceGeometry
 from .inputs import check_compute_dtype, check_inputs, check_layers
 
-__all__ = ["Decomposition", "LayerDecomposition", "decompose", "METRICS", "ZERO_NORM", "prepare_inputs"]
+__all__ = ["Decomposition", "LayerDecomposition", "decompose", "METRICS", "Rung", "ZERO_NORM", "prepare_inputs"]
 
 #: Norms at or below this (in the compute dtype) count as zero: weights divided by them are NaN.
 ZERO_NORM = 1e-12
 
-#: The geometric ladder of PAPER.md section 4, in order.
-METRICS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+# -- METRICS: the geometric ladder, in one place ------------------------------------------------------
+class Rung(str):
+    """One rung of the geometric ladder: its name (the string itself, e.g. ``"contribution"``) plus
+    ``title`` (display name, numbered), ``colour`` (hex, the book's figures), ``kinds`` (the kinds
+    of output normalisation it depends on: ``()`` or ``("inter", "intra")``) and ``rescales``: the
+    lower rung it divides by the output norm of its kind (None), which makes the two rank identically
+    wherever that norm is constant over a ranked group (see
+    :func:`cwcore.faithfulness.protocol.identical_steps`).
+
+    Adding a rung is one entry of :data:`METRICS` plus its branch in :meth:`LayerDecomposition.metric`.
+    """
+
+    title: str
+    colour: str
+    kinds: tuple[str, ...]
+    rescales: str | None
+
+    def __new__(cls, name: str, title: str, colour: str, kinds: tuple[str, ...] = (), rescales: str | None = None):
+        rung = super().__new__(cls, name)
+        rung.title, rung.colour, rung.kinds, rung.rescales = title, colour, tuple(kinds), rescales
+        return rung
+
+    def __reduce__(self):
+        return Rung, (str(self), self.title, self.colour, self.kinds, self.rescales)
+
+    @property
+    def kind_dependent(self) -> bool:
+        return bool(self.kinds)
+
+
+#: The geometric ladder of PAPER.md section 4, in order (names are plain strings: ``"contribution" in METRICS``).
+METRICS = (
+    Rung("attention", "1 attention", "#0173b2"),
+    Rung("value_weighted", "2 value-weighted", "#de8f05"),
+    Rung("value_weighted_output_normalized", "3 output-normalised", "#029e73", ("inter", "intra"),
+         rescales="value_weighted"),
+    Rung("contribution", "4 contribution", "#d55e00", ("inter", "intra")),
+)
 
 
 def _nan_at_zero(denominator: torch.Tensor) -> torch.Tensor:
