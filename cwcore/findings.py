@@ -136,7 +136,22 @@ def _side(mode: str) -> str:
 
 
 def _identical(row) -> bool:
-    """Two rungs whose rankings were identical (same forwards): difference exactly 0, zero-width interval."""
+    """Two rungs that rank identically by construction under the row's protocol
+    (:func:`cwcore.faithfulness.protocol.identical_steps`), a property of the protocol, never of the
+    numbers: the row's ``identical`` column where the ladder table has one, else the protocol read from
+    its columns (``protocol``: a main protocol's name; ``unit``, ``scope``). Only a bare table with none of
+    them falls back to the numbers (difference and interval exactly 0)."""
+    from .faithfulness.evidence import PROTOCOLS
+    from .faithfulness.protocol import Protocol, identical_steps
+
+    get = row.get if hasattr(row, "get") else (lambda key, default=None: default)
+    given = get("identical")
+    if isinstance(given, (bool, np.bool_)) or given in (0, 1):
+        return bool(given)
+    if any(get(column) is not None for column in ("protocol", "unit", "scope")):
+        change = PROTOCOLS.get(get("protocol", "default"), {})
+        protocol = Protocol(unit=get("unit", "head_key"), scope=get("scope", "row"), **change)
+        return (row["lower"], row["higher"]) in identical_steps(protocol)
     return row["difference"] == 0 and row["ci_low"] == 0 and row["ci_high"] == 0
 
 
