@@ -55,9 +55,9 @@ RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 CLAIMS = {
     "ordering": "faithfulness: attention < value-weighted < output-normalised < contribution",
     "cosine_gain": "the cosine (rung 3 -> 4) is the largest gain",
-    "sink_rates": "many heads are sink heads (Sink_eps, eps = 0.3)",
+    "sink_rates": "(the book's claim, not the paper's) many heads are sink heads (Sink_eps, eps = 0.3)",
     "decomposition": "sink contribution driven by geometry, tail by attention and alignment",
-    "sink_position": "the sink is the first position",
+    "sink_position": "(the book's check of the paper's reading) the sink is the first position",
     "anti_alignment": "the sink's value points against the semantic values",
     "anti_alignment_trend": "the stronger the sink, the stronger the anti-alignment",
     "suppression": "the sink suppresses the output norm",
