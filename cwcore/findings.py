@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 
 from . import stats
+from .core.decomposition import METRICS
 from .book import results_path
 from .cache import atomic_write_bytes
 from .faithfulness import evidence
@@ -60,16 +61,16 @@ __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED"
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
-RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 
 CLAIMS = {
     "ordering": "faithfulness: attention < value-weighted < output-normalised < contribution",
     "cosine_gain": "the cosine (rung 3 -> 4) is the largest gain",
     "ordering_sufficiency": "faithfulness (sufficiency): attention < value-weighted < output-normalised < contribution",
     "cosine_gain_sufficiency": "the cosine (rung 3 -> 4) is the largest gain (sufficiency)",
-    "sink_rates": "many heads are sink heads (Sink_eps, eps = 0.3)",
+    "sink_rates": "(the book's claim, not the paper's) many heads are sink heads (Sink_eps, eps = 0.3)",
     "decomposition": "sink contribution driven by geometry, tail by attention and alignment",
-    "sink_position": "the sink is the first position",
+    "sink_position": "(the book's check of the paper's reading) the sink is the first position",
     "anti_alignment": "the sink's value points against the semantic values",
     "anti_alignment_trend": "the stronger the sink, the stronger the anti-alignment",
     "suppression": "the sink suppresses the output norm",

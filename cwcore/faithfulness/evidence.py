@@ -48,6 +48,7 @@ import pandas as pd
 import numpy as np
 
 from .. import stats
+from ..core.decomposition import METRICS
 from .lm import faithfulness_curve
 from .protocol import DEFAULT_RATIOS, Protocol, identical_steps, parse_metric
 from .summary import aopc, ladder_comparison
@@ -66,7 +67,7 @@ LOW_RATIOS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 PAPER_RATIOS = DEFAULT_RATIOS
 LOW_MAX = 0.05
 IMPORTANCES = ("signed", "absolute")
-SIGN_INVARIANT = ("attention", "value_weighted", "value_weighted_output_normalized", "random")
+SIGN_INVARIANT = tuple(str(r) for r in METRICS if r.nonnegative) + ("random",)  # never negative
 
 #: the equivalence margin of an AOPC difference per mode, in nats of log-perplexity, fixed before the
 #: remaining evidence was computed (book/preregistration.md): 0.01 nats is a 1% change of perplexity
