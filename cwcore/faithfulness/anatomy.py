@@ -34,7 +34,7 @@ import torch
 
 from .. import stats
 from ..core.architectures import attention_blocks
-from ..core.decomposition import decompose
+from ..core.decomposition import METRICS, decompose
 from ..runs import progress as progress_bar
 from .evidence import PROTOCOLS
 from .protocol import Protocol, modes as parse_modes, ranking_identity
@@ -43,7 +43,7 @@ from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selecti
 __all__ = ["MEASURES", "LADDER", "selection_anatomy", "layer_average", "explain_step"]
 
 MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
-LADDER = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+LADDER = tuple(map(str, METRICS))
 
 
 def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, keep_first_token, window):
