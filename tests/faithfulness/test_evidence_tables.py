@@ -23,6 +23,9 @@ from cwcore.faithfulness import evidence, evidence_slice as es
 
 MODEL, DATA, DOCUMENTS = "smollm2-135m", "gsm8k", 8
 
+# the committed evidence recomputed into tables: minutes of the quick tier's time, so in `make test` only
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def sliced(tmp_path_factory):
