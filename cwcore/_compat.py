@@ -20,6 +20,10 @@ MOVED = {
     "cwcore.interventions": "cwcore.core.interventions",
     "cwcore.ranking": "cwcore.faithfulness.ranking",
     "cwcore.sink_claims": "cwcore.sinks.claims",
+    # the book wing (cwcore/book/): no module or notebook of the project uses these names
+    "cwcore.findings": "cwcore.book.findings",
+    "cwcore.notebook": "cwcore.book.notebook",
+    "cwcore.faithfulness.evidence_slice": "cwcore.book.evidence_export",
 }
 
 

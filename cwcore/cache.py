@@ -18,6 +18,7 @@ full disk) turns into an uncached run with one warning per cache folder and proc
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -34,7 +35,7 @@ import pandas as pd
 
 __all__ = ["BASE_CODE", "CacheWarning", "NO_CACHE_ENV_VAR", "cache_root", "caching_disabled", "code_scope",
            "code_version", "parameters_key", "ResultCache", "atomic_write_bytes", "current_umask", "result_runs",
-           "prune", "verify", "verify_piece"]
+           "prune", "verify", "verify_piece", "CacheTally", "counting"]
 
 NO_CACHE_ENV_VAR = "CWCORE_NO_CACHE"
 CHECKSUM_SUFFIX = ".sha256"  # <piece>.parquet.sha256: the hex sha256 of the piece's bytes
@@ -222,6 +223,43 @@ def _mark_unwritable(root: Path, error: OSError) -> None:
                   "--no-cache to run uncached without this warning)", CacheWarning, stacklevel=4)
 
 
+class CacheTally:
+    """Result-cache reads counted while :func:`counting` is active: ``hits``, ``misses`` and the
+    ``folders`` read (``<namespace>/<key>``); with ``require``, a miss raises :class:`LookupError`
+    before anything is computed."""
+
+    def __init__(self, require: bool = False):
+        self.require, self.hits, self.misses, self.folders = require, 0, 0, set()
+
+    def record(self, cache: "ResultCache", piece: str, frame) -> None:
+        self.folders.add(f"{cache.directory.parent.name}/{cache.directory.name}")
+        if frame is None:
+            self.misses += 1
+            if self.require:
+                raise LookupError(f"piece {piece} is not in {cache.directory} (a run that requires cached results)")
+        else:
+            self.hits += 1
+
+
+_TALLIES: list[CacheTally] = []
+
+
+@contextlib.contextmanager
+def counting(require: bool = False):
+    """Count every :class:`ResultCache` read in this block (all caches, however deep they are made)::
+
+        with counting(require=True) as tally:
+            run()
+        tally.hits, tally.misses
+    """
+    tally = CacheTally(require)
+    _TALLIES.append(tally)
+    try:
+        yield tally
+    finally:
+        _TALLIES.remove(tally)
+
+
 class ResultCache:
     """Pieces of one run's results, as DataFrames.
 
@@ -241,12 +279,25 @@ class ResultCache:
         self.code = code_scope(code)
         self.root = Path(root) if root is not None else cache_root()
         self.directory = self.root / "results" / namespace / parameters_key(parameters, self.code)
+        self.hits = 0  # reads that found their piece (get), and those that did not
+        self.misses = 0
 
     def _path(self, piece: str) -> Path:
         return self.directory / f"{piece}.parquet"
 
     def get(self, piece: str) -> pd.DataFrame | None:
-        """The stored piece, or None if it was never completed (or was damaged: then it is deleted)."""
+        """The stored piece, or None if it was never completed (or was damaged: then it is deleted).
+        Counted: this cache's ``hits`` / ``misses``, and every active :func:`counting` tally."""
+        frame = self._read(piece)
+        if frame is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        for tally in tuple(_TALLIES):
+            tally.record(self, piece, frame)
+        return frame
+
+    def _read(self, piece: str) -> pd.DataFrame | None:
         if not self.enabled:
             return None
         path = self._path(piece)

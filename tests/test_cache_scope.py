@@ -29,7 +29,8 @@ def test_plotting_book_and_cli_edits_keep_every_result_key(package_copy):
     scopes = ["faithfulness", "sinks", "analysis"]
     before = {s: cache.code_version(s) for s in scopes}
     whole = cache.code_version()
-    for name in ("plotting.py", "book.py", "cli.py", "notebook.py", "findings.py"):
+    for name in ("plotting.py", "book/__init__.py", "cli.py", "book/notebook.py", "book/findings.py",
+                 "book/evidence_export.py"):
         if (package_copy / name).exists():
             _edit(package_copy / name)
     assert {s: cache.code_version(s) for s in scopes} == before

@@ -145,7 +145,7 @@ def _solution(key: str) -> str:
 
 
 def _exports():
-    from cwcore.faithfulness import evidence_slice as es
+    from cwcore.book import evidence_export as es
 
     out = []
     for js in sorted(es.DEFAULT_OUT.glob("per_document_*.json")):
@@ -168,8 +168,9 @@ def chapter4_inputs():
     """{(model, data): namespace} with the names chapter 4's solutions read, from the committed evidence:
     ``per_seq`` (the per-document export), ``areas`` (evidence_tables of it, as the notebook computes
     them), ``claims`` (faithfulness_findings of the committed ladder table), ``protocols``, ``first``."""
-    from cwcore import findings
-    from cwcore.faithfulness import evidence, evidence_slice as es
+    from cwcore.book import findings
+    from cwcore.book import evidence_export as es
+    from cwcore.faithfulness import evidence
 
     if not EXPORTS:
         pytest.skip("no committed per-document export")

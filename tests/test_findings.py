@@ -1,4 +1,4 @@
-"""cwcore.findings: the verdict rules in the one vocabulary of cwcore.stats, and the tables the chapters
+"""cwcore.book.findings: the verdict rules in the one vocabulary of cwcore.stats, and the tables the chapters
 write and the findings page reads (missing chapters: not measured)."""
 
 import json
@@ -7,7 +7,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cwcore import book, findings as F
+from cwcore import book
+
+from cwcore.book import findings as F
 from cwcore import stats
 from cwcore.faithfulness import evidence
 from cwcore.sinks import claims as SC

@@ -203,7 +203,7 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     """Dissect the first ``documents`` documents of the evidence sample (``document_blocks(load_dataset(data),
     tokenizer, seq_len, documents, seed=seed)``, the sample of chapter 4's evidence build) and test the
     per-head 2->3 explanation against that build's exported per-document rows (``per_document_csv``, from
-    :mod:`cwcore.faithfulness.evidence_slice`). Writes ``anatomy_<model>_<data>.csv`` (layer averages per
+    :mod:`cwcore.book.evidence_export`). Writes ``anatomy_<model>_<data>.csv`` (layer averages per
     document), ``explain_<model>_<data>.csv`` (:func:`explain_step` for 1->2, 2->3 and 3->4) and a
     ``.json`` with the provenance into ``out``; returns their paths."""
     import json
@@ -211,9 +211,8 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     from pathlib import Path
 
     import cwcore
-    from .. import book
+    from .. import provenance
     from ..data import document_blocks
-    from .evidence_slice import _git
 
     t0 = time.monotonic()
     rows = pd.read_csv(per_document_csv)
@@ -233,12 +232,12 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
                           ignore_index=True)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{book.slug(model_name)}_{data}"
+    stem = f"{provenance.slug(model_name)}_{data}"
     paths = [out / f"anatomy_{stem}.csv", out / f"explain_{stem}.csv", out / f"anatomy_{stem}.json"]
     layer_avg.assign(model=model_name, data=data).to_csv(paths[0], index=False, float_format="%.6g")
     explained.assign(model=model_name, data=data).to_csv(paths[1], index=False, float_format="%.6g")
     root = Path(__file__).resolve().parents[2]
-    commit = _git(root, "rev-parse", "HEAD")
+    commit = provenance.git(root, "rev-parse", "HEAD")
     paths[2].write_text(json.dumps({
         "what": "cwcore.faithfulness.anatomy on chapter 4's evidence sample: per-head protocol, signed; "
                 "damage from the evidence build's per-document rows",

@@ -36,7 +36,7 @@ permutation p-value (:func:`judge`). Its verdict: **negligible** when the interv
 +-:data:`MARGINS` of its mode; otherwise holds / contradicted / inconclusive by the interval against 0
 on the claimed side; **not measured** when the protocol makes the two rungs the same ranking
 (:func:`identical_by_construction`), whatever the numbers say. The primary family (:func:`primary_family`)
-is decided with Holm's adjustment over the whole family (``cwcore.findings``).
+is decided with Holm's adjustment over the whole family (``cwcore.book.findings``).
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def test_bad_input_is_refused(sample):
 def test_evidence_files_on_the_committed_export(tmp_path):
     """The command line's files on the first documents of the committed smollm2 GSM8K export: the damage
     gaps are the export's own per-document rows, the anatomy rows are the documents of the sample."""
-    from cwcore.faithfulness import evidence_slice as es
+    from cwcore.book import evidence_export as es
 
     csv, _ = es.paths("smollm2-135m", "gsm8k")
     if not csv.is_file():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from cwcore import faithfulness as fa
-from cwcore import findings, stats
+from cwcore import stats
+from cwcore.book import findings
 
 
 def test_method_pairs():

@@ -17,9 +17,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cwcore import findings
+from cwcore.book import findings
 from cwcore.book import results_path
-from cwcore.faithfulness import evidence, evidence_slice as es
+from cwcore.book import evidence_export as es
+from cwcore.faithfulness import evidence
 
 MODEL, DATA, DOCUMENTS = "smollm2-135m", "gsm8k", 8
 

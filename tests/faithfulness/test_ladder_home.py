@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 
 
-from cwcore import findings
+from cwcore.book import findings
 from cwcore.core.decomposition import METRICS, Rung
 from cwcore.faithfulness import anatomy, evidence, methods
 from cwcore.faithfulness.protocol import LADDER

@@ -11,7 +11,7 @@ and the prose reads ``{glue:text}`n_heads```. These helpers are that glue, once 
 * :func:`show` — a table in the book's table style.
 
 The figure helpers (bands, per-layer axes, legends) are in :mod:`cwcore.plotting`; the tables the
-chapters hand to the findings page are written by :func:`cwcore.findings.save_results`. Importing
+chapters hand to the findings page are written by :func:`cwcore.book.findings.save_results`. Importing
 this module loads neither torch nor myst_nb; ``glue`` is imported on first use.
 """
 

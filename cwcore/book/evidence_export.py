@@ -19,39 +19,33 @@ keeps its per-document table only in the result cache. This module
   writes, ``04_faithfulness/<model>.csv`` with its ``.json``) and rewrites ``findings.csv`` beside
   them, so that the findings page shows what the exports hold while the build is unfinished.
 
-It also runs as a script, so that it can export under a frozen checkout of cwcore (whose code hash
-keys that checkout's cache)::
+It runs as a module, also under a frozen checkout of cwcore (whose code hash keys that checkout's
+cache; a checkout older than this module has it as ``cwcore/faithfulness/evidence_slice.py``)::
 
-    PYTHONPATH=/path/to/frozen CWCORE_CACHE=... python cwcore/faithfulness/evidence_slice.py export \\
+    PYTHONPATH=/path/to/frozen CWCORE_CACHE=... python -m cwcore.book.evidence_export export \\
         --profile evidence --model smollm2-135m --data gsm8k --documents 8 --protocols default --require-cached
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import platform
 import sys
+import time
 from pathlib import Path
+from typing import Sequence
 
-if __name__ == "__main__":  # as a script: this folder (lm.py, ...) must not shadow top-level modules
-    _HERE = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+import numpy as np
+import pandas as pd
 
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from typing import Sequence  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-import cwcore  # noqa: E402
-from cwcore import book  # noqa: E402
-from cwcore import cache as cw_cache  # noqa: E402
-from cwcore import findings  # noqa: E402
-from cwcore.data import document_blocks  # noqa: E402
-from cwcore.faithfulness import evidence  # noqa: E402
+import cwcore
+from .. import cache as cw_cache
+from .. import provenance
+from ..data import document_blocks
+from ..faithfulness import evidence
+from . import findings
+from . import DEFAULT_BOOK_DIR, injected_parameters, load_config, plan, results_path, slug
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "notebook_parameters", "per_document",
            "export", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
@@ -85,14 +79,14 @@ def notebook_parameters(profile: str, model: str, config: str | Path | None = No
     cell's defaults, replaced by the parameters the book runner injects (:func:`cwcore.book.plan`, then
     :func:`cwcore.book.injected_parameters`: the profile's ``params`` updated with
     ``notebooks.04_faithfulness``, only those the notebook declares)."""
-    conf = book.load_config(config or book.DEFAULT_BOOK_DIR / "run.yml")
-    _, _, runs = book.plan(conf, profile=profile, models=[model], only=CHAPTER)
+    conf = load_config(config or DEFAULT_BOOK_DIR / "run.yml")
+    _, _, runs = plan(conf, profile=profile, models=[model], only=CHAPTER)
     run = next((r for r in runs if r.model == model), None)
     if run is None:
         raise ValueError(f"profile {profile!r} does not run {CHAPTER} on {model!r} "
                          f"(it runs {[r.model for r in runs]})")
     defaults = _parameters_cell(run.source)
-    return {**defaults, **book.injected_parameters(run, set(defaults))}
+    return {**defaults, **injected_parameters(run, set(defaults))}
 
 
 def _subset(wanted, available, what: str) -> list:
@@ -157,45 +151,8 @@ def paths(model: str, data: str, out: str | Path | None = None) -> tuple[Path, P
     """(gzipped CSV, JSON) of one model and data set under ``out`` (default ``data/results/evidence``).
     The rows are gzipped (about a quarter of the plain CSV; pandas and ``zcat`` read them)."""
     folder = Path(out) if out is not None else DEFAULT_OUT
-    stem = f"per_document_{book.slug(model)}_{data}"
+    stem = f"per_document_{slug(model)}_{data}"
     return folder / f"{stem}.csv.gz", folder / f"{stem}.json"
-
-
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-class _Counted:
-    """Counts the result-cache reads during a run (hits, misses, the folders read); with
-    ``require=True`` a miss raises before anything is computed."""
-
-    def __init__(self, require: bool):
-        self.require, self.hits, self.misses, self.folders = require, 0, 0, set()
-
-    @contextlib.contextmanager
-    def active(self):
-        original = cw_cache.ResultCache.get
-        counter = self
-
-        def get(cache_self, piece):
-            frame = original(cache_self, piece)
-            counter.folders.add(f"{cache_self.directory.parent.name}/{cache_self.directory.name}")
-            if frame is None:
-                counter.misses += 1
-                if counter.require:
-                    raise LookupError(f"piece {piece} is not in {cache_self.directory} (--require-cached)")
-            else:
-                counter.hits += 1
-            return frame
-
-        cw_cache.ResultCache.get = get
-        try:
-            yield self
-        finally:
-            cw_cache.ResultCache.get = original
 
 
 def export(profile: str, model: str, data: str, n_documents: int, protocols: Sequence[str] = ("default",),
@@ -205,22 +162,21 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     """Run :func:`per_document` and write its CSV (floats to :data:`SIGNIFICANT_DIGITS` significant
     digits) and the provenance JSON; returns their paths. ``require_cached``: fail, computing nothing,
     unless every piece is in the result cache."""
-    counter = _Counted(require_cached)
     t0 = time.monotonic()
     p = notebook_parameters(profile, model, config)
     loaded = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
     load_s = time.monotonic() - t0
-    with counter.active():
+    with cw_cache.counting(require=require_cached) as counter:
         table = per_document(profile, model, data, n_documents, protocols, importances, ratios, metrics,
                              config=config, loaded=loaded)
     wall = time.monotonic() - t0
     used = table.attrs["parameters"]
     root = Path(cwcore.__file__).resolve().parent.parent
-    status = _git(root, "status", "--porcelain", "--", "cwcore")
+    status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
     meta = {
         "what": f"per-document rows of chapter {CHAPTER}'s ladder sweeps (cwcore.faithfulness.evidence.ladder_sweep)"
                 " on the first documents of the profile's sample; delta_nll = nll - clean_nll (nats)",
-        "commit": _git(root, "rev-parse", "HEAD"),
+        "commit": provenance.git(root, "rev-parse", "HEAD"),
         "cwcore_modified": None if status is None else bool(status),
         "profile": profile, "model": model, "data": data, "documents": int(n_documents),
         "document_ids": [int(d) for d in table.sort_values("sequence", kind="stable")["document"].unique()],
@@ -321,11 +277,11 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     """Chapter 4's evidence tables from the exports in ``out`` (default ``data/results/evidence``):
     for each model, :func:`cwcore.faithfulness.evidence.evidence_tables` of every exported data set
     (per protocol and ratio range; the profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
-    column as the notebook stacks them, written by :func:`cwcore.findings.save_results` to
+    column as the notebook stacks them, written by :func:`cwcore.book.findings.save_results` to
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
     cells the rows hold (data set x protocol, documents) and what is not in them (the downstream tasks:
     the notebook adds those rows). Then ``out/findings.csv`` is rewritten by
-    :func:`cwcore.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
+    :func:`cwcore.book.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
     order, as chapter 9 writes it), so its sink rows are those of the committed sink tables.
     Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
     differ from the notebook's in-memory one in the 8th digit."""
@@ -345,7 +301,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
             cells += [f"{data} x {protocol} ({meta['documents']} documents)" for protocol in meta["protocols"]]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
-        path = book.results_path(out, CHAPTER, model)
+        path = results_path(out, CHAPTER, model)
         findings.save_results(path, pd.concat(ladders, ignore_index=True), chapter=CHAPTER, model=model,
                               profile=meta["profile"], parameters=dict(
                                   source="per-document exports (evidence_slice tables)", cells=cells,
@@ -356,7 +312,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         written += [path, path.with_suffix(".json")]
     profile = meta["profile"]
     if all_models is None:
-        conf = book.load_config(book.DEFAULT_BOOK_DIR / "run.yml")
+        conf = load_config(DEFAULT_BOOK_DIR / "run.yml")
         all_models = list(dict.fromkeys([*conf["profiles"][profile].get("models", []), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
     table.to_csv(out / "findings.csv", index=False)
@@ -365,7 +321,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
 
 # -- command line ----------------------------------------------------------------------------------
 def _arguments(argv=None):
-    parser = argparse.ArgumentParser(prog="evidence_slice", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_export", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("export", "write per_document_<model>_<data>.csv.gz/.json"),
                        ("check", "recompute a slice without the cache and compare it with the export")):

@@ -39,7 +39,7 @@ Layout of ``book/generated/`` (relative to it; ``<slug>`` is the model name made
 A notebook runs with its executed copy's folder as working directory, so ``output_dir``,
 ``results_file`` and ``results_dir`` are relative paths. ``results_file`` is where a chapter writes
 the table that later pages read (chapters 4-7 write their claims and ladder tables there; see
-:mod:`cwcore.findings`); ``results_dir`` is the folder of all of them, for a page that reads them (the
+:mod:`cwcore.book.findings`); ``results_dir`` is the folder of all of them, for a page that reads them (the
 findings page), which is executed again whenever one of those tables changes.
 
 A failing notebook stops the build; its executed copy (with the error) is kept in
@@ -64,9 +64,10 @@ from pathlib import Path
 
 import yaml
 
-from .cache import atomic_write_bytes, current_umask, parameters_key
+from ..cache import atomic_write_bytes, current_umask, parameters_key
+from .. import provenance as _provenance
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BOOK_DIR = REPO_ROOT / "book"
 DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "cwcore"
@@ -122,10 +123,10 @@ class Run:
 
 def slug(name: str) -> str:
     """A model name as a file and URL component: 'Qwen/Qwen3-8B' -> 'qwen-qwen3-8b'."""
-    s = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    if not s:
-        raise BookError(f"model name {name!r} has no letters or digits")
-    return s
+    try:
+        return _provenance.slug(name)
+    except ValueError as err:
+        raise BookError(str(err)) from None
 
 
 def load_config(path: str | os.PathLike) -> dict:
@@ -263,7 +264,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
 def results_path(results_dir: str | os.PathLike, chapter: str, model: str | None = None) -> Path:
     """Where chapter ``chapter`` (run on ``model``; None: a once chapter) writes its results table
     inside ``results_dir``: ``<chapter>/<slug(model)>.csv``, or ``<chapter>.csv``. Its metadata goes
-    beside it, with the suffix ``.json`` (:func:`cwcore.findings.save_results`)."""
+    beside it, with the suffix ``.json`` (:func:`cwcore.book.findings.save_results`)."""
     if model is None:
         return Path(results_dir) / f"{chapter}.csv"
     return Path(results_dir) / chapter / f"{slug(model)}.csv"

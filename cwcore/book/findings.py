@@ -45,14 +45,14 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from . import stats
-from .core.decomposition import METRICS
-from .book import results_path
-from .cache import atomic_write_bytes
-from .faithfulness import evidence
-from .stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
+from .. import stats
+from ..core.decomposition import METRICS
+from . import results_path
+from ..cache import atomic_write_bytes
+from ..faithfulness import evidence
+from ..stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
                     combine_verdicts)
-from .sinks import claims as sink_claims
+from ..sinks import claims as sink_claims
 
 __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "primary_decisions",
            "primary_ordering", "STEPS", "PRIMARY_COLUMNS", "primary_table", "RUNGS", "CLAIMS",
@@ -156,8 +156,8 @@ def _identical(row) -> bool:
     numbers: the row's ``identical`` column where the ladder table has one, else the protocol read from
     its columns (``protocol``: a main protocol's name; ``unit``, ``scope``). Only a bare table with none of
     them falls back to the numbers (difference and interval exactly 0)."""
-    from .faithfulness.evidence import PROTOCOLS
-    from .faithfulness.protocol import Protocol, identical_steps
+    from ..faithfulness.evidence import PROTOCOLS
+    from ..faithfulness.protocol import Protocol, identical_steps
 
     get = row.get if hasattr(row, "get") else (lambda key, default=None: default)
     given = get("identical")
@@ -499,7 +499,7 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
 
 #: the committed evidence tables of this checkout (data/results/evidence: the chapters' tables of the
 #: ``evidence`` profile, laid out as a results folder, with PROVENANCE); absent in an installed package
-EVIDENCE_DIR = Path(__file__).resolve().parents[1] / "data" / "results" / "evidence"
+EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 
 #: the columns that name one findings row (a claim part, or one ladder step, of one model and data set)
 ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "variant"]
