@@ -104,3 +104,15 @@ def test_torchrun_with_two_ranks_gives_the_single_process_frame_on_every_rank(tm
     for rank in (0, 1):
         got = pd.read_parquet(tmp_path / f"rank{rank}-of-2-torchrun.parquet")
         pd.testing.assert_frame_equal(alone, got, check_exact=True)
+
+
+def test_book_build_jobs_sets_the_ranks_of_every_kernel(monkeypatch):
+    from cwcore import book
+
+    seen = {}
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "1")  # restored after the test, whatever main sets
+    monkeypatch.setattr(book, "build", lambda **kwargs: seen.update(jobs=os.environ.get(runs.JOBS_ENV_VAR)))
+    assert book.main(["build", "--profile", "smoke", "--jobs", "2", "--no-html"]) == 0
+    assert seen["jobs"] == "2" and runs.local_jobs() == 2
+    with pytest.raises(SystemExit):
+        book.main(["build", "--jobs", "0"])
