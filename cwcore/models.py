@@ -59,6 +59,9 @@ __all__ = [
     "resolve_dtype",
     "verify_cached_folder",
     "verify_models",
+    "VARIANTS",
+    "requantize_weights",
+    "variant_model_path",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -136,8 +139,87 @@ def packaged_model_path(name: str) -> Path:
     )
 
 
+#: Weight variants of the packaged GGUF models: name -> the 4-bit scheme of ``gguf.quants`` that
+#: re-quantises the de-quantised weights (a scheme other than the GGUF's own Q4_1 / Q4_K_M, so that
+#: the weights move by about as much as the first quantisation moved them).
+VARIANTS: dict[str, str] = {"requantized": "Q4_0"}
+#: the weights a variant re-quantises: every linear projection of the decoder layers (attention
+#: q, k, v, o and the MLP); embeddings, norms and the LM head stay as the GGUF file gives them
+_REQUANTIZED_MODULES = ("self_attn", "mlp")
+
+
+def requantize_weights(model, scheme: str = "Q4_0", original: str | None = None) -> dict[str, dict[str, float]]:
+    """Quantise and de-quantise, in place, every linear weight of the decoder layers' attention and
+    MLP with ``scheme`` (a type of ``gguf.quants``, blocks of 32 along the input features).
+
+    Returns ``{projection: {"relative_change": ||W' - W||_F / ||W||_F over all layers}}`` per projection
+    name (``v_proj``, ``o_proj``, ...); with ``original`` (the GGUF's own scheme) also
+    ``"proxy_original_error"``: the same norm of ``original`` applied to W', an estimate of how far the
+    first quantisation moved the weights (W' is not on ``original``'s grid, as the full-precision
+    weights were not)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[scheme]
+    sums: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or not any(f".{part}." in f".{name}." for part in _REQUANTIZED_MODULES):
+                continue
+            if ".layers." not in f".{name}" and not name.startswith("layers."):
+                continue
+            weight = module.weight.detach().float().cpu().numpy()
+            if weight.shape[-1] % 32:
+                raise ValueError(f"{name}: {weight.shape[-1]} input features are not a multiple of 32 ({scheme} blocks)")
+            moved = quants.dequantize(quants.quantize(weight, qtype), qtype).reshape(weight.shape)
+            kind = name.rsplit(".", 1)[-1]
+            totals = sums.setdefault(kind, [0.0, 0.0, 0.0])
+            totals[0] += float(np.square(moved - weight, dtype=np.float64).sum())
+            totals[1] += float(np.square(weight, dtype=np.float64).sum())
+            if original is not None:
+                other = GGMLQuantizationType[original]
+                again = quants.dequantize(quants.quantize(moved, other), other).reshape(weight.shape)
+                totals[2] += float(np.square(again - moved, dtype=np.float64).sum())
+            module.weight.copy_(torch.from_numpy(moved).to(module.weight.dtype))
+    if not sums:
+        raise ValueError("no decoder-layer linear weights found to re-quantise")
+    return {kind: {"relative_change": (t[0] / t[1]) ** 0.5,
+                   **({"proxy_original_error": (t[2] / t[1]) ** 0.5} if original is not None else {})}
+            for kind, t in sorted(sums.items())}
+
+
+#: the scheme of each packaged GGUF file, for the estimate of the first quantisation's size (gemma3's
+#: Q4_K_M cannot be written by gguf.quants; Q4_1, the nearest it writes, stands in)
+_ORIGINAL_SCHEMES = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_1"}
+
+
+def variant_model_path(name: str, variant: str = "requantized") -> Path:
+    """The safetensors folder of a packaged GGUF model's weight variant (built once, then cached)."""
+    key = _packaged_key(name)
+    if key not in _GGUF_SOURCES:
+        raise ModelNotFoundError(f"{name!r} has no weight variants; the packaged GGUF models are {', '.join(_GGUF_SOURCES)}")
+    scheme = VARIANTS[variant]
+    base_source, _ = _GGUF_SOURCES[key]()
+
+    def build(folder: Path) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        base = packaged_model_path(key)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
+        changes = requantize_weights(model, scheme, original=_ORIGINAL_SCHEMES[key])
+        save_plain_model(model, AutoTokenizer.from_pretrained(base), folder)
+        return {"variant": variant, "scheme": scheme, "relative_changes": changes}
+
+    return ensure_cached_folder(model_cache_dir() / f"{key}-{variant}",
+                                {**base_source, "variant": variant, "scheme": scheme,
+                                 "modules": list(_REQUANTIZED_MODULES)},
+                                build, description=f"{key} re-quantised with {scheme}")
+
+
 def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, device: Any = None,
-               **kwargs):
+               variant: str | None = None, **kwargs):
     """Load a model and its tokenizer for analysis.
 
     ``name`` is a packaged model (see ``PACKAGED_MODELS``), a local folder, or a Hugging Face hub
@@ -145,6 +227,9 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     is None (cpu) or a torch device. Extra keyword arguments (``device_map="auto"``, ``revision``,
     ``trust_remote_code=True``, ``use_safetensors=False``, ...) go to ``from_pretrained``.
     Packaged names take precedence over a local folder of the same name (write "./minilm-l6").
+    ``variant="requantized"`` (or the name ``"<packaged>-requantized"``) loads a packaged GGUF model
+    whose de-quantised weights were quantised once more with another 4-bit scheme (:data:`VARIANTS`,
+    :func:`requantize_weights`), converted once into the model cache like the model itself.
 
     Returns ``(model, tokenizer)``: the model in eval mode with eager attention (a causal LM, or
     the bare encoder when the checkpoint has no LM head), the tokenizer with ``pad_token`` set.
@@ -164,8 +249,19 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")
     key = _packaged_key(name)
+    if key is None and isinstance(name, str) and variant is None:
+        for suffix in VARIANTS:
+            base = _packaged_key(name.strip().lower().removesuffix(f"-{suffix}"))
+            if base is not None and name.strip().lower() == f"{base}-{suffix}":
+                key, variant = base, suffix
+    if variant is not None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        if key not in _GGUF_SOURCES:
+            raise ValueError(f"variant={variant!r} exists for the packaged GGUF models ({', '.join(_GGUF_SOURCES)}), "
+                             f"not for {name!r}")
     if key is not None:
-        model, tokenizer = _load_packaged(key, torch_dtype, kwargs)
+        model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
         model, tokenizer = _load_from_hub_or_folder(os.fspath(name), torch_dtype, kwargs)
     if torch_dtype == torch.float16 and str(model.config.model_type).startswith("gemma3"):
@@ -345,10 +441,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _load_packaged(key: str, torch_dtype, kwargs: dict):
+def _load_packaged(key: str, torch_dtype, kwargs: dict, variant: str | None = None):
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    folder = packaged_model_path(key)
+    folder = packaged_model_path(key) if variant is None else variant_model_path(key, variant)
     model_class = AutoModel if key == "minilm-l6" else AutoModelForCausalLM
     model = model_class.from_pretrained(folder, dtype=torch_dtype, attn_implementation="eager",
                                         **kwargs)
