@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["AttentionBlock", "attention_blocks", "register_output_projection", "UnsupportedModelError"]
+__all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
+           "UnsupportedModelError", "UNSUPPORTED_MODULES"]
 
 
 class UnsupportedModelError(ValueError):
@@ -62,8 +63,19 @@ def _sibling_output(module, parent):
     return None
 
 
+def _last_linear_child(module, parent):
+    # Any other name (ModernBERT's ``Wo``, T5's ``o``): the block's last linear child, by structure. It is a
+    # guess that the run verifies: the session's hooks check that this module receives exactly the attention
+    # output and that the terms reproduce its result, and refuse (naming it) otherwise.
+    found = None
+    for child in module.children():
+        found = _linear(child) or found
+    return found
+
+
 register_output_projection(_own_projection, first=False)
 register_output_projection(_sibling_output, first=False)
+register_output_projection(_last_linear_child, first=False)
 
 
 @dataclass
@@ -74,6 +86,9 @@ class AttentionBlock:
     name: str
     module: nn.Module
     parent: nn.Module | None
+    #: why cwcore cannot decompose this block (None: it can); such a block keeps its number, and asking
+    #: for it raises this reason before any forward pass
+    unsupported: str | None = None
 
     def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [model, head * head_dim], bias [model] | None)``, read live from the module."""
@@ -97,6 +112,35 @@ class AttentionBlock:
                     return module
         return None
 
+    def output_module_name(self) -> str:
+        """The output projection's path relative to the block (``"o_proj"``, ``"../output.dense"``), or ``"?"``."""
+        projection = self.output_module()
+        for prefix, root in (("", self.module), ("../", self.parent)):
+            for name, module in (root.named_modules() if root is not None else ()):
+                if module is projection and name:
+                    return prefix + name
+        return "?"
+
+    def refuse_if_unsupported(self) -> None:
+        """Raise :class:`UnsupportedModelError` with the reason when this block cannot be decomposed."""
+        if self.unsupported is not None:
+            raise UnsupportedModelError(f"attention block {self.layer} ({self.name!r}, "
+                                        f"{type(self.module).__name__}) cannot be decomposed: {self.unsupported}")
+
+
+#: Attention modules cwcore numbers but cannot decompose, with the reason (checked by isinstance).
+UNSUPPORTED_MODULES: dict[type, str] = {
+    nn.MultiheadAttention: "torch.nn.MultiheadAttention computes its attention inside torch "
+                           "(F.multi_head_attention_forward), not through transformers' attention interface, and "
+                           "applies out_proj's weight without calling out_proj, so cwcore can neither see its "
+                           "attention nor check its output",
+}
+
+
+def decomposable_layers(model: nn.Module) -> list[int]:
+    """The numbers of the blocks cwcore can decompose (every block but those with a reason in ``unsupported``)."""
+    return [block.layer for block in attention_blocks(model) if block.unsupported is None]
+
 
 def _is_attention_module(module: nn.Module) -> bool:
     name = type(module).__name__
@@ -107,7 +151,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     """The model's self-attention blocks in forward order, numbered from 0.
 
     A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded)
-    and whose output projection a registered finder can locate.
+    and whose output projection a registered finder can locate (the last finder takes the block's last
+    linear child; the run verifies it). Modules of :data:`UNSUPPORTED_MODULES` (``nn.MultiheadAttention``)
+    keep their number with ``unsupported`` saying why they cannot be decomposed.
     """
     cached = getattr(model, "_cwcore_blocks", None)
     if cached is not None:
@@ -123,17 +169,25 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         m for m in candidates if not any(c is not m and _is_attention_module(c) for c in m.modules())
     ]
     blocks = []
+    skipped = []
     for module in innermost:
         block = AttentionBlock(len(blocks), names[id(module)], module, parents.get(id(module)))
-        try:
-            block.output_projection()
-        except UnsupportedModelError:
-            continue
+        reason = next((why for cls, why in UNSUPPORTED_MODULES.items() if isinstance(module, cls)), None)
+        if reason is not None:
+            block.unsupported = reason
+        else:
+            try:
+                block.output_projection()
+            except UnsupportedModelError:
+                skipped.append(block.name)
+                continue
         blocks.append(block)
+        object.__setattr__(module, "_cwcore_block_name", block.name)  # for refusals raised without a session
     if not blocks:
+        found = f" (attention modules without one: {', '.join(skipped[:3])})" if skipped else ""
         raise UnsupportedModelError(
-            f"cwcore found no attention block with a known output projection in {type(model).__name__}; "
-            "register one with cwcore.register_output_projection"
+            f"cwcore found no attention block with a linear output projection in {type(model).__name__}{found}; "
+            "register the module that applies W_O with cwcore.register_output_projection"
         )
     object.__setattr__(model, "_cwcore_blocks", blocks)
     return blocks

@@ -60,15 +60,38 @@ def registered():
     architectures._FINDERS[:] = finders
 
 
-def test_an_unknown_projection_is_refused_with_the_way_out():
+class MisleadingAttention(ToyAttention):
+    """The last linear child (``gate``) is not W_O: it gates the block's input, and ``mix`` is W_O."""
+
+    def __init__(self, config, width=16, heads=2):
+        super().__init__(config, width, heads)
+        self.gate = nn.Linear(width, width)
+
+    def forward(self, x):
+        return super().forward(self.gate(x))
+
+
+def test_an_output_projection_under_another_name_is_found_by_structure():
     torch.manual_seed(0)
-    with pytest.raises(cwcore.UnsupportedModelError, match="register_output_projection"):
-        cwcore.decompose(ToyModel().eval(), input_ids=torch.tensor([[1, 2, 3]]))
+    _check_exact(ToyModel().eval())  # `mix`, found as the block's last linear child and verified by the run
+
+
+def test_a_wrong_structural_guess_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    model = ToyModel().eval()
+    model.attn = MisleadingAttention(model.config).eval()
+    with pytest.raises(cwcore.UnsupportedModelError, match=r"`gate`, which cwcore took as its output "
+                                                           r"projection .* did not receive the attention output; "
+                                                           r"register the module"):
+        cwcore.decompose(model, input_ids=torch.tensor([[1, 2, 3]]))
 
 
 def test_a_registered_finder_makes_the_family_exact(registered):
     torch.manual_seed(0)
-    model = ToyModel().eval()
+    _check_exact(ToyModel().eval())
+
+
+def _check_exact(model):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         expected_output, expected_probs = model(ids)
