@@ -1,8 +1,12 @@
-"""Where each architecture keeps its attention blocks and their output projections.
+"""Where each architecture keeps its attention blocks and their output projections, and every other model fact.
 
 cwcore sees a block's queries, keys and values through transformers' attention interface; what it
 cannot see there is the output projection W_O that maps the mixed values back to model space. This
 registry finds it. Add an architecture with :func:`register_output_projection`.
+
+The other facts the packages need about a model have their one home (and one rule each) here too:
+:func:`text_config`, :func:`attention_heads`, :func:`sliding_window` and :func:`layer_type`,
+:func:`final_norm`, :func:`post_attention_norms` (found by observation). A new fact is one function here.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 from torch import nn
 
 __all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
-           "UnsupportedModelError", "UNSUPPORTED_MODULES"]
+           "UnsupportedModelError", "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window",
+           "sliding_windows", "layer_type", "final_norm", "FINAL_NORMS", "post_attention_norms"]
 
 
 class UnsupportedModelError(ValueError):
@@ -191,3 +196,127 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         )
     object.__setattr__(model, "_cwcore_blocks", blocks)
     return blocks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model facts: one home, one rule each. Every package reads them here.
+# ---------------------------------------------------------------------------------------------------
+
+
+def text_config(model: nn.Module):
+    """The config that describes the language (or only) tower: ``config.get_text_config()`` where it exists."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_heads(model: nn.Module) -> int:
+    """Query heads per attention layer, from the config (``num_attention_heads``, GPT-2's ``n_head``)."""
+    config = text_config(model)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if heads is None:
+        raise ValueError("cannot tell the number of attention heads from the model's config")
+    return int(heads)
+
+
+def sliding_window(model: nn.Module, block: AttentionBlock) -> int | None:
+    """The block's sliding window in tokens (None: full attention).
+
+    One rule: ``config.layer_types[layer_idx]`` where the config lists layer types (Gemma 2/3, GPT-OSS,
+    Qwen2, ...; indexed by the module's own ``layer_idx``, so hybrids read their attention layers' entries),
+    else the module's ``is_sliding``/``sliding_window``, else the config's ``sliding_window`` for every layer
+    unless ``use_sliding_window`` is False (Mistral, Starcoder2).
+    """
+    config = text_config(model)
+    window = getattr(config, "sliding_window", None)
+    window = int(window) if isinstance(window, int) and window > 0 else None
+    types = getattr(config, "layer_types", None)
+    index = getattr(block.module, "layer_idx", block.layer)
+    if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
+        return window if "sliding" in str(types[index]) else None
+    own = getattr(block.module, "sliding_window", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    if getattr(block.module, "is_sliding", False):
+        return window
+    return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def sliding_windows(model: nn.Module) -> dict[int, int | None]:
+    """``{layer: window or None}`` for every attention block (:func:`sliding_window`)."""
+    return {block.layer: sliding_window(model, block) for block in attention_blocks(model)}
+
+
+def layer_type(model: nn.Module, block: AttentionBlock) -> str:
+    """``"sliding"`` when the block has a sliding window (:func:`sliding_window`), else ``"global"``."""
+    return "sliding" if sliding_window(model, block) is not None else "global"
+
+
+#: Attribute names of the final norm on the base model (or its decoder).
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm applied to the last hidden state before the unembedding."""
+    base = getattr(model, "base_model", model)
+    for root in (base, getattr(base, "decoder", None)):
+        for name in FINAL_NORMS:
+            module = getattr(root, name, None) if root is not None else None
+            if isinstance(module, nn.Module):
+                return module
+    raise UnsupportedModelError(f"no final norm found in {type(model).__name__} (looked for {', '.join(FINAL_NORMS)})")
+
+
+def _candidate_norms(block: AttentionBlock) -> list[nn.Module]:
+    """Norm modules of the block's decoder layer that are not inside the attention module (q/k norms)."""
+    if block.parent is None:
+        return []
+    inside = {id(m) for m in block.module.modules()}
+    return [m for m in block.parent.modules()
+            if id(m) not in inside and m is not block.parent and "norm" in type(m).__name__.lower()]
+
+
+def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> dict[int, nn.Module | None]:
+    """``{layer: module or None}``: the norm applied to each attention block's output before the residual
+    add (Gemma 2/3's ``post_attention_layernorm``), found by observation, not by name (Llama's
+    ``post_attention_layernorm`` is the MLP's pre-norm, applied after the residual add): in a probe forward
+    pass on ``ids [1, n]`` (default ``[[0, 1, 2, 3]]``), the candidate norm whose input equals the output
+    projection's output. The probe runs outside any active cwcore session. Cached on the model."""
+    cached = getattr(model, "_cwcore_post_norms", None)
+    if cached is not None:
+        return cached
+    from .attention import outside_sessions  # the probe must not be seen by a session around it
+
+    blocks = [b for b in attention_blocks(model) if b.unsupported is None]
+    seen_out: dict[int, torch.Tensor] = {}
+    seen_in: dict[int, list[tuple[nn.Module, torch.Tensor]]] = {}
+    handles = []
+    for block in blocks:
+        out = block.output_module()
+        if out is None:
+            continue
+        handles.append(out.register_forward_hook(
+            lambda m, i, o, l=block.layer: seen_out.setdefault(l, (o[0] if isinstance(o, tuple) else o).detach())))
+        for norm in _candidate_norms(block):
+            handles.append(norm.register_forward_pre_hook(
+                lambda m, i, l=block.layer: seen_in.setdefault(l, []).append((m, i[0].detach()))))
+    probe = torch.arange(4).reshape(1, 4) if ids is None else torch.as_tensor(ids)[:1, :8]
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), outside_sessions():
+            model(input_ids=probe.to(device), attention_mask=torch.ones_like(probe).to(device))
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+    found: dict[int, nn.Module | None] = {}
+    for block in blocks:
+        out = seen_out.get(block.layer)
+        found[block.layer] = None
+        for module, inp in seen_in.get(block.layer, []):
+            if out is not None and inp.shape == out.shape and torch.equal(inp, out):
+                found[block.layer] = module
+                break
+    object.__setattr__(model, "_cwcore_post_norms", found)
+    return found

@@ -30,7 +30,7 @@ from .geometry import HeadSpaceGeometry, head_space_geometry, split_output_proje
 
 __all__ = [
     "ATTENTION_NAME", "RECONSTRUCTION_TOLERANCE", "AttentionSession", "LayerCall", "Observer", "Transform", "attention_forward",
-    "cwcore_attention", "every_layer",
+    "cwcore_attention", "every_layer", "default_compute_dtype", "outside_sessions", "HANDLED_KEYWORDS",
 ]
 
 ATTENTION_NAME = "cwcore"
@@ -50,8 +50,26 @@ def _sessions() -> list["AttentionSession"]:
     return stack
 
 
+@contextlib.contextmanager
+def outside_sessions() -> Iterator[None]:
+    """Inside the block, this thread's forward passes are invisible to its active sessions (their hooks and
+    attention points do nothing; attention is plain eager): for a probe pass run from inside a session."""
+    previous = getattr(_LOCAL, "outside", False)
+    _LOCAL.outside = True
+    try:
+        yield
+    finally:
+        _LOCAL.outside = previous
+
+
+def _outside() -> bool:
+    return getattr(_LOCAL, "outside", False)
+
+
 def _session_for(module: nn.Module) -> "AttentionSession | None":
     """The innermost of this thread's sessions that numbers ``module``, else the innermost one, else None."""
+    if _outside():
+        return None
     stack = _sessions()
     for session in reversed(stack):
         if id(module) in session._by_module:
@@ -202,7 +220,7 @@ def attention_mask_function(*args, **kwargs):
     """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
     pattern) while a session runs the layers it does not touch through SDPA."""
     stack = _sessions()
-    session = stack[-1] if stack else None
+    session = stack[-1] if stack and not _outside() else None
     if session is not None and session.fast_path is not None:
         return sdpa_mask(*args, **kwargs)
     return eager_mask(*args, **kwargs)
@@ -521,7 +539,8 @@ class AttentionSession:
         if isinstance(base, nn.Module):
             entries[id(base)] = base
         for entry in entries.values():
-            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: self._runs.clear()))
+            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: None if _outside()
+                                                               else self._runs.clear()))
         for layer in sorted(self.layers):
             block = self.blocks[layer]
             projection = block.output_module()
@@ -549,6 +568,8 @@ class AttentionSession:
 
     def _enter_block(self, block: AttentionBlock):
         def hook(module, args):
+            if _outside():
+                return
             self._in_block[block.layer] = 0
         return hook
 
@@ -562,6 +583,8 @@ class AttentionSession:
 
     def _leave_block(self, block: AttentionBlock, projection_inside: bool):
         def hook(module, args, result):
+            if _outside():
+                return
             early = self._early.pop(block.layer, False)
             if self._in_block.get(block.layer) == 0:
                 raise UnsupportedModelError(
@@ -579,6 +602,8 @@ class AttentionSession:
 
     def _check_input(self, block: AttentionBlock):
         def hook(projection, args):
+            if _outside():
+                return
             self._refuse_repeated_calls(block)
             received = args[0] if args else None
             produced = self._outputs.pop(block.layer, None)
@@ -610,6 +635,8 @@ class AttentionSession:
 
     def _check_output(self, block: AttentionBlock):
         def hook(projection, args, result):
+            if _outside():
+                return
             call = self._calls.pop(block.layer, None)
             if call is None:
                 return

@@ -32,9 +32,7 @@ def _accepted_keywords(model: nn.Module) -> set[str]:
     return named | _GENERAL_KEYWORDS
 
 
-def _text_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+from .architectures import text_config as _text_config  # noqa: E402  (the one home of model facts)
 
 
 def context_length(model: nn.Module) -> int | None:
