@@ -472,6 +472,7 @@ class AttentionSession:
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
         self._in_block: dict[int, int] = {}  # layer -> attention calls in the block's current forward
         self._early: dict[int, bool] = {}  # layer -> its projection ran before its attention did
+        self._depth: dict[int, int] = {}  # layer -> how many calls of the block are running (re-entrant)
         self._hooks: list = []
 
     @property
@@ -565,12 +566,15 @@ class AttentionSession:
         self._runs.clear()
         self._in_block.clear()
         self._early.clear()
+        self._depth.clear()
 
     def _enter_block(self, block: AttentionBlock):
         def hook(module, args):
             if _outside():
                 return
-            self._in_block[block.layer] = 0
+            self._depth[block.layer] = depth = self._depth.get(block.layer, 0) + 1
+            if depth == 1:  # a call of the block from inside its own forward (an observer's) is not judged
+                self._in_block[block.layer] = 0
         return hook
 
     def _refuse_repeated_calls(self, block: AttentionBlock) -> None:
@@ -584,6 +588,9 @@ class AttentionSession:
     def _leave_block(self, block: AttentionBlock, projection_inside: bool):
         def hook(module, args, result):
             if _outside():
+                return
+            self._depth[block.layer] = depth = self._depth.get(block.layer, 1) - 1
+            if depth > 0:
                 return
             early = self._early.pop(block.layer, False)
             if self._in_block.get(block.layer) == 0:
