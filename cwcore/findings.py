@@ -38,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from . import stats
+from .core.decomposition import METRICS
 from .book import results_path
 from .cache import atomic_write_bytes
 from .stats import CONTRADICTED, HOLDS, INCONCLUSIVE, NOT_MEASURED, VERDICTS, combine_verdicts
@@ -49,14 +50,14 @@ __all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", 
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
-RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 
 CLAIMS = {
     "ordering": "faithfulness: attention < value-weighted < output-normalised < contribution",
     "cosine_gain": "the cosine (rung 3 -> 4) is the largest gain",
-    "sink_rates": "many heads are sink heads (Sink_eps, eps = 0.3)",
+    "sink_rates": "(the book's claim, not the paper's) many heads are sink heads (Sink_eps, eps = 0.3)",
     "decomposition": "sink contribution driven by geometry, tail by attention and alignment",
-    "sink_position": "the sink is the first position",
+    "sink_position": "(the book's check of the paper's reading) the sink is the first position",
     "anti_alignment": "the sink's value points against the semantic values",
     "anti_alignment_trend": "the stronger the sink, the stronger the anti-alignment",
     "suppression": "the sink suppresses the output norm",
@@ -136,7 +137,22 @@ def _side(mode: str) -> str:
 
 
 def _identical(row) -> bool:
-    """Two rungs whose rankings were identical (same forwards): difference exactly 0, zero-width interval."""
+    """Two rungs that rank identically by construction under the row's protocol
+    (:func:`cwcore.faithfulness.protocol.identical_steps`), a property of the protocol, never of the
+    numbers: the row's ``identical`` column where the ladder table has one, else the protocol read from
+    its columns (``protocol``: a main protocol's name; ``unit``, ``scope``). Only a bare table with none of
+    them falls back to the numbers (difference and interval exactly 0)."""
+    from .faithfulness.evidence import PROTOCOLS
+    from .faithfulness.protocol import Protocol, identical_steps
+
+    get = row.get if hasattr(row, "get") else (lambda key, default=None: default)
+    given = get("identical")
+    if isinstance(given, (bool, np.bool_)) or given in (0, 1):
+        return bool(given)
+    if any(get(column) is not None for column in ("protocol", "unit", "scope")):
+        change = PROTOCOLS.get(get("protocol", "default"), {})
+        protocol = Protocol(unit=get("unit", "head_key"), scope=get("scope", "row"), **change)
+        return (row["lower"], row["higher"]) in identical_steps(protocol)
     return row["difference"] == 0 and row["ci_low"] == 0 and row["ci_high"] == 0
 
 

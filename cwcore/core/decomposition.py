@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from functools import cached_property
+import weakref
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -30,17 +30,62 @@ from .attention import AttentionSession, LayerCall, cwcore_attention, default_co
 from .geometry import HeadSpaceGeometry
 from .inputs import check_compute_dtype, check_inputs, check_layers
 
-__all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "ZERO_NORM", "prepare_inputs"]
+__all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
+           "prepare_inputs"]
 
 #: Norms at or below this (in the compute dtype) count as zero: weights divided by them are NaN.
 ZERO_NORM = 1e-12
 
-#: The geometric ladder of PAPER.md section 4, in order.
-METRICS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+# -- METRICS: the geometric ladder, in one place ------------------------------------------------------
+class Rung(str):
+    """One rung of the geometric ladder: its name (the string itself, e.g. ``"contribution"``) plus
+    ``title`` (display name, numbered), ``colour`` (hex, the book's figures), ``kinds`` (the kinds
+    of output normalisation it depends on: ``()`` or ``("inter", "intra")``) and ``rescales``: the
+    lower rung it divides by the output norm of its kind (None), which makes the two rank identically
+    wherever that norm is constant over a ranked group (see
+    :func:`cwcore.faithfulness.protocol.identical_steps`).
+
+    Adding a rung is one entry of :data:`METRICS` plus its branch in :meth:`LayerDecomposition.metric`.
+    """
+
+    title: str
+    colour: str
+    kinds: tuple[str, ...]
+    rescales: str | None
+    nonnegative: bool
+
+    def __new__(cls, name: str, title: str, colour: str, kinds: tuple[str, ...] = (), rescales: str | None = None,
+                nonnegative: bool = True):
+        rung = super().__new__(cls, name)
+        rung.title, rung.colour, rung.kinds, rung.rescales = title, colour, tuple(kinds), rescales
+        rung.nonnegative = nonnegative
+        return rung
+
+    def __reduce__(self):
+        return Rung, (str(self), self.title, self.colour, self.kinds, self.rescales, self.nonnegative)
+
+    @property
+    def kind_dependent(self) -> bool:
+        return bool(self.kinds)
+
+
+#: The geometric ladder of PAPER.md section 4, in order (names are plain strings: ``"contribution" in METRICS``).
+METRICS = (
+    Rung("attention", "1 attention", "#0173b2"),
+    Rung("value_weighted", "2 value-weighted", "#de8f05"),
+    Rung("value_weighted_output_normalized", "3 output-normalised", "#029e73", ("inter", "intra"),
+         rescales="value_weighted"),
+    Rung("contribution", "4 contribution", "#d55e00", ("inter", "intra"), nonnegative=False),
+)
+
+
+def _nan_at_zero(denominator: torch.Tensor) -> torch.Tensor:
+    """``denominator`` with NaN where it is at most :data:`ZERO_NORM` in magnitude (a small tensor)."""
+    return denominator.masked_fill(denominator.abs() <= ZERO_NORM, float("nan"))
 
 
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    return numerator / denominator.masked_fill(denominator.abs() <= ZERO_NORM, float("nan"))
+    return numerator / _nan_at_zero(denominator)
 
 
 class LayerDecomposition:
@@ -60,6 +105,7 @@ class LayerDecomposition:
         self.geometry = geometry
         self.output_bias = output_bias
         self.key_valid = key_valid
+        self._views: dict[str, weakref.ref] = {}
 
     @classmethod
     def from_call(cls, call: LayerCall) -> "LayerDecomposition":
@@ -67,6 +113,9 @@ class LayerDecomposition:
         _, bias = call.output_projection()
         bias = None if bias is None else bias.detach().to(call.compute_dtype)
         return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid, block_name=call.block.name)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_views": {}}  # weak references do not pickle (and hold nothing)
 
     def __repr__(self) -> str:
         b, h, q, k = self.attention.shape
@@ -95,28 +144,40 @@ class LayerDecomposition:
         return self.geometry.output_norm
 
     # -- factors ----------------------------------------------------------------------------------
+    # Each view below allocates exactly one [batch, head, query, key] tensor, its result: divisions act
+    # on the per-query side before the attention-sized product, and products with alpha are in place.
+    # With alpha (stored) that is at most two attention-sized tensors alive while a view is computed.
     def _norm(self, kind: str) -> torch.Tensor:
-        """The output norm for ``kind``, broadcastable to ``[batch, head, query, key]``."""
+        """The output norm for ``kind``: ``[batch, head, query]`` (intra) or ``[batch, query]`` (inter)."""
         if kind == "intra":
-            return self.head_output_norm[..., None]
+            return self.head_output_norm
         if kind == "inter":
-            return self.output_norm[:, None, :, None]
+            return self.output_norm
         raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
+
+    @staticmethod
+    def _per_query(norm: torch.Tensor, kind: str) -> torch.Tensor:
+        """A ``_norm`` broadcastable to ``[batch, head, query, key]``."""
+        return norm[..., None] if kind == "intra" else norm[:, None, :, None]
 
     def _dot(self, kind: str) -> torch.Tensor:
         return self.geometry.intra_dot if kind == "intra" else self.geometry.inter_dot
 
     def relative_norm(self, kind: str = "inter") -> torch.Tensor:
         """||v~_j|| / ||o_i|| ``[batch, head, query, key]``."""
-        return _safe_divide(self.value_norm[:, :, None, :], self._norm(kind))
+        return _safe_divide(self.value_norm[:, :, None, :], self._per_query(self._norm(kind), kind))
 
     def cosine(self, kind: str = "inter") -> torch.Tensor:
         """cos(o_i, v~_j) ``[batch, head, query, key]`` (NaN where either norm is zero)."""
-        return _safe_divide(_safe_divide(self._dot(kind), self._norm(kind)), self.value_norm[:, :, None, :])
+        norm = self._norm(kind)
+        cosine = self.geometry.scaled_dot(kind, _nan_at_zero(norm))  # <o_i, v~_j> / ||o_i||
+        return cosine.div_(_nan_at_zero(self.value_norm)[:, :, None, :])
 
     def contribution(self, kind: str = "inter") -> torch.Tensor:
         """c_ij = alpha_ij <o_i, v~_j> / ||o_i||^2 ``[batch, head, query, key]``."""
-        return self.attention * _safe_divide(self._dot(kind), self._norm(kind) ** 2)
+        norm = self._norm(kind)
+        weights = self.geometry.scaled_dot(kind, _nan_at_zero(norm * norm))
+        return weights.mul_(self.attention)
 
     def metric(self, name: str, kind: str = "inter") -> torch.Tensor:
         """One rung of the geometric ladder (:data:`METRICS`), ``[batch, head, query, key]``.
@@ -129,21 +190,32 @@ class LayerDecomposition:
         if name == "value_weighted":
             return self.value_weighted
         if name == "value_weighted_output_normalized":
-            return _safe_divide(self.value_weighted, self._norm(kind))
+            return self.value_weighted.div_(self._per_query(_nan_at_zero(self._norm(kind)), kind))
         if name == "contribution":
             return self.contribution(kind)
         raise ValueError(f"unknown metric {name!r}; choose from {', '.join(METRICS)}")
 
-    # -- named views (computed on first access) ------------------------------------------------------
-    @cached_property
-    def intra(self) -> torch.Tensor:
-        """Intra-head contribution weights ``[batch, head, query, key]``."""
-        return self.contribution("intra")
+    # -- named views (computed on demand) ------------------------------------------------------------
+    def _remembered(self, name: str, compute) -> torch.Tensor:
+        """``compute()``, or the tensor it returned last time while the caller still holds it: the
+        decomposition itself keeps no view alive (a weak reference only), so memory holds alpha plus
+        what the caller keeps."""
+        held = self._views.get(name)
+        value = None if held is None else held()
+        if value is None:
+            value = compute()
+            self._views[name] = weakref.ref(value)
+        return value
 
-    @cached_property
+    @property
+    def intra(self) -> torch.Tensor:
+        """Intra-head contribution weights ``[batch, head, query, key]`` (computed when read)."""
+        return self._remembered("intra", lambda: self.contribution("intra"))
+
+    @property
     def inter(self) -> torch.Tensor:
-        """Inter-head contribution weights ``[batch, head, query, key]``."""
-        return self.contribution("inter")
+        """Inter-head contribution weights ``[batch, head, query, key]`` (computed when read)."""
+        return self._remembered("inter", lambda: self.contribution("inter"))
 
     @property
     def intra_relative_norm(self) -> torch.Tensor:

@@ -34,16 +34,16 @@ import torch
 
 from .. import stats
 from ..core.architectures import attention_blocks
-from ..core.decomposition import decompose
+from ..core.decomposition import METRICS, decompose
 from ..runs import progress as progress_bar
 from .evidence import PROTOCOLS
-from .protocol import Protocol, modes as parse_modes
+from .protocol import Protocol, modes as parse_modes, ranking_identity
 from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
 __all__ = ["MEASURES", "LADDER", "selection_anatomy", "layer_average", "explain_step"]
 
 MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
-LADDER = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+LADDER = tuple(map(str, METRICS))
 
 
 def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, keep_first_token, window):
@@ -64,7 +64,8 @@ def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, ke
     queries = cand[:, 0].any(-1)  # [b, q] queries with at least one candidate
     out = {}
     for metric in metrics:
-        scores = ld.metric(metric, kind).float()
+        rung, rung_kind = ranking_identity(metric, kind)  # ranked exactly as the sweep ranks it (head_key, row)
+        scores = ld.metric(rung, rung_kind or kind).float()
         if importance == "absolute":
             scores = scores.abs()
         chosen = selection(scores, cand, ratios, modes)

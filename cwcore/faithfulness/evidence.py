@@ -35,6 +35,7 @@ from typing import Sequence
 
 import pandas as pd
 
+from ..core.decomposition import METRICS
 from .lm import faithfulness_curve
 from .protocol import DEFAULT_RATIOS, parse_metric
 from .summary import aopc, ladder_comparison
@@ -51,7 +52,7 @@ LOW_RATIOS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 PAPER_RATIOS = DEFAULT_RATIOS
 LOW_MAX = 0.05
 IMPORTANCES = ("signed", "absolute")
-SIGN_INVARIANT = ("attention", "value_weighted", "value_weighted_output_normalized", "random")
+SIGN_INVARIANT = tuple(str(r) for r in METRICS if r.nonnegative) + ("random",)  # never negative
 
 
 def ratio_grid(low: Sequence[float] = LOW_RATIOS, paper: Sequence[float] = PAPER_RATIOS) -> list[float]:

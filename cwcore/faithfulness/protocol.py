@@ -28,6 +28,9 @@ __all__ = [
     "Protocol",
     "layer_windows",
     "num_heads",
+    "ranking_identity",
+    "same_ranking",
+    "identical_steps",
 ]
 
 DEFAULT_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -35,7 +38,7 @@ DEFAULT_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 LADDER = METRICS
 DEFAULT_METRICS = METRICS + ("random",)
 KINDS = ("inter", "intra")
-_KIND_DEPENDENT = ("value_weighted_output_normalized", "contribution")
+_RUNGS = {str(rung): rung for rung in METRICS}
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,49 @@ class Protocol:
             "keep_first_token": self.keep_first_token, "importance": self.importance,
             "layers": "all" if self.layers is None else ",".join(map(str, self.layers)),
         }
+
+
+# -- rankings identical by construction ------------------------------------------------------------
+def _constant_within_group(kind: str, unit: str, scope: str) -> bool:
+    """Whether the output norm of ``kind`` is one number within every group the protocol ranks together:
+    ||o_i|| (inter) is shared by the heads and keys of a query row, ||o^h_i|| (intra) only by the keys of
+    one head's row; a layer-scope group averages over queries, whose norms differ."""
+    if scope != "row":
+        return False
+    return kind == "inter" or unit == "key"
+
+
+def ranking_identity(metric: str, kind: str = "inter", unit: str = "head_key", scope: str = "row") -> tuple[str, str]:
+    """``(rung, kind)`` whose ranking ``metric`` (a rung of :data:`METRICS`, or any other name) equals by
+    construction under ``kind``, ``unit`` and ``scope``: a rung that only rescales a lower one by an output
+    norm (:attr:`cwcore.core.decomposition.Rung.rescales`) ranks as that rung wherever the norm is constant
+    within a ranked group, and a kind-independent metric has no kind. The sweep ranks a metric by its
+    identity's scores, so two metrics with one identity remove the same terms, bit for bit (float
+    rounding of the division can otherwise turn an order into a tie)."""
+    rung = _RUNGS.get(metric)
+    if rung is None:
+        return metric, kind
+    while rung.rescales is not None and _constant_within_group(kind, unit, scope):
+        rung = _RUNGS[rung.rescales]
+    return str(rung), kind if rung.kind_dependent else ""
+
+
+def same_ranking(lower: str, higher: str, protocol: "Protocol", lower_kind: str | None = None,
+                 higher_kind: str | None = None) -> bool:
+    """Whether metrics ``lower`` and ``higher`` (rung names; kinds default to the protocol's) rank
+    identically by construction under ``protocol`` (the answer never looks at scores)."""
+    unit, scope = protocol.unit, protocol.scope
+    a = ranking_identity(lower, lower_kind or protocol.kind, unit, scope)
+    b = ranking_identity(higher, higher_kind or protocol.kind, unit, scope)
+    return a == b
+
+
+def identical_steps(protocol: "Protocol") -> set[tuple[str, str]]:
+    """The consecutive ladder steps ``(lower, higher)`` whose two rungs rank identically by construction
+    under ``protocol`` (so the step cannot be measured): ``{("value_weighted",
+    "value_weighted_output_normalized")}`` under ``kind="inter"`` with row scope, or ``kind="intra"``
+    with ``unit="key"`` and row scope; empty otherwise."""
+    return {(str(a), str(b)) for a, b in zip(METRICS, METRICS[1:]) if same_ranking(a, b, protocol)}
 
 
 def _as_list(value, default) -> list:
