@@ -355,7 +355,8 @@ class LayerCall:
     def _compute_geometry(self) -> HeadSpaceGeometry:
         dtype = self.compute_dtype
         weight, _ = self.output_projection()
-        w_o = split_output_projection(weight.detach().to(dtype), self._probs.shape[1])
+        # a copy: views computed later must describe this forward pass, not the weights as they are then
+        w_o = split_output_projection(weight.detach().to(dtype, copy=True), self._probs.shape[1])
         alpha = self._probs.detach().to(dtype)
         values = self.value.detach().to(dtype)
         valid = self.valid_keys()

@@ -234,3 +234,24 @@ def test_keywords_cwcore_handles_or_that_are_off_pass(keyword, value):
         before = model(ids)
     d = cwcore.decompose(model, input_ids=ids)
     assert torch.equal(d.outputs, before)
+
+
+def test_a_decomposition_is_a_snapshot_of_its_forward_pass():
+    """Views computed on demand must not read the weights as they are later (exercise 3.3 scales W_O in place)."""
+    model = tiny_model("llama")
+    before = cwcore.decompose(model, input_ids=IDS)
+    reference = {layer: (before[layer].inter.clone(), before[layer].output_norm.clone()) for layer in before.layers}
+    later = cwcore.decompose(model, input_ids=IDS)
+    weight = model.model.layers[0].self_attn.o_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(3.0)
+        for layer in later.layers:  # read only after the change
+            torch.testing.assert_close(later[layer].inter, reference[layer][0], rtol=0, atol=0)
+            torch.testing.assert_close(later[layer].output_norm, reference[layer][1], rtol=0, atol=0)
+            torch.testing.assert_close(later[layer].relative_norm("inter"), before[layer].relative_norm("inter"),
+                                       rtol=0, atol=0, equal_nan=True)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
