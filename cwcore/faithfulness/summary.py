@@ -33,7 +33,7 @@ from .protocol import LADDER, Protocol, same_ranking
 __all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "method_pairs", "curve_mean"]
 
 _GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "scores", "keep_first_token",
-                  "importance", "layers")
+                  "importance", "layers", "variant")
 
 
 def _group_columns(frame: pd.DataFrame, exclude=()) -> list[str]:
