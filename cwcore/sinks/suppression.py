@@ -116,7 +116,7 @@ def _model_space(x: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
 
 
 def block_points(s, start: int, norm: nn.Module | None, bias: torch.Tensor | None, sink: int = 0) -> pd.DataFrame:
-    """One row per (sequence, query > sink) of layer ``s`` (a :class:`~cwcore.sinks.engine._LayerState`):
+    """One row per (sequence, query > sink) of layer ``s`` (a :class:`~cwcore.sinks.engine.LayerState`):
     ``out``, ``raw``, ``renorm`` = ||o_i||, ||sum_h s^h_i||, ||sum_h s^h_i / (1 - a^h_i)|| (model space, no
     bias) and ``post_out``, ``post_raw``, ``post_renorm``: the same vectors plus the output bias, through
     the post-attention ``norm`` (NaN without one); ``alpha0``: mean over heads of a^h_i."""
