@@ -1,5 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
-#   make test   create .venv if needed and run the test suite
+#   make test   create .venv if needed and run the test suite (what .ci/run and the main-branch workflow run)
+#   make check  the quick tier for the edit loop: no real-model book build, no fault injection, no
+#               browser, no `slow` test (tests/conftest.py's QUICK_TIER; under 3 minutes)
 #   make book   create .venv, execute every notebook with papermill, build book/_build/html
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +13,7 @@ CHROMIUM_STAMP := .stamps/chromium
 PROFILE ?= default
 MODELS ?=
 
-.PHONY: test venv clean-venv book
+.PHONY: test check venv clean-venv book
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
 $(STAMP): pyproject.toml constraints.txt assets.txt
@@ -26,6 +28,9 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not browser and not book" tests
 
 clean-venv:
 	rm -rf $(VENV)

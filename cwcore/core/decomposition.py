@@ -50,14 +50,17 @@ class Rung(str):
     colour: str
     kinds: tuple[str, ...]
     rescales: str | None
+    nonnegative: bool
 
-    def __new__(cls, name: str, title: str, colour: str, kinds: tuple[str, ...] = (), rescales: str | None = None):
+    def __new__(cls, name: str, title: str, colour: str, kinds: tuple[str, ...] = (), rescales: str | None = None,
+                nonnegative: bool = True):
         rung = super().__new__(cls, name)
         rung.title, rung.colour, rung.kinds, rung.rescales = title, colour, tuple(kinds), rescales
+        rung.nonnegative = nonnegative
         return rung
 
     def __reduce__(self):
-        return Rung, (str(self), self.title, self.colour, self.kinds, self.rescales)
+        return Rung, (str(self), self.title, self.colour, self.kinds, self.rescales, self.nonnegative)
 
     @property
     def kind_dependent(self) -> bool:
@@ -70,7 +73,7 @@ METRICS = (
     Rung("value_weighted", "2 value-weighted", "#de8f05"),
     Rung("value_weighted_output_normalized", "3 output-normalised", "#029e73", ("inter", "intra"),
          rescales="value_weighted"),
-    Rung("contribution", "4 contribution", "#d55e00", ("inter", "intra")),
+    Rung("contribution", "4 contribution", "#d55e00", ("inter", "intra"), nonnegative=False),
 )
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..core.architectures import attention_blocks
 from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
-from .protocol import Protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .ranking import removal_mask
 from .summary import aopc
 from .sweep import Sweep, canonical_order, pad_batch, piece_store
@@ -83,16 +83,21 @@ def forward_equivalents(num_layers: int, layers: Iterable[int] | None = None) ->
 
 
 def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None, mode=None, *,
-                    layers: Iterable[int] | None = None, unit: str = "head_key", scope: str = "row",
-                    keep_first_token: bool = True, kind: str = "inter", importance: str = "signed", seed: int = 0,
-                    batch_size: int = 16, max_length: int | None = 128, padding_side: str = "right",
-                    progress: bool = False, cache: bool = True, cache_dir=None) -> pd.DataFrame:
+                    layers: Iterable[int] | None = None, protocol: Protocol | None = None, batch_size: int = 16,
+                    max_length: int | None = 128, padding_side: str = "right", progress: bool = False,
+                    cache: bool = True, cache_dir=None, **protocol_keywords) -> pd.DataFrame:
     """Per-sequence table like :func:`~cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``)
     with a ``layer`` column: each row's terms were removed in that one layer only. ``layers``: which
     layers to intervene in (default all); every layer is ranked as under the full protocol.
     ``cache``: each batch's rows are stored in the result cache (namespace ``faithfulness-per-layer``,
-    named by the batch's content), so an interrupted run resumes and a longer one reuses its batches."""
-    protocol = Protocol(unit, scope, None, keep_first_token, "clean", kind, importance, seed)
+    named by the batch's content), so an interrupted run resumes and a longer one reuses its batches.
+    ``protocol`` (or its fields as keywords, as in ``faithfulness_curve``): clean scores and all layers
+    ranked (``layers`` here picks where to intervene), so ``scores="live"`` or ``protocol.layers`` are refused."""
+    protocol = as_protocol(protocol, **protocol_keywords)
+    if protocol.scores != "clean" or protocol.layers is not None:
+        raise ValueError("per-layer interventions rank on clean scores in every layer: use scores='clean', "
+                         "layers=None in the protocol (the layers argument picks where to intervene)")
+    kind, seed, scope = protocol.kind, protocol.seed, protocol.scope
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
     sequences = _lm_sequences(texts, tokenizer, max_length)
     documents = _documents(texts, len(sequences))
