@@ -17,7 +17,7 @@ import torch
 from .. import data, models
 from .downstream import downstream_eval
 from .lm import faithfulness_curve
-from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS
+from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, Protocol
 from .ranking import MODES, SCOPES, UNITS
 from .summary import aopc, ladder_comparison, summarize, summarize_downstream
 
@@ -73,8 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_{_slug(args.tag)}" if args.tag else ""
-    protocol = dict(unit=args.unit, scope=args.scope, layers=args.layers, keep_first_token=not args.remove_first_token,
-                    scores=args.scores, kind=args.kind, importance=args.importance, seed=args.seed,
+    protocol = dict(protocol=Protocol(unit=args.unit, scope=args.scope, layers=args.layers,
+                                      keep_first_token=not args.remove_first_token, scores=args.scores, kind=args.kind,
+                                      importance=args.importance, seed=args.seed),
                     n_bootstrap=args.n_bootstrap, cache=not args.no_cache, progress=not args.no_progress)
     common = dict(model=args.model)
     tasks = [d for d in args.data if d in _MC_TASKS]

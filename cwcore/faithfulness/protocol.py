@@ -9,7 +9,7 @@ protocol needs from a model's config.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 import torch
@@ -26,6 +26,9 @@ __all__ = [
     "MetricSpec",
     "parse_metric",
     "Protocol",
+    "PROTOCOL_FIELDS",
+    "as_protocol",
+    "VARIANTS",
     "layer_windows",
     "num_heads",
     "ranking_identity",
@@ -123,13 +126,60 @@ class Protocol:
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted({int(l) for l in self.layers})))
 
+    @property
+    def variant(self) -> str:
+        """Which variant of the removal unit this is, against the main protocols' shared choices (unit
+        ``head_key``, scope ``row``, clean scores, first token kept, all layers; the main protocols differ
+        only in ``kind`` and the sign): ``"main"``, or the deviations joined by ``+``, named by
+        :data:`VARIANTS` (``"token-unit"``: the paper's token-level unit, a key removed from every head;
+        ``"first-token-removable"``) or ``field=value``."""
+        parts = []
+        for name, main in _MAIN_CHOICES.items():
+            value = getattr(self, name)
+            if value != main:
+                parts.append(VARIANTS.get((name, value), f"{name}={_column_value(name, value)}"))
+        return "+".join(parts) or "main"
+
     def columns(self) -> dict:
         """The protocol as tidy-table columns."""
         return {
             "unit": self.unit, "scope": self.scope, "scores": self.scores,
             "keep_first_token": self.keep_first_token, "importance": self.importance,
             "layers": "all" if self.layers is None else ",".join(map(str, self.layers)),
+            "variant": self.variant,
         }
+
+
+#: the choices every main protocol shares (they differ in ``kind`` and ``importance`` only)
+_MAIN_CHOICES = {"unit": "head_key", "scope": "row", "scores": "clean", "keep_first_token": True, "layers": None}
+#: named variants of the removal unit (PAPER.md section 5: the paper masks the values of tokens)
+VARIANTS = {("unit", "token"): "token-unit", ("keep_first_token", False): "first-token-removable"}
+#: the fields of :class:`Protocol`, the only protocol keywords the entry points take
+PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))
+
+
+def _column_value(name: str, value):
+    return ("all" if value is None else ",".join(map(str, value))) if name == "layers" else value
+
+
+def as_protocol(protocol: "Protocol | Mapping | None" = None, **keywords) -> Protocol:
+    """One :class:`Protocol` from ``protocol`` (a Protocol, a mapping of its fields, or None = the
+    defaults) with ``keywords`` (any of :data:`PROTOCOL_FIELDS`) replacing its fields: the entry points'
+    ``protocol=`` argument, and their old per-field keywords. An unknown keyword is an error."""
+    unknown = sorted(set(keywords) - set(PROTOCOL_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown protocol keyword(s) {unknown}; a protocol has {list(PROTOCOL_FIELDS)}")
+    if protocol is None:
+        base = Protocol()
+    elif isinstance(protocol, Protocol):
+        base = protocol
+    elif isinstance(protocol, Mapping):
+        base = as_protocol(None, **protocol)
+    else:
+        raise TypeError(f"protocol must be a Protocol or a mapping of its fields, not {type(protocol).__name__}")
+    if keywords.get("layers") is not None:
+        keywords["layers"] = tuple(keywords["layers"])
+    return replace(base, **keywords) if keywords else base
 
 
 # -- rankings identical by construction ------------------------------------------------------------

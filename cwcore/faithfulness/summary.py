@@ -33,7 +33,7 @@ from .protocol import LADDER, Protocol, same_ranking
 __all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "method_pairs", "curve_mean"]
 
 _GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "scores", "keep_first_token",
-                  "importance", "layers")
+                  "importance", "layers", "variant")
 
 
 def _group_columns(frame: pd.DataFrame, exclude=()) -> list[str]:
@@ -271,6 +271,7 @@ def ladder_comparison(
     confidence: float = 0.95,
     seed: int = 0,
     max_ratio: float | None = None,
+    n_permutations: int | None = None,
 ) -> pd.DataFrame:
     """Paired bootstrap differences of AOPC between metrics, per mode (and task).
 
@@ -290,7 +291,8 @@ def ladder_comparison(
     ``sd`` (standard deviation of the per-document paired differences), ``mde``
     (:func:`cwcore.stats.min_detectable_effect`: the smallest true difference this sample detects with
     80% power in a two-sided 5% test) and ``sample_unit`` (what ``n`` counts: documents, sequences or
-    examples).
+    examples). With ``n_permutations``, column ``p``: the two-sided p-value of a zero mean paired
+    difference by a sign-flip permutation test over the same units (:func:`cwcore.stats.sign_flip_p`).
     """
     frame = _with_deltas(_in_range(per_unit, max_ratio))
     unit = _unit_column(frame)
@@ -327,4 +329,6 @@ def ladder_comparison(
                          "verdict": verdict, "identical": identical,
                          "n": len(units), "sample_unit": unit, "sd": sd,
                          "mde": stats.min_detectable_effect(sd, len(units)), "r_max": float(frame["ratio"].max())})
+            if n_permutations:
+                rows[-1]["p"] = stats.sign_flip_p(b - a, n_resamples=n_permutations, seed=seed)
     return pd.DataFrame(rows)

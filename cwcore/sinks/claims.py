@@ -4,13 +4,16 @@ Chapters 5-7 of the book and the findings page (chapter 9) call these functions 
 :func:`cwcore.sinks.run_analyses` (``raw=True``), so a claim gets the same verdict wherever it is shown.
 Every function returns a claims table, one row per part of a claim:
 
-``chapter, claim, part, statistic, key, estimate, low, high, threshold, side, n, verdict, why``
+``chapter, claim, part, statistic, key, estimate, low, high, threshold, side, n, verdict, why, unit,
+n_units, source``
 
 ``estimate`` is the statistic, ``[low, high]`` its 95% interval (Wilson for shares of heads, a
 percentile bootstrap otherwise: over heads for medians and rank correlations, over whole sequences for
 pooled means), and ``verdict`` is :func:`cwcore.stats.verdict` of that interval against ``threshold``
 on the claimed ``side`` (holds / contradicted / inconclusive / not measured); ``why`` says, for a part
-not measured, what the model lacks (e.g. "no sink heads at eps=0.3"), and :func:`display` shows it.
+not measured, what the model lacks (e.g. "no sink heads at eps=0.3"), and :func:`display` shows it;
+``source`` says whose claim the row tests: ``"paper"`` (PAPER.md section 6) or ``"book"`` (the book's
+own: "many heads are sink heads", "the sink is position 0", the older tail reading).
 :func:`claim_verdicts` combines the parts of each claim (:func:`cwcore.stats.combine_verdicts`). ``key`` names a part for
 code (e.g. ``"cos_semantic"``); :func:`triple` reads ``(estimate, low, high)`` by key.
 
@@ -29,11 +32,11 @@ import pandas as pd
 from .. import stats
 from .anti_alignment import ANTI_ALIGNMENT, TREND
 from .anti_alignment import _claim_rows as _anti_alignment_rows
-from .convexity import CONVEXITY, SUPPRESSION, pooled_suppression
+from .convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION, pooled_suppression
 from .convexity import _claim_rows as _convexity_rows
-from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, decomposition_claims, head_shares, joint_shares
+from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
 from .engine import REGISTRY
-from .intervals import (COLUMNS, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
+from .intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
                         pooled_claim_rows, verdict_text)
 from .rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
 from .semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
@@ -44,7 +47,7 @@ __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims"
            "contrast",
            "group_value", "no_sink_heads", "sink_heads_sentence", "verdict_text", "perplexity_changes",
            "PerplexityChanges", "DECOMPOSITION", "ANTI_ALIGNMENT", "TREND", "SUPPRESSION", "CONVEXITY", "CONE",
-           "PERPLEXITY", "DRIFT", "SINK_RATES", "SINK_POSITION_CLAIM", "TAIL_ATTENTION_ONLY", "for_data",
+           "PERPLEXITY", "DRIFT", "CONVEXITY_V0", "OBSERVED_CLAIMS", "TAIL_MARGIN", "BOOK", "PAPER", "SINK_RATES", "SINK_POSITION_CLAIM", "TAIL_ATTENTION_ONLY", "for_data",
            "rate_claims", "joint_shares", "drift_curve", "pooled_by_layer", "pooled_claim_rows", "stack_data"]
 
 
@@ -99,11 +102,13 @@ def display(claims: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
         "holds if the interval is": [f"{'<' if s == 'below' else '>'} {t:g}"
                                      for s, t in zip(claims["side"], claims["threshold"])],
         "verdict": verdict_text(claims),
+        "claim by": ["the book" if s == BOOK else "the paper" for s in
+                     (claims["source"] if "source" in claims else [PAPER] * len(claims))],
     })
 
 
 def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3,
-                      n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+                      n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 6: anti-alignment (medians over sink heads below 0, bootstrap over heads), its trend with
     the sink rate (Spearman rho below 0), suppression (pooled share of shortened outputs above 0.5) and
     convexity (shares of fitted heads with an interior minimum, and with it inside the observed range,
@@ -112,14 +117,14 @@ def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: 
     ``anti_alignment``: :func:`cwcore.sinks.anti_alignment`'s table; ``fits``/``points``: see
     :func:`pooled_suppression`.
     """
-    return claims_frame(_anti_alignment_rows(anti_alignment, n_bootstrap, seed, eps)
-                        + _convexity_rows(fits, points, eps, n_bootstrap, seed))
+    return claims_frame(_anti_alignment_rows(anti_alignment, n_resamples, seed, eps)
+                        + _convexity_rows(fits, points, eps, n_resamples, seed))
 
 
-def rate_claims(rates: pd.DataFrame, eps: float = 0.3, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+def rate_claims(rates: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 5's claims on the sink rates ("many heads are sink heads", Wilson and by layer; "the sink is
     position 0"), see :func:`cwcore.sinks.rates.rate_claim_rows`."""
-    return claims_frame(rate_claim_rows(rates, eps, n_bootstrap=n_bootstrap, seed=seed))
+    return claims_frame(rate_claim_rows(rates, eps, n_resamples=n_resamples, seed=seed))
 
 
 def for_data(claims: pd.DataFrame, data: str) -> pd.DataFrame:
@@ -138,12 +143,12 @@ def stack_data(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
                                                            ignore_index=True)
 
 
-def all_claims(results: Mapping, eps: float = 0.3, quantiles: int = 5, n_bootstrap: int = 1000,
+def all_claims(results: Mapping, eps: float = 0.3, quantiles: int = 5, n_resamples: int = 1000,
                seed: int = 0) -> pd.DataFrame:
     """Every sink claim of chapters 5-7 from ``run_analyses(model, ..., ANALYSES, raw=True)``'s results:
     the claims of every registered analysis, in registration order."""
     rows = []
     for analysis in REGISTRY.values():
         if analysis.claims is not None:
-            rows += analysis.claims(results, eps=eps, quantiles=quantiles, n_bootstrap=n_bootstrap, seed=seed)
+            rows += analysis.claims(results, eps=eps, quantiles=quantiles, n_resamples=n_resamples, seed=seed)
     return claims_frame(rows)
