@@ -33,7 +33,7 @@ from typing import Callable
 import pandas as pd
 
 __all__ = ["BASE_CODE", "CacheWarning", "NO_CACHE_ENV_VAR", "cache_root", "caching_disabled", "code_scope",
-           "code_version", "parameters_key", "ResultCache", "atomic_write_bytes", "current_umask", "result_runs",
+           "code_version", "parameters_key", "ResultCache", "atomic_write_bytes", "write_csv", "current_umask", "result_runs",
            "prune", "verify", "verify_piece"]
 
 NO_CACHE_ENV_VAR = "CWCORE_NO_CACHE"
@@ -154,6 +154,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_csv(frame: pd.DataFrame, path: str | os.PathLike, **to_csv) -> Path:
+    """Write ``frame`` as CSV to ``path`` atomically (:func:`atomic_write_bytes`: a full disk or a killed
+    process leaves the old file or none, never a partial one); ``to_csv`` as in :meth:`pandas.DataFrame.to_csv`."""
+    path = Path(path)
+    atomic_write_bytes(path, frame.to_csv(**to_csv).encode())
+    return path
 
 
 def _sha256(data: bytes) -> str:
@@ -326,7 +334,7 @@ def prune(root: Path | None = None, everything: bool = False, dry_run: bool = Fa
     import time
 
     runs = result_runs(root)
-    doomed = runs if everything else runs[~runs["current"]]
+    doomed = runs if everything else runs[~runs["current"].astype(bool)]  # (an empty column is object-typed)
     doomed = doomed[doomed["modified"] < time.time() - min_age_seconds]
     if not dry_run:
         for path in doomed["path"]:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .cache import ResultCache
-from .core.inputs import check_inputs
+from .core.inputs import check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
 
 __all__ = ["PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
            "model_fingerprint", "progress", "tensor_digest"]
@@ -72,23 +72,6 @@ def tensor_digest(*values: Any) -> str:
         else:
             digest.update(_as_bytes(value))
     return digest.hexdigest()[:20]
-
-
-def check_count(value, argument: str, *, minimum: int = 1, allow_none: bool = False) -> int | None:
-    """An experiment's count option (``batch_size``, ``num_sequences``, ...) as an int >= ``minimum``;
-    ``TypeError``/``ValueError`` naming ``argument`` otherwise (``None`` passes when ``allow_none``)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{argument} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{argument} must be at least {minimum}, got {value}")
-    return int(value)
-
-
-def check_batch_size(batch_size) -> int:
-    """``batch_size`` as an int >= 1 (a float, a string or 0 are refused with one sentence)."""
-    return check_count(batch_size, "batch_size")
 
 
 def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: str = "input_ids",
