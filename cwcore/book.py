@@ -137,8 +137,8 @@ def load_config(path: str | os.PathLike) -> dict:
             config = yaml.safe_load(fh) or {}
     except yaml.YAMLError as err:  # one sentence with the place, not PyYAML's traceback
         mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise BookError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', None) or err})") from None
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise BookError(f"{path} is not valid YAML{where} ({getattr(err, 'problem', None) or err})") from None
     if not isinstance(config, dict):
         raise BookError(f"{path}: needs a 'chapters' list and a 'profiles' mapping, got a {type(config).__name__}")
     if not isinstance(config.get("chapters"), list) or not isinstance(config.get("profiles"), dict):

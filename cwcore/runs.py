@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .cache import ResultCache
-from .core.inputs import check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
+from .core.inputs import InputError, InputTypeError, check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
 
 __all__ = ["PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
            "model_fingerprint", "progress", "tensor_digest"]
@@ -83,9 +83,9 @@ def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: s
         return check_inputs(model, {"input_ids": input_ids}, caller=caller)["input_ids"]
     ids = torch.as_tensor(input_ids)
     if ids.ndim != 2 or ids.numel() == 0:
-        raise ValueError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
+        raise InputError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise TypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
+        raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
     return ids
 
 
