@@ -120,7 +120,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
         if low < 0 or (vocabulary is not None and high >= vocabulary):
             raise InputError(f"{caller}: input_ids must lie in [0, {vocabulary}) for this model's vocabulary, "
                              f"got values from {low} to {high}")
-        inputs["input_ids"] = ids
+        inputs["input_ids"] = ids if ids.dtype == torch.long else ids.long()  # int16/uint8 ids: the embedding takes long
     mask = inputs.get("attention_mask")
     reference = ids if ids is not None else inputs.get("inputs_embeds")
     if mask is not None and reference is not None:

@@ -79,6 +79,10 @@ def intervene(
     if not isinstance(masks, Mapping):
         raise TypeError(f"masks must map layer numbers to masks, got {type(masks).__name__}")
     check_layers(list(masks), num_layers, argument="masks")
+    if any(isinstance(layer, int) and layer < 0 for layer in masks):  # -1 is the last layer, as in check_layers
+        if len({layer % num_layers for layer in masks}) < len(masks):
+            raise InputError("masks names one layer twice (a negative number and its positive twin)")
+        masks = {layer % num_layers: mask for layer, mask in masks.items()}
     for layer, mask in masks.items():  # wrong dtypes fail here; shapes are checked against each layer's call
         if not callable(mask):
             check_mask(mask, torch.as_tensor(mask).shape, layer)
