@@ -1,5 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
-#   make test   create .venv if needed and run the test suite
+#   make test   create .venv if needed and run the test suite (what .ci/run and the main-branch workflow run)
+#   make check  the quick tier for the edit loop: no real-model book build, no fault injection, no
+#               browser, no `slow` test (tests/conftest.py's QUICK_TIER; under 3 minutes)
 #   make book   create .venv, execute every notebook with papermill, build book/_build/html
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -11,7 +13,7 @@ CHROMIUM_STAMP := .stamps/chromium
 PROFILE ?= default
 MODELS ?=
 
-.PHONY: test venv clean-venv book
+.PHONY: test check venv clean-venv book evidence
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
 $(STAMP): pyproject.toml constraints.txt assets.txt
@@ -27,6 +29,9 @@ venv: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+check: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not browser and not book" tests
+
 clean-venv:
 	rm -rf $(VENV)
 
@@ -34,6 +39,16 @@ clean-venv:
 # book/run.yml; notebooks whose inputs did not change are not executed again.
 book: $(STAMP)
 	$(PY) -m cwcore.book build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
+
+# make evidence [JOBS=N] [MODELS=m1,m2]: the evidence profile of book/run.yml, resumable: every finished
+# batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped. Each sweep
+# splits its documents over JOBS single-thread ranks of this machine (default: every core); the results
+# are the same as with JOBS=1. Then the evidence tables and findings.csv are remade from the exports.
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+EVIDENCE_EXPORT ?= $(PY) -m cwcore.faithfulness.evidence_slice tables
+evidence: $(STAMP)
+	$(PY) -m cwcore.book build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))
+	$(EVIDENCE_EXPORT)
 
 # The browser tests (tests/test_book.py, marker `browser`) drive Debian's chromium; install it once,
 # as root, where it is missing. Without it those tests are skipped with the reason.

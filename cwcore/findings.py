@@ -20,9 +20,17 @@ turns the tables of one model into :class:`Finding` rows; a chapter whose table 
 Verdicts
 --------
 One vocabulary for the whole project, :mod:`cwcore.stats`: ``holds``, ``contradicted``,
-``inconclusive``, ``not measured`` (:data:`cwcore.stats.VERDICTS`). A claim with several parts
-combines them with :func:`cwcore.stats.combine_verdicts`: all parts not measured -> not measured; any
-part contradicted -> contradicted; every measured part holds -> holds; otherwise inconclusive.
+``negligible``, ``inconclusive``, ``not measured`` (:data:`cwcore.stats.VERDICTS`). A claim with several
+parts combines them with :func:`cwcore.stats.combine_verdicts`: all parts not measured -> not measured;
+any part contradicted -> contradicted; every measured part holds -> holds; otherwise inconclusive. The
+ladder's ordering is a chain and holds only when *every* step is measured and holds
+(:func:`cwcore.stats.combine_all`).
+
+The ladder's steps take the verdicts of chapter 4's ladder table (judged there by
+:func:`cwcore.faithfulness.evidence.judge`: the equivalence margin per mode, not measured where the
+protocol ranks two rungs identically), so the two tables never disagree on a row. The pre-registered
+primary family (``book/preregistration.md``, :data:`cwcore.faithfulness.evidence.PRIMARY`) is decided
+in :func:`findings_csv` with Holm's adjustment over the whole family (:func:`primary_decisions`).
 """
 
 from __future__ import annotations
@@ -38,25 +46,31 @@ import numpy as np
 import pandas as pd
 
 from . import stats
+from .core.decomposition import METRICS
 from .book import results_path
 from .cache import atomic_write_bytes
-from .stats import CONTRADICTED, HOLDS, INCONCLUSIVE, NOT_MEASURED, VERDICTS, combine_verdicts
+from .faithfulness import evidence
+from .stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
+                    combine_verdicts)
 from .sinks import claims as sink_claims
 
-__all__ = ["HOLDS", "CONTRADICTED", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "RUNGS", "CLAIMS",
+__all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "primary_decisions",
+           "primary_ordering", "STEPS", "PRIMARY_COLUMNS", "primary_table", "RUNGS", "CLAIMS",
            "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
            "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
-RUNGS = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 
 CLAIMS = {
     "ordering": "faithfulness: attention < value-weighted < output-normalised < contribution",
     "cosine_gain": "the cosine (rung 3 -> 4) is the largest gain",
-    "sink_rates": "many heads are sink heads (Sink_eps, eps = 0.3)",
+    "ordering_sufficiency": "faithfulness (sufficiency): attention < value-weighted < output-normalised < contribution",
+    "cosine_gain_sufficiency": "the cosine (rung 3 -> 4) is the largest gain (sufficiency)",
+    "sink_rates": "(the book's claim, not the paper's) many heads are sink heads (Sink_eps, eps = 0.3)",
     "decomposition": "sink contribution driven by geometry, tail by attention and alignment",
-    "sink_position": "the sink is the first position",
+    "sink_position": "(the book's check of the paper's reading) the sink is the first position",
     "anti_alignment": "the sink's value points against the semantic values",
     "anti_alignment_trend": "the stronger the sink, the stronger the anti-alignment",
     "suppression": "the sink suppresses the output norm",
@@ -92,7 +106,8 @@ CHAPTER_CLAIMS = {
 }
 
 # the chapter whose table holds each finding's numbers
-_SOURCE = {"ordering": "04_faithfulness", "cosine_gain": "04_faithfulness", "sink_rates": "05_sink_decomposition",
+_SOURCE = {"ordering": "04_faithfulness", "cosine_gain": "04_faithfulness",
+           "ordering_sufficiency": "04_faithfulness", "cosine_gain_sufficiency": "04_faithfulness", "sink_rates": "05_sink_decomposition",
            "decomposition": "05_sink_decomposition", "anti_alignment": "06_sinks_as_suppressors",
            "anti_alignment_trend": "06_sinks_as_suppressors", "suppression": "06_sinks_as_suppressors",
            "convexity": "06_sinks_as_suppressors", "semantic_cone": "07_semantic_cone",
@@ -136,8 +151,31 @@ def _side(mode: str) -> str:
 
 
 def _identical(row) -> bool:
-    """Two rungs whose rankings were identical (same forwards): difference exactly 0, zero-width interval."""
+    """Two rungs that rank identically by construction under the row's protocol
+    (:func:`cwcore.faithfulness.protocol.identical_steps`), a property of the protocol, never of the
+    numbers: the row's ``identical`` column where the ladder table has one, else the protocol read from
+    its columns (``protocol``: a main protocol's name; ``unit``, ``scope``). Only a bare table with none of
+    them falls back to the numbers (difference and interval exactly 0)."""
+    from .faithfulness.evidence import PROTOCOLS
+    from .faithfulness.protocol import Protocol, identical_steps
+
+    get = row.get if hasattr(row, "get") else (lambda key, default=None: default)
+    given = get("identical")
+    if isinstance(given, (bool, np.bool_)) or given in (0, 1):
+        return bool(given)
+    if any(get(column) is not None for column in ("protocol", "unit", "scope")):
+        change = PROTOCOLS.get(get("protocol", "default"), {})
+        protocol = Protocol(unit=get("unit", "head_key"), scope=get("scope", "row"), **change)
+        return (row["lower"], row["higher"]) in identical_steps(protocol)
     return row["difference"] == 0 and row["ci_low"] == 0 and row["ci_high"] == 0
+
+
+def _judged(ladder: pd.DataFrame) -> pd.DataFrame:
+    """``ladder`` with the pre-registered verdicts (:func:`cwcore.faithfulness.evidence.judge`) unless
+    it carries them already (a ``margin`` column: chapter 4's tables do)."""
+    if ladder is None or ladder.empty or "margin" in ladder:
+        return ladder
+    return evidence.judge(ladder)
 
 
 def _pair_verdict(row, mode: str) -> str:
@@ -155,26 +193,59 @@ def _consecutive(ladder: pd.DataFrame, mode: str) -> pd.DataFrame:
     return pd.concat(keep, ignore_index=True) if keep else rows.iloc[:0]
 
 
-def ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
-    """Rule: each consecutive pair of rungs (1-2, 2-3, 3-4) is judged by its paired bootstrap interval
-    of the AOPC difference (``ladder_comparison``'s ``verdict``: holds when the interval lies on the
-    claimed side of 0 — above for comprehensiveness, below for sufficiency —, contradicted when it lies
-    on the other side, inconclusive when it contains 0). A pair whose two rungs ranked identically
-    (difference and interval exactly 0: rungs 2 and 3 under the default protocol) cannot be tested: not
-    measured. The pairs combine by :func:`cwcore.stats.combine_verdicts`."""
-    rule = ("each consecutive rung pair's paired AOPC-difference interval against 0 on the claimed side "
-            "(identically ranked pairs not measured), combined by cwcore.stats.combine_verdicts")
-    pairs = _consecutive(ladder, mode)
-    if pairs.empty:
-        return Finding("ordering", NOT_MEASURED, "", rule)
+def _chain(name: str, steps: list[tuple[str, object]], mode: str, rule: str) -> Finding:
+    """A chain of steps (``[(label, ladder row or None)]``) judged by :func:`cwcore.stats.combine_all`,
+    the measured text naming every step's verdict and which steps hold."""
+    if not steps:
+        return Finding(name, NOT_MEASURED, "", rule)
     parts, texts = [], []
-    for _, r in pairs.iterrows():
-        v = NOT_MEASURED if _identical(r) else _pair_verdict(r, mode)
+    for label, r in steps:
+        if r is None:
+            parts.append(NOT_MEASURED)
+            texts.append(f"{label}: not in the table")
+            continue
+        v = _pair_verdict(r, mode)
         parts.append(v)
-        shown = "identical ranking" if _identical(r) else v
-        texts.append(f"{r['lower']}->{r['higher']}: {_fmt(r['difference'])} "
-                     f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] {shown}")
-    return Finding("ordering", combine_verdicts(parts), f"{mode}: " + "; ".join(texts), rule)
+        texts.append(f"{label}: {_fmt(r['difference'])} [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] {v}")
+    holding = [label for (label, _), v in zip(steps, parts) if v == HOLDS]
+    summary = f"steps that hold: {', '.join(holding) if holding else 'none'}"
+    return Finding(name, combine_all(parts), f"{mode}: " + "; ".join(texts) + f" ({summary})", rule)
+
+
+def ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
+    """Rule: each consecutive pair of rungs (1-2, 2-3, 3-4) takes the ladder's verdict (its paired
+    bootstrap interval of the AOPC difference against 0 on the claimed side — above for
+    comprehensiveness, below for sufficiency —, negligible inside the mode's equivalence margin, not
+    measured where the protocol ranks the two rungs identically: 2-3 under ``default``). The chain holds
+    only when every step is measured and holds (:func:`cwcore.stats.combine_all`): under ``default`` it
+    is therefore not measured unless a step is contradicted; the measured text says which steps hold."""
+    rule = ("every consecutive rung pair's verdict (paired AOPC-difference interval against 0 on the claimed "
+            "side, margin per mode, identical-by-construction pairs not measured), combined by "
+            "cwcore.stats.combine_all: holds only when every step is measured and holds")
+    pairs = _consecutive(_judged(ladder), mode)
+    steps = [(f"{r['lower']}->{r['higher']}", r) for _, r in pairs.iterrows()]
+    return _chain("ordering", steps, mode, rule)
+
+
+def primary_ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, data: str | None = None) -> Finding:
+    """The ordering over the pre-registered steps (:data:`cwcore.faithfulness.evidence.PRIMARY`): each
+    consecutive step under the protocol where it is measured (1->2 and 3->4 under ``default``, 2->3 under
+    ``per-head``), at the headline importance and ratio range, of ``data`` (default: the table's first
+    data set); combined by :func:`cwcore.stats.combine_all`."""
+    rule = ("each pre-registered step under the protocol where it is measured (1->2, 3->4: default; 2->3: "
+            "per-head), headline importance and range; holds only when every step is measured and holds")
+    t = _judged(_with_defaults(ladder))
+    if t is None or t.empty:
+        return Finding("ordering", NOT_MEASURED, "", rule)
+    data = t["data"].iloc[0] if data is None else data
+    t = t[(t["data"] == data) & (t["mode"] == mode) & (t["importance"] == evidence.PRIMARY["importance"])
+          & (t["range"] == evidence.PRIMARY["range"])]
+    steps = []
+    for i, (a, b) in enumerate(zip(RUNGS, RUNGS[1:])):
+        protocol = next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b))
+        found = t[(t["lower"] == a) & (t["higher"] == b) & (t["protocol"] == protocol)]
+        steps.append((f"{i + 1}->{i + 2} [{protocol}]", found.iloc[0] if len(found) else None))
+    return _chain("ordering", steps, mode, rule)
 
 
 def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
@@ -208,16 +279,33 @@ def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Findin
 
 
 FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
-                        "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured"]
+                        "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured", "variant", "primary",
+                        "margin", "p", "p_holm"]
 
-#: the slice of chapter 4's ladder that the scoreboard judges (the other slices are in findings.csv)
-HEADLINE = {"protocol": "default", "importance": "signed", "range": "full"}
+#: the slice of chapter 4's ladder that the scoreboard judges: the pre-registered headline importance
+#: (|c|) and ratio range (book/preregistration.md); the steps each under the protocol where it is measured
+HEADLINE = {"protocol": "default", "importance": evidence.PRIMARY["importance"], "range": evidence.PRIMARY["range"]}
+
+#: the ladder's steps as claims: (claim, lower rung, higher rung)
+STEPS = (*((f"step {i + 1}->{i + 2}", a, b) for i, (a, b) in enumerate(zip(RUNGS, RUNGS[1:]))),
+         ("contribution beats random", "random", "contribution"))
+
+
+def _with_defaults(ladder: pd.DataFrame) -> pd.DataFrame:
+    if ladder is None:
+        return ladder
+    ladder = ladder.copy()
+    for column, default in (("data", ""), ("protocol", "default"), ("importance", "signed"), ("range", "full"),
+                            ("variant", "main")):
+        if column not in ladder:
+            ladder[column] = default
+    return ladder
 
 
 def headline_ladder(ladder: pd.DataFrame) -> pd.DataFrame:
-    """The scoreboard's slice of a stacked ladder table: its first data set, the default protocol, signed
-    importance, the full ratio range (each where the table has the column; an older single-slice table
-    is returned as it is)."""
+    """The scoreboard's slice of a stacked ladder table: its first data set, the default protocol, the
+    headline importance and ratio range (each where the table has the column; an older single-slice
+    table is returned as it is)."""
     rows = ladder
     if "data" in rows and len(rows):
         rows = rows[rows["data"] == rows["data"].iloc[0]]
@@ -239,41 +327,115 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
     protocol x importance x ratio range (:data:`FAITHFULNESS_COLUMNS`).
 
     Claims: each consecutive step of the ladder (``step 1->2``, ``step 2->3``, ``step 3->4``: the paired
-    AOPC difference, higher minus lower rung, with its interval, verdict and ``mde``, the smallest
-    difference the sample could detect), ``contribution beats random``, the combined ``ordering``
-    (:func:`ordering`) and the ``cosine_gain`` (:func:`cosine_gain`), whose estimate is left empty. A
-    step whose rungs ranked identically is *not measured* (estimate 0)."""
+    AOPC difference, higher minus lower rung, with its interval, ``p``, ``margin``, verdict and ``mde``,
+    the smallest difference the sample could detect), ``contribution beats random``, the combined
+    ``ordering`` (:func:`ordering`) and the ``cosine_gain`` (:func:`cosine_gain`), whose estimate is left
+    empty. A step takes the ladder's verdict (:func:`cwcore.faithfulness.evidence.judge`: not measured
+    where the protocol ranks its rungs identically). ``primary`` marks the pre-registered family
+    (its Holm decision is made over all models by :func:`primary_decisions`)."""
     if ladder is None or ladder.empty:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
-    ladder = ladder.copy()
-    for column, default in (("data", ""), ("protocol", "default"), ("importance", "signed"), ("range", "full")):
-        if column not in ladder:
-            ladder[column] = default
+    ladder = _judged(_with_defaults(ladder))
     rows = []
-    keys = ["data", "protocol", "importance", "range", "mode"]
+    keys = ["data", "protocol", "importance", "range", "mode", "variant"]
     for key, part in ladder.groupby(keys, sort=False, dropna=False):
-        data, protocol, importance, rng, mode = key
+        data, protocol, importance, rng, mode, variant = key
         base = {"model": model, "data": data, "mode": mode, "protocol": protocol, "importance": importance,
-                "range": rng, "profile": profile}
-        pairs = [(f"step {i + 1}->{i + 2}", a, b) for i, (a, b) in enumerate(zip(RUNGS, RUNGS[1:]))]
-        pairs.append(("contribution beats random", "random", "contribution"))
-        for claim, lower, higher in pairs:
+                "range": rng, "profile": profile, "variant": variant}
+        for claim, lower, higher in STEPS:
+            primary = variant == "main" and evidence.is_primary(model, data, mode, protocol, importance, rng,
+                                                                 lower, higher)
             found = part[(part["lower"] == lower) & (part["higher"] == higher)]
             if found.empty:
-                rows.append({**base, "claim": claim, "verdict": NOT_MEASURED, "measured": "pair not in the table"})
+                rows.append({**base, "claim": claim, "verdict": NOT_MEASURED, "measured": "pair not in the table",
+                             "primary": primary})
                 continue
             r = found.iloc[0]
-            verdict, est, low, high, shown = _step_row(r, mode)
+            verdict = _pair_verdict(r, mode)
+            est, low, high = float(r["difference"]), float(r["ci_low"]), float(r["ci_high"])
+            why = " (identical ranking by construction)" if _identical(r) else ""
             rows.append({**base, "claim": claim, "verdict": verdict, "estimate": est, "ci_low": low, "ci_high": high,
                          "n_units": int(r["n"]), "unit": r.get("sample_unit", "sequence"),
-                         "mde": float(r.get("mde", np.nan)),
-                         "measured": f"{lower}->{higher}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] {shown}"})
+                         "mde": float(r.get("mde", np.nan)), "primary": primary,
+                         "margin": float(r.get("margin", np.nan)), "p": float(r.get("p", np.nan)),
+                         "measured": f"{lower}->{higher}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] {verdict}{why}"})
         n = int(part["n"].max())
         unit = part["sample_unit"].iloc[0] if "sample_unit" in part else "sequence"
         for finding in (ordering(part, mode), cosine_gain(part, mode)):
             rows.append({**base, "claim": finding.claim, "verdict": finding.verdict, "n_units": n, "unit": unit,
-                         "measured": finding.measured})
-    return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
+                         "measured": finding.measured, "primary": False})
+    out = pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
+    out["primary"] = out["primary"].fillna(False).astype(bool)
+    return out
+
+
+def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) -> pd.DataFrame:
+    """The pre-registered decision of the primary family in a findings table (:func:`findings_csv`).
+
+    The family is :func:`cwcore.faithfulness.evidence.primary_family` (of ``models``, default the
+    pre-registered ones); a member without a row or without a p-value counts as p = 1, so the family
+    keeps its registered size. ``p_holm``: Holm's adjustment (:func:`cwcore.stats.holm`) of the members'
+    sign-flip ``p``. A member's verdict: not measured when its step is; negligible when its 95%
+    interval lies inside +-margin; otherwise holds (contradicted) when ``p_holm`` < ALPHA and the
+    estimate lies on the claimed (the other) side, inconclusive else, with "too small to decide" in the
+    measured text when its ``mde`` exceeds the margin. Then one derived row per model, data set and mode
+    (claim ``ordering``, protocol ``primary steps``, not itself a test): the chain of the three steps by
+    :func:`cwcore.stats.combine_all`. Other rows are returned as they are (``primary`` False)."""
+    if table is None or table.empty or "primary" not in table:
+        return table
+    out = table.copy()
+    out["primary"] = out["primary"].fillna(False).astype(bool)
+    family = evidence.primary_family(models=[m for m in (models or evidence.PRIMARY["models"])])
+    claim_of = {(lo, hi): c for c, lo, hi in STEPS}
+    index, pvalues = [], []
+    for member in family:
+        hit = out.index[out["primary"] & (out["model"] == member["model"]) & (out["data"] == member["data"])
+                        & (out["mode"] == member["mode"]) & (out["protocol"] == member["protocol"])
+                        & (out["claim"] == claim_of[(member["lower"], member["higher"])])]
+        index.append(hit[0] if len(hit) else None)
+        pvalues.append(float(out.at[hit[0], "p"]) if len(hit) else np.nan)
+    adjusted = stats.holm(pvalues)
+    for i, p_holm in zip(index, adjusted):
+        if i is None:
+            continue
+        out.at[i, "p_holm"] = p_holm
+        r = out.loc[i]
+        if r["verdict"] == NOT_MEASURED:
+            continue
+        side = 1.0 if r["mode"] == "comprehensiveness" else -1.0
+        margin = float(r["margin"])
+        if -margin < r["ci_low"] and r["ci_high"] < margin:
+            v = NEGLIGIBLE
+        elif p_holm < evidence.ALPHA and np.isfinite(r["estimate"]) and r["estimate"] != 0:
+            v = HOLDS if side * r["estimate"] > 0 else CONTRADICTED
+        else:
+            v = INCONCLUSIVE
+        note = f"; primary: sign-flip p = {_fmt(r['p'])}, Holm p = {_fmt(p_holm)} (family of {len(family)})"
+        if v == INCONCLUSIVE and np.isfinite(r["mde"]) and r["mde"] > margin:
+            note += f"; too small to decide (mde {_fmt(r['mde'])} > margin {_fmt(margin)})"
+        if v != r["verdict"]:
+            note += f"; unadjusted interval verdict: {r['verdict']}"
+        out.at[i, "verdict"] = v
+        out.at[i, "measured"] = f"{r['measured']}{note}"
+    chains = []
+    primary = out[out["primary"]]
+    for (model, data, mode, importance, rng), part in primary.groupby(["model", "data", "mode", "importance", "range"],
+                                                                      sort=False):
+        steps = []
+        for claim, lower, higher in STEPS[:3]:
+            found = part[part["claim"] == claim]
+            r = found.iloc[0] if len(found) else None
+            row = None if r is None else {"difference": r["estimate"], "ci_low": r["ci_low"], "ci_high": r["ci_high"],
+                                          "verdict": r["verdict"]}
+            steps.append((f"{claim.split()[-1]} [{r['protocol'] if r is not None else '?'}]", row))
+        f = _chain("ordering", steps, mode, "")
+        chains.append({"claim": "ordering", "model": model, "data": data, "mode": mode, "protocol": "primary steps",
+                       "importance": importance, "range": rng, "verdict": f.verdict, "n_units": part["n_units"].max(),
+                       "unit": part["unit"].iloc[0], "profile": part["profile"].iloc[0], "variant": "main",
+                       "primary": False, "measured": f"the pre-registered steps, Holm-decided: {f.measured}"})
+    if chains:
+        out = pd.concat([out, pd.DataFrame(chains, columns=FAITHFULNESS_COLUMNS)], ignore_index=True)
+    return out
 
 
 #: the attribution bench (chapter 4b): its paired comparisons join the faithfulness rows of findings.csv
@@ -297,7 +459,7 @@ def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None
                      "importance": r.get("importance", "signed"), "range": r.get("range", "full"),
                      "verdict": verdict, "estimate": est, "ci_low": low, "ci_high": high, "n_units": int(r["n"]),
                      "unit": r.get("sample_unit", "sequence"), "mde": float(r.get("mde", np.nan)),
-                     "profile": profile,
+                     "profile": profile, "variant": r.get("variant", "main"), "primary": False,
                      "measured": f"chapter 4b, {r['lower']}->{r['higher']}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] "
                                  f"{shown}"})
     return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
@@ -327,7 +489,12 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
             if got is not None:
                 frames.append(claim_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
     frames = [f for f in frames if not f.empty]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+    if not frames:
+        return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
+    table = pd.concat(frames, ignore_index=True)
+    table["variant"] = table["variant"].fillna("main")
+    table["primary"] = table["primary"].fillna(False).astype(bool)
+    return primary_decisions(table)
 
 
 #: the committed evidence tables of this checkout (data/results/evidence: the chapters' tables of the
@@ -335,7 +502,7 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
 EVIDENCE_DIR = Path(__file__).resolve().parents[1] / "data" / "results" / "evidence"
 
 #: the columns that name one findings row (a claim part, or one ladder step, of one model and data set)
-ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range"]
+ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "variant"]
 
 
 def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "live",
@@ -349,7 +516,9 @@ def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "liv
             return pd.DataFrame(columns=[*ROW_KEYS, name, f"{name} verdict", f"{name} n", f"{name} mde"])
         t = table.copy()
         for k in ROW_KEYS:
-            t[k] = t[k].fillna("").astype(str)
+            if k not in t:  # a table written before the column existed
+                t[k] = "main" if k == "variant" else ""
+            t[k] = t[k].fillna("main" if k == "variant" else "").astype(str)
         text = [f"{_fmt(e)} [{_fmt(lo)}, {_fmt(hi)}] {v}" if np.isfinite(e) else str(v)
                 for e, lo, hi, v in zip(t["estimate"], t["ci_low"], t["ci_high"], t["verdict"])]
         return pd.DataFrame({**{k: t[k] for k in ROW_KEYS}, name: text, f"{name} verdict": t["verdict"],
@@ -386,6 +555,7 @@ def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = No
                      "ci_low": float(r["low"]), "ci_high": float(r["high"]),
                      "n_units": int(n_units) if pd.notna(n_units) else 0, "unit": unit if has_unit else "",
                      "mde": stats.detectable_from_interval(float(r["low"]), float(r["high"])), "profile": profile,
+                     "variant": "main", "primary": False,
                      "measured": f"chapter {r['chapter']}, {part} ({r.get('statistic', '')}): {_fmt(r['estimate'])} [{_fmt(r['low'])}, "
                                  f"{_fmt(r['high'])}] {shown}"})
     return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
@@ -504,19 +674,27 @@ def load_results(results_dir: str | os.PathLike, chapter: str, model: str | None
 def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Finding], dict[str, Results]]:
     """Every finding of ``model`` from the chapters' tables in ``results_dir``, and the tables read.
 
-    The faithfulness findings are judged by comprehensiveness (chapter 4's ladder), the sink findings
-    by the chapters' claims (5-7); a missing table makes its findings "not measured: chapter N was not
-    built". The encoder claim is shown in chapter 8 and not judged here.
+    The faithfulness findings are judged in both modes on chapter 4's ladder (its first data set, the
+    pre-registered headline importance and range): the ordering over the pre-registered steps, each under
+    the protocol where it is measured (:func:`primary_ordering`), and the cosine gain under the default
+    protocol (:func:`cosine_gain`); the sink findings by the chapters' claims (5-7); a missing table
+    makes its findings "not measured: chapter N was not built". The encoder claim is shown in chapter 8
+    and not judged here. (These are unadjusted; the pre-registered Holm decision is in :func:`findings_csv`.)
     """
     read = {chapter: load_results(results_dir, chapter, model) for chapter in CHAPTERS}
     found = {k: v for k, v in read.items() if v is not None}
     out: list[Finding] = []
     ladder = found.get("04_faithfulness")
+    faith_keys = ("ordering", "cosine_gain", "ordering_sufficiency", "cosine_gain_sufficiency")
     if ladder is None:
-        out += [not_built("ordering", "04_faithfulness"), not_built("cosine_gain", "04_faithfulness")]
+        out += [not_built(key, "04_faithfulness") for key in faith_keys]
     else:
-        headline = headline_ladder(ladder.table)
-        out += [ordering(headline, "comprehensiveness"), cosine_gain(headline, "comprehensiveness")]
+        judged = _judged(_with_defaults(ladder.table))
+        headline = headline_ladder(judged)
+        for mode, (o, c) in (("comprehensiveness", faith_keys[:2]), ("sufficiency", faith_keys[2:])):
+            found_o, found_c = primary_ordering(judged, mode), cosine_gain(headline, mode)
+            out += [Finding(o, found_o.verdict, found_o.measured, found_o.rule),
+                    Finding(c, found_c.verdict, found_c.measured, found_c.rule)]
     claims = [r.table for c, r in found.items() if CHAPTERS[c] == "claims"]
     claims = pd.concat(claims, ignore_index=True) if claims else pd.DataFrame(columns=sink_claims.COLUMNS)
     for key in CHAPTER_CLAIMS:
@@ -525,3 +703,74 @@ def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Fin
     out.append(Finding("encoders", NOT_MEASURED, "chapter 8 computes contribution maps of an encoder (minilm-l6)",
                        "not judged here"))
     return out, found
+
+
+# ------------------------------------------------------------------------------------------------
+# chapter 9, Table 1: the pre-registered family, both modes and both importance signs
+# ------------------------------------------------------------------------------------------------
+#: Table 1's columns: (mode, importance, label); the |c| columns are the pre-registered headline
+PRIMARY_COLUMNS = (("comprehensiveness", "absolute", "comprehensiveness |c| (primary)"),
+                   ("comprehensiveness", "signed", "comprehensiveness signed"),
+                   ("sufficiency", "absolute", "sufficiency |c| (primary)"),
+                   ("sufficiency", "signed", "sufficiency signed"))
+
+
+def _cell(rows: pd.DataFrame, claim: str, protocol: str, mode: str, importance: str, rng: str) -> tuple[str, str]:
+    """(verdict, "verdict estimate [low, high]") of one findings row, or not measured."""
+    found = rows[(rows["claim"] == claim) & (rows["protocol"] == protocol) & (rows["mode"] == mode)
+                 & (rows["importance"] == importance) & (rows["range"] == rng)]
+    if found.empty:
+        return NOT_MEASURED, NOT_MEASURED
+    r = found.iloc[0]
+    if pd.isna(r.get("estimate")):
+        return r["verdict"], r["verdict"]
+    return r["verdict"], f"{r['verdict']} {r['estimate']:+.3g} [{r['ci_low']:+.3g}, {r['ci_high']:+.3g}]"
+
+
+def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = None,
+                  models: Sequence[str] | None = None) -> pd.DataFrame:
+    """Chapter 9's Table 1: for each pre-registered model and data set, each primary step under the
+    protocol where it is measured and the ordering over those steps (:func:`cwcore.stats.combine_all`),
+    in both modes and both importance signs (:data:`PRIMARY_COLUMNS`), from the committed evidence
+    (``evidence_rows``: :func:`findings_csv` of the evidence folder; |c| cells Holm-decided, signed cells
+    exploratory and unadjusted); with ``live_rows`` (this build's findings), one ``rerun`` column per
+    mode and sign holding the live verdicts in the same order, and ``rerun agrees`` (of the cells
+    measured by both, how many give the same verdict; empty when none is)."""
+    rng = evidence.PRIMARY["range"]
+    models = list(models or evidence.PRIMARY["models"])
+    steps = [(claim, next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b)))
+             for claim, a, b in STEPS]
+    out = []
+    for model in models:
+        for data in evidence.PRIMARY["data"]:
+            ev = evidence_rows[(evidence_rows["model"] == model) & (evidence_rows["data"] == data)]
+            lv = None if live_rows is None else live_rows[(live_rows["model"] == model) & (live_rows["data"] == data)]
+            chain = {label: [] for *_, label in PRIMARY_COLUMNS}
+            chain_live = {label: [] for *_, label in PRIMARY_COLUMNS}
+            for claim, protocol in [*steps, ("ordering", "every step where measured")]:
+                row = {"model": model, "data": data, "claim": claim, "protocol": protocol}
+                live = []
+                for mode, importance, label in PRIMARY_COLUMNS:
+                    if claim == "ordering":
+                        v = combine_all(chain[label])
+                        row[label] = v
+                        live.append(combine_all(chain_live[label]) if lv is not None else "")
+                        continue
+                    v, text = _cell(ev, claim, protocol, mode, importance, rng)
+                    row[label] = text
+                    if claim.startswith("step"):
+                        chain[label].append(v)
+                    if lv is not None:
+                        lv_v, _ = _cell(lv, claim, protocol, mode, importance, rng)
+                        live.append(lv_v)
+                        if claim.startswith("step"):
+                            chain_live[label].append(lv_v)
+                if live_rows is not None:
+                    row["rerun (|c| / signed, comprehensiveness; sufficiency)"] = \
+                        f"{live[0]} / {live[1]}; {live[2]} / {live[3]}"
+                    ours = [row[label].split(" ")[0] if not row[label].startswith(NOT_MEASURED) else NOT_MEASURED
+                            for *_, label in PRIMARY_COLUMNS]
+                    both = [(a, b) for a, b in zip(ours, live) if NOT_MEASURED not in (a, b)]
+                    row["rerun agrees"] = f"{sum(a == b for a, b in both)}/{len(both)}" if both else ""
+                out.append(row)
+    return pd.DataFrame(out)

@@ -218,7 +218,7 @@ def legend_below(fig, ax, ncols: int = 3, fontsize: float = 9) -> None:
 #: verdict colours of :func:`ladder_forest` (colour-blind-safe: blue / vermilion / grey), keyed by the
 #: values of :data:`cwcore.stats.HOLDS`, ``CONTRADICTED`` and ``INCONCLUSIVE`` (literals: importing
 #: this module does not load scipy)
-VERDICT_COLOURS = {"holds": "#0072B2", "contradicted": "#D55E00", "inconclusive": "#7f7f7f"}
+VERDICT_COLOURS = {"holds": "#0072B2", "contradicted": "#D55E00", "negligible": "#009E73", "inconclusive": "#7f7f7f"}
 _STEP_LABELS = {"step 1->2": "1→2", "step 2->3": "2→3", "step 3->4": "3→4",
                 "contribution beats random": "4 vs random"}
 _VARIANTS = [("signed", "low", "o"), ("signed", "full", "s"), ("absolute", "low", "^"), ("absolute", "full", "D")]

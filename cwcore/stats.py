@@ -18,6 +18,14 @@ Verdicts (:func:`verdict`): a claim "the statistic is above (below) the threshol
 its whole interval lies strictly on the claimed side, is **contradicted** when the whole interval
 lies strictly on the other side, is **inconclusive** when the interval contains (or touches) the
 threshold, and is **not measured** when there is no interval (no data, one unit, an empty group).
+With an equivalence ``margin`` (a difference too small to matter, stated before looking), a claim is
+**negligible** when its whole interval lies inside ``threshold +- margin``: the effect, whichever its
+sign, is practically zero (checked before holds/contradicted, so a tiny but precisely measured effect
+is negligible, not "holds").
+
+Tests (:func:`sign_flip_p`, :func:`holm`): a two-sided paired permutation test over independent units
+(:func:`scipy.stats.permutation_test`, signs of the paired differences flipped), and Holm's
+step-down adjustment within a pre-registered family.
 """
 
 from __future__ import annotations
@@ -31,9 +39,9 @@ import pandas as pd
 from scipy import integrate, stats as _scipy_stats
 
 __all__ = [
-    "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "MIN_CLUSTERS", "NOT_MEASURED", "VERDICTS",
-    "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_verdicts",
-    "detectable_from_interval",
+    "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "MIN_CLUSTERS", "NEGLIGIBLE", "NOT_MEASURED", "VERDICTS",
+    "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_all", "combine_verdicts",
+    "detectable_from_interval", "holm", "sign_flip_p",
     "min_detectable_effect", "paired_bootstrap_ci", "percentile_interval", "resample_indices", "share_ci", "spearman_ci",
     "trapezoid_mean", "verdict", "wilson_ci",
 ]
@@ -41,9 +49,11 @@ __all__ = [
 HOLDS = "holds"
 CONTRADICTED = "contradicted"
 INCONCLUSIVE = "inconclusive"
+NEGLIGIBLE = "negligible"
 NOT_MEASURED = "not measured"
-#: The one verdict vocabulary of the project, from strongest to weakest evidence.
-VERDICTS = (HOLDS, CONTRADICTED, INCONCLUSIVE, NOT_MEASURED)
+#: The one verdict vocabulary of the project, from strongest to weakest evidence (``negligible``: the
+#: interval lies inside the equivalence margin, see :func:`verdict`).
+VERDICTS = (HOLDS, CONTRADICTED, NEGLIGIBLE, INCONCLUSIVE, NOT_MEASURED)
 
 _NAN = float("nan")
 
@@ -353,17 +363,25 @@ def detectable_from_interval(low: float, high: float, *, confidence: float = 0.9
     return float((_scipy_stats.norm.ppf(1 - alpha / 2) + _scipy_stats.norm.ppf(power)) * se)
 
 
-def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "above") -> str:
+def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "above",
+            margin: float | None = None) -> str:
     """The verdict on "the statistic is above (``side="above"``) / below ``threshold``" from its interval.
 
-    :data:`HOLDS`: the whole interval is strictly on the claimed side; :data:`CONTRADICTED`: strictly
-    on the other side; :data:`INCONCLUSIVE`: it contains or touches the threshold (a zero-width
-    interval at the threshold included); :data:`NOT_MEASURED`: a bound is NaN.
+    :data:`NEGLIGIBLE` (only with a ``margin``): the whole interval lies strictly inside
+    ``(threshold - margin, threshold + margin)``; otherwise :data:`HOLDS`: the whole interval is
+    strictly on the claimed side; :data:`CONTRADICTED`: strictly on the other side;
+    :data:`INCONCLUSIVE`: it contains or touches the threshold (a zero-width interval at the threshold
+    included); :data:`NOT_MEASURED`: a bound is NaN.
     """
     if side not in ("above", "below"):
         raise ValueError(f"side must be 'above' or 'below', not {side!r}")
     if not (np.isfinite(low) and np.isfinite(high)):
         return NOT_MEASURED
+    if margin is not None and np.isfinite(margin):
+        if margin <= 0:
+            raise ValueError(f"an equivalence margin must be positive, got {margin}")
+        if threshold - margin < low and high < threshold + margin:
+            return NEGLIGIBLE
     if side == "below":
         low, high, threshold = -high, -low, -threshold
     if low > threshold:
@@ -373,11 +391,60 @@ def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "abo
     return INCONCLUSIVE
 
 
+def sign_flip_p(differences, *, n_resamples: int = 9999, seed: int = 0) -> float:
+    """Two-sided p-value of "the mean of the paired ``differences [units]`` is 0": a paired permutation
+    test that flips the sign of each unit's difference (:func:`scipy.stats.permutation_test`,
+    ``permutation_type="samples"``; exact when 2^n <= ``n_resamples``). NaN values are dropped; NaN with
+    fewer than two units; 1.0 when every difference is 0."""
+    d = _finite(differences)
+    if d.size < 2:
+        return _NAN
+    if np.all(d == 0):
+        return 1.0
+
+    def mean(x, axis=-1):
+        return np.mean(x, axis=axis)
+
+    result = _scipy_stats.permutation_test((d,), mean, permutation_type="samples", vectorized=True,
+                                           n_resamples=n_resamples, alternative="two-sided",
+                                           rng=np.random.default_rng(seed))
+    return float(result.pvalue)
+
+
+def holm(pvalues) -> np.ndarray:
+    """Holm's step-down adjusted p-values of one family ``[m]`` (same order; NaN counts as p = 1, so an
+    unmeasured member keeps the family its pre-registered size). Sorted ascending, the k-th smallest
+    (k = 1..m) becomes max over j <= k of min(1, (m - j + 1) p_(j)) (Holm 1979; the rule of
+    ``statsmodels.stats.multitest.multipletests(method="holm")``, not a dependency here)."""
+    p = np.asarray(pvalues, dtype=float).reshape(-1)
+    p = np.where(np.isfinite(p), p, 1.0)
+    m = p.size
+    if m == 0:
+        return p
+    order = np.argsort(p, kind="stable")
+    stepped = np.minimum(1.0, (m - np.arange(m)) * p[order])
+    adjusted = np.empty(m)
+    adjusted[order] = np.maximum.accumulate(stepped)
+    return adjusted
+
+
 def combine_verdicts(parts: Iterable[str]) -> str:
     """One verdict for a claim made of several parts: :data:`NOT_MEASURED` if no part was measured;
     :data:`CONTRADICTED` if any measured part is; :data:`HOLDS` if every measured part holds;
-    otherwise :data:`INCONCLUSIVE`."""
-    parts = list(parts)
+    :data:`NEGLIGIBLE` if every measured part is negligible; otherwise :data:`INCONCLUSIVE`. A claim
+    that needs *every* part measured (the ladder's ordering) uses :func:`combine_all`."""
+    return _combine(list(parts), require_all=False)
+
+
+def combine_all(parts: Iterable[str]) -> str:
+    """:func:`combine_verdicts` for a claim that holds only when *every* part is measured and holds
+    (a chain such as 1 < 2 < 3 < 4): any contradicted part -> contradicted; otherwise any unmeasured
+    part -> not measured; every part holds -> holds; every part negligible -> negligible; otherwise
+    inconclusive."""
+    return _combine(list(parts), require_all=True)
+
+
+def _combine(parts: list, require_all: bool) -> str:
     unknown = sorted(set(parts) - set(VERDICTS))
     if unknown:
         raise ValueError(f"unknown verdicts {unknown}; the vocabulary is {VERDICTS}")
@@ -386,6 +453,10 @@ def combine_verdicts(parts: Iterable[str]) -> str:
         return NOT_MEASURED
     if CONTRADICTED in measured:
         return CONTRADICTED
+    if require_all and len(measured) < len(parts):
+        return NOT_MEASURED
     if all(p == HOLDS for p in measured):
         return HOLDS
+    if all(p == NEGLIGIBLE for p in measured):
+        return NEGLIGIBLE
     return INCONCLUSIVE

@@ -12,6 +12,20 @@ import pytest
 from tiny_models import DECODERS, FAMILIES, VOCAB, tiny_model, tiny_vit  # noqa: F401  (re-exported)
 
 
+# --------------------------------------------------------------------------------------------------
+# Test tiers: `make check` runs `-m "not slow and not browser and not book"` (the edit loop, minutes);
+# `make test` runs everything. A test that needs the real smoke book is marked `book` here, from its
+# fixtures, so that no test has to remember it.
+# --------------------------------------------------------------------------------------------------
+QUICK_TIER = "not slow and not browser and not book"
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "smoke_book" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.book)
+
+
 @pytest.fixture
 def tiny():
     """The factory ``tiny(family, seed=0, dtype=torch.float32)`` of 2-layer, 4-head, width-64 models."""

@@ -367,6 +367,7 @@ def test_per_model_chapter_becomes_a_page_with_a_subpage_per_model(tiny):
     bookdir, nbdir = tiny
     for name in ("_config.yml", "intro.md"):
         shutil.copy(REPO / "book" / name, bookdir / name)
+    shutil.copytree(REPO / "book" / "_ext", bookdir / "_ext")  # _config.yml's local Sphinx extension
     html = book.build(only="02", book_dir=bookdir, notebooks_dir=nbdir)
     chapter = html / "generated" / "02_models"
     index = parse_page(chapter / "index.html")

@@ -70,6 +70,7 @@ def test_explain_rejects_bad_input(kwargs, message):
         explain(args.pop("text"), tiny_model("llama"), tiny_tokenizer(), **args)
 
 
+@pytest.mark.slow  # saves and loads a model folder, draws a figure
 def test_cli_writes_a_png_from_a_local_model(local_model, tmp_path):
     out = tmp_path / "fig.png"
     result = run_cli("explain", "the cat sat on the mat", "--model", str(local_model), "--layer", "1", "--out", str(out))
@@ -97,6 +98,7 @@ def test_cli_errors_are_one_line(local_model, tmp_path, capsys, monkeypatch, arg
     assert len(lines) == 1 and lines[0].startswith("cwcore: error: ") and message in lines[0], lines
 
 
+@pytest.mark.slow  # two `cwcore` processes, each importing torch and transformers
 def test_cli_process_exits_without_traceback(local_model, tmp_path):
     for args, message in ((["--model", "no-such-model-anywhere-xyz"], "could not be found"),
                           (["--model", str(local_model), "--layer", "7"], "out of range")):
@@ -149,7 +151,7 @@ TEXT = "pizza 🍕 in 東京, très bien"
 
 
 def test_token_labels_show_every_character_of_multi_byte_text():
-    from cwcore.data import token_labels
+    from cwcore.tokens import token_labels
 
     tokenizer = byte_tokenizer()
     ids = tokenizer(TEXT).input_ids

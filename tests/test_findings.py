@@ -9,9 +9,11 @@ import pytest
 
 from cwcore import book, findings as F
 from cwcore import stats
+from cwcore.faithfulness import evidence
 from cwcore.sinks import claims as SC
 
 H, C, I, N = stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NOT_MEASURED
+G = stats.NEGLIGIBLE
 
 
 def ladder(diffs, mode="comprehensiveness"):
@@ -26,18 +28,26 @@ def ladder(diffs, mode="comprehensiveness"):
 
 
 def test_the_vocabulary_is_the_stats_one():
-    assert F.VERDICTS == stats.VERDICTS == (H, C, I, N)
+    assert F.VERDICTS == stats.VERDICTS == (H, C, G, I, N)
     assert (F.HOLDS, F.CONTRADICTED, F.INCONCLUSIVE, F.NOT_MEASURED) == (H, C, I, N)
 
 
-def test_ordering_all_hold_and_identical_rungs_are_not_measured():
+def test_a_chain_with_an_unmeasured_step_is_not_measured_and_says_which_steps_hold():
+    # under the default protocol rungs 2 and 3 rank identically by construction: the ordering cannot hold
     f = F.ordering(ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.4, 0.3, 0.5)]))
-    assert f.verdict == H and "identical ranking" in f.measured
+    assert f.verdict == N and "value_weighted->value_weighted_output_normalized: 0 [0, 0] not measured" in f.measured
+    assert "steps that hold: attention->value_weighted, value_weighted_output_normalized->contribution" in f.measured
+    # a float tie (not exactly zero) is still not measured: the protocol decides, not the numbers
+    tie = F.ordering(ladder([(0.2, 0.1, 0.3), (-3e-9, -1e-8, 0.0), (0.4, 0.3, 0.5)]))
+    assert tie.verdict == N
+    # the same numbers under per-head, where all four rungs differ, are measured
+    assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.2, 0.1, 0.3), (0.4, 0.3, 0.5)]).assign(protocol="per-head")).verdict == H
 
 
 def test_ordering_combines_pairs_by_the_stats_rule():
     # one pair holds, one contains 0: inconclusive (not "partly")
-    assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.1, 0.05, 0.2), (-0.1, -0.2, 0.05)])).verdict == I
+    per_head = dict(protocol="per-head")  # all four rungs distinct, every step measured
+    assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.1, 0.05, 0.2), (-0.1, -0.2, 0.05)]).assign(**per_head)).verdict == I
     # a significant reversal next to a holding step: contradicted
     assert F.ordering(ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (-0.2, -0.3, -0.1)])).verdict == C
     assert F.ordering(ladder([(0.0, 0.0, 0.0)] * 3)).verdict == N
@@ -46,7 +56,16 @@ def test_ordering_combines_pairs_by_the_stats_rule():
 
 def test_ordering_sufficiency_wants_negative_differences():
     t = ladder([(-0.2, -0.3, -0.1), (-0.1, -0.2, -0.05), (-0.3, -0.4, -0.2)], mode="sufficiency")
-    assert F.ordering(t, mode="sufficiency").verdict == H
+    assert F.ordering(t.assign(protocol="per-head"), mode="sufficiency").verdict == H
+
+
+def test_a_step_inside_the_margin_is_negligible_even_when_its_interval_excludes_zero():
+    tiny = ladder([(2e-4, 1e-4, 3e-4), (0.2, 0.1, 0.3), (0.4, 0.3, 0.5)]).assign(protocol="per-head")
+    f = F.ordering(tiny)
+    assert "attention->value_weighted: 0.0002 [0.0001, 0.0003] negligible" in f.measured and f.verdict == I
+    rows = F.faithfulness_findings(tiny.assign(n=64, mde=0.001), model="m")
+    assert rows.set_index("claim").loc["step 1->2", "verdict"] == G
+    assert rows.set_index("claim").loc["step 1->2", "margin"] == evidence.MARGINS["comprehensiveness"]
 
 
 def test_ordering_judges_a_table_without_the_new_words_by_its_intervals():
@@ -104,7 +123,7 @@ def test_sink_rate_claim_is_a_wilson_interval_against_one_half():
 def test_table_scoreboard_and_counts():
     table = F.findings_table({"m": [F.Finding("encoders", H, "x", "r"), F.Finding("convexity", N, "", "r")]})
     assert list(table["verdict"]) == [H, N] and F.scoreboard(table).shape == (2, 1)
-    assert F.verdict_counts(table, "m") == {H: 1, C: 0, I: 0, N: 1}
+    assert F.verdict_counts(table, "m") == {H: 1, C: 0, G: 0, I: 0, N: 1}
 
 
 def test_results_round_trip_and_missing_chapters_are_not_measured(tmp_path):
@@ -126,7 +145,8 @@ def test_results_round_trip_and_missing_chapters_are_not_measured(tmp_path):
     found, read = F.model_findings(tmp_path, model)
     assert set(read) == {"04_faithfulness", "06_sinks_as_suppressors"}
     verdicts = {f.claim: f for f in found}
-    assert verdicts["ordering"].verdict == H and verdicts["convexity"].verdict == H
+    # the table has no |c| slice (the pre-registered headline sign): the headline ordering is not measured
+    assert verdicts["ordering"].verdict == N and verdicts["convexity"].verdict == H
     for key in ("sink_rates", "decomposition", "semantic_cone"):
         assert verdicts[key].verdict == N
     assert verdicts["decomposition"].measured == "not measured: chapter 5 was not built"
@@ -144,7 +164,7 @@ def _stacked_ladder():
         for protocol, step23 in (("default", (0.0, 0.0, 0.0)), ("per-head", (-0.3, -0.4, -0.2))):
             for rng, shift in (("low", 0.0), ("full", 1.0)):
                 lad = ladder([(0.2 + shift, 0.1 + shift, 0.3 + shift), step23, (0.4, -0.1, 0.9)])
-                parts.append(lad.assign(data=data, protocol=protocol, importance="signed", range=rng, n=12,
+                parts.append(lad.assign(data=data, protocol=protocol, importance="absolute", range=rng, n=12,
                                         sample_unit="document", mde=0.25))
     return pd.concat(parts, ignore_index=True)
 
@@ -177,8 +197,10 @@ def test_headline_slice_and_findings_csv(tmp_path):
                    model="m", profile="smoke")
     found, _ = F.model_findings(tmp_path, "m")
     ordering = {f.claim: f for f in found}["ordering"]
-    # judged on the headline slice only: 1->2 holds (1.2 [1.1, 1.3]), 2->3 identical, 3->4 inconclusive
-    assert ordering.verdict == I and "1.2 [1.1, 1.3]" in ordering.measured
+    # judged on the pre-registered steps of the first data set, full range: 1->2 under default holds
+    # (1.2 [1.1, 1.3]), 2->3 under per-head is contradicted, 3->4 under default inconclusive
+    assert ordering.verdict == C and "1->2 [default]: 1.2 [1.1, 1.3] holds" in ordering.measured
+    assert "2->3 [per-head]: -0.3 [-0.4, -0.2] contradicted" in ordering.measured
     csv = F.findings_csv(tmp_path, ["m", "absent"], profile="smoke")
     assert list(csv.columns) == F.FAITHFULNESS_COLUMNS
     assert len(csv[csv["model"] == "m"]) == 48
@@ -220,3 +242,49 @@ def test_beside_pairs_rows_by_claim_part_and_flags_disagreement():
     assert got.loc["b", "live"].endswith("inconclusive") and got.loc["b", "evidence"].endswith("holds")
     assert (got.loc["a", "live n"], got.loc["a", "evidence n"]) == (8, 64)
     assert pd.isna(got.loc["c", "evidence"])  # measured live only: kept, the other side empty
+
+
+def test_primary_family_is_holm_adjusted_at_its_registered_size():
+    # one measured member of the 32-test family; the others (not computed yet) count as p = 1
+    lad = ladder([(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.004, 0.001, 0.008)]).assign(
+        protocol="default", importance="absolute", range="full", data="gsm8k", n=64, sample_unit="document",
+        mde=0.05, p=[0.001, 1.0, 0.0004, 0.01])
+    rows = F.primary_decisions(F.faithfulness_findings(lad, model="smollm2-135m"))
+    family = len(evidence.primary_family())
+    assert family == 2 * 2 * 4 * 2
+    primary = rows[rows["primary"]].set_index("claim")
+    assert set(primary.index) == {"step 1->2", "step 3->4", "contribution beats random"}  # 2->3: per-head only
+    # the random pair is absent from this ladder: a not measured member, counted as p = 1
+    assert primary.loc["contribution beats random", "verdict"] == N
+    assert primary.loc["contribution beats random", "p_holm"] == 1.0
+    # Holm over 32 members, two measured (p = 0.0004, 0.001), 30 counted as 1: the second smallest is
+    # multiplied by 31
+    assert primary.loc["step 1->2", "p_holm"] == pytest.approx(31 * 0.001)
+    assert primary.loc["step 1->2", "verdict"] == H  # 0.031 < 0.05, on the claimed side
+    # 3->4's interval lies inside the margin: negligible, whatever its p
+    assert primary.loc["step 3->4", "verdict"] == G
+    assert rows.loc[~rows["primary"], "p_holm"].isna().all()
+    chain = rows[(rows["claim"] == "ordering") & (rows["protocol"] == "primary steps")]
+    assert len(chain) == 1 and chain["verdict"].iloc[0] == N  # 2->3 under per-head is not in the table
+
+
+def test_table_1_shows_both_modes_and_signs_and_the_chain_of_the_registered_steps():
+    def rows(importance, values):
+        lad = pd.concat([ladder(v, mode=mode).assign(protocol=protocol) for (mode, protocol), v in values.items()])
+        return lad.assign(importance=importance, range="full", data="gsm8k", n=64, sample_unit="document", mde=0.05,
+                          p=0.0001)
+    up, down = [(0.2, 0.1, 0.3), (0.2, 0.1, 0.3), (0.4, 0.3, 0.5)], [(-0.2, -0.3, -0.1)] * 3
+    values = {("comprehensiveness", "default"): up, ("comprehensiveness", "per-head"): up,
+              ("sufficiency", "default"): down, ("sufficiency", "per-head"): down}
+    signed = dict(values)
+    signed[("sufficiency", "default")] = [(-0.2, -0.3, -0.1), (-0.2, -0.3, -0.1), (0.05, 0.03, 0.08)]  # 3->4 reversed
+    lad = pd.concat([rows("absolute", values), rows("signed", signed)], ignore_index=True)
+    table = F.primary_decisions(F.faithfulness_findings(lad, model="smollm2-135m"))
+    t1 = F.primary_table(table, table, models=["smollm2-135m"]).set_index(["data", "claim"]).loc["gsm8k"]
+    primary_c, signed_s = "comprehensiveness |c| (primary)", "sufficiency signed"
+    assert t1.loc["step 2->3", "protocol"] == "per-head" and t1.loc["step 3->4", "protocol"] == "default"
+    assert t1.loc["step 1->2", primary_c].startswith("holds +0.2 [+0.1, +0.3]")
+    assert t1.loc["step 3->4", signed_s].startswith(C) and t1.loc["ordering", signed_s] == C
+    assert t1.loc["ordering", primary_c] == H == t1.loc["ordering", "sufficiency |c| (primary)"]
+    # the same table as its own rerun; the random pair is not in this ladder: nothing to compare
+    assert t1["rerun agrees"].tolist() == ["4/4", "4/4", "4/4", "", "4/4"]

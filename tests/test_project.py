@@ -1,5 +1,6 @@
 """The project describes one environment in three places; keep them in agreement."""
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -23,7 +24,7 @@ def environment_requirements() -> dict[str, str]:
     lines = (ROOT / "environment.yml").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "- pip:")
     pip_lines = [line.strip()[2:] for line in lines[start + 1:] if line.strip().startswith("- ")]
-    return {_name(r): r.replace(" ", "") for r in pip_lines if not r.startswith("-e")}
+    return {_name(r): r.replace(" ", "") for r in pip_lines if not r.startswith("-")}  # -e ., -c, --index options
 
 
 def test_environment_yml_matches_pyproject():
@@ -46,3 +47,16 @@ def test_ci_runs_the_readme_test_command():
     assert "make test" in ci
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make book" in readme
+
+
+def test_environment_yml_installs_as_make_does():
+    """Binder (the launch buttons) builds environment.yml then runs postBuild: the same pins, the
+    project itself, and assets.txt without dependencies, like the Makefile's install."""
+    pip_lines = [line.strip()[2:] for line in (ROOT / "environment.yml").read_text().splitlines()
+                 if line.strip().startswith("- -")]
+    assert "-c constraints.txt" in pip_lines and "-e ." in pip_lines
+    makefile = (ROOT / "Makefile").read_text()
+    assert "-c constraints.txt" in makefile and "--no-deps -r assets.txt" in makefile
+    post_build = ROOT / "postBuild"
+    assert "pip install --no-deps -r assets.txt" in post_build.read_text()
+    assert os.access(post_build, os.X_OK)

@@ -149,3 +149,46 @@ def test_detectable_effect_from_an_interval_equals_the_mde_of_a_normal_mean():
     half = sps.norm.ppf(0.975) * sd / np.sqrt(n)
     assert stats.detectable_from_interval(1.0 - half, 1.0 + half) == pytest.approx(stats.min_detectable_effect(sd, n))
     assert np.isnan(stats.detectable_from_interval(np.nan, 1.0))
+
+
+def test_negligible_needs_the_whole_interval_inside_the_margin():
+    assert stats.verdict(1e-4, 3e-4, margin=0.01) == stats.NEGLIGIBLE  # excludes 0, yet practically zero
+    assert stats.verdict(1e-4, 3e-4) == stats.HOLDS  # without a margin: the old rule
+    assert stats.verdict(-0.004, 0.002, side="below", margin=0.01) == stats.NEGLIGIBLE
+    assert stats.verdict(0.005, 0.02, margin=0.01) == stats.HOLDS  # reaches past the margin
+    assert stats.verdict(-0.02, 0.005, margin=0.01) == stats.INCONCLUSIVE
+    assert stats.verdict(0.295, 0.305, threshold=0.3, margin=0.01) == stats.NEGLIGIBLE
+    with pytest.raises(ValueError, match="positive"):
+        stats.verdict(0.1, 0.2, margin=0.0)
+
+
+def test_combine_all_needs_every_part():
+    H, C, G, I, N = stats.HOLDS, stats.CONTRADICTED, stats.NEGLIGIBLE, stats.INCONCLUSIVE, stats.NOT_MEASURED
+    assert stats.combine_all([H, H, H]) == H and stats.combine_verdicts([H, N, H]) == H
+    assert stats.combine_all([H, N, H]) == N  # a chain with an unmeasured link is not shown
+    assert stats.combine_all([H, N, C]) == C  # ... but a measured reversal refutes it
+    assert stats.combine_all([G, G]) == G and stats.combine_all([H, G]) == I
+
+
+def test_sign_flip_p_is_the_exact_enumeration_for_small_samples():
+    import itertools
+
+    d = np.array([0.3, -0.1, 0.5, 0.2, 0.4, -0.05, 0.25, 0.15])
+    signs = np.array(list(itertools.product([1, -1], repeat=d.size)))  # all 2^8 sign flips
+    null = (signs * d).mean(1)
+    naive = np.mean(np.abs(null) >= abs(d.mean()) - 1e-12)
+    assert stats.sign_flip_p(d) == pytest.approx(naive)
+    assert stats.sign_flip_p(np.zeros(5)) == 1.0 and np.isnan(stats.sign_flip_p([0.3]))
+
+
+def test_holm_matches_the_step_down_definition():
+    p = np.array([0.01, 0.04, 0.03, 0.005, np.nan])
+    m = p.size
+    order = [3, 0, 2, 1, 4]  # ascending, the NaN counted as 1
+    naive = np.empty(m)
+    running = 0.0
+    for k, i in enumerate(order):
+        running = max(running, min(1.0, (m - k) * (1.0 if np.isnan(p[i]) else p[i])))
+        naive[i] = running
+    np.testing.assert_allclose(stats.holm(p), naive)
+    np.testing.assert_allclose(stats.holm([0.01, 0.02]), [0.02, 0.02])

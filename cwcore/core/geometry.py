@@ -41,8 +41,8 @@ class HeadSpaceGeometry:
     ``mixed`` z^h_i ``[batch, head, query, head_dim]`` and per-head ``w_o`` ``[head, model, head_dim]``.
 
     The attention-sized inner products ``intra_dot`` = <o^h_i, v~^h_j> and ``inter_dot`` = <o_i, v~^h_j>
-    (``[batch, head, query, key]``) are computed when read, so a decomposition of many layers keeps one
-    attention-sized tensor per layer rather than three.
+    (``[batch, head, query, key]``) are computed when read (:meth:`scaled_dot`), never stored, so a
+    decomposition keeps one attention-sized tensor per layer (``attention``) and reading a weight adds one.
     """
 
     def __init__(self, attention, value_norm, head_output_norm, output_norm, intra_dot=None, inter_dot=None,
@@ -62,16 +62,51 @@ class HeadSpaceGeometry:
 
     @property
     def intra_dot(self) -> torch.Tensor:
+        """<o^h_i, v~^h_j> ``[batch, head, query, key]`` (a new tensor unless given at construction)."""
         if self._intra_dot is not None:
             return self._intra_dot
-        return self.mixed @ (self.values @ self.gram).transpose(-1, -2)  # z^T G v (G symmetric)
+        return self.scaled_dot("intra")
 
     @property
     def inter_dot(self) -> torch.Tensor:
+        """<o_i, v~^h_j> ``[batch, head, query, key]`` (a new tensor unless given at construction)."""
         if self._inter_dot is not None:
             return self._inter_dot
-        pulled_back = torch.einsum("bqm,hmd->bhqd", self.output, self.w_o)  # W_O^h^T o_i
-        return pulled_back @ self.values.transpose(-1, -2)
+        return self.scaled_dot("inter")
+
+    def pulled_back(self) -> torch.Tensor:
+        """W_O^h^T o_i ``[batch, head, query, head_dim]``: the combined output seen from each head's space."""
+        batch, queries, _ = self.output.shape
+        heads, model_dim, head_dim = self.w_o.shape
+        # one [query, model] x [model, head * head_dim] product (the output projection's size), not a
+        # batched einsum that first copies W_O into head-major order
+        flat = self.output @ self.w_o.permute(1, 0, 2).reshape(model_dim, heads * head_dim)
+        return flat.view(batch, queries, heads, head_dim).transpose(1, 2)
+
+    def scaled_dot(self, kind: str, divisor: torch.Tensor | None = None) -> torch.Tensor:
+        """<o_i, v~^h_j> / divisor (``kind="inter"``) or <o^h_i, v~^h_j> / divisor (``"intra"``), a new
+        ``[batch, head, query, key]`` tensor.
+
+        ``divisor`` (one number per query: ``[batch, query]`` for inter, ``[batch, head, query]`` for
+        intra) divides the query side before the product, so the result is the only attention-sized
+        tensor this allocates (no quotient of a second one).
+        """
+        if kind not in ("intra", "inter"):
+            raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
+        given = self._intra_dot if kind == "intra" else self._inter_dot
+        if given is not None:  # built with explicit inner products (naive_geometry)
+            if divisor is None:
+                return given.clone()
+            return given / (divisor[:, None, :, None] if kind == "inter" else divisor[..., None])
+        if kind == "intra":
+            side, keys = self.mixed, self.values @ self.gram  # z^T G v (G symmetric)
+            if divisor is not None:
+                side = side / divisor[..., None]
+        else:
+            side, keys = self.pulled_back(), self.values
+            if divisor is not None:
+                side.div_(divisor[:, None, :, None])  # a fresh tensor: divided in place
+        return side @ keys.transpose(-1, -2)
 
     def to(self, *args, **kwargs) -> "HeadSpaceGeometry":
         """A copy with every tensor moved/cast (``.to("cpu")``, ``.to(torch.float64)``)."""
@@ -100,7 +135,11 @@ def head_space_geometry(
     value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt()
     mixed = attention @ values  # z^h_i: [b, h, q, d]
     head_output_norm = ((mixed @ gram) * mixed).sum(-1).clamp_min(0).sqrt()
-    output = torch.einsum("bhqd,hmd->bqm", mixed, w_o)  # o_i without bias
+    batch, heads, queries, head_dim = mixed.shape
+    # o_i without bias: the output projection's own product ([query, head * head_dim] x W_O^T), not a
+    # batched einsum that copies W_O into head-major order
+    weight = w_o.permute(1, 0, 2).reshape(w_o.shape[1], heads * head_dim)
+    output = mixed.transpose(1, 2).reshape(batch, queries, heads * head_dim) @ weight.T
     return HeadSpaceGeometry(attention, value_norm, head_output_norm, output.norm(dim=-1), output=output,
                              values=values, mixed=mixed, w_o=w_o)
 

@@ -34,22 +34,23 @@ import torch
 
 from .. import stats
 from ..core.architectures import attention_blocks
-from ..core.decomposition import decompose
+from ..core.decomposition import METRICS, decompose
 from ..runs import progress as progress_bar
 from .evidence import PROTOCOLS
-from .protocol import Protocol, modes as parse_modes
+from .protocol import Protocol, as_protocol, modes as parse_modes, ranking_identity
 from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
 __all__ = ["MEASURES", "LADDER", "selection_anatomy", "layer_average", "explain_step"]
 
 MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
-LADDER = ("attention", "value_weighted", "value_weighted_output_normalized", "contribution")
+LADDER = tuple(map(str, METRICS))
 
 
-def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, keep_first_token, window):
+def _layer_rows(ld, attention_mask, metrics, ratios, modes, protocol: Protocol, window):
     """``{(metric, mode, ratio): {measure: [batch]}}`` for one layer."""
+    kind, importance, unit, scope = protocol.kind, protocol.importance, protocol.unit, protocol.scope
     alpha = ld.attention.float()  # [b, h, q, k]
-    cand = candidate_mask(attention_mask, keep_first_token, window).to(alpha.device)  # [b, 1, q, k]
+    cand = candidate_mask(attention_mask, protocol.keep_first_token, window).to(alpha.device)  # [b, 1, q, k]
     vw = ld.value_weighted.float()
     total_mass = (vw * cand).sum((1, 2, 3))
     values, w_o = ld.geometry.values, ld.geometry.w_o
@@ -64,13 +65,14 @@ def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, ke
     queries = cand[:, 0].any(-1)  # [b, q] queries with at least one candidate
     out = {}
     for metric in metrics:
-        scores = ld.metric(metric, kind).float()
+        rung, rung_kind = ranking_identity(metric, kind, unit, scope)  # ranked exactly as the sweep ranks it
+        scores = ld.metric(rung, rung_kind or kind).float()
         if importance == "absolute":
             scores = scores.abs()
-        chosen = selection(scores, cand, ratios, modes)
+        chosen = selection(scores, cand, ratios, modes, unit, scope)
         for mode in modes:
             for t, ratio in enumerate(ratios):
-                mask = removal_mask(chosen.buckets[mode], t) & cand  # [b, h, q, k]
+                mask = (removal_mask(chosen.buckets[mode], t, cand) & cand).expand_as(alpha)  # [b, h, q, k]
                 taken = mask.sum((1, 2, 3)).clamp_min(1)
                 removed = (alpha * mask) @ values  # [b, h, q, head_dim]
                 shift_vec = torch.einsum("bhqd,hmd->bqm", removed, w_o)
@@ -87,25 +89,34 @@ def _layer_rows(ld, attention_mask, metrics, ratios, modes, kind, importance, ke
 
 
 def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[float] = (0.01, 0.05),
-                      modes: Sequence[str] = ("comprehensiveness",), *, protocol: str = "per-head",
-                      importance: str = "signed", keep_first_token: bool = True, layers=None, batch_size: int = 8,
-                      progress: bool = True) -> pd.DataFrame:
+                      modes: Sequence[str] = ("comprehensiveness",), *, protocol: "str | Protocol" = "per-head",
+                      layers=None, batch_size: int = 8, progress: bool = True, **protocol_keywords) -> pd.DataFrame:
     """One row per (document, layer, metric, mode, ratio) with the :data:`MEASURES` of the terms that
-    the main ``protocol`` (a key of :data:`cwcore.faithfulness.evidence.PROTOCOLS`: its ``kind``; unit
-    ``head_key``, scope ``row``) removes, computed in float32 from the clean forward.
+    ``protocol`` removes (a :class:`~cwcore.faithfulness.Protocol`, or the name of a main protocol of
+    :data:`cwcore.faithfulness.evidence.PROTOCOLS`; its fields may be replaced by keywords, e.g.
+    ``importance="absolute"``), computed in float32 from the clean forward (so ``scores="live"`` is refused;
+    the protocol's ``layers`` are the layers dissected, as is ``layers`` here).
 
     ``blocks``: a :func:`cwcore.data.document_blocks` data set (``input_ids``, ``attention_mask``,
     ``document``); ratios ascending. Columns: ``document``, ``sequence`` (place in ``blocks``),
     ``layer``, ``metric``, ``mode``, ``ratio``, the measures and ``n_removed`` (terms removed in the layer).
     """
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, not {protocol!r}")
-    Protocol(**PROTOCOLS[protocol], importance=importance, keep_first_token=keep_first_token)  # validates
+    name = protocol if isinstance(protocol, str) else None
+    if name is not None:
+        if name not in PROTOCOLS:
+            raise ValueError(f"protocol must be a Protocol or one of {list(PROTOCOLS)}, not {name!r}")
+        protocol = Protocol(**PROTOCOLS[name])
+    protocol = as_protocol(protocol, **protocol_keywords)
+    if protocol.scores != "clean":
+        raise ValueError("the anatomy measures the clean run: scores='live' has no clean selection to dissect")
+    if layers is None and protocol.layers is not None:
+        layers = list(protocol.layers)
+    elif layers is not None and protocol.layers is not None and sorted(set(layers)) != list(protocol.layers):
+        raise ValueError(f"layers={list(layers)} and the protocol's layers {list(protocol.layers)} disagree")
     modes = parse_modes(modes)
     ratios = [float(r) for r in ratios]
     if any(b <= a for a, b in zip(ratios, ratios[1:])) or not all(0 < r <= 1 for r in ratios):
         raise ValueError(f"ratios must be ascending in (0, 1], got {ratios}")
-    kind = PROTOCOLS[protocol].get("kind", "inter")
     num_layers = len(attention_blocks(model))
     windows = layer_windows(model, num_layers)
     device = next(model.parameters()).device
@@ -120,8 +131,8 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
             ids, attention_mask = ids_all[start:start + batch_size], mask_all[start:start + batch_size]
             d = decompose(model, layers=layers, input_ids=ids.to(device), attention_mask=attention_mask.to(device))
             for layer in d.layers:
-                found = _layer_rows(d[layer], attention_mask.to(device), metrics, ratios, modes, kind, importance,
-                                    keep_first_token, windows[layer])
+                found = _layer_rows(d[layer], attention_mask.to(device), metrics, ratios, modes, protocol,
+                                    windows[layer])
                 for (metric, mode, ratio), measures in found.items():
                     values = {k: v.detach().cpu().numpy() for k, v in measures.items()}
                     for i in range(len(ids)):
@@ -132,7 +143,8 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
             bar.update(len(ids))
     finally:
         bar.close()
-    return pd.DataFrame(rows).assign(protocol=protocol, importance=importance)
+    return pd.DataFrame(rows).assign(protocol=name or protocol.variant, importance=protocol.importance,
+                                     variant=protocol.variant)
 
 
 def layer_average(anatomy: pd.DataFrame) -> pd.DataFrame:

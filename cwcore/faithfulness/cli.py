@@ -20,7 +20,7 @@ from ..core.architectures import attention_blocks
 from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
 from .downstream import downstream_eval
 from .lm import faithfulness_curve
-from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, modes as parse_modes, specs as parse_specs
+from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, Protocol, modes as parse_modes, specs as parse_specs
 from .ranking import MODES, SCOPES, UNITS
 from .summary import aopc, ladder_comparison, summarize, summarize_downstream
 
@@ -95,8 +95,9 @@ def _main(argv: Sequence[str] | None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_{_slug(args.tag)}" if args.tag else ""
-    protocol = dict(unit=args.unit, scope=args.scope, layers=args.layers, keep_first_token=not args.remove_first_token,
-                    scores=args.scores, kind=args.kind, importance=args.importance, seed=args.seed,
+    protocol = dict(protocol=Protocol(unit=args.unit, scope=args.scope, layers=args.layers,
+                                      keep_first_token=not args.remove_first_token, scores=args.scores, kind=args.kind,
+                                      importance=args.importance, seed=args.seed),
                     n_bootstrap=args.n_bootstrap, cache=not args.no_cache, progress=not args.no_progress)
     common = dict(model=args.model)
     tasks = [d for d in args.data if d in _MC_TASKS]

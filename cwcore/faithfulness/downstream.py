@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import datasets as hf_datasets
 import numpy as np
@@ -19,7 +19,7 @@ from torch import nn
 from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
-from .protocol import Protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .summary import summarize_downstream
 from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep
 
@@ -86,14 +86,7 @@ def downstream_eval(
     batch_size: int = 16,
     max_batch_pairs: int = 16 * 128 * 128,
     collapse: bool = True,
-    unit: str = "head_key",
-    scope: str = "row",
-    layers: Iterable[int] | None = None,
-    keep_first_token: bool = True,
-    scores: str = "clean",
-    kind: str = "inter",
-    importance: str = "signed",
-    seed: int = 0,
+    protocol: Protocol | None = None,
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
     per_example: bool = False,
@@ -101,6 +94,7 @@ def downstream_eval(
     cache: bool = True,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    **protocol_keywords,
 ) -> pd.DataFrame:
     """Gold-answer perplexity and accuracy of multiple-choice tasks under the same interventions.
 
@@ -126,24 +120,27 @@ def downstream_eval(
     ``rows * length^2 <= max_batch_pairs`` (bounds the memory of the stored selections); an example
     is never split.
 
+    ``protocol`` (or its fields as keywords): as in :func:`~cwcore.faithfulness.faithfulness_curve`.
+
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
     nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy,
     clean_ppl, ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples).
     """
-    check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode, layers=layers,
-                          batch_size=batch_size, n_bootstrap=n_bootstrap, confidence=confidence)
+    check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode,
+                          layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
+                          confidence=confidence)
     check_count(num_examples, "num_examples", allow_none=True)
     check_count(max_length, "max_length", minimum=2, allow_none=True)
     check_texts(check_not_empty(dataset, "dataset", "a task name, a list of them or a multiple-choice Dataset"),
                 "downstream_eval", "dataset")
+    protocol = as_protocol(protocol, **protocol_keywords)
+    check_sweep_arguments(model, caller="downstream_eval", layers=protocol.layers)  # a protocol object's layers too
     if isinstance(dataset, (list, tuple)):
         frames = [downstream_eval(model, tokenizer, d, metric, ratios, mode, task=None, num_examples=num_examples,
                                   data_seed=data_seed, max_length=max_length, batch_size=batch_size,
-                                  max_batch_pairs=max_batch_pairs, collapse=collapse, unit=unit, scope=scope,
-                                  layers=layers, keep_first_token=keep_first_token, scores=scores, kind=kind,
-                                  importance=importance, seed=seed, n_bootstrap=n_bootstrap, confidence=confidence,
-                                  per_example=per_example, deduplicate=deduplicate, cache=cache, cache_dir=cache_dir,
-                                  progress=progress)
+                                  max_batch_pairs=max_batch_pairs, collapse=collapse, protocol=protocol,
+                                  n_bootstrap=n_bootstrap, confidence=confidence, per_example=per_example,
+                                  deduplicate=deduplicate, cache=cache, cache_dir=cache_dir, progress=progress)
                   for d in dataset]
         return pd.concat(frames, ignore_index=True)
     if isinstance(dataset, str):
@@ -152,9 +149,7 @@ def downstream_eval(
     elif isinstance(dataset, hf_datasets.Dataset) and num_examples is not None:
         dataset = dataset.select(range(min(num_examples, len(dataset))))
     task = task or "task"
-    protocol = Protocol(unit, scope, None if layers is None else tuple(layers), keep_first_token, scores, kind,
-                        importance, seed)
-    specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
+    specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)
     if any(s.method.indexes_sequences for s in specs):
         raise ValueError("precomputed scores index the sequences of faithfulness_curve; downstream_eval takes "
                          "named methods and callables")
@@ -169,7 +164,7 @@ def downstream_eval(
             batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta))
         rows, meta, length = [], [], 0
 
-    prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and scope == "row"))
+    prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and protocol.scope == "row"))
                 for index, example in enumerate(dataset)]
     # pack examples of similar length together (less padding); results do not depend on the packing
     prepared.sort(key=lambda item: max(len(r) for r in item[1]))
@@ -193,4 +188,4 @@ def downstream_eval(
         table[key] = value
     if per_example:
         return table
-    return summarize_downstream(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=seed)
+    return summarize_downstream(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=protocol.seed)

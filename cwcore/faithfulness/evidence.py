@@ -27,6 +27,16 @@ output-normalised attention and the random control are never negative, so their 
 are their signed ones (:data:`SIGN_INVARIANT`, checked by a test against a real absolute run):
 :func:`ladder_sweep` reuses their signed rows for the absolute importance and runs only the
 contribution weights again.
+
+Pre-registered decision rule (:data:`MARGINS`, :data:`PRIMARY`; ``book/preregistration.md``)
+----------------------------------------------------------------------------------------------
+Every step of the ladder is a paired AOPC difference (higher minus lower rung, in nats of
+log-perplexity) over documents, with a 95% paired bootstrap interval and a two-sided sign-flip
+permutation p-value (:func:`judge`). Its verdict: **negligible** when the interval lies inside
++-:data:`MARGINS` of its mode; otherwise holds / contradicted / inconclusive by the interval against 0
+on the claimed side; **not measured** when the protocol makes the two rungs the same ranking
+(:func:`identical_by_construction`), whatever the numbers say. The primary family (:func:`primary_family`)
+is decided with Holm's adjustment over the whole family (``cwcore.findings``).
 """
 
 from __future__ import annotations
@@ -35,12 +45,18 @@ from typing import Sequence
 
 import pandas as pd
 
+import numpy as np
+
+from .. import stats
+from ..core.decomposition import METRICS
 from .lm import faithfulness_curve
-from .protocol import DEFAULT_RATIOS, parse_metric
+from .protocol import DEFAULT_RATIOS, Protocol, identical_steps, parse_metric
 from .summary import aopc, ladder_comparison
 
 __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
-           "SIGN_INVARIANT", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables"]
+           "SIGN_INVARIANT", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables", "MARGINS", "ALPHA",
+           "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
+           "primary_family", "is_primary"]
 
 PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
 PROTOCOL_NOTES = {
@@ -51,7 +67,31 @@ LOW_RATIOS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 PAPER_RATIOS = DEFAULT_RATIOS
 LOW_MAX = 0.05
 IMPORTANCES = ("signed", "absolute")
-SIGN_INVARIANT = ("attention", "value_weighted", "value_weighted_output_normalized", "random")
+SIGN_INVARIANT = tuple(str(r) for r in METRICS if r.nonnegative) + ("random",)  # never negative
+
+#: the equivalence margin of an AOPC difference per mode, in nats of log-perplexity, fixed before the
+#: remaining evidence was computed (book/preregistration.md): 0.01 nats is a 1% change of perplexity
+#: averaged over the removal curve, below what would tell two attribution methods apart in practice.
+#: Both modes measure the same quantity (a mean Delta log PPL), so they share the value.
+MARGINS = {"comprehensiveness": 0.01, "sufficiency": 0.01}
+#: the level of the primary family's Holm-adjusted tests
+ALPHA = 0.05
+#: resamples of the sign-flip permutation test of each step (the smallest p is 1 / (N + 1))
+N_PERMUTATIONS = 9999
+#: the pre-registered primary family (book/preregistration.md): for each model and data set, in both
+#: modes, under the headline importance and ratio range, each of these (lower, higher) rung pairs under
+#: the protocol where the pair is measured. Everything else is secondary (exploratory).
+PRIMARY = {
+    "models": ("smollm2-135m", "gemma3-270m"),
+    "data": ("gsm8k", "web-text"),
+    "modes": ("comprehensiveness", "sufficiency"),
+    "importance": "absolute",
+    "range": "full",
+    "pairs": (("attention", "value_weighted", "default"),
+              ("value_weighted", "value_weighted_output_normalized", "per-head"),
+              ("value_weighted_output_normalized", "contribution", "default"),
+              ("random", "contribution", "default")),
+}
 
 
 def ratio_grid(low: Sequence[float] = LOW_RATIOS, paper: Sequence[float] = PAPER_RATIOS) -> list[float]:
@@ -98,16 +138,70 @@ def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, proto
 
 
 def evidence_tables(per_sequence: pd.DataFrame, *, n_bootstrap: int = 1000, seed: int = 0,
-                    low_max: float = LOW_MAX, confidence: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
+                    low_max: float = LOW_MAX, confidence: float = 0.95,
+                    n_permutations: int = N_PERMUTATIONS) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(AOPC, ladder) of a :func:`ladder_sweep` table (one or several protocols, stacked) over each
     ratio range of :func:`ranges`, with columns ``protocol`` and ``range``. The ladder comes from
     :func:`~cwcore.faithfulness.ladder_comparison` (paired bootstrap over documents, ``mde`` beside
-    each interval)."""
+    each interval, the sign-flip ``p``), judged by :func:`judge` (``margin``, the pre-registered
+    verdicts). ``n_permutations``: resamples of each step's sign-flip p (0: no ``p`` column)."""
     areas, ladders = [], []
     for protocol, part in per_sequence.groupby("protocol", sort=False):
         part = part.drop(columns="protocol")
         for name, max_ratio in ranges(sorted(part["ratio"].unique()), low_max).items():
             kw = dict(n_bootstrap=n_bootstrap, seed=seed, confidence=confidence, max_ratio=max_ratio)
             areas.append(aopc(part, **kw).assign(protocol=protocol, range=name))
-            ladders.append(ladder_comparison(part, **kw).assign(protocol=protocol, range=name))
-    return pd.concat(areas, ignore_index=True), pd.concat(ladders, ignore_index=True)
+            ladders.append(ladder_comparison(part, n_permutations=n_permutations, **kw)
+                           .assign(protocol=protocol, range=name))
+    return pd.concat(areas, ignore_index=True), judge(pd.concat(ladders, ignore_index=True))
+
+
+def identical_by_construction(protocol: str, lower: str, higher: str) -> bool:
+    """Whether main ``protocol`` (a key of :data:`PROTOCOLS`) ranks rungs ``lower`` and ``higher``
+    identically by construction (:func:`cwcore.faithfulness.protocol.identical_steps`: under
+    ``default``, rung 3 divides rung 2 by ||o_i||, one number per query row)."""
+    return (lower, higher) in identical_steps(Protocol(**PROTOCOLS.get(protocol, {})))
+
+
+def judge(ladder: pd.DataFrame, margins: dict | None = None) -> pd.DataFrame:
+    """A :func:`~cwcore.faithfulness.ladder_comparison` table (with a ``protocol`` column, or the
+    default protocol) judged by the pre-registered rule: column ``margin`` (:data:`MARGINS` of the
+    row's mode) and ``verdict`` = :func:`cwcore.stats.verdict` of the interval against 0 on the mode's
+    side with that margin, or not measured where the protocol ranks the pair identically (the table's
+    ``identical`` column, else :func:`identical_by_construction`). Returns a copy."""
+    margins = MARGINS if margins is None else margins
+    out = ladder.copy()
+    if out.empty:
+        return out.assign(margin=pd.Series(dtype=float))
+    protocols = out["protocol"] if "protocol" in out else pd.Series("default", index=out.index)
+    given = out["identical"] if "identical" in out else pd.Series(None, index=out.index, dtype=object)
+    out["margin"] = [float(margins.get(m, np.nan)) for m in out["mode"]]
+    verdicts = []
+    for protocol, identical, (_, r) in zip(protocols, given, out.iterrows()):
+        if not isinstance(identical, (bool, np.bool_)):
+            identical = identical_by_construction(protocol, r["lower"], r["higher"])
+        if identical:
+            verdicts.append(stats.NOT_MEASURED)
+            continue
+        side = "above" if r["mode"] == "comprehensiveness" else "below"
+        verdicts.append(stats.verdict(r["ci_low"], r["ci_high"], threshold=0.0, side=side,
+                                      margin=r["margin"] if np.isfinite(r["margin"]) else None))
+    out["verdict"] = verdicts
+    return out
+
+
+def primary_family(models=None, data=None) -> list[dict]:
+    """The pre-registered primary family (:data:`PRIMARY`), one dict per test: ``model, data, mode,
+    protocol, importance, range, lower, higher`` (``models``/``data`` default to PRIMARY's)."""
+    return [{"model": m, "data": d, "mode": mode, "protocol": protocol, "importance": PRIMARY["importance"],
+             "range": PRIMARY["range"], "lower": lower, "higher": higher}
+            for m in (models or PRIMARY["models"]) for d in (data or PRIMARY["data"])
+            for lower, higher, protocol in PRIMARY["pairs"] for mode in PRIMARY["modes"]]
+
+
+def is_primary(model: str, data: str, mode: str, protocol: str, importance: str, range_: str,
+               lower: str, higher: str) -> bool:
+    """Whether this ladder comparison is a member of the primary family."""
+    return (model in PRIMARY["models"] and data in PRIMARY["data"] and mode in PRIMARY["modes"]
+            and importance == PRIMARY["importance"] and range_ == PRIMARY["range"]
+            and (lower, higher, protocol) in PRIMARY["pairs"])

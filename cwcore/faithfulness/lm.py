@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import datasets
 import pandas as pd
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..core.inputs import check_sweep_arguments, check_texts, check_token_sequences
-from .protocol import Protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .summary import summarize
 from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep
 
@@ -102,14 +102,7 @@ def faithfulness_curve(
     ratios: float | Sequence[float] | None = None,
     mode: str | Sequence[str] | None = None,
     *,
-    unit: str = "head_key",
-    scope: str = "row",
-    layers: Iterable[int] | None = None,
-    keep_first_token: bool = True,
-    scores: str = "clean",
-    kind: str = "inter",
-    importance: str = "signed",
-    seed: int = 0,
+    protocol: Protocol | None = None,
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
     batch_size: int = 16,
@@ -120,6 +113,7 @@ def faithfulness_curve(
     cache: bool = True,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    **protocol_keywords,
 ) -> pd.DataFrame:
     """Delta perplexity of a causal LM when the top / bottom fraction of attention terms is removed.
 
@@ -142,8 +136,11 @@ def faithfulness_curve(
     ratios, mode
         fractions (default :data:`DEFAULT_RATIOS`) and ``"comprehensiveness"``/``"sufficiency"``
         (default both). Lists make one call compute the whole sweep from one clean pass per batch.
-    unit, scope, layers, keep_first_token, scores, kind, importance
-        the protocol: see :mod:`cwcore.faithfulness` for each default and why.
+    protocol
+        a :class:`~cwcore.faithfulness.Protocol` (unit, scope, layers, keep_first_token, scores, kind,
+        importance, seed: see :mod:`cwcore.faithfulness` for each default and why); its fields may also
+        be given as keywords (``unit="token"``), which replace the protocol's
+        (:func:`~cwcore.faithfulness.protocol.as_protocol`). ``seed`` also seeds the bootstrap.
     batch_size
         sequences per forward. ``padding_side``: how sequences of unequal length are padded.
     deduplicate
@@ -163,14 +160,14 @@ def faithfulness_curve(
     Returns the summary, one row per (metric, mode, ratio): ``metric, kind, mode, ratio, delta_ppl,
     ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl, ppl, removed_fraction,
     n_sequences`` plus the protocol columns (``unit, scope, scores, keep_first_token, importance,
-    layers``). ``removed_fraction`` is the share of all candidate terms (head, query, key) removed.
+    layers, variant``: :meth:`Protocol.columns`). ``removed_fraction`` is the share of all candidate terms (head, query, key) removed.
     """
-    check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode, layers=layers,
-                          batch_size=batch_size, n_bootstrap=n_bootstrap, confidence=confidence,
-                          padding_side=padding_side)
-    protocol = Protocol(unit, scope, None if layers is None else tuple(layers), keep_first_token, scores, kind,
-                        importance, seed)
-    specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
+    check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode,
+                          layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
+                          confidence=confidence, padding_side=padding_side)
+    protocol = as_protocol(protocol, **protocol_keywords)
+    check_sweep_arguments(model, caller="faithfulness_curve", layers=protocol.layers)  # a protocol object's layers too
+    specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)
     if padding_side not in ("left", "right"):
         raise ValueError("padding_side must be 'left' or 'right'")
     sequences = check_token_sequences(_lm_sequences(check_texts(texts, "faithfulness_curve"), tokenizer, max_length),
@@ -193,4 +190,4 @@ def faithfulness_curve(
         table[key] = value
     if per_sequence:
         return table
-    return summarize(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=seed)
+    return summarize(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=protocol.seed)

@@ -9,7 +9,7 @@ protocol needs from a model's config.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping
 
 import torch
@@ -26,8 +26,14 @@ __all__ = [
     "MetricSpec",
     "parse_metric",
     "Protocol",
+    "PROTOCOL_FIELDS",
+    "as_protocol",
+    "VARIANTS",
     "layer_windows",
     "num_heads",
+    "ranking_identity",
+    "same_ranking",
+    "identical_steps",
 ]
 
 DEFAULT_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -35,7 +41,7 @@ DEFAULT_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 LADDER = METRICS
 DEFAULT_METRICS = METRICS + ("random",)
 KINDS = ("inter", "intra")
-_KIND_DEPENDENT = ("value_weighted_output_normalized", "contribution")
+_RUNGS = {str(rung): rung for rung in METRICS}
 
 
 @dataclass(frozen=True)
@@ -120,13 +126,103 @@ class Protocol:
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted({int(l) for l in self.layers})))
 
+    @property
+    def variant(self) -> str:
+        """Which variant of the removal unit this is, against the main protocols' shared choices (unit
+        ``head_key``, scope ``row``, clean scores, first token kept, all layers; the main protocols differ
+        only in ``kind`` and the sign): ``"main"``, or the deviations joined by ``+``, named by
+        :data:`VARIANTS` (``"token-unit"``: the paper's token-level unit, a key removed from every head;
+        ``"first-token-removable"``) or ``field=value``."""
+        parts = []
+        for name, main in _MAIN_CHOICES.items():
+            value = getattr(self, name)
+            if value != main:
+                parts.append(VARIANTS.get((name, value), f"{name}={_column_value(name, value)}"))
+        return "+".join(parts) or "main"
+
     def columns(self) -> dict:
         """The protocol as tidy-table columns."""
         return {
             "unit": self.unit, "scope": self.scope, "scores": self.scores,
             "keep_first_token": self.keep_first_token, "importance": self.importance,
             "layers": "all" if self.layers is None else ",".join(map(str, self.layers)),
+            "variant": self.variant,
         }
+
+
+#: the choices every main protocol shares (they differ in ``kind`` and ``importance`` only)
+_MAIN_CHOICES = {"unit": "head_key", "scope": "row", "scores": "clean", "keep_first_token": True, "layers": None}
+#: named variants of the removal unit (PAPER.md section 5: the paper masks the values of tokens)
+VARIANTS = {("unit", "token"): "token-unit", ("keep_first_token", False): "first-token-removable"}
+#: the fields of :class:`Protocol`, the only protocol keywords the entry points take
+PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))
+
+
+def _column_value(name: str, value):
+    return ("all" if value is None else ",".join(map(str, value))) if name == "layers" else value
+
+
+def as_protocol(protocol: "Protocol | Mapping | None" = None, **keywords) -> Protocol:
+    """One :class:`Protocol` from ``protocol`` (a Protocol, a mapping of its fields, or None = the
+    defaults) with ``keywords`` (any of :data:`PROTOCOL_FIELDS`) replacing its fields: the entry points'
+    ``protocol=`` argument, and their old per-field keywords. An unknown keyword is an error."""
+    unknown = sorted(set(keywords) - set(PROTOCOL_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown protocol keyword(s) {unknown}; a protocol has {list(PROTOCOL_FIELDS)}")
+    if protocol is None:
+        base = Protocol()
+    elif isinstance(protocol, Protocol):
+        base = protocol
+    elif isinstance(protocol, Mapping):
+        base = as_protocol(None, **protocol)
+    else:
+        raise TypeError(f"protocol must be a Protocol or a mapping of its fields, not {type(protocol).__name__}")
+    if keywords.get("layers") is not None:
+        keywords["layers"] = tuple(keywords["layers"])
+    return replace(base, **keywords) if keywords else base
+
+
+# -- rankings identical by construction ------------------------------------------------------------
+def _constant_within_group(kind: str, unit: str, scope: str) -> bool:
+    """Whether the output norm of ``kind`` is one number within every group the protocol ranks together:
+    ||o_i|| (inter) is shared by the heads and keys of a query row, ||o^h_i|| (intra) only by the keys of
+    one head's row; a layer-scope group averages over queries, whose norms differ."""
+    if scope != "row":
+        return False
+    return kind == "inter" or unit == "key"
+
+
+def ranking_identity(metric: str, kind: str = "inter", unit: str = "head_key", scope: str = "row") -> tuple[str, str]:
+    """``(rung, kind)`` whose ranking ``metric`` (a rung of :data:`METRICS`, or any other name) equals by
+    construction under ``kind``, ``unit`` and ``scope``: a rung that only rescales a lower one by an output
+    norm (:attr:`cwcore.core.decomposition.Rung.rescales`) ranks as that rung wherever the norm is constant
+    within a ranked group, and a kind-independent metric has no kind. The sweep ranks a metric by its
+    identity's scores, so two metrics with one identity remove the same terms, bit for bit (float
+    rounding of the division can otherwise turn an order into a tie)."""
+    rung = _RUNGS.get(metric)
+    if rung is None:
+        return metric, kind
+    while rung.rescales is not None and _constant_within_group(kind, unit, scope):
+        rung = _RUNGS[rung.rescales]
+    return str(rung), kind if rung.kind_dependent else ""
+
+
+def same_ranking(lower: str, higher: str, protocol: "Protocol", lower_kind: str | None = None,
+                 higher_kind: str | None = None) -> bool:
+    """Whether metrics ``lower`` and ``higher`` (rung names; kinds default to the protocol's) rank
+    identically by construction under ``protocol`` (the answer never looks at scores)."""
+    unit, scope = protocol.unit, protocol.scope
+    a = ranking_identity(lower, lower_kind or protocol.kind, unit, scope)
+    b = ranking_identity(higher, higher_kind or protocol.kind, unit, scope)
+    return a == b
+
+
+def identical_steps(protocol: "Protocol") -> set[tuple[str, str]]:
+    """The consecutive ladder steps ``(lower, higher)`` whose two rungs rank identically by construction
+    under ``protocol`` (so the step cannot be measured): ``{("value_weighted",
+    "value_weighted_output_normalized")}`` under ``kind="inter"`` with row scope, or ``kind="intra"``
+    with ``unit="key"`` and row scope; empty otherwise."""
+    return {(str(a), str(b)) for a, b in zip(METRICS, METRICS[1:]) if same_ranking(a, b, protocol)}
 
 
 def _as_list(value, default) -> list:

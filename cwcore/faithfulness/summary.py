@@ -28,12 +28,12 @@ import numpy as np
 import pandas as pd
 
 from .. import stats
-from .protocol import LADDER
+from .protocol import LADDER, Protocol, same_ranking
 
 __all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "method_pairs", "curve_mean"]
 
 _GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "scores", "keep_first_token",
-                  "importance", "layers")
+                  "importance", "layers", "variant")
 
 
 def _group_columns(frame: pd.DataFrame, exclude=()) -> list[str]:
@@ -242,6 +242,27 @@ def method_pairs(labels: Sequence[str], reference: str = "contribution", control
     return pairs
 
 
+def _rung(label: str) -> str | None:
+    """The ladder rung a metric label names (``"contribution_intra"`` -> ``"contribution"``), or None."""
+    if label in LADDER:
+        return label
+    base, _, suffix = label.rpartition("_")
+    return base if suffix in ("inter", "intra") and base in LADDER else None
+
+
+def _identical_by_construction(frame: pd.DataFrame, group: dict, lower: str, higher: str) -> bool:
+    """Whether the protocol of ``group`` (its ``unit`` and ``scope`` columns; kinds from each metric's
+    ``kind`` column) makes the two metrics rank identically (:func:`~cwcore.faithfulness.protocol.same_ranking`)."""
+    if lower == higher:
+        return True
+    a, b = _rung(lower), _rung(higher)
+    if a is None or b is None:
+        return False
+    kinds = frame.drop_duplicates("metric").set_index("metric")["kind"] if "kind" in frame else {}
+    protocol = Protocol(unit=group.get("unit", "head_key"), scope=group.get("scope", "row"))
+    return same_ranking(a, b, protocol, kinds.get(lower) or "inter", kinds.get(higher) or "inter")
+
+
 def ladder_comparison(
     per_unit: pd.DataFrame,
     value: str = "delta_nll",
@@ -250,6 +271,7 @@ def ladder_comparison(
     confidence: float = 0.95,
     seed: int = 0,
     max_ratio: float | None = None,
+    n_permutations: int | None = None,
 ) -> pd.DataFrame:
     """Paired bootstrap differences of AOPC between metrics, per mode (and task).
 
@@ -260,14 +282,17 @@ def ladder_comparison(
     difference is > 0 for comprehensiveness and < 0 for sufficiency. Column ``verdict``
     (:func:`cwcore.stats.verdict` of the interval against 0 on the claimed side): ``"holds"`` /
     ``"contradicted"`` when the interval lies entirely on the claimed / the opposite side,
-    ``"inconclusive"`` when it touches 0 (two identically ranked rungs: difference and interval
-    exactly 0), ``"not measured"`` without an interval (one unit).
+    ``"inconclusive"`` when it touches 0, ``"not measured"`` without an interval (one unit) or when
+    the protocol makes the two rungs rank identically by construction (column ``identical``,
+    :func:`~cwcore.faithfulness.protocol.same_ranking`: rungs 2 and 3 with ``kind="inter"`` in row
+    scope; the sweep then removes the same terms for both, so the difference is exactly 0).
 
     ``max_ratio`` restricts the AOPC to the ratios up to it (column ``r_max``). Power columns:
     ``sd`` (standard deviation of the per-document paired differences), ``mde``
     (:func:`cwcore.stats.min_detectable_effect`: the smallest true difference this sample detects with
     80% power in a two-sided 5% test) and ``sample_unit`` (what ``n`` counts: documents, sequences or
-    examples).
+    examples). With ``n_permutations``, column ``p``: the two-sided p-value of a zero mean paired
+    difference by a sign-flip permutation test over the same units (:func:`cwcore.stats.sign_flip_p`).
     """
     frame = _with_deltas(_in_range(per_unit, max_ratio))
     unit = _unit_column(frame)
@@ -282,7 +307,8 @@ def ladder_comparison(
         for metric, found in curves.items():
             (r, units, matrix), = found.values()
             per[metric] = (units, curve_mean(r, matrix))
-        mode = dict(zip(keys, key)).get("mode")
+        group_columns = dict(zip(keys, key))
+        mode = group_columns.get("mode")
         side = "above" if mode == "comprehensiveness" else "below"
         for lower, higher in pairs:
             if lower not in per or higher not in per:
@@ -294,10 +320,15 @@ def ladder_comparison(
             difference = stats.paired_bootstrap_ci(b, a, np.mean, n_resamples=n_bootstrap, confidence=confidence,
                                                    seed=seed)
             sd = float(np.std(b - a, ddof=1)) if len(units) > 1 else np.nan
-            rows.append({**dict(zip(keys, key)), "lower": lower, "higher": higher, "value": value,
+            identical = _identical_by_construction(group, group_columns, lower, higher)
+            verdict = stats.NOT_MEASURED if identical else \
+                stats.verdict(difference.low, difference.high, threshold=0.0, side=side)
+            rows.append({**group_columns, "lower": lower, "higher": higher, "value": value,
                          "aopc_lower": float(a.mean()), "aopc_higher": float(b.mean()),
                          "difference": difference.estimate, "ci_low": difference.low, "ci_high": difference.high,
-                         "verdict": stats.verdict(difference.low, difference.high, threshold=0.0, side=side),
+                         "verdict": verdict, "identical": identical,
                          "n": len(units), "sample_unit": unit, "sd": sd,
                          "mde": stats.min_detectable_effect(sd, len(units)), "r_max": float(frame["ratio"].max())})
+            if n_permutations:
+                rows[-1]["p"] = stats.sign_flip_p(b - a, n_resamples=n_permutations, seed=seed)
     return pd.DataFrame(rows)

@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks
-from ..core.decomposition import LayerDecomposition, prepare_inputs
+from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
 from ..core.interventions import intervene, removal
-from ..runs import PieceStore, tensor_digest
+from ..runs import PieceStore, shard_map, tensor_digest
 from ..runs import progress as progress_bar
-from .methods import scoring
-from .protocol import MetricSpec, Protocol, layer_windows, num_heads
+from .methods import get_method, scoring
+from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
 from .ranking import candidate_mask, removal_mask, selection
 
 __all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store"]
@@ -108,10 +108,22 @@ class Sweep:
         self.bar.close()
 
     # -- scores ------------------------------------------------------------------------------------
-    @staticmethod
-    def _scores(layer_decomposition: LayerDecomposition, spec: MetricSpec, context, call=None) -> torch.Tensor:
-        """``[batch, head, query, key]`` scores of ``spec``'s method (|scores| for absolute importance)."""
-        scores = context.scores(spec.method, layer_decomposition, call, spec.kind or "inter")
+    def _ranked_method(self, spec: MetricSpec):
+        """(method, kind) whose scores rank ``spec``: its own, or those of the rung it ranks as by
+        construction under this protocol (:func:`~cwcore.faithfulness.protocol.ranking_identity`: rung 3
+        is rung 2 divided by a norm constant within each ranked group), so that identical rankings tie
+        exactly alike."""
+        kind = spec.kind or "inter"
+        if spec.name in METRICS and spec.method is get_method(spec.name):
+            rung, identity_kind = ranking_identity(spec.name, kind, self.protocol.unit, self.protocol.scope)
+            if rung != spec.name:
+                return get_method(rung), identity_kind or kind
+        return spec.method, kind
+
+    def _scores(self, layer_decomposition: LayerDecomposition, spec: MetricSpec, context, call=None) -> torch.Tensor:
+        """``[batch, head, query, key]`` ranking scores of ``spec`` (|scores| for absolute importance)."""
+        method, kind = self._ranked_method(spec)
+        scores = context.scores(method, layer_decomposition, call, kind)
         return scores.abs() if context.importance == "absolute" else scores
 
     def _scoring(self, batch: Batch, specs, candidates):
@@ -282,9 +294,8 @@ def run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batche
     sweep.deduplicate = deduplicate
     scorer = make_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     frames, cleans = [], []
-    try:
-        for batch in batches:
-            clean, points = sweep.run(batch, scorer)
+    try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
+        for clean, points in shard_map(batches, lambda batch: sweep.run(batch, scorer)):
             cleans.append(clean)
             frames.extend(points)
     finally:

@@ -4,13 +4,16 @@ Chapters 5-7 of the book and the findings page (chapter 9) call these functions 
 :func:`cwcore.sinks.run_analyses` (``raw=True``), so a claim gets the same verdict wherever it is shown.
 Every function returns a claims table, one row per part of a claim:
 
-``chapter, claim, part, statistic, key, estimate, low, high, threshold, side, n, verdict, why``
+``chapter, claim, part, statistic, key, estimate, low, high, threshold, side, n, verdict, why, unit,
+n_units, source``
 
 ``estimate`` is the statistic, ``[low, high]`` its 95% interval (Wilson for shares of heads, a
 percentile bootstrap otherwise: over heads for medians and rank correlations, over whole sequences for
 pooled means), and ``verdict`` is :func:`cwcore.stats.verdict` of that interval against ``threshold``
 on the claimed ``side`` (holds / contradicted / inconclusive / not measured); ``why`` says, for a part
-not measured, what the model lacks (e.g. "no sink heads at eps=0.3"), and :func:`display` shows it.
+not measured, what the model lacks (e.g. "no sink heads at eps=0.3"), and :func:`display` shows it;
+``source`` says whose claim the row tests: ``"paper"`` (PAPER.md section 6) or ``"book"`` (the book's
+own: "many heads are sink heads", "the sink is position 0", the older tail reading).
 :func:`claim_verdicts` combines the parts of each claim (:func:`cwcore.stats.combine_verdicts`). ``key`` names a part for
 code (e.g. ``"cos_semantic"``); :func:`triple` reads ``(estimate, low, high)`` by key.
 
@@ -29,11 +32,11 @@ import pandas as pd
 from .. import stats
 from .anti_alignment import ANTI_ALIGNMENT, TREND
 from .anti_alignment import _claim_rows as _anti_alignment_rows
-from .convexity import CONVEXITY, SUPPRESSION, pooled_suppression
+from .convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION, pooled_suppression
 from .convexity import _claim_rows as _convexity_rows
-from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, decomposition_claims, head_shares, joint_shares
+from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
 from .engine import REGISTRY
-from .intervals import (COLUMNS, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
+from .intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
                         pooled_claim_rows, verdict_text)
 from .rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
 from .semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
@@ -44,7 +47,7 @@ __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims"
            "contrast",
            "group_value", "no_sink_heads", "sink_heads_sentence", "verdict_text", "perplexity_changes",
            "PerplexityChanges", "DECOMPOSITION", "ANTI_ALIGNMENT", "TREND", "SUPPRESSION", "CONVEXITY", "CONE",
-           "PERPLEXITY", "DRIFT", "SINK_RATES", "SINK_POSITION_CLAIM", "TAIL_ATTENTION_ONLY", "for_data",
+           "PERPLEXITY", "DRIFT", "CONVEXITY_V0", "OBSERVED_CLAIMS", "TAIL_MARGIN", "BOOK", "PAPER", "SINK_RATES", "SINK_POSITION_CLAIM", "TAIL_ATTENTION_ONLY", "for_data",
            "rate_claims", "joint_shares", "drift_curve", "pooled_by_layer", "pooled_claim_rows", "stack_data"]
 
 
@@ -99,6 +102,8 @@ def display(claims: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
         "holds if the interval is": [f"{'<' if s == 'below' else '>'} {t:g}"
                                      for s, t in zip(claims["side"], claims["threshold"])],
         "verdict": verdict_text(claims),
+        "claim by": ["the book" if s == BOOK else "the paper" for s in
+                     (claims["source"] if "source" in claims else [PAPER] * len(claims))],
     })
 
 

@@ -14,11 +14,17 @@ from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
 from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
-__all__ = ["CONVEXITY", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression", "vertex_intervals"]
+__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression", "vertex_intervals"]
 
 #: the claims chapter 6 judges with this analysis
 SUPPRESSION = "the sink suppresses the output norm"
 CONVEXITY = "convexity"
+#: the pooled fit with each point's norm divided by ||v~_0|| (the second scaling, shown beside the first)
+CONVEXITY_V0 = f"{CONVEXITY} [pooled, norms over ‖ṽ₀‖]"
+#: per pooled scaling, the claim that its vertex is *observed* (inside the pooled sink rates' q05..q95),
+#: beside the claim that it is *established* by its interval (which may extrapolate)
+OBSERVED_CLAIMS = {"model": f"{CONVEXITY} [pooled minimum observed]",
+                   "model_v0": f"{CONVEXITY} [pooled, norms over ‖ṽ₀‖, minimum observed]"}
 
 
 class ConvexityTables(NamedTuple):
@@ -393,7 +399,7 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
     unfitted = f"no head's sink rates span min_range (none of {len(head_fits)} fitted)"
     vertices = vertex_intervals(points, fits, fit_on, n_bootstrap, seed)
     for scope, claim, what in (("model", CONVEXITY, "pooled fit (each head's norms over its mean)"),
-                               ("model_v0", f"{CONVEXITY} [pooled, norms over ‖ṽ₀‖]", "pooled fit (norms over ‖ṽ₀‖)")):
+                               ("model_v0", CONVEXITY_V0, "pooled fit (norms over ‖ṽ₀‖)")):
         if not (fits["scope"] == scope).any():
             continue  # a fits table without pooled rows (built by hand): nothing to judge, no row
         v = vertices[vertices["scope"] == scope]
@@ -412,6 +418,22 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
                       f"pooled_vertex_above_0{tag}", triple_a, 0.0, "above", n, vertex_why, unit="document", n_units=n),
             claim_row(6, claim, f"{what}: vertex below α = 1", "vertex α* of the pooled fit",
                       f"pooled_vertex_below_1{tag}", triple_a, 1.0, "below", n, vertex_why, unit="document", n_units=n),
+        ]
+        # "established" (above) may rest on an extrapolation; "observed": the vertex also lies inside the sink
+        # rates the pooled points cover (their 5th to 95th percentile), beside it as its own claim
+        pooled_fit = fits[fits["scope"] == scope].iloc[0]
+        q05, q95 = float(pooled_fit["alpha_q05"]), float(pooled_fit["alpha_q95"])
+        observed = OBSERVED_CLAIMS[scope]
+        range_why = vertex_why or ("" if np.isfinite(q05) and np.isfinite(q95) else "too few pooled points")
+        rows += [
+            claim_row(6, observed, f"{what}: vertex above the lowest observed sink rates (q05)",
+                      "vertex α* of the pooled fit against q05 of the pooled sink rates",
+                      f"pooled_vertex_observed_low{tag}", triple_a if np.isfinite(q05) else (np.nan,) * 3, q05, "above", n,
+                      range_why, unit="document", n_units=n),
+            claim_row(6, observed, f"{what}: vertex below the highest observed sink rates (q95)",
+                      "vertex α* of the pooled fit against q95 of the pooled sink rates",
+                      f"pooled_vertex_observed_high{tag}", triple_a if np.isfinite(q95) else (np.nan,) * 3, q95, "below", n,
+                      range_why, unit="document", n_units=n),
         ]
     types = _layer_type_map(layers)
     head_v = vertices[vertices["scope"] == "head"][["layer", "head", "vertex_inside"]]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import runs
-from ..core.architectures import attention_blocks
+from ..core.architectures import attention_blocks, layer_type
 from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
@@ -141,23 +141,10 @@ def token_classes(ids: torch.Tensor, tokenizer) -> np.ndarray:
     return out
 
 
-def _layer_type_of(model: nn.Module, block) -> str:
-    config = getattr(model, "config", None)
-    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
-    types = getattr(text, "layer_types", None)
-    index = getattr(block.module, "layer_idx", block.layer)
-    if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
-        return "sliding" if "sliding" in str(types[index]) else "global"
-    if getattr(block.module, "is_sliding", False) or getattr(block.module, "sliding_window", None):
-        return "sliding"
-    return "global"
-
-
 def layer_types(model: nn.Module) -> dict[int, str]:
     """``{layer: "sliding" | "global"}`` for every attention layer (the numbering of ``_LayerState.layer``):
-    from ``config.layer_types`` where the config has it (Gemma 3, GPT-OSS, ...), else ``"sliding"`` when the
-    module has a sliding window, else ``"global"``."""
-    return {block.layer: _layer_type_of(model, block) for block in attention_blocks(model)}
+    by :func:`cwcore.core.architectures.layer_type` (the one rule for sliding windows)."""
+    return {block.layer: layer_type(model, block) for block in attention_blocks(model)}
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -86,7 +86,11 @@ def contrast(boot: SequenceBootstrap, column: str, first: Mapping, second: Mappi
 # ---------------------------------------------------------------------------------------------------
 
 COLUMNS = ["chapter", "claim", "part", "statistic", "key", "estimate", "low", "high", "threshold", "side", "n",
-           "verdict", "why", "unit", "n_units"]
+           "verdict", "why", "unit", "n_units", "source"]
+
+#: whose claim a row tests (the ``source`` column): PAPER.md section 6's, or the book's own (a claim the
+#: book adds, e.g. "many heads are sink heads", or an older reading it keeps beside the paper's)
+PAPER, BOOK = "paper", "book"
 
 
 def no_sink_heads(eps: float) -> str:
@@ -102,14 +106,17 @@ def too_few_layers(n_layers: int) -> str:
 
 
 def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=np.nan, why: str = "",
-              unit: str = "", n_units=np.nan) -> dict:
+              unit: str = "", n_units=np.nan, source: str = PAPER) -> dict:
     """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`.
 
     ``n``: the values the statistic is taken over (heads, queries); ``unit``: what the interval treats
     as independent ("document", "layer", "head") and ``n_units`` how many of them there are (the
     findings table's ``unit`` and ``n_units``; its power statement comes from the interval's width).
     ``why``: what a model lacks when the part cannot be measured (e.g. :func:`no_sink_heads`); kept only
-    when the verdict is "not measured", which then says why (a generic reason if none is given)."""
+    when the verdict is "not measured", which then says why (a generic reason if none is given).
+    ``source``: :data:`PAPER` (the claim is PAPER.md's) or :data:`BOOK` (the book's own)."""
+    if source not in (PAPER, BOOK):
+        raise ValueError(f"source must be {PAPER!r} or {BOOK!r}, not {source!r}")
     est, low, high = (float(x) for x in triple_)
     judged = verdict(low, high, threshold=threshold, side=side)
     if judged != UNMEASURED:
@@ -118,13 +125,14 @@ def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=
         why = "no interval" if not isinstance(n, (int, np.integer)) else f"too few values for an interval (n={n})"
     return {"chapter": chapter, "claim": claim, "part": part, "statistic": statistic, "key": key, "estimate": est,
             "low": low, "high": high, "threshold": float(threshold), "side": side, "n": n,
-            "verdict": judged, "why": why, "unit": unit, "n_units": n_units}
+            "verdict": judged, "why": why, "unit": unit, "n_units": n_units, "source": source}
 
 
 def claims_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows of :func:`claim_row` as a claims table (columns :data:`COLUMNS`)."""
     frame = pd.DataFrame(rows, columns=COLUMNS)
     frame["why"] = frame["why"].fillna("").astype(str)
+    frame["source"] = frame["source"].fillna(PAPER).astype(str)
     return frame
 
 
@@ -195,7 +203,7 @@ def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean"
 
 def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, part: str, statistic_text: str,
                       key: str, threshold: float, side: str, statistic: str = "mean", why: str = "",
-                      n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+                      n_bootstrap: int = 1000, seed: int = 0, source: str = PAPER) -> list[dict]:
     """The claim rows (:data:`COLUMNS`) of :func:`pooled_by_layer`: the pooled row is a part of ``claim``
     (key ``key``; its statistic says "cluster bootstrap by layer"); each layer type's row is a part of the
     separate claim ``"<claim> [<type> layers]"`` (key ``"<key>@<type>"``), so a finding that combines the
@@ -208,5 +216,5 @@ def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, 
         text = f"{statistic_text} (cluster bootstrap by layer, {r.n_layers} layers)"
         here_why = why if r.n == 0 else too_few_layers(r.n_layers)
         rows.append(claim_row(chapter, here_claim, part, text, here_key, (r.estimate, r.low, r.high), threshold, side,
-                              int(r.n), here_why, unit="layer", n_units=int(r.n_layers)))
+                              int(r.n), here_why, unit="layer", n_units=int(r.n_layers), source=source))
     return rows

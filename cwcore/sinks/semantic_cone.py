@@ -129,7 +129,25 @@ class _SemanticConeCollector(Collector):
         self.clean_alpha0[s.layer] = s.probs[:, :, :, 0]
         axis = self.cone_axis(s)
         self.clean_measure[s.layer] = self.measure(s, axis)
+        self.clean_measure[s.layer]["cos_random"] = self.random_direction_cos(s, axis)
         self.weak.append(self.weak_tokens(s, axis))
+
+    def random_direction_cos(self, s: LayerState, axis=None) -> torch.Tensor:
+        """The cone's control that is not inside the cone by construction: cos(s_i + r_i, m_i) ``[b, h, q]``
+        with r_i = a_i ||v~_0|| u_i, u_i = W_O^h g / ||W_O^h g|| a random direction of the head's output
+        space (g ~ N(0, I) in head space, seeded per sequence and layer): the sink's term replaced by a
+        term of the same norm pointing anywhere. Removing the sink moves o_i towards m_i by construction
+        when v~_0 is not in the cone (the axis leaves it out); against this control, only a sink term
+        that holds o_i further from the axis than a random term of its length does."""
+        axis, axis_gram = self.cone_axis(s) if axis is None else axis
+        b, h, T, d = s.values.shape
+        g = torch.stack([torch.as_tensor(np.random.default_rng([self.seed, self.start + i, 2, s.layer])
+                                         .standard_normal((h, T, d)), dtype=s.values.dtype) for i in range(b)])
+        g = g.to(s.values.device)
+        length = s.probs[..., 0] * s.value_norm[..., :1]  # a_i ||v~_0|| [b, h, q]
+        replaced = s.semantic + g * (length / s.norm(g).clamp_min(torch.finfo(g.dtype).tiny))[..., None]
+        axis_norm = (axis * axis_gram).sum(-1).clamp_min(0).sqrt()
+        return (replaced * axis_gram).sum(-1) / (s.norm(replaced) * axis_norm)
 
     def weak_tokens(self, s: _LayerState, axis=None) -> pd.DataFrame:
         """The drift curve of one clean layer: for queries i >= max k, the cosine with the cone axis m_i of
@@ -151,14 +169,25 @@ class _SemanticConeCollector(Collector):
                 **_grid((b, h, T - first), ("sequence", "head", "query"), {"sequence": self.start, "query": first}),
                 "norm_clean": _np(s.output_norm[:, :, first:]).astype(np.float32)}
         zero = torch.zeros_like(probs)
-        for k in [*ks, None]:
-            keep = tail if k is None else (tail & (rank < k))  # rank 0 = the weakest tail key of the row
-            kept = torch.where(keep, probs, zero)
+
+        def cosine(kept):
             total = kept.sum(-1, keepdim=True)  # the cosine is scale-free: weights summing to one avoid underflow
             z = torch.where(total > 0, kept / total, zero) @ s.values
             norm = ((z @ s.gram) * z).sum(-1).clamp_min(0).sqrt()
-            cos = torch.where(total[..., 0] > 0, (z * axis_gram).sum(-1) / (norm * axis_norm), float("nan"))
-            cols[f"cos_k{k if k is not None else 'all'}"] = _np(cos).astype(np.float32)
+            return torch.where(total[..., 0] > 0, (z * axis_gram).sum(-1) / (norm * axis_norm), float("nan"))
+
+        # the null: the same k weakest weights on k tail keys drawn at random (seeded per sequence and
+        # layer), so a sum of k terms with the same weights whose directions are any of the row's values
+        weakest = torch.where(tail, probs, zero).gather(-1, order)  # ascending weights, tail keys first
+        scores = torch.stack([torch.as_tensor(np.random.default_rng([self.seed, self.start + i, 3, s.layer])
+                                              .random((h, T - first, T)), dtype=probs.dtype) for i in range(b)])
+        shuffled = torch.where(tail, scores.to(probs.device), torch.full_like(probs, float("inf"))).argsort(-1)
+        for k in [*ks, None]:
+            keep = tail if k is None else (tail & (rank < k))  # rank 0 = the weakest tail key of the row
+            cols[f"cos_k{k if k is not None else 'all'}"] = _np(cosine(torch.where(keep, probs, zero))).astype(np.float32)
+            if k is not None:  # queries >= first have at least k tail keys: the k drawn keys are tail keys
+                null = zero.scatter(-1, shuffled[..., :k], weakest[..., :k])
+                cols[f"null_k{k}"] = _np(cosine(null)).astype(np.float32)
         return pd.DataFrame(cols)
 
     def finish(self, logits):
@@ -219,6 +248,7 @@ class _SemanticConeCollector(Collector):
                     "cos_after": _np(m["cos"][bi, hi, qi]).astype(np.float32),
                     "drift": _np(m["drift"][bi, hi, qi]).astype(np.float32),
                     "alpha0_clean": _np(self.clean_alpha0[layer][bi, hi, qi]).astype(np.float32),
+                    "cos_random_clean": _np(c["cos_random"][bi, hi, qi]).astype(np.float32),
                 }))
         heads = _concat([pd.DataFrame({
             "layer": np.full(rates[l].numel(), l, np.int32),
@@ -345,6 +375,10 @@ def cone_points(raw: dict[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFram
     with np.errstate(divide="ignore", invalid="ignore"):
         out["log_norm_ratio"] = np.log(out["norm_after"].to_numpy(float) / out["norm_clean"].to_numpy(float))
     out["delta_cos"] = out["cos_after"] - out["cos_clean"]
+    # the random-direction control (clean pass): cos(s_i + random term, m_i) - cos(o_i, m_i); NaN in pieces
+    # computed without it
+    random = out["cos_random_clean"] if "cos_random_clean" in out else np.nan
+    out["sink_vs_random"] = random - out["cos_clean"]
     return out
 
 
@@ -435,17 +469,27 @@ def drift_points(raw: Mapping[str, pd.DataFrame], quantiles: int = 5) -> pd.Data
     long = weak.melt(id_vars=["layer", "sequence", "head", "query", "norm_clean", "quantile"], value_vars=columns,
                      var_name="k", value_name="cos")
     long["k"] = long["k"].str.slice(5).replace("all", "0").astype(int)
+    # the null (cos_null: the same weights on random tail keys; NaN for k = 0 and in pieces without it),
+    # cos_minus_null = cos - cos_null
+    nulls = [f"null_k{c[5:]}" for c in columns]
+    null = np.concatenate([weak[c].to_numpy(float) if c in weak else np.full(len(weak), np.nan) for c in nulls]) \
+        if len(columns) else np.zeros(0)
+    long["cos_null"] = null
+    long["cos_minus_null"] = long["cos"] - long["cos_null"]
     return long
 
 
 def drift_curve(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap: int = 1000,
                 seed: int = 0) -> stats.ClusterBootstrap:
     """Cone alignment against the number of weak tokens kept: mean cos per (``outputs``, k) with a cluster
-    bootstrap over sequences (``outputs``: "lowest" = the lowest-norm bin, "all"); see :func:`drift_points`."""
+    bootstrap over sequences (``outputs``: "lowest" = the lowest-norm bin, "all"); see :func:`drift_points`.
+    Also ``cos_null`` (the null: the k weakest weights on k random tail keys) and ``cos_minus_null``, from
+    the same resamples (the ``cos`` columns do not depend on them)."""
     long = drift_points(raw, quantiles)
     both = pd.concat([long.assign(outputs="all"), long[long["quantile"] == 1].assign(outputs="lowest")],
                      ignore_index=True)
-    return stats.cluster_bootstrap(both, "cos", ["outputs", "k"], n_resamples=n_bootstrap, seed=seed)
+    return stats.cluster_bootstrap(both, ["cos", "cos_null", "cos_minus_null"], ["outputs", "k"],
+                                   n_resamples=n_bootstrap, seed=seed)
 
 
 def perplexity_changes(sequences: pd.DataFrame, conditions=("sink", "sink_renorm", "control", "control_mass"),
@@ -489,8 +533,9 @@ def cone_claims(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap
 
 def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: int, seed: int) -> list[dict]:
     points = cone_points(raw, quantiles)
-    within = stats.cluster_bootstrap(points, "delta_cos", ["condition", "quantile"], n_resamples=n_bootstrap,
-                                     seed=seed)
+    # one set of resampled documents for both columns (adding the second changes nothing in the first)
+    within = stats.cluster_bootstrap(points, ["delta_cos", "sink_vs_random"], ["condition", "quantile"],
+                                     n_resamples=n_bootstrap, seed=seed)
     conditions = tuple(c for c in CONDITIONS if f"nll_{c}" in raw["sequences"])
     changes = perplexity_changes(raw["sequences"], conditions, n_bootstrap=n_bootstrap, seed=seed)
     sink_low = dict(condition="sink", quantile=1)
@@ -510,6 +555,11 @@ def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: in
         claim_row(7, CONE, "more for low-norm than for high-norm outputs",
                   "Δcos(lowest bin) − Δcos(highest bin), sink removed", "dcos_low_minus_high",
                   contrast(within, "delta_cos", sink_low, dict(condition="sink", quantile=quantiles)), 0.0, "above"),
+        claim_row(7, CONE, "more than replacing the sink's term by a random one of the same norm (a control "
+                  "not inside the cone by construction)",
+                  "cos(sᵢ + random term of norm aᵢ‖ṽ₀‖, mᵢ) − cos(oᵢ, mᵢ), lowest-norm bin, clean pass",
+                  "dcos_sink_minus_random_direction",
+                  group_value(within, "sink_vs_random", **sink_low), 0.0, "above"),
         claim_row(7, PERPLEXITY, "perplexity rises", "Δ log PPL, sink removed", "dlog_sink",
                   changes.delta_log["sink"], 0.0, "above"),
         claim_row(7, PERPLEXITY, "more than removing a random token (the paper's control)",
@@ -529,6 +579,13 @@ def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: in
             rows.append(claim_row(7, DRIFT, f"the sum of more weak tokens points closer to the cone axis ({text})",
                                   f"cos(k={ks[-1]} weakest, mᵢ) − cos(k=1 weakest, mᵢ), {text}", key,
                                   contrast(curve, "cos", dict(outputs=outputs, k=ks[-1]), dict(outputs=outputs, k=1)),
+                                  0.0, "above"))
+        # any sum of many vectors with a nonzero mean aligns with that mean: the null keeps the k weakest
+        # weights and puts them on k random tail keys, so only what is particular to the weak tokens remains
+        for outputs, key, text in (("lowest", "drift_null_q1", "lowest-norm bin"), ("all", "drift_null_all", "all outputs")):
+            rows.append(claim_row(7, DRIFT, f"more than the same weights on random tail tokens (a null; {text})",
+                                  f"cos(k={ks[-1]} weakest, mᵢ) − cos(the same weights on {ks[-1]} random tail keys, mᵢ), "
+                                  f"{text}", key, group_value(curve, "cos_minus_null", outputs=outputs, k=ks[-1]),
                                   0.0, "above"))
     n_documents = int(raw["sequences"]["sequence"].nunique()) if "sequence" in raw["sequences"] else 0
     for row in rows:  # every interval here resamples whole documents

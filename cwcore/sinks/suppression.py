@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .. import stats
-from ..core.architectures import attention_blocks
+from ..core import architectures
 from .intervals import claim_row, no_sink_heads
 
 __all__ = ["READINGS", "PLACES", "post_attention_norms", "block_points", "head_points", "suppression_table",
@@ -52,57 +52,8 @@ _SUPPRESSION = "the sink suppresses the output norm"
 # ---------------------------------------------------------------------------------------------------
 
 
-def _candidate_norms(block) -> list[nn.Module]:
-    """Norm modules of the block's decoder layer that are not inside the attention module (q/k norms)."""
-    if block.parent is None:
-        return []
-    inside = {id(m) for m in block.module.modules()}
-    return [m for m in block.parent.modules()
-            if id(m) not in inside and m is not block.parent and "norm" in type(m).__name__.lower()]
-
-
-def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> dict[int, nn.Module | None]:
-    """``{layer: module or None}``: the norm applied to each attention block's output before the residual
-    add (Gemma 2/3's ``post_attention_layernorm``), found by a probe forward pass on ``ids [1, n]`` (the
-    first tokens of the data; default ``[[0, 1, 2, 3]]``): the candidate norm whose input equals the
-    output projection's output. Cached on the model."""
-    cached = getattr(model, "_cwcore_post_norms", None)
-    if cached is not None:
-        return cached
-    blocks = attention_blocks(model)
-    seen_out: dict[int, torch.Tensor] = {}
-    seen_in: dict[int, list[tuple[nn.Module, torch.Tensor]]] = {}
-    handles = []
-    for block in blocks:
-        out = block.output_module()
-        if out is None:
-            continue
-        handles.append(out.register_forward_hook(
-            lambda m, i, o, l=block.layer: seen_out.setdefault(l, (o[0] if isinstance(o, tuple) else o).detach())))
-        for norm in _candidate_norms(block):
-            handles.append(norm.register_forward_pre_hook(
-                lambda m, i, l=block.layer: seen_in.setdefault(l, []).append((m, i[0].detach()))))
-    probe = torch.arange(4).reshape(1, 4) if ids is None else torch.as_tensor(ids)[:1, :8]
-    device = next(model.parameters()).device
-    training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode():
-            model(input_ids=probe.to(device), attention_mask=torch.ones_like(probe).to(device))
-    finally:
-        model.train(training)
-        for h in handles:
-            h.remove()
-    found: dict[int, nn.Module | None] = {}
-    for block in blocks:
-        out = seen_out.get(block.layer)
-        found[block.layer] = None
-        for module, inp in seen_in.get(block.layer, []):
-            if out is not None and inp.shape == out.shape and torch.equal(inp, out):
-                found[block.layer] = module
-                break
-    object.__setattr__(model, "_cwcore_post_norms", found)
-    return found
+# the one rule lives with the other model facts (cwcore.core.architectures); re-exported here
+post_attention_norms = architectures.post_attention_norms
 
 
 # ---------------------------------------------------------------------------------------------------

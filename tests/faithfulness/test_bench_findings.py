@@ -25,7 +25,7 @@ def test_bench_comparisons_become_findings_rows(sweep, tmp_path):
     for (_, c), (_, r) in zip(comparisons.iterrows(), rows.iterrows()):
         assert r["claim"] == f"{c['higher']} beats {c['lower']}"
         side = "above" if c["mode"] == "comprehensiveness" else "below"
-        identical = c["difference"] == c["ci_low"] == c["ci_high"] == 0
+        identical = bool(c["identical"])  # by construction under the protocol, not read from the numbers
         expected = stats.NOT_MEASURED if identical else stats.verdict(c["ci_low"], c["ci_high"], side=side)
         assert r["verdict"] == expected and np.isclose(r["estimate"], c["difference"])
     # value-weighted and output-normalised rank identically under the default protocol: not measured

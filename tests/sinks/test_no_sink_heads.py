@@ -129,6 +129,6 @@ def test_a_model_without_sink_heads_runs_every_claim_of_chapters_5_and_7():
     assert (intervened["verdict"] == "not measured").all()  # nothing was intervened on, and it says so
     assert intervened["why"].str.startswith("no head intervened on").all()
     drift = cone[cone["claim"] == SC.DRIFT]  # measured on the clean pass, whatever was intervened on
-    assert len(drift) == 2 and (drift["verdict"] != "not measured").all() and (drift["why"] == "").all()
+    assert len(drift) == 4 and (drift["verdict"] != "not measured").all() and (drift["why"] == "").all()  # with the null
     text = SC.claim_verdict_texts(SC.decomposition_claims(results["rates"], results["decomposition"].summary, 0.3))
     assert text[SC.DECOMPOSITION] == f"not measured: {WHY}"

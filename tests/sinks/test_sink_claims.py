@@ -178,3 +178,34 @@ def test_all_claims_on_the_planted_model_match_its_raw_points():
     assert SC.triple(claims, "cos_value")[0] < 0
     shown = SC.display(claims)
     assert len(shown) == len(claims) and shown["95% interval"].str.contains(" to ").all()
+
+
+def test_tail_parts_need_a_share_above_the_margin_and_book_claims_are_labelled():
+    from cwcore.sinks.decomposition import TAIL_MARGIN, _claim_rows, head_shares
+    rates, summary = decomposition_inputs()
+    heads = head_shares(rates, summary)
+
+    def joint(alpha, cosine):
+        rows = []
+        for cls in ("sink", "tail"):
+            row = {"group": "sink_heads", "layer_type": "all", "token_class": cls, "n_sequences": 10}
+            for m, (e, lo, hi) in (("share_alpha", alpha), ("share_cosine", cosine),
+                                   ("share_alpha_cosine", (0.8, 0.7, 0.9)), ("geometry_minus_alpha", (0.2, 0.1, 0.3))):
+                row.update({m: e, f"{m}_low": lo, f"{m}_high": hi})
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    # alignment's share is positive, with an interval above zero, but below the margin: not "driving" the tail
+    rows = pd.DataFrame(_claim_rows(heads, 0.3, joint((0.7, 0.6, 0.8), (0.05, 0.03, 0.07)))).set_index("key")
+    assert TAIL_MARGIN == 0.1
+    assert rows.loc["tail_cosine_share", "threshold"] == TAIL_MARGIN
+    assert rows.loc["tail_cosine_share", "verdict"] == "contradicted"
+    assert rows.loc["tail_alpha_share", "verdict"] == "holds"
+    rows = pd.DataFrame(_claim_rows(heads, 0.3, joint((0.7, 0.6, 0.8), (0.12, 0.08, 0.16)))).set_index("key")
+    assert rows.loc["tail_cosine_share", "verdict"] == "inconclusive"
+    # whose claim: the book's own claims are labelled as such
+    assert rows.loc["tail_attention_share", "source"] == "book"
+    assert (rows.loc[rows["claim"] == SC.DECOMPOSITION, "source"] == "paper").all()
+    rates_rows = SC.rate_claims(rates.assign(layer_type="global"), 0.3, n_bootstrap=100)
+    assert set(rates_rows["source"]) == {"book"}
+    assert list(SC.display(rates_rows)["claim by"].unique()) == ["the book"]

@@ -141,3 +141,26 @@ def test_a_concave_pooled_fit_has_no_minimum_to_locate():
         assert rows.loc[key, "verdict"] == "not measured"
         assert "concave" in rows.loc[key, "why"]
     assert rows.loc["pooled_curvature", "claim"] == CONVEXITY
+
+
+def test_an_extrapolated_vertex_is_established_but_not_observed():
+    from cwcore.sinks.convexity import CONVEXITY, OBSERVED_CLAIMS, _claim_rows, _convexity_tables
+    rng = np.random.default_rng(0)
+    n = 900
+    a = rng.uniform(0, 0.5, n)  # the sink rates seen stop at 0.5; the planted vertex is at 0.8
+    points = pd.DataFrame({"layer": rng.integers(0, 3, n), "head": rng.integers(0, 2, n), "sequence": rng.integers(0, 8, n),
+                           "query": np.arange(n), "alpha0": a, "norm": 1 + (a - 0.8) ** 2 + rng.normal(0, 0.002, n),
+                           "v0_sq": np.ones(n), "s_sq": np.ones(n), "v0_s": np.zeros(n)})
+    fits = _convexity_tables(points, 10, "norm", 0.05, 0.3).fits
+    rows = pd.DataFrame(_claim_rows(fits, points, 0.3, 200, 0)).set_index("key")
+    # established by its interval: convex, vertex inside (0, 1)
+    for key in ("pooled_curvature", "pooled_vertex_above_0", "pooled_vertex_below_1"):
+        assert rows.loc[key, "verdict"] == "holds", key
+    # observed: the vertex lies beyond the highest observed sink rates
+    model = fits[fits["scope"] == "model"].iloc[0]
+    high, low = rows.loc["pooled_vertex_observed_high"], rows.loc["pooled_vertex_observed_low"]
+    assert high["claim"] == OBSERVED_CLAIMS["model"] and high["threshold"] == pytest.approx(model["alpha_q95"])
+    assert high["verdict"] == "contradicted" and low["verdict"] == "holds"
+    assert low["threshold"] == pytest.approx(model["alpha_q05"])
+    assert high["estimate"] == rows.loc["pooled_vertex_below_1", "estimate"]
+    assert (rows.loc[rows["claim"] == CONVEXITY, "source"] == "paper").all()

@@ -13,6 +13,7 @@ from tiny_models import tiny_model
 # -- determinism, cache, batch size ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # one of the quick tier's slowest (issue 25)
 def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, monkeypatch):
     model, ids = tiny_model("llama"), random_ids(n=4)
     kwargs = dict(cache=True, cache_root=tmp_path, progress=False, batch_size=2)

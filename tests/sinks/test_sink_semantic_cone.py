@@ -167,3 +167,88 @@ def test_weak_token_curve_matches_a_naive_sum_of_the_weakest_terms():
             z = sum(probs[i, j] * values[j] for j in chosen)
             expected = float(torch.nn.functional.cosine_similarity(z, axis, dim=0))
             assert row.loc[i, f"cos_k{k if k is not None else 'all'}"] == pytest.approx(expected, abs=1e-4)
+
+
+# -- controls that could fail (issue 27.6) ---------------------------------------------------------
+
+
+def _cone_points(model, ids):
+    results = sinks.run_analyses(model, None, ids, ["semantic_cone"], raw=True, batch_size=2, **FAST)
+    return sinks.cone_points(results["raw"]["semantic_cone"], quantiles=5), results
+
+
+def test_random_direction_control_matches_a_naive_replacement_in_model_space():
+    model, ids = tiny_model("llama"), random_ids(n=2)
+    points, _ = _cone_points(model, ids)
+    clean, _ = naive_run(model, ids)
+    rows = points[points["condition"] == "sink"].set_index(["layer", "sequence", "head", "query"])
+    heads_, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    for layer in (0, 1):
+        w = model.model.layers[layer].self_attn.o_proj.weight.detach().double()
+        w_h = w.reshape(w.shape[0], heads_, dim).permute(1, 0, 2)  # [h, model, d]
+        for seq in (0, 1):
+            g = torch.as_tensor(np.random.default_rng([0, seq, 2, layer]).standard_normal((heads_, ids.shape[1], dim)))
+            for head in (0, 2):
+                probs, values = clean[layer]["attention"][seq, head], clean[layer]["values"][seq, head]
+                out = clean[layer]["outputs"][seq, head]
+                for i in (1, 5, ids.shape[1] - 1):
+                    a = probs[i, 0]
+                    u = w_h[head] @ g[head, i]
+                    s = out[i] - a * values[0]
+                    replaced = s + a * values[0].norm() * u / u.norm()
+                    axis = values[1:i + 1].mean(0)
+                    expected = float(torch.nn.functional.cosine_similarity(replaced, axis, dim=0))
+                    assert rows.loc[(layer, seq, head, i), "cos_random_clean"] == pytest.approx(expected, abs=1e-4)
+                    naive_clean = float(torch.nn.functional.cosine_similarity(out[i], axis, dim=0))
+                    assert rows.loc[(layer, seq, head, i), "sink_vs_random"] == pytest.approx(expected - naive_clean,
+                                                                                               abs=1e-4)
+
+
+def test_random_direction_control_can_contradict_the_cone_claim():
+    from cwcore.sinks import claims as SC
+
+    # head 0 of the planted model: the sink value points exactly against the tail values, so the sink term
+    # holds the output out of the cone more than a random term of its norm would ...
+    model, ids = planted_model(), planted_ids(n=6)
+    points, results = _cone_points(model, ids)
+    head0 = points[(points["condition"] == "sink") & (points["head"] == 0) & (points["alpha0_clean"] > 0.5)]
+    assert (head0["sink_vs_random"] > 0).all()
+    # ... and with the sink value turned to point along the tail values, it keeps the output inside the cone
+    # better than a random term would: the control's part of the claim is contradicted
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight[0, 0] *= -1
+        model.model.layers[0].self_attn.v_proj.weight[8:, 0] = 0
+        model.model.layers[0].self_attn.v_proj.weight[8, 0] = VT[0] / math.sqrt(16)
+    points, results = _cone_points(model, ids)
+    claims = SC.cone_claims(results["raw"]["semantic_cone"], 5, n_bootstrap=200, seed=0)
+    row = claims[claims["key"] == "dcos_sink_minus_random_direction"].iloc[0]
+    assert row["high"] < 0 and row["verdict"] == "contradicted"
+
+
+def test_weak_token_null_matches_a_naive_sum_on_random_keys():
+    from cwcore.sinks.semantic_cone import drift_points, weak_token_counts
+
+    model, ids = tiny_model("llama"), random_ids(n=2)
+    results = sinks.run_analyses(model, None, ids, ["semantic_cone"], raw=True, batch_size=2, **FAST)
+    raw = results["raw"]["semantic_cone"]
+    weak = raw["weak"]
+    clean, _ = naive_run(model, ids)
+    n = ids.shape[1]
+    ks = weak_token_counts(n)
+    first = ks[-1]
+    layer, seq, head = 1, 1, 2
+    row = weak[(weak["layer"] == layer) & (weak["sequence"] == seq) & (weak["head"] == head)].set_index("query")
+    scores = np.random.default_rng([0, seq, 3, layer]).random((model.config.num_attention_heads, n - first, n))
+    probs, values = clean[layer]["attention"][seq, head], clean[layer]["values"][seq, head]
+    for i in (first, n - 1):
+        weights = sorted(probs[i, j].item() for j in range(1, i + 1))  # the weakest first
+        drawn = sorted(range(1, i + 1), key=lambda j: scores[head, i - first, j])  # random tail keys
+        axis = values[1:i + 1].mean(0)
+        for k in ks:
+            z = sum(w * values[j] for w, j in zip(weights[:k], drawn[:k]))
+            expected = float(torch.nn.functional.cosine_similarity(z, axis, dim=0))
+            assert row.loc[i, f"null_k{k}"] == pytest.approx(expected, abs=1e-4)
+    long = drift_points(raw, 5)
+    at = long[(long["layer"] == layer) & (long["sequence"] == seq) & (long["head"] == head) & (long["k"] == first)]
+    np.testing.assert_allclose(at["cos_minus_null"], at["cos"] - at["cos_null"], equal_nan=True)
+    assert np.isnan(long.loc[long["k"] == 0, "cos_null"]).all()  # all tail tokens: no null

@@ -1,43 +1,5 @@
-"""Attribution methods the faithfulness protocol can rank by: one registry, one function per method.
-
-Every ranking the sweep uses is a *method*: a function called once per intervened layer as
-``fn(layer_decomposition=<LayerDecomposition of that layer>, **context)`` that returns scores
-``[batch, head, query, key]`` or token-level scores ``[batch, query, key]``. **Token-level scores are
-spread over heads by giving every head of a key the same score**: under ``unit="head_key"`` the
-ranking is then by token (the heads of one key are adjacent in the order, ties broken by head index),
-under ``unit="token"`` it is the token ranking itself. Named methods live in one registry; adding one
-is one function in this file (or anywhere)::
-
-    @register_method("my_score", cost="no extra forward")
-    def my_score(layer_decomposition, **context):
-        return layer_decomposition.attention * layer_decomposition.value_norm[:, :, None]
-
-``faithfulness_curve(..., metric="my_score")`` then ranks by it. A callable passed directly as
-``metric=fn`` works the same way (its label is the function's name; its identity, see
-:func:`method_key`, enters the cache keys).
-
-Context keywords (a function may accept any of them by name, or ``**context``; more may be added):
-
-``layer`` (int), ``call`` (:class:`cwcore.core.attention.LayerCall`: probabilities, values, block),
-``model``, ``input_ids`` and ``attention_mask`` ``[rows, length]``, ``positions`` ``[rows, length]``
-(token positions within each row's real tokens), ``groups`` ``[rows]`` (sequence or example ids),
-``candidates`` ``[rows, 1, query, key]`` bool (the terms the protocol may remove), ``kind``
-(``"inter"``/``"intra"``), ``seed``, ``state`` (a dict shared by the layers of one forward, cleared per
-forward: e.g. a rollout product), and, for methods registered with ``needs``: ``block_input``
-(``(args, kwargs)`` the decoder layer that holds the attention block received) and
-``output_gradient`` (``[rows, length, model]``: d(total log-likelihood of the row's tokens) /
-d(the attention block's output), from a separate clean forward and backward).
-
-Built-in methods beyond the ladder, with their cost per batch (a forward = one model forward):
-
-- ``value_zeroing`` (Mohebbi et al. 2023, adapted to decoders): token-level, all heads zeroed at once.
-  Cost: per layer, the rest of the block (residual, norms, MLP) on one token per candidate pair
-  (i, j), about Q/2 block-forwards of the batch per layer, i.e. ~Q/2 forwards.
-- ``rollout`` (Abnar and Zuidema 2020) and ``contribution_rollout``: token-level, no extra forward.
-- ``alti`` (Ferrando et al. 2022, adapted to RMSNorm decoders): token-level, no extra forward (a
-  ``[rows, query, key, model]`` tensor per layer, in query chunks).
-- ``grad_x_input``: per head, one extra forward and backward per batch (~3 forwards).
-"""
+"""The registry of attribution methods and the context a method is called with (see
+:mod:`cwcore.faithfulness.methods` for the calling convention and the context keywords)."""
 
 from __future__ import annotations
 
@@ -51,17 +13,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from ..core.architectures import UnsupportedModelError, attention_blocks
-from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
-from .ranking import hashed_uniform
+from ...core.architectures import UnsupportedModelError, attention_blocks
+from ...core.decomposition import LayerDecomposition, prepare_inputs
 
 __all__ = [
     "Method", "register_method", "get_method", "available_methods", "method_key", "as_method",
-    "precomputed", "ScoreContext", "scoring", "method_scores", "output_gradients", "BUILT_IN",
+    "precomputed", "ScoreContext", "scoring", "method_scores", "output_gradients", "display_names", "colours",
 ]
-
-#: bytes of one chunk of model-space pair tensors (value zeroing, ALTI)
-CHUNK_BYTES = 64 * 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -69,7 +27,8 @@ class Method:
     """A registered ranking: ``fn(layer_decomposition=..., **context)``; ``needs`` names the extra
     context it requires (``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``: called on
     every layer up to the last intervened one, to build ``state``); ``cost`` documents its price;
-    ``key`` identifies its code (the cache key of its curves)."""
+    ``key`` identifies its code (the cache key of its curves); ``title`` is its display name and
+    ``colour`` its colour in the book's figures (hex; empty for a user's method)."""
 
     name: str
     fn: Callable = field(compare=False)
@@ -78,20 +37,30 @@ class Method:
     key: str = ""
     kind_dependent: bool = False
     indexes_sequences: bool = False  # precomputed scores: rows are the sequences of faithfulness_curve
+    title: str = ""
+    colour: str = ""
+
+    @property
+    def display_name(self) -> str:
+        """The title, or the name where the method has none."""
+        return self.title or self.name
 
 
 _REGISTRY: dict[str, Method] = {}
 _NEEDS = ("block_input", "output_gradient", "earlier_layers")
 
 
-def register_method(name: str, *, needs=(), cost: str = "", kind_dependent: bool = False):
-    """Decorator: ``@register_method("name")`` makes ``metric="name"`` rank by the function."""
+def register_method(name: str, *, needs=(), cost: str = "", kind_dependent: bool = False, title: str = "",
+                    colour: str = ""):
+    """Decorator: ``@register_method("name", title="My score")`` makes ``metric="name"`` rank by the
+    function; ``title`` is its display name in tables and figures (default: the name)."""
     unknown = set(needs) - set(_NEEDS)
     if unknown:
         raise ValueError(f"unknown needs {sorted(unknown)}; choose from {_NEEDS}")
 
     def add(fn: Callable) -> Callable:
-        _REGISTRY[name] = Method(name, fn, frozenset(needs), cost, name, kind_dependent)
+        _REGISTRY[name] = Method(name, fn, frozenset(needs), cost, name, kind_dependent, title=title or name,
+                                 colour=colour)
         fn.cwcore_needs = frozenset(needs)
         return fn
 
@@ -108,9 +77,22 @@ def available_methods() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def display_names(names=None) -> dict[str, str]:
+    """``{name: display name}`` of registered methods (all, or ``names``; a label that is no registered
+    name, e.g. ``"contribution_intra"`` or a user's label, maps to itself)."""
+    names = available_methods() if names is None else names
+    return {n: _REGISTRY[n].display_name if n in _REGISTRY else n for n in names}
+
+
+def colours(names=None) -> dict[str, str]:
+    """``{name: hex colour}`` of registered methods that have one (all, or ``names``)."""
+    names = available_methods() if names is None else names
+    return {n: _REGISTRY[n].colour for n in names if n in _REGISTRY and _REGISTRY[n].colour}
+
+
 def _repr_digest(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        from ..runs import tensor_digest
+        from ...runs import tensor_digest
         return tensor_digest(value.detach().cpu())
     if callable(value) and hasattr(value, "__code__"):
         return method_key(value)
@@ -173,7 +155,7 @@ def precomputed(scores, label: str = "precomputed") -> Method:
     is the s-th sequence given to :func:`faithfulness_curve`; query and key indices are token positions
     in that sequence (padding excluded), so ``length`` must reach the longest sequence.
     """
-    from ..runs import tensor_digest
+    from ...runs import tensor_digest
 
     if isinstance(scores, torch.Tensor):
         if scores.dim() not in (4, 5):
@@ -345,8 +327,8 @@ def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None,
     """``{layer: [batch, head, query, key]}`` scores of one method on one batch (a named method or a
     callable), computed exactly as the faithfulness sweep computes them in its clean pass.
     ``compute_dtype``: the decomposition's dtype (default float64 for a float64 model, else float32)."""
-    from ..core.interventions import intervene
-    from .ranking import candidate_mask, layer_windows
+    from ...core.interventions import intervene
+    from ..ranking import candidate_mask, layer_windows
 
     method = get_method(metric) if isinstance(metric, str) else as_method(metric)
     if compute_dtype is None:
@@ -376,199 +358,3 @@ def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None,
     return results
 
 
-# -- the ladder and the random control ----------------------------------------------------------------
-for _name in METRICS:
-    def _ladder(layer_decomposition, kind="inter", _name=_name, **_):
-        return layer_decomposition.metric(_name, kind)
-    _ladder.__name__ = _name
-    register_method(_name, cost="no extra forward",
-                    kind_dependent=_name in ("value_weighted_output_normalized", "contribution"))(_ladder)
-
-
-@register_method("random", cost="no extra forward")
-def random(layer_decomposition, layer, groups, positions, seed=0, **_):
-    """Seeded control: a hash of (seed, sequence, layer, head, query position, key position)."""
-    heads = layer_decomposition.attention.shape[1]
-    return hashed_uniform(seed, groups, layer, heads, positions)
-
-
-# -- value zeroing -------------------------------------------------------------------------------------
-def _projected_values(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(alpha ``[b, h, q, k]``, v~ ``[b, h, k, model]``, bias) in the model's dtype (padding zeroed)."""
-    from ..core.geometry import split_output_projection
-
-    weight, bias = call.output_projection()
-    dtype = call.value.dtype
-    alpha = call.probs.detach().to(dtype)
-    values = call.value.detach()
-    valid = call.valid_keys()
-    if valid is not None:
-        alpha = alpha.masked_fill(~valid[:, None, :, None] | ~valid[:, None, None, :], 0.0)
-        values = values.masked_fill(~valid[:, None, :, None], 0.0)
-    w_o = split_output_projection(weight.detach().to(dtype), alpha.shape[1])
-    projected = torch.einsum("bhkd,hmd->bhkm", values, w_o)
-    return alpha, projected, None if bias is None else bias.detach().to(dtype)
-
-
-def _rest_of_block(call, block_input, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
-    """The decoder layer's output when its attention block returns ``attention_out`` (``[1, n, model]``,
-    after the output projection) on residual inputs ``hidden`` ``[1, n, model]``: the layer's own
-    modules (norms, residual, MLP) are run, the attention module is replaced by that output."""
-    parent, module = call.block.parent, call.module
-    args, kwargs = block_input
-    if args:
-        args = (hidden,) + tuple(args[1:])
-    else:
-        kwargs = {**kwargs, "hidden_states": hidden}
-    module.forward = lambda *a, **k: (attention_out, None)
-    try:  # forward, not __call__: hooks on the decoder layer (recorders, the block-input capture) stay quiet
-        out = parent.forward(*args, **kwargs)
-    finally:
-        del module.forward
-    return out[0] if isinstance(out, tuple) else out
-
-
-@register_method("value_zeroing", needs=("block_input",),
-                 cost="per layer, the rest of the block on one token per candidate pair (~Q/2 forwards)")
-def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
-    """Value zeroing (Mohebbi et al. 2023) for decoders, token-level ``[batch, query, key]``.
-
-    For key j, its value vector is zeroed in every head of the layer (the value bias included) while the
-    attention weights stay; the attention output at query i then loses sum_h alpha^h_ij v~^h_j exactly,
-    and the rest of the decoder layer (residual, post-attention norm if any, MLP) is run again on it.
-    Score = cosine distance 1 - cos(x_i, x~_i^(j)) between the layer's original and altered output at
-    query i. Vectorised: the altered attention outputs of all (i, j) pairs are formed in model space and
-    the layer's own modules run on them as a flat batch of tokens (norms and MLP act per token), in
-    chunks of :data:`CHUNK_BYTES`. Scored pairs: the candidates (all causal pairs of real tokens without).
-    """
-    if block_input is None:
-        raise UnsupportedModelError("value_zeroing: the decoder layer's input was not captured")
-    alpha, projected, bias = _projected_values(call)
-    b, h, q, k = alpha.shape
-    hidden = block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]
-    original = torch.einsum("bhqk,bhkm->bqm", alpha, projected)
-    if bias is not None:
-        original = original + bias
-    m = original.shape[-1]
-    clean = _rest_of_block(call, block_input, hidden.reshape(1, b * q, m), original.reshape(1, b * q, m))
-    clean = clean.reshape(b, q, m).double()
-    if candidates is None:
-        candidates = torch.ones(b, 1, q, k, dtype=torch.bool).tril()
-        valid = call.valid_keys()
-        if valid is not None:
-            candidates = candidates & (valid[:, None, :, None] & valid[:, None, None, :])
-    rows, queries, keys = candidates[:, 0].expand(b, q, k).nonzero(as_tuple=True)
-    scores = torch.zeros(b, q, k, dtype=torch.float32)
-    step = max(1, CHUNK_BYTES // (h * m * projected.element_size()))
-    for start in range(0, rows.numel(), step):
-        r, i, j = rows[start:start + step], queries[start:start + step], keys[start:start + step]
-        delta = torch.einsum("ph,phm->pm", alpha[r, :, i, j], projected[r, :, j])
-        altered = _rest_of_block(call, block_input, hidden[r, i][None], (original[r, i] - delta)[None])[0].double()
-        scores[r, i, j] = (1 - torch.nn.functional.cosine_similarity(clean[r, i], altered, dim=-1)).float()
-    return scores
-
-
-# -- rollout -------------------------------------------------------------------------------------------
-def _rolled(state: dict, key: str, mixing: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """R^l = A^l R^(l-1) with A^l = row-normalised (0.5 mixing + 0.5 I), kept in ``state[key]``."""
-    b, q, _ = mixing.shape
-    eye = torch.eye(q, dtype=torch.float64)[None]
-    mixing = mixing.double().nan_to_num(0.0)
-    if valid is not None:
-        pair = valid[:, :, None] & valid[:, None, :]
-        mixing = mixing.masked_fill(~pair, 0.0)
-    a = 0.5 * mixing + 0.5 * eye
-    a = a / a.sum(-1, keepdim=True).clamp_min(1e-30)
-    previous = state.get(key)
-    state[key] = a if previous is None else a @ previous
-    return state[key].float()
-
-
-@register_method("rollout", needs=("earlier_layers",), cost="no extra forward")
-def rollout(layer_decomposition, state, attention_mask=None, **_):
-    """Attention rollout (Abnar and Zuidema 2020), token-level: A^l = 0.5 mean_h alpha^l + 0.5 I
-    (the residual), row-normalised; the score of layer l is the product A^l A^(l-1) ... A^0."""
-    mixing = layer_decomposition.attention.nan_to_num(0.0).mean(1)
-    return _rolled(state, "rollout", mixing, None if attention_mask is None else attention_mask.bool())
-
-
-@register_method("contribution_rollout", needs=("earlier_layers",), cost="no extra forward")
-def contribution_rollout(layer_decomposition, state, attention_mask=None, **_):
-    """The rollout product applied to token-level contribution weights C_ij = sum_h c^h_ij (``inter``,
-    summing to 1 over keys). Negative weights (destructive interference) are clipped at zero before the
-    row normalisation, as ALTI clips its contributions (Ferrando et al. 2022)."""
-    mixing = layer_decomposition.inter.nan_to_num(0.0).sum(1).clamp_min(0.0)
-    mixing = mixing / mixing.sum(-1, keepdim=True).clamp_min(1e-30)
-    return _rolled(state, "contribution_rollout", mixing, None if attention_mask is None else attention_mask.bool())
-
-
-# -- ALTI ----------------------------------------------------------------------------------------------
-@register_method("alti", needs=("block_input",), cost="no extra forward; [rows, query chunk, key, model] tensors")
-def alti(layer_decomposition, call, block_input, **_):
-    """ALTI-style contributions (Ferrando et al. 2022) of one decoder layer, token-level.
-
-    The residual stream after the attention sub-block is y_i = x_i + N(a_i), a_i = sum_j sum_h
-    alpha^h_ij v~^h_j + b (x_i: the layer's input; N: the post-attention norm of sandwich-norm models
-    such as Gemma 3, else the identity). The transformed vectors are T_i(x_j) = N_lin(sum_h alpha^h_ij
-    v~^h_j) (+ x_i when j = i), where N_lin is the norm's linear part at the clean run's statistics:
-    ALTI splits LayerNorm(sum_j z_j) into sum_j g * (z_j - mean z_j) / sigma; for **RMSNorm the same
-    split without the mean subtraction**, g * z_j / rms(a_i), which is exact. Contribution:
-    c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
-    rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity.
-    """
-    from ..logit_attribution import _post_attention_norm, frozen_norm
-
-    if block_input is None:
-        raise UnsupportedModelError("alti: the decoder layer's input was not captured")
-    alpha, projected, bias = _projected_values(call)
-    b, h, q, k = alpha.shape
-    hidden = (block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]).to(projected.dtype)
-    a = torch.einsum("bhqk,bhkm->bqm", alpha, projected)
-    if bias is not None:
-        a = a + bias
-    valid = call.valid_keys()
-    rows = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
-    norm = _post_attention_norm(call.block)
-    scale = None
-    if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows
-        frozen = frozen_norm(norm, a[rows][None], norm(a[rows][None]), dtype=projected.dtype)
-        scale = torch.ones(b, q, dtype=projected.dtype)
-        scale[rows] = frozen.scale[0]
-    y = hidden + (a if norm is None else norm(a))
-    m = y.shape[-1]
-    pair = torch.ones(b, q, k, dtype=torch.bool).tril()
-    if valid is not None:
-        pair = pair & valid[:, :, None] & valid[:, None, :]
-    scores = torch.zeros(b, q, k, dtype=torch.float32)
-    step = max(1, CHUNK_BYTES // (b * k * m * projected.element_size() * 2))
-    for q0 in range(0, q, step):
-        q1 = min(q, q0 + step)
-        terms = torch.einsum("bhqk,bhkm->bqkm", alpha[:, :, q0:q1], projected)
-        if scale is not None:
-            terms = frozen.gain * frozen.project(terms) / scale[:, q0:q1, None, None]
-        diagonal = torch.arange(q0, q1)
-        terms[:, diagonal - q0, diagonal] += hidden[:, q0:q1]
-        y_part = y[:, q0:q1, None]
-        distance = (y_part - terms).abs().sum(-1)
-        c = (y_part.abs().sum(-1) - distance).clamp_min(0).masked_fill(~pair[:, q0:q1], 0.0)
-        scores[:, q0:q1] = (c / c.sum(-1, keepdim=True).clamp_min(1e-30)).float()
-    return scores
-
-
-# -- gradient x input ------------------------------------------------------------------------------------
-@register_method("grad_x_input", needs=("output_gradient",), cost="one extra forward and backward per batch")
-def grad_x_input(layer_decomposition, output_gradient, **_):
-    """Gradient x input on the projected value terms, per head ``[batch, head, query, key]``:
-    score_hij = <g_i, alpha^h_ij v~^h_j>, g_i = d(total log-likelihood of the row's next tokens) / d(a_i),
-    a_i the attention block's output at query i (the term enters a_i additively, so its gradient is g_i).
-    It is the first-order estimate of how much the term raises the log-likelihood that the protocol's
-    Delta NLL measures. Computed in head space: alpha^h_ij (W_O^h^T g_i) . v^h_j."""
-    if output_gradient is None:
-        raise UnsupportedModelError("grad_x_input: the attention output's gradient was not computed")
-    geometry = layer_decomposition.geometry
-    g = output_gradient.to(geometry.values.dtype)
-    pulled = torch.einsum("bqm,hmd->bhqd", g, geometry.w_o)
-    return geometry.attention * (pulled @ geometry.values.transpose(-1, -2))
-
-
-BUILT_IN = ("value_zeroing", "rollout", "contribution_rollout", "alti", "grad_x_input")

@@ -1,0 +1,65 @@
+"""ALTI (Ferrando et al. 2022), adapted to RMSNorm decoders."""
+
+from __future__ import annotations
+
+import torch
+
+from ...core.architectures import UnsupportedModelError
+from .projection import CHUNK_BYTES, projected_values
+from .registry import register_method
+
+__all__ = ["alti"]
+
+
+@register_method("alti", needs=("block_input",), cost="no extra forward; [rows, query chunk, key, model] tensors",
+                 title="ALTI", colour="#ece133")
+def alti(layer_decomposition, call, block_input, model, **_):
+    """ALTI-style contributions (Ferrando et al. 2022) of one decoder layer, token-level.
+
+    The residual stream after the attention sub-block is y_i = x_i + N(a_i), a_i = sum_j sum_h
+    alpha^h_ij v~^h_j + b (x_i: the layer's input; N: the post-attention norm of sandwich-norm models
+    such as Gemma 3, else the identity). The transformed vectors are T_i(x_j) = N_lin(sum_h alpha^h_ij
+    v~^h_j) (+ x_i when j = i), where N_lin is the norm's linear part at the clean run's statistics:
+    ALTI splits LayerNorm(sum_j z_j) into sum_j g * (z_j - mean z_j) / sigma; for **RMSNorm the same
+    split without the mean subtraction**, g * z_j / rms(a_i), which is exact. Contribution:
+    c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
+    rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity.
+    """
+    from ...core.architectures import post_attention_norms
+    from ...logit_attribution import frozen_norm
+
+    if block_input is None:
+        raise UnsupportedModelError("alti: the decoder layer's input was not captured")
+    alpha, projected, bias = projected_values(call)
+    b, h, q, k = alpha.shape
+    hidden = (block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]).to(projected.dtype)
+    a = torch.einsum("bhqk,bhkm->bqm", alpha, projected)
+    if bias is not None:
+        a = a + bias
+    valid = call.valid_keys()
+    rows = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
+    norm = post_attention_norms(model).get(call.layer)
+    scale = None
+    if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows
+        frozen = frozen_norm(norm, a[rows][None], norm(a[rows][None]), dtype=projected.dtype)
+        scale = torch.ones(b, q, dtype=projected.dtype)
+        scale[rows] = frozen.scale[0]
+    y = hidden + (a if norm is None else norm(a))
+    m = y.shape[-1]
+    pair = torch.ones(b, q, k, dtype=torch.bool).tril()
+    if valid is not None:
+        pair = pair & valid[:, :, None] & valid[:, None, :]
+    scores = torch.zeros(b, q, k, dtype=torch.float32)
+    step = max(1, CHUNK_BYTES // (b * k * m * projected.element_size() * 2))
+    for q0 in range(0, q, step):
+        q1 = min(q, q0 + step)
+        terms = torch.einsum("bhqk,bhkm->bqkm", alpha[:, :, q0:q1], projected)
+        if scale is not None:
+            terms = frozen.gain * frozen.project(terms) / scale[:, q0:q1, None, None]
+        diagonal = torch.arange(q0, q1)
+        terms[:, diagonal - q0, diagonal] += hidden[:, q0:q1]
+        y_part = y[:, q0:q1, None]
+        distance = (y_part - terms).abs().sum(-1)
+        c = (y_part.abs().sum(-1) - distance).clamp_min(0).masked_fill(~pair[:, q0:q1], 0.0)
+        scores[:, q0:q1] = (c / c.sum(-1, keepdim=True).clamp_min(1e-30)).float()
+    return scores
