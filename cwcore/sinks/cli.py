@@ -23,8 +23,8 @@ import torch
 
 from ..cache import atomic_write_bytes, write_csv
 from ..core.inputs import check_batch_size, check_count
-from .analyses import ANALYSES, REGISTRY
-from .engine import _Blocks, _run
+from .analyses import ANALYSES, REGISTRY, SinkOptions
+from .engine import Blocks, collect
 from .summary import summarize
 
 __all__ = ["main"]
@@ -43,7 +43,7 @@ def _npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def _save_raw(folder: Path, parts: dict, blocks: _Blocks, sampling: str) -> None:
+def _save_raw(folder: Path, parts: dict, blocks: Blocks, sampling: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, frames in parts.items():  # every file atomically: a full disk leaves no partial file
         for part, frame in frames.items():
@@ -55,12 +55,12 @@ def _save_raw(folder: Path, parts: dict, blocks: _Blocks, sampling: str) -> None
     atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
 
 
-def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, _Blocks]:
+def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, Blocks]:
     if not (folder / "blocks.json").is_file():
         raise FileNotFoundError(f"--from-raw: no raw material in {folder} (write it first with --raw, without --from-raw)")
     meta = json.loads((folder / "blocks.json").read_text())
     classes = np.load(folder / "classes.npy") if (folder / "classes.npy").is_file() else None
-    blocks = _Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
+    blocks = Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
                      classes)
     parts = {}
     for name in analyses:
@@ -69,6 +69,18 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, _Blocks]:
             raise FileNotFoundError(f"no raw material for {name} in {folder}")
         parts[name] = {f.name[len(name) + 1 : -len(".parquet")]: pd.read_parquet(f) for f in files}
     return parts, blocks
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of :class:`SinkOptions` that has one (``--eps``, ``--heads``, ...), its default
+    and help from the option's declaration; ``--cone-heads`` is the older name of ``--heads``."""
+    for name, option in SinkOptions.OPTIONS.items():
+        if not option.cli:
+            continue
+        flags = [f"--{name.replace('_', '-')}"] + (["--cone-heads"] if name == "heads" else [])
+        kind = {bool: None, int: int, float: float, str: str}.get(type(option.default), str)
+        parser.add_argument(*flags, dest=name, default=option.default, type=kind, choices=option.choices,
+                            help=f"{option.help} (default {option.default!r})")
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -93,8 +105,7 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default")
     parser.add_argument("--analyses", default=",".join(ANALYSES), help=f"comma-separated subset of {','.join(ANALYSES)}")
-    parser.add_argument("--cone-heads", choices=("all", "sink"), default="all")
-    parser.add_argument("--seed", type=int, default=0)
+    _add_options(parser)
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--out", default="data/results/")
     parser.add_argument("--raw", default=None,
@@ -106,6 +117,11 @@ def _main(argv: list[str] | None) -> int:
     check_batch_size(args.batch_size)
     check_count(args.num_sequences, "--num-sequences")
     check_count(args.block_size, "--block-size", minimum=2)
+    try:  # the analyses' options, checked by SinkOptions (an eps of 1.5 is refused here, with its reason)
+        checked = SinkOptions(**{name: getattr(args, name) for name, o in SinkOptions.OPTIONS.items() if o.cli})
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    options = {name: getattr(checked, name) for name, o in SinkOptions.OPTIONS.items() if o.cli}
     wanted = [a.strip() for a in args.analyses.split(",") if a.strip()]
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
@@ -131,14 +147,12 @@ def _main(argv: list[str] | None) -> int:
             dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
                                       add_bos=add_bos)
             add_bos = None  # applied: the blocks are tokenised
-        collect = dict(kind="intra", quantile_sample=128, seed=args.seed, heads=args.cone_heads, threshold=0.3)
-        parts, blocks = _run(model, tokenizer, dataset, [REGISTRY[a].spec(collect) for a in wanted],
-                             block_size=args.block_size,
-                             num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
-                             cache=not args.no_cache, progress=True)
+        parts, blocks = collect(model, tokenizer, dataset, [REGISTRY[a].spec(options) for a in wanted],
+                                block_size=args.block_size,
+                                num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
+                                cache=not args.no_cache, progress=True)
         if raw is not None:
             _save_raw(raw, parts, blocks, args.sampling)
-    options = dict(eps=0.3, sample_size=2000, seed=args.seed, bins=10, fit_on="norm", min_range=0.05, quantiles=5)
     tables: dict[str, pd.DataFrame] = {}
     for name in wanted:
         tables.update(REGISTRY[name].named_tables(REGISTRY[name].tables(parts[name], blocks, **options)))
