@@ -785,7 +785,16 @@ def main(argv: list[str] | None = None) -> int:
         if cmd == "build":
             p.add_argument("--force", action="store_true", help="execute every notebook and rebuild the HTML")
             p.add_argument("--no-html", action="store_true", help="execute the notebooks only")
+            p.add_argument("--jobs", type=int, default=None,
+                           help="ranks per sweep on this machine: each notebook's sweeps split their documents "
+                                "over N single-thread ranks (cwcore.runs); results are the same as with 1")
     args = parser.parse_args(argv)
+    if getattr(args, "jobs", None) is not None:
+        if args.jobs < 1:
+            parser.error(f"--jobs must be at least 1, got {args.jobs}")
+        from .runs import JOBS_ENV_VAR
+
+        os.environ[JOBS_ENV_VAR] = str(args.jobs)  # the kernels inherit it
     try:
         if args.command == "plan":
             config = load_config(args.config or args.book_dir / "run.yml")

@@ -48,7 +48,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
 
     Returns ``(figure, attention [query, key], contribution [query, key], tokens)``; with ``head``
     None the token-level views are drawn (attention averaged over heads, contributions summed).
-    Token labels come from the text at the tokenizer's offsets (:func:`cwcore.data.token_labels`), so
+    Token labels come from the text at the tokenizer's offsets (:func:`cwcore.tokens.token_labels`), so
     emoji and CJK characters show. A text of more than ``max_tokens`` tokens is refused; the figure is
     at most :data:`MAX_FIGURE_WIDTH` inches wide (beyond about 55 tokens the labels are thinned).
     """
@@ -68,7 +68,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     layer = num_layers // 2 if layer is None else layer
     if not 0 <= layer < num_layers:
         raise UsageError(f"layer {layer} out of range: the model has layers 0..{num_layers - 1}")
-    from .data import token_labels
+    from .tokens import token_labels
 
     inputs = tokenizer(text, return_tensors="pt")
     n_tokens = int(inputs["input_ids"].shape[1])

@@ -61,7 +61,7 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     """
     from .core.architectures import UnsupportedModelError
     from .core.decomposition import decompose
-    from .data import token_labels
+    from .tokens import token_labels
     from .logit_attribution import logit_attribution
 
     if not text.strip():

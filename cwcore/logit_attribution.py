@@ -32,13 +32,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .core.architectures import UnsupportedModelError, attention_blocks
+from .core.architectures import UnsupportedModelError, attention_blocks, final_norm, post_attention_norms
 from .core.decomposition import Decomposition, decompose
 
 __all__ = ["FrozenNorm", "LogitAttribution", "logit_attribution", "direct_logit_attribution", "frozen_norm",
            "naive_logit_attribution"]
-
-_FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
 
 
 @dataclass
@@ -100,22 +98,10 @@ def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dt
 
 
 def _final_norm(model: nn.Module) -> nn.Module:
-    base = getattr(model, "base_model", model)
-    for root in (base, getattr(base, "decoder", None)):
-        for name in _FINAL_NORMS:
-            module = getattr(root, name, None) if root is not None else None
-            if isinstance(module, nn.Module):
-                return module
-    raise UnsupportedModelError(f"direct logit attribution: no final norm found in {type(model).__name__} "
-                                f"(looked for {', '.join(_FINAL_NORMS)})")
-
-
-def _post_attention_norm(block) -> nn.Module | None:
-    """The norm a sandwich-norm layer (Gemma 2/3) applies to the attention output before the residual."""
-    parent = block.parent
-    if parent is not None and hasattr(parent, "pre_feedforward_layernorm"):
-        return getattr(parent, "post_attention_layernorm", None)
-    return None
+    try:
+        return final_norm(model)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"direct logit attribution: {error}") from None
 
 
 def _unembedding(model: nn.Module) -> nn.Linear:
@@ -189,7 +175,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
             captured[name] = (args[0].detach(), output.detach())
         return hook
 
-    post = {b.layer: n for b in blocks if (n := _post_attention_norm(b)) is not None}
+    post = {layer: n for layer, n in post_attention_norms(model).items() if n is not None}
     handles = [final.register_forward_hook(capture("final"))]
     handles += [n.register_forward_hook(capture(f"post{layer}")) for layer, n in post.items()]
     try:

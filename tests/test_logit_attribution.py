@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cwcore.core.architectures import UnsupportedModelError
+from cwcore.core.architectures import UnsupportedModelError, post_attention_norms
 from cwcore.logit_attribution import frozen_norm, logit_attribution, naive_logit_attribution
 from tiny_models import VOCAB, tiny_model
 
@@ -41,6 +41,7 @@ def test_dla_sums_to_the_frozen_direct_effect_of_the_block_output():
     with torch.no_grad():
         model.model.norm.weight.normal_(1.0, 0.3)  # a gain that is not all ones
     assert model.model.layers[1].self_attn.o_proj.bias is None
+    post_attention_norms(model)  # its probe pass (once per model, cached) before the hooks below
     seen = {}
     block = model.model.layers[1].self_attn
 

@@ -34,6 +34,7 @@ class Species:
     blocks: int = 2  # softmax attention blocks cwcore must find
     layers: tuple[int, ...] | None = None  # the decoder layers that hold them (hybrids), None: 0..blocks-1
     refused: str | None = None  # regex of the expected UnsupportedModelError, None: must be exact
+    undecomposable: tuple[int, ...] = ()  # blocks numbered but refused by name (skipped, with a warning, by layers=None)
     pad_token: int = 0  # the id padded positions carry (RoBERTa-style models number positions from it)
 
 
@@ -132,6 +133,17 @@ _ZOO = [
                                       num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
                                       mamba_d_state=8, mamba_chunk_size=4),
             blocks=1, layers=(1,), what="hybrid: 1 attention layer among 3 (Mamba-2)"),
+    Species("deepseek_v32", _make(tf.DeepseekV32Config, tf.DeepseekV32ForCausalLM, num_key_value_heads=4,
+                                  moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4, n_group=1,
+                                  topk_group=1, num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32,
+                                  qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, index_topk=4,
+                                  index_head_dim=16, index_n_heads=2, first_k_dense_replace=1),
+            refused=r"attention block 'model.layers.0.self_attn' \(DeepseekV32Attention\) passes `indices` to the "
+                    r"attention function \(the top-k keys a sparse-attention indexer selected",
+            what="sparse attention: an indexer passes its top-k keys as `indices=` (silently dense before)"),
+    Species("diffllama", _make(tf.DiffLlamaConfig, tf.DiffLlamaForCausalLM, **GQA),
+            refused="calls the attention function 2 times per layer: it combines 2 attention maps",
+            what="differential attention: two softmax maps per layer, a_1 - lambda a_2"),
     # ---- refused: blocks that do not call transformers' attention interface -----------------------
     Species("gpt_neo", _make(tf.GPTNeoConfig, tf.GPTNeoForCausalLM, dict(vocab_size=VOCAB, hidden_size=64, num_layers=2,
                                                                          num_heads=4, max_position_embeddings=64,
@@ -166,6 +178,10 @@ _ZOO = [
                                                                               max_position_embeddings=64,
                                                                               attn_implementation="eager")),
             kind="encoder", projection="out_lin", what="output projection named out_lin"),
+    Species("modernbert", _make(tf.ModernBertConfig, tf.ModernBertModel, _ENC, global_attn_every_n_layers=2,
+                                local_attention=4, pad_token_id=0),
+            kind="encoder", projection="Wo", what="output projection named Wo (found by structure), fused Wqkv, "
+                                                  "local + global layers"),
     # ---- vision -----------------------------------------------------------------------------------
     Species("vit", _make(tf.ViTConfig, tf.ViTModel, dict(image_size=16, patch_size=4, num_channels=3, hidden_size=64,
                                                          num_hidden_layers=2, num_attention_heads=4,
@@ -181,6 +197,13 @@ _ZOO = [
                                                                   num_attention_heads=4, mlp_ratio=2,
                                                                   attn_implementation="eager")),
             kind="vision", what="layer scale, interpolated positions"),
+    Species("siglip", _make(tf.SiglipVisionConfig, tf.SiglipVisionModel, dict(image_size=16, patch_size=4, num_channels=3,
+                                                                              hidden_size=64, num_hidden_layers=2,
+                                                                              num_attention_heads=4,
+                                                                              intermediate_size=96,
+                                                                              attn_implementation="eager")),
+            kind="vision", projection="out_proj", blocks=3, undecomposable=(2,),
+            what="pooling head: a torch.nn.MultiheadAttention, numbered and refused by name"),
 ]
 ZOO: dict[str, Species] = {s.name: s for s in _ZOO}
 

@@ -1,8 +1,12 @@
-"""Where each architecture keeps its attention blocks and their output projections.
+"""Where each architecture keeps its attention blocks and their output projections, and every other model fact.
 
 cwcore sees a block's queries, keys and values through transformers' attention interface; what it
 cannot see there is the output projection W_O that maps the mixed values back to model space. This
 registry finds it. Add an architecture with :func:`register_output_projection`.
+
+The other facts the packages need about a model have their one home (and one rule each) here too:
+:func:`text_config`, :func:`attention_heads`, :func:`sliding_window` and :func:`layer_type`,
+:func:`final_norm`, :func:`post_attention_norms` (found by observation). A new fact is one function here.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["AttentionBlock", "attention_blocks", "register_output_projection", "UnsupportedModelError"]
+__all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
+           "UnsupportedModelError", "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window",
+           "sliding_windows", "layer_type", "final_norm", "FINAL_NORMS", "post_attention_norms"]
 
 
 class UnsupportedModelError(ValueError):
@@ -62,8 +68,19 @@ def _sibling_output(module, parent):
     return None
 
 
+def _last_linear_child(module, parent):
+    # Any other name (ModernBERT's ``Wo``, T5's ``o``): the block's last linear child, by structure. It is a
+    # guess that the run verifies: the session's hooks check that this module receives exactly the attention
+    # output and that the terms reproduce its result, and refuse (naming it) otherwise.
+    found = None
+    for child in module.children():
+        found = _linear(child) or found
+    return found
+
+
 register_output_projection(_own_projection, first=False)
 register_output_projection(_sibling_output, first=False)
+register_output_projection(_last_linear_child, first=False)
 
 
 @dataclass
@@ -74,6 +91,9 @@ class AttentionBlock:
     name: str
     module: nn.Module
     parent: nn.Module | None
+    #: why cwcore cannot decompose this block (None: it can); such a block keeps its number, and asking
+    #: for it raises this reason before any forward pass
+    unsupported: str | None = None
 
     def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [model, head * head_dim], bias [model] | None)``, read live from the module."""
@@ -97,6 +117,35 @@ class AttentionBlock:
                     return module
         return None
 
+    def output_module_name(self) -> str:
+        """The output projection's path relative to the block (``"o_proj"``, ``"../output.dense"``), or ``"?"``."""
+        projection = self.output_module()
+        for prefix, root in (("", self.module), ("../", self.parent)):
+            for name, module in (root.named_modules() if root is not None else ()):
+                if module is projection and name:
+                    return prefix + name
+        return "?"
+
+    def refuse_if_unsupported(self) -> None:
+        """Raise :class:`UnsupportedModelError` with the reason when this block cannot be decomposed."""
+        if self.unsupported is not None:
+            raise UnsupportedModelError(f"attention block {self.layer} ({self.name!r}, "
+                                        f"{type(self.module).__name__}) cannot be decomposed: {self.unsupported}")
+
+
+#: Attention modules cwcore numbers but cannot decompose, with the reason (checked by isinstance).
+UNSUPPORTED_MODULES: dict[type, str] = {
+    nn.MultiheadAttention: "torch.nn.MultiheadAttention computes its attention inside torch "
+                           "(F.multi_head_attention_forward), not through transformers' attention interface, and "
+                           "applies out_proj's weight without calling out_proj, so cwcore can neither see its "
+                           "attention nor check its output",
+}
+
+
+def decomposable_layers(model: nn.Module) -> list[int]:
+    """The numbers of the blocks cwcore can decompose (every block but those with a reason in ``unsupported``)."""
+    return [block.layer for block in attention_blocks(model) if block.unsupported is None]
+
 
 def _is_attention_module(module: nn.Module) -> bool:
     name = type(module).__name__
@@ -107,7 +156,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     """The model's self-attention blocks in forward order, numbered from 0.
 
     A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded)
-    and whose output projection a registered finder can locate.
+    and whose output projection a registered finder can locate (the last finder takes the block's last
+    linear child; the run verifies it). Modules of :data:`UNSUPPORTED_MODULES` (``nn.MultiheadAttention``)
+    keep their number with ``unsupported`` saying why they cannot be decomposed.
     """
     cached = getattr(model, "_cwcore_blocks", None)
     if cached is not None:
@@ -123,17 +174,149 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         m for m in candidates if not any(c is not m and _is_attention_module(c) for c in m.modules())
     ]
     blocks = []
+    skipped = []
     for module in innermost:
         block = AttentionBlock(len(blocks), names[id(module)], module, parents.get(id(module)))
-        try:
-            block.output_projection()
-        except UnsupportedModelError:
-            continue
+        reason = next((why for cls, why in UNSUPPORTED_MODULES.items() if isinstance(module, cls)), None)
+        if reason is not None:
+            block.unsupported = reason
+        else:
+            try:
+                block.output_projection()
+            except UnsupportedModelError:
+                skipped.append(block.name)
+                continue
         blocks.append(block)
+        object.__setattr__(module, "_cwcore_block_name", block.name)  # for refusals raised without a session
     if not blocks:
+        found = f" (attention modules without one: {', '.join(skipped[:3])})" if skipped else ""
         raise UnsupportedModelError(
-            f"cwcore found no attention block with a known output projection in {type(model).__name__}; "
-            "register one with cwcore.register_output_projection"
+            f"cwcore found no attention block with a linear output projection in {type(model).__name__}{found}; "
+            "register the module that applies W_O with cwcore.register_output_projection"
         )
     object.__setattr__(model, "_cwcore_blocks", blocks)
     return blocks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model facts: one home, one rule each. Every package reads them here.
+# ---------------------------------------------------------------------------------------------------
+
+
+def text_config(model: nn.Module):
+    """The config that describes the language (or only) tower: ``config.get_text_config()`` where it exists."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_heads(model: nn.Module) -> int:
+    """Query heads per attention layer, from the config (``num_attention_heads``, GPT-2's ``n_head``)."""
+    config = text_config(model)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if heads is None:
+        raise ValueError("cannot tell the number of attention heads from the model's config")
+    return int(heads)
+
+
+def sliding_window(model: nn.Module, block: AttentionBlock) -> int | None:
+    """The block's sliding window in tokens (None: full attention).
+
+    One rule: ``config.layer_types[layer_idx]`` where the config lists layer types (Gemma 2/3, GPT-OSS,
+    Qwen2, ...; indexed by the module's own ``layer_idx``, so hybrids read their attention layers' entries),
+    else the module's ``is_sliding``/``sliding_window``, else the config's ``sliding_window`` for every layer
+    unless ``use_sliding_window`` is False (Mistral, Starcoder2).
+    """
+    config = text_config(model)
+    window = getattr(config, "sliding_window", None)
+    window = int(window) if isinstance(window, int) and window > 0 else None
+    types = getattr(config, "layer_types", None)
+    index = getattr(block.module, "layer_idx", block.layer)
+    if isinstance(types, (list, tuple)) and isinstance(index, int) and 0 <= index < len(types):
+        return window if "sliding" in str(types[index]) else None
+    own = getattr(block.module, "sliding_window", None)
+    if isinstance(own, int) and not isinstance(own, bool) and own > 0:
+        return own
+    if getattr(block.module, "is_sliding", False):
+        return window
+    return window if getattr(config, "use_sliding_window", True) is not False else None
+
+
+def sliding_windows(model: nn.Module) -> dict[int, int | None]:
+    """``{layer: window or None}`` for every attention block (:func:`sliding_window`)."""
+    return {block.layer: sliding_window(model, block) for block in attention_blocks(model)}
+
+
+def layer_type(model: nn.Module, block: AttentionBlock) -> str:
+    """``"sliding"`` when the block has a sliding window (:func:`sliding_window`), else ``"global"``."""
+    return "sliding" if sliding_window(model, block) is not None else "global"
+
+
+#: Attribute names of the final norm on the base model (or its decoder).
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm")
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm applied to the last hidden state before the unembedding."""
+    base = getattr(model, "base_model", model)
+    for root in (base, getattr(base, "decoder", None)):
+        for name in FINAL_NORMS:
+            module = getattr(root, name, None) if root is not None else None
+            if isinstance(module, nn.Module):
+                return module
+    raise UnsupportedModelError(f"no final norm found in {type(model).__name__} (looked for {', '.join(FINAL_NORMS)})")
+
+
+def _candidate_norms(block: AttentionBlock) -> list[nn.Module]:
+    """Norm modules of the block's decoder layer that are not inside the attention module (q/k norms)."""
+    if block.parent is None:
+        return []
+    inside = {id(m) for m in block.module.modules()}
+    return [m for m in block.parent.modules()
+            if id(m) not in inside and m is not block.parent and "norm" in type(m).__name__.lower()]
+
+
+def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> dict[int, nn.Module | None]:
+    """``{layer: module or None}``: the norm applied to each attention block's output before the residual
+    add (Gemma 2/3's ``post_attention_layernorm``), found by observation, not by name (Llama's
+    ``post_attention_layernorm`` is the MLP's pre-norm, applied after the residual add): in a probe forward
+    pass on ``ids [1, n]`` (default ``[[0, 1, 2, 3]]``), the candidate norm whose input equals the output
+    projection's output. The probe runs outside any active cwcore session. Cached on the model."""
+    cached = getattr(model, "_cwcore_post_norms", None)
+    if cached is not None:
+        return cached
+    from .attention import outside_sessions  # the probe must not be seen by a session around it
+
+    blocks = [b for b in attention_blocks(model) if b.unsupported is None]
+    seen_out: dict[int, torch.Tensor] = {}
+    seen_in: dict[int, list[tuple[nn.Module, torch.Tensor]]] = {}
+    handles = []
+    for block in blocks:
+        out = block.output_module()
+        if out is None:
+            continue
+        handles.append(out.register_forward_hook(
+            lambda m, i, o, l=block.layer: seen_out.setdefault(l, (o[0] if isinstance(o, tuple) else o).detach())))
+        for norm in _candidate_norms(block):
+            handles.append(norm.register_forward_pre_hook(
+                lambda m, i, l=block.layer: seen_in.setdefault(l, []).append((m, i[0].detach()))))
+    probe = torch.arange(4).reshape(1, 4) if ids is None else torch.as_tensor(ids)[:1, :8]
+    device = next(model.parameters()).device
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), outside_sessions():
+            model(input_ids=probe.to(device), attention_mask=torch.ones_like(probe).to(device))
+    finally:
+        model.train(training)
+        for h in handles:
+            h.remove()
+    found: dict[int, nn.Module | None] = {}
+    for block in blocks:
+        out = seen_out.get(block.layer)
+        found[block.layer] = None
+        for module, inp in seen_in.get(block.layer, []):
+            if out is not None and inp.shape == out.shape and torch.equal(inp, out):
+                found[block.layer] = module
+                break
+    object.__setattr__(model, "_cwcore_post_norms", found)
+    return found

@@ -17,6 +17,7 @@ name; without it transformers would build no causal mask at all.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -24,17 +25,56 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
+from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
 from .geometry import HeadSpaceGeometry, head_space_geometry, split_output_projection
 
 __all__ = [
     "ATTENTION_NAME", "RECONSTRUCTION_TOLERANCE", "AttentionSession", "LayerCall", "Observer", "Transform", "attention_forward",
-    "cwcore_attention", "every_layer",
+    "cwcore_attention", "every_layer", "default_compute_dtype", "outside_sessions", "HANDLED_KEYWORDS",
 ]
 
 ATTENTION_NAME = "cwcore"
 
-_SESSIONS: list["AttentionSession"] = []
+# Sessions are per thread (two threads decomposing two models do not see each other's session); a model's
+# attention implementation is switched under a per-config lock, so two threads on one model serialise.
+_LOCAL = threading.local()
+_LOCKS: dict[int, threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+
+
+def _sessions() -> list["AttentionSession"]:
+    """This thread's active sessions, innermost last."""
+    stack = getattr(_LOCAL, "sessions", None)
+    if stack is None:
+        stack = _LOCAL.sessions = []
+    return stack
+
+
+@contextlib.contextmanager
+def outside_sessions() -> Iterator[None]:
+    """Inside the block, this thread's forward passes are invisible to its active sessions (their hooks and
+    attention points do nothing; attention is plain eager): for a probe pass run from inside a session."""
+    previous = getattr(_LOCAL, "outside", False)
+    _LOCAL.outside = True
+    try:
+        yield
+    finally:
+        _LOCAL.outside = previous
+
+
+def _outside() -> bool:
+    return getattr(_LOCAL, "outside", False)
+
+
+def _session_for(module: nn.Module) -> "AttentionSession | None":
+    """The innermost of this thread's sessions that numbers ``module``, else the innermost one, else None."""
+    if _outside():
+        return None
+    stack = _sessions()
+    for session in reversed(stack):
+        if id(module) in session._by_module:
+            return session
+    return stack[-1] if stack else None
 
 
 def _repeat_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -62,13 +102,13 @@ def attention_forward(
     extra column that is then dropped, exactly as the model's eager attention does: alpha excludes
     them, and the mass they absorb is :attr:`LayerCall.learned_sink_mass`.
     """
-    session = _SESSIONS[-1] if _SESSIONS else None
+    session = _session_for(module)
+    _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
     if session is not None and session.fast_path is not None and not session.touches(module):
         # a layer nobody reads or changes runs the model's configured implementation (SDPA)
         extra = {} if s_aux is None else {"s_aux": s_aux}
         return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  softcap=softcap, **extra, **kwargs)
-    _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
     groups = query.shape[1] // key.shape[1]
     key = _repeat_heads(key, groups)
     value = _repeat_heads(value, groups)
@@ -113,25 +153,64 @@ def attention_forward(
     return output, probs
 
 
-# Attributes of an attention module, or keywords of its call, that change what attention computes and
-# that attention_forward does not implement: refusing is better than a plausible wrong number.
+# Attributes of an attention module that change what attention computes and that attention_forward does
+# not implement: refusing is better than a plausible wrong number.
 _UNSUPPORTED_MODULE_ATTRIBUTES = {
     "sinks": "learned sink logits are read from the call's `s_aux`, but this module keeps them in `sinks` "
              "without passing them",
 }
-_UNSUPPORTED_KEYWORDS = {
-    "sinks": "learned sink logits under an unknown keyword",
-    "attention_sinks": "learned sink logits under an unknown keyword",
+
+#: Keywords of an attention call that attention_forward handles (its own parameters aside: the mask, dropout,
+#: scaling, softcap and learned sink logits ``s_aux``), with how. Any other keyword with a value (not None or
+#: False) is refused, naming the block and the keyword: a keyword cwcore does not implement would otherwise be
+#: silently ignored (a sparse-attention indexer's ``indices=`` would run dense attention).
+HANDLED_KEYWORDS = {
+    "position_ids": "positions are already in the rotated queries and keys",
+    "sliding_window": "the window is in the attention mask that transformers builds for the layer",
+    "is_causal": "causality is in the attention mask (rebuilt when transformers omits a plain causal one)",
+    "cache_position": "positions of the cache, already in the mask",
+    "output_attentions": "the probabilities are always returned",
+    "output_hidden_states": "not read by attention",
+    "output_router_logits": "not read by attention",
+    "use_cache": "not read by attention",
+    "return_dict": "not read by attention",
+    "num_items_in_batch": "a loss normaliser, not read by attention",
+    "deterministic": "a flash-attention kernel option",
+    "target_dtype": "a flash-attention kernel option",
+    "layer_idx": "not read by attention",
+}
+#: Keywords known to change attention, with what they mean, for the refusal's wording.
+_KNOWN_UNSUPPORTED = {
+    "indices": "the top-k keys a sparse-attention indexer selected (a kernel attends only to those; without "
+               "it attention is dense)",
+    "block_indices": "the key blocks a sparse-attention indexer selected",
+    "topk_indices": "the top-k keys a sparse-attention indexer selected",
+    "sinks": "learned sink logits under a keyword cwcore does not read",
+    "attention_sinks": "learned sink logits under a keyword cwcore does not read",
     "alibi": "ALiBi position biases",
     "position_bias": "additive position biases",
+    "cu_seq_lens_q": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
+    "cu_seq_lens_k": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
+    "max_length_q": "packed sequences (flash-attention's variable-length layout)",
+    "max_length_k": "packed sequences (flash-attention's variable-length layout)",
+    "seq_idx": "packed sequences",
+    "head_mask": "a per-head mask multiplied into the probabilities",
+    "layer_head_mask": "a per-head mask multiplied into the probabilities",
+    "use_top_left_mask": "a flash-attention mask alignment",
 }
 
 
 def _refuse_unknown_attention_features(module: nn.Module, kwargs: dict, has_sink_logits: bool) -> None:
-    for name, why in _UNSUPPORTED_KEYWORDS.items():
-        if kwargs.get(name) is not None:
-            raise UnsupportedModelError(f"{type(module).__name__} passes `{name}` to attention ({why}); cwcore's "
-                                        "attention function does not implement it, so it refuses to decompose")
+    for name, value in kwargs.items():
+        if name in HANDLED_KEYWORDS or value is None or value is False:
+            continue
+        block_name = getattr(module, "_cwcore_block_name", None)  # set by attention_blocks
+        where = (f"attention block {block_name!r} ({type(module).__name__})" if block_name is not None
+                 else type(module).__name__)
+        meaning = _KNOWN_UNSUPPORTED.get(name, "a keyword cwcore's attention function does not know")
+        raise UnsupportedModelError(
+            f"{where} passes `{name}` to the attention function ({meaning}); cwcore's attention function does not "
+            "implement it, so it refuses rather than compute a different attention than the model's")
     for name, why in _UNSUPPORTED_MODULE_ATTRIBUTES.items():
         if isinstance(getattr(module, name, None), torch.Tensor) and not has_sink_logits:
             raise UnsupportedModelError(f"{type(module).__name__}.{name}: {why}; cwcore refuses to decompose it")
@@ -140,7 +219,8 @@ def _refuse_unknown_attention_features(module: nn.Module, kwargs: dict, has_sink
 def attention_mask_function(*args, **kwargs):
     """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
     pattern) while a session runs the layers it does not touch through SDPA."""
-    session = _SESSIONS[-1] if _SESSIONS else None
+    stack = _sessions()
+    session = stack[-1] if stack and not _outside() else None
     if session is not None and session.fast_path is not None:
         return sdpa_mask(*args, **kwargs)
     return eager_mask(*args, **kwargs)
@@ -275,7 +355,8 @@ class LayerCall:
     def _compute_geometry(self) -> HeadSpaceGeometry:
         dtype = self.compute_dtype
         weight, _ = self.output_projection()
-        w_o = split_output_projection(weight.detach().to(dtype), self._probs.shape[1])
+        # a copy: views computed later must describe this forward pass, not the weights as they are then
+        w_o = split_output_projection(weight.detach().to(dtype, copy=True), self._probs.shape[1])
         alpha = self._probs.detach().to(dtype)
         values = self.value.detach().to(dtype)
         valid = self.valid_keys()
@@ -320,8 +401,8 @@ def _per_layer(mapping, num_layers: int, what: str) -> dict[int, list]:
 
 
 def every_layer(model: nn.Module, function, layers: Iterable[int] | None = None) -> dict[int, list]:
-    """``{layer: [function]}`` for every attention layer of ``model`` (or the given ``layers``)."""
-    chosen = range(len(attention_blocks(model))) if layers is None else layers
+    """``{layer: [function]}`` for every decomposable attention layer of ``model`` (or the given ``layers``)."""
+    chosen = decomposable_layers(model) if layers is None else layers
     return {layer: [function] for layer in chosen}
 
 
@@ -330,13 +411,28 @@ def every_layer(model: nn.Module, function, layers: Iterable[int] | None = None)
 RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (float32 if it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def default_compute_dtype(model: nn.Module) -> torch.dtype:
+    """float64 for a float64 model (its own precision), float32 for every other dtype."""
+    return torch.float64 if model_dtype(model) == torch.float64 else torch.float32
+
+
+def _training_modules(model: nn.Module) -> list[str]:
+    return [name or type(model).__name__ for name, module in model.named_modules() if module.training]
+
+
 class AttentionSession:
     """What cwcore does inside the attention of one forward pass.
 
     transforms: ``{layer: [Transform, ...]}``, run in order; each may replace the probabilities.
     observers: ``{layer: [Observer, ...]}``, called after the transforms with the final probabilities.
     key_valid: ``[batch, key]`` bool, False at padding (padded queries become NaN in the geometry).
-    compute_dtype: the dtype of :meth:`LayerCall.geometry` (float32 or float64).
+    compute_dtype: the dtype of :meth:`LayerCall.geometry` (float32 or float64; None: the model's own for a
+    float64 model, else float32).
     verify: check, in every forward and for every layer the session touches, that the block's output
     projection received exactly what cwcore's attention function returned (no gate or other step in
     between, and the block did run through cwcore's function) and, where the layer's geometry was
@@ -353,7 +449,7 @@ class AttentionSession:
         observers: Mapping[int, Sequence[Observer] | Observer] | None = None,
         transforms: Mapping[int, Sequence[Transform] | Transform] | None = None,
         key_valid: torch.Tensor | None = None,
-        compute_dtype: torch.dtype = torch.float32,
+        compute_dtype: torch.dtype | None = None,
         verify: bool = True,
         allow_fast_path: bool = True,
     ):
@@ -362,8 +458,10 @@ class AttentionSession:
         self._by_module = {id(b.module): b for b in self.blocks}
         self.observers = _per_layer(observers, len(self.blocks), "observer")
         self.transforms = _per_layer(transforms, len(self.blocks), "transform")
+        for layer in sorted(set(self.observers) | set(self.transforms)):
+            self.blocks[layer].refuse_if_unsupported()  # before any forward pass
         self.key_valid = key_valid
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = default_compute_dtype(model) if compute_dtype is None else compute_dtype
         self.verify = verify
         self.allow_fast_path = allow_fast_path
         self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
@@ -373,6 +471,9 @@ class AttentionSession:
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
         self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
+        self._in_block: dict[int, int] = {}  # layer -> attention calls in the block's current forward
+        self._early: dict[int, bool] = {}  # layer -> its projection ran before its attention did
+        self._depth: dict[int, int] = {}  # layer -> how many calls of the block are running (re-entrant)
         self._hooks: list = []
 
     @property
@@ -395,6 +496,11 @@ class AttentionSession:
             return probs
         if self.verify:
             self._runs[block.layer] = runs = self._runs.get(block.layer, 0) + 1
+            calls = self._in_block.get(block.layer)
+            if calls is not None:
+                self._in_block[block.layer] = calls = calls + 1
+                if calls > 1:  # counted to the end of the block, refused by the projection or block hook
+                    return probs
             if runs > 1:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
@@ -435,10 +541,14 @@ class AttentionSession:
         if isinstance(base, nn.Module):
             entries[id(base)] = base
         for entry in entries.values():
-            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: self._runs.clear()))
+            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: None if _outside()
+                                                               else self._runs.clear()))
         for layer in sorted(self.layers):
             block = self.blocks[layer]
             projection = block.output_module()
+            inside = projection is not None and any(m is projection for m in block.module.modules())
+            self._hooks.append(block.module.register_forward_pre_hook(self._enter_block(block)))
+            self._hooks.append(block.module.register_forward_hook(self._leave_block(block, inside)))
             if projection is None:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the registered output projection is not a module of the "
@@ -455,11 +565,59 @@ class AttentionSession:
         self._calls.clear()
         self._last_call.clear()
         self._runs.clear()
+        self._in_block.clear()
+        self._early.clear()
+        self._depth.clear()
+
+    def _enter_block(self, block: AttentionBlock):
+        def hook(module, args):
+            if _outside():
+                return
+            self._depth[block.layer] = depth = self._depth.get(block.layer, 0) + 1
+            if depth == 1:  # a call of the block from inside its own forward (an observer's) is not judged
+                self._in_block[block.layer] = 0
+        return hook
+
+    def _refuse_repeated_calls(self, block: AttentionBlock) -> None:
+        calls = self._in_block.get(block.layer) or 0
+        if calls > 1:
+            raise UnsupportedModelError(
+                f"attention block {block.name!r} ({type(block.module).__name__}) calls the attention function "
+                f"{calls} times per layer: it combines {calls} attention maps into one output (as differential "
+                "attention does, a_1 - lambda a_2), not one, and cwcore decomposes one softmax map per layer")
+
+    def _leave_block(self, block: AttentionBlock, projection_inside: bool):
+        def hook(module, args, result):
+            if _outside():
+                return
+            self._depth[block.layer] = depth = self._depth.get(block.layer, 1) - 1
+            if depth > 0:
+                return
+            early = self._early.pop(block.layer, False)
+            if self._in_block.get(block.layer) == 0:
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r} ({type(block.module).__name__}) did not run through cwcore's "
+                    "attention function: it does not call transformers' attention interface, so cwcore cannot "
+                    "decompose it")
+            self._refuse_repeated_calls(block)
+            self._in_block.pop(block.layer, None)
+            if early or (projection_inside and block.layer in self._outputs):
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r}: `{block.output_module_name()}`, which cwcore took as its output "
+                    "projection W_O (no registered name matched, so the block's last linear layer), did not receive the "
+                    "attention output; register the module that applies W_O with cwcore.register_output_projection")
+        return hook
 
     def _check_input(self, block: AttentionBlock):
         def hook(projection, args):
+            if _outside():
+                return
+            self._refuse_repeated_calls(block)
             received = args[0] if args else None
             produced = self._outputs.pop(block.layer, None)
+            if produced is None and self._in_block.get(block.layer) == 0:
+                self._early[block.layer] = True  # called before attention ran: judged when the block ends
+                return
             if produced is None:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r} ({type(block.module).__name__}) did not run through cwcore's "
@@ -475,7 +633,9 @@ class AttentionSession:
                 difference = float((received.float() - expected.float()).abs().max())
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the output projection received something other than the "
-                    f"attention output (max |difference| {difference:.3g}): the block transforms the head outputs "
+                    f"attention output (max |difference| {difference:.3g}) at `{block.output_module_name()}`: if that "
+                    "module is not W_O, register the one that is with cwcore.register_output_projection; otherwise "
+                    "the block transforms the head outputs "
                     "before W_O (an output gate, a norm, ...), which cwcore does not decompose: with a gate g_i the "
                     "term of key j becomes W_O^h (g_i * alpha_ij v_j), a projected value that depends on the query, so "
                     "value norms and the head-space inner products would need one matrix per query")
@@ -483,6 +643,8 @@ class AttentionSession:
 
     def _check_output(self, block: AttentionBlock):
         def hook(projection, args, result):
+            if _outside():
+                return
             call = self._calls.pop(block.layer, None)
             if call is None:
                 return
@@ -498,12 +660,14 @@ class AttentionSession:
                 rebuilt = torch.where(valid[..., None], rebuilt, actual)
             scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
             error = float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf")))
-            allowed = RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2)
+            # the coarser of the model's dtype and the compute dtype sets the rounding both sides can agree to
+            allowed = max(RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2),
+                          RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
             if not bool(rows.all()) or error > allowed:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
-                    f"output projection's result (relative error {error:.3g} > {allowed:g} for {output.dtype}); "
-                    "cwcore refuses to report this decomposition")
+                    f"output projection's result (relative error {error:.3g} > {allowed:g} for a {output.dtype} model "
+                    f"decomposed in compute_dtype={self.compute_dtype}); cwcore refuses to report this decomposition")
         return hook
 
 
@@ -533,31 +697,59 @@ def _configs(model: nn.Module) -> list:
     return configs
 
 
+def _config_locks(configs: list) -> list[threading.RLock]:
+    """One re-entrant lock per config object, in a fixed order (so two threads never wait on each other)."""
+    with _LOCKS_GUARD:
+        return [_LOCKS.setdefault(id(config), threading.RLock()) for config in sorted(configs, key=id)]
+
+
 @contextlib.contextmanager
 def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) -> Iterator[AttentionSession | None]:
     """Route the model's attention through :func:`attention_forward` (and ``session``) inside the block.
 
-    The previous attention implementation is restored on exit, also after an exception.
+    The session is this thread's; another thread entering the same model waits until this block ends
+    (the attention implementation is a setting of the model, not of the thread). The previous attention
+    implementation is restored on exit, also after an exception. A session on a model in ``train()`` mode
+    is refused: dropout would make the forward differ from the model's computation at every call.
     """
     if session is not None:
-        session.attach()  # first: a model it refuses is left untouched
+        training = _training_modules(model)
+        if training:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is in train() mode ({len(training)} modules, e.g. {training[0]!r}): its "
+                "dropout changes every forward pass, so a decomposition or an intervention would describe a random "
+                "perturbation rather than the model's computation; call model.eval() first")
+    if session is None:
+        with contextlib.suppress(UnsupportedModelError):
+            attention_blocks(model)  # names the blocks, for the refusals attention_forward may raise
     configs = _configs(model)
-    previous = [c._attn_implementation_internal if hasattr(c, "_attn_implementation_internal") else c._attn_implementation for c in configs]
-    if session is not None:
-        session.fast_path = _fast_path(previous, session)
-        # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
-        # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)
-        names = {p for p in previous if p is not None}
-        session.blockwise = len(names) == 1 and names <= set(FAST_IMPLEMENTATIONS)
-    for config in configs:
-        config._attn_implementation_internal = ATTENTION_NAME
-    if session is not None:
-        _SESSIONS.append(session)
-    try:
-        yield session
-    finally:
+    with contextlib.ExitStack() as held:
+        for lock in _config_locks(configs):
+            held.enter_context(lock)
         if session is not None:
-            _SESSIONS.remove(session)
-            session.detach()
-        for config, value in zip(configs, previous):
-            config._attn_implementation_internal = value
+            try:
+                session.attach()  # first: a model it refuses is left untouched
+            except BaseException:
+                session.detach()
+                raise
+        previous = [c._attn_implementation_internal if hasattr(c, "_attn_implementation_internal") else c._attn_implementation for c in configs]
+        if session is not None:
+            session.fast_path = _fast_path(previous, session)
+            # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
+            # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)
+            names = {p for p in previous if p is not None}
+            session.blockwise = len(names) == 1 and names <= set(FAST_IMPLEMENTATIONS)
+        stack = _sessions()
+        try:
+            for config in configs:
+                config._attn_implementation_internal = ATTENTION_NAME
+            if session is not None:
+                stack.append(session)
+            yield session
+        finally:
+            if session is not None:
+                if session in stack:
+                    stack.remove(session)
+                session.detach()
+            for config, value in zip(configs, previous):
+                config._attn_implementation_internal = value

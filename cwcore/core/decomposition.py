@@ -18,18 +18,20 @@ silently huge number. Padded query rows are NaN; padded keys get zero attention 
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from .architectures import attention_blocks
-from .attention import AttentionSession, LayerCall, cwcore_attention
+from .architectures import UnsupportedModelError, attention_blocks
+from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
 from .inputs import check_compute_dtype, check_inputs, check_layers
 
-__all__ = ["Decomposition", "LayerDecomposition", "decompose", "METRICS", "Rung", "ZERO_NORM", "prepare_inputs"]
+__all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
+           "prepare_inputs"]
 
 #: Norms at or below this (in the compute dtype) count as zero: weights divided by them are NaN.
 ZERO_NORM = 1e-12
@@ -259,15 +261,35 @@ class LayerDecomposition:
         return LayerDecomposition(self.layer, moved, bias, valid, self.block_name)
 
 
+class LayerNotDecomposedError(KeyError):
+    """``d[layer]`` for a layer the decomposition does not hold; the message says which it holds and why."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of its message, quotes and all
+        return str(self.args[0]) if self.args else ""
+
+
+def _missing_layer(layer, layers, num_blocks: int | None, undecomposable: Mapping[int, str]) -> LayerNotDecomposedError:
+    held = f"it holds layers {sorted(layers)}" if layers else "it holds no layer"
+    if layer in undecomposable:
+        return LayerNotDecomposedError(f"layer {layer} cannot be decomposed: {undecomposable[layer]}")
+    if num_blocks is not None and not (isinstance(layer, int) and -num_blocks <= layer < num_blocks):
+        return LayerNotDecomposedError(f"layer {layer!r} is out of range: the model has {num_blocks} attention layers "
+                                       f"(0 to {num_blocks - 1}, or -1 for the last); {held}")
+    return LayerNotDecomposedError(f"layer {layer} was not decomposed ({held}); pass layers={layer} to "
+                                   "cwcore.decompose to decompose it")
+
+
 class _FieldView(Mapping):
     """``d.<field>[layer]``: one field of every recorded layer, indexed by layer number."""
 
-    def __init__(self, layers: dict[int, LayerDecomposition], field: str):
-        self._layers, self._field = layers, field
+    def __init__(self, layers: dict[int, LayerDecomposition], field: str, owner: "Decomposition | None" = None):
+        self._layers, self._field, self._owner = layers, field, owner
 
     def __getitem__(self, layer: int) -> torch.Tensor:
+        if self._owner is not None:
+            return getattr(self._owner[layer], self._field)
         if layer not in self._layers:
-            raise KeyError(f"layer {layer} was not decomposed; recorded layers: {sorted(self._layers)}")
+            raise _missing_layer(layer, self._layers, None, {})
         return getattr(self._layers[layer], self._field)
 
     def __iter__(self) -> Iterator[int]:
@@ -282,6 +304,10 @@ class Decomposition:
     ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.inter[3]``.
 
     ``outputs`` holds the model's own output of that forward pass (logits, hidden states, ...).
+    ``num_blocks`` is the model's number of attention layers (negative layer numbers count from it, -1
+    the last); ``undecomposable`` ``{layer: reason}`` lists the blocks cwcore numbers but cannot decompose.
+    Asking for a layer the decomposition does not hold raises :class:`LayerNotDecomposedError` (a
+    ``KeyError``) saying which layers it holds, or why that layer cannot be decomposed.
     """
 
     FIELDS = (
@@ -291,17 +317,26 @@ class Decomposition:
         "output_bias",
     )
 
-    def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None):
+    def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None,
+                 num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None):
         self.layer_decompositions = dict(sorted(layers.items()))
         self.outputs = outputs
         self.attention_mask = attention_mask
+        self.num_blocks = num_blocks
+        self.undecomposable = dict(undecomposable or {})
 
     @property
     def layers(self) -> list[int]:
         return list(self.layer_decompositions)
 
     def __getitem__(self, layer: int) -> LayerDecomposition:
-        return self.layer_decompositions[layer]
+        number = layer
+        if self.num_blocks is not None and isinstance(layer, int) and -self.num_blocks <= layer < 0:
+            number = layer + self.num_blocks
+        found = self.layer_decompositions.get(number) if isinstance(number, int) else None
+        if found is None:
+            raise _missing_layer(number, self.layer_decompositions, self.num_blocks, self.undecomposable)
+        return found
 
     def __iter__(self) -> Iterator[LayerDecomposition]:
         return iter(self.layer_decompositions.values())
@@ -311,11 +346,12 @@ class Decomposition:
 
     def __getattr__(self, name: str):
         if name in Decomposition.FIELDS:
-            return _FieldView(self.layer_decompositions, name)
+            return _FieldView(self.layer_decompositions, name, self)
         raise AttributeError(name)
 
     def __repr__(self) -> str:
-        return f"Decomposition(layers={self.layers})"
+        skipped = f", undecomposable={sorted(self.undecomposable)}" if self.undecomposable else ""
+        return f"Decomposition(layers={self.layers}{skipped})"
 
 
 def _numbers_own_positions(model: nn.Module) -> bool:
@@ -341,7 +377,11 @@ def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
         return inputs
     if "position_ids" not in inspect.signature(model.forward).parameters or _numbers_own_positions(model):
         return inputs
-    return {**inputs, "position_ids": (mask.long().cumsum(-1) - 1).clamp_min(0)}
+    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    if reference is not None and positions.shape[1] > reference.shape[1]:  # a cache holds the first tokens
+        positions = positions[:, -reference.shape[1]:]
+    return {**inputs, "position_ids": positions}
 
 
 def key_validity(inputs: dict) -> torch.Tensor | None:
@@ -352,7 +392,7 @@ def key_validity(inputs: dict) -> torch.Tensor | None:
 def decompose(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
     truncate: bool = False,
     **inputs,
 ) -> Decomposition:
@@ -365,14 +405,29 @@ def decompose(
     layer numbers count the model's softmax-attention blocks in forward order (in a hybrid model the
     state-space or linear-attention layers are not numbered; ``d[l].block_name`` and
     :func:`cwcore.attention_blocks` say which module each number is);
-    ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name. An input longer than the
+    ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name (default: float64 for a float64
+    model, float32 otherwise). A block cwcore numbers but cannot decompose (``nn.MultiheadAttention``)
+    is refused with its reason when asked for; with ``layers=None`` it is skipped with a warning, and
+    listed in ``d.undecomposable``. An input longer than the
     model's context is refused unless ``truncate=True``, which keeps its first tokens.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
     ``compute_dtype`` (float32 or float64) whatever the model's dtype.
     """
-    num_layers = len(attention_blocks(model))
+    blocks = attention_blocks(model)
+    num_layers = len(blocks)
+    undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}
     wanted = check_layers(layers, num_layers)
-    compute_dtype = check_compute_dtype(compute_dtype)
+    if layers is None and undecomposable:
+        wanted = [layer for layer in wanted if layer not in undecomposable]
+        warnings.warn("cwcore.decompose: " + "; ".join(
+            f"layer {b.layer} ({b.name!r}, {type(b.module).__name__}) is not decomposed: {b.unsupported}"
+            for b in blocks if b.layer in undecomposable), stacklevel=2)
+    for layer in wanted:
+        blocks[layer].refuse_if_unsupported()
+    if not wanted:
+        raise UnsupportedModelError(f"{type(model).__name__}: no attention layer can be decomposed ("
+                                    + "; ".join(undecomposable.values()) + ")")
+    compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose", truncate=truncate))
     recorded: dict[int, LayerDecomposition] = {}
 
@@ -383,4 +438,10 @@ def decompose(
                                key_valid=key_validity(inputs), compute_dtype=compute_dtype)
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
-    return Decomposition(recorded, outputs, inputs.get("attention_mask"))
+    missing = sorted(set(wanted) - set(recorded))
+    if missing:  # every block that ran was checked by the session's hooks; one that never ran is not silent
+        raise UnsupportedModelError(
+            f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
+            "forward pass, so cwcore could not decompose them")
+    return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
+                         undecomposable=undecomposable)

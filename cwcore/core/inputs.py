@@ -32,9 +32,7 @@ def _accepted_keywords(model: nn.Module) -> set[str]:
     return named | _GENERAL_KEYWORDS
 
 
-def _text_config(model: nn.Module):
-    config = getattr(model, "config", None)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+from .architectures import text_config as _text_config  # noqa: E402  (the one home of model facts)
 
 
 def context_length(model: nn.Module) -> int | None:
@@ -62,6 +60,13 @@ def _as_2d(name: str, value, caller: str) -> torch.Tensor:
     if value.ndim != 2:
         raise ValueError(f"{caller}: {name} must be [batch, sequence] (or one sequence), got shape {tuple(value.shape)}")
     return value
+
+
+def _cached_length(inputs: dict) -> int:
+    """Tokens already in a ``past_key_values`` (or ``cache``) the call passes, 0 without one."""
+    cache = inputs.get("past_key_values", inputs.get("cache"))
+    length = getattr(cache, "get_seq_length", None)
+    return int(length()) if callable(length) else 0
 
 
 def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False) -> dict:
@@ -99,7 +104,13 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
     reference = ids if ids is not None else inputs.get("inputs_embeds")
     if mask is not None and reference is not None:
         mask = _as_2d("attention_mask", mask, caller)
-        if tuple(mask.shape) != tuple(reference.shape[:2]):
+        cached = _cached_length(inputs)
+        with_cache = (reference.shape[0], cached + reference.shape[1])
+        if cached and tuple(mask.shape) != with_cache:
+            raise ValueError(f"{caller}: attention_mask has shape {tuple(mask.shape)} but with {cached} cached tokens "
+                             f"and inputs of {tuple(reference.shape[:2])} it must be {with_cache} [batch, cached + "
+                             "sequence]")
+        if not cached and tuple(mask.shape) != tuple(reference.shape[:2]):
             raise ValueError(f"{caller}: attention_mask has shape {tuple(mask.shape)} but the inputs are "
                              f"{tuple(reference.shape[:2])} [batch, sequence]; they must match")
         if not bool(((mask == 0) | (mask == 1)).all()):

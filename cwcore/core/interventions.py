@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .architectures import attention_blocks
-from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention
+from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention, default_compute_dtype
 from .decomposition import LayerDecomposition
 from .inputs import check_compute_dtype, check_layers, check_mask
 
@@ -53,7 +53,7 @@ def intervene(
     masks: Mapping[int, LayerMask],
     record: Iterable[int] | None = None,
     attention_mask: torch.Tensor | None = None,
-    compute_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
     *,
     observers: Mapping[int, Sequence[Observer]] | None = None,
     transforms: Mapping[int, Sequence[Transform]] | None = None,
@@ -68,6 +68,8 @@ def intervene(
     pass ``cwcore.prepare_inputs(model, inputs)`` to the model when batches are left-padded.
     ``transforms`` run after the removal and ``observers`` (see :mod:`cwcore.core.attention`) see each
     layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).
+    ``compute_dtype`` (float32 or float64; default the model's own for a float64 model, else float32) is
+    the dtype of the recorded decompositions. A model in ``train()`` mode is refused (dropout).
 
     An empty mask changes nothing, to the last bit, relative to the model's eager attention::
 
@@ -75,7 +77,7 @@ def intervene(
             logits = model(**inputs).logits
     """
     num_layers = len(attention_blocks(model))
-    compute_dtype = check_compute_dtype(compute_dtype)
+    compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     if not isinstance(masks, Mapping):
         raise TypeError(f"masks must map layer numbers to masks, got {type(masks).__name__}")
     check_layers(list(masks), num_layers, argument="masks")

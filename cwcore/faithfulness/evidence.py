@@ -138,19 +138,20 @@ def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, proto
 
 
 def evidence_tables(per_sequence: pd.DataFrame, *, n_bootstrap: int = 1000, seed: int = 0,
-                    low_max: float = LOW_MAX, confidence: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
+                    low_max: float = LOW_MAX, confidence: float = 0.95,
+                    n_permutations: int = N_PERMUTATIONS) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(AOPC, ladder) of a :func:`ladder_sweep` table (one or several protocols, stacked) over each
     ratio range of :func:`ranges`, with columns ``protocol`` and ``range``. The ladder comes from
     :func:`~cwcore.faithfulness.ladder_comparison` (paired bootstrap over documents, ``mde`` beside
     each interval, the sign-flip ``p``), judged by :func:`judge` (``margin``, the pre-registered
-    verdicts)."""
+    verdicts). ``n_permutations``: resamples of each step's sign-flip p (0: no ``p`` column)."""
     areas, ladders = [], []
     for protocol, part in per_sequence.groupby("protocol", sort=False):
         part = part.drop(columns="protocol")
         for name, max_ratio in ranges(sorted(part["ratio"].unique()), low_max).items():
             kw = dict(n_bootstrap=n_bootstrap, seed=seed, confidence=confidence, max_ratio=max_ratio)
             areas.append(aopc(part, **kw).assign(protocol=protocol, range=name))
-            ladders.append(ladder_comparison(part, n_permutations=N_PERMUTATIONS, **kw)
+            ladders.append(ladder_comparison(part, n_permutations=n_permutations, **kw)
                            .assign(protocol=protocol, range=name))
     return pd.concat(areas, ignore_index=True), judge(pd.concat(ladders, ignore_index=True))
 

@@ -46,6 +46,8 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
+from ..core.architectures import attention_heads, sliding_windows
+
 __all__ = [
     "UNITS",
     "SCOPES",
@@ -345,29 +347,12 @@ def hashed_uniform(seed: int, groups: torch.Tensor, layer: int, heads: int, posi
 
 
 # -- what the candidates need from a model's config ----------------------------------------------------
-def _text_config(model: nn.Module):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
 def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
-    """Each layer's sliding window from the config (None = full attention)."""
-    config = _text_config(model)
-    window = getattr(config, "sliding_window", None)
-    if not window:
-        return [None] * num_layers
-    types = getattr(config, "layer_types", None)
-    if types:
-        return [int(window) if t == "sliding_attention" else None for t in list(types)[:num_layers]]
-    if getattr(config, "use_sliding_window", True) is False:
-        return [None] * num_layers
-    return [int(window)] * num_layers
+    """Each layer's sliding window (None = full attention), by :func:`cwcore.core.architectures.sliding_window`."""
+    windows = sliding_windows(model)
+    return [windows.get(layer) for layer in range(num_layers)]
 
 
 def num_heads(model: nn.Module) -> int:
-    """Query heads per attention layer, from the config."""
-    config = _text_config(model)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    if heads is None:
-        raise ValueError("cannot tell the number of attention heads from the model's config")
-    return int(heads)
+    """Query heads per attention layer (:func:`cwcore.core.architectures.attention_heads`)."""
+    return attention_heads(model)

@@ -20,8 +20,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .analyses import ANALYSES, REGISTRY
-from .engine import _Blocks, _run
+from .analyses import ANALYSES, REGISTRY, SinkOptions
+from .engine import Blocks, collect
 from .summary import summarize
 
 __all__ = ["main"]
@@ -34,7 +34,7 @@ def _round(frame: pd.DataFrame, digits: int = 6) -> pd.DataFrame:
     return frame.assign(**{c: frame[c].astype(float).round(digits) for c in floats})
 
 
-def _save_raw(folder: Path, parts: dict, blocks: _Blocks, sampling: str) -> None:
+def _save_raw(folder: Path, parts: dict, blocks: Blocks, sampling: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, frames in parts.items():
         for part, frame in frames.items():
@@ -46,10 +46,10 @@ def _save_raw(folder: Path, parts: dict, blocks: _Blocks, sampling: str) -> None
     (folder / "blocks.json").write_text(json.dumps(meta))
 
 
-def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, _Blocks]:
+def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, Blocks]:
     meta = json.loads((folder / "blocks.json").read_text())
     classes = np.load(folder / "classes.npy") if (folder / "classes.npy").is_file() else None
-    blocks = _Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
+    blocks = Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
                      classes)
     parts = {}
     for name in analyses:
@@ -58,6 +58,18 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, _Blocks]:
             raise FileNotFoundError(f"no raw material for {name} in {folder}")
         parts[name] = {f.name[len(name) + 1 : -len(".parquet")]: pd.read_parquet(f) for f in files}
     return parts, blocks
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per option of :class:`SinkOptions` that has one (``--eps``, ``--heads``, ...), its default
+    and help from the option's declaration; ``--cone-heads`` is the older name of ``--heads``."""
+    for name, option in SinkOptions.OPTIONS.items():
+        if not option.cli:
+            continue
+        flags = [f"--{name.replace('_', '-')}"] + (["--cone-heads"] if name == "heads" else [])
+        kind = {bool: None, int: int, float: float, str: str}.get(type(option.default), str)
+        parser.add_argument(*flags, dest=name, default=option.default, type=kind, choices=option.choices,
+                            help=f"{option.help} (default {option.default!r})")
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -74,8 +86,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default")
     parser.add_argument("--analyses", default=",".join(ANALYSES), help=f"comma-separated subset of {','.join(ANALYSES)}")
-    parser.add_argument("--cone-heads", choices=("all", "sink"), default="all")
-    parser.add_argument("--seed", type=int, default=0)
+    _add_options(parser)
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--out", default="data/results/")
     parser.add_argument("--raw", default=None,
@@ -83,6 +94,11 @@ def main(argv: Iterable[str] | None = None) -> int:
                              "of the code version, so the tables can be rebuilt with --from-raw")
     parser.add_argument("--from-raw", action="store_true", help="rebuild the tables from --raw without running the model")
     args = parser.parse_args(list(argv) if argv is not None else None)
+    try:  # the analyses' options, checked by SinkOptions (an eps of 1.5 is refused here, with its reason)
+        checked = SinkOptions(**{name: getattr(args, name) for name, o in SinkOptions.OPTIONS.items() if o.cli})
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    options = {name: getattr(checked, name) for name, o in SinkOptions.OPTIONS.items() if o.cli}
     wanted = [a.strip() for a in args.analyses.split(",") if a.strip()]
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
@@ -108,14 +124,12 @@ def main(argv: Iterable[str] | None = None) -> int:
             dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
                                       add_bos=add_bos)
             add_bos = None  # applied: the blocks are tokenised
-        collect = dict(kind="intra", quantile_sample=128, seed=args.seed, heads=args.cone_heads, threshold=0.3)
-        parts, blocks = _run(model, tokenizer, dataset, [REGISTRY[a].spec(collect) for a in wanted],
-                             block_size=args.block_size,
-                             num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
-                             cache=not args.no_cache, progress=True)
+        parts, blocks = collect(model, tokenizer, dataset, [REGISTRY[a].spec(options) for a in wanted],
+                                block_size=args.block_size,
+                                num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
+                                cache=not args.no_cache, progress=True)
         if raw is not None:
             _save_raw(raw, parts, blocks, args.sampling)
-    options = dict(eps=0.3, sample_size=2000, seed=args.seed, bins=10, fit_on="norm", min_range=0.05, quantiles=5)
     tables: dict[str, pd.DataFrame] = {}
     for name in wanted:
         tables.update(REGISTRY[name].named_tables(REGISTRY[name].tables(parts[name], blocks, **options)))

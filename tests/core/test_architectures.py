@@ -60,15 +60,38 @@ def registered():
     architectures._FINDERS[:] = finders
 
 
-def test_an_unknown_projection_is_refused_with_the_way_out():
+class MisleadingAttention(ToyAttention):
+    """The last linear child (``gate``) is not W_O: it gates the block's input, and ``mix`` is W_O."""
+
+    def __init__(self, config, width=16, heads=2):
+        super().__init__(config, width, heads)
+        self.gate = nn.Linear(width, width)
+
+    def forward(self, x):
+        return super().forward(self.gate(x))
+
+
+def test_an_output_projection_under_another_name_is_found_by_structure():
     torch.manual_seed(0)
-    with pytest.raises(cwcore.UnsupportedModelError, match="register_output_projection"):
-        cwcore.decompose(ToyModel().eval(), input_ids=torch.tensor([[1, 2, 3]]))
+    _check_exact(ToyModel().eval())  # `mix`, found as the block's last linear child and verified by the run
+
+
+def test_a_wrong_structural_guess_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    model = ToyModel().eval()
+    model.attn = MisleadingAttention(model.config).eval()
+    with pytest.raises(cwcore.UnsupportedModelError, match=r"`gate`, which cwcore took as its output "
+                                                           r"projection .* did not receive the attention output; "
+                                                           r"register the module"):
+        cwcore.decompose(model, input_ids=torch.tensor([[1, 2, 3]]))
 
 
 def test_a_registered_finder_makes_the_family_exact(registered):
     torch.manual_seed(0)
-    model = ToyModel().eval()
+    _check_exact(ToyModel().eval())
+
+
+def _check_exact(model):
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
         expected_output, expected_probs = model(ids)
@@ -87,3 +110,53 @@ def test_a_registered_finder_makes_the_family_exact(registered):
     torch.testing.assert_close(d.output_bias[0], model.attn.mix.bias.detach())
     # o_i + b_O is what the output projection returned
     torch.testing.assert_close(d[0].geometry.output + d.output_bias[0], expected_output, rtol=1e-5, atol=1e-6)
+
+
+# -- model facts: one home, one rule each ---------------------------------------------------------------
+def test_sliding_windows_and_layer_types_follow_one_rule_read_by_every_package():
+    from cwcore.faithfulness.ranking import layer_windows
+    from cwcore.sinks.engine import layer_types
+    from zoo_models import zoo_model
+
+    expected = {"mistral": [4, 4], "gemma3": [4, None], "gpt_oss": [4, None], "llama": [None, None],
+                "qwen2": [None, None], "jamba": [None, None], "starcoder2": [4, 4]}
+    for name, windows in expected.items():
+        model = zoo_model(name)
+        assert list(architectures.sliding_windows(model).values()) == windows, name
+        # the faithfulness sweep and the sink analyses read the same rule
+        assert layer_windows(model, len(windows)) == windows, name
+        assert list(layer_types(model).values()) == ["sliding" if w else "global" for w in windows], name
+
+
+def test_the_post_attention_norm_is_found_by_observation_even_inside_a_session():
+    from cwcore.core.attention import AttentionSession, cwcore_attention, every_layer
+    from zoo_models import ZOO
+
+    gemma = ZOO["gemma3"].build()  # a fresh model: nothing cached
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        clean = gemma(input_ids=ids).logits
+    found = {}
+    session = AttentionSession(gemma, observers=every_layer(
+        gemma, lambda call: found.setdefault(call.layer, architectures.post_attention_norms(gemma)[call.layer])))
+    with torch.no_grad(), cwcore_attention(gemma, session):
+        logits = gemma(input_ids=ids).logits  # the probe pass runs inside layer 0's observer, unseen by the session
+    assert torch.equal(logits, clean)
+    assert [found[layer] for layer in (0, 1)] == [gemma.model.layers[i].post_attention_layernorm for i in (0, 1)]
+    llama = ZOO["llama"].build()  # Llama's post_attention_layernorm is the MLP's pre-norm, not one
+    assert set(architectures.post_attention_norms(llama).values()) == {None}
+
+
+def test_model_facts_are_defined_only_in_architectures():
+    import ast
+    import pathlib
+
+    package = pathlib.Path(cwcore.__file__).parent
+    facts = {"_text_config", "text_config", "_layer_type_of", "_post_attention_norm", "post_attention_norms",
+             "_final_norm_module", "final_norm", "sliding_window", "_candidate_norms"}
+    homes = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name in facts:
+                homes.setdefault(node.name, []).append(path.relative_to(package).as_posix())
+    assert homes and all(where == ["core/architectures.py"] for where in homes.values()), homes

@@ -12,6 +12,7 @@ expected message, from ``decompose`` and from ``intervene``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 
 import cwcore
 from cwcore.core.architectures import attention_blocks
+from cwcore.core.attention import cwcore_attention
 from zoo_models import SEQ, VOCAB, ZOO, projection_of, zoo_model
 
 ATOL_OUT = 1e-6  # the model's own outputs: the same arithmetic as eager
@@ -59,6 +61,8 @@ class _Projections:
         self.modules = {}
         self._handles = []
         for block in attention_blocks(model):
+            if block.unsupported is not None:
+                continue
             module = projection_of(block.module, block.parent, species.projection)
             self.modules[block.layer] = module
             self._handles.append(module.register_forward_hook(self._hook(block.layer)))
@@ -104,22 +108,26 @@ def test_decomposition_is_exact_against_the_eager_run(name):
     with torch.no_grad():
         eager = model(**inputs, output_attentions=True)
     eager_maps = [a for a in eager.attentions if a is not None]  # hybrids: softmax layers only
-    assert len(eager_maps) == species.blocks
+    decomposable = [layer for layer in range(species.blocks) if layer not in species.undecomposable]
+    assert len(eager_maps) == len(decomposable)
     hooks = _Projections(model, species)
+    listed = pytest.warns(UserWarning, match="is not decomposed") if species.undecomposable else contextlib.nullcontext()
     try:
-        d = cwcore.decompose(model, **inputs)
+        with listed:  # a block cwcore numbers but cannot decompose is named before the forward, never dropped
+            d = cwcore.decompose(model, **inputs)
     finally:
         hooks.close()
-    assert d.layers == list(range(species.blocks))  # exactly the softmax layers, in order
+    assert d.layers == decomposable  # exactly the softmax layers, in order
+    assert sorted(d.undecomposable) == list(species.undecomposable)
     if species.layers is not None:  # hybrids: the blocks say which decoder layers they are
         names = [block.name for block in attention_blocks(model)]
         assert [int(re.search(r"layers\.(\d+)\.", n).group(1)) for n in names] == list(species.layers), names
     reference = _first_output(eager)
     torch.testing.assert_close(_first_output(d.outputs), reference, rtol=0, atol=ATOL_OUT)
-    for layer in d.layers:
+    for index, layer in enumerate(d.layers):
         ld = d[layer]
         heads = ld.attention.shape[1]
-        torch.testing.assert_close(ld.attention, eager_maps[layer].float(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(ld.attention, eager_maps[index].float(), rtol=0, atol=1e-6)
         _, returned = hooks.seen[layer]
         bias = 0 if ld.output_bias is None else ld.output_bias
         torch.testing.assert_close(ld.geometry.output + bias, returned, rtol=RTOL, atol=ATOL)
@@ -196,3 +204,42 @@ def test_unsupported_families_are_refused_with_the_reason(name):
             model(**inputs)
     with torch.no_grad():  # a refusal leaves the model as it was
         torch.testing.assert_close(_first_output(model(**inputs)), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_entering_the_attention_context_never_changes_the_outputs(name):
+    """With no session, cwcore's attention is the model's eager arithmetic: the same outputs, or a refusal (a
+    keyword it does not implement), never different numbers."""
+    species, model = ZOO[name], zoo_model(name)
+    inputs = _inputs(species)
+    with torch.no_grad():
+        before = _first_output(model(**inputs))
+        try:
+            with cwcore_attention(model):
+                inside = _first_output(model(**inputs))
+        except cwcore.UnsupportedModelError as refusal:
+            assert species.refused is not None and re.search(species.refused, str(refusal)), str(refusal)
+            return
+    torch.testing.assert_close(inside, before, rtol=0, atol=ATOL_OUT)
+
+
+UNDECOMPOSABLE = [name for name, s in ZOO.items() if s.undecomposable]
+
+
+@pytest.mark.parametrize("name", UNDECOMPOSABLE)
+def test_a_block_that_cannot_be_decomposed_is_refused_by_name_when_asked_for(name):
+    species, model = ZOO[name], zoo_model(name)
+    inputs = _inputs(species)
+    layer = species.undecomposable[-1]
+    reason = r"cannot be decomposed: torch\.nn\.MultiheadAttention computes its attention inside torch"
+    for asked in (layer, layer - species.blocks, [0, layer]):  # its number, counted from the end, in a list
+        with pytest.raises(cwcore.UnsupportedModelError, match=reason):
+            cwcore.decompose(model, layers=asked, **inputs)
+    with pytest.raises(cwcore.UnsupportedModelError, match=reason):
+        cwcore.intervene(model, {layer: torch.zeros((), dtype=torch.bool)}).__enter__()
+    with pytest.warns(UserWarning):
+        d = cwcore.decompose(model, **inputs)
+    for read in (lambda: d[layer], lambda: d[-1], lambda: d.inter[-1], lambda: d.attention[layer]):
+        with pytest.raises(KeyError, match=r"^layer 2 cannot be decomposed: torch\.nn\.MultiheadAttention"):
+            read()
+    torch.testing.assert_close(d.inter[-2], d[species.blocks - 2].inter)  # negative numbers count all blocks

@@ -13,7 +13,7 @@ __all__ = ["alti"]
 
 @register_method("alti", needs=("block_input",), cost="no extra forward; [rows, query chunk, key, model] tensors",
                  title="ALTI", colour="#ece133")
-def alti(layer_decomposition, call, block_input, **_):
+def alti(layer_decomposition, call, block_input, model, **_):
     """ALTI-style contributions (Ferrando et al. 2022) of one decoder layer, token-level.
 
     The residual stream after the attention sub-block is y_i = x_i + N(a_i), a_i = sum_j sum_h
@@ -25,7 +25,8 @@ def alti(layer_decomposition, call, block_input, **_):
     c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
     rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity.
     """
-    from ...logit_attribution import _post_attention_norm, frozen_norm
+    from ...core.architectures import post_attention_norms
+    from ...logit_attribution import frozen_norm
 
     if block_input is None:
         raise UnsupportedModelError("alti: the decoder layer's input was not captured")
@@ -37,7 +38,7 @@ def alti(layer_decomposition, call, block_input, **_):
         a = a + bias
     valid = call.valid_keys()
     rows = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
-    norm = _post_attention_norm(call.block)
+    norm = post_attention_norms(model).get(call.layer)
     scale = None
     if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows
         frozen = frozen_norm(norm, a[rows][None], norm(a[rows][None]), dtype=projected.dtype)

@@ -1,0 +1,257 @@
+"""Sessions are safe: per thread, restored, never in train() mode, in the model's own float64, with a cache;
+every keyword reaching cwcore's attention function is one it implements; a missing layer is a clear error."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import cwcore
+from cwcore.core.attention import AttentionSession, cwcore_attention, every_layer
+from tiny_models import VOCAB, tiny_model
+
+IDS = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+
+
+def _run(target, *args):
+    """Run ``target`` in a thread; return (thread, box) where box holds its result or its exception."""
+    box = {}
+
+    def wrapped():
+        try:
+            box["result"] = target(*args)
+        except BaseException as error:  # reported by the test
+            box["error"] = error
+
+    thread = threading.Thread(target=wrapped, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_two_threads_on_two_models_interleaved_are_both_exact():
+    """Thread A is stopped inside its layer 0 while thread B starts its own decomposition and stops inside its
+    layer 0; A then finishes while B's session is active (a shared session list gave A B's session)."""
+    first, second = tiny_model("llama"), tiny_model("qwen2")
+    expected = {id(first): cwcore.decompose(first, input_ids=IDS), id(second): cwcore.decompose(second, input_ids=IDS)}
+    a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+
+    def decompose_a():
+        def pause(call):
+            if call.layer == 0:
+                a_inside.set()
+                assert b_inside.wait(30)
+        recorded = {}
+        session = AttentionSession(first, observers=every_layer(first, lambda c: (
+            pause(c), recorded.__setitem__(c.layer, c.probs.clone()))))
+        with torch.no_grad(), cwcore_attention(first, session):
+            logits = first(input_ids=IDS).logits
+        a_done.set()
+        return logits, recorded
+
+    def decompose_b():
+        assert a_inside.wait(30)
+
+        def pause(call):
+            if call.layer == 0:
+                b_inside.set()
+                assert a_done.wait(30)
+        recorded = {}
+        session = AttentionSession(second, observers=every_layer(second, lambda c: (
+            pause(c), recorded.__setitem__(c.layer, c.probs.clone()))))
+        with torch.no_grad(), cwcore_attention(second, session):
+            logits = second(input_ids=IDS).logits
+        return logits, recorded
+
+    (ta, a), (tb, b) = _run(decompose_a), _run(decompose_b)
+    ta.join(60), tb.join(60)
+    for model, box in ((first, a), (second, b)):
+        assert "error" not in box, box.get("error")
+        logits, recorded = box["result"]
+        reference = expected[id(model)]
+        assert torch.equal(logits, reference.outputs.logits)
+        for layer in reference.layers:
+            torch.testing.assert_close(recorded[layer], reference.attention[layer], rtol=0, atol=1e-7)
+        assert model.config._attn_implementation == "eager"
+
+
+def test_two_threads_on_one_model_serialise_and_restore_its_implementation():
+    model = tiny_model("llama")
+    model.config._attn_implementation = "sdpa"
+    try:
+        reference = cwcore.decompose(model, layers=0, input_ids=IDS)
+        spans, lock = [], threading.Lock()
+
+        def work():
+            out = []
+            for _ in range(3):
+                start = len(spans)
+                d = cwcore.decompose(model, layers=0, input_ids=IDS)
+                with lock:
+                    spans.append((threading.get_ident(), start))
+                out.append(d)
+            return out
+
+        runs = [_run(work) for _ in range(2)]
+        for thread, _ in runs:
+            thread.join(120)
+        for _, box in runs:
+            assert "error" not in box, box.get("error")
+            for d in box["result"]:
+                assert torch.equal(d.outputs.logits, reference.outputs.logits)
+                torch.testing.assert_close(d.inter[0], reference.inter[0], rtol=0, atol=0)
+        assert model.config._attn_implementation == "sdpa"  # restored, whichever thread left last
+    finally:
+        model.config._attn_implementation = "eager"
+
+
+def test_a_model_in_train_mode_is_refused_saying_why():
+    model = tiny_model("llama")
+    model.train()
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode.*dropout.*call model\.eval\(\)"):
+            cwcore.decompose(model, input_ids=IDS)
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode"):
+            with cwcore.intervene(model, {0: torch.zeros((), dtype=torch.bool)}):
+                pass
+        assert model.training and model.config._attn_implementation == "eager"  # left as it was
+    finally:
+        model.eval()
+
+
+def test_a_float64_model_is_decomposed_in_float64_by_default():
+    model = tiny_model("llama", dtype=torch.float64)
+    with torch.no_grad():
+        eager = model(input_ids=IDS, output_attentions=True)
+    d = cwcore.decompose(model, input_ids=IDS)
+    assert d[0].attention.dtype == torch.float64 and d[0].inter.dtype == torch.float64
+    assert torch.equal(d.outputs.logits, eager.logits)
+    for layer in d.layers:
+        torch.testing.assert_close(d.attention[layer], eager.attentions[layer], rtol=0, atol=1e-12)
+        sums = d.inter[layer].sum((1, 3))
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-10)
+    # float32 geometry of a float64 model is checked to float32's tolerance, not refused
+    single = cwcore.decompose(model, compute_dtype=torch.float32, input_ids=IDS)
+    torch.testing.assert_close(single.inter[1].double(), d.inter[1], rtol=1e-4, atol=1e-5)
+
+
+def test_a_cached_call_with_the_full_length_mask_is_exact():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+        full = model(input_ids=ids, output_attentions=True)
+    d = cwcore.decompose(model, input_ids=ids[:, 5:], attention_mask=torch.ones(1, 8, dtype=torch.long),
+                         cache=cache)
+    whole = cwcore.decompose(model, input_ids=ids)
+    torch.testing.assert_close(d.outputs.logits, full.logits[:, 5:], rtol=1e-5, atol=1e-5)
+    for layer in d.layers:
+        assert d.attention[layer].shape == (1, 4, 3, 8)  # the new queries over cached and new keys
+        torch.testing.assert_close(d.attention[layer], full.attentions[layer][:, :, 5:], rtol=0, atol=1e-6)
+        torch.testing.assert_close(d.inter[layer], whole.inter[layer][:, :, 5:], rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"with 5 cached tokens .* must be \(1, 8\)"):
+        cwcore.decompose(model, input_ids=ids[:, 5:], attention_mask=torch.ones(1, 3, dtype=torch.long),
+                         cache=cache)
+
+
+def test_asking_for_a_layer_the_decomposition_does_not_hold_is_a_clear_error():
+    d = cwcore.decompose(tiny_model("llama"), layers=0, input_ids=IDS)
+    with pytest.raises(KeyError, match=r"^layer 1 was not decomposed \(it holds layers \[0\]\); pass layers=1"):
+        d[1]
+    with pytest.raises(KeyError, match=r"^layer 5 is out of range: the model has 2 attention layers"):
+        d.inter[5]
+    with pytest.raises(KeyError, match=r"^layer 1 was not decomposed"):
+        d[-1]  # the last of the model's 2 layers
+    torch.testing.assert_close(d[-2].inter, d.inter[0], rtol=0, atol=0)
+
+
+class _KeywordAttention(nn.Module):
+    """Calls the attention interface with one extra keyword (``extra`` -> ``value``)."""
+
+    def __init__(self, config, keyword, value):
+        super().__init__()
+        self.config, self.keyword, self.value = config, keyword, value
+        self.qkv, self.o_proj = nn.Linear(8, 24), nn.Linear(8, 8)
+        self.scaling, self.is_causal = 0.5, False
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, 2, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        name = self.config._attn_implementation
+        if name == "eager":  # the model's own arithmetic
+            out = (torch.softmax(q @ k.transpose(2, 3) * self.scaling, -1, dtype=torch.float32) @ v).transpose(1, 2)
+        else:
+            out, _ = ALL_ATTENTION_FUNCTIONS[name](self, q, k, v, None, scaling=self.scaling,
+                                                   **{self.keyword: self.value})
+        return self.o_proj(out.reshape(b, n, 8))
+
+
+class _KeywordModel(nn.Module):
+    def __init__(self, keyword, value):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.config._attn_implementation = "eager"
+        self.embed = nn.Embedding(11, 8)
+        self.attn = _KeywordAttention(self.config, keyword, value)
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.attn(self.embed(input_ids))
+
+
+@pytest.mark.parametrize("keyword,value,meaning", [
+    ("indices", torch.zeros(1, 3, 2, dtype=torch.int32), "the top-k keys a sparse-attention indexer selected"),
+    ("position_bias", torch.zeros(1, 2, 3, 3), "additive position biases"),
+    ("my_new_feature", 1.5, "a keyword cwcore's attention function does not know"),
+])
+def test_a_keyword_cwcore_does_not_implement_is_refused_naming_block_and_keyword(keyword, value, meaning):
+    torch.manual_seed(0)
+    model = _KeywordModel(keyword, value).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        before = model(ids)
+    message = (rf"attention block 'attn' \(_KeywordAttention\) passes `{keyword}` to the attention function "
+               rf"\({meaning}")
+    with pytest.raises(cwcore.UnsupportedModelError, match=message):
+        cwcore.decompose(model, input_ids=ids)
+    with pytest.raises(cwcore.UnsupportedModelError, match=message):  # entering the context alone, too
+        with torch.no_grad(), cwcore_attention(model):
+            model(ids)
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+
+
+@pytest.mark.parametrize("keyword,value", [("sliding_window", 4), ("position_ids", torch.arange(3)[None]),
+                                           ("indices", None), ("output_attentions", False)])
+def test_keywords_cwcore_handles_or_that_are_off_pass(keyword, value):
+    torch.manual_seed(0)
+    model = _KeywordModel(keyword, value).eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        before = model(ids)
+    d = cwcore.decompose(model, input_ids=ids)
+    assert torch.equal(d.outputs, before)
+
+
+def test_a_decomposition_is_a_snapshot_of_its_forward_pass():
+    """Views computed on demand must not read the weights as they are later (exercise 3.3 scales W_O in place)."""
+    model = tiny_model("llama")
+    before = cwcore.decompose(model, input_ids=IDS)
+    reference = {layer: (before[layer].inter.clone(), before[layer].output_norm.clone()) for layer in before.layers}
+    later = cwcore.decompose(model, input_ids=IDS)
+    weight = model.model.layers[0].self_attn.o_proj.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(3.0)
+        for layer in later.layers:  # read only after the change
+            torch.testing.assert_close(later[layer].inter, reference[layer][0], rtol=0, atol=0)
+            torch.testing.assert_close(later[layer].output_norm, reference[layer][1], rtol=0, atol=0)
+            torch.testing.assert_close(later[layer].relative_norm("inter"), before[layer].relative_norm("inter"),
+                                       rtol=0, atol=0, equal_nan=True)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
