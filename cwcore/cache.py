@@ -42,7 +42,7 @@ from typing import Any, Callable
 import pandas as pd
 
 __all__ = ["BASE_CODE", "CacheWarning", "NO_CACHE_ENV_VAR", "NOT_PRODUCING", "cache_root", "caching_disabled", "code_scope",
-           "code_files", "code_version", "normalised_source", "parameters_key", "ResultCache", "atomic_write_bytes", "current_umask", "result_runs",
+           "code_files", "code_version", "normalised_source", "parameters_key", "ResultCache", "atomic_write_bytes", "write_csv", "current_umask", "result_runs",
            "prune", "verify", "verify_piece",
            "CACHE_MARKER", "ModelCacheError", "ensure_cached_folder", "read_cache_marker", "verify_cached_folder"]
 
@@ -303,6 +303,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def write_csv(frame: pd.DataFrame, path: str | os.PathLike, **to_csv) -> Path:
+    """Write ``frame`` as CSV to ``path`` atomically (:func:`atomic_write_bytes`: a full disk or a killed
+    process leaves the old file or none, never a partial one); ``to_csv`` as in :meth:`pandas.DataFrame.to_csv`."""
+    path = Path(path)
+    atomic_write_bytes(path, frame.to_csv(**to_csv).encode())
+    return path
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -473,7 +481,7 @@ def prune(root: Path | None = None, everything: bool = False, dry_run: bool = Fa
     import time
 
     runs = result_runs(root)
-    doomed = runs if everything else runs[~runs["current"]]
+    doomed = runs if everything else runs[~runs["current"].astype(bool)]  # (an empty column is object-typed)
     doomed = doomed[doomed["modified"] < time.time() - min_age_seconds]
     if not dry_run:
         for path in doomed["path"]:

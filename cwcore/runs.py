@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from .cache import ResultCache
-from .core.inputs import check_inputs
+from .core.inputs import InputError, InputTypeError, check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
 
 __all__ = ["JOBS_ENV_VAR", "PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
            "is_main_rank", "launch_info", "local_jobs", "model_fingerprint", "progress", "shard_map", "tensor_digest",
@@ -89,23 +89,6 @@ def tensor_digest(*values: Any) -> str:
     return digest.hexdigest()[:20]
 
 
-def check_count(value, argument: str, *, minimum: int = 1, allow_none: bool = False) -> int | None:
-    """An experiment's count option (``batch_size``, ``num_sequences``, ...) as an int >= ``minimum``;
-    ``TypeError``/``ValueError`` naming ``argument`` otherwise (``None`` passes when ``allow_none``)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{argument} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{argument} must be at least {minimum}, got {value}")
-    return int(value)
-
-
-def check_batch_size(batch_size) -> int:
-    """``batch_size`` as an int >= 1 (a float, a string or 0 are refused with one sentence)."""
-    return check_count(batch_size, "batch_size")
-
-
 def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: str = "input_ids",
                        caller: str = "the experiment") -> torch.Tensor:
     """Token blocks an experiment runs on, as a ``[sequence, token]`` integer tensor: at least one
@@ -115,9 +98,9 @@ def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: s
         return check_inputs(model, {"input_ids": input_ids}, caller=caller)["input_ids"]
     ids = torch.as_tensor(input_ids)
     if ids.ndim != 2 or ids.numel() == 0:
-        raise ValueError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
+        raise InputError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise TypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
+        raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
     return ids
 
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks
+from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .ranking import removal_mask
@@ -94,18 +95,21 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     named by the batch's content), so an interrupted run resumes and a longer one reuses its batches.
     ``protocol`` (or its fields as keywords, as in ``faithfulness_curve``): clean scores and all layers
     ranked (``layers`` here picks where to intervene), so ``scores="live"`` or ``protocol.layers`` are refused."""
+    check_sweep_arguments(model, caller="per_layer_curve", metric=metric, ratios=ratios, mode=mode, layers=layers,
+                          batch_size=batch_size, padding_side=padding_side)
     protocol = as_protocol(protocol, **protocol_keywords)
     if protocol.scores != "clean" or protocol.layers is not None:
         raise ValueError("per-layer interventions rank on clean scores in every layer: use scores='clean', "
                          "layers=None in the protocol (the layers argument picks where to intervene)")
     kind, seed, scope = protocol.kind, protocol.seed, protocol.scope
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
-    sequences = _lm_sequences(texts, tokenizer, max_length)
+    sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length),
+                                      model, caller="per_layer_curve", min_length=2)
     documents = _documents(texts, len(sequences))
     pad = pad_id(tokenizer)
     stack = decoder_layers(model)
     n_layers = len(stack)
-    chosen = list(range(n_layers)) if layers is None else sorted({int(l) for l in layers})
+    chosen = check_layers(layers, n_layers, allow_empty=False)
     batches = [pad_batch(i // batch_size, sequences[i:i + batch_size],
                          list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side)
                for i in range(0, len(sequences), batch_size)]

@@ -11,6 +11,7 @@ writes ``sinks_<table>_<model>_<data>.csv`` (the registered analyses' stems) plu
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from ..cache import atomic_write_bytes, write_csv
+from ..core.inputs import check_batch_size, check_count
 from .analyses import ANALYSES, REGISTRY, SinkOptions
 from .engine import Blocks, collect
 from .summary import summarize
@@ -34,19 +37,27 @@ def _round(frame: pd.DataFrame, digits: int = 6) -> pd.DataFrame:
     return frame.assign(**{c: frame[c].astype(float).round(digits) for c in floats})
 
 
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
 def _save_raw(folder: Path, parts: dict, blocks: Blocks, sampling: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    for name, frames in parts.items():
+    for name, frames in parts.items():  # every file atomically: a full disk leaves no partial file
         for part, frame in frames.items():
-            frame.to_parquet(folder / f"{name}.{part}.parquet", index=False)
-    np.save(folder / "ids.npy", blocks.ids.numpy())
+            atomic_write_bytes(folder / f"{name}.{part}.parquet", frame.to_parquet(index=False))
+    atomic_write_bytes(folder / "ids.npy", _npy(blocks.ids.numpy()))
     if blocks.classes is not None:
-        np.save(folder / "classes.npy", blocks.classes)
+        atomic_write_bytes(folder / "classes.npy", _npy(blocks.classes))
     meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling}
-    (folder / "blocks.json").write_text(json.dumps(meta))
+    atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
 
 
 def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, Blocks]:
+    if not (folder / "blocks.json").is_file():
+        raise FileNotFoundError(f"--from-raw: no raw material in {folder} (write it first with --raw, without --from-raw)")
     meta = json.loads((folder / "blocks.json").read_text())
     classes = np.load(folder / "classes.npy") if (folder / "classes.npy").is_file() else None
     blocks = Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
@@ -73,7 +84,15 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Iterable[str] | None = None) -> int:
-    """``python -m cwcore.sinks --model NAME --data NAME --num-sequences N --out DIR``."""
+    """``python -m cwcore.sinks --model NAME --data NAME --num-sequences N --out DIR``; returns the exit
+    status: 0, 2 for bad input (one line on stderr), 1 for a bug (``--debug``: the traceback)."""
+    from ..cli import debug_requested, run_command
+
+    argv = list(argv) if argv is not None else None
+    return run_command("python -m cwcore.sinks", lambda: _main(argv), debug_requested(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwcore.sinks", description=_DESCRIPTION)
     parser.add_argument("--model", required=True, help="a name cwcore.models.load_model knows, e.g. smollm2-135m")
     parser.add_argument("--data", required=True, help="a data set cwcore.data.load_dataset knows, e.g. gsm8k, web-text")
@@ -93,7 +112,11 @@ def main(argv: Iterable[str] | None = None) -> int:
                         help="also keep the raw per-batch material under RAW/<model>_<data>/ (parquet), independent "
                              "of the code version, so the tables can be rebuilt with --from-raw")
     parser.add_argument("--from-raw", action="store_true", help="rebuild the tables from --raw without running the model")
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
+    args = parser.parse_args(argv)
+    check_batch_size(args.batch_size)
+    check_count(args.num_sequences, "--num-sequences")
+    check_count(args.block_size, "--block-size", minimum=2)
     try:  # the analyses' options, checked by SinkOptions (an eps of 1.5 is refused here, with its reason)
         checked = SinkOptions(**{name: getattr(args, name) for name, o in SinkOptions.OPTIONS.items() if o.cli})
     except (TypeError, ValueError) as error:
@@ -139,7 +162,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         frame = table.copy()
         frame.insert(0, "data", args.data)
         frame.insert(0, "model", args.model)
-        _round(frame).to_csv(out / f"sinks_{stem}_{suffix}.csv", index=False)
+        write_csv(_round(frame), out / f"sinks_{stem}_{suffix}.csv", index=False)
     summary = summarize(tables)
     summary.insert(0, "data", args.data)
     summary.insert(0, "model", args.model)
@@ -147,6 +170,6 @@ def main(argv: Iterable[str] | None = None) -> int:
     summary["num_sequences"] = int(blocks.ids.shape[0])
     summary["sampling"] = (json.loads((raw / "blocks.json").read_text()).get("sampling", "stream")  # older raw: stream
                            if args.from_raw else args.sampling)
-    _round(summary).to_csv(out / f"sinks_summary_{suffix}.csv", index=False)
+    write_csv(_round(summary), out / f"sinks_summary_{suffix}.csv", index=False)
     print(summary.to_string(index=False), file=sys.stdout)
     return 0

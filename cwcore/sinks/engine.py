@@ -47,6 +47,7 @@ from torch import nn
 
 from .. import runs
 from ..core.architectures import attention_blocks, layer_type
+from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
 from ..core.geometry import head_space_geometry, split_output_projection
@@ -239,7 +240,7 @@ def token_blocks(
     if ready is not None:
         if add_bos is not None:
             raise ValueError("add_bos applies to text; these blocks are already tokenised")
-        ids = torch.as_tensor(ready).long()
+        ids = runs.check_token_blocks(ready, argument="data", caller="sink analyses").long()  # no float ids cut
         if ids.dim() != 2:
             raise ValueError(f"token blocks must be [sequence, position], got shape {tuple(ids.shape)}")
         if num_sequences is not None:
@@ -603,7 +604,8 @@ def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_
     batch_size = runs.check_batch_size(batch_size)
     num_sequences = runs.check_count(num_sequences, "num_sequences", allow_none=True)
     block_size = runs.check_count(block_size, "block_size", minimum=2)
-    blocks = token_blocks(data, tokenizer, block_size, num_sequences, add_bos)
+    blocks = token_blocks(check_texts(data, "sink analyses", "data"), tokenizer, block_size, num_sequences, add_bos)
+    runs.check_token_blocks(blocks.ids, model, argument="data", caller="sink analyses")  # vocabulary, context
     fingerprint = model_fingerprint(model)  # once, not once per analysis
     stores = _Stores({
         spec.name: runs.PieceStore(f"sinks-{spec.name}", {"analysis": spec.name, "model": fingerprint,
