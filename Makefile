@@ -13,7 +13,7 @@ CHROMIUM_STAMP := .stamps/chromium
 PROFILE ?= default
 MODELS ?=
 
-.PHONY: test check venv clean-venv book
+.PHONY: test check venv clean-venv book evidence
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
 $(STAMP): pyproject.toml constraints.txt assets.txt
@@ -39,6 +39,16 @@ clean-venv:
 # book/run.yml; notebooks whose inputs did not change are not executed again.
 book: $(STAMP)
 	$(PY) -m cwcore.book build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
+
+# make evidence [JOBS=N] [MODELS=m1,m2]: the evidence profile of book/run.yml, resumable: every finished
+# batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped. Each sweep
+# splits its documents over JOBS single-thread ranks of this machine (default: every core); the results
+# are the same as with JOBS=1. Then the evidence tables and findings.csv are remade from the exports.
+JOBS ?= $(shell nproc 2>/dev/null || echo 1)
+EVIDENCE_EXPORT ?= $(PY) -m cwcore.faithfulness.evidence_slice tables
+evidence: $(STAMP)
+	$(PY) -m cwcore.book build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))
+	$(EVIDENCE_EXPORT)
 
 # The browser tests (tests/test_book.py, marker `browser`) drive Debian's chromium; install it once,
 # as root, where it is missing. Without it those tests are skipped with the reason.

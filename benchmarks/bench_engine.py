@@ -4,7 +4,9 @@ Targets, measured in one run of this script on the default model (smollm2-135m, 
 - ``decompose(one layer)`` <= 1.10x the SDPA forward, at 512 and at 2048 tokens (the untouched
   layers keep running SDPA, see ``cwcore.core.attention.FAST_IMPLEMENTATIONS``);
 - ``decompose(all layers)`` <= 1.25x the eager forward with attention maps, reported against SDPA too;
-- one layer at 8192 tokens under 8 GiB peak memory and within 2x the SDPA forward.
+- one layer at 8192 tokens under 8 GiB peak memory and within 2x the SDPA forward;
+- (issue 28) the same layer with its ``inter`` weights read: within 8 GiB peak and 1.5x the SDPA forward;
+  all layers with ``attention`` and ``inter`` of every layer read: <= 1.25x the SDPA forward at 512 tokens.
 The self-check (hooks on the output projections) is on in every cwcore measurement.
 
 Timed workloads of one length run interleaved, round by round, in one process (medians), so load
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -49,10 +52,12 @@ def workloads(model, ids, layer: int) -> dict:
                 model(input_ids=ids, **kwargs)
         return run
 
-    def decompose(layers, implementation="sdpa"):
+    def decompose(layers, implementation="sdpa", read=False):
         def run():
             model.config._attn_implementation = implementation
-            cwcore.decompose(model, layers=layers, input_ids=ids)
+            d = cwcore.decompose(model, layers=layers, input_ids=ids)
+            if read:  # what a user reads: attention and the inter weights of every decomposed layer
+                return {l.layer: (l.attention, l.inter) for l in d}
         return run
 
     return {
@@ -60,6 +65,8 @@ def workloads(model, ids, layer: int) -> dict:
         "eager forward with attention maps": forward("eager", output_attentions=True),
         "decompose, one layer": decompose([layer]),
         "decompose, all layers": decompose(None),
+        "decompose, one layer, inter read": decompose([layer], read=True),
+        "decompose, all layers, inter read": decompose(None, read=True),
     }
 
 
@@ -98,6 +105,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--layer", type=int, default=15)
     parser.add_argument("--long", type=int, default=8192)
+    parser.add_argument("--parts", default="512,2048,long",
+                        help="which measurements to run, comma-separated (default: all three)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="time", help=argparse.SUPPRESS)
     parser.add_argument("--what", default="", help=argparse.SUPPRESS)
@@ -106,30 +115,43 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)))
         return
-    rows = []
+    parts = set(args.parts.split(","))
     t512 = spawn(args, "time", ["sdpa forward", "decompose, one layer", "eager forward with attention maps",
-                                "decompose, all layers"], 512, args.repeats)
-    t2048 = spawn(args, "time", ["sdpa forward", "decompose, one layer"], 2048, args.repeats)
-    long_sdpa = spawn(args, "memory", ["sdpa forward"], args.long, 1)
-    long_one = spawn(args, "memory", ["decompose, one layer"], args.long, 1)
+                                "decompose, all layers", "decompose, all layers, inter read"], 512,
+                 args.repeats) if "512" in parts else None
+    t2048 = spawn(args, "time", ["sdpa forward", "decompose, one layer"], 2048, args.repeats) if "2048" in parts else None
+    if "long" in parts:
+        long_sdpa = spawn(args, "memory", ["sdpa forward"], args.long, 1)
+        long_one = spawn(args, "memory", ["decompose, one layer"], args.long, 1)
+        long_read = spawn(args, "memory", ["decompose, one layer, inter read"], args.long, 1)
     print(f"model {args.model}, float32, torch threads {torch.get_num_threads()}, layer {args.layer}; "
           f"medians of {args.repeats} interleaved rounds at each length")
     print("| measurement | tokens | time (s) |")
     print("|---|---:|---:|")
     for tokens, times in ((512, t512), (2048, t2048)):
-        for name, seconds in times.items():
+        for name, seconds in (times or {}).items():
             print(f"| {name} | {tokens} | {seconds:.3f} |")
-    print(f"| sdpa forward (fresh process) | {args.long} | {long_sdpa['seconds']:.2f} (peak {long_sdpa['peak_gib']:.2f} GiB) |")
-    print(f"| decompose, one layer (fresh process) | {args.long} | {long_one['seconds']:.2f} (peak {long_one['peak_gib']:.2f} GiB) |")
+    if "long" in parts:
+        for name, run in (("sdpa forward", long_sdpa), ("decompose, one layer", long_one),
+                          ("decompose, one layer, inter read", long_read)):
+            print(f"| {name} (fresh process) | {args.long} | {run['seconds']:.2f} (peak {run['peak_gib']:.2f} GiB) |")
     ratio = lambda t, a, b: t[a] / t[b]  # noqa: E731
     print()
-    print(f"decompose(one layer) / SDPA forward: {ratio(t512, 'decompose, one layer', 'sdpa forward'):.2f}x at 512, "
-          f"{ratio(t2048, 'decompose, one layer', 'sdpa forward'):.2f}x at 2048 (target <= 1.10x)")
-    print(f"decompose(all layers) / eager forward with attention maps: "
-          f"{ratio(t512, 'decompose, all layers', 'eager forward with attention maps'):.2f}x (target <= 1.25x); "
-          f"/ SDPA forward: {ratio(t512, 'decompose, all layers', 'sdpa forward'):.2f}x")
-    print(f"one layer at {args.long} tokens: {long_one['seconds'] / long_sdpa['seconds']:.2f}x the SDPA forward "
-          f"(target <= 2x), peak {long_one['peak_gib']:.2f} GiB (target < 8 GiB)")
+    if t512 and t2048:
+        print(f"decompose(one layer) / SDPA forward: {ratio(t512, 'decompose, one layer', 'sdpa forward'):.2f}x at 512, "
+              f"{ratio(t2048, 'decompose, one layer', 'sdpa forward'):.2f}x at 2048 (target <= 1.10x)")
+    if t512:
+        print(f"decompose(all layers) / eager forward with attention maps: "
+              f"{ratio(t512, 'decompose, all layers', 'eager forward with attention maps'):.2f}x (target <= 1.25x); "
+              f"/ SDPA forward: {ratio(t512, 'decompose, all layers', 'sdpa forward'):.2f}x")
+        print(f"decompose(all layers) with attention and inter read / SDPA forward: "
+              f"{ratio(t512, 'decompose, all layers, inter read', 'sdpa forward'):.2f}x (target <= 1.25x)")
+    if "long" in parts:
+        print(f"one layer at {args.long} tokens: {long_one['seconds'] / long_sdpa['seconds']:.2f}x the SDPA forward "
+              f"(target <= 2x), peak {long_one['peak_gib']:.2f} GiB (target < 8 GiB)")
+        print(f"one layer at {args.long} tokens with inter read: {long_read['seconds'] / long_sdpa['seconds']:.2f}x the "
+              f"SDPA forward (target <= 1.5x), peak {long_read['peak_gib']:.2f} GiB (target <= 8 GiB)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

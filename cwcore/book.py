@@ -132,8 +132,15 @@ def load_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():
         raise BookError(f"run configuration {path} does not exist")
-    with path.open() as fh:
-        config = yaml.safe_load(fh) or {}
+    try:
+        with path.open() as fh:
+            config = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as err:  # one sentence with the place, not PyYAML's traceback
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise BookError(f"{path} is not valid YAML{where} ({getattr(err, 'problem', None) or err})") from None
+    if not isinstance(config, dict):
+        raise BookError(f"{path}: needs a 'chapters' list and a 'profiles' mapping, got a {type(config).__name__}")
     if not isinstance(config.get("chapters"), list) or not isinstance(config.get("profiles"), dict):
         raise BookError(f"{path}: needs a 'chapters' list and a 'profiles' mapping")
     return config
@@ -768,6 +775,14 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m cwcore.book build|plan``: 0 when done; 2 for bad input (run.yml, a profile, a chapter:
+    one line), 1 when a notebook or the HTML build failed, or for a bug of cwcore (``--debug``: traceback)."""
+    from .cli import debug_requested, run_command
+
+    return run_command("python -m cwcore.book", lambda: _main(argv), debug_requested(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwcore.book", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd, text in (("build", "execute the notebooks and build the HTML book"),
@@ -782,16 +797,30 @@ def main(argv: list[str] | None = None) -> int:
                        help="where html/ goes (default: <book-dir>/_build)")
         p.add_argument("--notebooks-dir", default=DEFAULT_NOTEBOOKS_DIR, type=Path)
         p.add_argument("--config", type=Path, help="run configuration (default: <book-dir>/run.yml)")
+        p.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
         if cmd == "build":
             p.add_argument("--force", action="store_true", help="execute every notebook and rebuild the HTML")
             p.add_argument("--no-html", action="store_true", help="execute the notebooks only")
+            p.add_argument("--jobs", type=int, default=None,
+                           help="ranks per sweep on this machine: each notebook's sweeps split their documents "
+                                "over N single-thread ranks (cwcore.runs); results are the same as with 1")
     args = parser.parse_args(argv)
+    if getattr(args, "jobs", None) is not None:
+        if args.jobs < 1:
+            parser.error(f"--jobs must be at least 1, got {args.jobs}")
+        from .runs import JOBS_ENV_VAR
+
+        os.environ[JOBS_ENV_VAR] = str(args.jobs)  # the kernels inherit it
+    try:  # the configuration, the profile and the chapters first: a mistake there is bad input (status 2)
+        config = load_config(args.config or args.book_dir / "run.yml")
+        name, chosen, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
+                                  notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
+                                  book_dir=args.book_dir)
+    except BookError as err:
+        print(f"python -m cwcore.book: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        return 2
     try:
         if args.command == "plan":
-            config = load_config(args.config or args.book_dir / "run.yml")
-            name, chosen, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
-                                      notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
-                                      book_dir=args.book_dir)
             for chapter in chosen:
                 if chapter.is_page:
                     print(f"{chapter.name:<44} -> {chapter.name}.md  (page, not executed)")

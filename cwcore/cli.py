@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["main", "explain"]
+__all__ = ["main", "explain", "run_command", "debug_requested", "UsageError"]
 
 _FORMATS = {".png", ".pdf", ".svg", ".jpg", ".jpeg", ".html"}  # .html: the interactive explorer (cwcore.explorer)
 #: the widest figure `cwcore explain` draws (inches, both panels); longer texts get thinned labels
@@ -42,13 +42,25 @@ def _check_output_path(out: str) -> Path:
     return path
 
 
+def _check_text(text) -> None:
+    if not isinstance(text, str):
+        raise UsageError(f"the text must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:  # a command-line argument that was not UTF-8 (surrogate escapes)
+        raise UsageError(f"the text is not valid UTF-8 (a byte that is no character at position {err.start}); "
+                         "pass UTF-8 text") from None
+    if not text.strip():
+        raise UsageError("the text is empty")
+
+
 def explain(text: str, model, tokenizer, layer: int | None = None, head: int | None = None, kind: str = "inter",
             model_name: str | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS):
     """Attention beside contribution weights for one text.
 
     Returns ``(figure, attention [query, key], contribution [query, key], tokens)``; with ``head``
     None the token-level views are drawn (attention averaged over heads, contributions summed).
-    Token labels come from the text at the tokenizer's offsets (:func:`cwcore.data.token_labels`), so
+    Token labels come from the text at the tokenizer's offsets (:func:`cwcore.tokens.token_labels`), so
     emoji and CJK characters show. A text of more than ``max_tokens`` tokens is refused; the figure is
     at most :data:`MAX_FIGURE_WIDTH` inches wide (beyond about 55 tokens the labels are thinned).
     """
@@ -58,8 +70,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     from .core.decomposition import decompose
     from .plotting import contribution_heatmap, set_style
 
-    if not text.strip():
-        raise UsageError("the text is empty")
+    _check_text(text)
     if kind not in ("intra", "inter"):
         raise UsageError(f"--kind must be intra or inter, not {kind!r}")
     if kind == "intra" and head is None:
@@ -68,7 +79,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     layer = num_layers // 2 if layer is None else layer
     if not 0 <= layer < num_layers:
         raise UsageError(f"layer {layer} out of range: the model has layers 0..{num_layers - 1}")
-    from .data import token_labels
+    from .tokens import token_labels
 
     inputs = tokenizer(text, return_tensors="pt")
     n_tokens = int(inputs["input_ids"].shape[1])
@@ -118,8 +129,7 @@ def _explain_command(args) -> None:
     from .models import load_model
 
     out = _check_output_path(args.out)
-    if not args.text.strip():
-        raise UsageError("the text is empty")
+    _check_text(args.text)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
@@ -191,6 +201,10 @@ def _cache_command(args) -> int | None:
     from .cache import cache_root, prune, result_runs
 
     root = cache_root()
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"the cache path {root} is a file, not a folder (set CWCORE_CACHE to a folder)")
+    if args.action == "verify" and not root.is_dir():
+        raise UsageError(f"the cache folder {root} does not exist: there is nothing to verify (is CWCORE_CACHE right?)")
     if args.action == "verify":
         return _verify_command(root, args.repair)
     if args.action == "prune":
@@ -260,9 +274,10 @@ def _raised_in_cwcore(error: BaseException) -> bool:
 
 def _user_error(error: BaseException) -> bool:
     from .core.architectures import UnsupportedModelError
+    from .core.inputs import InputError
     from .models import ModelCacheError, ModelNotFoundError
 
-    if isinstance(error, (UsageError, UnsupportedModelError, ModelNotFoundError, ModelCacheError)):
+    if isinstance(error, (UsageError, InputError, UnsupportedModelError, ModelNotFoundError, ModelCacheError)):
         return True
     return isinstance(error, (TypeError, ValueError, IndexError, FileNotFoundError)) and _raised_in_cwcore(error)
 
@@ -307,24 +322,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, debug: bool) -> int:
+    return run_command("cwcore", lambda: args.run(args), debug)
+
+
+def debug_requested(argv: list[str] | None = None) -> bool:
+    """Whether ``--debug`` is on the command line (``argv``, default ``sys.argv``) or ``CWCORE_DEBUG`` is set."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return "--debug" in argv or os.environ.get("CWCORE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def run_command(prog: str, body, debug: bool, *, user_errors: tuple = ()) -> int:
+    """The one error path of every command line (``cwcore``, ``python -m cwcore.faithfulness``,
+    ``python -m cwcore.sinks``, ``python -m cwcore.book``): runs ``body()`` and returns its exit status.
+
+    Bad input (a refused argument, an unknown model or data set, an unreadable or full disk) ends with
+    one ``<prog>: error: ...`` line on stderr and status 2; any other exception is a bug of cwcore:
+    one line saying so, status 1. ``debug`` re-raises instead (the full traceback). ``user_errors``
+    adds exception types the command counts as bad input.
+    """
     try:
-        code = args.run(args)
+        code = body()
     except KeyboardInterrupt:
         if debug:
             raise
-        print("cwcore: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 - every error ends in one line unless --debug
         if debug:
             raise
-        if _user_error(error):
-            print(f"cwcore: error: {_one_line(error)}", file=sys.stderr)
+        if isinstance(error, user_errors) or _user_error(error):
+            print(f"{prog}: error: {_one_line(error)}", file=sys.stderr)
             return 2
-        if isinstance(error, OSError):  # e.g. the disk filled up while writing the figure
+        if isinstance(error, OSError):  # e.g. the disk filled up while writing a table
             where = getattr(error, "filename", "") or ""
-            print(f"cwcore: error: {error.strerror or error}" + (f": {where}" if where else ""), file=sys.stderr)
+            print(f"{prog}: error: {error.strerror or error}" + (f": {where}" if where else ""), file=sys.stderr)
             return 2
-        print(f"cwcore: error: internal error {type(error).__name__}: {_one_line(error)} (this is a bug of cwcore; "
+        print(f"{prog}: error: internal error {type(error).__name__}: {_one_line(error)} (this is a bug of cwcore; "
               "run again with --debug or CWCORE_DEBUG=1 for the traceback, and report it)", file=sys.stderr)
         return 1
     return int(code or 0)

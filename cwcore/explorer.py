@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
 import zlib
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     """
     from .core.architectures import UnsupportedModelError
     from .core.decomposition import decompose
-    from .data import token_labels
+    from .tokens import token_labels
     from .logit_attribution import logit_attribution
 
     if not text.strip():
@@ -189,6 +190,18 @@ def _colour_scales() -> dict:
     return {"diverging": diverging, "sequential": sequential, "bad": BAD_COLOUR}
 
 
+#: characters that could end or open a script context inside <script> (</script>, <!--, -->, <script)
+#: or end a line of JavaScript (U+2028/2029), written as JSON escapes: the same JSON, inert in HTML
+_SCRIPT_TABLE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026", "\u2028": "\\u2028",
+                               "\u2029": "\\u2029"})
+
+
+def script_safe_json(value) -> str:
+    """``value`` as JSON that can sit inside a ``<script>`` element whatever its strings hold: every
+    ``<``, ``>``, ``&``, U+2028 and U+2029 is a ``\\uXXXX`` escape (``json.loads`` reads it back unchanged)."""
+    return json.dumps(value, ensure_ascii=False).translate(_SCRIPT_TABLE)
+
+
 def explorer_html(data: dict, title: str | None = None, start: dict | None = None) -> str:
     """The page for ``data`` from :func:`explorer_data` (a string of HTML).
 
@@ -211,10 +224,10 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
                           for k, label, signed, per_head in QUANTITIES if k != "dla" or "dla" in data["arrays"]]
     meta["colours"] = _colour_scales()
     title = title or f"cwcore explorer · {meta['model']}"
-    meta_json = json.dumps(meta, ensure_ascii=False).replace("</", "<\\/")
-    return (_PAGE.replace("__TITLE__", html.escape(title))
-            .replace("__META__", meta_json)
-            .replace("__DATA__", payload))
+    meta_json = script_safe_json(meta)
+    fields = {"__TITLE__": html.escape(title), "__META__": meta_json, "__DATA__": payload}
+    # one pass: a text that contains "__DATA__" is not replaced inside the data already put in
+    return re.sub("__TITLE__|__META__|__DATA__", lambda m: fields[m.group(0)], _PAGE)
 
 
 def write_explorer(path, model, tokenizer, text: str, *, model_name: str | None = None, targets=None,

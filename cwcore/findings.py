@@ -53,6 +53,9 @@ from .faithfulness import evidence
 from .stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
                     combine_verdicts)
 from .sinks import claims as sink_claims
+from .sinks.engine import EPS as _EPS_OPTION
+
+_EPS = _EPS_OPTION.default  # the sink analyses' one eps (cwcore.sinks.engine.EPS)
 
 __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "primary_decisions",
            "primary_ordering", "STEPS", "PRIMARY_COLUMNS", "primary_table", "RUNGS", "CLAIMS",
@@ -68,7 +71,7 @@ CLAIMS = {
     "cosine_gain": "the cosine (rung 3 -> 4) is the largest gain",
     "ordering_sufficiency": "faithfulness (sufficiency): attention < value-weighted < output-normalised < contribution",
     "cosine_gain_sufficiency": "the cosine (rung 3 -> 4) is the largest gain (sufficiency)",
-    "sink_rates": "(the book's claim, not the paper's) many heads are sink heads (Sink_eps, eps = 0.3)",
+    "sink_rates": f"(the book's claim, not the paper's) many heads are sink heads (Sink_eps, eps = {_EPS:g})",
     "decomposition": "sink contribution driven by geometry, tail by attention and alignment",
     "sink_position": "(the book's check of the paper's reading) the sink is the first position",
     "anti_alignment": "the sink's value points against the semantic values",

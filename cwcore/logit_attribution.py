@@ -34,6 +34,7 @@ from torch import nn
 
 from .core.architectures import UnsupportedModelError, attention_blocks, final_norm, post_attention_norms
 from .core.decomposition import Decomposition, decompose
+from .core.inputs import InputError, check_inputs, check_targets
 
 __all__ = ["FrozenNorm", "LogitAttribution", "logit_attribution", "direct_logit_attribution", "frozen_norm",
            "naive_logit_attribution"]
@@ -165,7 +166,13 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     ``targets``: None (the next token, and the model's top prediction at the last position), one token
     id for every position, or ``[batch, query]`` ids. ``inputs`` are those of :func:`cwcore.decompose`.
     """
+    if inputs.get("input_ids") is None:
+        raise InputError("logit_attribution needs input_ids (the targets are token ids at their positions; "
+                         "inputs_embeds alone are not enough)")
     head = _unembedding(model)
+    if targets is not None:  # checked before the forward: one id per position, inside the vocabulary
+        shape = check_inputs(model, {"input_ids": inputs["input_ids"]}, caller="logit_attribution")["input_ids"].shape
+        targets = check_targets(targets, shape, head.weight.shape[0])
     final = _final_norm(model)
     blocks = attention_blocks(model)
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -202,9 +209,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
                 f"norm's output (relative error {error:.2g}); softcapped or scaled logits are not supported")
     if targets is None:
         targets = _default_targets(input_ids, logits)
-    elif isinstance(targets, int):
-        targets = torch.full_like(input_ids, targets)
-    targets = torch.as_tensor(targets, device=input_ids.device).reshape(input_ids.shape)
+    targets = targets.to(input_ids.device)
     directions = frozen.pull_back(w_u[targets.to(w_u.device)])  # [batch, query, model]
     post_frozen = {layer: frozen_norm(post[layer], *captured[f"post{layer}"]) for layer in d.layers if layer in post}
     by_layer = {}

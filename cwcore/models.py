@@ -31,13 +31,16 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from . import hub
 from .cache import CacheWarning, cache_root, current_umask
+# the folder cache of converted models lives in cwcore.cache; its names stay importable from here
+from .cache import CACHE_FORMAT, CACHE_MARKER, ModelCacheError, _displace, ensure_cached_folder  # noqa: F401
+from .cache import FOLDER_ABANDONED_AFTER_SECONDS as ABANDONED_AFTER_SECONDS  # noqa: F401
+from .cache import _current_umask, read_cache_marker, verify_cached_folder  # noqa: F401
 
 __all__ = [
     "CACHE_ENV_VAR",
@@ -56,6 +59,9 @@ __all__ = [
     "resolve_dtype",
     "verify_cached_folder",
     "verify_models",
+    "VARIANTS",
+    "requantize_weights",
+    "variant_model_path",
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -70,10 +76,6 @@ PACKAGED_MODELS: dict[str, str] = {
 }
 
 CACHE_ENV_VAR = "CWCORE_CACHE"
-CACHE_MARKER = "cwcore-cache.json"
-CACHE_FORMAT = 2  # 2: the marker lists every file with its size and checksum
-# Temporary and displaced folders older than this are left-overs of killed processes.
-ABANDONED_AFTER_SECONDS = 24 * 3600
 
 _DTYPES_BY_NAME = {
     "float32": "float32", "fp32": "float32", "float": "float32",
@@ -89,10 +91,6 @@ _CHECK_TEXT = "The quick brown fox jumps over the lazy dog, and then it rests."
 
 class ModelNotFoundError(ValueError):
     """A model name that is neither packaged, nor a local folder, nor found on the hub."""
-
-
-class ModelCacheError(RuntimeError):
-    """A converted model is damaged and could not be converted again (e.g. a read-only cache)."""
 
 
 # --------------------------------------------------------------------------- public API
@@ -141,8 +139,89 @@ def packaged_model_path(name: str) -> Path:
     )
 
 
+#: Weight variants of the packaged GGUF models: name -> the 4-bit scheme of ``gguf.quants`` that
+#: re-quantises the de-quantised weights (a scheme other than the GGUF's own Q4_1 / Q4_K_M, so that
+#: the weights move by about as much as the first quantisation moved them).
+#: Measured on smollm2-135m (Q4_1 file): W_V moves by 0.090 and W_O by 0.085 of their Frobenius norm
+#: (every projection 0.085-0.090), against an estimated 0.072 and 0.067 for the first quantisation.
+VARIANTS: dict[str, str] = {"requantized": "Q4_0"}
+#: the weights a variant re-quantises: every linear projection of the decoder layers (attention
+#: q, k, v, o and the MLP); embeddings, norms and the LM head stay as the GGUF file gives them
+_REQUANTIZED_MODULES = ("self_attn", "mlp")
+
+
+def requantize_weights(model, scheme: str = "Q4_0", original: str | None = None) -> dict[str, dict[str, float]]:
+    """Quantise and de-quantise, in place, every linear weight of the decoder layers' attention and
+    MLP with ``scheme`` (a type of ``gguf.quants``, blocks of 32 along the input features).
+
+    Returns ``{projection: {"relative_change": ||W' - W||_F / ||W||_F over all layers}}`` per projection
+    name (``v_proj``, ``o_proj``, ...); with ``original`` (the GGUF's own scheme) also
+    ``"proxy_original_error"``: the same norm of ``original`` applied to W', an estimate of how far the
+    first quantisation moved the weights (W' is not on ``original``'s grid, as the full-precision
+    weights were not)."""
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[scheme]
+    sums: dict[str, list[float]] = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, torch.nn.Linear) or not any(f".{part}." in f".{name}." for part in _REQUANTIZED_MODULES):
+                continue
+            if ".layers." not in f".{name}" and not name.startswith("layers."):
+                continue
+            weight = module.weight.detach().float().cpu().numpy()
+            if weight.shape[-1] % 32:
+                raise ValueError(f"{name}: {weight.shape[-1]} input features are not a multiple of 32 ({scheme} blocks)")
+            moved = quants.dequantize(quants.quantize(weight, qtype), qtype).reshape(weight.shape)
+            kind = name.rsplit(".", 1)[-1]
+            totals = sums.setdefault(kind, [0.0, 0.0, 0.0])
+            totals[0] += float(np.square(moved - weight, dtype=np.float64).sum())
+            totals[1] += float(np.square(weight, dtype=np.float64).sum())
+            if original is not None:
+                other = GGMLQuantizationType[original]
+                again = quants.dequantize(quants.quantize(moved, other), other).reshape(weight.shape)
+                totals[2] += float(np.square(again - moved, dtype=np.float64).sum())
+            module.weight.copy_(torch.from_numpy(moved).to(module.weight.dtype))
+    if not sums:
+        raise ValueError("no decoder-layer linear weights found to re-quantise")
+    return {kind: {"relative_change": (t[0] / t[1]) ** 0.5,
+                   **({"proxy_original_error": (t[2] / t[1]) ** 0.5} if original is not None else {})}
+            for kind, t in sorted(sums.items())}
+
+
+#: the scheme of each packaged GGUF file, for the estimate of the first quantisation's size (gemma3's
+#: Q4_K_M cannot be written by gguf.quants; Q4_1, the nearest it writes, stands in)
+_ORIGINAL_SCHEMES = {"smollm2-135m": "Q4_1", "gemma3-270m": "Q4_1"}
+
+
+def variant_model_path(name: str, variant: str = "requantized") -> Path:
+    """The safetensors folder of a packaged GGUF model's weight variant (built once, then cached)."""
+    key = _packaged_key(name)
+    if key not in _GGUF_SOURCES:
+        raise ModelNotFoundError(f"{name!r} has no weight variants; the packaged GGUF models are {', '.join(_GGUF_SOURCES)}")
+    scheme = VARIANTS[variant]
+    base_source, _ = _GGUF_SOURCES[key]()
+
+    def build(folder: Path) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        base = packaged_model_path(key)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, attn_implementation="eager").eval()
+        changes = requantize_weights(model, scheme, original=_ORIGINAL_SCHEMES[key])
+        save_plain_model(model, AutoTokenizer.from_pretrained(base), folder)
+        return {"variant": variant, "scheme": scheme, "relative_changes": changes}
+
+    return ensure_cached_folder(model_cache_dir() / f"{key}-{variant}",
+                                {**base_source, "variant": variant, "scheme": scheme,
+                                 "modules": list(_REQUANTIZED_MODULES)},
+                                build, description=f"{key} re-quantised with {scheme}")
+
+
 def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, device: Any = None,
-               **kwargs):
+               variant: str | None = None, **kwargs):
     """Load a model and its tokenizer for analysis.
 
     ``name`` is a packaged model (see ``PACKAGED_MODELS``), a local folder, or a Hugging Face hub
@@ -150,6 +229,9 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     is None (cpu) or a torch device. Extra keyword arguments (``device_map="auto"``, ``revision``,
     ``trust_remote_code=True``, ``use_safetensors=False``, ...) go to ``from_pretrained``.
     Packaged names take precedence over a local folder of the same name (write "./minilm-l6").
+    ``variant="requantized"`` (or the name ``"<packaged>-requantized"``) loads a packaged GGUF model
+    whose de-quantised weights were quantised once more with another 4-bit scheme (:data:`VARIANTS`,
+    :func:`requantize_weights`), converted once into the model cache like the model itself.
 
     Returns ``(model, tokenizer)``: the model in eval mode with eager attention (a causal LM, or
     the bare encoder when the checkpoint has no LM head), the tokenizer with ``pad_token`` set.
@@ -169,8 +251,19 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")
     key = _packaged_key(name)
+    if key is None and isinstance(name, str) and variant is None:
+        for suffix in VARIANTS:
+            base = _packaged_key(name.strip().lower().removesuffix(f"-{suffix}"))
+            if base is not None and name.strip().lower() == f"{base}-{suffix}":
+                key, variant = base, suffix
+    if variant is not None:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+        if key not in _GGUF_SOURCES:
+            raise ValueError(f"variant={variant!r} exists for the packaged GGUF models ({', '.join(_GGUF_SOURCES)}), "
+                             f"not for {name!r}")
     if key is not None:
-        model, tokenizer = _load_packaged(key, torch_dtype, kwargs)
+        model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
         model, tokenizer = _load_from_hub_or_folder(os.fspath(name), torch_dtype, kwargs)
     if torch_dtype == torch.float16 and str(model.config.model_type).startswith("gemma3"):
@@ -182,239 +275,6 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     model.eval()
     _ensure_pad_token(tokenizer)
     return model, tokenizer
-
-
-# --------------------------------------------------------------------------- atomic cache
-
-
-def read_cache_marker(folder: str | os.PathLike, source: dict | None = None) -> dict | None:
-    """Return the marker of a completed cache folder, or None if it is missing, unreadable, of
-    another cache format, or (when ``source`` is given) made from another source."""
-    try:
-        marker = json.loads((Path(folder) / CACHE_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or marker.get("format") != CACHE_FORMAT:
-        return None
-    if source is not None and marker.get("source") != _json_roundtrip(source):
-        return None
-    return marker
-
-
-def ensure_cached_folder(target: str | os.PathLike, source: dict,
-                         build: Callable[[Path], dict | None], description: str | None = None) -> Path:
-    """Return ``target``, first building it with ``build(tmp_folder)`` unless it is complete.
-
-    A folder counts as complete when its marker names ``source`` (a JSON-able dict that
-    fingerprints what the folder is made from). Otherwise ``build`` fills a fresh temporary folder
-    next to ``target`` and may return extra marker fields; the marker is written last and the folder
-    renamed into place. A folder without a valid marker is replaced; when another process finishes
-    the same folder first, its folder is kept and ours is discarded.
-    """
-    target = Path(target)
-    marker = read_cache_marker(target, source)
-    damage = None
-    if marker is not None:
-        damage = verify_cached_folder(target, marker)
-        if damage is None:
-            return target
-        warnings.warn(f"cwcore: the converted model at {target} is damaged ({damage}); converting it again",
-                      CacheWarning, stacklevel=3)
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_abandoned_folders(target)
-        if damage is not None:
-            _displace(target)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    except OSError as err:
-        if damage is not None:
-            raise ModelCacheError(f"the converted model at {target} is damaged ({damage}) and cannot be replaced "
-                                  f"({err.strerror or err}); delete the folder, or run `cwcore cache verify "
-                                  "--repair` where the cache is writable") from None
-        return _build_uncached(target, source, build, description, err)
-    _build_into(tmp, target, source, build, description)
-    return target
-
-
-_uncached_builds: dict[str, Path] = {}  # target -> temporary folder, for caches this process cannot write
-
-
-def _build_uncached(target: Path, source: dict, build, description, error: OSError) -> Path:
-    """Convert into a temporary folder deleted at exit: the cache folder cannot be written."""
-    import atexit
-
-    known = _uncached_builds.get(str(target))
-    if known is not None and read_cache_marker(known, source) is not None:
-        return known
-    warnings.warn(f"cwcore: the model cache {target.parent} cannot be written ({error.strerror or error}); "
-                  f"converting {target.name} into a temporary folder for this process only", CacheWarning,
-                  stacklevel=4)
-    holder = Path(tempfile.mkdtemp(prefix="cwcore-model-"))
-    atexit.register(shutil.rmtree, holder, True)
-    tmp, final = holder / ".tmp", holder / target.name
-    tmp.mkdir()
-    _build_into(tmp, final, source, build, description)
-    _uncached_builds[str(target)] = final
-    return final
-
-
-def _displace(target: Path) -> None:
-    """Move a damaged folder aside atomically (a reader never sees half of it), then delete it."""
-    displaced = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-    try:
-        os.rename(target, displaced)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(displaced, ignore_errors=True)
-
-
-def _build_into(tmp: Path, target: Path, source: dict, build, description) -> None:
-    try:
-        print(f"cwcore: converting {description or target.name} once, cached at {target}",
-              file=sys.stderr, flush=True)
-        started = time.perf_counter()
-        extra = build(tmp)
-        extra = extra if isinstance(extra, dict) else {}
-        marker = {
-            "format": CACHE_FORMAT,
-            "source": source,
-            **extra,
-            "build_seconds": round(time.perf_counter() - started, 1),
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **_library_versions(),
-        }
-        _apply_umask(tmp)  # mkdtemp makes a private 0700 folder; a cache follows the umask
-        _fsync_tree(tmp)
-        marker["checksum"] = _CHECKSUM
-        marker["files"] = _file_checksums(tmp)
-        (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-        _fsync_tree(tmp, only=CACHE_MARKER)
-        _move_into_place(tmp, target, source)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _move_into_place(tmp: Path, target: Path, source: dict) -> None:
-    for _ in range(10):
-        try:
-            os.rename(tmp, target)  # atomic; fails when target exists and is not an empty folder
-            return
-        except OSError as err:
-            if not os.path.lexists(target) and err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-        if read_cache_marker(target, source) is not None:
-            return  # another process finished first: keep its folder
-        displaced = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
-        try:
-            os.rename(target, displaced)  # move the stale folder aside atomically, then delete it
-        except FileNotFoundError:
-            continue
-        if displaced.is_dir():
-            shutil.rmtree(displaced, ignore_errors=True)
-        else:
-            displaced.unlink(missing_ok=True)
-    raise RuntimeError(f"could not move the new cache folder into place at {target}")
-
-
-def _remove_abandoned_folders(target: Path) -> None:
-    now = time.time()
-    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
-        for path in target.parent.glob(pattern):
-            try:
-                if now - path.stat().st_mtime > ABANDONED_AFTER_SECONDS:
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
-
-
-_current_umask = current_umask
-
-
-def _apply_umask(folder: Path) -> None:
-    umask = current_umask()
-    for path in [folder, *folder.rglob("*")]:
-        try:
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-        except OSError:
-            pass
-
-
-try:
-    import xxhash  # a dependency of datasets: 5x faster than sha256 (0.2 s against 1.0 s for 538 MB)
-
-    _CHECKSUM = "xxh3_128"
-    _new_hash = xxhash.xxh3_128
-except ImportError:  # pragma: no cover
-    import hashlib
-
-    _CHECKSUM = "sha256"
-    _new_hash = hashlib.sha256
-
-
-def _hash_file(path: Path, algorithm: str) -> str:
-    if algorithm == _CHECKSUM:
-        digest = _new_hash()
-    elif algorithm == "xxh3_128":
-        import xxhash
-
-        digest = xxhash.xxh3_128()
-    else:
-        import hashlib
-
-        digest = hashlib.new(algorithm)
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _file_checksums(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "checksum": _hash_file(p, _CHECKSUM)}
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CACHE_MARKER}
-
-
-_verified: dict[str, tuple] = {}  # folder -> the stat of its files when this process last verified them
-
-
-def _files_state(folder: Path, names) -> tuple:
-    state = []
-    for name in names:
-        st = (folder / name).stat()
-        state.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(state)
-
-
-def verify_cached_folder(folder: str | os.PathLike, marker: dict | None = None) -> str | None:
-    """What is wrong with a completed cache folder (a sentence), or None when every file its marker
-    lists has its recorded size and checksum. Verified once per process; checked again when a file's
-    size, time or inode changes."""
-    folder = Path(folder)
-    marker = read_cache_marker(folder) if marker is None else marker
-    if marker is None:
-        return f"it has no valid {CACHE_MARKER} (an interrupted conversion, or another cache format)"
-    files = marker.get("files")
-    if not isinstance(files, dict) or not files:
-        return f"its {CACHE_MARKER} lists no checksums"
-    algorithm = marker.get("checksum", "sha256")
-    try:
-        state = _files_state(folder, sorted(files))
-    except FileNotFoundError as err:
-        return f"{Path(err.filename).name} is missing"
-    except OSError as err:
-        return f"it cannot be read ({err.strerror or err})"
-    if _verified.get(str(folder)) == state:
-        return None
-    for (name, size, _, _), expected in zip(state, (files[n] for n in sorted(files))):
-        if size != expected.get("size"):
-            return f"{name} has {size} bytes, {expected.get('size')} were written (truncated?)"
-        try:
-            actual = _hash_file(folder / name, algorithm)
-        except (OSError, ValueError) as err:
-            return f"{name} cannot be read ({err})"
-        if actual != expected.get("checksum"):
-            return f"{name} does not match its checksum (overwritten in place?)"
-    _verified[str(folder)] = state
-    return None
 
 
 def verify_models(repair: bool = False) -> list[dict]:
@@ -454,30 +314,6 @@ def verify_models(repair: bool = False) -> list[dict]:
                     action = f"deleted; converting it again failed: {err}"
         problems.append({"path": str(path), "problem": problem, "action": action})
     return problems
-
-
-def _fsync_tree(folder: Path, only: str | None = None) -> None:
-    paths = [folder / only] if only else [p for p in folder.rglob("*") if p.is_file()]
-    for path in paths:
-        try:
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-        except OSError:
-            pass
-
-
-def _json_roundtrip(value: Any) -> Any:
-    return json.loads(json.dumps(value))
-
-
-def _library_versions() -> dict:
-    versions = {}
-    for dist in ("transformers", "torch", "gguf"):
-        try:
-            versions[f"{dist}_version"] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return versions
 
 
 # --------------------------------------------------------------------------- packaged models
@@ -607,10 +443,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _load_packaged(key: str, torch_dtype, kwargs: dict):
+def _load_packaged(key: str, torch_dtype, kwargs: dict, variant: str | None = None):
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-    folder = packaged_model_path(key)
+    folder = packaged_model_path(key) if variant is None else variant_model_path(key, variant)
     model_class = AutoModel if key == "minilm-l6" else AutoModelForCausalLM
     model = model_class.from_pretrained(folder, dtype=torch_dtype, attn_implementation="eager",
                                         **kwargs)

@@ -1,4 +1,4 @@
-"""The run driver every experiment uses: one model identity, content-named batches, cached pieces.
+"""The run driver every experiment uses: one model identity, content-named batches, cached pieces, ranks.
 
 A long experiment is a loop over batches; each batch's results are a few DataFrames. The driver
 names each batch by its content (:func:`tensor_digest`), reads the batch's pieces back from the
@@ -7,11 +7,25 @@ result cache when a complete set exists, computes and stores them otherwise (the
 therefore resumes where it stopped, and a longer run over the same first batches reuses them.
 
 :func:`model_fingerprint` is the model's identity in every cache key.
+
+**Ranks.** Every document-level sweep maps its batches through :func:`shard_map` (directly, or through
+:func:`for_each_batch`). Under a ``torch.distributed`` launcher (``torchrun --nproc-per-node N``,
+``accelerate launch``, Slurm with ``srun torchrun``: ``WORLD_SIZE > 1``) each rank computes the batches
+``rank, rank + N, ...`` and the ranks exchange their results (``all_gather_object`` over a gloo group),
+so every rank returns the complete result in the single-process order, bit for bit the same as one
+single-threaded process. With ``$CWCORE_JOBS=N`` (``python -m cwcore.book build --jobs N``) and no
+launcher, a sweep forks N-1 single-thread helper ranks on this machine that join the calling process in
+a gloo group on localhost: the same path. :func:`launch_info` says how the process was started.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
+import sys
+import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -21,10 +35,11 @@ import torch
 from torch import nn
 
 from .cache import ResultCache
-from .core.inputs import check_inputs
+from .core.inputs import InputError, InputTypeError, check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
 
-__all__ = ["PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
-           "model_fingerprint", "progress", "tensor_digest"]
+__all__ = ["JOBS_ENV_VAR", "PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
+           "is_main_rank", "launch_info", "local_jobs", "model_fingerprint", "progress", "shard_map", "tensor_digest",
+           "world"]
 
 _SAMPLES_PER_PARAMETER = 4096
 
@@ -74,23 +89,6 @@ def tensor_digest(*values: Any) -> str:
     return digest.hexdigest()[:20]
 
 
-def check_count(value, argument: str, *, minimum: int = 1, allow_none: bool = False) -> int | None:
-    """An experiment's count option (``batch_size``, ``num_sequences``, ...) as an int >= ``minimum``;
-    ``TypeError``/``ValueError`` naming ``argument`` otherwise (``None`` passes when ``allow_none``)."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{argument} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{argument} must be at least {minimum}, got {value}")
-    return int(value)
-
-
-def check_batch_size(batch_size) -> int:
-    """``batch_size`` as an int >= 1 (a float, a string or 0 are refused with one sentence)."""
-    return check_count(batch_size, "batch_size")
-
-
 def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: str = "input_ids",
                        caller: str = "the experiment") -> torch.Tensor:
     """Token blocks an experiment runs on, as a ``[sequence, token]`` integer tensor: at least one
@@ -100,9 +98,9 @@ def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: s
         return check_inputs(model, {"input_ids": input_ids}, caller=caller)["input_ids"]
     ids = torch.as_tensor(input_ids)
     if ids.ndim != 2 or ids.numel() == 0:
-        raise ValueError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
+        raise InputError(f"{caller}: {argument} must be a non-empty [sequence, token] block, got shape {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-        raise TypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
+        raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}")
     return ids
 
 
@@ -168,7 +166,7 @@ class _NoBar:
 
 def progress(total: int | None, desc: str, unit: str = "batch", enabled: bool = True, **kwargs):
     """A tqdm progress bar (notebook or terminal, :mod:`tqdm.auto`), or a silent stand-in."""
-    if not enabled:
+    if not enabled or not is_main_rank():
         return _NoBar()
     from tqdm.auto import tqdm
 
@@ -186,18 +184,264 @@ def for_each_batch(
     show_progress: bool = True,
 ) -> Iterator[tuple[Any, dict[str, pd.DataFrame]]]:
     """For each batch, ``(batch, frames)``: read from ``store`` under ``key(batch)`` when complete,
-    otherwise ``compute(batch)`` (a dict of DataFrames) and stored. One progress bar over the batches."""
+    otherwise ``compute(batch)`` (a dict of DataFrames) and stored. One progress bar over the batches.
+
+    With ranks (:func:`shard_map`) each rank reads or computes its share and every rank yields every
+    batch, in order."""
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
+
+    def one(batch) -> dict[str, pd.DataFrame]:
+        name = key(batch)
+        frames = store.get_group(name)
+        if frames is None:
+            frames = dict(compute(batch))
+            store.put_group(name, frames)
+        return frames
+
+    if world() is not None or local_jobs() > 1:
+        batches = list(batches)
+        bar = progress(len(batches), desc or store.namespace, "batch", show_progress)
+        try:
+            results = shard_map(batches, one, progress=bar)
+        finally:
+            bar.close()
+        yield from zip(batches, results)
+        return
     bar = progress(total, desc or store.namespace, "batch", show_progress)
     try:
         for batch in batches:
-            name = key(batch)
-            frames = store.get_group(name)
-            if frames is None:
-                frames = dict(compute(batch))
-                store.put_group(name, frames)
+            frames = one(batch)
             bar.update(1)
             yield batch, frames
     finally:
         bar.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Ranks: one sweep's batches split over the processes of a torch.distributed group
+# --------------------------------------------------------------------------------------------------
+#: ``N > 1``: sweeps run on N single-thread ranks of this machine (forked helpers) when no launcher is used
+JOBS_ENV_VAR = "CWCORE_JOBS"
+#: how long a rank waits for the others (a sweep's share can take hours): ``$CWCORE_RANK_TIMEOUT`` seconds
+RANK_TIMEOUT_ENV_VAR = "CWCORE_RANK_TIMEOUT"
+_DEFAULT_RANK_TIMEOUT = 24 * 3600
+
+_inside_shard = False  # a sweep inside a sharded map runs whole on its rank (no nested sharding)
+_object_group = None  # the gloo group results travel through (the default group may be nccl)
+
+
+def _timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get(RANK_TIMEOUT_ENV_VAR, _DEFAULT_RANK_TIMEOUT)))
+
+
+def local_jobs() -> int:
+    """``$CWCORE_JOBS`` as an int (1 when unset): how many single-thread ranks a sweep forks here."""
+    value = os.environ.get(JOBS_ENV_VAR, "").strip()
+    if not value:
+        return 1
+    try:
+        jobs = int(value)
+    except ValueError:
+        raise ValueError(f"${JOBS_ENV_VAR} must be a whole number of ranks, got {value!r}") from None
+    if jobs < 1:
+        raise ValueError(f"${JOBS_ENV_VAR} must be at least 1, got {jobs}")
+    return jobs
+
+
+def world() -> tuple[int, int] | None:
+    """``(rank, world size)`` of the torch.distributed group this process belongs to, or None when it
+    runs alone (or inside a sharded map). A launcher's environment (``WORLD_SIZE > 1``, ``RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) starts the group on first use: gloo on CPU, nccl for CUDA tensors."""
+    if _inside_shard:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    if not dist.is_initialized():
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return None
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=_timeout())
+    if dist.get_world_size() <= 1:
+        return None
+    return dist.get_rank(), dist.get_world_size()
+
+
+def is_main_rank() -> bool:
+    """True on rank 0 and when there are no ranks: the process that writes files and shows progress."""
+    if _helper_rank:
+        return False
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank() == 0
+    except (ImportError, RuntimeError):
+        pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+_helper_rank = False  # a forked helper of $CWCORE_JOBS (never the main rank)
+
+
+def launch_info() -> dict:
+    """How this process was started, for provenance: ``launcher`` (``torchrun``, ``accelerate``, ``slurm``,
+    ``jobs`` for ``$CWCORE_JOBS``, ``single``), ``world_size``, ``rank``, ``backend`` and ``jobs``."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    size = dist.get_world_size() if initialized else int(os.environ.get("WORLD_SIZE", "1"))
+    rank = dist.get_rank() if initialized else int(os.environ.get("RANK", "0"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        launcher = "torchrun"
+    elif any(name.startswith("ACCELERATE_") for name in os.environ):
+        launcher = "accelerate"
+    elif "SLURM_JOB_ID" in os.environ and size > 1:
+        launcher = "slurm"
+    elif local_jobs() > 1:
+        launcher, size = "jobs", local_jobs()
+    else:
+        launcher = "single"
+    backend = str(dist.get_backend()) if initialized else ("gloo" if launcher == "jobs" else None)
+    return {"launcher": launcher, "world_size": size, "rank": rank, "backend": backend, "jobs": local_jobs()}
+
+
+class _Failure:
+    """What a rank sends instead of its results when its share failed (the others raise it too)."""
+
+    def __init__(self, rank: int, error: BaseException):
+        self.rank = rank
+        self.text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        self.error = error
+
+
+def _gather_map(items: list, compute: Callable, rank: int, size: int, group, bar) -> list:
+    import torch.distributed as dist
+
+    global _inside_shard
+    _inside_shard = True
+    mine: dict[int, Any] | _Failure = {}
+    try:
+        for i in range(rank, len(items), size):
+            mine[i] = compute(items[i])
+            bar.update(size if i + size <= len(items) else len(items) - i)
+    except Exception as err:  # the other ranks must not wait for a share that never comes
+        mine = _Failure(rank, err)
+    finally:
+        _inside_shard = False
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, mine, group=group)
+    for part in gathered:
+        if isinstance(part, _Failure):
+            if part.rank == rank:
+                raise part.error
+            raise RuntimeError(f"rank {part.rank} of {size} failed in a sharded sweep:\n{part.text}")
+    merged: dict[int, Any] = {}
+    for part in gathered:
+        merged.update(part)
+    return [merged[i] for i in range(len(items))]
+
+
+def _objects_group():
+    """A gloo group over every rank (the default group itself when it is gloo)."""
+    global _object_group
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    if _object_group is None:
+        _object_group = dist.new_group(backend="gloo")
+    return _object_group
+
+
+def shard_map(items: Iterable[Any], compute: Callable[[Any], Any], *, progress=None) -> list:
+    """``[compute(item) for item in items]``, split over ranks when there are any (see the module's
+    docstring): rank r computes items r, r + N, ...; every rank returns the full list, in order.
+
+    Every rank must call it with the same items (the same program on the same data). ``compute``'s
+    results travel pickled; a failure on one rank raises on every rank."""
+    items = list(items)
+    bar = progress if progress is not None else _NoBar()
+    ranks = world()
+    if ranks is not None:
+        return _gather_map(items, compute, *ranks, _objects_group(), bar)
+    jobs = min(local_jobs(), len(items))
+    if jobs > 1 and not _inside_shard:
+        return _forked_map(items, compute, jobs, bar)
+    out = []
+    for item in items:
+        out.append(compute(item))
+        bar.update(1)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _helper(rank: int, size: int, address: str, items: list, compute: Callable) -> None:
+    """A forked rank: join the group, compute its share, hand it over, leave without cleanup."""
+    global _helper_rank
+    import torch.distributed as dist
+
+    status = 1
+    try:
+        _helper_rank = True
+        torch.set_num_threads(1)
+        try:  # bars inherited from the parent stay silent here
+            from tqdm import tqdm
+
+            for bar in list(getattr(tqdm, "_instances", ())):
+                bar.disable = True
+        except ImportError:
+            pass
+        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size, timeout=_timeout())
+        _gather_map(items, compute, rank, size, None, _NoBar())
+        dist.destroy_process_group()
+        status = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
+    """:func:`shard_map` over ``jobs`` ranks of this machine: this process is rank 0, the others are
+    forked from it (they share its model and data), every rank single-threaded."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError(f"${JOBS_ENV_VAR} forks CPU ranks and CUDA is initialised in this process; on GPUs "
+                           "launch one process per GPU instead: torchrun --nproc-per-node N <script>")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(f"${JOBS_ENV_VAR} cannot fork ranks inside a process group of one rank; unset it")
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    context = multiprocessing.get_context("fork")
+    helpers = [context.Process(target=_helper, args=(rank, jobs, address, items, compute), daemon=True)
+               for rank in range(1, jobs)]
+    for helper in helpers:
+        helper.start()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=address, rank=0, world_size=jobs, timeout=_timeout())
+        try:
+            return _gather_map(items, compute, 0, jobs, None, bar)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(threads)
+        for helper in helpers:
+            helper.join(timeout=60)
+            if helper.is_alive():
+                helper.kill()

@@ -41,6 +41,7 @@ from scipy import integrate, stats as _scipy_stats
 __all__ = [
     "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "MIN_CLUSTERS", "NEGLIGIBLE", "NOT_MEASURED", "VERDICTS",
     "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_all", "combine_verdicts",
+    "crossed_bootstrap_ci",
     "detectable_from_interval", "holm", "sign_flip_p",
     "min_detectable_effect", "paired_bootstrap_ci", "percentile_interval", "resample_indices", "share_ci", "spearman_ci",
     "trapezoid_mean", "verdict", "wilson_ci",
@@ -209,6 +210,28 @@ def percentile_interval(replicates: np.ndarray, confidence: float = 0.95) -> tup
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns give NaN
         return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100 - tail, axis=0)
+
+
+def crossed_bootstrap_ci(values, *, n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> Interval:
+    """Mean of ``values [units, replicates]`` (e.g. documents x seeds of a random control) with a percentile
+    interval that resamples both factors: each resample draws the units and, independently, the
+    replicates with replacement (the documents from :func:`resample_indices` with ``seed``, the
+    replicates with ``seed + 1``) and averages the crossed cells, so the spread between replicates is in
+    the interval as well as the spread between units. NaN with fewer than two units; one replicate gives
+    the units-only bootstrap."""
+    _check_confidence(confidence)
+    matrix = np.asarray(values, dtype=float)
+    if matrix.ndim != 2:
+        raise ValueError(f"values must be [units, replicates], got shape {matrix.shape}")
+    estimate = float(np.nanmean(matrix)) if matrix.size else _NAN
+    units, replicates = matrix.shape
+    if units < 2 or replicates < 1:
+        return Interval(estimate, _NAN, _NAN)
+    rows = resample_indices(units, n_resamples, seed)
+    cols = resample_indices(replicates, n_resamples, seed + 1)
+    draws = np.array([np.nanmean(matrix[r][:, c]) for r, c in zip(rows, cols)])
+    low, high = percentile_interval(draws, confidence)
+    return Interval(estimate, float(low), float(high))
 
 
 def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: str | Sequence[str] = (), *,

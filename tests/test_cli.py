@@ -151,7 +151,7 @@ TEXT = "pizza 🍕 in 東京, très bien"
 
 
 def test_token_labels_show_every_character_of_multi_byte_text():
-    from cwcore.data import token_labels
+    from cwcore.tokens import token_labels
 
     tokenizer = byte_tokenizer()
     ids = tokenizer(TEXT).input_ids

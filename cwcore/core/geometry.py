@@ -45,20 +45,61 @@ class HeadSpaceGeometry:
     decomposition keeps one attention-sized tensor per layer (``attention``) and reading a weight adds one.
     """
 
-    def __init__(self, attention, value_norm, head_output_norm, output_norm, intra_dot=None, inter_dot=None,
-                 output=None, *, values=None, mixed=None, w_o=None):
+    def __init__(self, attention, value_norm=None, head_output_norm=None, output_norm=None, intra_dot=None,
+                 inter_dot=None, output=None, *, values=None, mixed=None, w_o=None):
         self.attention = attention
-        self.value_norm = value_norm
-        self.head_output_norm = head_output_norm
-        self.output_norm = output_norm
         self.output = output
         self.values, self.mixed, self.w_o = values, mixed, w_o
+        # the norms left None are computed from values/mixed/output when first read (a forward that
+        # records every layer pays for them only where they are used); assigning one replaces it
+        self._value_norm, self._head_output_norm, self._output_norm = value_norm, head_output_norm, output_norm
         self._intra_dot, self._inter_dot = intra_dot, inter_dot
+        self._gram = None
 
     @property
     def gram(self) -> torch.Tensor:
         """G_h = W_O^h^T W_O^h ``[head, head_dim, head_dim]``."""
-        return self.w_o.transpose(1, 2) @ self.w_o
+        if self._gram is None:
+            self._gram = self.w_o.transpose(1, 2) @ self.w_o
+        return self._gram
+
+    @staticmethod
+    def _gram_norm(vectors: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
+        """||W_O^h x|| = sqrt(x^T G_h x) for head-space vectors ``[batch, head, n, head_dim]``."""
+        return ((vectors @ gram) * vectors).sum(-1).clamp_min(0).sqrt()
+
+    @property
+    def value_norm(self) -> torch.Tensor:
+        """||v~_j|| ``[batch, head, key]``."""
+        if self._value_norm is None:
+            self._value_norm = self._gram_norm(self.values, self.gram)
+        return self._value_norm
+
+    @value_norm.setter
+    def value_norm(self, value: torch.Tensor) -> None:
+        self._value_norm = value
+
+    @property
+    def head_output_norm(self) -> torch.Tensor:
+        """||o^h_i|| ``[batch, head, query]``."""
+        if self._head_output_norm is None:
+            self._head_output_norm = self._gram_norm(self.mixed, self.gram)
+        return self._head_output_norm
+
+    @head_output_norm.setter
+    def head_output_norm(self, value: torch.Tensor) -> None:
+        self._head_output_norm = value
+
+    @property
+    def output_norm(self) -> torch.Tensor:
+        """||o_i|| ``[batch, query]``."""
+        if self._output_norm is None:
+            self._output_norm = self.output.norm(dim=-1)
+        return self._output_norm
+
+    @output_norm.setter
+    def output_norm(self, value: torch.Tensor) -> None:
+        self._output_norm = value
 
     @property
     def intra_dot(self) -> torch.Tensor:
@@ -114,7 +155,7 @@ class HeadSpaceGeometry:
             return None if t is None else t.to(*args, **kwargs)
 
         return HeadSpaceGeometry(
-            move(self.attention), move(self.value_norm), move(self.head_output_norm), move(self.output_norm),
+            move(self.attention), move(self._value_norm), move(self._head_output_norm), move(self._output_norm),
             move(self._intra_dot), move(self._inter_dot), move(self.output),
             values=move(self.values), mixed=move(self.mixed), w_o=move(self.w_o),
         )
@@ -131,17 +172,14 @@ def head_space_geometry(
     repeated for grouped-query attention, bias included); w_o: ``[head, model, head_dim]``.
     All inputs must share one floating dtype (float32 or float64).
     """
-    gram = w_o.transpose(1, 2) @ w_o  # [head, head_dim, head_dim]; symmetric
-    value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt()
     mixed = attention @ values  # z^h_i: [b, h, q, d]
-    head_output_norm = ((mixed @ gram) * mixed).sum(-1).clamp_min(0).sqrt()
     batch, heads, queries, head_dim = mixed.shape
     # o_i without bias: the output projection's own product ([query, head * head_dim] x W_O^T), not a
     # batched einsum that copies W_O into head-major order
     weight = w_o.permute(1, 0, 2).reshape(w_o.shape[1], heads * head_dim)
     output = mixed.transpose(1, 2).reshape(batch, queries, heads * head_dim) @ weight.T
-    return HeadSpaceGeometry(attention, value_norm, head_output_norm, output.norm(dim=-1), output=output,
-                             values=values, mixed=mixed, w_o=w_o)
+    # the norms ||v~_j||, ||o^h_i||, ||o_i|| are computed when first read
+    return HeadSpaceGeometry(attention, output=output, values=values, mixed=mixed, w_o=w_o)
 
 
 def naive_geometry(attention: torch.Tensor, values: torch.Tensor, w_o: torch.Tensor) -> HeadSpaceGeometry:

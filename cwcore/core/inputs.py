@@ -10,12 +10,38 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
+import numbers
 from typing import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["check_inputs", "check_layers", "check_compute_dtype", "check_mask", "context_length"]
+__all__ = [
+    "InputError", "InputIndexError", "InputTypeError", "check_attention_mask", "check_batch_size",
+    "check_compute_dtype", "check_count", "check_finite_scores", "check_fraction", "check_inputs", "check_layers",
+    "check_mask", "check_not_empty", "check_ratios", "check_sweep_arguments", "check_targets", "check_texts",
+    "check_token_sequences", "context_length", "finite_scores",
+]
+
+
+class InputError(ValueError):
+    """An input a public entry point refuses; the message is one sentence naming the argument, what it
+    got and what it accepts. A ``ValueError`` (the subclasses are also ``TypeError``/``IndexError``), so
+    code that caught the built-in errors before keeps working."""
+
+
+class InputTypeError(InputError, TypeError):
+    """An input of the wrong type (float token ids, a string where a number belongs)."""
+
+
+class InputIndexError(InputError, IndexError):
+    """A layer, head or token id outside what the model has."""
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 # keywords transformers' models accept through **kwargs (TransformersKwargs) or under older names
 _GENERAL_KEYWORDS = {
@@ -54,11 +80,11 @@ def _as_2d(name: str, value, caller: str) -> torch.Tensor:
         try:
             value = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"{caller}: {name} must be a tensor of token ids, got {type(value).__name__}") from None
+            raise InputTypeError(f"{caller}: {name} must be a tensor of token ids, got {type(value).__name__}") from None
     if value.ndim == 1:
         value = value[None]  # one sequence: a batch of one
     if value.ndim != 2:
-        raise ValueError(f"{caller}: {name} must be [batch, sequence] (or one sequence), got shape {tuple(value.shape)}")
+        raise InputError(f"{caller}: {name} must be [batch, sequence] (or one sequence), got shape {tuple(value.shape)}")
     return value
 
 
@@ -83,43 +109,41 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
         for name in unknown:
             close = difflib.get_close_matches(name, sorted(accepted), n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise TypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
+        raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
                         f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")
     inputs = dict(inputs)
     ids = inputs.get("input_ids")
     if ids is not None:
         ids = _as_2d("input_ids", ids, caller)
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
-            raise TypeError(f"{caller}: input_ids must be integer token ids, got {ids.dtype}; "
+            raise InputTypeError(f"{caller}: input_ids must be integer token ids, got {ids.dtype}; "
                             "use tokenizer(..., return_tensors='pt') or ids.long()")
         if ids.numel() == 0:
-            raise ValueError(f"{caller}: input_ids is empty (shape {tuple(ids.shape)}): give at least one token")
+            raise InputError(f"{caller}: input_ids is empty (shape {tuple(ids.shape)}): give at least one token")
         vocabulary = _vocabulary_size(model)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or (vocabulary is not None and high >= vocabulary):
-            raise ValueError(f"{caller}: input_ids must lie in [0, {vocabulary}) for this model's vocabulary, "
+            raise InputError(f"{caller}: input_ids must lie in [0, {vocabulary}) for this model's vocabulary, "
                              f"got values from {low} to {high}")
-        inputs["input_ids"] = ids
+        inputs["input_ids"] = ids if ids.dtype == torch.long else ids.long()  # int16/uint8 ids: the embedding takes long
     mask = inputs.get("attention_mask")
     reference = ids if ids is not None else inputs.get("inputs_embeds")
     if mask is not None and reference is not None:
-        mask = _as_2d("attention_mask", mask, caller)
         cached = _cached_length(inputs)
-        with_cache = (reference.shape[0], cached + reference.shape[1])
-        if cached and tuple(mask.shape) != with_cache:
-            raise ValueError(f"{caller}: attention_mask has shape {tuple(mask.shape)} but with {cached} cached tokens "
-                             f"and inputs of {tuple(reference.shape[:2])} it must be {with_cache} [batch, cached + "
-                             "sequence]")
-        if not cached and tuple(mask.shape) != tuple(reference.shape[:2]):
-            raise ValueError(f"{caller}: attention_mask has shape {tuple(mask.shape)} but the inputs are "
-                             f"{tuple(reference.shape[:2])} [batch, sequence]; they must match")
-        if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"{caller}: attention_mask must hold 0 (padding) and 1 (token) only")
-        inputs["attention_mask"] = mask
+        if cached:
+            mask = _as_2d("attention_mask", mask, caller)
+            with_cache = (reference.shape[0], cached + reference.shape[1])
+            if tuple(mask.shape) != with_cache:
+                raise InputError(f"{caller}: attention_mask has shape {tuple(mask.shape)} but with {cached} cached "
+                                 f"tokens and inputs of {tuple(reference.shape[:2])} it must be {with_cache} [batch, "
+                                 "cached + sequence]")
+            inputs["attention_mask"] = check_attention_mask(mask, with_cache, caller=caller)
+        else:
+            inputs["attention_mask"] = check_attention_mask(mask, reference.shape[:2], caller=caller)
     limit = context_length(model)
     if reference is not None and limit is not None and reference.shape[1] > limit:
         if not truncate:
-            raise ValueError(f"{caller}: the input has {reference.shape[1]} tokens but {type(model).__name__} was built "
+            raise InputError(f"{caller}: the input has {reference.shape[1]} tokens but {type(model).__name__} was built "
                              f"for at most {limit}; shorten it (tokenizer(..., truncation=True, max_length={limit})) "
                              "or pass truncate=True to keep the first tokens")
         for name in ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "position_ids"):
@@ -128,21 +152,33 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
     return inputs
 
 
-def check_layers(layers, num_layers: int, *, argument: str = "layers") -> list[int]:
-    """``layers`` (a layer number, an iterable of them, or None for all) as a sorted list of valid layers."""
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_layers(layers, num_layers: int, *, argument: str = "layers", allow_empty: bool = True) -> list[int]:
+    """``layers`` (a layer number, an iterable of them, or None for all) as a sorted list of valid layers.
+
+    ``allow_empty=False`` (the experiments: an empty list would measure nothing) refuses ``[]``."""
     if layers is None:
         return list(range(num_layers))
-    if isinstance(layers, bool) or isinstance(layers, (str, bytes, float)):
-        raise TypeError(f"{argument} must be a layer number, a list of layer numbers or None, got {layers!r}")
-    if isinstance(layers, int) or (isinstance(layers, torch.Tensor) and layers.ndim == 0):
-        layers = [int(layers)]
+    if isinstance(layers, bool) or isinstance(layers, (str, bytes, float)) or not (
+            _is_integer(layers) or isinstance(layers, torch.Tensor) or hasattr(layers, "__iter__")):
+        raise InputTypeError(f"{argument} must be a layer number, a list of layer numbers or None, got {_shown(layers)}")
+    if _is_integer(layers) or (isinstance(layers, torch.Tensor) and layers.ndim == 0):
+        layers = [layers]
     chosen = []
     for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise TypeError(f"{argument} must hold layer numbers (int), got {layer!r}")
+        if isinstance(layer, torch.Tensor) and layer.ndim == 0 and not layer.is_floating_point():
+            layer = int(layer)
+        if not _is_integer(layer):
+            raise InputTypeError(f"{argument} must hold layer numbers (int), got {_shown(layer)}")
         if not -num_layers <= layer < num_layers:
-            raise IndexError(f"{argument}: layer {layer} out of range, the model has {num_layers} attention layers")
-        chosen.append(layer % num_layers)
+            raise InputIndexError(f"{argument}: layer {layer} out of range, the model has {num_layers} attention "
+                                  f"layers (0..{num_layers - 1})")
+        chosen.append(int(layer) % num_layers)
+    if not chosen and not allow_empty:
+        raise InputError(f"{argument} is empty: give at least one layer number (0..{num_layers - 1}), or None for all")
     return sorted(set(chosen))
 
 
@@ -154,7 +190,7 @@ def check_compute_dtype(compute_dtype) -> torch.dtype:
             return _COMPUTE_DTYPES[name]
     elif compute_dtype in _COMPUTE_DTYPES.values():
         return compute_dtype
-    raise ValueError(f"compute_dtype must be torch.float32 or torch.float64 (or 'float32', 'float64'), "
+    raise InputError(f"compute_dtype must be torch.float32 or torch.float64 (or 'float32', 'float64'), "
                      f"got {compute_dtype!r}")
 
 
@@ -165,15 +201,249 @@ def check_mask(mask, shape: Iterable[int], layer: int) -> torch.Tensor:
     mask = torch.as_tensor(mask)
     if mask.dtype != torch.bool:
         if mask.dtype.is_floating_point or mask.is_complex():
-            raise TypeError(f"masks[{layer}] must be boolean (True = remove) or 0/1 integers, got {mask.dtype}")
+            raise InputTypeError(f"masks[{layer}] must be boolean (True = remove) or 0/1 integers, got {mask.dtype}")
         if not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"masks[{layer}] holds integers other than 0 and 1")
+            raise InputError(f"masks[{layer}] holds integers other than 0 and 1")
         mask = mask.bool()
     try:
         broadcast = torch.broadcast_shapes(tuple(mask.shape), shape)
     except RuntimeError:
         broadcast = None
     if broadcast != shape:
-        raise ValueError(f"masks[{layer}] has shape {tuple(mask.shape)}, which does not broadcast to layer {layer}'s "
+        raise InputError(f"masks[{layer}] has shape {tuple(mask.shape)}, which does not broadcast to layer {layer}'s "
                          f"[batch, head, query, key] = {list(shape)}")
     return mask
+
+
+# --------------------------------------------------------------------------------------------------
+# The experiments' arguments: counts, fractions, ratios, token sequences, masks, targets, scores.
+# Each entry point (faithfulness, the per-layer sweep, downstream tasks, intervene, logit attribution,
+# the sink analyses, the command lines) calls these, so one input is refused everywhere with one sentence.
+# --------------------------------------------------------------------------------------------------
+def check_count(value, argument: str, *, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """An experiment's count option (``batch_size``, ``num_sequences``, ``n_bootstrap``, ...) as an int
+    >= ``minimum`` (``None`` passes when ``allow_none``)."""
+    if value is None and allow_none:
+        return None
+    if not _is_integer(value):
+        raise InputTypeError(f"{argument} must be an integer of at least {minimum}, got {_shown(value)}")
+    if value < minimum:
+        raise InputError(f"{argument} must be at least {minimum}, got {value}")
+    return int(value)
+
+
+def check_batch_size(batch_size) -> int:
+    """``batch_size`` as an int >= 1 (a float, a string or 0 are refused with one sentence)."""
+    return check_count(batch_size, "batch_size")
+
+
+def check_fraction(value, argument: str, *, low: float = 0.0, high: float = 1.0, open_low: bool = False,
+                   open_high: bool = False) -> float:
+    """A finite number in ``[low, high]`` (ends excluded with ``open_low``/``open_high``): thresholds
+    such as the sinks' ``eps``, confidence levels, ratios."""
+    brackets = ("(" if open_low else "[") + f"{low:g}, {high:g}" + (")" if open_high else "]")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+            value = float(value)
+        else:
+            raise InputTypeError(f"{argument} must be a number in {brackets}, got {_shown(value)}")
+    value = float(value)
+    if not math.isfinite(value) or value < low or value > high or (open_low and value == low) or (
+            open_high and value == high):
+        raise InputError(f"{argument} must be a number in {brackets}, got {value!r}")
+    return value
+
+
+def check_ratios(values, default: Iterable[float] | None = None, *, argument: str = "ratios") -> list[float]:
+    """``values`` (a number, a list of them, or None = ``default``) as a sorted, deduplicated, non-empty
+    list of fractions in [0, 1]."""
+    if values is None:
+        if default is None:
+            raise InputError(f"{argument} must be given: a fraction in [0, 1] or a list of them")
+        values = default
+    if isinstance(values, (numbers.Real, str, bytes)) or (isinstance(values, torch.Tensor) and values.ndim == 0):
+        values = [values]
+    try:
+        items = list(values)
+    except TypeError:
+        raise InputTypeError(f"{argument} must be a fraction in [0, 1] or a list of them, got {_shown(values)}") from None
+    if not items:
+        raise InputError(f"{argument} is empty: give at least one fraction in [0, 1]")
+    return sorted({check_fraction(r, argument) for r in items})
+
+
+def _integer_ids(values, argument: str, caller: str) -> torch.Tensor:
+    """A tensor of token ids from ``values`` (a tensor, an array or a list), refusing non-integers."""
+    try:
+        ids = values if isinstance(values, torch.Tensor) else torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {type(values).__name__} "
+                             f"{_shown(values, 40)}") from None
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
+        raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}; "
+                             "use tokenizer(..., return_tensors='pt') or ids.long()")
+    return ids
+
+
+def check_token_sequences(sequences, model: nn.Module | None = None, *, argument: str = "texts",
+                          caller: str = "the experiment", min_length: int = 1) -> list[list[int]]:
+    """Token id sequences (lists of unequal length or rows of a tensor) as lists of ints: at least one
+    sequence, each of at least ``min_length`` tokens, integer ids inside ``model``'s vocabulary and no
+    longer than its context."""
+    if isinstance(sequences, torch.Tensor):
+        ids = _integer_ids(sequences, argument, caller)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2:
+            raise InputError(f"{caller}: {argument} must be [sequence, token] ids, got shape {tuple(ids.shape)}")
+        sequences = ids.tolist()
+    out = []
+    for row in sequences:
+        ids = _integer_ids(row, argument, caller)
+        if ids.ndim != 1:
+            raise InputError(f"{caller}: each sequence of {argument} must be a list of token ids, got shape "
+                             f"{tuple(ids.shape)}")
+        out.append([int(i) for i in ids.tolist()])
+    if not out:
+        raise InputError(f"{caller}: {argument} holds no sequence; give at least one")
+    shortest = min(len(s) for s in out)
+    if shortest < min_length:
+        raise InputError(f"{caller}: every sequence of {argument} needs at least {min_length} tokens, one has {shortest}")
+    if model is not None:
+        vocabulary = _vocabulary_size(model)
+        low, high = min(min(s) for s in out if s), max(max(s) for s in out if s)
+        if low < 0 or (vocabulary is not None and high >= vocabulary):
+            raise InputError(f"{caller}: token ids of {argument} must lie in [0, {vocabulary}) for this model's "
+                             f"vocabulary, got values from {low} to {high}")
+        limit = context_length(model)
+        longest = max(len(s) for s in out)
+        if limit is not None and longest > limit:
+            raise InputError(f"{caller}: a sequence of {argument} has {longest} tokens but {type(model).__name__} was "
+                             f"built for at most {limit}; shorten it (max_length=..., block_size=...)")
+    return out
+
+
+def check_attention_mask(mask, shape: Iterable[int] | None, *, caller: str = "decompose",
+                         argument: str = "attention_mask") -> torch.Tensor:
+    """A padding mask ``[batch, key]`` of ``shape`` (None: any) holding 0 (padding) and 1 (token) only."""
+    mask = _as_2d(argument, mask, caller)
+    shape = tuple(mask.shape) if shape is None else tuple(int(n) for n in shape)
+    if tuple(mask.shape) != shape:
+        raise InputError(f"{caller}: {argument} has shape {tuple(mask.shape)} but the inputs are {shape} "
+                         "[batch, sequence]; they must match")
+    if mask.is_complex() or not bool(((mask == 0) | (mask == 1)).all()):
+        raise InputError(f"{caller}: {argument} must hold 0 (padding) and 1 (token) only")
+    return mask
+
+
+def check_targets(targets, shape: Iterable[int], vocabulary: int | None, *, caller: str = "logit_attribution",
+                  argument: str = "targets") -> torch.Tensor:
+    """Target token ids broadcast to ``shape`` = ``[batch, query]``: one id for every position, or
+    ``[batch, query]`` ids, each in ``[0, vocabulary)`` (negative ids are refused, not counted from the end)."""
+    shape = tuple(int(n) for n in shape)
+    if isinstance(targets, bool) or (isinstance(targets, numbers.Real) and not _is_integer(targets)):
+        raise InputTypeError(f"{caller}: {argument} must be integer token ids, got {_shown(targets)}")
+    ids = _integer_ids(targets, argument, caller)
+    if ids.ndim == 1 and len(shape) == 2 and shape[0] == 1 and ids.shape[0] == shape[1]:
+        ids = ids[None]
+    if ids.ndim != 0 and tuple(ids.shape) != shape:
+        raise InputError(f"{caller}: {argument} has shape {tuple(ids.shape)}; give one id for every position or "
+                         f"[batch, query] = {list(shape)} ids")
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocabulary is not None and high >= vocabulary):
+            raise InputError(f"{caller}: {argument} must lie in [0, {vocabulary}) for this model's vocabulary, "
+                             f"got values from {low} to {high}")
+    return ids.expand(shape).clone() if ids.ndim == 0 else ids
+
+
+def check_finite_scores(scores: torch.Tensor, name: str, layer: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+    """``scores`` of a user's metric at ``layer``, refused when NaN or infinite where a query sees its
+    key (``visible``, broadcastable to the scores; default everywhere): a ranking of NaN is no ranking."""
+    values = scores if visible is None else scores.masked_select(torch.broadcast_to(visible, scores.shape))
+    if values.is_floating_point() and not bool(torch.isfinite(values).all()):
+        bad = int((~torch.isfinite(values)).sum())
+        raise InputError(f"metric {name!r} returned {bad} NaN or infinite score(s) at layer {layer}; a metric must "
+                         "return finite scores for every (head, query, key) a query can see")
+    return scores
+
+
+def finite_scores(fn):
+    """``fn`` (a user's metric, ``fn(layer_decomposition=..., **context)``) whose tensor results go
+    through :func:`check_finite_scores` at each layer; the signature is kept (``__wrapped__``)."""
+    import functools
+
+    name = getattr(fn, "__name__", type(fn).__name__)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        values = fn(*args, **kwargs)
+        decomposition = kwargs.get("layer_decomposition")
+        if isinstance(values, torch.Tensor) and decomposition is not None:
+            attention = decomposition.attention  # [batch, head, query, key]; 0 where a key is hidden
+            visible = attention.ne(0).any(1) if values.dim() == 3 else attention.ne(0)
+            if tuple(visible.shape) == tuple(values.shape):
+                check_finite_scores(values, name, kwargs.get("layer", decomposition.layer), visible)
+        return values
+
+    return checked
+
+
+def check_not_empty(value, argument: str, accepts: str):
+    """``value`` unless it is an empty list, tuple, set or dict (an experiment over nothing)."""
+    if isinstance(value, (list, tuple, set, frozenset, dict)) and not value:
+        raise InputError(f"{argument} is empty: give {accepts}")
+    return value
+
+
+def check_texts(texts, caller: str, argument: str = "texts"):
+    """The data an experiment reads, refused when it holds nothing or has the wrong shape (the
+    token ids themselves are checked by :func:`check_token_sequences` once tokenised)."""
+    if texts is None:
+        raise InputError(f"{caller}: {argument} is None; give strings, token ids or a data set")
+    if isinstance(texts, torch.Tensor) and texts.ndim not in (1, 2):
+        raise InputError(f"{caller}: {argument} as a tensor must be [sequence, token] ids, got shape {tuple(texts.shape)}")
+    if isinstance(texts, (list, tuple)) and not texts:
+        raise InputError(f"{caller}: {argument} holds no sequence; give at least one")
+    if hasattr(texts, "__len__") and hasattr(texts, "column_names") and len(texts) == 0:
+        raise InputError(f"{caller}: {argument} holds no sequence; give at least one")
+    columns = texts if isinstance(texts, dict) else texts if hasattr(texts, "column_names") else None
+    names = getattr(texts, "column_names", None) or (list(texts) if isinstance(texts, dict) else [])
+    if columns is not None and "input_ids" in names:  # ids and masks before padding is trimmed (no int() cut)
+        rows = columns["input_ids"]
+        rows = [rows] if isinstance(rows, torch.Tensor) and rows.ndim == 1 else rows
+        masks = columns["attention_mask"] if "attention_mask" in names else None
+        masks = [masks] if isinstance(masks, torch.Tensor) and masks.ndim == 1 else masks
+        if len(rows) == 0:
+            raise InputError(f"{caller}: {argument} holds no sequence; give at least one")
+        for i, row in enumerate(rows):
+            ids = _integer_ids(row, f"{argument}['input_ids']", caller)
+            if masks is not None:
+                check_attention_mask(masks[i], (1, ids.shape[-1]), caller=caller,
+                                     argument=f"{argument}['attention_mask'] of sequence {i}")
+    return texts
+
+
+def check_sweep_arguments(model: nn.Module, *, caller: str, metric=None, ratios=None, mode=None, layers=None,
+                          batch_size=1, n_bootstrap=1, confidence=0.95, padding_side="right") -> None:
+    """The arguments every faithfulness sweep shares (:func:`cwcore.faithfulness.faithfulness_curve`,
+    ``downstream_eval``, ``per_layer_curve``), checked before any work: non-empty metrics, modes and
+    ratios (fractions in [0, 1]), layers the model has (not an empty list), counts and the confidence."""
+    from .architectures import attention_blocks
+
+    check_not_empty(metric, "metric", "at least one metric (a name, a callable or precomputed scores), or None "
+                                      "for the defaults")
+    check_not_empty(mode, "mode", "'comprehensiveness', 'sufficiency', a list of them, or None for both")
+    if isinstance(mode, (list, tuple)) or isinstance(mode, str):
+        for m in [mode] if isinstance(mode, str) else mode:
+            if m not in ("comprehensiveness", "sufficiency"):
+                raise InputError(f"mode must be 'comprehensiveness' or 'sufficiency', got {_shown(m)}")
+    if ratios is not None:
+        check_ratios(ratios)
+    if layers is not None:
+        check_layers(layers, len(attention_blocks(model)), allow_empty=False)
+    check_batch_size(batch_size)
+    check_count(n_bootstrap, "n_bootstrap")
+    check_fraction(confidence, "confidence", open_low=True, open_high=True)
+    if padding_side not in ("left", "right"):
+        raise InputError(f"padding_side must be 'left' or 'right', got {_shown(padding_side)}")

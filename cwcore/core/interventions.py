@@ -15,7 +15,7 @@ from torch import nn
 from .architectures import attention_blocks
 from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention, default_compute_dtype
 from .decomposition import LayerDecomposition
-from .inputs import check_compute_dtype, check_layers, check_mask
+from .inputs import InputError, check_attention_mask, check_compute_dtype, check_layers, check_mask
 
 __all__ = ["LayerMask", "intervene", "removal"]
 
@@ -81,6 +81,10 @@ def intervene(
     if not isinstance(masks, Mapping):
         raise TypeError(f"masks must map layer numbers to masks, got {type(masks).__name__}")
     check_layers(list(masks), num_layers, argument="masks")
+    if any(isinstance(layer, int) and layer < 0 for layer in masks):  # -1 is the last layer, as in check_layers
+        if len({layer % num_layers for layer in masks}) < len(masks):
+            raise InputError("masks names one layer twice (a negative number and its positive twin)")
+        masks = {layer % num_layers: mask for layer, mask in masks.items()}
     for layer, mask in masks.items():  # wrong dtypes fail here; shapes are checked against each layer's call
         if not callable(mask):
             check_mask(mask, torch.as_tensor(mask).shape, layer)
@@ -92,9 +96,34 @@ def intervene(
     kept = {} if record is None else {layer: [keep] for layer in check_layers(record, num_layers, argument="record")}
     all_transforms = _merged({layer: [removal(mask)] for layer, mask in masks.items()}, transforms)
     all_observers = _merged(kept, observers)
+    if attention_mask is not None:
+        attention_mask = check_attention_mask(attention_mask, None, caller="intervene")
     key_valid = None if attention_mask is None else attention_mask.bool()
     session = AttentionSession(model, observers=all_observers, transforms=all_transforms, key_valid=key_valid,
                                compute_dtype=compute_dtype)
     session.recorded = recorded  # the decompositions of the ``record`` layers, filled by each forward
-    with cwcore_attention(model, session):
-        yield session
+    handle = None if key_valid is None else model.register_forward_pre_hook(_mask_fits(key_valid), with_kwargs=True)
+    try:
+        with cwcore_attention(model, session):
+            yield session
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _mask_fits(key_valid: torch.Tensor):
+    """A forward pre-hook refusing a forward whose tokens ``[batch, sequence]`` differ from intervene's
+    ``attention_mask`` (a mask that describes other tokens would be ignored, silently)."""
+
+    def check(module, args, kwargs):
+        if kwargs.get("past_key_values") is not None:
+            return None  # the keys include the cache: the mask's length is the cache's plus the new tokens'
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and tuple(tokens.shape[:2]) != tuple(key_valid.shape):
+            raise InputError(f"intervene: attention_mask has shape {tuple(key_valid.shape)} but the model was called "
+                             f"on inputs {tuple(tokens.shape[:2])} [batch, sequence]; they must match")
+        return None
+
+    return check

@@ -103,7 +103,7 @@ from .downstream import downstream_eval
 from .lm import faithfulness_curve
 from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, LADDER, MetricSpec, Protocol, parse_metric
 from .ranking import MODES, SCOPES, UNITS
-from .summary import aopc, ladder_comparison, method_pairs, summarize, summarize_downstream
+from .summary import aopc, ladder_comparison, method_pairs, random_baseline, summarize, summarize_downstream
 from .methods import available_methods, method_scores, register_method
 from . import evidence, methods
 
@@ -125,6 +125,7 @@ __all__ = [
     "aopc",
     "ladder_comparison",
     "method_pairs",
+    "random_baseline",
     "register_method",
     "available_methods",
     "method_scores",

@@ -4,4 +4,4 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+sys.exit(main())  # one line on stderr and status 2 for bad input (cwcore.cli.run_command)

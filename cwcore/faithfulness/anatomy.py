@@ -40,7 +40,8 @@ from .evidence import PROTOCOLS
 from .protocol import Protocol, as_protocol, modes as parse_modes, ranking_identity
 from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
-__all__ = ["MEASURES", "LADDER", "selection_anatomy", "layer_average", "explain_step"]
+__all__ = ["MEASURES", "LADDER", "STEPS", "selection_anatomy", "layer_average", "explain_step", "explain_held_out",
+           "held_out_from_committed"]
 
 MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
 LADDER = tuple(map(str, METRICS))
@@ -196,6 +197,77 @@ def explain_step(anatomy: pd.DataFrame, curves: pd.DataFrame, lower: str, higher
     return pd.DataFrame(rows)
 
 
+#: the ladder's three steps: the explained one (2->3) and its negative controls (1->2, 3->4)
+STEPS = tuple(zip(LADDER, LADDER[1:]))
+
+
+def _gaps(doc: pd.DataFrame, cv: pd.DataFrame, lower: str, higher: str, mode: str, ratio: float, measure: str):
+    """Per document: (measure gap, damage gap) of ``higher - lower`` at one mode and ratio."""
+    part = doc[(doc["mode"] == mode) & np.isclose(doc["ratio"], ratio)]
+    dmg = cv[(cv["mode"] == mode) & np.isclose(cv["ratio"], ratio)]
+    a = part.pivot_table(index="document", columns="metric", values=measure)
+    b = dmg.pivot_table(index="document", columns="metric", values="delta_nll")
+    if not {lower, higher} <= set(a.columns) or not {lower, higher} <= set(b.columns):
+        return None
+    return pd.DataFrame({"measure_gap": a[higher] - a[lower], "damage_gap": b[higher] - b[lower]}).dropna()
+
+
+def explain_held_out(anatomy: pd.DataFrame, curves: pd.DataFrame, steps=STEPS, *, measure: str = "output_shift",
+                     seed: int = 0, alpha: float = 0.05) -> pd.DataFrame:
+    """The explanation of :func:`explain_step` ("the step's damage gap follows its ``measure`` gap across
+    documents") fitted on half of the documents and tested on the other half, for the explained step and
+    its negative controls (default: all three ladder steps, 2->3 and the controls 1->2 and 3->4).
+
+    The documents are split once, at random with ``numpy.random.default_rng(seed)``, into a fit half and
+    a test half. For each step, mode and ratio: Spearman's rho over the fit half (``rho_fit``) selects the
+    cell when it is above 0 (the explanation's direction); on the test half, ``p_test`` is the one-sided
+    p-value of rho > 0 (:func:`scipy.stats.spearmanr`, ``alternative="greater"``; NaN for an unselected
+    cell). ``p_holm`` is Holm's adjustment (:func:`cwcore.stats.holm`) over *every* cell of the table
+    (unselected cells count as p = 1, so the family keeps its size: 3 steps x 2 modes x the ratios).
+    ``verdict``: holds when ``p_holm < alpha``, else inconclusive (not measured when a half has fewer
+    than three documents). The explanation is specific to its step when it holds there more often than
+    in the controls (``role``: ``explained`` / ``control``)."""
+    from scipy import stats as scipy_stats
+
+    doc = layer_average(anatomy) if "layer" in anatomy else anatomy
+    cv = curves.copy()
+    cv["metric"] = cv["metric"].str.replace(r"_(intra|inter)$", "", regex=True)
+    cv["delta_nll"] = cv["nll"] - cv["clean_nll"]
+    cv = cv.groupby(["metric", "mode", "ratio", "document"], sort=False)["delta_nll"].mean().reset_index()
+    documents = np.array(sorted(set(doc["document"]) & set(cv["document"])))
+    order = np.random.default_rng(seed).permutation(len(documents))
+    fit = set(documents[order[: len(documents) // 2]].tolist())
+    rows = []
+    cells = doc[["mode", "ratio"]].drop_duplicates().itertuples(index=False)
+    cells = list(cells)
+    for lower, higher in steps:
+        for mode, ratio in cells:
+            both = _gaps(doc, cv, lower, higher, mode, ratio, measure)
+            if both is None:
+                continue
+            in_fit = both.index.isin(list(fit))
+            a, b = both[in_fit], both[~in_fit]
+            row = {"lower": lower, "higher": higher, "role": "explained" if (lower, higher) == STEPS[1] else "control",
+                   "mode": mode, "ratio": float(ratio), "measure": measure, "n_fit": len(a), "n_test": len(b),
+                   "rho_fit": np.nan, "selected": False, "rho_test": np.nan, "p_test": np.nan}
+            if len(a) >= 3 and len(b) >= 3:
+                row["rho_fit"] = float(scipy_stats.spearmanr(a["measure_gap"], a["damage_gap"]).statistic)
+                row["selected"] = bool(row["rho_fit"] > 0)
+                test = scipy_stats.spearmanr(b["measure_gap"], b["damage_gap"], alternative="greater")
+                row["rho_test"] = float(test.statistic)
+                if row["selected"]:
+                    row["p_test"] = float(test.pvalue)
+            rows.append(row)
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    table["p_holm"] = stats.holm(table["p_test"].to_numpy())
+    measured = (table["n_fit"] >= 3) & (table["n_test"] >= 3)
+    table["verdict"] = np.where(~measured, stats.NOT_MEASURED,
+                                np.where(table["p_holm"] < alpha, stats.HOLDS, stats.INCONCLUSIVE))
+    return table.assign(seed=seed, n_tests=len(table), unit="document")
+
+
 # -- the committed evidence: python -m cwcore.faithfulness.anatomy ----------------------------------
 def evidence_files(model_name: str, data: str, documents: int, per_document_csv, out, *, ratios=None,
                    modes: Sequence[str] = MODES, seq_len: int = 128, seed: int = 0, batch_size: int = 8,
@@ -270,3 +342,17 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def held_out_from_committed(model_name: str, data: str, evidence_dir=None, *, seed: int = 0) -> pd.DataFrame:
+    """:func:`explain_held_out` of the committed evidence (no model run): the layer averages of
+    ``anatomy_<model>_<data>.csv`` and the per-head, signed rows of ``per_document_<model>_<data>.csv.gz``
+    in ``evidence_dir`` (default ``data/results/evidence`` of this checkout)."""
+    from pathlib import Path
+
+    root = Path(evidence_dir) if evidence_dir is not None else Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+    stem = f"{model_name.replace('/', '_')}_{data}"
+    layer_avg = pd.read_csv(root / f"anatomy_{stem}.csv")
+    rows = pd.read_csv(root / f"per_document_{stem}.csv.gz")
+    rows = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed")]
+    return explain_held_out(layer_avg, rows, seed=seed).assign(model=model_name, data=data)

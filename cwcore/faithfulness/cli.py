@@ -15,9 +15,12 @@ from typing import Sequence
 import torch
 
 from .. import data, models
+from ..cache import write_csv
+from ..core.architectures import attention_blocks
+from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
 from .downstream import downstream_eval
 from .lm import faithfulness_curve
-from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, Protocol
+from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, Protocol, modes as parse_modes, specs as parse_specs
 from .ranking import MODES, SCOPES, UNITS
 from .summary import aopc, ladder_comparison, summarize, summarize_downstream
 
@@ -31,7 +34,14 @@ def _slug(name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the sweeps named on the command line (``argv``, default ``sys.argv[1:]``); returns 0."""
+    """Run the sweeps named on the command line (``argv``, default ``sys.argv[1:]``); returns the exit
+    status: 0, 2 for bad input (one line on stderr), 1 for a bug (``--debug``: the traceback)."""
+    from ..cli import debug_requested, run_command
+
+    return run_command("python -m cwcore.faithfulness", lambda: _main(argv), debug_requested(argv))
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m cwcore.faithfulness",
         description="Faithfulness sweeps (comprehensiveness / sufficiency) written as tidy CSVs.")
@@ -66,10 +76,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="data/results/")
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     args = parser.parse_args(argv)
+    # everything that can be checked without the model, before loading it (one sentence each)
+    check_ratios(args.ratios, argument="--ratios")
+    if args.downstream_ratios is not None:
+        check_ratios(args.downstream_ratios, argument="--downstream-ratios")
+    parse_specs(args.metrics, args.kind)
+    parse_modes(args.modes)
+    check_batch_size(args.batch_size)
+    for name in ("num_sequences", "block_size", "num_examples", "max_length", "n_bootstrap"):
+        check_count(getattr(args, name), "--" + name.replace("_", "-"), minimum=2 if name == "block_size" else 1)
 
     torch.manual_seed(args.seed)
     model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    if args.layers is not None:
+        check_layers(args.layers, len(attention_blocks(model)), argument="--layers", allow_empty=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_{_slug(args.tag)}" if args.tag else ""
@@ -94,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for prefix, frame in (("faithfulness", curve), ("aopc", area), ("ladder", ladder)):
             frame.insert(0, "data", name)
             frame.insert(0, "model", common["model"])
-            path = out / f"{prefix}_{stem}.csv"
-            frame.to_csv(path, index=False, float_format="%.6g")
+            path = write_csv(frame, out / f"{prefix}_{stem}.csv", index=False, float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     if tasks:
         per_example = downstream_eval(model, tokenizer, tasks, args.metrics, args.downstream_ratios or args.ratios,
@@ -107,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ladder = ladder_comparison(per_example, n_bootstrap=args.n_bootstrap, seed=args.seed)
         for prefix, frame in (("downstream", summary), ("downstream_aopc", area), ("downstream_ladder", ladder)):
             frame.insert(0, "model", args.model)
-            path = out / f"{prefix}_{_slug(args.model)}{tag}.csv"
-            frame.to_csv(path, index=False, float_format="%.6g")
+            path = write_csv(frame, out / f"{prefix}_{_slug(args.model)}{tag}.csv", index=False,
+                             float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
 from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
@@ -125,7 +126,15 @@ def downstream_eval(
     nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy,
     clean_ppl, ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples).
     """
+    check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode,
+                          layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
+                          confidence=confidence)
+    check_count(num_examples, "num_examples", allow_none=True)
+    check_count(max_length, "max_length", minimum=2, allow_none=True)
+    check_texts(check_not_empty(dataset, "dataset", "a task name, a list of them or a multiple-choice Dataset"),
+                "downstream_eval", "dataset")
     protocol = as_protocol(protocol, **protocol_keywords)
+    check_sweep_arguments(model, caller="downstream_eval", layers=protocol.layers)  # a protocol object's layers too
     if isinstance(dataset, (list, tuple)):
         frames = [downstream_eval(model, tokenizer, d, metric, ratios, mode, task=None, num_examples=num_examples,
                                   data_seed=data_seed, max_length=max_length, batch_size=batch_size,

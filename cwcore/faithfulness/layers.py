@@ -24,10 +24,12 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks
+from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .ranking import removal_mask
 from .summary import aopc
+from ..runs import shard_map
 from .sweep import Sweep, canonical_order, pad_batch, piece_store
 
 __all__ = ["decoder_layers", "skip_to", "per_layer_curve", "per_layer_aopc", "forward_equivalents"]
@@ -93,18 +95,21 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     named by the batch's content), so an interrupted run resumes and a longer one reuses its batches.
     ``protocol`` (or its fields as keywords, as in ``faithfulness_curve``): clean scores and all layers
     ranked (``layers`` here picks where to intervene), so ``scores="live"`` or ``protocol.layers`` are refused."""
+    check_sweep_arguments(model, caller="per_layer_curve", metric=metric, ratios=ratios, mode=mode, layers=layers,
+                          batch_size=batch_size, padding_side=padding_side)
     protocol = as_protocol(protocol, **protocol_keywords)
     if protocol.scores != "clean" or protocol.layers is not None:
         raise ValueError("per-layer interventions rank on clean scores in every layer: use scores='clean', "
                          "layers=None in the protocol (the layers argument picks where to intervene)")
     kind, seed, scope = protocol.kind, protocol.seed, protocol.scope
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
-    sequences = _lm_sequences(texts, tokenizer, max_length)
+    sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length),
+                                      model, caller="per_layer_curve", min_length=2)
     documents = _documents(texts, len(sequences))
     pad = pad_id(tokenizer)
     stack = decoder_layers(model)
     n_layers = len(stack)
-    chosen = list(range(n_layers)) if layers is None else sorted({int(l) for l in layers})
+    chosen = check_layers(layers, n_layers, allow_empty=False)
     batches = [pad_batch(i // batch_size, sequences[i:i + batch_size],
                          list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side)
                for i in range(0, len(sequences), batch_size)]
@@ -114,43 +119,47 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
         "padding_side": padding_side}, model, cache, cache_dir)
     sweep = Sweep(model, specs, modes, ratio_list, protocol, None, progress, len(batches))
     scorer = _lm_scorer({b.index: sweep.candidate_terms(b) for b in batches})
-    frames = []
-    try:
-        for batch in batches:
-            stored = None if store is None else store.get_group(f"{batch.digest}-per-layer")
-            if stored is not None:
-                frames.append(stored["rows"])
-                continue
-            first = len(frames)
-            candidates = sweep.candidates(batch)
-            outputs, handles = _record_outputs(stack)
-            try:
-                logits, buckets, _ = sweep.clean_pass(batch, specs, candidates)
-            finally:
-                for h in handles:
-                    h.remove()
-            clean = scorer(logits, batch, torch.zeros(batch.input_ids.shape[0], dtype=torch.long))
-            del logits
-            layer_scope = scope == "layer"
-            for layer in chosen:
-                for spec in specs:
-                    for m in modes:
-                        for ratio in ratio_list:
-                            if ratio == 0:
-                                frame = clean.copy()
-                            else:
-                                t = sweep.nonzero.index(ratio)
-                                bucket = buckets[spec.label][layer][m]
-                                mask = removal_mask(bucket, t, candidates[layer] if layer_scope else None)
-                                # a mask shared by the heads ([b, 1, q, k]) removes the term from each head
-                                removed = mask.flatten(1).sum(-1).long() * (sweep.heads // mask.shape[1])
-                                with skip_to(stack, layer, outputs):
-                                    logits = sweep._forward(batch, {layer: mask})
-                                frame = scorer(logits, batch, removed)
-                            frames.append(frame.assign(metric=spec.label, kind=spec.kind, mode=m, ratio=ratio,
-                                                       layer=layer, clean_nll=clean["nll"].to_numpy()))
-            if store is not None:
-                store.put_group(f"{batch.digest}-per-layer", {"rows": pd.concat(frames[first:], ignore_index=True)})
+    layer_scope = scope == "layer"
+
+    def one(batch) -> pd.DataFrame:
+        """Every (layer, metric, mode, ratio) row of one batch, read from the store or computed."""
+        stored = None if store is None else store.get_group(f"{batch.digest}-per-layer")
+        if stored is not None:
+            return stored["rows"]
+        frames = []
+        candidates = sweep.candidates(batch)
+        outputs, handles = _record_outputs(stack)
+        try:
+            logits, buckets, _ = sweep.clean_pass(batch, specs, candidates)
+        finally:
+            for h in handles:
+                h.remove()
+        clean = scorer(logits, batch, torch.zeros(batch.input_ids.shape[0], dtype=torch.long))
+        del logits
+        for layer in chosen:
+            for spec in specs:
+                for m in modes:
+                    for ratio in ratio_list:
+                        if ratio == 0:
+                            frame = clean.copy()
+                        else:
+                            t = sweep.nonzero.index(ratio)
+                            bucket = buckets[spec.label][layer][m]
+                            mask = removal_mask(bucket, t, candidates[layer] if layer_scope else None)
+                            # a mask shared by the heads ([b, 1, q, k]) removes the term from each head
+                            removed = mask.flatten(1).sum(-1).long() * (sweep.heads // mask.shape[1])
+                            with skip_to(stack, layer, outputs):
+                                logits = sweep._forward(batch, {layer: mask})
+                            frame = scorer(logits, batch, removed)
+                        frames.append(frame.assign(metric=spec.label, kind=spec.kind, mode=m, ratio=ratio,
+                                                   layer=layer, clean_nll=clean["nll"].to_numpy()))
+        rows = pd.concat(frames, ignore_index=True)
+        if store is not None:
+            store.put_group(f"{batch.digest}-per-layer", {"rows": rows})
+        return rows
+
+    try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
+        frames = shard_map(batches, one)
     finally:
         sweep.close()
     table = pd.concat(frames, ignore_index=True)

@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from ..core.inputs import check_sweep_arguments, check_texts, check_token_sequences
 from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
 from .summary import summarize
 from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep
@@ -161,11 +162,16 @@ def faithfulness_curve(
     n_sequences`` plus the protocol columns (``unit, scope, scores, keep_first_token, importance,
     layers, variant``: :meth:`Protocol.columns`). ``removed_fraction`` is the share of all candidate terms (head, query, key) removed.
     """
+    check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode,
+                          layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
+                          confidence=confidence, padding_side=padding_side)
     protocol = as_protocol(protocol, **protocol_keywords)
+    check_sweep_arguments(model, caller="faithfulness_curve", layers=protocol.layers)  # a protocol object's layers too
     specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)
     if padding_side not in ("left", "right"):
         raise ValueError("padding_side must be 'left' or 'right'")
-    sequences = _lm_sequences(texts, tokenizer, max_length)
+    sequences = check_token_sequences(_lm_sequences(check_texts(texts, "faithfulness_curve"), tokenizer, max_length),
+                                      model, caller="faithfulness_curve", min_length=2)
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("every sequence needs at least two tokens (one next-token prediction)")
     pad = pad_id(tokenizer)

@@ -30,7 +30,8 @@ import pandas as pd
 from .. import stats
 from .protocol import LADDER, Protocol, same_ranking
 
-__all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "method_pairs", "curve_mean"]
+__all__ = ["summarize", "summarize_downstream", "aopc", "ladder_comparison", "method_pairs", "curve_mean",
+           "random_baseline"]
 
 _GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "scores", "keep_first_token",
                   "importance", "layers", "variant")
@@ -331,4 +332,46 @@ def ladder_comparison(
                          "mde": stats.min_detectable_effect(sd, len(units)), "r_max": float(frame["ratio"].max())})
             if n_permutations:
                 rows[-1]["p"] = stats.sign_flip_p(b - a, n_resamples=n_permutations, seed=seed)
+    return pd.DataFrame(rows)
+
+
+def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribution",), value: str = "delta_nll",
+                    prefix: str = "random_s", n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
+                    max_ratio: float | None = None) -> pd.DataFrame:
+    """The random control over several seeds (metrics labelled ``<prefix><seed>``, e.g. from
+    :func:`~cwcore.faithfulness.methods.random_controls`), with the seed spread in the interval.
+
+    Per mode (and protocol group): the AOPC of every (document, seed) cell; ``metric="random"`` rows give
+    its mean with :func:`cwcore.stats.crossed_bootstrap_ci` (documents and seeds resampled together),
+    ``seed_sd`` (the standard deviation of the seeds' mean AOPCs) and ``n_seeds``; one row per metric of
+    ``against`` gives ``difference`` = AOPC(metric) - AOPC(random) over the same crossed resamples, with
+    the ladder's verdict rule (above 0 for comprehensiveness, below for sufficiency)."""
+    frame = _with_deltas(_in_range(per_unit, max_ratio))
+    unit = _unit_column(frame)
+    keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
+    rows = []
+    for key, group in frame.groupby(keys, sort=False, dropna=False):
+        base = dict(zip(keys, key))
+        seeded = [m for m in dict.fromkeys(group["metric"]) if m.startswith(prefix)]
+        if not seeded:
+            continue
+        areas = {}
+        for metric in seeded + [m for m in against if m in set(group["metric"])]:
+            (r, units, matrix), = _per_unit_curves(group[group["metric"] == metric], value, ["metric"]).values()
+            areas[metric] = pd.Series(curve_mean(r, matrix), index=units)
+        noise = pd.concat([areas[m] for m in seeded], axis=1).to_numpy()  # [documents, seeds]
+        side = "above" if base.get("mode") == "comprehensiveness" else "below"
+        ci = stats.crossed_bootstrap_ci(noise, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
+        common = {"value": value, "n": noise.shape[0], "sample_unit": unit, "n_seeds": noise.shape[1],
+                  "seeds": ",".join(m[len(prefix):] for m in seeded), "r_max": float(frame["ratio"].max())}
+        rows.append({**base, "metric": "random", "aopc": ci.estimate, "ci_low": ci.low, "ci_high": ci.high,
+                     "seed_sd": float(np.std(noise.mean(0), ddof=1)) if noise.shape[1] > 1 else np.nan, **common})
+        for metric in against:
+            if metric not in areas:
+                continue
+            gap = areas[metric].to_numpy()[:, None] - noise  # [documents, seeds]
+            d = stats.crossed_bootstrap_ci(gap, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
+            rows.append({**base, "metric": metric, "aopc": float(areas[metric].mean()), "difference": d.estimate,
+                         "ci_low": d.low, "ci_high": d.high,
+                         "verdict": stats.verdict(d.low, d.high, threshold=0.0, side=side), **common})
     return pd.DataFrame(rows)

@@ -23,7 +23,7 @@ from torch import nn
 from ..core.architectures import attention_blocks
 from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
 from ..core.interventions import intervene, removal
-from ..runs import PieceStore, tensor_digest
+from ..runs import PieceStore, shard_map, tensor_digest
 from ..runs import progress as progress_bar
 from .methods import get_method, scoring
 from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
@@ -294,9 +294,8 @@ def run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batche
     sweep.deduplicate = deduplicate
     scorer = make_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     frames, cleans = [], []
-    try:
-        for batch in batches:
-            clean, points = sweep.run(batch, scorer)
+    try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
+        for clean, points in shard_map(batches, lambda batch: sweep.run(batch, scorer)):
             cleans.append(clean)
             frames.extend(points)
     finally:

@@ -1,10 +1,10 @@
 """The value geometry of attention sinks (PAPER.md section 6), as five analyses returning tidy tables.
 
-Every analysis has the same signature::
-
-    analysis(model, tokenizer, data, *, block_size=128, num_sequences=None, add_bos=None,
-             batch_size=8, seed=0, cache=True, cache_root=None, progress=True, compute_dtype=float32,
-             <analysis options>)
+Every analysis has the same signature, ``analysis(model, tokenizer, data, **options)``: its own options
+and the run options (``block_size=128, num_sequences=None, add_bos=None, batch_size=8, cache=True,
+cache_root=None, progress=True, compute_dtype=float32``), all fields of one frozen dataclass,
+:class:`SinkOptions`, where each option is declared once with its default and its check (``eps`` must
+be a finite number in (0, 1), ...); ``help(cwcore.sinks.sink_rates)`` lists a function's options.
 
 ``data`` is text (a :class:`datasets.Dataset` with a ``text`` column or an iterable of strings, cut
 into ``num_sequences`` blocks of ``block_size`` tokens by :func:`cwcore.data.lm_blocks`, with a BOS
@@ -16,7 +16,7 @@ Conventions shared by all analyses:
 
 * The **sink** is key position 0 (the BOS token when one is prepended, otherwise the first text
   token): :data:`cwcore.sinks.engine.SINK_POSITION`, carried to every collector as
-  ``_LayerState.sink_position``. It is the paper's reading, and it is checked rather than assumed:
+  ``LayerState.sink_position``. It is the paper's reading, and it is checked rather than assumed:
   :func:`sink_rates` reports per head which key position takes the most attention, the strongest later
   key, and the attention each token class receives (BOS/first token, special, newline, punctuation,
   word) against uniform causal attention. **Tail** tokens are keys 1..i of query i.
@@ -43,13 +43,14 @@ cache as the single functions). The analyses observe each layer through
 :class:`cwcore.core.attention.AttentionSession` (observers read, transforms remove terms or
 renormalise rows for ``sink_renorm``); see :mod:`cwcore.sinks.engine`.
 
-Layout: :mod:`~cwcore.sinks.engine` (blocks, layer state, registry, batch loop), one module per
+Layout: :mod:`~cwcore.sinks.engine` (the extension interface: options, blocks, layer state, registry,
+batch loop; its docstring says how to write an analysis), one module per
 analysis (:mod:`~cwcore.sinks.rates`, :mod:`~cwcore.sinks.decomposition`,
 :mod:`~cwcore.sinks.anti_alignment`, :mod:`~cwcore.sinks.convexity`,
 :mod:`~cwcore.sinks.semantic_cone`: each one registered :class:`~cwcore.sinks.engine.Analysis` with
-its collector, tables, summary rows and claims), :mod:`~cwcore.sinks.analyses` (the registry's
-order, :func:`run_analyses`), :mod:`~cwcore.sinks.claims` (the chapters' claims tables),
-:mod:`~cwcore.sinks.intervals` (the old interval and verdict names over :mod:`cwcore.stats`),
+its collector, tables, summary rows, claims and options), :mod:`~cwcore.sinks.analyses` (the registry's
+order, :class:`SinkOptions`, :func:`run_analyses`), :mod:`~cwcore.sinks.claims` (the chapters' claims tables),
+:mod:`~cwcore.sinks.intervals` (the claim rows and the intervals they read, over :mod:`cwcore.stats`),
 :mod:`~cwcore.sinks.summary` and :mod:`~cwcore.sinks.cli`.
 
 The command line runs all five on a named model and data set and writes small CSVs
@@ -60,15 +61,14 @@ The command line runs all five on a named model and data set and writes small CS
 
 from __future__ import annotations
 
-from .analyses import ANALYSES, run_analyses
+from .analyses import ANALYSES, SinkOptions, run_analyses
 from . import suppression
 from .anti_alignment import anti_alignment, layer_profile
 from .cli import main
 from .convexity import ConvexityTables, convexity, vertex_intervals
 from .decomposition import DecompositionTables, sink_decomposition
 from .engine import model_fingerprint, token_blocks
-from .intervals import (SequenceBootstrap, UNMEASURED, bootstrap_ci, combine_verdicts, sequence_bootstrap, share_ci,
-                        spearman_ci, verdict)
+from .intervals import UNMEASURED, combine_verdicts, share_ci, verdict
 from .rates import sink_rates
 from .semantic_cone import CONDITIONS, SemanticConeTables, cone_points, semantic_cone
 from .summary import summarize
@@ -79,20 +79,17 @@ __all__ = [
     "ConvexityTables",
     "DecompositionTables",
     "SemanticConeTables",
-    "SequenceBootstrap",
+    "SinkOptions",
     "UNMEASURED",
     "anti_alignment",
-    "bootstrap_ci",
     "combine_verdicts",
     "cone_points",
     "convexity",
     "model_fingerprint",
     "semantic_cone",
     "sink_decomposition",
-    "sequence_bootstrap",
     "share_ci",
     "sink_rates",
-    "spearman_ci",
     "summarize",
     "token_blocks",
     "verdict",

@@ -1,17 +1,19 @@
-"""The registered analyses, in order, and :func:`run_analyses` (several analyses, one forward pass per batch).
+"""The registered analyses, in order, their options (:class:`SinkOptions`) and :func:`run_analyses`
+(several analyses, one forward pass per batch).
 
 Importing this module registers the five analyses; a new analysis is a new module
-``cwcore/sinks/<name>.py`` ending in ``register(Analysis(...))`` plus its name in the import below.
+``cwcore/sinks/<name>.py`` ending in ``register(Analysis(...))`` (with its :class:`~cwcore.sinks.engine.Option` s)
+plus its name in :data:`_MODULES`: its options join :class:`SinkOptions`, :func:`run_analyses` and the
+command line by themselves.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Iterable
 
-import torch
-
-from .engine import _COMMON, REGISTRY, _run
+from .engine import REGISTRY, collect, options_class
 
 # importing the analysis modules registers them, in this order (the order of ANALYSES, of the CSVs,
 # of the summary rows and of the claims); by name, because the package rebinds some of these names
@@ -20,42 +22,22 @@ _MODULES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_c
 for _name in _MODULES:
     importlib.import_module(f"{__package__}.{_name}")
 
-__all__ = ["ANALYSES", "run_analyses"]
+__all__ = ["ANALYSES", "SinkOptions", "run_analyses"]
 
 #: the names of the registered analyses
 ANALYSES = tuple(REGISTRY)
 
+#: Every option of the registered analyses and of the run, each declared once by the module that uses
+#: it (eps by :data:`cwcore.sinks.engine.EPS`), checked when the object is made: a frozen dataclass.
+SinkOptions = options_class()
 
-def run_analyses(
-    model,
-    tokenizer,
-    data,
-    analyses: Iterable[str] = ANALYSES,
-    *,
-    eps: float = 0.3,
-    kind: str = "intra",
-    quantile_sample: int = 128,
-    sample_size: int = 2000,
-    bins: int = 10,
-    fit_on: str = "norm",
-    min_range: float = 0.05,
-    heads: str = "all",
-    threshold: float = 0.3,
-    quantiles: int = 5,
-    block_size: int = 128,
-    num_sequences: int | None = None,
-    add_bos: bool | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-    cache: bool = True,
-    cache_root=None,
-    progress: bool = True,
-    compute_dtype: torch.dtype = torch.float32,
-    raw: bool = False,
-    precompute: Iterable[str] = (),
-) -> dict:
-    """Several analyses sharing one clean forward pass per batch; options as in the single functions.
 
+def run_analyses(model, tokenizer, data, analyses: Iterable[str] = ANALYSES, options: SinkOptions | None = None, *,
+                 raw: bool = False, precompute: Iterable[str] = (), **keywords) -> dict:
+    """Several analyses sharing one clean forward pass per batch.
+
+    ``options``: a :class:`SinkOptions` (default: all defaults); ``keywords``: any of its fields, which
+    replace those of ``options`` (a name that is not a field is refused, a value out of range too).
     Returns ``{name: result}`` with the results of :func:`sink_rates` (``rates``),
     :func:`sink_decomposition`, :func:`anti_alignment`, :func:`convexity` and :func:`semantic_cone`,
     equal to what those functions return (they share the cache: calling one afterwards reads it).
@@ -74,19 +56,16 @@ def run_analyses(
     unknown = sorted((set(analyses) | set(precompute)) - set(REGISTRY))
     if unknown:
         raise ValueError(f"unknown analyses {unknown}; choose from {', '.join(REGISTRY)}")
-    if kind not in ("intra", "inter"):
-        raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
-    if heads not in ("all", "sink"):
-        raise ValueError(f"heads must be 'all' or 'sink', not {heads!r}")
-    if fit_on not in ("norm", "squared_norm"):
-        raise ValueError(f"fit_on must be 'norm' or 'squared_norm', not {fit_on!r}")
-    common = {k: v for k, v in locals().items() if k in _COMMON}
-    options = dict(eps=eps, kind=kind, quantile_sample=quantile_sample, sample_size=sample_size, bins=bins,
-                   fit_on=fit_on, min_range=min_range, heads=heads, threshold=threshold, quantiles=quantiles,
-                   seed=seed)
-    parts, blocks = _run(model, tokenizer, data, [REGISTRY[a].spec(options) for a in analyses + precompute],
-                         **common)
-    results = {name: REGISTRY[name].tables(parts[name], blocks, **options) for name in analyses}
+    fields = {f.name for f in dataclasses.fields(SinkOptions)}
+    wrong = sorted(set(keywords) - fields)
+    if wrong:
+        raise TypeError(f"run_analyses takes no option {', '.join(map(repr, wrong))}; the options are "
+                        f"{', '.join(sorted(fields))}")
+    checked = dataclasses.replace(options, **keywords) if options is not None else SinkOptions(**keywords)
+    every = {name: getattr(checked, name) for name in fields if name not in checked.run_options()}
+    parts, blocks = collect(model, tokenizer, data, [REGISTRY[a].spec(every) for a in analyses + precompute],
+                            **checked.run_options())
+    results = {name: REGISTRY[name].tables(parts[name], blocks, **every) for name in analyses}
     if raw:
         results["raw"] = {name: parts[name] for name in analyses}
     return results

@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
+from .engine import EPS, Analysis, Collector, concat, flat, grid_columns, register
 from .. import stats
-from .intervals import claim_row, no_sink_heads, spearman_ci, too_few_layers
+from .intervals import claim_row, no_sink_heads, too_few_layers
 
 __all__ = ["ANTI_ALIGNMENT", "TREND", "anti_alignment", "layer_profile"]
 
@@ -59,68 +59,26 @@ class _AntiAlignmentCollector(Collector):
         semantic_c = semantic - tail_mass[..., None] * mean
         rest_c = rest - (tail_mass - a_key)[..., None] * mean
         q = slice(p + 1, None)
-        cols = _grid((b, h, T - 1 - p), ("sequence", "head", "position"), {"sequence": self.start, "position": p + 1})
+        cols = grid_columns((b, h, T - 1 - p), ("sequence", "head", "position"), {"sequence": self.start, "position": p + 1})
 
         def per_row(x):  # [b, h] -> one value per row
-            return np.repeat(_np(x), T - 1 - p)
+            return np.repeat(flat(x), T - 1 - p)
 
         self.rows.append(pd.DataFrame({
             "layer": np.full(b * h * (T - 1 - p), s.layer, np.int32), **cols,
-            "alpha0": _np(s.probs[:, :, q, p]), "cos_value": _np(cos_vv[..., q]),
-            "cos_semantic": _np(cos_vs[..., q]),
-            "key": _np(key[..., q]).astype(np.int32), "cos_key": _np(cos(v_key, rest, alone)[..., q]),
-            "cos_key_literal": _np(cos(v_key, semantic)[..., q]),
-            "cos_semantic_centred": _np(cos((sink_value - mean).expand_as(semantic), semantic_c)[..., q]),
-            "cos_key_centred": _np(cos(v_key - mean, rest_c, alone)[..., q]),
+            "alpha0": flat(s.probs[:, :, q, p]), "cos_value": flat(cos_vv[..., q]),
+            "cos_semantic": flat(cos_vs[..., q]),
+            "key": flat(key[..., q]).astype(np.int32), "cos_key": flat(cos(v_key, rest, alone)[..., q]),
+            "cos_key_literal": flat(cos(v_key, semantic)[..., q]),
+            "cos_semantic_centred": flat(cos((sink_value - mean).expand_as(semantic), semantic_c)[..., q]),
+            "cos_key_centred": flat(cos(v_key - mean, rest_c, alone)[..., q]),
             "cos_axis": per_row(cos_axis),
             "sink_value_norm": per_row(norms[..., p]), "relative_sink_value_norm": per_row(norms[..., p] / tail_median),
         }))
         self.layers.append((s.layer, getattr(s, "layer_type", "global")))
 
     def finish(self, logits):
-        return {"points": _concat(self.rows), "layers": pd.DataFrame(self.layers, columns=["layer", "layer_type"])}
-
-
-def anti_alignment(
-    model,
-    tokenizer,
-    data,
-    *,
-    eps: float = 0.3,
-    block_size: int = 128,
-    num_sequences: int | None = None,
-    add_bos: bool | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-    cache: bool = True,
-    cache_root=None,
-    progress: bool = True,
-    compute_dtype: torch.dtype = torch.float32,
-) -> pd.DataFrame:
-    """Per (layer, head): does the sink's projected value point against the others?
-
-    Per sequence and head: ``cos(v~_0, v~_j)`` for every key j >= 1; ``cos(v~_0, s_i)`` for every query
-    i >= 1, with s_i = sum_{j>0} alpha_ij v~_j the head's non-sink ("semantic") output component;
-    ``cos(v~_0, m)`` with m = mean_{j>=1} v~_j the semantic mean of the sequence. Baselines, per query
-    i >= 1: ``cos(v~_k, s_i - alpha_ik v~_k)`` for one key k drawn uniformly from the non-sink keys the
-    query sees (alpha_ik > 0; column ``key``): a random non-sink key against the rest of the semantic
-    component, as the sink is against s_i, which excludes it (NaN when k is the only such key;
-    ``cos_key_literal``: against s_i itself, which contains k's own term), and both cosines on *centred*
-    values (m subtracted from every value: cos(v~_0 - m, s_i - (1 - a_i) m) and the key's likewise).
-    One row per (layer, head): ``sink_rate`` (mean alpha_i0, queries >= 1), ``is_sink_head`` (> eps),
-    ``cos_value_mean``/``_median``/``_frac_negative`` (over keys and sequences),
-    ``cos_semantic_mean``/``_median``/``_frac_negative`` (over queries and sequences; queries whose s_i is
-    zero are skipped), ``cos_semantic_weighted`` (the same mean weighted by alpha_i0 (1 - alpha_i0): the
-    queries where both components matter), ``cos_axis_mean`` (over sequences), ``sink_value_norm`` (mean
-    of ||v~_0||) and ``relative_sink_value_norm`` (||v~_0|| / median_j ||v~_j||, mean over sequences),
-    ``cos_key_mean``, ``cos_key_literal_mean``, ``cos_semantic_centred_mean``, ``cos_key_centred_mean``
-    (means over queries and sequences), ``contrast`` = ``cos_semantic_mean - cos_key_mean`` (the sink
-    against a random key; below 0: the sink is more anti-aligned than an ordinary token),
-    ``contrast_centred`` likewise on centred values, and ``layer_type`` (sliding / global).
-    """
-    del seed
-    common = {k: v for k, v in locals().items() if k in _COMMON}
-    return run_one("anti_alignment", model, tokenizer, data, {"eps": eps}, common)
+        return {"points": concat(self.rows), "layers": pd.DataFrame(self.layers, columns=["layer", "layer_type"])}
 
 
 def _anti_alignment_table(points: pd.DataFrame, eps: float, layers: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -181,7 +139,7 @@ def _summary(tables: dict, add) -> None:
 
 
 def layer_profile(points: pd.DataFrame, table: pd.DataFrame, columns=("cos_semantic", "cos_key"), *,
-                  sink_only: bool = False, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+                  sink_only: bool = False, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Per layer: the mean of ``columns`` over its heads' queries (all heads, or only sink heads), with
     95% intervals resampling whole sequences (documents), plus ``<first>_minus_<second>`` (a paired
     contrast of the first two columns), ``n_heads``, ``n_sink_heads`` and ``layer_type``."""
@@ -192,7 +150,7 @@ def layer_profile(points: pd.DataFrame, table: pd.DataFrame, columns=("cos_seman
         points = points[keep]
     if not len(points):
         return pd.DataFrame(columns=["layer", "layer_type", "n_heads", "n_sink_heads", *columns])
-    boot = stats.cluster_bootstrap(points, columns, "layer", cluster="sequence", n_resamples=n_bootstrap, seed=seed)
+    boot = stats.cluster_bootstrap(points, columns, "layer", cluster="sequence", n_resamples=n_resamples, seed=seed)
     out = boot.table.copy()
     if len(columns) >= 2:
         name = f"{columns[0]}_minus_{columns[1]}"
@@ -209,7 +167,7 @@ def layer_profile(points: pd.DataFrame, table: pd.DataFrame, columns=("cos_seman
     return out
 
 
-def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0, eps: float = 0.3) -> list[dict]:
+def _claim_rows(anti_alignment: pd.DataFrame, n_resamples: int = 1000, seed: int = 0, eps: float = 0.3) -> list[dict]:
     """Medians over sink heads of the mean cosines below 0, the sink against a random non-sink key (the
     mean over sink heads of ``contrast`` below 0) and both on centred values; intervals by the cluster
     bootstrap over layers (heads of one layer are not independent), with one row per layer type
@@ -222,7 +180,7 @@ def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int
         table["layer_type"] = "global"
     sink_aa = table[table["is_sink_head"].astype(bool)]
     why = no_sink_heads(eps)
-    boot = dict(n_bootstrap=n_bootstrap, seed=seed, why=why)
+    boot = dict(n_resamples=n_resamples, seed=seed, why=why)
 
     def pooled(column, claim, part, text, key, statistic="median"):
         if column not in table:
@@ -243,11 +201,11 @@ def _claim_rows(anti_alignment: pd.DataFrame, n_bootstrap: int = 1000, seed: int
                 "median over sink heads of mean cos(ṽ₀ − m, sᵢ − (1 − aᵢ)m)", "cos_semantic_centred"),
         *pooled("contrast_centred", centred, "centred: sink more anti-aligned than a random key",
                 "mean over sink heads of the centred contrast", "contrast_centred", "mean"),
-        *trend_rows(table, n_bootstrap, seed),
+        *trend_rows(table, n_resamples, seed),
     ]
 
 
-def trend_rows(table: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> list[dict]:
+def trend_rows(table: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> list[dict]:
     """The trend "more sink, more anti-aligned": Spearman rho(sink rate, mean cos(ṽ₀, sᵢ)) over all heads
     below 0, the interval resampling whole layers (heads of one layer cluster); on a model with two layer
     types, one more claim per type (``"<TREND> [<type> layers]"``, key ``rho_semantic@<type>``)."""
@@ -262,15 +220,44 @@ def trend_rows(table: pd.DataFrame, n_bootstrap: int = 1000, seed: int = 0) -> l
         claim, key = (TREND, "rho_semantic") if scope == "all" else (f"{TREND} [{scope} layers]", f"rho_semantic@{scope}")
         rows.append(claim_row(6, claim, "rank correlation over all heads",
                               f"Spearman ρ(sink rate, mean cos(ṽ₀, sᵢ)) (cluster bootstrap by layer, {n_layers} layers)",
-                              key, spearman_ci(part["sink_rate"], part["cos_semantic_mean"], clusters=part["layer"],
-                                               n_bootstrap=n_bootstrap, seed=seed), 0.0, "below", len(part),
+                              key, stats.spearman_ci(part["sink_rate"], part["cos_semantic_mean"], clusters=part["layer"],
+                                               n_resamples=n_resamples, seed=seed), 0.0, "below", len(part),
                               too_few_layers(n_layers), unit="layer", n_units=n_layers))
     return rows
 
 
-def _claims(results, *, n_bootstrap: int, seed: int, eps: float = 0.3, **_) -> list[dict]:
-    return _claim_rows(results["anti_alignment"], n_bootstrap, seed, eps)
+def _claims(results, *, n_resamples: int, seed: int, eps: float = 0.3, **_) -> list[dict]:
+    return _claim_rows(results["anti_alignment"], n_resamples, seed, eps)
 
 
 ANALYSIS = register(Analysis("anti_alignment", _AntiAlignmentCollector, _tables, stems=("anti_alignment",),
-                             summary=_summary, claims=_claims))
+                             summary=_summary, claims=_claims, options=(EPS,)))
+
+
+@ANALYSIS.public
+def anti_alignment(model, tokenizer, data, **options) -> pd.DataFrame:
+    """Per (layer, head): does the sink's projected value point against the others?
+
+    Per sequence and head: ``cos(v~_0, v~_j)`` for every key j >= 1; ``cos(v~_0, s_i)`` for every query
+    i >= 1, with s_i = sum_{j>0} alpha_ij v~_j the head's non-sink ("semantic") output component;
+    ``cos(v~_0, m)`` with m = mean_{j>=1} v~_j the semantic mean of the sequence. Baselines, per query
+    i >= 1: ``cos(v~_k, s_i - alpha_ik v~_k)`` for one key k drawn uniformly from the non-sink keys the
+    query sees (alpha_ik > 0; column ``key``): a random non-sink key against the rest of the semantic
+    component, as the sink is against s_i, which excludes it (NaN when k is the only such key;
+    ``cos_key_literal``: against s_i itself, which contains k's own term), and both cosines on *centred*
+    values (m subtracted from every value: cos(v~_0 - m, s_i - (1 - a_i) m) and the key's likewise).
+    One row per (layer, head): ``sink_rate`` (mean alpha_i0, queries >= 1), ``is_sink_head`` (> eps),
+    ``cos_value_mean``/``_median``/``_frac_negative`` (over keys and sequences),
+    ``cos_semantic_mean``/``_median``/``_frac_negative`` (over queries and sequences; queries whose s_i is
+    zero are skipped), ``cos_semantic_weighted`` (the same mean weighted by alpha_i0 (1 - alpha_i0): the
+    queries where both components matter), ``cos_axis_mean`` (over sequences), ``sink_value_norm`` (mean
+    of ||v~_0||) and ``relative_sink_value_norm`` (||v~_0|| / median_j ||v~_j||, mean over sequences),
+    ``cos_key_mean``, ``cos_key_literal_mean``, ``cos_semantic_centred_mean``, ``cos_key_centred_mean``
+    (means over queries and sequences), ``contrast`` = ``cos_semantic_mean - cos_key_mean`` (the sink
+    against a random key; below 0: the sink is more anti-aligned than an ordinary token),
+    ``contrast_centred`` likewise on centred values, and ``layer_type`` (sliding / global).
+
+    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
+    cache_root, progress, compute_dtype).
+    """
+

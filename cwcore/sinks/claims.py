@@ -108,7 +108,7 @@ def display(claims: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
 
 
 def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3,
-                      n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+                      n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 6: anti-alignment (medians over sink heads below 0, bootstrap over heads), its trend with
     the sink rate (Spearman rho below 0), suppression (pooled share of shortened outputs above 0.5) and
     convexity (shares of fitted heads with an interior minimum, and with it inside the observed range,
@@ -117,14 +117,14 @@ def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: 
     ``anti_alignment``: :func:`cwcore.sinks.anti_alignment`'s table; ``fits``/``points``: see
     :func:`pooled_suppression`.
     """
-    return claims_frame(_anti_alignment_rows(anti_alignment, n_bootstrap, seed, eps)
-                        + _convexity_rows(fits, points, eps, n_bootstrap, seed))
+    return claims_frame(_anti_alignment_rows(anti_alignment, n_resamples, seed, eps)
+                        + _convexity_rows(fits, points, eps, n_resamples, seed))
 
 
-def rate_claims(rates: pd.DataFrame, eps: float = 0.3, n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+def rate_claims(rates: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 5's claims on the sink rates ("many heads are sink heads", Wilson and by layer; "the sink is
     position 0"), see :func:`cwcore.sinks.rates.rate_claim_rows`."""
-    return claims_frame(rate_claim_rows(rates, eps, n_bootstrap=n_bootstrap, seed=seed))
+    return claims_frame(rate_claim_rows(rates, eps, n_resamples=n_resamples, seed=seed))
 
 
 def for_data(claims: pd.DataFrame, data: str) -> pd.DataFrame:
@@ -143,12 +143,12 @@ def stack_data(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
                                                            ignore_index=True)
 
 
-def all_claims(results: Mapping, eps: float = 0.3, quantiles: int = 5, n_bootstrap: int = 1000,
+def all_claims(results: Mapping, eps: float = 0.3, quantiles: int = 5, n_resamples: int = 1000,
                seed: int = 0) -> pd.DataFrame:
     """Every sink claim of chapters 5-7 from ``run_analyses(model, ..., ANALYSES, raw=True)``'s results:
     the claims of every registered analysis, in registration order."""
     rows = []
     for analysis in REGISTRY.values():
         if analysis.claims is not None:
-            rows += analysis.claims(results, eps=eps, quantiles=quantiles, n_bootstrap=n_bootstrap, seed=seed)
+            rows += analysis.claims(results, eps=eps, quantiles=quantiles, n_resamples=n_resamples, seed=seed)
     return claims_frame(rows)

@@ -8,13 +8,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import _COMMON, Analysis, Collector, _concat, _grid, _np, register, run_one
+from .engine import EPS, Analysis, Collector, Option, concat, count, flat, grid_columns, non_negative, register
 from .. import stats
 from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
 from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
 __all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression", "vertex_intervals"]
+
+BINS = Option("bins", 10, "equal-width bins of the sink rate in the convexity curves", count("bins"))
+FIT_ON = Option("fit_on", "norm", "the convexity fits' y: the output norm or its square", choices=("norm", "squared_norm"))
+MIN_RANGE = Option("min_range", 0.05, "heads whose sink rates span less (q95 - q05) are not fitted",
+                   non_negative("min_range"))
 
 #: the claims chapter 6 judges with this analysis
 SUPPRESSION = "the sink suppresses the output norm"
@@ -49,12 +54,12 @@ class _ConvexityCollector(Collector):
     def on_layer(self, s):
         b, h, T, _ = s.probs.shape
         p = getattr(s, "sink_position", 0)
-        cols = _grid((b, h, T - 1), ("sequence", "head", "query"), {"sequence": self.start, "query": 1})
+        cols = grid_columns((b, h, T - 1), ("sequence", "head", "query"), {"sequence": self.start, "query": 1})
         self.rows.append(pd.DataFrame({
             "layer": np.full(b * h * (T - 1), s.layer, np.int32), **cols,
-            "alpha0": _np(s.probs[:, :, 1:, p]), "norm": _np(s.output_norm[..., 1:]),
-            "v0_sq": np.repeat(_np(s.value_norm[..., p] ** 2), T - 1), "s_sq": _np(s.semantic_norm[..., 1:] ** 2),
-            "v0_s": _np(s.sink_inner(s.semantic)[..., 1:]),
+            "alpha0": flat(s.probs[:, :, 1:, p]), "norm": flat(s.output_norm[..., 1:]),
+            "v0_sq": np.repeat(flat(s.value_norm[..., p] ** 2), T - 1), "s_sq": flat(s.semantic_norm[..., 1:] ** 2),
+            "v0_s": flat(s.sink_inner(s.semantic)[..., 1:]),
         }))
         _, bias = self.blocks[s.layer].output_projection()
         self.block.append(block_points(s, self.start, self.norms.get(s.layer), bias, p))
@@ -62,60 +67,7 @@ class _ConvexityCollector(Collector):
 
     def finish(self, logits):
         layers = pd.DataFrame(self.layers, columns=["layer", "layer_type", "post_norm"])
-        return {"points": _concat(self.rows), "block": _concat(self.block), "layers": layers}
-
-
-def convexity(
-    model,
-    tokenizer,
-    data,
-    *,
-    bins: int = 10,
-    fit_on: str = "norm",
-    min_range: float = 0.05,
-    eps: float = 0.3,
-    block_size: int = 128,
-    num_sequences: int | None = None,
-    add_bos: bool | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-    cache: bool = True,
-    cache_root=None,
-    progress: bool = True,
-    compute_dtype: torch.dtype = torch.float32,
-) -> ConvexityTables:
-    """Head output norm ||o^h_i|| as a function of the sink rate a_i = alpha^h_i0, over queries i >= 1.
-
-    Every head output is a two-vector mixture o_i = a_i v~_0 + (1 - a_i) s^_i with s^_i = s_i / (1 - a_i)
-    the normalised semantic component (a convex combination of the tail values).
-
-    ``fits``: per (layer, head) a least-squares quadratic y = c2 a^2 + c1 a + c0 through the points
-    (a_i, y_i), y = ||o^h_i|| (``fit_on="norm"``) or ||o^h_i||^2 (``"squared_norm"``, exactly quadratic in
-    a for a fixed pair v~_0, s^). Columns: ``sink_rate``, ``is_sink_head``, ``n``, ``alpha_q05``/``alpha_q95``
-    (the range of a the fit sees), ``curvature`` (= c2; the second derivative is 2 c2), ``linear``,
-    ``constant``, ``alpha_star`` (= -c1 / 2 c2, the vertex), ``interior_minimum`` (c2 > 0 and
-    0 < alpha_star < 1), ``minimum_in_range`` (also alpha_q05 <= alpha_star <= alpha_q95: the minimum is
-    observed, not extrapolated), ``r2``, ``two_vector_alpha_star`` (median over queries of the analytic
-    minimiser of ||a v~_0 + (1 - a) s^_i||, <s^, s^ - v~_0> / ||s^ - v~_0||^2), ``reference_alpha_star``
-    (argmin over a 201-point grid of the averaged reference curve below), ``share_sink_suppresses`` (share
-    of queries whose output is shorter than its semantic component, ||o_i|| < ||s_i||: the sink term
-    interferes destructively) and ``median_norm_over_semantic`` (median ||o_i|| / ||s_i||). Heads whose a spans less than
-    ``min_range`` (q95 - q05) are not fitted (NaN, ``fitted`` False). Two rows fit the pooled points of
-    all heads, made dimensionless: "model" divides each head's vectors by that head's mean output norm,
-    "model_v0" divides each point's vectors by its ||v~_0|| (so y = 1 at a = 1).
-
-    ``curves``: per (scope, layer, head, bin) of a in ``bins`` equal bins on [0, 1]: ``n``, ``alpha_mean``,
-    ``norm_mean``, ``norm_median``, ``fitted`` (the quadratic at the bin centre, in the fitted y's
-    units: ||o|| or ||o||^2), and ``reference_norm``: the mean over *all* the head's queries of
-    ||c v~_0 + (1 - c) s^_i|| at the bin centre c, i.e. what the norm would be if only the sink rate
-    changed. "model" and "model_v0" rows pool the heads, normalised as in ``fits``.
-    """
-    if fit_on not in ("norm", "squared_norm"):
-        raise ValueError(f"fit_on must be 'norm' or 'squared_norm', not {fit_on!r}")
-    del seed
-    common = {k: v for k, v in locals().items() if k in _COMMON}
-    options = dict(bins=bins, fit_on=fit_on, min_range=min_range, eps=eps)
-    return run_one("convexity", model, tokenizer, data, options, common)
+        return {"points": concat(self.rows), "block": concat(self.block), "layers": layers}
 
 
 def _reference_norm(a: np.ndarray, c: np.ndarray | float, v0_sq, s_sq, v0_s) -> np.ndarray:
@@ -246,10 +198,10 @@ def _solve_quadratics(moments: np.ndarray) -> np.ndarray:
     return out
 
 
-def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "norm", n_bootstrap: int = 1000,
+def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "norm", n_resamples: int = 1000,
                      seed: int = 0) -> pd.DataFrame:
     """Where the vertex lies, with an interval: the quadratic fits of :func:`convexity` refitted on
-    ``n_bootstrap`` resamples of whole sequences (documents), per fitted head and for the pooled rows.
+    ``n_resamples`` resamples of whole sequences (documents), per fitted head and for the pooled rows.
 
     One row per (scope, layer, head) of ``fits`` that was fitted: ``alpha_star`` and ``curvature`` (the
     full-sample fit) with ``_low``/``_high`` (95% percentile intervals), ``share_interior`` (share of
@@ -260,7 +212,7 @@ def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "no
     rows = []
     sequences, seq_index = np.unique(points["sequence"].to_numpy(), return_inverse=True)
     n_seq = len(sequences)
-    idx = stats.resample_indices(n_seq, n_bootstrap, seed) if n_seq else np.zeros((n_bootstrap, 0), int)
+    idx = stats.resample_indices(n_seq, n_resamples, seed) if n_seq else np.zeros((n_resamples, 0), int)
     counts = np.stack([np.bincount(r, minlength=n_seq) for r in idx]).astype(float) if n_seq else idx.astype(float)
     fitted = fits[fits["fitted"].astype(bool)]
     for scope in ("head", "model", "model_v0"):
@@ -347,7 +299,7 @@ def _summary(tables: dict, add) -> None:
                 add("convexity", f"{name}_alpha_star", m["alpha_star"].iloc[0])
 
 
-def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bootstrap: int = 1000,
+def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000,
                        seed: int = 0) -> tuple[float, float, float]:
     """The share of sink-head queries whose output is shorter than its semantic part, ``||o_i|| < ||s_i||``,
     pooled over sequences, with a bootstrap over sequences: ``(share, low, high)``.
@@ -363,7 +315,7 @@ def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.
     if not in_sink.any():
         return (np.nan, np.nan, np.nan)
     chosen = points.assign(shortened=shortened)[in_sink]
-    boot = stats.cluster_bootstrap(chosen, ["shortened"], cluster="sequence", n_resamples=n_bootstrap, seed=seed)
+    boot = stats.cluster_bootstrap(chosen, ["shortened"], cluster="sequence", n_resamples=n_resamples, seed=seed)
     return tuple(float(x) for x in boot.interval(0, "shortened"))
 
 
@@ -374,17 +326,17 @@ def _layer_type_map(layers: pd.DataFrame | None) -> dict:
 
 
 def _pooled_rows(table: pd.DataFrame, column: str, *, claim: str, part: str, statistic_text: str, key: str,
-                 why: str, n_bootstrap: int, seed: int) -> list[dict]:
+                 why: str, n_resamples: int, seed: int) -> list[dict]:
     """A share over heads with the cluster bootstrap by layer (and per layer type):
     :func:`cwcore.sinks.intervals.pooled_claim_rows`."""
     from . import intervals
 
     return intervals.pooled_claim_rows(table, column, chapter=6, claim=claim, part=part, statistic_text=statistic_text,
                                        key=key, threshold=0.5, side="above", statistic="share", why=why,
-                                       n_bootstrap=n_bootstrap, seed=seed)
+                                       n_resamples=n_resamples, seed=seed)
 
 
-def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bootstrap: int = 1000,
+def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000,
                 seed: int = 0, block: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
                 fit_on: str = "norm") -> list[dict]:
     """Suppression, both readings at every place (:func:`cwcore.sinks.suppression.suppression_claim_rows`),
@@ -393,11 +345,11 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
     documents, :func:`vertex_intervals`) and per head (shares of fitted heads with an interior minimum,
     with it inside the observed range, and with it established by its interval; cluster bootstrap by
     layer, and per layer type)."""
-    rows = suppression_claim_rows(fits, points, block, eps, n_bootstrap, seed, layer_types=_layer_type_map(layers))
+    rows = suppression_claim_rows(fits, points, block, eps, n_resamples, seed, layer_types=_layer_type_map(layers))
     head_fits = fits[fits["scope"] == "head"]
     fitted = head_fits[head_fits["fitted"].astype(bool)].copy()
     unfitted = f"no head's sink rates span min_range (none of {len(head_fits)} fitted)"
-    vertices = vertex_intervals(points, fits, fit_on, n_bootstrap, seed)
+    vertices = vertex_intervals(points, fits, fit_on, n_resamples, seed)
     for scope, claim, what in (("model", CONVEXITY, "pooled fit (each head's norms over its mean)"),
                                ("model_v0", CONVEXITY_V0, "pooled fit (norms over ‖ṽ₀‖)")):
         if not (fits["scope"] == scope).any():
@@ -440,7 +392,7 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
     fitted = fitted.merge(head_v, on=["layer", "head"], how="left")
     fitted["layer_type"] = [types.get(int(layer), "global") for layer in fitted["layer"]]
     per_head = f"{CONVEXITY} [per head]"
-    boot = dict(n_bootstrap=n_bootstrap, seed=seed, why=unfitted)
+    boot = dict(n_resamples=n_resamples, seed=seed, why=unfitted)
     rows += _pooled_rows(fitted, "interior_minimum", claim=per_head, part="convex with an interior minimum",
                          statistic_text="share of fitted heads with 0 < α* < 1, c₂ > 0", key="share_interior", **boot)
     rows += _pooled_rows(fitted, "minimum_in_range", claim=per_head, part="the minimum is observed",
@@ -451,11 +403,45 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_bo
     return rows
 
 
-def _claims(results, *, eps: float, n_bootstrap: int, seed: int, fit_on: str = "norm", **_) -> list[dict]:
+def _claims(results, *, eps: float, n_resamples: int, seed: int, fit_on: str = "norm", **_) -> list[dict]:
     raw = results["raw"]["convexity"]
-    return _claim_rows(results["convexity"].fits, raw["points"], eps, n_bootstrap, seed, raw.get("block"),
+    return _claim_rows(results["convexity"].fits, raw["points"], eps, n_resamples, seed, raw.get("block"),
                        raw.get("layers"), fit_on)
 
 
 ANALYSIS = register(Analysis("convexity", _ConvexityCollector, _tables, stems=("convexity", "convexity-curves"),
-                             summary=_summary, claims=_claims))
+                             summary=_summary, claims=_claims, options=(BINS, FIT_ON, MIN_RANGE, EPS)))
+
+
+@ANALYSIS.public
+def convexity(model, tokenizer, data, **options) -> ConvexityTables:
+    """Head output norm ||o^h_i|| as a function of the sink rate a_i = alpha^h_i0, over queries i >= 1.
+
+    Every head output is a two-vector mixture o_i = a_i v~_0 + (1 - a_i) s^_i with s^_i = s_i / (1 - a_i)
+    the normalised semantic component (a convex combination of the tail values).
+
+    ``fits``: per (layer, head) a least-squares quadratic y = c2 a^2 + c1 a + c0 through the points
+    (a_i, y_i), y = ||o^h_i|| (``fit_on="norm"``) or ||o^h_i||^2 (``"squared_norm"``, exactly quadratic in
+    a for a fixed pair v~_0, s^). Columns: ``sink_rate``, ``is_sink_head``, ``n``, ``alpha_q05``/``alpha_q95``
+    (the range of a the fit sees), ``curvature`` (= c2; the second derivative is 2 c2), ``linear``,
+    ``constant``, ``alpha_star`` (= -c1 / 2 c2, the vertex), ``interior_minimum`` (c2 > 0 and
+    0 < alpha_star < 1), ``minimum_in_range`` (also alpha_q05 <= alpha_star <= alpha_q95: the minimum is
+    observed, not extrapolated), ``r2``, ``two_vector_alpha_star`` (median over queries of the analytic
+    minimiser of ||a v~_0 + (1 - a) s^_i||, <s^, s^ - v~_0> / ||s^ - v~_0||^2), ``reference_alpha_star``
+    (argmin over a 201-point grid of the averaged reference curve below), ``share_sink_suppresses`` (share
+    of queries whose output is shorter than its semantic component, ||o_i|| < ||s_i||: the sink term
+    interferes destructively) and ``median_norm_over_semantic`` (median ||o_i|| / ||s_i||). Heads whose a spans less than
+    ``min_range`` (q95 - q05) are not fitted (NaN, ``fitted`` False). Two rows fit the pooled points of
+    all heads, made dimensionless: "model" divides each head's vectors by that head's mean output norm,
+    "model_v0" divides each point's vectors by its ||v~_0|| (so y = 1 at a = 1).
+
+    ``curves``: per (scope, layer, head, bin) of a in ``bins`` equal bins on [0, 1]: ``n``, ``alpha_mean``,
+    ``norm_mean``, ``norm_median``, ``fitted`` (the quadratic at the bin centre, in the fitted y's
+    units: ||o|| or ||o||^2), and ``reference_norm``: the mean over *all* the head's queries of
+    ||c v~_0 + (1 - c) s^_i|| at the bin centre c, i.e. what the norm would be if only the sink rate
+    changed. "model" and "model_v0" rows pool the heads, normalised as in ``fits``.
+
+    Options: ``bins``, ``fit_on``, ``min_range``, ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
+    cache_root, progress, compute_dtype).
+    """
+

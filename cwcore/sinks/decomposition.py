@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import _COMMON, Analysis, Collector, _concat, _np, register, run_one
+from .engine import EPS, SEED, Analysis, Collector, Option, concat, count, flat, register
 from .. import stats as _stats
 from .intervals import BOOK, claim_row, claims_frame, no_sink_heads, pooled_claim_rows, share_ci
 
@@ -18,6 +18,13 @@ percentile = _stats.percentile_interval
 __all__ = ["DECOMPOSITION", "TAIL_MARGIN", "DecompositionTables", "JOINT_MEASURES", "joint_shares", "decomposition_claims", "head_shares", "sink_decomposition"]
 
 _FACTORS = ("alpha", "relative_norm", "cosine")
+
+KIND = Option("kind", "intra", "contribution weights within the head (intra) or of the layer's output (inter)",
+              choices=("intra", "inter"))
+QUANTILE_SAMPLE = Option("quantile_sample", 128, "(query, key) pairs kept per sequence, head and token class",
+                         count("quantile_sample"))
+SAMPLE_SIZE = Option("sample_size", 2000, "pairs per token class in the decomposition's sample table",
+                     count("sample_size"))
 
 #: the claim chapter 5 judges
 DECOMPOSITION = "sink driven by value geometry, tail by attention and alignment"
@@ -76,16 +83,16 @@ class _DecompositionCollector(Collector):
                      "layer": np.full(heads * b, s.layer, np.int32),
                      "head": np.repeat(np.arange(heads, dtype=np.int32), b),
                      "layer_type": s.layer_type, "token_class": cls,
-                     "n": _np(moments[..., 0, 0]), "n_pairs": np.full(heads * b, float(per_pair)),
-                     "sum_alpha_linear": _np(a_.sum(-1, dtype=torch.float64).transpose(0, 1)),
-                     "n_negative": _np((valid & (contrib < 0)).sum(-1).transpose(0, 1)).astype(np.float64),
-                     "n_negative_cosine": _np((valid & (c_ < 0)).sum(-1).transpose(0, 1)).astype(np.float64)}
+                     "n": flat(moments[..., 0, 0]), "n_pairs": np.full(heads * b, float(per_pair)),
+                     "sum_alpha_linear": flat(a_.sum(-1, dtype=torch.float64).transpose(0, 1)),
+                     "n_negative": flat((valid & (contrib < 0)).sum(-1).transpose(0, 1)).astype(np.float64),
+                     "n_negative_cosine": flat((valid & (c_ < 0)).sum(-1).transpose(0, 1)).astype(np.float64)}
             frame["n_excluded"] = frame["n_pairs"] - frame["n"]
             for k, name in enumerate(_FACTORS, start=1):
-                frame[f"sum_{name}"] = _np(moments[..., 0, k])
+                frame[f"sum_{name}"] = flat(moments[..., 0, k])
                 for k2, name2 in enumerate(_FACTORS, start=1):
                     if k2 >= k:
-                        frame[f"m_{name}_{name2}"] = _np(moments[..., k, k2])
+                        frame[f"m_{name}_{name2}"] = flat(moments[..., k, k2])
             self.stats.append(pd.DataFrame(frame))
             for seq, (qi, kj) in enumerate(self.picks[cls]):
                 m = len(qi)
@@ -97,62 +104,11 @@ class _DecompositionCollector(Collector):
                     "head": np.repeat(np.arange(heads, dtype=np.int32), m),
                     "token_class": cls,
                     "query": np.tile(qi.astype(np.int32), heads), "key": np.tile(kj.astype(np.int32), heads),
-                    **{name: _np(x[seq][:, qi_t, kj_t]).astype(np.float32) for name, x in values.items()},
+                    **{name: flat(x[seq][:, qi_t, kj_t]).astype(np.float32) for name, x in values.items()},
                 }))
 
     def finish(self, logits):
-        return {"stats": _concat(self.stats), "sample": _concat(self.samples)}
-
-
-def sink_decomposition(
-    model,
-    tokenizer,
-    data,
-    *,
-    kind: str = "intra",
-    eps: float = 0.3,
-    quantile_sample: int = 128,
-    sample_size: int = 2000,
-    block_size: int = 128,
-    num_sequences: int | None = None,
-    add_bos: bool | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-    cache: bool = True,
-    cache_root=None,
-    progress: bool = True,
-    compute_dtype: torch.dtype = torch.float32,
-) -> DecompositionTables:
-    """The factors of c_ij = alpha_ij * (||v~_j|| / ||o_i||) * cos(o_i, v~_j) for sink and tail tokens.
-
-    Token classes: ``sink`` = (query i >= 1, key 0); ``tail`` = (i >= 1, 1 <= j <= i). ``kind``: "intra"
-    (o_i = the head's own output o^h_i, default) or "inter" (the layer's combined output).
-
-    Since log|c| = log alpha + log rel_norm + log|cos| exactly, var(log|c|) splits into the factor
-    shares ``share_f = cov(log|f|, log|c|) / var(log|c|)``, which sum to 1 over the three factors; they
-    say which factor makes c *vary* (within the class, across heads, queries and sequences). ``mean_log``
-    (the mean of log|f|, summing to the mean of log|c|) says which factor sets its *level*. Both are
-    exact over every (sequence, query, key) of the class (running sums in float64); pairs with a zero
-    factor (alpha underflowing to 0, a zero cosine, a zero output norm) have no logarithm and are
-    counted in ``n_excluded``.
-
-    ``summary`` columns: ``scope`` ("head", "layer": pooled over heads, "model": pooled over all),
-    ``layer``/``head`` (NA when pooled), ``token_class``, ``factor`` (alpha, relative_norm, cosine,
-    contribution), ``n``, ``n_excluded``, ``share`` (contribution: their sum), ``mean_log``, ``mean``,
-    ``frac_negative``, ``q10``, ``q25``, ``median``, ``q75``, ``q90``, ``sink_rate`` (the head's mean
-    alpha_i0 over queries >= 1; "head" rows only) and ``num_heads`` (heads pooled in the row). Scopes
-    "sink_heads" / "other_heads" pool the heads whose sink rate is above / at most ``eps``. ``mean`` and the quantiles come
-    from a seeded sample of ``quantile_sample`` pairs per (sequence, layer, head, class) (the sink class
-    has only T-1 pairs per sequence: with the default every sink pair is kept); the same tail pairs are
-    used in all layers and heads of a sequence.
-    ``sample``: ``sample_size`` rows per token class drawn (seeded) from that sample, with columns
-    sequence, layer, head, token_class, query, key, alpha, relative_norm, cosine, contribution.
-    """
-    if kind not in ("intra", "inter"):
-        raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
-    common = {k: v for k, v in locals().items() if k in _COMMON}
-    options = dict(kind=kind, quantile_sample=quantile_sample, seed=seed, sample_size=sample_size, eps=eps)
-    return run_one("decomposition", model, tokenizer, data, options, common)
+        return {"stats": concat(self.stats), "sample": concat(self.samples)}
 
 
 def _moment(frame: pd.DataFrame, f: str, g: str) -> pd.Series:
@@ -335,8 +291,8 @@ def _head_rates(stats: pd.DataFrame) -> pd.Series:
     return (sink["sum_alpha_linear"] / sink["n_pairs"]).rename("sink_rate")
 
 
-def joint_shares(stats: pd.DataFrame, eps: float = 0.3, *, n_bootstrap: int = 1000, seed: int = 0,
-                 level: float = 0.95) -> pd.DataFrame:
+def joint_shares(stats: pd.DataFrame, eps: float = 0.3, *, n_resamples: int = 1000, seed: int = 0,
+                 confidence: float = 0.95) -> pd.DataFrame:
     """Attention and alignment as a joint model of log|c|, pooled over groups of heads, with intervals
     from a cluster bootstrap over documents (sequences: every pair of a sequence resampled together).
 
@@ -363,7 +319,7 @@ def joint_shares(stats: pd.DataFrame, eps: float = 0.3, *, n_bootstrap: int = 10
         frame["layer_type"] = "global"
     types = sorted(frame["layer_type"].unique())
     sequences = np.unique(frame["sequence"])
-    draws = stats_resample(len(sequences), n_bootstrap, seed)
+    draws = stats_resample(len(sequences), n_resamples, seed)
     rows = []
     for group in ("sink_heads", "other_heads", "all"):
         in_group = frame if group == "all" else frame[frame["group"] == group]
@@ -385,7 +341,7 @@ def joint_shares(stats: pd.DataFrame, eps: float = 0.3, *, n_bootstrap: int = 10
                     if replicates is None:
                         row[f"{m}_low"] = row[f"{m}_high"] = np.nan
                     else:
-                        low, high = percentile(replicates[m][:, None], level)
+                        low, high = percentile(replicates[m][:, None], confidence)
                         row[f"{m}_low"], row[f"{m}_high"] = float(low[0]), float(high[0])
                 rows.append(row)
     return pd.DataFrame(rows)
@@ -421,11 +377,11 @@ TAIL_MARGIN = 0.1
 
 
 def decomposition_claims(rates: pd.DataFrame, summary: pd.DataFrame, eps: float = 0.3, stats: pd.DataFrame | None = None,
-                         n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
+                         n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 5's decomposition claims (see :func:`_claim_rows`). ``stats``: the raw ``stats`` piece
     for the pooled parts with intervals over documents (without it only the per-head parts)."""
-    joint = joint_shares(stats, eps, n_bootstrap=n_bootstrap, seed=seed) if stats is not None else None
-    return claims_frame(_claim_rows(head_shares(rates, summary), eps, joint, n_bootstrap, seed))
+    joint = joint_shares(stats, eps, n_resamples=n_resamples, seed=seed) if stats is not None else None
+    return claims_frame(_claim_rows(head_shares(rates, summary), eps, joint, n_resamples, seed))
 
 
 def _joint_triple(joint: pd.DataFrame | None, measure: str, cls: str, group: str = "sink_heads",
@@ -439,7 +395,7 @@ def _joint_triple(joint: pd.DataFrame | None, measure: str, cls: str, group: str
     return (r[measure], r[f"{measure}_low"], r[f"{measure}_high"]), int(r["n_sequences"])
 
 
-def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = None, n_bootstrap: int = 1000,
+def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = None, n_resamples: int = 1000,
                 seed: int = 0) -> list[dict]:
     """The claim "sink driven by value geometry, tail by attention" (PAPER.md: "for tail tokens by alpha
     and alignment together"), in sink heads:
@@ -476,7 +432,7 @@ def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = No
                                   part="sink: geometry explains more than attention, heads clustered by layer",
                                   statistic_text="mean over sink heads of geometry's − attention's share",
                                   key="sink_geometry_margin_by_layer", threshold=0.0, side="above", why=why,
-                                  n_bootstrap=n_bootstrap, seed=seed)
+                                  n_resamples=n_resamples, seed=seed)
     if joint is not None:
         for cls, measure, part, statistic, key, threshold in (
             ("sink", "geometry_minus_alpha", "sink, pooled: geometry explains more than attention",
@@ -494,12 +450,46 @@ def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = No
     return rows
 
 
-def _claims(results, *, eps: float, n_bootstrap: int = 1000, seed: int = 0, **_) -> list[dict]:
+def _claims(results, *, eps: float, n_resamples: int = 1000, seed: int = 0, **_) -> list[dict]:
     raw = results.get("raw", {}).get("decomposition", {})
-    joint = joint_shares(raw["stats"], eps, n_bootstrap=n_bootstrap, seed=seed) if "stats" in raw else None
-    return _claim_rows(head_shares(results["rates"], results["decomposition"].summary), eps, joint, n_bootstrap, seed)
+    joint = joint_shares(raw["stats"], eps, n_resamples=n_resamples, seed=seed) if "stats" in raw else None
+    return _claim_rows(head_shares(results["rates"], results["decomposition"].summary), eps, joint, n_resamples, seed)
 
 
 ANALYSIS = register(Analysis("decomposition", _DecompositionCollector, _tables,
                              stems=("decomposition", "decomposition-sample"),
-                             collector_options=("kind", "quantile_sample", "seed"), summary=_summary, claims=_claims))
+                             collector_options=("kind", "quantile_sample", "seed"), summary=_summary, claims=_claims,
+                             options=(KIND, EPS, QUANTILE_SAMPLE, SAMPLE_SIZE, SEED)))
+
+
+@ANALYSIS.public
+def sink_decomposition(model, tokenizer, data, **options) -> DecompositionTables:
+    """The factors of c_ij = alpha_ij * (||v~_j|| / ||o_i||) * cos(o_i, v~_j) for sink and tail tokens.
+
+    Token classes: ``sink`` = (query i >= 1, key 0); ``tail`` = (i >= 1, 1 <= j <= i). ``kind``: "intra"
+    (o_i = the head's own output o^h_i, default) or "inter" (the layer's combined output).
+
+    Since log|c| = log alpha + log rel_norm + log|cos| exactly, var(log|c|) splits into the factor
+    shares ``share_f = cov(log|f|, log|c|) / var(log|c|)``, which sum to 1 over the three factors; they
+    say which factor makes c *vary* (within the class, across heads, queries and sequences). ``mean_log``
+    (the mean of log|f|, summing to the mean of log|c|) says which factor sets its *level*. Both are
+    exact over every (sequence, query, key) of the class (running sums in float64); pairs with a zero
+    factor (alpha underflowing to 0, a zero cosine, a zero output norm) have no logarithm and are
+    counted in ``n_excluded``.
+
+    ``summary`` columns: ``scope`` ("head", "layer": pooled over heads, "model": pooled over all),
+    ``layer``/``head`` (NA when pooled), ``token_class``, ``factor`` (alpha, relative_norm, cosine,
+    contribution), ``n``, ``n_excluded``, ``share`` (contribution: their sum), ``mean_log``, ``mean``,
+    ``frac_negative``, ``q10``, ``q25``, ``median``, ``q75``, ``q90``, ``sink_rate`` (the head's mean
+    alpha_i0 over queries >= 1; "head" rows only) and ``num_heads`` (heads pooled in the row). Scopes
+    "sink_heads" / "other_heads" pool the heads whose sink rate is above / at most ``eps``. ``mean`` and the quantiles come
+    from a seeded sample of ``quantile_sample`` pairs per (sequence, layer, head, class) (the sink class
+    has only T-1 pairs per sequence: with the default every sink pair is kept); the same tail pairs are
+    used in all layers and heads of a sequence.
+    ``sample``: ``sample_size`` rows per token class drawn (seeded) from that sample, with columns
+    sequence, layer, head, token_class, query, key, alpha, relative_norm, cosine, contribution.
+
+    Options: ``kind``, ``eps``, ``quantile_sample``, ``sample_size``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
+    cache_root, progress, compute_dtype).
+    """
+

@@ -1,13 +1,28 @@
-"""The sink analyses' engine: token blocks, one layer's state, the registry of analyses, the batch loop.
+"""The sink analyses' engine and its extension interface: options, token blocks, one layer's state, the
+registry of analyses, the batch loop.
 
 An analysis is one :class:`Analysis` object, registered with :func:`register` by its module
 (``cwcore/sinks/<name>.py``): a *collector* that turns each layer of a clean forward pass into
 DataFrames (the batch's cached pieces), the *tables* built from all batches' pieces, the CSV stems
-of those tables, the rows it adds to :func:`cwcore.sinks.summarize` and its *claims* (rows of the
-chapters' claims tables, see :mod:`cwcore.sinks.claims`).
+of those tables, the rows it adds to :func:`cwcore.sinks.summarize`, its *claims* (rows of the
+chapters' claims tables, see :mod:`cwcore.sinks.claims`) and its :class:`Option` s (name, default,
+check, help). The options of all registered analyses, the shared ones (:data:`EPS`, :data:`SEED`) and
+the run options (:data:`RUN_OPTIONS`) make one frozen dataclass, :class:`cwcore.sinks.SinkOptions`
+(:func:`options_class`), from which :func:`cwcore.sinks.run_analyses` and ``python -m cwcore.sinks``
+take their options and defaults.
+
+Writing an analysis (one new file plus its name in :data:`cwcore.sinks.analyses._MODULES`):
+
+* a :class:`Collector` subclass: ``on_layer(state)`` sees every layer's :class:`LayerState`
+  (probabilities, values, W_O^h, Gram matrices and the inner products they give), ``finish(logits)``
+  returns the batch's pieces ``{part: DataFrame}``; :func:`forward` runs further (intervened) passes;
+  :func:`grid_columns`, :func:`flat` and :func:`concat` build the pieces;
+* ``tables(parts, blocks, **options)``: the result from all batches' pieces (``blocks``: :class:`Blocks`);
+* ``register(Analysis(name, collector, tables, stems, options=..., collector_options=..., ...))`` and
+  the public function, ``@ANALYSIS.public def my_analysis(model, tokenizer, data, **options): "doc"``.
 
 The forward pass uses :class:`cwcore.core.attention.AttentionSession` without subclassing it: the
-collectors are *observers* that read each layer (:class:`_LayerState` built from the
+collectors are *observers* that read each layer (:class:`LayerState` built from the
 :class:`~cwcore.core.attention.LayerCall`), interventions are *transforms* (term removals by
 :func:`cwcore.core.interventions.removal`, and :func:`exclude_sink` for the ``sink_renorm``
 condition). The batch loop is :func:`cwcore.runs.for_each_batch` over one
@@ -17,9 +32,13 @@ and :func:`cwcore.sinks.run_analyses` share the cache.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import pandas as pd
@@ -28,24 +47,160 @@ from torch import nn
 
 from .. import runs
 from ..core.architectures import attention_blocks, layer_type
+from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
 from ..core.geometry import head_space_geometry, split_output_projection
 from ..core.interventions import removal
 
-__all__ = ["Analysis", "REGISTRY", "SINK_POSITION", "register", "token_blocks", "model_fingerprint", "exclude_sink",
-           "layer_types", "token_classes"]
+__all__ = ["Analysis", "Blocks", "Collector", "EPS", "LayerState", "Option", "REGISTRY", "RUN_OPTIONS", "SEED",
+           "SINK_POSITION", "Spec", "collect", "concat", "exclude_sink", "flat", "forward", "grid_columns",
+           "layer_types", "model_fingerprint", "options_class", "register", "run_one", "token_blocks",
+           "token_classes"]
 
 #: The key position every analysis treats as the sink: position 0, the paper's reading. Whether the
 #: attention statistics agree (which positions take the mass) is measured by :mod:`cwcore.sinks.rates`
-#: (its ``positions`` table), not assumed; :attr:`_LayerState.sink_position` carries it to the collectors.
+#: (its ``positions`` table), not assumed; :attr:`LayerState.sink_position` carries it to the collectors.
 SINK_POSITION = 0
 
 #: The one model fingerprint of the project (cache identity of the weights).
 model_fingerprint = runs.model_fingerprint
 
-# the options every analysis function takes (besides model, tokenizer, data, seed)
-_COMMON = ("block_size", "num_sequences", "add_bos", "batch_size", "cache", "cache_root", "progress", "compute_dtype")
+
+# ---------------------------------------------------------------------------------------------------
+# options: each declared once (its default, check and help), checked once
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of the sink analyses: ``name``, ``default``, ``help`` (one line, also the command line's),
+    ``check(value)`` (raises ``TypeError``/``ValueError`` naming the option; returns the value kept),
+    ``choices`` (a closed set, checked first) and ``cli`` (False: no command-line flag of its own)."""
+
+    name: str
+    default: Any
+    help: str
+    check: Callable[[Any], Any] | None = None
+    choices: tuple | None = None
+    cli: bool = True
+
+    def validate(self, value):
+        """``value`` checked (and normalised, e.g. an int eps to float); refused with one sentence."""
+        if self.choices is not None and not any(value is c or (type(value) is type(c) and value == c)
+                                                for c in self.choices):
+            raise ValueError(f"{self.name} must be one of {', '.join(map(repr, self.choices))}, not {value!r}")
+        return self.check(value) if self.check is not None else value
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def unit_interval(name: str) -> Callable[[Any], float]:
+    """A check: a finite number strictly between 0 and 1 (a sink-rate threshold)."""
+
+    def check(value):
+        x = _number(name, value)
+        if not (math.isfinite(x) and 0 < x < 1):
+            raise ValueError(f"{name} must be a finite number in (0, 1), got {value!r}")
+        return x
+
+    return check
+
+
+def non_negative(name: str) -> Callable[[Any], float]:
+    """A check: a finite number >= 0."""
+
+    def check(value):
+        x = _number(name, value)
+        if not (math.isfinite(x) and x >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        return x
+
+    return check
+
+
+def count(name: str, minimum: int = 1, allow_none: bool = False) -> Callable[[Any], int | None]:
+    """A check: an integer >= ``minimum`` (:func:`cwcore.runs.check_count`)."""
+    return lambda value: runs.check_count(value, name, minimum=minimum, allow_none=allow_none)
+
+
+def _seed(value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise TypeError(f"seed must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _dtype(value):
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"compute_dtype must be a floating torch.dtype, got {value!r}")
+    return value
+
+
+#: sink heads: sink rate above eps (Sink_eps of Gu et al. 2025); the one definition of its default
+EPS = Option("eps", 0.3, "sink heads: a sink rate (mean alpha_i0 over queries >= 1) above eps", unit_interval("eps"))
+#: the seed of every random choice (samples, controls, bootstrap resamples)
+SEED = Option("seed", 0, "seed of every random choice", _seed)
+
+#: how the analyses run; the command line sets these with its own flags
+RUN_OPTIONS = (
+    Option("block_size", 128, "tokens per block (text data)", count("block_size", 2), cli=False),
+    Option("num_sequences", None, "blocks to analyse (None: all)", count("num_sequences", allow_none=True), cli=False),
+    Option("add_bos", None, "prepend a BOS token to text (None: the tokenizer's default)", choices=(None, True, False),
+           cli=False),
+    Option("batch_size", 8, "sequences per forward pass", count("batch_size"), cli=False),
+    Option("cache", True, "read and write the per-batch cache", choices=(True, False), cli=False),
+    Option("cache_root", None, "the cache folder (None: the default)", cli=False),
+    Option("progress", True, "show a progress bar", choices=(True, False), cli=False),
+    Option("compute_dtype", torch.float32, "dtype of the geometry", _dtype, cli=False),
+)
+_RUN = tuple(o.name for o in RUN_OPTIONS)
+
+
+def _all_options(registry) -> dict[str, Option]:
+    """name -> Option: the run options, then every registered analysis's (one object per name)."""
+    out = {o.name: o for o in RUN_OPTIONS}
+    for analysis in registry.values():
+        for option in analysis.options:
+            if out.setdefault(option.name, option) is not option:
+                raise ValueError(f"option {option.name!r} of analysis {analysis.name!r} is declared twice; "
+                                 "share the one Option object")
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _options_class(names: tuple[str, ...]):
+    options = _all_options(REGISTRY)
+
+    def __post_init__(self):
+        for option in options.values():
+            object.__setattr__(self, option.name, option.validate(getattr(self, option.name)))
+
+    def analysis_options(self, name: str) -> dict:
+        """The options analysis ``name`` takes (its own, without the run options), as a dict."""
+        return {o.name: getattr(self, o.name) for o in REGISTRY[name].options}
+
+    def run_options(self) -> dict:
+        """The run options (:data:`RUN_OPTIONS`) as a dict."""
+        return {name: getattr(self, name) for name in _RUN}
+
+    cls = dataclasses.make_dataclass(
+        "SinkOptions", [(o.name, Any, dataclasses.field(default=o.default)) for o in options.values()], frozen=True,
+        namespace={"__post_init__": __post_init__, "analysis_options": analysis_options, "run_options": run_options,
+                   "OPTIONS": options})
+    cls.__module__ = "cwcore.sinks"
+    cls.__doc__ = ("Every option of the sink analyses, checked once (a value out of range is refused with one "
+                   "sentence):\n\n" + "\n".join(f"* ``{o.name}`` = {o.default!r}: {o.help}" for o in options.values()))
+    return cls
+
+
+def options_class():
+    """The frozen dataclass of every option of the registered analyses and the run (``SinkOptions``);
+    its ``OPTIONS`` maps each name to its :class:`Option`."""
+    return _options_class(tuple(REGISTRY))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -54,7 +209,7 @@ _COMMON = ("block_size", "num_sequences", "add_bos", "batch_size", "cache", "cac
 
 
 @dataclass
-class _Blocks:
+class Blocks:
     """Token blocks ``ids [sequence, position]`` and what is known about their first token."""
 
     ids: torch.Tensor
@@ -69,7 +224,7 @@ def token_blocks(
     block_size: int = 128,
     num_sequences: int | None = None,
     add_bos: bool | None = None,
-) -> _Blocks:
+) -> Blocks:
     """Normalise ``data`` (text or ready blocks, see :mod:`cwcore.sinks`) to ``ids [n, block_size]``."""
     ready = None
     if isinstance(data, torch.Tensor):
@@ -85,7 +240,7 @@ def token_blocks(
     if ready is not None:
         if add_bos is not None:
             raise ValueError("add_bos applies to text; these blocks are already tokenised")
-        ids = torch.as_tensor(ready).long()
+        ids = runs.check_token_blocks(ready, argument="data", caller="sink analyses").long()  # no float ids cut
         if ids.dim() != 2:
             raise ValueError(f"token blocks must be [sequence, position], got shape {tuple(ids.shape)}")
         if num_sequences is not None:
@@ -104,7 +259,7 @@ def token_blocks(
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     first = float("nan") if bos is None else float((ids[:, 0] == bos).float().mean())
     classes = token_classes(ids, tokenizer) if tokenizer is not None else None
-    return _Blocks(ids, resolved, first, classes)
+    return Blocks(ids, resolved, first, classes)
 
 
 #: the token classes of :func:`token_classes`, in the order the tables list them
@@ -141,7 +296,7 @@ def token_classes(ids: torch.Tensor, tokenizer) -> np.ndarray:
 
 
 def layer_types(model: nn.Module) -> dict[int, str]:
-    """``{layer: "sliding" | "global"}`` for every attention layer (the numbering of ``_LayerState.layer``):
+    """``{layer: "sliding" | "global"}`` for every attention layer (the numbering of ``LayerState.layer``):
     by :func:`cwcore.core.architectures.layer_type` (the one rule for sliding windows)."""
     return {block.layer: layer_type(model, block) for block in attention_blocks(model)}
 
@@ -151,7 +306,7 @@ def layer_types(model: nn.Module) -> dict[int, str]:
 # ---------------------------------------------------------------------------------------------------
 
 
-class _LayerState:
+class LayerState:
     """What one attention layer did in one forward pass, in the compute dtype.
 
     ``probs`` ``[batch, head, query, key]`` (after any transform), ``values`` ``[batch, head, key, dim]``
@@ -177,7 +332,7 @@ class _LayerState:
         self.gram = self.w_o.transpose(1, 2) @ self.w_o
 
     @classmethod
-    def from_call(cls, call: LayerCall, layer_type: str = "global") -> "_LayerState":
+    def from_call(cls, call: LayerCall, layer_type: str = "global") -> "LayerState":
         """The state of the layer a session's observer sees (its final probabilities)."""
         weight, _ = call.output_projection()
         return cls(call.layer, call.probs, call.value, weight, call.compute_dtype, layer_type,
@@ -258,11 +413,11 @@ def _backbone(model: nn.Module) -> nn.Module:
     return base if isinstance(base, nn.Module) else model
 
 
-def _forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=False, compute_dtype=torch.float32,
+def forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=False, compute_dtype=torch.float32,
              transforms=None):
     """Run ``model`` on ``ids [b, T]`` through cwcore's attention; returns the logits ``[b, T, vocab]`` or None.
 
-    ``on_layer(state: _LayerState)`` observes every layer; ``masks`` ``{layer: bool [.., q, k]}`` remove
+    ``on_layer(state: LayerState)`` observes every layer; ``masks`` ``{layer: bool [.., q, k]}`` remove
     terms (no renormalisation); ``renormalise`` ``{layer: bool [b, h]}`` applies :func:`exclude_sink`;
     ``transforms`` ``{layer: callable(LayerCall) -> probs}``: any other change of the probabilities.
     """
@@ -279,7 +434,7 @@ def _forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=Fal
         types = layer_types(model)
 
         def observe(call: LayerCall) -> None:
-            on_layer(_LayerState.from_call(call, types.get(call.layer, "global")))
+            on_layer(LayerState.from_call(call, types.get(call.layer, "global")))
 
         observers = {block.layer: [observe] for block in attention_blocks(model)}
     session = AttentionSession(model, observers=observers, transforms=transforms, compute_dtype=compute_dtype)
@@ -305,7 +460,7 @@ class Collector:
     """Collects one analysis's raw material from one batch's clean forward pass.
 
     Built as ``Collector(model, ids [b, T], start, dtype, **options)`` (``start``: index of the batch's
-    first sequence); :meth:`on_layer` sees every layer's :class:`_LayerState`; :meth:`finish` gets the
+    first sequence); :meth:`on_layer` sees every layer's :class:`LayerState`; :meth:`finish` gets the
     logits ``[b, T, vocab]`` (None unless ``needs_logits``) and returns named DataFrames, the batch's
     cache pieces.
     """
@@ -316,7 +471,7 @@ class Collector:
         self.model, self.ids, self.start, self.dtype = model, ids, start, dtype
         self.options = options
 
-    def on_layer(self, s: _LayerState) -> None:
+    def on_layer(self, s: LayerState) -> None:
         raise NotImplementedError
 
     def finish(self, logits: torch.Tensor | None) -> dict[str, pd.DataFrame]:
@@ -327,13 +482,14 @@ class Collector:
 class Analysis:
     """One sink analysis, everything about it in one object.
 
-    ``collector``: a :class:`Collector` class; ``collector_options``: the run options it takes (also in
-    the cache key); ``tables(parts, blocks, **table_options)``: its result from the concatenated pieces
-    ``{part: DataFrame}`` (table options: eps, sample_size, seed, bins, fit_on, min_range, quantiles;
-    each takes what it needs); ``stems``: the CSV stems of the result's tables, in the order of its
+    ``collector``: a :class:`Collector` class; ``options``: the :class:`Option` s it takes (its own, and
+    shared ones such as :data:`EPS` and :data:`SEED`: one object per name across the registry);
+    ``collector_options``: the names among them its collector takes (also in the cache key);
+    ``tables(parts, blocks, **options)``: its result from the concatenated pieces ``{part: DataFrame}``
+    (it gets every analysis option and takes what it needs); ``stems``: the CSV stems of the result's tables, in the order of its
     fields (one stem: the result is a DataFrame); ``summary(tables, add)``: adds this analysis's rows
     to :func:`cwcore.sinks.summarize` (``tables``: ``{stem: DataFrame}``, ``add(claim, statistic,
-    value)``); ``claims(results, *, eps, quantiles, n_bootstrap, seed)``: its rows of the claims table
+    value)``); ``claims(results, *, eps, quantiles, n_resamples, seed)``: its rows of the claims table
     (see :mod:`cwcore.sinks.claims`) from :func:`cwcore.sinks.run_analyses`' results with ``raw=True``.
     """
 
@@ -344,10 +500,35 @@ class Analysis:
     collector_options: tuple[str, ...] = ()
     summary: Callable | None = None
     claims: Callable | None = None
+    options: tuple[Option, ...] = ()
 
-    def spec(self, options: dict) -> "_Spec":
+    def __post_init__(self):
+        missing = sorted(set(self.collector_options) - {o.name for o in self.options})
+        if missing:
+            raise ValueError(f"analysis {self.name!r}: collector options {missing} are not among its options")
+
+    def public(self, function: Callable) -> Callable:
+        """Decorator: ``function`` (its name and docstring; its body is not run) becomes this analysis's
+        public function ``f(model, tokenizer, data, **options)``, with a signature listing its options and
+        the run options, their defaults from the :class:`Option` s: it checks them (an option this
+        analysis does not take is refused) and returns :func:`run_one`."""
+        name = self.name
+
+        @functools.wraps(function)
+        def run(model, tokenizer, data, **options):
+            return run_one(name, model, tokenizer, data, options)
+
+        positional = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                      for p in ("model", "tokenizer", "data")]
+        keywords = [inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=o.default)
+                    for o in (*self.options, *RUN_OPTIONS)]
+        run.__signature__ = inspect.Signature(positional + keywords,
+                                              return_annotation=inspect.signature(function).return_annotation)
+        return run
+
+    def spec(self, options: dict) -> "Spec":
         """What to collect for these run options."""
-        return _Spec(self.name, self.collector, {k: options[k] for k in self.collector_options})
+        return Spec(self.name, self.collector, {k: options[k] for k in self.collector_options})
 
     def named_tables(self, result) -> dict[str, pd.DataFrame]:
         """``{stem: DataFrame}`` of one result (as the command line writes them)."""
@@ -370,7 +551,7 @@ def register(analysis: Analysis) -> Analysis:
 
 
 @dataclass
-class _Spec:
+class Spec:
     """One analysis to run: its name (cache namespace ``sinks-<name>``), collector and per-batch options."""
 
     name: str
@@ -413,8 +594,8 @@ def _batch_key(batch) -> str:
     return f"{start:06d}-{len(ids)}-{runs.tensor_digest(ids)}"
 
 
-def _run(model, tokenizer, data, specs: list[_Spec], *, block_size=128, num_sequences=None, add_bos=None,
-         batch_size=8, cache=True, cache_root=None, progress=True, compute_dtype=torch.float32):
+def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_sequences=None, add_bos=None,
+            batch_size=8, cache=True, cache_root=None, progress=True, compute_dtype=torch.float32):
     """Compute (or read from the cache) every batch's pieces of every analysis in ``specs``.
 
     The analyses whose pieces are missing for a batch share one clean forward pass. Returns
@@ -423,7 +604,8 @@ def _run(model, tokenizer, data, specs: list[_Spec], *, block_size=128, num_sequ
     batch_size = runs.check_batch_size(batch_size)
     num_sequences = runs.check_count(num_sequences, "num_sequences", allow_none=True)
     block_size = runs.check_count(block_size, "block_size", minimum=2)
-    blocks = token_blocks(data, tokenizer, block_size, num_sequences, add_bos)
+    blocks = token_blocks(check_texts(data, "sink analyses", "data"), tokenizer, block_size, num_sequences, add_bos)
+    runs.check_token_blocks(blocks.ids, model, argument="data", caller="sink analyses")  # vocabulary, context
     fingerprint = model_fingerprint(model)  # once, not once per analysis
     stores = _Stores({
         spec.name: runs.PieceStore(f"sinks-{spec.name}", {"analysis": spec.name, "model": fingerprint,
@@ -438,11 +620,11 @@ def _run(model, tokenizer, data, specs: list[_Spec], *, block_size=128, num_sequ
         todo = [spec for spec in specs if spec.name not in found]
         collectors = [spec.collector(model, ids, start, compute_dtype, **spec.options) for spec in todo]
 
-        def on_layer(s: _LayerState):
+        def on_layer(s: LayerState):
             for collector in collectors:
                 collector.on_layer(s)
 
-        logits = _forward(model, ids, on_layer, logits=any(c.needs_logits for c in collectors),
+        logits = forward(model, ids, on_layer, logits=any(c.needs_logits for c in collectors),
                          compute_dtype=compute_dtype)
         frames = {name: dict(parts) for name, parts in found.items()}
         for spec, collector in zip(todo, collectors):
@@ -462,11 +644,19 @@ def _run(model, tokenizer, data, specs: list[_Spec], *, block_size=128, num_sequ
     return joined, blocks
 
 
-def run_one(name: str, model, tokenizer, data, options: dict, common: dict):
-    """The result of one registered analysis (what its public function returns)."""
+def run_one(name: str, model, tokenizer, data, options: dict):
+    """The result of one registered analysis (what its public function returns) for ``options``: its own
+    options and the run options, checked by ``SinkOptions`` (:func:`options_class`); any other is refused."""
     analysis = REGISTRY[name]
-    parts, blocks = _run(model, tokenizer, data, [analysis.spec(options)], **common)
-    return analysis.tables(parts[name], blocks, **options)
+    allowed = {o.name for o in analysis.options} | set(_RUN)
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise TypeError(f"{name} takes no option {', '.join(map(repr, unknown))}; its options: "
+                        f"{', '.join(o.name for o in analysis.options)} and {', '.join(_RUN)}")
+    checked = options_class()(**options)
+    own = checked.analysis_options(name)
+    parts, blocks = collect(model, tokenizer, data, [analysis.spec(own)], **checked.run_options())
+    return analysis.tables(parts[name], blocks, **own)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -474,17 +664,17 @@ def run_one(name: str, model, tokenizer, data, options: dict, common: dict):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _grid(shape: tuple[int, ...], names: tuple[str, ...], offsets: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+def grid_columns(shape: tuple[int, ...], names: tuple[str, ...], offsets: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """Index columns of a C-ordered grid: ``{name: int array}``, each of length prod(shape)."""
     grids = np.meshgrid(*[np.arange(s) for s in shape], indexing="ij")
     offsets = offsets or {}
     return {n: (g.reshape(-1) + offsets.get(n, 0)).astype(np.int32) for n, g in zip(names, grids)}
 
 
-def _np(x: torch.Tensor) -> np.ndarray:
+def flat(x: torch.Tensor) -> np.ndarray:
     """A tensor as a flat numpy array."""
     return x.detach().cpu().numpy().reshape(-1)
 
 
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+def concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)

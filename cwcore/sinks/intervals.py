@@ -1,12 +1,11 @@
-"""Intervals and verdicts of the sink chapters: the old public names, as thin shims over :mod:`cwcore.stats`.
+"""The sink chapters' claim rows and the intervals they read, over :mod:`cwcore.stats` (the project's one
+home of resampling: every interval here is a stats function, or built from :func:`cwcore.stats.resample_indices`
+and :func:`cwcore.stats.percentile_interval`; keywords are stats' own, ``n_resamples``).
 
-No statistics are computed here: :func:`bootstrap_ci`, :func:`spearman_ci` and
-:func:`sequence_bootstrap` only translate the keywords the sink chapters use (``n_bootstrap=`` ->
-``n_resamples=``, ``level=`` -> ``confidence=``; :func:`bootstrap_ci` keeps its default statistic,
-the median). :func:`group_value` and :func:`contrast` read a :class:`cwcore.stats.ClusterBootstrap` by
-group keys instead of row numbers. :func:`share_ci`,
-:func:`verdict`, :func:`combine_verdicts` and :data:`UNMEASURED` *are* the stats objects (one
-verdict vocabulary: holds / contradicted / inconclusive / not measured).
+:func:`group_value` and :func:`contrast` read a :class:`cwcore.stats.ClusterBootstrap` by group keys
+instead of row numbers; :func:`pooled_by_layer` pools a head-level statistic over heads, resampling
+whole layers. :func:`share_ci`, :func:`verdict`, :func:`combine_verdicts` and :data:`UNMEASURED` *are*
+the stats objects (one verdict vocabulary).
 
 The claims tables' row (:data:`COLUMNS`, :func:`claim_row`) lives here too, so every analysis
 module can state its claims without importing :mod:`cwcore.sinks.claims`.
@@ -21,9 +20,8 @@ import pandas as pd
 
 from .. import stats
 
-__all__ = ["COLUMNS", "pooled_by_layer", "pooled_claim_rows", "SequenceBootstrap", "UNMEASURED", "bootstrap_ci", "claim_row", "claims_frame",
-           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "verdict_text", "sequence_bootstrap", "share_ci", "spearman_ci",
-           "verdict"]
+__all__ = ["BOOK", "COLUMNS", "PAPER", "pooled_by_layer", "pooled_claim_rows", "UNMEASURED", "claim_row", "claims_frame",
+           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "verdict_text", "share_ci", "verdict"]
 
 share_ci = stats.share_ci
 verdict = stats.verdict
@@ -31,48 +29,21 @@ combine_verdicts = stats.combine_verdicts
 UNMEASURED = stats.NOT_MEASURED
 
 
-def bootstrap_ci(values, statistic=np.median, *, n_bootstrap: int = 1000, seed: int = 0,
-                 level: float = 0.95) -> stats.Interval:
-    """:func:`cwcore.stats.bootstrap_ci` (percentile) with the sink chapters' keywords and the median."""
-    return stats.bootstrap_ci(values, statistic, n_resamples=n_bootstrap, confidence=level, seed=seed)
-
-
-def spearman_ci(x, y, *, clusters=None, n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> stats.Interval:
-    """:func:`cwcore.stats.spearman_ci` with the sink chapters' keywords (``clusters``: e.g. each head's
-    layer, to resample whole layers)."""
-    return stats.spearman_ci(x, y, clusters=clusters, n_resamples=n_bootstrap, seed=seed, confidence=level)
-
-
-#: :func:`sequence_bootstrap`'s result: ``table`` (per group the ``by`` keys, ``n`` rows, ``n_clusters``
-#: sequences, each column's pooled mean with ``<column>_low`` / ``<column>_high``) and ``replicates``
-#: (``{column: [n_resamples, group]}``, the same resampled sequences for every group and column).
-SequenceBootstrap = stats.ClusterBootstrap
-
-
-def sequence_bootstrap(points: pd.DataFrame, columns, by=(), *, weight: str | None = None, unit: str = "sequence",
-                       n_bootstrap: int = 1000, seed: int = 0, level: float = 0.95) -> stats.ClusterBootstrap:
-    """Means of ``columns`` per group ``by``, pooled over rows (weighted by the ``weight`` column), with
-    intervals resampling whole ``unit`` clusters: :func:`cwcore.stats.cluster_bootstrap` with the sink
-    chapters' keywords."""
-    return stats.cluster_bootstrap(points, columns, by, cluster=unit, weight=weight, n_resamples=n_bootstrap,
-                                   seed=seed, confidence=level)
-
-
 def _group_index(table: pd.DataFrame, where: Mapping) -> int | None:
     hit = np.flatnonzero(np.logical_and.reduce([table[k].to_numpy() == v for k, v in where.items()]))
     return int(hit[0]) if len(hit) else None
 
 
-def group_value(boot: SequenceBootstrap, column: str, **where) -> tuple[float, float, float]:
-    """``(estimate, low, high)`` of one group of a :func:`sequence_bootstrap` table (NaNs if missing)."""
+def group_value(boot: stats.ClusterBootstrap, column: str, **where) -> tuple[float, float, float]:
+    """``(estimate, low, high)`` of one group of a :func:`cwcore.stats.cluster_bootstrap` table (NaNs if missing)."""
     i = _group_index(boot.table, where)
     if i is None:
         return (np.nan, np.nan, np.nan)
     return tuple(float(boot.table[column + s].iloc[i]) for s in ("", "_low", "_high"))
 
 
-def contrast(boot: SequenceBootstrap, column: str, first: Mapping, second: Mapping) -> tuple[float, float, float]:
-    """``(estimate, low, high)`` of group ``first`` minus group ``second`` of one :func:`sequence_bootstrap`
+def contrast(boot: stats.ClusterBootstrap, column: str, first: Mapping, second: Mapping) -> tuple[float, float, float]:
+    """``(estimate, low, high)`` of group ``first`` minus group ``second`` of one :func:`cwcore.stats.cluster_bootstrap`
     (e.g. ``{"condition": "sink", "quantile": 1}``): the same resampled sequences on both sides, so the
     interval is paired (:meth:`cwcore.stats.ClusterBootstrap.contrast`). NaNs if a group is missing."""
     i, j = _group_index(boot.table, first), _group_index(boot.table, second)
@@ -149,8 +120,8 @@ def verdict_text(claims: pd.DataFrame) -> list[str]:
 _STATISTICS = {"mean": np.nanmean, "share": np.nanmean, "median": np.nanmedian}
 
 
-def _by_layer(values: np.ndarray, layers: np.ndarray, statistic: str, n_bootstrap: int, seed: int,
-              level: float) -> tuple[float, float, float, int]:
+def _by_layer(values: np.ndarray, layers: np.ndarray, statistic: str, n_resamples: int, seed: int,
+              confidence: float) -> tuple[float, float, float, int]:
     """(estimate, low, high, n_layers) of ``statistic`` over heads, resampling whole layers."""
     f = _STATISTICS[statistic]
     ok = np.isfinite(values)
@@ -162,19 +133,19 @@ def _by_layer(values: np.ndarray, layers: np.ndarray, statistic: str, n_bootstra
     if len(units) < stats.MIN_CLUSTERS:  # too few layers to resample: no interval (see stats.MIN_CLUSTERS)
         return (estimate, np.nan, np.nan, len(units))
     members = [np.flatnonzero(index == u) for u in range(len(units))]
-    draws = stats.resample_indices(len(units), n_bootstrap, seed)
+    draws = stats.resample_indices(len(units), n_resamples, seed)
     if statistic in ("mean", "share"):  # pooled mean of the drawn layers' heads: from per-layer sums
         sums = np.array([values[m].sum() for m in members])
         counts = np.array([len(m) for m in members], float)
         replicates = sums[draws].sum(1) / counts[draws].sum(1)
     else:
         replicates = np.array([f(np.concatenate([values[members[u]] for u in d])) for d in draws])
-    low, high = stats.percentile_interval(replicates[:, None], level)
+    low, high = stats.percentile_interval(replicates[:, None], confidence)
     return (estimate, float(low[0]), float(high[0]), len(units))
 
 
-def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean", n_bootstrap: int = 1000,
-                    seed: int = 0, level: float = 0.95, layer: str = "layer",
+def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean", n_resamples: int = 1000,
+                    seed: int = 0, confidence: float = 0.95, layer: str = "layer",
                     layer_type: str = "layer_type") -> pd.DataFrame:
     """A head-level statistic pooled over heads, with a 95% interval from a cluster bootstrap by layer.
 
@@ -195,7 +166,7 @@ def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean"
     for scope, keep in scopes:
         values = table.loc[keep, column].to_numpy(float) if len(table) else np.zeros(0)
         layers = table.loc[keep, layer].to_numpy() if len(table) else np.zeros(0)
-        est, low, high, n_layers = _by_layer(values, layers, statistic, n_bootstrap, seed, level)
+        est, low, high, n_layers = _by_layer(values, layers, statistic, n_resamples, seed, confidence)
         rows.append({"scope": scope, "estimate": est, "low": low, "high": high,
                      "n": int(np.isfinite(values).sum()), "n_layers": n_layers})
     return pd.DataFrame(rows, columns=["scope", "estimate", "low", "high", "n", "n_layers"])
@@ -203,13 +174,13 @@ def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean"
 
 def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, part: str, statistic_text: str,
                       key: str, threshold: float, side: str, statistic: str = "mean", why: str = "",
-                      n_bootstrap: int = 1000, seed: int = 0, source: str = PAPER) -> list[dict]:
+                      n_resamples: int = 1000, seed: int = 0, source: str = PAPER) -> list[dict]:
     """The claim rows (:data:`COLUMNS`) of :func:`pooled_by_layer`: the pooled row is a part of ``claim``
     (key ``key``; its statistic says "cluster bootstrap by layer"); each layer type's row is a part of the
     separate claim ``"<claim> [<type> layers]"`` (key ``"<key>@<type>"``), so a finding that combines the
     parts of ``claim`` takes the pooled row only. An empty ``table`` gives the pooled row, not measured,
     with ``why``."""
-    pooled = pooled_by_layer(table, column, statistic=statistic, n_bootstrap=n_bootstrap, seed=seed)
+    pooled = pooled_by_layer(table, column, statistic=statistic, n_resamples=n_resamples, seed=seed)
     rows = []
     for r in pooled.itertuples():
         here_claim, here_key = (claim, key) if r.scope == "all" else (f"{claim} [{r.scope} layers]", f"{key}@{r.scope}")

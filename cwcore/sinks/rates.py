@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import _COMMON, TOKEN_CLASSES, Analysis, Collector, _Blocks, _concat, _grid, _np, register, run_one
+from .engine import EPS, TOKEN_CLASSES, Analysis, Blocks, Collector, concat, flat, grid_columns, register
 from .intervals import BOOK, claim_row, no_sink_heads, pooled_claim_rows, share_ci
 
 __all__ = ["SINK_RATES", "SINK_POSITION_CLAIM", "sink_rates"]
@@ -27,69 +27,24 @@ class _RatesCollector(Collector):
 
     def on_layer(self, s):
         a0 = s.probs[:, :, :, s.sink_position]  # [b, h, q]
-        cols = _grid(tuple(a0.shape), ("sequence", "head", "query"), {"sequence": self.start})
+        cols = grid_columns(tuple(a0.shape), ("sequence", "head", "query"), {"sequence": self.start})
         self.rows.append(pd.DataFrame({"layer": np.full(a0.numel(), s.layer, np.int32), **cols,
-                                       "alpha0": _np(a0).astype(np.float32)}))
+                                       "alpha0": flat(a0).astype(np.float32)}))
         mass = s.probs[:, :, 1:, :].mean(2)  # [b, h, k]: mean over queries >= 1 of alpha_ij (sums to 1 over k)
         self.mass.append(pd.DataFrame({"layer": np.full(mass.numel(), s.layer, np.int16),
-                                       **_grid(tuple(mass.shape), ("sequence", "head", "key"), {"sequence": self.start}),
-                                       "mass": _np(mass).astype(np.float32)}))
+                                       **grid_columns(tuple(mass.shape), ("sequence", "head", "key"), {"sequence": self.start}),
+                                       "mass": flat(mass).astype(np.float32)}))
         learned = (s.learned_sink_mass[:, :, 1:].mean(-1) if s.learned_sink_mass is not None
                    else torch.full(a0.shape[:2], float("nan")))
         self.layers.append(pd.DataFrame({"layer": np.full(learned.numel(), s.layer, np.int32),
-                                         **_grid(tuple(learned.shape), ("sequence", "head"), {"sequence": self.start}),
-                                         "layer_type": s.layer_type, "learned_sink_mass": _np(learned).astype(float)}))
+                                         **grid_columns(tuple(learned.shape), ("sequence", "head"), {"sequence": self.start}),
+                                         "layer_type": s.layer_type, "learned_sink_mass": flat(learned).astype(float)}))
 
     def finish(self, logits):
-        return {"alpha0": _concat(self.rows), "mass": _concat(self.mass), "layers": _concat(self.layers)}
+        return {"alpha0": concat(self.rows), "mass": concat(self.mass), "layers": concat(self.layers)}
 
 
-def sink_rates(
-    model,
-    tokenizer,
-    data,
-    *,
-    eps: float = 0.3,
-    block_size: int = 128,
-    num_sequences: int | None = None,
-    add_bos: bool | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-    cache: bool = True,
-    cache_root=None,
-    progress: bool = True,
-    compute_dtype: torch.dtype = torch.float32,
-) -> pd.DataFrame:
-    """Per (layer, head): the attention the first token receives, and Gu et al.'s Sink_eps.
-
-    For head h and query i >= 1, a_i = alpha^h_i0. One row per (layer, head) with
-    ``sink_rate`` (mean of a_i over queries 1..T-1 and sequences), ``sink_rate_std`` (its standard
-    deviation over queries and sequences), ``sink_rate_sequence_std`` (standard deviation over sequences
-    of each sequence's mean), ``q10``/``median``/``q90`` of a_i, ``sink_rate_all_queries`` (mean over all
-    queries 0..T-1, Gu et al.'s convention, where a_0 = 1), ``is_sink_head`` (sink_rate > eps).
-    Model-level columns, constant over rows: ``sink_eps`` (share of all heads with sink_rate > eps),
-    ``sink_eps_all_queries`` (the same with Gu et al.'s rate), ``eps``, ``add_bos`` (True/False, NA for
-    ready-made blocks), ``first_token_is_bos`` (share of sequences; NaN without a tokenizer with a BOS),
-    ``num_sequences``, ``block_size``.
-
-    Structure: ``layer_type`` ("sliding" or "global", :func:`cwcore.sinks.engine.layer_types`) and
-    ``learned_sink_mass`` (mean over queries >= 1 of the softmax mass a learned sink logit absorbs, as in
-    GPT-OSS; NaN for a model without one).
-
-    Where the mass goes (the sink found by statistics): with m_j = the mean over queries i >= 1 of
-    alpha_ij (zero for j > i; sums to 1 over j), averaged over sequences, ``top_key`` is the key position
-    with the largest m_j, ``top_key_mass`` its m_j, ``top_key_class`` its most frequent token class;
-    ``top_later_key``/``top_later_mass`` the same among positions >= 1 (a second sink). ``mass_<class>``
-    (classes of :func:`cwcore.sinks.engine.token_classes`: bos, first, special, newline, punctuation,
-    word) is the attention going to tokens of that class, ``uniform_<class>`` what a uniform causal
-    attention would give them; NaN without a tokenizer.
-    """
-    del seed  # nothing random; kept for the common signature
-    common = {k: v for k, v in locals().items() if k in _COMMON}
-    return run_one("rates", model, tokenizer, data, {"eps": eps}, common)
-
-
-def _position_columns(mass: pd.DataFrame, blocks: _Blocks) -> pd.DataFrame:
+def _position_columns(mass: pd.DataFrame, blocks: Blocks) -> pd.DataFrame:
     """Per (layer, head): where the attention mass goes (see :func:`sink_rates`)."""
     by_key = mass.groupby(["layer", "head", "key"])["mass"].mean().reset_index()
     top = by_key.loc[by_key.groupby(["layer", "head"])["mass"].idxmax()].set_index(["layer", "head"])
@@ -122,7 +77,7 @@ def _position_columns(mass: pd.DataFrame, blocks: _Blocks) -> pd.DataFrame:
     return out.reset_index()
 
 
-def _rates_table(points: pd.DataFrame, eps: float, blocks: _Blocks, mass: pd.DataFrame | None = None,
+def _rates_table(points: pd.DataFrame, eps: float, blocks: Blocks, mass: pd.DataFrame | None = None,
                  layers: pd.DataFrame | None = None) -> pd.DataFrame:
     later = points[points["query"] >= 1]
     grouped = later.groupby(["layer", "head"])["alpha0"]
@@ -155,7 +110,7 @@ def _rates_table(points: pd.DataFrame, eps: float, blocks: _Blocks, mass: pd.Dat
     return table
 
 
-def _tables(parts: dict, blocks: _Blocks, *, eps: float, **_) -> pd.DataFrame:
+def _tables(parts: dict, blocks: Blocks, *, eps: float, **_) -> pd.DataFrame:
     return _rates_table(parts["alpha0"], eps, blocks, parts.get("mass"), parts.get("layers"))
 
 
@@ -175,7 +130,7 @@ def _summary(tables: dict, add) -> None:
             add("sink_rate", "mean_learned_sink_mass", r["learned_sink_mass"].mean())
 
 
-def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5, n_bootstrap: int = 1000,
+def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5, n_resamples: int = 1000,
                     seed: int = 0) -> list[dict]:
     """Chapter 5's claims on the rates table.
 
@@ -198,7 +153,7 @@ def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5
                               part=f"more than {majority:g} of the heads are sink heads, heads clustered by layer",
                               statistic_text=f"share of heads with sink rate > {eps:g}", key="sink_eps_by_layer",
                               threshold=majority, side="above", statistic="share", why="no finite sink rate",
-                              n_bootstrap=n_bootstrap, seed=seed, source=BOOK)
+                              n_resamples=n_resamples, seed=seed, source=BOOK)
     if "top_key" in rates:
         strong = rates[rates["top_key_mass"] > eps]
         rows.append(claim_row(5, SINK_POSITION_CLAIM, "the strongest key of a strongly attending head is position 0",
@@ -210,12 +165,45 @@ def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5
                                   part="no later position is a second sink",
                                   statistic_text="median over heads of the strongest later key's mass",
                                   key="top_later_mass", threshold=eps, side="below", statistic="median",
-                                  n_bootstrap=n_bootstrap, seed=seed, source=BOOK)
+                                  n_resamples=n_resamples, seed=seed, source=BOOK)
     return rows
 
 
-def _claims(results, *, eps: float, n_bootstrap: int, seed: int, **_) -> list[dict]:
-    return rate_claim_rows(results["rates"], eps, n_bootstrap=n_bootstrap, seed=seed)
+def _claims(results, *, eps: float, n_resamples: int, seed: int, **_) -> list[dict]:
+    return rate_claim_rows(results["rates"], eps, n_resamples=n_resamples, seed=seed)
 
 
-ANALYSIS = register(Analysis("rates", _RatesCollector, _tables, stems=("rates",), summary=_summary, claims=_claims))
+ANALYSIS = register(Analysis("rates", _RatesCollector, _tables, stems=("rates",), summary=_summary, claims=_claims,
+                             options=(EPS,)))
+
+
+@ANALYSIS.public
+def sink_rates(model, tokenizer, data, **options) -> pd.DataFrame:
+    """Per (layer, head): the attention the first token receives, and Gu et al.'s Sink_eps.
+
+    For head h and query i >= 1, a_i = alpha^h_i0. One row per (layer, head) with
+    ``sink_rate`` (mean of a_i over queries 1..T-1 and sequences), ``sink_rate_std`` (its standard
+    deviation over queries and sequences), ``sink_rate_sequence_std`` (standard deviation over sequences
+    of each sequence's mean), ``q10``/``median``/``q90`` of a_i, ``sink_rate_all_queries`` (mean over all
+    queries 0..T-1, Gu et al.'s convention, where a_0 = 1), ``is_sink_head`` (sink_rate > eps).
+    Model-level columns, constant over rows: ``sink_eps`` (share of all heads with sink_rate > eps),
+    ``sink_eps_all_queries`` (the same with Gu et al.'s rate), ``eps``, ``add_bos`` (True/False, NA for
+    ready-made blocks), ``first_token_is_bos`` (share of sequences; NaN without a tokenizer with a BOS),
+    ``num_sequences``, ``block_size``.
+
+    Structure: ``layer_type`` ("sliding" or "global", :func:`cwcore.sinks.engine.layer_types`) and
+    ``learned_sink_mass`` (mean over queries >= 1 of the softmax mass a learned sink logit absorbs, as in
+    GPT-OSS; NaN for a model without one).
+
+    Where the mass goes (the sink found by statistics): with m_j = the mean over queries i >= 1 of
+    alpha_ij (zero for j > i; sums to 1 over j), averaged over sequences, ``top_key`` is the key position
+    with the largest m_j, ``top_key_mass`` its m_j, ``top_key_class`` its most frequent token class;
+    ``top_later_key``/``top_later_mass`` the same among positions >= 1 (a second sink). ``mass_<class>``
+    (classes of :func:`cwcore.sinks.engine.token_classes`: bos, first, special, newline, punctuation,
+    word) is the attention going to tokens of that class, ``uniform_<class>`` what a uniform causal
+    attention would give them; NaN without a tokenizer.
+
+    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
+    cache_root, progress, compute_dtype).
+    """
+

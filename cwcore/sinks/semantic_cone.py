@@ -10,12 +10,18 @@ import pandas as pd
 import torch
 
 from .. import stats
-from .engine import _COMMON, Analysis, Collector, _concat, _forward, _grid, _LayerState, _np, register, run_one
+from .engine import SEED, Analysis, Collector, LayerState, Option, concat, count, flat, forward, grid_columns, register, unit_interval
 from .intervals import claim_row, claims_frame, contrast, group_value
 
 __all__ = ["CONDITIONS", "CONE", "DRIFT", "PERPLEXITY", "drift_curve", "drift_points", "mass_matched_removal",
            "weak_token_counts", "PerplexityChanges", "SemanticConeTables", "cone_claims",
            "cone_points", "perplexity_changes", "semantic_cone"]
+
+HEADS = Option("heads", "all", "semantic-cone interventions in all heads, or only in sink heads (rate above threshold)",
+               choices=("all", "sink"))
+THRESHOLD = Option("threshold", 0.3, "heads='sink': a head's sink rate in the sequence above this",
+                   unit_interval("threshold"))
+QUANTILES = Option("quantiles", 5, "bins of the clean output norm (bin 1: the lowest-norm outputs)", count("quantiles"))
 
 #: the claims chapter 7 judges
 CONE = "low-norm outputs collapse into the cone"
@@ -109,7 +115,7 @@ class _SemanticConeCollector(Collector):
         self.clean_alpha0: dict[int, torch.Tensor] = {}
 
     @staticmethod
-    def cone_axis(s: _LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+    def cone_axis(s: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         """m_i = mean_{1<=j<=i} v_j (head space, query 0: zero) ``[b, h, q, d]`` and G_h m_i (for inner products)."""
         v = s.values[:, :, 1:]
         T = s.values.shape[2]
@@ -118,7 +124,7 @@ class _SemanticConeCollector(Collector):
         return axis, axis @ s.gram
 
     @classmethod
-    def measure(cls, s: _LayerState, axis=None) -> dict:
+    def measure(cls, s: LayerState, axis=None) -> dict:
         """||o^h_i|| and cos(o^h_i, m_i), m_i = mean_{1<=j<=i} v~_j, each ``[b, h, q]`` (query 0: NaN)."""
         axis, axis_gram = cls.cone_axis(s) if axis is None else axis
         axis_norm = (axis * axis_gram).sum(-1).clamp_min(0).sqrt()
@@ -149,7 +155,7 @@ class _SemanticConeCollector(Collector):
         axis_norm = (axis * axis_gram).sum(-1).clamp_min(0).sqrt()
         return (replaced * axis_gram).sum(-1) / (s.norm(replaced) * axis_norm)
 
-    def weak_tokens(self, s: _LayerState, axis=None) -> pd.DataFrame:
+    def weak_tokens(self, s: LayerState, axis=None) -> pd.DataFrame:
         """The drift curve of one clean layer: for queries i >= max k, the cosine with the cone axis m_i of
         the sum of the k weakest tail terms (smallest alpha_ij, 1 <= j <= i; ties by position), for each k
         of :func:`weak_token_counts`, and of all tail terms (s_i); NaN where those terms' weights underflow
@@ -166,8 +172,8 @@ class _SemanticConeCollector(Collector):
         order = torch.where(tail, probs, torch.full_like(probs, float("inf"))).argsort(-1)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=order.device).expand_as(order))
         cols = {"layer": np.full(b * h * (T - first), s.layer, np.int32),
-                **_grid((b, h, T - first), ("sequence", "head", "query"), {"sequence": self.start, "query": first}),
-                "norm_clean": _np(s.output_norm[:, :, first:]).astype(np.float32)}
+                **grid_columns((b, h, T - first), ("sequence", "head", "query"), {"sequence": self.start, "query": first}),
+                "norm_clean": flat(s.output_norm[:, :, first:]).astype(np.float32)}
         zero = torch.zeros_like(probs)
 
         def cosine(kept):
@@ -184,10 +190,10 @@ class _SemanticConeCollector(Collector):
         shuffled = torch.where(tail, scores.to(probs.device), torch.full_like(probs, float("inf"))).argsort(-1)
         for k in [*ks, None]:
             keep = tail if k is None else (tail & (rank < k))  # rank 0 = the weakest tail key of the row
-            cols[f"cos_k{k if k is not None else 'all'}"] = _np(cosine(torch.where(keep, probs, zero))).astype(np.float32)
+            cols[f"cos_k{k if k is not None else 'all'}"] = flat(cosine(torch.where(keep, probs, zero))).astype(np.float32)
             if k is not None:  # queries >= first have at least k tail keys: the k drawn keys are tail keys
                 null = zero.scatter(-1, shuffled[..., :k], weakest[..., :k])
-                cols[f"null_k{k}"] = _np(cosine(null)).astype(np.float32)
+                cols[f"null_k{k}"] = flat(cosine(null)).astype(np.float32)
         return pd.DataFrame(cols)
 
     def finish(self, logits):
@@ -217,22 +223,22 @@ class _SemanticConeCollector(Collector):
         touched = {"sink": (q >= 1)[None, :].expand(b, T), "sink_renorm": (q >= 1)[None, :].expand(b, T),
                    "control": q[None, :] > key[:, None], "control_mass": (q >= 1)[None, :].expand(b, T)}  # [b, q]
         sequences = {"sequence": np.arange(start, start + b, dtype=np.int32), "control_key": control_key,
-                     "n_tokens": np.full(b, T - 1), "nll_clean": _np(nll_clean.sum(-1))}
+                     "n_tokens": np.full(b, T - 1), "nll_clean": flat(nll_clean.sum(-1))}
         frames = []
         for condition in CONDITIONS:
             after: dict[int, dict] = {}
 
-            def on_layer(s: _LayerState, after=after):
+            def on_layer(s: LayerState, after=after):
                 m = self.measure(s)
                 c = self.clean[s.layer]
                 m["drift"] = s.inner(c.mixed, s.mixed) / (c.output_norm * s.output_norm)
                 after[s.layer] = m
 
-            logits = _forward(self.model, ids, on_layer, masks=masks[condition],
+            logits = forward(self.model, ids, on_layer, masks=masks[condition],
                               renormalise=selected if condition == "sink_renorm" else None, logits=True,
                               compute_dtype=self.dtype,
                               transforms=mass_transforms if condition == "control_mass" else None)
-            sequences[f"nll_{condition}"] = _np(_token_nll(logits, ids).sum(-1))
+            sequences[f"nll_{condition}"] = flat(_token_nll(logits, ids).sum(-1))
             del logits
             for layer, m in sorted(after.items()):
                 keep = selected[layer][:, :, None] & touched[condition][:, None, :].to(selected[layer].device)
@@ -240,94 +246,24 @@ class _SemanticConeCollector(Collector):
                 c = self.clean_measure[layer]
                 frames.append(pd.DataFrame({
                     "condition": condition, "layer": np.full(len(bi), layer, np.int32),
-                    "sequence": (_np(bi) + start).astype(np.int32), "head": _np(hi).astype(np.int32),
-                    "query": _np(qi).astype(np.int32),
-                    "norm_clean": _np(c["norm"][bi, hi, qi]).astype(np.float32),
-                    "cos_clean": _np(c["cos"][bi, hi, qi]).astype(np.float32),
-                    "norm_after": _np(m["norm"][bi, hi, qi]).astype(np.float32),
-                    "cos_after": _np(m["cos"][bi, hi, qi]).astype(np.float32),
-                    "drift": _np(m["drift"][bi, hi, qi]).astype(np.float32),
-                    "alpha0_clean": _np(self.clean_alpha0[layer][bi, hi, qi]).astype(np.float32),
-                    "cos_random_clean": _np(c["cos_random"][bi, hi, qi]).astype(np.float32),
+                    "sequence": (flat(bi) + start).astype(np.int32), "head": flat(hi).astype(np.int32),
+                    "query": flat(qi).astype(np.int32),
+                    "norm_clean": flat(c["norm"][bi, hi, qi]).astype(np.float32),
+                    "cos_clean": flat(c["cos"][bi, hi, qi]).astype(np.float32),
+                    "norm_after": flat(m["norm"][bi, hi, qi]).astype(np.float32),
+                    "cos_after": flat(m["cos"][bi, hi, qi]).astype(np.float32),
+                    "drift": flat(m["drift"][bi, hi, qi]).astype(np.float32),
+                    "alpha0_clean": flat(self.clean_alpha0[layer][bi, hi, qi]).astype(np.float32),
+                    "cos_random_clean": flat(c["cos_random"][bi, hi, qi]).astype(np.float32),
                 }))
-        heads = _concat([pd.DataFrame({
+        heads = concat([pd.DataFrame({
             "layer": np.full(rates[l].numel(), l, np.int32),
-            **_grid(tuple(rates[l].shape), ("sequence", "head"), {"sequence": start}),
-            "sink_rate": _np(rates[l]), "selected": _np(selected[l]),
-            "norm_clean_mean": _np(self.clean_measure[l]["norm"][:, :, 1:].mean(-1)),
+            **grid_columns(tuple(rates[l].shape), ("sequence", "head"), {"sequence": start}),
+            "sink_rate": flat(rates[l]), "selected": flat(selected[l]),
+            "norm_clean_mean": flat(self.clean_measure[l]["norm"][:, :, 1:].mean(-1)),
         }) for l in sorted(rates)])
-        return {"points": _concat(frames), "sequences": pd.DataFrame(sequences), "heads": heads,
-                "weak": _concat(self.weak)}
-
-
-def semantic_cone(
-    model,
-    tokenizer,
-    data,
-    *,
-    heads: str = "all",
-    threshold: float = 0.3,
-    quantiles: int = 5,
-    block_size: int = 128,
-    num_sequences: int | None = None,
-    add_bos: bool | None = None,
-    batch_size: int = 8,
-    seed: int = 0,
-    cache: bool = True,
-    cache_root=None,
-    progress: bool = True,
-    compute_dtype: torch.dtype = torch.float32,
-) -> SemanticConeTables:
-    """Remove the sink's value in every layer and compare head outputs and perplexity with a control.
-
-    Conditions (each one forward pass intervening in every layer at once, on queries i >= 1; query 0,
-    whose only key is the sink itself, is left alone so the sink token's own stream is only changed
-    through the layers below):
-
-    * ``sink``: alpha_i0 := 0 without renormalising: the term alpha_i0 v~_0 is removed and the head output
-      becomes its semantic component s_i. This is "removing the sink's value vector": it is the same as
-      setting v~_0 = 0 for these queries.
-    * ``sink_renorm``: the sink is left out of the softmax: alpha_i0 := 0 and the other probabilities are
-      divided by their sum 1 - alpha_i0, so the output becomes s^_i = s_i / (1 - alpha_i0). The sink's
-      term is gone *and* its mass goes to the other tokens, whose relative weights are kept (what the
-      head would do if key 0 were masked out). It separates "the sink's vector is missing" from "the
-      output norm collapses": ``sink`` changes both, ``sink_renorm`` only the first.
-    * ``control``: one non-sink key r per sequence, uniform in 1..T-2 (seeded), gets alpha_ir := 0 for
-      all queries i > r, without renormalising (the same kind of removal as ``sink``, of a random token).
-    * ``control_mass``: the mass-matched control (:func:`mass_matched_removal`): in every query i >= 1,
-      non-sink keys in a random order (seeded per sequence, the same in every layer) lose their
-      probability until the removed mass equals alpha_i0 (at most the 1 - alpha_i0 there is), without
-      renormalising: as much attention removed as ``sink`` removes, from other tokens.
-
-    The raw pieces also hold ``weak`` (:func:`drift_points`, :func:`drift_curve`): on the clean pass, the
-    cosine with m_i of the sum of the k weakest tail terms, for k in :func:`weak_token_counts`.
-
-    ``heads``: "all", or "sink": only heads whose clean sink rate in that sequence (mean alpha_i0 over
-    queries >= 1) exceeds ``threshold``; the control uses the same heads.
-
-    Per head and query the clean and the intervened run give ||o^h_i|| and cos(o^h_i, m_i) with
-    m_i = mean_{1<=j<=i} v~_j, the axis of the semantic cone visible to query i (from each run's own
-    values), and the drift cos(o^h_i clean, o^h_i intervened). Measured over the queries the
-    condition touches (control: i > r) in the selected heads.
-
-    ``by_quantile``: per (binning, condition, quantile), columns ``n``, ``norm_clean``, ``norm_after``
-    (means), ``norm_ratio`` (median of after/clean), ``cos_clean``, ``cos_after``, ``delta_cos`` (means),
-    ``drift`` (mean). Two binnings into ``quantiles`` bins (1 = lowest norm): ``within_head`` bins each
-    output o^h_i by the quantile of its clean norm among its own head's outputs (low-norm *outputs*);
-    ``across_heads`` bins whole heads by their mean clean output norm among the model's heads
-    (low-norm *heads*).
-    ``heads``: the same per (condition, layer, head), plus ``sink_rate``, ``selected`` (share of
-    sequences in which the head was intervened on), ``head_norm`` (mean clean norm) and
-    ``norm_quantile_of_head`` (its rank among the model's heads, in (0, 1]).
-    ``ppl``: per condition ``ppl_clean``, ``ppl`` (exp of the mean token NLL over all sequences),
-    ``delta_ppl``, ``delta_log_ppl`` (mean over sequences of the per-sequence difference of mean NLL)
-    with a normal 95% interval ``ci_low``/``ci_high``, ``num_sequences``.
-    """
-    if heads not in ("all", "sink"):
-        raise ValueError(f"heads must be 'all' or 'sink', not {heads!r}")
-    common = {k: v for k, v in locals().items() if k in _COMMON}
-    options = dict(heads=heads, threshold=threshold, seed=seed, quantiles=quantiles)
-    return run_one("semantic_cone", model, tokenizer, data, options, common)
+        return {"points": concat(frames), "sequences": pd.DataFrame(sequences), "heads": heads,
+                "weak": concat(self.weak)}
 
 
 def _cone_stats(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
@@ -479,7 +415,7 @@ def drift_points(raw: Mapping[str, pd.DataFrame], quantiles: int = 5) -> pd.Data
     return long
 
 
-def drift_curve(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap: int = 1000,
+def drift_curve(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_resamples: int = 1000,
                 seed: int = 0) -> stats.ClusterBootstrap:
     """Cone alignment against the number of weak tokens kept: mean cos per (``outputs``, k) with a cluster
     bootstrap over sequences (``outputs``: "lowest" = the lowest-norm bin, "all"); see :func:`drift_points`.
@@ -489,17 +425,17 @@ def drift_curve(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap
     both = pd.concat([long.assign(outputs="all"), long[long["quantile"] == 1].assign(outputs="lowest")],
                      ignore_index=True)
     return stats.cluster_bootstrap(both, ["cos", "cos_null", "cos_minus_null"], ["outputs", "k"],
-                                   n_resamples=n_bootstrap, seed=seed)
+                                   n_resamples=n_resamples, seed=seed)
 
 
 def perplexity_changes(sequences: pd.DataFrame, conditions=("sink", "sink_renorm", "control", "control_mass"),
-                       n_bootstrap: int = 1000, seed: int = 0) -> PerplexityChanges:
+                       n_resamples: int = 1000, seed: int = 0) -> PerplexityChanges:
     """From the cone's raw ``sequences`` table (``n_tokens`` and summed ``nll_<condition>`` per sequence)."""
     names = ["clean", *conditions]
     long = pd.concat([pd.DataFrame({"sequence": sequences["sequence"], "condition": name,
                                     "n_tokens": sequences["n_tokens"], "nll": sequences[f"nll_{name}"] / sequences["n_tokens"]})
                       for name in names], ignore_index=True)
-    boot = stats.cluster_bootstrap(long, "nll", "condition", weight="n_tokens", n_resamples=n_bootstrap, seed=seed)
+    boot = stats.cluster_bootstrap(long, "nll", "condition", weight="n_tokens", n_resamples=n_resamples, seed=seed)
     row = {c: i for i, c in enumerate(boot.table["condition"])}
     ppl = {c: tuple(np.exp(boot.interval(row[c], "nll"))) for c in names}
     delta_log = {c: tuple(boot.contrast(row[c], row["clean"], "nll")) for c in conditions}
@@ -519,7 +455,7 @@ def _delta_ppl(boot: stats.ClusterBootstrap, first: int, second: int) -> tuple[f
     return (estimate, float(low[0]), float(high[0]))
 
 
-def cone_claims(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap: int = 1000,
+def cone_claims(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_resamples: int = 1000,
                 seed: int = 0) -> pd.DataFrame:
     """Chapter 7: removing the sink turns the lowest-norm outputs towards the cone axis (Delta cos > 0),
     more than removing a random token does, and more than for the highest-norm outputs; and it raises
@@ -528,16 +464,16 @@ def cone_claims(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_bootstrap
 
     ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
     """
-    return claims_frame(_claim_rows(raw, quantiles, n_bootstrap, seed))
+    return claims_frame(_claim_rows(raw, quantiles, n_resamples, seed))
 
 
-def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: int, seed: int) -> list[dict]:
+def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_resamples: int, seed: int) -> list[dict]:
     points = cone_points(raw, quantiles)
     # one set of resampled documents for both columns (adding the second changes nothing in the first)
     within = stats.cluster_bootstrap(points, ["delta_cos", "sink_vs_random"], ["condition", "quantile"],
-                                     n_resamples=n_bootstrap, seed=seed)
+                                     n_resamples=n_resamples, seed=seed)
     conditions = tuple(c for c in CONDITIONS if f"nll_{c}" in raw["sequences"])
-    changes = perplexity_changes(raw["sequences"], conditions, n_bootstrap=n_bootstrap, seed=seed)
+    changes = perplexity_changes(raw["sequences"], conditions, n_resamples=n_resamples, seed=seed)
     sink_low = dict(condition="sink", quantile=1)
     why = "" if raw["heads"]["selected"].any() else "no head intervened on (no sink rate above the threshold)"
     if why:  # the perplexity is unchanged by construction: not a measurement
@@ -573,7 +509,7 @@ def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: in
         if why and row["verdict"] == stats.NOT_MEASURED:
             row["why"] = why
     if "weak" in raw and len(raw["weak"]):
-        curve = drift_curve(raw, quantiles, n_bootstrap, seed)
+        curve = drift_curve(raw, quantiles, n_resamples, seed)
         ks = sorted(k for k in curve.table["k"].unique() if k > 0)
         for outputs, key, text in (("lowest", "drift_weak_q1", "lowest-norm bin"), ("all", "drift_weak_all", "all outputs")):
             rows.append(claim_row(7, DRIFT, f"the sum of more weak tokens points closer to the cone axis ({text})",
@@ -593,10 +529,64 @@ def _claim_rows(raw: Mapping[str, pd.DataFrame], quantiles: int, n_bootstrap: in
     return rows
 
 
-def _claims(results, *, quantiles: int, n_bootstrap: int, seed: int, **_) -> list[dict]:
-    return _claim_rows(results["raw"]["semantic_cone"], quantiles, n_bootstrap, seed)
+def _claims(results, *, quantiles: int, n_resamples: int, seed: int, **_) -> list[dict]:
+    return _claim_rows(results["raw"]["semantic_cone"], quantiles, n_resamples, seed)
 
 
 ANALYSIS = register(Analysis("semantic_cone", _SemanticConeCollector, _tables,
                              stems=("semantic_cone", "semantic_cone-heads", "semantic_cone-ppl"),
-                             collector_options=("heads", "threshold", "seed"), summary=_summary, claims=_claims))
+                             collector_options=("heads", "threshold", "seed"), summary=_summary, claims=_claims,
+                             options=(HEADS, THRESHOLD, QUANTILES, SEED)))
+
+
+@ANALYSIS.public
+def semantic_cone(model, tokenizer, data, **options) -> SemanticConeTables:
+    """Remove the sink's value in every layer and compare head outputs and perplexity with a control.
+
+    Conditions (each one forward pass intervening in every layer at once, on queries i >= 1; query 0,
+    whose only key is the sink itself, is left alone so the sink token's own stream is only changed
+    through the layers below):
+
+    * ``sink``: alpha_i0 := 0 without renormalising: the term alpha_i0 v~_0 is removed and the head output
+      becomes its semantic component s_i. This is "removing the sink's value vector": it is the same as
+      setting v~_0 = 0 for these queries.
+    * ``sink_renorm``: the sink is left out of the softmax: alpha_i0 := 0 and the other probabilities are
+      divided by their sum 1 - alpha_i0, so the output becomes s^_i = s_i / (1 - alpha_i0). The sink's
+      term is gone *and* its mass goes to the other tokens, whose relative weights are kept (what the
+      head would do if key 0 were masked out). It separates "the sink's vector is missing" from "the
+      output norm collapses": ``sink`` changes both, ``sink_renorm`` only the first.
+    * ``control``: one non-sink key r per sequence, uniform in 1..T-2 (seeded), gets alpha_ir := 0 for
+      all queries i > r, without renormalising (the same kind of removal as ``sink``, of a random token).
+    * ``control_mass``: the mass-matched control (:func:`mass_matched_removal`): in every query i >= 1,
+      non-sink keys in a random order (seeded per sequence, the same in every layer) lose their
+      probability until the removed mass equals alpha_i0 (at most the 1 - alpha_i0 there is), without
+      renormalising: as much attention removed as ``sink`` removes, from other tokens.
+
+    The raw pieces also hold ``weak`` (:func:`drift_points`, :func:`drift_curve`): on the clean pass, the
+    cosine with m_i of the sum of the k weakest tail terms, for k in :func:`weak_token_counts`.
+
+    ``heads``: "all", or "sink": only heads whose clean sink rate in that sequence (mean alpha_i0 over
+    queries >= 1) exceeds ``threshold``; the control uses the same heads.
+
+    Per head and query the clean and the intervened run give ||o^h_i|| and cos(o^h_i, m_i) with
+    m_i = mean_{1<=j<=i} v~_j, the axis of the semantic cone visible to query i (from each run's own
+    values), and the drift cos(o^h_i clean, o^h_i intervened). Measured over the queries the
+    condition touches (control: i > r) in the selected heads.
+
+    ``by_quantile``: per (binning, condition, quantile), columns ``n``, ``norm_clean``, ``norm_after``
+    (means), ``norm_ratio`` (median of after/clean), ``cos_clean``, ``cos_after``, ``delta_cos`` (means),
+    ``drift`` (mean). Two binnings into ``quantiles`` bins (1 = lowest norm): ``within_head`` bins each
+    output o^h_i by the quantile of its clean norm among its own head's outputs (low-norm *outputs*);
+    ``across_heads`` bins whole heads by their mean clean output norm among the model's heads
+    (low-norm *heads*).
+    ``heads``: the same per (condition, layer, head), plus ``sink_rate``, ``selected`` (share of
+    sequences in which the head was intervened on), ``head_norm`` (mean clean norm) and
+    ``norm_quantile_of_head`` (its rank among the model's heads, in (0, 1]).
+    ``ppl``: per condition ``ppl_clean``, ``ppl`` (exp of the mean token NLL over all sequences),
+    ``delta_ppl``, ``delta_log_ppl`` (mean over sequences of the per-sequence difference of mean NLL)
+    with a normal 95% interval ``ci_low``/``ci_high``, ``num_sequences``.
+
+    Options: ``heads``, ``threshold``, ``quantiles``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
+    cache_root, progress, compute_dtype).
+    """
+

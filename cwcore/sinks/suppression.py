@@ -67,7 +67,7 @@ def _model_space(x: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
 
 
 def block_points(s, start: int, norm: nn.Module | None, bias: torch.Tensor | None, sink: int = 0) -> pd.DataFrame:
-    """One row per (sequence, query > sink) of layer ``s`` (a :class:`~cwcore.sinks.engine._LayerState`):
+    """One row per (sequence, query > sink) of layer ``s`` (a :class:`~cwcore.sinks.engine.LayerState`):
     ``out``, ``raw``, ``renorm`` = ||o_i||, ||sum_h s^h_i||, ||sum_h s^h_i / (1 - a^h_i)|| (model space, no
     bias) and ``post_out``, ``post_raw``, ``post_renorm``: the same vectors plus the output bias, through
     the post-attention ``norm`` (NaN without one); ``alpha0``: mean over heads of a^h_i."""
@@ -158,7 +158,7 @@ def _sink_head_index(fits: pd.DataFrame, eps: float) -> pd.Index:
 
 
 def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = 0.3,
-                      by: tuple[str, ...] = (), n_bootstrap: int = 1000, seed: int = 0,
+                      by: tuple[str, ...] = (), n_resamples: int = 1000, seed: int = 0,
                       layer_types: dict | None = None) -> pd.DataFrame:
     """Both readings at every place, pooled over the queries of the sink heads (head) or of the layers with a
     sink head (attention output, after post-norm), with intervals resampling whole sequences.
@@ -190,7 +190,7 @@ def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFr
         if "layer_type" in by:
             f = f.assign(layer_type=[(layer_types or {}).get(int(layer), "global") for layer in f["layer"]])
         columns = [f"{k}_{r}" for k in ("shortened", "log_ratio") for r in READINGS]
-        boot = stats.cluster_bootstrap(f, columns, list(by), cluster="sequence", n_resamples=n_bootstrap, seed=seed)
+        boot = stats.cluster_bootstrap(f, columns, list(by), cluster="sequence", n_resamples=n_resamples, seed=seed)
         t = boot.table
         for reading in READINGS:
             part = t[list(by)].copy() if by else pd.DataFrame(index=t.index)
@@ -207,7 +207,7 @@ def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFr
 
 
 def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = 0.3,
-                           n_bootstrap: int = 1000, seed: int = 0, layer_types: dict | None = None) -> list[dict]:
+                           n_resamples: int = 1000, seed: int = 0, layer_types: dict | None = None) -> list[dict]:
     """Claim rows: per place and reading, the share of shortened outputs above 0.5 (bootstrap over sequences).
 
     The raw reading at the head (key ``shortened``, the chapter's original part) is a part of the claim
@@ -216,9 +216,9 @@ def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.D
     reading is in the table (keys ``shortened_<reading>@<place>``). ``layer_types`` (layer -> "sliding" /
     "global"): on a model with both types, every (place, reading) is also judged per layer type, as the
     separate claims ``"... [<reading>, <place>] [<type> layers]"`` (keys ``...@<place>@<type>``)."""
-    table = suppression_table(fits, points, block, eps, n_bootstrap=n_bootstrap, seed=seed).assign(layer_type="all")
+    table = suppression_table(fits, points, block, eps, n_resamples=n_resamples, seed=seed).assign(layer_type="all")
     if layer_types and len(set(layer_types.values())) > 1:
-        by_type = suppression_table(fits, points, block, eps, by=("layer_type",), n_bootstrap=n_bootstrap, seed=seed,
+        by_type = suppression_table(fits, points, block, eps, by=("layer_type",), n_resamples=n_resamples, seed=seed,
                                     layer_types=layer_types)
         by_type = by_type[by_type["layer_type"].notna()] if "layer_type" in by_type else by_type.iloc[:0]
         table = pd.concat([table, by_type], ignore_index=True)
@@ -241,7 +241,7 @@ def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.D
     return rows
 
 
-def lowest_norm_ratio(points: pd.DataFrame, quantiles: int = 5, n_bootstrap: int = 1000, seed: int = 0,
+def lowest_norm_ratio(points: pd.DataFrame, quantiles: int = 5, n_resamples: int = 1000, seed: int = 0,
                       heads: pd.Index | None = None) -> stats.Interval:
     """The renormalised counterfactual on the lowest-norm outputs, as chapter 7 bins them: within each head
     the queries whose ||o^h_i|| is in the lowest of ``quantiles`` bins; the ratio of the mean ||s^_i|| to
@@ -254,7 +254,7 @@ def lowest_norm_ratio(points: pd.DataFrame, quantiles: int = 5, n_bootstrap: int
         return stats.Interval(np.nan, np.nan, np.nan)
     cut = h.groupby(["layer", "head"])["out"].transform(lambda x: x.quantile(1 / quantiles))
     low = h[(h["out"] <= cut) & np.isfinite(h["renorm"])]
-    boot = stats.cluster_bootstrap(low, ["renorm", "out"], cluster="sequence", n_resamples=n_bootstrap, seed=seed)
+    boot = stats.cluster_bootstrap(low, ["renorm", "out"], cluster="sequence", n_resamples=n_resamples, seed=seed)
     estimate = float(boot.table["renorm"].iloc[0] / boot.table["out"].iloc[0])
     ratio = boot.replicates["renorm"][:, 0] / boot.replicates["out"][:, 0]
     lo, hi = stats.percentile_interval(ratio[:, None])

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 
 from cwcore import findings
-from cwcore import sink_claims as SC
+from cwcore.sinks import claims as SC
 from test_sink_claims import decomposition_inputs, suppressor_inputs
 
 WHY = "no sink heads at eps=0.3"
@@ -24,7 +24,7 @@ def test_claims_over_sink_heads_are_not_measured_with_the_reason():
     rates, summary = decomposition_inputs()
     decomposition = SC.decomposition_claims(without_sinks(rates), summary, 0.3)
     aa, fits, points, eps = suppressor_inputs()
-    suppressor = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
+    suppressor = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_resamples=200)
     claims = pd.concat([decomposition, suppressor], ignore_index=True).set_index("key")
     for key in ("sink_geometry_share", "tail_attention_share", "cos_value", "cos_semantic", "shortened"):
         assert claims.loc[key, "verdict"] == "not measured" and claims.loc[key, "why"] == WHY, key
@@ -38,7 +38,7 @@ def test_claims_over_sink_heads_are_not_measured_with_the_reason():
 
 def test_with_sink_heads_nothing_is_excused():
     aa, fits, points, eps = suppressor_inputs()
-    claims = SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=200)
+    claims = SC.suppressor_claims(aa, fits, points, eps, n_resamples=200)
     assert (claims["why"] == "").all() and (claims["verdict"] != "not measured").all()
     assert list(SC.display(claims)["verdict"]) == list(claims["verdict"])
 
@@ -50,14 +50,14 @@ def test_a_part_without_an_interval_says_so_even_without_a_reason():
                            "s_sq": [1.0, 1.0]})
     aa = pd.DataFrame({"layer": [0], "head": [0], "sink_rate": [0.9], "is_sink_head": [True],
                        "cos_value_mean": [-0.5], "cos_semantic_mean": [-0.4]})
-    claims = SC.suppressor_claims(aa, fits, points, 0.3, n_bootstrap=50).set_index("key")
+    claims = SC.suppressor_claims(aa, fits, points, 0.3, n_resamples=50).set_index("key")
     assert claims.loc["share_interior", "verdict"] == "not measured"
     assert "none of 1 fitted" in claims.loc["share_interior", "why"]
 
 
 def test_the_findings_page_repeats_the_reason():
     aa, fits, points, eps = suppressor_inputs()
-    claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
+    claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_resamples=200)
     keys = [k for k, names in findings.CHAPTER_CLAIMS.items() if SC.SUPPRESSION in names]
     finding = findings.from_claims(keys[0], claims)
     assert finding.verdict == "not measured"
@@ -70,9 +70,9 @@ def test_the_findings_page_repeats_the_reason():
 
 def test_claim_verdict_texts_give_the_reason_of_an_unmeasured_claim():
     aa, fits, points, eps = suppressor_inputs()
-    plain = SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=200)
+    plain = SC.suppressor_claims(aa, fits, points, eps, n_resamples=200)
     assert SC.claim_verdict_texts(plain).equals(SC.claim_verdicts(plain).rename("verdict"))
-    claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_bootstrap=200)
+    claims = SC.suppressor_claims(without_sinks(aa), without_sinks(fits), points, eps, n_resamples=200)
     texts, verdicts = SC.claim_verdict_texts(claims), SC.claim_verdicts(claims)
     assert texts[SC.ANTI_ALIGNMENT] == f"not measured: {WHY}" and texts[SC.SUPPRESSION] == f"not measured: {WHY}"
     assert texts[f"{SC.CONVEXITY} [per head]"] == verdicts[f"{SC.CONVEXITY} [per head]"] != "not measured"  # measured: no reason added
@@ -89,7 +89,7 @@ def test_a_degenerate_interval_is_nan_without_a_warning_on_the_page():
         expected = stats.spearman_ci(x, y, n_resamples=100, seed=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = sinks.spearman_ci(x, y, n_bootstrap=100, seed=0)
+        got = stats.spearman_ci(x, y, n_resamples=100, seed=0)
     assert np.isnan(got.low) and np.isnan(got.high) and got.estimate == expected.estimate
     from cwcore.sinks.intervals import claim_row
 
@@ -112,19 +112,19 @@ def test_a_model_without_sink_heads_runs_every_claim_of_chapters_5_and_7():
     results = sinks.run_analyses(model, None, ids, ["rates", "decomposition", "semantic_cone"], heads="sink",
                                  threshold=0.3, raw=True, batch_size=2, **FAST)
     assert not (results["rates"]["sink_rate"] > 0.3).any()
-    rates = SC.rate_claims(results["rates"], 0.3, n_bootstrap=100).set_index("key")
+    rates = SC.rate_claims(results["rates"], 0.3, n_resamples=100).set_index("key")
     assert rates.loc["sink_eps", "estimate"] == 0 and rates.loc["sink_eps", "verdict"] == "contradicted"
     # two layers are too few to resample (cwcore.stats.MIN_CLUSTERS): not measured, and why
     assert rates.loc["sink_eps_by_layer", "verdict"] == "not measured"
     assert rates.loc["sink_eps_by_layer", "why"].startswith("2 layers, too few to resample")
     raw = results["raw"]
     decomposition = SC.decomposition_claims(results["rates"], results["decomposition"].summary, 0.3,
-                                            stats=raw["decomposition"]["stats"], n_bootstrap=100).set_index("key")
+                                            stats=raw["decomposition"]["stats"], n_resamples=100).set_index("key")
     for key in ("sink_geometry_share", "sink_geometry_margin_by_layer", "sink_geometry_pooled", "tail_joint_share",
                 "tail_alpha_share", "tail_cosine_share"):
         assert decomposition.loc[key, "verdict"] == "not measured", key
         assert decomposition.loc[key, "why"] == WHY, key
-    cone = SC.cone_claims(raw["semantic_cone"], 5, n_bootstrap=100).set_index("key")
+    cone = SC.cone_claims(raw["semantic_cone"], 5, n_resamples=100).set_index("key")
     intervened = cone[cone["claim"] != SC.DRIFT]
     assert (intervened["verdict"] == "not measured").all()  # nothing was intervened on, and it says so
     assert intervened["why"].str.startswith("no head intervened on").all()

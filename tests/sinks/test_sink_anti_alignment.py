@@ -104,7 +104,7 @@ def test_layer_profile_and_pooled_claims_cluster_by_layer():
     table, raw = _points(model, ids)
     points = raw["points"]
     aa = sys.modules["cwcore.sinks.anti_alignment"]
-    profile = aa.layer_profile(points, table, ("cos_semantic", "cos_key"), n_bootstrap=200).set_index("layer")
+    profile = aa.layer_profile(points, table, ("cos_semantic", "cos_key"), n_resamples=200).set_index("layer")
     for l, g in points.groupby("layer"):
         assert profile.loc[l, "cos_semantic"] == pytest.approx(g["cos_semantic"].mean())
         assert profile.loc[l, "cos_semantic_minus_cos_key"] == pytest.approx(g["cos_semantic"].mean() - g["cos_key"].mean())

@@ -1,4 +1,4 @@
-"""The sink chapters' claims tables (cwcore.sink_claims) against independent computations.
+"""The sink chapters' claims tables (cwcore.sinks.claims) against independent computations.
 
 Shares of heads are checked against scipy's Wilson interval, medians and rank correlations against
 numpy/scipy, pooled means against naive sums, and paired intervals against constructions where the
@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 from scipy import stats
 
-from cwcore import sink_claims as SC
+from cwcore import stats as cstats
+from cwcore.sinks import claims as SC
 from cwcore import sinks
 from cwcore.sinks import intervals
 from sink_fixtures import FAST, planted_ids, planted_model
@@ -89,7 +90,7 @@ def suppressor_inputs(seed=0, heads=30, sequences=6, queries=20):
 
 def test_suppressor_claims_against_numpy_and_scipy():
     aa, fits, points, eps = suppressor_inputs()
-    claims = SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=400, seed=1)
+    claims = SC.suppressor_claims(aa, fits, points, eps, n_resamples=400, seed=1)
     sink = aa[aa["is_sink_head"]]
     for key, column in (("cos_value", "cos_value_mean"), ("cos_semantic", "cos_semantic_mean")):
         est, low, high = SC.triple(claims, key)
@@ -112,7 +113,7 @@ def test_suppressor_claims_against_numpy_and_scipy():
         k, n = int(fitted[column].sum()), len(fitted)
         est, low, high = SC.triple(claims, key)
         pooled = intervals.pooled_by_layer(fitted.assign(layer_type="global"), column, statistic="share",
-                                           n_bootstrap=400, seed=1)
+                                           n_resamples=400, seed=1)
         row = pooled[pooled["scope"] == "all"].iloc[0]
         assert est == pytest.approx(k / n) and (low, high) == pytest.approx((row["low"], row["high"]), abs=1e-9)
         assert low < est < high
@@ -121,14 +122,14 @@ def test_suppressor_claims_against_numpy_and_scipy():
     for _, r in claims.iterrows():
         assert r["verdict"] == sinks.verdict(r["low"], r["high"], threshold=r["threshold"], side=r["side"])
     # deterministic for a seed
-    assert claims.equals(SC.suppressor_claims(aa, fits, points, eps, n_bootstrap=400, seed=1))
+    assert claims.equals(SC.suppressor_claims(aa, fits, points, eps, n_resamples=400, seed=1))
 
 
 def test_paired_contrast_collapses_when_the_difference_is_constant():
     rng = np.random.default_rng(0)
     base = pd.DataFrame({"sequence": np.repeat(np.arange(8), 5), "x": rng.normal(size=40)})
     points = pd.concat([base.assign(group="a", x=base["x"] + 1.0), base.assign(group="b")], ignore_index=True)
-    boot = sinks.sequence_bootstrap(points, "x", by="group", n_bootstrap=300, seed=0)
+    boot = cstats.cluster_bootstrap(points, "x", "group", n_resamples=300, seed=0)
     est, low, high = SC.contrast(boot, "x", {"group": "a"}, {"group": "b"})
     assert (est, low, high) == pytest.approx((1.0, 1.0, 1.0))
     assert SC.group_value(boot, "x", group="b")[0] == pytest.approx(base["x"].mean())
@@ -143,7 +144,7 @@ def test_perplexity_changes_are_token_weighted_and_paired():
                          "nll_sink": clean + 0.5 * n_tokens, "nll_sink_renorm": clean + 0.1 * n_tokens,
                          "nll_control": clean + rng.uniform(0, 0.05, 10) * n_tokens,
                          "nll_control_mass": clean + 0.7 * n_tokens})
-    changes = SC.perplexity_changes(seqs, n_bootstrap=300, seed=0)
+    changes = SC.perplexity_changes(seqs, n_resamples=300, seed=0)
     mean_clean = clean.sum() / n_tokens.sum()
     assert changes.ppl["clean"][0] == pytest.approx(np.exp(mean_clean))
     assert changes.delta_log["sink"] == pytest.approx((0.5, 0.5, 0.5))  # paired: every resample gives 0.5
@@ -158,7 +159,7 @@ def test_all_claims_on_the_planted_model_match_its_raw_points():
     model = planted_model()
     ids = planted_ids(n=4, length=24)
     results = sinks.run_analyses(model, None, ids, sinks.ANALYSES, batch_size=2, raw=True, **FAST)
-    claims = SC.all_claims(results, eps=0.3, quantiles=5, n_bootstrap=200, seed=0)
+    claims = SC.all_claims(results, eps=0.3, quantiles=5, n_resamples=200, seed=0)
     assert set(claims["chapter"]) == {5, 6, 7}
     # every chapter's claims are gathered (chapter 6's modules add further readings of their own)
     assert {SC.SINK_RATES, SC.DECOMPOSITION, SC.ANTI_ALIGNMENT, SC.TREND, SC.SUPPRESSION, SC.CONVEXITY, SC.CONE,
@@ -206,6 +207,6 @@ def test_tail_parts_need_a_share_above_the_margin_and_book_claims_are_labelled()
     # whose claim: the book's own claims are labelled as such
     assert rows.loc["tail_attention_share", "source"] == "book"
     assert (rows.loc[rows["claim"] == SC.DECOMPOSITION, "source"] == "paper").all()
-    rates_rows = SC.rate_claims(rates.assign(layer_type="global"), 0.3, n_bootstrap=100)
+    rates_rows = SC.rate_claims(rates.assign(layer_type="global"), 0.3, n_resamples=100)
     assert set(rates_rows["source"]) == {"book"}
     assert list(SC.display(rates_rows)["claim by"].unique()) == ["the book"]

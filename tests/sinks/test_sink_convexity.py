@@ -68,7 +68,7 @@ def test_vertex_intervals_refit_equals_polyfit_and_resamples_whole_sequences():
     model, ids = tiny_model("gemma3"), random_ids(n=5, length=10)
     out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, min_range=0.0, **FAST)
     fits, points = out["convexity"].fits, out["raw"]["convexity"]["points"]
-    vertices = vertex_intervals(points, fits, n_bootstrap=100, seed=0)
+    vertices = vertex_intervals(points, fits, n_resamples=100, seed=0)
     head = vertices[vertices["scope"] == "head"].set_index(["layer", "head"])
     heads = fits[fits["scope"] == "head"].set_index(["layer", "head"])
     np.testing.assert_allclose(head["alpha_star"], heads.loc[head.index, "alpha_star"], rtol=1e-6)
@@ -96,7 +96,7 @@ def test_planted_vertex_is_established_and_pooled_claims_judge_the_vertex():
     a_star = vt @ (vt - v0) / ((vt - v0) @ (vt - v0))
     out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, fit_on="squared_norm", **FAST)
     fits, raw = out["convexity"].fits, out["raw"]["convexity"]
-    vertices = vertex_intervals(raw["points"], fits, "squared_norm", n_bootstrap=200)
+    vertices = vertex_intervals(raw["points"], fits, "squared_norm", n_resamples=200)
     head1 = vertices[(vertices["scope"] == "head") & (vertices["head"] == 1)].iloc[0]
     # every document is the same planted sequence: each refit finds the exact vertex
     assert head1["alpha_star_low"] == pytest.approx(a_star, abs=1e-4)

@@ -85,7 +85,7 @@ def test_joint_shares_match_a_naive_least_squares_on_every_pair():
     results = sinks.run_analyses(model, None, ids, ["decomposition"], raw=True, batch_size=2, quantile_sample=10_000,
                                  sample_size=10**6, **FAST)
     raw = results["raw"]["decomposition"]
-    joint = joint_shares(raw["stats"], eps=0.0, n_bootstrap=200, seed=0)  # eps 0: every head is a sink head
+    joint = joint_shares(raw["stats"], eps=0.0, n_resamples=200, seed=0)  # eps 0: every head is a sink head
     sample = raw["sample"]  # every (query, key) pair of every head (quantile_sample exceeds their number)
     for cls in ("sink", "tail"):
         pairs = sample[sample["token_class"] == cls]

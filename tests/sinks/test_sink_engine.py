@@ -26,7 +26,7 @@ def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, mon
     def boom(*args, **kwargs):
         raise AssertionError("recomputed instead of reading the cache")
 
-    monkeypatch.setattr(engine, "_forward", boom)
+    monkeypatch.setattr(engine, "forward", boom)
     cached = sinks.semantic_cone(model, None, ids, **kwargs)  # the single function reads run_analyses' pieces
     pd.testing.assert_frame_equal(cached.ppl, first["semantic_cone"].ppl)
     monkeypatch.undo()
@@ -69,7 +69,7 @@ def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward pass ran although the cache was filled")
 
-    monkeypatch.setattr(engine, "_forward", no_forward)
+    monkeypatch.setattr(engine, "forward", no_forward)
     later = sinks.run_analyses(model, None, ids, ["convexity", "semantic_cone"], raw=True, **options)
     assert set(later) == {"convexity", "semantic_cone", "raw"} and set(later["raw"]) == {"convexity", "semantic_cone"}
     monkeypatch.undo()
@@ -108,3 +108,82 @@ def test_a_new_analysis_is_one_registered_object(monkeypatch):
     np.testing.assert_allclose(result["toy"]["mean_sink"], result["rates"]["sink_rate"], atol=1e-6)
     assert toy.named_tables(result["toy"]).keys() == {"toy"}
     assert "toy" not in sinks.ANALYSES  # the built-in order is fixed at import; the registry is open
+
+
+# -- options: declared once, checked once, built from the registry (issue 23) ------------------------
+
+
+def test_sink_options_check_eps_and_refuse_unknown_options():
+    options = sinks.SinkOptions()
+    assert options.eps == engine.EPS.default == 0.3 and options.heads == "all" and options.kind == "intra"
+    for bad in (-0.2, 1.5, float("nan"), 0.0, 1.0, "0.3", True):
+        with pytest.raises((TypeError, ValueError), match="eps"):
+            sinks.SinkOptions(eps=bad)
+    with pytest.raises(ValueError, match="heads"):
+        sinks.SinkOptions(heads="some")
+    with pytest.raises((TypeError, ValueError), match="quantile_sample"):
+        sinks.SinkOptions(quantile_sample=0)
+    model, ids = planted_model(), planted_ids(n=2, length=8)
+    with pytest.raises(TypeError, match="no option 'bins'"):
+        sinks.sink_rates(model, None, ids, bins=3, **FAST)  # convexity's option: not silently ignored
+    with pytest.raises(TypeError, match="no option 'epsilon'"):
+        sinks.run_analyses(model, None, ids, ["rates"], epsilon=0.2, **FAST)
+    with pytest.raises(ValueError, match="eps"):
+        sinks.run_analyses(model, None, ids, ["rates"], eps=1.5, **FAST)
+    # an options object and keywords: the keywords replace its fields
+    got = sinks.run_analyses(model, None, ids, ["rates"], sinks.SinkOptions(eps=0.9), eps=0.05, **FAST)["rates"]
+    assert (got["eps"] == 0.05).all()
+    # every analysis's public function lists its options with their declared defaults
+    import inspect
+    params = inspect.signature(sinks.semantic_cone).parameters
+    assert params["threshold"].default == 0.3 and params["heads"].default == "all" and "eps" not in params
+    assert inspect.signature(sinks.sink_rates).parameters["eps"].default == engine.EPS.default
+
+
+def test_command_line_options_come_from_the_registry(capsys):
+    with pytest.raises(SystemExit):
+        sinks.main(["--help"])
+    text = capsys.readouterr().out
+    for name, option in sinks.SinkOptions.OPTIONS.items():  # the run options have the CLI's own flags
+        if option.cli:
+            assert f"--{name.replace('_', '-')}" in text and option.help[:20] in " ".join(text.split()), name
+    with pytest.raises(SystemExit):
+        sinks.main(["--model", "m", "--data", "d", "--eps", "1.5"])
+    assert "eps must be a finite number in (0, 1)" in capsys.readouterr().err
+
+
+def test_a_new_analysis_declares_its_own_options(monkeypatch):
+    from cwcore.sinks.engine import REGISTRY, Analysis, Collector, Option, count, options_class
+
+    class Scaled(Collector):
+        def __init__(self, *args, power):
+            super().__init__(*args)
+            self.power, self.rows = power, []
+
+        def on_layer(self, s):
+            self.rows.append(pd.DataFrame({"layer": [s.layer], "value": [float((s.probs[:, :, 1:, 0] ** self.power).mean())]}))
+
+        def finish(self, logits):
+            return {"values": pd.concat(self.rows, ignore_index=True)}
+
+    power = Option("power", 1, "exponent of alpha_i0", count("power"))
+    toy = Analysis("scaled", Scaled, lambda parts, blocks, **_: parts["values"], stems=("scaled",),
+                   options=(power, engine.EPS), collector_options=("power",))
+    monkeypatch.setitem(REGISTRY, "scaled", toy)
+
+    @toy.public
+    def scaled(model, tokenizer, data, **options) -> pd.DataFrame:
+        """Mean alpha_i0 ** power per layer."""
+
+    assert "power" in {f for f in options_class().OPTIONS} and options_class().OPTIONS["eps"] is engine.EPS
+    model, ids = tiny_model("llama"), random_ids()
+    one, two = (scaled(model, None, ids, power=p, batch_size=8, **FAST) for p in (1, 2))  # one batch: one row a layer
+    rates = sinks.sink_rates(model, None, ids, batch_size=2, **FAST)
+    np.testing.assert_allclose(one["value"], rates.groupby("layer")["sink_rate"].mean(), atol=1e-6)
+    assert (two["value"] < one["value"]).all()
+    with pytest.raises((TypeError, ValueError), match="power"):
+        scaled(model, None, ids, power=0, **FAST)
+    with pytest.raises(ValueError, match="declared twice"):
+        monkeypatch.setitem(REGISTRY, "clash", Analysis("clash", Scaled, toy.tables, stems=("c",),
+                                                        options=(Option("power", 2, "another"),)))
+        options_class()

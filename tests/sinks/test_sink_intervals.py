@@ -1,4 +1,4 @@
-"""The sink chapters' interval and verdict names (cwcore.sinks.intervals, shims over cwcore.stats)."""
+"""The sink chapters' interval and verdict names (cwcore.sinks.intervals, over cwcore.stats)."""
 
 import numpy as np
 import pandas as pd
@@ -41,31 +41,13 @@ def test_share_ci_is_the_wilson_interval():
     assert np.isnan(sinks.share_ci([])[0])
 
 
-def test_spearman_and_bootstrap_intervals():
-    x = np.arange(30.0)
-    rho, low, high = sinks.spearman_ci(x, x**3)  # monotone: rho = 1 in every resample
-    assert (rho, low, high) == (1.0, 1.0, 1.0)
-    rho, low, high = sinks.spearman_ci(x, -np.exp(x / 10), n_bootstrap=200)
-    assert (rho, low, high) == (-1.0, -1.0, -1.0)
-    rng = np.random.default_rng(0)
-    a = rng.normal(size=200)
-    b = a + rng.normal(size=200)
-    rho, low, high = sinks.spearman_ci(a, b, seed=1)
-    from scipy.stats import spearmanr
+def test_cluster_bootstrap_as_the_sink_chapters_use_it_pools_rows_and_resamples_whole_sequences():
+    from cwcore import stats
 
-    assert rho == pytest.approx(spearmanr(a, b).statistic)
-    assert low < rho < high and 0.5 < low and high < 0.85
-    assert sinks.spearman_ci(a, b, seed=1) == (rho, low, high)  # seeded
-    est, low, high = sinks.bootstrap_ci([1.0, 2.0, 3.0, np.nan, 10.0])
-    assert est == 2.5 and 1.0 <= low <= est <= high <= 10.0
-    assert sinks.bootstrap_ci([4.0], np.mean)[0] == 4.0 and np.isnan(sinks.bootstrap_ci([4.0])[1])
-
-
-def test_sequence_bootstrap_pools_rows_and_resamples_whole_sequences():
     # sequence 0: three rows of 1.0 in group "a"; sequence 1: one row of 5.0 in "a"; "b" doubles "a"
     points = pd.DataFrame({"sequence": [0, 0, 0, 1] * 2, "g": ["a"] * 4 + ["b"] * 4,
                            "x": [1.0, 1.0, 1.0, 5.0, 2.0, 2.0, 2.0, 10.0], "w": [1.0, 1.0, 1.0, 3.0] * 2})
-    boot = sinks.sequence_bootstrap(points, ["x"], by="g", n_bootstrap=500)
+    boot = stats.cluster_bootstrap(points, ["x"], "g", n_resamples=500)
     table = boot.table.set_index("g")
     assert table.loc["a", "x"] == pytest.approx(2.0)  # pooled over rows: (1 + 1 + 1 + 5) / 4
     assert table.loc["b", "x"] == pytest.approx(4.0)
@@ -75,9 +57,9 @@ def test_sequence_bootstrap_pools_rows_and_resamples_whole_sequences():
     assert table.loc["a", "x_low"] == 1.0 and table.loc["a", "x_high"] == 5.0
     # the same resamples for every group: "b" is exactly twice "a" in every replicate
     assert np.allclose(boot.replicates["x"][:, 1], 2 * boot.replicates["x"][:, 0])
-    weighted = sinks.sequence_bootstrap(points, "x", by="g", weight="w", n_bootstrap=10).table
+    weighted = stats.cluster_bootstrap(points, "x", "g", weight="w", n_resamples=10).table
     assert weighted["x"].iloc[0] == pytest.approx((3 * 1.0 + 3 * 5.0) / 6)
-    one = sinks.sequence_bootstrap(points[points["sequence"] == 0], ["x"]).table
+    one = stats.cluster_bootstrap(points[points["sequence"] == 0], ["x"]).table
     assert one["x"].iloc[0] == pytest.approx(1.5) and np.isnan(one["x_low"].iloc[0])
 
 
@@ -91,7 +73,7 @@ def test_pooled_by_layer_resamples_whole_layers_naively():
                           "layer_type": np.where(layers % 2 == 0, "global", "sliding")})
     table["flag"] = table["x"] > 0.5
     for statistic, column, f in (("mean", "x", np.mean), ("median", "x", np.median), ("share", "flag", np.mean)):
-        got = pooled_by_layer(table, column, statistic=statistic, n_bootstrap=300, seed=4).set_index("scope")
+        got = pooled_by_layer(table, column, statistic=statistic, n_resamples=300, seed=4).set_index("scope")
         assert list(got.index) == ["all", "global", "sliding"]
         for scope in got.index:
             part = table if scope == "all" else table[table["layer_type"] == scope]
@@ -104,7 +86,7 @@ def test_pooled_by_layer_resamples_whole_layers_naively():
             assert (got.loc[scope, "low"], got.loc[scope, "high"]) == pytest.approx((low, high), abs=1e-9)
             assert got.loc[scope, "n"] == len(part) and got.loc[scope, "n_layers"] == len(units)
     rows = pd.DataFrame(pooled_claim_rows(table, "x", chapter=5, claim="c", part="p", statistic_text="s", key="k",
-                                          threshold=0.0, side="above", n_bootstrap=300, seed=4))
+                                          threshold=0.0, side="above", n_resamples=300, seed=4))
     assert list(rows["claim"]) == ["c", "c [global layers]", "c [sliding layers]"]
     assert list(rows["key"]) == ["k", "k@global", "k@sliding"]
     empty = pooled_claim_rows(table.iloc[:0], "x", chapter=5, claim="c", part="p", statistic_text="s", key="k",
@@ -120,3 +102,19 @@ def test_pooled_by_layer_resamples_whole_layers_naively():
                                  threshold=0.0, side="above")
     assert {r["verdict"] for r in few_rows} == {"not measured"}
     assert few_rows[0]["why"] == f"{stats.MIN_CLUSTERS - 1} layers, too few to resample (fewer than {stats.MIN_CLUSTERS})"
+
+
+def test_no_bootstrap_function_outside_stats():
+    # one home for resampling (issue 23): the sink package defines no *bootstrap* function of its own
+    import ast
+    import pathlib
+
+    import cwcore
+    root = pathlib.Path(cwcore.__file__).parent
+    offenders = []
+    for path in (root / "sinks").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and "bootstrap" in node.name.lower():
+                offenders.append(f"{path.name}:{node.name}")
+    assert not offenders
+    assert not any("bootstrap" in name.lower() for name in sinks.__all__)

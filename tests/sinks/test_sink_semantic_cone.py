@@ -220,7 +220,7 @@ def test_random_direction_control_can_contradict_the_cone_claim():
         model.model.layers[0].self_attn.v_proj.weight[8:, 0] = 0
         model.model.layers[0].self_attn.v_proj.weight[8, 0] = VT[0] / math.sqrt(16)
     points, results = _cone_points(model, ids)
-    claims = SC.cone_claims(results["raw"]["semantic_cone"], 5, n_bootstrap=200, seed=0)
+    claims = SC.cone_claims(results["raw"]["semantic_cone"], 5, n_resamples=200, seed=0)
     row = claims[claims["key"] == "dcos_sink_minus_random_direction"].iloc[0]
     assert row["high"] < 0 and row["verdict"] == "contradicted"
 

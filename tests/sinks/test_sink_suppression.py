@@ -63,7 +63,7 @@ def test_planted_shares_of_both_readings_at_head_and_attention_output():
     fits, raw = _run(model, ids)
     a = expected_alpha()
     table = suppression.suppression_table(fits, raw["points"], raw["block"], eps=0.1,
-                                          n_bootstrap=200).set_index(["place", "reading"])
+                                          n_resamples=200).set_index(["place", "reading"])
     # head 0: o = (1 - a) P e - a Q e, s = (1 - a) P e, s^ = P e; head 1: o = a V0 + (1 - a) VT, s^ = VT
     o0, o1 = np.abs((1 - a) * P_TAIL - a * Q_SINK), np.linalg.norm(np.outer(a, V0) + np.outer(1 - a, VT), axis=1)
     s0, s1 = (1 - a) * P_TAIL, (1 - a) * np.linalg.norm(VT)
@@ -111,7 +111,7 @@ def test_lowest_norm_ratio_against_a_naive_loop():
     points = pd.DataFrame({"layer": rng.integers(0, 2, n), "head": rng.integers(0, 2, n), "sequence": rng.integers(0, 5, n),
                            "alpha0": rng.uniform(0, 0.9, n), "norm": rng.uniform(0.1, 2, n),
                            "s_sq": rng.uniform(0.1, 2, n) ** 2, "v0_sq": np.ones(n)})
-    got = suppression.lowest_norm_ratio(points, quantiles=4, n_bootstrap=300)
+    got = suppression.lowest_norm_ratio(points, quantiles=4, n_resamples=300)
     renorm, out = [], []
     for _, g in points.groupby(["layer", "head"]):
         low = g[g["norm"] <= g["norm"].quantile(0.25)]

@@ -48,7 +48,7 @@ from .registry import (  # noqa: F401  (the public interface, and _REGISTRY for 
     method_scores, output_gradients, precomputed, register_method, scoring,
 )
 from . import ladder, value_zeroing, rollout, alti, gradient  # noqa: E402,F401  (each registers its methods)
-from .ladder import random  # noqa: F401
+from .ladder import random, random_controls  # noqa: F401
 from .projection import CHUNK_BYTES  # noqa: F401
 
 __all__ = [

@@ -7,7 +7,7 @@ from ...core.decomposition import METRICS
 from ..ranking import hashed_uniform
 from .registry import register_method
 
-__all__ = ["random"]
+__all__ = ["random", "random_controls"]
 
 for _rung in METRICS:
     def _ladder(layer_decomposition, kind="inter", _name=str(_rung), **_):
@@ -22,3 +22,17 @@ def random(layer_decomposition, layer, groups, positions, seed=0, **_):
     """Seeded control: a hash of (seed, sequence, layer, head, query position, key position)."""
     heads = layer_decomposition.attention.shape[1]
     return hashed_uniform(seed, groups, layer, heads, positions)
+
+
+def random_controls(seeds=(0, 1, 2)) -> dict:
+    """``{"random_s<seed>": ranking}``: the random control at several seeds, for ``metric=`` (each ignores
+    the protocol's seed and hashes its own; labels name the seed), so that
+    :func:`~cwcore.faithfulness.summary.random_baseline` can put the seed spread in the interval."""
+    def seeded(seed: int):
+        def control(layer_decomposition, layer, groups, positions, **_):
+            heads = layer_decomposition.attention.shape[1]
+            return hashed_uniform(seed, groups, layer, heads, positions)
+        control.__name__ = f"random_s{seed}"
+        return control
+
+    return {f"random_s{int(s)}": seeded(int(s)) for s in seeds}

@@ -140,7 +140,10 @@ def as_method(fn: Callable, label: str | None = None) -> Method:
     name = label or getattr(fn, "__name__", type(fn).__name__)
     name = "lambda" if name == "<lambda>" else name
     key = hashlib.sha256(method_key(fn).encode()).hexdigest()[:16]
-    return Method(name, fn, frozenset(getattr(fn, "cwcore_needs", ())), "", f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{key}")
+    from ...core.inputs import finite_scores  # a user's NaN/inf scores are refused at the layer they appear
+
+    return Method(name, finite_scores(fn), frozenset(getattr(fn, "cwcore_needs", ())), "",
+                  f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{key}")
 
 
 def precomputed(scores, label: str = "precomputed") -> Method:

@@ -1,0 +1,64 @@
+"""Readable token labels for display (the command line, the explorer, chapter 3's maps).
+
+Kept apart from :mod:`cwcore.data` so that no result's cache key covers it: a label never changes a number.
+"""
+
+from __future__ import annotations
+
+__all__ = ["token_labels"]
+
+_CONTINUATION = "+"  # label prefix of a token that carries more bytes of the character before it
+
+
+def token_labels(tokenizer, text_or_ids, *, add_special_tokens: bool = True) -> list[str]:
+    """One readable label per token, so that every character of multi-byte text (emoji, CJK) shows.
+
+    Decoding one token at a time turns a character split over several byte-level tokens into
+    replacement characters (``\ufffd``). Given a text and a fast tokenizer, the labels are the text's
+    own characters at each token's offsets (``return_offsets_mapping=True``; the tokens are those of
+    ``tokenizer(text, add_special_tokens=add_special_tokens)``); special tokens show their name. Given
+    ids (a list, or a tensor of one sequence), or a slow tokenizer, a run of tokens is decoded
+    together until it ends on a whole character. Either way, the first token of a split character
+    shows it and the tokens that continue it show it after a ``+`` (``" 🍕", "+🍕", "+🍕"``).
+    """
+    if isinstance(text_or_ids, str):
+        text = text_or_ids
+        if getattr(tokenizer, "is_fast", False):
+            encoded = tokenizer(text, return_offsets_mapping=True, add_special_tokens=add_special_tokens)
+            return _labels_from_offsets(tokenizer, text, encoded["input_ids"], encoded["offset_mapping"])
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    else:
+        ids = text_or_ids.tolist() if hasattr(text_or_ids, "tolist") else list(text_or_ids)
+        if ids and isinstance(ids[0], list):
+            if len(ids) != 1:
+                raise ValueError(f"token_labels takes one sequence, got a batch of {len(ids)}")
+            ids = ids[0]
+    return _labels_from_ids(tokenizer, [int(i) for i in ids])
+
+
+def _labels_from_offsets(tokenizer, text: str, ids, offsets) -> list[str]:
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    labels, covered = [], 0
+    for token, (start, end) in zip(ids, offsets):
+        if end <= start:  # special tokens (and tokens that stand for no text)
+            labels.append(tokenizer.convert_ids_to_tokens(int(token)) if token in special
+                          else tokenizer.decode([int(token)]))
+        elif start < covered:  # more bytes of a character an earlier token began
+            labels.append(_CONTINUATION + text[start:end].strip())
+        else:
+            labels.append(text[start:end])
+        covered = max(covered, end)
+    return labels
+
+
+def _labels_from_ids(tokenizer, ids: list[int]) -> list[str]:
+    labels: list[str] = []
+    start = 0
+    for i in range(len(ids)):
+        piece = tokenizer.decode(ids[start:i + 1])
+        if piece.endswith("\ufffd") and i + 1 < len(ids) and i - start < 3:  # a UTF-8 character has <= 4 bytes
+            continue
+        labels.append(piece)
+        labels += [_CONTINUATION + piece.strip()] * (i - start)
+        start = i + 1
+    return labels

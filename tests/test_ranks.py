@@ -1,0 +1,118 @@
+"""Sweeps split over torch.distributed ranks return the single-process frame, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from cwcore import analysis, runs
+from cwcore import faithfulness as fa
+from cwcore.faithfulness.layers import per_layer_curve
+from tiny_models import VOCAB, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ids(rows=10, length=12, seed=0):
+    return torch.randint(0, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _curve(model, ids):
+    return fa.faithfulness_curve(model, None, ids, metric=["attention", "contribution", "random"], ratios=[0, 0.2, 0.5],
+                                 batch_size=2, cache=False, progress=False, per_sequence=True)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ranks are single-threaded; the reference is too
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_shard_map_splits_items_round_robin_over_forked_ranks_and_keeps_the_order(monkeypatch):
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    got = runs.shard_map(range(5), lambda i: (i * i, os.getpid()))
+    assert [v for v, _ in got] == [0, 1, 4, 9, 16]
+    pids = [p for _, p in got]
+    assert pids[0::2] == [os.getpid()] * 3  # rank 0 is this process
+    assert len(set(pids[1::2])) == 1 and pids[1] != os.getpid()  # rank 1 is one forked helper
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed"):
+        runs.shard_map(range(4), lambda i: 1 / (i % 2 - 1))  # rank 1's items divide by zero
+
+
+def test_two_forked_ranks_give_the_single_process_faithfulness_frame(monkeypatch, one_thread):
+    model, ids = tiny_model("llama"), _ids()
+    alone = _curve(model, ids)
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    assert runs.launch_info()["launcher"] == "jobs" and runs.launch_info()["world_size"] == 2
+    shared = _curve(model, ids)
+    pd.testing.assert_frame_equal(alone, shared, check_exact=True)
+    options = dict(metric=["contribution"], ratios=[0.5], mode="comprehensiveness", batch_size=3, cache=False,
+                   progress=False)
+    shared = per_layer_curve(model, None, ids, **options)
+    monkeypatch.delenv(runs.JOBS_ENV_VAR)
+    pd.testing.assert_frame_equal(per_layer_curve(model, None, ids, **options), shared, check_exact=True)
+
+
+def test_two_forked_ranks_fill_the_cache_and_the_batch_driver_yields_every_batch(tmp_path, monkeypatch, one_thread):
+    model = tiny_model("llama")
+    batches = [{"input_ids": _ids(2, 9, seed)} for seed in range(5)]
+    alone = analysis.collect(model, batches, cache=False)
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    shared = analysis.collect(model, batches, cache_root=tmp_path)
+    for a, b in zip(alone, shared):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+    monkeypatch.delenv(runs.JOBS_ENV_VAR)
+    calls = []
+    monkeypatch.setattr(analysis, "decompose", lambda *a, **k: calls.append(1))
+    again = analysis.collect(model, batches, cache_root=tmp_path)  # every piece written by either rank
+    assert calls == []
+    for a, b in zip(alone, again):
+        pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
+SCRIPT = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+torch.set_num_threads(1)
+from tiny_models import VOCAB, tiny_model
+from cwcore import faithfulness as fa, runs
+ids = torch.randint(0, VOCAB, (10, 12), generator=torch.Generator().manual_seed(0))
+frame = fa.faithfulness_curve(tiny_model("llama"), None, ids, metric=["attention", "contribution", "random"],
+                              ratios=[0, 0.2, 0.5], batch_size=2, cache=False, progress=False, per_sequence=True)
+info = runs.launch_info()
+frame.to_parquet(sys.argv[1] + f"/rank{{info['rank']}}-of-{{info['world_size']}}-{{info['launcher']}}.parquet")
+"""
+
+
+def test_torchrun_with_two_ranks_gives_the_single_process_frame_on_every_rank(tmp_path, one_thread):
+    script = tmp_path / "sweep.py"
+    script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    env.pop(runs.JOBS_ENV_VAR, None)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    str(script), str(tmp_path)], env=env, check=True, capture_output=True, timeout=600)
+    alone = _curve(tiny_model("llama"), _ids())
+    for rank in (0, 1):
+        got = pd.read_parquet(tmp_path / f"rank{rank}-of-2-torchrun.parquet")
+        pd.testing.assert_frame_equal(alone, got, check_exact=True)
+
+
+def test_book_build_jobs_sets_the_ranks_of_every_kernel(monkeypatch):
+    from cwcore import book
+
+    seen = {}
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "1")  # restored after the test, whatever main sets
+    monkeypatch.setattr(book, "build", lambda **kwargs: seen.update(jobs=os.environ.get(runs.JOBS_ENV_VAR)))
+    assert book.main(["build", "--profile", "smoke", "--jobs", "2", "--no-html"]) == 0
+    assert seen["jobs"] == "2" and runs.local_jobs() == 2
+    with pytest.raises(SystemExit):
+        book.main(["build", "--jobs", "0"])
