@@ -203,7 +203,9 @@ def _namespace(inputs):
     from cwcore import stats
     from cwcore.faithfulness import evidence
 
-    return {"np": np, "pd": pd, "torch": torch, "cwcore": cwcore, "stats": stats, "evidence": evidence, **inputs}
+    # low_max: the top of the low grid the notebook ran (the committed exports used evidence.LOW_RATIOS)
+    return {"np": np, "pd": pd, "torch": torch, "cwcore": cwcore, "stats": stats, "evidence": evidence,
+            "low_max": max(evidence.LOW_RATIOS), **inputs}
 
 
 @pytest.mark.parametrize("model, data", EXPORTS)
