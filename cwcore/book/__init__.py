@@ -778,7 +778,7 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
 def main(argv: list[str] | None = None) -> int:
     """``python -m cwcore.book build|plan``: 0 when done; 2 for bad input (run.yml, a profile, a chapter:
     one line), 1 when a notebook or the HTML build failed, or for a bug of cwcore (``--debug``: traceback)."""
-    from .cli import debug_requested, run_command
+    from ..cli import debug_requested, run_command
 
     return run_command("python -m cwcore.book", lambda: _main(argv), debug_requested(argv))
 
@@ -809,7 +809,7 @@ def _main(argv: list[str] | None) -> int:
     if getattr(args, "jobs", None) is not None:
         if args.jobs < 1:
             parser.error(f"--jobs must be at least 1, got {args.jobs}")
-        from .runs import JOBS_ENV_VAR
+        from ..runs import JOBS_ENV_VAR
 
         os.environ[JOBS_ENV_VAR] = str(args.jobs)  # the kernels inherit it
     try:  # the configuration, the profile and the chapters first: a mistake there is bad input (status 2)
