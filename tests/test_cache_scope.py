@@ -6,7 +6,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from cwcore import cache
+from cwcore import cache, code_keys
 
 PACKAGE = Path(cache.__file__).parent
 
@@ -15,20 +15,20 @@ PACKAGE = Path(cache.__file__).parent
 def package_copy(tmp_path, monkeypatch):
     copy = tmp_path / "cwcore"
     shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(cache, "_PACKAGE", copy)
-    cache._code_hash.cache_clear()
+    monkeypatch.setattr(code_keys, "_PACKAGE", copy)
+    code_keys._code_hash.cache_clear()
     yield copy
-    cache._code_hash.cache_clear()
+    code_keys._code_hash.cache_clear()
 
 
 def _edit(path: Path) -> None:
     path.write_text(path.read_text() + "\n# an edit\n")
-    cache._code_hash.cache_clear()
+    code_keys._code_hash.cache_clear()
 
 
 def _code_edit(path: Path) -> None:
     path.write_text(path.read_text() + "\n_AN_EDIT = 1\n")
-    cache._code_hash.cache_clear()
+    code_keys._code_hash.cache_clear()
 
 
 def test_plotting_book_and_cli_edits_keep_every_result_key(package_copy):
@@ -108,14 +108,14 @@ def test_exporter_docstring_and_comment_edits_keep_every_cached_piece_and_a_rank
     assert text.startswith('"""')
     text = '"""An edited docstring."""\n' + text.split('"""', 2)[2]
     ranking.write_text(text.replace("\n\n\n", "\n\n\n# an edited comment\n", 1))
-    cache._code_hash.cache_clear()
+    code_keys._code_hash.cache_clear()
     again = _faithfulness_run(model, ids, tmp_path / "cache", points)
     assert len(points) == computed  # every piece read back
     pd.testing.assert_frame_equal(first, again)
 
     # a change of the ranking code (a statement) makes a new key: everything is computed again
     ranking.write_text(text + "\n_RANKING_EDIT = 1\n")
-    cache._code_hash.cache_clear()
+    code_keys._code_hash.cache_clear()
     _faithfulness_run(model, ids, tmp_path / "cache", points)
     assert len(points) == 2 * computed
 

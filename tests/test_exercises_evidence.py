@@ -45,8 +45,6 @@ REVIEWED = {
         "a seeded simulation of the chapter's own recipe (no model, no data set): deterministic",
     ("02_geometry", "strong[1] < weak[1]"): "a seeded simulation of the chapter's own recipe: deterministic",
     ("02_geometry", "strong[2] > 0.1"): "a seeded simulation of the chapter's own recipe: deterministic",
-    ("03_contribution_maps", "shift > 0"):
-        "scaling W_V by 3 changes the next layer's input, hence its attention (unless the residual ignores it)",
 }
 
 #: order assertions that compare data-dependent quantities (reported, strict xfail): a solution should not

@@ -17,6 +17,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .thread_state import outside_sessions
+
 __all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
            "UnsupportedModelError", "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window",
            "sliding_windows", "layer_type", "final_norm", "FINAL_NORMS", "post_attention_norms"]
@@ -284,7 +286,6 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
     cached = getattr(model, "_cwcore_post_norms", None)
     if cached is not None:
         return cached
-    from .attention import outside_sessions  # the probe must not be seen by a session around it
 
     blocks = [b for b in attention_blocks(model) if b.unsupported is None]
     seen_out: dict[int, torch.Tensor] = {}
@@ -304,7 +305,7 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
     training = model.training
     model.eval()
     try:
-        with torch.inference_mode(), outside_sessions():
+        with torch.inference_mode(), outside_sessions():  # the probe must not be seen by a session around it
             model(input_ids=probe.to(device), attention_mask=torch.ones_like(probe).to(device))
     finally:
         model.train(training)

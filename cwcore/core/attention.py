@@ -25,6 +25,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
+from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
 from .geometry import HeadSpaceGeometry, head_space_geometry, split_output_projection
 
@@ -37,7 +38,6 @@ ATTENTION_NAME = "cwcore"
 
 # Sessions are per thread (two threads decomposing two models do not see each other's session); a model's
 # attention implementation is switched under a per-config lock, so two threads on one model serialise.
-_LOCAL = threading.local()
 _LOCKS: dict[int, threading.RLock] = {}
 _LOCKS_GUARD = threading.Lock()
 
@@ -50,25 +50,9 @@ def _sessions() -> list["AttentionSession"]:
     return stack
 
 
-@contextlib.contextmanager
-def outside_sessions() -> Iterator[None]:
-    """Inside the block, this thread's forward passes are invisible to its active sessions (their hooks and
-    attention points do nothing; attention is plain eager): for a probe pass run from inside a session."""
-    previous = getattr(_LOCAL, "outside", False)
-    _LOCAL.outside = True
-    try:
-        yield
-    finally:
-        _LOCAL.outside = previous
-
-
-def _outside() -> bool:
-    return getattr(_LOCAL, "outside", False)
-
-
 def _session_for(module: nn.Module) -> "AttentionSession | None":
     """The innermost of this thread's sessions that numbers ``module``, else the innermost one, else None."""
-    if _outside():
+    if outside():
         return None
     stack = _sessions()
     for session in reversed(stack):
@@ -220,7 +204,7 @@ def attention_mask_function(*args, **kwargs):
     """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
     pattern) while a session runs the layers it does not touch through SDPA."""
     stack = _sessions()
-    session = stack[-1] if stack and not _outside() else None
+    session = stack[-1] if stack and not outside() else None
     if session is not None and session.fast_path is not None:
         return sdpa_mask(*args, **kwargs)
     return eager_mask(*args, **kwargs)
@@ -541,7 +525,7 @@ class AttentionSession:
         if isinstance(base, nn.Module):
             entries[id(base)] = base
         for entry in entries.values():
-            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: None if _outside()
+            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: None if outside()
                                                                else self._runs.clear()))
         for layer in sorted(self.layers):
             block = self.blocks[layer]
@@ -571,7 +555,7 @@ class AttentionSession:
 
     def _enter_block(self, block: AttentionBlock):
         def hook(module, args):
-            if _outside():
+            if outside():
                 return
             self._depth[block.layer] = depth = self._depth.get(block.layer, 0) + 1
             if depth == 1:  # a call of the block from inside its own forward (an observer's) is not judged
@@ -588,7 +572,7 @@ class AttentionSession:
 
     def _leave_block(self, block: AttentionBlock, projection_inside: bool):
         def hook(module, args, result):
-            if _outside():
+            if outside():
                 return
             self._depth[block.layer] = depth = self._depth.get(block.layer, 1) - 1
             if depth > 0:
@@ -610,7 +594,7 @@ class AttentionSession:
 
     def _check_input(self, block: AttentionBlock):
         def hook(projection, args):
-            if _outside():
+            if outside():
                 return
             self._refuse_repeated_calls(block)
             received = args[0] if args else None
@@ -643,7 +627,7 @@ class AttentionSession:
 
     def _check_output(self, block: AttentionBlock):
         def hook(projection, args, result):
-            if _outside():
+            if outside():
                 return
             call = self._calls.pop(block.layer, None)
             if call is None:
