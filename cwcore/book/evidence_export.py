@@ -315,7 +315,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         conf = load_config(DEFAULT_BOOK_DIR / "run.yml")
         all_models = list(dict.fromkeys([*conf["profiles"][profile].get("models", []), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
-    table.to_csv(out / "findings.csv", index=False)
+    cw_cache.write_csv(table, out / "findings.csv", index=False)
     return [*written, out / "findings.csv"]
 
 

@@ -33,6 +33,7 @@ import pandas as pd
 import torch
 
 from .. import stats
+from ..cache import atomic_write_bytes, write_csv
 from ..core.architectures import attention_blocks
 from ..core.decomposition import METRICS, decompose
 from ..runs import progress as progress_bar
@@ -306,18 +307,18 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{provenance.slug(model_name)}_{data}"
     paths = [out / f"anatomy_{stem}.csv", out / f"explain_{stem}.csv", out / f"anatomy_{stem}.json"]
-    layer_avg.assign(model=model_name, data=data).to_csv(paths[0], index=False, float_format="%.6g")
-    explained.assign(model=model_name, data=data).to_csv(paths[1], index=False, float_format="%.6g")
+    write_csv(layer_avg.assign(model=model_name, data=data), paths[0], index=False, float_format="%.6g")
+    write_csv(explained.assign(model=model_name, data=data), paths[1], index=False, float_format="%.6g")
     root = Path(__file__).resolve().parents[2]
     commit = provenance.git(root, "rev-parse", "HEAD")
-    paths[2].write_text(json.dumps({
+    atomic_write_bytes(paths[2], (json.dumps({
         "what": "cwcore.faithfulness.anatomy on chapter 4's evidence sample: per-head protocol, signed; "
                 "damage from the evidence build's per-document rows",
         "modes": list(modes),
         "commit": commit, "model": model_name, "data": data, "documents": int(documents), "seq_len": seq_len,
         "seed": seed, "ratios": grid, "n_bootstrap": n_bootstrap, "per_document_rows": str(per_document_csv),
         "wall_s": round(time.monotonic() - t0, 1),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n")
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n").encode())
     return paths
 
 
