@@ -16,6 +16,7 @@ from .architectures import attention_blocks
 from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention, default_compute_dtype
 from .decomposition import LayerDecomposition
 from .inputs import InputError, check_attention_mask, check_compute_dtype, check_layers, check_mask
+from .thread_state import outside
 
 __all__ = ["LayerMask", "intervene", "removal"]
 
@@ -116,6 +117,8 @@ def _mask_fits(key_valid: torch.Tensor):
     ``attention_mask`` (a mask that describes other tokens would be ignored, silently)."""
 
     def check(module, args, kwargs):
+        if outside():
+            return None  # a probe pass (e.g. finding the post-attention norms) is not the intervened forward
         if kwargs.get("past_key_values") is not None:
             return None  # the keys include the cache: the mask's length is the cache's plus the new tokens'
         tokens = kwargs.get("input_ids", args[0] if args else None)
