@@ -286,7 +286,7 @@ FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importanc
                         "margin", "p", "p_holm"]
 
 #: the slice of chapter 4's ladder that the scoreboard judges: the pre-registered headline importance
-#: (|c|) and ratio range (book/preregistration.md); the steps each under the protocol where it is measured
+#: (``|c|``) and ratio range (book/preregistration.md); the steps each under the protocol where it is measured
 HEADLINE = {"protocol": "default", "importance": evidence.PRIMARY["importance"], "range": evidence.PRIMARY["range"]}
 
 #: the ladder's steps as claims: (claim, lower rung, higher rung)
@@ -711,7 +711,7 @@ def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Fin
 # ------------------------------------------------------------------------------------------------
 # chapter 9, Table 1: the pre-registered family, both modes and both importance signs
 # ------------------------------------------------------------------------------------------------
-#: Table 1's columns: (mode, importance, label); the |c| columns are the pre-registered headline
+#: Table 1's columns: (mode, importance, label); the ``|c|`` columns are the pre-registered headline
 PRIMARY_COLUMNS = (("comprehensiveness", "absolute", "comprehensiveness |c| (primary)"),
                    ("comprehensiveness", "signed", "comprehensiveness signed"),
                    ("sufficiency", "absolute", "sufficiency |c| (primary)"),
@@ -735,7 +735,7 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
     """Chapter 9's Table 1: for each pre-registered model and data set, each primary step under the
     protocol where it is measured and the ordering over those steps (:func:`cwcore.stats.combine_all`),
     in both modes and both importance signs (:data:`PRIMARY_COLUMNS`), from the committed evidence
-    (``evidence_rows``: :func:`findings_csv` of the evidence folder; |c| cells Holm-decided, signed cells
+    (``evidence_rows``: :func:`findings_csv` of the evidence folder; ``|c|`` cells Holm-decided, signed cells
     exploratory and unadjusted); with ``live_rows`` (this build's findings), one ``rerun`` column per
     mode and sign holding the live verdicts in the same order, and ``rerun agrees`` (of the cells
     measured by both, how many give the same verdict; empty when none is)."""
