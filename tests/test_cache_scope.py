@@ -120,6 +120,7 @@ def test_exporter_docstring_and_comment_edits_keep_every_cached_piece_and_a_rank
     assert len(points) == 2 * computed
 
 
+@pytest.mark.slow  # a subprocess that imports torch and runs the producers
 def test_every_module_a_sweep_loads_is_in_its_key_or_declared_non_producing(tmp_path):
     """The import walk is static; this runs the producers and checks what Python actually loaded."""
     import json

@@ -206,11 +206,13 @@ def _namespace(inputs):
             "low_max": max(evidence.LOW_RATIOS), **inputs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, data", EXPORTS)
 def test_solution_4_3_on_the_committed_evidence(chapter4_inputs, model, data):
     exec(compile(_solution("4.3"), "exercise 4.3", "exec"), _namespace(chapter4_inputs[(model, data)]))  # noqa: S102
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, data", [
     pytest.param(m, d, marks=pytest.mark.xfail(strict=True, reason=STALE_FOR_41[(m, d)])) if (m, d) in STALE_FOR_41
     else (m, d) for m, d in EXPORTS])

@@ -92,6 +92,7 @@ frame.to_parquet(sys.argv[1] + f"/rank{{info['rank']}}-of-{{info['world_size']}}
 """
 
 
+@pytest.mark.slow  # starts two processes that import torch
 def test_torchrun_with_two_ranks_gives_the_single_process_frame_on_every_rank(tmp_path, one_thread):
     script = tmp_path / "sweep.py"
     script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
