@@ -101,10 +101,14 @@ def attention_forward(
     if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
         # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it
         q_len, k_len = query.shape[2], key.shape[2]
-        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    sink_mass = None
+        attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
+                          else session.causal_mask(q_len, k_len, query.device))
+    sink_mass = mixed = spans = None
     if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
-        probs = _probs_in_chunks(query, key, attention_mask, scaling)
+        # alpha V in the same pass unless a transform may change alpha afterwards
+        probs, mixed, spans = _probs_in_chunks(query, key, attention_mask, scaling,
+                                               None if session.transforms_module(module) else value,
+                                               session.mask_plans)
     else:
         probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
         if softcap is not None:
@@ -124,17 +128,23 @@ def attention_forward(
             del combined
         else:
             probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
+    computed = probs
     if session is not None:
-        probs = session.on_attention(module, probs, value, sink_mass)
+        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans)
     probs = probs.to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     output = session.computed_output(module, probs, value) if session is not None else None
     if output is None:
-        output = torch.matmul(probs, value)
+        output = mixed if mixed is not None and probs is computed else torch.matmul(probs, value)
     output = output.transpose(1, 2).contiguous()
     if session is not None:
         session.on_output(module, output)
     return output, probs
+
+
+def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
+    """``[query, key]`` bool, True where a query may see a key (the last ``q_len`` of ``k_len`` positions)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
 
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
@@ -217,7 +227,11 @@ AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
 #: :func:`_probs_in_chunks` computes the scores of at most QUERY_BLOCK queries (all heads), and at most
 #: CHUNK_ELEMENTS scores (64 MiB in float32), at a time: memory then holds the probabilities and one
 #: block, whatever the length, and a causal mask lets each block skip the keys after its last query.
-QUERY_BLOCK = 512
+#: Blocks of about an eighth of the keys, at least MIN_QUERY_BLOCK queries: small enough that a causal
+#: mask skips about 40% of the keys (blocks of 64 at 512 tokens), and that a block's scores stay in
+#: cache while its softmax and its alpha V are computed, large enough for the matrix products.
+QUERY_BLOCK = 256
+MIN_QUERY_BLOCK = 64
 CHUNK_ELEMENTS = 1 << 24
 
 
@@ -227,24 +241,18 @@ def _chunkable(query: torch.Tensor, key: torch.Tensor, softcap, s_aux) -> bool:
     return query.dtype == torch.float32 and softcap is None and s_aux is None and not needs_grad
 
 
-def _probs_in_chunks(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
-                     scaling: float) -> torch.Tensor:
-    """``softmax(scaling * query key^T + mask)`` ``[batch, head, query, key]`` (float32), a block of queries
-    at a time.
+def _block_rows(heads: int, k_len: int) -> int:
+    return max(1, min(QUERY_BLOCK, max(MIN_QUERY_BLOCK, k_len // 8), CHUNK_ELEMENTS // max(1, heads * k_len)))
 
-    The same arithmetic as eager (scores, masked scores at finfo.min, float32 softmax) without its
-    attention-sized temporaries: each block's scores are written once (``baddbmm`` puts an additive mask
-    and the scaled product in one pass) and its softmax goes straight into the returned tensor. Keys
-    that every row of a block masks (the future, under a causal mask) are not computed: their
-    probability is exactly 0, as eager's softmax of finfo.min gives, unless a row of the block masks
-    every key (eager then spreads it uniformly), in which case the block keeps every key; likewise the
-    keys before a sliding window.
-    """
-    batch, heads, q_len, _ = query.shape
-    k_len = key.shape[-2]
+
+def _mask_plan(attention_mask: torch.Tensor | None, batch: int, q_len: int, k_len: int, rows: int):
+    """``(hidden, additive, spans)`` for :func:`_probs_in_chunks`: the masked entries ``[batch or 1, head or 1,
+    query, key]`` (bool, or None), the additive float mask of the same shape (or None) and, per batch row, the
+    query blocks ``(start, stop, first, limit)``: keys outside ``first:limit`` are masked for every query of
+    the block (unless a row of the block masks every key: eager then spreads it uniformly, so that block
+    keeps every key)."""
     minimum = torch.finfo(torch.float32).min
-    allowed = None  # [batch or 1, head or 1, query, key] bool
-    additive = None
+    hidden = additive = None
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             allowed = attention_mask
@@ -254,32 +262,77 @@ def _probs_in_chunks(query: torch.Tensor, key: torch.Tensor, attention_mask: tor
         allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
         if additive is not None:
             additive = additive.reshape(allowed.shape)
-    probs = torch.empty(batch, heads, q_len, k_len, dtype=torch.float32, device=query.device)
-    rows = max(1, min(QUERY_BLOCK, CHUNK_ELEMENTS // max(1, heads * k_len)))
-    key_t = key.transpose(2, 3)
-    for b in range(batch):
-        mask_b = None if allowed is None else allowed[b if allowed.shape[0] > 1 else 0]  # [head or 1, q, k]
-        bias_b = None if additive is None else additive[b if additive.shape[0] > 1 else 0]
+        else:
+            hidden = ~allowed
+    spans = []
+    for b in range(batch if attention_mask is None or allowed.shape[0] > 1 else 1):
+        blocks = []
         for start in range(0, q_len, rows):
             stop = min(q_len, start + rows)
             first, limit = 0, k_len
-            if mask_b is not None:
-                block = mask_b[:, start:stop]
+            if attention_mask is not None:
+                block = allowed[b, :, start:stop]
                 if bool(block.any(-1).all()):  # no row masks every key: drop the keys all rows mask
                     columns = block.any(1).any(0).nonzero()
                     first, limit = int(columns[0]), int(columns[-1]) + 1
+            blocks.append((start, stop, first, limit))
+        spans.append(tuple(blocks))
+    if len(spans) < batch:  # one mask for every batch row
+        spans = spans * batch
+    return hidden, additive, tuple(spans)
+
+
+def _probs_in_chunks(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                     scaling: float, value: torch.Tensor | None = None, plans: dict | None = None):
+    """``softmax(scaling * query key^T + mask)`` ``[batch, head, query, key]`` (float32), a block of queries
+    at a time; with ``value`` ``[batch, head, key, dim]`` also ``probs @ value`` ``[batch, head, query, dim]``.
+
+    Returns ``(probs, probs @ value or None, spans)`` (``spans``: see :func:`_mask_plan`; probabilities outside
+    them are exactly 0). The same arithmetic as eager (scores, masked scores at finfo.min, float32 softmax)
+    without its attention-sized temporaries: each block's scores are written once (``baddbmm`` puts an
+    additive mask and the scaled product in one pass), its softmax goes straight into the returned tensor
+    and, while it is still in cache, its product with the values. Keys that every row of a block masks
+    (the future, under a causal mask) are not computed: their probability is exactly 0, as eager's softmax
+    of finfo.min gives; likewise the keys before a sliding window. ``plans`` caches the mask's analysis by
+    mask (every layer of a forward pass shares one mask).
+    """
+    batch, heads, q_len, _ = query.shape
+    k_len = key.shape[-2]
+    minimum = torch.finfo(torch.float32).min
+    rows = _block_rows(heads, k_len)
+    plan_key = (id(attention_mask), batch, q_len, k_len, rows)
+    cached = None if plans is None else plans.get(plan_key)
+    if cached is not None and cached[0] is attention_mask:
+        hidden, additive, spans = cached[1]
+    else:
+        hidden, additive, spans = _mask_plan(attention_mask, batch, q_len, k_len, rows)
+        if plans is not None:
+            if len(plans) >= 4:
+                plans.pop(next(iter(plans)))
+            plans[plan_key] = (attention_mask, (hidden, additive, spans))  # holds the mask: its id stays its own
+    probs = torch.empty(batch, heads, q_len, k_len, dtype=torch.float32, device=query.device)
+    mixed = None if value is None else torch.empty(batch, heads, q_len, value.shape[-1], dtype=value.dtype,
+                                                   device=value.device)
+    key_t = key.transpose(2, 3)
+    for b in range(batch):
+        hidden_b = None if hidden is None else hidden[b if hidden.shape[0] > 1 else 0]  # [head or 1, q, k]
+        bias_b = None if additive is None else additive[b if additive.shape[0] > 1 else 0]
+        for start, stop, first, limit in spans[b]:
             q_block, keys = query[b, :, start:stop], key_t[b, :, :, first:limit]
             if bias_b is not None:
                 scores = torch.baddbmm(bias_b[:, start:stop, first:limit], q_block, keys, alpha=scaling)
             else:
                 scores = torch.matmul(q_block, keys).mul_(scaling)
-                if mask_b is not None:
-                    scores.masked_fill_(~mask_b[:, start:stop, first:limit], minimum)
+                if hidden_b is not None:
+                    scores.masked_fill_(hidden_b[:, start:stop, first:limit], minimum)
             target = probs[b, :, start:stop]  # [head, block, key]
-            torch.softmax(scores, -1, out=target[..., first:limit])
+            inside = target[..., first:limit]
+            torch.softmax(scores, -1, out=inside)
             target[..., :first] = 0.0
             target[..., limit:] = 0.0
-    return probs
+            if mixed is not None:
+                torch.matmul(inside, value[b, :, first:limit], out=mixed[b, :, start:stop])
+    return probs, mixed, spans
 
 
 class LayerCall:
@@ -294,11 +347,14 @@ class LayerCall:
 
     def __init__(self, block: AttentionBlock, probs: torch.Tensor, value: torch.Tensor,
                  key_valid: torch.Tensor | None, compute_dtype: torch.dtype,
-                 learned_sink_mass: torch.Tensor | None = None):
+                 learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
+                 key_spans=None):
         self.block, self.layer, self.module = block, block.layer, block.module
         #: ``[batch, head, query]``: the softmax mass a learned sink logit absorbed (None without one)
         self.learned_sink_mass = learned_sink_mass
         self._probs = probs
+        # what the blockwise softmax computed with these probabilities: probs @ value and where probs is 0
+        self._computed = (mixed, key_spans)
         self.value = value
         self.key_valid = key_valid
         self.compute_dtype = compute_dtype
@@ -313,6 +369,7 @@ class LayerCall:
     def probs(self, new: torch.Tensor) -> None:
         self._probs = new
         self._geometry = None  # computed from the old probabilities
+        self._computed = (None, None)
 
     @property
     def geometry_computed(self) -> bool:
@@ -350,16 +407,22 @@ class LayerCall:
             # Padded queries are not tokens: make that explicit instead of reporting garbage rows.
             alpha = alpha.masked_fill(~valid[:, None, :, None], float("nan"))
             values = values.masked_fill(~valid[:, None, :, None], 0.0)
-        geometry = head_space_geometry(alpha, values, w_o)
+        own = (alpha.data_ptr() == self._probs.data_ptr() and values.data_ptr() == self.value.data_ptr()
+               and alpha.dtype == self._probs.dtype and values.dtype == self.value.dtype)
+        mixed, spans = self._computed if own else (None, None)
+        geometry = head_space_geometry(alpha, values, w_o, mixed, spans)
         if valid is not None:
             geometry.value_norm = geometry.value_norm.masked_fill(~valid[:, None, :], float("nan"))
         # alpha and values are the layer's own tensors (no cast, no masking): the mixed values are then
         # exactly the layer's alpha @ V, which attention_forward reuses instead of computing it again
-        self._mixed_is_output = (alpha.dtype == self._probs.dtype and values.dtype == self.value.dtype
-                                 and not (self._probs.requires_grad or self.value.requires_grad)
-                                 and alpha.data_ptr() == self._probs.data_ptr()
-                                 and values.data_ptr() == self.value.data_ptr())
+        self._mixed_is_output = own and not (self._probs.requires_grad or self.value.requires_grad)
         return geometry
+
+    @property
+    def owns_geometry(self) -> bool:
+        """Whether the geometry was computed from the layer's own alpha and values (no cast, no padding
+        masked), so its mixed values are exactly what the layer passes to its output projection."""
+        return self._geometry is not None and self._mixed_is_output
 
     def layer_output(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """``probs @ value`` ``[batch, head, query, dim]`` when the geometry already holds it (computed from
@@ -459,6 +522,8 @@ class AttentionSession:
         self._early: dict[int, bool] = {}  # layer -> its projection ran before its attention did
         self._depth: dict[int, int] = {}  # layer -> how many calls of the block are running (re-entrant)
         self._hooks: list = []
+        self.mask_plans: dict = {}  # the blockwise softmax's analysis of each mask (see _probs_in_chunks)
+        self._causal_masks: dict = {}
 
     @property
     def layers(self) -> set[int]:
@@ -469,8 +534,22 @@ class AttentionSession:
         """Whether this attention module's layer is observed or transformed."""
         return id(module) in self._touched_modules
 
+    def transforms_module(self, module: nn.Module) -> bool:
+        """Whether a transform may change this attention module's probabilities."""
+        block = self._by_module.get(id(module))
+        return block is not None and bool(self.transforms.get(block.layer))
+
+    def causal_mask(self, q_len: int, k_len: int, device) -> torch.Tensor:
+        """A causal ``[query, key]`` bool mask, one object per shape for the session (so the blockwise
+        softmax analyses it once, not in every layer)."""
+        key = (q_len, k_len, str(device))
+        if key not in self._causal_masks:
+            self._causal_masks[key] = _causal_mask(q_len, k_len, device)
+        return self._causal_masks[key]
+
     def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
-                     learned_sink_mass: torch.Tensor | None = None) -> torch.Tensor:
+                     learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
+                     key_spans=None) -> torch.Tensor:
         block = self._by_module.get(id(module))
         if block is None:
             return probs
@@ -490,7 +569,7 @@ class AttentionSession:
                     f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
                     "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
                     "report one of the calls as the layer")
-        call = LayerCall(block, probs, value, self.key_valid, self.compute_dtype, learned_sink_mass)
+        call = LayerCall(block, probs, value, self.key_valid, self.compute_dtype, learned_sink_mass, mixed, key_spans)
         for transform in transforms:
             new = transform(call)
             if new is not None:
@@ -552,6 +631,8 @@ class AttentionSession:
         self._in_block.clear()
         self._early.clear()
         self._depth.clear()
+        self.mask_plans.clear()
+        self._causal_masks.clear()
 
     def _enter_block(self, block: AttentionBlock):
         def hook(module, args):
@@ -635,24 +716,79 @@ class AttentionSession:
             output = result[0] if isinstance(result, tuple) else result
             geometry = call.geometry()
             _, bias = call.output_projection()
-            rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
-            actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
-            rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
-            valid = call.valid_keys()
-            if valid is not None and valid.shape[-1] == rows.shape[-1]:
-                rows = rows | ~valid  # ...but a NaN in a real token's row is an error
-                rebuilt = torch.where(valid[..., None], rebuilt, actual)
-            scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
-            error = float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf")))
             # the coarser of the model's dtype and the compute dtype sets the rounding both sides can agree to
             allowed = max(RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2),
                           RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
-            if not bool(rows.all()) or error > allowed:
+            if (geometry.output_pending and call.owns_geometry and output.dtype == geometry.mixed.dtype
+                    and output.numel() == geometry.mixed.shape[0] * geometry.mixed.shape[2] * geometry.w_o.shape[1]):
+                # o_i is the projection's own result (less its bias), once its agreement with the terms is
+                # verified: a second [query, head * head_dim] x W_O^T product only to compare would double it
+                error, rows_finite, adopted = _projected_check(geometry, output, bias)
+                if rows_finite and error <= allowed:
+                    geometry.output = adopted
+                    return
+            # the entrywise comparison decides (and gives the refusal its exact error)
+            error, rows_finite = _full_check(call, geometry, output, bias)
+            if not rows_finite or error > allowed:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
                     f"output projection's result (relative error {error:.3g} > {allowed:g} for a {output.dtype} model "
                     f"decomposed in compute_dtype={self.compute_dtype}); cwcore refuses to report this decomposition")
         return hook
+
+
+def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tensor,
+                bias: torch.Tensor | None) -> tuple[float, bool]:
+    """(max |o_i + b - projection's output| / max |output|, whether every real token's row is finite)."""
+    rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
+    actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
+    rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
+    valid = call.valid_keys()
+    if valid is not None and valid.shape[-1] == rows.shape[-1]:
+        rows = rows | ~valid  # ...but a NaN in a real token's row is an error
+        rebuilt = torch.where(valid[..., None], rebuilt, actual)
+    scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
+    return float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf"))), bool(rows.all())
+
+
+#: Random directions of the projected self-check (:func:`_projected_check`), fixed for reproducibility.
+PROBES = 8
+_PROBE_CACHE: dict = {}
+
+
+def _probes(dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[dim, PROBES]`` standard normal directions, the same in every process (seed 0)."""
+    key = (dim, dtype, str(device))
+    if key not in _PROBE_CACHE:
+        _PROBE_CACHE[key] = torch.randn(dim, PROBES, generator=torch.Generator().manual_seed(0),
+                                        dtype=torch.float64).to(dtype=dtype, device=device)
+    return _PROBE_CACHE[key]
+
+
+def _projected_check(geometry: HeadSpaceGeometry, output: torch.Tensor, bias: torch.Tensor | None):
+    """The self-check on ``PROBES`` random directions r (Freivalds' test): compares the projection's output
+    y_i with sum_h W_O^h z^h_i + b, the terms' sum, along each r: y_i r against z_i (W_O^T r) + b r.
+
+    Returns (max |difference| / max |y|, whether every row is finite, o_i = y - b ``[batch, query, model]``).
+    A difference e_i != 0 shows along a standard normal r as e_i r ~ N(0, ||e_i||^2), at least its largest
+    entry in size with high probability over 8 directions and every query: as strict as comparing entries,
+    at the cost of 8 columns instead of a [query, head * head_dim] x W_O^T product.
+    """
+    mixed, w_o = geometry.mixed, geometry.w_o
+    batch, heads, queries, head_dim = mixed.shape
+    actual = output.detach().reshape(batch * queries, -1)  # [n, model]
+    probes = _probes(actual.shape[-1], actual.dtype, actual.device)
+    terms = mixed.transpose(1, 2).reshape(batch * queries, heads * head_dim)
+    rebuilt = terms @ (geometry.flat_w_o().T @ probes)
+    if bias is not None:
+        bias = bias.detach().to(actual.dtype)
+        rebuilt += bias @ probes
+    projected = actual @ probes
+    scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
+    error = float(((projected - rebuilt).abs().max() / scale).nan_to_num(float("inf")))
+    finite = bool(torch.isfinite(projected).all()) and bool(torch.isfinite(rebuilt).all())
+    adopted = actual.clone() if bias is None else actual - bias
+    return error, finite, adopted.view(batch, queries, -1)
 
 
 #: Implementations whose function takes transformers' SDPA-style masks; layers a session does not touch

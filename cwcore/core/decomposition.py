@@ -176,8 +176,7 @@ class LayerDecomposition:
     def contribution(self, kind: str = "inter") -> torch.Tensor:
         """c_ij = alpha_ij <o_i, v~_j> / ||o_i||^2 ``[batch, head, query, key]``."""
         norm = self._norm(kind)
-        weights = self.geometry.scaled_dot(kind, _nan_at_zero(norm * norm))
-        return weights.mul_(self.attention)
+        return self.geometry.weighted_dot(kind, _nan_at_zero(norm * norm))
 
     def metric(self, name: str, kind: str = "inter") -> torch.Tensor:
         """One rung of the geometric ladder (:data:`METRICS`), ``[batch, head, query, key]``.

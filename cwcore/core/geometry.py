@@ -46,15 +46,44 @@ class HeadSpaceGeometry:
     """
 
     def __init__(self, attention, value_norm=None, head_output_norm=None, output_norm=None, intra_dot=None,
-                 inter_dot=None, output=None, *, values=None, mixed=None, w_o=None):
+                 inter_dot=None, output=None, *, values=None, mixed=None, w_o=None, key_spans=None):
         self.attention = attention
-        self.output = output
         self.values, self.mixed, self.w_o = values, mixed, w_o
-        # the norms left None are computed from values/mixed/output when first read (a forward that
+        #: per batch row, the query blocks ``(start, stop, first, limit)`` outside whose keys ``first:limit``
+        #: alpha is exactly 0 (from the blockwise softmax; None: unknown), so weights multiplied by alpha
+        #: skip those keys
+        self.key_spans = key_spans
+        # o_i and the norms left None are computed from values/mixed/w_o when first read (a forward that
         # records every layer pays for them only where they are used); assigning one replaces it
+        self._output = output
         self._value_norm, self._head_output_norm, self._output_norm = value_norm, head_output_norm, output_norm
         self._intra_dot, self._inter_dot = intra_dot, inter_dot
         self._gram = None
+
+    @property
+    def output(self) -> torch.Tensor | None:
+        """o_i ``[batch, query, model]`` (no bias): given, adopted from the model's own output projection by
+        the self-check (which verifies it equals sum_h W_O^h z^h_i), or computed here when first read."""
+        if self._output is None and self.mixed is not None and self.w_o is not None:
+            batch, heads, queries, head_dim = self.mixed.shape
+            # the output projection's own product ([query, head * head_dim] x W_O^T)
+            flat = self.mixed.transpose(1, 2).reshape(batch, queries, heads * head_dim)
+            self._output = flat @ self.flat_w_o().T
+        return self._output
+
+    @output.setter
+    def output(self, value: torch.Tensor) -> None:
+        self._output = value
+
+    @property
+    def output_pending(self) -> bool:
+        """Whether o_i is still to be computed (nobody read or assigned it yet)."""
+        return self._output is None and self.mixed is not None and self.w_o is not None
+
+    def flat_w_o(self) -> torch.Tensor:
+        """W_O ``[model, head * head_dim]`` (``nn.Linear`` layout), a view of ``w_o``."""
+        heads, model_dim, head_dim = self.w_o.shape
+        return self.w_o.permute(1, 0, 2).reshape(model_dim, heads * head_dim)
 
     @property
     def gram(self) -> torch.Tensor:
@@ -118,11 +147,29 @@ class HeadSpaceGeometry:
     def pulled_back(self) -> torch.Tensor:
         """W_O^h^T o_i ``[batch, head, query, head_dim]``: the combined output seen from each head's space."""
         batch, queries, _ = self.output.shape
-        heads, model_dim, head_dim = self.w_o.shape
+        heads, _, head_dim = self.w_o.shape
         # one [query, model] x [model, head * head_dim] product (the output projection's size), not a
         # batched einsum that first copies W_O into head-major order
-        flat = self.output @ self.w_o.permute(1, 0, 2).reshape(model_dim, heads * head_dim)
+        flat = self.output @ self.flat_w_o()
         return flat.view(batch, queries, heads, head_dim).transpose(1, 2)
+
+    def _sides(self, kind: str, divisor: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query side ``[batch, head, query, head_dim]`` divided by ``divisor``, key side ``[batch, head, key,
+        head_dim]``) whose product is the inner product of ``kind``."""
+        if kind == "intra":
+            side, keys = self.mixed, self.values @ self.gram  # z^T G v (G symmetric)
+            if divisor is not None:
+                side = side / divisor[..., None]
+        else:
+            side, keys = self.pulled_back(), self.values
+            if divisor is not None:
+                side.div_(divisor[:, None, :, None])  # a fresh tensor: divided in place
+        return side, keys
+
+    def _check_kind(self, kind: str) -> torch.Tensor | None:
+        if kind not in ("intra", "inter"):
+            raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
+        return self._intra_dot if kind == "intra" else self._inter_dot
 
     def scaled_dot(self, kind: str, divisor: torch.Tensor | None = None) -> torch.Tensor:
         """<o_i, v~^h_j> / divisor (``kind="inter"``) or <o^h_i, v~^h_j> / divisor (``"intra"``), a new
@@ -132,22 +179,39 @@ class HeadSpaceGeometry:
         intra) divides the query side before the product, so the result is the only attention-sized
         tensor this allocates (no quotient of a second one).
         """
-        if kind not in ("intra", "inter"):
-            raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
-        given = self._intra_dot if kind == "intra" else self._inter_dot
+        given = self._check_kind(kind)
         if given is not None:  # built with explicit inner products (naive_geometry)
             if divisor is None:
                 return given.clone()
             return given / (divisor[:, None, :, None] if kind == "inter" else divisor[..., None])
-        if kind == "intra":
-            side, keys = self.mixed, self.values @ self.gram  # z^T G v (G symmetric)
-            if divisor is not None:
-                side = side / divisor[..., None]
-        else:
-            side, keys = self.pulled_back(), self.values
-            if divisor is not None:
-                side.div_(divisor[:, None, :, None])  # a fresh tensor: divided in place
+        side, keys = self._sides(kind, divisor)
         return side @ keys.transpose(-1, -2)
+
+    def weighted_dot(self, kind: str, divisor: torch.Tensor | None = None) -> torch.Tensor:
+        """alpha_ij times :meth:`scaled_dot`, a new ``[batch, head, query, key]`` tensor (the only
+        attention-sized one allocated).
+
+        Where ``key_spans`` says alpha is exactly 0 (keys a causal mask hides from a block of queries) the
+        inner products are not computed: those weights are 0, as alpha times a finite number is; if either
+        side holds a non-finite number, everything is computed (NaN times 0 stays NaN).
+        """
+        given = self._check_kind(kind)
+        if given is not None or self.key_spans is None:
+            return self.scaled_dot(kind, divisor).mul_(self.attention)
+        side, keys = self._sides(kind, divisor)
+        if not (bool(torch.isfinite(side).all()) and bool(torch.isfinite(keys).all())):
+            return (side @ keys.transpose(-1, -2)).mul_(self.attention)
+        out = torch.empty(self.attention.shape, dtype=side.dtype, device=side.device)
+        keys_t = keys.transpose(-1, -2)
+        for b, blocks in enumerate(self.key_spans):
+            for start, stop, first, limit in blocks:
+                target = out[b, :, start:stop]  # [head, block, key]
+                inside = target[..., first:limit]
+                torch.matmul(side[b, :, start:stop], keys_t[b, :, :, first:limit], out=inside)
+                inside.mul_(self.attention[b, :, start:stop, first:limit])
+                target[..., :first] = 0.0
+                target[..., limit:] = 0.0
+        return out
 
     def to(self, *args, **kwargs) -> "HeadSpaceGeometry":
         """A copy with every tensor moved/cast (``.to("cpu")``, ``.to(torch.float64)``)."""
@@ -156,8 +220,8 @@ class HeadSpaceGeometry:
 
         return HeadSpaceGeometry(
             move(self.attention), move(self._value_norm), move(self._head_output_norm), move(self._output_norm),
-            move(self._intra_dot), move(self._inter_dot), move(self.output),
-            values=move(self.values), mixed=move(self.mixed), w_o=move(self.w_o),
+            move(self._intra_dot), move(self._inter_dot), move(self._output),
+            values=move(self.values), mixed=move(self.mixed), w_o=move(self.w_o), key_spans=self.key_spans,
         )
 
 
@@ -165,21 +229,21 @@ def head_space_geometry(
     attention: torch.Tensor,
     values: torch.Tensor,
     w_o: torch.Tensor,
+    mixed: torch.Tensor | None = None,
+    key_spans=None,
 ) -> HeadSpaceGeometry:
     """The geometry of one layer, computed in head space.
 
     attention: ``[batch, head, query, key]``; values: ``[batch, head, key, head_dim]`` (already
     repeated for grouped-query attention, bias included); w_o: ``[head, model, head_dim]``.
-    All inputs must share one floating dtype (float32 or float64).
+    All inputs must share one floating dtype (float32 or float64). ``mixed``: ``attention @ values``
+    ``[batch, head, query, head_dim]`` when already computed (the layer's own output); ``key_spans``:
+    where alpha is exactly 0, see :class:`HeadSpaceGeometry`.
     """
-    mixed = attention @ values  # z^h_i: [b, h, q, d]
-    batch, heads, queries, head_dim = mixed.shape
-    # o_i without bias: the output projection's own product ([query, head * head_dim] x W_O^T), not a
-    # batched einsum that copies W_O into head-major order
-    weight = w_o.permute(1, 0, 2).reshape(w_o.shape[1], heads * head_dim)
-    output = mixed.transpose(1, 2).reshape(batch, queries, heads * head_dim) @ weight.T
-    # the norms ||v~_j||, ||o^h_i||, ||o_i|| are computed when first read
-    return HeadSpaceGeometry(attention, output=output, values=values, mixed=mixed, w_o=w_o)
+    if mixed is None:
+        mixed = attention @ values  # z^h_i: [b, h, q, d]
+    # o_i and the norms ||v~_j||, ||o^h_i||, ||o_i|| are computed when first read
+    return HeadSpaceGeometry(attention, values=values, mixed=mixed, w_o=w_o, key_spans=key_spans)
 
 
 def naive_geometry(attention: torch.Tensor, values: torch.Tensor, w_o: torch.Tensor) -> HeadSpaceGeometry:
