@@ -264,3 +264,43 @@ def naive_geometry(attention: torch.Tensor, values: torch.Tensor, w_o: torch.Ten
         inter_dot=torch.einsum("bqm,bhkm->bhqk", output, projected),
         output=output,
     )
+
+
+#: Random directions of the projected self-check (:func:`_projected_check`), fixed for reproducibility.
+PROBES = 8
+_PROBE_CACHE: dict = {}
+
+
+def _probes(dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``[dim, PROBES]`` standard normal directions, the same in every process (seed 0)."""
+    key = (dim, dtype, str(device))
+    if key not in _PROBE_CACHE:
+        _PROBE_CACHE[key] = torch.randn(dim, PROBES, generator=torch.Generator().manual_seed(0),
+                                        dtype=torch.float64).to(dtype=dtype, device=device)
+    return _PROBE_CACHE[key]
+
+
+def projected_check(geometry: HeadSpaceGeometry, output: torch.Tensor, bias: torch.Tensor | None):
+    """The self-check on ``PROBES`` random directions r (Freivalds' test): compares the projection's output
+    y_i with sum_h W_O^h z^h_i + b, the terms' sum, along each r: y_i r against z_i (W_O^T r) + b r.
+
+    Returns (max |difference| / max |y|, whether every row is finite, o_i = y - b ``[batch, query, model]``).
+    A difference e_i != 0 shows along a standard normal r as e_i r ~ N(0, ||e_i||^2), at least its largest
+    entry in size with high probability over 8 directions and every query: as strict as comparing entries,
+    at the cost of 8 columns instead of a [query, head * head_dim] x W_O^T product.
+    """
+    mixed, w_o = geometry.mixed, geometry.w_o
+    batch, heads, queries, head_dim = mixed.shape
+    actual = output.detach().reshape(batch * queries, -1)  # [n, model]
+    probes = _probes(actual.shape[-1], actual.dtype, actual.device)
+    terms = mixed.transpose(1, 2).reshape(batch * queries, heads * head_dim)
+    rebuilt = terms @ (geometry.flat_w_o().T @ probes)
+    if bias is not None:
+        bias = bias.detach().to(actual.dtype)
+        rebuilt += bias @ probes
+    projected = actual @ probes
+    scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
+    error = float(((projected - rebuilt).abs().max() / scale).nan_to_num(float("inf")))
+    finite = bool(torch.isfinite(projected).all()) and bool(torch.isfinite(rebuilt).all())
+    adopted = actual.clone() if bias is None else actual - bias
+    return error, finite, adopted.view(batch, queries, -1)
