@@ -41,14 +41,15 @@ book: $(STAMP)
 	$(PY) -m cwcore.book build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
 
 # make evidence [JOBS=N] [MODELS=m1,m2]: the evidence profile of book/run.yml, resumable: every finished
-# batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped. Each sweep
-# splits its documents over JOBS single-thread ranks of this machine (default: every core); the results
-# are the same as with JOBS=1. Then the evidence tables and findings.csv are remade from the exports.
+# batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped, and a ladder
+# cell committed in data/results/evidence is taken from there once 2 of its documents recompute equal
+# (a new machine resumes from the repository). Each sweep splits its documents over JOBS single-thread
+# ranks of this machine (default: every core); the results are the same as with JOBS=1. The same command
+# then remakes the evidence tables and findings.csv from the exports and writes
+# data/results/evidence/PROVENANCE (cwcore.book.evidence_build).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
-EVIDENCE_EXPORT ?= $(PY) -m cwcore.faithfulness.evidence_slice tables
 evidence: $(STAMP)
 	$(PY) -m cwcore.book build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))
-	$(EVIDENCE_EXPORT)
 
 # The browser tests (tests/test_book.py, marker `browser`) drive Debian's chromium; install it once,
 # as root, where it is missing. Without it those tests are skipped with the reason.

@@ -22,6 +22,7 @@ with a marker listing every file's size and checksum (:func:`verify_cached_folde
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import hashlib
@@ -213,6 +214,84 @@ class CacheTally:
 
 
 _TALLIES: list[CacheTally] = []
+
+#: a folder: every process that reads the result cache writes its count there (``tally-<pid>.json``,
+#: ``{"pid", "hits", "misses"}``), so a build of many processes (notebook kernels, ranks) can be summed
+TALLY_ENV_VAR = "CWCORE_CACHE_TALLY"
+_FLUSH_EVERY_S = 10.0
+
+
+class _ProcessTally(CacheTally):
+    """This process's reads, written to ``$CWCORE_CACHE_TALLY`` now and then, at exit, and by a forked
+    rank before it leaves (:func:`flush_tally`); a forked child starts from zero (its own file)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder, self.flushed = folder, 0.0
+
+    def record(self, cache, piece, frame) -> None:
+        super().record(cache, piece, frame)
+        if time.monotonic() - self.flushed > _FLUSH_EVERY_S:
+            self.flush()
+
+    def flush(self) -> None:
+        self.flushed = time.monotonic()
+        data = json.dumps({"pid": os.getpid(), "hits": self.hits, "misses": self.misses}).encode()
+        try:
+            atomic_write_bytes(self.folder / f"tally-{os.getpid()}.json", data)
+        except OSError:  # provenance only: never fail a run for it
+            pass
+
+
+_process_tally: _ProcessTally | None = None
+
+
+def _start_process_tally() -> None:
+    global _process_tally
+    folder = os.environ.get(TALLY_ENV_VAR, "").strip()
+    if folder and _process_tally is None:
+        _process_tally = _ProcessTally(Path(folder))
+        _TALLIES.append(_process_tally)
+
+
+def _restart_process_tally_in_child() -> None:
+    global _process_tally
+    if _process_tally is not None:
+        _TALLIES.remove(_process_tally)
+        _process_tally = None
+        _start_process_tally()
+
+
+def _stop_process_tally() -> None:
+    global _process_tally
+    if _process_tally is not None:
+        _TALLIES.remove(_process_tally)
+        _process_tally = None
+
+
+def flush_tally() -> None:
+    """Write this process's ``$CWCORE_CACHE_TALLY`` count now (a process leaving by ``os._exit``)."""
+    if _process_tally is not None:
+        _process_tally.flush()
+
+
+def read_tallies(folder: str | os.PathLike) -> dict:
+    """``{"hits", "misses", "processes"}`` summed over the ``tally-*.json`` files in ``folder``."""
+    total = {"hits": 0, "misses": 0, "processes": 0}
+    for path in sorted(Path(folder).glob("tally-*.json")):
+        try:
+            count = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        total["hits"] += int(count["hits"])
+        total["misses"] += int(count["misses"])
+        total["processes"] += 1
+    return total
+
+
+_start_process_tally()
+atexit.register(flush_tally)
+os.register_at_fork(after_in_child=_restart_process_tally_in_child)
 
 
 @contextlib.contextmanager

@@ -408,6 +408,9 @@ def _helper(rank: int, size: int, address: str, items: list, compute: Callable) 
     except BaseException:
         traceback.print_exc()
     finally:
+        from .cache import flush_tally
+
+        flush_tally()  # os._exit skips atexit: this rank's cache reads go to the build's provenance
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

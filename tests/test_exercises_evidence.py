@@ -13,9 +13,9 @@ What this covers, and what not:
   sinks' points, the contribution maps); they run in the smoke book (``tests/test_exercises.py``).
 * **Static, every solution.** Each ``assert`` that orders two quantities (``<``, ``>``, ``<=``, ``>=``)
   without a tolerance constant (a number below 1e-3 in the comparison) may be an empirical claim: each
-  must be listed in :data:`REVIEWED` with the algebraic reason it holds, or in :data:`DATA_DEPENDENT`
-  (a strict xfail naming it). Equality checks (``allclose``, ``array_equal``, ...) are identities and
-  are not listed. A new order assertion fails until someone has said why it is algebra. This is a
+  must be listed in :data:`REVIEWED` with the algebraic reason it holds; one listed in
+  :data:`DATA_DEPENDENT` (a known empirical assertion) fails until its solution is rewritten. Equality
+  checks (``allclose``, ``array_equal``, ...) are identities and are not listed. A new order assertion fails until someone has said why it is algebra. This is a
   review gate, not a proof: a data-dependent equality would pass it.
 """
 
@@ -47,13 +47,12 @@ REVIEWED = {
     ("02_geometry", "strong[2] > 0.1"): "a seeded simulation of the chapter's own recipe: deterministic",
 }
 
-#: order assertions that compare data-dependent quantities (reported, strict xfail): a solution should not
+#: order assertions that compare data-dependent quantities (each fails the test below): a solution must not
 #: assert them. Owned by the chapter's author; listed here so that the book's honesty is tested.
-DATA_DEPENDENT = {
-    ("08_encoders", 'medians.loc["relative_norm", "inter"] < medians.loc["relative_norm", "intra"]'):
-        "the median relative norm under the combined output is not below the per-head one by algebra "
-        "(||o_i|| may be smaller than ||o^h_i||): an outcome of the model and the data",
-}
+DATA_DEPENDENT: dict = {}
+#: (exercise 8.3 once asserted that the median relative norm under the combined output is below the
+#: per-head one, an outcome of the model and the data; it now checks the algebra: the ratio of a term's
+#: two relative norms is ||o_i|| / ||o^h_i||)
 
 
 def solutions():
@@ -117,11 +116,13 @@ def test_every_order_assertion_of_a_solution_is_reviewed():
     assert set(REVIEWED) <= flagged, f"REVIEWED names assertions that no longer exist: {sorted(set(REVIEWED) - flagged)}"
 
 
-@pytest.mark.parametrize("key", sorted(DATA_DEPENDENT))
-@pytest.mark.xfail(strict=True, reason="a solution asserts a data-dependent outcome (see DATA_DEPENDENT)")
-def test_no_solution_asserts_a_data_dependent_outcome(key):
+def test_no_solution_asserts_a_data_dependent_outcome():
+    # an entry of DATA_DEPENDENT names a known empirical assertion: it fails here until the solution is
+    # rewritten to check algebra only (and the entry removed)
     flagged = {(stem, text) for stem, source in solutions() for text in order_assertions(source)}
-    assert key not in flagged, DATA_DEPENDENT[key]
+    still = {key: why for key, why in DATA_DEPENDENT.items() if key in flagged}
+    assert not still, still
+    assert set(DATA_DEPENDENT) <= flagged, "DATA_DEPENDENT names assertions that no longer exist"
 
 
 def test_the_scan_flags_an_empirical_order_and_passes_an_identity():

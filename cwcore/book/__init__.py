@@ -87,6 +87,10 @@ KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
 KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
+#: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwcore.book.evidence_build)
+PROFILE_BUILDS: dict = {}
+
+
 class BookError(RuntimeError):
     """A problem the user must fix (bad run.yml, failing notebook, failing Sphinx build)."""
 
@@ -829,7 +833,7 @@ def _main(argv: list[str] | None) -> int:
                     params = injected_parameters(run, notebook_parameters(run.source))
                     print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
             return 0
-        build(profile=args.profile, models=args.models, only=args.only, book_dir=args.book_dir,
+        PROFILE_BUILDS.get(name, build)(profile=name, models=args.models, only=args.only, book_dir=args.book_dir,
               build_dir=args.build_dir, notebooks_dir=args.notebooks_dir, config_path=args.config,
               force=args.force, html=not args.no_html)
     except BookError as err:

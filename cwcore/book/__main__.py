@@ -1,5 +1,6 @@
 import sys
 
+from . import evidence_build  # noqa: F401 - registers the evidence profile's build (PROVENANCE, resume)
 from . import main
 
 sys.exit(main())

@@ -29,6 +29,7 @@ cache; a checkout older than this module has it as ``cwcore/faithfulness/evidenc
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import platform
 import sys
@@ -106,7 +107,7 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
                  protocols: Sequence[str] = ("default",), importances: Sequence[str] | None = None,
                  ratios: Sequence[float] | None = None, metrics: Sequence[str] | None = None, *,
                  config: str | Path | None = None, cache: bool | None = None, cache_dir: str | Path | None = None,
-                 loaded=None, progress: bool = False) -> pd.DataFrame:
+                 loaded=None, progress: bool = False, sweep=None) -> pd.DataFrame:
     """The per-document table of chapter 4's ladder sweeps under ``profile`` on the first
     ``n_documents`` documents of ``data``: the notebook's own call, ``ladder_sweep(lm, tokenizer,
     document_blocks(load_dataset(data), tokenizer, seq_len, n, seed=seed), metrics, grid,
@@ -117,7 +118,8 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     ratio subset reads the same pieces: they are named by ratio). ``cache`` defaults to the notebook's
     ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`. ``loaded``: an already
     loaded ``(model, tokenizer)`` (it must be the notebook's ``model`` in its ``dtype``). The merged
-    notebook parameters are in ``table.attrs["parameters"]``.
+    notebook parameters are in ``table.attrs["parameters"]``. ``sweep``: what runs one
+    cell (default ``ladder_sweep``; :func:`cwcore.book.evidence_build.ladder_cell` resumes from an export).
     """
     p = notebook_parameters(profile, model, config)
     protocols = _subset(protocols, p["protocols"], "protocol")
@@ -136,8 +138,9 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     if cache_dir is not None:
         common["cache_dir"] = cache_dir
     blocks = document_blocks(cwcore.load_dataset(data), tokenizer, p["seq_len"], n_documents, seed=p["seed"])
-    parts = [evidence.ladder_sweep(lm, tokenizer, blocks, metrics, grid, protocol=protocol, importances=importances,
-                                   **common) for protocol in protocols]
+    sweep = sweep or evidence.ladder_sweep
+    parts = [sweep(lm, tokenizer, blocks, metrics, grid, protocol=protocol, importances=importances, **common)
+             for protocol in protocols]
     table = pd.concat(parts, ignore_index=True).assign(data=data, model=model)
     table["delta_nll"] = table["nll"] - table["clean_nll"]
     table = table[[c for c in _FIRST if c in table] + [c for c in table if c not in _FIRST]]
@@ -158,17 +161,17 @@ def paths(model: str, data: str, out: str | Path | None = None) -> tuple[Path, P
 def export(profile: str, model: str, data: str, n_documents: int, protocols: Sequence[str] = ("default",),
            importances: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
            metrics: Sequence[str] | None = None, *, out: str | Path | None = None, require_cached: bool = False,
-           config: str | Path | None = None) -> tuple[Path, Path]:
+           config: str | Path | None = None, sweep=None) -> tuple[Path, Path]:
     """Run :func:`per_document` and write its CSV (floats to :data:`SIGNIFICANT_DIGITS` significant
     digits) and the provenance JSON; returns their paths. ``require_cached``: fail, computing nothing,
-    unless every piece is in the result cache."""
+    unless every piece is in the result cache; ``sweep`` as in :func:`per_document`."""
     t0 = time.monotonic()
     p = notebook_parameters(profile, model, config)
     loaded = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
     load_s = time.monotonic() - t0
     with cw_cache.counting(require=require_cached) as counter:
         table = per_document(profile, model, data, n_documents, protocols, importances, ratios, metrics,
-                             config=config, loaded=loaded)
+                             config=config, loaded=loaded, sweep=sweep)
     wall = time.monotonic() - t0
     used = table.attrs["parameters"]
     root = Path(cwcore.__file__).resolve().parent.parent
@@ -196,9 +199,10 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     csv, js = paths(model, data, out)
     csv.parent.mkdir(parents=True, exist_ok=True)
     # mtime 0: the same rows give the same bytes, so a re-export that changes nothing leaves git clean
-    table.to_csv(csv, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g",
-                 compression={"method": "gzip", "mtime": 0})
-    js.write_text(json.dumps(meta, indent=1) + "\n")
+    rows = io.BytesIO()  # written whole, then renamed into place: a killed export leaves the old file
+    table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
+    cw_cache.atomic_write_bytes(csv, rows.getvalue())
+    cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1) + "\n").encode())
     return csv, js
 
 

@@ -1,0 +1,263 @@
+"""``make evidence``: the evidence profile, resumed from the repository, then its tables and ``PROVENANCE``.
+
+:func:`build_evidence` (what ``python -m cwcore.book build --profile evidence [--jobs N]`` runs)
+
+1. executes the profile's notebooks (:func:`cwcore.book.build`), every sweep resumable from the result
+   cache; chapter 4's ladder cells go through :func:`ladder_cell`, which takes a cell from its committed
+   per-document export (``data/results/evidence/per_document_<model>_<data>.csv.gz``) when a fresh
+   recomputation of the cell's first :data:`SLICE_DOCUMENTS` documents, without the cache, equals the
+   committed rows within :data:`ATOL` nats; otherwise it computes the whole cell. So a new machine with
+   an empty cache resumes from what is committed;
+2. exports chapter 4's per-document rows of every model and data set it ran (from the cache's pieces,
+   or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
+   (:func:`export_and_tables`);
+3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
+   of the result keys, the result cache's hits and misses summed over every process of the build
+   (kernels and ranks, through ``$CWCORE_CACHE_TALLY``), the committed cells taken and recomputed,
+   wall time, machine, launcher and world size (:func:`cwcore.runs.launch_info`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pandas as pd
+
+import cwcore
+from .. import cache as cw_cache
+from .. import provenance
+from .. import runs
+from ..faithfulness import evidence
+from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan
+from . import evidence_export
+from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
+
+__all__ = ["ATOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "ladder_cell", "committed_cell", "build_evidence",
+           "provenance_record", "write_provenance"]
+
+#: documents of a committed cell recomputed before it is taken, and the tolerance in nats
+SLICE_DOCUMENTS = 2
+ATOL = 1e-6
+#: a folder where :func:`ladder_cell` records each decision (``cell-<model>-<data>-<protocol>.json``)
+CELLS_ENV_VAR = "CWCORE_EVIDENCE_CELLS"
+CODE_SCOPES = ("faithfulness", "sinks", "analysis")  # the producing code of the evidence profile's results
+
+
+def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
+                   *, profile: str, seq_len: int, seed: int, dtype: str,
+                   exports: str | Path | None = None) -> tuple[pd.DataFrame | None, str]:
+    """(rows, why) of one ladder cell in its committed export: the rows of ``protocol``, ``importances``,
+    ``metrics`` and ``ratios`` on ``documents`` (in that order of documents, the export's row order
+    otherwise), or None with the reason when the export does not hold all of them under the same
+    profile, block length, seed and dtype."""
+    found = read_committed(model, data, exports)
+    if found is None:
+        return None, "no committed export"
+    table, meta = found
+    same = {"profile": profile, "seq_len": int(seq_len), "seed": int(seed), "dtype": str(dtype)}
+    differ = [k for k, v in same.items() if meta.get(k) != v]
+    if differ:
+        return None, "the export ran with other " + ", ".join(f"{k} ({meta.get(k)!r}, not {same[k]!r})" for k in differ)
+    documents = [int(d) for d in documents]
+    if [int(d) for d in meta["document_ids"][:len(documents)]] != documents:
+        return None, f"the export holds other documents (or fewer than {len(documents)})"
+    rows = table[(table["protocol"] == protocol) & table["importance"].isin(list(importances))
+                 & table["metric"].isin(list(metrics)) & table["document"].isin(documents)]
+    rows = rows[rows["ratio"].astype(float).round(9).isin([round(float(r), 9) for r in ratios])]
+    expected = len(importances) * len(metrics) * len(ratios) * len(documents) * len(meta["modes"])
+    if len(rows) != expected:
+        return None, f"the export holds {len(rows)} of the cell's {expected} rows"
+    return rows.reset_index(drop=True), "committed"
+
+
+def _decision_path(decision: dict) -> Path | None:
+    folder = os.environ.get(CELLS_ENV_VAR, "").strip()
+    if not folder:
+        return None
+    name = "cell-" + "-".join(provenance.slug(str(decision[k])) for k in ("model", "data", "protocol")) + ".json"
+    return Path(folder) / name
+
+
+def _record(decision: dict) -> None:
+    path = _decision_path(decision)
+    if path is not None and runs.is_main_rank():
+        cw_cache.atomic_write_bytes(path, json.dumps(decision).encode())
+
+
+def _recorded(decision: dict) -> dict | None:
+    """The decision this build recorded for the same cell and export file, when it took the export."""
+    path = _decision_path(decision)
+    if path is None or not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    same = all(earlier.get(k) == decision[k] for k in ("documents", "export_sha256"))
+    return earlier if same and earlier.get("decision") == "committed" else None
+
+
+def _export_hash(model: str, data: str, exports) -> str:
+    import hashlib
+
+    return hashlib.sha256(paths(model, data, exports)[0].read_bytes()).hexdigest()
+
+
+def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str, protocol: str = "default",
+                importances: Sequence[str] = evidence.IMPORTANCES, profile: str, seed: int = 0, dtype: str = "float32",
+                exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS, atol: float = ATOL,
+                sweep: Callable = evidence.ladder_sweep, log: Callable[[str], None] | None = print,
+                **kwargs) -> pd.DataFrame:
+    """``sweep(lm, tokenizer, blocks, metrics, ratios, protocol=..., importances=..., seed=seed, **kwargs)``
+    (:func:`cwcore.faithfulness.evidence.ladder_sweep`: the per-sequence table of one ladder cell), or the
+    cell's committed rows (:func:`committed_cell`; ``model`` and ``data`` name the export) when ``sweep`` on
+    the first ``slice_documents`` blocks, without the cache, gives the same rows within ``atol`` nats
+    (:func:`cwcore.book.evidence_export.compare`). The committed rows come without the export's ``data``,
+    ``model`` and ``delta_nll`` columns, as the sweep returns them. ``blocks``: a
+    :func:`cwcore.data.document_blocks` data set (its ``document`` column names the rows)."""
+    t0 = time.monotonic()
+    call = dict(protocol=protocol, importances=list(importances), seed=seed, **kwargs)
+    seq_len = len(blocks[0]["input_ids"])
+    rows, why = committed_cell(model, data, protocol, list(blocks["document"]), metrics, ratios, importances,
+                               profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports)
+    decision = {"model": model, "data": data, "protocol": protocol, "documents": len(blocks)}
+    if rows is not None:
+        decision["export_sha256"] = _export_hash(model, data, exports)
+        earlier = _recorded(decision)
+        if earlier is not None:  # checked earlier in this build (the notebook's kernel): not again
+            return rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
+        head = blocks.select(range(min(slice_documents, len(blocks))))
+        fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**call, "cache": False}).assign(data=data, model=model)
+        bad = compare(rows.assign(data=data, model=model), fresh, atol=atol)
+        diff = float((fresh.merge(rows, on=["importance", "metric", "mode", "ratio", "document"], suffixes=("", "_c"))
+                      .eval("abs(nll - nll_c)").max()))
+        decision.update(slice_rows=len(fresh), max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
+        if bad.empty:
+            decision["decision"] = "committed"
+            _say(log, f"{model} {data} {protocol}: committed export taken (first {len(head)} documents recomputed, "
+                      f"{len(fresh)} rows within {atol:g} nats, max |diff| {diff:.1e})")
+            _record(decision)
+            return rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
+        why = f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats"
+    decision.update(decision="recomputed", reason=why)
+    if rows is not None or not (why == "no committed export" or "profile" in why):  # another profile: silent
+        _say(log, f"{model} {data} {protocol}: computing the cell ({why})")
+    out = sweep(lm, tokenizer, blocks, metrics, ratios, **call)
+    decision["compute_s"] = round(time.monotonic() - t0, 1)
+    _record(decision)
+    return out
+
+
+def _say(log, text: str) -> None:
+    if log is not None and runs.is_main_rank():
+        log(text)
+
+
+# -- PROVENANCE ------------------------------------------------------------------------------------
+def _machine() -> dict:
+    import torch
+
+    out = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor() or None,
+           "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+           "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        from importlib.metadata import version
+
+        out["transformers"] = version("transformers")
+    except Exception:  # noqa: BLE001 - provenance only
+        out["transformers"] = None
+    return out
+
+
+def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict, cells: list[dict],
+                      written: Sequence[Path] = ()) -> dict:
+    """What ``PROVENANCE`` holds (see the module's docstring), as a dict."""
+    root = Path(cwcore.__file__).resolve().parent.parent
+    status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
+    return {
+        "what": "provenance of `make evidence` (python -m cwcore.book build --profile evidence), written by "
+                "cwcore.book.evidence_build",
+        "commit": provenance.git(root, "rev-parse", "HEAD"), "cwcore_modified": None if status is None else bool(status),
+        "profile": profile, "models": list(models) if models else None, "only": only,
+        "code_hashes": {scope: cw_cache.code_version((scope,)) for scope in CODE_SCOPES},
+        "cache": {"hits": tally["hits"], "misses": tally["misses"], "processes": tally["processes"]},
+        "committed_cells": {"taken": [c for c in cells if c.get("decision") == "committed"],
+                            "recomputed": [c for c in cells if c.get("decision") == "recomputed"]},
+        "wall_s": round(float(wall_s), 1), "machine": _machine(), **{"launch": runs.launch_info()},
+        "written": [Path(p).name for p in written],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_provenance(path: str | Path, record: dict) -> Path:
+    """``record`` as indented JSON at ``path``, atomically (the old file or the new one, never half)."""
+    path = Path(path)
+    cw_cache.atomic_write_bytes(path, (json.dumps(record, indent=1, default=str) + "\n").encode())
+    return path
+
+
+def _cells(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("cell-*.json"))]
+
+
+def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only=None,
+                      config_path: str | Path | None = None, **_) -> list[Path]:
+    """Steps 2-3 of :func:`build_evidence`'s work: every (model, data set) of chapter 4 in the build
+    exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
+    this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written."""
+    config = config_path or DEFAULT_BOOK_DIR / "run.yml"
+    _, _, planned = plan(load_config(config), profile=profile, models=models, only=only)
+    written: list[Path] = []
+    for run in planned:
+        if run.chapter.name != CHAPTER:
+            continue
+        p = notebook_parameters(profile, run.model, config)
+        for data in p["datasets"]:
+            sweep = partial(ladder_cell, model=run.model, data=data, profile=profile, dtype=p["dtype"], exports=out)
+            written += export(profile, run.model, data, p["n_sequences"], p["protocols"], out=out, config=config,
+                              sweep=sweep)
+    return written + (export_tables(out) if any(out.glob("per_document_*.json")) else [])
+
+
+def build_evidence(*, profile: str = "evidence", models=None, only=None, out: str | Path | None = None,
+                   build: Callable | None = None, tables: Callable | None = None, **build_kwargs) -> Path:
+    """Steps 1-3 of the module's docstring; returns the path of ``PROVENANCE``. ``build`` (default
+    :func:`cwcore.book.build`) gets ``profile``, ``models``, ``only`` and ``build_kwargs``; ``tables``
+    (default :func:`export_and_tables`) gets ``out``. ``PROVENANCE`` is not written when a step fails."""
+    out = Path(out) if out is not None else evidence_export.DEFAULT_OUT
+    build = build or book_build
+    if tables is None:
+        def tables(folder):
+            return export_and_tables(folder, profile=profile, models=models, only=only, **build_kwargs)
+    t0 = time.monotonic()
+    scratch = Path(tempfile.mkdtemp(prefix="cwcore-evidence-"))
+    saved = {name: os.environ.get(name) for name in (cw_cache.TALLY_ENV_VAR, CELLS_ENV_VAR)}
+    os.environ[cw_cache.TALLY_ENV_VAR] = os.environ[CELLS_ENV_VAR] = str(scratch)  # the kernels inherit them
+    cw_cache._start_process_tally()  # this process's own reads too
+    try:
+        build(profile=profile, models=models, only=only, **build_kwargs)
+        written = tables(out)
+        cw_cache.flush_tally()
+        record = provenance_record(profile=profile, models=models, only=only, wall_s=time.monotonic() - t0,
+                                   tally=cw_cache.read_tallies(scratch), cells=_cells(scratch), written=written)
+        path = write_provenance(out / "PROVENANCE", record)
+    finally:
+        cw_cache._stop_process_tally()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(scratch, ignore_errors=True)
+    c = record["cache"]
+    print(f"evidence  PROVENANCE written: {path} (cache hits {c['hits']}, misses {c['misses']}, "
+          f"{len(record['committed_cells']['taken'])} committed cells taken, {record['wall_s']} s)", flush=True)
+    return path
+
+
+PROFILE_BUILDS["evidence"] = build_evidence

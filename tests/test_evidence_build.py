@@ -1,0 +1,163 @@
+"""``make evidence``'s own steps (cwcore.book.evidence_build): PROVENANCE counts every process's cache
+reads, and a committed ladder cell is taken only when a recomputed 2-document slice equals it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from cwcore import cache as cw_cache
+from cwcore import runs
+from cwcore.book import evidence_build as eb
+from cwcore.book import evidence_export as ee
+from cwcore.cache import ResultCache
+from cwcore.faithfulness import evidence
+
+ROOT = Path(__file__).resolve().parents[1]
+CHILD = ("import sys; from cwcore.cache import ResultCache; import pandas as pd\n"
+         "c = ResultCache('tally-test', {'n': int(sys.argv[1])})\n"
+         "for piece in ('a', 'b', 'c'):\n"
+         "    if c.get(piece) is None: c.put(piece, pd.DataFrame({'x': [1]}))\n")
+
+
+def _read(root, namespace, item):
+    return ResultCache(namespace, {"item": item}, root=root).get("piece")
+
+
+def test_provenance_sums_the_cache_reads_of_every_process_and_is_written_atomically(tmp_path, monkeypatch):
+    cache_dir, out = tmp_path / "cache", tmp_path / "out"
+    monkeypatch.setenv("CWCORE_CACHE", str(cache_dir))
+    calls = []
+
+    def build(**kwargs):  # stands in for the book build: a kernel-like child process, and forked ranks
+        calls.append(kwargs)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}  # with the build's $CWCORE_CACHE_TALLY, as a kernel
+        for _ in range(2):  # 3 misses, then 3 hits
+            subprocess.run([sys.executable, "-c", CHILD, "1"], check=True, env=env)
+        monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+        runs.shard_map(range(5), lambda item: _read(cache_dir, "tally-ranks", item))  # 5 misses, 2 ranks
+        monkeypatch.delenv(runs.JOBS_ENV_VAR)
+        ResultCache("tally-ranks", {"item": 0}, root=cache_dir).put("piece", pd.DataFrame({"x": [0]}))
+        assert _read(cache_dir, "tally-ranks", 0) is not None  # this process: 1 hit
+
+    def tables(folder):
+        path = Path(folder) / "table.csv"
+        cw_cache.write_csv(pd.DataFrame({"a": [1]}), path)
+        return [path]
+
+    path = eb.build_evidence(models=["tiny"], only="04", out=out, build=build, tables=tables, force=True)
+    assert calls == [{"profile": "evidence", "models": ["tiny"], "only": "04", "force": True}]
+    record = json.loads(path.read_text())
+    assert path == out / "PROVENANCE"
+    assert record["cache"]["hits"] == 3 + 1 and record["cache"]["misses"] == 3 + 5
+    assert record["cache"]["processes"] >= 4  # 2 children, this process, the forked rank
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert record["commit"] == commit
+    assert record["code_hashes"]["faithfulness"] == cw_cache.code_version(("faithfulness",))
+    assert record["launch"] == runs.launch_info() and record["launch"]["launcher"] == "single"
+    assert record["written"] == ["table.csv"] and record["wall_s"] > 0 and record["machine"]["cpus"] >= 1
+    assert sorted(p.name for p in out.iterdir()) == ["PROVENANCE", "table.csv"]  # no temporary file left
+    assert cw_cache.TALLY_ENV_VAR not in os.environ and cw_cache._process_tally is None
+
+    def failing(**kwargs):
+        raise RuntimeError("a notebook failed")
+
+    with pytest.raises(RuntimeError, match="notebook failed"):
+        eb.build_evidence(out=out, build=failing, tables=tables)
+    assert json.loads(path.read_text()) == record  # a failed build leaves the old PROVENANCE
+
+
+# -- resuming from a committed export ---------------------------------------------------------------
+METRICS = ["attention", "contribution", "random"]
+RATIOS = [0.1, 0.4]
+
+
+@pytest.fixture(scope="module")
+def cell():
+    sys.path.insert(0, str(ROOT / "tests" / "faithfulness"))
+    from faith_helpers import peaked_llama, self_sampled
+
+    model = peaked_llama()
+    ids = self_sampled(model, n=4, length=12)
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
+                                         "document": [7, 3, 11, 5]})
+    rows = evidence.ladder_sweep(model, None, blocks, METRICS, RATIOS, batch_size=2, cache=False, progress=False)
+    return model, blocks, rows
+
+
+def _commit(rows, out, model="tiny", data="toy"):
+    """An export as evidence_export.export writes it (8 significant digits), with its JSON."""
+    csv, js = ee.paths(model, data, out)
+    csv.parent.mkdir(parents=True, exist_ok=True)
+    table = rows.assign(data=data, model=model, delta_nll=rows["nll"] - rows["clean_nll"])
+    table.to_csv(csv, index=False, float_format="%.8g", compression={"method": "gzip", "mtime": 0})
+    js.write_text(json.dumps({"profile": "evidence", "model": model, "data": data, "seq_len": 12, "seed": 0,
+                              "dtype": "float32", "documents": int(rows["document"].nunique()),
+                              "document_ids": [7, 3, 11, 5], "modes": sorted(rows["mode"].unique())}))
+
+
+def _run(model, blocks, out, tmp_path, monkeypatch):
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    seen = []
+
+    def sweep(lm, tokenizer, blocks, *args, **kwargs):
+        seen.append((list(blocks["document"]), kwargs["cache"]))
+        return evidence.ladder_sweep(lm, tokenizer, blocks, *args, **kwargs)
+
+    got = eb.ladder_cell(model, None, blocks, METRICS, RATIOS, model="tiny", data="toy", profile="evidence",
+                         exports=out, sweep=sweep, batch_size=2, cache=False, progress=False, log=None)
+    decision = json.loads((tmp_path / "cells" / "cell-tiny-toy-default.json").read_text())
+    return got, seen, decision
+
+
+def test_a_committed_cell_is_taken_when_two_recomputed_documents_equal_it(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell
+    _commit(rows, tmp_path / "out")
+    got, seen, decision = _run(model, blocks, tmp_path / "out", tmp_path, monkeypatch)
+    assert seen == [([7, 3], False)]  # only the 2-document slice ran, without the cache
+    assert decision["decision"] == "committed" and decision["slice_rows"] == len(rows) // 2
+    assert decision["max_abs_diff_nll"] < 1e-6
+    assert list(got.columns) == list(rows.columns) and len(got) == len(rows)
+    np.testing.assert_allclose(got["nll"], rows["nll"], rtol=1e-7, atol=0)  # the export's 8 digits
+    assert (got[["metric", "mode", "ratio", "document", "importance"]].values
+            == rows[["metric", "mode", "ratio", "document", "importance"]].values).all()
+
+
+def test_a_perturbed_or_incomplete_committed_cell_is_recomputed(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell
+    perturbed = rows.copy()
+    first = perturbed.index[(perturbed["document"] == 3) & (perturbed["metric"] == "contribution")][0]
+    perturbed.loc[first, "nll"] += 1e-5  # beyond 1e-6 nats, in the slice
+    _commit(perturbed, tmp_path / "out")
+    got, seen, decision = _run(model, blocks, tmp_path / "out", tmp_path, monkeypatch)
+    assert seen == [([7, 3], False), ([7, 3, 11, 5], False)]  # checked, then the whole cell computed
+    assert decision["decision"] == "recomputed" and "1 of" in decision["reason"]
+    pd.testing.assert_frame_equal(got, rows)
+    _commit(rows[rows["metric"] != "random"], tmp_path / "out")  # a cell the export does not hold whole
+    got, seen, decision = _run(model, blocks, tmp_path / "out", tmp_path, monkeypatch)
+    assert seen == [([7, 3, 11, 5], False)] and "rows" in decision["reason"]
+    pd.testing.assert_frame_equal(got, rows)
+
+
+def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
+    import cwcore.book as book
+
+    assert book.PROFILE_BUILDS["evidence"] is eb.build_evidence
+    seen = []
+    monkeypatch.setitem(book.PROFILE_BUILDS, "evidence", lambda **kwargs: seen.append(kwargs))
+    monkeypatch.setattr(book, "build", lambda **kwargs: seen.append(("plain", kwargs["profile"])))
+    assert book.main(["build", "--profile", "evidence", "--only", "09", "--no-html"]) == 0
+    assert seen[0]["profile"] == "evidence" and seen[0]["only"] == "09" and seen[0]["html"] is False
+    assert book.main(["build", "--profile", "smoke", "--only", "09", "--no-html"]) == 0
+    assert seen[1] == ("plain", "smoke")
+    main_py = (ROOT / "cwcore" / "book" / "__main__.py").read_text()  # `python -m cwcore.book` registers it
+    assert "from . import evidence_build" in main_py
