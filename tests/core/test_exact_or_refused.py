@@ -158,3 +158,24 @@ def test_encoders_with_own_positions_or_projection_names_are_exact_when_padded(f
     for layer in alone.layers:
         torch.testing.assert_close(alone.attention[layer], eager.attentions[layer], rtol=0, atol=1e-6)
         torch.testing.assert_close(together.inter[layer][:, :, 3:, 3:], alone.inter[layer], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("columns", [slice(0, 1), slice(None)])
+def test_a_projection_that_changes_its_output_is_refused_by_the_projected_check(columns):
+    """o_i is adopted from the output projection after a check on random directions: an output changed after
+    the product (a hook scaling one channel or all by 1.01) must still be refused; without the hook it is exact."""
+    model = tiny_model("llama")
+    model.config._attn_implementation = "sdpa"
+    cwcore.decompose(model, input_ids=IDS)  # control: exact
+
+    def hook(module, args, output):
+        output = output.clone()
+        output[..., columns] *= 1.01
+        return output
+
+    handle = model.model.layers[0].self_attn.o_proj.register_forward_hook(hook)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match="do not reproduce"):
+            cwcore.decompose(model, input_ids=IDS)
+    finally:
+        handle.remove()
