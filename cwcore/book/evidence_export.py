@@ -3,13 +3,13 @@
 The ``evidence`` profile of ``book/run.yml`` runs chapter 4's ladder sweeps for hours; the notebook
 keeps its per-document table only in the result cache. This module
 
-* :func:`per_document` runs :func:`cwcore.faithfulness.evidence.ladder_sweep` exactly as the notebook
-  ``04_faithfulness`` does under a profile (its parameters merged as the book runner merges them:
-  the notebook's defaults, the profile's ``params``, then ``notebooks.04_faithfulness``) on the first
-  ``n_documents`` documents of one data set, for a subset of protocols, importance signs, ratios and
-  metrics, and returns the per-document table with ``data``, ``model`` and ``document`` columns.
-  :func:`cwcore.data.document_blocks` is prefix-stable and the sweep's pieces are named by batch
-  content, so the first batch of a long run is read back from its cache;
+* :func:`per_document` calls :func:`cwcore.faithfulness.evidence.ladder_evidence`, the function that
+  computes notebook ``04_faithfulness``'s cells, with the parameters that notebook runs with under a
+  profile (:func:`cwcore.book.parameters.run_parameters`: run.yml merged as the book runner merges it)
+  on the first ``n_documents`` documents of one data set, for a subset of protocols, importance signs,
+  ratios and metrics, and returns the per-document table with ``data``, ``model`` and ``document``
+  columns. :func:`cwcore.data.document_blocks` is prefix-stable and the sweep's pieces are named by
+  batch content, so the first batch of a long run is read back from its cache;
 * :func:`export` writes that table to ``data/results/evidence/per_document_<model>_<data>.csv.gz``
   (floats to 8 significant digits) with a ``.json`` beside it: the commit of the code that ran, the
   profile, sizes, parameters, wall time, the cache's code hash and how many pieces were cache hits;
@@ -46,9 +46,11 @@ from .. import provenance
 from ..data import document_blocks
 from ..faithfulness import evidence
 from . import findings
-from . import DEFAULT_BOOK_DIR, injected_parameters, load_config, plan, results_path, slug
+from . import results_path, slug
+from .parameters import profile_models, run_parameters
 
-__all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "notebook_parameters", "per_document",
+__all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
+           "grids_of", "per_document",
            "export", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
@@ -59,35 +61,27 @@ EXACT = ("sequence", "n_tokens", "n_removed", "n_candidates")
 #: float columns, equal within a tolerance
 FLOATS = ("nll", "clean_nll", "delta_nll")
 SIGNIFICANT_DIGITS = 8
+#: the chapter's parameters that :func:`cwcore.faithfulness.evidence.ladder_evidence` takes as they are
+LADDER_PARAMETERS = ("datasets", "n_sequences", "seq_len", "low_ratios", "ratios", "protocols", "importances",
+                     "metrics", "n_bootstrap", "seed", "batch_size", "cache")
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 _FIRST = ["data", "model", "protocol", "importance", "metric", "kind", "mode", "ratio", "document", "sequence",
           "nll", "clean_nll", "delta_nll", "n_tokens", "n_removed", "n_candidates"]
 
 
-def _parameters_cell(source: Path) -> dict:
-    """The defaults of a notebook's ``parameters`` cell (plain assignments), evaluated."""
-    nb = json.loads(Path(source).read_text())
-    for cell in nb["cells"]:
-        if cell["cell_type"] == "code" and "parameters" in cell.get("metadata", {}).get("tags", []):
-            scope: dict = {}
-            exec("".join(cell["source"]), {}, scope)  # noqa: S102 - the repository's own notebook
-            return scope
-    raise ValueError(f"{source} has no cell tagged 'parameters'")
-
-
 def notebook_parameters(profile: str, model: str, config: str | Path | None = None) -> dict:
-    """What notebook ``04_faithfulness`` runs with for ``model`` under ``profile``: its parameters
-    cell's defaults, replaced by the parameters the book runner injects (:func:`cwcore.book.plan`, then
-    :func:`cwcore.book.injected_parameters`: the profile's ``params`` updated with
-    ``notebooks.04_faithfulness``, only those the notebook declares)."""
-    conf = load_config(config or DEFAULT_BOOK_DIR / "run.yml")
-    _, _, runs = plan(conf, profile=profile, models=[model], only=CHAPTER)
-    run = next((r for r in runs if r.model == model), None)
-    if run is None:
-        raise ValueError(f"profile {profile!r} does not run {CHAPTER} on {model!r} "
-                         f"(it runs {[r.model for r in runs]})")
-    defaults = _parameters_cell(run.source)
-    return {**defaults, **injected_parameters(run, set(defaults))}
+    """What notebook ``04_faithfulness`` runs with for ``model`` under ``profile``
+    (:func:`cwcore.book.parameters.run_parameters`: its parameters cell's defaults, replaced by what the
+    book runner injects from run.yml)."""
+    return run_parameters(CHAPTER, profile, model, config=config)
+
+
+def grids_of(parameters: dict) -> evidence.RatioGrids:
+    """The named ratio grids of chapter 4's parameters (``low_ratios``, ``ratios``) or of an export's
+    metadata (``grids``)."""
+    if "grids" in parameters:
+        return evidence.RatioGrids(**parameters["grids"])
+    return evidence.RatioGrids(parameters["low_ratios"], parameters["ratios"])
 
 
 def _subset(wanted, available, what: str) -> list:
@@ -109,23 +103,26 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
                  config: str | Path | None = None, cache: bool | None = None, cache_dir: str | Path | None = None,
                  loaded=None, progress: bool = False, sweep=None) -> pd.DataFrame:
     """The per-document table of chapter 4's ladder sweeps under ``profile`` on the first
-    ``n_documents`` documents of ``data``: the notebook's own call, ``ladder_sweep(lm, tokenizer,
-    document_blocks(load_dataset(data), tokenizer, seq_len, n, seed=seed), metrics, grid,
-    protocol=..., importances=..., n_bootstrap=..., seed=..., batch_size=..., max_length=seq_len,
-    progress=False, cache=cache)`` for each protocol, with ``data`` and ``model`` columns.
+    ``n_documents`` documents of ``data``: the notebook's own function,
+    :func:`cwcore.faithfulness.evidence.ladder_evidence`, with the notebook's parameters
+    (:func:`notebook_parameters`) for this one data set, with a ``model`` column.
 
     ``importances``, ``ratios`` and ``metrics`` default to the notebook's and must be among them (a
-    ratio subset reads the same pieces: they are named by ratio). ``cache`` defaults to the notebook's
-    ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`. ``loaded``: an already
-    loaded ``(model, tokenizer)`` (it must be the notebook's ``model`` in its ``dtype``). The merged
-    notebook parameters are in ``table.attrs["parameters"]``. ``sweep``: what runs one
-    cell (default ``ladder_sweep``; :func:`cwcore.book.evidence_build.ladder_cell` resumes from an export).
+    ratio subset reads the same pieces: they are named by ratio; it keeps the names of the grids
+    the ratios come from, :meth:`~cwcore.faithfulness.evidence.RatioGrids.restrict`). ``cache``
+    defaults to the notebook's ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`.
+    ``loaded``: an already loaded ``(model, tokenizer)`` (it must be the notebook's ``model`` in its
+    ``dtype``). The merged notebook parameters are in ``table.attrs["parameters"]`` (with ``grids``:
+    the named grids run). ``sweep``: what runs one cell (default ``ladder_sweep``;
+    :func:`cwcore.book.evidence_build.ladder_cell` resumes from an export; see
+    :func:`~cwcore.faithfulness.evidence.ladder_evidence`).
     """
     p = notebook_parameters(profile, model, config)
     protocols = _subset(protocols, p["protocols"], "protocol")
     importances = _subset(importances, p["importances"], "importance")
     metrics = _subset(metrics, p["metrics"], "metric")
-    grid = _subset(ratios, evidence.ratio_grid(p["low_ratios"], p["ratios"]), "ratio")
+    grids = grids_of(p)
+    grids = grids if ratios is None else grids.restrict(_subset(ratios, grids.ratios, "ratio"))
     if data not in p["datasets"]:
         raise ValueError(f"the notebook does not run data set {data!r} under {profile} (it runs {p['datasets']})")
     if not 1 <= n_documents <= p["n_sequences"]:
@@ -133,19 +130,17 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     if loaded is None:
         loaded = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
     lm, tokenizer = loaded
-    common = dict(n_bootstrap=p["n_bootstrap"], seed=p["seed"], batch_size=p["batch_size"], max_length=p["seq_len"],
-                  progress=progress, cache=p["cache"] if cache is None else bool(cache))
-    if cache_dir is not None:
-        common["cache_dir"] = cache_dir
-    blocks = document_blocks(cwcore.load_dataset(data), tokenizer, p["seq_len"], n_documents, seed=p["seed"])
-    sweep = sweep or evidence.ladder_sweep
-    parts = [sweep(lm, tokenizer, blocks, metrics, grid, protocol=protocol, importances=importances, **common)
-             for protocol in protocols]
-    table = pd.concat(parts, ignore_index=True).assign(data=data, model=model)
+    extra = {} if cache_dir is None else {"cache_dir": cache_dir}
+    run = evidence.ladder_evidence(lm, tokenizer, **{
+        **{k: p[k] for k in LADDER_PARAMETERS}, "datasets": [data], "n_sequences": n_documents,
+        "low_ratios": grids.low, "ratios": grids.paper, "protocols": protocols, "importances": importances,
+        "metrics": metrics, "cache": p["cache"] if cache is None else bool(cache)}, progress=progress, sweep=sweep,
+        **extra)
+    table = run.per_sequence.assign(model=model)
     table["delta_nll"] = table["nll"] - table["clean_nll"]
     table = table[[c for c in _FIRST if c in table] + [c for c in table if c not in _FIRST]]
-    table.attrs["parameters"] = {**p, "grid": grid, "protocols_run": protocols, "importances_run": importances,
-                                 "metrics_run": metrics}
+    table.attrs["parameters"] = {**p, "grid": grids.ratios, "grids": grids.as_dict(), "protocols_run": protocols,
+                                 "importances_run": importances, "metrics_run": metrics}
     return table
 
 
@@ -184,7 +179,7 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
         "profile": profile, "model": model, "data": data, "documents": int(n_documents),
         "document_ids": [int(d) for d in table.sort_values("sequence", kind="stable")["document"].unique()],
         "protocols": list(used["protocols_run"]), "importances": list(used["importances_run"]),
-        "ratios": [float(r) for r in used["grid"]], "metrics": list(used["metrics_run"]),
+        "ratios": [float(r) for r in used["grid"]], "grids": used["grids"], "metrics": list(used["metrics_run"]),
         "modes": sorted(table["mode"].unique().tolist()),
         "seed": used["seed"], "dtype": used["dtype"], "device": used["device"], "seq_len": used["seq_len"],
         "batch_size": used["batch_size"], "profile_n_sequences": used["n_sequences"],
@@ -280,7 +275,8 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
            all_models: Sequence[str] | None = None) -> list[Path]:
     """Chapter 4's evidence tables from the exports in ``out`` (default ``data/results/evidence``):
     for each model, :func:`cwcore.faithfulness.evidence.evidence_tables` of every exported data set
-    (per protocol and ratio range; the profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
+    (per protocol and ratio range, the low range ending at the top of the export's low grid; the
+    profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
     column as the notebook stacks them, written by :func:`cwcore.book.findings.save_results` to
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
     cells the rows hold (data set x protocol, documents) and what is not in them (the downstream tasks:
@@ -299,7 +295,10 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         for data in exported[model]:
             rows, meta = read_committed(model, data, out)
             p = p or notebook_parameters(meta["profile"], model)  # one profile per folder
-            _, ladder = evidence.evidence_tables(rows.drop(columns=["data", "model", "delta_nll"]),
+            # the low range ends at the top of the low grid the export ran (an export older than the
+            # "grids" field ran the profile's)
+            grids = grids_of(meta if "grids" in meta else p)
+            _, ladder = evidence.evidence_tables(rows.drop(columns=["data", "model", "delta_nll"]), grids=grids,
                                                  n_bootstrap=p["n_bootstrap"], seed=p["seed"])
             ladders.append(ladder.assign(data=data))
             cells += [f"{data} x {protocol} ({meta['documents']} documents)" for protocol in meta["protocols"]]
@@ -316,8 +315,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         written += [path, path.with_suffix(".json")]
     profile = meta["profile"]
     if all_models is None:
-        conf = load_config(DEFAULT_BOOK_DIR / "run.yml")
-        all_models = list(dict.fromkeys([*conf["profiles"][profile].get("models", []), *exported]))
+        all_models = list(dict.fromkeys([*profile_models(profile), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
     cw_cache.write_csv(table, out / "findings.csv", index=False)
     return [*written, out / "findings.csv"]

@@ -14,11 +14,20 @@ Main protocols (:data:`PROTOCOLS`)
     it keeps the per-row removal of the default (every query loses the same share of its own terms),
     so the two main protocols differ in one choice only.
 
-Ratio ranges (:data:`LOW_RATIOS`, :data:`PAPER_RATIOS`)
--------------------------------------------------------
+Ratio ranges (:class:`RatioGrids`: :data:`LOW_RATIOS`, :data:`PAPER_RATIOS` by default)
+-----------------------------------------------------------------------------------------
 The paper's grid starts at r = 0.05, where the packaged models have already lost several nats of
 log-perplexity; the low grid (0.001 to 0.05) measures where removal is still gentle. AOPC is reported
-over the low range (r <= :data:`LOW_MAX`) and over the full range (both grids together).
+over the low range (r up to the top of the low grid the run was given, :attr:`RatioGrids.low_max`) and
+over the full range (both grids together). The two named grids travel with the run
+(:class:`LadderRun`), so the low range is always the low grid that was run, never a constant.
+
+Chapter 4's cells (:func:`ladder_evidence`)
+-------------------------------------------
+One call runs the chapter's ladder sweeps (every data set x main protocol x importance sign) on one
+sample of documents and returns a :class:`LadderRun`, whose :meth:`~LadderRun.tables` and
+:meth:`~LadderRun.curves` are the chapter's AOPC, ladder and curve tables. Notebook
+``04_faithfulness`` and the evidence export (:mod:`cwcore.book.evidence_export`) both call it.
 
 Importance signs
 ----------------
@@ -41,7 +50,9 @@ is decided with Holm's adjustment over the whole family (``cwcore.book.findings`
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import pandas as pd
 
@@ -49,12 +60,14 @@ import numpy as np
 
 from .. import stats
 from ..core.decomposition import METRICS
+from ..data import document_blocks, load_dataset
 from .lm import faithfulness_curve
 from .protocol import DEFAULT_RATIOS, Protocol, identical_steps, parse_metric
 from .summary import aopc, ladder_comparison
 
 __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
-           "SIGN_INVARIANT", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables", "MARGINS", "ALPHA",
+           "SIGN_INVARIANT", "RatioGrids", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables",
+           "LadderRun", "ladder_evidence", "MARGINS", "ALPHA",
            "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
            "primary_family", "is_primary"]
 
@@ -65,7 +78,7 @@ PROTOCOL_NOTES = {
 }
 LOW_RATIOS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 PAPER_RATIOS = DEFAULT_RATIOS
-LOW_MAX = 0.05
+LOW_MAX = max(LOW_RATIOS)  # the top of the default low grid; a run's is RatioGrids.low_max
 IMPORTANCES = ("signed", "absolute")
 SIGN_INVARIANT = tuple(str(r) for r in METRICS if r.nonnegative) + ("random",)  # never negative
 
@@ -110,6 +123,53 @@ def ranges(ratios: Sequence[float], low_max: float = LOW_MAX) -> dict[str, float
     return out
 
 
+def _floats(values: Sequence[float]) -> tuple[float, ...]:
+    return tuple(sorted({float(r) for r in values}))
+
+
+@dataclass(frozen=True)
+class RatioGrids:
+    """The two named ratio grids of a ladder run: ``low`` (the gentle range: the low-range AOPC runs up
+    to its top, :attr:`low_max`) and ``paper`` (the paper's grid). A run removes the fractions of both,
+    merged (:attr:`ratios`); the full range spans them all."""
+
+    low: tuple[float, ...] = LOW_RATIOS
+    paper: tuple[float, ...] = PAPER_RATIOS
+
+    def __post_init__(self):
+        object.__setattr__(self, "low", _floats(self.low))
+        object.__setattr__(self, "paper", _floats(self.paper))
+
+    @property
+    def ratios(self) -> list[float]:
+        """Both grids merged, sorted and deduplicated (:func:`ratio_grid`): the fractions a run removes."""
+        return ratio_grid(self.low, self.paper)
+
+    @property
+    def low_max(self) -> float | None:
+        """The end of the low range: the top of the low grid (None without a low grid)."""
+        return max(self.low) if self.low else None
+
+    def ranges(self, ratios: Sequence[float] | None = None) -> dict[str, float | None]:
+        """:func:`ranges` of ``ratios`` (default :attr:`ratios`) with the low range ending at :attr:`low_max`."""
+        ratios = self.ratios if ratios is None else sorted(float(r) for r in ratios)
+        return {"full": None} if self.low_max is None else ranges(ratios, self.low_max)
+
+    def restrict(self, ratios: Sequence[float]) -> "RatioGrids":
+        """The grids less every fraction not in ``ratios`` (matched to 1e-9 relative): a slice of a run
+        keeps the names of its grids."""
+        keep = [float(r) for r in ratios]
+        unknown = [r for r in keep if not any(np.isclose(r, g, rtol=1e-9, atol=0) for g in self.ratios)]
+        if unknown:
+            raise ValueError(f"ratios {unknown} are in neither grid {self.as_dict()}")
+        inside = lambda grid: [g for g in grid if any(np.isclose(g, r, rtol=1e-9, atol=0) for r in keep)]  # noqa: E731
+        return RatioGrids(inside(self.low), inside(self.paper))
+
+    def as_dict(self) -> dict[str, list[float]]:
+        """``{"low": [...], "paper": [...]}`` (for a JSON file; ``RatioGrids(**d)`` reads it back)."""
+        return {"low": list(self.low), "paper": list(self.paper)}
+
+
 def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, protocol: str = "default",
                  importances: Sequence[str] = IMPORTANCES, **kwargs) -> pd.DataFrame:
     """The per-sequence table of :func:`~cwcore.faithfulness.faithfulness_curve` under one main
@@ -137,23 +197,98 @@ def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, proto
     return pd.concat(frames, ignore_index=True).assign(protocol=protocol)
 
 
-def evidence_tables(per_sequence: pd.DataFrame, *, n_bootstrap: int = 1000, seed: int = 0,
-                    low_max: float = LOW_MAX, confidence: float = 0.95,
+def evidence_tables(per_sequence: pd.DataFrame, *, grids: RatioGrids | None = None, n_bootstrap: int = 1000,
+                    seed: int = 0, low_max: float | None = None, confidence: float = 0.95,
                     n_permutations: int = N_PERMUTATIONS) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(AOPC, ladder) of a :func:`ladder_sweep` table (one or several protocols, stacked) over each
-    ratio range of :func:`ranges`, with columns ``protocol`` and ``range``. The ladder comes from
-    :func:`~cwcore.faithfulness.ladder_comparison` (paired bootstrap over documents, ``mde`` beside
-    each interval, the sign-flip ``p``), judged by :func:`judge` (``margin``, the pre-registered
-    verdicts). ``n_permutations``: resamples of each step's sign-flip p (0: no ``p`` column)."""
+    ratio range of :meth:`RatioGrids.ranges` (the low range ends at the top of ``grids.low``; or at
+    ``low_max`` where no grids are given; neither: the default grids'), with columns ``protocol`` and
+    ``range``. The ladder comes from :func:`~cwcore.faithfulness.ladder_comparison` (paired bootstrap
+    over documents, ``mde`` beside each interval, the sign-flip ``p``), judged by :func:`judge`
+    (``margin``, the pre-registered verdicts). ``n_permutations``: resamples of each step's sign-flip
+    p (0: no ``p`` column)."""
+    if grids is not None and low_max is not None:
+        raise TypeError("give grids or low_max, not both (the low range ends at the top of grids.low)")
+    if low_max is not None:
+        split = lambda ratios: ranges(ratios, low_max)  # noqa: E731
+    else:
+        split = (grids or RatioGrids()).ranges
     areas, ladders = [], []
     for protocol, part in per_sequence.groupby("protocol", sort=False):
         part = part.drop(columns="protocol")
-        for name, max_ratio in ranges(sorted(part["ratio"].unique()), low_max).items():
+        for name, max_ratio in split(sorted(part["ratio"].unique())).items():
             kw = dict(n_bootstrap=n_bootstrap, seed=seed, confidence=confidence, max_ratio=max_ratio)
             areas.append(aopc(part, **kw).assign(protocol=protocol, range=name))
             ladders.append(ladder_comparison(part, n_permutations=n_permutations, **kw)
                            .assign(protocol=protocol, range=name))
     return pd.concat(areas, ignore_index=True), judge(pd.concat(ladders, ignore_index=True))
+
+
+@dataclass
+class LadderRun:
+    """Chapter 4's ladder sweeps on one sample (:func:`ladder_evidence`): the per-sequence rows of every
+    data set, main protocol and importance sign, with what they were run with."""
+
+    per_sequence: pd.DataFrame  # ladder_sweep rows with a ``data`` column, data sets then protocols in run order
+    grids: RatioGrids  # the named grids the rows were run at
+    blocks: dict = field(default_factory=dict)  # {data set: its document blocks}
+    n_bootstrap: int = 1000
+    seed: int = 0
+    seconds: dict = field(default_factory=dict)  # {(data set, protocol): wall seconds of its sweep}
+
+    def tables(self, n_permutations: int = N_PERMUTATIONS) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(AOPC, ladder): :func:`evidence_tables` of each data set at the run's grids, stacked with a
+        ``data`` column."""
+        areas, ladders = [], []
+        for data, part in self.per_sequence.groupby("data", sort=False):
+            a, l = evidence_tables(part.drop(columns="data"), grids=self.grids, n_bootstrap=self.n_bootstrap,
+                                   seed=self.seed, n_permutations=n_permutations)
+            areas.append(a.assign(data=data))
+            ladders.append(l.assign(data=data))
+        return pd.concat(areas, ignore_index=True), pd.concat(ladders, ignore_index=True)
+
+    def curves(self) -> pd.DataFrame:
+        """The signed curves (:func:`~cwcore.faithfulness.summarize`) per data set and protocol, with
+        ``data`` and ``protocol`` columns."""
+        from .summary import summarize
+
+        curves = []
+        signed = self.per_sequence[self.per_sequence["importance"] == "signed"]
+        for (data, protocol), part in signed.groupby(["data", "protocol"], sort=False):
+            curves.append(summarize(part.drop(columns=["data", "protocol"]), n_bootstrap=self.n_bootstrap,
+                                    seed=self.seed).assign(data=data, protocol=protocol))
+        return pd.concat(curves, ignore_index=True)
+
+
+def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: int, seq_len: int,
+                    low_ratios: Sequence[float], ratios: Sequence[float], protocols: Sequence[str],
+                    importances: Sequence[str], metrics: Sequence[str], n_bootstrap: int, seed: int,
+                    batch_size: int, cache: bool = True, progress: bool = False, sweep: Callable | None = None,
+                    **kwargs) -> LadderRun:
+    """Chapter 4's ladder sweeps: for each data set, ``n_sequences`` documents of one ``seq_len``-token
+    block each (:func:`cwcore.data.document_blocks`), and for each main ``protocol``, :func:`ladder_sweep`
+    over ``metrics`` at both named grids (``low_ratios``, the paper's ``ratios``; see :class:`RatioGrids`)
+    for every importance sign. The keywords are the chapter's parameters, by their names in the
+    notebook's ``parameters`` cell. ``kwargs`` (e.g. ``cache_dir``) go to
+    :func:`~cwcore.faithfulness.faithfulness_curve`. ``sweep``: what runs one cell, called with
+    :func:`ladder_sweep`'s arguments plus ``data=`` (the data set's name), e.g.
+    :func:`cwcore.book.evidence_build.ladder_cell`, which takes a committed cell once its first documents
+    recompute equal; default :func:`ladder_sweep`. Returns a :class:`LadderRun`."""
+    grids = RatioGrids(low_ratios, ratios)
+    common = dict(n_bootstrap=n_bootstrap, seed=seed, batch_size=batch_size, max_length=seq_len,
+                  progress=progress, cache=cache, **kwargs)
+    blocks, parts, seconds = {}, [], {}
+    for data in datasets:
+        blocks[data] = document_blocks(load_dataset(data), tokenizer, seq_len, n_sequences, seed=seed)
+        for protocol in protocols:
+            t0 = time.monotonic()
+            cell = (sweep(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
+                          importances=importances, data=data, **common) if sweep is not None else
+                    ladder_sweep(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
+                                 importances=importances, **common))
+            parts.append(cell.assign(data=data))
+            seconds[(data, protocol)] = time.monotonic() - t0
+    return LadderRun(pd.concat(parts, ignore_index=True), grids, blocks, n_bootstrap, seed, seconds)
 
 
 def identical_by_construction(protocol: str, lower: str, higher: str) -> bool:

@@ -1,0 +1,149 @@
+"""Chapter 4's cells are one function of the package (:func:`cwcore.faithfulness.evidence.ladder_evidence`),
+called by the notebook and by the evidence export alike, with the parameters of one reader of run.yml
+(:func:`cwcore.book.parameters.run_parameters`); the named grids travel with the run, so the low range
+is the profile's low grid, not a constant. On a tiny Llama with a word tokenizer and a local text file."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+import cwcore
+from cwcore.book import evidence_export as es
+from cwcore.book import notebook as book_notebook
+from cwcore.book.parameters import declared_defaults, run_parameters
+from cwcore.faithfulness import evidence as ev
+from faith_helpers import peaked_llama, word_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOK = REPO / "notebooks" / "04_faithfulness.ipynb"
+MODEL = "tiny-llama"
+WORDS = "the a cat dog sat on mat and ran away one two three four five six seven eight nine ten it far so".split()
+
+
+def _run_yml(tmp_path: Path, data: Path, low_ratios) -> Path:
+    """A run.yml with chapter 4 and a profile that sizes it for the tiny model."""
+    config = {"chapters": [{"notebook": "04_faithfulness", "runs": "per_model"}],
+              "profiles": {"tiny": {"models": [MODEL],
+                                    "params": {"seed": 0, "device": "cpu", "dtype": "float32", "n_sequences": 3,
+                                               "seq_len": 10, "batch_size": 2},
+                                    "notebooks": {"04_faithfulness": {
+                                        "datasets": [str(data)], "low_ratios": list(low_ratios), "ratios": [0.5],
+                                        "protocols": ["default"], "n_bootstrap": 50, "cache": False}}}}}
+    path = tmp_path / f"run_{len(low_ratios)}.yml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("chapter4")
+    rng = np.random.default_rng(0)
+    data = tmp / "docs.txt"
+    data.write_text("\n\n".join(" ".join(rng.choice(WORDS, 14)) for _ in range(6)) + "\n")
+    return tmp, data, peaked_llama(), word_tokenizer()
+
+
+def _notebook_setup(parameters: dict, loaded, monkeypatch) -> dict:
+    """Execute notebook 04's setup cell (the test may run notebook code; the package never does) with
+    ``parameters`` in place of the runner's injected cell, the tiny model in place of ``load_model``."""
+    nb = json.loads(NOTEBOOK.read_text())
+    code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+    assert "parameters" in code[0]["metadata"]["tags"]
+    monkeypatch.setattr(cwcore, "load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr(book_notebook, "note", lambda *a, **k: None)
+    monkeypatch.setattr(book_notebook, "note_md", lambda *a, **k: None)
+    scope = dict(parameters)
+    exec("".join(code[1]["source"]), scope)  # noqa: S102 - the repository's own notebook, in a test
+    return scope
+
+
+def test_the_exporter_and_the_notebook_compute_the_same_frames(setup, monkeypatch):
+    tmp, data, model, tokenizer = setup
+    config = _run_yml(tmp, data, [0.1, 0.2])
+    params = run_parameters("04_faithfulness", "tiny", MODEL, config=config)
+    # the reader: the notebook's declared defaults, replaced by what run.yml sets for this profile
+    assert params["low_ratios"] == [0.1, 0.2] and params["n_sequences"] == 3 and params["seq_len"] == 10
+    assert params["metrics"] == declared_defaults(NOTEBOOK)["metrics"] and params["model"] == MODEL
+    page = _notebook_setup(params, (model, tokenizer), monkeypatch)
+    exported = es.per_document("tiny", MODEL, str(data), 3, config=config, loaded=(model, tokenizer))
+    assert len(page["per_seq"]) == len(exported) > 0
+    # the same rows, the exporter's with model and delta_nll columns beside them
+    pd.testing.assert_frame_equal(exported[list(page["per_seq"].columns)].reset_index(drop=True),
+                                  page["per_seq"].reset_index(drop=True))
+    assert np.allclose(exported["delta_nll"], exported["nll"] - exported["clean_nll"])
+    used = exported.attrs["parameters"]
+    assert used["grids"] == {"low": [0.1, 0.2], "paper": [0.5]} and used["grid"] == page["grid"] == [0.1, 0.2, 0.5]
+    # the ladder the exporter's tables() computes from those rows, at the grids it carries, is the page's
+    areas, ladder = ev.evidence_tables(exported.drop(columns=["data", "model", "delta_nll"]),
+                                       grids=es.grids_of(used), n_bootstrap=50, seed=0)
+    pd.testing.assert_frame_equal(ladder, page["ladder"].drop(columns="data"))
+    pd.testing.assert_frame_equal(areas, page["areas"].drop(columns="data"))
+    assert page["low_max"] == 0.2 and set(page["areas"]["range"]) == {"low", "full"}
+
+
+def _naive_low_aopc(per_sequence: pd.DataFrame, low_max: float) -> pd.Series:
+    """Mean over documents of the trapezoid area of Delta NLL over (0, 0) and the ratios <= low_max,
+    divided by the last ratio: {(metric, mode): AOPC}, from the rows alone."""
+    frame = per_sequence[per_sequence["ratio"] <= low_max + 1e-12]
+    frame = frame.assign(delta=frame["nll"] - frame["clean_nll"])
+    out = {}
+    for (metric, mode), g in frame.groupby(["metric", "mode"]):
+        wide = g.groupby(["document", "ratio"])["delta"].mean().unstack("ratio")
+        r = np.r_[0.0, wide.columns.to_numpy(float)]
+        y = np.c_[np.zeros(len(wide)), wide.to_numpy()]
+        out[(metric, mode)] = float(np.mean(np.trapezoid(y, r, axis=1) / r[-1]))
+    return pd.Series(out)
+
+
+def test_raising_low_ratios_moves_the_low_range_with_them(setup):
+    tmp, data, model, tokenizer = setup
+    lows = {}
+    for low_ratios in ([0.01, 0.05], [0.01, 0.05, 0.1, 0.2]):
+        config = _run_yml(tmp, data, low_ratios)
+        rows = es.per_document("tiny", MODEL, str(data), 3, config=config, loaded=(model, tokenizer))
+        grids = es.grids_of(rows.attrs["parameters"])
+        assert grids.low_max == max(low_ratios)
+        areas, _ = ev.evidence_tables(rows.drop(columns=["data", "model", "delta_nll"]), grids=grids,
+                                      n_bootstrap=50, seed=0, n_permutations=0)
+        low = areas[(areas["range"] == "low") & (areas["importance"] == "signed")].set_index(["metric", "mode"])
+        naive = _naive_low_aopc(rows[rows["importance"] == "signed"], max(low_ratios))
+        assert np.allclose(low["aopc_nll"].sort_index(), naive.sort_index(), rtol=1e-9, atol=1e-12)
+        lows[max(low_ratios)] = low["aopc_nll"]
+    # the control: the wider low grid's low range is not the 0.05 one (the old constant's)
+    assert not np.allclose(lows[0.2].sort_index(), lows[0.05].sort_index())
+
+
+def test_the_grids_keep_their_names_through_a_slice():
+    grids = ev.RatioGrids([0.001, 0.05], [0.05, 0.5, 0.9])
+    assert grids.ratios == [0.001, 0.05, 0.5, 0.9] and grids.low_max == 0.05
+    assert grids.ranges() == {"low": 0.05, "full": None}
+    part = grids.restrict([0.9, 0.001])
+    assert part.as_dict() == {"low": [0.001], "paper": [0.9]} and part.ranges() == {"low": 0.001, "full": None}
+    assert ev.RatioGrids(**part.as_dict()) == part
+    assert ev.RatioGrids([], [0.5]).ranges() == {"full": None}
+    with pytest.raises(ValueError, match="neither grid"):
+        grids.restrict([0.3])
+    with pytest.raises(TypeError, match="grids or low_max"):
+        ev.evidence_tables(pd.DataFrame(), grids=grids, low_max=0.05)
+
+
+def _calls_exec(source: str) -> list[int]:
+    """Lines of ``source`` that call the builtins exec, eval or compile."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("exec", "eval", "compile")]
+
+
+def test_the_package_executes_no_source_text():
+    assert _calls_exec("scope = {}\nexec(cell, {}, scope)\n") == [2]  # the detector finds the old way
+    package = Path(cwcore.__file__).resolve().parent
+    found = {str(p.relative_to(package)): lines for p in sorted(package.rglob("*.py"))
+             if (lines := _calls_exec(p.read_text()))}
+    assert not found, f"the package executes source text (a notebook's cells?): {found}"
