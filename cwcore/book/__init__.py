@@ -73,6 +73,8 @@ DEFAULT_NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 KERNEL_NAME = "cwcore"
 RUN_MODES = ("once", "per_model")
 RESULTS = "results"  # generated/results/<profile>/: the tables chapters write for later pages
+RUN_PARAMETERS = "run_parameters"  # a dict parameter: run.yml's parameters the notebook does not declare by name
+RUNNER_PARAMETERS = ("profile", "model", "models", "output_dir", "results_file", "results_dir")  # added by plan()
 PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md
 BUILD_STAMP = ".cwcore-build-stamp"
 FIGURES = "figures"  # html/figures/<chapter>/[<slug>/]: the figure files of every run, for slides
@@ -404,15 +406,23 @@ def injected_parameters(run: Run, declared: set[str]) -> dict:
 
     Profile-wide parameters a notebook does not declare are left out; a parameter set for this very
     notebook (``notebooks.<chapter>`` in run.yml) that it does not declare is an error (a typo), and
-    so is a per_model notebook that declares no ``model``.
+    so is a per_model notebook that declares no ``model``. A notebook that declares
+    :data:`RUN_PARAMETERS` (a dict) receives there every parameter of run.yml it does not declare by
+    name (not those the runner adds): the chapters that share one set of run parameters
+    (:class:`cwcore.book.notebook.SinkRun`) take them, and refuse a name they do not know, from it.
     """
-    missing = sorted(k for k in run.explicit if k not in declared)
+    collect = RUN_PARAMETERS in declared
+    missing = sorted(k for k in run.explicit if k not in declared and not collect)
     if run.model is not None:
         missing += [] if "model" in declared else ["model"]
     if missing:
         raise BookError(f"{run.label}: notebooks/{run.chapter.name}.ipynb does not declare {missing} "
                         f"in its 'parameters' cell (declared: {sorted(declared)})")
-    return {k: v for k, v in run.parameters.items() if k in declared}
+    given = {k: v for k, v in run.parameters.items() if k in declared}
+    if collect:
+        given[RUN_PARAMETERS] = {k: v for k, v in run.parameters.items()
+                                 if k not in declared and k not in RUNNER_PARAMETERS}
+    return given
 
 
 # --------------------------------------------------------------------------------------------------
@@ -599,89 +609,7 @@ def _book_inputs_hash(book_dir: Path, build_dir: Path) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class FigureFolder:
-    """The figure files of one run: ``source`` (its ``output_dir``) goes to ``html/figures/<dest>``."""
-
-    dest: str  # "<chapter>" or "<chapter>/<slug>"
-    source: Path
-    title: str  # the chapter's title
-    model: str | None = None
-
-
-def figure_folders(runs: list[Run]) -> list[FigureFolder]:
-    """Where each run's figure files (its ``output_dir``) go in the built book, in book order."""
-    out, titles = [], {}
-    for run in runs:
-        rel = run.parameters.get("output_dir")
-        if rel is None:
-            continue
-        if run.source not in titles:
-            titles[run.source] = notebook_title(run.source) if Path(run.source).is_file() else run.chapter.name
-        dest = run.chapter.name if run.model is None else f"{run.chapter.name}/{slug(run.model)}"
-        out.append(FigureFolder(dest, run.output.parent / rel, titles[run.source], run.model))
-    return out
-
-
-def _figure_files(folder: Path) -> list[Path]:
-    if not Path(folder).is_dir():
-        return []
-    return sorted(p for p in Path(folder).iterdir()
-                  if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in FIGURE_SUFFIXES)
-
-
-def copy_figures(html: Path, folders: list[FigureFolder]) -> Path:
-    """Copy each run's figure files into ``html/figures/<dest>/`` and write ``html/figures/index.html``,
-    one section per chapter (and model) with a preview of every figure and links to each of its files;
-    a run without figure files (a missing or empty ``output_dir``) is left out."""
-    import html as htmllib
-
-    root = Path(html) / FIGURES
-    root.mkdir(parents=True, exist_ok=True)
-    esc = htmllib.escape
-    body, total = [], 0
-    chapter_seen = set()
-    for folder in folders:
-        files = _figure_files(folder.source)
-        if not files:  # a page without figures (the findings page): not listed
-            continue
-        target = root / folder.dest
-        target.mkdir(parents=True, exist_ok=True)
-        for f in files:
-            shutil.copyfile(f, target / f.name)
-        chapter = folder.dest.split("/")[0]
-        if chapter not in chapter_seen:
-            chapter_seen.add(chapter)
-            body.append(f'<h2 id="{esc(chapter)}">{esc(folder.title)} <small>({esc(chapter)})</small></h2>')
-        if folder.model is not None:
-            body.append(f"<h3>{esc(folder.model)}</h3>")
-        stems: dict[str, list[Path]] = {}
-        for f in files:
-            stems.setdefault(f.stem, []).append(f)
-        body.append('<div class="grid">')
-        for stem, variants in stems.items():
-            preview = next((v for v in variants if v.suffix.lower() in (".png", ".jpg", ".jpeg", ".svg")), None)
-            links = " · ".join(f'<a href="{esc(folder.dest)}/{esc(v.name)}">{esc(v.suffix[1:].upper())}</a>'
-                               for v in variants)
-            img = (f'<a href="{esc(folder.dest)}/{esc(preview.name)}"><img src="{esc(folder.dest)}/'
-                   f'{esc(preview.name)}" alt="{esc(stem)}" loading="lazy"></a>') if preview else ""
-            body.append(f"<figure>{img}<figcaption><code>{esc(stem)}</code>: {links}</figcaption></figure>")
-            total += 1
-        body.append("</div>")
-    page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<title>Slide-ready figures</title><style>"
-            "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:72em;padding:0 1em;color:#222}"
-            ".grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(16em,1fr));gap:1em}"
-            "figure{margin:0;border:1px solid #ddd;padding:.5em;border-radius:4px}"
-            "img{width:100%;height:auto}figcaption{font-size:.9em;margin-top:.3em}"
-            "</style></head><body>\n"
-            "<p><a href=\"../index.html\">Back to the book</a></p>\n<h1>Slide-ready figures</h1>\n"
-            f"<p>{total} figures, each as PNG (150 dpi) and SVG, in <code>figures/&lt;chapter&gt;/</code> "
-            "(<code>figures/&lt;chapter&gt;/&lt;model&gt;/</code> for chapters run per model) next to this "
-            "page. They are the files the chapters write with <code>cwcore.plotting.save_figure</code>, "
-            "made again with every build.</p>\n" + "\n".join(body) + "\n</body></html>\n")
-    (root / "index.html").write_text(page)
-    return root / "index.html"
+from .figures import FigureFolder, copy_figures, figure_folders  # noqa: E402 - needs the names above
 
 
 def build_html(book_dir: Path, build_dir: Path, force: bool = False,

@@ -8,7 +8,10 @@ and the prose reads ``{glue:text}`n_heads```. These helpers are that glue, once 
 * :func:`note_md` — a short phrase of inline Markdown, shown with ``{glue:md}`name```;
 * :func:`note_ci` — an estimate and its interval, as ``name``, ``name_low`` and ``name_high``;
 * :func:`tick` — a token as inline code, with a visible leading space;
-* :func:`show` — a table in the book's table style.
+* :func:`show` — a table in the book's table style;
+* :class:`SinkRun` — the run parameters chapters 5-7 share (one cached pass of the sink analyses),
+  declared once with their defaults; each of those notebooks declares ``run_parameters = {}``, which
+  the book runner fills from run.yml (:data:`cwcore.book.RUN_PARAMETERS`).
 
 The figure helpers (bands, per-layer axes, legends) are in :mod:`cwcore.plotting`; the tables the
 chapters hand to the findings page are written by :func:`cwcore.book.findings.save_results`. Importing
@@ -17,9 +20,10 @@ this module loads neither torch nor myst_nb; ``glue`` is imported on first use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-__all__ = ["note", "note_md", "note_ci", "tick", "show", "plain"]
+__all__ = ["note", "note_md", "note_ci", "tick", "show", "plain", "SinkRun"]
 
 
 def plain(value):
@@ -71,3 +75,55 @@ def show(frame, precision: int = 3, *, escape: str | None = None, na_rep: str = 
         shown = shown.hide(axis="index")
     shown.set_table_attributes('class="dataframe"')
     return shown
+
+
+@dataclass(frozen=True)
+class SinkRun:
+    """The run parameters of chapters 5-7, which share one cached pass of the sink analyses (so they
+    must be equal in the three; run.yml gives them from one anchor). A notebook builds it from its
+    ``run_parameters`` (:meth:`of`); a field left out keeps the default here."""
+
+    datasets: tuple[str, ...] = ("gsm8k", "web-text")  # texts, each sampled by document; figures show the first
+    n_sequences: int = 8  # documents per data set, one block each ...
+    seq_len: int = 128  # ... of this many tokens; position 0 of a block is the sink
+    batch_size: int = 4  # sequences per forward pass
+    sink_options: dict = field(default_factory=dict)  # cwcore.sinks.SinkOptions fields beyond their defaults (eps, ...)
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"  # the model's dtype; the geometry is always computed in float32
+    cache: bool = True  # reuse results cached under $CWCORE_CACHE/results/sinks-*
+
+    @classmethod
+    def of(cls, parameters: dict | None = None) -> "SinkRun":
+        """The run of ``parameters`` (a notebook's ``run_parameters``); a name that is not a field is
+        refused (a typo in run.yml, or a parameter these chapters do not take)."""
+        parameters = dict(parameters or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(parameters) - known)
+        if unknown:
+            raise TypeError(f"run parameters {unknown} are not among those of chapters 5-7 ({sorted(known)})")
+        if "datasets" in parameters:
+            parameters["datasets"] = tuple(parameters["datasets"])
+        return cls(**parameters)
+
+    def options(self):
+        """The analyses' options (:class:`cwcore.sinks.SinkOptions`): blocks of ``seq_len``, this batch
+        size, seed and cache, no progress bars, and ``sink_options``."""
+        from .. import sinks
+
+        return sinks.SinkOptions(block_size=self.seq_len, batch_size=self.batch_size, seed=self.seed,
+                                 cache=self.cache, progress=False, **self.sink_options)
+
+    def load(self, model: str):
+        """``(model, tokenizer)`` of ``model`` in this run's dtype, on its device."""
+        from .. import models
+
+        return models.load_model(model, dtype=self.dtype, device=self.device)
+
+    def blocks(self, tokenizer) -> dict:
+        """``{data set: its blocks}``: ``n_sequences`` documents of each data set, one ``seq_len``-token
+        block each (:func:`cwcore.data.document_blocks`), the same blocks in chapters 5-7."""
+        from ..data import document_blocks, load_dataset
+
+        return {name: document_blocks(load_dataset(name), tokenizer, self.seq_len, self.n_sequences, seed=self.seed)
+                for name in self.datasets}
