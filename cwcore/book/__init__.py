@@ -66,6 +66,7 @@ import yaml
 
 from ..cache import atomic_write_bytes, current_umask, parameters_key
 from .. import provenance as _provenance
+from .figures import FIGURE_SUFFIXES, FIGURES, FigureFolder, copy_figures
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BOOK_DIR = REPO_ROOT / "book"
@@ -77,8 +78,6 @@ RUN_PARAMETERS = "run_parameters"  # a dict parameter: run.yml's parameters the 
 RUNNER_PARAMETERS = ("profile", "model", "models", "output_dir", "results_file", "results_dir")  # added by plan()
 PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md
 BUILD_STAMP = ".cwcore-build-stamp"
-FIGURES = "figures"  # html/figures/<chapter>/[<slug>/]: the figure files of every run, for slides
-FIGURE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 # Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
 # (no ipywidgets here) would otherwise print to stderr in every page that imports transformers.
 KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
@@ -609,7 +608,18 @@ def _book_inputs_hash(book_dir: Path, build_dir: Path) -> str:
     return h.hexdigest()
 
 
-from .figures import FigureFolder, copy_figures, figure_folders  # noqa: E402 - needs the names above
+def figure_folders(runs: list[Run]) -> list[FigureFolder]:
+    """Where each run's figure files (its ``output_dir``) go in the built book, in book order."""
+    out, titles = [], {}
+    for run in runs:
+        rel = run.parameters.get("output_dir")
+        if rel is None:
+            continue
+        if run.source not in titles:
+            titles[run.source] = notebook_title(run.source) if Path(run.source).is_file() else run.chapter.name
+        dest = run.chapter.name if run.model is None else f"{run.chapter.name}/{slug(run.model)}"
+        out.append(FigureFolder(dest, run.output.parent / rel, titles[run.source], run.model))
+    return out
 
 
 def build_html(book_dir: Path, build_dir: Path, force: bool = False,

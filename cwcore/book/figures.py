@@ -1,5 +1,6 @@
 """The figure files of the built book: each run's ``output_dir`` copied into ``html/figures/`` with an
-index page (:func:`copy_figures`), for slides. Part of the runner (:mod:`cwcore.book`)."""
+index page (:func:`copy_figures`), for slides. Part of the runner (:mod:`cwcore.book`, which says where each
+run's figures go: :func:`cwcore.book.figure_folders`)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import FIGURE_SUFFIXES, FIGURES, Run, notebook_title, slug
+__all__ = ["FIGURES", "FIGURE_SUFFIXES", "FigureFolder", "copy_figures"]
 
-__all__ = ["FigureFolder", "figure_folders", "copy_figures"]
+FIGURES = "figures"  # html/figures/<chapter>/[<slug>/]: the figure files of every run, for slides
+FIGURE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 
 
 @dataclass(frozen=True)
@@ -20,20 +22,6 @@ class FigureFolder:
     source: Path
     title: str  # the chapter's title
     model: str | None = None
-
-
-def figure_folders(runs: list[Run]) -> list[FigureFolder]:
-    """Where each run's figure files (its ``output_dir``) go in the built book, in book order."""
-    out, titles = [], {}
-    for run in runs:
-        rel = run.parameters.get("output_dir")
-        if rel is None:
-            continue
-        if run.source not in titles:
-            titles[run.source] = notebook_title(run.source) if Path(run.source).is_file() else run.chapter.name
-        dest = run.chapter.name if run.model is None else f"{run.chapter.name}/{slug(run.model)}"
-        out.append(FigureFolder(dest, run.output.parent / rel, titles[run.source], run.model))
-    return out
 
 
 def _figure_files(folder: Path) -> list[Path]:
