@@ -7,6 +7,7 @@ import functools
 import html as htmllib
 import http.server
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -289,6 +290,27 @@ def test_kernel_environment_waits_passively_unless_told_otherwise_and_is_restore
     with book._kernel_environment():
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def _install_kernel_after(barrier, prefix: str, name: str) -> None:
+    book.sys.prefix = prefix
+    barrier.wait()
+    book.ensure_kernel(name)
+
+
+def test_builds_started_together_install_the_kernel_once_without_failing(tmp_path, monkeypatch):
+    # builds started at once (two `make book`, or ranks) used to fail with "File exists" in all but one
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    fork = multiprocessing.get_context("fork")
+    barrier = fork.Barrier(6)
+    workers = [fork.Process(target=_install_kernel_after, args=(barrier, str(tmp_path), "cwcore-race-test"))
+               for _ in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+    assert [worker.exitcode for worker in workers] == [0] * 6
+    assert (tmp_path / "share" / "jupyter" / "kernels" / "cwcore-race-test" / "kernel.json").is_file()
 
 
 def test_execute_skip_and_rerun(tiny, capsys):

@@ -64,6 +64,11 @@ from pathlib import Path
 
 import yaml
 
+try:
+    import fcntl  # POSIX: serialises the kernel's installation between builds started together
+except ImportError:  # Windows
+    fcntl = None
+
 from ..cache import atomic_write_bytes, current_umask, parameters_key
 from .. import provenance as _provenance
 from .figures import FIGURE_SUFFIXES, FIGURES, FigureFolder, copy_figures
@@ -447,10 +452,16 @@ def ensure_kernel(name: str = KERNEL_NAME) -> str:
 
     if current() == argv:
         return name
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_dir = write_kernel_spec(Path(tmp) / name, extra_arguments=quiet,
-                                     overrides={"display_name": f"Python (cwcore, {sys.prefix})"})
-        KernelSpecManager().install_kernel_spec(spec_dir, name, prefix=sys.prefix)
+    kernels = Path(sys.prefix) / "share" / "jupyter" / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    # two builds started together would both install it, and the second fails with "File exists"
+    with open(kernels / f".{name}.lock", "w") as lock, tempfile.TemporaryDirectory() as tmp:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if current() != argv:
+            spec_dir = write_kernel_spec(Path(tmp) / name, extra_arguments=quiet,
+                                         overrides={"display_name": f"Python (cwcore, {sys.prefix})"})
+            KernelSpecManager().install_kernel_spec(spec_dir, name, prefix=sys.prefix)
     found = current()
     if found != argv:
         raise BookError(f"Jupyter kernel {name!r} runs {found}, not {argv}: another kernelspec named "
