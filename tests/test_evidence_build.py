@@ -105,16 +105,16 @@ def _commit(rows, out, model="tiny", data="toy"):
                               "document_ids": [7, 3, 11, 5], "modes": sorted(rows["mode"].unique())}))
 
 
-def _run(model, blocks, out, tmp_path, monkeypatch):
+def _run(model, blocks, out, tmp_path, monkeypatch, seen_keys=(), **extra):
     monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
     seen = []
 
     def sweep(lm, tokenizer, blocks, *args, **kwargs):
-        seen.append((list(blocks["document"]), kwargs["cache"]))
+        seen.append((list(blocks["document"]), kwargs["cache"], *(kwargs.get(k) for k in seen_keys)))
         return evidence.ladder_sweep(lm, tokenizer, blocks, *args, **kwargs)
 
     got = eb.ladder_cell(model, None, blocks, METRICS, RATIOS, model="tiny", data="toy", profile="evidence",
-                         exports=out, sweep=sweep, batch_size=2, cache=False, progress=False, log=None)
+                         exports=out, sweep=sweep, batch_size=2, cache=False, progress=False, log=None, **extra)
     decision = json.loads((tmp_path / "cells" / "cell-tiny-toy-default.json").read_text())
     return got, seen, decision
 
@@ -161,3 +161,24 @@ def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
     assert seen[1] == ("plain", "smoke")
     main_py = (ROOT / "cwcore" / "book" / "__main__.py").read_text()  # `python -m cwcore.book` registers it
     assert "from . import evidence_build" in main_py
+
+
+def test_a_committed_cell_of_one_random_seed_is_completed_by_the_missing_seeds_only(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell  # committed with one seed of the random control
+    _commit(rows, tmp_path / "out")
+    got, seen, decision = _run(model, blocks, tmp_path / "out", tmp_path, monkeypatch,
+                               seen_keys=("random_seeds", "extra_seeds_only"), random_seeds=3)
+    # the slice checks what the export holds (one seed), then only seeds 1 and 2 run on every document
+    assert seen == [([7, 3], False, 1, None), ([7, 3, 11, 5], False, 3, True)]
+    assert decision["decision"] == "committed" and decision["seeds_computed"] == ["random_s1", "random_s2"]
+    fresh = evidence.ladder_sweep(model, None, blocks, METRICS, RATIOS, batch_size=2, cache=False, progress=False,
+                                  random_seeds=3)
+    keys = ["importance", "metric", "mode", "ratio", "document"]
+    assert set(got["metric"]) == set(fresh["metric"]) == {*METRICS, "random_s1", "random_s2"}
+    got, fresh = (t.sort_values(keys).reset_index(drop=True) for t in (got, fresh))
+    assert (got[keys].values == fresh[keys].values).all()
+    np.testing.assert_allclose(got["nll"], fresh["nll"], rtol=1e-7, atol=0)  # the export's 8 digits
+    # the tables average the random rung over the three seeds
+    areas, _ = evidence.evidence_tables(got, n_bootstrap=50, n_permutations=0)
+    assert set(areas.loc[areas["metric"] == "random", "n_seeds"]) == {3}
+    assert not areas["metric"].str.startswith(evidence.RANDOM_PREFIX).any()

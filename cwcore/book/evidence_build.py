@@ -118,21 +118,30 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     cell's committed rows (:func:`committed_cell`; ``model`` and ``data`` name the export) when ``sweep`` on
     the first ``slice_documents`` blocks, without the cache, gives the same rows within ``atol`` nats
     (:func:`cwcore.book.evidence_export.compare`). The committed rows come without the export's ``data``,
-    ``model`` and ``delta_nll`` columns, as the sweep returns them. ``blocks``: a
+    ``model`` and ``delta_nll`` columns, as the sweep returns them. A ``random_seeds`` keyword of more
+    seeds than the export ran completes it: only the missing seeds are computed. ``blocks``: a
     :func:`cwcore.data.document_blocks` data set (its ``document`` column names the rows)."""
     t0 = time.monotonic()
     call = dict(protocol=protocol, importances=list(importances), seed=seed, **kwargs)
     seq_len = len(blocks[0]["input_ids"])
-    rows, why = committed_cell(model, data, protocol, list(blocks["document"]), metrics, ratios, importances,
-                               profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports)
+    cell = dict(profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports)
+    documents = list(blocks["document"])
+    seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
+    rows, why = committed_cell(model, data, protocol, documents, [*metrics, *seeds], ratios, importances, **cell)
+    missing = []  # the random control's extra seeds, where the export ran fewer: computed, the rest taken
+    if rows is None and seeds:
+        rows, _ = committed_cell(model, data, protocol, documents, metrics, ratios, importances, **cell)
+        missing = seeds if rows is not None else []
+    call_checked = {**call, "random_seeds": 1} if missing else call  # the slice checks what the export holds
     decision = {"model": model, "data": data, "protocol": protocol, "documents": len(blocks)}
     if rows is not None:
         decision["export_sha256"] = _export_hash(model, data, exports)
         earlier = _recorded(decision)
         if earlier is not None:  # checked earlier in this build (the notebook's kernel): not again
-            return rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
+            return _completed(rows, missing, sweep, lm, tokenizer, blocks, metrics, ratios, call)
         head = blocks.select(range(min(slice_documents, len(blocks))))
-        fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**call, "cache": False}).assign(data=data, model=model)
+        fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**call_checked, "cache": False}).assign(data=data,
+                                                                                                        model=model)
         bad = compare(rows.assign(data=data, model=model), fresh, atol=atol)
         diff = float((fresh.merge(rows, on=["importance", "metric", "mode", "ratio", "document"], suffixes=("", "_c"))
                       .eval("abs(nll - nll_c)").max()))
@@ -140,9 +149,12 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         if bad.empty:
             decision["decision"] = "committed"
             _say(log, f"{model} {data} {protocol}: committed export taken (first {len(head)} documents recomputed, "
-                      f"{len(fresh)} rows within {atol:g} nats, max |diff| {diff:.1e})")
+                      f"{len(fresh)} rows within {atol:g} nats, max |diff| {diff:.1e})"
+                      + (f"; computing the random control's seeds {', '.join(missing)}" if missing else ""))
+            if missing:
+                decision["seeds_computed"] = missing
             _record(decision)
-            return rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
+            return _completed(rows, missing, sweep, lm, tokenizer, blocks, metrics, ratios, call)
         why = f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats"
     decision.update(decision="recomputed", reason=why)
     if rows is not None or not (why == "no committed export" or "profile" in why):  # another profile: silent
@@ -151,6 +163,16 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     decision["compute_s"] = round(time.monotonic() - t0, 1)
     _record(decision)
     return out
+
+
+def _completed(rows, missing, sweep, lm, tokenizer, blocks, metrics, ratios, call) -> pd.DataFrame:
+    """A committed cell's rows as the sweep returns them, with the random control's ``missing`` seeds
+    computed (``extra_seeds_only``) where the export ran fewer."""
+    rows = rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
+    if not missing:
+        return rows
+    extra = sweep(lm, tokenizer, blocks, metrics, ratios, **{**call, "extra_seeds_only": True})
+    return pd.concat([rows, extra[[c for c in rows.columns if c in extra.columns]]], ignore_index=True)
 
 
 def _say(log, text: str) -> None:

@@ -61,9 +61,11 @@ EXACT = ("sequence", "n_tokens", "n_removed", "n_candidates")
 #: float columns, equal within a tolerance
 FLOATS = ("nll", "clean_nll", "delta_nll")
 SIGNIFICANT_DIGITS = 8
+#: the other numeric columns of an export
+_NUMERIC = ("ratio", "document", "keep_first_token")
 #: the chapter's parameters that :func:`cwcore.faithfulness.evidence.ladder_evidence` takes as they are
 LADDER_PARAMETERS = ("datasets", "n_sequences", "seq_len", "low_ratios", "ratios", "protocols", "importances",
-                     "metrics", "n_bootstrap", "seed", "batch_size", "cache")
+                     "metrics", "random_seeds", "n_bootstrap", "seed", "batch_size", "cache")
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 _FIRST = ["data", "model", "protocol", "importance", "metric", "kind", "mode", "ratio", "document", "sequence",
           "nll", "clean_nll", "delta_nll", "n_tokens", "n_removed", "n_candidates"]
@@ -211,11 +213,17 @@ def _version(name: str) -> str | None:
 
 
 def read_committed(model: str, data: str, out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
-    """(table, provenance) of an export, or None when either file is absent."""
+    """(table, provenance) of an export, or None when either file is absent. Text columns read back as
+    the sweep wrote them (an empty ``kind`` or ``variant`` is ``""``, not NaN), so that committed rows
+    and freshly computed ones group together."""
     csv, js = paths(model, data, out)
     if not (csv.is_file() and js.is_file()):
         return None
-    return pd.read_csv(csv), json.loads(js.read_text())
+    table = pd.read_csv(csv)
+    for column in table.columns.difference([*EXACT, *FLOATS, *_NUMERIC]):
+        if not pd.api.types.is_bool_dtype(table[column]):
+            table[column] = table[column].astype(object).where(table[column].notna(), "").astype(str)
+    return table, json.loads(js.read_text())
 
 
 # -- compare ---------------------------------------------------------------------------------------

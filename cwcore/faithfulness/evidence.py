@@ -63,13 +63,14 @@ from ..core.decomposition import METRICS
 from ..data import document_blocks, load_dataset
 from .lm import faithfulness_curve
 from .protocol import DEFAULT_RATIOS, Protocol, identical_steps, parse_metric
-from .summary import aopc, ladder_comparison
+from .methods import random_controls
+from .summary import aopc, ladder_comparison, random_baseline
 
 __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
            "SIGN_INVARIANT", "RatioGrids", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables",
            "LadderRun", "ladder_evidence", "MARGINS", "ALPHA",
            "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
-           "primary_family", "is_primary"]
+           "primary_family", "is_primary", "RANDOM_PREFIX", "random_seeds_of", "extra_seed_labels", "with_seed_spread"]
 
 PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
 PROTOCOL_NOTES = {
@@ -170,26 +171,56 @@ class RatioGrids:
         return {"low": list(self.low), "paper": list(self.paper)}
 
 
+def random_seeds_of(seed: int, n_seeds: int) -> list[int]:
+    """The seeds of the random control with ``n_seeds`` seeds: the protocol's ``seed`` (the ``random``
+    metric) and the next ``n_seeds - 1`` integers (:data:`RANDOM_PREFIX` labels)."""
+    if int(n_seeds) < 1:
+        raise ValueError(f"the random control needs at least one seed, got random_seeds={n_seeds!r}")
+    return [int(seed) + k for k in range(int(n_seeds))]
+
+
+def extra_seed_labels(metrics: Sequence, seed: int, random_seeds: int) -> list[str]:
+    """The metric labels :func:`ladder_sweep` adds for the random control's seeds after the first
+    (``random_s<seed>``; none unless ``"random"`` is among ``metrics`` and ``random_seeds`` > 1)."""
+    if "random" not in list(metrics) or int(random_seeds) <= 1:
+        return []
+    return [f"{RANDOM_PREFIX}{s}" for s in random_seeds_of(seed, random_seeds)[1:]]
+
+
 def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, protocol: str = "default",
-                 importances: Sequence[str] = IMPORTANCES, **kwargs) -> pd.DataFrame:
+                 importances: Sequence[str] = IMPORTANCES, random_seeds: int = 1, extra_seeds_only: bool = False,
+                 **kwargs) -> pd.DataFrame:
     """The per-sequence table of :func:`~cwcore.faithfulness.faithfulness_curve` under one main
     ``protocol`` (a key of :data:`PROTOCOLS`) for every importance sign, stacked, with a ``protocol``
     column. Sign-invariant metrics (:data:`SIGN_INVARIANT`) are run once and their rows reused for the
-    absolute importance (relabelled); ``kwargs`` go to ``faithfulness_curve``."""
-    change = PROTOCOLS[protocol]
+    absolute importance (relabelled); ``kwargs`` go to ``faithfulness_curve`` (``protocol_change``: more
+    protocol fields, e.g. a :data:`cwcore.faithfulness.protocol.VARIANTS` entry).
+
+    ``random_seeds`` > 1 (with ``"random"`` among ``metrics``) adds the random control at the seeds after
+    the protocol's (:func:`random_seeds_of`; metrics ``random_s<seed>``,
+    :func:`~cwcore.faithfulness.methods.random_controls`): :func:`evidence_tables` then averages the
+    ``random`` rung over the seeds, with the seed spread in its intervals. ``extra_seeds_only``: only those
+    extra seeds' rows (to complete a cell computed with fewer seeds)."""
+    change = {**PROTOCOLS[protocol], **kwargs.pop("protocol_change", {})}
     kind = change.get("kind", kwargs.get("kind", "inter"))
+    extra = {}
+    if "random" in metrics and int(random_seeds) > 1:
+        extra = random_controls(random_seeds_of(kwargs.get("seed", 0), random_seeds)[1:])
+    if extra_seeds_only and not extra:
+        raise ValueError("extra_seeds_only needs 'random' among the metrics and random_seeds > 1")
+    base = [] if extra_seeds_only else list(metrics)
     frames = []
     signed = None
     for importance in importances:
-        chosen = list(metrics)
-        if importance == "absolute" and signed is not None:
-            chosen = [m for m in metrics if parse_metric(m, kind).name not in SIGN_INVARIANT]
+        chosen = base + ([extra] if extra else [])
+        if importance == "absolute" and signed is not None:  # the extra seeds are sign-invariant too
+            chosen = [m for m in base if parse_metric(m, kind).name not in SIGN_INVARIANT]
         part = None
         if chosen:
             part = faithfulness_curve(model, tokenizer, blocks, chosen, ratios, modes, per_sequence=True,
                                       importance=importance, **{**kwargs, **change})
         if importance == "absolute" and signed is not None:
-            reused = signed[signed["metric"].map(lambda m: parse_metric(m, kind).name in SIGN_INVARIANT)]
+            reused = signed[signed["metric"].map(lambda m: m in extra or parse_metric(m, kind).name in SIGN_INVARIANT)]
             part = pd.concat([reused.assign(importance="absolute"), part], ignore_index=True)
         if importance == "signed":
             signed = part
@@ -218,9 +249,10 @@ def evidence_tables(per_sequence: pd.DataFrame, *, grids: RatioGrids | None = No
         part = part.drop(columns="protocol")
         for name, max_ratio in split(sorted(part["ratio"].unique())).items():
             kw = dict(n_bootstrap=n_bootstrap, seed=seed, confidence=confidence, max_ratio=max_ratio)
-            areas.append(aopc(part, **kw).assign(protocol=protocol, range=name))
-            ladders.append(ladder_comparison(part, n_permutations=n_permutations, **kw)
-                           .assign(protocol=protocol, range=name))
+            area, ladder = with_seed_spread(part, aopc(part, **kw), ladder_comparison(part, n_permutations=n_permutations,
+                                                                                      **kw), n_permutations, **kw)
+            areas.append(area.assign(protocol=protocol, range=name))
+            ladders.append(ladder.assign(protocol=protocol, range=name))
     return pd.concat(areas, ignore_index=True), judge(pd.concat(ladders, ignore_index=True))
 
 
@@ -249,11 +281,12 @@ class LadderRun:
 
     def curves(self) -> pd.DataFrame:
         """The signed curves (:func:`~cwcore.faithfulness.summarize`) per data set and protocol, with
-        ``data`` and ``protocol`` columns."""
+        ``data`` and ``protocol`` columns (the random control at the protocol's seed only)."""
         from .summary import summarize
 
         curves = []
-        signed = self.per_sequence[self.per_sequence["importance"] == "signed"]
+        rows = self.per_sequence
+        signed = rows[(rows["importance"] == "signed") & ~rows["metric"].astype(str).str.startswith(RANDOM_PREFIX)]
         for (data, protocol), part in signed.groupby(["data", "protocol"], sort=False):
             curves.append(summarize(part.drop(columns=["data", "protocol"]), n_bootstrap=self.n_bootstrap,
                                     seed=self.seed).assign(data=data, protocol=protocol))
@@ -263,20 +296,21 @@ class LadderRun:
 def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: int, seq_len: int,
                     low_ratios: Sequence[float], ratios: Sequence[float], protocols: Sequence[str],
                     importances: Sequence[str], metrics: Sequence[str], n_bootstrap: int, seed: int,
-                    batch_size: int, cache: bool = True, progress: bool = False, sweep: Callable | None = None,
-                    **kwargs) -> LadderRun:
+                    batch_size: int, random_seeds: int = 1, cache: bool = True, progress: bool = False,
+                    sweep: Callable | None = None, **kwargs) -> LadderRun:
     """Chapter 4's ladder sweeps: for each data set, ``n_sequences`` documents of one ``seq_len``-token
     block each (:func:`cwcore.data.document_blocks`), and for each main ``protocol``, :func:`ladder_sweep`
     over ``metrics`` at both named grids (``low_ratios``, the paper's ``ratios``; see :class:`RatioGrids`)
     for every importance sign. The keywords are the chapter's parameters, by their names in the
-    notebook's ``parameters`` cell. ``kwargs`` (e.g. ``cache_dir``) go to
+    notebook's ``parameters`` cell (``random_seeds``: seeds of the random control, see
+    :func:`ladder_sweep`). ``kwargs`` (e.g. ``cache_dir``) go to
     :func:`~cwcore.faithfulness.faithfulness_curve`. ``sweep``: what runs one cell, called with
     :func:`ladder_sweep`'s arguments plus ``data=`` (the data set's name), e.g.
     :func:`cwcore.book.evidence_build.ladder_cell`, which takes a committed cell once its first documents
     recompute equal; default :func:`ladder_sweep`. Returns a :class:`LadderRun`."""
     grids = RatioGrids(low_ratios, ratios)
     common = dict(n_bootstrap=n_bootstrap, seed=seed, batch_size=batch_size, max_length=seq_len,
-                  progress=progress, cache=cache, **kwargs)
+                  random_seeds=random_seeds, progress=progress, cache=cache, **kwargs)
     blocks, parts, seconds = {}, [], {}
     for data in datasets:
         blocks[data] = document_blocks(load_dataset(data), tokenizer, seq_len, n_sequences, seed=seed)
@@ -289,6 +323,53 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
             parts.append(cell.assign(data=data))
             seconds[(data, protocol)] = time.monotonic() - t0
     return LadderRun(pd.concat(parts, ignore_index=True), grids, blocks, n_bootstrap, seed, seconds)
+
+
+#: the label prefix of the random control's extra seeds (:func:`ladder_sweep` with ``random_seeds`` > 1)
+RANDOM_PREFIX = "random_s"
+_FILLED = ("difference", "ci_low", "ci_high", "sd", "mde", "p", "verdict")
+
+
+def with_seed_spread(per_sequence: pd.DataFrame, areas: pd.DataFrame, ladder: pd.DataFrame,
+                     n_permutations: int | None = None, **kw) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(AOPC, ladder) of one protocol's sweep with the ``random`` rung averaged over the random control's
+    seeds when the sweep ran several (``random`` and ``random_s<seed>`` metrics, :func:`ladder_sweep`):
+    the AOPC row of ``random`` and every ladder row against it take
+    :func:`~cwcore.faithfulness.summary.random_baseline`'s values (documents and seeds resampled together:
+    the seed spread is in the interval; ``sd``, ``mde`` and ``p`` over documents of the difference to the
+    seeds' mean), with columns ``n_seeds`` and ``seeds``. The extra seeds' own rows are dropped from both
+    tables. Without extra seeds the tables are returned as they are.
+    ``kw``: ``n_bootstrap``, ``seed``, ``confidence``, ``max_ratio``."""
+    extra = [m for m in dict.fromkeys(per_sequence["metric"]) if str(m).startswith(RANDOM_PREFIX)]
+    areas = areas[~areas["metric"].isin(extra)].copy()
+    ladder = ladder[~ladder["lower"].isin(extra) & ~ladder["higher"].isin(extra)].copy()
+    if not extra or "random" not in set(per_sequence["metric"]):
+        return areas, ladder
+    controls = ["random", *extra]
+    against = list(dict.fromkeys(ladder.loc[ladder["lower"] == "random", "higher"]))
+    rb = random_baseline(per_sequence, against=against, controls=controls, n_permutations=n_permutations, **kw)
+    keys = [c for c in rb.columns if c in ladder.columns
+            and c not in (*_FILLED, "value", "n", "sample_unit", "r_max", "n_seeds", "seeds", "aopc", "seed_sd")]
+    gaps = rb[rb["metric"] != "random"].rename(columns={"metric": "higher"}).set_index([*keys, "higher"])
+    target = ladder.set_index([*keys, "higher"]).index
+    hit = (ladder["lower"] == "random").to_numpy() & target.isin(gaps.index)
+    found = gaps.reindex(target[hit])
+    for column in (*(c for c in _FILLED if c in gaps), "n_seeds", "seeds"):
+        ladder.loc[hit, column] = found[column].to_numpy()
+    ladder.loc[hit, "aopc_lower"] = found["aopc"].to_numpy() - found["difference"].to_numpy()
+    for value, column in (("delta_nll", "aopc_nll"), ("delta_ppl", "aopc_ppl")):
+        if column not in areas:
+            continue
+        noise = rb if value == "delta_nll" else random_baseline(per_sequence, against=(), value=value,
+                                                                 controls=controls, **kw)
+        noise = noise[noise["metric"] == "random"].set_index(keys)
+        rows = (areas["metric"] == "random").to_numpy()
+        found = noise.reindex(areas.set_index(keys).index[rows])
+        areas.loc[rows, column] = found["aopc"].to_numpy()
+        areas.loc[rows, f"{column}_ci_low"] = found["ci_low"].to_numpy()
+        areas.loc[rows, f"{column}_ci_high"] = found["ci_high"].to_numpy()
+        areas.loc[rows, "n_seeds"] = found["n_seeds"].to_numpy()
+    return areas, ladder
 
 
 def identical_by_construction(protocol: str, lower: str, higher: str) -> bool:

@@ -337,22 +337,28 @@ def ladder_comparison(
 
 def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribution",), value: str = "delta_nll",
                     prefix: str = "random_s", n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
-                    max_ratio: float | None = None) -> pd.DataFrame:
+                    max_ratio: float | None = None, controls: Sequence[str] | None = None,
+                    n_permutations: int | None = None) -> pd.DataFrame:
     """The random control over several seeds (metrics labelled ``<prefix><seed>``, e.g. from
-    :func:`~cwcore.faithfulness.methods.random_controls`), with the seed spread in the interval.
+    :func:`~cwcore.faithfulness.methods.random_controls`, or the labels ``controls``), with the seed
+    spread in the interval.
 
     Per mode (and protocol group): the AOPC of every (document, seed) cell; ``metric="random"`` rows give
     its mean with :func:`cwcore.stats.crossed_bootstrap_ci` (documents and seeds resampled together),
     ``seed_sd`` (the standard deviation of the seeds' mean AOPCs) and ``n_seeds``; one row per metric of
     ``against`` gives ``difference`` = AOPC(metric) - AOPC(random) over the same crossed resamples, with
-    the ladder's verdict rule (above 0 for comprehensiveness, below for sufficiency)."""
+    the ladder's verdict rule (above 0 for comprehensiveness, below for sufficiency), ``sd`` and ``mde``
+    of the per-document differences to the seeds' mean and, with ``n_permutations``, their sign-flip
+    ``p`` (documents are the independent units; the seeds are averaged within each)."""
     frame = _with_deltas(_in_range(per_unit, max_ratio))
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
     rows = []
     for key, group in frame.groupby(keys, sort=False, dropna=False):
         base = dict(zip(keys, key))
-        seeded = [m for m in dict.fromkeys(group["metric"]) if m.startswith(prefix)]
+        present = list(dict.fromkeys(group["metric"]))
+        seeded = [m for m in (controls if controls is not None else present) if m in present
+                  and (controls is not None or m.startswith(prefix))]
         if not seeded:
             continue
         areas = {}
@@ -363,7 +369,8 @@ def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribut
         side = "above" if base.get("mode") == "comprehensiveness" else "below"
         ci = stats.crossed_bootstrap_ci(noise, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
         common = {"value": value, "n": noise.shape[0], "sample_unit": unit, "n_seeds": noise.shape[1],
-                  "seeds": ",".join(m[len(prefix):] for m in seeded), "r_max": float(frame["ratio"].max())}
+                  "seeds": ",".join(m[len(prefix):] if m.startswith(prefix) else m for m in seeded),
+                  "r_max": float(frame["ratio"].max())}
         rows.append({**base, "metric": "random", "aopc": ci.estimate, "ci_low": ci.low, "ci_high": ci.high,
                      "seed_sd": float(np.std(noise.mean(0), ddof=1)) if noise.shape[1] > 1 else np.nan, **common})
         for metric in against:
@@ -371,7 +378,12 @@ def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribut
                 continue
             gap = areas[metric].to_numpy()[:, None] - noise  # [documents, seeds]
             d = stats.crossed_bootstrap_ci(gap, n_resamples=n_bootstrap, confidence=confidence, seed=seed)
+            per_doc = gap.mean(1)
+            sd = float(np.std(per_doc, ddof=1)) if len(per_doc) > 1 else np.nan
             rows.append({**base, "metric": metric, "aopc": float(areas[metric].mean()), "difference": d.estimate,
-                         "ci_low": d.low, "ci_high": d.high,
+                         "ci_low": d.low, "ci_high": d.high, "sd": sd,
+                         "mde": stats.min_detectable_effect(sd, len(per_doc)),
                          "verdict": stats.verdict(d.low, d.high, threshold=0.0, side=side), **common})
+            if n_permutations:
+                rows[-1]["p"] = stats.sign_flip_p(per_doc, n_resamples=n_permutations, seed=seed)
     return pd.DataFrame(rows)

@@ -59,3 +59,56 @@ def test_random_baseline_pools_the_seeds(peaked):
         assert np.isclose(gap["difference"], areas[(mode, "contribution")] - np.mean(seeds))
         assert gap["verdict"] in stats.VERDICTS
     assert isinstance(out, pd.DataFrame)
+
+
+def test_the_ladder_sweep_averages_the_random_rung_over_its_seeds(peaked):
+    # evidence.ladder_sweep(random_seeds=3) runs random (seed 0) and random_s1, random_s2; evidence_tables
+    # gives the random rung's AOPC and every "x beats random" step from the three seeds, recomputed here
+    # by hand from the per-document rows (AOPC per document and seed, crossed bootstrap, sign-flip p)
+    from cwcore.faithfulness import evidence as ev
+    from cwcore.faithfulness.summary import curve_mean
+
+    model, ids = peaked
+    metrics = ["attention", "contribution", "random"]
+    kw = dict(batch_size=5, cache=False, progress=False, n_bootstrap=200, seed=0)
+    rows = ev.ladder_sweep(model, None, ids, metrics, [0.1, 0.4], importances=("signed", "absolute"),
+                           random_seeds=3, **kw)
+    assert {"random", "random_s1", "random_s2"} <= set(rows["metric"]) and "random_s0" not in set(rows["metric"])
+    # the extra seeds are sign-invariant: the absolute rows reuse the signed ones
+    for label in ("random_s1", "random_s2"):
+        part = rows[rows["metric"] == label]
+        assert np.array_equal(part[part.importance == "signed"]["nll"].to_numpy(),
+                              part[part.importance == "absolute"]["nll"].to_numpy())
+    areas, ladder = ev.evidence_tables(rows, n_bootstrap=200, seed=0, low_max=0.1, n_permutations=99)
+    assert not ({"random_s1", "random_s2"} & set(areas["metric"]) | {"random_s1", "random_s2"} & set(ladder["lower"]))
+
+    def per_doc_aopc(metric, mode, importance, r_max):
+        part = rows[(rows.metric == metric) & (rows["mode"] == mode) & (rows.importance == importance)
+                    & (rows.ratio <= r_max + 1e-12)]
+        curve = (part["nll"] - part["clean_nll"]).groupby([part["sequence"], part["ratio"]]).mean().unstack()
+        return curve_mean(np.array(curve.columns, dtype=float), curve.to_numpy())
+
+    for (mode, importance, rng), part in ladder[ladder["lower"] == "random"].groupby(["mode", "importance", "range"]):
+        r_max = 0.1 if rng == "low" else 0.4
+        noise = np.stack([per_doc_aopc(m, mode, importance, r_max) for m in ("random", "random_s1", "random_s2")], 1)
+        row = part[part["higher"] == "contribution"].iloc[0]
+        gap = per_doc_aopc("contribution", mode, importance, r_max)[:, None] - noise
+        ci = stats.crossed_bootstrap_ci(gap, n_resamples=200, seed=0)
+        assert row["n_seeds"] == 3 and np.isclose(row["difference"], gap.mean())
+        assert np.allclose([row["ci_low"], row["ci_high"]], [ci.low, ci.high])
+        assert np.isclose(row["p"], stats.sign_flip_p(gap.mean(1), n_resamples=99, seed=0))
+        assert np.isclose(row["aopc_lower"], noise.mean())
+        a = areas[(areas.metric == "random") & (areas["mode"] == mode) & (areas.importance == importance)
+                  & (areas["range"] == rng)].iloc[0]
+        assert np.isclose(a["aopc_nll"], noise.mean()) and a["n_seeds"] == 3
+        assert np.allclose([a["aopc_nll_ci_low"], a["aopc_nll_ci_high"]],
+                           stats.crossed_bootstrap_ci(noise, n_resamples=200, seed=0)[1:])
+    # one seed: the random rung is seed 0 alone and the tables are the plain ones
+    one = rows[~rows["metric"].isin(["random_s1", "random_s2"])]
+    _, plain = ev.evidence_tables(one, n_bootstrap=200, seed=0, low_max=0.1, n_permutations=0)
+    assert "n_seeds" not in plain
+    own = fa.ladder_comparison(one[one.importance == "signed"].drop(columns=["importance", "protocol"]),
+                               n_bootstrap=200, seed=0)
+    mine = plain[(plain["range"] == "full") & (plain.importance == "signed")]
+    assert np.allclose(mine.sort_values(["mode", "lower", "higher"])["ci_low"],
+                       own.sort_values(["mode", "lower", "higher"])["ci_low"])
