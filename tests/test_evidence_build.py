@@ -182,3 +182,25 @@ def test_a_committed_cell_of_one_random_seed_is_completed_by_the_missing_seeds_o
     areas, _ = evidence.evidence_tables(got, n_bootstrap=50, n_permutations=0)
     assert set(areas.loc[areas["metric"] == "random", "n_seeds"]) == {3}
     assert not areas["metric"].str.startswith(evidence.RANDOM_PREFIX).any()
+
+
+def test_the_sink_chapters_tables_of_the_build_are_copied_into_the_evidence_folder(tmp_path):
+    from cwcore import book
+
+    config = book.load_config(ROOT / "book" / "run.yml")
+    _, _, planned = book.plan(config, profile="evidence", only="05,06,07_semantic_cone,04_faith",
+                              generated_dir=tmp_path / "generated", book_dir=ROOT / "book")
+    written = {}
+    for run in planned:
+        if run.chapter.name == ee.CHAPTER:
+            continue
+        source = run.output.parent / run.parameters["results_file"]
+        source.parent.mkdir(parents=True, exist_ok=True)
+        written[(run.chapter.name, run.model)] = f"{run.chapter.name},{run.model}\n"
+        source.write_text(written[(run.chapter.name, run.model)])
+        source.with_suffix(".json").write_text("{}")
+    got = eb.copy_chapter_tables(planned, tmp_path / "evidence")
+    assert len(got) == 2 * len(written) == 2 * 3 * len(config["profiles"]["evidence"]["models"])
+    for (chapter, model), text in written.items():
+        assert (tmp_path / "evidence" / chapter / f"{book.slug(model)}.csv").read_text() == text
+    assert not (tmp_path / "evidence" / ee.CHAPTER).exists()  # chapter 4's table is remade from the exports

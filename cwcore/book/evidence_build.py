@@ -8,8 +8,9 @@
    recomputation of the cell's first :data:`SLICE_DOCUMENTS` documents, without the cache, equals the
    committed rows within :data:`ATOL` nats; otherwise it computes the whole cell. So a new machine with
    an empty cache resumes from what is committed;
-2. exports chapter 4's per-document rows of every model and data set it ran (from the cache's pieces,
-   or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
+2. copies the results tables of the other per-model chapters it ran (the sink chapters 5-7) into the
+   evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
+   and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
    (:func:`export_and_tables`);
 3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
    of the result keys, the result cache's hits and misses summed over every process of the build
@@ -36,7 +37,7 @@ from .. import cache as cw_cache
 from .. import provenance
 from .. import runs
 from ..faithfulness import evidence
-from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan
+from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
 
@@ -227,14 +228,35 @@ def _cells(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("cell-*.json"))]
 
 
+def copy_chapter_tables(planned, out: Path) -> list[Path]:
+    """The results tables (CSV and JSON, :func:`cwcore.book.findings.save_results`) that the build's
+    per-model chapters other than chapter 4 wrote (the sink chapters 5-7, the bench), copied into
+    ``out/<chapter>/<model>.csv`` atomically, so that ``findings.csv`` and the book read this build's
+    tables. Chapter 4's table is remade from its exports instead. Returns the paths written."""
+    written = []
+    for run in planned:
+        if run.model is None or run.chapter.name == CHAPTER or "results_file" not in run.parameters:
+            continue
+        source = (run.output.parent / run.parameters["results_file"]).resolve()
+        if not source.is_file():
+            continue
+        target = results_path(out, run.chapter.name, run.model)
+        for src, dst in ((source, target), (source.with_suffix(".json"), target.with_suffix(".json"))):
+            if src.is_file():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                cw_cache.atomic_write_bytes(dst, src.read_bytes())
+                written.append(dst)
+    return written
+
+
 def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only=None,
                       config_path: str | Path | None = None, **_) -> list[Path]:
-    """Steps 2-3 of :func:`build_evidence`'s work: every (model, data set) of chapter 4 in the build
-    exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
+    """Steps 2-3 of :func:`build_evidence`'s work: the other chapters' tables copied
+    (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
     this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written."""
     config = config_path or DEFAULT_BOOK_DIR / "run.yml"
     _, _, planned = plan(load_config(config), profile=profile, models=models, only=only)
-    written: list[Path] = []
+    written: list[Path] = copy_chapter_tables(planned, out)
     for run in planned:
         if run.chapter.name != CHAPTER:
             continue
