@@ -282,8 +282,10 @@ def outputs_text(path: Path) -> str:
 def test_kernel_environment_waits_passively_unless_told_otherwise_and_is_restored(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("PYTHONWARNINGS", "default")
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
     with book._kernel_environment():
         assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert os.environ["TQDM_DISABLE"] == "1"  # no progress bars printed into the pages
         assert os.environ["PYTHONWARNINGS"] == "default,ignore:IProgress not found"
     assert "OMP_WAIT_POLICY" not in os.environ and os.environ["PYTHONWARNINGS"] == "default"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins

@@ -89,8 +89,10 @@ KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
 # Environment defaults of the kernels (a value already set in the environment wins). OpenMP threads
 # that spin while waiting make PyTorch several times slower on a CPU shared with other processes
 # (measured: a decomposition 4x slower with 2 spinning threads on 2 busy cores); passive waiting
-# costs next to nothing on an idle machine.
-KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+# costs next to nothing on an idle machine. Progress bars (tqdm's: the one-off GGUF conversion of a
+# packaged model, 30 lines of it) would be printed into the pages, where a reader has no use for them;
+# the build prints its own line per notebook.
+KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"}
 
 
 #: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwcore.book.evidence_build)
