@@ -1,6 +1,7 @@
 """The package's layout rules: no import cycle (lazy imports count), old paths keep importing, one home."""
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,17 @@ def test_one_fingerprint_one_bootstrap_family():
                  "sequence_bootstrap", "cluster_bootstrap", "wilson_ci", "tensor_digest", "_digest", "_tensor_digest"):
         homes = defined.get(name, [])
         assert len(homes) <= 1, f"{name} is defined in {homes}"
+
+
+def test_committed_notebooks_are_valid_nbformat_without_outputs():
+    # a cell without an id is a warning of nbformat today (printed into every build) and an error later
+    import nbformat
+
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        raw = json.loads(path.read_text())  # nbformat.read would add the missing ids itself
+        missing = [i for i, cell in enumerate(raw["cells"]) if "id" not in cell]
+        nb = nbformat.read(path, as_version=nbformat.NO_CONVERT)
+        nbformat.validate(nb)
+        assert not missing, f"{path.name}: cells {missing} have no id"
+        stored = [i for i, cell in enumerate(nb.cells) if cell.get("outputs")]
+        assert not stored, f"{path.name}: cells {stored} are committed with outputs"
