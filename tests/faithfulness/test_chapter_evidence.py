@@ -99,7 +99,12 @@ def _naive_low_aopc(per_sequence: pd.DataFrame, low_max: float) -> pd.Series:
         r = np.r_[0.0, wide.columns.to_numpy(float)]
         y = np.c_[np.zeros(len(wide)), wide.to_numpy()]
         out[(metric, mode)] = float(np.mean(np.trapezoid(y, r, axis=1) / r[-1]))
-    return pd.Series(out)
+    out = pd.Series(out)
+    # the random rung is the mean over the random control's seeds (random, random_s1, ...)
+    seeded = [k for k in out.index if k[0] == "random" or k[0].startswith(ev.RANDOM_PREFIX)]
+    for mode in {k[1] for k in seeded}:
+        out[("random", mode)] = float(np.mean([out[k] for k in seeded if k[1] == mode]))
+    return out.drop([k for k in seeded if k[0] != "random"])
 
 
 def test_raising_low_ratios_moves_the_low_range_with_them(setup):
