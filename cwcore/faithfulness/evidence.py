@@ -354,8 +354,10 @@ def with_seed_spread(per_sequence: pd.DataFrame, areas: pd.DataFrame, ladder: pd
     target = ladder.set_index([*keys, "higher"]).index
     hit = (ladder["lower"] == "random").to_numpy() & target.isin(gaps.index)
     found = gaps.reindex(target[hit])
-    for column in (*(c for c in _FILLED if c in gaps), "n_seeds", "seeds"):
+    for column in (*(c for c in _FILLED if c in gaps), "n_seeds"):
         ladder.loc[hit, column] = found[column].to_numpy()
+    numbers = sorted(int(m[len(RANDOM_PREFIX):]) for m in extra)  # the protocol's seed is the one before
+    ladder.loc[hit, "seeds"] = ",".join(str(s) for s in [numbers[0] - 1, *numbers])
     ladder.loc[hit, "aopc_lower"] = found["aopc"].to_numpy() - found["difference"].to_numpy()
     for value, column in (("delta_nll", "aopc_nll"), ("delta_ppl", "aopc_ppl")):
         if column not in areas:

@@ -94,7 +94,7 @@ def test_the_ladder_sweep_averages_the_random_rung_over_its_seeds(peaked):
         row = part[part["higher"] == "contribution"].iloc[0]
         gap = per_doc_aopc("contribution", mode, importance, r_max)[:, None] - noise
         ci = stats.crossed_bootstrap_ci(gap, n_resamples=200, seed=0)
-        assert row["n_seeds"] == 3 and np.isclose(row["difference"], gap.mean())
+        assert row["n_seeds"] == 3 and row["seeds"] == "0,1,2" and np.isclose(row["difference"], gap.mean())
         assert np.allclose([row["ci_low"], row["ci_high"]], [ci.low, ci.high])
         assert np.isclose(row["p"], stats.sign_flip_p(gap.mean(1), n_resamples=99, seed=0))
         assert np.isclose(row["aopc_lower"], noise.mean())
