@@ -54,9 +54,11 @@ def test_provenance_sums_the_cache_reads_of_every_process_and_is_written_atomica
         cw_cache.write_csv(pd.DataFrame({"a": [1]}), path)
         return [path]
 
-    path = eb.build_evidence(models=["tiny"], only="04", out=out, build=build, tables=tables, force=True)
-    assert calls == [{"profile": "evidence", "models": ["tiny"], "only": "04", "force": True}]
-    record = json.loads(path.read_text())
+    path = eb.build_evidence(models=["tiny"], only="04_faith", out=out, build=build, tables=tables, force=True)
+    assert calls == [{"profile": "evidence", "models": ["tiny"], "only": "04_faith", "force": True}]
+    builds = json.loads(path.read_text())["builds"]
+    assert len(builds) == 1 and builds[0]["chapters"] == ["04_faithfulness"]
+    record = builds[0]
     assert path == out / "PROVENANCE"
     assert record["cache"]["hits"] == 3 + 1 and record["cache"]["misses"] == 3 + 5
     assert record["cache"]["processes"] >= 4  # 2 children, this process, the forked rank
@@ -73,7 +75,26 @@ def test_provenance_sums_the_cache_reads_of_every_process_and_is_written_atomica
 
     with pytest.raises(RuntimeError, match="notebook failed"):
         eb.build_evidence(out=out, build=failing, tables=tables)
-    assert json.loads(path.read_text()) == record  # a failed build leaves the old PROVENANCE
+    assert json.loads(path.read_text())["builds"] == [record]  # a failed build leaves the old PROVENANCE
+
+
+def test_provenance_keeps_each_chapter_described_by_the_build_that_made_it(tmp_path):
+    path = tmp_path / "PROVENANCE"
+    path.write_text("chapters 05_sink_decomposition, 06_sinks_as_suppressors and 09_findings: commit aaa, 64 documents\n"
+                    "chapter 04_faithfulness: not built yet\n")  # the plain-text file of earlier rounds
+    sinks = {"chapters": ["05_sink_decomposition", "06_sinks_as_suppressors", "09_findings"], "commit": "b" * 40}
+    eb.write_provenance(path, sinks)
+    found = eb.read_provenance(path)
+    assert found["builds"] == [sinks] and found["earlier"] == ["chapter 04_faithfulness: not built yet"]
+    ladder = {"chapters": ["04_faithfulness", "09_findings"], "commit": "c" * 40, "wall_s": 5.0}
+    eb.write_provenance(path, ladder)
+    found = eb.read_provenance(path)
+    assert found["earlier"] == []  # the chapter-4 line is superseded
+    assert found["builds"] == [{**sinks, "chapters": ["05_sink_decomposition", "06_sinks_as_suppressors"]}, ladder]
+    lines = eb.provenance_lines(path)
+    assert len(lines) == 2 and lines[0].startswith("chapters 05_sink_decomposition, 06_sinks_as_suppressors: commit bbbb")
+    eb.write_provenance(path, {**sinks, "chapters": ["05_sink_decomposition", "06_sinks_as_suppressors"]})
+    assert [b["commit"][0] for b in eb.read_provenance(path)["builds"]] == ["c", "b"]  # replaced, not added
 
 
 # -- resuming from a committed export ---------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import shutil
 import tempfile
 import time
@@ -42,7 +43,7 @@ from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
 
 __all__ = ["ATOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "ladder_cell", "committed_cell", "build_evidence",
-           "provenance_record", "write_provenance"]
+           "provenance_record", "write_provenance", "read_provenance", "provenance_lines", "copy_chapter_tables"]
 
 #: documents of a committed cell recomputed before it is taken, and the tolerance in nats
 SLICE_DOCUMENTS = 2
@@ -197,31 +198,81 @@ def _machine() -> dict:
     return out
 
 
+PROVENANCE_WHAT = ("provenance of `make evidence` (python -m cwcore.book build --profile evidence), written by "
+                   "cwcore.book.evidence_build: one record per build, each with the chapters whose tables it made")
+
+
 def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict, cells: list[dict],
-                      written: Sequence[Path] = ()) -> dict:
+                      written: Sequence[Path] = (), chapters: Sequence[str] = ()) -> dict:
     """What ``PROVENANCE`` holds (see the module's docstring), as a dict."""
     root = Path(cwcore.__file__).resolve().parent.parent
     status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
     return {
-        "what": "provenance of `make evidence` (python -m cwcore.book build --profile evidence), written by "
-                "cwcore.book.evidence_build",
         "commit": provenance.git(root, "rev-parse", "HEAD"), "cwcore_modified": None if status is None else bool(status),
         "profile": profile, "models": list(models) if models else None, "only": only,
         "code_hashes": {scope: cw_cache.code_version((scope,)) for scope in CODE_SCOPES},
         "cache": {"hits": tally["hits"], "misses": tally["misses"], "processes": tally["processes"]},
         "committed_cells": {"taken": [c for c in cells if c.get("decision") == "committed"],
                             "recomputed": [c for c in cells if c.get("decision") == "recomputed"]},
+        "chapters": list(chapters or []), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": round(float(wall_s), 1), "machine": _machine(), **{"launch": runs.launch_info()},
         "written": [Path(p).name for p in written],
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
 
-def write_provenance(path: str | Path, record: dict) -> Path:
-    """``record`` as indented JSON at ``path``, atomically (the old file or the new one, never half)."""
+_CHAPTER_NAME = re.compile(r"\b\d\d[a-z]?_[a-z_]+")
+
+
+def read_provenance(path: str | Path) -> dict:
+    """``PROVENANCE`` as a dict ``{"what", "builds": [record, ...], "earlier": [line, ...]}`` (empty lists
+    when absent; the plain-text lines of a file older than the JSON one are kept as ``earlier``)."""
     path = Path(path)
-    cw_cache.atomic_write_bytes(path, (json.dumps(record, indent=1, default=str) + "\n").encode())
+    text = path.read_text() if path.is_file() else ""
+    try:
+        found = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError:
+        found = {"earlier": [line.strip() for line in text.splitlines() if line.strip()]}
+    if "builds" not in found and "commit" in found:  # one record, as the first JSON files held
+        found = {"builds": [found]}
+    return {"what": PROVENANCE_WHAT, "builds": list(found.get("builds", [])), "earlier": list(found.get("earlier", []))}
+
+
+def write_provenance(path: str | Path, record: dict) -> Path:
+    """Add ``record`` (one build, its ``chapters`` listed) to ``PROVENANCE`` at ``path``, atomically (the
+    old file or the new one, never half). The chapters it built leave the earlier builds' records (a
+    record left with none is dropped) and the older plain-text lines that name only those chapters, so
+    each chapter's tables are described by the build that made them."""
+    path = Path(path)
+    old, rebuilt = read_provenance(path), set(record.get("chapters") or [])
+    builds = []
+    for earlier in old["builds"]:
+        kept = [c for c in earlier.get("chapters") or [] if c not in rebuilt]
+        if kept:
+            builds.append({**earlier, "chapters": kept})
+    lines = [line for line in old["earlier"] if not set(_CHAPTER_NAME.findall(line.split(":")[0])) <= rebuilt
+             or not _CHAPTER_NAME.findall(line.split(":")[0])]
+    merged = {"what": PROVENANCE_WHAT, "builds": [*builds, record], **({"earlier": lines} if lines else {})}
+    cw_cache.atomic_write_bytes(path, (json.dumps(merged, indent=1, default=str) + "\n").encode())
     return path
+
+
+def provenance_lines(path: str | Path) -> list[str]:
+    """One line per build of ``PROVENANCE`` (chapters, commit, profile, documents' sizes are in the
+    tables' own JSON), the older plain-text lines as they are: for a page to quote."""
+    found = read_provenance(path)
+    out = [f"chapters {', '.join(b.get('chapters') or ['?'])}: commit {str(b.get('commit'))[:12]}, profile "
+           f"{b.get('profile')}, {b.get('wall_s')} s wall on {b.get('machine', {}).get('cpus')} CPUs"
+           f"{' with ' + str(b['launch'].get('world_size')) + ' ranks' if b.get('launch') else ''}, "
+           f"{str(b.get('created', ''))[:10]}" for b in found["builds"]]
+    return out + found["earlier"]
+
+
+def _chapters(profile: str, models, only, config_path=None) -> list[str]:
+    """The notebooks a build of ``profile`` (``only``, ``models``) runs, by name."""
+    _, chosen, _ = plan(load_config(config_path or DEFAULT_BOOK_DIR / "run.yml"), profile=profile, models=models,
+                        only=only)
+    return [c.name for c in chosen if not c.is_page]
 
 
 def _cells(folder: Path) -> list[dict]:
@@ -279,6 +330,7 @@ def build_evidence(*, profile: str = "evidence", models=None, only=None, out: st
         def tables(folder):
             return export_and_tables(folder, profile=profile, models=models, only=only, **build_kwargs)
     t0 = time.monotonic()
+    chapters = _chapters(profile, models, only, build_kwargs.get("config_path"))  # a bad --only fails here
     scratch = Path(tempfile.mkdtemp(prefix="cwcore-evidence-"))
     saved = {name: os.environ.get(name) for name in (cw_cache.TALLY_ENV_VAR, CELLS_ENV_VAR)}
     os.environ[cw_cache.TALLY_ENV_VAR] = os.environ[CELLS_ENV_VAR] = str(scratch)  # the kernels inherit them
@@ -288,7 +340,8 @@ def build_evidence(*, profile: str = "evidence", models=None, only=None, out: st
         written = tables(out)
         cw_cache.flush_tally()
         record = provenance_record(profile=profile, models=models, only=only, wall_s=time.monotonic() - t0,
-                                   tally=cw_cache.read_tallies(scratch), cells=_cells(scratch), written=written)
+                                   tally=cw_cache.read_tallies(scratch), cells=_cells(scratch), written=written,
+                                   chapters=chapters)
         path = write_provenance(out / "PROVENANCE", record)
     finally:
         cw_cache._stop_process_tally()

@@ -167,7 +167,7 @@ def layer_profile(points: pd.DataFrame, table: pd.DataFrame, columns=("cos_seman
     return out
 
 
-def _claim_rows(anti_alignment: pd.DataFrame, n_resamples: int = 1000, seed: int = 0, eps: float = 0.3) -> list[dict]:
+def _claim_rows(anti_alignment: pd.DataFrame, n_resamples: int = 1000, seed: int = 0, eps: float = EPS.default) -> list[dict]:
     """Medians over sink heads of the mean cosines below 0, the sink against a random non-sink key (the
     mean over sink heads of ``contrast`` below 0) and both on centred values; intervals by the cluster
     bootstrap over layers (heads of one layer are not independent), with one row per layer type
@@ -226,7 +226,7 @@ def trend_rows(table: pd.DataFrame, n_resamples: int = 1000, seed: int = 0) -> l
     return rows
 
 
-def _claims(results, *, n_resamples: int, seed: int, eps: float = 0.3, **_) -> list[dict]:
+def _claims(results, *, n_resamples: int, seed: int, eps: float = EPS.default, **_) -> list[dict]:
     return _claim_rows(results["anti_alignment"], n_resamples, seed, eps)
 
 

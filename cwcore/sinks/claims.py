@@ -35,7 +35,7 @@ from .anti_alignment import _claim_rows as _anti_alignment_rows
 from .convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION, pooled_suppression
 from .convexity import _claim_rows as _convexity_rows
 from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
-from .engine import REGISTRY
+from .engine import EPS, REGISTRY
 from .intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
                         pooled_claim_rows, verdict_text)
 from .rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
@@ -107,7 +107,7 @@ def display(claims: pd.DataFrame, digits: int = 2) -> pd.DataFrame:
     })
 
 
-def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3,
+def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default,
                       n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 6: anti-alignment (medians over sink heads below 0, bootstrap over heads), its trend with
     the sink rate (Spearman rho below 0), suppression (pooled share of shortened outputs above 0.5) and
@@ -121,7 +121,7 @@ def suppressor_claims(anti_alignment: pd.DataFrame, fits: pd.DataFrame, points: 
                         + _convexity_rows(fits, points, eps, n_resamples, seed))
 
 
-def rate_claims(rates: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
+def rate_claims(rates: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 5's claims on the sink rates ("many heads are sink heads", Wilson and by layer; "the sink is
     position 0"), see :func:`cwcore.sinks.rates.rate_claim_rows`."""
     return claims_frame(rate_claim_rows(rates, eps, n_resamples=n_resamples, seed=seed))
@@ -143,7 +143,7 @@ def stack_data(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
                                                            ignore_index=True)
 
 
-def all_claims(results: Mapping, eps: float = 0.3, quantiles: int = 5, n_resamples: int = 1000,
+def all_claims(results: Mapping, eps: float = EPS.default, quantiles: int = 5, n_resamples: int = 1000,
                seed: int = 0) -> pd.DataFrame:
     """Every sink claim of chapters 5-7 from ``run_analyses(model, ..., ANALYSES, raw=True)``'s results:
     the claims of every registered analysis, in registration order."""

@@ -299,7 +299,7 @@ def _summary(tables: dict, add) -> None:
                 add("convexity", f"{name}_alpha_star", m["alpha_star"].iloc[0])
 
 
-def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000,
+def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
                        seed: int = 0) -> tuple[float, float, float]:
     """The share of sink-head queries whose output is shorter than its semantic part, ``||o_i|| < ||s_i||``,
     pooled over sequences, with a bootstrap over sequences: ``(share, low, high)``.
@@ -336,7 +336,7 @@ def _pooled_rows(table: pd.DataFrame, column: str, *, claim: str, part: str, sta
                                        n_resamples=n_resamples, seed=seed)
 
 
-def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = 0.3, n_resamples: int = 1000,
+def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
                 seed: int = 0, block: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
                 fit_on: str = "norm") -> list[dict]:
     """Suppression, both readings at every place (:func:`cwcore.sinks.suppression.suppression_claim_rows`),

@@ -291,7 +291,7 @@ def _head_rates(stats: pd.DataFrame) -> pd.Series:
     return (sink["sum_alpha_linear"] / sink["n_pairs"]).rename("sink_rate")
 
 
-def joint_shares(stats: pd.DataFrame, eps: float = 0.3, *, n_resamples: int = 1000, seed: int = 0,
+def joint_shares(stats: pd.DataFrame, eps: float = EPS.default, *, n_resamples: int = 1000, seed: int = 0,
                  confidence: float = 0.95) -> pd.DataFrame:
     """Attention and alignment as a joint model of log|c|, pooled over groups of heads, with intervals
     from a cluster bootstrap over documents (sequences: every pair of a sequence resampled together).
@@ -376,7 +376,7 @@ TAIL_ATTENTION_ONLY = "tail driven by attention more than by geometry"
 TAIL_MARGIN = 0.1
 
 
-def decomposition_claims(rates: pd.DataFrame, summary: pd.DataFrame, eps: float = 0.3, stats: pd.DataFrame | None = None,
+def decomposition_claims(rates: pd.DataFrame, summary: pd.DataFrame, eps: float = EPS.default, stats: pd.DataFrame | None = None,
                          n_resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Chapter 5's decomposition claims (see :func:`_claim_rows`). ``stats``: the raw ``stats`` piece
     for the pooled parts with intervals over documents (without it only the per-head parts)."""

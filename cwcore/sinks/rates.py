@@ -130,7 +130,7 @@ def _summary(tables: dict, add) -> None:
             add("sink_rate", "mean_learned_sink_mass", r["learned_sink_mass"].mean())
 
 
-def rate_claim_rows(rates: pd.DataFrame, eps: float = 0.3, majority: float = 0.5, n_resamples: int = 1000,
+def rate_claim_rows(rates: pd.DataFrame, eps: float = EPS.default, majority: float = 0.5, n_resamples: int = 1000,
                     seed: int = 0) -> list[dict]:
     """Chapter 5's claims on the rates table.
 

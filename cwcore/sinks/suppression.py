@@ -34,6 +34,7 @@ from torch import nn
 
 from .. import stats
 from ..core import architectures
+from .engine import EPS
 from .intervals import claim_row, no_sink_heads
 
 __all__ = ["READINGS", "PLACES", "post_attention_norms", "block_points", "head_points", "suppression_table",
@@ -157,7 +158,7 @@ def _sink_head_index(fits: pd.DataFrame, eps: float) -> pd.Index:
     return pd.MultiIndex.from_arrays([heads["layer"].astype(int), heads["head"].astype(int)])
 
 
-def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = 0.3,
+def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = EPS.default,
                       by: tuple[str, ...] = (), n_resamples: int = 1000, seed: int = 0,
                       layer_types: dict | None = None) -> pd.DataFrame:
     """Both readings at every place, pooled over the queries of the sink heads (head) or of the layers with a
@@ -206,7 +207,7 @@ def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFr
     return pd.DataFrame(rows).reindex(columns=columns)
 
 
-def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = 0.3,
+def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = EPS.default,
                            n_resamples: int = 1000, seed: int = 0, layer_types: dict | None = None) -> list[dict]:
     """Claim rows: per place and reading, the share of shortened outputs above 0.5 (bootstrap over sequences).
 
