@@ -37,7 +37,7 @@ from torch import nn
 from .cache import ResultCache
 from .core.inputs import InputError, InputTypeError, check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
 
-__all__ = ["JOBS_ENV_VAR", "PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
+__all__ = ["JOBS_ENV_VAR", "PROGRESS_FILE_ENV_VAR", "PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
            "is_main_rank", "launch_info", "local_jobs", "model_fingerprint", "progress", "shard_map", "tensor_digest",
            "world"]
 
@@ -164,13 +164,62 @@ class _NoBar:
         pass
 
 
-def progress(total: int | None, desc: str, unit: str = "batch", enabled: bool = True, **kwargs):
-    """A tqdm progress bar (notebook or terminal, :mod:`tqdm.auto`), or a silent stand-in."""
-    if not enabled or not is_main_rank():
-        return _NoBar()
-    from tqdm.auto import tqdm
+#: a file the main rank writes its current bar to (``desc``, ``n``, ``total``, ``unit``, ``started``), for a
+#: process that shows the progress of work it does not see, e.g. the book build of its notebooks' kernels
+PROGRESS_FILE_ENV_VAR = "CWCORE_PROGRESS_FILE"
 
-    return tqdm(total=total, desc=desc, unit=unit, **kwargs)
+
+class _ReportedBar:
+    """A bar (or the silent stand-in) that also writes its state to ``$CWCORE_PROGRESS_FILE``, atomically,
+    at most once a second and when it closes."""
+
+    def __init__(self, bar, path: str, total: int | None, desc: str, unit: str):
+        import time
+
+        self._bar, self._path, self._clock = bar, path, time.time
+        self._state = {"desc": desc, "n": 0, "total": total, "unit": unit, "started": self._clock()}
+        self._written = 0.0
+        self._write(force=True)
+
+    def _write(self, force: bool = False) -> None:
+        import json
+
+        from .cache import atomic_write_bytes
+
+        now = self._clock()
+        if force or now - self._written >= 1.0:
+            self._written = now
+            try:
+                atomic_write_bytes(Path(self._path), json.dumps({**self._state, "updated": now}).encode())
+            except OSError:  # progress is a courtesy: never fail a sweep over it
+                pass
+
+    def update(self, n: int = 1) -> None:
+        self._bar.update(n)
+        self._state["n"] += n
+        self._write()
+
+    def close(self) -> None:
+        self._bar.close()
+        self._write(force=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        self._bar.set_postfix_str(text)
+
+
+def progress(total: int | None, desc: str, unit: str = "batch", enabled: bool = True, **kwargs):
+    """A tqdm progress bar (notebook or terminal, :mod:`tqdm.auto`), or a silent stand-in; under
+    ``$CWCORE_PROGRESS_FILE`` (the book build sets it for its kernels) the main rank's bar is also written
+    there, shown or not, so that the build can show it."""
+    if not is_main_rank():
+        return _NoBar()
+    bar = _NoBar()
+    if enabled:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit=unit, **kwargs)
+    path = os.environ.get(PROGRESS_FILE_ENV_VAR, "").strip()
+    return _ReportedBar(bar, path, total, desc, unit) if path else bar
 
 
 def for_each_batch(

@@ -67,3 +67,39 @@ def test_piece_store_keys_by_model_and_parameters(tmp_path):
     other = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama", seed=1), code="analysis", cache_root=tmp_path)
     assert one.directory == same.directory != other.directory
     assert runs.PieceStore("demo", {"p": 1}, cache=False, cache_root=tmp_path).get("anything") is None
+
+
+def test_the_main_ranks_bar_is_written_for_the_book_build_to_show(tmp_path, monkeypatch):
+    import io
+    import json
+
+    from cwcore.book import progress as book_progress
+
+    path = tmp_path / "bar.json"
+    monkeypatch.setenv(runs.PROGRESS_FILE_ENV_VAR, str(path))
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")  # two ranks: rank 0's bar counts the helper's batches too
+    bar = runs.progress(7, "sweep", enabled=False)  # not shown in the page, still written for the build
+    assert json.loads(path.read_text())["n"] == 0
+    assert runs.shard_map(range(7), lambda i: i * i, progress=bar) == [i * i for i in range(7)]
+    bar.close()
+    state = json.loads(path.read_text())
+    assert (state["desc"], state["n"], state["total"], state["unit"]) == ("sweep", 7, 7, "batch")
+    # the build's line: elapsed, and the time left at the mean rate so far
+    line = book_progress.describe({"desc": "faithfulness", "n": 3, "total": 12, "unit": "batch", "started": 0.0},
+                                  now=60.0)
+    assert line == "faithfulness 3/12 batch, 60 s elapsed, ~3 min left"
+    log = io.StringIO()  # not a terminal: a line when log_every has passed, then the prefix again
+    with book_progress.Watch(path, "[1/2] 04", stream=log, interval=3600, log_every=0) as watch:
+        watch.poll()
+    assert log.getvalue().startswith("\n    ... sweep 7/7 batch, ") and log.getvalue().endswith("\n[1/2] 04")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    shown = Terminal()
+    with book_progress.Watch(path, "[1/2] 04", stream=shown, interval=3600) as watch:
+        watch.poll()
+    assert shown.getvalue().startswith("\r\033[K[1/2] 04 sweep 7/7 batch") and shown.getvalue().endswith("\r\033[K[1/2] 04")
+    monkeypatch.delenv(runs.PROGRESS_FILE_ENV_VAR)
+    assert isinstance(runs.progress(3, "quiet", enabled=False), runs._NoBar)  # outside a build: nothing written

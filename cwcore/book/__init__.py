@@ -515,6 +515,26 @@ def _finish(nb, run: Run, stamp_value: str) -> None:
                     break
 
 
+@contextlib.contextmanager
+def _progress_shown(prefix: str):
+    """The notebook's sweeps shown after ``prefix`` while it runs (:mod:`cwcore.book.progress`): its
+    kernel inherits ``$CWCORE_PROGRESS_FILE``, a file of this build's."""
+    from .progress import PROGRESS_FILE_ENV_VAR, Watch
+
+    saved = os.environ.get(PROGRESS_FILE_ENV_VAR)
+    with tempfile.TemporaryDirectory(prefix="cwcore-progress-") as folder:
+        path = Path(folder) / "bar.json"
+        os.environ[PROGRESS_FILE_ENV_VAR] = str(path)
+        try:
+            with Watch(path, prefix):
+                yield
+        finally:
+            if saved is None:
+                os.environ.pop(PROGRESS_FILE_ENV_VAR, None)
+            else:
+                os.environ[PROGRESS_FILE_ENV_VAR] = saved
+
+
 def execute(run: Run, parameters: dict, stamp_value: str, kernel: str, failed_dir: Path) -> None:
     """Execute ``run`` with papermill into a temporary file, then rename it onto ``run.output``.
 
@@ -712,7 +732,8 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
         t0 = time.monotonic()
         print(f"{prefix} executing ...", end="", flush=True)
         try:
-            execute(run, params, current, kernel, build_dir / "failed")
+            with _progress_shown(f"{prefix} executing ..."):
+                execute(run, params, current, kernel, build_dir / "failed")
         except BaseException:
             print(f" FAILED after {time.monotonic() - t0:.1f}s", flush=True)
             raise
