@@ -225,3 +225,15 @@ def test_the_sink_chapters_tables_of_the_build_are_copied_into_the_evidence_fold
     for (chapter, model), text in written.items():
         assert (tmp_path / "evidence" / chapter / f"{book.slug(model)}.csv").read_text() == text
     assert not (tmp_path / "evidence" / ee.CHAPTER).exists()  # chapter 4's table is remade from the exports
+
+
+def test_a_variant_cell_is_never_taken_from_the_main_protocols_rows(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell
+    _commit(rows, tmp_path / "out")  # the main protocol's rows only (an export without a variant column)
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    got = eb.ladder_cell(model, None, blocks, METRICS, RATIOS, model="tiny", data="toy", profile="evidence",
+                         exports=tmp_path / "out", protocol_change={"unit": "token"}, batch_size=2, cache=False,
+                         progress=False, log=None)
+    decision = json.loads((tmp_path / "cells" / "cell-tiny-toy-default-token-unit.json").read_text())
+    assert decision["decision"] == "recomputed" and decision["variant"] == "token-unit"
+    assert set(got["variant"]) == {"token-unit"} and len(got) == len(rows)

@@ -38,6 +38,7 @@ from .. import cache as cw_cache
 from .. import provenance
 from .. import runs
 from ..faithfulness import evidence
+from ..faithfulness.protocol import Protocol
 from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
@@ -54,9 +55,10 @@ CODE_SCOPES = ("faithfulness", "sinks", "analysis")  # the producing code of the
 
 
 def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
-                   *, profile: str, seq_len: int, seed: int, dtype: str,
-                   exports: str | Path | None = None) -> tuple[pd.DataFrame | None, str]:
-    """(rows, why) of one ladder cell in its committed export: the rows of ``protocol``, ``importances``,
+                   *, profile: str, seq_len: int, seed: int, dtype: str, exports: str | Path | None = None,
+                   variant: str = "main") -> tuple[pd.DataFrame | None, str]:
+    """(rows, why) of one ladder cell in its committed export: the rows of ``protocol`` (its ``variant``:
+    an export older than the column holds the main protocols only), ``importances``,
     ``metrics`` and ``ratios`` on ``documents`` (in that order of documents, the export's row order
     otherwise), or None with the reason when the export does not hold all of them under the same
     profile, block length, seed and dtype."""
@@ -71,7 +73,8 @@ def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int
     documents = [int(d) for d in documents]
     if [int(d) for d in meta["document_ids"][:len(documents)]] != documents:
         return None, f"the export holds other documents (or fewer than {len(documents)})"
-    rows = table[(table["protocol"] == protocol) & table["importance"].isin(list(importances))
+    variants = table["variant"] if "variant" in table else pd.Series("main", index=table.index)
+    rows = table[(table["protocol"] == protocol) & (variants == variant) & table["importance"].isin(list(importances))
                  & table["metric"].isin(list(metrics)) & table["document"].isin(documents)]
     rows = rows[rows["ratio"].astype(float).round(9).isin([round(float(r), 9) for r in ratios])]
     expected = len(importances) * len(metrics) * len(ratios) * len(documents) * len(meta["modes"])
@@ -84,7 +87,8 @@ def _decision_path(decision: dict) -> Path | None:
     folder = os.environ.get(CELLS_ENV_VAR, "").strip()
     if not folder:
         return None
-    name = "cell-" + "-".join(provenance.slug(str(decision[k])) for k in ("model", "data", "protocol")) + ".json"
+    name = "cell-" + "-".join(provenance.slug(str(decision[k])) for k in ("model", "data", "protocol", "variant")
+                              if k in decision) + ".json"
     return Path(folder) / name
 
 
@@ -126,7 +130,8 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     t0 = time.monotonic()
     call = dict(protocol=protocol, importances=list(importances), seed=seed, **kwargs)
     seq_len = len(blocks[0]["input_ids"])
-    cell = dict(profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports)
+    variant = Protocol(**{**evidence.PROTOCOLS[protocol], **kwargs.get("protocol_change", {})}).variant
+    cell = dict(profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports, variant=variant)
     documents = list(blocks["document"])
     seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
     rows, why = committed_cell(model, data, protocol, documents, [*metrics, *seeds], ratios, importances, **cell)
@@ -135,7 +140,9 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         rows, _ = committed_cell(model, data, protocol, documents, metrics, ratios, importances, **cell)
         missing = seeds if rows is not None else []
     call_checked = {**call, "random_seeds": 1} if missing else call  # the slice checks what the export holds
-    decision = {"model": model, "data": data, "protocol": protocol, "documents": len(blocks)}
+    label = f"{model} {data} {protocol}" + (f" ({variant})" if variant != "main" else "")
+    decision = {"model": model, "data": data, "protocol": protocol, "documents": len(blocks),
+                **({"variant": variant} if variant != "main" else {})}
     if rows is not None:
         decision["export_sha256"] = _export_hash(model, data, exports)
         earlier = _recorded(decision)
@@ -150,7 +157,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         decision.update(slice_rows=len(fresh), max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
         if bad.empty:
             decision["decision"] = "committed"
-            _say(log, f"{model} {data} {protocol}: committed export taken (first {len(head)} documents recomputed, "
+            _say(log, f"{label}: committed export taken (first {len(head)} documents recomputed, "
                       f"{len(fresh)} rows within {atol:g} nats, max |diff| {diff:.1e})"
                       + (f"; computing the random control's seeds {', '.join(missing)}" if missing else ""))
             if missing:
@@ -160,7 +167,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         why = f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats"
     decision.update(decision="recomputed", reason=why)
     if rows is not None or not (why == "no committed export" or "profile" in why):  # another profile: silent
-        _say(log, f"{model} {data} {protocol}: computing the cell ({why})")
+        _say(log, f"{label}: computing the cell ({why})")
     out = sweep(lm, tokenizer, blocks, metrics, ratios, **call)
     decision["compute_s"] = round(time.monotonic() - t0, 1)
     _record(decision)

@@ -65,7 +65,8 @@ SIGNIFICANT_DIGITS = 8
 _NUMERIC = ("ratio", "document", "keep_first_token")
 #: the chapter's parameters that :func:`cwcore.faithfulness.evidence.ladder_evidence` takes as they are
 LADDER_PARAMETERS = ("datasets", "n_sequences", "seq_len", "low_ratios", "ratios", "protocols", "importances",
-                     "metrics", "random_seeds", "n_bootstrap", "seed", "batch_size", "cache")
+                     "metrics", "random_seeds", "variants", "variant_models", "n_bootstrap", "seed", "batch_size",
+                     "cache")
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 _FIRST = ["data", "model", "protocol", "importance", "metric", "kind", "mode", "ratio", "document", "sequence",
           "nll", "clean_nll", "delta_nll", "n_tokens", "n_removed", "n_candidates"]
@@ -136,9 +137,9 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     run = evidence.ladder_evidence(lm, tokenizer, **{
         **{k: p[k] for k in LADDER_PARAMETERS}, "datasets": [data], "n_sequences": n_documents,
         "low_ratios": grids.low, "ratios": grids.paper, "protocols": protocols, "importances": importances,
-        "metrics": metrics, "cache": p["cache"] if cache is None else bool(cache)}, progress=progress, sweep=sweep,
-        **extra)
-    table = run.per_sequence.assign(model=model)
+        "metrics": metrics, "cache": p["cache"] if cache is None else bool(cache)},
+        model_name=model, progress=progress, sweep=sweep, **extra)
+    table = pd.concat([run.per_sequence, run.variant_rows], ignore_index=True).assign(model=model)
     table["delta_nll"] = table["nll"] - table["clean_nll"]
     table = table[[c for c in _FIRST if c in table] + [c for c in table if c not in _FIRST]]
     table.attrs["parameters"] = {**p, "grid": grids.ratios, "grids": grids.as_dict(), "protocols_run": protocols,
@@ -180,7 +181,8 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
         "cwcore_modified": None if status is None else bool(status),
         "profile": profile, "model": model, "data": data, "documents": int(n_documents),
         "document_ids": [int(d) for d in table.sort_values("sequence", kind="stable")["document"].unique()],
-        "protocols": list(used["protocols_run"]), "importances": list(used["importances_run"]),
+        "protocols": list(used["protocols_run"]), "variants": list(used.get("variants") or []),
+        "importances": list(used["importances_run"]),
         "ratios": [float(r) for r in used["grid"]], "grids": used["grids"], "metrics": list(used["metrics_run"]),
         "modes": sorted(table["mode"].unique().tolist()),
         "seed": used["seed"], "dtype": used["dtype"], "device": used["device"], "seq_len": used["seq_len"],
@@ -310,13 +312,14 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                                                  n_bootstrap=p["n_bootstrap"], seed=p["seed"])
             ladders.append(ladder.assign(data=data))
             cells += [f"{data} x {protocol} ({meta['documents']} documents)" for protocol in meta["protocols"]]
+            cells += [f"{data} x default, {v} ({meta['documents']} documents)" for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
         path = results_path(out, CHAPTER, model)
         findings.save_results(path, pd.concat(ladders, ignore_index=True), chapter=CHAPTER, model=model,
                               profile=meta["profile"], parameters=dict(
                                   source="per-document exports (evidence_slice tables)", cells=cells,
-                                  not_included="downstream tasks, per-layer interventions, protocol variants",
+                                  not_included="downstream tasks, per-layer interventions, Table 8's protocol variants",
                                   n_documents=meta["documents"], seq_len=p["seq_len"], ratios=meta["ratios"],
                                   n_bootstrap=p["n_bootstrap"], seed=p["seed"], dtype=meta["dtype"],
                                   exports=provenance))

@@ -62,7 +62,7 @@ from .. import stats
 from ..core.decomposition import METRICS
 from ..data import document_blocks, load_dataset
 from .lm import faithfulness_curve
-from .protocol import DEFAULT_RATIOS, Protocol, identical_steps, parse_metric
+from .protocol import DEFAULT_RATIOS, VARIANTS, Protocol, identical_steps, parse_metric
 from .methods import random_controls
 from .summary import aopc, ladder_comparison, random_baseline
 
@@ -70,9 +70,13 @@ __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX
            "SIGN_INVARIANT", "RatioGrids", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables",
            "LadderRun", "ladder_evidence", "MARGINS", "ALPHA",
            "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
-           "primary_family", "is_primary", "RANDOM_PREFIX", "random_seeds_of", "extra_seed_labels", "with_seed_spread"]
+           "primary_family", "is_primary", "RANDOM_PREFIX", "random_seeds_of", "extra_seed_labels", "with_seed_spread", "VARIANT_CHANGES",
+           "variant_changes"]
 
 PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
+#: the removal-unit variants a ladder run can add under the ``default`` protocol, by name
+#: (:data:`cwcore.faithfulness.protocol.VARIANTS`): the protocol fields each one changes
+VARIANT_CHANGES = {name: {field_name: value} for (field_name, value), name in VARIANTS.items()}
 PROTOCOL_NOTES = {
     "default": "head_key units per query row, contribution relative to o_i (kind=inter): rungs 2 and 3 identical",
     "per-head": "as default with kind=intra (normalised by each head's own output): four distinct rungs",
@@ -267,12 +271,22 @@ class LadderRun:
     n_bootstrap: int = 1000
     seed: int = 0
     seconds: dict = field(default_factory=dict)  # {(data set, protocol): wall seconds of its sweep}
+    variant_rows: pd.DataFrame | None = None  # the variant cells' rows (``default`` protocol, a ``variant`` column)
 
     def tables(self, n_permutations: int = N_PERMUTATIONS) -> tuple[pd.DataFrame, pd.DataFrame]:
         """(AOPC, ladder): :func:`evidence_tables` of each data set at the run's grids, stacked with a
         ``data`` column."""
+        return self._tables(self.per_sequence, n_permutations)
+
+    def variant_tables(self, n_permutations: int = N_PERMUTATIONS) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(AOPC, ladder) of the variant cells (:attr:`variant_rows`), as :meth:`tables` (empty without)."""
+        if self.variant_rows is None or self.variant_rows.empty:
+            return pd.DataFrame(), pd.DataFrame()
+        return self._tables(self.variant_rows, n_permutations)
+
+    def _tables(self, rows: pd.DataFrame, n_permutations: int) -> tuple[pd.DataFrame, pd.DataFrame]:
         areas, ladders = [], []
-        for data, part in self.per_sequence.groupby("data", sort=False):
+        for data, part in rows.groupby("data", sort=False):
             a, l = evidence_tables(part.drop(columns="data"), grids=self.grids, n_bootstrap=self.n_bootstrap,
                                    seed=self.seed, n_permutations=n_permutations)
             areas.append(a.assign(data=data))
@@ -296,33 +310,58 @@ class LadderRun:
 def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: int, seq_len: int,
                     low_ratios: Sequence[float], ratios: Sequence[float], protocols: Sequence[str],
                     importances: Sequence[str], metrics: Sequence[str], n_bootstrap: int, seed: int,
-                    batch_size: int, random_seeds: int = 1, cache: bool = True, progress: bool = False,
-                    sweep: Callable | None = None, **kwargs) -> LadderRun:
+                    batch_size: int, random_seeds: int = 1, variants: Sequence[str] = (),
+                    variant_models: Sequence[str] | None = None, model_name: str | None = None, cache: bool = True,
+                    progress: bool = False, sweep: Callable | None = None, **kwargs) -> LadderRun:
     """Chapter 4's ladder sweeps: for each data set, ``n_sequences`` documents of one ``seq_len``-token
     block each (:func:`cwcore.data.document_blocks`), and for each main ``protocol``, :func:`ladder_sweep`
     over ``metrics`` at both named grids (``low_ratios``, the paper's ``ratios``; see :class:`RatioGrids`)
     for every importance sign. The keywords are the chapter's parameters, by their names in the
     notebook's ``parameters`` cell (``random_seeds``: seeds of the random control, see
-    :func:`ladder_sweep`). ``kwargs`` (e.g. ``cache_dir``) go to
+    :func:`ladder_sweep`; ``variants``: names of :data:`VARIANT_CHANGES`, each one more cell per data set
+    under the ``default`` protocol, in :attr:`LadderRun.variant_rows`, on the models ``variant_models`` names
+    (None: every model; ``model_name`` is this model's name). ``kwargs`` (e.g. ``cache_dir``) go to
     :func:`~cwcore.faithfulness.faithfulness_curve`. ``sweep``: what runs one cell, called with
     :func:`ladder_sweep`'s arguments plus ``data=`` (the data set's name), e.g.
     :func:`cwcore.book.evidence_build.ladder_cell`, which takes a committed cell once its first documents
     recompute equal; default :func:`ladder_sweep`. Returns a :class:`LadderRun`."""
+    unknown = [v for v in variants if v not in VARIANT_CHANGES]
+    if unknown:
+        raise ValueError(f"unknown variants {unknown}; known: {sorted(VARIANT_CHANGES)}")
+    if variant_models is not None and model_name not in variant_models:
+        variants = ()
     grids = RatioGrids(low_ratios, ratios)
     common = dict(n_bootstrap=n_bootstrap, seed=seed, batch_size=batch_size, max_length=seq_len,
                   random_seeds=random_seeds, progress=progress, cache=cache, **kwargs)
-    blocks, parts, seconds = {}, [], {}
+    blocks, parts, varied, seconds = {}, [], [], {}
+    cells = [(protocol, None) for protocol in protocols] + [("default", v) for v in variants]
     for data in datasets:
         blocks[data] = document_blocks(load_dataset(data), tokenizer, seq_len, n_sequences, seed=seed)
-        for protocol in protocols:
+        for protocol, variant in cells:
             t0 = time.monotonic()
+            call = {**common, **({"protocol_change": VARIANT_CHANGES[variant]} if variant else {})}
             cell = (sweep(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
-                          importances=importances, data=data, **common) if sweep is not None else
+                          importances=importances, data=data, **call) if sweep is not None else
                     ladder_sweep(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
-                                 importances=importances, **common))
-            parts.append(cell.assign(data=data))
-            seconds[(data, protocol)] = time.monotonic() - t0
-    return LadderRun(pd.concat(parts, ignore_index=True), grids, blocks, n_bootstrap, seed, seconds)
+                                 importances=importances, **call))
+            (varied if variant else parts).append(cell.assign(data=data))
+            seconds[(data, protocol if variant is None else f"{protocol}/{variant}")] = time.monotonic() - t0
+    return LadderRun(pd.concat(parts, ignore_index=True), grids, blocks, n_bootstrap, seed, seconds,
+                     pd.concat(varied, ignore_index=True) if varied else None)
+
+
+def variant_changes(main: pd.DataFrame, variant: pd.DataFrame) -> pd.DataFrame:
+    """Each ladder step of the variant cells beside the same step of the main ``default`` protocol (same
+    data set, mode, sign and range): ``difference`` and ``verdict`` of both, and ``changed`` where the
+    verdicts differ. ``main`` and ``variant``: ladder tables (:meth:`LadderRun.tables`,
+    :meth:`LadderRun.variant_tables`; a ``data`` column where there are several data sets)."""
+    if variant.empty:
+        return pd.DataFrame()
+    keys = [c for c in ("data", "mode", "importance", "range", "lower", "higher") if c in variant and c in main]
+    base = main[main["protocol"] == "default"].set_index(keys)[["difference", "verdict"]]
+    out = variant[[*keys, "variant", "difference", "verdict"]].join(base, on=keys, rsuffix="_main")
+    out["changed"] = out["verdict"] != out["verdict_main"]
+    return out.reset_index(drop=True)
 
 
 #: the label prefix of the random control's extra seeds (:func:`ladder_sweep` with ``random_seeds`` > 1)

@@ -27,16 +27,18 @@ MODEL = "tiny-llama"
 WORDS = "the a cat dog sat on mat and ran away one two three four five six seven eight nine ten it far so".split()
 
 
-def _run_yml(tmp_path: Path, data: Path, low_ratios) -> Path:
-    """A run.yml with chapter 4 and a profile that sizes it for the tiny model."""
+def _run_yml(tmp_path: Path, data: Path, low_ratios, **chapter) -> Path:
+    """A run.yml with chapter 4 and a profile that sizes it for the tiny model (``chapter``: more of
+    chapter 4's parameters)."""
     config = {"chapters": [{"notebook": "04_faithfulness", "runs": "per_model"}],
               "profiles": {"tiny": {"models": [MODEL],
                                     "params": {"seed": 0, "device": "cpu", "dtype": "float32", "n_sequences": 3,
                                                "seq_len": 10, "batch_size": 2},
                                     "notebooks": {"04_faithfulness": {
                                         "datasets": [str(data)], "low_ratios": list(low_ratios), "ratios": [0.5],
-                                        "protocols": ["default"], "n_bootstrap": 50, "cache": False}}}}}
-    path = tmp_path / f"run_{len(low_ratios)}.yml"
+                                        "protocols": ["default"], "n_bootstrap": 50, "cache": False,
+                                        **chapter}}}}}
+    path = tmp_path / f"run_{len(low_ratios)}_{len(chapter)}.yml"
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -152,3 +154,42 @@ def test_the_package_executes_no_source_text():
     found = {str(p.relative_to(package)): lines for p in sorted(package.rglob("*.py"))
              if (lines := _calls_exec(p.read_text()))}
     assert not found, f"the package executes source text (a notebook's cells?): {found}"
+
+
+def test_variant_cells_are_the_default_protocol_with_one_field_changed_on_the_models_named(setup):
+    tmp, data, model, tokenizer = setup
+    config = _run_yml(tmp, data, [0.1], variants=["token-unit", "first-token-removable"], variant_models=[MODEL],
+                      random_seeds=1)
+    rows = es.per_document("tiny", MODEL, str(data), 3, config=config, loaded=(model, tokenizer))
+    assert rows.groupby("variant")["protocol"].unique().map(list).to_dict() == {
+        "main": ["default"], "token-unit": ["default"], "first-token-removable": ["default"]}
+    blocks = cwcore.data.document_blocks(cwcore.load_dataset(str(data)), tokenizer, 10, 3, seed=0)
+    for variant, change in ev.VARIANT_CHANGES.items():
+        alone = ev.ladder_sweep(model, tokenizer, blocks, rows.attrs["parameters"]["metrics"], [0.1, 0.5],
+                                protocol_change=change, n_bootstrap=50, seed=0, batch_size=2, max_length=10,
+                                cache=False, progress=False)
+        mine = rows[rows["variant"] == variant].drop(columns=["data", "model", "delta_nll"])
+        pd.testing.assert_frame_equal(mine[list(alone.columns)].reset_index(drop=True), alone)
+    # the main cells do not move when variants run beside them
+    plain = es.per_document("tiny", MODEL, str(data), 3, config=_run_yml(tmp, data, [0.1], random_seeds=1),
+                            loaded=(model, tokenizer))
+    pd.testing.assert_frame_equal(rows[rows["variant"] == "main"].reset_index(drop=True), plain)
+    # a model the profile does not name runs none; an unknown variant is refused by name
+    other = _run_yml(tmp, data, [0.1], variants=["token-unit"], variant_models=["somebody-else"], random_seeds=1)
+    assert set(es.per_document("tiny", MODEL, str(data), 3, config=other, loaded=(model, tokenizer))["variant"]) == {"main"}
+    with pytest.raises(ValueError, match="unknown variants \\['token'\\]"):
+        ev.ladder_evidence(model, tokenizer, datasets=[str(data)], n_sequences=3, seq_len=10, low_ratios=[0.1],
+                           ratios=[0.5], protocols=["default"], importances=["signed"], metrics=["random"],
+                           n_bootstrap=10, seed=0, batch_size=2, variants=["token"])
+    # each variant step beside the same step of the main protocol
+    grids = es.grids_of(rows.attrs["parameters"])
+    split = lambda t: ev.evidence_tables(t.drop(columns=["data", "model", "delta_nll"]), grids=grids,  # noqa: E731
+                                         n_bootstrap=50, seed=0, n_permutations=0)[1]
+    main, varied = split(rows[rows["variant"] == "main"]), split(rows[rows["variant"] != "main"])
+    changes = ev.variant_changes(main, varied)
+    assert len(changes) == len(varied) and set(changes["variant"]) == set(ev.VARIANT_CHANGES)
+    first = changes.iloc[0]
+    same = main[(main["mode"] == first["mode"]) & (main["importance"] == first["importance"])
+                & (main["range"] == first["range"]) & (main["lower"] == first["lower"])
+                & (main["higher"] == first["higher"])].iloc[0]
+    assert first["verdict_main"] == same["verdict"] and first["changed"] == (first["verdict"] != same["verdict"])
