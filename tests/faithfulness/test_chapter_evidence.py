@@ -193,3 +193,12 @@ def test_variant_cells_are_the_default_protocol_with_one_field_changed_on_the_mo
                 & (main["range"] == first["range"]) & (main["lower"] == first["lower"])
                 & (main["higher"] == first["higher"])].iloc[0]
     assert first["verdict_main"] == same["verdict"] and first["changed"] == (first["verdict"] != same["verdict"])
+
+    # the page's cell that says what changes (run here: the book's profiles run no variant)
+    nb = json.loads(NOTEBOOK.read_text())
+    source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22c")["source"])
+    said = {}
+    exec(source, {"evidence": ev, "ladder": main.assign(data="docs"), "variant_ladder": varied.assign(data="docs"),  # noqa: S102
+                  "LABELS": {}, "show": lambda *a, **k: None, "note_md": lambda k, v: said.update({k: v})})
+    moved = int(changes["changed"].sum())
+    assert said["variant_summary"].startswith(f"{moved} of {len(changes)} step verdicts differ")
