@@ -209,6 +209,22 @@ def test_headline_slice_and_findings_csv(tmp_path):
     assert csv[csv["model"] == "absent"]["verdict"].tolist() == [N]
 
 
+def test_a_weights_variants_rows_are_its_models_rows_named_by_the_variant_and_never_primary(tmp_path):
+    stacked = _stacked_ladder()
+    for model in ("smollm2-135m", "smollm2-135m-requantized"):
+        F.save_results(book.results_path(tmp_path, "04_faithfulness", model), stacked, chapter="04_faithfulness",
+                       model=model, profile="evidence")
+    csv = F.findings_csv(tmp_path, ["smollm2-135m", "smollm2-135m-requantized"], profile="evidence")
+    assert set(csv["model"]) == {"smollm2-135m"} and set(csv["variant"]) == {"main", "requantized"}
+    main, requantized = (csv[csv["variant"] == v] for v in ("main", "requantized"))
+    assert not requantized["primary"].any() and main["primary"].any()
+    keys = ["claim", "data", "mode", "protocol", "importance", "range"]
+    both = requantized.merge(main, on=keys, suffixes=("", "_main"))
+    assert len(both) == len(requantized) > 0
+    exploratory = both[~both["primary_main"]]  # (a primary row's verdict is its Holm decision)
+    assert len(exploratory) > 0 and (exploratory["verdict"] == exploratory["verdict_main"]).all()
+
+
 def test_findings_csv_has_every_sink_claim_part_per_data_set(tmp_path):
     gsm = claims_table([(SC.SUPPRESSION, 0.1, 0.2, 0.5, "above"), (SC.SUPPRESSION + " [renormalised]", 0.8, 0.9, 0.5, "above")])
     web = claims_table([(SC.SUPPRESSION, 0.3, 0.6, 0.5, "above"), (SC.SUPPRESSION + " [renormalised]", 0.7, 0.9, 0.5, "above")])

@@ -497,7 +497,23 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
     table = pd.concat(frames, ignore_index=True)
     table["variant"] = table["variant"].fillna("main")
     table["primary"] = table["primary"].fillna(False).astype(bool)
-    return primary_decisions(table)
+    return primary_decisions(_weights_variants(table))
+
+
+def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows of a packaged model's weights variant (``<model>-<variant>``, :data:`cwcore.models.VARIANTS`,
+    e.g. ``smollm2-135m-requantized``) as rows of that model with the variant named (``requantized``, or
+    ``requantized+token-unit``); never primary (they were computed as other models' rows)."""
+    from ..models import VARIANTS as WEIGHTS_VARIANTS
+
+    table = table.copy()
+    for name in WEIGHTS_VARIANTS:
+        rows = table["model"].astype(str).str.endswith(f"-{name}")
+        if rows.any():
+            table.loc[rows, "model"] = table.loc[rows, "model"].str[:-len(name) - 1]
+            table.loc[rows, "variant"] = [name if v == "main" else f"{name}+{v}" for v in table.loc[rows, "variant"]]
+            table.loc[rows, "primary"] = False
+    return table
 
 
 #: the committed evidence tables of this checkout (data/results/evidence: the chapters' tables of the
