@@ -40,7 +40,7 @@ clean-venv:
 book: $(STAMP)
 	$(PY) -m cwcore.book build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
 
-# make evidence [JOBS=N] [MODELS=m1,m2]: the evidence profile of book/run.yml, resumable: every finished
+# make evidence [JOBS=N] [MODELS=m1,m2] [ONLY=05,06,07,09]: the evidence profile of book/run.yml, resumable: every finished
 # batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped, and a ladder
 # cell committed in data/results/evidence is taken from there once 2 of its documents recompute equal
 # (a new machine resumes from the repository). Each sweep splits its documents over JOBS single-thread
@@ -49,7 +49,7 @@ book: $(STAMP)
 # data/results/evidence/PROVENANCE (cwcore.book.evidence_build).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 evidence: $(STAMP)
-	$(PY) -m cwcore.book build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))
+	$(PY) -m cwcore.book build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS)) $(if $(ONLY),--only $(ONLY))
 
 # The browser tests (tests/test_book.py, marker `browser`) drive Debian's chromium; install it once,
 # as root, where it is missing. Without it those tests are skipped with the reason.
