@@ -237,3 +237,28 @@ def test_a_variant_cell_is_never_taken_from_the_main_protocols_rows(cell, tmp_pa
     decision = json.loads((tmp_path / "cells" / "cell-tiny-toy-default-token-unit.json").read_text())
     assert decision["decision"] == "recomputed" and decision["variant"] == "token-unit"
     assert set(got["variant"]) == {"token-unit"} and len(got) == len(rows)
+
+
+def test_an_export_breaking_an_identity_of_the_protocol_is_recomputed_though_its_slice_matches(cell, tmp_path,
+                                                                                                monkeypatch):
+    # under the default protocol rungs 2 and 3 rank alike by construction: their rows must be equal; an
+    # export made before the rung-tie fix breaks that by a few 1e-6 nats, which a 2-document slice at
+    # 1e-6 nats need not see (here: 1e-7, on a document outside the slice)
+    model, blocks, _ = cell
+    pair = ["value_weighted", "value_weighted_output_normalized"]
+    rows = evidence.ladder_sweep(model, None, blocks, pair, [0.4], batch_size=2, cache=False, progress=False)
+    stale = rows.copy()
+    where = stale.index[(stale["metric"] == pair[1]) & (stale["document"] == 11)][0]
+    stale.loc[where, "nll"] += 1e-7
+    _commit(stale, tmp_path / "out")
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    got = eb.ladder_cell(model, None, blocks, pair, [0.4], model="tiny", data="toy", profile="evidence",
+                         exports=tmp_path / "out", batch_size=2, cache=False, progress=False, log=None)
+    decision = json.loads((tmp_path / "cells" / "cell-tiny-toy-default.json").read_text())
+    assert decision["decision"] == "recomputed" and "identical rungs" in decision["reason"]
+    assert "differ in 1 rows" in decision["reason"]
+    pd.testing.assert_frame_equal(got, rows)
+    _commit(rows, tmp_path / "out")  # the same rows, equal: taken
+    eb.ladder_cell(model, None, blocks, pair, [0.4], model="tiny", data="toy", profile="evidence",
+                   exports=tmp_path / "out", batch_size=2, cache=False, progress=False, log=None)
+    assert json.loads((tmp_path / "cells" / "cell-tiny-toy-default.json").read_text())["decision"] == "committed"

@@ -38,7 +38,7 @@ from .. import cache as cw_cache
 from .. import provenance
 from .. import runs
 from ..faithfulness import evidence
-from ..faithfulness.protocol import Protocol
+from ..faithfulness.protocol import Protocol, identical_steps
 from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
@@ -80,7 +80,24 @@ def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int
     expected = len(importances) * len(metrics) * len(ratios) * len(documents) * len(meta["modes"])
     if len(rows) != expected:
         return None, f"the export holds {len(rows)} of the cell's {expected} rows"
+    broken = _broken_identities(rows, protocol, variant)
+    if broken:
+        return None, (f"the export breaks the protocol's identical rungs ({broken}: they rank alike by "
+                      "construction, so their rows must be equal; made before the rung-tie fix)")
     return rows.reset_index(drop=True), "committed"
+
+
+def _broken_identities(rows: pd.DataFrame, protocol: str, variant: str) -> str:
+    """The steps whose two rungs :func:`cwcore.faithfulness.protocol.identical_steps` ranks identically
+    under the cell's protocol but whose committed rows differ (checked on every row, not a slice)."""
+    change = {**evidence.PROTOCOLS[protocol], **evidence.VARIANT_CHANGES.get(variant, {})}
+    keys = ["importance", "mode", "ratio", "document"]
+    broken = []
+    for lower, higher in sorted(identical_steps(Protocol(**change))):
+        pair = [rows[rows["metric"] == m].set_index(keys)["nll"].sort_index() for m in (lower, higher)]
+        if len(pair[0]) and len(pair[0]) == len(pair[1]) and not pair[0].equals(pair[1]):
+            broken.append(f"{lower} and {higher} differ in {int((pair[0] != pair[1]).sum())} rows")
+    return "; ".join(broken)
 
 
 def _decision_path(decision: dict) -> Path | None:
