@@ -199,7 +199,7 @@ class HeadSpaceGeometry:
         if given is not None or self.key_spans is None:
             return self.scaled_dot(kind, divisor).mul_(self.attention)
         side, keys = self._sides(kind, divisor)
-        if not (bool(torch.isfinite(side).all()) and bool(torch.isfinite(keys).all())):
+        if not (all_finite(side) and all_finite(keys)):
             return (side @ keys.transpose(-1, -2)).mul_(self.attention)
         out = torch.empty(self.attention.shape, dtype=side.dtype, device=side.device)
         keys_t = keys.transpose(-1, -2)
@@ -271,6 +271,13 @@ PROBES = 8
 _PROBE_CACHE: dict = {}
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every entry is finite, in one reduction without a temporary: a NaN or an infinity makes
+    the sum NaN or infinite. A sum of finite entries that overflows reads as False, the safe side (the
+    callers then take their slower path, exact either way)."""
+    return bool(torch.isfinite(tensor.sum()))
+
+
 def _probes(dim: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``[dim, PROBES]`` standard normal directions, the same in every process (seed 0)."""
     key = (dim, dtype, str(device))
@@ -293,14 +300,14 @@ def projected_check(geometry: HeadSpaceGeometry, output: torch.Tensor, bias: tor
     batch, heads, queries, head_dim = mixed.shape
     actual = output.detach().reshape(batch * queries, -1)  # [n, model]
     probes = _probes(actual.shape[-1], actual.dtype, actual.device)
-    terms = mixed.transpose(1, 2).reshape(batch * queries, heads * head_dim)
-    rebuilt = terms @ (geometry.flat_w_o().T @ probes)
+    # per head, without copying z or W_O into [query, head * head_dim] order: z^h (W_O^h^T r), summed
+    rebuilt = (mixed @ (w_o.transpose(1, 2) @ probes)).sum(1).reshape(batch * queries, -1)  # [n, probes]
     if bias is not None:
         bias = bias.detach().to(actual.dtype)
         rebuilt += bias @ probes
     projected = actual @ probes
-    scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
+    scale = torch.linalg.vector_norm(actual, float("inf")).clamp_min(torch.finfo(actual.dtype).tiny)  # max |y|
     error = float(((projected - rebuilt).abs().max() / scale).nan_to_num(float("inf")))
-    finite = bool(torch.isfinite(projected).all()) and bool(torch.isfinite(rebuilt).all())
+    finite = all_finite(projected) and all_finite(rebuilt)
     adopted = actual.clone() if bias is None else actual - bias
     return error, finite, adopted.view(batch, queries, -1)

@@ -179,3 +179,19 @@ def test_a_projection_that_changes_its_output_is_refused_by_the_projected_check(
             cwcore.decompose(model, input_ids=IDS)
     finally:
         handle.remove()
+
+
+def test_all_finite_sees_every_nan_and_infinity_and_errs_on_the_safe_side():
+    from cwcore.core.geometry import all_finite
+
+    values = torch.randn(4, 9, 33, 64)
+    assert all_finite(values)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = values.clone()
+        broken[2, 5, 17, 3] = bad
+        assert not all_finite(broken), bad
+    both = values.clone()
+    both[0, 0, 0, 0], both[1, 1, 1, 1] = float("inf"), -float("inf")  # inf + -inf is NaN: still seen
+    assert not all_finite(both)
+    # finite entries whose sum overflows read as not finite: the callers take their slower, exact path
+    assert not all_finite(torch.full((4,), 3e38))
