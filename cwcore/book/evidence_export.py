@@ -55,7 +55,7 @@ __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_P
 
 CHAPTER = "04_faithfulness"
 #: the columns that name a row of the per-document table
-KEYS = ("data", "model", "protocol", "importance", "metric", "mode", "ratio", "document")
+KEYS = ("data", "model", "protocol", "variant", "importance", "metric", "mode", "ratio", "document")
 #: integer columns, equal exactly
 EXACT = ("sequence", "n_tokens", "n_removed", "n_candidates")
 #: float columns, equal within a tolerance
@@ -104,13 +104,14 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
                  protocols: Sequence[str] = ("default",), importances: Sequence[str] | None = None,
                  ratios: Sequence[float] | None = None, metrics: Sequence[str] | None = None, *,
                  config: str | Path | None = None, cache: bool | None = None, cache_dir: str | Path | None = None,
-                 loaded=None, progress: bool = False, sweep=None) -> pd.DataFrame:
+                 loaded=None, progress: bool = False, sweep=None, variants: Sequence[str] | None = None) -> pd.DataFrame:
     """The per-document table of chapter 4's ladder sweeps under ``profile`` on the first
     ``n_documents`` documents of ``data``: the notebook's own function,
     :func:`cwcore.faithfulness.evidence.ladder_evidence`, with the notebook's parameters
     (:func:`notebook_parameters`) for this one data set, with a ``model`` column.
 
-    ``importances``, ``ratios`` and ``metrics`` default to the notebook's and must be among them (a
+    ``importances``, ``ratios``, ``metrics`` and ``variants`` (the variant cells, ``()``: none) default
+    to the notebook's and must be among them (a
     ratio subset reads the same pieces: they are named by ratio; it keeps the names of the grids
     the ratios come from, :meth:`~cwcore.faithfulness.evidence.RatioGrids.restrict`). ``cache``
     defaults to the notebook's ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`.
@@ -124,6 +125,7 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     protocols = _subset(protocols, p["protocols"], "protocol")
     importances = _subset(importances, p["importances"], "importance")
     metrics = _subset(metrics, p["metrics"], "metric")
+    variants = _subset(variants, p.get("variants") or [], "variant")
     grids = grids_of(p)
     grids = grids if ratios is None else grids.restrict(_subset(ratios, grids.ratios, "ratio"))
     if data not in p["datasets"]:
@@ -137,7 +139,7 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     run = evidence.ladder_evidence(lm, tokenizer, **{
         **{k: p[k] for k in LADDER_PARAMETERS}, "datasets": [data], "n_sequences": n_documents,
         "low_ratios": grids.low, "ratios": grids.paper, "protocols": protocols, "importances": importances,
-        "metrics": metrics, "cache": p["cache"] if cache is None else bool(cache)},
+        "metrics": metrics, "variants": variants, "cache": p["cache"] if cache is None else bool(cache)},
         model_name=model, progress=progress, sweep=sweep, **extra)
     table = pd.concat([run.per_sequence, run.variant_rows], ignore_index=True).assign(model=model)
     table["delta_nll"] = table["nll"] - table["clean_nll"]
@@ -222,6 +224,8 @@ def read_committed(model: str, data: str, out: str | Path | None = None) -> tupl
     if not (csv.is_file() and js.is_file()):
         return None
     table = pd.read_csv(csv)
+    if "variant" not in table:  # an export older than the column holds the main protocols only
+        table.insert(int(table.columns.get_loc("protocol")) + 1, "variant", "main")
     for column in table.columns.difference([*EXACT, *FLOATS, *_NUMERIC]):
         if not pd.api.types.is_bool_dtype(table[column]):
             table[column] = table[column].astype(object).where(table[column].notna(), "").astype(str)
