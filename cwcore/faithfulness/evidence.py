@@ -333,6 +333,7 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
     grids = RatioGrids(low_ratios, ratios)
     common = dict(n_bootstrap=n_bootstrap, seed=seed, batch_size=batch_size, max_length=seq_len,
                   random_seeds=random_seeds, progress=progress, cache=cache, **kwargs)
+    run_cell = sweep or (lambda *args, data, **kw: ladder_sweep(*args, **kw))  # noqa: E731 - data names the cell only
     blocks, parts, varied, seconds = {}, [], [], {}
     cells = [(protocol, None) for protocol in protocols] + [("default", v) for v in variants]
     for data in datasets:
@@ -340,10 +341,8 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
         for protocol, variant in cells:
             t0 = time.monotonic()
             call = {**common, **({"protocol_change": VARIANT_CHANGES[variant]} if variant else {})}
-            cell = (sweep(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
-                          importances=importances, data=data, **call) if sweep is not None else
-                    ladder_sweep(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
-                                 importances=importances, **call))
+            cell = run_cell(model, tokenizer, blocks[data], metrics, grids.ratios, protocol=protocol,
+                            importances=importances, data=data, **call)
             (varied if variant else parts).append(cell.assign(data=data))
             seconds[(data, protocol if variant is None else f"{protocol}/{variant}")] = time.monotonic() - t0
     return LadderRun(pd.concat(parts, ignore_index=True), grids, blocks, n_bootstrap, seed, seconds,
