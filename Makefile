@@ -43,7 +43,8 @@ book: $(STAMP)
 # make evidence [JOBS=N] [MODELS=m1,m2] [ONLY=05,06,07,09]: the evidence profile of book/run.yml, resumable: every finished
 # batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped, and a ladder
 # cell committed in data/results/evidence is taken from there once 2 of its documents recompute equal
-# (a new machine resumes from the repository). Each sweep splits its documents over JOBS single-thread
+# (a new machine resumes from the repository); while it runs, each ladder cell merges every 16 documents
+# into its export, so what is finished can be committed as it goes. Each sweep splits its documents over JOBS single-thread
 # ranks of this machine (default: every core); the results are the same as with JOBS=1. The same command
 # then remakes the evidence tables and findings.csv from the exports and writes
 # data/results/evidence/PROVENANCE (cwcore.book.evidence_build).

@@ -262,3 +262,118 @@ def test_an_export_breaking_an_identity_of_the_protocol_is_recomputed_though_its
     eb.ladder_cell(model, None, blocks, pair, [0.4], model="tiny", data="toy", profile="evidence",
                    exports=tmp_path / "out", batch_size=2, cache=False, progress=False, log=None)
     assert json.loads((tmp_path / "cells" / "cell-tiny-toy-default.json").read_text())["decision"] == "committed"
+
+
+# -- checkpoints: a cell merged into its export every few documents, resumed from what was merged -----
+def test_a_slice_of_a_sample_with_its_first_sequence_gives_the_whole_runs_rows(cell):
+    model, blocks, rows = cell
+    tail = evidence.ladder_sweep(model, None, blocks.select(range(2, 4)), METRICS, RATIOS, batch_size=2, cache=False,
+                                 progress=False, first_sequence=2)
+    whole = rows[rows["document"].isin([11, 5])].reset_index(drop=True)
+    pd.testing.assert_frame_equal(tail, whole)  # bit-identical: the same batches, the same random control
+    shifted = evidence.ladder_sweep(model, None, blocks.select(range(2, 4)), ["random"], RATIOS, batch_size=2,
+                                    cache=False, progress=False)
+    assert not np.array_equal(shifted["nll"], whole.loc[whole["metric"] == "random", "nll"])  # the control differs
+
+
+def test_sweep_order_is_the_order_ladder_sweep_returns(cell):
+    model, blocks, rows = cell
+    shuffled = rows.sample(frac=1.0, random_state=0)
+    pd.testing.assert_frame_equal(evidence.sweep_order(shuffled, METRICS), rows)
+    seeded = evidence.ladder_sweep(model, None, blocks, METRICS, RATIOS, batch_size=2, cache=False, progress=False,
+                                   random_seeds=3)
+    labels = [*METRICS, "random_s1", "random_s2"]
+    pd.testing.assert_frame_equal(evidence.sweep_order(seeded.sample(frac=1.0, random_state=1), labels), seeded)
+
+
+def _checkpointed(model, blocks, out, tmp_path, monkeypatch, fail_after=None, **extra):
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    seen = []
+
+    def sweep(lm, tokenizer, part, *args, **kwargs):
+        if fail_after is not None and len(seen) >= fail_after:
+            raise KeyboardInterrupt("the build was stopped")
+        seen.append((list(part["document"]), kwargs.get("first_sequence", 0), kwargs.get("extra_seeds_only")))
+        return evidence.ladder_sweep(lm, tokenizer, part, *args, **kwargs)
+
+    got = eb.ladder_cell(model, None, blocks, METRICS, RATIOS, model="tiny", data="toy", profile="evidence",
+                         exports=out, sweep=sweep, batch_size=2, cache=False, progress=False, log=None, checkpoint=2,
+                         **extra)
+    return got, seen, json.loads((tmp_path / "cells" / "cell-tiny-toy-default.json").read_text())
+
+
+def test_a_checkpointed_cell_is_merged_slice_by_slice_and_resumes_from_what_was_merged(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):  # stopped after its first slice of 2 documents
+        _checkpointed(model, blocks, out, tmp_path, monkeypatch, fail_after=1)
+    merged, meta = ee.read_committed("tiny", "toy", out)
+    assert sorted(merged["document"].unique()) == [3, 7] and meta["cells"]["default"]["documents"] == 2
+    assert meta["document_ids"] == [7, 3, 11, 5]
+    np.testing.assert_allclose(merged.sort_values(["importance", "metric", "mode", "ratio", "document"])["nll"],
+                               rows[rows["document"].isin([7, 3])].sort_values(
+                                   ["importance", "metric", "mode", "ratio", "document"])["nll"], rtol=1e-7)
+    # a new machine: the merged documents are checked on a slice and taken, only the rest is computed
+    got, seen, decision = _checkpointed(model, blocks, out, tmp_path, monkeypatch)
+    assert seen == [([7, 3], 0, None), ([11, 5], 2, None)]
+    assert decision["decision"] == "resumed" and decision["documents_taken"] == 2 and decision["merged"]
+    assert list(got.columns) == list(rows.columns) and len(got) == len(rows)
+    keys = ["importance", "metric", "mode", "ratio", "document", "sequence"]
+    assert (got[keys].values == rows[keys].values).all()  # the sweep's order
+    np.testing.assert_allclose(got["nll"], rows["nll"], rtol=1e-7, atol=0)
+    merged, meta = ee.read_committed("tiny", "toy", out)
+    assert len(merged) == len(rows) and meta["cells"]["default"]["documents"] == 4
+    # the same build asks again (the exporter): taken from its record, nothing recomputed
+    again, seen, _ = _checkpointed(model, blocks, out, tmp_path, monkeypatch)
+    assert seen == [] and (again[keys].values == rows[keys].values).all()
+
+
+def test_a_checkpointed_cell_whose_slice_differs_is_recomputed_from_scratch(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell
+    out = tmp_path / "out"
+    _checkpointed(model, blocks, out, tmp_path, monkeypatch)
+    merged, _ = ee.read_committed("tiny", "toy", out)
+    merged.loc[merged["document"] == 7, "nll"] += 1e-3  # a stale export
+    ee._write(*ee.paths("tiny", "toy", out), merged, ee.read_committed("tiny", "toy", out)[1])
+    (tmp_path / "cells" / "cell-tiny-toy-default.json").unlink()
+    got, seen, decision = _checkpointed(model, blocks, out, tmp_path, monkeypatch)
+    assert seen == [([7, 3], 0, None), ([7, 3], 0, None), ([11, 5], 2, None)]  # checked, then both slices
+    assert decision["decision"] == "recomputed"
+    pd.testing.assert_frame_equal(got, rows)
+    merged, _ = ee.read_committed("tiny", "toy", out)
+    assert len(merged) == len(rows)  # the stale rows were replaced, none left over
+    np.testing.assert_allclose(merged.loc[merged["document"] == 7, "nll"].sort_values(),
+                               rows.loc[rows["document"] == 7, "nll"].sort_values(), rtol=1e-7)
+
+
+def test_a_checkpointed_cell_completes_the_missing_seeds_slice_by_slice(cell, tmp_path, monkeypatch):
+    model, blocks, rows = cell
+    _commit(rows, tmp_path / "out")  # one seed, every document
+    got, seen, decision = _checkpointed(model, blocks, tmp_path / "out", tmp_path, monkeypatch, random_seeds=3)
+    assert seen == [([7, 3], 0, None), ([7, 3], 0, True), ([11, 5], 2, True)]
+    fresh = evidence.ladder_sweep(model, None, blocks, METRICS, RATIOS, batch_size=2, cache=False, progress=False,
+                                  random_seeds=3)
+    keys = ["importance", "metric", "mode", "ratio", "document"]
+    assert (got[keys].values == fresh[keys].values).all()
+    np.testing.assert_allclose(got["nll"], fresh["nll"], rtol=1e-7, atol=0)
+    merged, meta = ee.read_committed("tiny", "toy", tmp_path / "out")
+    assert len(merged) == len(fresh) and {"random_s1", "random_s2"} <= set(meta["cells"]["default"]["metrics"])
+
+
+def test_checkpoints_are_whole_batches_on_every_rank(monkeypatch):
+    monkeypatch.delenv(eb.CHECKPOINT_ENV_VAR, raising=False)
+    monkeypatch.delenv(runs.JOBS_ENV_VAR, raising=False)
+    assert eb.checkpoint_documents(None, 8) == 0  # off unless the evidence build sets it
+    monkeypatch.setenv(eb.CHECKPOINT_ENV_VAR, "16")
+    assert eb.checkpoint_documents(None, 8) == 16 and eb.checkpoint_documents(None, 6) == 18
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "4")
+    assert eb.checkpoint_documents(None, 8) == 32 and eb.checkpoint_documents(10, 2) == 16
+
+
+def test_the_tables_leave_out_extra_seeds_that_do_not_yet_cover_the_cell(cell):
+    _, _, rows = cell
+    extra = rows[rows["metric"] == "random"].assign(metric="random_s1")
+    table = pd.concat([rows, extra[extra["document"] != 5]], ignore_index=True).assign(variant="main")
+    assert ee._whole_seeds(table)["metric"].isin(["random_s1"]).sum() == 0
+    whole = pd.concat([rows, extra], ignore_index=True).assign(variant="main")
+    assert ee._whole_seeds(whole).equals(whole)

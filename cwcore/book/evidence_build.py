@@ -7,7 +7,9 @@
    per-document export (``data/results/evidence/per_document_<model>_<data>.csv.gz``) when a fresh
    recomputation of the cell's first :data:`SLICE_DOCUMENTS` documents, without the cache, equals the
    committed rows within :data:`ATOL` nats; otherwise it computes the whole cell. So a new machine with
-   an empty cache resumes from what is committed;
+   an empty cache resumes from what is committed. While the build runs, each cell merges every
+   :data:`CHECKPOINT_DOCUMENTS` documents into its export (:func:`cwcore.book.evidence_export.merge_cell`),
+   and a cell the export holds in part is resumed: its documents held whole are taken, the rest computed;
 2. copies the results tables of the other per-model chapters it ran (the sink chapters 5-7) into the
    evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
    and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
@@ -43,7 +45,8 @@ from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
 
-__all__ = ["ATOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "ladder_cell", "committed_cell", "build_evidence",
+__all__ = ["ATOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUMENTS", "CHECKPOINT_ENV_VAR", "ladder_cell",
+           "committed_cell", "committed_documents", "checkpoint_documents", "build_evidence",
            "provenance_record", "write_provenance", "read_provenance", "provenance_lines", "copy_chapter_tables"]
 
 #: documents of a committed cell recomputed before it is taken, and the tolerance in nats
@@ -51,6 +54,10 @@ SLICE_DOCUMENTS = 2
 ATOL = 1e-6
 #: a folder where :func:`ladder_cell` records each decision (``cell-<model>-<data>-<protocol>.json``)
 CELLS_ENV_VAR = "CWCORE_EVIDENCE_CELLS"
+#: documents a ladder cell computes between two merges into its export during the evidence build
+#: (about 20 minutes of smollm2-135m, 45 of gemma3-270m on 2 CPU cores): what is finished can be committed
+CHECKPOINT_DOCUMENTS = 16
+CHECKPOINT_ENV_VAR = "CWCORE_EVIDENCE_CHECKPOINT"
 CODE_SCOPES = ("faithfulness", "sinks", "analysis")  # the producing code of the evidence profile's results
 
 
@@ -62,29 +69,56 @@ def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int
     ``metrics`` and ``ratios`` on ``documents`` (in that order of documents, the export's row order
     otherwise), or None with the reason when the export does not hold all of them under the same
     profile, block length, seed and dtype."""
+    rows, held, why = committed_documents(model, data, protocol, documents, metrics, ratios, importances,
+                                          profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports,
+                                          variant=variant)
+    return (rows, why) if held == len(documents) else (None, why)
+
+
+def committed_documents(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
+                        *, profile: str, seq_len: int, seed: int, dtype: str, exports: str | Path | None = None,
+                        variant: str = "main", multiple: int = 1) -> tuple[pd.DataFrame | None, int, str]:
+    """(rows, held, why): the committed rows of the cell (as :func:`committed_cell`) on its first
+    ``held`` ``documents``, the longest leading run of them that the export holds whole (every
+    importance, metric, ratio and mode), cut to a multiple of ``multiple`` unless it is all of them
+    (a checkpointed build merges whole batches); rows None and ``held`` 0 with the reason otherwise."""
     found = read_committed(model, data, exports)
     if found is None:
-        return None, "no committed export"
+        return None, 0, "no committed export"
     table, meta = found
     same = {"profile": profile, "seq_len": int(seq_len), "seed": int(seed), "dtype": str(dtype)}
     differ = [k for k, v in same.items() if meta.get(k) != v]
     if differ:
-        return None, "the export ran with other " + ", ".join(f"{k} ({meta.get(k)!r}, not {same[k]!r})" for k in differ)
+        return None, 0, "the export ran with other " + ", ".join(f"{k} ({meta.get(k)!r}, not {same[k]!r})"
+                                                                for k in differ)
     documents = [int(d) for d in documents]
-    if [int(d) for d in meta["document_ids"][:len(documents)]] != documents:
-        return None, f"the export holds other documents (or fewer than {len(documents)})"
+    listed = [int(d) for d in meta["document_ids"][:len(documents)]]
+    if listed != documents[:len(listed)]:
+        return None, 0, "the export holds other documents"
     variants = table["variant"] if "variant" in table else pd.Series("main", index=table.index)
     rows = table[(table["protocol"] == protocol) & (variants == variant) & table["importance"].isin(list(importances))
                  & table["metric"].isin(list(metrics)) & table["document"].isin(documents)]
     rows = rows[rows["ratio"].astype(float).round(9).isin([round(float(r), 9) for r in ratios])]
-    expected = len(importances) * len(metrics) * len(ratios) * len(documents) * len(meta["modes"])
-    if len(rows) != expected:
-        return None, f"the export holds {len(rows)} of the cell's {expected} rows"
+    per_document = len(importances) * len(metrics) * len(ratios) * len(meta["modes"])
+    counts = rows.groupby("document").size()
+    held = 0
+    while held < len(documents) and counts.get(documents[held], 0) == per_document:
+        held += 1
+    if held < len(documents):
+        held -= held % max(1, int(multiple))
+    if held < len(documents):
+        why = (f"the export holds {len(rows)} of the cell's {per_document * len(documents)} rows"
+               + (f" (its first {held} documents whole)" if held else ""))
+    else:
+        why = "committed"
+    if held == 0:
+        return None, 0, why
+    rows = rows[rows["document"].isin(documents[:held])]
     broken = _broken_identities(rows, protocol, variant)
     if broken:
-        return None, (f"the export breaks the protocol's identical rungs ({broken}: they rank alike by "
-                      "construction, so their rows must be equal; made before the rung-tie fix)")
-    return rows.reset_index(drop=True), "committed"
+        return None, 0, (f"the export breaks the protocol's identical rungs ({broken}: they rank alike by "
+                         "construction, so their rows must be equal; made before the rung-tie fix)")
+    return rows.reset_index(drop=True), held, why
 
 
 def _broken_identities(rows: pd.DataFrame, protocol: str, variant: str) -> str:
@@ -116,89 +150,156 @@ def _record(decision: dict) -> None:
 
 
 def _recorded(decision: dict) -> dict | None:
-    """The decision this build recorded for the same cell and export file, when it took the export."""
+    """The decision this build recorded for the same cell and committed rows, when it took them (or
+    computed them into the export, checkpointing): the cell is not checked again."""
     path = _decision_path(decision)
     if path is None or not path.is_file():
         return None
     earlier = json.loads(path.read_text())
-    same = all(earlier.get(k) == decision[k] for k in ("documents", "export_sha256"))
-    return earlier if same and earlier.get("decision") == "committed" else None
+    same = all(earlier.get(k) == decision[k] for k in ("documents", "cell_sha256"))
+    return earlier if same and (earlier.get("decision") == "committed" or earlier.get("merged")) else None
 
 
-def _export_hash(model: str, data: str, exports) -> str:
+def _rows_hash(rows: pd.DataFrame) -> str:
     import hashlib
 
-    return hashlib.sha256(paths(model, data, exports)[0].read_bytes()).hexdigest()
+    keys = [k for k in ("importance", "metric", "mode", "ratio", "document") if k in rows]
+    # as the export writes them (8 significant digits), so computed rows hash as they read back
+    text = rows.sort_values(keys, kind="stable")[[*keys, "nll", "clean_nll"]].to_csv(
+        index=False, float_format=f"%.{evidence_export.SIGNIFICANT_DIGITS}g")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def checkpoint_documents(checkpoint: int | None, batch_size: int) -> int:
+    """Documents computed between two merges into the export (0: none): ``checkpoint``, or
+    ``$CWCORE_EVIDENCE_CHECKPOINT`` (the evidence build sets it), rounded up to whole batches on every
+    rank (:func:`cwcore.runs.world`, ``$CWCORE_JOBS``), so each slice runs the batches a whole run runs."""
+    if checkpoint is None:
+        value = os.environ.get(CHECKPOINT_ENV_VAR, "").strip()
+        checkpoint = int(value) if value else 0
+    if checkpoint <= 0:
+        return 0
+    ranks = runs.world()
+    step = int(batch_size) * max(1, ranks[1] if ranks else runs.local_jobs())
+    return -(-int(checkpoint) // step) * step
 
 
 def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str, protocol: str = "default",
                 importances: Sequence[str] = evidence.IMPORTANCES, profile: str, seed: int = 0, dtype: str = "float32",
                 exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS, atol: float = ATOL,
                 sweep: Callable = evidence.ladder_sweep, log: Callable[[str], None] | None = print,
-                **kwargs) -> pd.DataFrame:
+                checkpoint: int | None = None, **kwargs) -> pd.DataFrame:
     """``sweep(lm, tokenizer, blocks, metrics, ratios, protocol=..., importances=..., seed=seed, **kwargs)``
-    (:func:`cwcore.faithfulness.evidence.ladder_sweep`: the per-sequence table of one ladder cell), or the
-    cell's committed rows (:func:`committed_cell`; ``model`` and ``data`` name the export) when ``sweep`` on
-    the first ``slice_documents`` blocks, without the cache, gives the same rows within ``atol`` nats
-    (:func:`cwcore.book.evidence_export.compare`). The committed rows come without the export's ``data``,
-    ``model`` and ``delta_nll`` columns, as the sweep returns them. A ``random_seeds`` keyword of more
-    seeds than the export ran completes it: only the missing seeds are computed. ``blocks``: a
-    :func:`cwcore.data.document_blocks` data set (its ``document`` column names the rows)."""
+    (:func:`cwcore.faithfulness.evidence.ladder_sweep`: the per-sequence table of one ladder cell), resumed
+    from the cell's committed rows (:func:`committed_documents`; ``model`` and ``data`` name the export)
+    when ``sweep`` on the first ``slice_documents`` blocks, without the cache, gives the same rows within
+    ``atol`` nats (:func:`cwcore.book.evidence_export.compare`): the documents the export holds whole are
+    taken, the rest computed (``first_sequence``: the same batches as a whole run). The committed rows come
+    without the export's ``data``, ``model`` and ``delta_nll`` columns, in the sweep's order
+    (:func:`cwcore.faithfulness.evidence.sweep_order`). A ``random_seeds`` keyword of more seeds than the
+    export ran completes it: only the missing seeds are computed. ``checkpoint`` (documents;
+    :func:`checkpoint_documents`): compute that many documents at a time and merge each slice into the
+    export (:func:`cwcore.book.evidence_export.merge_cell`), so that what is finished can be committed
+    while the build runs. ``blocks``: a :func:`cwcore.data.document_blocks` data set (its ``document``
+    column names the rows)."""
     t0 = time.monotonic()
     call = dict(protocol=protocol, importances=list(importances), seed=seed, **kwargs)
     seq_len = len(blocks[0]["input_ids"])
-    variant = Protocol(**{**evidence.PROTOCOLS[protocol], **kwargs.get("protocol_change", {})}).variant
-    cell = dict(profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports, variant=variant)
+    chosen = Protocol(**{**evidence.PROTOCOLS[protocol], **kwargs.get("protocol_change", {})})
+    variant = chosen.variant
+    same = dict(profile=profile, seq_len=seq_len, seed=seed, dtype=dtype)
     documents = list(blocks["document"])
+    n = len(documents)
+    batch = int(kwargs.get("batch_size", 16))
+    every_slice = checkpoint_documents(checkpoint, batch)
     seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
-    rows, why = committed_cell(model, data, protocol, documents, [*metrics, *seeds], ratios, importances, **cell)
-    missing = []  # the random control's extra seeds, where the export ran fewer: computed, the rest taken
-    if rows is None and seeds:
-        rows, _ = committed_cell(model, data, protocol, documents, metrics, ratios, importances, **cell)
-        missing = seeds if rows is not None else []
-    call_checked = {**call, "random_seeds": 1} if missing else call  # the slice checks what the export holds
+    labels = [*metrics, *seeds]
+    look = dict(**same, exports=exports, variant=variant, multiple=batch)
+    whole, held_whole, why = committed_documents(model, data, protocol, documents, labels, ratios, importances, **look)
+    base, held = whole, held_whole
+    if seeds:
+        base, held, why_base = committed_documents(model, data, protocol, documents, metrics, ratios, importances,
+                                                   **look)
+        why = why if held_whole else why_base
     label = f"{model} {data} {protocol}" + (f" ({variant})" if variant != "main" else "")
-    decision = {"model": model, "data": data, "protocol": protocol, "documents": len(blocks),
+    decision = {"model": model, "data": data, "protocol": protocol, "documents": n,
                 **({"variant": variant} if variant != "main" else {})}
-    if rows is not None:
-        decision["export_sha256"] = _export_hash(model, data, exports)
-        earlier = _recorded(decision)
-        if earlier is not None:  # checked earlier in this build (the notebook's kernel): not again
-            return _completed(rows, missing, sweep, lm, tokenizer, blocks, metrics, ratios, call)
-        head = blocks.select(range(min(slice_documents, len(blocks))))
-        fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**call_checked, "cache": False}).assign(data=data,
-                                                                                                        model=model)
-        bad = compare(rows.assign(data=data, model=model), fresh, atol=atol)
-        diff = float((fresh.merge(rows, on=["importance", "metric", "mode", "ratio", "document"], suffixes=("", "_c"))
-                      .eval("abs(nll - nll_c)").max()))
+    taken: list[pd.DataFrame] = []
+    todo: list[tuple[int, int, bool]] = [(0, n, False)]  # (first, stop, extra seeds only)
+    replace = True
+    if held:
+        kept = whole if held_whole else base
+        decision["cell_sha256"] = _rows_hash(kept)
+        earlier = _recorded(decision) if held_whole == n else None
+        if earlier is not None:  # checked (or computed) earlier in this build (the notebook's kernel): not again
+            return _ordered([_plain(kept)], labels, importances, chosen.kind)
+        head = blocks.select(range(min(slice_documents, held)))
+        checked = {**call, "random_seeds": 1} if held_whole < len(head) else call  # what the export holds
+        fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**checked, "cache": False}).assign(data=data,
+                                                                                                  model=model)
+        reference = (whole if held_whole >= len(head) else base)
+        reference = reference[reference["document"].isin(list(head["document"]))]
+        bad = compare(reference.assign(data=data, model=model), fresh, atol=atol)
+        diff = float((fresh.merge(reference, on=["importance", "metric", "mode", "ratio", "document"],
+                                  suffixes=("", "_c")).eval("abs(nll - nll_c)").max()))
         decision.update(slice_rows=len(fresh), max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
-        if bad.empty:
-            decision["decision"] = "committed"
-            _say(log, f"{label}: committed export taken (first {len(head)} documents recomputed, "
+        if bad.empty:  # the main metrics' rows of ``held`` documents, the extra seeds' of ``held_whole``
+            taken = [base] + ([whole[whole["metric"].isin(seeds)]] if seeds and held_whole else [])
+            todo = ([(held_whole, held, True)] if seeds and held > held_whole else []) + \
+                   ([(held, n, False)] if held < n else [])
+            replace = False
+            missing = [f"seeds {', '.join(seeds)} on documents {a + 1}-{b}" for a, b, only in todo if only]
+            missing += [f"documents {a + 1}-{b}" for a, b, only in todo if not only]
+            _say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} recomputed, "
                       f"{len(fresh)} rows within {atol:g} nats, max |diff| {diff:.1e})"
-                      + (f"; computing the random control's seeds {', '.join(missing)}" if missing else ""))
-            if missing:
-                decision["seeds_computed"] = missing
-            _record(decision)
-            return _completed(rows, missing, sweep, lm, tokenizer, blocks, metrics, ratios, call)
-        why = f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats"
-    decision.update(decision="recomputed", reason=why)
-    if rows is not None or not (why == "no committed export" or "profile" in why):  # another profile: silent
-        _say(log, f"{label}: computing the cell ({why})")
-    out = sweep(lm, tokenizer, blocks, metrics, ratios, **call)
-    decision["compute_s"] = round(time.monotonic() - t0, 1)
+                      + (f"; computing {'; '.join(missing)}" if missing else ""))
+            decision["decision"] = "committed" if held == n else "resumed"
+            if held < n:
+                decision["documents_taken"] = held
+            if seeds and held_whole < held:
+                decision["seeds_computed"] = seeds
+        else:
+            why = f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats"
+    if todo == [(0, n, False)]:
+        decision.update(decision="recomputed", reason=why)
+        if held or not (why == "no committed export" or "profile" in why):  # another profile: silent
+            _say(log, f"{label}: computing the cell ({why})")
+    computed = []
+    for first, stop, extra_only in todo:
+        size = every_slice or (stop - first)
+        for a in range(first, stop, size):
+            b = min(a + size, stop)
+            part = sweep(lm, tokenizer, blocks if (a, b) == (0, n) else blocks.select(range(a, b)), metrics, ratios,
+                         **{**call, **({"extra_seeds_only": True} if extra_only else {}),
+                            **({"first_sequence": a} if a else {})})
+            computed.append(part)
+            if every_slice and runs.is_main_rank():
+                csv, _ = evidence_export.merge_cell(model, data, part, protocol=protocol, variant=variant, **same,
+                                                    document_ids=documents, out=exports, replace=replace)
+                replace = False
+                _say(log, f"{label}: documents {a + 1}-{b} of {n} merged into {csv.name} "
+                          f"({time.monotonic() - t0:.0f} s)")
+    if todo:
+        decision["compute_s"] = round(time.monotonic() - t0, 1)
+    if len(computed) == 1 and not taken:
+        out = computed[0]
+    else:
+        out = _ordered([*map(_plain, taken), *computed], labels, importances, chosen.kind)
+    if every_slice and todo:
+        decision.update(merged=True, cell_sha256=_rows_hash(out))
     _record(decision)
     return out
 
 
-def _completed(rows, missing, sweep, lm, tokenizer, blocks, metrics, ratios, call) -> pd.DataFrame:
-    """A committed cell's rows as the sweep returns them, with the random control's ``missing`` seeds
-    computed (``extra_seeds_only``) where the export ran fewer."""
-    rows = rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
-    if not missing:
-        return rows
-    extra = sweep(lm, tokenizer, blocks, metrics, ratios, **{**call, "extra_seeds_only": True})
-    return pd.concat([rows, extra[[c for c in rows.columns if c in extra.columns]]], ignore_index=True)
+def _plain(rows: pd.DataFrame) -> pd.DataFrame:
+    """Committed rows as the sweep returns them (without the export's own columns)."""
+    return rows.drop(columns=[c for c in ("data", "model", "delta_nll") if c in rows])
+
+
+def _ordered(parts: list[pd.DataFrame], labels, importances, kind: str) -> pd.DataFrame:
+    columns = list(parts[-1].columns)
+    rows = pd.concat([p[[c for c in columns if c in p.columns]] for p in parts], ignore_index=True)
+    return evidence.sweep_order(rows, labels, importances, kind=kind)
 
 
 def _say(log, text: str) -> None:
@@ -356,8 +457,10 @@ def build_evidence(*, profile: str = "evidence", models=None, only=None, out: st
     t0 = time.monotonic()
     chapters = _chapters(profile, models, only, build_kwargs.get("config_path"))  # a bad --only fails here
     scratch = Path(tempfile.mkdtemp(prefix="cwcore-evidence-"))
-    saved = {name: os.environ.get(name) for name in (cw_cache.TALLY_ENV_VAR, CELLS_ENV_VAR)}
+    saved = {name: os.environ.get(name) for name in (cw_cache.TALLY_ENV_VAR, CELLS_ENV_VAR, CHECKPOINT_ENV_VAR)}
     os.environ[cw_cache.TALLY_ENV_VAR] = os.environ[CELLS_ENV_VAR] = str(scratch)  # the kernels inherit them
+    # chapter 4's cells merge every few batches into their exports, which can be committed while it runs
+    os.environ.setdefault(CHECKPOINT_ENV_VAR, str(CHECKPOINT_DOCUMENTS))
     cw_cache._start_process_tally()  # this process's own reads too
     try:
         build(profile=profile, models=models, only=only, **build_kwargs)

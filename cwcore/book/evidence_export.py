@@ -51,7 +51,7 @@ from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
            "grids_of", "per_document",
-           "export", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
+           "export", "merge_cell", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
 #: the columns that name a row of the per-document table
@@ -198,12 +198,95 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     csv, js = paths(model, data, out)
+    earlier = read_committed(model, data, out)
+    if earlier is not None and earlier[1].get("cells"):  # the cells merged while the build ran keep their commit
+        meta["cells"] = earlier[1]["cells"]
     csv.parent.mkdir(parents=True, exist_ok=True)
+    _write(csv, js, table, meta)
+    return csv, js
+
+
+def cell_name(protocol: str, variant: str = "main") -> str:
+    """The name of one ladder cell in an export's ``cells`` record: ``default``, ``default/token-unit``."""
+    return protocol if variant in ("", "main") else f"{protocol}/{variant}"
+
+
+def _write(csv: Path, js: Path, table: pd.DataFrame, meta: dict) -> None:
     # mtime 0: the same rows give the same bytes, so a re-export that changes nothing leaves git clean
     rows = io.BytesIO()  # written whole, then renamed into place: a killed export leaves the old file
     table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
     cw_cache.atomic_write_bytes(csv, rows.getvalue())
     cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1) + "\n").encode())
+
+
+def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: str, variant: str = "main",
+               profile: str, seq_len: int, seed: int, dtype: str, document_ids: Sequence[int],
+               out: str | Path | None = None, replace: bool = False) -> tuple[Path, Path]:
+    """Merge the per-document ``rows`` of one ladder cell (as :func:`cwcore.faithfulness.evidence.ladder_sweep`
+    returns them, for some of its documents) into the export of ``model`` and ``data``, atomically, so
+    that a long build's finished documents can be committed while it runs (the evidence build checkpoints
+    every few batches: :func:`cwcore.book.evidence_build.ladder_cell`). Rows with the same key replace
+    the export's; ``replace``: drop the cell's rows first (a cell being recomputed from scratch; ``rows``
+    may then be None). ``document_ids``: the whole sample's documents in order (the export's
+    ``document_ids``). The JSON's ``cells`` records, per cell, the documents held and the commit and
+    time of the last write. Returns the paths."""
+    csv, js = paths(model, data, out)
+    found = read_committed(model, data, out)
+    same = {"profile": profile, "seq_len": int(seq_len), "seed": int(seed), "dtype": str(dtype)}
+    ids = [int(d) for d in document_ids]
+    if found is not None:
+        table, meta = found
+        differ = {k: meta.get(k) for k, v in same.items() if meta.get(k) != v}
+        if differ or [int(d) for d in meta["document_ids"][:len(ids)]] != ids[:len(meta["document_ids"])]:
+            raise ValueError(f"{csv.name} holds another run ({differ or 'other documents'}): not merging into it")
+        ids = ids if len(ids) >= len(meta["document_ids"]) else [int(d) for d in meta["document_ids"]]
+    else:
+        table, meta = pd.DataFrame(), {}
+    variants = table["variant"] if "variant" in table else pd.Series("main", index=table.index, dtype=object)
+    in_cell = (table["protocol"] == protocol) & (variants == variant) if len(table) else pd.Series(dtype=bool)
+    fresh = pd.DataFrame() if rows is None else rows.assign(data=data, model=model,
+                                                            delta_nll=rows["nll"] - rows["clean_nll"])
+    if "variant" not in fresh and len(fresh):
+        fresh.insert(int(fresh.columns.get_loc("protocol")) + 1 if "protocol" in fresh else 0, "variant", variant)
+    if replace and len(table):
+        table = table[~in_cell]
+    elif len(table) and len(fresh):
+        keys = [k for k in KEYS if k in fresh]
+        new = pd.MultiIndex.from_frame(fresh[keys].astype(str))
+        table = table[~pd.MultiIndex.from_frame(table[keys].astype(str)).isin(new)]
+    table = pd.concat([table, fresh], ignore_index=True)
+    if len(table):
+        table = table[[c for c in _FIRST if c in table] + [c for c in table if c not in _FIRST]]
+        order = {d: i for i, d in enumerate(ids)}
+        table = table.assign(_d=table["document"].map(order)).sort_values(
+            ["protocol", "variant", "importance", "metric", "mode", "ratio", "_d"], kind="stable").drop(columns="_d")
+        table = table.reset_index(drop=True)
+    cell_rows = table[(table["protocol"] == protocol) & (table["variant"] == variant)] if len(table) else table
+    root = Path(cwcore.__file__).resolve().parent.parent
+    cells = dict(meta.get("cells", {}))
+    cells[cell_name(protocol, variant)] = {
+        "documents": int(cell_rows["document"].nunique()) if len(cell_rows) else 0,
+        "metrics": sorted(cell_rows["metric"].unique().tolist()) if len(cell_rows) else [],
+        "commit": provenance.git(root, "rev-parse", "HEAD"),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    main = table[table["variant"] == "main"] if len(table) else table
+    meta = {
+        "what": meta.get("what", f"per-document rows of chapter {CHAPTER}'s ladder sweeps (merged cell by cell "
+                                 "while the evidence build runs); delta_nll = nll - clean_nll (nats)"),
+        **meta, **same, "model": model, "data": data,
+        "documents": int(table["document"].nunique()) if len(table) else 0, "document_ids": ids,
+        "protocols": list(dict.fromkeys(main["protocol"])) if len(main) else [],
+        "variants": [v for v in dict.fromkeys(table["variant"]) if v != "main"] if len(table) else [],
+        "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g", "cells": cells,
+    }
+    for key, value in (("importances", "importance"), ("modes", "mode")):
+        meta[key] = sorted(table[value].unique().tolist()) if len(table) else []
+    meta.setdefault("ratios", sorted(float(r) for r in table["ratio"].unique()) if len(table) else [])
+    meta.setdefault("metrics", [m for m in dict.fromkeys(table["metric"])] if len(table) else [])
+    meta.setdefault("cache", {"code_hash": cw_cache.code_version(("faithfulness",)), "hits": 0, "misses": 0,
+                              "folders": []})
+    csv.parent.mkdir(parents=True, exist_ok=True)
+    _write(csv, js, table, meta)
     return csv, js
 
 
@@ -285,6 +368,22 @@ def _exports(out: Path) -> dict[str, list[str]]:
     return found
 
 
+def _whole_seeds(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows without the random control's extra seeds on a cell where they do not yet cover every
+    document of the cell (a checkpointed build that was completing them): the random rung then averages
+    over the seeds every document has."""
+    seeded = rows["metric"].astype(str).str.startswith(evidence.RANDOM_PREFIX)
+    if not seeded.any():
+        return rows
+    keep = pd.Series(True, index=rows.index)
+    for _, cell in rows.groupby(["protocol", "variant"], sort=False):
+        documents = set(cell.loc[~seeded[cell.index], "document"])
+        for metric, part in cell[seeded[cell.index]].groupby("metric"):
+            if set(part["document"]) != documents:
+                keep[part.index] = False
+    return rows[keep]
+
+
 def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
            all_models: Sequence[str] | None = None) -> list[Path]:
     """Chapter 4's evidence tables from the exports in ``out`` (default ``data/results/evidence``):
@@ -312,11 +411,14 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
             # the low range ends at the top of the low grid the export ran (an export older than the
             # "grids" field ran the profile's)
             grids = grids_of(meta if "grids" in meta else p)
-            _, ladder = evidence.evidence_tables(rows.drop(columns=["data", "model", "delta_nll"]), grids=grids,
-                                                 n_bootstrap=p["n_bootstrap"], seed=p["seed"])
+            _, ladder = evidence.evidence_tables(_whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
+                                                 grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
             ladders.append(ladder.assign(data=data))
-            cells += [f"{data} x {protocol} ({meta['documents']} documents)" for protocol in meta["protocols"]]
-            cells += [f"{data} x default, {v} ({meta['documents']} documents)" for v in meta.get("variants", [])]
+            held = {name: c["documents"] for name, c in meta.get("cells", {}).items()}
+            cells += [f"{data} x {protocol} ({held.get(protocol, meta['documents'])} documents)"
+                      for protocol in meta["protocols"]]
+            cells += [f"{data} x default, {v} ({held.get(cell_name('default', v), meta['documents'])} documents)"
+                      for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
         path = results_path(out, CHAPTER, model)

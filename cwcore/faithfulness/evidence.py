@@ -71,7 +71,7 @@ __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX
            "LadderRun", "ladder_evidence", "MARGINS", "ALPHA",
            "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
            "primary_family", "is_primary", "RANDOM_PREFIX", "random_seeds_of", "extra_seed_labels", "with_seed_spread", "VARIANT_CHANGES",
-           "variant_changes"]
+           "variant_changes", "sweep_order"]
 
 PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
 #: the removal-unit variants a ladder run can add under the ``default`` protocol, by name
@@ -189,6 +189,30 @@ def extra_seed_labels(metrics: Sequence, seed: int, random_seeds: int) -> list[s
     if "random" not in list(metrics) or int(random_seeds) <= 1:
         return []
     return [f"{RANDOM_PREFIX}{s}" for s in random_seeds_of(seed, random_seeds)[1:]]
+
+
+def sweep_order(rows: pd.DataFrame, metrics: Sequence[str], importances: Sequence[str] = IMPORTANCES,
+                modes: Sequence[str] | None = None, kind: str = "inter") -> pd.DataFrame:
+    """``rows`` of one :func:`ladder_sweep` cell (assembled from pieces: committed documents, slices)
+    in the order :func:`ladder_sweep` returns them: importance as given, then its metrics in the
+    sweep's order (the absolute sign: the reused sign-invariant rows first), mode as given, ratio,
+    sequence. ``metrics``: the metric labels of the cell (extra seeds included), as requested."""
+    from .ranking import MODES
+
+    modes = list(modes or MODES)
+    metrics = [str(m) for m in metrics]
+    order = []
+    for i, importance in enumerate(importances):
+        listed = metrics
+        if importance == "absolute" and "signed" in list(importances)[:i]:
+            reused = lambda m: m.startswith(RANDOM_PREFIX) or parse_metric(m, kind).name in SIGN_INVARIANT  # noqa: E731
+            listed = [m for m in metrics if reused(m)] + [m for m in metrics if not reused(m)]
+        order += [(importance, m) for m in listed]
+    position = {key: i for i, key in enumerate(order)}
+    keys = pd.DataFrame({"p": [position.get(k, len(order)) for k in zip(rows["importance"], rows["metric"])],
+                         "o": rows["mode"].map({m: i for i, m in enumerate(modes)}),
+                         "r": rows["ratio"].astype(float), "s": rows["sequence"]}, index=rows.index)
+    return rows.loc[keys.sort_values(["p", "o", "r", "s"], kind="stable").index].reset_index(drop=True)
 
 
 def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, protocol: str = "default",

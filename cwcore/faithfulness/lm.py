@@ -71,14 +71,14 @@ def sequence_nll(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
     return sums, counts
 
 
-def _documents(texts, n: int) -> list[int]:
+def _documents(texts, n: int, first: int = 0) -> list[int]:
     """The document of each sequence: the ``document`` column of a Dataset of blocks
-    (:func:`cwcore.data.document_blocks`), else each sequence its own document."""
+    (:func:`cwcore.data.document_blocks`), else each sequence its own document (its id, from ``first``)."""
     if isinstance(texts, datasets.Dataset) and "document" in texts.column_names:
         return [int(d) for d in texts["document"]]
     if isinstance(texts, dict) and "document" in texts:
         return [int(d) for d in texts["document"]]
-    return list(range(n))
+    return list(range(first, first + n))
 
 
 def _lm_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
@@ -113,6 +113,7 @@ def faithfulness_curve(
     cache: bool = True,
     cache_dir: str | Path | None = None,
     progress: bool = True,
+    first_sequence: int = 0,
     **protocol_keywords,
 ) -> pd.DataFrame:
     """Delta perplexity of a causal LM when the top / bottom fraction of attention terms is removed.
@@ -156,6 +157,10 @@ def faithfulness_curve(
     cache, cache_dir
         store every (batch, metric, mode, ratio) piece under ``cache_dir`` (default
         :func:`cwcore.cache.cache_root`); a rerun reads them, an interrupted run resumes.
+    first_sequence
+        the id of the first sequence (the ``sequence`` column; the random control hashes it and the
+        pieces are named by it): a slice ``texts[k:]`` of a longer sample run with ``first_sequence=k``
+        (``k`` a multiple of ``batch_size``) gives exactly that sample's rows for those sequences.
 
     Returns the summary, one row per (metric, mode, ratio): ``metric, kind, mode, ratio, delta_ppl,
     ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl, ppl, removed_fraction,
@@ -170,14 +175,17 @@ def faithfulness_curve(
     specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)
     if padding_side not in ("left", "right"):
         raise ValueError("padding_side must be 'left' or 'right'")
+    if isinstance(first_sequence, bool) or not isinstance(first_sequence, int) or first_sequence < 0:
+        raise ValueError(f"first_sequence must be a non-negative int, got {first_sequence!r}")
     sequences = check_token_sequences(_lm_sequences(check_texts(texts, "faithfulness_curve"), tokenizer, max_length),
                                       model, caller="faithfulness_curve", min_length=2)
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("every sequence needs at least two tokens (one next-token prediction)")
     pad = pad_id(tokenizer)
     batches = [
-        pad_batch(i // batch_size, sequences[i:i + batch_size], list(range(i, min(i + batch_size, len(sequences)))),
-                  pad, padding_side)
+        pad_batch(i // batch_size, sequences[i:i + batch_size],
+                  list(range(first_sequence + i, first_sequence + min(i + batch_size, len(sequences)))), pad,
+                  padding_side)
         for i in range(0, len(sequences), batch_size)
     ]
     store = piece_store("faithfulness", {"protocol": asdict(protocol)}, model, cache, cache_dir)
@@ -185,7 +193,8 @@ def faithfulness_curve(
                                deduplicate, _lm_scorer)
     table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "sequence")
     table["clean_nll"] = table["sequence"].map(pd.concat(cleans).set_index("sequence")["nll"])
-    table["document"] = table["sequence"].map(dict(enumerate(_documents(texts, len(sequences)))))
+    table["document"] = table["sequence"].map(dict(enumerate(_documents(texts, len(sequences), first_sequence),
+                                                                   start=first_sequence)))
     for key, value in protocol.columns().items():
         table[key] = value
     if per_sequence:
