@@ -119,3 +119,32 @@ def test_committed_notebooks_are_valid_nbformat_without_outputs():
         assert not missing, f"{path.name}: cells {missing} have no id"
         stored = [i for i, cell in enumerate(nb.cells) if cell.get("outputs")]
         assert not stored, f"{path.name}: cells {stored} are committed with outputs"
+
+
+def _undisplayed_tables(source: str) -> list[int]:
+    """Lines of ``show(...)`` calls whose table is never displayed: a bare expression statement that is not
+    the cell's last top-level statement (a Styler is shown only as the cell's value or through display)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:  # IPython magics: not Python
+        return []
+    last = tree.body[-1] if tree.body else None
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)
+            and getattr(node.value.func, "id", None) == "show" and node is not last]
+
+
+def test_every_table_a_notebook_shows_is_displayed():
+    assert _undisplayed_tables("if x:\n    show(a)\nelse:\n    pass\n") == [2]  # the check can fail
+    assert _undisplayed_tables("show(a)\nprint(1)\n") == [1]
+    assert _undisplayed_tables("x = 1\nshow(a)\n") == [] and _undisplayed_tables("display(show(a))\nx = 1\n") == []
+    found = {}
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            if cell["cell_type"] == "code":
+                lines = _undisplayed_tables("".join(cell["source"]))
+                if lines:
+                    found[f"{path.name}:{cell.get('id')}"] = lines
+    assert not found, f"show(...) whose table is never displayed (wrap it in display): {found}"

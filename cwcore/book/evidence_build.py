@@ -437,10 +437,11 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
         if run.chapter.name != CHAPTER:
             continue
         p = notebook_parameters(profile, run.model, config)
-        for data in p["datasets"]:
-            sweep = partial(ladder_cell, model=run.model, data=data, profile=profile, dtype=p["dtype"], exports=out)
-            written += export(profile, run.model, data, p["n_sequences"], p["protocols"], out=out, config=config,
-                              sweep=sweep)
+        for model in [run.model, *evidence_export.weight_variant_names(run.model, p)]:
+            for data in p["datasets"]:
+                sweep = partial(ladder_cell, model=model, data=data, profile=profile, dtype=p["dtype"], exports=out)
+                written += export(profile, model, data, p["n_sequences"], p["protocols"], out=out, config=config,
+                                  sweep=sweep)
     return written + (export_tables(out) if any(out.glob("per_document_*.json")) else [])
 
 

@@ -50,7 +50,7 @@ from . import results_path, slug
 from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
-           "grids_of", "per_document",
+           "grids_of", "weight_variant_names", "per_document",
            "export", "merge_cell", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
@@ -77,6 +77,16 @@ def notebook_parameters(profile: str, model: str, config: str | Path | None = No
     (:func:`cwcore.book.parameters.run_parameters`: its parameters cell's defaults, replaced by what the
     book runner injects from run.yml)."""
     return run_parameters(CHAPTER, profile, model, config=config)
+
+
+def weight_variant_names(model: str, parameters: dict) -> list[str]:
+    """The other weights of ``model`` on which chapter 4 runs its main cells again (its parameters
+    ``weight_variants``, on the models ``weight_variant_models`` names): ``<model>-<variant>`` names
+    :func:`cwcore.load_model` takes (:data:`cwcore.models.VARIANTS`), exported like models of their own."""
+    only = parameters.get("weight_variant_models")
+    if only is not None and model not in only:
+        return []
+    return [f"{model}-{v}" for v in parameters.get("weight_variants") or []]
 
 
 def grids_of(parameters: dict) -> evidence.RatioGrids:

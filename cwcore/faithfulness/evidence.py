@@ -374,14 +374,17 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
 
 
 def variant_changes(main: pd.DataFrame, variant: pd.DataFrame) -> pd.DataFrame:
-    """Each ladder step of the variant cells beside the same step of the main ``default`` protocol (same
-    data set, mode, sign and range): ``difference`` and ``verdict`` of both, and ``changed`` where the
+    """Each ladder step of the variant cells beside the same step of the main protocols (same protocol,
+    data set, mode, sign and range; the removal-unit variants run under ``default``, a weights variant
+    under every main protocol): ``difference`` and ``verdict`` of both, and ``changed`` where the
     verdicts differ. ``main`` and ``variant``: ladder tables (:meth:`LadderRun.tables`,
-    :meth:`LadderRun.variant_tables`; a ``data`` column where there are several data sets)."""
+    :meth:`LadderRun.variant_tables`; a ``data`` column where there are several data sets; a
+    ``variant`` column in ``variant``)."""
     if variant.empty:
         return pd.DataFrame()
-    keys = [c for c in ("data", "mode", "importance", "range", "lower", "higher") if c in variant and c in main]
-    base = main[main["protocol"] == "default"].set_index(keys)[["difference", "verdict"]]
+    keys = [c for c in ("protocol", "data", "mode", "importance", "range", "lower", "higher")
+            if c in variant and c in main]
+    base = main.set_index(keys)[["difference", "verdict"]]
     out = variant[[*keys, "variant", "difference", "verdict"]].join(base, on=keys, rsuffix="_main")
     out["changed"] = out["verdict"] != out["verdict_main"]
     return out.reset_index(drop=True)

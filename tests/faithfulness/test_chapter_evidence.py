@@ -199,6 +199,72 @@ def test_variant_cells_are_the_default_protocol_with_one_field_changed_on_the_mo
     source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22c")["source"])
     said = {}
     exec(source, {"evidence": ev, "ladder": main.assign(data="docs"), "variant_ladder": varied.assign(data="docs"),  # noqa: S102
-                  "LABELS": {}, "show": lambda *a, **k: None, "note_md": lambda k, v: said.update({k: v})})
+                  "LABELS": {}, "show": lambda *a, **k: None, "display": lambda *a: None, "note_md": lambda k, v: said.update({k: v})})
     moved = int(changes["changed"].sum())
     assert said["variant_summary"].startswith(f"{moved} of {len(changes)} step verdicts differ")
+
+
+def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_names_the_primary_changes(setup):
+    tmp, data, model, tokenizer = setup
+    assert es.weight_variant_names("smollm2-135m", {"weight_variants": ["requantized"],
+                                                   "weight_variant_models": ["smollm2-135m"]}) == [
+        "smollm2-135m-requantized"]
+    assert es.weight_variant_names("gemma3-270m", {"weight_variants": ["requantized"],
+                                                  "weight_variant_models": ["smollm2-135m"]}) == []
+    assert es.weight_variant_names("x", {"weight_variants": ["requantized"], "weight_variant_models": None}) == [
+        "x-requantized"]
+    # the other weights: the tiny model with W_V and W_O perturbed by about 1%, as a re-quantisation does
+    import copy
+
+    import torch
+
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if name.endswith(("v_proj.weight", "o_proj.weight")):
+                p.add_(0.01 * p.abs().mean() * torch.randn(p.shape, generator=g))
+    loaded = {"tiny-requantized": (other, tokenizer)}
+    common = dict(datasets=[str(data)], n_sequences=3, seq_len=10, low_ratios=[0.1], ratios=[0.5],
+                  protocols=["default", "per-head"], importances=["signed", "absolute"],
+                  metrics=["attention", "value_weighted", "value_weighted_output_normalized", "contribution", "random"],
+                  random_seeds=1, n_bootstrap=50, seed=0, batch_size=2, cache=False)
+    main = ev.ladder_evidence(model, tokenizer, **common).tables(n_permutations=0)[1]
+    nb = json.loads(NOTEBOOK.read_text())
+    source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22e")["source"])
+    said, shown = {}, []
+
+    class Loader:
+        @staticmethod
+        def load_model(name, **_):
+            return loaded[name]
+
+    scope = {"evidence": ev, "ladder": main, "LABELS": {}, "show": shown.append, "display": lambda *a: None, "pd": pd, "time": __import__("time"),
+             "note_md": lambda k, v: said.update({k: v}), "cwcore": Loader, "partial": __import__("functools").partial,
+             "ladder_cell": lambda *a, model, profile, dtype, data, **k: ev.ladder_sweep(*a, **k),
+             "weight_variants": ["requantized"], "weight_variant_models": None, "model": "tiny", "profile": "tiny",
+             "dtype": "float32", "device": "cpu",
+             **{k: v for k, v in common.items() if k != "n_bootstrap"}, "n_bootstrap": 50}
+    exec(source, scope)  # noqa: S102 - the repository's own notebook, in a test
+    changes = ev.variant_changes(main, ev.ladder_evidence(other, tokenizer, **common).tables(n_permutations=0)[1]
+                                 .assign(variant="requantized"))
+    # both protocols are matched step by step (a step under per-head beside the same step under per-head)
+    assert set(changes["protocol"]) == {"default", "per-head"} and len(changes) == len(main)
+    assert not changes["verdict_main"].isna().any()
+    # "tiny" is not a model of the primary family: no primary step to report
+    assert said["weights_summary"].startswith("0 of 0 primary verdicts survive")
+    said.clear()
+    # a primary model, its text file read as GSM8K: the primary steps (4 per mode, |c|, full range) are named
+    import types
+
+    loaded["smollm2-135m-requantized"] = (other, tokenizer)
+    as_gsm8k = lambda model, data, *rest: ev.is_primary(model, "gsm8k", *rest)  # noqa: E731
+    exec(source, {**scope, "model": "smollm2-135m",  # noqa: S102
+                  "evidence": types.SimpleNamespace(**{**{k: getattr(ev, k) for k in dir(ev) if not k.startswith("__")},
+                                                       "is_primary": as_gsm8k})})
+    primary = changes[[as_gsm8k("smollm2-135m", r.data, r.mode, r.protocol, r.importance, r.range, r.lower, r.higher)
+                       for r in changes.itertuples()]]
+    assert len(primary) == 8 and len(shown[-1]) == 8
+    kept = int((~primary["changed"]).sum())
+    assert said["weights_summary"].startswith(f"{kept} of 8 primary verdicts survive the re-quantisation")
+    assert ("changed:" in said["weights_summary"]) == (kept < 8)
