@@ -199,10 +199,7 @@ class HeadSpaceGeometry:
         if given is not None or self.key_spans is None:
             return self.scaled_dot(kind, divisor).mul_(self.attention)
         side, keys = self._sides(kind, divisor)
-        # a small layer (FULL_WIDTH_ELEMENTS) is one product and one multiply: at 512 tokens that is faster
-        # than the block loop, whose skipped keys only pay off on long inputs and sliding windows
-        small = self.attention.numel() <= FULL_WIDTH_ELEMENTS
-        if small or not (all_finite(side) and all_finite(keys)):
+        if not (all_finite(side) and all_finite(keys)):
             return (side @ keys.transpose(-1, -2)).mul_(self.attention)
         out = torch.empty(self.attention.shape, dtype=side.dtype, device=side.device)
         keys_t = keys.transpose(-1, -2)
@@ -272,12 +269,6 @@ def naive_geometry(attention: torch.Tensor, values: torch.Tensor, w_o: torch.Ten
 #: Random directions of the projected self-check (:func:`_projected_check`), fixed for reproducibility.
 PROBES = 8
 _PROBE_CACHE: dict = {}
-
-
-#: ``[batch, head, query, key]`` sizes up to which :meth:`HeadSpaceGeometry.weighted_dot` computes every key
-#: (one product, then the multiply by alpha) rather than skipping blocks of keys where alpha is 0
-#: (measured in benchmarks/README.md: 512 tokens x 9 heads is 2.4M entries)
-FULL_WIDTH_ELEMENTS = 1 << 22
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cwcore
-from cwcore.core import attention, geometry
+from cwcore.core import attention
 from tiny_models import VOCAB, tiny_model
 
 IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
@@ -67,7 +67,6 @@ def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, mo
     blocks all occur. Against the same model configured eager (eager's own arithmetic): probabilities to
     float32 rounding, exact zeros where eager has them, and every output within the self-check's tolerance."""
     monkeypatch.setattr(attention, "QUERY_BLOCK", 3)
-    monkeypatch.setattr(geometry, "FULL_WIDTH_ELEMENTS", 0)  # the views' block loop too (not only long inputs)
     mask = torch.ones_like(IDS)
     if padded:
         mask[1, :4] = 0
@@ -87,13 +86,3 @@ def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, mo
         torch.testing.assert_close(blockwise.inter[layer], eager.inter[layer], rtol=1e-4, atol=1e-5, equal_nan=True)
     real = mask.bool()
     torch.testing.assert_close(blockwise.outputs.logits[real], eager.outputs.logits[real], rtol=1e-4, atol=1e-5)
-    # a small layer's views are one full-width product: the same weights as the block loop's, zeros included
-    spanned = [layer for layer in eager.layers if blockwise[layer].geometry.key_spans is not None]
-    assert spanned or padded  # causal blocks without padding always have key spans
-    for layer in spanned:
-        monkeypatch.setattr(geometry, "FULL_WIDTH_ELEMENTS", 0)
-        looped = blockwise[layer].geometry.weighted_dot("inter")
-        monkeypatch.setattr(geometry, "FULL_WIDTH_ELEMENTS", 1 << 22)
-        full = blockwise[layer].geometry.weighted_dot("inter")
-        torch.testing.assert_close(full, looped, rtol=1e-6, atol=1e-7, equal_nan=True)
-        assert torch.equal(full == 0, looped == 0)
