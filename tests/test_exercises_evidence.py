@@ -158,8 +158,7 @@ def _exports():
 EXPORTS = _exports()
 #: exports made before the rung-tie fix (2329eb2): rung 3 was ranked by its own scores, so a float tie
 #: can differ from rung 2 by a few 1e-6 nats; 4.1's (b) asserts the bit-identity the fixed code gives
-STALE_FOR_41 = {("smollm2-135m", "gsm8k"): "exported at fe0583d, before the rung-tie fix: two float ties in "
-                                            "one document differ by 2.7e-6 nats (re-export to clear)"}
+STALE_FOR_41: dict = {}  # smollm2-135m gsm8k: re-exported at 56bb7a9 (2026-12-02), the stale cell recomputed
 
 
 @pytest.fixture(scope="module")
