@@ -77,12 +77,14 @@ def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int
 
 def committed_documents(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
                         *, profile: str, seq_len: int, seed: int, dtype: str, exports: str | Path | None = None,
-                        variant: str = "main", multiple: int = 1) -> tuple[pd.DataFrame | None, int, str]:
+                        variant: str = "main", multiple: int = 1, found=False) -> tuple[pd.DataFrame | None, int, str]:
     """(rows, held, why): the committed rows of the cell (as :func:`committed_cell`) on its first
     ``held`` ``documents``, the longest leading run of them that the export holds whole (every
     importance, metric, ratio and mode), cut to a multiple of ``multiple`` unless it is all of them
-    (a checkpointed build merges whole batches); rows None and ``held`` 0 with the reason otherwise."""
-    found = read_committed(model, data, exports)
+    (a checkpointed build merges whole batches); rows None and ``held`` 0 with the reason otherwise.
+    ``found``: the export as :func:`~cwcore.book.evidence_export.read_committed` already read it."""
+    if found is False:
+        found = read_committed(model, data, exports)
     if found is None:
         return None, 0, "no committed export"
     table, meta = found
@@ -214,7 +216,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     every_slice = checkpoint_documents(checkpoint, batch)
     seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
     labels = [*metrics, *seeds]
-    look = dict(**same, exports=exports, variant=variant, multiple=batch)
+    look = dict(**same, exports=exports, variant=variant, multiple=batch, found=read_committed(model, data, exports))
     whole, held_whole, why = committed_documents(model, data, protocol, documents, labels, ratios, importances, **look)
     base, held = whole, held_whole
     if seeds:
@@ -229,7 +231,8 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     replace = True
     if held:
         kept = whole if held_whole else base
-        decision["cell_sha256"] = _rows_hash(kept)
+        if held_whole == n:
+            decision["cell_sha256"] = _rows_hash(kept)
         earlier = _recorded(decision) if held_whole == n else None
         if earlier is not None:  # checked (or computed) earlier in this build (the notebook's kernel): not again
             return _ordered([_plain(kept)], labels, importances, chosen.kind)

@@ -208,9 +208,10 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     csv, js = paths(model, data, out)
-    earlier = read_committed(model, data, out)
-    if earlier is not None and earlier[1].get("cells"):  # the cells merged while the build ran keep their commit
-        meta["cells"] = earlier[1]["cells"]
+    if js.is_file():  # the cells merged while the build ran keep their commit (the JSON alone: not the rows)
+        cells = json.loads(js.read_text()).get("cells")
+        if cells:
+            meta["cells"] = cells
     csv.parent.mkdir(parents=True, exist_ok=True)
     _write(csv, js, table, meta)
     return csv, js
@@ -256,8 +257,6 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
     in_cell = (table["protocol"] == protocol) & (variants == variant) if len(table) else pd.Series(dtype=bool)
     fresh = pd.DataFrame() if rows is None else rows.assign(data=data, model=model,
                                                             delta_nll=rows["nll"] - rows["clean_nll"])
-    if "variant" not in fresh and len(fresh):
-        fresh.insert(int(fresh.columns.get_loc("protocol")) + 1 if "protocol" in fresh else 0, "variant", variant)
     if replace and len(table):
         table = table[~in_cell]
     elif len(table) and len(fresh):
@@ -291,8 +290,8 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
     }
     for key, value in (("importances", "importance"), ("modes", "mode")):
         meta[key] = sorted(table[value].unique().tolist()) if len(table) else []
-    meta.setdefault("ratios", sorted(float(r) for r in table["ratio"].unique()) if len(table) else [])
-    meta.setdefault("metrics", [m for m in dict.fromkeys(table["metric"])] if len(table) else [])
+    meta["ratios"] = sorted(float(r) for r in table["ratio"].unique()) if len(table) else []
+    meta["metrics"] = list(dict.fromkeys(table["metric"])) if len(table) else []
     meta.setdefault("cache", {"code_hash": cw_cache.code_version(("faithfulness",)), "hits": 0, "misses": 0,
                               "folders": []})
     csv.parent.mkdir(parents=True, exist_ok=True)
