@@ -306,3 +306,28 @@ def test_table_1_shows_both_modes_and_signs_and_the_chain_of_the_registered_step
     assert t1.loc["ordering", primary_c] == H == t1.loc["ordering", "sufficiency |c| (primary)"]
     # the same table as its own rerun; the random pair is not in this ladder: nothing to compare
     assert t1["rerun agrees"].tolist() == ["4/4", "4/4", "4/4", "", "4/4"]
+
+
+def test_a_protocol_variants_rows_never_stand_in_for_the_main_protocols():
+    # chapter 4's stacked ladder carries the removal-unit variants' steps (variant column) beside the main
+    # ones; listed first and with the opposite numbers, they must not change any headline judgement
+    stacked = _stacked_ladder().assign(variant="main")
+    flipped = stacked.copy()
+    for col in ("difference", "ci_low", "ci_high"):
+        flipped[col] = -stacked[col]
+    flipped = flipped.rename(columns={"ci_low": "ci_high", "ci_high": "ci_low"})[list(stacked.columns)]
+    flipped = flipped.assign(variant="token-unit")
+    flipped["verdict"] = [stats.verdict(lo, hi, threshold=0.0, side="above")
+                          for lo, hi in zip(flipped["ci_low"], flipped["ci_high"])]
+    both = pd.concat([flipped, stacked], ignore_index=True)
+    pd.testing.assert_frame_equal(F.headline_ladder(both).reset_index(drop=True),
+                                  F.headline_ladder(stacked).reset_index(drop=True))
+    for judge in (F.ordering, F.cosine_gain):
+        assert judge(F.headline_ladder(both)) == judge(F.headline_ladder(stacked))
+    assert F.primary_ordering(both) == F.primary_ordering(stacked)
+    main_rows = F.faithfulness_findings(stacked, model="smollm2-135m")
+    all_rows = F.faithfulness_findings(both, model="smollm2-135m")
+    assert set(all_rows["variant"]) == {"main", "token-unit"}
+    t_main = F.primary_table(main_rows, models=["smollm2-135m"])
+    t_all = F.primary_table(all_rows.iloc[::-1].reset_index(drop=True), models=["smollm2-135m"])
+    pd.testing.assert_frame_equal(t_all, t_main)

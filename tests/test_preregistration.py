@@ -55,4 +55,4 @@ def test_the_committed_findings_mark_exactly_the_registered_family():
     assert marked <= registered and len(marked) == len(primary)
     assert (primary["importance"] == "absolute").all() and (primary["range"] == "full").all()
     assert primary["p_holm"].notna().all() and table.loc[~table["primary"], "p_holm"].isna().all()
-    assert (primary["p_holm"] >= primary["p"]).all() and set(table["variant"]) == {"main"}
+    assert (primary["p_holm"] >= primary["p"]).all() and (primary["variant"] == "main").all()

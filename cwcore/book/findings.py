@@ -190,7 +190,14 @@ def _pair_verdict(row, mode: str) -> str:
     return stats.verdict(row["ci_low"], row["ci_high"], threshold=0.0, side=_side(mode))
 
 
+def _main(rows: pd.DataFrame) -> pd.DataFrame:
+    """The main protocols' rows: a variant's (``token-unit``, ``requantized``, ...) are judged beside
+    them, never in their place (a table without the column holds main rows only)."""
+    return rows[rows["variant"].fillna("main") == "main"] if "variant" in rows else rows
+
+
 def _consecutive(ladder: pd.DataFrame, mode: str) -> pd.DataFrame:
+    ladder = _main(ladder)
     rows = ladder[ladder["mode"] == mode] if "mode" in ladder else ladder
     keep = [rows[(rows["lower"] == a) & (rows["higher"] == b)] for a, b in zip(RUNGS, RUNGS[1:])]
     return pd.concat(keep, ignore_index=True) if keep else rows.iloc[:0]
@@ -238,6 +245,7 @@ def primary_ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, d
     rule = ("each pre-registered step under the protocol where it is measured (1->2, 3->4: default; 2->3: "
             "per-head), headline importance and range; holds only when every step is measured and holds")
     t = _judged(_with_defaults(ladder))
+    t = t if t is None else _main(t)
     if t is None or t.empty:
         return Finding("ordering", NOT_MEASURED, "", rule)
     data = t["data"].iloc[0] if data is None else data
@@ -287,7 +295,8 @@ FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importanc
 
 #: the slice of chapter 4's ladder that the scoreboard judges: the pre-registered headline importance
 #: (``|c|``) and ratio range (book/preregistration.md); the steps each under the protocol where it is measured
-HEADLINE = {"protocol": "default", "importance": evidence.PRIMARY["importance"], "range": evidence.PRIMARY["range"]}
+HEADLINE = {"protocol": "default", "importance": evidence.PRIMARY["importance"], "range": evidence.PRIMARY["range"],
+            "variant": "main"}
 
 #: the ladder's steps as claims: (claim, lower rung, higher rung)
 STEPS = (*((f"step {i + 1}->{i + 2}", a, b) for i, (a, b) in enumerate(zip(RUNGS, RUNGS[1:]))),
@@ -735,7 +744,8 @@ PRIMARY_COLUMNS = (("comprehensiveness", "absolute", "comprehensiveness |c| (pri
 
 
 def _cell(rows: pd.DataFrame, claim: str, protocol: str, mode: str, importance: str, rng: str) -> tuple[str, str]:
-    """(verdict, "verdict estimate [low, high]") of one findings row, or not measured."""
+    """(verdict, "verdict estimate [low, high]") of one findings row (the main variant's), or not measured."""
+    rows = _main(rows)
     found = rows[(rows["claim"] == claim) & (rows["protocol"] == protocol) & (rows["mode"] == mode)
                  & (rows["importance"] == importance) & (rows["range"] == rng)]
     if found.empty:
