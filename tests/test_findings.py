@@ -82,6 +82,22 @@ def test_cosine_gain():
     assert F.cosine_gain(ladder([(0.5, 0.4, 0.6)])).verdict == N  # no 3 -> 4 pair
 
 
+def test_cosine_gain_leaves_out_a_step_identical_by_construction_and_knows_the_margin():
+    # under default, 2->3 is 0 [0, 0] by construction: comparing against it is a test that cannot fail
+    lad = ladder([(-0.4, -0.5, -0.3), (0.0, 0.0, 0.0), (0.0, -0.05, 0.05)]).assign(protocol="default")
+    found = F.cosine_gain(lad)
+    assert found.verdict == H and "2->3" not in found.measured.split("identical")[0].split(",")[-1]
+    assert "value_weighted->value_weighted_output_normalized not measured" in found.measured
+    # the same numbers under per-head (2->3 measured there) overlap the zero step: inconclusive
+    assert F.cosine_gain(lad.assign(protocol="per-head")).verdict == I
+    # every step compared inside the mode's registered margin: negligible, never "contradicted" by noise
+    tiny = [(0.004, 0.003, 0.005), (0.0, 0.0, 0.0), (0.001, 0.0005, 0.0015)]
+    assert F.evidence.MARGINS["comprehensiveness"] > 0.005
+    assert F.cosine_gain(ladder(tiny).assign(protocol="per-head")).verdict == G
+    big = [tuple(100 * x for x in step) for step in tiny]  # the same shape, beyond the margin: contradicted
+    assert F.cosine_gain(ladder(big).assign(protocol="per-head")).verdict == C
+
+
 def claims_table(parts):
     """A claims table (cwcore.sinks.claims columns) from (claim, low, high, threshold, side) parts."""
     rows = [{"chapter": 6, "claim": claim, "part": f"part {i}", "statistic": "s", "key": f"k{i}",

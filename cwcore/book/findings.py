@@ -59,7 +59,7 @@ _EPS = _EPS_OPTION.default  # the sink analyses' one eps (cwcore.sinks.engine.EP
 
 __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "primary_decisions",
            "primary_ordering", "STEPS", "PRIMARY_COLUMNS", "primary_table", "RUNGS", "CLAIMS",
-           "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain",
+           "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain", "primary_cosine_gain",
            "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
            "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
@@ -237,17 +237,14 @@ def ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
     return _chain("ordering", steps, mode, rule)
 
 
-def primary_ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, data: str | None = None) -> Finding:
-    """The ordering over the pre-registered steps (:data:`cwcore.faithfulness.evidence.PRIMARY`): each
-    consecutive step under the protocol where it is measured (1->2 and 3->4 under ``default``, 2->3 under
-    ``per-head``), at the headline importance and ratio range, of ``data`` (default: the table's first
-    data set); combined by :func:`cwcore.stats.combine_all`."""
-    rule = ("each pre-registered step under the protocol where it is measured (1->2, 3->4: default; 2->3: "
-            "per-head), headline importance and range; holds only when every step is measured and holds")
+def _primary_steps(ladder: pd.DataFrame, mode: str, data: str | None) -> list[tuple[str, object]]:
+    """[(label, ladder row or None)] of the pre-registered steps (:data:`cwcore.faithfulness.evidence.PRIMARY`),
+    each under the protocol where it is measured, at the headline importance and range, of ``data``
+    (default: the table's first data set), the main variant's."""
     t = _judged(_with_defaults(ladder))
     t = t if t is None else _main(t)
     if t is None or t.empty:
-        return Finding("ordering", NOT_MEASURED, "", rule)
+        return []
     data = t["data"].iloc[0] if data is None else data
     t = t[(t["data"] == data) & (t["mode"] == mode) & (t["importance"] == evidence.PRIMARY["importance"])
           & (t["range"] == evidence.PRIMARY["range"])]
@@ -256,37 +253,79 @@ def primary_ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, d
         protocol = next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b))
         found = t[(t["lower"] == a) & (t["higher"] == b) & (t["protocol"] == protocol)]
         steps.append((f"{i + 1}->{i + 2} [{protocol}]", found.iloc[0] if len(found) else None))
+    return steps
+
+
+def primary_ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, data: str | None = None) -> Finding:
+    """The ordering over the pre-registered steps (:data:`cwcore.faithfulness.evidence.PRIMARY`): each
+    consecutive step under the protocol where it is measured (1->2 and 3->4 under ``default``, 2->3 under
+    ``per-head``), at the headline importance and ratio range, of ``data`` (default: the table's first
+    data set); combined by :func:`cwcore.stats.combine_all`."""
+    rule = ("each pre-registered step under the protocol where it is measured (1->2, 3->4: default; 2->3: "
+            "per-head), headline importance and range; holds only when every step is measured and holds")
+    steps = _primary_steps(ladder, mode, data)
+    if not steps:
+        return Finding("ordering", NOT_MEASURED, "", rule)
     return _chain("ordering", steps, mode, rule)
 
 
-def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
-    """Rule: among the consecutive rung pairs, the 3 -> 4 gain (the difference in the claimed
-    direction) holds as the largest when its interval lies entirely above every other pair's interval,
-    is contradicted when some other pair's interval lies entirely above its own, and is inconclusive
-    when the intervals overlap; not measured without the 3 -> 4 pair or without another pair."""
-    rule = ("rung 3->4 AOPC gain against each other step: its interval above all others' (holds), below "
-            "one of them (contradicted), overlapping (inconclusive)")
-    pairs = _consecutive(ladder, mode)
+COSINE_RULE = ("rung 3->4 AOPC gain against each other measured step (a step whose rungs rank identically by "
+               "construction is left out): its interval above all others' (holds), below one of them "
+               "(contradicted), overlapping (inconclusive); negligible when every step compared lies inside "
+               "the mode's equivalence margin")
+
+
+def _cosine_gain(pairs: pd.DataFrame, mode: str) -> Finding:
+    """:data:`COSINE_RULE` over ``pairs`` (ladder rows of consecutive steps, judged)."""
     if pairs.empty or not (pairs["higher"] == "contribution").any():
-        return Finding("cosine_gain", NOT_MEASURED, "", rule)
+        return Finding("cosine_gain", NOT_MEASURED, "", COSINE_RULE)
+    pairs = pairs.reset_index(drop=True)
+    identical = np.array([_identical(r) for _, r in pairs.iterrows()], dtype=bool)
     sign = 1.0 if mode == "comprehensiveness" else -1.0
     gain = sign * pairs["difference"].to_numpy(float)
     a, b = sign * pairs["ci_low"].to_numpy(float), sign * pairs["ci_high"].to_numpy(float)
     low, high = np.minimum(a, b), np.maximum(a, b)
     last = int(np.flatnonzero(pairs["higher"].to_numpy() == "contribution")[0])
-    others = [i for i in range(len(pairs)) if i != last]
-    text = f"{mode}: " + ", ".join(f"{x}->{y} {_fmt(g)} [{_fmt(lo)}, {_fmt(hi)}]"
-                                   for x, y, g, lo, hi in zip(pairs["lower"], pairs["higher"], gain, low, high))
+    others = [i for i in range(len(pairs)) if i != last and not identical[i]]
+    text = f"{mode}: " + ", ".join(
+        f"{x}->{y} " + ("not measured (identical ranking by construction)" if same else
+                        f"{_fmt(g)} [{_fmt(lo)}, {_fmt(hi)}]")
+        for x, y, g, lo, hi, same in zip(pairs["lower"], pairs["higher"], gain, low, high, identical))
     bounds = [low[last], high[last], *(low[i] for i in others), *(high[i] for i in others)]
-    if not others or not all(np.isfinite(bounds)):
-        return Finding("cosine_gain", NOT_MEASURED, text, rule)
-    if all(low[last] > high[i] for i in others):
+    if identical[last] or not others or not all(np.isfinite(bounds)):
+        return Finding("cosine_gain", NOT_MEASURED, text, COSINE_RULE)
+    compared = [last, *others]
+    if all(_pair_verdict(pairs.iloc[i], mode) == NEGLIGIBLE for i in compared):
+        verdict = NEGLIGIBLE
+    elif all(low[last] > high[i] for i in others):
         verdict = HOLDS
     elif any(high[last] < low[i] for i in others):
         verdict = CONTRADICTED
     else:
         verdict = INCONCLUSIVE
-    return Finding("cosine_gain", verdict, text, rule)
+    return Finding("cosine_gain", verdict, text, COSINE_RULE)
+
+
+def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
+    """Rule (:data:`COSINE_RULE`): among the consecutive rung pairs of one protocol's ladder, the 3 -> 4
+    gain (the difference in the claimed direction) holds as the largest when its interval lies entirely
+    above every other measured pair's interval, is contradicted when some other pair's interval lies
+    entirely above its own, and is inconclusive when the intervals overlap; negligible when every pair
+    compared is inside the equivalence margin; not measured without the 3 -> 4 pair or without another
+    measured pair (a pair ranked identically by construction, 2 -> 3 under ``default``, is left out: its
+    zero would make the test one that cannot fail)."""
+    return _cosine_gain(_consecutive(_judged(ladder), mode), mode)
+
+
+def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *,
+                        data: str | None = None) -> Finding:
+    """:func:`cosine_gain` over the pre-registered steps, each under the protocol where it is measured
+    (as :func:`primary_ordering`): the scoreboard's reading."""
+    steps = [r for _, r in _primary_steps(ladder, mode, data) if r is not None]
+    if not steps:
+        return Finding("cosine_gain", NOT_MEASURED, "", COSINE_RULE)
+    pairs = pd.DataFrame([dict(r) for r in steps])
+    return _cosine_gain(pairs, mode)
 
 
 FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
@@ -704,8 +743,8 @@ def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Fin
 
     The faithfulness findings are judged in both modes on chapter 4's ladder (its first data set, the
     pre-registered headline importance and range): the ordering over the pre-registered steps, each under
-    the protocol where it is measured (:func:`primary_ordering`), and the cosine gain under the default
-    protocol (:func:`cosine_gain`); the sink findings by the chapters' claims (5-7); a missing table
+    the protocol where it is measured (:func:`primary_ordering`), and the cosine gain over the same steps
+    (:func:`primary_cosine_gain`); the sink findings by the chapters' claims (5-7); a missing table
     makes its findings "not measured: chapter N was not built". The encoder claim is shown in chapter 8
     and not judged here. (These are unadjusted; the pre-registered Holm decision is in :func:`findings_csv`.)
     """
@@ -718,9 +757,8 @@ def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Fin
         out += [not_built(key, "04_faithfulness") for key in faith_keys]
     else:
         judged = _judged(_with_defaults(ladder.table))
-        headline = headline_ladder(judged)
         for mode, (o, c) in (("comprehensiveness", faith_keys[:2]), ("sufficiency", faith_keys[2:])):
-            found_o, found_c = primary_ordering(judged, mode), cosine_gain(headline, mode)
+            found_o, found_c = primary_ordering(judged, mode), primary_cosine_gain(judged, mode)
             out += [Finding(o, found_o.verdict, found_o.measured, found_o.rule),
                     Finding(c, found_c.verdict, found_c.measured, found_c.rule)]
     claims = [r.table for c, r in found.items() if CHAPTERS[c] == "claims"]
