@@ -330,7 +330,11 @@ def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *
 
 FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
                         "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured", "variant", "primary",
-                        "margin", "p", "p_holm"]
+                        "margin", "p", "p_holm", "source"]
+#: whose claim a findings row tests (column ``source``): the paper's (PAPER.md; chapter 4's ladder, its
+#: random control and downstream tasks, the sink claims of section 6) or the book's own (the attribution
+#: bench, "many heads are sink heads", "the sink is position 0", the older tail reading)
+PAPER_CLAIM, BOOK_CLAIM = "paper", "book"
 
 #: the slice of chapter 4's ladder that the scoreboard judges: the pre-registered headline importance
 #: (``|c|``) and ratio range (book/preregistration.md); the steps each under the protocol where it is measured
@@ -392,7 +396,7 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
     for key, part in ladder.groupby(keys, sort=False, dropna=False):
         data, protocol, importance, rng, mode, variant = key
         base = {"model": model, "data": data, "mode": mode, "protocol": protocol, "importance": importance,
-                "range": rng, "profile": profile, "variant": variant}
+                "range": rng, "profile": profile, "variant": variant, "source": PAPER_CLAIM}
         for claim, lower, higher in STEPS:
             primary = variant == "main" and evidence.is_primary(model, data, mode, protocol, importance, rng,
                                                                  lower, higher)
@@ -483,7 +487,8 @@ def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) 
         chains.append({"claim": "ordering", "model": model, "data": data, "mode": mode, "protocol": "primary steps",
                        "importance": importance, "range": rng, "verdict": f.verdict, "n_units": part["n_units"].max(),
                        "unit": part["unit"].iloc[0], "profile": part["profile"].iloc[0], "variant": "main",
-                       "primary": False, "measured": f"the pre-registered steps, Holm-decided: {f.measured}"})
+                       "primary": False, "source": PAPER_CLAIM,
+                       "measured": f"the pre-registered steps, Holm-decided: {f.measured}"})
     if chains:
         out = pd.concat([out, pd.DataFrame(chains, columns=FAITHFULNESS_COLUMNS)], ignore_index=True)
     return out
@@ -511,7 +516,7 @@ def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None
                      "verdict": verdict, "estimate": est, "ci_low": low, "ci_high": high, "n_units": int(r["n"]),
                      "unit": r.get("sample_unit", "sequence"), "mde": float(r.get("mde", np.nan)),
                      "profile": profile, "variant": r.get("variant", "main"), "primary": False,
-                     "measured": f"chapter 4b, {r['lower']}->{r['higher']}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] "
+                     "source": BOOK_CLAIM, "measured": f"chapter 4b, {r['lower']}->{r['higher']}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] "
                                  f"{shown}"})
     return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
 
@@ -544,6 +549,7 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     table = pd.concat(frames, ignore_index=True)
     table["variant"] = table["variant"].fillna("main")
+    table["source"] = table["source"].fillna(PAPER_CLAIM)
     table["primary"] = table["primary"].fillna(False).astype(bool)
     return primary_decisions(_weights_variants(table))
 
@@ -623,6 +629,7 @@ def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = No
                      "n_units": int(n_units) if pd.notna(n_units) else 0, "unit": unit if has_unit else "",
                      "mde": stats.detectable_from_interval(float(r["low"]), float(r["high"])), "profile": profile,
                      "variant": "main", "primary": False,
+                     "source": BOOK_CLAIM if r.get("source") == sink_claims.BOOK else PAPER_CLAIM,
                      "measured": f"chapter {r['chapter']}, {part} ({r.get('statistic', '')}): {_fmt(r['estimate'])} [{_fmt(r['low'])}, "
                                  f"{_fmt(r['high'])}] {shown}"})
     return pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
