@@ -347,3 +347,16 @@ def test_a_protocol_variants_rows_never_stand_in_for_the_main_protocols():
     t_main = F.primary_table(main_rows, models=["smollm2-135m"])
     t_all = F.primary_table(all_rows.iloc[::-1].reset_index(drop=True), models=["smollm2-135m"])
     pd.testing.assert_frame_equal(t_all, t_main)
+
+
+def test_every_findings_row_says_whose_claim_it_tests():
+    # the book's own sink claims ("many heads are sink heads") and the bench are labelled 'book', never 'paper'
+    rates = pd.DataFrame({"layer": [0] * 10, "head": range(10), "sink_rate": [0.9] * 9 + [0.1]})
+    claims = pd.concat([SC.rate_claims(rates, eps=0.3), claims_table([(SC.CONE, 0.1, 0.2, 0.0, "above")])],
+                       ignore_index=True)
+    rows = F.claim_findings(claims, model="m")
+    by_claim = dict(zip(rows["claim"], rows["source"]))
+    assert by_claim[SC.CONE] == "paper"
+    book_claims = set(claims.loc[claims["source"] == SC.BOOK, "claim"])
+    assert book_claims and all(by_claim[c] == "book" for c in book_claims)
+    assert set(F.faithfulness_findings(_stacked_ladder(), model="m")["source"]) == {"paper"}
