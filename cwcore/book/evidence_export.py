@@ -44,7 +44,7 @@ import cwcore
 from .. import cache as cw_cache
 from .. import provenance
 from ..data import document_blocks
-from ..faithfulness import evidence
+from ..faithfulness import anatomy, evidence
 from . import findings
 from . import results_path, slug
 from .parameters import profile_models, run_parameters
@@ -402,7 +402,9 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     column as the notebook stacks them, written by :func:`cwcore.book.findings.save_results` to
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
     cells the rows hold (data set x protocol, documents) and what is not in them (the downstream tasks:
-    the notebook adds those rows). Then ``out/findings.csv`` is rewritten by
+    the notebook adds those rows); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
+    test with its controls (:func:`cwcore.faithfulness.anatomy.held_out_from_committed`) where the anatomy
+    of that data set is committed. Then ``out/findings.csv`` is rewritten by
     :func:`cwcore.book.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
     order, as chapter 9 writes it), so its sink rows are those of the committed sink tables.
     Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
@@ -439,6 +441,11 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                                   n_bootstrap=p["n_bootstrap"], seed=p["seed"], dtype=meta["dtype"],
                                   exports=provenance))
         written += [path, path.with_suffix(".json")]
+        for data in exported[model]:  # the anatomy's held-out test, where its anatomy is committed
+            if (out / f"anatomy_{slug(model)}_{data}.csv").is_file():
+                held_out = anatomy.held_out_from_committed(model, data, out, seed=p["seed"])
+                cw_cache.write_csv(held_out, out / f"held_out_{slug(model)}_{data}.csv", index=False)
+                written.append(out / f"held_out_{slug(model)}_{data}.csv")
     profile = meta["profile"]
     if all_models is None:
         all_models = list(dict.fromkeys([*profile_models(profile), *exported]))

@@ -161,7 +161,13 @@ def test_the_committed_tables_are_those_of_the_committed_exports(tmp_path):
     for js in committed.glob("per_document_*.json"):
         shutil.copy(js, tmp_path / js.name)
         shutil.copy(js.with_name(js.name.replace(".json", ".csv.gz")), tmp_path)
+    for anatomy_csv in committed.glob("anatomy_*.csv"):
+        shutil.copy(anatomy_csv, tmp_path)
     es.tables(tmp_path, models)
+    held_out = sorted(p.name for p in committed.glob("held_out_*.csv"))
+    assert held_out == sorted(p.name for p in tmp_path.glob("held_out_*.csv"))  # one per committed anatomy
+    for name in held_out:  # the committed held-out tests are those of the committed anatomy and exports
+        pd.testing.assert_frame_equal(pd.read_csv(tmp_path / name), pd.read_csv(committed / name))
     for model in models:
         mine = findings.load_results(tmp_path, "04_faithfulness", model)
         theirs = findings.load_results(committed, "04_faithfulness", model)
