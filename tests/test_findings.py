@@ -344,6 +344,11 @@ def test_a_protocol_variants_rows_never_stand_in_for_the_main_protocols():
     main_rows = F.faithfulness_findings(stacked, model="smollm2-135m")
     all_rows = F.faithfulness_findings(both, model="smollm2-135m")
     assert set(all_rows["variant"]) == {"main", "token-unit"}
+    # the variant's own slices are judged on its own rows: its combined claims are measured, not emptied
+    own = all_rows[(all_rows["variant"] == "token-unit") & all_rows["claim"].isin(["ordering", "cosine_gain"])]
+    alone = F.faithfulness_findings(flipped, model="smollm2-135m")
+    alone = alone[alone["claim"].isin(["ordering", "cosine_gain"])]
+    assert own["verdict"].tolist() == alone["verdict"].tolist() and (own["measured"] != "").all()
     t_main = F.primary_table(main_rows, models=["smollm2-135m"])
     t_all = F.primary_table(all_rows.iloc[::-1].reset_index(drop=True), models=["smollm2-135m"])
     pd.testing.assert_frame_equal(t_all, t_main)

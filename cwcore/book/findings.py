@@ -197,7 +197,8 @@ def _main(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _consecutive(ladder: pd.DataFrame, mode: str) -> pd.DataFrame:
-    ladder = _main(ladder)
+    if "variant" in ladder and ladder["variant"].fillna("main").nunique() > 1:
+        ladder = _main(ladder)  # a table of several variants: judge the main one; one variant's slice as it is
     rows = ladder[ladder["mode"] == mode] if "mode" in ladder else ladder
     keep = [rows[(rows["lower"] == a) & (rows["higher"] == b)] for a, b in zip(RUNGS, RUNGS[1:])]
     return pd.concat(keep, ignore_index=True) if keep else rows.iloc[:0]
