@@ -238,6 +238,8 @@ def ladder_forest(claims, title: str = ""):
 
     rows = claims[claims["claim"].isin(list(_STEP_LABELS)) & claims["estimate"].notna()
                   & (claims["verdict"] != NOT_MEASURED)]
+    if "variant" in rows:  # the main protocols' steps; a variant's are shown beside them, never on their line
+        rows = rows[rows["variant"].fillna("main") == "main"]
     datas = list(dict.fromkeys(rows["data"]))
     modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
     protocols = list(dict.fromkeys(rows["protocol"]))

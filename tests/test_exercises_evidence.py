@@ -175,9 +175,12 @@ def chapter4_inputs():
     out = {}
     for model, data in EXPORTS:
         rows, meta = es.read_committed(model, data)
+        # the notebook's per_seq, areas and ladder hold the main protocols' rows (variants: run.variant_rows)
+        rows = rows[rows["variant"] == "main"] if "variant" in rows else rows
         per_seq = rows.drop(columns=["model", "delta_nll"])
         areas, _ = evidence.evidence_tables(per_seq.drop(columns="data"), n_bootstrap=50, seed=0, n_permutations=0)
         ladder = findings.load_results(es.DEFAULT_OUT, "04_faithfulness", model).table
+        ladder = ladder[ladder["variant"].fillna("main") == "main"] if "variant" in ladder else ladder
         claims = findings.faithfulness_findings(ladder[ladder["data"] == data], model=model, profile="evidence")
         out[(model, data)] = dict(per_seq=per_seq, areas=areas.assign(data=data), claims=claims,
                                   protocols=list(meta["protocols"]), first=data)

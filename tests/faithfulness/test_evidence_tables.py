@@ -69,7 +69,10 @@ def test_tables_write_the_books_layout(sliced):
     got = findings.load_results(out, "04_faithfulness", MODEL)
     assert got.metadata["profile"] == "evidence" and got.metadata["chapter"] == "04_faithfulness"
     params = got.metadata["parameters"]
-    assert params["cells"] == [f"{DATA} x default ({DOCUMENTS} documents)", f"{DATA} x per-head ({DOCUMENTS} documents)"]
+    meta = json.loads(es.paths(MODEL, DATA, out)[1].read_text())  # the main protocols, then the variant cells
+    assert meta["protocols"] == ["default", "per-head"]
+    assert params["cells"] == [f"{DATA} x {p} ({DOCUMENTS} documents)" for p in meta["protocols"]] + [
+        f"{DATA} x default, {v} ({DOCUMENTS} documents)" for v in meta.get("variants", [])]
     assert params["n_bootstrap"] == es.notebook_parameters("evidence", MODEL)["n_bootstrap"]
     assert set(got.table["range"]) == {"low", "full"} and set(got.table["protocol"]) == {"default", "per-head"}
 
@@ -81,7 +84,7 @@ def test_ladder_estimates_are_the_naive_paired_aopc_difference(sliced):
     for _, step in ladder.iterrows():
         max_ratio = evidence.LOW_MAX if step["range"] == "low" else None
         part = rows[(rows["protocol"] == step["protocol"]) & (rows["importance"] == step["importance"])
-                    & (rows["mode"] == step["mode"])]
+                    & (rows["mode"] == step["mode"]) & (rows["variant"] == step.get("variant", "main"))]
         hi = naive_aopc(part[part["metric"] == step["higher"]], max_ratio)
         if step["lower"] == "random":  # the random rung: the mean over the random control's seeds
             seeds = [m for m in part["metric"].unique() if m == "random" or m.startswith(evidence.RANDOM_PREFIX)]
@@ -136,7 +139,8 @@ def test_findings_csv_rows_are_the_ladders_steps(sliced):
              "step 2->3": ("value_weighted", "value_weighted_output_normalized"),
              "step 3->4": ("value_weighted_output_normalized", "contribution"),
              "contribution beats random": ("random", "contribution")}
-    keys = ["protocol", "importance", "range", "mode"]
+    keys = ["protocol", "importance", "range", "mode", "variant"]
+    ladder = ladder.assign(variant=ladder["variant"].fillna("main")) if "variant" in ladder else ladder.assign(variant="main")
     merged = table[table["claim"].isin(steps) & ~table["primary"]].assign(
         lower=lambda t: t["claim"].map(lambda c: steps[c][0]), higher=lambda t: t["claim"].map(lambda c: steps[c][1]))
     merged = merged.merge(ladder, on=[*keys, "lower", "higher"], suffixes=("", "_ladder"))
@@ -146,7 +150,8 @@ def test_findings_csv_rows_are_the_ladders_steps(sliced):
     assert len(primary) == 4 * 2 and primary["p_holm"].notna().all() and table.loc[~table["primary"], "p_holm"].isna().all()
     # every (data, protocol, sign, range, mode) group has its three steps, random, ordering and cosine
     # gain, plus the chain of the pre-registered steps per mode
-    assert len(table) == 2 * 2 * 2 * 2 * 6 + 2
+    variants = table["variant"].nunique()  # main, and each variant cell of the export (default protocol only)
+    assert len(table) == 2 * 2 * 2 * 2 * 6 + 2 + (variants - 1) * 2 * 2 * 2 * 6
 
 
 def test_the_committed_tables_are_those_of_the_committed_exports(tmp_path):
@@ -187,7 +192,7 @@ def test_the_forest_plot_draws_every_measured_step_in_the_papers_direction(slice
     claims = pd.read_csv(out / "findings.csv")
     fig = ladder_forest(claims)
     drawn = claims[claims["claim"].str.startswith("step") | (claims["claim"] == "contribution beats random")]
-    drawn = drawn[drawn["verdict"] != "not measured"]
+    drawn = drawn[(drawn["verdict"] != "not measured") & (drawn["variant"] == "main")]  # variants: not on its lines
     points = []
     for ax in fig.axes:
         for line in ax.get_lines():
