@@ -673,8 +673,8 @@ class AttentionSession:
             if early or (projection_inside and block.layer in self._outputs):
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: `{block.output_module_name()}`, which cwcore took as its output "
-                    "projection W_O (no registered name matched, so the block's last linear layer), did not receive the "
-                    "attention output; register the module that applies W_O with cwcore.register_output_projection")
+                    f"projection W_O ({block.projection_source()}), did not receive the attention output; register the "
+                    "module that applies W_O with cwcore.register_output_projection")
         return hook
 
     def _check_input(self, block: AttentionBlock):
