@@ -173,6 +173,8 @@ _ZOO = [
     Species("albert", _make(tf.AlbertConfig, tf.AlbertModel, _ENC, embedding_size=32), kind="encoder",
             projection="dense", what="one attention module shared by all layers",
             refused="ran 2 times in one forward pass"),
+    Species("clip_text", _make(tf.CLIPTextConfig, tf.CLIPTextModel, _ENC), kind="encoder", projection="out_proj",
+            what="causal text encoder: its attention modules say is_causal=False, the call passes is_causal=True"),
     Species("distilbert", _make(tf.DistilBertConfig, tf.DistilBertModel, dict(vocab_size=VOCAB, dim=64, n_layers=2,
                                                                               n_heads=4, hidden_dim=96,
                                                                               max_position_embeddings=64,

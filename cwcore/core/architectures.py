@@ -84,6 +84,20 @@ register_output_projection(_own_projection, first=False)
 register_output_projection(_sibling_output, first=False)
 register_output_projection(_last_linear_child, first=False)
 
+#: How each built-in finder guesses W_O, for a refusal that says where its guess came from.
+_GUESSES = {
+    _own_projection: "by its name, one the registry knows",
+    _sibling_output: "the parent's `output.dense`, as in BERT",
+    _last_linear_child: "no registered name matched, so the block's last linear layer",
+}
+
+#: Why a block whose W_O no finder locates is not decomposed (it keeps its number: never silently dropped).
+NO_OUTPUT_PROJECTION = (
+    "no output projection W_O found (the block has no linear child, nn.Linear or Conv1D, no BERT-style sibling "
+    "`output.dense`, and no registered finder matched), so cwcore cannot check a decomposition of it; if W_O is a "
+    "plain parameter (as in `x @ self.w_o`), apply it through a linear module that the block calls with the attention "
+    "output, and register that module with cwcore.register_output_projection")
+
 
 @dataclass
 class AttentionBlock:
@@ -99,11 +113,21 @@ class AttentionBlock:
 
     def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [model, head * head_dim], bias [model] | None)``, read live from the module."""
+        return self._find()[1]
+
+    def _find(self):
+        """``(finder, (weight, bias))``: the first registered finder that locates W_O."""
         for finder in _FINDERS:
             found = finder(self.module, self.parent)
             if found is not None:
-                return found
+                return finder, found
         raise UnsupportedModelError(f"no output projection found for attention block {self.name!r}")
+
+    def projection_source(self) -> str:
+        """Which finder supplied W_O, in words (for refusals of a wrong guess)."""
+        finder, _ = self._find()
+        return _GUESSES.get(finder) or (f"from the finder {getattr(finder, '__qualname__', repr(finder))} "
+                                        "registered with cwcore.register_output_projection")
 
     def output_module(self) -> nn.Module | None:
         """The module that applies W_O (its forward receives the attention output), or None if the
@@ -157,10 +181,11 @@ def _is_attention_module(module: nn.Module) -> bool:
 def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     """The model's self-attention blocks in forward order, numbered from 0.
 
-    A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded)
-    and whose output projection a registered finder can locate (the last finder takes the block's last
-    linear child; the run verifies it). Modules of :data:`UNSUPPORTED_MODULES` (``nn.MultiheadAttention``)
-    keep their number with ``unsupported`` saying why they cannot be decomposed.
+    A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded);
+    a registered finder locates its output projection (the last finder takes the block's last linear
+    child; the run verifies it). Modules of :data:`UNSUPPORTED_MODULES` (``nn.MultiheadAttention``) and
+    blocks whose W_O no finder locates keep their number with ``unsupported`` saying why they cannot be
+    decomposed; a model with no block whose W_O is found is refused.
     """
     cached = getattr(model, "_cwcore_blocks", None)
     if cached is not None:
@@ -186,11 +211,11 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
             try:
                 block.output_projection()
             except UnsupportedModelError:
+                block.unsupported = NO_OUTPUT_PROJECTION
                 skipped.append(block.name)
-                continue
         blocks.append(block)
         object.__setattr__(module, "_cwcore_block_name", block.name)  # for refusals raised without a session
-    if not blocks:
+    if len(skipped) == len(blocks):  # no attention module, or none whose W_O is found
         found = f" (attention modules without one: {', '.join(skipped[:3])})" if skipped else ""
         raise UnsupportedModelError(
             f"cwcore found no attention block with a linear output projection in {type(model).__name__}{found}; "

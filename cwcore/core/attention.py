@@ -98,8 +98,12 @@ def attention_forward(
     value = _repeat_heads(value, groups)
     if scaling is None:
         scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-    if attention_mask is None and getattr(module, "is_causal", False) and query.shape[2] > 1:
-        # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it
+    causal = kwargs.get("is_causal")
+    if causal is None:  # SDPA's rule: the call's `is_causal` first (CLIP's text encoder passes True to modules that
+        # say False), else the module's, else SDPA's default True where the None mask is SDPA's (fast path on)
+        causal = getattr(module, "is_causal", session is not None and session.fast_path is not None)
+    if attention_mask is None and causal and query.shape[2] > 1:
+        # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it, as SDPA would apply it
         q_len, k_len = query.shape[2], key.shape[2]
         attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
                           else session.causal_mask(q_len, k_len, query.device))
@@ -161,7 +165,7 @@ _UNSUPPORTED_MODULE_ATTRIBUTES = {
 HANDLED_KEYWORDS = {
     "position_ids": "positions are already in the rotated queries and keys",
     "sliding_window": "the window is in the attention mask that transformers builds for the layer",
-    "is_causal": "causality is in the attention mask (rebuilt when transformers omits a plain causal one)",
+    "is_causal": "causality is in the attention mask, rebuilt from `is_causal` as SDPA does when the mask is omitted",
     "cache_position": "positions of the cache, already in the mask",
     "output_attentions": "the probabilities are always returned",
     "output_hidden_states": "not read by attention",
@@ -669,8 +673,8 @@ class AttentionSession:
             if early or (projection_inside and block.layer in self._outputs):
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: `{block.output_module_name()}`, which cwcore took as its output "
-                    "projection W_O (no registered name matched, so the block's last linear layer), did not receive the "
-                    "attention output; register the module that applies W_O with cwcore.register_output_projection")
+                    f"projection W_O ({block.projection_source()}), did not receive the attention output; register the "
+                    "module that applies W_O with cwcore.register_output_projection")
         return hook
 
     def _check_input(self, block: AttentionBlock):

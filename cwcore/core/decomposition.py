@@ -405,9 +405,9 @@ def decompose(
     state-space or linear-attention layers are not numbered; ``d[l].block_name`` and
     :func:`cwcore.attention_blocks` say which module each number is);
     ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name (default: float64 for a float64
-    model, float32 otherwise). A block cwcore numbers but cannot decompose (``nn.MultiheadAttention``)
-    is refused with its reason when asked for; with ``layers=None`` it is skipped with a warning, and
-    listed in ``d.undecomposable``. An input longer than the
+    model, float32 otherwise). A block cwcore numbers but cannot decompose (``nn.MultiheadAttention``,
+    or a block whose output projection no finder locates) is refused with its reason when asked for; with
+    ``layers=None`` it is skipped with a warning, and listed in ``d.undecomposable``. An input longer than the
     model's context is refused unless ``truncate=True``, which keeps its first tokens.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
     ``compute_dtype`` (float32 or float64) whatever the model's dtype.

@@ -86,6 +86,108 @@ def test_a_wrong_structural_guess_is_refused_with_the_way_out():
         cwcore.decompose(model, input_ids=torch.tensor([[1, 2, 3]]))
 
 
+class NamedGateAttention(ToyAttention):
+    """A gate of the block's input named ``o_proj`` (a name the registry knows); ``mix`` is W_O."""
+
+    def __init__(self, config, width=16, heads=2):
+        super().__init__(config, width, heads)
+        self.o_proj = nn.Linear(width, width)
+
+    def forward(self, x):
+        return super().forward(self.o_proj(x))
+
+
+def _gate_finder(module, parent):
+    layer = getattr(module, "gate", None)
+    return (layer.weight, layer.bias) if isinstance(layer, nn.Linear) else None
+
+
+@pytest.mark.parametrize("attention,finder,supplied", [
+    (NamedGateAttention, None, r"`o_proj`, which cwcore took as its output projection W_O \(by its name, one "
+                               r"the registry knows\)"),
+    (MisleadingAttention, _gate_finder, r"`gate`, which cwcore took as its output projection W_O \(from the "
+                                        r"finder _gate_finder registered with cwcore.register_output_projection\)"),
+], ids=["named", "registered"])
+def test_a_wrong_guess_says_which_finder_made_it(attention, finder, supplied):
+    finders = list(architectures._FINDERS)
+    if finder is not None:
+        cwcore.register_output_projection(finder)
+    try:
+        torch.manual_seed(0)
+        model = ToyModel().eval()
+        model.attn = attention(model.config).eval()
+        with pytest.raises(cwcore.UnsupportedModelError, match=supplied + ", did not receive the attention output"):
+            cwcore.decompose(model, input_ids=torch.tensor([[1, 2, 3]]))
+    finally:
+        architectures._FINDERS[:] = finders
+
+
+class ParameterAttention(nn.Module):
+    """Weights held as plain parameters (W_O applied as ``out @ self.w_o.T``): no linear child, so no finder
+    locates W_O."""
+
+    def __init__(self, config, width=16, heads=2):
+        super().__init__()
+        self.config, self.heads, self.dim = config, heads, width // heads
+        self.w_qkv = nn.Parameter(torch.randn(3 * width, width) * 0.3)
+        self.w_o = nn.Parameter(torch.randn(width, width) * 0.3)
+        self.scaling = self.dim**-0.5
+        self.is_causal = False
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, self.dim).transpose(1, 2) for t in (x @ self.w_qkv.T).chunk(3, -1))
+        implementation = self.config._attn_implementation
+        if implementation == "eager":
+            out = (torch.softmax(q @ k.transpose(2, 3) * self.scaling, -1, dtype=torch.float32) @ v).transpose(1, 2)
+        else:
+            out, _ = ALL_ATTENTION_FUNCTIONS[implementation](self, q, k, v, None, scaling=self.scaling)
+        return out.reshape(b, n, -1) @ self.w_o.T
+
+
+class TwoBlockModel(nn.Module):
+    """Block 0's W_O is a plain parameter, block 1's a linear layer (``mix``, found by structure)."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.config._attn_implementation = "eager"
+        self.embed = nn.Embedding(11, 16)
+        self.first = ParameterAttention(self.config)
+        self.attn = ToyAttention(self.config)
+
+    def forward(self, input_ids, attention_mask=None):
+        x = self.embed(input_ids)
+        return self.attn(x + self.first(x))
+
+
+def test_a_block_whose_output_projection_is_not_found_keeps_its_number_and_is_refused():
+    torch.manual_seed(0)
+    model = TwoBlockModel().eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    blocks = architectures.attention_blocks(model)
+    assert [(b.layer, b.name) for b in blocks] == [(0, "first"), (1, "attn")]  # never dropped, never renumbered
+    assert architectures.decomposable_layers(model) == [1]
+    reason = (r"attention block 0 \('first', ParameterAttention\) cannot be decomposed: no output projection W_O "
+              r"found \(the block has no linear child.*if W_O is a plain parameter.*register that module with "
+              r"cwcore\.register_output_projection$")
+    for asked in (0, -2, [0, 1]):
+        with pytest.raises(cwcore.UnsupportedModelError, match=reason):
+            cwcore.decompose(model, layers=asked, input_ids=ids)
+    with pytest.raises(cwcore.UnsupportedModelError, match=reason):
+        cwcore.intervene(model, {0: torch.zeros((), dtype=torch.bool)}).__enter__()
+    with pytest.warns(UserWarning, match=r"layer 0 \('first', ParameterAttention\) is not decomposed: no output "
+                                         r"projection W_O found"):
+        d = cwcore.decompose(model, input_ids=ids)
+    assert d.layers == [1] and list(d.undecomposable) == [0]
+    with pytest.raises(KeyError, match=r"^layer 0 cannot be decomposed: no output projection W_O found"):
+        d.inter[0]
+    with torch.no_grad():
+        expected, probs = model(ids)
+    assert torch.equal(d.outputs[0], expected)
+    torch.testing.assert_close(d.attention[1], probs, rtol=0, atol=1e-7)
+
+
 def test_a_registered_finder_makes_the_family_exact(registered):
     torch.manual_seed(0)
     _check_exact(ToyModel().eval())

@@ -140,6 +140,28 @@ def test_decomposition_is_exact_against_the_eager_run(name):
         torch.testing.assert_close(intra, torch.ones_like(intra), rtol=0, atol=SUM_ATOL)
 
 
+# Families loaded with SDPA (transformers' default) in the test below; clip_text is the case where only the call's
+# `is_causal` says that attention is causal
+SDPA = ["clip_text", "llama", "gemma3", "gpt2", "bert", "vit"]
+
+
+@pytest.mark.parametrize("name", _params("sdpa-one-layer", SDPA))
+def test_one_layer_of_an_sdpa_model_is_exact_against_the_eager_run(name):
+    """With one layer recorded, the others run SDPA, whose masks leave a plain causal pattern to the call (None):
+    the recorded layer must still equal the eager maps, and the outputs the eager run's."""
+    species, model = ZOO[name], ZOO[name].build()  # not the cached model: its attention implementation changes
+    inputs = _inputs(species)
+    with torch.no_grad():
+        eager = model(**inputs, output_attentions=True)
+    model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa"
+    for layer, eager_map in enumerate(eager.attentions):
+        d = cwcore.decompose(model, layers=layer, **inputs)
+        assert d.layers == [layer]
+        torch.testing.assert_close(d.attention[layer], eager_map.float(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(_first_output(d.outputs), _first_output(eager), rtol=RTOL, atol=ATOL)
+
+
 def _padded_batch(species, side):
     """Row 0: a full sequence; row 1: a 6-token sequence padded by 3 on ``side`` with the pad id."""
     ids = _inputs(species)["input_ids"]
