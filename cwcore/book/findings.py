@@ -308,13 +308,9 @@ def _cosine_gain(pairs: pd.DataFrame, mode: str) -> Finding:
 
 
 def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
-    """Rule (:data:`COSINE_RULE`): among the consecutive rung pairs of one protocol's ladder, the 3 -> 4
-    gain (the difference in the claimed direction) holds as the largest when its interval lies entirely
-    above every other measured pair's interval, is contradicted when some other pair's interval lies
-    entirely above its own, and is inconclusive when the intervals overlap; negligible when every pair
-    compared is inside the equivalence margin; not measured without the 3 -> 4 pair or without another
-    measured pair (a pair ranked identically by construction, 2 -> 3 under ``default``, is left out: its
-    zero would make the test one that cannot fail)."""
+    """:data:`COSINE_RULE` over one protocol's consecutive rung pairs: the 3 -> 4 gain against every other
+    measured pair (2 -> 3 under ``default`` is left out: its zero by construction would make the test one
+    that cannot fail); not measured without the 3 -> 4 pair or another measured pair."""
     return _cosine_gain(_consecutive(_judged(ladder), mode), mode)
 
 
@@ -332,9 +328,8 @@ def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *
 FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
                         "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured", "variant", "primary",
                         "margin", "p", "p_holm", "source"]
-#: whose claim a findings row tests (column ``source``): the paper's (PAPER.md; chapter 4's ladder, its
-#: random control and downstream tasks, the sink claims of section 6) or the book's own (the attribution
-#: bench, "many heads are sink heads", "the sink is position 0", the older tail reading)
+#: whose claim a findings row tests (``source``): the paper's (chapter 4's ladder, PAPER.md section 6) or the
+#: book's own (the attribution bench, "many heads are sink heads", "the sink is position 0", ...)
 PAPER_CLAIM, BOOK_CLAIM = "paper", "book"
 
 #: the slice of chapter 4's ladder that the scoreboard judges: the pre-registered headline importance
