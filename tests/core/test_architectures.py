@@ -63,12 +63,14 @@ def registered():
 class MisleadingAttention(ToyAttention):
     """The last linear child (``gate``) is not W_O: it gates the block's input, and ``mix`` is W_O."""
 
+    gate_name = "gate"
+
     def __init__(self, config, width=16, heads=2):
         super().__init__(config, width, heads)
-        self.gate = nn.Linear(width, width)
+        setattr(self, self.gate_name, nn.Linear(width, width))
 
     def forward(self, x):
-        return super().forward(self.gate(x))
+        return super().forward(getattr(self, self.gate_name)(x))
 
 
 def test_an_output_projection_under_another_name_is_found_by_structure():
@@ -86,15 +88,10 @@ def test_a_wrong_structural_guess_is_refused_with_the_way_out():
         cwcore.decompose(model, input_ids=torch.tensor([[1, 2, 3]]))
 
 
-class NamedGateAttention(ToyAttention):
-    """A gate of the block's input named ``o_proj`` (a name the registry knows); ``mix`` is W_O."""
+class NamedGateAttention(MisleadingAttention):
+    """The same gate of the block's input named ``o_proj`` (a name the registry knows); ``mix`` is W_O."""
 
-    def __init__(self, config, width=16, heads=2):
-        super().__init__(config, width, heads)
-        self.o_proj = nn.Linear(width, width)
-
-    def forward(self, x):
-        return super().forward(self.o_proj(x))
+    gate_name = "o_proj"
 
 
 def _gate_finder(module, parent):
