@@ -10,6 +10,7 @@ import pytest
 from cwcore import book
 
 from cwcore.book import findings as F
+from cwcore.book.table1 import primary_table
 from cwcore import stats
 from cwcore.faithfulness import evidence
 from cwcore.sinks import claims as SC
@@ -314,7 +315,7 @@ def test_table_1_shows_both_modes_and_signs_and_the_chain_of_the_registered_step
     signed[("sufficiency", "default")] = [(-0.2, -0.3, -0.1), (-0.2, -0.3, -0.1), (0.05, 0.03, 0.08)]  # 3->4 reversed
     lad = pd.concat([rows("absolute", values), rows("signed", signed)], ignore_index=True)
     table = F.primary_decisions(F.faithfulness_findings(lad, model="smollm2-135m"))
-    t1 = F.primary_table(table, table, models=["smollm2-135m"]).set_index(["data", "claim"]).loc["gsm8k"]
+    t1 = primary_table(table, table, models=["smollm2-135m"]).set_index(["data", "claim"]).loc["gsm8k"]
     primary_c, signed_s = "comprehensiveness |c| (primary)", "sufficiency signed"
     assert t1.loc["step 2->3", "protocol"] == "per-head" and t1.loc["step 3->4", "protocol"] == "default"
     assert t1.loc["step 1->2", primary_c].startswith("holds +0.2 [+0.1, +0.3]")
@@ -349,8 +350,8 @@ def test_a_protocol_variants_rows_never_stand_in_for_the_main_protocols():
     alone = F.faithfulness_findings(flipped, model="smollm2-135m")
     alone = alone[alone["claim"].isin(["ordering", "cosine_gain"])]
     assert own["verdict"].tolist() == alone["verdict"].tolist() and (own["measured"] != "").all()
-    t_main = F.primary_table(main_rows, models=["smollm2-135m"])
-    t_all = F.primary_table(all_rows.iloc[::-1].reset_index(drop=True), models=["smollm2-135m"])
+    t_main = primary_table(main_rows, models=["smollm2-135m"])
+    t_all = primary_table(all_rows.iloc[::-1].reset_index(drop=True), models=["smollm2-135m"])
     pd.testing.assert_frame_equal(t_all, t_main)
 
 
