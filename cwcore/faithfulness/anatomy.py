@@ -322,6 +322,20 @@ def evidence_files(model_name: str, data: str, documents: int, per_document_csv,
     return paths
 
 
+def held_out_from_committed(model_name: str, data: str, evidence_dir=None, *, seed: int = 0) -> pd.DataFrame:
+    """:func:`explain_held_out` of the committed evidence (no model run): the layer averages of
+    ``anatomy_<model>_<data>.csv`` and the per-head, signed rows of ``per_document_<model>_<data>.csv.gz``
+    in ``evidence_dir`` (default ``data/results/evidence`` of this checkout)."""
+    from pathlib import Path
+
+    root = Path(evidence_dir) if evidence_dir is not None else Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+    stem = f"{model_name.replace('/', '_')}_{data}"
+    layer_avg = pd.read_csv(root / f"anatomy_{stem}.csv")
+    rows = pd.read_csv(root / f"per_document_{stem}.csv.gz")
+    rows = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed")]
+    return explain_held_out(layer_avg, rows, seed=seed).assign(model=model_name, data=data)
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -342,17 +356,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def held_out_from_committed(model_name: str, data: str, evidence_dir=None, *, seed: int = 0) -> pd.DataFrame:
-    """:func:`explain_held_out` of the committed evidence (no model run): the layer averages of
-    ``anatomy_<model>_<data>.csv`` and the per-head, signed rows of ``per_document_<model>_<data>.csv.gz``
-    in ``evidence_dir`` (default ``data/results/evidence`` of this checkout)."""
-    from pathlib import Path
-
-    root = Path(evidence_dir) if evidence_dir is not None else Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
-    stem = f"{model_name.replace('/', '_')}_{data}"
-    layer_avg = pd.read_csv(root / f"anatomy_{stem}.csv")
-    rows = pd.read_csv(root / f"per_document_{stem}.csv.gz")
-    rows = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed")]
-    return explain_held_out(layer_avg, rows, seed=seed).assign(model=model_name, data=data)
