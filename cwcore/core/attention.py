@@ -147,8 +147,10 @@ def attention_forward(
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """``[query, key]`` bool, True where a query may see a key (the last ``q_len`` of ``k_len`` positions)."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
+    """``[query, key]`` bool, True where a query may see a key: query i sees keys 0..i, SDPA's ``is_causal``
+    alignment (top-left). transformers omits the mask with more keys than queries only where that is meant
+    (a prefill into an empty static cache: the later keys are empty slots)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
 
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
