@@ -88,11 +88,11 @@ def attention_forward(
     """
     session = _session_for(module)
     _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
-    if session is not None and session.fast_path is not None and not session.touches(module):
-        # a layer nobody reads or changes runs the model's configured implementation (SDPA)
-        extra = {} if s_aux is None else {"s_aux": s_aux}
+    if session is not None and session.fast_path is not None and not session.touches(module) and s_aux is None:
+        # a layer nobody reads or changes runs the model's configured implementation (SDPA); not one with sink
+        # logits, which transformers' SDPA function silently drops: eager's arithmetic below keeps them
         return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                 softcap=softcap, **extra, **kwargs)
+                                 softcap=softcap, **kwargs)
     groups = query.shape[1] // key.shape[1]
     key = _repeat_heads(key, groups)
     value = _repeat_heads(value, groups)
@@ -492,7 +492,8 @@ class AttentionSession:
     computed, that the terms plus bias reproduce the projection's output within
     :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
     allow_fast_path: when the model is configured for SDPA, layers the session does not touch run SDPA
-    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward).
+    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward), except layers
+    with learned sink logits, which SDPA does not implement.
     """
 
     def __init__(

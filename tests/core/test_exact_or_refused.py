@@ -51,6 +51,22 @@ def test_learned_sink_logits_are_exact_and_their_mass_is_exposed():
         torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("layers", [[0], [1]])
+def test_learned_sinks_stay_in_the_layers_a_session_does_not_touch(implementation, layers):
+    """Recording some layers never changes the logits, also where SDPA (which has no sink logits: transformers'
+    SDPA function drops `s_aux`) would run the layers a session does not touch; GPT-OSS configured for it by hand."""
+    model = gpt_oss()
+    with torch.no_grad():
+        eager = model(input_ids=IDS).logits
+    model.config._attn_implementation = implementation
+    d = cwcore.decompose(model, layers=layers, input_ids=IDS)
+    torch.testing.assert_close(d.outputs.logits, eager, rtol=0, atol=1e-5)
+    session = AttentionSession(model, observers={layer: [lambda call: None] for layer in layers})
+    with torch.no_grad(), cwcore_attention(model, session):
+        torch.testing.assert_close(model(input_ids=IDS).logits, eager, rtol=0, atol=1e-5)
+
 def test_gated_attention_is_refused_with_the_reason():
     model = _model(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
                    layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,
