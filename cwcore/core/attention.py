@@ -88,9 +88,15 @@ def attention_forward(
     """
     session = _session_for(module)
     _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
-    if session is not None and session.fast_path is not None and not session.touches(module) and s_aux is None:
-        # a layer nobody reads or changes runs the model's configured implementation (SDPA); not one with sink
-        # logits, which transformers' SDPA function silently drops: eager's arithmetic below keeps them
+    if s_aux is not None and session is not None and session.configured in FAST_IMPLEMENTATIONS:
+        # transformers' SDPA function silently drops sink logits: the model's own forward leaves them out, so no
+        # arithmetic can match both that forward and the architecture
+        raise UnsupportedModelError(
+            f"{_where(module)} passes learned sink logits (s_aux) to the model's configured "
+            f"{session.configured!r} attention, which ignores them, so the model's own forward leaves its sinks out; "
+            "load the model with attn_implementation='eager' to decompose what its architecture computes")
+    if session is not None and session.fast_path is not None and not session.touches(module):
+        # a layer nobody reads or changes runs the model's configured implementation (SDPA)
         return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  softcap=softcap, **kwargs)
     groups = query.shape[1] // key.shape[1]
@@ -200,13 +206,17 @@ _KNOWN_UNSUPPORTED = {
 }
 
 
+def _where(module: nn.Module) -> str:
+    """How a refusal names an attention module: its block's name where attention_blocks has set it."""
+    block_name = getattr(module, "_cwcore_block_name", None)
+    return f"attention block {block_name!r} ({type(module).__name__})" if block_name is not None else type(module).__name__
+
+
 def _refuse_unknown_attention_features(module: nn.Module, kwargs: dict, has_sink_logits: bool) -> None:
     for name, value in kwargs.items():
         if name in HANDLED_KEYWORDS or value is None or value is False:
             continue
-        block_name = getattr(module, "_cwcore_block_name", None)  # set by attention_blocks
-        where = (f"attention block {block_name!r} ({type(module).__name__})" if block_name is not None
-                 else type(module).__name__)
+        where = _where(module)
         meaning = _KNOWN_UNSUPPORTED.get(name, "a keyword cwcore's attention function does not know")
         raise UnsupportedModelError(
             f"{where} passes `{name}` to the attention function ({meaning}); cwcore's attention function does not "
@@ -492,8 +502,9 @@ class AttentionSession:
     computed, that the terms plus bias reproduce the projection's output within
     :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
     allow_fast_path: when the model is configured for SDPA, layers the session does not touch run SDPA
-    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward), except layers
-    with learned sink logits, which SDPA does not implement.
+    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward). A model
+    with learned sink logits configured for SDPA is refused: SDPA drops them, so its forward is not its
+    architecture's.
     """
 
     def __init__(
@@ -519,6 +530,7 @@ class AttentionSession:
         self.verify = verify
         self.allow_fast_path = allow_fast_path
         self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
+        self.configured = None  # the model's own attention implementation, set by cwcore_attention
         self.blockwise = False  # set by cwcore_attention: recorded layers use _probs_in_chunks
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
@@ -825,7 +837,8 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
             # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
             # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)
             names = {p for p in previous if p is not None}
-            session.blockwise = len(names) == 1 and names <= set(FAST_IMPLEMENTATIONS)
+            session.configured = next(iter(names)) if len(names) == 1 else None
+            session.blockwise = session.configured in FAST_IMPLEMENTATIONS
         stack = _sessions()
         try:
             for config in configs:
