@@ -28,6 +28,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "UnsupportedModelError": "core.architectures",
     "attention_blocks": "core.architectures",
+    "decomposable_layers": "core.architectures",
     "register_output_projection": "core.architectures",
     "METRICS": "core.decomposition",
     "Decomposition": "core.decomposition",

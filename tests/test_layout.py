@@ -148,3 +148,87 @@ def test_every_table_a_notebook_shows_is_displayed():
                 if lines:
                     found[f"{path.name}:{cell.get('id')}"] = lines
     assert not found, f"show(...) whose table is never displayed (wrap it in display): {found}"
+
+
+#: Names of a model's internals: its projections and attention modules, its layer lists and the containers that
+#: hold them. A notebook reaches a block through cwcore's architecture facts (``cwcore.attention_blocks(lm)[l]``,
+#: ``.output_module()``, ``cwcore.decomposable_layers``), which work for every layout, never by one family's names.
+INTERNAL_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "c_proj", "out_proj", "Wqkv", "Wo",
+                  "self_attn", "self_attention", "attn", "embed_tokens", "lm_head"}
+LAYER_LISTS = {"layers", "layer", "h", "blocks"}
+CONTAINERS = {"model", "base_model", "transformer", "encoder", "decoder", "gpt_neox", "language_model", "text_model",
+              "vision_model"}
+_MODEL_MAKERS = ("load_model", "from_pretrained", "from_config")
+
+
+def _root(node):
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _model_names(trees) -> set[str]:
+    """Names bound to a model: ``lm, tok = cwcore.load_model(...)``, ``vit = ViTModel(config).eval()``, ..."""
+    names = {"lm"}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Assign):
+                continue
+            calls = [getattr(c.func, "attr", getattr(c.func, "id", "")) for c in ast.walk(node.value)
+                     if isinstance(c, ast.Call)]
+            if any(c in _MODEL_MAKERS or c.endswith("Model") or "For" in c for c in calls):
+                for target in node.targets:
+                    first = target.elts[0] if isinstance(target, ast.Tuple) else target
+                    names |= {first.id} if isinstance(first, ast.Name) else set()
+    return names
+
+
+def _internal_reaches(sources: list[str]) -> list[str]:
+    """Where cells (of one notebook: they share names) reach model internals by attribute name, or count the
+    attention blocks instead of the decomposable layers: ``["<cell>:<line>: <why>"]``."""
+    trees = [ast.parse("\n".join(l for l in s.splitlines() if not l.lstrip().startswith(("%", "!")))) for s in sources]
+    models, found = _model_names(trees), []
+    for cell, tree in enumerate(trees):
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            name = base = None
+            if isinstance(node, ast.Attribute):
+                name, base = node.attr, node.value
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr")
+                  and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+                name, base = node.args[1].value, node.args[0]
+            elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "len" and node.args
+                  and isinstance(node.args[0], ast.Call)
+                  and getattr(node.args[0].func, "attr", getattr(node.args[0].func, "id", "")) == "attention_blocks"):
+                found.append(f"{cell}:{node.lineno}: len(attention_blocks(...)) counts blocks cwcore may not decompose; "
+                             "use cwcore.decomposable_layers")
+            if name is None:
+                continue
+            on_model = _root(base) in models
+            inside = isinstance(base, ast.Attribute) and base.attr in CONTAINERS
+            indexed = isinstance(parents.get(node), ast.Subscript) and isinstance(parents.get(parents[node]), ast.Attribute)
+            if (name in INTERNAL_NAMES or (name in CONTAINERS and on_model)
+                    or (name in LAYER_LISTS and (on_model or inside or indexed))):
+                found.append(f"{cell}:{node.lineno}: .{name}")
+    return found
+
+
+def test_notebooks_reach_model_internals_only_through_cwcore():
+    """A notebook that names one family's modules (``lm.model.layers[3].self_attn.o_proj``) breaks on every other
+    layout, and one that counts attention blocks asks for blocks cwcore cannot decompose."""
+    bad = ["lm.model.layers[0].self_attn.o_proj.weight", "block.module.v_proj(x)", "encoder.encoder.layer[3]",
+           "gpt.transformer.h[0]", "x = net.layers[2].mlp", "getattr(attention, 'q_proj')", "lm.model",
+           "n_layers = len(cwcore.attention_blocks(lm))", "vit = ViTModel(config).eval()\nvit.encoder"]
+    for source in bad:  # the check can fail
+        assert _internal_reaches([source]), source
+    fine = ["d[d.layers[len(d.layers) // 2]].attention", "d.layers[-1] + 1", "frame.query('layer > 0')",
+            "cwcore.attention_blocks(lm)[3].output_module().weight", "layers = cwcore.decomposable_layers(lm)",
+            "config.num_hidden_layers", "run.blocks", "%matplotlib inline\nx = 1"]
+    assert _internal_reaches(fine) == []
+    found = {}
+    for path in sorted((PACKAGE.parent / "notebooks").glob("*.ipynb")):
+        cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        for where in _internal_reaches(["".join(c["source"]) for c in cells]):
+            cell, rest = where.split(":", 1)
+            found.setdefault(path.name, []).append(f"{cells[int(cell)].get('id')}:{rest}")
+    assert not found, f"notebooks reaching model internals by name (use cwcore's architecture facts): {found}"

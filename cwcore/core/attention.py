@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
+from .attention_features import HANDLED_KEYWORDS, block_label as _where, refuse_unknown_features as _refuse_unknown_attention_features
 from .geometry import HeadSpaceGeometry, head_space_geometry, projected_check as _projected_check, split_output_projection
 
 __all__ = [
@@ -88,11 +89,17 @@ def attention_forward(
     """
     session = _session_for(module)
     _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
+    if s_aux is not None and session is not None and session.configured in FAST_IMPLEMENTATIONS:
+        # transformers' SDPA function silently drops sink logits: the model's own forward leaves them out, so no
+        # arithmetic can match both that forward and the architecture
+        raise UnsupportedModelError(
+            f"{_where(module)} passes learned sink logits (s_aux) to the model's configured "
+            f"{session.configured!r} attention, which ignores them, so the model's own forward leaves its sinks out; "
+            "load the model with attn_implementation='eager' to decompose what its architecture computes")
     if session is not None and session.fast_path is not None and not session.touches(module):
         # a layer nobody reads or changes runs the model's configured implementation (SDPA)
-        extra = {} if s_aux is None else {"s_aux": s_aux}
         return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                 softcap=softcap, **extra, **kwargs)
+                                 softcap=softcap, **kwargs)
     groups = query.shape[1] // key.shape[1]
     key = _repeat_heads(key, groups)
     value = _repeat_heads(value, groups)
@@ -147,71 +154,10 @@ def attention_forward(
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """``[query, key]`` bool, True where a query may see a key (the last ``q_len`` of ``k_len`` positions)."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)
-
-
-# Attributes of an attention module that change what attention computes and that attention_forward does
-# not implement: refusing is better than a plausible wrong number.
-_UNSUPPORTED_MODULE_ATTRIBUTES = {
-    "sinks": "learned sink logits are read from the call's `s_aux`, but this module keeps them in `sinks` "
-             "without passing them",
-}
-
-#: Keywords of an attention call that attention_forward handles (its own parameters aside: the mask, dropout,
-#: scaling, softcap and learned sink logits ``s_aux``), with how. Any other keyword with a value (not None or
-#: False) is refused, naming the block and the keyword: a keyword cwcore does not implement would otherwise be
-#: silently ignored (a sparse-attention indexer's ``indices=`` would run dense attention).
-HANDLED_KEYWORDS = {
-    "position_ids": "positions are already in the rotated queries and keys",
-    "sliding_window": "the window is in the attention mask that transformers builds for the layer",
-    "is_causal": "causality is in the attention mask, rebuilt from `is_causal` as SDPA does when the mask is omitted",
-    "cache_position": "positions of the cache, already in the mask",
-    "output_attentions": "the probabilities are always returned",
-    "output_hidden_states": "not read by attention",
-    "output_router_logits": "not read by attention",
-    "use_cache": "not read by attention",
-    "return_dict": "not read by attention",
-    "num_items_in_batch": "a loss normaliser, not read by attention",
-    "deterministic": "a flash-attention kernel option",
-    "target_dtype": "a flash-attention kernel option",
-    "layer_idx": "not read by attention",
-}
-#: Keywords known to change attention, with what they mean, for the refusal's wording.
-_KNOWN_UNSUPPORTED = {
-    "indices": "the top-k keys a sparse-attention indexer selected (a kernel attends only to those; without "
-               "it attention is dense)",
-    "block_indices": "the key blocks a sparse-attention indexer selected",
-    "topk_indices": "the top-k keys a sparse-attention indexer selected",
-    "sinks": "learned sink logits under a keyword cwcore does not read",
-    "attention_sinks": "learned sink logits under a keyword cwcore does not read",
-    "alibi": "ALiBi position biases",
-    "position_bias": "additive position biases",
-    "cu_seq_lens_q": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
-    "cu_seq_lens_k": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
-    "max_length_q": "packed sequences (flash-attention's variable-length layout)",
-    "max_length_k": "packed sequences (flash-attention's variable-length layout)",
-    "seq_idx": "packed sequences",
-    "head_mask": "a per-head mask multiplied into the probabilities",
-    "layer_head_mask": "a per-head mask multiplied into the probabilities",
-    "use_top_left_mask": "a flash-attention mask alignment",
-}
-
-
-def _refuse_unknown_attention_features(module: nn.Module, kwargs: dict, has_sink_logits: bool) -> None:
-    for name, value in kwargs.items():
-        if name in HANDLED_KEYWORDS or value is None or value is False:
-            continue
-        block_name = getattr(module, "_cwcore_block_name", None)  # set by attention_blocks
-        where = (f"attention block {block_name!r} ({type(module).__name__})" if block_name is not None
-                 else type(module).__name__)
-        meaning = _KNOWN_UNSUPPORTED.get(name, "a keyword cwcore's attention function does not know")
-        raise UnsupportedModelError(
-            f"{where} passes `{name}` to the attention function ({meaning}); cwcore's attention function does not "
-            "implement it, so it refuses rather than compute a different attention than the model's")
-    for name, why in _UNSUPPORTED_MODULE_ATTRIBUTES.items():
-        if isinstance(getattr(module, name, None), torch.Tensor) and not has_sink_logits:
-            raise UnsupportedModelError(f"{type(module).__name__}.{name}: {why}; cwcore refuses to decompose it")
+    """``[query, key]`` bool, True where a query may see a key: query i sees keys 0..i, SDPA's ``is_causal``
+    alignment (top-left). transformers omits the mask with more keys than queries only where that is meant
+    (a prefill into an empty static cache: the later keys are empty slots)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
 
 
 def attention_mask_function(*args, **kwargs):
@@ -490,7 +436,9 @@ class AttentionSession:
     computed, that the terms plus bias reproduce the projection's output within
     :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
     allow_fast_path: when the model is configured for SDPA, layers the session does not touch run SDPA
-    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward).
+    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward). A model
+    with learned sink logits configured for SDPA is refused: SDPA drops them, so its forward is not its
+    architecture's.
     """
 
     def __init__(
@@ -516,6 +464,7 @@ class AttentionSession:
         self.verify = verify
         self.allow_fast_path = allow_fast_path
         self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
+        self.configured = None  # the model's own attention implementation, set by cwcore_attention
         self.blockwise = False  # set by cwcore_attention: recorded layers use _probs_in_chunks
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
@@ -822,7 +771,8 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
             # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
             # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)
             names = {p for p in previous if p is not None}
-            session.blockwise = len(names) == 1 and names <= set(FAST_IMPLEMENTATIONS)
+            session.configured = next(iter(names)) if len(names) == 1 else None
+            session.blockwise = session.configured in FAST_IMPLEMENTATIONS
         stack = _sessions()
         try:
             for config in configs:

@@ -51,6 +51,37 @@ def test_learned_sink_logits_are_exact_and_their_mass_is_exposed():
         torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("layers", [[0], [1]])
+def test_learned_sinks_stay_in_the_layers_a_session_does_not_touch(layers):
+    """Recording some layers of GPT-OSS (eager) never changes its logits, sinks included."""
+    model = gpt_oss()
+    with torch.no_grad():
+        eager = model(input_ids=IDS).logits
+    d = cwcore.decompose(model, layers=layers, input_ids=IDS)
+    torch.testing.assert_close(d.outputs.logits, eager, rtol=0, atol=1e-5)
+    session = AttentionSession(model, observers={layer: [lambda call: None] for layer in layers})
+    with torch.no_grad(), cwcore_attention(model, session):
+        torch.testing.assert_close(model(input_ids=IDS).logits, eager, rtol=0, atol=1e-5)
+
+
+def test_learned_sinks_under_sdpa_are_refused_with_the_reason():
+    """transformers' SDPA function drops `s_aux`, so GPT-OSS configured for SDPA by hand (transformers refuses
+    set_attn_implementation("sdpa") for it) computes something else than its eager forward: neither can be
+    matched while the other is claimed, so cwcore refuses instead of changing the model's outputs."""
+    model = gpt_oss()
+    with torch.no_grad():
+        eager = model(input_ids=IDS).logits
+        model.config._attn_implementation = "sdpa"
+        own_sdpa = model(input_ids=IDS).logits
+    assert (own_sdpa - eager).abs().max() > 1e-2  # the model's SDPA forward really leaves the sinks out
+    for layers in ([0], None):
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"learned sink logits \(s_aux\).*'sdpa'.*eager"):
+            cwcore.decompose(model, layers=layers, input_ids=IDS)
+    with torch.no_grad():  # the refusal left the model as it was
+        torch.testing.assert_close(model(input_ids=IDS).logits, own_sdpa, rtol=0, atol=0)
+
+
 def test_gated_attention_is_refused_with_the_reason():
     model = _model(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, num_key_value_heads=2, head_dim=16,
                    layer_types=["linear_attention", "full_attention"], num_experts=4, num_experts_per_tok=2,

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import transformers
 
 import cwcore
 from cwcore.core import attention
@@ -86,3 +87,31 @@ def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, mo
         torch.testing.assert_close(blockwise.inter[layer], eager.inter[layer], rtol=1e-4, atol=1e-5, equal_nan=True)
     real = mask.bool()
     torch.testing.assert_close(blockwise.outputs.logits[real], eager.outputs.logits[real], rtol=1e-4, atol=1e-5)
+
+
+def _second_call(model, cache_kind):
+    """The call under test and a cache for it: 3 tokens after a 6-token prefix in a dynamic cache, or a 6-token
+    prefill into an empty static cache of 16 slots (SDPA's mask is then None: keys outnumber queries)."""
+    ids = IDS[:1, :9]
+    if cache_kind == "dynamic":
+        with torch.no_grad():
+            cache = model(input_ids=ids[:, :6], use_cache=True).cache
+        return dict(input_ids=ids[:, 6:], cache=cache, use_cache=True)
+    return dict(input_ids=ids[:, :6], cache=transformers.StaticCache(config=model.config, max_cache_len=16),
+                use_cache=True)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+@pytest.mark.parametrize("layers", [[1], None])
+def test_a_call_with_more_keys_than_queries_is_exact_against_eager(cache_kind, layers):
+    """With a cache, keys outnumber queries. Under SDPA a static cache's prefill gets no mask (SDPA's is_causal,
+    top-left aligned: query i sees keys 0..i, the empty slots never); the recorded layer must compute what the
+    model computes there, as must the decomposition of a dynamic cache's second call (an explicit mask)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        eager = model(**_second_call(model, cache_kind), output_attentions=True)
+    model.config._attn_implementation = "sdpa"
+    d = cwcore.decompose(model, layers=layers, **_second_call(model, cache_kind))
+    torch.testing.assert_close(d.outputs.logits, eager.logits, rtol=0, atol=1e-5)
+    for layer in d.layers:
+        torch.testing.assert_close(d.attention[layer], eager.attentions[layer], rtol=0, atol=1e-6)

@@ -1,0 +1,85 @@
+"""What cwcore's attention function implements of an attention call, and what it refuses.
+
+Transformers passes an attention implementation its own parameters (the mask, dropout, scaling, softcap,
+learned sink logits ``s_aux``) and keyword arguments. :data:`HANDLED_KEYWORDS` lists the keywords
+:func:`cwcore.core.attention.attention_forward` handles, with how; any other keyword with a value is refused
+(:func:`refuse_unknown_features`), so a feature cwcore does not implement is never silently ignored. A new
+keyword a family passes is one entry here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .architectures import UnsupportedModelError
+
+__all__ = ["HANDLED_KEYWORDS", "block_label", "refuse_unknown_features"]
+
+# Attributes of an attention module that change what attention computes and that attention_forward does
+# not implement: refusing is better than a plausible wrong number.
+_UNSUPPORTED_MODULE_ATTRIBUTES = {
+    "sinks": "learned sink logits are read from the call's `s_aux`, but this module keeps them in `sinks` "
+             "without passing them",
+}
+
+#: Keywords of an attention call that attention_forward handles (its own parameters aside: the mask, dropout,
+#: scaling, softcap and learned sink logits ``s_aux``), with how. Any other keyword with a value (not None or
+#: False) is refused, naming the block and the keyword: a keyword cwcore does not implement would otherwise be
+#: silently ignored (a sparse-attention indexer's ``indices=`` would run dense attention).
+HANDLED_KEYWORDS = {
+    "position_ids": "positions are already in the rotated queries and keys",
+    "sliding_window": "the window is in the attention mask that transformers builds for the layer",
+    "is_causal": "causality is in the attention mask, rebuilt from `is_causal` as SDPA does when the mask is omitted",
+    "cache_position": "positions of the cache, already in the mask",
+    "output_attentions": "the probabilities are always returned",
+    "output_hidden_states": "not read by attention",
+    "output_router_logits": "not read by attention",
+    "use_cache": "not read by attention",
+    "return_dict": "not read by attention",
+    "num_items_in_batch": "a loss normaliser, not read by attention",
+    "deterministic": "a flash-attention kernel option",
+    "target_dtype": "a flash-attention kernel option",
+    "layer_idx": "not read by attention",
+}
+#: Keywords known to change attention, with what they mean, for the refusal's wording.
+_KNOWN_UNSUPPORTED = {
+    "indices": "the top-k keys a sparse-attention indexer selected (a kernel attends only to those; without "
+               "it attention is dense)",
+    "block_indices": "the key blocks a sparse-attention indexer selected",
+    "topk_indices": "the top-k keys a sparse-attention indexer selected",
+    "sinks": "learned sink logits under a keyword cwcore does not read",
+    "attention_sinks": "learned sink logits under a keyword cwcore does not read",
+    "alibi": "ALiBi position biases",
+    "position_bias": "additive position biases",
+    "cu_seq_lens_q": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
+    "cu_seq_lens_k": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
+    "max_length_q": "packed sequences (flash-attention's variable-length layout)",
+    "max_length_k": "packed sequences (flash-attention's variable-length layout)",
+    "seq_idx": "packed sequences",
+    "head_mask": "a per-head mask multiplied into the probabilities",
+    "layer_head_mask": "a per-head mask multiplied into the probabilities",
+    "use_top_left_mask": "a flash-attention mask alignment",
+}
+
+
+def block_label(module: nn.Module) -> str:
+    """How a refusal names an attention module: its block's name where attention_blocks has set it."""
+    block_name = getattr(module, "_cwcore_block_name", None)
+    return f"attention block {block_name!r} ({type(module).__name__})" if block_name is not None else type(module).__name__
+
+
+def refuse_unknown_features(module: nn.Module, kwargs: dict, has_sink_logits: bool) -> None:
+    """Raise :class:`UnsupportedModelError`, naming the block and the keyword, for a keyword of the attention
+    call (``kwargs``) that cwcore does not implement, or a module attribute that changes attention unseen."""
+    for name, value in kwargs.items():
+        if name in HANDLED_KEYWORDS or value is None or value is False:
+            continue
+        where = block_label(module)
+        meaning = _KNOWN_UNSUPPORTED.get(name, "a keyword cwcore's attention function does not know")
+        raise UnsupportedModelError(
+            f"{where} passes `{name}` to the attention function ({meaning}); cwcore's attention function does not "
+            "implement it, so it refuses rather than compute a different attention than the model's")
+    for name, why in _UNSUPPORTED_MODULE_ATTRIBUTES.items():
+        if isinstance(getattr(module, name, None), torch.Tensor) and not has_sink_logits:
+            raise UnsupportedModelError(f"{type(module).__name__}.{name}: {why}; cwcore refuses to decompose it")
