@@ -340,13 +340,15 @@ def run_command(prog: str, body, debug: bool, *, user_errors: tuple = ()) -> int
     one line saying so, status 1. ``debug`` re-raises instead (the full traceback). ``user_errors``
     adds exception types the command counts as bad input.
     """
+    restore = _terminate_as_interrupt()
     try:
         code = body()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if debug:
             raise
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(stop, Terminated)
+        print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return 143 if terminated else 130
     except Exception as error:  # noqa: BLE001 - every error ends in one line unless --debug
         if debug:
             raise
@@ -360,7 +362,29 @@ def run_command(prog: str, body, debug: bool, *, user_errors: tuple = ()) -> int
         print(f"{prog}: error: internal error {type(error).__name__}: {_one_line(error)} (this is a bug of cwcore; "
               "run again with --debug or CWCORE_DEBUG=1 for the traceback, and report it)", file=sys.stderr)
         return 1
+    finally:
+        restore()
     return int(code or 0)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler's time limit), raised where Ctrl-C would be: the same clean-up runs
+    (a book build shuts its notebook kernel down, a cache write is abandoned before it is renamed into place)."""
+
+
+def _terminate_as_interrupt():
+    """Turn SIGTERM into :class:`Terminated` while a command runs (main thread only); returns the undo."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

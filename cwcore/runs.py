@@ -434,6 +434,23 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this forked rank when its parent dies (a build killed with SIGKILL, a notebook kernel
+    shut down): otherwise it would compute on, orphaned, holding a core. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def _helper(rank: int, size: int, address: str, items: list, compute: Callable) -> None:
     """A forked rank: join the group, compute its share, hand it over, leave without cleanup."""
     global _helper_rank
@@ -442,6 +459,7 @@ def _helper(rank: int, size: int, address: str, items: list, compute: Callable) 
     status = 1
     try:
         _helper_rank = True
+        _die_with_parent()
         torch.set_num_threads(1)
         try:  # bars inherited from the parent stay silent here
             from tqdm import tqdm

@@ -230,3 +230,26 @@ def test_user_errors_are_one_line_bugs_say_so_and_debug_shows_the_traceback(loca
         with pytest.raises(Exception):
             main(["models"])
         monkeypatch.delenv("CWCORE_DEBUG")
+
+
+_TERMINATED = """
+import os, signal, sys, time
+from cwcore.cli import run_command
+def body():
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+        return 0
+    finally:
+        print("cleaned up", flush=True)
+sys.exit(run_command("prog", body, False))
+"""
+
+
+def test_sigterm_ends_a_command_through_its_clean_up():
+    """`kill` (or a scheduler's time limit) runs the same clean-up as Ctrl-C: a book build shuts its notebook
+    kernel down instead of leaving it computing; the command says it was terminated, status 143."""
+    done = subprocess.run([sys.executable, "-c", _TERMINATED], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143
+    assert "cleaned up" in done.stdout
+    assert done.stderr.strip().splitlines()[-1] == "prog: terminated"

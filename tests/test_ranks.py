@@ -117,3 +117,50 @@ def test_book_build_jobs_sets_the_ranks_of_every_kernel(monkeypatch):
     assert seen["jobs"] == "2" and runs.local_jobs() == 2
     with pytest.raises(SystemExit):
         book.main(["build", "--jobs", "0"])
+
+
+_ORPHAN = """
+import os, sys, time
+from cwcore import runs
+folder = sys.argv[1]
+def compute(item):
+    with open(os.path.join(folder, f"rank-{item}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+    return item
+runs.shard_map([0, 1], compute)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has stopped computing; only its exit status is left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_forked_rank_dies_with_its_parent(tmp_path):
+    """A build killed outright (SIGKILL: no clean-up runs) must not leave its forked ranks computing."""
+    import signal
+    import time
+
+    env = {**os.environ, runs.JOBS_ENV_VAR: "2", "OMP_NUM_THREADS": "1"}
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN, str(tmp_path)], env=env)
+    try:
+        helper_file = tmp_path / "rank-1.pid"
+        deadline = time.monotonic() + 120
+        while not (helper_file.is_file() and helper_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        helper = int(helper_file.read_text())
+        assert helper != parent.pid and _alive(helper)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while _alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(helper), "the forked rank outlived its killed parent"
+    finally:
+        parent.kill()
+        parent.wait()
