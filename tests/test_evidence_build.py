@@ -394,3 +394,141 @@ def test_the_tables_leave_out_extra_seeds_that_do_not_yet_cover_the_cell(cell):
     assert ee._whole_seeds(table)["metric"].isin(["random_s1"]).sum() == 0
     whole = pd.concat([rows, extra], ignore_index=True).assign(variant="main")
     assert ee._whole_seeds(whole).equals(whole)
+
+
+# -- the chapter's other sweeps as committed frames: downstream tasks, per-layer interventions -----------
+TASKS, DOWN_METRICS, DOWN_RATIOS = ["mmlu", "boolq"], ["attention", "contribution", "random"], [0.3]
+DOWN_CALL = dict(num_examples=3, data_seed=0, max_length=40, batch_size=8, seed=0, n_bootstrap=50, progress=False,
+                 cache=False)
+
+
+@pytest.fixture(scope="module")
+def downstream():
+    """The tiny model with a word tokenizer, and the plain per-example table of two packaged tasks."""
+    sys.path.insert(0, str(ROOT / "tests" / "faithfulness"))
+    from faith_helpers import peaked_llama, word_tokenizer
+
+    from cwcore import faithfulness as faith
+
+    model, tokenizer = peaked_llama(), word_tokenizer()
+    plain = faith.downstream_eval(model, tokenizer, TASKS, DOWN_METRICS, DOWN_RATIOS, per_example=True, **DOWN_CALL)
+    return model, tokenizer, plain
+
+
+def _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=TASKS, metrics=DOWN_METRICS, **change):
+    """downstream_cell as the notebook calls it, with the calls it made to downstream_eval and its decision."""
+    from cwcore import faithfulness as faith
+
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    seen = []
+
+    def evaluate(lm, tokenizer, dataset, *args, **kwargs):
+        what = dataset if isinstance(dataset, (str, list)) else (kwargs["task"], len(dataset))
+        seen.append((what, kwargs["cache"]))
+        return faith.downstream_eval(lm, tokenizer, dataset, *args, **kwargs)
+
+    got = eb.downstream_cell(model, tokenizer, tasks, metrics, DOWN_RATIOS, model="tiny", profile="evidence",
+                             exports=out, evaluate=evaluate, log=None, **{**DOWN_CALL, **change})
+    decision = json.loads((tmp_path / "cells" / "cell-downstream-tiny.json").read_text())
+    return got, seen, decision
+
+
+def test_a_committed_downstream_frame_is_taken_once_two_examples_per_task_recompute_equal(downstream, tmp_path,
+                                                                                          monkeypatch):
+    from cwcore.book import evidence_frames as ef
+
+    model, tokenizer, plain = downstream
+    out = tmp_path / "out"
+    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    assert seen == [(TASKS, False)] and decision["decision"] == "recomputed"  # nothing committed: the plain call
+    assert decision["reason"] == "no committed export" and decision["written"] == "downstream_tiny.csv.gz"
+    pd.testing.assert_frame_equal(got, plain, check_exact=True)
+    meta = json.loads((out / "downstream_tiny.json").read_text())
+    assert meta["tasks"] == TASKS and meta["metrics"] == DOWN_METRICS and meta["ratios"] == DOWN_RATIOS
+    assert meta["modes"] == ["comprehensiveness", "sufficiency"] and meta["rows"] == len(plain)
+    assert meta["example_ids"] == {t: [0, 1, 2] for t in TASKS} and set(meta["samples"]) == set(TASKS)
+    assert meta["settings"]["num_examples"] == 3 and meta["settings"]["max_length"] == 40
+    assert meta["settings"]["protocol"]["seed"] == 0 and "batch_size" not in meta["settings"]
+    assert meta["call"]["batch_size"] == 8 and meta["profile"] == "evidence" and len(meta["commit"]) == 40
+    # a new machine: the first 2 examples of each task's sample recomputed without the cache, then taken
+    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    assert seen == [(("mmlu", 2), False), (("boolq", 2), False)]
+    assert decision["decision"] == "committed" and decision["slice_rows"] == len(plain) * 2 // 3
+    assert decision["max_abs_diff_nll"] < eb.ATOL
+    pd.testing.assert_frame_equal(got, plain, check_exact=False, rtol=1e-7)  # columns, dtypes, order; 8 digits
+    assert (plain["kind"] == "").any()  # an empty text reads back as the sweep wrote it, not as NaN
+    # a subset of its tasks and metrics, in another order, is served in the order the sweep gives it
+    subset = ["contribution", "attention"]
+    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=["boolq"], metrics=subset)
+    assert seen == [(("boolq", 2), False)] and decision["decision"] == "committed"
+    from cwcore import faithfulness as faith
+
+    fresh = faith.downstream_eval(model, tokenizer, ["boolq"], subset, DOWN_RATIOS, per_example=True, **DOWN_CALL)
+    pd.testing.assert_frame_equal(got, fresh, check_exact=False, rtol=1e-7)
+    # PROVENANCE lists the decision among the committed cells taken
+    cells = eb._cells(tmp_path / "cells")
+    assert [c["sweep"] for c in cells] == ["downstream"]
+    record = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0, cells=cells,
+                                  tally={"hits": 0, "misses": 0, "processes": 1})
+    assert record["committed_cells"]["taken"] == cells
+    assert ef.frame_paths(ef.DOWNSTREAM, "tiny", out=out) == (out / "downstream_tiny.csv.gz", out / "downstream_tiny.json")
+
+
+def test_a_tampered_or_other_downstream_frame_is_recomputed(downstream, tmp_path, monkeypatch):
+    from cwcore.book import evidence_frames as ef
+
+    model, tokenizer, plain = downstream
+    out = tmp_path / "out"
+    _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    table, meta = ef.read_frame(ef.DOWNSTREAM, "tiny", out=out)
+    tampered = table.copy()
+    where = tampered.index[(tampered["task"] == "boolq") & (tampered["metric"] == "contribution")
+                           & (tampered["example"] == 1)][0]
+    tampered.loc[where, "nll"] += 1e-4  # beyond 1e-6 nats + 1e-6 relative, in the slice
+    ef.write_frame(ef.DOWNSTREAM, tampered, meta, "tiny", out=out)
+    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    assert seen == [(("mmlu", 2), False), (("boolq", 2), False), (TASKS, False)]  # checked, then computed
+    assert decision["decision"] == "recomputed" and decision["reason"].startswith("1 of ")
+    pd.testing.assert_frame_equal(got, plain, check_exact=True)
+    rewritten, _ = ef.read_frame(ef.DOWNSTREAM, "tiny", out=out)  # the tampered row is gone from the export
+    pd.testing.assert_frame_equal(rewritten, plain, check_exact=False, rtol=1e-7)
+    # another sample size: another sample, never taken (no slice is run)
+    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch, num_examples=4)
+    assert seen == [(TASKS, False)] and "num_examples" in decision["reason"] and "sample" in decision["reason"]
+    assert got["example"].nunique() == 4
+
+
+def test_a_committed_per_layer_frame_is_taken_after_its_slice_and_a_changed_one_is_recomputed(cell, tmp_path,
+                                                                                              monkeypatch):
+    from cwcore.book import evidence_frames as ef
+    from cwcore.faithfulness.layers import per_layer_curve
+
+    model, blocks, _ = cell
+    options = dict(batch_size=2, max_length=12, seed=0, cache=False)
+    plain = per_layer_curve(model, None, blocks, METRICS, RATIOS, "comprehensiveness", **options)
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    seen = []
+
+    def curve(lm, tokenizer, part, *args, **kwargs):
+        seen.append((list(part["document"]), kwargs["cache"]))
+        return per_layer_curve(lm, tokenizer, part, *args, **kwargs)
+
+    def run():
+        seen.clear()
+        got = eb.per_layer_cell(model, None, blocks, METRICS, RATIOS, "comprehensiveness", model="tiny", data="toy",
+                                profile="evidence", exports=tmp_path / "out", curve=curve, log=None, **options)
+        return got, json.loads((tmp_path / "cells" / "cell-per-layer-tiny-toy.json").read_text())
+
+    got, decision = run()
+    assert seen == [([7, 3, 11, 5], False)] and decision["decision"] == "recomputed"
+    pd.testing.assert_frame_equal(got, plain, check_exact=True)
+    got, decision = run()
+    assert seen == [([7, 3], False)] and decision["decision"] == "committed"  # the first 2 documents only
+    pd.testing.assert_frame_equal(got, plain, check_exact=False, rtol=1e-7)
+    table, meta = ef.read_frame(ef.PER_LAYER, "tiny", "toy", tmp_path / "out")
+    assert meta["document_ids"] == [7, 3, 11, 5] and meta["settings"]["seq_len"] == 12
+    table.loc[(table["document"] == 3) & (table["layer"] == 1), "nll"] *= 1 + 3e-6  # three times the allowance
+    ef.write_frame(ef.PER_LAYER, table, meta, "tiny", "toy", tmp_path / "out")
+    got, decision = run()
+    assert seen == [([7, 3], False), ([7, 3, 11, 5], False)] and decision["decision"] == "recomputed"
+    pd.testing.assert_frame_equal(got, plain, check_exact=True)

@@ -13,7 +13,9 @@
 2. copies the results tables of the other per-model chapters it ran (the sink chapters 5-7) into the
    evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
    and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
-   (:func:`export_and_tables`);
+   (:func:`export_and_tables`). The chapter's downstream tasks and per-layer interventions are kept the
+   same way, as committed frames the notebook writes or takes (:mod:`cwcore.book.evidence_frames`:
+   :func:`downstream_cell`, :func:`per_layer_cell`);
 3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
    of the result keys, the result cache's hits and misses summed over every process of the build
    (kernels and ranks, through ``$CWCORE_CACHE_TALLY``), the committed cells taken and recomputed,
@@ -44,21 +46,14 @@ from ..faithfulness.protocol import Protocol, identical_steps
 from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
+from .evidence_frames import (ATOL, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS, downstream_cell,
+                              frame_paths, per_layer_cell, record_decision, recorded_decision, say)
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUMENTS", "CHECKPOINT_ENV_VAR", "ladder_cell",
+           "downstream_cell", "per_layer_cell",
            "committed_cell", "committed_documents", "checkpoint_documents", "build_evidence",
            "provenance_record", "write_provenance", "read_provenance", "provenance_lines", "copy_chapter_tables"]
 
-#: documents of a committed cell recomputed before it is taken, and the tolerance: ``ATOL`` nats plus
-#: ``RTOL`` of the committed value. The relative part is float32's rounding, not a looser science: an
-#: engine change that only reorders a float32 sum moved committed clean NLLs (1.5-12 nats) by up to
-#: 1.2e-6 nats (median 3e-7, measured on smollm2 GSM8K between fe0583d and 56bb7a9), and the exports keep
-#: 8 significant digits (5e-7 nats at 10 nats); a change of what is computed moves rows by far more.
-SLICE_DOCUMENTS = 2
-ATOL = 1e-6
-RTOL = 1e-6
-#: a folder where :func:`ladder_cell` records each decision (``cell-<model>-<data>-<protocol>.json``)
-CELLS_ENV_VAR = "CWCORE_EVIDENCE_CELLS"
 #: documents a ladder cell computes between two merges into its export during the evidence build
 #: (about 20 minutes of smollm2-135m, 45 of gemma3-270m on 2 CPU cores): what is finished can be committed
 CHECKPOINT_DOCUMENTS = 16
@@ -141,32 +136,6 @@ def _broken_identities(rows: pd.DataFrame, protocol: str, variant: str) -> str:
     return "; ".join(broken)
 
 
-def _decision_path(decision: dict) -> Path | None:
-    folder = os.environ.get(CELLS_ENV_VAR, "").strip()
-    if not folder:
-        return None
-    name = "cell-" + "-".join(provenance.slug(str(decision[k])) for k in ("model", "data", "protocol", "variant")
-                              if k in decision) + ".json"
-    return Path(folder) / name
-
-
-def _record(decision: dict) -> None:
-    path = _decision_path(decision)
-    if path is not None and runs.is_main_rank():
-        cw_cache.atomic_write_bytes(path, json.dumps(decision).encode())
-
-
-def _recorded(decision: dict) -> dict | None:
-    """The decision this build recorded for the same cell and committed rows, when it took them (or
-    computed them into the export, checkpointing): the cell is not checked again."""
-    path = _decision_path(decision)
-    if path is None or not path.is_file():
-        return None
-    earlier = json.loads(path.read_text())
-    same = all(earlier.get(k) == decision[k] for k in ("documents", "cell_sha256"))
-    return earlier if same and (earlier.get("decision") == "committed" or earlier.get("merged")) else None
-
-
 def _rows_hash(rows: pd.DataFrame) -> str:
     import hashlib
 
@@ -238,7 +207,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         kept = whole if held_whole else base
         if held_whole == n:
             decision["cell_sha256"] = _rows_hash(kept)
-        earlier = _recorded(decision) if held_whole == n else None
+        earlier = recorded_decision(decision) if held_whole == n else None
         if earlier is not None:  # checked (or computed) earlier in this build (the notebook's kernel): not again
             return _ordered([_plain(kept)], labels, importances, chosen.kind)
         head = blocks.select(range(min(slice_documents, held)))
@@ -258,7 +227,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
             replace = False
             missing = [f"seeds {', '.join(seeds)} on documents {a + 1}-{b}" for a, b, only in todo if only]
             missing += [f"documents {a + 1}-{b}" for a, b, only in todo if not only]
-            _say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} recomputed, "
+            say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} recomputed, "
                       f"{len(fresh)} rows within {atol:g} nats + {rtol:g} relative, max |diff| {diff:.1e})"
                       + (f"; computing {'; '.join(missing)}" if missing else ""))
             decision["decision"] = "committed" if held == n else "resumed"
@@ -272,7 +241,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     if todo == [(0, n, False)]:
         decision.update(decision="recomputed", reason=why)
         if held or not (why == "no committed export" or "profile" in why):  # another profile: silent
-            _say(log, f"{label}: computing the cell ({why})")
+            say(log, f"{label}: computing the cell ({why})")
     computed = []
     for first, stop, extra_only in todo:
         size = every_slice or (stop - first)
@@ -286,7 +255,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
                 csv, _ = evidence_export.merge_cell(model, data, part, protocol=protocol, variant=variant, **same,
                                                     document_ids=documents, out=exports, replace=replace)
                 replace = False
-                _say(log, f"{label}: documents {a + 1}-{b} of {n} merged into {csv.name} "
+                say(log, f"{label}: documents {a + 1}-{b} of {n} merged into {csv.name} "
                           f"({time.monotonic() - t0:.0f} s)")
     if todo:
         decision["compute_s"] = round(time.monotonic() - t0, 1)
@@ -296,7 +265,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         out = _ordered([*map(_plain, taken), *computed], labels, importances, chosen.kind)
     if every_slice and todo:
         decision.update(merged=True, cell_sha256=_rows_hash(out))
-    _record(decision)
+    record_decision(decision)
     return out
 
 
@@ -309,11 +278,6 @@ def _ordered(parts: list[pd.DataFrame], labels, importances, kind: str) -> pd.Da
     columns = list(parts[-1].columns)
     rows = pd.concat([p[[c for c in columns if c in p.columns]] for p in parts], ignore_index=True)
     return evidence.sweep_order(rows, labels, importances, kind=kind)
-
-
-def _say(log, text: str) -> None:
-    if log is not None and runs.is_main_rank():
-        log(text)
 
 
 # -- PROVENANCE ------------------------------------------------------------------------------------
@@ -438,7 +402,9 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
                       config_path: str | Path | None = None, **_) -> list[Path]:
     """Steps 2-3 of :func:`build_evidence`'s work: the other chapters' tables copied
     (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
-    this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written."""
+    this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written, with
+    the chapter's committed frames of each model (:mod:`cwcore.book.evidence_frames`: the downstream
+    tasks, the per-layer interventions on the first data set), which the notebook wrote or took."""
     config = config_path or DEFAULT_BOOK_DIR / "run.yml"
     _, _, planned = plan(load_config(config), profile=profile, models=models, only=only)
     written: list[Path] = copy_chapter_tables(planned, out)
@@ -451,6 +417,9 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
                 sweep = partial(ladder_cell, model=model, data=data, profile=profile, dtype=p["dtype"], exports=out)
                 written += export(profile, model, data, p["n_sequences"], p["protocols"], out=out, config=config,
                                   sweep=sweep)
+        # the downstream tasks and the per-layer interventions the notebook wrote (or took) as committed frames
+        frames = [frame_paths(DOWNSTREAM, run.model, out=out), frame_paths(PER_LAYER, run.model, p["datasets"][0], out)]
+        written += [path for pair in frames if all(x.is_file() for x in pair) for path in pair]
     return written + (export_tables(out) if any(out.glob("per_document_*.json")) else [])
 
 

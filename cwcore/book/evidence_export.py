@@ -47,6 +47,7 @@ from ..data import document_blocks
 from ..faithfulness import anatomy, evidence
 from . import findings
 from . import results_path, slug
+from .evidence_frames import DEFAULT_OUT, DOWNSTREAM, SIGNIFICANT_DIGITS, compare_rows, downstream_ladder, read_frame
 from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
@@ -60,14 +61,12 @@ KEYS = ("data", "model", "protocol", "variant", "importance", "metric", "mode", 
 EXACT = ("sequence", "n_tokens", "n_removed", "n_candidates")
 #: float columns, equal within a tolerance
 FLOATS = ("nll", "clean_nll", "delta_nll")
-SIGNIFICANT_DIGITS = 8
 #: the other numeric columns of an export
 _NUMERIC = ("ratio", "document", "keep_first_token")
 #: the chapter's parameters that :func:`cwcore.faithfulness.evidence.ladder_evidence` takes as they are
 LADDER_PARAMETERS = ("datasets", "n_sequences", "seq_len", "low_ratios", "ratios", "protocols", "importances",
                      "metrics", "random_seeds", "variants", "variant_models", "n_bootstrap", "seed", "batch_size",
                      "cache")
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 _FIRST = ["data", "model", "protocol", "importance", "metric", "kind", "mode", "ratio", "document", "sequence",
           "nll", "clean_nll", "delta_nll", "n_tokens", "n_removed", "n_candidates"]
 
@@ -331,39 +330,7 @@ def compare(committed: pd.DataFrame, recomputed: pd.DataFrame, atol: float, rtol
     integer column (:data:`EXACT`) differs, or when a float column (:data:`FLOATS`) differs by more
     than ``atol + rtol * |committed|`` (or only one of the two is NaN). Returns one row per mismatching
     key, with ``<column>_committed``, ``<column>_recomputed`` and ``problem``; empty when all match."""
-    keys = list(KEYS)
-    values = [c for c in (*EXACT, *FLOATS) if c in recomputed.columns]
-
-    def keyed(frame):
-        frame = frame.copy()
-        frame["ratio"] = frame["ratio"].astype(float).round(9)
-        frame["document"] = frame["document"].astype(int)
-        dup = frame.duplicated(keys)
-        if dup.any():
-            raise ValueError(f"{int(dup.sum())} rows share their keys {keys}")
-        return frame[keys + [c for c in values if c in frame.columns]]
-
-    def tagged(frame, tag):
-        return frame.rename(columns={c: f"{c}_{tag}" for c in values})
-
-    merged = tagged(keyed(recomputed), "recomputed").merge(tagged(keyed(committed), "committed"), on=keys,
-                                                            how="left", indicator=True)
-    problems = pd.Series([""] * len(merged), index=merged.index, dtype=object)
-    problems[merged["_merge"] == "left_only"] = "missing from committed"
-    present = merged["_merge"] == "both"
-    for col in values:
-        a, b = merged[f"{col}_recomputed"], merged.get(f"{col}_committed")
-        if b is None:
-            bad = present
-        elif col in EXACT:
-            bad = present & (a != b)
-        else:
-            a, b = a.astype(float), b.astype(float)
-            close = np.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
-            bad = present & ~close
-        problems[bad] = problems[bad] + f"{col} "
-    out = merged[problems != ""].drop(columns="_merge").assign(problem=problems[problems != ""].str.strip())
-    return out.reset_index(drop=True)
+    return compare_rows(committed, recomputed, keys=KEYS, exact=EXACT, floats=FLOATS, atol=atol, rtol=rtol)
 
 
 # -- tables ----------------------------------------------------------------------------------------
@@ -401,8 +368,10 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
     column as the notebook stacks them, written by :func:`cwcore.book.findings.save_results` to
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
-    cells the rows hold (data set x protocol, documents) and what is not in them (the downstream tasks:
-    the notebook adds those rows); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
+    cells the rows hold (data set x protocol, documents) and what is not in them. Where the model's
+    downstream tasks are committed (``downstream_<model>.csv.gz``, :func:`cwcore.book.evidence_frames.downstream_cell`),
+    their ladder steps follow, as the notebook computes them (:func:`cwcore.book.evidence_frames.downstream_ladder`, ``data`` = the
+    task); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
     test with its controls (:func:`cwcore.faithfulness.anatomy.held_out_from_committed`) where the anatomy
     of that data set is committed. Then ``out/findings.csv`` is rewritten by
     :func:`cwcore.book.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
@@ -432,14 +401,25 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                       for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
+        not_included, downstream = "downstream tasks, per-layer interventions, Table 8's protocol variants", {}
+        found = read_frame(DOWNSTREAM, model, out=out)
+        if found is not None:
+            down_per, down_meta = found
+            ladders.append(downstream_ladder(down_per, n_bootstrap=p["n_bootstrap"], seed=p["seed"]))
+            examples = {t: int(n) for t, n in down_per.groupby("task", sort=False)["example"].nunique().items()}
+            cells += [f"downstream {t} ({n} examples)" for t, n in examples.items()]
+            not_included = not_included.replace("downstream tasks, ", "")
+            downstream = dict(tasks=",".join(examples), n_examples=max(examples.values()),
+                              task_ratios=down_meta["ratios"])
+            provenance["downstream"] = {k: down_meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
         path = results_path(out, CHAPTER, model)
         findings.save_results(path, pd.concat(ladders, ignore_index=True), chapter=CHAPTER, model=model,
                               profile=meta["profile"], parameters=dict(
                                   source="per-document exports (evidence_slice tables)", cells=cells,
-                                  not_included="downstream tasks, per-layer interventions, Table 8's protocol variants",
+                                  not_included=not_included,
                                   n_documents=meta["documents"], seq_len=p["seq_len"], ratios=meta["ratios"],
                                   n_bootstrap=p["n_bootstrap"], seed=p["seed"], dtype=meta["dtype"],
-                                  exports=provenance))
+                                  **downstream, exports=provenance))
         written += [path, path.with_suffix(".json")]
         for data in exported[model]:  # the anatomy's held-out test, where its anatomy is committed
             if (out / f"anatomy_{slug(model)}_{data}.csv").is_file():

@@ -1,0 +1,432 @@
+"""Chapter 4's other sweeps kept in ``data/results/evidence``, so that a new machine resumes from them.
+
+The evidence build runs for many sessions on possibly different machines, and the result cache does
+not travel. Chapter 4's ladder cells keep their rows in the per-document exports
+(:func:`cwcore.book.evidence_build.ladder_cell`); the chapter's other sweeps are kept here as
+*committed frames*: the per-unit table the sweep returns, written whole and atomically beside them.
+
+* :func:`downstream_cell` wraps :func:`cwcore.faithfulness.downstream.downstream_eval` (``per_example=True``):
+  ``downstream_<model>.csv.gz`` + ``.json``, one row per (task, metric, mode, ratio, example);
+* :func:`per_layer_cell` wraps :func:`cwcore.faithfulness.layers.per_layer_curve`:
+  ``per_layer_<model>_<data>.csv.gz`` + ``.json``, one row per (layer, metric, mode, ratio, sequence);
+* :func:`downstream_ladder` turns the downstream frame into the ladder's steps, for the notebook and for
+  :func:`cwcore.book.evidence_export.tables` (which adds them to chapter 4's table and ``findings.csv``).
+
+Both go through :func:`committed_frame`: the export is taken when it ran with the same settings (every
+argument that changes a number, the sample's content digest among them), holds every requested row, and a
+fresh recomputation of its first :data:`SLICE_DOCUMENTS` units (examples of each task, documents),
+without the cache, equals its rows within :data:`ATOL` nats plus :data:`RTOL` relative
+(:func:`compare_rows`); otherwise the sweep runs whole and, inside the evidence build (``$CWCORE_EVIDENCE_CELLS``
+set) or with an explicit ``exports`` folder, its frame is written on the main rank. Either way the
+returned frame is the sweep's own: its columns, dtypes (kept in the JSON) and row order. Each decision is
+recorded as the ladder cells' are (:func:`record_decision`, ``cell-<sweep>-<model>[-<data>].json``).
+
+The JSON beside each frame: ``what``, ``commit`` (and ``cwcore_modified``), ``profile``, ``model``,
+``data``, ``settings`` (what must equal for the frame to be taken), the requested ``tasks``/``metrics``/
+``modes``/``ratios``, the units (``example_ids`` per task, or ``document_ids``), ``call`` (every keyword
+of the sweep, batch sizes included), ``columns`` and ``dtypes``, ``rows``, ``float_format``,
+``wall_s``, the result cache's code hash and ``created``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+import cwcore
+from .. import cache as cw_cache
+from .. import provenance
+from .. import runs
+from ..data import load_dataset
+from ..faithfulness import evidence
+from ..faithfulness.downstream import downstream_eval
+from ..faithfulness.layers import per_layer_curve
+from ..faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
+from ..faithfulness.protocol import specs as parse_specs
+from ..faithfulness.summary import ladder_comparison
+from . import slug
+
+__all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
+           "FrameKind", "DOWNSTREAM", "PER_LAYER", "compare_rows", "frame_paths", "read_frame", "write_frame",
+           "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "record_decision",
+           "recorded_decision", "say"]
+
+#: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
+#: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
+#: not a looser science: an engine change that only reorders a float32 sum moved committed clean NLLs
+#: (1.5-12 nats) by up to 1.2e-6 nats (median 3e-7, measured on smollm2 GSM8K between fe0583d and
+#: 56bb7a9), and the exports keep 8 significant digits (5e-7 nats at 10 nats); a change of what is
+#: computed moves rows by far more.
+SLICE_DOCUMENTS = 2
+ATOL = 1e-6
+RTOL = 1e-6
+SIGNIFICANT_DIGITS = 8
+#: where the committed evidence lives in this checkout
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+#: a folder where each committed cell's decision is recorded (the evidence build sets it)
+CELLS_ENV_VAR = "CWCORE_EVIDENCE_CELLS"
+#: keywords of a sweep that change no number of its rows beyond float rounding (which the slice check
+#: bounds), so an export made with other values is still taken: batching, progress, the cache, the
+#: summary's bootstrap (the per-unit rows do not use it)
+NOT_NUMBERS = ("batch_size", "max_batch_pairs", "progress", "cache", "cache_dir", "n_bootstrap", "confidence",
+               "per_example")
+
+
+# -- decisions ---------------------------------------------------------------------------------------
+def _decision_path(decision: dict) -> Path | None:
+    folder = os.environ.get(CELLS_ENV_VAR, "").strip()
+    if not folder:
+        return None
+    name = "cell-" + "-".join(provenance.slug(str(decision[k])) for k in ("sweep", "model", "data", "protocol",
+                                                                          "variant") if k in decision) + ".json"
+    return Path(folder) / name
+
+
+def record_decision(decision: dict) -> None:
+    """Write ``decision`` (one committed cell: taken, resumed or recomputed, and why) into
+    ``$CWCORE_EVIDENCE_CELLS`` (nothing when unset; the main rank only), where ``PROVENANCE`` reads it."""
+    path = _decision_path(decision)
+    if path is not None and runs.is_main_rank():
+        cw_cache.atomic_write_bytes(path, json.dumps(decision).encode())
+
+
+def recorded_decision(decision: dict) -> dict | None:
+    """The decision this build recorded for the same cell and committed rows, when it took them (or
+    computed them into the export, checkpointing): the cell is not checked again."""
+    path = _decision_path(decision)
+    if path is None or not path.is_file():
+        return None
+    earlier = json.loads(path.read_text())
+    same = all(earlier.get(k) == decision[k] for k in ("documents", "cell_sha256"))
+    return earlier if same and (earlier.get("decision") == "committed" or earlier.get("merged")) else None
+
+
+def say(log, text: str) -> None:
+    """``log(text)`` on the main rank (None: silent)."""
+    if log is not None and runs.is_main_rank():
+        log(text)
+
+
+# -- comparing a recomputed slice ----------------------------------------------------------------------
+def compare_rows(committed: pd.DataFrame, recomputed: pd.DataFrame, *, keys: Sequence[str], exact: Sequence[str],
+                 floats: Sequence[str], atol: float, rtol: float = 0.0) -> pd.DataFrame:
+    """The rows of ``recomputed`` that do not match ``committed`` (a slice: committed rows outside
+    ``recomputed``'s ``keys`` are ignored). A row mismatches when it is missing from ``committed``, when a
+    column of ``exact`` differs, or when one of ``floats`` differs by more than ``atol + rtol * |committed|``
+    (or only one of the two is NaN). Returns one row per mismatching key, with ``<column>_committed``,
+    ``<column>_recomputed`` and ``problem``; empty when all match."""
+    keys = list(keys)
+    values = [c for c in (*exact, *floats) if c in recomputed.columns]
+
+    def keyed(frame):
+        frame = frame.copy()
+        for k in keys:  # float keys (ratios) compare as written; integer ones as integers
+            if pd.api.types.is_float_dtype(frame[k]):
+                frame[k] = frame[k].round(9)
+            elif pd.api.types.is_numeric_dtype(frame[k]) and not pd.api.types.is_bool_dtype(frame[k]):
+                frame[k] = frame[k].astype("int64")
+        dup = frame.duplicated(keys)
+        if dup.any():
+            raise ValueError(f"{int(dup.sum())} rows share their keys {keys}")
+        return frame[keys + [c for c in values if c in frame.columns]]
+
+    def tagged(frame, tag):
+        return frame.rename(columns={c: f"{c}_{tag}" for c in values})
+
+    merged = tagged(keyed(recomputed), "recomputed").merge(tagged(keyed(committed), "committed"), on=keys,
+                                                            how="left", indicator=True)
+    problems = pd.Series([""] * len(merged), index=merged.index, dtype=object)
+    problems[merged["_merge"] == "left_only"] = "missing from committed"
+    present = merged["_merge"] == "both"
+    for col in values:
+        a, b = merged[f"{col}_recomputed"], merged.get(f"{col}_committed")
+        if b is None:
+            bad = present
+        elif col in exact:
+            bad = present & (a != b)
+        else:
+            a, b = a.astype(float), b.astype(float)
+            bad = present & ~np.isclose(a, b, atol=atol, rtol=rtol, equal_nan=True)
+        problems[bad] = problems[bad] + f"{col} "
+    out = merged[problems != ""].drop(columns="_merge").assign(problem=problems[problems != ""].str.strip())
+    return out.reset_index(drop=True)
+
+
+# -- committed frames --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FrameKind:
+    """One sweep's committed frame: its file prefix (``downstream``: ``downstream_<model>.csv.gz``), the
+    columns that name a row (``keys``, also the sweep's row order, outermost first: text keys in the
+    requested order, numbers ascending), those compared exactly and those within the tolerance."""
+
+    name: str
+    what: str
+    keys: tuple[str, ...]
+    exact: tuple[str, ...]
+    floats: tuple[str, ...]
+
+    @property
+    def sweep(self) -> str:
+        return self.name.replace("_", "-")
+
+
+DOWNSTREAM = FrameKind("downstream", "per-example rows of chapter 04_faithfulness's downstream tasks "
+                       "(cwcore.faithfulness.downstream_eval, per_example=True); nll in nats per gold token",
+                       keys=("task", "metric", "mode", "ratio", "example"),
+                       exact=("n_tokens", "n_removed", "n_candidates", "correct", "clean_correct"),
+                       floats=("nll", "clean_nll"))
+PER_LAYER = FrameKind("per_layer", "per-sequence rows of chapter 04_faithfulness's per-layer interventions "
+                      "(cwcore.faithfulness.layers.per_layer_curve); nll in nats",
+                      keys=("layer", "metric", "mode", "ratio", "sequence"),
+                      exact=("document", "n_tokens", "n_removed", "n_candidates"), floats=("nll", "clean_nll"))
+
+
+def frame_paths(kind: FrameKind, model: str, data: str | None = None,
+                out: str | Path | None = None) -> tuple[Path, Path]:
+    """(gzipped CSV, JSON) of one committed frame under ``out`` (default ``data/results/evidence``)."""
+    folder = Path(out) if out is not None else DEFAULT_OUT
+    stem = f"{kind.name}_{slug(model)}" + (f"_{data}" if data else "")
+    return folder / f"{stem}.csv.gz", folder / f"{stem}.json"
+
+
+def write_frame(kind: FrameKind, table: pd.DataFrame, meta: dict, model: str, data: str | None = None,
+                out: str | Path | None = None) -> tuple[Path, Path]:
+    """Write ``table`` (floats to :data:`SIGNIFICANT_DIGITS` significant digits) and ``meta`` with its
+    columns, dtypes and row count, each file atomically; returns their paths."""
+    csv, js = frame_paths(kind, model, data, out)
+    meta = {**meta, "columns": list(table.columns), "dtypes": {c: str(t) for c, t in table.dtypes.items()},
+            "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g"}
+    # mtime 0: the same rows give the same bytes, so a rewrite that changes nothing leaves git clean
+    rows = io.BytesIO()
+    table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
+    csv.parent.mkdir(parents=True, exist_ok=True)
+    cw_cache.atomic_write_bytes(csv, rows.getvalue())
+    cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1, default=_plain) + "\n").encode())
+    return csv, js
+
+
+def read_frame(kind: FrameKind, model: str, data: str | None = None,
+               out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
+    """(table, meta) of a committed frame with the columns and dtypes the sweep returned (an empty text
+    is ``""``, as the sweep wrote it), or None when either file is absent."""
+    csv, js = frame_paths(kind, model, data, out)
+    if not (csv.is_file() and js.is_file()):
+        return None
+    meta = json.loads(js.read_text())
+    dtypes = meta.get("dtypes", {})
+    text = [c for c, t in dtypes.items() if t in ("str", "object", "string")]
+    table = pd.read_csv(csv, dtype={c: str for c in text})
+    for column, dtype in dtypes.items():
+        if column in text:
+            table[column] = table[column].fillna("")
+        table[column] = table[column].astype(dtype)
+    return table[meta.get("columns", list(table.columns))], meta
+
+
+def _plain(value):
+    """JSON's form of the settings' values (tuples as lists, numpy numbers as numbers)."""
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    return str(value)
+
+
+def _canonical(value) -> object:
+    return json.loads(json.dumps(value, sort_keys=True, default=_plain))
+
+
+def _held(kind: FrameKind, found, settings: dict, wanted: dict[str, Sequence],
+          samples: dict[str, str]) -> tuple[pd.DataFrame | None, str]:
+    """(rows, why): the frame's rows of ``wanted`` (column: values) in the sweep's order, when it ran with
+    ``settings``, the same ``samples`` (digest of each requested group's units) and holds every
+    combination of ``wanted``; None with the reason otherwise."""
+    if found is None:
+        return None, "no committed export"
+    table, meta = found
+    held = meta.get("settings", {})
+    differ = sorted(k for k in set(held) | set(settings) if _canonical(held.get(k)) != _canonical(settings.get(k)))
+    differ += [f"{group} sample" for group, digest in samples.items() if meta.get("samples", {}).get(group) != digest]
+    if differ:
+        return None, "the export ran with other " + ", ".join(differ)
+    rows = table
+    for column, values in wanted.items():
+        if pd.api.types.is_float_dtype(rows[column]):
+            rows = rows[rows[column].round(9).isin([round(float(v), 9) for v in values])]
+        else:
+            rows = rows[rows[column].isin(list(values))]
+    combinations = int(np.prod([len(set(v)) for v in wanted.values()]))
+    found_combinations = len(rows[list(wanted)].drop_duplicates()) if len(rows) else 0
+    if found_combinations < combinations:
+        return None, f"the export holds {found_combinations} of the {combinations} requested " + \
+            " x ".join(wanted) + " combinations"
+    sort_keys = {}
+    for column in kind.keys:  # the sweep's order: text keys as requested, numbers ascending
+        if column in wanted and not pd.api.types.is_numeric_dtype(rows[column]):
+            sort_keys[column] = rows[column].map({v: i for i, v in enumerate(dict.fromkeys(wanted[column]))})
+        else:
+            sort_keys[column] = rows[column]
+    order = pd.DataFrame(sort_keys).sort_values(list(kind.keys), kind="stable").index
+    return rows.loc[order].reset_index(drop=True), "committed"
+
+
+def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recompute_slice: Callable[[], pd.DataFrame],
+                    *, model: str, data: str | None = None, settings: dict, wanted: dict[str, Sequence],
+                    samples: dict[str, str] | None = None, meta: dict | None = None,
+                    exports: str | Path | None = None, atol: float = ATOL, rtol: float = RTOL,
+                    log: Callable[[str], None] | None = print) -> pd.DataFrame:
+    """``compute()`` (a sweep's whole frame), or its committed frame (:func:`read_frame`) when that ran with
+    ``settings`` on the same ``samples`` (group: digest of its units, e.g. each task's examples), holds
+    every combination of ``wanted`` (column: requested values) and ``recompute_slice()`` (its first
+    units, without the cache) equals its rows within ``atol`` nats plus ``rtol`` relative
+    (:func:`compare_rows`). A computed frame is written (:func:`write_frame`, with
+    ``meta``, ``settings`` and ``wanted``) inside the evidence build or with ``exports`` given, on the main
+    rank. The decision is recorded (:func:`record_decision`). Returns the frame in the sweep's order."""
+    t0 = time.monotonic()
+    label = f"{model}{' ' + data if data else ''} {kind.sweep}"
+    decision = {"sweep": kind.sweep, "model": model, **({"data": data} if data else {})}
+    rows, why = _held(kind, read_frame(kind, model, data, exports), settings, wanted, samples or {})
+    if rows is not None:
+        fresh = recompute_slice()
+        bad = compare_rows(rows, fresh, keys=kind.keys, exact=kind.exact, floats=kind.floats, atol=atol, rtol=rtol)
+        both = fresh.merge(rows, on=list(kind.keys), suffixes=("", "_c"))
+        diff = float((both["nll"] - both["nll_c"]).abs().max()) if len(both) else float("nan")
+        decision.update(slice_rows=len(fresh), max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
+        if bad.empty:
+            decision.update(decision="committed", rows=len(rows))
+            say(log, f"{label}: committed export taken ({len(fresh)} recomputed rows within {atol:g} nats + "
+                     f"{rtol:g} relative, max |diff| {diff:.1e})")
+            record_decision(decision)
+            return rows
+        why = (f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats "
+               f"+ {rtol:g} relative")
+    if why != "no committed export" and "profile" not in why:  # another profile's build: silent
+        say(log, f"{label}: computing ({why})")
+    decision.update(decision="recomputed", reason=why)
+    table = compute()
+    wall = time.monotonic() - t0
+    decision["compute_s"] = round(wall, 1)
+    if (exports is not None or os.environ.get(CELLS_ENV_VAR, "").strip()) and runs.is_main_rank():
+        root = Path(cwcore.__file__).resolve().parent.parent
+        status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
+        csv, _ = write_frame(kind, table, {
+            "what": kind.what, "commit": provenance.git(root, "rev-parse", "HEAD"),
+            "cwcore_modified": None if status is None else bool(status), "profile": settings.get("profile"),
+            "model": model, "data": data, "settings": settings, "samples": samples or {},
+            **{f"{k}s": list(v) for k, v in wanted.items()},
+            **(meta or {}), "wall_s": round(wall, 1),
+            "cache": {"code_hash": cw_cache.code_version(("faithfulness",))},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, model, data, exports)
+        decision["written"] = csv.name
+        say(log, f"{label}: written to {csv.name} ({wall:.0f} s)")
+    record_decision(decision)
+    return table
+
+
+def downstream_ladder(per_example: pd.DataFrame, *, n_bootstrap: int, seed: int) -> pd.DataFrame:
+    """The ladder steps of the downstream tasks' per-example table, as notebook 04 computes them (paired
+    bootstrap over examples, judged by the registered margins, as the ladder's steps under the ``default``
+    protocol, signed importance, full range), with the task as ``data``."""
+    ladder = evidence.judge(ladder_comparison(per_example, n_bootstrap=n_bootstrap, seed=seed).assign(
+        protocol="default", importance="signed", range="full"))
+    ladder["data"] = ladder.pop("task")
+    return ladder
+
+
+def _call_settings(function: Callable, kwargs: dict, skip: Sequence[str] = ()) -> dict:
+    """The keywords of ``function`` that change numbers (not :data:`NOT_NUMBERS`, not ``skip``), as given
+    or defaulted, with its protocol resolved (:func:`cwcore.faithfulness.protocol.as_protocol`) into
+    ``protocol``: so an export of a call that relied on a default is not taken once the default changes."""
+    out = {}
+    for name, parameter in inspect.signature(function).parameters.items():
+        if parameter.kind is not inspect.Parameter.KEYWORD_ONLY or name in (*NOT_NUMBERS, *skip, "protocol"):
+            continue
+        out[name] = kwargs.get(name, parameter.default)
+    protocol = as_protocol(kwargs.get("protocol"), **{k: v for k, v in kwargs.items() if k in PROTOCOL_FIELDS})
+    out["protocol"] = asdict(protocol)
+    return out
+
+
+def _requested(metrics, ratios, mode, kwargs: dict) -> dict:
+    """The metric labels, modes and ratios a sweep runs, as it names them in its rows."""
+    protocol = as_protocol(kwargs.get("protocol"), **{k: v for k, v in kwargs.items() if k in PROTOCOL_FIELDS})
+    return {"metric": [s.label for s in parse_specs(metrics, protocol.kind)], "mode": list(parse_modes(mode)),
+            "ratio": [float(r) for r in parse_ratios(ratios)]}
+
+
+def _examples_digest(dataset) -> str:
+    """sha256 of a multiple-choice sample's examples (contexts, continuations, gold), in order."""
+    text = json.dumps([[row["contexts"], row["continuations"], row["gold"]] for row in dataset], default=_plain)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def downstream_cell(lm, tokenizer, tasks, metric=None, ratios=None, mode=None, *, model: str, profile: str,
+                    num_examples: int | None = None, data_seed: int = 0, dtype: str = "float32",
+                    exports: str | Path | None = None, slice_examples: int = SLICE_DOCUMENTS, atol: float = ATOL,
+                    rtol: float = RTOL, evaluate: Callable = downstream_eval, log: Callable[[str], None] | None = print,
+                    per_example: bool = True, **kwargs) -> pd.DataFrame:
+    """``evaluate(lm, tokenizer, tasks, metric, ratios, mode, num_examples=..., data_seed=...,
+    per_example=True, **kwargs)`` (:func:`cwcore.faithfulness.downstream.downstream_eval`: the per-example
+    table of the downstream tasks, ``tasks`` packaged names), or its committed frame
+    ``downstream_<model>.csv.gz`` (:func:`committed_frame`) once the first ``slice_examples`` examples of
+    each task's sample, recomputed without the cache, equal it. The examples of a task are the sample
+    ``load_dataset(task, limit=num_examples, seed=data_seed)``, numbered in it; the slice is that sample's
+    first examples (not a smaller ``limit``, whose sample is another subset, numbered otherwise), so its
+    rows are the whole run's rows of those examples. Each task's sample must have the same content digest
+    as the export's (the examples' contexts, continuations and gold answers, in order)."""
+    if not per_example:
+        raise ValueError("downstream_cell returns the per-example table (per_example=True); summarise it with "
+                         "cwcore.faithfulness.summarize_downstream")
+    tasks = [tasks] if isinstance(tasks, str) else list(tasks)
+    samples = {t: load_dataset(t, limit=num_examples, seed=data_seed) for t in tasks}
+    settings = {"profile": profile, "dtype": str(dtype), "num_examples": num_examples, "data_seed": data_seed,
+                **_call_settings(downstream_eval, kwargs, skip=("task", "num_examples", "data_seed"))}
+    call = dict(num_examples=num_examples, data_seed=data_seed, per_example=True, **kwargs)
+
+    def recompute_slice():
+        return pd.concat([evaluate(lm, tokenizer, s.select(range(min(slice_examples, len(s)))), metric, ratios, mode,
+                                   **{**call, "task": t, "num_examples": None, "cache": False, "progress": False})
+                          for t, s in samples.items()], ignore_index=True)
+
+    return committed_frame(DOWNSTREAM, lambda: evaluate(lm, tokenizer, tasks, metric, ratios, mode, **call),
+                           recompute_slice, model=model, settings=settings,
+                           wanted={"task": tasks, **_requested(metric, ratios, mode, kwargs)},
+                           samples={t: _examples_digest(s) for t, s in samples.items()},
+                           meta={"example_ids": {t: list(range(len(s))) for t, s in samples.items()},
+                                 "call": call}, exports=exports, atol=atol, rtol=rtol, log=log)
+
+
+def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,
+                   dtype: str = "float32", exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS,
+                   atol: float = ATOL, rtol: float = RTOL, curve: Callable = per_layer_curve,
+                   log: Callable[[str], None] | None = print, **kwargs) -> pd.DataFrame:
+    """``curve(lm, tokenizer, blocks, metric, ratios, mode, **kwargs)``
+    (:func:`cwcore.faithfulness.layers.per_layer_curve`: the per-layer interventions' per-sequence table),
+    or its committed frame ``per_layer_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first
+    ``slice_documents`` documents, recomputed without the cache, equal it. ``blocks``: a
+    :func:`cwcore.data.document_blocks` data set; its documents and the digest of its token ids are among
+    the settings (the random control hashes each sequence's place, so the sample must be the same)."""
+    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
+    settings = {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
+                "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1]),
+                **_call_settings(per_layer_curve, kwargs)}
+
+    def recompute_slice():
+        return curve(lm, tokenizer, blocks.select(range(min(slice_documents, len(blocks)))), metric, ratios, mode,
+                     **{**kwargs, "cache": False, "progress": False})
+
+    return committed_frame(PER_LAYER, lambda: curve(lm, tokenizer, blocks, metric, ratios, mode, **kwargs),
+                           recompute_slice, model=model, data=data, settings=settings,
+                           wanted=_requested(metric, ratios, mode, kwargs),
+                           meta={"document_ids": settings["documents"], "call": kwargs}, exports=exports,
+                           atol=atol, rtol=rtol, log=log)
