@@ -16,7 +16,8 @@ keeps its per-document table only in the result cache. This module
 * :func:`compare` lists the rows of a recomputation that do not match the committed ones
   (``tests/faithfulness/test_evidence_slice.py`` recomputes the first two documents);
 * :func:`tables` turns the exports into chapter 4's evidence tables (the stacked ladder the notebook
-  writes, ``04_faithfulness/<model>.csv`` with its ``.json``) and rewrites ``findings.csv`` beside
+  writes, ``04_faithfulness/<model>.csv`` with its ``.json``; the downstream tasks' steps too, where
+  their committed frame is, :mod:`cwcore.book.evidence_frames`) and rewrites ``findings.csv`` beside
   them, so that the findings page shows what the exports hold while the build is unfinished.
 
 It runs as a module, also under a frozen checkout of cwcore (whose code hash keys that checkout's

@@ -4,8 +4,9 @@ The ladder's point estimates are checked against a naive AOPC (numpy's trapezoid
 document's curve, origin included, divided by r_max; the mean over documents of higher minus lower
 rung) on a slice of the committed smollm2 GSM8K export (8 documents, both protocols, every ratio);
 the verdicts against their intervals; ``findings.csv`` against the ladder it was made from; and the
-committed ``04_faithfulness`` tables against a recomputation from the committed exports.
-Tolerance: 1e-9 nats on the means (float64 over the CSV's 8-digit values).
+committed ``04_faithfulness`` tables against a recomputation from the committed exports; and the
+downstream tasks' steps, added from their committed frame, against a naive AOPC over examples (never in
+the primary family). Tolerance: 1e-9 nats on the means (float64 over the CSV's 8-digit values).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import pytest
 from cwcore.book import findings
 from cwcore.book import results_path
 from cwcore.book import evidence_export as es
+from cwcore.book import evidence_frames as ef
 from cwcore.faithfulness import evidence
+from faith_helpers import peaked_llama, word_tokenizer
 
 MODEL, DATA, DOCUMENTS = "smollm2-135m", "gsm8k", 8
 
@@ -47,14 +50,14 @@ def sliced(tmp_path_factory):
     return out, rows, written
 
 
-def naive_aopc(rows: pd.DataFrame, max_ratio: float | None) -> pd.Series:
-    """AOPC per document: trapezoid of (0, 0) + the measured (ratio, nll - clean_nll) points, over r_max
-    (the tables recompute the delta from the two NLLs, as the notebook has them, not from the rounded
-    ``delta_nll`` column)."""
+def naive_aopc(rows: pd.DataFrame, max_ratio: float | None, unit: str = "document") -> pd.Series:
+    """AOPC per document (or per ``unit``): trapezoid of (0, 0) + the measured (ratio, nll - clean_nll)
+    points, over r_max (the tables recompute the delta from the two NLLs, as the notebook has them, not
+    from the rounded ``delta_nll`` column)."""
     if max_ratio is not None:
         rows = rows[rows["ratio"] <= max_ratio + 1e-12]
     out = {}
-    for doc, g in rows.groupby("document"):
+    for doc, g in rows.groupby(unit):
         g = g.sort_values("ratio")
         r = np.concatenate([[0.0], g["ratio"].to_numpy(float)])
         d = np.concatenate([[0.0], (g["nll"] - g["clean_nll"]).to_numpy(float)])
@@ -154,6 +157,48 @@ def test_findings_csv_rows_are_the_ladders_steps(sliced):
     assert len(table) == 2 * 2 * 2 * 2 * 6 + 2 + (variants - 1) * 2 * 2 * 2 * 6
 
 
+def test_tables_add_the_committed_downstream_steps_to_findings_never_primary(sliced, tmp_path, monkeypatch):
+    out, _, _ = sliced
+    for path in es.paths(MODEL, DATA, out):
+        shutil.copy(path, tmp_path)
+    # a downstream frame committed under the model's name (computed by a tiny model: the tables only read it)
+    monkeypatch.delenv(ef.CELLS_ENV_VAR, raising=False)
+    tasks, examples = ["mmlu", "boolq"], 5
+    per_example = ef.downstream_cell(peaked_llama(), word_tokenizer(), tasks,
+                                     ["attention", "value_weighted", "contribution", "random"], [0.1, 0.3],
+                                     model=MODEL, profile="evidence", exports=tmp_path, num_examples=examples,
+                                     max_length=40, batch_size=8, seed=0, progress=False, cache=False, log=None)
+    es.tables(tmp_path, all_models=[MODEL])
+    got = findings.load_results(tmp_path, "04_faithfulness", MODEL)
+    params = got.metadata["parameters"]
+    assert params["cells"][-2:] == [f"downstream {t} ({examples} examples)" for t in tasks]
+    assert "downstream" not in params["not_included"] and "per-layer interventions" in params["not_included"]
+    assert params["tasks"] == "mmlu,boolq" and params["n_examples"] == examples and params["task_ratios"] == [0.1, 0.3]
+    table = pd.read_csv(tmp_path / "findings.csv")
+    down = table[table["data"].isin(tasks)]
+    # every (task, mode) has the ladder's claims: three steps, random, ordering and cosine gain
+    assert len(down) == len(tasks) * 2 * 6 and set(down["variant"]) == {"main"}
+    measured = down[down["n_units"].notna()]  # rungs 2->3 and 3->4: "pair not in the table" (rung 3 was not run)
+    assert len(measured) == len(tasks) * 2 * 4 and (measured["n_units"] == examples).all()
+    assert set(measured["unit"]) == {"example"}
+    assert set(down["protocol"]) == {"default"} and set(down["importance"]) == {"signed"} and set(down["range"]) == {"full"}
+    assert not down["primary"].any() and down["p_holm"].isna().all()  # never in the pre-registered family
+    # the estimates are the naive paired AOPC differences over examples
+    steps = {"step 1->2": ("attention", "value_weighted"), "contribution beats random": ("random", "contribution")}
+    for (task, mode, claim), row in down[down["claim"].isin(steps)].set_index(["data", "mode", "claim"]).iterrows():
+        part = per_example[(per_example["task"] == task) & (per_example["mode"] == mode)]
+        lower, higher = steps[claim]
+        diff = naive_aopc(part[part["metric"] == higher], None, "example") - naive_aopc(
+            part[part["metric"] == lower], None, "example")
+        assert row["estimate"] == pytest.approx(diff.mean(), abs=1e-7)  # the frame's 8 significant digits
+        assert row["ci_low"] <= row["estimate"] <= row["ci_high"]
+    assert (down.loc[down["claim"].isin(["step 2->3", "step 3->4"]), "verdict"] == "not measured").all()
+    # the primary family and its Holm decision are those of the table without the downstream rows
+    before = pd.read_csv(out / "findings.csv")
+    pd.testing.assert_frame_equal(table[table["primary"]].reset_index(drop=True),  # n_units: float beside NaNs
+                                  before[before["primary"]].reset_index(drop=True), check_dtype=False)
+
+
 def test_the_committed_tables_are_those_of_the_committed_exports(tmp_path):
     committed = es.DEFAULT_OUT
     def from_exports(model):  # written by `evidence_slice tables` (the full build's notebook adds downstream rows)
@@ -166,6 +211,8 @@ def test_the_committed_tables_are_those_of_the_committed_exports(tmp_path):
     for js in committed.glob("per_document_*.json"):
         shutil.copy(js, tmp_path / js.name)
         shutil.copy(js.with_name(js.name.replace(".json", ".csv.gz")), tmp_path)
+    for frame in committed.glob("downstream_*"):  # the downstream tasks' committed frames, where there are any
+        shutil.copy(frame, tmp_path)
     for anatomy_csv in committed.glob("anatomy_*.csv"):
         shutil.copy(anatomy_csv, tmp_path)
     es.tables(tmp_path, models)
