@@ -340,6 +340,8 @@ def test_a_checkpointed_cell_is_merged_slice_by_slice_and_resumes_from_what_was_
     np.testing.assert_allclose(got["nll"], rows["nll"], rtol=1e-7, atol=0)
     merged, meta = ee.read_committed("tiny", "toy", out)
     assert len(merged) == len(rows) and meta["cells"]["default"]["documents"] == 4
+    # an export the checkpoints created carries the provenance the tables read (no KeyError in tables())
+    assert meta["commit"] == meta["cells"]["default"]["commit"] and "cwcore_modified" in meta and meta["created"]
     # the same build asks again (the exporter): taken from its record, nothing recomputed
     again, seen, _ = _checkpointed(model, blocks, out, tmp_path, monkeypatch)
     assert seen == [] and (again[keys].values == rows[keys].values).all()
