@@ -396,3 +396,18 @@ def test_the_tables_leave_out_extra_seeds_that_do_not_yet_cover_the_cell(cell):
     assert ee._whole_seeds(table)["metric"].isin(["random_s1"]).sum() == 0
     whole = pd.concat([rows, extra], ignore_index=True).assign(variant="main")
     assert ee._whole_seeds(whole).equals(whole)
+
+
+def test_provenance_records_the_command_line_models_and_a_run_configuration_of_its_own(tmp_path):
+    """`--models smollm2-135m` arrives as a string (it was recorded letter by letter); a `--config` other than
+    book/run.yml may change what the profile computes, so the record names it with its content's hash."""
+    config = tmp_path / "run-subset.yml"
+    config.write_text("profiles: {}\n")
+    tally = {"hits": 0, "misses": 0, "processes": 1}
+    record = eb.provenance_record(profile="evidence", models="smollm2-135m, gemma3-270m", only=None, wall_s=1.0,
+                                  tally=tally, cells=[], config=config)
+    assert record["models"] == ["smollm2-135m", "gemma3-270m"]
+    import hashlib
+    assert record["config"] == {"path": str(config), "sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+    plain = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0, tally=tally, cells=[])
+    assert plain["models"] is None and "config" not in plain
