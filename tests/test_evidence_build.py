@@ -340,6 +340,8 @@ def test_a_checkpointed_cell_is_merged_slice_by_slice_and_resumes_from_what_was_
     np.testing.assert_allclose(got["nll"], rows["nll"], rtol=1e-7, atol=0)
     merged, meta = ee.read_committed("tiny", "toy", out)
     assert len(merged) == len(rows) and meta["cells"]["default"]["documents"] == 4
+    # an export the checkpoints created carries the provenance the tables read (no KeyError in tables())
+    assert meta["commit"] == meta["cells"]["default"]["commit"] and "cwcore_modified" in meta and meta["created"]
     # the same build asks again (the exporter): taken from its record, nothing recomputed
     again, seen, _ = _checkpointed(model, blocks, out, tmp_path, monkeypatch)
     assert seen == [] and (again[keys].values == rows[keys].values).all()
@@ -532,3 +534,18 @@ def test_a_committed_per_layer_frame_is_taken_after_its_slice_and_a_changed_one_
     got, decision = run()
     assert seen == [([7, 3], False), ([7, 3, 11, 5], False)] and decision["decision"] == "recomputed"
     pd.testing.assert_frame_equal(got, plain, check_exact=True)
+
+
+def test_provenance_records_the_command_line_models_and_a_run_configuration_of_its_own(tmp_path):
+    """`--models smollm2-135m` arrives as a string (it was recorded letter by letter); a `--config` other than
+    book/run.yml may change what the profile computes, so the record names it with its content's hash."""
+    config = tmp_path / "run-subset.yml"
+    config.write_text("profiles: {}\n")
+    tally = {"hits": 0, "misses": 0, "processes": 1}
+    record = eb.provenance_record(profile="evidence", models="smollm2-135m, gemma3-270m", only=None, wall_s=1.0,
+                                  tally=tally, cells=[], config=config)
+    assert record["models"] == ["smollm2-135m", "gemma3-270m"]
+    import hashlib
+    assert record["config"] == {"path": str(config), "sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+    plain = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0, tally=tally, cells=[])
+    assert plain["models"] is None and "config" not in plain

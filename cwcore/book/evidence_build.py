@@ -301,8 +301,12 @@ PROVENANCE_WHAT = ("provenance of `make evidence` (python -m cwcore.book build -
 
 
 def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict, cells: list[dict],
-                      written: Sequence[Path] = (), chapters: Sequence[str] = ()) -> dict:
-    """What ``PROVENANCE`` holds (see the module's docstring), as a dict."""
+                      written: Sequence[Path] = (), chapters: Sequence[str] = (), config=None) -> dict:
+    """What ``PROVENANCE`` holds (see the module's docstring), as a dict. ``models``: a list, or the command
+    line's comma-separated string; ``config``: a run configuration other than ``book/run.yml`` (recorded
+    with its content's hash, since it may change what the profile computes)."""
+    if isinstance(models, str):
+        models = [m.strip() for m in models.split(",") if m.strip()]
     root = Path(cwcore.__file__).resolve().parent.parent
     status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
     return {
@@ -315,8 +319,15 @@ def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict,
         "chapters": list(chapters or []), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "wall_s": round(float(wall_s), 1), "machine": _machine(), **{"launch": runs.launch_info()},
         "written": [Path(p).name for p in written],
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **({"config": {"path": str(config), "sha256": _file_hash(config)}} if config is not None else {}),
     }
+
+
+def _file_hash(path) -> str | None:
+    import hashlib
+
+    path = Path(path)
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
 _CHAPTER_NAME = re.compile(r"\b\d\d[a-z]?_[a-z_]+")
@@ -446,6 +457,7 @@ def build_evidence(*, profile: str = "evidence", models=None, only=None, out: st
         written = tables(out)
         cw_cache.flush_tally()
         record = provenance_record(profile=profile, models=models, only=only, wall_s=time.monotonic() - t0,
+                                   config=build_kwargs.get("config_path"),
                                    tally=cw_cache.read_tallies(scratch), cells=_cells(scratch), written=written,
                                    chapters=chapters)
         path = write_provenance(out / "PROVENANCE", record)

@@ -272,12 +272,13 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
         table = table.reset_index(drop=True)
     cell_rows = table[(table["protocol"] == protocol) & (table["variant"] == variant)] if len(table) else table
     root = Path(cwcore.__file__).resolve().parent.parent
+    commit, created = provenance.git(root, "rev-parse", "HEAD"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
     cells = dict(meta.get("cells", {}))
     cells[cell_name(protocol, variant)] = {
         "documents": int(cell_rows["document"].nunique()) if len(cell_rows) else 0,
         "metrics": sorted(cell_rows["metric"].unique().tolist()) if len(cell_rows) else [],
-        "commit": provenance.git(root, "rev-parse", "HEAD"),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        "commit": commit, "created": created}
     main = table[table["variant"] == "main"] if len(table) else table
     meta = {
         "what": meta.get("what", f"per-document rows of chapter {CHAPTER}'s ladder sweeps (merged cell by cell "
@@ -287,6 +288,8 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
         "protocols": list(dict.fromkeys(main["protocol"])) if len(main) else [],
         "variants": [v for v in dict.fromkeys(table["variant"]) if v != "main"] if len(table) else [],
         "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g", "cells": cells,
+        # the last merge's checkout (each cell's own commit is in ``cells``)
+        "commit": commit, "cwcore_modified": None if status is None else bool(status), "created": created,
     }
     for key, value in (("importances", "importance"), ("modes", "mode")):
         meta[key] = sorted(table[value].unique().tolist()) if len(table) else []
