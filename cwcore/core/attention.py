@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
-from .attention_features import HANDLED_KEYWORDS, block_label as _where, refuse_unknown_features as _refuse_unknown_attention_features
+from .attention_features import HANDLED_KEYWORDS, block_label, refuse_unknown_features
 from .geometry import HeadSpaceGeometry, head_space_geometry, projected_check as _projected_check, split_output_projection
 
 __all__ = [
@@ -88,12 +88,12 @@ def attention_forward(
     them, and the mass they absorb is :attr:`LayerCall.learned_sink_mass`.
     """
     session = _session_for(module)
-    _refuse_unknown_attention_features(module, kwargs, has_sink_logits=s_aux is not None)
+    refuse_unknown_features(module, kwargs, has_sink_logits=s_aux is not None)
     if s_aux is not None and session is not None and session.configured in FAST_IMPLEMENTATIONS:
         # transformers' SDPA function silently drops sink logits: the model's own forward leaves them out, so no
         # arithmetic can match both that forward and the architecture
         raise UnsupportedModelError(
-            f"{_where(module)} passes learned sink logits (s_aux) to the model's configured "
+            f"{block_label(module)} passes learned sink logits (s_aux) to the model's configured "
             f"{session.configured!r} attention, which ignores them, so the model's own forward leaves its sinks out; "
             "load the model with attn_implementation='eager' to decompose what its architecture computes")
     if session is not None and session.fast_path is not None and not session.touches(module):
