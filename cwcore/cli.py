@@ -66,7 +66,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     """
     import matplotlib.pyplot as plt
 
-    from .core.architectures import attention_blocks
+    from .core.architectures import attention_blocks, decomposable_layers
     from .core.decomposition import decompose
     from .plotting import contribution_heatmap, set_style
 
@@ -75,8 +75,13 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
         raise UsageError(f"--kind must be intra or inter, not {kind!r}")
     if kind == "intra" and head is None:
         raise UsageError("--kind intra needs --head: intra-head weights are defined per head")
-    num_layers = len(attention_blocks(model))
-    layer = num_layers // 2 if layer is None else layer
+    blocks = attention_blocks(model)
+    num_layers = len(blocks)
+    if layer is None:  # the middle block cwcore can decompose (a model may number blocks it refuses)
+        layers = decomposable_layers(model)
+        if not layers:
+            raise UsageError(f"no attention block of this model can be decomposed: {blocks[0].unsupported}")
+        layer = layers[len(layers) // 2]
     if not 0 <= layer < num_layers:
         raise UsageError(f"layer {layer} out of range: the model has layers 0..{num_layers - 1}")
     from .tokens import token_labels

@@ -54,6 +54,21 @@ def test_explain_draws_the_decomposition():
     assert len(fig.axes) >= 2
 
 
+def test_explain_defaults_to_the_middle_block_it_can_decompose(monkeypatch):
+    """A model may number blocks cwcore refuses (a pooling head, a W_O no finder locates): with no --layer the
+    map is drawn for the middle decomposable block, not for the middle number (which may be a refused one)."""
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    from cwcore.core import architectures
+
+    monkeypatch.setattr(architectures, "decomposable_layers", lambda m: [0])  # as if block 1 were refused
+    _, attention, _, _ = explain("the cat sat", model, tokenizer, head=0)
+    d = cwcore.decompose(model, layers=0, **tokenizer("the cat sat", return_tensors="pt"))
+    np.testing.assert_allclose(np.nan_to_num(attention), np.nan_to_num(d.attention[0][0, 0].numpy()), rtol=1e-6)
+    monkeypatch.setattr(architectures, "decomposable_layers", lambda m: [])
+    with pytest.raises(UsageError, match="no attention block of this model can be decomposed"):
+        explain("the cat sat", model, tokenizer)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
