@@ -549,3 +549,30 @@ def test_provenance_records_the_command_line_models_and_a_run_configuration_of_i
     assert record["config"] == {"path": str(config), "sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
     plain = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0, tally=tally, cells=[])
     assert plain["models"] is None and "config" not in plain
+
+
+def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tmp_path, monkeypatch):
+    """``export_and_tables`` returns the downstream and per-layer frames the notebook wrote (on the profile's
+    first data set) beside the ladder exports, and leaves out a frame whose JSON is missing."""
+    from cwcore import book
+    from cwcore.book.evidence_frames import DOWNSTREAM, PER_LAYER, frame_paths
+
+    calls = []
+    monkeypatch.setattr(eb, "export", lambda profile, model, data, *a, **k: calls.append((model, data)) or [])
+    monkeypatch.setattr(eb, "copy_chapter_tables", lambda planned, out: [])
+    monkeypatch.setattr(eb, "export_tables", lambda out: pytest.fail("no per-document export was written"))
+    out = tmp_path / "evidence"
+    models = book.load_config(ROOT / "book" / "run.yml")["profiles"]["evidence"]["models"]
+    first, second = models[:2]
+    p = ee.notebook_parameters("evidence", first, ROOT / "book" / "run.yml")
+    complete = [*frame_paths(DOWNSTREAM, first, out=out), *frame_paths(PER_LAYER, first, p["datasets"][0], out)]
+    half = frame_paths(DOWNSTREAM, second, out=out)[0]  # its JSON is missing: not a frame
+    other_data = frame_paths(PER_LAYER, first, p["datasets"][-1], out)  # per-layer runs on the first data set only
+    for path in [*complete, half, *other_data]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("x")
+    written = eb.export_and_tables(out, profile="evidence", models=[first, second], only="04_faith")
+    assert written == complete
+    variants = ee.weight_variant_names(first, p)
+    assert {model for model, _ in calls} == {first, second, *variants}
+    assert {data for model, data in calls if model == first} == set(p["datasets"])
