@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 import transformers as tf
+from packaging.version import Version
 from torch import nn
 
 VOCAB = 97
@@ -58,9 +59,28 @@ def _make(config_cls, model_cls, common=COMMON, **extra):
 
 
 GQA = dict(num_key_value_heads=2)
+# Falcon moved from its own attention code to the attention interface in transformers 5.25
+FALCON_OWN_CODE = Version(tf.__version__) < Version("5.25.0")
 _ENC = dict(COMMON, max_position_embeddings=64)
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+def _falcon_species() -> list[Species]:
+    """Falcon: its own attention code before transformers 5.25 (refused), the attention interface since
+    (exact), with ALiBi then passed to the attention function as an additive float mask."""
+    def config(**extra):
+        return dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    parallel_attn=True, attn_implementation="eager", **extra)
+    if FALCON_OWN_CODE:
+        return [Species("falcon", _make(tf.FalconConfig, tf.FalconForCausalLM, config(multi_query=True, alibi=False)),
+                        projection="dense", refused="did not run through cwcore's attention function",
+                        what="own attention code (transformers < 5.25)")]
+    return [Species("falcon", _make(tf.FalconConfig, tf.FalconForCausalLM, config(multi_query=True, alibi=False)),
+                    projection="dense", what="MQA with fused query_key_value, parallel block"),
+            Species("falcon_alibi", _make(tf.FalconConfig, tf.FalconForCausalLM, config(multi_query=False, alibi=True)),
+                    projection="dense", what="ALiBi: a per-head position bias inside the float attention mask")]
+
 
 _ZOO = [
     # ---- decoders ---------------------------------------------------------------------------------
@@ -151,11 +171,7 @@ _ZOO = [
                                                                          window_size=4, attn_implementation="eager")),
             projection="out_proj", refused="did not run through cwcore's attention function",
             what="local attention, unscaled scores, own code"),
-    Species("falcon", _make(tf.FalconConfig, tf.FalconForCausalLM, dict(vocab_size=VOCAB, hidden_size=64,
-                                                                        num_hidden_layers=2, num_attention_heads=4,
-                                                                        multi_query=True, parallel_attn=True,
-                                                                        alibi=False, attn_implementation="eager")),
-            projection="dense", refused="did not run through cwcore's attention function", what="own attention code"),
+    *_falcon_species(),
     Species("bloom", _make(tf.BloomConfig, tf.BloomForCausalLM, dict(vocab_size=VOCAB, hidden_size=64, n_layer=2,
                                                                      n_head=4, attn_implementation="eager")),
             projection="dense", refused="did not run through cwcore's attention function", what="ALiBi, own code"),
