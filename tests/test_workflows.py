@@ -40,7 +40,7 @@ def steps(workflow: dict) -> list[dict]:
 
 def test_workflows_pass_actionlint():
     files = sorted(WORKFLOWS.glob("*.yml"))
-    assert [f.name for f in files] == ["book.yml", "check.yml"]
+    assert [f.name for f in files] == ["book.yml", "check.yml", "upstream.yml"]
     result = lint(*files)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -97,6 +97,24 @@ def test_pull_requests_run_the_quick_tier_and_it_is_the_conftest_expression():
 
 
 def test_both_workflows_keep_pip_off_the_cuda_torch():
-    for name in ("book.yml", "check.yml"):
+    for name in ("book.yml", "check.yml", "upstream.yml"):
         assert load(name)["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
+
+
+def test_the_upstream_workflow_runs_the_quick_tier_without_the_library_pins(tmp_path):
+    """Weekly: `make check` with a constraints file that its own step derives from constraints.txt, run
+    here: torch's and the test tools' pins kept, transformers' and the numeric libraries' dropped."""
+    workflow = load("upstream.yml")
+    assert "schedule" in workflow["on"] and "workflow_dispatch" in workflow["on"]
+    runs = [s["run"] for s in steps(workflow) if "run" in s]
+    derive = next(r for r in runs if "constraints.txt" in r and r.startswith("grep"))
+    assert 'make check CONSTRAINTS="$RUNNER_TEMP/upstream-constraints.txt"' in runs
+    subprocess.run(["bash", "-c", derive], cwd=ROOT, check=True, env={"RUNNER_TEMP": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    kept = (tmp_path / "upstream-constraints.txt").read_text().split()
+    pinned = [line.split("==")[0] for line in (ROOT / "constraints.txt").read_text().split() if "==" in line]
+    assert "torch==2.13.0" in kept and {"transformers", "numpy", "scipy"} <= set(pinned)
+    assert not {line.split("==")[0] for line in kept} & {"transformers", "numpy", "scipy", "gguf", "datasets"}
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^CONSTRAINTS \?= constraints.txt$", makefile, re.M)
+    assert makefile.count("-c $(CONSTRAINTS)") == 2 and "$(STAMP): pyproject.toml $(CONSTRAINTS)" in makefile
