@@ -398,6 +398,30 @@ def test_the_tables_leave_out_extra_seeds_that_do_not_yet_cover_the_cell(cell):
     assert ee._whole_seeds(whole).equals(whole)
 
 
+def test_the_tables_judge_a_cell_only_once_it_holds_every_document(cell, tmp_path, monkeypatch):
+    """A checkpoint of a cell is committed so another machine resumes it, but its verdicts wait for the
+    sample's every document: the tables leave its rows out and list it as in progress."""
+    model, blocks, rows = cell
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):  # stopped after 2 of 4 documents
+        _checkpointed(model, blocks, out, tmp_path, monkeypatch, fail_after=1)
+    merged, meta = ee.read_committed("tiny", "toy", out)
+    judged, partial = ee._judged(merged.assign(variant="main"), meta)
+    assert partial == {"default": 2} and judged.empty
+    # another cell of the same export that holds all four documents is judged; the partial one still not
+    whole = rows.assign(protocol="per-head")
+    ee.merge_cell("tiny", "toy", whole, protocol="per-head", profile="evidence", seq_len=12, seed=0, dtype="float32",
+                  document_ids=[7, 3, 11, 5], out=out)
+    merged, meta = ee.read_committed("tiny", "toy", out)
+    judged, partial = ee._judged(merged, meta)
+    assert partial == {"default": 2} and set(judged["protocol"]) == {"per-head"}
+    assert len(judged) == len(rows) and sorted(judged["document"].unique()) == [3, 5, 7, 11]
+    # an export written whole by `export` has no cells record: all of it is judged
+    _commit(rows, tmp_path / "whole")
+    merged, meta = ee.read_committed("tiny", "toy", tmp_path / "whole")
+    assert ee._judged(merged, meta)[0].equals(merged) and ee._judged(merged, meta)[1] == {}
+
+
 # -- the chapter's other sweeps as committed frames: downstream tasks, per-layer interventions -----------
 TASKS, DOWN_METRICS, DOWN_RATIOS = ["mmlu", "boolq"], ["attention", "contribution", "random"], [0.3]
 DOWN_CALL = dict(num_examples=3, data_seed=0, max_length=40, batch_size=8, seed=0, n_bootstrap=50, progress=False,

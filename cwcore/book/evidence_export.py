@@ -364,6 +364,20 @@ def _whole_seeds(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[keep]
 
 
+def _judged(rows: pd.DataFrame, meta: dict) -> tuple[pd.DataFrame, dict[str, int]]:
+    """The rows of the cells an export holds whole, and ``{cell: documents}`` of those it holds in part (a
+    checkpointed build still computing them, committed so that another machine resumes it): the
+    pre-registration fixes each cell's documents, so a cell is judged once it holds all of them, never on
+    an interim count."""
+    total = len(meta.get("document_ids", ()))
+    partial = {name: int(c["documents"]) for name, c in meta.get("cells", {}).items() if int(c["documents"]) < total}
+    if not partial or not len(rows):
+        return rows, partial
+    variants = rows["variant"] if "variant" in rows else pd.Series("main", index=rows.index)
+    names = pd.Series([cell_name(p, v) for p, v in zip(rows["protocol"], variants)], index=rows.index)
+    return rows[~names.isin(list(partial))], partial
+
+
 def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
            all_models: Sequence[str] | None = None) -> list[Path]:
     """Chapter 4's evidence tables from the exports in ``out`` (default ``data/results/evidence``):
@@ -391,17 +405,23 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         ladders, cells, provenance, p = [], [], {}, None
         for data in exported[model]:
             rows, meta = read_committed(model, data, out)
+            rows, partial = _judged(rows, meta)
             p = p or notebook_parameters(meta["profile"], model)  # one profile per folder
             # the low range ends at the top of the low grid the export ran (an export older than the
             # "grids" field ran the profile's)
             grids = grids_of(meta if "grids" in meta else p)
-            _, ladder = evidence.evidence_tables(_whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
-                                                 grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
-            ladders.append(ladder.assign(data=data))
+            if len(rows):
+                _, ladder = evidence.evidence_tables(_whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
+                                                     grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
+                ladders.append(ladder.assign(data=data))
             held = {name: c["documents"] for name, c in meta.get("cells", {}).items()}
-            cells += [f"{data} x {protocol} ({held.get(protocol, meta['documents'])} documents)"
-                      for protocol in meta["protocols"]]
-            cells += [f"{data} x default, {v} ({held.get(cell_name('default', v), meta['documents'])} documents)"
+
+            def documents(name):
+                if name in partial:
+                    return f"{partial[name]} of {len(meta['document_ids'])} documents: in progress, not judged"
+                return f"{held.get(name, meta['documents'])} documents"
+            cells += [f"{data} x {protocol} ({documents(protocol)})" for protocol in meta["protocols"]]
+            cells += [f"{data} x default, {v} ({documents(cell_name('default', v))})"
                       for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
@@ -416,6 +436,9 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
             downstream = dict(tasks=",".join(examples), n_examples=max(examples.values()),
                               task_ratios=down_meta["ratios"])
             provenance["downstream"] = {k: down_meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
+        if not ladders:  # every cell still in progress: nothing to judge yet
+            print(f"{model}: no complete cell ({'; '.join(cells)}): no table written")
+            continue
         path = results_path(out, CHAPTER, model)
         findings.save_results(path, pd.concat(ladders, ignore_index=True), chapter=CHAPTER, model=model,
                               profile=meta["profile"], parameters=dict(
