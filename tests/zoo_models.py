@@ -69,17 +69,17 @@ _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
 def _falcon_species() -> list[Species]:
     """Falcon: its own attention code before transformers 5.25 (refused), the attention interface since
     (exact), with ALiBi then passed to the attention function as an additive float mask."""
-    def config(**extra):
-        return dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                    parallel_attn=True, attn_implementation="eager", **extra)
+    def build(**extra):
+        return _make(tf.FalconConfig, tf.FalconForCausalLM, dict(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, parallel_attn=True,
+            attn_implementation="eager", **extra))
+    falcon = Species("falcon", build(multi_query=True, alibi=False), projection="dense",
+                     refused="did not run through cwcore's attention function" if FALCON_OWN_CODE else None,
+                     what="MQA with fused query_key_value, parallel block (own attention code before 5.25)")
     if FALCON_OWN_CODE:
-        return [Species("falcon", _make(tf.FalconConfig, tf.FalconForCausalLM, config(multi_query=True, alibi=False)),
-                        projection="dense", refused="did not run through cwcore's attention function",
-                        what="own attention code (transformers < 5.25)")]
-    return [Species("falcon", _make(tf.FalconConfig, tf.FalconForCausalLM, config(multi_query=True, alibi=False)),
-                    projection="dense", what="MQA with fused query_key_value, parallel block"),
-            Species("falcon_alibi", _make(tf.FalconConfig, tf.FalconForCausalLM, config(multi_query=False, alibi=True)),
-                    projection="dense", what="ALiBi: a per-head position bias inside the float attention mask")]
+        return [falcon]
+    return [falcon, Species("falcon_alibi", build(multi_query=False, alibi=True), projection="dense",
+                            what="ALiBi: a per-head position bias inside the float attention mask")]
 
 
 _ZOO = [

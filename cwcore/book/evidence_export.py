@@ -364,18 +364,29 @@ def _whole_seeds(rows: pd.DataFrame) -> pd.DataFrame:
     return rows[keep]
 
 
-def _judged(rows: pd.DataFrame, meta: dict) -> tuple[pd.DataFrame, dict[str, int]]:
-    """The rows of the cells an export holds whole, and ``{cell: documents}`` of those it holds in part (a
-    checkpointed build still computing them, committed so that another machine resumes it): the
-    pre-registration fixes each cell's documents, so a cell is judged once it holds all of them, never on
-    an interim count."""
+def _partial_cells(meta: dict) -> dict[str, int]:
+    """``{cell: documents}`` of the cells an export holds in part (a checkpointed build still computing
+    them, committed so that another machine resumes it)."""
     total = len(meta.get("document_ids", ()))
-    partial = {name: int(c["documents"]) for name, c in meta.get("cells", {}).items() if int(c["documents"]) < total}
+    return {name: int(c["documents"]) for name, c in meta.get("cells", {}).items() if int(c["documents"]) < total}
+
+
+def _judged(rows: pd.DataFrame, meta: dict) -> tuple[pd.DataFrame, dict[str, int]]:
+    """The rows of the cells an export holds whole, and :func:`_partial_cells`: the pre-registration fixes
+    each cell's documents, so a cell is judged once it holds all of them, never on an interim count."""
+    partial = _partial_cells(meta)
     if not partial or not len(rows):
         return rows, partial
     variants = rows["variant"] if "variant" in rows else pd.Series("main", index=rows.index)
     names = pd.Series([cell_name(p, v) for p, v in zip(rows["protocol"], variants)], index=rows.index)
     return rows[~names.isin(list(partial))], partial
+
+
+def _cell_documents(meta: dict, name: str, partial: dict[str, int]) -> str:
+    """How many documents the tables judged of cell ``name``, or that it is still in progress."""
+    if name in partial:
+        return f"{partial[name]} of {len(meta['document_ids'])} documents: in progress, not judged"
+    return f"{meta.get('cells', {}).get(name, {}).get('documents', meta['documents'])} documents"
 
 
 def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
@@ -414,14 +425,9 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                 _, ladder = evidence.evidence_tables(_whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
                                                      grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
                 ladders.append(ladder.assign(data=data))
-            held = {name: c["documents"] for name, c in meta.get("cells", {}).items()}
-
-            def documents(name):
-                if name in partial:
-                    return f"{partial[name]} of {len(meta['document_ids'])} documents: in progress, not judged"
-                return f"{held.get(name, meta['documents'])} documents"
-            cells += [f"{data} x {protocol} ({documents(protocol)})" for protocol in meta["protocols"]]
-            cells += [f"{data} x default, {v} ({documents(cell_name('default', v))})"
+            cells += [f"{data} x {protocol} ({_cell_documents(meta, protocol, partial)})"
+                      for protocol in meta["protocols"]]
+            cells += [f"{data} x default, {v} ({_cell_documents(meta, cell_name('default', v), partial)})"
                       for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
