@@ -12,8 +12,8 @@ STAMP := $(VENV)/.cwcore-installed
 CHROMIUM_STAMP := .stamps/chromium
 PROFILE ?= default
 MODELS ?=
-# The pins every install takes; .github/workflows/upstream.yml passes a file that keeps only torch's
-# and the test tools', to run the quick tier on the newest releases pyproject.toml allows.
+# The pins every install takes; .github/workflows/upstream.yml passes a file that keeps only those
+# marked `# upstream: kept` there, to run the quick tier on the newest releases pyproject.toml allows.
 CONSTRAINTS ?= constraints.txt
 
 .PHONY: test check venv clean-venv book evidence

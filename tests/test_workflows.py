@@ -104,15 +104,19 @@ def test_both_workflows_keep_pip_off_the_cuda_torch():
 
 def test_the_upstream_workflow_runs_the_quick_tier_without_the_library_pins(tmp_path):
     """Weekly: `make check` with a constraints file that its own step derives from constraints.txt, run
-    here: torch's and the test tools' pins kept, transformers' and the numeric libraries' dropped."""
+    here: the pins marked `# upstream: kept` (torch's and the test tools') kept, without their comment,
+    transformers' and the numeric libraries' dropped."""
     workflow = load("upstream.yml")
     assert "schedule" in workflow["on"] and "workflow_dispatch" in workflow["on"]
     runs = [s["run"] for s in steps(workflow) if "run" in s]
     derive = next(r for r in runs if "constraints.txt" in r and r.startswith("grep"))
     assert 'make check CONSTRAINTS="$RUNNER_TEMP/upstream-constraints.txt"' in runs
     subprocess.run(["bash", "-c", derive], cwd=ROOT, check=True, env={"RUNNER_TEMP": str(tmp_path), "PATH": "/usr/bin:/bin"})
-    kept = (tmp_path / "upstream-constraints.txt").read_text().split()
-    pinned = [line.split("==")[0] for line in (ROOT / "constraints.txt").read_text().split() if "==" in line]
+    kept = (tmp_path / "upstream-constraints.txt").read_text().splitlines()
+    lines = (ROOT / "constraints.txt").read_text().splitlines()
+    pinned = [line.split("==")[0] for line in lines if "==" in line]
+    marked = [line.split("#")[0].strip() for line in lines if line.endswith("# upstream: kept")]
+    assert kept == marked and all(re.fullmatch(r"[\w.-]+==[\w.]+", line) for line in kept)
     assert "torch==2.13.0" in kept and {"transformers", "numpy", "scipy"} <= set(pinned)
     assert not {line.split("==")[0] for line in kept} & {"transformers", "numpy", "scipy", "gguf", "datasets"}
     makefile = (ROOT / "Makefile").read_text()
