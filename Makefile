@@ -13,7 +13,8 @@ CHROMIUM_STAMP := .stamps/chromium
 PROFILE ?= default
 MODELS ?=
 # The pins every install takes; .github/workflows/upstream.yml passes a file that keeps only those
-# marked `# upstream: kept` there, to run the quick tier on the newest releases pyproject.toml allows.
+# marked `# upstream: kept` in constraints.txt, to run the quick tier on the newest releases that
+# pyproject.toml allows.
 CONSTRAINTS ?= constraints.txt
 
 .PHONY: test check venv clean-venv book evidence

@@ -382,8 +382,10 @@ def _judged(rows: pd.DataFrame, meta: dict) -> tuple[pd.DataFrame, dict[str, int
     return rows[~names.isin(list(partial))], partial
 
 
-def _cell_documents(meta: dict, name: str, partial: dict[str, int]) -> str:
-    """How many documents the tables judged of cell ``name``, or that it is still in progress."""
+def _cell_documents(meta: dict, name: str) -> str:
+    """How many documents the tables judged of cell ``name``, or that it is still in progress
+    (:func:`_partial_cells`)."""
+    partial = _partial_cells(meta)
     if name in partial:
         return f"{partial[name]} of {len(meta['document_ids'])} documents: in progress, not judged"
     return f"{meta.get('cells', {}).get(name, {}).get('documents', meta['documents'])} documents"
@@ -416,7 +418,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         ladders, cells, provenance, p = [], [], {}, None
         for data in exported[model]:
             rows, meta = read_committed(model, data, out)
-            rows, partial = _judged(rows, meta)
+            rows, _ = _judged(rows, meta)
             p = p or notebook_parameters(meta["profile"], model)  # one profile per folder
             # the low range ends at the top of the low grid the export ran (an export older than the
             # "grids" field ran the profile's)
@@ -425,9 +427,9 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                 _, ladder = evidence.evidence_tables(_whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
                                                      grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
                 ladders.append(ladder.assign(data=data))
-            cells += [f"{data} x {protocol} ({_cell_documents(meta, protocol, partial)})"
+            cells += [f"{data} x {protocol} ({_cell_documents(meta, protocol)})"
                       for protocol in meta["protocols"]]
-            cells += [f"{data} x default, {v} ({_cell_documents(meta, cell_name('default', v), partial)})"
+            cells += [f"{data} x default, {v} ({_cell_documents(meta, cell_name('default', v))})"
                       for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
