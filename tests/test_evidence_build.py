@@ -596,7 +596,9 @@ def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tm
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("x")
     written = eb.export_and_tables(out, profile="evidence", models=[first, second], only="04_faith")
-    assert written == complete
+    assert written == [*complete, out / "STATUS.md"]  # and the status of the folder, written last
+    status = (out / "STATUS.md").read_text()
+    assert f"| {first} | {p['tasks'][0]} |  | 0 / {p['n_examples']} examples | **unreadable (" in status  # "x" is no JSON
     variants = ee.weight_variant_names(first, p)
     assert {model for model, _ in calls} == {first, second, *variants}
     assert {data for model, data in calls if model == first} == set(p["datasets"])

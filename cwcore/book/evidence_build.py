@@ -13,7 +13,8 @@
 2. copies the results tables of the other per-model chapters it ran (the sink chapters 5-7) into the
    evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
    and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
-   (:func:`export_and_tables`). The chapter's downstream tasks and per-layer interventions are kept the
+   (:func:`export_and_tables`), then ``STATUS.md``, what the profile plans against what the folder now holds
+   (:func:`cwcore.book.evidence_status.write_status`). The chapter's downstream tasks and per-layer interventions are kept the
    same way, as committed frames the notebook writes or takes (:mod:`cwcore.book.evidence_frames`:
    :func:`downstream_cell`, :func:`per_layer_cell`);
 3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
@@ -48,6 +49,7 @@ from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
 from .evidence_frames import (ATOL, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS, downstream_cell,
                               frame_paths, per_layer_cell, record_decision, recorded_decision, say)
+from .evidence_status import write_status
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUMENTS", "CHECKPOINT_ENV_VAR", "ladder_cell",
            "downstream_cell", "per_layer_cell",
@@ -431,7 +433,8 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
         # the downstream tasks and the per-layer interventions the notebook wrote (or took) as committed frames
         frames = [frame_paths(DOWNSTREAM, run.model, out=out), frame_paths(PER_LAYER, run.model, p["datasets"][0], out)]
         written += [path for pair in frames if all(x.is_file() for x in pair) for path in pair]
-    return written + (export_tables(out) if any(out.glob("per_document_*.json")) else [])
+    written += export_tables(out) if any(out.glob("per_document_*.json")) else []
+    return written + [write_status(out, profile=profile, config=config)]
 
 
 def build_evidence(*, profile: str = "evidence", models=None, only=None, out: str | Path | None = None,

@@ -1,0 +1,179 @@
+"""What the evidence profile plans and what ``data/results/evidence`` holds of it: ``STATUS.md``.
+
+The evidence build spans many sessions and machines, so "what is left" must be read from the
+repository, not remembered. :func:`evidence_status` lists every part the profile of ``book/run.yml``
+plans (chapter 4's ladder cells, its downstream tasks and per-layer interventions, and the tables of the
+other chapters that ``findings.csv`` reads) against what the committed files hold:
+
+* a ladder cell: the ``cells`` record of its per-document export
+  (:func:`cwcore.book.evidence_export.merge_cell`: documents held, commit, time);
+* the downstream tasks and the per-layer interventions: their committed frames
+  (:mod:`cwcore.book.evidence_frames`: the examples of each task, the documents);
+* chapters 4b-7: the documents their committed results table ran with (``n_documents``).
+
+:func:`write_status` writes it as ``STATUS.md`` (``make evidence`` does, after the tables, so it is never
+edited by hand); ``python -m cwcore.book.evidence_status`` prints it, ``--write`` writes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from .. import cache as cw_cache
+from . import DEFAULT_BOOK_DIR, load_config, plan, results_path
+from .evidence_export import CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, weight_variant_names
+from .evidence_frames import DOWNSTREAM, PER_LAYER, frame_paths
+from .findings import BENCH_CHAPTER, CHAPTERS
+
+__all__ = ["STATUS_FILE", "STATUS_COLUMNS", "evidence_status", "status_markdown", "write_status"]
+
+STATUS_FILE = "STATUS.md"
+#: one row per planned part; ``held`` and ``planned`` count ``unit`` (documents, or examples of a task)
+STATUS_COLUMNS = ["part", "model", "data", "cell", "planned", "held", "unit", "state", "commit", "created"]
+DONE, IN_PROGRESS, NOT_STARTED, UNREADABLE = "done", "in progress", "not started", "unreadable"
+
+
+def _json(path: Path) -> dict | None:
+    """The metadata in ``path``: None when absent, ``{UNREADABLE: reason}`` when it does not parse (a
+    damaged file is reported as such, not as work not started)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return {UNREADABLE: f"{path.name}: {err}"}
+
+
+def _state(held: int, planned: int) -> str:
+    return DONE if held >= planned else IN_PROGRESS if held > 0 else NOT_STARTED
+
+
+def _row(part, model, data, cell, planned, held, unit, commit="", created="", meta=None) -> dict:
+    state = f"{UNREADABLE} ({meta[UNREADABLE]})" if meta and UNREADABLE in meta else _state(held, planned)
+    return dict(part=part, model=model, data=data, cell=cell, planned=int(planned), held=int(held), unit=unit,
+                state=state, commit=(commit or "")[:7], created=created or "")
+
+
+def _ladder_rows(out: Path, model: str, p: dict) -> list[dict]:
+    """Chapter 4's ladder cells of ``model`` (its main protocols, the removal-unit variants where the
+    profile runs them, and the main cells again on its other weights)."""
+    variants = p.get("variants") or []
+    if p.get("variant_models") is not None and model not in p["variant_models"]:
+        variants = []
+    rows = []
+    for name, cells in [(model, [cell_name(q) for q in p["protocols"]] + [cell_name("default", v) for v in variants]),
+                        *((w, [cell_name(q) for q in p["protocols"]]) for w in weight_variant_names(model, p))]:
+        for data in p["datasets"]:
+            meta = _json(paths(name, data, out)[1]) or {}
+            for cell in cells:
+                record = meta.get("cells", {}).get(cell)
+                if record is None and cell in meta.get("protocols", ()):  # an export older than ``cells``
+                    record = {"documents": meta["documents"], "commit": meta.get("commit"),
+                              "created": meta.get("created")}
+                record = record or {}
+                rows.append(_row("ladder", name, data, cell, p["n_sequences"], record.get("documents", 0),
+                                 "documents", record.get("commit"), record.get("created"), meta))
+    return rows
+
+
+def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
+    """The downstream tasks (examples of each task) and the per-layer interventions (documents of the
+    first data set) of ``model``, from their committed frames."""
+    rows = []
+    if p.get("n_examples"):
+        meta = _json(frame_paths(DOWNSTREAM, model, out=out)[1]) or {}
+        for task in p["tasks"]:
+            held = len(meta.get("example_ids", {}).get(task, ()))
+            rows.append(_row("downstream", model, task, "", p["n_examples"], held, "examples",
+                             meta.get("commit"), meta.get("created"), meta))
+    if p.get("per_layer_sequences"):
+        data = p["datasets"][0]
+        meta = _json(frame_paths(PER_LAYER, model, data, out)[1]) or {}
+        rows.append(_row("per-layer", model, data, "", p["per_layer_sequences"], len(meta.get("document_ids", ())),
+                         "documents", meta.get("commit"), meta.get("created"), meta))
+    return rows
+
+
+def _chapter_row(out: Path, run) -> dict:
+    """A chapter other than 4 whose table ``findings.csv`` reads: the documents its committed table ran
+    with against the profile's."""
+    meta = _json(results_path(out, run.chapter.name, run.model).with_suffix(".json")) or {}
+    ran = meta.get("parameters", {})
+    held = int(ran.get("n_documents", ran.get("n_sequences", 0)) or 0)
+    planned = int(run.parameters.get("n_sequences", 0))
+    data = ran.get("data", "")
+    return _row(run.chapter.name, run.model, ",".join(data) if isinstance(data, list) else data, "", planned, held,
+                "documents", meta.get("commit"), meta.get("created"), meta)
+
+
+def evidence_status(out: str | Path | None = None, *, profile: str = "evidence",
+                    config: str | Path | None = None) -> pd.DataFrame:
+    """One row per part of ``profile`` (:data:`STATUS_COLUMNS`): ``planned`` units, the ``held`` ones in
+    ``out`` (default ``data/results/evidence``), and ``state`` (done, in progress, not started)."""
+    out = Path(out) if out is not None else DEFAULT_OUT
+    config = config or DEFAULT_BOOK_DIR / "run.yml"
+    _, _, planned = plan(load_config(config), profile=profile)
+    rows = []
+    for run in planned:
+        if run.model is None:
+            continue
+        if run.chapter.name == CHAPTER:
+            p = notebook_parameters(profile, run.model, config)
+            rows += _ladder_rows(out, run.model, p) + _frame_rows(out, run.model, p)
+        elif run.chapter.name in CHAPTERS or run.chapter.name == BENCH_CHAPTER:
+            rows.append(_chapter_row(out, run))
+    return pd.DataFrame(rows, columns=STATUS_COLUMNS)
+
+
+def status_markdown(table: pd.DataFrame, profile: str = "evidence") -> str:
+    """``table`` (:func:`evidence_status`) as the text of ``STATUS.md``: a summary line, then one
+    markdown table per part."""
+    counts = table["state"].value_counts()
+    lines = [f"# Evidence build: what is committed (profile `{profile}`)", "",
+             "Generated from the committed files by `python -m cwcore.book.evidence_status --write` (`make "
+             "evidence` runs it after the tables); do not edit. `held` counts what the committed "
+             "files hold of the `planned` units; a ladder cell in progress is committed as a checkpoint and "
+             "is judged in `findings.csv` only once it holds every document.", "",
+             f"**{counts.get(DONE, 0)} of {len(table)} parts done**, {counts.get(IN_PROGRESS, 0)} in progress, "
+             f"{counts.get(NOT_STARTED, 0)} not started.", ""]
+    for part, rows in table.groupby("part", sort=False):
+        lines += [f"## {part}", "", "| model | data | cell | held / planned | state | commit | created |",
+                  "|---|---|---|---:|---|---|---|"]
+        for r in rows.itertuples():
+            state = f"**{r.state}**" if r.state != DONE else r.state
+            lines.append(f"| {r.model} | {r.data} | {r.cell} | {r.held} / {r.planned} {r.unit} | {state} | "
+                         f"{r.commit} | {r.created} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_status(out: str | Path | None = None, *, profile: str = "evidence",
+                 config: str | Path | None = None) -> Path:
+    """Write ``out/STATUS.md`` (:func:`status_markdown` of :func:`evidence_status`) atomically; returns its path."""
+    out = Path(out) if out is not None else DEFAULT_OUT
+    path = out / STATUS_FILE
+    cw_cache.atomic_write_bytes(path, status_markdown(evidence_status(out, profile=profile, config=config),
+                                                      profile).encode())
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help=f"folder of the committed evidence (default {DEFAULT_OUT})")
+    parser.add_argument("--profile", default="evidence")
+    parser.add_argument("--write", action="store_true", help=f"write {STATUS_FILE} there instead of printing it")
+    args = parser.parse_args(argv)
+    if args.write:
+        print(f"wrote {write_status(args.out, profile=args.profile)}")
+    else:
+        print(status_markdown(evidence_status(args.out, profile=args.profile), args.profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

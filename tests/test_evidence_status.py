@@ -1,0 +1,106 @@
+"""``STATUS.md`` (cwcore.book.evidence_status): every part the evidence profile plans, against what the
+committed files hold, counted independently here from run.yml and the files themselves."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cwcore.book import evidence_export as ee
+from cwcore.book import evidence_status as es
+from cwcore.book import load_config
+from cwcore.book.evidence_frames import DOWNSTREAM, PER_LAYER, frame_paths
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "book" / "run.yml"
+COMMITTED = ROOT / "data" / "results" / "evidence"
+
+
+def _profile():
+    return load_config(CONFIG)["profiles"]["evidence"]
+
+
+def test_the_ladder_rows_are_the_profiles_cells_with_the_documents_each_export_records():
+    table = es.evidence_status(COMMITTED)
+    ladder = table[table["part"] == "ladder"]
+    expected = {}
+    for model in _profile()["models"]:
+        p = ee.notebook_parameters("evidence", model, CONFIG)
+        variants = p["variants"] if p["variant_models"] is None or model in p["variant_models"] else []
+        weights = p["weight_variants"] if p["weight_variant_models"] is None or model in p["weight_variant_models"] else []
+        for data in p["datasets"]:
+            for cell in [*p["protocols"], *(f"default/{v}" for v in variants)]:
+                expected[(model, data, cell)] = p["n_sequences"]
+            for w in weights:
+                for cell in p["protocols"]:
+                    expected[(f"{model}-{w}", data, cell)] = p["n_sequences"]
+    got = {(r.model, r.data, r.cell): r for r in ladder.itertuples()}
+    assert set(got) == set(expected)
+    for key, row in got.items():
+        assert row.planned == expected[key]
+        js = COMMITTED / f"per_document_{key[0]}_{key[1]}.json"
+        record = json.loads(js.read_text())["cells"].get(key[2]) if js.is_file() else None
+        assert row.held == (record["documents"] if record else 0)
+        assert row.state == ("done" if row.held == row.planned else "in progress" if row.held else "not started")
+        if record:
+            assert record["commit"].startswith(row.commit) and row.created == record["created"]
+
+
+def test_the_committed_status_page_is_the_one_the_committed_files_give():
+    """STATUS.md is generated: committing an export without remaking it is caught here."""
+    page = COMMITTED / es.STATUS_FILE
+    if not page.is_file():
+        pytest.skip("no STATUS.md committed")
+    assert page.read_text() == es.status_markdown(es.evidence_status(COMMITTED))
+
+
+def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tmp_path):
+    out = tmp_path / "evidence"
+    out.mkdir()
+    model = _profile()["models"][0]
+    p = ee.notebook_parameters("evidence", model, CONFIG)
+    data = p["datasets"][0]
+    # a ladder export holding one cell whole and another in part
+    ids = list(range(p["n_sequences"]))
+    (out / f"per_document_{model}_{data}.json").write_text(json.dumps({
+        "document_ids": ids, "documents": 16, "protocols": p["protocols"],
+        "cells": {"default": {"documents": p["n_sequences"], "commit": "a" * 40, "created": "t1"},
+                  "per-head": {"documents": 16, "commit": "b" * 40, "created": "t2"}}}))
+    # the downstream frame: the first task whole, the second with 40 examples, the third absent
+    tasks = p["tasks"]
+    frame_paths(DOWNSTREAM, model, out=out)[1].write_text(json.dumps({
+        "example_ids": {tasks[0]: list(range(p["n_examples"])), tasks[1]: list(range(40))}, "commit": "c" * 40}))
+    # the per-layer frame's JSON is damaged
+    frame_paths(PER_LAYER, model, data, out)[1].write_text("{not json")
+    # chapter 5's table ran at 8 documents
+    (out / "05_sink_decomposition").mkdir()
+    (out / "05_sink_decomposition" / f"{model}.json").write_text(json.dumps({"parameters": {"n_documents": 8,
+                                                                                             "data": "gsm8k"}}))
+    table = es.evidence_status(out)
+    rows = {(r.part, r.model, r.data, r.cell): r for r in table.itertuples()}
+    assert rows[("ladder", model, data, "default")].state == "done"
+    partial = rows[("ladder", model, data, "per-head")]
+    assert (partial.held, partial.planned, partial.state, partial.commit) == (16, p["n_sequences"], "in progress", "bbbbbbb")
+    assert rows[("ladder", model, p["datasets"][1], "default")].state == "not started"
+    down = [rows[("downstream", model, t, "")] for t in tasks]
+    assert [(r.held, r.state) for r in down] == [(p["n_examples"], "done"), (40, "in progress"), (0, "not started")]
+    layer = rows[("per-layer", model, data, "")]
+    assert layer.state.startswith("unreadable (") and layer.held == 0
+    chapter = rows[("05_sink_decomposition", model, "gsm8k", "")]
+    assert (chapter.held, chapter.planned, chapter.state) == (8, _profile()["params"]["n_sequences"], "in progress")
+    page = es.status_markdown(table)
+    done = int((table["state"] == "done").sum())
+    assert f"**{done} of {len(table)} parts done**" in page
+    assert f"| {model} | {data} | per-head | 16 / {p['n_sequences']} documents | **in progress** | bbbbbbb | t2 |" in page
+
+
+def test_the_command_line_prints_and_writes_the_page(tmp_path, capsys):
+    out = tmp_path / "evidence"
+    shutil.copytree(COMMITTED, out, ignore=shutil.ignore_patterns("*.csv.gz", "*.csv", es.STATUS_FILE))
+    assert es.main(["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert es.main(["--out", str(out), "--write"]) == 0
+    assert (out / es.STATUS_FILE).read_text().rstrip("\n") == printed.rstrip("\n")
