@@ -2,6 +2,7 @@
 write and the findings page reads (missing chapters: not measured)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -366,3 +367,10 @@ def test_every_findings_row_says_whose_claim_it_tests():
     book_claims = set(claims.loc[claims["source"] == SC.BOOK, "claim"])
     assert book_claims and all(by_claim[c] == "book" for c in book_claims)
     assert set(F.faithfulness_findings(_stacked_ladder(), model="m")["source"]) == {"paper"}
+
+
+def test_the_committed_findings_have_one_row_per_key():
+    """No claim is judged twice on one slice in the committed findings.csv (two verdicts for one key)."""
+    path = Path(__file__).resolve().parents[1] / "data" / "results" / "evidence" / "findings.csv"
+    table = pd.read_csv(path, keep_default_na=False)
+    assert len(table) and not table.duplicated(F.FINDING_KEY).any()

@@ -521,7 +521,8 @@ def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None
 def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile: str | None = None) -> pd.DataFrame:
     """The downloadable findings table: :func:`faithfulness_findings` of chapter 4's table for every
     model (a model whose chapter 4 was not built gets one "not measured" row), followed by the
-    attribution bench's rows (:func:`bench_findings` of chapter 4b's table, where it was built)."""
+    attribution bench's rows (:func:`bench_findings` of chapter 4b's table, where it was built) but those
+    chapter 4 measures (:func:`_not_in`), then the sink chapters' claims."""
     frames = []
     for model in models:
         got = load_results(results_dir, "04_faithfulness", model)
@@ -532,10 +533,12 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
         else:
             frames.append(faithfulness_findings(got.table, model=model,
                                                 profile=got.metadata.get("profile", profile)))
+    ladder = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     for model in models:
         bench = load_results(results_dir, BENCH_CHAPTER, model)
         if bench is not None:
-            frames.append(bench_findings(bench.table, model=model, profile=bench.metadata.get("profile", profile)))
+            rows = bench_findings(bench.table, model=model, profile=bench.metadata.get("profile", profile))
+            frames.append(_not_in(rows, ladder))
     for model in models:
         for chapter, kind in CHAPTERS.items():
             got = load_results(results_dir, chapter, model) if kind == "claims" else None
@@ -549,6 +552,24 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
     table["source"] = table["source"].fillna(PAPER_CLAIM)
     table["primary"] = table["primary"].fillna(False).astype(bool)
     return primary_decisions(_weights_variants(table))
+
+
+#: what one row of findings.csv measures: no two rows share these values
+FINDING_KEY = ["claim", "model", "data", "mode", "protocol", "importance", "range", "variant"]
+
+
+def _not_in(rows: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
+    """``rows`` without those whose :data:`FINDING_KEY` ``measured`` already has: the bench's "contribution
+    beats random" is chapter 4's claim, which the ladder measures on its own finer grid and random seeds,
+    so findings.csv keeps the ladder's row (the bench's stays on its chapter page) and no key has two verdicts."""
+    if rows.empty or measured.empty:
+        return rows
+
+    def keys(frame):
+        frame = frame[FINDING_KEY].astype(object).fillna({"variant": "main"}).fillna("")
+        return pd.MultiIndex.from_frame(frame.astype(str))
+
+    return rows[~keys(rows).isin(keys(measured))]
 
 
 def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:

@@ -41,3 +41,16 @@ def test_bench_comparisons_become_findings_rows(sweep, tmp_path):
     assert table.iloc[0]["measured"] == "chapter 4 was not built"
     bench = table[table["claim"].str.contains(" beats ") & (table["claim"] != "contribution beats random")]
     assert len(bench) == len(comparisons) - 2 and set(bench["profile"]) == {"test"}
+    # where chapter 4 measures the same claim on the same slice ("contribution beats random"), findings.csv
+    # keeps chapter 4's row only: no key has two verdicts; the bench's other claims all stay
+    findings.save_results(results / "04_faithfulness" / "tiny.csv", comparisons.assign(importance="signed"),
+                          chapter="04_faithfulness", model="tiny", profile="test")
+    bench_rows = findings.bench_findings(comparisons.assign(importance="signed"), model="tiny", profile="test")
+    findings.save_results(path, comparisons.assign(importance="signed"), chapter=findings.BENCH_CHAPTER,
+                          model="tiny", profile="test", parameters={"n_documents": 10})
+    table = findings.findings_csv(results, ["tiny"], "test")
+    assert not table.duplicated(findings.FINDING_KEY).any()
+    random_rows = table[table["claim"] == "contribution beats random"]
+    assert len(random_rows) == 2 and set(random_rows["source"]) == {"paper"}  # both modes, chapter 4's
+    kept = table[table["source"] == "book"]
+    assert sorted(kept["claim"]) == sorted(bench_rows.loc[bench_rows["claim"] != "contribution beats random", "claim"])
