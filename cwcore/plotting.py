@@ -279,3 +279,56 @@ def ladder_forest(claims, title: str = ""):
     if title:
         fig.suptitle(title, fontweight="bold")
     return fig
+
+
+def bench_forest(comparisons, title: str = "", labels: dict | None = None):
+    """A forest plot of the attribution bench's paired comparisons (chapter 4b's table, as
+    :func:`cwcore.faithfulness.ladder_comparison` writes it with ``data`` and ``range``): one panel per
+    (data set, mode), one line per pair (``higher`` vs ``lower``), one marker per ratio range, with its
+    95% interval; a pair ranked identically by construction is left out. The x axis is the difference in
+    the faithful direction (negated for sufficiency, where lower is better), symmetric-log: right of zero,
+    ``higher`` is the more faithful. ``labels``: display names of the methods. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    labels = labels or {}
+    rows = comparisons[~comparisons["identical"].astype(bool)] if "identical" in comparisons else comparisons
+    datas = list(dict.fromkeys(rows["data"]))
+    modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
+    pairs = list(dict.fromkeys(zip(rows["higher"], rows["lower"])))
+    ranges = list(dict.fromkeys(rows["range"]))
+    markers = dict(zip(ranges, "osD^v"))
+    fig, axes = plt.subplots(max(len(datas), 1), max(len(modes), 1), squeeze=False, constrained_layout=True,
+                             figsize=(5.2 * max(len(modes), 1), 0.3 * len(pairs) * max(len(datas), 1) + 1.4),
+                             sharey=True)
+    for i, data in enumerate(datas):
+        for j, mode in enumerate(modes):
+            ax = axes[i, j]
+            part = rows[(rows["data"] == data) & (rows["mode"] == mode)]
+            sign = -1.0 if mode == "sufficiency" else 1.0
+            for y, (higher, lower) in enumerate(pairs):
+                for k, rng in enumerate(ranges):
+                    hit = part[(part["higher"] == higher) & (part["lower"] == lower) & (part["range"] == rng)]
+                    if hit.empty:
+                        continue
+                    r = hit.iloc[0]
+                    lo, hi = sorted((sign * r["ci_low"], sign * r["ci_high"]))
+                    colour = VERDICT_COLOURS.get(r["verdict"], "black")
+                    yy = y + (k - (len(ranges) - 1) / 2) * 0.22
+                    ax.plot([lo, hi], [yy, yy], color=colour, lw=1.4)
+                    ax.plot([sign * r["difference"]], [yy], marker=markers[rng], ms=4.5, color=colour, ls="none")
+            ax.axvline(0, color="black", lw=0.8)
+            ax.set_xscale("symlog", linthresh=0.01)
+            ax.margins(x=0.06)
+            ax.set_yticks(range(len(pairs)), [f"{labels.get(h, h)} vs {labels.get(lo, lo)}" for h, lo in pairs],
+                          fontsize=8)
+            ax.set_ylim(len(pairs) - 0.5, -0.5)
+            ax.set_title(f"{mode} ({data})", fontsize=10)
+            ax.set_xlabel("difference, faithful direction (ΔAOPC, > 0: first more faithful)", fontsize=9)
+            ax.grid(axis="y", visible=False)
+    handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
+    handles += [Line2D([], [], color="black", marker=markers[rng], ls="none", label=f"{rng} range") for rng in ranges]
+    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
+    if title:
+        fig.suptitle(title, fontweight="bold")
+    return fig

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 
 from cwcore import faithfulness as fa
 from cwcore import stats
@@ -54,3 +55,32 @@ def test_bench_comparisons_become_findings_rows(sweep, tmp_path):
     assert len(random_rows) == 2 and set(random_rows["source"]) == {"paper"}  # both modes, chapter 4's
     kept = table[table["source"] == "book"]
     assert sorted(kept["claim"]) == sorted(bench_rows.loc[bench_rows["claim"] != "contribution beats random", "claim"])
+
+
+def test_the_bench_forest_draws_every_measured_pair_in_the_faithful_direction(sweep):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cwcore.plotting import VERDICT_COLOURS, bench_forest
+
+    labels = list(dict.fromkeys(sweep["metric"]))
+    pairs = fa.method_pairs(labels) + [("value_weighted", "value_weighted_output_normalized")]
+    comparisons = pd.concat([fa.ladder_comparison(sweep, pairs=pairs, n_bootstrap=200, max_ratio=r_max)
+                             .assign(data="toy", range=rng) for rng, r_max in (("low", 0.2), ("full", None))],
+                            ignore_index=True)
+    fig = bench_forest(comparisons)
+    points = []
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            x = line.get_xdata()
+            if len(x) == 1 and line.get_marker() not in (None, "None", ""):
+                points.append((round(float(x[0]), 12), matplotlib.colors.to_hex(line.get_color())))
+    drawn = comparisons[~comparisons["identical"].astype(bool)]  # identical by construction: left out
+    assert 0 < len(drawn) < len(comparisons)
+    expected = [(round(float(d) * (-1 if m == "sufficiency" else 1), 12), VERDICT_COLOURS[v].lower())
+                for d, m, v in zip(drawn["difference"], drawn["mode"], drawn["verdict"])]
+    assert sorted(points) == sorted(expected)
+    assert len(fig.axes) == 2  # one data set x two modes
+    plt.close(fig)
