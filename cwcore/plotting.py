@@ -224,6 +224,27 @@ _STEP_LABELS = {"step 1->2": "1→2", "step 2->3": "2→3", "step 3->4": "3→4"
 _VARIANTS = [("signed", "low", "o"), ("signed", "full", "s"), ("absolute", "low", "^"), ("absolute", "full", "D")]
 
 
+def _interval(ax, row, estimate: str, sign: float, y: float, marker: str) -> None:
+    """One forest line at height ``y``: ``row[estimate]`` with its 95% interval (``ci_low``, ``ci_high``),
+    times ``sign`` (the faithful direction), in the colour of the row's verdict."""
+    lo, hi = sorted((sign * row["ci_low"], sign * row["ci_high"]))
+    colour = VERDICT_COLOURS.get(row["verdict"], "black")
+    ax.plot([lo, hi], [y, y], color=colour, lw=1.4)
+    ax.plot([sign * row[estimate]], [y], marker=marker, ms=4.5, color=colour, ls="none")
+
+
+def _forest_axes(ax, labels: list[str], title: str, xlabel: str, tick_size: float | None = None) -> None:
+    """A forest panel's frame: zero line, symmetric-log x (linear within ±0.01), one labelled line per entry."""
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xscale("symlog", linthresh=0.01)
+    ax.margins(x=0.06)  # the outermost markers inside the frame
+    ax.set_yticks(range(len(labels)), labels, fontsize=tick_size)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=9)
+    ax.grid(axis="y", visible=False)
+
+
 def ladder_forest(claims, title: str = ""):
     """A forest plot of the ladder: one panel per (data set, mode), one line per step x protocol, one
     marker per importance sign x ratio range, with its 95% interval. ``claims``: rows of
@@ -258,20 +279,9 @@ def ladder_forest(claims, title: str = ""):
                                & (part["importance"] == importance) & (part["range"] == rng)]
                     if hit.empty:
                         continue
-                    r = hit.iloc[0]
-                    lo, hi = sorted((sign * r["ci_low"], sign * r["ci_high"]))
-                    colour = VERDICT_COLOURS.get(r["verdict"], "black")
-                    yy = y + (k - 1.5) * 0.17
-                    ax.plot([lo, hi], [yy, yy], color=colour, lw=1.4)
-                    ax.plot([sign * r["estimate"]], [yy], marker=marker, ms=4.5, color=colour, ls="none")
-            ax.axvline(0, color="black", lw=0.8)
-            ax.set_xscale("symlog", linthresh=0.01)
-            ax.margins(x=0.06)  # the outermost markers inside the frame
-            ax.set_yticks(range(len(lines)), [f"{_STEP_LABELS[c]} ({p})" for c, p in lines])
-            ax.set_ylim(len(lines) - 0.5, -0.5)
-            ax.set_title(f"{mode} ({data})", fontsize=10)
-            ax.set_xlabel("step in the paper's direction (ΔAOPC, > 0 supports)", fontsize=9)
-            ax.grid(axis="y", visible=False)
+                    _interval(ax, hit.iloc[0], "estimate", sign, y + (k - 1.5) * 0.17, marker)
+            _forest_axes(ax, [f"{_STEP_LABELS[c]} ({p})" for c, p in lines], f"{mode} ({data})",
+                         "step in the paper's direction (ΔAOPC, > 0 supports)")
     handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
     handles += [Line2D([], [], color="black", marker=m, ls="none", label=f"{'|c|' if imp == 'absolute' else imp}, "
                        f"{rng} range") for imp, rng, m in _VARIANTS]
@@ -311,21 +321,10 @@ def bench_forest(comparisons, title: str = "", labels: dict | None = None):
                     hit = part[(part["higher"] == higher) & (part["lower"] == lower) & (part["range"] == rng)]
                     if hit.empty:
                         continue
-                    r = hit.iloc[0]
-                    lo, hi = sorted((sign * r["ci_low"], sign * r["ci_high"]))
-                    colour = VERDICT_COLOURS.get(r["verdict"], "black")
-                    yy = y + (k - (len(ranges) - 1) / 2) * 0.22
-                    ax.plot([lo, hi], [yy, yy], color=colour, lw=1.4)
-                    ax.plot([sign * r["difference"]], [yy], marker=markers[rng], ms=4.5, color=colour, ls="none")
-            ax.axvline(0, color="black", lw=0.8)
-            ax.set_xscale("symlog", linthresh=0.01)
-            ax.margins(x=0.06)
-            ax.set_yticks(range(len(pairs)), [f"{labels.get(h, h)} vs {labels.get(lo, lo)}" for h, lo in pairs],
-                          fontsize=8)
-            ax.set_ylim(len(pairs) - 0.5, -0.5)
-            ax.set_title(f"{mode} ({data})", fontsize=10)
-            ax.set_xlabel("difference, faithful direction (ΔAOPC, > 0: first more faithful)", fontsize=9)
-            ax.grid(axis="y", visible=False)
+                    _interval(ax, hit.iloc[0], "difference", sign, y + (k - (len(ranges) - 1) / 2) * 0.22,
+                              markers[rng])
+            _forest_axes(ax, [f"{labels.get(h, h)} vs {labels.get(lo, lo)}" for h, lo in pairs], f"{mode} ({data})",
+                         "difference, faithful direction (ΔAOPC, > 0: first more faithful)", tick_size=8)
     handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
     handles += [Line2D([], [], color="black", marker=markers[rng], ls="none", label=f"{rng} range") for rng in ranges]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)

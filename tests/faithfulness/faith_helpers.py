@@ -70,3 +70,16 @@ def mc_dataset():
                  "gold": 1})
     rows.append({"contexts": ["hello"] * 4, "continuations": [" A", " B", " C", " D"], "gold": 2})
     return datasets.Dataset.from_list(rows)
+
+
+def forest_points(fig) -> list[tuple[float, str]]:
+    """(x, colour) of every single-point marker a forest plot drew, x rounded to 12 digits."""
+    import matplotlib
+
+    points = []
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            x = line.get_xdata()
+            if len(x) == 1 and line.get_marker() not in (None, "None", ""):
+                points.append((round(float(x[0]), 12), matplotlib.colors.to_hex(line.get_color())))
+    return points

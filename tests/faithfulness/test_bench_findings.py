@@ -8,6 +8,7 @@ import pandas as pd
 from cwcore import faithfulness as fa
 from cwcore import stats
 from cwcore.book import findings
+from faith_helpers import forest_points
 
 
 def test_method_pairs():
@@ -71,12 +72,7 @@ def test_the_bench_forest_draws_every_measured_pair_in_the_faithful_direction(sw
                              .assign(data="toy", range=rng) for rng, r_max in (("low", 0.2), ("full", None))],
                             ignore_index=True)
     fig = bench_forest(comparisons)
-    points = []
-    for ax in fig.axes:
-        for line in ax.get_lines():
-            x = line.get_xdata()
-            if len(x) == 1 and line.get_marker() not in (None, "None", ""):
-                points.append((round(float(x[0]), 12), matplotlib.colors.to_hex(line.get_color())))
+    points = forest_points(fig)
     drawn = comparisons[~comparisons["identical"].astype(bool)]  # identical by construction: left out
     assert 0 < len(drawn) < len(comparisons)
     expected = [(round(float(d) * (-1 if m == "sufficiency" else 1), 12), VERDICT_COLOURS[v].lower())

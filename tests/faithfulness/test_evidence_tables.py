@@ -23,7 +23,7 @@ from cwcore.book import results_path
 from cwcore.book import evidence_export as es
 from cwcore.book import evidence_frames as ef
 from cwcore.faithfulness import evidence
-from faith_helpers import peaked_llama, word_tokenizer
+from faith_helpers import forest_points, peaked_llama, word_tokenizer
 
 MODEL, DATA, DOCUMENTS = "smollm2-135m", "gsm8k", 8
 
@@ -240,12 +240,7 @@ def test_the_forest_plot_draws_every_measured_step_in_the_papers_direction(slice
     fig = ladder_forest(claims)
     drawn = claims[claims["claim"].str.startswith("step") | (claims["claim"] == "contribution beats random")]
     drawn = drawn[(drawn["verdict"] != "not measured") & (drawn["variant"] == "main")]  # variants: not on its lines
-    points = []
-    for ax in fig.axes:
-        for line in ax.get_lines():
-            x = line.get_xdata()
-            if len(x) == 1 and line.get_marker() not in (None, "None", ""):
-                points.append((round(float(x[0]), 12), matplotlib.colors.to_hex(line.get_color())))
+    points = forest_points(fig)
     expected = [(round(float(e) * (-1 if m == "sufficiency" else 1), 12), VERDICT_COLOURS[v].lower())
                 for e, m, v in zip(drawn["estimate"], drawn["mode"], drawn["verdict"])]
     assert sorted(points) == sorted(expected)
