@@ -455,6 +455,30 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
 
 
+def _block_layout(tokenizer, block_size, add_bos: bool | None, count: int | None,
+                  count_name: str) -> tuple[int, int | None, int, list[int]]:
+    """(block_size, BOS id or None, body: stream tokens per block, EOS tail appended to each document) of
+    :func:`lm_blocks` and :func:`document_blocks`; a bad ``block_size`` or ``count`` raises."""
+    block_size = int(block_size)
+    bos = _resolve_bos(tokenizer, add_bos)
+    body = block_size - (1 if bos is not None else 0)
+    if body < 1:
+        raise ValueError(f"block_size={block_size} leaves no room for text after the BOS token")
+    if count is not None and count < 0:
+        raise ValueError(f"{count_name} must be >= 0 or None, got {count}")
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return block_size, bos, body, ([int(eos)] if eos is not None else [])
+
+
+def _blocks_dataset(blocks: list[list[int]], block_size: int, **columns) -> datasets.Dataset:
+    """``input_ids`` (int64 lists), ``attention_mask`` (all ones) and any int64 ``columns``."""
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "attention_mask": datasets.Sequence(datasets.Value("int64")),
+                                  **{name: datasets.Value("int64") for name in columns}})
+    return datasets.Dataset.from_dict({"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks],
+                                       **columns}, features=features)
+
+
 def lm_blocks(
     dataset: datasets.Dataset | Iterable[str],
     tokenizer,
@@ -478,15 +502,7 @@ def lm_blocks(
     ``dataset`` may also be any iterable of strings. Returns a :class:`datasets.Dataset` with
     ``input_ids`` (list[int], length ``block_size``) and ``attention_mask`` (all ones).
     """
-    block_size = int(block_size)
-    bos = _resolve_bos(tokenizer, add_bos)
-    body = block_size - (1 if bos is not None else 0)
-    if body < 1:
-        raise ValueError(f"block_size={block_size} leaves no room for text after the BOS token")
-    if num_blocks is not None and num_blocks < 0:
-        raise ValueError(f"num_blocks must be >= 0 or None, got {num_blocks}")
-    eos = getattr(tokenizer, "eos_token_id", None)
-    tail = [int(eos)] if eos is not None else []
+    block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_blocks, "num_blocks")
 
     blocks: list[list[int]] = []
     buffer: list[int] = []
@@ -507,12 +523,7 @@ def lm_blocks(
         del buffer[:start]
     if num_blocks is not None and len(blocks) < num_blocks:
         warnings.warn(f"only {len(blocks)} blocks of {block_size} tokens available, {num_blocks} requested")
-    features = datasets.Features(
-        {"input_ids": datasets.Sequence(datasets.Value("int64")), "attention_mask": datasets.Sequence(datasets.Value("int64"))}
-    )
-    return datasets.Dataset.from_dict(
-        {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}, features=features
-    )
+    return _blocks_dataset(blocks, block_size)
 
 
 def document_blocks(
@@ -538,13 +549,7 @@ def document_blocks(
     ``document`` (the document's row index in ``dataset``), in the order drawn. The same ``seed``
     always gives the same documents, and a larger ``num_documents`` extends a smaller one's list.
     """
-    block_size = int(block_size)
-    bos = _resolve_bos(tokenizer, add_bos)
-    body = block_size - (1 if bos is not None else 0)
-    if body < 1:
-        raise ValueError(f"block_size={block_size} leaves no room for text after the BOS token")
-    if num_documents is not None and num_documents < 0:
-        raise ValueError(f"num_documents must be >= 0 or None, got {num_documents}")
+    block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_documents, "num_documents")
     if isinstance(dataset, datasets.Dataset):
         if text_column not in dataset.column_names:
             raise ValueError(f"the data set has no column '{text_column}' (columns: {', '.join(dataset.column_names)})")
@@ -558,8 +563,6 @@ def document_blocks(
 
         def texts_of(index):
             return [items[i][text_column] if isinstance(items[i], Mapping) else items[i] for i in index]
-    eos = getattr(tokenizer, "eos_token_id", None)
-    tail = [int(eos)] if eos is not None else []
     order = np.random.default_rng(seed).permutation(n)
     blocks: list[list[int]] = []
     documents: list[int] = []
@@ -583,15 +586,7 @@ def document_blocks(
     if num_documents is not None and len(blocks) < num_documents:
         warnings.warn(f"only {len(blocks)} documents of at least {block_size} tokens available, "
                       f"{num_documents} requested")
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int64")),
-        "attention_mask": datasets.Sequence(datasets.Value("int64")),
-        "document": datasets.Value("int64"),
-    })
-    return datasets.Dataset.from_dict(
-        {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks], "document": documents},
-        features=features,
-    )
+    return _blocks_dataset(blocks, block_size, document=documents)
 
 
 def _text_batches(dataset, text_column: str, batch: int = 256) -> Iterator[list[str]]:

@@ -245,6 +245,22 @@ def _forest_axes(ax, labels: list[str], title: str, xlabel: str, tick_size: floa
     ax.grid(axis="y", visible=False)
 
 
+def _forest_panels(rows, n_lines: int, line_height: float, pad: float):
+    """The grid of a forest plot, one panel per (data set, mode) of ``rows``: ``(fig, panels)``, each panel
+    ``(ax, rows of that panel, data, mode, sign)``, ``sign`` -1 for sufficiency (lower is better)."""
+    import matplotlib.pyplot as plt
+
+    datas = list(dict.fromkeys(rows["data"]))
+    modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
+    fig, axes = plt.subplots(max(len(datas), 1), max(len(modes), 1), squeeze=False, constrained_layout=True,
+                             figsize=(5.2 * max(len(modes), 1), line_height * n_lines * max(len(datas), 1) + pad),
+                             sharey=True)
+    panels = [(axes[i, j], rows[(rows["data"] == data) & (rows["mode"] == mode)], data, mode,
+               -1.0 if mode == "sufficiency" else 1.0)
+              for i, data in enumerate(datas) for j, mode in enumerate(modes)]
+    return fig, panels
+
+
 def ladder_forest(claims, title: str = ""):
     """A forest plot of the ladder: one panel per (data set, mode), one line per step x protocol, one
     marker per importance sign x ratio range, with its 95% interval. ``claims``: rows of
@@ -252,7 +268,6 @@ def ladder_forest(claims, title: str = ""):
     drawn; a *not measured* step is left out). The x axis is the step in the paper's direction
     (``estimate``, negated for sufficiency, where lower is better), symmetric-log so that the gentle
     range and the full range read on one axis: right of zero supports the paper. Returns the figure."""
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
     from .stats import NOT_MEASURED
@@ -261,27 +276,19 @@ def ladder_forest(claims, title: str = ""):
                   & (claims["verdict"] != NOT_MEASURED)]
     if "variant" in rows:  # the main protocols' steps; a variant's are shown beside them, never on their line
         rows = rows[rows["variant"].fillna("main") == "main"]
-    datas = list(dict.fromkeys(rows["data"]))
-    modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
     protocols = list(dict.fromkeys(rows["protocol"]))
     lines = [(c, p) for c in _STEP_LABELS for p in protocols]
-    fig, axes = plt.subplots(max(len(datas), 1), max(len(modes), 1), squeeze=False, constrained_layout=True,
-                             figsize=(5.2 * max(len(modes), 1), 0.42 * len(lines) * max(len(datas), 1) + 1.2),
-                             sharey=True)
-    for i, data in enumerate(datas):
-        for j, mode in enumerate(modes):
-            ax = axes[i, j]
-            part = rows[(rows["data"] == data) & (rows["mode"] == mode)]
-            sign = -1.0 if mode == "sufficiency" else 1.0
-            for y, (claim, protocol) in enumerate(lines):
-                for k, (importance, rng, marker) in enumerate(_VARIANTS):
-                    hit = part[(part["claim"] == claim) & (part["protocol"] == protocol)
-                               & (part["importance"] == importance) & (part["range"] == rng)]
-                    if hit.empty:
-                        continue
-                    _interval(ax, hit.iloc[0], "estimate", sign, y + (k - 1.5) * 0.17, marker)
-            _forest_axes(ax, [f"{_STEP_LABELS[c]} ({p})" for c, p in lines], f"{mode} ({data})",
-                         "step in the paper's direction (ΔAOPC, > 0 supports)")
+    fig, panels = _forest_panels(rows, len(lines), line_height=0.42, pad=1.2)
+    for ax, part, data, mode, sign in panels:
+        for y, (claim, protocol) in enumerate(lines):
+            for k, (importance, rng, marker) in enumerate(_VARIANTS):
+                hit = part[(part["claim"] == claim) & (part["protocol"] == protocol)
+                           & (part["importance"] == importance) & (part["range"] == rng)]
+                if hit.empty:
+                    continue
+                _interval(ax, hit.iloc[0], "estimate", sign, y + (k - 1.5) * 0.17, marker)
+        _forest_axes(ax, [f"{_STEP_LABELS[c]} ({p})" for c, p in lines], f"{mode} ({data})",
+                     "step in the paper's direction (ΔAOPC, > 0 supports)")
     handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
     handles += [Line2D([], [], color="black", marker=m, ls="none", label=f"{'|c|' if imp == 'absolute' else imp}, "
                        f"{rng} range") for imp, rng, m in _VARIANTS]
@@ -298,33 +305,23 @@ def bench_forest(comparisons, title: str = "", labels: dict | None = None):
     95% interval; a pair ranked identically by construction is left out. The x axis is the difference in
     the faithful direction (negated for sufficiency, where lower is better), symmetric-log: right of zero,
     ``higher`` is the more faithful. ``labels``: display names of the methods. Returns the figure."""
-    import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
     labels = labels or {}
     rows = comparisons[~comparisons["identical"].astype(bool)] if "identical" in comparisons else comparisons
-    datas = list(dict.fromkeys(rows["data"]))
-    modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
     pairs = list(dict.fromkeys(zip(rows["higher"], rows["lower"])))
     ranges = list(dict.fromkeys(rows["range"]))
     markers = dict(zip(ranges, "osD^v"))
-    fig, axes = plt.subplots(max(len(datas), 1), max(len(modes), 1), squeeze=False, constrained_layout=True,
-                             figsize=(5.2 * max(len(modes), 1), 0.3 * len(pairs) * max(len(datas), 1) + 1.4),
-                             sharey=True)
-    for i, data in enumerate(datas):
-        for j, mode in enumerate(modes):
-            ax = axes[i, j]
-            part = rows[(rows["data"] == data) & (rows["mode"] == mode)]
-            sign = -1.0 if mode == "sufficiency" else 1.0
-            for y, (higher, lower) in enumerate(pairs):
-                for k, rng in enumerate(ranges):
-                    hit = part[(part["higher"] == higher) & (part["lower"] == lower) & (part["range"] == rng)]
-                    if hit.empty:
-                        continue
-                    _interval(ax, hit.iloc[0], "difference", sign, y + (k - (len(ranges) - 1) / 2) * 0.22,
-                              markers[rng])
-            _forest_axes(ax, [f"{labels.get(h, h)} vs {labels.get(lo, lo)}" for h, lo in pairs], f"{mode} ({data})",
-                         "difference, faithful direction (ΔAOPC, > 0: first more faithful)", tick_size=8)
+    fig, panels = _forest_panels(rows, len(pairs), line_height=0.3, pad=1.4)
+    for ax, part, data, mode, sign in panels:
+        for y, (higher, lower) in enumerate(pairs):
+            for k, rng in enumerate(ranges):
+                hit = part[(part["higher"] == higher) & (part["lower"] == lower) & (part["range"] == rng)]
+                if hit.empty:
+                    continue
+                _interval(ax, hit.iloc[0], "difference", sign, y + (k - (len(ranges) - 1) / 2) * 0.22, markers[rng])
+        _forest_axes(ax, [f"{labels.get(h, h)} vs {labels.get(lo, lo)}" for h, lo in pairs], f"{mode} ({data})",
+                     "difference, faithful direction (ΔAOPC, > 0: first more faithful)", tick_size=8)
     handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
     handles += [Line2D([], [], color="black", marker=markers[rng], ls="none", label=f"{rng} range") for rng in ranges]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)

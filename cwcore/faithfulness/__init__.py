@@ -87,7 +87,7 @@ Speed
 Per batch of sequences: one clean pass observes every layer (an observer of
 :class:`cwcore.core.attention.AttentionSession`) and, layer by layer (nothing larger than one layer's
 geometry is kept), computes the selection buckets of every metric
-(:func:`cwcore.faithfulness.ranking.selection_buckets`: one uint8 per term and mode); then one forward
+(:func:`cwcore.faithfulness.ranking.selection`: one uint8 per term and mode); then one forward
 per (metric, mode, ratio) point with fixed boolean masks. Everything runs under ``torch.inference_mode()``.
 Results are cached per (batch, metric, mode, ratio) piece with :class:`cwcore.runs.PieceStore`: the
 key holds :func:`cwcore.runs.model_fingerprint`, the protocol and the producing code, and each piece

@@ -33,7 +33,7 @@ ties and NaN
 Masks for many ratios
 ---------------------
 Ratios are nested: the terms removed at r are also removed at every larger r. So instead of one
-mask per ratio, :func:`selection_buckets` stores per term the index of the first ratio that removes
+mask per ratio, :func:`selection` stores per term (``Selection.buckets``) the index of the first ratio that removes
 it (``uint8``, :data:`NEVER` when no ratio does), and the mask for ratio index t is ``bucket <= t``.
 One sort per metric then serves every ratio. :func:`selection` also returns how many terms each
 ratio removes per sequence (every ranked group removes exactly k(r) of its candidates).
@@ -56,7 +56,6 @@ __all__ = [
     "candidate_mask",
     "descending_ranks",
     "removal_counts",
-    "selection_buckets",
     "removal_mask",
     "selection",
     "Selection",
@@ -171,8 +170,8 @@ def _aggregate_heads(scores: torch.Tensor, unit: str) -> torch.Tensor:
 
 
 class Selection(NamedTuple):
-    """What one layer's ranking removes at every ratio: ``buckets[mode]`` (uint8, see
-    :func:`selection_buckets`) and ``removed[mode]``, the number of terms (head, query, key) each
+    """What one layer's ranking removes at every ratio: ``buckets[mode]`` (uint8: per term, the
+    index of the first ratio that removes it, :data:`NEVER` when none does) and ``removed[mode]``, the number of terms (head, query, key) each
     ratio's mask removes per sequence, ``[batch, n_ratios]`` int64."""
 
     buckets: dict[str, torch.Tensor]
@@ -274,24 +273,9 @@ def selection(
     return Selection(buckets, removed)
 
 
-def selection_buckets(
-    scores: torch.Tensor,
-    candidates: torch.Tensor,
-    ratios: Sequence[float],
-    modes: Sequence[str] = MODES,
-    unit: str = "head_key",
-    scope: str = "row",
-) -> dict[str, torch.Tensor]:
-    """For each mode, the index of the first ratio that removes each term (``{mode: uint8 tensor}``).
-
-    Arguments and shapes as in :func:`selection`; the mask for ``ratios[t]`` is
-    ``removal_mask(bucket, t, candidates)``.
-    """
-    return selection(scores, candidates, ratios, modes, unit, scope).buckets
-
-
 def removal_mask(bucket: torch.Tensor, ratio_index: int, candidates: torch.Tensor | None = None) -> torch.Tensor:
-    """The bool removal mask of ``ratios[ratio_index]`` from a bucket of :func:`selection_buckets`.
+    """The bool removal mask of ``ratios[ratio_index]`` from a bucket of :func:`selection`
+    (``Selection.buckets[mode]``).
 
     For layer scope pass ``candidates`` (``[b, 1, q, k]``): the selected units are removed from every
     query that may see them.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cwcore.faithfulness.protocol import layer_windows
-from cwcore.faithfulness.ranking import candidate_mask, removal_mask, selection, selection_buckets
+from cwcore.faithfulness.ranking import candidate_mask, removal_mask, selection
 from tiny_models import tiny_model
 
 
@@ -85,8 +85,7 @@ def test_selection_matches_a_naive_per_group_sort(unit, scope, keep_first, n):
     attention_mask[2, :2] = 0  # left padding
     cand = candidate_mask(attention_mask, keep_first_token=keep_first)
     ratios = [0.1, 0.25, 0.5, 0.8, 1.0]
-    buckets = selection_buckets(scores, cand, ratios, unit=unit, scope=scope)
-    counted = selection(scores, cand, ratios, unit=unit, scope=scope).removed
+    buckets, counted = selection(scores, cand, ratios, unit=unit, scope=scope)
     for t, ratio in enumerate(ratios):
         for mode in ("comprehensiveness", "sufficiency"):
             mask = removal_mask(buckets[mode], t, cand if scope == "layer" else None).expand(b, h, n, n)
