@@ -442,7 +442,8 @@ def downstream():
 
 
 def _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=TASKS, metrics=DOWN_METRICS, **change):
-    """downstream_cell as the notebook calls it, with the calls it made to downstream_eval and its decision."""
+    """downstream_cell as the notebook calls it, with the calls it made to downstream_eval and each task's
+    decision (``{task: decision}``)."""
     from cwcore import faithfulness as faith
 
     monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
@@ -455,8 +456,8 @@ def _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=TASKS, metri
 
     got = eb.downstream_cell(model, tokenizer, tasks, metrics, DOWN_RATIOS, model="tiny", profile="evidence",
                              exports=out, evaluate=evaluate, log=None, **{**DOWN_CALL, **change})
-    decision = json.loads((tmp_path / "cells" / "cell-downstream-tiny.json").read_text())
-    return got, seen, decision
+    decisions = {t: json.loads((tmp_path / "cells" / f"cell-downstream-tiny-{t}.json").read_text()) for t in tasks}
+    return got, seen, decisions
 
 
 def test_a_committed_downstream_frame_is_taken_once_two_examples_per_task_recompute_equal(downstream, tmp_path,
@@ -465,39 +466,62 @@ def test_a_committed_downstream_frame_is_taken_once_two_examples_per_task_recomp
 
     model, tokenizer, plain = downstream
     out = tmp_path / "out"
-    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
-    assert seen == [(TASKS, False)] and decision["decision"] == "recomputed"  # nothing committed: the plain call
-    assert decision["reason"] == "no committed export" and decision["written"] == "downstream_tiny.csv.gz"
+    got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    assert seen == [(["mmlu"], False), (["boolq"], False)]  # nothing committed: each task's plain call
+    for task, decision in decisions.items():
+        assert decision["decision"] == "recomputed" and decision["reason"] == "no committed export"
+        assert decision["written"] == f"downstream_tiny_{task}.csv.gz"
     pd.testing.assert_frame_equal(got, plain, check_exact=True)
-    meta = json.loads((out / "downstream_tiny.json").read_text())
-    assert meta["tasks"] == TASKS and meta["metrics"] == DOWN_METRICS and meta["ratios"] == DOWN_RATIOS
-    assert meta["modes"] == ["comprehensiveness", "sufficiency"] and meta["rows"] == len(plain)
-    assert meta["example_ids"] == {t: [0, 1, 2] for t in TASKS} and set(meta["samples"]) == set(TASKS)
-    assert meta["settings"]["num_examples"] == 3 and meta["settings"]["max_length"] == 40
-    assert meta["settings"]["protocol"]["seed"] == 0 and "batch_size" not in meta["settings"]
-    assert meta["call"]["batch_size"] == 8 and meta["profile"] == "evidence" and len(meta["commit"]) == 40
+    for task in TASKS:
+        meta = json.loads((out / f"downstream_tiny_{task}.json").read_text())
+        assert meta["tasks"] == [task] and meta["metrics"] == DOWN_METRICS and meta["ratios"] == DOWN_RATIOS
+        assert meta["modes"] == ["comprehensiveness", "sufficiency"]
+        assert meta["rows"] == (plain["task"] == task).sum() and meta["data"] == task
+        assert meta["example_ids"] == {task: [0, 1, 2]} and set(meta["samples"]) == {task}
+        assert meta["settings"]["num_examples"] == 3 and meta["settings"]["max_length"] == 40
+        assert meta["settings"]["protocol"]["seed"] == 0 and "batch_size" not in meta["settings"]
+        assert meta["call"]["batch_size"] == 8 and meta["profile"] == "evidence" and len(meta["commit"]) == 40
     # a new machine: the first 2 examples of each task's sample recomputed without the cache, then taken
-    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
     assert seen == [(("mmlu", 2), False), (("boolq", 2), False)]
-    assert decision["decision"] == "committed" and decision["slice_rows"] == len(plain) * 2 // 3
-    assert decision["max_abs_diff_nll"] < eb.ATOL
+    assert all(d["decision"] == "committed" for d in decisions.values())
+    assert sum(d["slice_rows"] for d in decisions.values()) == len(plain) * 2 // 3
+    assert max(d["max_abs_diff_nll"] for d in decisions.values()) < eb.ATOL
     pd.testing.assert_frame_equal(got, plain, check_exact=False, rtol=1e-7)  # columns, dtypes, order; 8 digits
     assert (plain["kind"] == "").any()  # an empty text reads back as the sweep wrote it, not as NaN
     # a subset of its tasks and metrics, in another order, is served in the order the sweep gives it
     subset = ["contribution", "attention"]
-    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=["boolq"], metrics=subset)
-    assert seen == [(("boolq", 2), False)] and decision["decision"] == "committed"
+    got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=["boolq"], metrics=subset)
+    assert seen == [(("boolq", 2), False)] and decisions["boolq"]["decision"] == "committed"
     from cwcore import faithfulness as faith
 
     fresh = faith.downstream_eval(model, tokenizer, ["boolq"], subset, DOWN_RATIOS, per_example=True, **DOWN_CALL)
     pd.testing.assert_frame_equal(got, fresh, check_exact=False, rtol=1e-7)
-    # PROVENANCE lists the decision among the committed cells taken
+    # PROVENANCE lists the decisions among the committed cells taken
     cells = eb._cells(tmp_path / "cells")
-    assert [c["sweep"] for c in cells] == ["downstream"]
+    assert [(c["sweep"], c["data"]) for c in cells] == [("downstream", "boolq"), ("downstream", "mmlu")]
     record = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0, cells=cells,
                                   tally={"hits": 0, "misses": 0, "processes": 1})
     assert record["committed_cells"]["taken"] == cells
-    assert ef.frame_paths(ef.DOWNSTREAM, "tiny", out=out) == (out / "downstream_tiny.csv.gz", out / "downstream_tiny.json")
+    assert ef.frame_paths(ef.DOWNSTREAM, "tiny", "mmlu", out=out) == (out / "downstream_tiny_mmlu.csv.gz",
+                                                                       out / "downstream_tiny_mmlu.json")
+    both, metas = ef.read_downstream("tiny", ["mmlu", "winogrande", "boolq"], out)  # winogrande: no frame
+    pd.testing.assert_frame_equal(both, plain, check_exact=False, rtol=1e-7)
+    assert list(metas) == TASKS and ef.read_downstream("tiny", ["winogrande"], out) is None
+
+
+def test_a_finished_task_is_kept_when_the_next_one_is_interrupted(downstream, tmp_path, monkeypatch):
+    """Each task's frame is written as soon as it is finished: a run stopped in the second task resumes
+    from the first task's frame (after its slice check) and computes only the second."""
+    model, tokenizer, plain = downstream
+    out = tmp_path / "out"
+    _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    (out / "downstream_tiny_boolq.csv.gz").unlink()  # as if the run had stopped inside boolq
+    (out / "downstream_tiny_boolq.json").unlink()
+    got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    assert seen == [(("mmlu", 2), False), (["boolq"], False)]
+    assert decisions["mmlu"]["decision"] == "committed" and decisions["boolq"]["decision"] == "recomputed"
+    pd.testing.assert_frame_equal(got, plain, check_exact=False, rtol=1e-7)
 
 
 def test_a_tampered_or_other_downstream_frame_is_recomputed(downstream, tmp_path, monkeypatch):
@@ -506,21 +530,26 @@ def test_a_tampered_or_other_downstream_frame_is_recomputed(downstream, tmp_path
     model, tokenizer, plain = downstream
     out = tmp_path / "out"
     _downstream(model, tokenizer, out, tmp_path, monkeypatch)
-    table, meta = ef.read_frame(ef.DOWNSTREAM, "tiny", out=out)
+    table, meta = ef.read_frame(ef.DOWNSTREAM, "tiny", "boolq", out=out)
     tampered = table.copy()
-    where = tampered.index[(tampered["task"] == "boolq") & (tampered["metric"] == "contribution")
-                           & (tampered["example"] == 1)][0]
+    where = tampered.index[(tampered["metric"] == "contribution") & (tampered["example"] == 1)][0]
     tampered.loc[where, "nll"] += 1e-4  # beyond 1e-6 nats + 1e-6 relative, in the slice
-    ef.write_frame(ef.DOWNSTREAM, tampered, meta, "tiny", out=out)
-    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
-    assert seen == [(("mmlu", 2), False), (("boolq", 2), False), (TASKS, False)]  # checked, then computed
-    assert decision["decision"] == "recomputed" and decision["reason"].startswith("1 of ")
-    pd.testing.assert_frame_equal(got, plain, check_exact=True)
-    rewritten, _ = ef.read_frame(ef.DOWNSTREAM, "tiny", out=out)  # the tampered row is gone from the export
-    pd.testing.assert_frame_equal(rewritten, plain, check_exact=False, rtol=1e-7)
+    ef.write_frame(ef.DOWNSTREAM, tampered, meta, "tiny", "boolq", out=out)
+    got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
+    assert seen == [(("mmlu", 2), False), (("boolq", 2), False), (["boolq"], False)]  # checked, then computed
+    assert decisions["mmlu"]["decision"] == "committed"
+    assert decisions["boolq"]["decision"] == "recomputed" and decisions["boolq"]["reason"].startswith("1 of ")
+    pd.testing.assert_frame_equal(got, plain, check_exact=False, rtol=1e-7)  # mmlu read back at 8 digits
+    boolq = got["task"] == "boolq"  # boolq computed again: the sweep's own numbers
+    pd.testing.assert_frame_equal(got[boolq].reset_index(drop=True), plain[boolq].reset_index(drop=True),
+                                  check_exact=True)
+    rewritten, _ = ef.read_frame(ef.DOWNSTREAM, "tiny", "boolq", out=out)  # the tampered row is gone from the export
+    pd.testing.assert_frame_equal(rewritten, plain[plain["task"] == "boolq"].reset_index(drop=True),
+                                  check_exact=False, rtol=1e-7)
     # another sample size: another sample, never taken (no slice is run)
-    got, seen, decision = _downstream(model, tokenizer, out, tmp_path, monkeypatch, num_examples=4)
-    assert seen == [(TASKS, False)] and "num_examples" in decision["reason"] and "sample" in decision["reason"]
+    got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch, num_examples=4)
+    assert seen == [(["mmlu"], False), (["boolq"], False)]
+    assert all("num_examples" in d["reason"] and "sample" in d["reason"] for d in decisions.values())
     assert got["example"].nunique() == 4
 
 
@@ -589,8 +618,8 @@ def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tm
     models = book.load_config(ROOT / "book" / "run.yml")["profiles"]["evidence"]["models"]
     first, second = models[:2]
     p = ee.notebook_parameters("evidence", first, ROOT / "book" / "run.yml")
-    complete = [*frame_paths(DOWNSTREAM, first, out=out), *frame_paths(PER_LAYER, first, p["datasets"][0], out)]
-    half = frame_paths(DOWNSTREAM, second, out=out)[0]  # its JSON is missing: not a frame
+    complete = [*frame_paths(DOWNSTREAM, first, p["tasks"][0], out), *frame_paths(PER_LAYER, first, p["datasets"][0], out)]
+    half = frame_paths(DOWNSTREAM, second, p["tasks"][0], out)[0]  # its JSON is missing: not a frame
     other_data = frame_paths(PER_LAYER, first, p["datasets"][-1], out)  # per-layer runs on the first data set only
     for path in [*complete, half, *other_data]:
         path.parent.mkdir(parents=True, exist_ok=True)

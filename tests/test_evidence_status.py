@@ -69,10 +69,11 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
         "document_ids": ids, "documents": 16, "protocols": p["protocols"],
         "cells": {"default": {"documents": p["n_sequences"], "commit": "a" * 40, "created": "t1"},
                   "per-head": {"documents": 16, "commit": "b" * 40, "created": "t2"}}}))
-    # the downstream frame: the first task whole, the second with 40 examples, the third absent
+    # the downstream frames: the first task whole, the second with 40 examples, the third absent
     tasks = p["tasks"]
-    frame_paths(DOWNSTREAM, model, out=out)[1].write_text(json.dumps({
-        "example_ids": {tasks[0]: list(range(p["n_examples"])), tasks[1]: list(range(40))}, "commit": "c" * 40}))
+    for task, n in ((tasks[0], p["n_examples"]), (tasks[1], 40)):
+        frame_paths(DOWNSTREAM, model, task, out)[1].write_text(json.dumps({
+            "example_ids": {task: list(range(n))}, "commit": "c" * 40}))
     # the per-layer frame's JSON is damaged
     frame_paths(PER_LAYER, model, data, out)[1].write_text("{not json")
     # chapter 5's table ran at 8 documents

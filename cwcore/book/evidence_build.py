@@ -431,7 +431,8 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
                 written += export(profile, model, data, p["n_sequences"], p["protocols"], out=out, config=config,
                                   sweep=sweep)
         # the downstream tasks and the per-layer interventions the notebook wrote (or took) as committed frames
-        frames = [frame_paths(DOWNSTREAM, run.model, out=out), frame_paths(PER_LAYER, run.model, p["datasets"][0], out)]
+        frames = [*(frame_paths(DOWNSTREAM, run.model, task, out) for task in p["tasks"]),
+                  frame_paths(PER_LAYER, run.model, p["datasets"][0], out)]
         written += [path for pair in frames if all(x.is_file() for x in pair) for path in pair]
     written += export_tables(out) if any(out.glob("per_document_*.json")) else []
     return written + [write_status(out, profile=profile, config=config)]

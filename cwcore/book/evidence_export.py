@@ -48,7 +48,7 @@ from ..data import document_blocks
 from ..faithfulness import anatomy, evidence
 from . import findings
 from . import results_path, slug
-from .evidence_frames import DEFAULT_OUT, DOWNSTREAM, SIGNIFICANT_DIGITS, compare_rows, downstream_ladder, read_frame
+from .evidence_frames import DEFAULT_OUT, SIGNIFICANT_DIGITS, compare_rows, downstream_ladder, read_downstream
 from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
@@ -400,7 +400,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     column as the notebook stacks them, written by :func:`cwcore.book.findings.save_results` to
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
     cells the rows hold (data set x protocol, documents) and what is not in them. Where the model's
-    downstream tasks are committed (``downstream_<model>.csv.gz``, :func:`cwcore.book.evidence_frames.downstream_cell`),
+    downstream tasks are committed (``downstream_<model>_<task>.csv.gz``, :func:`cwcore.book.evidence_frames.downstream_cell`),
     their ladder steps follow, as the notebook computes them (:func:`cwcore.book.evidence_frames.downstream_ladder`, ``data`` = the
     task); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
     test with its controls (:func:`cwcore.faithfulness.anatomy.held_out_from_committed`) where the anatomy
@@ -434,16 +434,18 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
             provenance[data]["cache_hits"] = meta["cache"]["hits"]
         not_included, downstream = "downstream tasks, per-layer interventions, Table 8's protocol variants", {}
-        found = read_frame(DOWNSTREAM, model, out=out)
+        found = read_downstream(model, p["tasks"], out=out)
         if found is not None:
-            down_per, down_meta = found
+            down_per, down_metas = found
             ladders.append(downstream_ladder(down_per, n_bootstrap=p["n_bootstrap"], seed=p["seed"]))
             examples = {t: int(n) for t, n in down_per.groupby("task", sort=False)["example"].nunique().items()}
             cells += [f"downstream {t} ({n} examples)" for t, n in examples.items()]
             not_included = not_included.replace("downstream tasks, ", "")
             downstream = dict(tasks=",".join(examples), n_examples=max(examples.values()),
-                              task_ratios=down_meta["ratios"])
-            provenance["downstream"] = {k: down_meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}
+                              task_ratios=next(iter(down_metas.values()))["ratios"])
+            for task, down_meta in down_metas.items():
+                provenance[f"downstream {task}"] = {k: down_meta[k]
+                                                    for k in ("commit", "cwcore_modified", "created", "rows")}
         if not ladders:  # every cell still in progress: nothing to judge yet
             print(f"{model}: no complete cell ({'; '.join(cells)}): no table written")
             continue

@@ -6,7 +6,9 @@ not travel. Chapter 4's ladder cells keep their rows in the per-document exports
 *committed frames*: the per-unit table the sweep returns, written whole and atomically beside them.
 
 * :func:`downstream_cell` wraps :func:`cwcore.faithfulness.downstream.downstream_eval` (``per_example=True``):
-  ``downstream_<model>.csv.gz`` + ``.json``, one row per (task, metric, mode, ratio, example);
+  one frame per task, ``downstream_<model>_<task>.csv.gz`` + ``.json``, one row per (task, metric, mode,
+  ratio, example), so that a finished task is kept while the next one runs (:func:`read_downstream`
+  reads them back together);
 * :func:`per_layer_cell` wraps :func:`cwcore.faithfulness.layers.per_layer_curve`:
   ``per_layer_<model>_<data>.csv.gz`` + ``.json``, one row per (layer, metric, mode, ratio, sequence);
 * :func:`downstream_ladder` turns the downstream frame into the ladder's steps, for the notebook and for
@@ -22,8 +24,8 @@ returned frame is the sweep's own: its columns, dtypes (kept in the JSON) and ro
 recorded as the ladder cells' are (:func:`record_decision`, ``cell-<sweep>-<model>[-<data>].json``).
 
 The JSON beside each frame: ``what``, ``commit`` (and ``cwcore_modified``), ``profile``, ``model``,
-``data``, ``settings`` (what must equal for the frame to be taken), ``samples`` (the sha256 of each
-task's examples), the requested ``tasks``/``metrics``/``modes``/``ratios``, the units (``example_ids``
+``data`` (the data set, or the task), ``settings`` (what must equal for the frame to be taken), ``samples``
+(the sha256 of the task's examples), the requested ``tasks``/``metrics``/``modes``/``ratios``, the units (``example_ids``
 per task, or ``document_ids``), ``call`` (every keyword
 of the sweep, batch sizes included), ``columns`` and ``dtypes``, ``rows``, ``float_format``,
 ``wall_s``, the result cache's code hash and ``created``.
@@ -59,8 +61,8 @@ from . import slug
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
            "FrameKind", "DOWNSTREAM", "PER_LAYER", "compare_rows", "frame_paths", "read_frame", "write_frame",
-           "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "record_decision",
-           "recorded_decision", "say"]
+           "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "read_downstream",
+           "record_decision", "recorded_decision", "say"]
 
 #: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
 #: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
@@ -166,7 +168,7 @@ def compare_rows(committed: pd.DataFrame, recomputed: pd.DataFrame, *, keys: Seq
 # -- committed frames --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FrameKind:
-    """One sweep's committed frame: its file prefix (``downstream``: ``downstream_<model>.csv.gz``), the
+    """One sweep's committed frame: its file prefix (``per_layer``: ``per_layer_<model>_<data>.csv.gz``), the
     columns that name a row (``keys``, also the sweep's row order, outermost first: text keys in the
     requested order, numbers ascending), those compared exactly and those within the tolerance."""
 
@@ -378,33 +380,51 @@ def downstream_cell(lm, tokenizer, tasks, metric=None, ratios=None, mode=None, *
                     per_example: bool = True, **kwargs) -> pd.DataFrame:
     """``evaluate(lm, tokenizer, tasks, metric, ratios, mode, num_examples=..., data_seed=...,
     per_example=True, **kwargs)`` (:func:`cwcore.faithfulness.downstream.downstream_eval`: the per-example
-    table of the downstream tasks, ``tasks`` packaged names), or its committed frame
-    ``downstream_<model>.csv.gz`` (:func:`committed_frame`) once the first ``slice_examples`` examples of
-    each task's sample, recomputed without the cache, equal it. The examples of a task are the sample
+    table of the downstream tasks, ``tasks`` packaged names), task by task: each task's committed frame
+    ``downstream_<model>_<task>.csv.gz`` (:func:`committed_frame`) is taken once the first ``slice_examples``
+    examples of its sample, recomputed without the cache, equal it; otherwise the task is computed (and
+    written) before the next one starts. The examples of a task are the sample
     ``load_dataset(task, limit=num_examples, seed=data_seed)``, numbered in it; the slice is that sample's
     first examples (not a smaller ``limit``, whose sample is another subset, numbered otherwise), so its
     rows are the whole run's rows of those examples. Each task's sample must have the same content digest
-    as the export's (the examples' contexts, continuations and gold answers, in order)."""
+    as the export's (the examples' contexts, continuations and gold answers, in order). Returns the tasks'
+    rows concatenated in the order of ``tasks``, as ``evaluate`` returns them."""
     if not per_example:
         raise ValueError("downstream_cell returns the per-example table (per_example=True); summarise it with "
                          "cwcore.faithfulness.summarize_downstream")
     tasks = [tasks] if isinstance(tasks, str) else list(tasks)
-    samples = {t: load_dataset(t, limit=num_examples, seed=data_seed) for t in tasks}
     settings = {"profile": profile, "dtype": str(dtype), "num_examples": num_examples, "data_seed": data_seed,
                 **_call_settings(downstream_eval, kwargs, skip=("task", "num_examples", "data_seed"))}
     call = dict(num_examples=num_examples, data_seed=data_seed, per_example=True, **kwargs)
+    wanted = _requested(metric, ratios, mode, kwargs)
+    frames = []
+    for task in tasks:
+        sample = load_dataset(task, limit=num_examples, seed=data_seed)
 
-    def recompute_slice():
-        return pd.concat([evaluate(lm, tokenizer, s.select(range(min(slice_examples, len(s)))), metric, ratios, mode,
-                                   **{**call, "task": t, "num_examples": None, "cache": False, "progress": False})
-                          for t, s in samples.items()], ignore_index=True)
+        def recompute_slice(task=task, sample=sample):
+            return evaluate(lm, tokenizer, sample.select(range(min(slice_examples, len(sample)))), metric, ratios,
+                            mode, **{**call, "task": task, "num_examples": None, "cache": False, "progress": False})
 
-    return committed_frame(DOWNSTREAM, lambda: evaluate(lm, tokenizer, tasks, metric, ratios, mode, **call),
-                           recompute_slice, model=model, settings=settings,
-                           wanted={"task": tasks, **_requested(metric, ratios, mode, kwargs)},
-                           samples={t: _examples_digest(s) for t, s in samples.items()},
-                           meta={"example_ids": {t: list(range(len(s))) for t, s in samples.items()},
-                                 "call": call}, exports=exports, atol=atol, rtol=rtol, log=log)
+        frames.append(committed_frame(
+            DOWNSTREAM, lambda task=task: evaluate(lm, tokenizer, [task], metric, ratios, mode, **call),
+            recompute_slice, model=model, data=task, settings=settings, wanted={"task": [task], **wanted},
+            samples={task: _examples_digest(sample)},
+            meta={"example_ids": {task: list(range(len(sample)))}, "call": call}, exports=exports, atol=atol,
+            rtol=rtol, log=log))
+    return pd.concat(frames, ignore_index=True)
+
+
+def read_downstream(model: str, tasks: Sequence[str],
+                    out: str | Path | None = None) -> tuple[pd.DataFrame, dict[str, dict]] | None:
+    """The committed downstream frames of ``model`` (:func:`downstream_cell`) for those of ``tasks`` that have
+    one: their rows concatenated in the order of ``tasks`` and each task's JSON (``{task: meta}``); None
+    when no task has a frame."""
+    found = {task: read_frame(DOWNSTREAM, model, task, out) for task in tasks}
+    found = {task: f for task, f in found.items() if f is not None}
+    if not found:
+        return None
+    return (pd.concat([table for table, _ in found.values()], ignore_index=True),
+            {task: meta for task, (_, meta) in found.items()})
 
 
 def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,

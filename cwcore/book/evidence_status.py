@@ -86,8 +86,8 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
     first data set) of ``model``, from their committed frames."""
     rows = []
     if p.get("n_examples"):
-        meta = _json(frame_paths(DOWNSTREAM, model, out=out)[1]) or {}
         for task in p["tasks"]:
+            meta = _json(frame_paths(DOWNSTREAM, model, task, out)[1]) or {}
             held = len(meta.get("example_ids", {}).get(task, ()))
             rows.append(_row("downstream", model, task, "", p["n_examples"], held, "examples",
                              meta.get("commit"), meta.get("created"), meta))
