@@ -589,6 +589,53 @@ def test_a_committed_per_layer_frame_is_taken_after_its_slice_and_a_changed_one_
     pd.testing.assert_frame_equal(got, plain, check_exact=True)
 
 
+def test_a_committed_bench_frame_is_taken_after_its_slice_and_a_changed_one_is_recomputed(cell, tmp_path,
+                                                                                          monkeypatch):
+    """Chapter 4b's bench (faithfulness_curve per sequence, one data set) as a committed frame: written,
+    taken after its first 2 documents recompute equal, recomputed when a number of the slice moved or
+    when the call changes a number (another metric list is another request, ``max_length`` another setting)."""
+    from cwcore import faithfulness as faith
+    from cwcore.book import evidence_frames as ef
+
+    model, blocks, _ = cell
+    metrics = ["attention", "value_zeroing", "grad_x_input", "random"]
+    options = dict(batch_size=2, max_length=12, seed=0, cache=False, progress=False)
+    plain = faith.faithfulness_curve(model, None, blocks, metrics, RATIOS, per_sequence=True, **options)
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    seen = []
+
+    def curve(lm, tokenizer, part, *args, **kwargs):
+        seen.append((list(part["document"]), kwargs["cache"]))
+        return faith.faithfulness_curve(lm, tokenizer, part, *args, **kwargs)
+
+    def run(**change):
+        seen.clear()
+        got = ef.bench_cell(model, None, blocks, metrics, RATIOS, model="tiny", data="toy", profile="evidence",
+                            exports=tmp_path / "out", curve=curve, log=None, **{**options, **change})
+        return got, json.loads((tmp_path / "cells" / "cell-bench-tiny-toy.json").read_text())
+
+    got, decision = run()
+    assert seen == [([7, 3, 11, 5], False)] and decision["decision"] == "recomputed"
+    assert decision["written"] == "bench_tiny_toy.csv.gz"
+    pd.testing.assert_frame_equal(got, plain, check_exact=True)
+    got, decision = run()
+    assert seen == [([7, 3], False)] and decision["decision"] == "committed"  # the first 2 documents only
+    pd.testing.assert_frame_equal(got, plain, check_exact=False, rtol=1e-7)
+    table, meta = ef.read_frame(ef.BENCH, "tiny", "toy", tmp_path / "out")
+    assert meta["document_ids"] == [7, 3, 11, 5] and meta["settings"]["per_sequence"] is True
+    assert meta["metrics"] == metrics and meta["rows"] == len(plain)
+    table.loc[(table["document"] == 3) & (table["metric"] == "value_zeroing"), "nll"] *= 1 + 3e-6
+    ef.write_frame(ef.BENCH, table, meta, "tiny", "toy", tmp_path / "out")
+    got, decision = run()
+    assert seen == [([7, 3], False), ([7, 3, 11, 5], False)] and decision["decision"] == "recomputed"
+    pd.testing.assert_frame_equal(got, plain, check_exact=True)
+    got, decision = run(max_length=10)  # another setting: not taken, no slice run
+    assert seen == [([7, 3, 11, 5], False)] and "max_length" in decision["reason"]
+    with pytest.raises(ValueError, match="per_sequence=True"):
+        ef.bench_cell(model, None, blocks, metrics, RATIOS, model="tiny", data="toy", profile="evidence",
+                      per_sequence=False, log=None, **options)
+
+
 def test_provenance_records_the_command_line_models_and_a_run_configuration_of_its_own(tmp_path):
     """`--models smollm2-135m` arrives as a string (it was recorded letter by letter); a `--config` other than
     book/run.yml may change what the profile computes, so the record names it with its content's hash."""
@@ -608,7 +655,7 @@ def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tm
     """``export_and_tables`` returns the downstream and per-layer frames the notebook wrote (on the profile's
     first data set) beside the ladder exports, and leaves out a frame whose JSON is missing."""
     from cwcore import book
-    from cwcore.book.evidence_frames import DOWNSTREAM, PER_LAYER, frame_paths
+    from cwcore.book.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, frame_paths
 
     calls = []
     monkeypatch.setattr(eb, "export", lambda profile, model, data, *a, **k: calls.append((model, data)) or [])
@@ -621,11 +668,14 @@ def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tm
     complete = [*frame_paths(DOWNSTREAM, first, p["tasks"][0], out), *frame_paths(PER_LAYER, first, p["datasets"][0], out)]
     half = frame_paths(DOWNSTREAM, second, p["tasks"][0], out)[0]  # its JSON is missing: not a frame
     other_data = frame_paths(PER_LAYER, first, p["datasets"][-1], out)  # per-layer runs on the first data set only
-    for path in [*complete, half, *other_data]:
+    bench = [*frame_paths(BENCH, second, p["datasets"][-1], out)]  # chapter 4b's, one per data set
+    for path in [*complete, half, *other_data, *bench]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("x")
     written = eb.export_and_tables(out, profile="evidence", models=[first, second], only="04_faith")
     assert written == [*complete, out / "STATUS.md"]  # and the status of the folder, written last
+    written = eb.export_and_tables(out, profile="evidence", models=[first, second], only="04_faith,04b")
+    assert sorted(written[:-1]) == sorted([*complete, *bench]) and written[-1] == out / "STATUS.md"
     status = (out / "STATUS.md").read_text()
     assert f"| {first} | {p['tasks'][0]} |  | 0 / {p['n_examples']} examples | **unreadable (" in status  # "x" is no JSON
     variants = ee.weight_variant_names(first, p)

@@ -47,9 +47,11 @@ from ..faithfulness.protocol import Protocol, identical_steps
 from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
-from .evidence_frames import (ATOL, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS, downstream_cell,
-                              frame_paths, per_layer_cell, record_decision, recorded_decision, say)
+from .evidence_frames import (ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS,
+                              downstream_cell, frame_paths, per_layer_cell, record_decision, recorded_decision, say)
 from .evidence_status import write_status
+from .findings import BENCH_CHAPTER
+from .parameters import run_parameters
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUMENTS", "CHECKPOINT_ENV_VAR", "ladder_cell",
            "downstream_cell", "per_layer_cell",
@@ -416,12 +418,17 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
     """Steps 2-3 of :func:`build_evidence`'s work: the other chapters' tables copied
     (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
     this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written, with
-    the chapter's committed frames of each model (:mod:`cwcore.book.evidence_frames`: the downstream
-    tasks, the per-layer interventions on the first data set), which the notebook wrote or took."""
+    the committed frames of each model (:mod:`cwcore.book.evidence_frames`: chapter 4's downstream
+    tasks and per-layer interventions on the first data set, chapter 4b's bench per data set), which the
+    notebooks wrote or took."""
     config = config_path or DEFAULT_BOOK_DIR / "run.yml"
     _, _, planned = plan(load_config(config), profile=profile, models=models, only=only)
     written: list[Path] = copy_chapter_tables(planned, out)
     for run in planned:
+        if run.chapter.name == BENCH_CHAPTER:  # the bench's committed frames, one per data set
+            bench = run_parameters(BENCH_CHAPTER, profile, run.model, config=config)
+            frames = [frame_paths(BENCH, run.model, data, out) for data in bench["datasets"]]
+            written += [path for pair in frames if all(x.is_file() for x in pair) for path in pair]
         if run.chapter.name != CHAPTER:
             continue
         p = notebook_parameters(profile, run.model, config)

@@ -1,4 +1,5 @@
-"""Chapter 4's other sweeps kept in ``data/results/evidence``, so that a new machine resumes from them.
+"""Chapter 4's other sweeps and chapter 4b's bench kept in ``data/results/evidence``, so that a new
+machine resumes from them.
 
 The evidence build runs for many sessions on possibly different machines, and the result cache does
 not travel. Chapter 4's ladder cells keep their rows in the per-document exports
@@ -11,10 +12,13 @@ not travel. Chapter 4's ladder cells keep their rows in the per-document exports
   reads them back together);
 * :func:`per_layer_cell` wraps :func:`cwcore.faithfulness.layers.per_layer_curve`:
   ``per_layer_<model>_<data>.csv.gz`` + ``.json``, one row per (layer, metric, mode, ratio, sequence);
+* :func:`bench_cell` wraps :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) for
+  chapter 4b's attribution bench: ``bench_<model>_<data>.csv.gz`` + ``.json``, one row per (metric, mode,
+  ratio, sequence);
 * :func:`downstream_ladder` turns the downstream frame into the ladder's steps, for the notebook and for
   :func:`cwcore.book.evidence_export.tables` (which adds them to chapter 4's table and ``findings.csv``).
 
-Both go through :func:`committed_frame`: the export is taken when it ran with the same settings (every
+All go through :func:`committed_frame`: the export is taken when it ran with the same settings (every
 argument that changes a number, the sample's content digest among them), holds every requested row, and a
 fresh recomputation of its first :data:`SLICE_DOCUMENTS` units (examples of each task, documents),
 without the cache, equals its rows within :data:`ATOL` nats plus :data:`RTOL` relative
@@ -54,15 +58,16 @@ from ..data import load_dataset
 from ..faithfulness import evidence
 from ..faithfulness.downstream import downstream_eval
 from ..faithfulness.layers import per_layer_curve
+from ..faithfulness.lm import faithfulness_curve
 from ..faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
 from ..faithfulness.protocol import specs as parse_specs
 from ..faithfulness.summary import ladder_comparison
 from . import slug
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
-           "FrameKind", "DOWNSTREAM", "PER_LAYER", "compare_rows", "frame_paths", "read_frame", "write_frame",
-           "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "read_downstream",
-           "record_decision", "recorded_decision", "say"]
+           "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "compare_rows", "frame_paths", "read_frame",
+           "write_frame", "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "bench_cell",
+           "read_downstream", "record_decision", "recorded_decision", "say"]
 
 #: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
 #: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
@@ -188,6 +193,10 @@ DOWNSTREAM = FrameKind("downstream", "per-example rows of chapter 04_faithfulnes
                        keys=("task", "metric", "mode", "ratio", "example"),
                        exact=("n_tokens", "n_removed", "n_candidates", "correct", "clean_correct"),
                        floats=("nll", "clean_nll"))
+BENCH = FrameKind("bench", "per-sequence rows of chapter 04b_attribution_bench, one data set "
+                  "(cwcore.faithfulness.faithfulness_curve, per_sequence=True); nll in nats",
+                  keys=("metric", "mode", "ratio", "sequence"),
+                  exact=("document", "n_tokens", "n_removed", "n_candidates"), floats=("nll", "clean_nll"))
 PER_LAYER = FrameKind("per_layer", "per-sequence rows of chapter 04_faithfulness's per-layer interventions "
                       "(cwcore.faithfulness.layers.per_layer_curve); nll in nats",
                       keys=("layer", "metric", "mode", "ratio", "sequence"),
@@ -427,6 +436,30 @@ def read_downstream(model: str, tasks: Sequence[str],
             {task: meta for task, (_, meta) in found.items()})
 
 
+def _documents_frame(kind: FrameKind, curve: Callable, reference: Callable, lm, tokenizer, blocks, metric, ratios,
+                     mode, *, model: str, data: str, profile: str, dtype: str, exports, slice_documents: int,
+                     atol: float, rtol: float, log, kwargs: dict) -> pd.DataFrame:
+    """``curve(lm, tokenizer, blocks, metric, ratios, mode, **kwargs)``, a per-sequence sweep over a
+    :func:`cwcore.data.document_blocks` data set (``reference``: the library function whose keywords
+    are the settings), or its committed frame once its first ``slice_documents`` documents, recomputed
+    without the cache, equal it. The documents and the digest of their token ids are among the settings
+    (the random control hashes each sequence's place, so the sample must be the same)."""
+    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
+    settings = {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
+                "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1]),
+                **_call_settings(reference, kwargs)}
+
+    def recompute_slice():
+        return curve(lm, tokenizer, blocks.select(range(min(slice_documents, len(blocks)))), metric, ratios, mode,
+                     **{**kwargs, "cache": False, "progress": False})
+
+    return committed_frame(kind, lambda: curve(lm, tokenizer, blocks, metric, ratios, mode, **kwargs),
+                           recompute_slice, model=model, data=data, settings=settings,
+                           wanted=_requested(metric, ratios, mode, kwargs),
+                           meta={"document_ids": settings["documents"], "call": kwargs}, exports=exports,
+                           atol=atol, rtol=rtol, log=log)
+
+
 def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,
                    dtype: str = "float32", exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS,
                    atol: float = ATOL, rtol: float = RTOL, curve: Callable = per_layer_curve,
@@ -437,17 +470,23 @@ def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *
     ``slice_documents`` documents, recomputed without the cache, equal it. ``blocks``: a
     :func:`cwcore.data.document_blocks` data set; its documents and the digest of its token ids are among
     the settings (the random control hashes each sequence's place, so the sample must be the same)."""
-    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
-    settings = {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
-                "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1]),
-                **_call_settings(per_layer_curve, kwargs)}
+    return _documents_frame(PER_LAYER, curve, per_layer_curve, lm, tokenizer, blocks, metric, ratios, mode,
+                            model=model, data=data, profile=profile, dtype=dtype, exports=exports,
+                            slice_documents=slice_documents, atol=atol, rtol=rtol, log=log, kwargs=kwargs)
 
-    def recompute_slice():
-        return curve(lm, tokenizer, blocks.select(range(min(slice_documents, len(blocks)))), metric, ratios, mode,
-                     **{**kwargs, "cache": False, "progress": False})
 
-    return committed_frame(PER_LAYER, lambda: curve(lm, tokenizer, blocks, metric, ratios, mode, **kwargs),
-                           recompute_slice, model=model, data=data, settings=settings,
-                           wanted=_requested(metric, ratios, mode, kwargs),
-                           meta={"document_ids": settings["documents"], "call": kwargs}, exports=exports,
-                           atol=atol, rtol=rtol, log=log)
+def bench_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,
+               dtype: str = "float32", exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS,
+               atol: float = ATOL, rtol: float = RTOL, curve: Callable = faithfulness_curve,
+               log: Callable[[str], None] | None = print, **kwargs) -> pd.DataFrame:
+    """``curve(lm, tokenizer, blocks, metric, ratios, mode, per_sequence=True, **kwargs)``
+    (:func:`cwcore.faithfulness.faithfulness_curve`: chapter 4b's attribution bench, one data set), or its
+    committed frame ``bench_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first
+    ``slice_documents`` documents, recomputed without the cache, equal it; ``blocks`` as in
+    :func:`per_layer_cell`."""
+    if not kwargs.setdefault("per_sequence", True):
+        raise ValueError("bench_cell returns the per-sequence table (per_sequence=True); summarise it with "
+                         "cwcore.faithfulness.summarize")
+    return _documents_frame(BENCH, curve, faithfulness_curve, lm, tokenizer, blocks, metric, ratios, mode,
+                            model=model, data=data, profile=profile, dtype=dtype, exports=exports,
+                            slice_documents=slice_documents, atol=atol, rtol=rtol, log=log, kwargs=kwargs)
