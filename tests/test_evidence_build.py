@@ -126,6 +126,35 @@ def _commit(rows, out, model="tiny", data="toy"):
                               "document_ids": [7, 3, 11, 5], "modes": sorted(rows["mode"].unique())}))
 
 
+def test_an_export_of_fewer_cells_keeps_the_committed_cells_it_did_not_run(cell, capsys):
+    """A build whose configuration asks for fewer cells (no variants) exports its own cells and keeps the
+    committed export's others, rows and record; cells of another sample are dropped, with a line."""
+    _, _, rows = cell
+    table = rows.assign(data="toy", model="tiny", delta_nll=rows["nll"] - rows["clean_nll"])
+    assert set(table["variant"]) == {"main"}
+    variant = table.assign(variant="token-unit", nll=table["nll"] + 1.0)
+    committed = pd.concat([variant, table], ignore_index=True)
+    sample = {"profile": "evidence", "seq_len": 12, "seed": 0, "dtype": "float32", "document_ids": [7, 3, 11, 5]}
+    record = {"default/token-unit": {"documents": 4}}
+    meta = {**sample, "model": "tiny", "data": "toy", "protocols": ["default"], "variants": [],
+            "importances": sorted(set(table["importance"])), "metrics": list(dict.fromkeys(table["metric"])),
+            "rows": len(table), "cells": dict(record)}
+    got, got_meta = ee.keep_other_cells(table, dict(meta), committed, {**sample, "cells": record})
+    assert len(got) == 2 * len(table) and got_meta["rows"] == len(got)
+    pd.testing.assert_frame_equal(got.iloc[:len(table)], table)  # the run's own rows first, as it wrote them
+    kept = got.iloc[len(table):].reset_index(drop=True)
+    pd.testing.assert_frame_equal(kept, variant[table.columns].reset_index(drop=True))
+    assert got_meta["variants"] == ["token-unit"] and got_meta["kept_cells"] == ["default/token-unit"]
+    assert got_meta["cells"] == record
+    # a committed export of another sample: its other cells are not mixed in
+    got, got_meta = ee.keep_other_cells(table, dict(meta, cells=dict(record)), committed, {**sample, "seed": 1})
+    assert len(got) == len(table) and "default/token-unit" not in got_meta["cells"]
+    assert "not kept" in capsys.readouterr().out
+    # nothing else committed: the export is the run's alone
+    got, got_meta = ee.keep_other_cells(table, dict(meta), table, sample)
+    assert got is table and "kept_cells" not in got_meta
+
+
 def _run(model, blocks, out, tmp_path, monkeypatch, seen_keys=(), **extra):
     monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
     seen = []

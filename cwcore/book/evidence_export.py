@@ -53,7 +53,7 @@ from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
            "grids_of", "weight_variant_names", "per_document",
-           "export", "merge_cell", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
+           "export", "keep_other_cells", "merge_cell", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
 #: the columns that name a row of the per-document table
@@ -208,13 +208,46 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     csv, js = paths(model, data, out)
-    if js.is_file():  # the cells merged while the build ran keep their commit (the JSON alone: not the rows)
-        cells = json.loads(js.read_text()).get("cells")
-        if cells:
-            meta["cells"] = cells
+    found = read_committed(model, data, out)
+    if found is not None:
+        if found[1].get("cells"):  # the cells merged while the build ran keep their commit
+            meta["cells"] = found[1]["cells"]
+        table, meta = keep_other_cells(table, meta, *found)
     csv.parent.mkdir(parents=True, exist_ok=True)
     _write(csv, js, table, meta)
     return csv, js
+
+
+def keep_other_cells(table: pd.DataFrame, meta: dict, committed: pd.DataFrame,
+                     committed_meta: dict) -> tuple[pd.DataFrame, dict]:
+    """(table, meta) of an export with the committed export's cells that this one did not run kept in it:
+    a build whose configuration asks for fewer cells (no variants, say) must not drop finished evidence.
+    A cell is a (protocol, variant); its rows are kept, after the new rows, when the committed export
+    ran the same sample (profile, block length, seed, dtype and documents); otherwise it is dropped with a
+    line saying so. ``meta``'s lists (protocols, variants, importances, metrics) and ``rows`` follow."""
+    ran = set(zip(table["protocol"], table["variant"]))
+    cell_of = pd.Series(list(zip(committed["protocol"], committed["variant"])), index=committed.index)
+    other = committed[~cell_of.isin(ran)]
+    if other.empty:
+        return table, meta
+    names = sorted({cell_name(p, v) for p, v in zip(other["protocol"], other["variant"])})
+    same = ("profile", "seq_len", "seed", "dtype", "document_ids")
+    differ = [k for k in same if committed_meta.get(k) != meta.get(k)]
+    if differ:
+        print(f"{meta['model']} {meta['data']}: the committed cells {', '.join(names)} ran with another "
+              f"{', '.join(differ)}: not kept in the new export")
+        for name in names:
+            meta.get("cells", {}).pop(name, None)
+        return table, meta
+    table = pd.concat([table, other[table.columns]], ignore_index=True)
+    main = table[table["variant"] == "main"]
+    meta = {**meta, "protocols": list(dict.fromkeys([*meta["protocols"], *main["protocol"]])),
+            "variants": list(dict.fromkeys([*meta.get("variants", []),
+                                            *(v for v in table["variant"] if v != "main")])),
+            "importances": list(dict.fromkeys([*meta["importances"], *table["importance"]])),
+            "metrics": list(dict.fromkeys([*meta["metrics"], *other["metric"]])),
+            "kept_cells": names, "rows": len(table)}
+    return table, meta
 
 
 def cell_name(protocol: str, variant: str = "main") -> str:
