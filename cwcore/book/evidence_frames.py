@@ -28,10 +28,10 @@ returned frame is the sweep's own: its columns, dtypes (kept in the JSON) and ro
 recorded as the ladder cells' are (:func:`record_decision`, ``cell-<sweep>-<model>[-<data>].json``).
 
 The JSON beside each frame: ``what``, ``commit`` (and ``cwcore_modified``), ``profile``, ``model``,
-``data`` (the data set, or the task), ``settings`` (what must equal for the frame to be taken), ``samples``
-(the sha256 of the task's examples), the requested ``tasks``/``metrics``/``modes``/``ratios``, the units (``example_ids``
-per task, or ``document_ids``), ``call`` (every keyword
-of the sweep, batch sizes included), ``columns`` and ``dtypes``, ``rows``, ``float_format``,
+``data`` (the data set, or the task), ``settings`` (what must equal for the frame to be taken),
+``samples`` (the sha256 of the task's examples), the requested ``tasks``/``metrics``/``modes``/``ratios``,
+the units (``example_ids`` per task, or ``document_ids``), ``call`` (every keyword of the sweep, batch
+sizes included), ``columns`` and ``dtypes``, ``rows``, ``float_format``,
 ``wall_s``, the result cache's code hash and ``created``.
 """
 
