@@ -155,6 +155,37 @@ def test_an_export_of_fewer_cells_keeps_the_committed_cells_it_did_not_run(cell,
     assert got is table and "kept_cells" not in got_meta
 
 
+def test_writing_rows_the_export_already_holds_leaves_it_untouched_and_a_change_is_written(cell, tmp_path):
+    """A rebuild that takes every committed cell writes nothing: the rows come back in another order, with
+    their columns moved and ``delta_nll`` derived again from values read at 8 digits, and the files keep
+    their bytes (the JSON too). A changed value is written, in the one order every writer uses."""
+    _, _, rows = cell
+    out = tmp_path / "out"
+    sample = dict(protocol="default", profile="evidence", seq_len=12, seed=0, dtype="float32",
+                  document_ids=[7, 3, 11, 5], out=out)
+    csv, js = ee.merge_cell("tiny", "toy", rows, **sample)
+    before, record = csv.read_bytes(), js.read_bytes()
+    written, _ = ee.read_committed("tiny", "toy", out)
+    again = written.drop(columns=["data", "model", "delta_nll"]).sample(frac=1.0, random_state=0)
+    again = again[list(reversed(again.columns))]
+    derived = (again["nll"] - again["clean_nll"]).map(lambda x: "%.8g" % x)
+    kept = written.loc[again.index, "delta_nll"].map(lambda x: "%.8g" % x)
+    assert (derived != kept).any()  # without keeping the written differences the bytes would change
+    ee.merge_cell("tiny", "toy", again, **sample)
+    assert csv.read_bytes() == before and js.read_bytes() == record
+    # written by an export (another writer, its rows in the sweep's order): the same bytes
+    table = rows.assign(data="toy", model="tiny", delta_nll=rows["nll"] - rows["clean_nll"])
+    assert ee._write(csv, js, table, {"document_ids": [7, 3, 11, 5]}) is False
+    changed = again.copy()
+    changed.loc[changed.index[0], "nll"] += 1e-3
+    ee.merge_cell("tiny", "toy", changed, **sample)
+    assert csv.read_bytes() != before
+    now, _ = ee.read_committed("tiny", "toy", out)
+    pd.testing.assert_frame_equal(now, ee.canonical_rows(now, [7, 3, 11, 5]))  # already in the one order
+    assert list(now["document"].iloc[:4]) == [7, 3, 11, 5]
+    assert (now["nll"] != written["nll"]).sum() == 1
+
+
 def _run(model, blocks, out, tmp_path, monkeypatch, seen_keys=(), **extra):
     monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
     seen = []

@@ -53,7 +53,7 @@ from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
            "grids_of", "weight_variant_names", "per_document",
-           "export", "keep_other_cells", "merge_cell", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
+           "export", "keep_other_cells", "merge_cell", "canonical_rows", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
 #: the columns that name a row of the per-document table
@@ -214,7 +214,8 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
             meta["cells"] = found[1]["cells"]
         table, meta = keep_other_cells(table, meta, *found)
     csv.parent.mkdir(parents=True, exist_ok=True)
-    _write(csv, js, table, meta)
+    if not _write(csv, js, table, meta):
+        print(f"{model} {data}: the export holds these rows already: left as it is")
     return csv, js
 
 
@@ -255,12 +256,62 @@ def cell_name(protocol: str, variant: str = "main") -> str:
     return protocol if variant in ("", "main") else f"{protocol}/{variant}"
 
 
-def _write(csv: Path, js: Path, table: pd.DataFrame, meta: dict) -> None:
-    # mtime 0: the same rows give the same bytes, so a re-export that changes nothing leaves git clean
+#: the order of an export's rows, whoever writes it (then the documents in the sample's order)
+ROW_ORDER = ("protocol", "variant", "importance", "metric", "mode", "ratio")
+
+
+def canonical_rows(table: pd.DataFrame, document_ids: Sequence[int] | None = None) -> pd.DataFrame:
+    """``table`` in the one order every writer of an export uses (:data:`ROW_ORDER`, then the documents
+    in ``document_ids``' order, else by id; columns: the usual first ones, then the rest by name), so that
+    an export and a merge of the same rows write the same bytes."""
+    if table.empty:
+        return table
+    ids = list(document_ids) if document_ids else sorted(table["document"].unique())
+    order = {int(d): i for i, d in enumerate(ids)}
+    keys = [k for k in ROW_ORDER if k in table]
+    table = table.assign(_d=table["document"].map(lambda d: order.get(int(d), len(order) + int(d))))
+    table = table.sort_values([*keys, "_d"], kind="stable").drop(columns="_d").reset_index(drop=True)
+    return table[[c for c in _FIRST if c in table] + sorted(c for c in table if c not in _FIRST)]
+
+
+def _digits(values: pd.Series) -> pd.Series:
+    return values.map(lambda x: f"%.{SIGNIFICANT_DIGITS}g" % x)
+
+
+def _keep_written_differences(table: pd.DataFrame, written: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with ``written``'s ``delta_nll`` on the rows whose ``nll`` and ``clean_nll`` print the same:
+    a cell taken from an export reads them back at 8 digits, and their difference, derived again, would
+    move the last digits of a value that did not change."""
+    keys = [k for k in KEYS if k in table and k in written]
+    if table.empty or written.empty or "delta_nll" not in written:
+        return table
+    ours = table[keys].assign(_row=np.arange(len(table)), _nll=_digits(table["nll"]),
+                              _clean=_digits(table["clean_nll"]))
+    theirs = written[keys].assign(_nll=_digits(written["nll"]), _clean=_digits(written["clean_nll"]),
+                                  _delta=written["delta_nll"].to_numpy())
+    both = ours.merge(theirs, on=[*keys, "_nll", "_clean"], how="inner")
+    if both.empty:
+        return table
+    table = table.copy()
+    table.loc[table.index[both["_row"].to_numpy()], "delta_nll"] = both["_delta"].to_numpy()
+    return table
+
+
+def _write(csv: Path, js: Path, table: pd.DataFrame, meta: dict) -> bool:
+    """Write an export in its canonical order (:func:`canonical_rows`); False, touching nothing, when the
+    rows already written are these (a rebuild that took every cell leaves git clean, its record too)."""
+    table = canonical_rows(table, meta.get("document_ids"))
+    written = _read_rows(csv) if csv.is_file() and js.is_file() else None
+    if written is not None:
+        table = _keep_written_differences(table, written)
+    # mtime 0: the same rows give the same bytes
     rows = io.BytesIO()  # written whole, then renamed into place: a killed export leaves the old file
     table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
+    if written is not None and csv.read_bytes() == rows.getvalue():
+        return False
     cw_cache.atomic_write_bytes(csv, rows.getvalue())
     cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1) + "\n").encode())
+    return True
 
 
 def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: str, variant: str = "main",
@@ -297,12 +348,7 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
         new = pd.MultiIndex.from_frame(fresh[keys].astype(str))
         table = table[~pd.MultiIndex.from_frame(table[keys].astype(str)).isin(new)]
     table = pd.concat([table, fresh], ignore_index=True)
-    if len(table):
-        table = table[[c for c in _FIRST if c in table] + [c for c in table if c not in _FIRST]]
-        order = {d: i for i, d in enumerate(ids)}
-        table = table.assign(_d=table["document"].map(order)).sort_values(
-            ["protocol", "variant", "importance", "metric", "mode", "ratio", "_d"], kind="stable").drop(columns="_d")
-        table = table.reset_index(drop=True)
+    table = canonical_rows(table, ids)
     cell_rows = table[(table["protocol"] == protocol) & (table["variant"] == variant)] if len(table) else table
     root = Path(cwcore.__file__).resolve().parent.parent
     commit, created = provenance.git(root, "rev-parse", "HEAD"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -351,13 +397,17 @@ def read_committed(model: str, data: str, out: str | Path | None = None) -> tupl
     csv, js = paths(model, data, out)
     if not (csv.is_file() and js.is_file()):
         return None
+    return _read_rows(csv), json.loads(js.read_text())
+
+
+def _read_rows(csv: Path) -> pd.DataFrame:
     table = pd.read_csv(csv)
     if "variant" not in table:  # an export older than the column holds the main protocols only
         table.insert(int(table.columns.get_loc("protocol")) + 1, "variant", "main")
     for column in table.columns.difference([*EXACT, *FLOATS, *_NUMERIC]):
         if not pd.api.types.is_bool_dtype(table[column]):
             table[column] = table[column].astype(object).where(table[column].notna(), "").astype(str)
-    return table, json.loads(js.read_text())
+    return table
 
 
 # -- compare ---------------------------------------------------------------------------------------
