@@ -268,3 +268,66 @@ def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_n
     kept = int((~primary["changed"]).sum())
     assert said["weights_summary"].startswith(f"{kept} of 8 primary verdicts survive the re-quantisation")
     assert ("changed:" in said["weights_summary"]) == (kept < 8)
+
+
+def _per_layer_section(scope: dict, monkeypatch, out: Path) -> tuple[dict, dict]:
+    """Execute notebook 04's per-layer cell with ``scope`` (the names the setup cell defines) and the
+    committed frames read from ``out``; returns the glued values and the cell's names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cwcore.book import evidence_frames as ef
+
+    nb = json.loads(NOTEBOOK.read_text())
+    cell = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
+                and "per_layer_cell(" in "".join(c["source"]))
+    glued = {}
+    monkeypatch.setattr(ef, "DEFAULT_OUT", out)
+    monkeypatch.setattr(book_notebook, "note", lambda name, value: glued.__setitem__(name, value))
+    monkeypatch.setattr(book_notebook, "note_md", lambda name, text: glued.__setitem__(name, text))
+    monkeypatch.setattr(plt, "show", lambda: None)
+    import time
+
+    from cwcore.plotting import save_figure
+    names = {"time": time, "plt": plt, "save_figure": save_figure, "COLOURS": {}, "LABELS": {},
+             "note": book_notebook.note, "note_md": book_notebook.note_md, **scope}
+    exec(cell, names)  # noqa: S102 - the repository's own notebook, in a test
+    return glued, names
+
+
+def test_the_per_layer_section_shows_the_committed_frame_when_the_profile_skips_it(tmp_path, monkeypatch):
+    """A profile without per-layer interventions (the default) draws the committed evidence frame of this
+    model and first data set, and says whose rows they are; without a frame it says it has none."""
+    import datasets
+    import torch
+
+    from cwcore.book import evidence_frames as ef
+    from cwcore.faithfulness.layers import per_layer_aopc, per_layer_curve
+    from faith_helpers import self_sampled
+
+    model = peaked_llama()
+    ids = self_sampled(model, n=3, length=10)
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
+                                         "document": [4, 9, 2]})
+    frame = per_layer_curve(model, None, blocks, ["attention", "contribution"], [0.2], "comprehensiveness",
+                            batch_size=2, cache=False)
+    out = tmp_path / "evidence"
+    ef.write_frame(ef.PER_LAYER, frame, {"profile": "evidence", "commit": "abcdef0123", "settings": {"seq_len": 10}},
+                   "tiny", "toy", out)
+    scope = dict(per_layer_sequences=0, per_layer_ratios=[0.05], model="tiny", first="toy",
+                 metrics=["attention", "contribution", "random"], n_bootstrap=50, seed=0,
+                 output_dir=str(tmp_path / "figures"))
+    glued, names = _per_layer_section(scope, monkeypatch, out)
+    assert glued["pl_docs"] == 3 and glued["pl_ratios"] == "0.2"  # the frame's, not the profile's
+    assert "per_layer_tiny_toy.csv.gz" in glued["pl_note"] and "commit abcdef0" in glued["pl_note"]
+    assert (tmp_path / "figures").is_dir() and any((tmp_path / "figures").iterdir())
+    # the areas drawn are those of the frame read back (8 digits): layer by layer, as per_layer_aopc gives them
+    table, _ = ef.read_frame(ef.PER_LAYER, "tiny", "toy", out)
+    pd.testing.assert_frame_equal(names["pl_areas"], per_layer_aopc(table, n_bootstrap=50, seed=0))
+    assert np.allclose(names["pl_areas"]["aopc_nll"], per_layer_aopc(frame, n_bootstrap=50, seed=0)["aopc_nll"],
+                       rtol=0, atol=1e-6)
+    # another model's frame is not this model's evidence
+    glued, _ = _per_layer_section({**scope, "model": "other"}, monkeypatch, out)
+    assert glued["pl_docs"] == 0 and "no per-layer frame is committed" in glued["pl_note"]
