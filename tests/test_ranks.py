@@ -61,6 +61,22 @@ def test_two_forked_ranks_give_the_single_process_faithfulness_frame(monkeypatch
     pd.testing.assert_frame_equal(per_layer_curve(model, None, ids, **options), shared, check_exact=True)
 
 
+def test_two_forked_ranks_give_the_single_process_anatomy_frame(monkeypatch, one_thread):
+    import datasets
+
+    from cwcore.faithfulness.anatomy import selection_anatomy
+
+    model, ids = tiny_model("llama"), _ids(rows=5)
+    blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
+                                         "document": [40, 10, 30, 20, 50]})
+    options = dict(ratios=[0.1, 0.5], modes=("comprehensiveness", "sufficiency"), batch_size=2, progress=False)
+    alone = selection_anatomy(model, blocks, **options)
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    shared = selection_anatomy(model, blocks, **options)
+    assert list(dict.fromkeys(shared["document"])) == [40, 10, 30, 20, 50]  # three batches, two ranks, in order
+    pd.testing.assert_frame_equal(alone, shared, check_exact=True)
+
+
 def test_two_forked_ranks_fill_the_cache_and_the_batch_driver_yields_every_batch(tmp_path, monkeypatch, one_thread):
     model = tiny_model("llama")
     batches = [{"input_ids": _ids(2, 9, seed)} for seed in range(5)]

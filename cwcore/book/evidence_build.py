@@ -16,7 +16,8 @@
    (:func:`export_and_tables`), then ``STATUS.md``, what the profile plans against what the folder now holds
    (:func:`cwcore.book.evidence_status.write_status`). The chapter's downstream tasks and per-layer interventions are kept the
    same way, as committed frames the notebook writes or takes (:mod:`cwcore.book.evidence_frames`:
-   :func:`downstream_cell`, :func:`per_layer_cell`);
+   :func:`downstream_cell`, :func:`per_layer_cell`); the anatomy of each exported data set and its explained
+   steps are made after the exports (:func:`anatomy_evidence`);
 3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
    of the result keys, the result cache's hits and misses summed over every process of the build
    (kernels and ranks, through ``$CWCORE_CACHE_TALLY``), the committed cells taken and recomputed,
@@ -42,19 +43,23 @@ import cwcore
 from .. import cache as cw_cache
 from .. import provenance
 from .. import runs
+from ..data import document_blocks, load_dataset
 from ..faithfulness import evidence
+from ..faithfulness.anatomy import LADDER
 from ..faithfulness.protocol import Protocol, identical_steps
-from . import DEFAULT_BOOK_DIR, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
+from ..faithfulness.ranking import MODES
+from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
-from .evidence_frames import (ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS,
-                              downstream_cell, frame_paths, per_layer_cell, record_decision, recorded_decision, say)
+from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS,
+                              anatomy_cell, anatomy_explained, downstream_cell, frame_paths, per_layer_cell,
+                              record_decision, recorded_decision, say)
 from .evidence_status import write_status
 from .findings import BENCH_CHAPTER
 from .parameters import run_parameters
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUMENTS", "CHECKPOINT_ENV_VAR", "ladder_cell",
-           "downstream_cell", "per_layer_cell",
+           "downstream_cell", "per_layer_cell", "anatomy_evidence",
            "committed_cell", "committed_documents", "checkpoint_documents", "build_evidence",
            "provenance_record", "write_provenance", "read_provenance", "provenance_lines", "copy_chapter_tables"]
 
@@ -413,6 +418,31 @@ def copy_chapter_tables(planned, out: Path) -> list[Path]:
     return written
 
 
+def anatomy_evidence(model: str, p: dict, out: Path, *, profile: str, loaded=None) -> list[Path]:
+    """Chapter 4's anatomy evidence of ``model`` (``p``: the chapter's parameters under ``profile``) on each
+    data set it exported: what each rung removes on the profile's documents, at every ratio of the
+    export and in both modes, per-head, signed (:func:`cwcore.book.evidence_frames.anatomy_cell`: taken
+    from ``anatomy_<model>_<data>.csv.gz`` after its 2-document check, else computed over the ranks and
+    written), and ``explain_<model>_<data>.csv``, the ladder's three steps explained against the export's
+    damage (:func:`cwcore.book.evidence_frames.anatomy_explained`). Returns the paths written."""
+    written: list[Path] = []
+    for data in p["datasets"]:
+        found = read_committed(model, data, out)
+        if found is None or not ((found[0]["protocol"] == "per-head") & (found[0]["importance"] == "signed")).any():
+            continue
+        if loaded is None:
+            loaded = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
+        lm, tokenizer = loaded
+        blocks = document_blocks(load_dataset(data), tokenizer, p["seq_len"], p["n_sequences"], seed=p["seed"])
+        frame = anatomy_cell(lm, blocks, LADDER, evidence_export.grids_of(p).ratios, MODES, model=model, data=data,
+                             profile=profile, dtype=p["dtype"], batch_size=p["batch_size"], exports=out)
+        explained = anatomy_explained(frame, found[0], n_bootstrap=p["n_bootstrap"], seed=p["seed"])
+        path = out / f"explain_{slug(model)}_{data}.csv"
+        cw_cache.write_csv(explained.assign(model=model, data=data), path, index=False, float_format="%.8g")
+        written += [*frame_paths(ANATOMY, model, data, out), path]
+    return written
+
+
 def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only=None,
                       config_path: str | Path | None = None, **_) -> list[Path]:
     """Steps 2-3 of :func:`build_evidence`'s work: the other chapters' tables copied
@@ -437,6 +467,7 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
                 sweep = partial(ladder_cell, model=model, data=data, profile=profile, dtype=p["dtype"], exports=out)
                 written += export(profile, model, data, p["n_sequences"], p["protocols"], out=out, config=config,
                                   sweep=sweep)
+        written += anatomy_evidence(run.model, p, out, profile=profile)
         # the downstream tasks and the per-layer interventions the notebook wrote (or took) as committed frames
         frames = [*(frame_paths(DOWNSTREAM, run.model, task, out) for task in p["tasks"]),
                   frame_paths(PER_LAYER, run.model, p["datasets"][0], out)]

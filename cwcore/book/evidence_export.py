@@ -45,10 +45,11 @@ import cwcore
 from .. import cache as cw_cache
 from .. import provenance
 from ..data import document_blocks
-from ..faithfulness import anatomy, evidence
+from ..faithfulness import evidence
 from . import findings
 from . import results_path, slug
-from .evidence_frames import DEFAULT_OUT, SIGNIFICANT_DIGITS, compare_rows, downstream_ladder, read_downstream
+from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
+                              downstream_ladder, read_downstream, read_frame)
 from .parameters import profile_models, run_parameters
 
 __all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
@@ -486,8 +487,8 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     downstream tasks are committed (``downstream_<model>_<task>.csv.gz``, :func:`cwcore.book.evidence_frames.downstream_cell`),
     their ladder steps follow, as the notebook computes them (:func:`cwcore.book.evidence_frames.downstream_ladder`, ``data`` = the
     task); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
-    test with its controls (:func:`cwcore.faithfulness.anatomy.held_out_from_committed`) where the anatomy
-    of that data set is committed. Then ``out/findings.csv`` is rewritten by
+    test with its controls (:func:`cwcore.book.evidence_frames.anatomy_held_out`) where the anatomy frame
+    of that data set is committed (``anatomy_<model>_<data>.csv.gz``). Then ``out/findings.csv`` is rewritten by
     :func:`cwcore.book.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
     order, as chapter 9 writes it), so its sink rows are those of the committed sink tables.
     Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
@@ -542,8 +543,10 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                                   **downstream, exports=provenance))
         written += [path, path.with_suffix(".json")]
         for data in exported[model]:  # the anatomy's held-out test, where its anatomy is committed
-            if (out / f"anatomy_{slug(model)}_{data}.csv").is_file():
-                held_out = anatomy.held_out_from_committed(model, data, out, seed=p["seed"])
+            frame = read_frame(ANATOMY, model, data, out)
+            if frame is not None:
+                rows, _ = read_committed(model, data, out)
+                held_out = anatomy_held_out(frame[0], rows, seed=p["seed"]).assign(model=model, data=data)
                 cw_cache.write_csv(held_out, out / f"held_out_{slug(model)}_{data}.csv", index=False)
                 written.append(out / f"held_out_{slug(model)}_{data}.csv")
     profile = meta["profile"]

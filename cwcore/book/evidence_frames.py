@@ -15,6 +15,10 @@ not travel. Chapter 4's ladder cells keep their rows in the per-document exports
 * :func:`bench_cell` wraps :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) for
   chapter 4b's attribution bench: ``bench_<model>_<data>.csv.gz`` + ``.json``, one row per (metric, mode,
   ratio, sequence);
+* :func:`anatomy_cell` keeps the layer averages of :func:`cwcore.faithfulness.anatomy.selection_anatomy`
+  (per-head, signed) on the evidence sample: ``anatomy_<model>_<data>.csv.gz`` + ``.json``, one row per
+  (metric, mode, ratio, document); :func:`anatomy_explained` and :func:`anatomy_held_out` pair it with a
+  per-document export (the build's step, :func:`cwcore.book.evidence_build.anatomy_evidence`);
 * :func:`downstream_ladder` turns the downstream frame into the ladder's steps, for the notebook and for
   :func:`cwcore.book.evidence_export.tables` (which adds them to chapter 4's table and ``findings.csv``).
 
@@ -56,6 +60,7 @@ from .. import provenance
 from .. import runs
 from ..data import load_dataset
 from ..faithfulness import evidence
+from ..faithfulness.anatomy import LADDER, MEASURES, explain_held_out, explain_step, layer_average, selection_anatomy
 from ..faithfulness.downstream import downstream_eval
 from ..faithfulness.layers import per_layer_curve
 from ..faithfulness.lm import faithfulness_curve
@@ -65,9 +70,9 @@ from ..faithfulness.summary import ladder_comparison
 from . import slug
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
-           "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "compare_rows", "frame_paths", "read_frame",
+           "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
            "write_frame", "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "bench_cell",
-           "read_downstream", "record_decision", "recorded_decision", "say"]
+           "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision", "recorded_decision", "say"]
 
 #: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
 #: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
@@ -197,6 +202,10 @@ BENCH = FrameKind("bench", "per-sequence rows of chapter 04b_attribution_bench, 
                   "(cwcore.faithfulness.faithfulness_curve, per_sequence=True); nll in nats",
                   keys=("metric", "mode", "ratio", "sequence"),
                   exact=("document", "n_tokens", "n_removed", "n_candidates"), floats=("nll", "clean_nll"))
+ANATOMY = FrameKind("anatomy", "per-document layer averages of what each rung's removal takes in the clean run "
+                    "(cwcore.faithfulness.anatomy.selection_anatomy, then layer_average) on chapter 04_faithfulness's "
+                    "evidence sample, per-head protocol, signed",
+                    keys=("metric", "mode", "ratio", "sequence"), exact=("document",), floats=MEASURES)
 PER_LAYER = FrameKind("per_layer", "per-sequence rows of chapter 04_faithfulness's per-layer interventions "
                       "(cwcore.faithfulness.layers.per_layer_curve); nll in nats",
                       keys=("layer", "metric", "mode", "ratio", "sequence"),
@@ -312,8 +321,10 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
         fresh = recompute_slice()
         bad = compare_rows(rows, fresh, keys=kind.keys, exact=kind.exact, floats=kind.floats, atol=atol, rtol=rtol)
         both = fresh.merge(rows, on=list(kind.keys), suffixes=("", "_c"))
-        diff = float((both["nll"] - both["nll_c"]).abs().max()) if len(both) else float("nan")
-        decision.update(slice_rows=len(fresh), max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
+        diff = max((float((both[c] - both[f"{c}_c"]).abs().max()) for c in kind.floats), default=float("nan")) \
+            if len(both) else float("nan")
+        decision.update(slice_rows=len(fresh), check_s=round(time.monotonic() - t0, 1),
+                        **{"max_abs_diff_nll" if "nll" in kind.floats else "max_abs_diff": diff})
         if bad.empty:
             decision.update(decision="committed", rows=len(rows))
             say(log, f"{label}: committed export taken ({len(fresh)} recomputed rows within {atol:g} nats + "
@@ -490,3 +501,67 @@ def bench_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, mo
     return _documents_frame(BENCH, curve, faithfulness_curve, lm, tokenizer, blocks, metric, ratios, mode,
                             model=model, data=data, profile=profile, dtype=dtype, exports=exports,
                             slice_documents=slice_documents, atol=atol, rtol=rtol, log=log, kwargs=kwargs)
+
+
+def _anatomy_rows(lm, blocks, metrics, ratios, modes, *, protocol, batch_size: int, progress: bool) -> pd.DataFrame:
+    """:func:`~cwcore.faithfulness.anatomy.layer_average` of :func:`~cwcore.faithfulness.anatomy.selection_anatomy`
+    with each document's place in ``blocks`` (``sequence``), in :data:`ANATOMY`'s key order."""
+    table = layer_average(selection_anatomy(lm, blocks, metrics, ratios, modes, protocol=protocol,
+                                            batch_size=batch_size, progress=progress))
+    place = {int(d): i for i, d in enumerate(blocks["document"])}
+    table.insert(int(table.columns.get_loc("document")) + 1, "sequence", table["document"].map(place).astype("int64"))
+    order = pd.DataFrame({"metric": table["metric"].map({m: i for i, m in enumerate(metrics)}),
+                          "mode": table["mode"].map({m: i for i, m in enumerate(modes)}),
+                          "ratio": table["ratio"], "sequence": table["sequence"]})
+    return table.loc[order.sort_values(list(order.columns), kind="stable").index].reset_index(drop=True)
+
+
+def anatomy_cell(lm, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[float] = (0.01, 0.05),
+                 modes: Sequence[str] = ("comprehensiveness", "sufficiency"), *, model: str, data: str, profile: str,
+                 dtype: str = "float32", protocol: str = "per-head", batch_size: int = 8,
+                 exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS, atol: float = ATOL,
+                 rtol: float = RTOL, progress: bool = False, log: Callable[[str], None] | None = print) -> pd.DataFrame:
+    """What each rung's removal takes, per document: the layer averages of
+    :func:`cwcore.faithfulness.anatomy.selection_anatomy` (``protocol``, a main protocol's name; one row per
+    metric, mode, ratio and document, with its place ``sequence``), or the committed frame
+    ``anatomy_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first ``slice_documents``
+    documents, recomputed, equal it. ``blocks``: a :func:`cwcore.data.document_blocks` data set."""
+    metrics, modes = list(metrics), list(parse_modes(modes))
+    ratios = [float(r) for r in ratios]
+    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
+    settings = {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
+                "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1]),
+                "protocol": asdict(as_protocol(None, **evidence.PROTOCOLS[protocol])), "protocol_name": protocol}
+    run = dict(protocol=protocol, batch_size=batch_size)
+    return committed_frame(
+        ANATOMY, lambda: _anatomy_rows(lm, blocks, metrics, ratios, modes, progress=progress, **run),
+        lambda: _anatomy_rows(lm, blocks.select(range(min(slice_documents, len(blocks)))), metrics, ratios, modes,
+                              progress=False, **run),
+        model=model, data=data, settings=settings, wanted={"metric": metrics, "mode": modes, "ratio": ratios},
+        meta={"document_ids": settings["documents"], "call": run}, exports=exports, atol=atol, rtol=rtol, log=log)
+
+
+def _step_rows(per_document: pd.DataFrame) -> pd.DataFrame:
+    """The per-head, signed rows of a per-document export (the damage the anatomy's steps are paired with)."""
+    rows = per_document[(per_document["protocol"] == "per-head") & (per_document["importance"] == "signed")]
+    if "variant" in rows:
+        rows = rows[rows["variant"].isin(["main", ""])]
+    return rows
+
+
+def anatomy_explained(anatomy: pd.DataFrame, per_document: pd.DataFrame, *, n_bootstrap: int,
+                      seed: int) -> pd.DataFrame:
+    """:func:`cwcore.faithfulness.anatomy.explain_step` for the ladder's three steps (1->2, 2->3, 3->4): does a
+    step's damage gap (the per-head, signed rows of the per-document export) follow its gap in what it
+    removes (``anatomy``, :func:`anatomy_cell`'s frame) across documents?"""
+    rows = _step_rows(per_document)
+    if rows.empty:
+        return pd.DataFrame()
+    return pd.concat([explain_step(anatomy, rows, lower, higher, n_bootstrap=n_bootstrap, seed=seed)
+                      for lower, higher in zip(LADDER, LADDER[1:])], ignore_index=True)
+
+
+def anatomy_held_out(anatomy: pd.DataFrame, per_document: pd.DataFrame, *, seed: int) -> pd.DataFrame:
+    """:func:`cwcore.faithfulness.anatomy.explain_held_out` (fitted on half of the documents, tested on the
+    other half, with the controls 1->2 and 3->4) of an anatomy frame and a per-document export."""
+    return explain_held_out(anatomy, _step_rows(per_document), seed=seed)

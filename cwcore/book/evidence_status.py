@@ -27,7 +27,7 @@ import pandas as pd
 from .. import cache as cw_cache
 from . import DEFAULT_BOOK_DIR, load_config, plan, results_path
 from .evidence_export import CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, weight_variant_names
-from .evidence_frames import DOWNSTREAM, PER_LAYER, frame_paths
+from .evidence_frames import ANATOMY, DOWNSTREAM, PER_LAYER, frame_paths
 from .findings import BENCH_CHAPTER, CHAPTERS
 
 __all__ = ["STATUS_FILE", "STATUS_COLUMNS", "evidence_status", "status_markdown", "write_status"]
@@ -82,8 +82,8 @@ def _ladder_rows(out: Path, model: str, p: dict) -> list[dict]:
 
 
 def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
-    """The downstream tasks (examples of each task) and the per-layer interventions (documents of the
-    first data set) of ``model``, from their committed frames."""
+    """The downstream tasks (examples of each task), the per-layer interventions (documents of the first
+    data set) and the anatomy (documents of each data set) of ``model``, from their committed frames."""
     rows = []
     if p.get("n_examples"):
         for task in p["tasks"]:
@@ -95,6 +95,10 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
         data = p["datasets"][0]
         meta = _json(frame_paths(PER_LAYER, model, data, out)[1]) or {}
         rows.append(_row("per-layer", model, data, "", p["per_layer_sequences"], len(meta.get("document_ids", ())),
+                         "documents", meta.get("commit"), meta.get("created"), meta))
+    for data in p["datasets"]:  # the anatomy of the profile's documents (the build's step after the exports)
+        meta = _json(frame_paths(ANATOMY, model, data, out)[1]) or {}
+        rows.append(_row("anatomy", model, data, "per-head", p["n_sequences"], len(meta.get("document_ids", ())),
                          "documents", meta.get("commit"), meta.get("created"), meta))
     return rows
 

@@ -33,16 +33,14 @@ import pandas as pd
 import torch
 
 from .. import stats
-from ..cache import atomic_write_bytes, write_csv
 from ..core.architectures import attention_blocks
 from ..core.decomposition import METRICS, decompose
-from ..runs import progress as progress_bar
+from ..runs import progress as progress_bar, shard_map
 from .evidence import PROTOCOLS
 from .protocol import Protocol, as_protocol, modes as parse_modes, ranking_identity
 from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
-__all__ = ["MEASURES", "LADDER", "STEPS", "selection_anatomy", "layer_average", "explain_step", "explain_held_out",
-           "held_out_from_committed"]
+__all__ = ["MEASURES", "LADDER", "STEPS", "selection_anatomy", "layer_average", "explain_step", "explain_held_out"]
 
 MEASURES = ("removed_share", "output_shift", "head_norm", "first_token_attention")
 LADDER = tuple(map(str, METRICS))
@@ -126,23 +124,26 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
     mask_all = torch.as_tensor(blocks["attention_mask"]) if "attention_mask" in blocks.column_names \
         else torch.ones_like(ids_all)
     documents = list(blocks["document"]) if "document" in blocks.column_names else list(range(len(ids_all)))
-    rows = []
-    bar = progress_bar(len(ids_all), "anatomy", "document", enabled=progress, leave=False)
-    try:
-        for start in range(0, len(ids_all), batch_size):
-            ids, attention_mask = ids_all[start:start + batch_size], mask_all[start:start + batch_size]
-            d = decompose(model, layers=layers, input_ids=ids.to(device), attention_mask=attention_mask.to(device))
-            for layer in d.layers:
-                found = _layer_rows(d[layer], attention_mask.to(device), metrics, ratios, modes, protocol,
-                                    windows[layer])
-                for (metric, mode, ratio), measures in found.items():
-                    values = {k: v.detach().cpu().numpy() for k, v in measures.items()}
-                    for i in range(len(ids)):
-                        rows.append({"document": documents[start + i], "sequence": start + i, "layer": layer,
-                                     "metric": metric, "mode": mode, "ratio": ratio,
-                                     **{k: float(v[i]) for k, v in values.items()}})
-            del d
-            bar.update(len(ids))
+
+    def one(start: int) -> list[dict]:
+        """The rows of the batch of documents from ``start`` on."""
+        ids, attention_mask = ids_all[start:start + batch_size], mask_all[start:start + batch_size]
+        d = decompose(model, layers=layers, input_ids=ids.to(device), attention_mask=attention_mask.to(device))
+        rows = []
+        for layer in d.layers:
+            found = _layer_rows(d[layer], attention_mask.to(device), metrics, ratios, modes, protocol, windows[layer])
+            for (metric, mode, ratio), measures in found.items():
+                values = {k: v.detach().cpu().numpy() for k, v in measures.items()}
+                for i in range(len(ids)):
+                    rows.append({"document": documents[start + i], "sequence": start + i, "layer": layer,
+                                 "metric": metric, "mode": mode, "ratio": ratio,
+                                 **{k: float(v[i]) for k, v in values.items()}})
+        return rows
+
+    starts = list(range(0, len(ids_all), batch_size))
+    bar = progress_bar(len(starts), "anatomy", "batch", enabled=progress, leave=False)
+    try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
+        rows = [row for part in shard_map(starts, one, progress=bar) for row in part]
     finally:
         bar.close()
     return pd.DataFrame(rows).assign(protocol=name or protocol.variant, importance=protocol.importance,
@@ -267,92 +268,3 @@ def explain_held_out(anatomy: pd.DataFrame, curves: pd.DataFrame, steps=STEPS, *
     table["verdict"] = np.where(~measured, stats.NOT_MEASURED,
                                 np.where(table["p_holm"] < alpha, stats.HOLDS, stats.INCONCLUSIVE))
     return table.assign(seed=seed, n_tests=len(table), unit="document")
-
-
-# -- the committed evidence: python -m cwcore.faithfulness.anatomy ----------------------------------
-def evidence_files(model_name: str, data: str, documents: int, per_document_csv, out, *, ratios=None,
-                   modes: Sequence[str] = MODES, seq_len: int = 128, seed: int = 0, batch_size: int = 8,
-                   n_bootstrap: int = 2000) -> list:
-    """Dissect the first ``documents`` documents of the evidence sample (``document_blocks(load_dataset(data),
-    tokenizer, seq_len, documents, seed=seed)``, the sample of chapter 4's evidence build) and test the
-    per-head 2->3 explanation against that build's exported per-document rows (``per_document_csv``, from
-    :mod:`cwcore.book.evidence_export`). Writes ``anatomy_<model>_<data>.csv`` (layer averages per
-    document), ``explain_<model>_<data>.csv`` (:func:`explain_step` for 1->2, 2->3 and 3->4) and a
-    ``.json`` with the provenance into ``out``; returns their paths."""
-    import json
-    import time
-    from pathlib import Path
-
-    import cwcore
-    from .. import provenance
-    from ..data import document_blocks
-
-    t0 = time.monotonic()
-    rows = pd.read_csv(per_document_csv)
-    rows = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed")]
-    if rows.empty:
-        raise ValueError(f"{per_document_csv} has no per-head rows with signed importance")
-    grid = sorted(rows["ratio"].unique()) if ratios is None else [float(r) for r in ratios]
-    lm, tokenizer = cwcore.load_model(model_name, dtype="float32", device="cpu")
-    blocks = document_blocks(cwcore.load_dataset(data), tokenizer, seq_len, documents, seed=seed)
-    missing = set(blocks["document"]) - set(rows["document"])
-    if missing:
-        raise ValueError(f"{len(missing)} documents of the sample are not in {per_document_csv}: {sorted(missing)[:5]}")
-    table = selection_anatomy(lm, blocks, LADDER, grid, modes, protocol="per-head", batch_size=batch_size)
-    layer_avg = layer_average(table)
-    steps = list(zip(LADDER, LADDER[1:]))
-    explained = pd.concat([explain_step(table, rows, lo, hi, n_bootstrap=n_bootstrap, seed=seed) for lo, hi in steps],
-                          ignore_index=True)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"{provenance.slug(model_name)}_{data}"
-    paths = [out / f"anatomy_{stem}.csv", out / f"explain_{stem}.csv", out / f"anatomy_{stem}.json"]
-    write_csv(layer_avg.assign(model=model_name, data=data), paths[0], index=False, float_format="%.6g")
-    write_csv(explained.assign(model=model_name, data=data), paths[1], index=False, float_format="%.6g")
-    root = Path(__file__).resolve().parents[2]
-    commit = provenance.git(root, "rev-parse", "HEAD")
-    atomic_write_bytes(paths[2], (json.dumps({
-        "what": "cwcore.faithfulness.anatomy on chapter 4's evidence sample: per-head protocol, signed; "
-                "damage from the evidence build's per-document rows",
-        "modes": list(modes),
-        "commit": commit, "model": model_name, "data": data, "documents": int(documents), "seq_len": seq_len,
-        "seed": seed, "ratios": grid, "n_bootstrap": n_bootstrap, "per_document_rows": str(per_document_csv),
-        "wall_s": round(time.monotonic() - t0, 1),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=1) + "\n").encode())
-    return paths
-
-
-def held_out_from_committed(model_name: str, data: str, evidence_dir=None, *, seed: int = 0) -> pd.DataFrame:
-    """:func:`explain_held_out` of the committed evidence (no model run): the layer averages of
-    ``anatomy_<model>_<data>.csv`` and the per-head, signed rows of ``per_document_<model>_<data>.csv.gz``
-    in ``evidence_dir`` (default ``data/results/evidence`` of this checkout)."""
-    from pathlib import Path
-
-    root = Path(evidence_dir) if evidence_dir is not None else Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
-    stem = f"{model_name.replace('/', '_')}_{data}"
-    layer_avg = pd.read_csv(root / f"anatomy_{stem}.csv")
-    rows = pd.read_csv(root / f"per_document_{stem}.csv.gz")
-    rows = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed")]
-    return explain_held_out(layer_avg, rows, seed=seed).assign(model=model_name, data=data)
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m cwcore.faithfulness.anatomy", description=evidence_files.__doc__)
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--data", default="gsm8k")
-    parser.add_argument("--documents", type=int, default=64)
-    parser.add_argument("--per-document", required=True, help="per_document_<model>_<data>.csv of the evidence build")
-    parser.add_argument("--out", default="data/results/evidence")
-    parser.add_argument("--ratios", nargs="+", type=float, default=None, help="default: every ratio of the rows")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    args = parser.parse_args(argv)
-    for path in evidence_files(args.model, args.data, args.documents, args.per_document, args.out, ratios=args.ratios,
-                               modes=args.modes):
-        print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

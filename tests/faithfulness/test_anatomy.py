@@ -3,6 +3,7 @@ forward actually produces, and naive loops over the removed terms."""
 
 from __future__ import annotations
 
+import json
 import datasets
 import numpy as np
 import pandas as pd
@@ -146,37 +147,67 @@ def test_bad_input_is_refused(sample):
         anatomy.selection_anatomy(model, blocks, ratios=(0.3, 0.1), progress=False)
 
 
-@pytest.mark.slow
-def test_evidence_files_on_the_committed_export(tmp_path):
-    """The command line's files on the first documents of the committed smollm2 GSM8K export: the damage
-    gaps are the export's own per-document rows, the anatomy rows are the documents of the sample."""
-    from cwcore.book import evidence_export as es
+def test_the_anatomy_frame_is_the_layer_average_in_key_order_and_a_committed_one_is_taken_after_its_slice(
+        sample, tmp_path, monkeypatch):
+    """anatomy_cell: the layer averages of selection_anatomy per document (with its place), written once
+    and taken back after 2 documents recompute equal; a tampered frame is recomputed."""
+    from cwcore.book import evidence_frames as ef
 
-    csv, _ = es.paths("smollm2-135m", "gsm8k")
-    if not csv.is_file():
-        pytest.skip(f"{csv} is absent")
-    rows = pd.read_csv(csv)
-    if not (rows["protocol"] == "per-head").any():
-        pytest.skip("the committed export has no per-head rows")
-    written = anatomy.evidence_files("smollm2-135m", "gsm8k", 5, csv, tmp_path, ratios=[0.01],
-                                     modes=["comprehensiveness"], n_bootstrap=200)
-    table, explained = pd.read_csv(written[0]), pd.read_csv(written[1])
-    first = rows.drop_duplicates("document").sort_values("sequence")["document"].tolist()[:5]
-    assert sorted(table["document"].unique()) == sorted(first)
-    assert len(explained) == 3 and (explained["n_units"] == 5).all()
-    ph = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed") & (rows["mode"] == "comprehensiveness")
-              & np.isclose(rows["ratio"], 0.01) & rows["document"].isin(first)]
-    by = ph.assign(metric=ph["metric"].str.replace("_intra", "")).pivot_table(index="document", columns="metric",
-                                                                               values="delta_nll")
+    model, _, blocks = sample
+    monkeypatch.setenv(ef.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    out = tmp_path / "evidence"
+    kw = dict(model="tiny", data="toy", profile="evidence", batch_size=4, exports=out, log=None)
+    ratios = list(RATIOS)
+    first = ef.anatomy_cell(model, blocks, NON_RANDOM, ratios, **kw)
+    naive = anatomy.layer_average(anatomy.selection_anatomy(model, blocks, NON_RANDOM, ratios,
+                                                            ("comprehensiveness", "sufficiency"), batch_size=4,
+                                                            progress=False))
+    merged = first.merge(naive, on=["metric", "mode", "ratio", "document"], suffixes=("", "_naive"))
+    assert len(merged) == len(first) == len(naive) == 6 * len(NON_RANDOM) * 2 * len(RATIOS)
+    for measure in anatomy.MEASURES:
+        np.testing.assert_array_equal(merged[measure], merged[f"{measure}_naive"])
+    assert (first["sequence"] == first["document"] - 10).all()  # the documents' places in the sample
+    rank = {m: i for i, m in enumerate(NON_RANDOM)}
+    keys = first[["metric", "mode", "ratio", "sequence"]].assign(metric=first["metric"].map(rank))
+    assert keys.equals(keys.sort_values(list(keys.columns)).reset_index(drop=True))  # the frame's key order
+    assert ef.frame_paths(ef.ANATOMY, "tiny", "toy", out)[0].is_file()
+    again = ef.anatomy_cell(model, blocks, NON_RANDOM, ratios, **kw)
+    decision = json.loads((tmp_path / "cells" / "cell-anatomy-tiny-toy.json").read_text())
+    assert decision["decision"] == "committed" and decision["max_abs_diff"] < ef.ATOL
+    pd.testing.assert_frame_equal(again, first, check_exact=False, rtol=1e-7, atol=0)  # 8 digits
+    # a frame whose numbers were changed is not taken
+    table, meta = ef.read_frame(ef.ANATOMY, "tiny", "toy", out)
+    ef.write_frame(ef.ANATOMY, table.assign(output_shift=table["output_shift"] * 1.01), meta, "tiny", "toy", out)
+    ef.anatomy_cell(model, blocks, NON_RANDOM, ratios, **kw)
+    decision = json.loads((tmp_path / "cells" / "cell-anatomy-tiny-toy.json").read_text())
+    assert decision["decision"] == "recomputed" and "differ" in decision["reason"]
+
+
+def test_the_explained_steps_pair_the_anatomy_with_the_exports_per_head_signed_rows(sample):
+    """anatomy_explained: each step's damage gap is the per-document export's own delta_nll, per-head and
+    signed only (another protocol's or sign's rows of the same documents do not enter)."""
+    from cwcore.book import evidence_frames as ef
+
+    model, _, blocks = sample
+    frame = anatomy.layer_average(anatomy.selection_anatomy(model, blocks, list(anatomy.LADDER), [0.1],
+                                                            ("comprehensiveness",), batch_size=4, progress=False))
+    rng = np.random.default_rng(0)
+    rows = []
+    for protocol, importance in (("per-head", "signed"), ("default", "signed"), ("per-head", "absolute")):
+        for metric in anatomy.LADDER:
+            for document in blocks["document"]:
+                nll = 3.0 + rng.normal()
+                rows.append({"protocol": protocol, "variant": "main", "importance": importance,
+                             "metric": metric + ("_intra" if protocol == "per-head" else ""),
+                             "mode": "comprehensiveness", "ratio": 0.1, "document": document, "nll": nll,
+                             "clean_nll": 2.5, "delta_nll": nll - 2.5})
+    rows = pd.DataFrame(rows)
+    explained = ef.anatomy_explained(frame, rows, n_bootstrap=100, seed=0)
+    assert len(explained) == 3 and (explained["n_units"] == 6).all()
+    own = rows[(rows["protocol"] == "per-head") & (rows["importance"] == "signed")]
+    by = own.assign(metric=own["metric"].str.replace("_intra", "")).pivot_table(index="document", columns="metric",
+                                                                                 values="delta_nll")
     step = explained[explained["higher"] == "value_weighted_output_normalized"].iloc[0]
-    expected = (by["value_weighted_output_normalized"] - by["value_weighted"]).mean()
-    assert step["damage_gap"] == pytest.approx(expected, abs=1e-6)
-    with pytest.raises(ValueError, match="not in"):
-        anatomy.evidence_files("smollm2-135m", "gsm8k", 5, _only(rows, first[:2], tmp_path), tmp_path / "x",
-                               ratios=[0.01], modes=["comprehensiveness"], n_bootstrap=50)
+    assert step["damage_gap"] == pytest.approx((by["value_weighted_output_normalized"] - by["value_weighted"]).mean())
+    assert ef.anatomy_explained(frame, rows[rows["protocol"] == "default"], n_bootstrap=10, seed=0).empty
 
-
-def _only(rows, documents, folder):
-    path = folder / "subset.csv"
-    rows[rows["document"].isin(documents)].to_csv(path, index=False)
-    return path

@@ -213,8 +213,8 @@ def test_the_committed_tables_are_those_of_the_committed_exports(tmp_path):
         shutil.copy(js.with_name(js.name.replace(".json", ".csv.gz")), tmp_path)
     for frame in committed.glob("downstream_*"):  # the downstream tasks' committed frames, where there are any
         shutil.copy(frame, tmp_path)
-    for anatomy_csv in committed.glob("anatomy_*.csv"):
-        shutil.copy(anatomy_csv, tmp_path)
+    for anatomy_frame in committed.glob("anatomy_*"):  # the anatomy frames (.csv.gz and .json)
+        shutil.copy(anatomy_frame, tmp_path)
     es.tables(tmp_path, models)
     held_out = sorted(p.name for p in committed.glob("held_out_*.csv"))
     assert held_out == sorted(p.name for p in tmp_path.glob("held_out_*.csv"))  # one per committed anatomy
