@@ -180,3 +180,31 @@ def test_a_forked_rank_dies_with_its_parent(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_the_per_layer_sweep_moves_its_progress_bar_by_each_finished_batchs_points(monkeypatch, one_thread):
+    """per_layer_curve's bar (points) advanced only inside faithfulness sweeps, so it stood at 0 while
+    the per-layer batches finished; it now reaches its total, alone and with 2 ranks."""
+    from cwcore.faithfulness import sweep as sweep_module
+
+    counts = []
+
+    class Recorder:
+        def __init__(self, total, *args, **kwargs):
+            self.total, self.n = total, 0
+            counts.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(sweep_module, "progress_bar", Recorder)
+    model, ids = tiny_model("llama"), _ids(rows=5)
+    options = dict(metric=["attention", "contribution"], ratios=[0.2, 0.5], mode="comprehensiveness", batch_size=2,
+                   cache=False, progress=True)
+    per_layer_curve(model, None, ids, **options)
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    per_layer_curve(model, None, ids, **options)
+    assert [(bar.total, bar.n) for bar in counts] == [(3 * 2 * 2, 3 * 2 * 2)] * 2  # 3 batches x 4 points

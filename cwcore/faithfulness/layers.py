@@ -84,6 +84,17 @@ def forward_equivalents(num_layers: int, layers: Iterable[int] | None = None) ->
     return float(sum((num_layers - l) / num_layers for l in chosen))
 
 
+class _PointsOfBatches:
+    """:func:`cwcore.runs.shard_map`'s progress, counted in batches, on the sweep's bar, counted in
+    (metric, mode, ratio) points: each finished batch moves it by its points."""
+
+    def __init__(self, bar, points: int):
+        self.bar, self.points = bar, points
+
+    def update(self, batches: int = 1) -> None:
+        self.bar.update(batches * self.points)
+
+
 def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None, mode=None, *,
                     layers: Iterable[int] | None = None, protocol: Protocol | None = None, batch_size: int = 16,
                     max_length: int | None = 128, padding_side: str = "right", progress: bool = False,
@@ -159,7 +170,8 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
         return rows
 
     try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
-        frames = shard_map(batches, one)
+        points = _PointsOfBatches(sweep.bar, len(specs) * len(modes) * len(ratio_list))
+        frames = shard_map(batches, one, progress=points)
     finally:
         sweep.close()
     table = pd.concat(frames, ignore_index=True)
