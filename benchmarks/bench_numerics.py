@@ -125,7 +125,7 @@ def check_primary(model: str, documents: int) -> None:
         seconds = time.monotonic() - t0
         grids = ee.grids_of(meta if "grids" in meta else ee.notebook_parameters("evidence", model))
         for name, rows in (("float32", fp32), ("bfloat16", bf16)):
-            rows = ee._whole_seeds(rows).drop(columns=["data", "model", "delta_nll"])
+            rows = ee.whole_seeds(rows).drop(columns=["data", "model", "delta_nll"])
             _, ladder = evidence.evidence_tables(rows, grids=grids, n_bootstrap=200, seed=0, n_permutations=0)
             ladder = ladder[[evidence.is_primary(model, data, r.mode, r.protocol, r.importance, r.range, r.lower,
                                                  r.higher) for r in ladder.itertuples()]]

@@ -453,9 +453,9 @@ def test_the_tables_leave_out_extra_seeds_that_do_not_yet_cover_the_cell(cell):
     _, _, rows = cell
     extra = rows[rows["metric"] == "random"].assign(metric="random_s1")
     table = pd.concat([rows, extra[extra["document"] != 5]], ignore_index=True).assign(variant="main")
-    assert ee._whole_seeds(table)["metric"].isin(["random_s1"]).sum() == 0
+    assert ee.whole_seeds(table)["metric"].isin(["random_s1"]).sum() == 0
     whole = pd.concat([rows, extra], ignore_index=True).assign(variant="main")
-    assert ee._whole_seeds(whole).equals(whole)
+    assert ee.whole_seeds(whole).equals(whole)
 
 
 def test_the_tables_judge_a_cell_only_once_it_holds_every_document(cell, tmp_path, monkeypatch):

@@ -432,7 +432,7 @@ def _exports(out: Path) -> dict[str, list[str]]:
     return found
 
 
-def _whole_seeds(rows: pd.DataFrame) -> pd.DataFrame:
+def whole_seeds(rows: pd.DataFrame) -> pd.DataFrame:
     """The rows without the random control's extra seeds on a cell where they do not yet cover every
     document of the cell (a checkpointed build that was completing them): the random rung then averages
     over the seeds every document has."""
@@ -508,7 +508,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
             # "grids" field ran the profile's)
             grids = grids_of(meta if "grids" in meta else p)
             if len(rows):
-                _, ladder = evidence.evidence_tables(_whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
+                _, ladder = evidence.evidence_tables(whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
                                                      grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
                 ladders.append(ladder.assign(data=data))
             cells += [f"{data} x {protocol} ({_cell_documents(meta, protocol)})"
