@@ -696,6 +696,68 @@ def test_a_committed_bench_frame_is_taken_after_its_slice_and_a_changed_one_is_r
                       per_sequence=False, log=None, **options)
 
 
+def test_the_protocol_variants_frame_is_each_variants_curve_and_is_taken_after_its_slice(cell, tmp_path, monkeypatch):
+    """Table 8's sweep (sensitivity_cell): one faithfulness_curve per variant, its rows under the variant's
+    name (``change``) in the order of the variants, bit for bit; written, then taken after the first 2 documents
+    recompute equal under every variant; recomputed when one of its numbers moved, or when a variant
+    changes or is added (the variants' resolved protocols are a setting)."""
+    from cwcore import faithfulness as faith
+    from cwcore.book import evidence_frames as ef
+
+    model, blocks, _ = cell
+    variants = {"default": {}, "unit = token": {"unit": "token"}, "scope = layer": {"scope": "layer"}}
+    options = dict(batch_size=2, max_length=12, seed=0, cache=False, progress=False)
+    plain = {name: faith.faithfulness_curve(model, None, blocks, METRICS, RATIOS, per_sequence=True,
+                                            **{**options, **change}) for name, change in variants.items()}
+    assert not plain["default"]["nll"].equals(plain["unit = token"]["nll"])  # the variants differ
+    monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    seen = []
+
+    def curve(lm, tokenizer, part, *args, **kwargs):
+        seen.append((list(part["document"]), kwargs.get("unit", "head_key"), kwargs["cache"]))
+        return faith.faithfulness_curve(lm, tokenizer, part, *args, **kwargs)
+
+    def run(variants=variants, **change):
+        seen.clear()
+        got = ef.sensitivity_cell(model, None, blocks, METRICS, RATIOS, variants=variants, model="tiny", data="toy",
+                                  profile="evidence", exports=tmp_path / "out", curve=curve, log=None,
+                                  **{**options, **change})
+        return got, json.loads((tmp_path / "cells" / "cell-sensitivity-tiny-toy.json").read_text())
+
+    got, decision = run()
+    assert [s[1] for s in seen] == ["head_key", "token", "head_key"] and decision["decision"] == "recomputed"
+    assert decision["written"] == "sensitivity_tiny_toy.csv.gz"
+    want = pd.concat([f.assign(change=n)[["change", *f.columns]] for n, f in plain.items()], ignore_index=True)
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    got, decision = run()
+    assert [s[0] for s in seen] == [[7, 3]] * 3 and decision["decision"] == "committed"
+    pd.testing.assert_frame_equal(got, want, check_exact=False, rtol=1e-7)
+    table, meta = ef.read_frame(ef.SENSITIVITY, "tiny", "toy", tmp_path / "out")
+    assert meta["variants"] == {n: dict(c) for n, c in variants.items()} and meta["document_ids"] == [7, 3, 11, 5]
+    assert meta["settings"]["variants"]["unit = token"]["protocol"]["unit"] == "token"
+    got, decision = run(dict(reversed(variants.items())))  # the same variants in another order: taken
+    assert decision["decision"] == "committed"
+    pd.testing.assert_frame_equal(got, pd.concat([want[want["change"] == n] for n in reversed(variants)],
+                                                 ignore_index=True), check_exact=False, rtol=1e-7)
+    table.loc[(table["document"] == 11) & (table["change"] == "unit = token"), "nll"] += 1e-3  # past the slice
+    ef.write_frame(ef.SENSITIVITY, table, meta, "tiny", "toy", tmp_path / "out")
+    got, decision = run()
+    assert decision["decision"] == "committed"  # the slice check only sees documents 7 and 3
+    table.loc[(table["document"] == 3) & (table["change"] == "unit = token"), "nll"] *= 1 + 3e-6
+    ef.write_frame(ef.SENSITIVITY, table, meta, "tiny", "toy", tmp_path / "out")
+    got, decision = run()
+    assert decision["decision"] == "recomputed" and "differ" in decision["reason"]
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
+    got, decision = run({**variants, "unit = token": {"unit": "key"}})  # the same name, another protocol
+    assert decision["decision"] == "recomputed" and "variants" in decision["reason"]
+    run()  # back to the written frame of the three variants
+    got, decision = run({**variants, "kind = intra": {"kind": "intra"}})
+    assert decision["decision"] == "recomputed" and "variants" in decision["reason"]
+    with pytest.raises(ValueError, match="per_sequence=True"):
+        ef.sensitivity_cell(model, None, blocks, METRICS, RATIOS, variants=variants, model="tiny", data="toy",
+                            profile="evidence", per_sequence=False, log=None, **options)
+
+
 def test_provenance_records_the_command_line_models_and_a_run_configuration_of_its_own(tmp_path):
     """`--models smollm2-135m` arrives as a string (it was recorded letter by letter); a `--config` other than
     book/run.yml may change what the profile computes, so the record names it with its content's hash."""

@@ -12,7 +12,7 @@ import pytest
 from cwcore.book import evidence_export as ee
 from cwcore.book import evidence_status as es
 from cwcore.book import load_config
-from cwcore.book.evidence_frames import DOWNSTREAM, PER_LAYER, frame_paths
+from cwcore.book.evidence_frames import DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "book" / "run.yml"
@@ -76,6 +76,10 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
             "example_ids": {task: list(range(n))}, "commit": "c" * 40}))
     # the per-layer frame's JSON is damaged
     frame_paths(PER_LAYER, model, data, out)[1].write_text("{not json")
+    # Table 8's protocol variants, whole
+    frame_paths(SENSITIVITY, model, data, out)[1].write_text(json.dumps({
+        "variants": {"default": {}, "unit = token": {"unit": "token"}}, "commit": "d" * 40,
+        "document_ids": list(range(p["sensitivity_sequences"]))}))
     # chapter 5's table ran at 8 documents
     (out / "05_sink_decomposition").mkdir()
     (out / "05_sink_decomposition" / f"{model}.json").write_text(json.dumps({"parameters": {"n_documents": 8,
@@ -90,6 +94,10 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
     assert [(r.held, r.state) for r in down] == [(p["n_examples"], "done"), (40, "in progress"), (0, "not started")]
     layer = rows[("per-layer", model, data, "")]
     assert layer.state.startswith("unreadable (") and layer.held == 0
+    variants = rows[("protocol variants", model, data, "2 variants")]
+    assert (variants.held, variants.planned, variants.state, variants.commit) == \
+        (p["sensitivity_sequences"], p["sensitivity_sequences"], "done", "ddddddd")
+    assert rows[("protocol variants", _profile()["models"][1], data, "variants")].state == "not started"
     chapter = rows[("05_sink_decomposition", model, "gsm8k", "")]
     assert (chapter.held, chapter.planned, chapter.state) == (8, _profile()["params"]["n_sequences"], "in progress")
     page = es.status_markdown(table)

@@ -14,9 +14,10 @@
    evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
    and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
    (:func:`export_and_tables`), then ``STATUS.md``, what the profile plans against what the folder now holds
-   (:func:`cwcore.book.evidence_status.write_status`). The chapter's downstream tasks and per-layer interventions are kept the
-   same way, as committed frames the notebook writes or takes (:mod:`cwcore.book.evidence_frames`:
-   :func:`downstream_cell`, :func:`per_layer_cell`); the anatomy of each exported data set and its explained
+   (:func:`cwcore.book.evidence_status.write_status`). The chapter's downstream tasks, per-layer interventions and
+   protocol variants (Table 8) are kept the same way, as committed frames the notebook writes or takes
+   (:mod:`cwcore.book.evidence_frames`: :func:`downstream_cell`, :func:`per_layer_cell`,
+   :func:`~cwcore.book.evidence_frames.sensitivity_cell`); the anatomy of each exported data set and its explained
    steps are made after the exports (:func:`anatomy_evidence`);
 3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
    of the result keys, the result cache's hits and misses summed over every process of the build
@@ -51,7 +52,7 @@ from ..faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
-from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SLICE_DOCUMENTS,
+from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SENSITIVITY, SLICE_DOCUMENTS,
                               anatomy_cell, anatomy_explained, downstream_cell, frame_paths, per_layer_cell,
                               record_decision, recorded_decision, say)
 from .evidence_status import write_status
@@ -449,8 +450,8 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
     (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
     this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written, with
     the committed frames of each model (:mod:`cwcore.book.evidence_frames`: chapter 4's downstream
-    tasks and per-layer interventions on the first data set, chapter 4b's bench per data set), which the
-    notebooks wrote or took."""
+    tasks, and its per-layer interventions and protocol variants on the first data set; chapter 4b's bench
+    per data set), which the notebooks wrote or took."""
     config = config_path or DEFAULT_BOOK_DIR / "run.yml"
     _, _, planned = plan(load_config(config), profile=profile, models=models, only=only)
     written: list[Path] = copy_chapter_tables(planned, out)
@@ -468,9 +469,10 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
                 written += export(profile, model, data, p["n_sequences"], p["protocols"], out=out, config=config,
                                   sweep=sweep)
         written += anatomy_evidence(run.model, p, out, profile=profile)
-        # the downstream tasks and the per-layer interventions the notebook wrote (or took) as committed frames
+        # the downstream tasks, per-layer interventions and protocol variants the notebook wrote (or took)
         frames = [*(frame_paths(DOWNSTREAM, run.model, task, out) for task in p["tasks"]),
-                  frame_paths(PER_LAYER, run.model, p["datasets"][0], out)]
+                  frame_paths(PER_LAYER, run.model, p["datasets"][0], out),
+                  frame_paths(SENSITIVITY, run.model, p["datasets"][0], out)]
         written += [path for pair in frames if all(x.is_file() for x in pair) for path in pair]
     written += export_tables(out) if any(out.glob("per_document_*.json")) else []
     return written + [write_status(out, profile=profile, config=config)]

@@ -15,6 +15,9 @@ not travel. Chapter 4's ladder cells keep their rows in the per-document exports
 * :func:`bench_cell` wraps :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) for
   chapter 4b's attribution bench: ``bench_<model>_<data>.csv.gz`` + ``.json``, one row per (metric, mode,
   ratio, sequence);
+* :func:`sensitivity_cell` wraps one :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) per
+  protocol variant for chapter 4's Table 8: ``sensitivity_<model>_<data>.csv.gz`` + ``.json``, one row per
+  (change, metric, mode, ratio, sequence), ``change`` naming the variant's one change of the default protocol;
 * :func:`anatomy_cell` keeps the layer averages of :func:`cwcore.faithfulness.anatomy.selection_anatomy`
   (per-head, signed) on the evidence sample: ``anatomy_<model>_<data>.csv.gz`` + ``.json``, one row per
   (metric, mode, ratio, document); :func:`anatomy_explained` and :func:`anatomy_held_out` pair it with a
@@ -49,7 +52,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -70,9 +73,9 @@ from ..faithfulness.summary import ladder_comparison
 from . import slug
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
-           "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
+           "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "SENSITIVITY", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
            "write_frame", "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "bench_cell",
-           "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision", "recorded_decision", "say"]
+           "sensitivity_cell", "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision", "recorded_decision", "say"]
 
 #: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
 #: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
@@ -202,6 +205,10 @@ BENCH = FrameKind("bench", "per-sequence rows of chapter 04b_attribution_bench, 
                   "(cwcore.faithfulness.faithfulness_curve, per_sequence=True); nll in nats",
                   keys=("metric", "mode", "ratio", "sequence"),
                   exact=("document", "n_tokens", "n_removed", "n_candidates"), floats=("nll", "clean_nll"))
+SENSITIVITY = FrameKind("sensitivity", "per-sequence rows of chapter 04_faithfulness's protocol variants (Table 8: "
+                        "cwcore.faithfulness.faithfulness_curve, per_sequence=True, one call per variant); nll in nats",
+                        keys=("change", "metric", "mode", "ratio", "sequence"),
+                        exact=("document", "n_tokens", "n_removed", "n_candidates"), floats=("nll", "clean_nll"))
 ANATOMY = FrameKind("anatomy", "per-document layer averages of what each rung's removal takes in the clean run "
                     "(cwcore.faithfulness.anatomy.selection_anatomy, then layer_average) on chapter 04_faithfulness's "
                     "evidence sample, per-head protocol, signed",
@@ -268,10 +275,12 @@ def _canonical(value) -> object:
 
 
 def _held(kind: FrameKind, found, settings: dict, wanted: dict[str, Sequence],
-          samples: dict[str, str]) -> tuple[pd.DataFrame | None, str]:
+          samples: dict[str, str], combinations: Sequence[tuple] | None = None) -> tuple[pd.DataFrame | None, str]:
     """(rows, why): the frame's rows of ``wanted`` (column: values) in the sweep's order, when it ran with
     ``settings``, the same ``samples`` (digest of each requested group's units) and holds every
-    combination of ``wanted``; None with the reason otherwise."""
+    combination of ``wanted`` (or each of ``combinations``, tuples of ``wanted``'s columns in its order,
+    when not every combination is requested);
+    None with the reason otherwise."""
     if found is None:
         return None, "no committed export"
     table, meta = found
@@ -286,8 +295,16 @@ def _held(kind: FrameKind, found, settings: dict, wanted: dict[str, Sequence],
             rows = rows[rows[column].round(9).isin([round(float(v), 9) for v in values])]
         else:
             rows = rows[rows[column].isin(list(values))]
-    combinations = int(np.prod([len(set(v)) for v in wanted.values()]))
-    found_combinations = len(rows[list(wanted)].drop_duplicates()) if len(rows) else 0
+    if combinations is None:
+        combinations = int(np.prod([len(set(v)) for v in wanted.values()]))
+        found_combinations = len(rows[list(wanted)].drop_duplicates()) if len(rows) else 0
+    else:  # only these: each one must be held
+        def key(values):
+            return tuple(round(float(v), 9) if isinstance(v, (float, np.floating)) else v for v in values)
+        requested = {key(c) for c in combinations}
+        rows = rows[[key(r) in requested for r in rows[list(wanted)].itertuples(index=False)]]
+        found_combinations = len({key(r) for r in rows[list(wanted)].itertuples(index=False)})
+        combinations = len(requested)
     if found_combinations < combinations:
         return None, f"the export holds {found_combinations} of the {combinations} requested " + \
             " x ".join(wanted) + " combinations"
@@ -305,18 +322,18 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
                     *, model: str, data: str | None = None, settings: dict, wanted: dict[str, Sequence],
                     samples: dict[str, str] | None = None, meta: dict | None = None,
                     exports: str | Path | None = None, atol: float = ATOL, rtol: float = RTOL,
-                    log: Callable[[str], None] | None = print) -> pd.DataFrame:
+                    log: Callable[[str], None] | None = print, combinations: Sequence[tuple] | None = None) -> pd.DataFrame:
     """``compute()`` (a sweep's whole frame), or its committed frame (:func:`read_frame`) when that ran with
     ``settings`` on the same ``samples`` (group: digest of its units, e.g. each task's examples), holds
-    every combination of ``wanted`` (column: requested values) and ``recompute_slice()`` (its first
-    units, without the cache) equals its rows within ``atol`` nats plus ``rtol`` relative
+    every combination of ``wanted`` (column: requested values; or each of ``combinations``) and
+    ``recompute_slice()`` (its first units, without the cache) equals its rows within ``atol`` nats plus ``rtol`` relative
     (:func:`compare_rows`). A computed frame is written (:func:`write_frame`, with
     ``meta``, ``settings`` and ``wanted``) inside the evidence build or with ``exports`` given, on the main
     rank. The decision is recorded (:func:`record_decision`). Returns the frame in the sweep's order."""
     t0 = time.monotonic()
     label = f"{model}{' ' + data if data else ''} {kind.sweep}"
     decision = {"sweep": kind.sweep, "model": model, **({"data": data} if data else {})}
-    rows, why = _held(kind, read_frame(kind, model, data, exports), settings, wanted, samples or {})
+    rows, why = _held(kind, read_frame(kind, model, data, exports), settings, wanted, samples or {}, combinations)
     if rows is not None:
         fresh = recompute_slice()
         bad = compare_rows(rows, fresh, keys=kind.keys, exact=kind.exact, floats=kind.floats, atol=atol, rtol=rtol)
@@ -447,6 +464,14 @@ def read_downstream(model: str, tasks: Sequence[str],
             {task: meta for task, (_, meta) in found.items()})
 
 
+def _sample_settings(blocks, profile: str, dtype) -> dict:
+    """The settings of a :func:`cwcore.data.document_blocks` sample: its documents and the digest of its
+    token ids (the random control hashes each sequence's place, so the sample must be the same)."""
+    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
+    return {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
+            "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1])}
+
+
 def _documents_frame(kind: FrameKind, curve: Callable, reference: Callable, lm, tokenizer, blocks, metric, ratios,
                      mode, *, model: str, data: str, profile: str, dtype: str, exports, slice_documents: int,
                      atol: float, rtol: float, log, kwargs: dict) -> pd.DataFrame:
@@ -455,10 +480,7 @@ def _documents_frame(kind: FrameKind, curve: Callable, reference: Callable, lm, 
     are the settings), or its committed frame once its first ``slice_documents`` documents, recomputed
     without the cache, equal it. The documents and the digest of their token ids are among the settings
     (the random control hashes each sequence's place, so the sample must be the same)."""
-    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
-    settings = {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
-                "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1]),
-                **_call_settings(reference, kwargs)}
+    settings = {**_sample_settings(blocks, profile, dtype), **_call_settings(reference, kwargs)}
 
     def recompute_slice():
         return curve(lm, tokenizer, blocks.select(range(min(slice_documents, len(blocks)))), metric, ratios, mode,
@@ -501,6 +523,47 @@ def bench_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, mo
     return _documents_frame(BENCH, curve, faithfulness_curve, lm, tokenizer, blocks, metric, ratios, mode,
                             model=model, data=data, profile=profile, dtype=dtype, exports=exports,
                             slice_documents=slice_documents, atol=atol, rtol=rtol, log=log, kwargs=kwargs)
+
+
+def sensitivity_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, variants: Mapping[str, Mapping],
+                     model: str, data: str, profile: str, dtype: str = "float32", exports: str | Path | None = None,
+                     slice_documents: int = SLICE_DOCUMENTS, atol: float = ATOL, rtol: float = RTOL,
+                     curve: Callable = faithfulness_curve, log: Callable[[str], None] | None = print,
+                     **kwargs) -> pd.DataFrame:
+    """Chapter 4's protocol variants (Table 8): for each ``name: change`` of ``variants``,
+    ``curve(lm, tokenizer, blocks, metric, ratios, mode, per_sequence=True, **{**kwargs, **change})``
+    (:func:`cwcore.faithfulness.faithfulness_curve`), its rows with the variant's ``name`` as a first column
+    ``change`` (the rows' own ``variant`` names only the removal unit's deviations, not the sign or the
+    kind), concatenated in the order of ``variants``; or the committed frame
+    ``sensitivity_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first ``slice_documents``
+    documents, recomputed without the cache under every variant, equal it. ``blocks``: a
+    :func:`cwcore.data.document_blocks` data set; each variant's resolved settings are among the frame's."""
+    if not kwargs.setdefault("per_sequence", True):
+        raise ValueError("sensitivity_cell returns the per-sequence table (per_sequence=True); summarise each "
+                         "variant with cwcore.faithfulness.summarize")
+    if not variants:
+        raise ValueError("sensitivity_cell needs at least one variant ({name: protocol keywords})")
+    calls = {str(name): {**kwargs, **dict(change)} for name, change in variants.items()}
+    requested = {name: _requested(metric, ratios, mode, call) for name, call in calls.items()}
+    labels = list(dict.fromkeys(label for r in requested.values() for label in r["metric"]))
+    first = next(iter(requested.values()))
+    settings = {**_sample_settings(blocks, profile, dtype),
+                "variants": {name: _call_settings(faithfulness_curve, call) for name, call in calls.items()}}
+
+    def sweep(part, **extra):
+        frames = [curve(lm, tokenizer, part, metric, ratios, mode, **{**call, **extra}) for call in calls.values()]
+        return pd.concat([f.assign(change=name)[["change", *f.columns]] for name, f in zip(calls, frames)],
+                         ignore_index=True)
+
+    return committed_frame(
+        SENSITIVITY, lambda: sweep(blocks),
+        lambda: sweep(blocks.select(range(min(slice_documents, len(blocks)))), cache=False, progress=False),
+        model=model, data=data, settings=settings,
+        wanted={"change": list(calls), "metric": labels, "mode": first["mode"], "ratio": first["ratio"]},
+        combinations=[(name, m, mode_, r) for name, q in requested.items() for m in q["metric"] for mode_ in q["mode"]
+                      for r in q["ratio"]],
+        meta={"document_ids": settings["documents"], "call": kwargs, "variants": {k: dict(v) for k, v in variants.items()}},
+        exports=exports, atol=atol, rtol=rtol, log=log)
 
 
 def _anatomy_rows(lm, blocks, metrics, ratios, modes, *, protocol, batch_size: int, progress: bool) -> pd.DataFrame:

@@ -2,13 +2,13 @@
 
 The evidence build spans many sessions and machines, so "what is left" must be read from the
 repository, not remembered. :func:`evidence_status` lists every part the profile of ``book/run.yml``
-plans (chapter 4's ladder cells, its downstream tasks and per-layer interventions, and the tables of the
-other chapters that ``findings.csv`` reads) against what the committed files hold:
+plans (chapter 4's ladder cells, its downstream tasks, per-layer interventions, protocol variants and
+anatomy, and the tables of the other chapters that ``findings.csv`` reads) against what the committed files hold:
 
 * a ladder cell: the ``cells`` record of its per-document export
   (:func:`cwcore.book.evidence_export.merge_cell`: documents held, commit, time);
-* the downstream tasks and the per-layer interventions: their committed frames
-  (:mod:`cwcore.book.evidence_frames`: the examples of each task, the documents);
+* the downstream tasks, the per-layer interventions, the protocol variants and the anatomy: their
+  committed frames (:mod:`cwcore.book.evidence_frames`: the examples of each task, the documents);
 * chapters 4b-7: the documents their committed results table ran with (``n_documents``).
 
 :func:`write_status` writes it as ``STATUS.md`` (``make evidence`` does, after the tables, so it is never
@@ -27,7 +27,7 @@ import pandas as pd
 from .. import cache as cw_cache
 from . import DEFAULT_BOOK_DIR, load_config, plan, results_path
 from .evidence_export import CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, weight_variant_names
-from .evidence_frames import ANATOMY, DOWNSTREAM, PER_LAYER, frame_paths
+from .evidence_frames import ANATOMY, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
 from .findings import BENCH_CHAPTER, CHAPTERS
 
 __all__ = ["STATUS_FILE", "STATUS_COLUMNS", "evidence_status", "status_markdown", "write_status"]
@@ -82,8 +82,9 @@ def _ladder_rows(out: Path, model: str, p: dict) -> list[dict]:
 
 
 def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
-    """The downstream tasks (examples of each task), the per-layer interventions (documents of the first
-    data set) and the anatomy (documents of each data set) of ``model``, from their committed frames."""
+    """The downstream tasks (examples of each task), the per-layer interventions and the protocol variants
+    (documents of the first data set) and the anatomy (documents of each data set) of ``model``, from
+    their committed frames."""
     rows = []
     if p.get("n_examples"):
         for task in p["tasks"]:
@@ -96,6 +97,12 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
         meta = _json(frame_paths(PER_LAYER, model, data, out)[1]) or {}
         rows.append(_row("per-layer", model, data, "", p["per_layer_sequences"], len(meta.get("document_ids", ())),
                          "documents", meta.get("commit"), meta.get("created"), meta))
+    if p.get("sensitivity_sequences"):  # Table 8: every variant on the first documents of the first data set
+        data = p["datasets"][0]
+        meta = _json(frame_paths(SENSITIVITY, model, data, out)[1]) or {}
+        rows.append(_row("protocol variants", model, data, f"{len(meta.get('variants', {})) or ''} variants".strip(),
+                         p["sensitivity_sequences"], len(meta.get("document_ids", ())), "documents",
+                         meta.get("commit"), meta.get("created"), meta))
     for data in p["datasets"]:  # the anatomy of the profile's documents (the build's step after the exports)
         meta = _json(frame_paths(ANATOMY, model, data, out)[1]) or {}
         rows.append(_row("anatomy", model, data, "per-head", p["n_sequences"], len(meta.get("document_ids", ())),
