@@ -283,10 +283,8 @@ def test_kernel_environment_waits_passively_unless_told_otherwise_and_is_restore
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("PYTHONWARNINGS", "default")
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     with book._kernel_environment():
         assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-        assert os.environ["MALLOC_MMAP_THRESHOLD_"] == "131072"  # glibc gives large blocks back
         assert os.environ["TQDM_DISABLE"] == "1"  # no progress bars printed into the pages
         assert os.environ["PYTHONWARNINGS"] == "default,ignore:IProgress not found"
     assert "OMP_WAIT_POLICY" not in os.environ and os.environ["PYTHONWARNINGS"] == "default"

@@ -91,12 +91,8 @@ KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
 # (measured: a decomposition 4x slower with 2 spinning threads on 2 busy cores); passive waiting
 # costs next to nothing on an idle machine. Progress bars (tqdm's: the one-off GGUF conversion of a
 # packaged model, 30 lines of it) would be printed into the pages, where a reader has no use for them;
-# the build prints its own line per notebook. glibc's malloc serves blocks under its adaptive mmap
-# threshold (up to 32 MiB) from heaps it does not give back, and a sweep's tensors of a few MiB freed
-# and allocated again batch after batch piled up there: smollm2's per-layer interventions at 64
-# documents grew each of 2 ranks by about 4 GiB per batch (12.6 GiB in its third) until a 24 GiB
-# machine ran out; with a fixed threshold of 128 KiB its ranks stayed under 2 GiB.
-KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+# the build prints its own line per notebook.
+KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"}
 
 
 #: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwcore.book.evidence_build)
