@@ -758,6 +758,22 @@ def test_the_protocol_variants_frame_is_each_variants_curve_and_is_taken_after_i
                             profile="evidence", per_sequence=False, log=None, **options)
 
 
+def test_provenance_names_the_cpu_kind_by_family_model_and_the_flags_that_set_its_speed():
+    """Two EPYC kinds both read "AMD EPYC" (the AVX2 one and the Zen 5 one with avx512_bf16, about 1.9x
+    apart on these forwards): the record keeps the first processor's family, model and speed flags."""
+    zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
+            "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n\nprocessor\t: 1\ncpu family\t: 25\n"
+            "model name\t: other\nflags\t\t: avx2\n")
+    assert eb.cpu_description(zen5) == "AMD EPYC (family 26, model 2; avx2 avx512f avx512_bf16)"
+    avx2 = "processor\t: 0\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\nflags\t\t: sse2 avx2 fma\n"
+    assert eb.cpu_description(avx2) == "AMD EPYC (family 23, model 49; avx2)"
+    assert eb.cpu_description("Processor\t: AArch64\nModel name\t: Neoverse-V2\n") == "Neoverse-V2"
+    assert eb.cpu_description("") is None
+    record = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0,
+                                  tally={"hits": 0, "misses": 0, "processes": 1}, cells=[])
+    assert record["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+
+
 def test_provenance_records_the_command_line_models_and_a_run_configuration_of_its_own(tmp_path):
     """`--models smollm2-135m` arrives as a string (it was recorded letter by letter); a `--config` other than
     book/run.yml may change what the profile computes, so the record names it with its content's hash."""

@@ -291,10 +291,40 @@ def _ordered(parts: list[pd.DataFrame], labels, importances, kind: str) -> pd.Da
 
 
 # -- PROVENANCE ------------------------------------------------------------------------------------
+#: CPU flags named in PROVENANCE's machine: the ones that decide the speed of float32/bfloat16 forwards
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description(cpuinfo: str) -> str | None:
+    """The first processor of a ``/proc/cpuinfo`` text as ``"<model name> (family F, model M; flags)"``
+    with the flags of :data:`CPU_FLAGS` it has: a machine kind that ``model name`` alone may not tell
+    (two EPYC kinds read "AMD EPYC"). None when the text names no processor."""
+    first = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if first:
+                break
+            continue
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    name = first.get("model name") or first.get("Model name")
+    if not name:
+        return None
+    flags = set(first.get("flags", "").split())
+    kind = ", ".join(f"{k} {first[v]}" for k, v in (("family", "cpu family"), ("model", "model")) if v in first)
+    have = " ".join(f for f in CPU_FLAGS if f in flags)
+    return name + (f" ({'; '.join(x for x in (kind, have) if x)})" if kind or have else "")
+
+
 def _machine() -> dict:
     import torch
 
+    try:
+        cpu = cpu_description(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = None
     out = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor() or None,
+           "cpu": cpu or platform.processor() or None, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     try:
