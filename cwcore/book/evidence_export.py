@@ -499,10 +499,10 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     for model in models or list(exported):
         if model not in exported:
             raise ValueError(f"no per-document export of {model!r} in {out}")
-        ladders, cells, provenance, p = [], [], {}, None
+        ladders, cells, provenance, p, committed = [], [], {}, None, {}
         for data in exported[model]:
-            rows, meta = read_committed(model, data, out)
-            rows, _ = _judged(rows, meta)
+            committed[data], meta = read_committed(model, data, out)
+            rows, _ = _judged(committed[data], meta)
             p = p or notebook_parameters(meta["profile"], model)  # one profile per folder
             # the low range ends at the top of the low grid the export ran (an export older than the
             # "grids" field ran the profile's)
@@ -545,8 +545,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         for data in exported[model]:  # the anatomy's held-out test, where its anatomy is committed
             frame = read_frame(ANATOMY, model, data, out)
             if frame is not None:
-                rows, _ = read_committed(model, data, out)
-                held_out = anatomy_held_out(frame[0], rows, seed=p["seed"]).assign(model=model, data=data)
+                held_out = anatomy_held_out(frame[0], committed[data], seed=p["seed"]).assign(model=model, data=data)
                 cw_cache.write_csv(held_out, out / f"held_out_{slug(model)}_{data}.csv", index=False)
                 written.append(out / f"held_out_{slug(model)}_{data}.csv")
     profile = meta["profile"]

@@ -47,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import io
+import itertools
 import json
 import os
 import time
@@ -295,18 +296,14 @@ def _held(kind: FrameKind, found, settings: dict, wanted: dict[str, Sequence],
             rows = rows[rows[column].round(9).isin([round(float(v), 9) for v in values])]
         else:
             rows = rows[rows[column].isin(list(values))]
-    if combinations is None:
-        combinations = int(np.prod([len(set(v)) for v in wanted.values()]))
-        found_combinations = len(rows[list(wanted)].drop_duplicates()) if len(rows) else 0
-    else:  # only these: each one must be held
-        def key(values):
-            return tuple(round(float(v), 9) if isinstance(v, (float, np.floating)) else v for v in values)
-        requested = {key(c) for c in combinations}
-        rows = rows[[key(r) in requested for r in rows[list(wanted)].itertuples(index=False)]]
-        found_combinations = len({key(r) for r in rows[list(wanted)].itertuples(index=False)})
-        combinations = len(requested)
-    if found_combinations < combinations:
-        return None, f"the export holds {found_combinations} of the {combinations} requested " + \
+    def key(values):  # floats as the column filter above compares them
+        return tuple(round(float(v), 9) if isinstance(v, (float, np.floating)) else v for v in values)
+
+    requested = {key(c) for c in (itertools.product(*wanted.values()) if combinations is None else combinations)}
+    rows = rows[[key(r) in requested for r in rows[list(wanted)].itertuples(index=False)]]
+    found_combinations = len({key(r) for r in rows[list(wanted)].itertuples(index=False)})
+    if found_combinations < len(requested):
+        return None, f"the export holds {found_combinations} of the {len(requested)} requested " + \
             " x ".join(wanted) + " combinations"
     sort_keys = {}
     for column in kind.keys:  # the sweep's order: text keys as requested, numbers ascending
@@ -591,9 +588,7 @@ def anatomy_cell(lm, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[f
     documents, recomputed, equal it. ``blocks``: a :func:`cwcore.data.document_blocks` data set."""
     metrics, modes = list(metrics), list(parse_modes(modes))
     ratios = [float(r) for r in ratios]
-    ids = np.asarray(blocks["input_ids"], dtype=np.int64)
-    settings = {"profile": profile, "dtype": str(dtype), "documents": [int(d) for d in blocks["document"]],
-                "input_ids_sha256": hashlib.sha256(ids.tobytes()).hexdigest(), "seq_len": int(ids.shape[1]),
+    settings = {**_sample_settings(blocks, profile, dtype),
                 "protocol": asdict(as_protocol(None, **evidence.PROTOCOLS[protocol])), "protocol_name": protocol}
     run = dict(protocol=protocol, batch_size=batch_size)
     return committed_frame(
