@@ -12,7 +12,9 @@ import pytest
 from cwcore.book import evidence_export as ee
 from cwcore.book import evidence_status as es
 from cwcore.book import load_config
-from cwcore.book.evidence_frames import DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
+from cwcore.book.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
+from cwcore.book.findings import BENCH_CHAPTER
+from cwcore.book.parameters import run_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "book" / "run.yml"
@@ -80,6 +82,10 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
     frame_paths(SENSITIVITY, model, data, out)[1].write_text(json.dumps({
         "variants": {"default": {}, "unit = token": {"unit": "token"}}, "commit": "d" * 40,
         "document_ids": list(range(p["sensitivity_sequences"]))}))
+    # the bench: the first data set's frame whole, the second's absent (each is written when it completes)
+    bench = run_parameters(BENCH_CHAPTER, "evidence", model, config=CONFIG)
+    frame_paths(BENCH, model, bench["datasets"][0], out)[1].write_text(json.dumps({
+        "document_ids": list(range(bench["n_sequences"])), "commit": "e" * 40, "created": "t3"}))
     # chapter 5's table ran at 8 documents
     (out / "05_sink_decomposition").mkdir()
     (out / "05_sink_decomposition" / f"{model}.json").write_text(json.dumps({"parameters": {"n_documents": 8,
@@ -98,6 +104,10 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
     assert (variants.held, variants.planned, variants.state, variants.commit) == \
         (p["sensitivity_sequences"], p["sensitivity_sequences"], "done", "ddddddd")
     assert rows[("protocol variants", _profile()["models"][1], data, "variants")].state == "not started"
+    benches = [rows[(BENCH_CHAPTER, model, d, "")] for d in bench["datasets"]]
+    assert [(r.held, r.planned, r.state, r.commit) for r in benches] == \
+        [(bench["n_sequences"], bench["n_sequences"], "done", "eeeeeee")] + \
+        [(0, bench["n_sequences"], "not started", "")] * (len(bench["datasets"]) - 1)
     chapter = rows[("05_sink_decomposition", model, "gsm8k", "")]
     assert (chapter.held, chapter.planned, chapter.state) == (8, _profile()["params"]["n_sequences"], "in progress")
     page = es.status_markdown(table)

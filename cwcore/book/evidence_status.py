@@ -9,7 +9,8 @@ anatomy, and the tables of the other chapters that ``findings.csv`` reads) again
   (:func:`cwcore.book.evidence_export.merge_cell`: documents held, commit, time);
 * the downstream tasks, the per-layer interventions, the protocol variants and the anatomy: their
   committed frames (:mod:`cwcore.book.evidence_frames`: the examples of each task, the documents);
-* chapters 4b-7: the documents their committed results table ran with (``n_documents``).
+* the attribution bench (chapter 4b): its committed frame of each data set (the documents);
+* chapters 5-7: the documents their committed results table ran with (``n_documents``).
 
 :func:`write_status` writes it as ``STATUS.md`` (``make evidence`` does, after the tables, so it is never
 edited by hand); ``python -m cwcore.book.evidence_status`` prints it, ``--write`` writes it.
@@ -27,8 +28,9 @@ import pandas as pd
 from .. import cache as cw_cache
 from . import DEFAULT_BOOK_DIR, load_config, plan, results_path
 from .evidence_export import CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, weight_variant_names
-from .evidence_frames import ANATOMY, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
+from .evidence_frames import ANATOMY, BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
 from .findings import BENCH_CHAPTER, CHAPTERS
+from .parameters import run_parameters
 
 __all__ = ["STATUS_FILE", "STATUS_COLUMNS", "evidence_status", "status_markdown", "write_status"]
 
@@ -110,6 +112,18 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
     return rows
 
 
+def _bench_rows(out: Path, model: str, profile: str, config) -> list[dict]:
+    """The attribution bench of ``model``: one row per data set, the documents its committed frame holds
+    (a data set's frame is written when it completes, so a bench half done shows as one data set done)."""
+    p = run_parameters(BENCH_CHAPTER, profile, model, config=config)
+    rows = []
+    for data in p["datasets"]:
+        meta = _json(frame_paths(BENCH, model, data, out)[1]) or {}
+        rows.append(_row(BENCH_CHAPTER, model, data, "", p["n_sequences"], len(meta.get("document_ids", ())),
+                         "documents", meta.get("commit"), meta.get("created"), meta))
+    return rows
+
+
 def _chapter_row(out: Path, run) -> dict:
     """A chapter other than 4 whose table ``findings.csv`` reads: the documents its committed table ran
     with against the profile's."""
@@ -136,7 +150,9 @@ def evidence_status(out: str | Path | None = None, *, profile: str = "evidence",
         if run.chapter.name == CHAPTER:
             p = notebook_parameters(profile, run.model, config)
             rows += _ladder_rows(out, run.model, p) + _frame_rows(out, run.model, p)
-        elif run.chapter.name in CHAPTERS or run.chapter.name == BENCH_CHAPTER:
+        elif run.chapter.name == BENCH_CHAPTER:
+            rows += _bench_rows(out, run.model, profile, config)
+        elif run.chapter.name in CHAPTERS:
             rows.append(_chapter_row(out, run))
     return pd.DataFrame(rows, columns=STATUS_COLUMNS)
 
