@@ -83,6 +83,13 @@ def _ladder_rows(out: Path, model: str, p: dict) -> list[dict]:
     return rows
 
 
+def _documents_row(out: Path, kind, part: str, model: str, data: str, cell: str, planned: int) -> dict:
+    """The row of one committed frame of ``kind`` that counts documents (``document_ids`` in its JSON)."""
+    meta = _json(frame_paths(kind, model, data, out)[1]) or {}
+    return _row(part, model, data, cell, planned, len(meta.get("document_ids", ())), "documents",
+                meta.get("commit"), meta.get("created"), meta)
+
+
 def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
     """The downstream tasks (examples of each task), the per-layer interventions and the protocol variants
     (documents of the first data set) and the anatomy (documents of each data set) of ``model``, from
@@ -96,9 +103,7 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
                              meta.get("commit"), meta.get("created"), meta))
     if p.get("per_layer_sequences"):
         data = p["datasets"][0]
-        meta = _json(frame_paths(PER_LAYER, model, data, out)[1]) or {}
-        rows.append(_row("per-layer", model, data, "", p["per_layer_sequences"], len(meta.get("document_ids", ())),
-                         "documents", meta.get("commit"), meta.get("created"), meta))
+        rows.append(_documents_row(out, PER_LAYER, "per-layer", model, data, "", p["per_layer_sequences"]))
     if p.get("sensitivity_sequences"):  # Table 8: every variant on the first documents of the first data set
         data = p["datasets"][0]
         meta = _json(frame_paths(SENSITIVITY, model, data, out)[1]) or {}
@@ -106,9 +111,7 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
                          p["sensitivity_sequences"], len(meta.get("document_ids", ())), "documents",
                          meta.get("commit"), meta.get("created"), meta))
     for data in p["datasets"]:  # the anatomy of the profile's documents (the build's step after the exports)
-        meta = _json(frame_paths(ANATOMY, model, data, out)[1]) or {}
-        rows.append(_row("anatomy", model, data, "per-head", p["n_sequences"], len(meta.get("document_ids", ())),
-                         "documents", meta.get("commit"), meta.get("created"), meta))
+        rows.append(_documents_row(out, ANATOMY, "anatomy", model, data, "per-head", p["n_sequences"]))
     return rows
 
 
@@ -116,12 +119,7 @@ def _bench_rows(out: Path, model: str, profile: str, config) -> list[dict]:
     """The attribution bench of ``model``: one row per data set, the documents its committed frame holds
     (a data set's frame is written when it completes, so a bench half done shows as one data set done)."""
     p = run_parameters(BENCH_CHAPTER, profile, model, config=config)
-    rows = []
-    for data in p["datasets"]:
-        meta = _json(frame_paths(BENCH, model, data, out)[1]) or {}
-        rows.append(_row(BENCH_CHAPTER, model, data, "", p["n_sequences"], len(meta.get("document_ids", ())),
-                         "documents", meta.get("commit"), meta.get("created"), meta))
-    return rows
+    return [_documents_row(out, BENCH, BENCH_CHAPTER, model, data, "", p["n_sequences"]) for data in p["datasets"]]
 
 
 def _chapter_row(out: Path, run) -> dict:
