@@ -819,3 +819,97 @@ def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tm
     variants = ee.weight_variant_names(first, p)
     assert {model for model, _ in calls} == {first, second, *variants}
     assert {data for model, data in calls if model == first} == set(p["datasets"])
+
+
+# -- a restarted build does not check again what this machine checked ---------------------------------
+def _embedding_calls(model):
+    """A list that grows by one at every forward of ``model`` (its token embedding runs once per forward)."""
+    calls = []
+    embedding = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    return calls, embedding.register_forward_pre_hook(lambda *_: calls.append(1))
+
+
+def test_a_check_this_machine_passed_is_not_run_again_until_the_rows_the_model_or_the_flag_change(cell, tmp_path,
+                                                                                                 monkeypatch):
+    """``make evidence`` restarted after an interruption (a new build: a new cells folder) takes a committed
+    cell whose 2-document check this machine passed with the same code, model, rows and libraries without
+    a forward; ``$CWCORE_RECHECK=1``, other weights or an edited row of the slice run the check again, and
+    ``cache=False`` remembers nothing."""
+    import copy
+
+    model, blocks, rows = cell
+    out = tmp_path / "out"
+    _commit(rows, out)
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path / "cache"))
+    builds = iter(range(100))
+
+    def run(lm=model, **extra):
+        monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / f"cells-{next(builds)}"))
+        calls, hook = _embedding_calls(lm)
+        try:
+            got = eb.ladder_cell(lm, None, blocks, METRICS, RATIOS, model="tiny", data="toy", profile="evidence",
+                                 exports=out, batch_size=2, progress=False, log=None, **extra)
+        finally:
+            hook.remove()
+        folder = Path(os.environ[eb.CELLS_ENV_VAR])
+        return got, json.loads((folder / "cell-tiny-toy-default.json").read_text()), len(calls)
+
+    first, decision, forwards = run()
+    assert decision["decision"] == "committed" and "checked_before" not in decision and forwards > 0
+    assert len(list((tmp_path / "cache" / "checks").iterdir())) == 1
+    again, decision, forwards = run()
+    assert decision["decision"] == "committed" and forwards == 0  # no forward at all: the check was remembered
+    assert decision["checked_before"].endswith("Z") and decision["slice_rows"] == len(rows) // 2
+    pd.testing.assert_frame_equal(again, first, check_exact=True)
+    monkeypatch.setenv("CWCORE_RECHECK", "1")
+    _, decision, forwards = run()
+    assert "checked_before" not in decision and forwards > 0
+    monkeypatch.delenv("CWCORE_RECHECK")
+    _, decision, forwards = run(cache=False)  # an uncached call neither reads nor remembers a check
+    assert "checked_before" not in decision and forwards > 0
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        next(other.parameters()).add_(1e-9)  # other weights: another model, though its rows may not move
+    _, decision, forwards = run(other)
+    assert "checked_before" not in decision and forwards > 0
+    edited = rows.copy()
+    edited.loc[edited.index[edited["document"] == 7][0], "nll"] += 1e-3  # a row of the slice
+    _commit(edited, out)
+    _, decision, forwards = run()
+    assert decision["decision"] == "recomputed" and "differ" in decision["reason"]
+
+
+def test_a_committed_frame_check_is_remembered_for_a_cwcore_function_and_never_for_another(cell, tmp_path,
+                                                                                           monkeypatch):
+    """The committed frames (here the per-layer sweep's) remember a passed check like the ladder cells, when
+    the slice is computed by cwcore's own function; a caller's own function is checked every time."""
+    from cwcore.faithfulness.layers import per_layer_curve
+
+    model, blocks, _ = cell
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path / "cache"))
+    builds = iter(range(100))
+
+    def own(*args, **kwargs):
+        return per_layer_curve(*args, **kwargs)
+
+    def run(**extra):
+        monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / f"cells-{next(builds)}"))
+        calls, hook = _embedding_calls(model)
+        try:
+            got = eb.per_layer_cell(model, None, blocks, METRICS, RATIOS, "comprehensiveness", model="tiny",
+                                    data="toy", profile="evidence", exports=tmp_path / "out", log=None,
+                                    batch_size=2, max_length=12, seed=0, **extra)
+        finally:
+            hook.remove()
+        folder = Path(os.environ[eb.CELLS_ENV_VAR])
+        return got, json.loads((folder / "cell-per-layer-tiny-toy.json").read_text()), len(calls)
+
+    written, decision, forwards = run()
+    assert decision["decision"] == "recomputed" and forwards > 0
+    _, decision, forwards = run()
+    assert decision["decision"] == "committed" and "checked_before" not in decision and forwards > 0
+    taken, decision, forwards = run()
+    assert decision["decision"] == "committed" and "checked_before" in decision and forwards == 0
+    pd.testing.assert_frame_equal(taken, written, check_exact=False, rtol=1e-7)
+    _, decision, forwards = run(curve=own)
+    assert decision["decision"] == "committed" and "checked_before" not in decision and forwards > 0

@@ -52,9 +52,10 @@ from ..faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
-from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, PER_LAYER, RTOL, SENSITIVITY, SLICE_DOCUMENTS,
-                              anatomy_cell, anatomy_explained, downstream_cell, frame_paths, per_layer_cell,
-                              record_decision, recorded_decision, say)
+from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, NOT_NUMBERS, PER_LAYER, RTOL,
+                              SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity,
+                              cpu_description, downstream_cell, frame_paths, passed_check, per_layer_cell,
+                              record_decision, recorded_decision, remember_check, say)
 from .evidence_status import write_status
 from .findings import BENCH_CHAPTER
 from .parameters import run_parameters
@@ -222,14 +223,27 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
             return _ordered([_plain(kept)], labels, importances, chosen.kind)
         head = blocks.select(range(min(slice_documents, held)))
         checked = {**call, "random_seeds": 1} if held_whole < len(head) else call  # what the export holds
-        fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**checked, "cache": False}).assign(data=data,
-                                                                                                  model=model)
         reference = (whole if held_whole >= len(head) else base)
         reference = reference[reference["document"].isin(list(head["document"]))]
-        bad = compare(reference.assign(data=data, model=model), fresh, atol=atol, rtol=rtol)
-        diff = float((fresh.merge(reference, on=["importance", "metric", "mode", "ratio", "document"],
-                                  suffixes=("", "_c")).eval("abs(nll - nll_c)").max()))
-        decision.update(slice_rows=len(fresh), max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
+        identity = check_identity(
+            {"cell": label, "metrics": list(metrics), "ratios": [float(r) for r in ratios],
+             "call": {k: v for k, v in checked.items() if k not in NOT_NUMBERS}},
+            reference, computed_by=sweep if call.get("cache", True) is not False else None, lm=lm,
+            units=runs.tensor_digest(list(head["input_ids"])), atol=atol, rtol=rtol)
+        before = passed_check(identity)
+        if before is not None:  # this machine passed the same check (same code, model, rows, libraries)
+            bad, slice_rows, diff = pd.DataFrame(), before["slice_rows"], before["max_abs_diff_nll"]
+            decision["checked_before"] = before["checked"]
+        else:
+            fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**checked, "cache": False}).assign(data=data,
+                                                                                                      model=model)
+            bad = compare(reference.assign(data=data, model=model), fresh, atol=atol, rtol=rtol)
+            slice_rows = len(fresh)
+            diff = float((fresh.merge(reference, on=["importance", "metric", "mode", "ratio", "document"],
+                                      suffixes=("", "_c")).eval("abs(nll - nll_c)").max()))
+            if bad.empty:
+                remember_check(identity, {"slice_rows": slice_rows, "max_abs_diff_nll": diff})
+        decision.update(slice_rows=slice_rows, max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
         if bad.empty:  # the main metrics' rows of ``held`` documents, the extra seeds' of ``held_whole``
             taken = [base] + ([whole[whole["metric"].isin(seeds)]] if seeds and held_whole else [])
             todo = ([(held_whole, held, True)] if seeds and held > held_whole else []) + \
@@ -237,8 +251,9 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
             replace = False
             missing = [f"seeds {', '.join(seeds)} on documents {a + 1}-{b}" for a, b, only in todo if only]
             missing += [f"documents {a + 1}-{b}" for a, b, only in todo if not only]
-            say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} recomputed, "
-                      f"{len(fresh)} rows within {atol:g} nats + {rtol:g} relative, max |diff| {diff:.1e})"
+            how = "recomputed" if before is None else f"checked on this machine at {before['checked']}"
+            say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} {how}, "
+                      f"{slice_rows} rows within {atol:g} nats + {rtol:g} relative, max |diff| {diff:.1e})"
                       + (f"; computing {'; '.join(missing)}" if missing else ""))
             decision["decision"] = "committed" if held == n else "resumed"
             if held < n:
@@ -246,7 +261,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
             if seeds and held_whole < held:
                 decision["seeds_computed"] = seeds
         else:
-            why = (f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats "
+            why = (f"{len(bad)} of {slice_rows} recomputed rows differ from the export by more than {atol:g} nats "
                    f"+ {rtol:g} relative")
     if todo == [(0, n, False)]:
         decision.update(decision="recomputed", reason=why)
@@ -291,31 +306,6 @@ def _ordered(parts: list[pd.DataFrame], labels, importances, kind: str) -> pd.Da
 
 
 # -- PROVENANCE ------------------------------------------------------------------------------------
-#: CPU flags named in PROVENANCE's machine: the ones that decide the speed of float32/bfloat16 forwards
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def cpu_description(cpuinfo: str) -> str | None:
-    """The first processor of a ``/proc/cpuinfo`` text as ``"<model name> (family F, model M; flags)"``
-    with the flags of :data:`CPU_FLAGS` it has: a machine kind that ``model name`` alone may not tell
-    (two EPYC kinds read "AMD EPYC"). None when the text names no processor."""
-    first = {}
-    for line in cpuinfo.splitlines():
-        if not line.strip():
-            if first:
-                break
-            continue
-        key, _, value = line.partition(":")
-        first.setdefault(key.strip(), value.strip())
-    name = first.get("model name") or first.get("Model name")
-    if not name:
-        return None
-    flags = set(first.get("flags", "").split())
-    kind = ", ".join(f"{k} {first[v]}" for k, v in (("family", "cpu family"), ("model", "model")) if v in first)
-    have = " ".join(f for f in CPU_FLAGS if f in flags)
-    return name + (f" ({'; '.join(x for x in (kind, have) if x)})" if kind or have else "")
-
-
 def _machine() -> dict:
     import torch
 

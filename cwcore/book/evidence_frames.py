@@ -33,6 +33,9 @@ without the cache, equals its rows within :data:`ATOL` nats plus :data:`RTOL` re
 set) or with an explicit ``exports`` folder, its frame is written on the main rank. Either way the
 returned frame is the sweep's own: its columns, dtypes (kept in the JSON) and row order. Each decision is
 recorded as the ladder cells' are (:func:`record_decision`, ``cell-<sweep>-<model>[-<data>].json``).
+A check this machine passed is remembered in the result cache (:func:`check_identity`,
+:func:`passed_check`), so a restarted build takes the same committed rows without recomputing them
+(``$CWCORE_RECHECK=1``: check again).
 
 The JSON beside each frame: ``what``, ``commit`` (and ``cwcore_modified``), ``profile``, ``model``,
 ``data`` (the data set, or the task), ``settings`` (what must equal for the frame to be taken),
@@ -50,6 +53,7 @@ import io
 import itertools
 import json
 import os
+import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -76,7 +80,9 @@ from . import slug
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
            "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "SENSITIVITY", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
            "write_frame", "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "bench_cell",
-           "sensitivity_cell", "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision", "recorded_decision", "say"]
+           "sensitivity_cell", "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision",
+           "recorded_decision", "say", "RECHECK_ENV_VAR", "CPU_FLAGS", "cpu_description", "check_identity", "passed_check",
+           "remember_check"]
 
 #: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
 #: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
@@ -132,6 +138,110 @@ def say(log, text: str) -> None:
     """``log(text)`` on the main rank (None: silent)."""
     if log is not None and runs.is_main_rank():
         log(text)
+
+
+# -- checks this machine passed before ------------------------------------------------------------------
+#: ``1``: recompute every committed cell's slice, even where this machine passed the same check before
+RECHECK_ENV_VAR = "CWCORE_RECHECK"
+
+
+#: CPU flags named in PROVENANCE's machine: the ones that decide the speed of float32/bfloat16 forwards
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description(cpuinfo: str) -> str | None:
+    """The first processor of a ``/proc/cpuinfo`` text as ``"<model name> (family F, model M; flags)"``
+    with the flags of :data:`CPU_FLAGS` it has: a machine kind that ``model name`` alone may not tell
+    (two EPYC kinds read "AMD EPYC"). None when the text names no processor."""
+    first = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if first:
+                break
+            continue
+        key, _, value = line.partition(":")
+        first.setdefault(key.strip(), value.strip())
+    name = first.get("model name") or first.get("Model name")
+    if not name:
+        return None
+    flags = set(first.get("flags", "").split())
+    kind = ", ".join(f"{k} {first[v]}" for k, v in (("family", "cpu family"), ("model", "model")) if v in first)
+    have = " ".join(f for f in CPU_FLAGS if f in flags)
+    return name + (f" ({'; '.join(x for x in (kind, have) if x)})" if kind or have else "")
+
+
+def check_identity(what: dict, reference: pd.DataFrame, *, computed_by: Callable | None, lm=None, units=None,
+                   atol: float, rtol: float) -> dict | None:
+    """All that a slice check's outcome depends on: ``what`` (the cell and the sweep's call), the function
+    that recomputes the slice (``computed_by``), the committed rows it compares with (``reference``), the
+    model's weights, the units' tokens (``units``: a digest), every byte of cwcore (the book wing too: the
+    ladder's sweep and the anatomy's rows live there), the libraries, the machine kind and the tolerance.
+    Two checks with equal identities recompute the same numbers, so the second need not run
+    (:func:`passed_check`). None (check every time) when ``computed_by`` is None or not a plain function of
+    cwcore: a closure or someone else's function has code and values that no identity here covers."""
+    import torch
+
+    if computed_by is None:
+        return None
+    module, name = getattr(computed_by, "__module__", None) or "", getattr(computed_by, "__qualname__", "")
+    if not (inspect.isfunction(computed_by) and module.split(".")[0] == "cwcore" and "<" not in name):
+        return None
+    try:
+        cpu = cpu_description(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        cpu = None
+    rows = hashlib.sha256(pd.util.hash_pandas_object(reference, index=False).values.tobytes()).hexdigest()
+    return {"what": what, "computed_by": f"{module}.{name}", "reference_rows": rows,
+            "model": runs.model_fingerprint(lm) if lm is not None else None, "units": units,
+            "code": cw_cache.code_version(None), "libraries": cw_cache._library_versions(),
+            "cpu": cpu or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "atol": atol, "rtol": rtol}
+
+
+def _unless_uncached(function: Callable, call: Mapping) -> Callable | None:
+    """``function``, or None when its call asks for no cache (``cache=False``): then no check is remembered."""
+    return None if call.get("cache", True) is False else function
+
+
+def _check_path(identity: dict | None) -> Path | None:
+    if identity is None or cw_cache.caching_disabled() or os.environ.get(RECHECK_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+        return None
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return cw_cache.cache_root() / "checks" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
+
+
+def passed_check(identity: dict | None) -> dict | None:
+    """The record of a slice check with this ``identity`` (:func:`check_identity`) that passed on this
+    machine (in the result cache's ``checks`` folder), or None: then the slice is recomputed. An
+    interrupted ``make evidence`` thus does not check every committed cell again when it is restarted.
+    ``$CWCORE_NO_CACHE`` or ``$CWCORE_RECHECK=1``: always None. Every rank gets rank 0's answer, so that
+    all recompute the slice together or none does."""
+    path = _check_path(identity)
+    record = None
+    if path is not None and path.is_file():
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):  # damaged: check again
+            record = None
+    if identity is not None and runs.world() is not None:
+        import torch.distributed as dist
+
+        shared = [record]
+        dist.broadcast_object_list(shared, src=0, group=runs._objects_group())
+        record = shared[0]
+    return record
+
+
+def remember_check(identity: dict | None, record: dict) -> None:
+    """Keep ``record`` (what the passed check found) under ``identity`` for :func:`passed_check` (main rank)."""
+    path = _check_path(identity)
+    if path is None or not runs.is_main_rank():
+        return
+    try:
+        cw_cache.atomic_write_bytes(path, json.dumps({**record, "checked": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                           time.gmtime())}).encode())
+    except OSError:  # an unwritable cache: the next build checks again
+        pass
 
 
 # -- comparing a recomputed slice ----------------------------------------------------------------------
@@ -319,33 +429,49 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
                     *, model: str, data: str | None = None, settings: dict, wanted: dict[str, Sequence],
                     samples: dict[str, str] | None = None, meta: dict | None = None,
                     exports: str | Path | None = None, atol: float = ATOL, rtol: float = RTOL,
-                    log: Callable[[str], None] | None = print, combinations: Sequence[tuple] | None = None) -> pd.DataFrame:
+                    log: Callable[[str], None] | None = print, combinations: Sequence[tuple] | None = None,
+                    computed_by: Callable | None = None, lm=None, slice_units: int | None = None) -> pd.DataFrame:
     """``compute()`` (a sweep's whole frame), or its committed frame (:func:`read_frame`) when that ran with
     ``settings`` on the same ``samples`` (group: digest of its units, e.g. each task's examples), holds
     every combination of ``wanted`` (column: requested values; or each of ``combinations``) and
     ``recompute_slice()`` (its first units, without the cache) equals its rows within ``atol`` nats plus ``rtol`` relative
     (:func:`compare_rows`). A computed frame is written (:func:`write_frame`, with
     ``meta``, ``settings`` and ``wanted``) inside the evidence build or with ``exports`` given, on the main
-    rank. The decision is recorded (:func:`record_decision`). Returns the frame in the sweep's order."""
+    rank. The decision is recorded (:func:`record_decision`). Returns the frame in the sweep's order.
+    ``computed_by`` (the cwcore function ``recompute_slice`` calls on ``lm``, over ``slice_units`` units):
+    a check this machine passed before with the same code, model and rows is not run again
+    (:func:`passed_check`); without it the slice is recomputed every time."""
     t0 = time.monotonic()
     label = f"{model}{' ' + data if data else ''} {kind.sweep}"
     decision = {"sweep": kind.sweep, "model": model, **({"data": data} if data else {})}
     rows, why = _held(kind, read_frame(kind, model, data, exports), settings, wanted, samples or {}, combinations)
     if rows is not None:
-        fresh = recompute_slice()
-        bad = compare_rows(rows, fresh, keys=kind.keys, exact=kind.exact, floats=kind.floats, atol=atol, rtol=rtol)
-        both = fresh.merge(rows, on=list(kind.keys), suffixes=("", "_c"))
-        diff = max((float((both[c] - both[f"{c}_c"]).abs().max()) for c in kind.floats), default=float("nan")) \
-            if len(both) else float("nan")
-        decision.update(slice_rows=len(fresh), check_s=round(time.monotonic() - t0, 1),
-                        **{"max_abs_diff_nll" if "nll" in kind.floats else "max_abs_diff": diff})
+        identity = None if computed_by is None else check_identity(
+            {"frame": label, "settings": settings, "wanted": wanted, "samples": samples, "combinations": combinations,
+             "slice_units": slice_units}, rows, computed_by=computed_by, lm=lm, atol=atol, rtol=rtol)
+        before = passed_check(identity)
+        diff_name = "max_abs_diff_nll" if "nll" in kind.floats else "max_abs_diff"
+        if before is not None:  # this machine passed the same check (same code, model, rows, libraries)
+            bad, slice_rows, diff = pd.DataFrame(), before["slice_rows"], before[diff_name]
+            decision["checked_before"] = before["checked"]
+        else:
+            fresh = recompute_slice()
+            bad = compare_rows(rows, fresh, keys=kind.keys, exact=kind.exact, floats=kind.floats, atol=atol, rtol=rtol)
+            both = fresh.merge(rows, on=list(kind.keys), suffixes=("", "_c"))
+            diff = max((float((both[c] - both[f"{c}_c"]).abs().max()) for c in kind.floats), default=float("nan")) \
+                if len(both) else float("nan")
+            slice_rows = len(fresh)
+            if bad.empty:
+                remember_check(identity, {"slice_rows": slice_rows, diff_name: diff})
+        decision.update(slice_rows=slice_rows, check_s=round(time.monotonic() - t0, 1), **{diff_name: diff})
         if bad.empty:
             decision.update(decision="committed", rows=len(rows))
-            say(log, f"{label}: committed export taken ({len(fresh)} recomputed rows within {atol:g} nats + "
+            how = "recomputed" if before is None else f"checked on this machine at {before['checked']}"
+            say(log, f"{label}: committed export taken ({slice_rows} rows {how}, within {atol:g} nats + "
                      f"{rtol:g} relative, max |diff| {diff:.1e})")
             record_decision(decision)
             return rows
-        why = (f"{len(bad)} of {len(fresh)} recomputed rows differ from the export by more than {atol:g} nats "
+        why = (f"{len(bad)} of {slice_rows} recomputed rows differ from the export by more than {atol:g} nats "
                f"+ {rtol:g} relative")
     if why != "no committed export" and "profile" not in why:  # another profile's build: silent
         say(log, f"{label}: computing ({why})")
@@ -444,7 +570,7 @@ def downstream_cell(lm, tokenizer, tasks, metric=None, ratios=None, mode=None, *
             recompute_slice, model=model, data=task, settings=settings, wanted={"task": [task], **wanted},
             samples={task: _examples_digest(sample)},
             meta={"example_ids": {task: list(range(len(sample)))}, "call": call}, exports=exports, atol=atol,
-            rtol=rtol, log=log))
+            rtol=rtol, log=log, computed_by=_unless_uncached(evaluate, kwargs), lm=lm, slice_units=slice_examples))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -487,7 +613,8 @@ def _documents_frame(kind: FrameKind, curve: Callable, reference: Callable, lm, 
                            recompute_slice, model=model, data=data, settings=settings,
                            wanted=_requested(metric, ratios, mode, kwargs),
                            meta={"document_ids": settings["documents"], "call": kwargs}, exports=exports,
-                           atol=atol, rtol=rtol, log=log)
+                           atol=atol, rtol=rtol, log=log, computed_by=_unless_uncached(curve, kwargs), lm=lm,
+                           slice_units=slice_documents)
 
 
 def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,
@@ -560,7 +687,8 @@ def sensitivity_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None,
         combinations=[(name, m, mode_, r) for name, q in requested.items() for m in q["metric"] for mode_ in q["mode"]
                       for r in q["ratio"]],
         meta={"document_ids": settings["documents"], "call": kwargs, "variants": {k: dict(v) for k, v in variants.items()}},
-        exports=exports, atol=atol, rtol=rtol, log=log)
+        exports=exports, atol=atol, rtol=rtol, log=log, computed_by=_unless_uncached(curve, kwargs), lm=lm,
+        slice_units=slice_documents)
 
 
 def _anatomy_rows(lm, blocks, metrics, ratios, modes, *, protocol, batch_size: int, progress: bool) -> pd.DataFrame:
@@ -596,7 +724,8 @@ def anatomy_cell(lm, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[f
         lambda: _anatomy_rows(lm, blocks.select(range(min(slice_documents, len(blocks)))), metrics, ratios, modes,
                               progress=False, **run),
         model=model, data=data, settings=settings, wanted={"metric": metrics, "mode": modes, "ratio": ratios},
-        meta={"document_ids": settings["documents"], "call": run}, exports=exports, atol=atol, rtol=rtol, log=log)
+        meta={"document_ids": settings["documents"], "call": run}, exports=exports, atol=atol, rtol=rtol, log=log,
+        computed_by=_anatomy_rows, lm=lm, slice_units=slice_documents)
 
 
 def _step_rows(per_document: pd.DataFrame) -> pd.DataFrame:

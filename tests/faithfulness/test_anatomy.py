@@ -155,6 +155,7 @@ def test_the_anatomy_frame_is_the_layer_average_in_key_order_and_a_committed_one
 
     model, _, blocks = sample
     monkeypatch.setenv(ef.CELLS_ENV_VAR, str(tmp_path / "cells"))
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path / "cache"))  # the passed checks it remembers
     out = tmp_path / "evidence"
     kw = dict(model="tiny", data="toy", profile="evidence", batch_size=4, exports=out, log=None)
     ratios = list(RATIOS)
