@@ -19,6 +19,7 @@ from cwcore import cache as cw_cache
 from cwcore import runs
 from cwcore.book import evidence_build as eb
 from cwcore.book import evidence_export as ee
+from cwcore.book import evidence_frames as ef
 from cwcore.cache import ResultCache
 from cwcore.faithfulness import evidence
 
@@ -522,8 +523,6 @@ def _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=TASKS, metri
 
 def test_a_committed_downstream_frame_is_taken_once_two_examples_per_task_recompute_equal(downstream, tmp_path,
                                                                                           monkeypatch):
-    from cwcore.book import evidence_frames as ef
-
     model, tokenizer, plain = downstream
     out = tmp_path / "out"
     got, seen, decisions = _downstream(model, tokenizer, out, tmp_path, monkeypatch)
@@ -585,8 +584,6 @@ def test_a_finished_task_is_kept_when_the_next_one_is_interrupted(downstream, tm
 
 
 def test_a_tampered_or_other_downstream_frame_is_recomputed(downstream, tmp_path, monkeypatch):
-    from cwcore.book import evidence_frames as ef
-
     model, tokenizer, plain = downstream
     out = tmp_path / "out"
     _downstream(model, tokenizer, out, tmp_path, monkeypatch)
@@ -615,7 +612,6 @@ def test_a_tampered_or_other_downstream_frame_is_recomputed(downstream, tmp_path
 
 def test_a_committed_per_layer_frame_is_taken_after_its_slice_and_a_changed_one_is_recomputed(cell, tmp_path,
                                                                                               monkeypatch):
-    from cwcore.book import evidence_frames as ef
     from cwcore.faithfulness.layers import per_layer_curve
 
     model, blocks, _ = cell
@@ -655,8 +651,6 @@ def test_a_committed_bench_frame_is_taken_after_its_slice_and_a_changed_one_is_r
     taken after its first 2 documents recompute equal, recomputed when a number of the slice moved or
     when the call changes a number (another metric list is another request, ``max_length`` another setting)."""
     from cwcore import faithfulness as faith
-    from cwcore.book import evidence_frames as ef
-
     model, blocks, _ = cell
     metrics = ["attention", "value_zeroing", "grad_x_input", "random"]
     options = dict(batch_size=2, max_length=12, seed=0, cache=False, progress=False)
@@ -702,8 +696,6 @@ def test_the_protocol_variants_frame_is_each_variants_curve_and_is_taken_after_i
     recompute equal under every variant; recomputed when one of its numbers moved, or when a variant
     changes or is added (the variants' resolved protocols are a setting)."""
     from cwcore import faithfulness as faith
-    from cwcore.book import evidence_frames as ef
-
     model, blocks, _ = cell
     variants = {"default": {}, "unit = token": {"unit": "token"}, "scope = layer": {"scope": "layer"}}
     options = dict(batch_size=2, max_length=12, seed=0, cache=False, progress=False)
@@ -764,11 +756,11 @@ def test_provenance_names_the_cpu_kind_by_family_model_and_the_flags_that_set_it
     zen5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\n"
             "flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n\nprocessor\t: 1\ncpu family\t: 25\n"
             "model name\t: other\nflags\t\t: avx2\n")
-    assert eb.cpu_description(zen5) == "AMD EPYC (family 26, model 2; avx2 avx512f avx512_bf16)"
+    assert ef.cpu_description(zen5) == "AMD EPYC (family 26, model 2; avx2 avx512f avx512_bf16)"
     avx2 = "processor\t: 0\ncpu family\t: 23\nmodel\t\t: 49\nmodel name\t: AMD EPYC\nflags\t\t: sse2 avx2 fma\n"
-    assert eb.cpu_description(avx2) == "AMD EPYC (family 23, model 49; avx2)"
-    assert eb.cpu_description("Processor\t: AArch64\nModel name\t: Neoverse-V2\n") == "Neoverse-V2"
-    assert eb.cpu_description("") is None
+    assert ef.cpu_description(avx2) == "AMD EPYC (family 23, model 49; avx2)"
+    assert ef.cpu_description("Processor\t: AArch64\nModel name\t: Neoverse-V2\n") == "Neoverse-V2"
+    assert ef.cpu_description("") is None
     record = eb.provenance_record(profile="evidence", models=None, only=None, wall_s=1.0,
                                   tally={"hits": 0, "misses": 0, "processes": 1}, cells=[])
     assert record["machine"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()

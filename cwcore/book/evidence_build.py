@@ -51,11 +51,11 @@ from ..faithfulness.protocol import Protocol, identical_steps
 from ..faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
-from .evidence_export import CHAPTER, compare, export, notebook_parameters, paths, read_committed, tables as export_tables
+from .evidence_export import CHAPTER, compare, export, notebook_parameters, read_committed, tables as export_tables
 from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, NOT_NUMBERS, PER_LAYER, RTOL,
-                              SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity,
-                              cpu_description, downstream_cell, frame_paths, passed_check, per_layer_cell,
-                              record_decision, recorded_decision, remember_check, say)
+                              SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity, checked_how,
+                              downstream_cell, frame_paths, per_layer_cell, record_decision,
+                              recorded_decision, remembering, say, slice_check, this_cpu)
 from .evidence_status import write_status
 from .findings import BENCH_CHAPTER
 from .parameters import run_parameters
@@ -228,21 +228,20 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
         identity = check_identity(
             {"cell": label, "metrics": list(metrics), "ratios": [float(r) for r in ratios],
              "call": {k: v for k, v in checked.items() if k not in NOT_NUMBERS}},
-            reference, computed_by=sweep if call.get("cache", True) is not False else None, lm=lm,
-            units=runs.tensor_digest(list(head["input_ids"])), atol=atol, rtol=rtol)
-        before = passed_check(identity)
-        if before is not None:  # this machine passed the same check (same code, model, rows, libraries)
-            bad, slice_rows, diff = pd.DataFrame(), before["slice_rows"], before["max_abs_diff_nll"]
-            decision["checked_before"] = before["checked"]
-        else:
+            reference, computed_by=remembering(sweep, call), lm=lm, units=runs.tensor_digest(list(head["input_ids"])),
+            atol=atol, rtol=rtol)
+
+        def check():
             fresh = sweep(lm, tokenizer, head, metrics, ratios, **{**checked, "cache": False}).assign(data=data,
                                                                                                       model=model)
             bad = compare(reference.assign(data=data, model=model), fresh, atol=atol, rtol=rtol)
-            slice_rows = len(fresh)
             diff = float((fresh.merge(reference, on=["importance", "metric", "mode", "ratio", "document"],
                                       suffixes=("", "_c")).eval("abs(nll - nll_c)").max()))
-            if bad.empty:
-                remember_check(identity, {"slice_rows": slice_rows, "max_abs_diff_nll": diff})
+            return bad, len(fresh), diff
+
+        bad, slice_rows, diff, before = slice_check(identity, check)
+        if before is not None:  # this machine passed the same check (same code, model, rows, libraries)
+            decision["checked_before"] = before["checked"]
         decision.update(slice_rows=slice_rows, max_abs_diff_nll=diff, check_s=round(time.monotonic() - t0, 1))
         if bad.empty:  # the main metrics' rows of ``held`` documents, the extra seeds' of ``held_whole``
             taken = [base] + ([whole[whole["metric"].isin(seeds)]] if seeds and held_whole else [])
@@ -251,8 +250,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
             replace = False
             missing = [f"seeds {', '.join(seeds)} on documents {a + 1}-{b}" for a, b, only in todo if only]
             missing += [f"documents {a + 1}-{b}" for a, b, only in todo if not only]
-            how = "recomputed" if before is None else f"checked on this machine at {before['checked']}"
-            say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} {how}, "
+            say(log, f"{label}: committed export taken for {held} of {n} documents (first {len(head)} {checked_how(before)}, "
                       f"{slice_rows} rows within {atol:g} nats + {rtol:g} relative, max |diff| {diff:.1e})"
                       + (f"; computing {'; '.join(missing)}" if missing else ""))
             decision["decision"] = "committed" if held == n else "resumed"
@@ -309,12 +307,8 @@ def _ordered(parts: list[pd.DataFrame], labels, importances, kind: str) -> pd.Da
 def _machine() -> dict:
     import torch
 
-    try:
-        cpu = cpu_description(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        cpu = None
     out = {"node": platform.node(), "platform": platform.platform(), "processor": platform.processor() or None,
-           "cpu": cpu or platform.processor() or None, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "cpu": this_cpu() or platform.processor() or None, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     try:

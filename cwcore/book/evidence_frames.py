@@ -47,6 +47,7 @@ sizes included), ``columns`` and ``dtypes``, ``rows``, ``float_format``,
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -81,8 +82,8 @@ __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT
            "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "SENSITIVITY", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
            "write_frame", "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "bench_cell",
            "sensitivity_cell", "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision",
-           "recorded_decision", "say", "RECHECK_ENV_VAR", "CPU_FLAGS", "cpu_description", "check_identity", "passed_check",
-           "remember_check"]
+           "recorded_decision", "say", "RECHECK_ENV_VAR", "CPU_FLAGS", "cpu_description", "this_cpu", "check_identity",
+           "remembering", "passed_check", "remember_check", "slice_check", "checked_how"]
 
 #: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
 #: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
@@ -170,6 +171,15 @@ def cpu_description(cpuinfo: str) -> str | None:
     return name + (f" ({'; '.join(x for x in (kind, have) if x)})" if kind or have else "")
 
 
+@functools.lru_cache(maxsize=None)
+def this_cpu() -> str | None:
+    """:func:`cpu_description` of this machine's ``/proc/cpuinfo`` (None where there is none), read once."""
+    try:
+        return cpu_description(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
 def check_identity(what: dict, reference: pd.DataFrame, *, computed_by: Callable | None, lm=None, units=None,
                    atol: float, rtol: float) -> dict | None:
     """All that a slice check's outcome depends on: ``what`` (the cell and the sweep's call), the function
@@ -186,25 +196,23 @@ def check_identity(what: dict, reference: pd.DataFrame, *, computed_by: Callable
     module, name = getattr(computed_by, "__module__", None) or "", getattr(computed_by, "__qualname__", "")
     if not (inspect.isfunction(computed_by) and module.split(".")[0] == "cwcore" and "<" not in name):
         return None
-    try:
-        cpu = cpu_description(Path("/proc/cpuinfo").read_text())
-    except OSError:
-        cpu = None
     rows = hashlib.sha256(pd.util.hash_pandas_object(reference, index=False).values.tobytes()).hexdigest()
     return {"what": what, "computed_by": f"{module}.{name}", "reference_rows": rows,
             "model": runs.model_fingerprint(lm) if lm is not None else None, "units": units,
             "code": cw_cache.code_version(None), "libraries": cw_cache._library_versions(),
-            "cpu": cpu or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": this_cpu() or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "atol": atol, "rtol": rtol}
 
 
-def _unless_uncached(function: Callable, call: Mapping) -> Callable | None:
-    """``function``, or None when its call asks for no cache (``cache=False``): then no check is remembered."""
+def remembering(function: Callable, call: Mapping) -> Callable | None:
+    """``function`` (a check's ``computed_by``), or None when its call asks for no cache (``cache=False``):
+    then no check is remembered."""
     return None if call.get("cache", True) is False else function
 
 
 def _check_path(identity: dict | None) -> Path | None:
-    if identity is None or cw_cache.caching_disabled() or os.environ.get(RECHECK_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+    recheck = os.environ.get(RECHECK_ENV_VAR, "").strip().lower() in cw_cache._TRUE
+    if identity is None or recheck or cw_cache.caching_disabled():
         return None
     text = json.dumps(identity, sort_keys=True, default=str)
     return cw_cache.cache_root() / "checks" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.json"
@@ -242,6 +250,26 @@ def remember_check(identity: dict | None, record: dict) -> None:
                                                                                            time.gmtime())}).encode())
     except OSError:  # an unwritable cache: the next build checks again
         pass
+
+
+def slice_check(identity: dict | None, check: Callable[[], tuple[pd.DataFrame, int, float]],
+                diff_name: str = "max_abs_diff_nll") -> tuple[pd.DataFrame, int, float, dict | None]:
+    """``check()`` (recompute a committed cell's slice and compare: the mismatching rows, the slice's rows,
+    the largest difference), unless this machine passed the same check before (:func:`passed_check`):
+    then no mismatch and that check's numbers. A check that passes is remembered. Returns
+    ``(mismatches, slice rows, largest difference, the earlier check's record or None)``."""
+    before = passed_check(identity)
+    if before is not None:
+        return pd.DataFrame(), before["slice_rows"], before[diff_name], before
+    bad, slice_rows, diff = check()
+    if bad.empty:
+        remember_check(identity, {"slice_rows": slice_rows, diff_name: diff})
+    return bad, slice_rows, diff, None
+
+
+def checked_how(before: dict | None) -> str:
+    """How a taken slice was checked, for the build's log."""
+    return "recomputed" if before is None else f"checked on this machine at {before['checked']}"
 
 
 # -- comparing a recomputed slice ----------------------------------------------------------------------
@@ -449,25 +477,23 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
         identity = None if computed_by is None else check_identity(
             {"frame": label, "settings": settings, "wanted": wanted, "samples": samples, "combinations": combinations,
              "slice_units": slice_units}, rows, computed_by=computed_by, lm=lm, atol=atol, rtol=rtol)
-        before = passed_check(identity)
         diff_name = "max_abs_diff_nll" if "nll" in kind.floats else "max_abs_diff"
-        if before is not None:  # this machine passed the same check (same code, model, rows, libraries)
-            bad, slice_rows, diff = pd.DataFrame(), before["slice_rows"], before[diff_name]
-            decision["checked_before"] = before["checked"]
-        else:
+
+        def check():
             fresh = recompute_slice()
             bad = compare_rows(rows, fresh, keys=kind.keys, exact=kind.exact, floats=kind.floats, atol=atol, rtol=rtol)
             both = fresh.merge(rows, on=list(kind.keys), suffixes=("", "_c"))
             diff = max((float((both[c] - both[f"{c}_c"]).abs().max()) for c in kind.floats), default=float("nan")) \
                 if len(both) else float("nan")
-            slice_rows = len(fresh)
-            if bad.empty:
-                remember_check(identity, {"slice_rows": slice_rows, diff_name: diff})
+            return bad, len(fresh), diff
+
+        bad, slice_rows, diff, before = slice_check(identity, check, diff_name)
+        if before is not None:
+            decision["checked_before"] = before["checked"]
         decision.update(slice_rows=slice_rows, check_s=round(time.monotonic() - t0, 1), **{diff_name: diff})
         if bad.empty:
             decision.update(decision="committed", rows=len(rows))
-            how = "recomputed" if before is None else f"checked on this machine at {before['checked']}"
-            say(log, f"{label}: committed export taken ({slice_rows} rows {how}, within {atol:g} nats + "
+            say(log, f"{label}: committed export taken ({slice_rows} rows {checked_how(before)}, within {atol:g} nats + "
                      f"{rtol:g} relative, max |diff| {diff:.1e})")
             record_decision(decision)
             return rows
@@ -570,7 +596,7 @@ def downstream_cell(lm, tokenizer, tasks, metric=None, ratios=None, mode=None, *
             recompute_slice, model=model, data=task, settings=settings, wanted={"task": [task], **wanted},
             samples={task: _examples_digest(sample)},
             meta={"example_ids": {task: list(range(len(sample)))}, "call": call}, exports=exports, atol=atol,
-            rtol=rtol, log=log, computed_by=_unless_uncached(evaluate, kwargs), lm=lm, slice_units=slice_examples))
+            rtol=rtol, log=log, computed_by=remembering(evaluate, kwargs), lm=lm, slice_units=slice_examples))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -613,7 +639,7 @@ def _documents_frame(kind: FrameKind, curve: Callable, reference: Callable, lm, 
                            recompute_slice, model=model, data=data, settings=settings,
                            wanted=_requested(metric, ratios, mode, kwargs),
                            meta={"document_ids": settings["documents"], "call": kwargs}, exports=exports,
-                           atol=atol, rtol=rtol, log=log, computed_by=_unless_uncached(curve, kwargs), lm=lm,
+                           atol=atol, rtol=rtol, log=log, computed_by=remembering(curve, kwargs), lm=lm,
                            slice_units=slice_documents)
 
 
@@ -687,7 +713,7 @@ def sensitivity_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None,
         combinations=[(name, m, mode_, r) for name, q in requested.items() for m in q["metric"] for mode_ in q["mode"]
                       for r in q["ratio"]],
         meta={"document_ids": settings["documents"], "call": kwargs, "variants": {k: dict(v) for k, v in variants.items()}},
-        exports=exports, atol=atol, rtol=rtol, log=log, computed_by=_unless_uncached(curve, kwargs), lm=lm,
+        exports=exports, atol=atol, rtol=rtol, log=log, computed_by=remembering(curve, kwargs), lm=lm,
         slice_units=slice_documents)
 
 
