@@ -534,6 +534,7 @@ def document_blocks(
     seed: int = 0,
     add_bos: bool | None = None,
     text_column: str = "text",
+    exclude: Iterable[int] = (),
 ) -> datasets.Dataset:
     """One language-modelling block per document: the first ``block_size`` tokens of documents drawn
     at random (without replacement) with ``seed``, so that blocks are independent units.
@@ -548,6 +549,9 @@ def document_blocks(
     Returns a :class:`datasets.Dataset` with ``input_ids``, ``attention_mask`` (all ones) and
     ``document`` (the document's row index in ``dataset``), in the order drawn. The same ``seed``
     always gives the same documents, and a larger ``num_documents`` extends a smaller one's list.
+
+    ``exclude``: row indices never drawn (a held-out sample disjoint from one already used: the
+    permutation is the same, the excluded documents are skipped where they fall in it).
     """
     block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_documents, "num_documents")
     if isinstance(dataset, datasets.Dataset):
@@ -563,7 +567,10 @@ def document_blocks(
 
         def texts_of(index):
             return [items[i][text_column] if isinstance(items[i], Mapping) else items[i] for i in index]
+    excluded = {int(i) for i in exclude}
     order = np.random.default_rng(seed).permutation(n)
+    if excluded:
+        order = order[~np.isin(order, sorted(excluded))]
     blocks: list[list[int]] = []
     documents: list[int] = []
     chunk = 64

@@ -439,3 +439,19 @@ def test_document_blocks_one_seeded_block_per_distinct_document(tiny):
     with pytest.warns(UserWarning):
         every = data.document_blocks(ds, tiny, 8, 10_000, seed=3)
     assert every["document"] == expected_docs
+
+
+def test_document_blocks_never_draws_an_excluded_document_and_keeps_the_others_order(tiny):
+    """A held-out sample: the excluded rows are skipped where they fall in the seed's permutation, the
+    others come in the same order as without ``exclude`` (checked against a naive walk of the permutation)."""
+    import numpy as np
+
+    texts = [" ".join(_WORDS[: 3 + (i % 9)]) for i in range(40)]
+    excluded = {int(i) for i in np.random.default_rng(3).permutation(40)[:15]}
+    drawn = list(data.document_blocks(texts, tiny, block_size=8, num_documents=10, seed=5, exclude=excluded)["document"])
+    # a block of 8 needs 7 words + EOS after the BOS: texts with at least 6 words
+    naive = [int(i) for i in np.random.default_rng(5).permutation(40)
+             if int(i) not in excluded and len(texts[int(i)].split()) + 1 >= 7][:10]
+    assert drawn == naive and not set(drawn) & excluded
+    plain = list(data.document_blocks(texts, tiny, block_size=8, num_documents=30, seed=5)["document"])
+    assert drawn == [d for d in plain if d not in excluded][:10]

@@ -1,0 +1,136 @@
+"""The confirmatory registration (book/preregistration.md, "Confirmatory registration") and the code that
+holds it agree: the constants that decide a confirmatory verdict hash to the registered value (or a dated
+deviation names the new hash), the sample is the registered one and disjoint from every exploratory
+export, and the registration commit predates every confirmatory export."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cwcore.book import registration
+from cwcore.data import load_dataset
+from cwcore.faithfulness import evidence
+
+REPO = Path(__file__).resolve().parents[1]
+PAGE = REPO / "book" / "preregistration.md"
+EXPLORATORY_DIR = REPO / "data" / "results" / "evidence"
+CONFIRMATORY_DIR = REPO / "data" / "results" / "confirmatory"
+
+
+def _section() -> str:
+    text = PAGE.read_text()
+    start = text.index("## Confirmatory registration")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _deviations() -> str:
+    section = _section()
+    return section[section.index("### Deviations from the confirmatory registration"):]
+
+
+def test_the_constants_hash_to_the_registered_value_or_a_dated_deviation_names_the_new_hash():
+    registered = re.search(r"constants sha256 `([0-9a-f]{64})`", _section()).group(1)
+    now = registration.constants_hash()
+    if now != registered:
+        entry = [line for line in _deviations().splitlines() if now in line]
+        assert entry, (f"the registered constants changed ({registered[:12]} -> {now[:12]}) without a deviation "
+                       "entry naming the new hash in book/preregistration.md")
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", entry[0]), "a deviation entry carries its date"
+
+
+def test_the_hash_moves_with_every_deciding_constant(monkeypatch):
+    """The control of the test above: changing a margin, a sink threshold or the sample's seed changes the
+    hash (a hash that ignored them would pass whatever the code did)."""
+    before = registration.constants_hash()
+    monkeypatch.setitem(evidence.MARGINS, "sufficiency", 0.02)
+    assert registration.constants_hash() != before
+    monkeypatch.undo()
+    assert registration.constants_hash() == before
+    monkeypatch.setattr(registration, "CONFIRMATORY_SEED", registration.CONFIRMATORY_SEED + 1)
+    assert registration.constants_hash() != before
+    monkeypatch.undo()
+    claims = list(registration.SINK_CLAIMS)
+    claims[1] = {**claims[1], "parts": claims[1]["parts"][:-1]}  # drop the decomposition's null control
+    monkeypatch.setattr(registration, "SINK_CLAIMS", tuple(claims))
+    assert registration.constants_hash() != before
+
+
+def test_the_page_states_the_sample_the_code_draws():
+    section = " ".join(_section().split())
+    assert "2026-12-05" in section and registration.REGISTERED == "2026-12-05"
+    assert f"**seed {registration.CONFIRMATORY_SEED}**" in section
+    assert f"**{registration.CONFIRMATORY_DOCUMENTS} documents per data set**" in section
+    assert f"**{registration.CONFIRMATORY_SEQ_LEN}-token block**" in section
+    assert f"first **{registration.EXPLORATORY_PREFIX} positions of the seed-0 permutation**" in section
+    assert f"first **{registration.STREAM_DOCUMENTS} documents in data-set order**" in section
+    for claim in registration.SINK_CLAIMS:
+        assert claim["claim"] in section
+    for model in registration.CONFIRMATORY_MODELS:
+        for data in registration.CONFIRMATORY_DATA:
+            assert re.search(rf"\| {re.escape(model)} \| {data} \| [^|]+ \| `[0-9a-f]{{64}}` \|", _section())
+
+
+def _exploratory_ids() -> dict[str, set[int]]:
+    found: dict[str, set[int]] = {}
+    for path in EXPLORATORY_DIR.rglob("*.json"):
+        meta = json.loads(path.read_text())
+        if isinstance(meta, dict) and "document_ids" in meta and meta.get("data"):
+            found.setdefault(meta["data"], set()).update(int(i) for i in meta["document_ids"])
+    return found
+
+
+def test_the_left_out_documents_cover_every_committed_exploratory_export():
+    found = _exploratory_ids()
+    assert set(found) >= set(registration.CONFIRMATORY_DATA)
+    for data, ids in found.items():
+        left_out = registration.exploratory_documents(len(load_dataset(data)))
+        assert ids <= left_out, f"{data}: exploratory documents {sorted(ids - left_out)[:5]} could be drawn again"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", registration.CONFIRMATORY_MODELS)
+def test_the_confirmatory_sample_is_the_registered_one_and_disjoint(model):
+    from transformers import AutoTokenizer
+
+    from cwcore.models import packaged_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model_path(model))
+    section, found = _section(), _exploratory_ids()
+    for data in registration.CONFIRMATORY_DATA:
+        ids = [int(i) for i in registration.confirmatory_blocks(data, tokenizer)["document"]]
+        assert len(ids) == registration.CONFIRMATORY_DOCUMENTS == len(set(ids))
+        row = re.search(rf"\| {re.escape(model)} \| {data} \| ([^|]+) \| `([0-9a-f]{{64}})` \|", section)
+        assert row.group(2) == registration.document_hash(ids)
+        assert row.group(1).startswith(", ".join(map(str, ids[:4])))
+        assert not set(ids) & found[data]
+
+
+def _git(*args) -> str | None:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        return None
+    done = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def test_the_registration_commit_predates_every_confirmatory_export():
+    if _git("rev-parse", "HEAD") is None:
+        pytest.skip("no git history here (an unpacked archive): the order of commits cannot be read")
+    added = _git("log", "--format=%H %ct", "-S", "## Confirmatory registration", "--", "book/preregistration.md")
+    if not added:
+        pytest.skip("the registration is not committed yet")
+    registered_commit, registered_at = added.splitlines()[-1].split()
+    for path in sorted(CONFIRMATORY_DIR.rglob("*")) if CONFIRMATORY_DIR.is_dir() else []:
+        if not path.is_file():
+            continue
+        first = _git("log", "--diff-filter=A", "--format=%H %ct", "--", str(path.relative_to(REPO)))
+        if not first:  # not committed yet: written after the registration by construction
+            continue
+        commit, at = first.splitlines()[-1].split()
+        assert int(at) >= int(registered_at) and commit != registered_commit, path.name
+        assert _git("merge-base", "--is-ancestor", registered_commit, commit) is not None, path.name
