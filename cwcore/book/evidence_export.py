@@ -48,6 +48,7 @@ from ..data import document_blocks
 from ..faithfulness import evidence
 from . import findings
 from . import results_path, slug
+from . import registration
 from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
                               downstream_ladder, read_downstream, read_frame)
 from .parameters import profile_models, run_parameters
@@ -363,7 +364,7 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
     meta = {
         "what": meta.get("what", f"per-document rows of chapter {CHAPTER}'s ladder sweeps (merged cell by cell "
                                  "while the evidence build runs); delta_nll = nll - clean_nll (nats)"),
-        **meta, **same, "model": model, "data": data,
+        **meta, **same, "model": model, "data": data, "sample": registration.sample_of(profile),
         "documents": int(table["document"].nunique()) if len(table) else 0, "document_ids": ids,
         "protocols": list(dict.fromkeys(main["protocol"])) if len(main) else [],
         "variants": [v for v in dict.fromkeys(table["variant"]) if v != "main"] if len(table) else [],

@@ -36,7 +36,7 @@ from ..faithfulness import evidence
 __all__ = ["REGISTERED", "SAMPLES", "EXPLORATORY", "CONFIRMATORY", "EXPLORATORY_SEED", "EXPLORATORY_PREFIX",
            "STREAM_DOCUMENTS", "CONFIRMATORY_SEED", "CONFIRMATORY_DOCUMENTS", "CONFIRMATORY_SEQ_LEN",
            "N_BOOTSTRAP", "SINK_RESAMPLES", "RANDOM_SEEDS", "MDE_LEVEL", "SINK_CLAIMS", "NEW_CONTROLS", "IN_DISTRIBUTION",
-           "exploratory_documents", "confirmatory_blocks", "document_hash", "constants", "constants_hash"]
+           "sample_of", "exploratory_documents", "confirmatory_blocks", "document_hash", "constants", "constants_hash"]
 
 #: the registration's date (UTC): nothing of the confirmatory sample was computed before it
 REGISTERED = "2026-12-05"
@@ -128,6 +128,12 @@ NEW_CONTROLS = {
 #: by alpha_ij times the head's mean projected value, estimated on other documents, instead of zero
 IN_DISTRIBUTION = {"variant": "mean-value", "data": "gsm8k", "documents": 16, "models": CONFIRMATORY_MODELS,
                    "estimated_on": "the exploratory sample's documents", "sample": EXPLORATORY}
+
+
+def sample_of(profile: str) -> str:
+    """The sample a run of ``profile`` draws: :data:`CONFIRMATORY` for the confirmatory build's profile (of
+    the same name), :data:`EXPLORATORY` for every profile of ``book/run.yml``."""
+    return CONFIRMATORY if profile == CONFIRMATORY else EXPLORATORY
 
 
 def exploratory_documents(n_rows: int) -> set[int]:
