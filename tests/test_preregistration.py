@@ -45,6 +45,29 @@ def test_the_page_states_what_the_code_applies():
 
 def test_the_committed_findings_mark_exactly_the_registered_family():
     table = pd.read_csv(REPO / "data" / "results" / "evidence" / "findings.csv")
+    assert set(table["sample"]) <= {"exploratory", "confirmatory"} and "exploratory" in set(table["sample"])
+    for _, one in table.groupby("sample"):  # each sample's family is decided on its own
+        _marks_the_family(one)
+
+
+def test_the_exploratory_tests_seen_before_registration_are_marked():
+    """22 of the exploratory family's 32 tests were computed before the registration of 2026-12-02: their
+    rows say ``prospective = False``; the other 10 (gemma3-270m's later cells) and every confirmatory test
+    say True."""
+    from cwcore.book import registration
+
+    table = pd.read_csv(REPO / "data" / "results" / "evidence" / "findings.csv")
+    primary = table[table["primary"]]
+    exploratory = primary[primary["sample"] == "exploratory"]
+    seen = [(m, d, p) in set(registration.SEEN_BEFORE_REGISTRATION)
+            for m, d, p in zip(exploratory["model"], exploratory["data"], exploratory["protocol"])]
+    assert (exploratory["prospective"].astype(bool) == [not s for s in seen]).all()
+    assert sum(seen) == 22 and len(exploratory) - sum(seen) == 10
+    assert primary.loc[primary["sample"] == "confirmatory", "prospective"].astype(bool).all()
+    assert table.loc[~table["primary"], "prospective"].isna().all()
+
+
+def _marks_the_family(table):
     primary = table[table["primary"]]
     claim = {("attention", "value_weighted"): "step 1->2", ("value_weighted", "value_weighted_output_normalized"): "step 2->3",
              ("value_weighted_output_normalized", "contribution"): "step 3->4",

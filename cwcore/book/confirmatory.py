@@ -25,7 +25,7 @@ from . import registration
 __all__ = ["OUT", "PROFILE", "LADDER", "ladder", "main"]
 
 #: the committed confirmatory evidence (beside the exploratory ``data/results/evidence``)
-OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "confirmatory"
+OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "confirmatory"  # findings.CONFIRMATORY_DIR
 #: the profile name the confirmatory exports carry (a committed export of another profile is never taken)
 PROFILE = registration.CONFIRMATORY
 #: the ladder sweep's settings: the evidence profile's chapter-4 parameters (book/run.yml), fixed here

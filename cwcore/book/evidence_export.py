@@ -554,7 +554,17 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
         all_models = list(dict.fromkeys([*profile_models(profile), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
     cw_cache.write_csv(table, out / "findings.csv", index=False)
-    return [*written, out / "findings.csv"]
+    written.append(out / "findings.csv")
+    # findings.csv of the exploratory evidence holds both samples' rows (column ``sample``), each primary
+    # family decided on its own sample
+    exploratory_dir, confirmatory_dir = ((findings.EVIDENCE_DIR, out) if profile == registration.CONFIRMATORY
+                                         else (out, findings.CONFIRMATORY_DIR))
+    if profile == registration.CONFIRMATORY or any(confirmatory_dir.glob("*/*.csv")):
+        evidence_models = list(dict.fromkeys([*profile_models("evidence"), *all_models]))
+        both = findings.combined_findings(exploratory_dir, confirmatory_dir, evidence_models)
+        cw_cache.write_csv(both, exploratory_dir / "findings.csv", index=False)
+        written.append(exploratory_dir / "findings.csv")
+    return list(dict.fromkeys(written))
 
 
 # -- command line ----------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ import pandas as pd
 
 from .. import stats
 from ..core.decomposition import METRICS
-from . import results_path
+from . import registration, results_path
 from ..cache import atomic_write_bytes
 from ..faithfulness import evidence
 from ..stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
@@ -63,7 +63,7 @@ __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED"
            "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain", "primary_cosine_gain",
            "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
-           "faithfulness_findings", "findings_csv", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
+           "faithfulness_findings", "findings_csv", "combined_findings", "SAMPLE_FINDING_KEY", "CONFIRMATORY_DIR", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
 RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 
@@ -328,7 +328,7 @@ def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *
 
 FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
                         "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured", "variant", "primary",
-                        "margin", "p", "p_holm", "source"]
+                        "margin", "p", "p_holm", "source", "sample", "prospective"]
 #: whose claim a findings row tests (``source``): the paper's (chapter 4's ladder, PAPER.md section 6) or the
 #: book's own (the attribution bench, "many heads are sink heads", "the sink is position 0", ...)
 PAPER_CLAIM, BOOK_CLAIM = "paper", "book"
@@ -547,15 +547,42 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
     frames = [f for f in frames if not f.empty]
     if not frames:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
-    table = pd.concat(frames, ignore_index=True)
+    table = pd.concat(frames, ignore_index=True).drop(columns=["sample", "prospective"], errors="ignore")
     table["variant"] = table["variant"].fillna("main")
     table["source"] = table["source"].fillna(PAPER_CLAIM)
     table["primary"] = table["primary"].fillna(False).astype(bool)
-    return primary_decisions(_weights_variants(table))
+    return _with_sample(primary_decisions(_weights_variants(table)), profile)
+
+
+def _with_sample(table: pd.DataFrame, profile: str | None) -> pd.DataFrame:
+    """``sample`` (:func:`cwcore.book.registration.sample_of` the profile) and, on primary rows,
+    ``prospective``: whether the test's cell was computed after its registration (every confirmatory test;
+    the 10 exploratory tests outside :data:`cwcore.book.registration.SEEN_BEFORE_REGISTRATION`)."""
+    sample = registration.sample_of(profile or "")
+    table = table.assign(sample=sample)
+    seen = {tuple(cell) for cell in registration.SEEN_BEFORE_REGISTRATION}
+    table["prospective"] = [
+        (sample == registration.CONFIRMATORY or (m, d, p) not in seen) if primary else None
+        for primary, m, d, p in zip(table["primary"], table["model"], table["data"], table["protocol"])]
+    return table
+
+
+def combined_findings(exploratory_dir: str | os.PathLike, confirmatory_dir: str | os.PathLike | None,
+                      models: Sequence[str], exploratory_profile: str = "evidence") -> pd.DataFrame:
+    """``findings.csv`` of both samples: :func:`findings_csv` of the exploratory evidence folder, then the
+    confirmatory folder's (where it holds a table), each primary family decided on its own sample."""
+    parts = [findings_csv(exploratory_dir, models, exploratory_profile)]
+    if confirmatory_dir is not None and any(Path(confirmatory_dir).glob("*/*.csv")):
+        confirmatory = findings_csv(confirmatory_dir, models, registration.CONFIRMATORY)
+        measured = confirmatory["measured"].fillna("")
+        parts.append(confirmatory[~measured.str.endswith("was not built")])
+    return pd.concat(parts, ignore_index=True)
 
 
 #: what one row of findings.csv measures: no two rows share these values
 FINDING_KEY = ["claim", "model", "data", "mode", "protocol", "importance", "range", "variant"]
+#: the two samples' rows in one findings.csv (:func:`combined_findings`): no two rows share these values
+SAMPLE_FINDING_KEY = [*FINDING_KEY, "sample"]
 
 
 def _not_in(rows: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
@@ -591,6 +618,8 @@ def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:
 #: the committed evidence tables of this checkout (data/results/evidence: the chapters' tables of the
 #: ``evidence`` profile, laid out as a results folder, with PROVENANCE); absent in an installed package
 EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+#: the confirmatory sample's evidence (book/preregistration.md, "Confirmatory registration")
+CONFIRMATORY_DIR = EVIDENCE_DIR.parent / "confirmatory"
 
 #: the columns that name one findings row (a claim part, or one ladder step, of one model and data set)
 ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "variant"]
