@@ -13,7 +13,7 @@ from ..faithfulness import evidence
 from ..stats import NOT_MEASURED, combine_all
 from .findings import STEPS, _main
 
-__all__ = ["PRIMARY_COLUMNS", "primary_table"]
+__all__ = ["PRIMARY_COLUMNS", "primary_table", "side_by_side", "secondary_contradictions"]
 
 #: Table 1's columns: (mode, importance, label); the ``|c|`` columns are the pre-registered headline
 PRIMARY_COLUMNS = (("comprehensiveness", "absolute", "comprehensiveness |c| (primary)"),
@@ -82,3 +82,81 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
                     row["rerun agrees"] = f"{sum(a == b for a, b in both)}/{len(both)}" if both else ""
                 out.append(row)
     return pd.DataFrame(out)
+
+
+# -- both samples side by side ----------------------------------------------------------------------
+_SHORT = {"holds": "holds", "contradicted": "contra.", "negligible": "neglig.", "inconclusive": "inconcl.",
+          NOT_MEASURED: "—"}
+
+
+def _short(rows: pd.DataFrame, claim: str, protocol: str, mode: str, importance: str) -> tuple[str, str]:
+    """(verdict, compact cell "holds +0.173") of one main-variant full-range row, or not measured."""
+    verdict, _ = _cell(rows, claim, protocol, mode, importance, evidence.PRIMARY["range"])
+    found = _main(rows)
+    found = found[(found["claim"] == claim) & (found["protocol"] == protocol) & (found["mode"] == mode)
+                  & (found["importance"] == importance) & (found["range"] == evidence.PRIMARY["range"])]
+    if found.empty or pd.isna(found.iloc[0].get("estimate")):
+        return verdict, _SHORT.get(verdict, verdict)
+    return verdict, f"{_SHORT.get(verdict, verdict)} {found.iloc[0]['estimate']:+.3f}"
+
+
+def side_by_side(rows: pd.DataFrame, importance: str = "absolute") -> pd.DataFrame:
+    """Table 1: the registered tests of both samples side by side (``rows``: findings.csv with its
+    ``sample`` column): one row per model, data set and step (each under the protocol where it is
+    measured) plus the ordering, one column per mode and sample, each cell the verdict and the paired
+    AOPC difference in nats (full range; ``importance`` "absolute" is the registered |c|, "signed" the
+    exploratory reading). An exploratory test computed before its registration is marked ``†``; a
+    confirmatory cell not computed yet reads "—"."""
+    from . import registration
+
+    if "sample" not in rows:
+        rows = rows.assign(sample=registration.EXPLORATORY)
+    seen = {tuple(c) for c in registration.SEEN_BEFORE_REGISTRATION}
+    steps = [(claim, next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b)))
+             for claim, a, b in STEPS]
+    out = []
+    for model in evidence.PRIMARY["models"]:
+        for data in evidence.PRIMARY["data"]:
+            chains: dict = {}
+            for claim, protocol in [*steps, ("ordering", "")]:
+                row = {"model": model, "data": data, "step": claim.replace("step ", "").replace("->", "→")
+                       .replace("contribution beats random", "4 vs random")}
+                for mode in evidence.PRIMARY["modes"]:
+                    for sample in registration.SAMPLES:
+                        column = f"{mode[:4]}. {sample}"
+                        if claim == "ordering":
+                            row[column] = _SHORT.get(combine_all(chains.get(column, [])), "")
+                            continue
+                        part = rows[(rows["sample"] == sample) & (rows["model"] == model) & (rows["data"] == data)]
+                        verdict, text = _short(part, claim, protocol, mode, importance)
+                        if claim.startswith("step"):
+                            chains.setdefault(column, []).append(verdict)
+                        if sample == registration.EXPLORATORY and (model, data, protocol) in seen \
+                                and verdict != NOT_MEASURED:
+                            text += " †"
+                        row[column] = text
+                out.append(row)
+    return pd.DataFrame(out)
+
+
+def secondary_contradictions(rows: pd.DataFrame) -> pd.DataFrame:
+    """Every exploratory (non-primary) ladder row on the language-modelling data sets that contradicts
+    the paper: a step or contribution against random under the signed weight, the low range, a
+    removal-unit or weights variant, or a protocol where the step is not registered. Columns ``model,
+    data, step, mode, importance, range, variant, protocol, estimate, interval``."""
+    from . import registration
+
+    if "sample" in rows:
+        rows = rows[rows["sample"] == registration.EXPLORATORY]
+    claims = [claim for claim, *_ in STEPS]
+    found = rows[rows["claim"].isin(claims) & ~rows["primary"].astype(bool) & (rows["verdict"] == "contradicted")
+                 & rows["data"].isin(list(evidence.PRIMARY["data"]))]
+    return pd.DataFrame({
+        "model": found["model"], "data": found["data"],
+        "step": found["claim"].str.replace("step ", "").str.replace("->", "→")
+        .str.replace("contribution beats random", "4 vs random"),
+        "mode": found["mode"], "importance": found["importance"].replace({"absolute": "|c|"}),
+        "range": found["range"], "variant": found["variant"], "protocol": found["protocol"],
+        "estimate": found["estimate"].round(3),
+        "interval": [f"[{lo:+.3f}, {hi:+.3f}]" for lo, hi in zip(found["ci_low"], found["ci_high"])],
+    }).reset_index(drop=True)

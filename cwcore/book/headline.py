@@ -1,0 +1,326 @@
+"""What the evidence decided, told in plain sentences, and a picture of every verdict.
+
+Chapter 9, the introduction and the README open with :func:`headline_markdown`: first what the
+confirmatory sample (registered 2026-12-05, 64 fresh documents per data set) decided, per claim and
+model, and which step drives any contradiction; then the exploratory sample's verdicts, labelled so.
+Everything is generated from the committed ``findings.csv`` (its ``sample`` column) and the committed
+sink chapters' tables, so no number in these sentences is typed by hand. ``python -m
+cwcore.book.headline --write`` rewrites the generated blocks of ``book/intro.md`` and ``README.md``
+(between ``<!-- headline:start -->`` and ``<!-- headline:end -->``); a test fails when they are stale.
+
+:func:`verdict_grid` and :func:`plot_verdicts` lay out every registered verdict (claim x model x data
+set, exploratory beside confirmatory) as one figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .. import stats
+from ..faithfulness import evidence
+from . import registration
+from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, STEPS, load_results
+
+__all__ = ["STEP_NAMES", "primary_rows", "ordering_summary", "ladder_sentences", "registered_sink_verdicts",
+           "sink_sentences", "headline_markdown", "committed_findings", "folders", "verdict_grid", "plot_verdicts", "write_blocks", "main"]
+
+REPO = Path(__file__).resolve().parents[2]
+START, END = "<!-- headline:start -->", "<!-- headline:end -->"
+#: the ladder's steps in words, by findings.csv's claim
+STEP_NAMES = {"step 1->2": "step 1 → 2 (attention → value-weighted)",
+              "step 2->3": "step 2 → 3 (value-weighted → output-normalised)",
+              "step 3->4": "step 3 → 4 (output-normalised → contribution weights)",
+              "contribution beats random": "contribution weights against random"}
+_ORDER_STEPS = ("step 1->2", "step 2->3", "step 3->4")
+#: the registered sink claims' parts in words (their keys are the chapters' tables')
+PART_WORDS = {
+    "sink_eps_by_layer": "the share of sink heads", "sink_geometry_margin_by_layer": "the sink's geometry share",
+    "tail_alpha_share": "the tail's attention share", "tail_cosine_share": "the tail's alignment share",
+    "sink_geometry_minus_null": "the null baseline (a random key)", "cos_semantic": "the sink's cosine with the semantic component",
+    "contrast": "the random-key control", "cos_semantic_centred": "the centred-values control",
+    "rho_semantic": "the rank correlation", "shortened": "the share of shortened outputs",
+    "share_vertex_inside": "the share of heads with an interior minimum",
+    "share_interior_minus_random_direction": "the random-direction control",
+    "dcos_sink_q1": "the turn towards the cone axis", "dcos_sink_minus_control": "the random-token control",
+    "dcos_sink_minus_mass": "the mass-matched control", "dcos_sink_minus_random_direction": "the random-direction control",
+    "dlog_sink": "the rise of log-perplexity", "dlog_sink_minus_control": "the random-token control",
+    "dlog_sink_minus_mass": "the mass-matched control", "drift_weak_q1": "the drift of weak tokens",
+    "drift_null_q1": "the random-tail null"}
+_SINK_CHAPTERS = ("05_sink_decomposition", "06_sinks_as_suppressors", "07_semantic_cone")
+
+
+def primary_rows(findings: pd.DataFrame, sample: str) -> pd.DataFrame:
+    """The primary family's rows of ``sample`` (each step under the protocol where it is measured, |c|,
+    full range, main variant)."""
+    if "sample" not in findings:
+        findings = findings.assign(sample=registration.EXPLORATORY)
+    rows = findings[(findings["sample"] == sample) & findings["primary"].astype(bool)]
+    return rows.reset_index(drop=True)
+
+
+def _count(verdicts) -> str:
+    counts = pd.Series(list(verdicts)).value_counts()
+    return ", ".join(f"{int(counts[v])} {v}" for v in stats.VERDICTS if v in counts)
+
+
+def _tally(verdicts) -> str:
+    """``"contradicted in 8 of 8"`` or ``"holds in 2, contradicted in 5 and inconclusive in 1 of 8"``."""
+    verdicts = list(verdicts)
+    counts = pd.Series(verdicts).value_counts()
+    parts = [f"{v} in {int(counts[v])}" for v in stats.VERDICTS if v in counts]
+    joined = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"{joined} of {len(verdicts)}" if len(parts) == 1 else joined
+
+def ordering_summary(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per model, data set and mode of the primary ``rows``: each step's verdict and the ordering
+    (:func:`cwcore.stats.combine_all` of the three steps; not measured where a step is missing)."""
+    out = []
+    models = list(dict.fromkeys(rows["model"])) or list(evidence.PRIMARY["models"])
+    for model in models:
+        for data in evidence.PRIMARY["data"]:
+            for mode in evidence.PRIMARY["modes"]:
+                one = rows[(rows["model"] == model) & (rows["data"] == data) & (rows["mode"] == mode)]
+                found = dict(zip(one["claim"], one["verdict"]))
+                steps = {claim: found.get(claim, stats.NOT_MEASURED) for claim in [*_ORDER_STEPS, "contribution beats random"]}
+                out.append({"model": model, "data": data, "mode": mode, **steps,
+                            "ordering": stats.combine_all([steps[c] for c in _ORDER_STEPS])})
+    return pd.DataFrame(out)
+
+
+def _model_sentence(model: str, summary: pd.DataFrame) -> str:
+    """How the ordering fares on one model, and which step decides it."""
+    one = summary[summary["model"] == model]
+    cells = len(one)
+    ordering = one["ordering"].value_counts()
+    if ordering.get(stats.NOT_MEASURED, 0) == cells:
+        return f"**{model}**: not computed yet."
+    said = f"**{model}**, the ordering over its {cells} cells (data set x mode): {_tally(one['ordering'])}"
+    against = [c for c in _ORDER_STEPS if (one[c] == stats.CONTRADICTED).any()]
+    if not against:
+        return said + "; no step contradicts it."
+    parts = []
+    for claim in _ORDER_STEPS:
+        parts.append(f"{claim.replace('step ', '').replace('->', ' → ')} {_tally(one[claim])}")
+    if len(against) == 1:
+        others_hold = all((one[c] == stats.HOLDS).all() for c in _ORDER_STEPS if c != against[0])
+        lead = (f"; the contradiction rests on {STEP_NAMES[against[0]]} alone"
+                + (", every other step holds in every cell" if others_hold else ""))
+    else:
+        lead = "; it is contradicted by " + ", ".join(STEP_NAMES[c] for c in against)
+    return said + lead + " (" + "; ".join(parts) + ")."
+
+
+def ladder_sentences(findings: pd.DataFrame, sample: str) -> list[str]:
+    """The faithfulness ladder's headline on ``sample``: how many of the 32 tests are decided, the
+    ordering per model with the step that decides it, and contribution weights against random."""
+    rows = primary_rows(findings, sample)
+    family = len(evidence.primary_family())
+    measured = rows[rows["verdict"] != stats.NOT_MEASURED]
+    if measured.empty:
+        return [f"None of the {family} registered tests has been computed on this sample yet."]
+    summary = ordering_summary(rows)
+    lines = [f"{len(measured)} of the {family} registered tests are decided ({_count(measured['verdict'])}; "
+             f"Holm-adjusted over the family, |c|, full ratio range). The paper's ordering "
+             f"1 < 2 < 3 < 4 over its {len(summary)} cells (model x data set x mode): {_tally(summary['ordering'])}."]
+    lines += [_model_sentence(model, summary) for model in dict.fromkeys(summary["model"])]
+    beats = summary["contribution beats random"]
+    lines.append(f"Contribution weights against a random ranking, {len(beats)} cells: {_tally(beats)}.")
+    return lines
+
+
+def registered_sink_verdicts(results_dir: str | Path, models: Sequence[str]) -> pd.DataFrame:
+    """Every registered sink claim (:data:`cwcore.book.registration.SINK_CLAIMS`) per model and data set,
+    judged by the registered rule from the sink chapters' tables in ``results_dir``: each part's verdict
+    (main parts and controls) and the claim's, :func:`cwcore.stats.combine_all` over all parts (a control
+    missing from the table, e.g. one registered after the table was made, counts as not measured).
+    Columns ``model, data, claim, source, verdict, parts, failing``."""
+    out = []
+    for model in models:
+        parts = [load_results(results_dir, chapter, model) for chapter in _SINK_CHAPTERS]
+        table = pd.concat([p.table for p in parts if p is not None], ignore_index=True) if any(parts) else None
+        for data in registration.CONFIRMATORY_DATA:
+            for claim in registration.SINK_CLAIMS:
+                verdicts, described = [], []
+                for key, threshold, side, role in claim["parts"]:
+                    hit = None if table is None else table[table["key"] == f"{data}/{key}"]
+                    if hit is None or hit.empty:
+                        v = stats.NOT_MEASURED
+                        described.append(f"{role} {key}: not computed")
+                    else:
+                        r = hit.iloc[0]
+                        v = stats.verdict(float(r["low"]), float(r["high"]), threshold=threshold, side=side)
+                        described.append(f"{role} {key}: {r['estimate']:+.3g} [{r['low']:+.3g}, {r['high']:+.3g}] {v}")
+                    verdicts.append((role, key, v))
+                # the parts that keep the claim from holding, the decisive ones first
+                rank = {stats.CONTRADICTED: 0, stats.NOT_MEASURED: 1, stats.INCONCLUSIVE: 2, stats.NEGLIGIBLE: 3}
+                failing = [f"{PART_WORDS.get(key, key)} {'is ' + v if v != stats.NOT_MEASURED else 'was not computed'}"
+                           for role, key, v in sorted(verdicts, key=lambda x: rank.get(x[2], 9)) if v != stats.HOLDS]
+                out.append({"model": model, "data": data, "claim": claim["claim"], "source": claim["source"],
+                            "verdict": stats.combine_all([v for *_, v in verdicts]) if table is not None
+                            else stats.NOT_MEASURED, "parts": "; ".join(described), "failing": "; ".join(failing)})
+    return pd.DataFrame(out)
+
+
+def sink_sentences(verdicts: pd.DataFrame) -> list[str]:
+    """One sentence per registered sink claim: its verdict per model (both data sets), and for a claim
+    that does not hold, the part that stops it."""
+    if verdicts.empty or (verdicts["verdict"] == stats.NOT_MEASURED).all():
+        return ["None of the registered sink claims has been computed on this sample yet."]
+    lines = []
+    for claim, rows in verdicts.groupby("claim", sort=False):
+        per_model = []
+        for model, one in rows.groupby("model", sort=False):
+            both = stats.combine_all(one["verdict"])
+            text = f"{model} {both}"
+            if both != stats.HOLDS:
+                stop = [f for f in dict.fromkeys("; ".join(one["failing"]).split("; ")) if f]
+                if stop:
+                    text += f" ({stop[0]})"
+            per_model.append(text)
+        lines.append(f"*{claim}*: " + "; ".join(per_model) + ".")
+    return lines
+
+
+def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: str | Path = EVIDENCE_DIR,
+                      confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> str:
+    """The generated opening of chapter 9, the introduction and the README (markdown): the confirmatory
+    sample's verdicts, then the exploratory sample's, labelled so."""
+    if findings is None:
+        findings = pd.read_csv(Path(exploratory_dir) / "findings.csv")
+    models = list(evidence.PRIMARY["models"])
+    blocks = []
+    for sample, folder, title in (
+            (registration.CONFIRMATORY, confirmatory_dir,
+             f"**Confirmatory replication** (registered {registration.REGISTERED} before it was computed; "
+             f"{registration.CONFIRMATORY_DOCUMENTS} new documents per data set that the exploratory analysis never saw)"),
+            (registration.EXPLORATORY, exploratory_dir,
+             "**Exploratory sample** (64 documents per data set; 22 of its 32 tests were computed before their "
+             "registration, so these verdicts generate hypotheses rather than confirm them)")):
+        ladder = ladder_sentences(findings, sample)
+        sinks = sink_sentences(registered_sink_verdicts(folder, models))
+        blocks.append(title + ".\n\n" + "\n".join(f"- {line}" for line in ladder)
+                      + "\n- The sink claims, each judged with its registered controls:\n"
+                      + "\n".join(f"  - {line}" for line in sinks))
+    return "\n\n".join(blocks) + "\n"
+
+
+def committed_findings(evidence_dir: str | Path | None = None) -> pd.DataFrame:
+    """The committed ``findings.csv`` of ``evidence_dir`` (default: this checkout's exploratory evidence
+    folder, which holds both samples' rows); an empty table where there is none (an installed package
+    ships no ``data/results``)."""
+    path = Path(evidence_dir or EVIDENCE_DIR) / "findings.csv"
+    if not path.is_file():
+        return pd.DataFrame(columns=["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict",
+                                     "estimate", "ci_low", "ci_high", "variant", "primary", "sample"])
+    return pd.read_csv(path)
+
+
+def folders(evidence_dir: str | Path | None = None) -> dict:
+    """``exploratory_dir`` and ``confirmatory_dir`` (its sibling ``confirmatory``) of ``evidence_dir``."""
+    exploratory = Path(evidence_dir or EVIDENCE_DIR)
+    return {"exploratory_dir": exploratory, "confirmatory_dir": exploratory.parent / "confirmatory"}
+
+
+# -- the picture ------------------------------------------------------------------------------------
+_CODES = {stats.HOLDS: 0, stats.NEGLIGIBLE: 1, stats.INCONCLUSIVE: 2, stats.CONTRADICTED: 3, stats.NOT_MEASURED: 4}
+
+
+def verdict_grid(findings: pd.DataFrame, *, exploratory_dir: str | Path = EVIDENCE_DIR,
+                 confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> pd.DataFrame:
+    """Every registered verdict in one long table: ``sample, claim, model, data, mode, verdict`` (the
+    ladder's steps and ordering per mode, |c|; the sink claims with their controls, ``mode`` empty)."""
+    rows = []
+    models = list(evidence.PRIMARY["models"])
+    for sample, folder in ((registration.EXPLORATORY, exploratory_dir), (registration.CONFIRMATORY, confirmatory_dir)):
+        found = primary_rows(findings, sample)
+        summary = ordering_summary(found) if len(found) else ordering_summary(
+            pd.DataFrame({"model": models, "claim": "", "verdict": stats.NOT_MEASURED, "data": "", "mode": ""}))
+        for d in summary[summary["model"].isin(models)].to_dict("records"):
+            for claim in [*_ORDER_STEPS, "contribution beats random", "ordering"]:
+                rows.append({"sample": sample, "claim": STEP_NAMES.get(claim, "ordering 1 < 2 < 3 < 4"),
+                             "model": d["model"], "data": d["data"], "mode": d["mode"], "verdict": d[claim]})
+        sinks = registered_sink_verdicts(folder, models)
+        for r in sinks.itertuples(index=False):
+            rows.append({"sample": sample, "claim": r.claim, "model": r.model, "data": r.data, "mode": "",
+                         "verdict": r.verdict})
+    return pd.DataFrame(rows)
+
+
+def plot_verdicts(grid: pd.DataFrame):
+    """The verdict picture: one panel per sample (exploratory, confirmatory), claims down, model x data
+    set (x mode for the ladder) across, each cell coloured by its verdict. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    from ..plotting import VERDICT_COLOURS
+
+    colours = [VERDICT_COLOURS["holds"], VERDICT_COLOURS["negligible"], VERDICT_COLOURS["inconclusive"],
+               VERDICT_COLOURS["contradicted"], "#e6e6e6"]
+    claims = list(dict.fromkeys(grid["claim"]))
+    grid = grid.assign(column=[f"{m.split('-')[0]} {'GSM8K' if d == 'gsm8k' else 'web'}"
+                               + (f" {'comp' if mo == 'comprehensiveness' else 'suff'}" if mo else "")
+                               for m, d, mo in zip(grid["model"], grid["data"], grid["mode"])])
+    ladder_columns = list(dict.fromkeys(grid.loc[grid["mode"] != "", "column"]))
+    sink_columns = list(dict.fromkeys(grid.loc[grid["mode"] == "", "column"]))
+    columns = ladder_columns + [c for c in sink_columns if c not in ladder_columns]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.36 * len(claims) + 2.2), sharey=True, constrained_layout=True)
+    for ax, sample in zip(axes, registration.SAMPLES):
+        part = grid[grid["sample"] == sample]
+        codes = np.full((len(claims), len(columns)), np.nan)
+        for r in part.itertuples(index=False):
+            codes[claims.index(r.claim), columns.index(r.column)] = _CODES[r.verdict]
+        ax.imshow(np.ma.masked_invalid(codes), cmap=ListedColormap(colours), vmin=0, vmax=4, aspect="auto")
+        ax.set_xticks(range(len(columns)), columns, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(claims)), claims, fontsize=8)
+        ax.set_xticks(np.arange(-0.5, len(columns)), minor=True)
+        ax.set_yticks(np.arange(-0.5, len(claims)), minor=True)
+        ax.grid(which="minor", color="white", linewidth=1.5)
+        ax.tick_params(which="minor", length=0)
+        ax.set_title(sample, fontsize=10)
+    labels = [stats.HOLDS, stats.NEGLIGIBLE, stats.INCONCLUSIVE, stats.CONTRADICTED, stats.NOT_MEASURED]
+    fig.legend([Patch(facecolor=c, edgecolor="#bbbbbb") for c in colours], labels, loc="outside lower center",
+               ncols=5, fontsize=8, frameon=False)
+    return fig
+
+
+# -- generated blocks of the introduction and the README -------------------------------------------
+def write_blocks(paths: Sequence[str | Path] = (REPO / "book" / "intro.md", REPO / "README.md"),
+                 text: str | None = None) -> list[Path]:
+    """Replace the text between ``<!-- headline:start -->`` and ``<!-- headline:end -->`` of each file with
+    :func:`headline_markdown`; returns the files that changed."""
+    text = headline_markdown() if text is None else text
+    changed = []
+    for path in map(Path, paths):
+        old = path.read_text()
+        pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+        if not pattern.search(old):
+            raise ValueError(f"{path.name} has no generated headline block ({START} ... {END})")
+        new = pattern.sub(lambda _: f"{START}\n{text}{END}", old)
+        if new != old:
+            path.write_text(new)
+            changed.append(path)
+    return changed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cwcore.book.headline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the generated blocks of book/intro.md and README.md")
+    args = parser.parse_args(argv)
+    if args.write:
+        changed = write_blocks()
+        print("rewrote " + (", ".join(p.name for p in changed) if changed else "nothing (up to date)"))
+    else:
+        print(headline_markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

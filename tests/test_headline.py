@@ -1,0 +1,102 @@
+"""The generated headline (chapter 9, the introduction and the README) says what the findings say: the
+step that decides a contradiction is named only when it alone decides it, a sink claim holds only when its
+registered controls hold, and the committed pages carry the text the committed findings generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from cwcore import book
+from cwcore.book import findings, headline, registration, table1
+from cwcore.faithfulness import evidence
+
+REPO = Path(__file__).resolve().parents[1]
+STEP_OF = {"step 1->2": "default", "step 2->3": "per-head", "step 3->4": "default", "contribution beats random": "default"}
+
+
+def _primary(verdicts: dict, sample: str = "exploratory") -> pd.DataFrame:
+    """Primary rows of every model, data set and mode; ``verdicts[(model, claim)]`` overrides "holds"."""
+    rows = []
+    for model in evidence.PRIMARY["models"]:
+        for data in evidence.PRIMARY["data"]:
+            for mode in evidence.PRIMARY["modes"]:
+                for claim, protocol in STEP_OF.items():
+                    v = verdicts.get((model, data, mode, claim), verdicts.get((model, claim), "holds"))
+                    rows.append({"claim": claim, "model": model, "data": data, "mode": mode, "protocol": protocol,
+                                 "importance": "absolute", "range": "full", "variant": "main", "verdict": v,
+                                 "estimate": 0.1 if v == "holds" else -0.1, "ci_low": 0.0, "ci_high": 0.2,
+                                 "primary": True, "sample": sample})
+    return pd.DataFrame(rows)
+
+
+def test_a_contradiction_is_pinned_on_one_step_only_when_that_step_alone_decides_it():
+    table = _primary({("smollm2-135m", "step 2->3"): "contradicted"})
+    text = " ".join(headline.ladder_sentences(table, "exploratory"))
+    assert "ordering 1 < 2 < 3 < 4 over its 8 cells (model x data set x mode): holds in 4 and contradicted in 4" in text
+    assert "**smollm2-135m**, the ordering over its 4 cells (data set x mode): contradicted in 4 of 4" in text
+    assert "rests on step 2 → 3 (value-weighted → output-normalised) alone, every other step holds" in text
+    assert "**gemma3-270m**, the ordering over its 4 cells (data set x mode): holds in 4 of 4" in text and "no step contradicts it" in text
+    # the control: one more contradicted step in one cell and the sentence names both, never "alone"
+    table = _primary({("smollm2-135m", "step 2->3"): "contradicted",
+                      ("smollm2-135m", "gsm8k", "sufficiency", "step 1->2"): "contradicted"})
+    text = " ".join(headline.ladder_sentences(table, "exploratory"))
+    assert "alone" not in text.split("**gemma3-270m**")[0]
+    assert "contradicted by step 1 → 2 (attention → value-weighted), step 2 → 3" in text
+
+
+def test_a_sample_without_rows_says_it_is_not_computed():
+    table = _primary({})
+    assert headline.ladder_sentences(table, "confirmatory") == [
+        "None of the 32 registered tests has been computed on this sample yet."]
+    assert set(table1.side_by_side(table)["comp. confirmatory"].str.strip()) <= {"—", ""}
+
+
+def _claims(tmp_path, model: str, values: dict) -> None:
+    """Sink chapters' claims tables holding the registered parts of every claim, each with interval
+    ``values.get(key, (0.6, 0.7))`` (above every "above" threshold, below every "below" one when negated)."""
+    rows = {chapter: [] for chapter in ("05_sink_decomposition", "06_sinks_as_suppressors", "07_semantic_cone")}
+    for data in registration.CONFIRMATORY_DATA:
+        for claim in registration.SINK_CLAIMS:
+            for key, threshold, side, _ in claim["parts"]:
+                low, high = values.get(key, (threshold + 0.1, threshold + 0.2) if side == "above"
+                                       else (threshold - 0.2, threshold - 0.1))
+                rows["06_sinks_as_suppressors"].append(
+                    {"chapter": "06", "claim": claim["claim"], "part": key, "statistic": "x", "key": f"{data}/{key}",
+                     "estimate": (low + high) / 2, "low": low, "high": high, "threshold": threshold, "side": side,
+                     "n": 10, "verdict": "", "why": "", "unit": "head", "n_units": 10, "source": "paper"})
+    for chapter, part in rows.items():
+        findings.save_results(book.results_path(tmp_path, chapter, model), pd.DataFrame(part) if part else
+                              pd.DataFrame(columns=["key"]), chapter=chapter, model=model, profile="evidence")
+
+
+def test_a_sink_claim_holds_only_when_its_registered_controls_hold(tmp_path):
+    _claims(tmp_path, "m", {})
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"]).set_index(["data", "claim"])["verdict"]
+    assert (verdicts == "holds").all() and len(verdicts) == 2 * len(registration.SINK_CLAIMS)
+    # the centred-values control reverses the sign: anti-alignment is contradicted although its main part holds
+    _claims(tmp_path, "m", {"cos_semantic_centred": (0.01, 0.05)})
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"])
+    anti = verdicts[verdicts["claim"] == "anti-alignment"]
+    assert (anti["verdict"] == "contradicted").all()
+    assert "the centred-values control is contradicted" in " ".join(headline.sink_sentences(verdicts))
+    assert "main cos_semantic: -0.15 [-0.2, -0.1] holds" in anti["parts"].iloc[0]
+
+
+def test_a_missing_registered_control_leaves_the_claim_not_measured(tmp_path):
+    _claims(tmp_path, "m", {})
+    table = book.results_path(tmp_path, "06_sinks_as_suppressors", "m")
+    frame = pd.read_csv(table)
+    frame[~frame["key"].str.endswith("/share_interior_minus_random_direction")].to_csv(table, index=False)
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"])
+    assert (verdicts.loc[verdicts["claim"] == "convexity", "verdict"] == "not measured").all()
+    assert (verdicts.loc[verdicts["claim"] != "convexity", "verdict"] == "holds").all()
+
+
+def test_the_committed_pages_carry_the_generated_headline():
+    text = headline.headline_markdown()
+    for page in (REPO / "README.md", REPO / "book" / "intro.md"):
+        body = page.read_text()
+        block = body[body.index(headline.START) + len(headline.START):body.index(headline.END)]
+        assert block.strip() == text.strip(), f"{page.name} is stale: run python -m cwcore.book.headline --write"
