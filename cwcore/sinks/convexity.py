@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import EPS, Analysis, Collector, Option, concat, count, flat, grid_columns, non_negative, register
+from .engine import EPS, SEED, Analysis, Collector, Option, concat, count, flat, grid_columns, non_negative, register
 from .. import stats
 from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
@@ -45,8 +45,9 @@ class _ConvexityCollector(Collector):
     (sequence, layer, query >= 1) the attention output's norm and its two counterfactuals, before and after
     the post-attention norm (:func:`cwcore.sinks.suppression.block_points`)."""
 
-    def __init__(self, *args, **options):
+    def __init__(self, *args, seed: int = 0, **options):
         super().__init__(*args, **options)
+        self.seed = seed
         self.rows, self.block, self.layers = [], [], []
         self.blocks = {b.layer: b for b in attention_blocks(self.model)}
         self.norms = post_attention_norms(self.model, self.ids)
@@ -60,6 +61,7 @@ class _ConvexityCollector(Collector):
             "alpha0": flat(s.probs[:, :, 1:, p]), "norm": flat(s.output_norm[..., 1:]),
             "v0_sq": np.repeat(flat(s.value_norm[..., p] ** 2), T - 1), "s_sq": flat(s.semantic_norm[..., 1:] ** 2),
             "v0_s": flat(s.sink_inner(s.semantic)[..., 1:]),
+            "u_s": flat(_random_direction_inner(s, self.seed)[..., 1:]),
         }))
         _, bias = self.blocks[s.layer].output_projection()
         self.block.append(block_points(s, self.start, self.norms.get(s.layer), bias, p))
@@ -68,6 +70,26 @@ class _ConvexityCollector(Collector):
     def finish(self, logits):
         layers = pd.DataFrame(self.layers, columns=["layer", "layer_type", "post_norm"])
         return {"points": concat(self.rows), "block": concat(self.block), "layers": layers}
+
+
+def _random_direction_inner(s, seed: int) -> torch.Tensor:
+    """<u_h, s_i> ``[b, h, q]`` for one unit vector u_h per (layer, head) of model space, drawn isotropically
+    (numpy's ``default_rng([seed, layer])``, one row per head): the direction control's sink value is
+    ||v~_0|| u_h, so its output is a_i ||v~_0|| u_h + s_i (:func:`random_direction_norm`)."""
+    heads, width = s.w_o.shape[0], s.w_o.shape[1]
+    u = np.random.default_rng([seed, s.layer]).standard_normal((heads, width))
+    u = torch.as_tensor(u / np.linalg.norm(u, axis=1, keepdims=True), dtype=s.w_o.dtype, device=s.w_o.device)
+    w = torch.einsum("hm,hmd->hd", u, s.w_o)  # W_O^h^T u_h: <u_h, W_O^h z> = w_h . z
+    return (s.semantic * w[None, :, None, :]).sum(-1)
+
+
+def random_direction_norm(points: pd.DataFrame) -> np.ndarray:
+    """||a_i ||v~_0|| u + s_i|| per point: the head output with the sink's value replaced by a vector of the
+    same norm in a random direction (the convexity claim's direction control; ``u_s`` = <u, s_i>)."""
+    a = points["alpha0"].to_numpy(float)
+    v0 = np.sqrt(points["v0_sq"].clip(lower=0).to_numpy(float))
+    squared = a**2 * v0**2 + 2 * a * v0 * points["u_s"].to_numpy(float) + points["s_sq"].to_numpy(float)
+    return np.sqrt(np.clip(squared, 0, None))
 
 
 def _reference_norm(a: np.ndarray, c: np.ndarray | float, v0_sq, s_sq, v0_s) -> np.ndarray:
@@ -400,7 +422,30 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.defau
     rows += _pooled_rows(fitted, "vertex_inside", claim=per_head, part="the interior minimum is established",
                          statistic_text="share of fitted heads whose α* interval lies in (0, 1), c₂ interval > 0",
                          key="share_vertex_inside", **boot)
+    rows.append(_direction_control(points, fits, fitted, fit_on, n_resamples, seed, unfitted, per_head))
     return rows
+
+
+def _direction_control(points: pd.DataFrame, fits: pd.DataFrame, fitted: pd.DataFrame, fit_on: str,
+                       n_resamples: int, seed: int, unfitted: str, claim: str) -> dict:
+    """The convexity claim's direction control (registered 2026-12-05): per fitted head, whether its
+    interior minimum is established (:func:`vertex_intervals`) with the real sink value, minus whether it is
+    with the sink value replaced by a same-norm vector of random direction (:func:`random_direction_norm`),
+    averaged over the fitted heads, bootstrap over heads. A short sink value of any direction gives an
+    interior vertex; only a positive difference credits the direction."""
+    key, part = "share_interior_minus_random_direction", "more interior minima than a random-direction sink value"
+    text = ("share of fitted heads whose interior minimum is established, minus the same with the sink value "
+            "replaced by a same-norm vector of random direction (bootstrap over heads)")
+    if "u_s" not in points or not len(fitted):
+        why = "the points hold no random-direction inner products" if len(fitted) else unfitted
+        return claim_row(6, claim, part, text, key, (np.nan,) * 3, 0.0, "above", 0, why, unit="head", n_units=0)
+    control = vertex_intervals(points.assign(norm=random_direction_norm(points)), fits, fit_on, n_resamples, seed)
+    control = control[control["scope"] == "head"][["layer", "head", "vertex_inside"]]
+    paired = fitted.merge(control, on=["layer", "head"], how="left", suffixes=("", "_random"))
+    difference = (paired["vertex_inside"].astype(float) - paired["vertex_inside_random"].fillna(False).astype(float))
+    ci = stats.bootstrap_ci(difference.to_numpy(), np.mean, n_resamples=n_resamples, seed=seed)
+    return claim_row(6, claim, part, text, key, (ci.estimate, ci.low, ci.high), 0.0, "above", len(paired), "",
+                     unit="head", n_units=len(paired))
 
 
 def _claims(results, *, eps: float, n_resamples: int, seed: int, fit_on: str = "norm", **_) -> list[dict]:
@@ -410,7 +455,8 @@ def _claims(results, *, eps: float, n_resamples: int, seed: int, fit_on: str = "
 
 
 ANALYSIS = register(Analysis("convexity", _ConvexityCollector, _tables, stems=("convexity", "convexity-curves"),
-                             summary=_summary, claims=_claims, options=(BINS, FIT_ON, MIN_RANGE, EPS)))
+                             collector_options=("seed",), summary=_summary, claims=_claims,
+                             options=(BINS, FIT_ON, MIN_RANGE, EPS, SEED)))
 
 
 @ANALYSIS.public

@@ -57,7 +57,13 @@ class _DecompositionCollector(Collector):
             self.picks["tail"].append((tail_q[chosen], tail_k[chosen]))
         q = torch.arange(T)
         self.masks = {"sink": (q[:, None] >= 1) & (q[None, :] == 0),
-                      "tail": (q[:, None] >= q[None, :]) & (q[None, :] >= 1)}  # [q, k]
+                      "tail": (q[:, None] >= q[None, :]) & (q[None, :] >= 1),  # [q, k]
+                      "null": None}
+        # the null baseline's class: for each query i >= 1 one key drawn uniformly from 1..i (its own
+        # seeded stream per sequence), the same in every layer and head, so that the sink's factor shares
+        # can be set against those of a key that is not the sink ([b, T - 1] key indices)
+        self.null_keys = torch.as_tensor(np.stack([
+            np.random.default_rng([seed, self.start + s, 1]).integers(1, np.arange(2, T + 1)) for s in range(b)]))
         self.stats, self.samples = [], []
 
     def on_layer(self, s):
@@ -68,6 +74,9 @@ class _DecompositionCollector(Collector):
         for cls, mask in self.masks.items():
             if cls == "sink":  # only key 0 of queries >= 1: slice instead of masking
                 parts = [x[:, :, 1:, 0] for x in (alpha, rel, cos, contribution)]
+            elif cls == "null":  # one drawn key per query >= 1
+                index = self.null_keys.to(alpha.device)[:, None, :, None].expand(b, heads, -1, 1)
+                parts = [x[:, :, 1:, :].gather(-1, index)[..., 0] for x in (alpha, rel, cos, contribution)]
             else:
                 keep = mask.to(alpha.device)
                 parts = [x[:, :, keep] for x in (alpha, rel, cos, contribution)]  # [b, h, pairs]
@@ -94,7 +103,7 @@ class _DecompositionCollector(Collector):
                     if k2 >= k:
                         frame[f"m_{name}_{name2}"] = flat(moments[..., k, k2])
             self.stats.append(pd.DataFrame(frame))
-            for seq, (qi, kj) in enumerate(self.picks[cls]):
+            for seq, (qi, kj) in enumerate(self.picks.get(cls, [])):
                 m = len(qi)
                 qi_t, kj_t = torch.as_tensor(qi), torch.as_tensor(kj)
                 values = {"alpha": alpha, "relative_norm": rel, "cosine": cos, "contribution": contribution}
@@ -433,6 +442,17 @@ def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = No
                                   statistic_text="mean over sink heads of geometry's − attention's share",
                                   key="sink_geometry_margin_by_layer", threshold=0.0, side="above", why=why,
                                   n_resamples=n_resamples, seed=seed)
+    null = in_sink[in_sink["token_class"] == "null"]
+    if "layer" in sink and len(null):
+        paired = sink.merge(null, on=["layer", "head"], suffixes=("", "_null"))
+        paired["margin_minus_null"] = (paired["geometry"] - paired["alpha"]) - (paired["geometry_null"]
+                                                                                - paired["alpha_null"])
+        rows += pooled_claim_rows(paired, "margin_minus_null", chapter=5, claim=DECOMPOSITION,
+                                  part="null baseline: the sink's margin exceeds a random key's, heads clustered by layer",
+                                  statistic_text="mean over sink heads of (geometry's − attention's share) at the sink "
+                                                 "minus the same at one random key per query",
+                                  key="sink_geometry_minus_null", threshold=0.0, side="above", why=why,
+                                  n_resamples=n_resamples, seed=seed)
     if joint is not None:
         for cls, measure, part, statistic, key, threshold in (
             ("sink", "geometry_minus_alpha", "sink, pooled: geometry explains more than attention",
@@ -466,7 +486,9 @@ ANALYSIS = register(Analysis("decomposition", _DecompositionCollector, _tables,
 def sink_decomposition(model, tokenizer, data, **options) -> DecompositionTables:
     """The factors of c_ij = alpha_ij * (||v~_j|| / ||o_i||) * cos(o_i, v~_j) for sink and tail tokens.
 
-    Token classes: ``sink`` = (query i >= 1, key 0); ``tail`` = (i >= 1, 1 <= j <= i). ``kind``: "intra"
+    Token classes: ``sink`` = (query i >= 1, key 0); ``tail`` = (i >= 1, 1 <= j <= i); ``null`` = (i >= 1,
+    one key j drawn uniformly from 1..i per query and sequence, seeded): the null baseline of the sink's
+    factor shares (a key that is not the sink, one per query like the sink). ``kind``: "intra"
     (o_i = the head's own output o^h_i, default) or "inter" (the layer's combined output).
 
     Since log|c| = log alpha + log rel_norm + log|cos| exactly, var(log|c|) splits into the factor

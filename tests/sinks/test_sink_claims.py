@@ -85,6 +85,8 @@ def suppressor_inputs(seed=0, heads=30, sequences=6, queries=20):
     points = grid.assign(layer=layer[grid["index"]], head=head[grid["index"]],
                          norm=rng.uniform(0, 2, len(grid)), s_sq=rng.uniform(-0.1, 2, len(grid)))
     points["alpha0"] = rng.uniform(0, 0.99, len(grid))  # drawn last: the columns above are unchanged
+    # the direction control's inputs (a unit sink value, a random direction orthogonal to every s_i)
+    points["v0_sq"], points["u_s"] = 1.0, 0.0
     return aa, fits, points.drop(columns="index"), 0.3
 
 

@@ -164,3 +164,67 @@ def test_an_extrapolated_vertex_is_established_but_not_observed():
     assert low["threshold"] == pytest.approx(model["alpha_q05"])
     assert high["estimate"] == rows.loc["pooled_vertex_below_1", "estimate"]
     assert (rows.loc[rows["claim"] == CONVEXITY, "source"] == "paper").all()
+
+
+# -- the direction control (registered with the confirmatory sample) -----------------------------
+
+
+def test_the_random_direction_inner_products_match_a_naive_model_space_computation():
+    """``u_s`` = <u_h, s_i> with u_h the registered unit vector of (layer, head) (``default_rng([seed,
+    layer])``) and s_i = o_i - alpha_i0 v~_0 materialised in model space from the model's own run; the
+    control's norm ||a ||v~_0|| u + s_i|| follows from it."""
+    from cwcore.sinks.convexity import random_direction_norm
+
+    model, ids = tiny_model("llama"), random_ids(n=3, length=10)
+    out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, min_range=0.0, **FAST)
+    points = out["raw"]["convexity"]["points"].sort_values(["layer", "sequence", "head", "query"])
+    reference, _ = naive_run(model, ids)
+    for layer, ref in enumerate(reference):
+        o, v, a = ref["outputs"].double(), ref["values"].double(), ref["attention"].double()  # model space
+        heads, width = o.shape[1], o.shape[-1]
+        u = np.random.default_rng([0, layer]).standard_normal((heads, width))
+        u = u / np.linalg.norm(u, axis=1, keepdims=True)
+        semantic = o[:, :, 1:] - a[:, :, 1:, :1] * v[:, :, None, 0]  # [b, h, q, m]
+        expected = np.einsum("bhqm,hm->bhq", semantic.numpy(), u)
+        mine = points[points["layer"] == layer]
+        got = mine.pivot_table(index=["sequence", "head"], columns="query", values="u_s").to_numpy()
+        np.testing.assert_allclose(got, expected.reshape(-1, expected.shape[-1]), rtol=1e-4, atol=1e-5)
+        direct = np.linalg.norm(a[:, :, 1:, 0, None].numpy() * np.linalg.norm(v[:, :, 0].numpy(), axis=-1)[:, :, None, None]
+                                * u[None, :, None, :] + semantic.numpy(), axis=-1)
+        np.testing.assert_allclose(random_direction_norm(mine).reshape(direct.shape), direct, rtol=1e-4, atol=1e-6)
+
+
+def _synthetic_points(u_s_of, n_heads=8, n_seq=8, n_q=40, seed=0):
+    """Heads whose real output norm |(1 - a) s - a s| has an interior minimum at a = 1/2 (an anti-parallel
+    sink value of the tail's norm), with ``u_s = u_s_of(v0_s)``: the random direction's inner products."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for layer in range(n_heads // 2):
+        for head in range(2):
+            for sequence in range(n_seq):
+                a = rng.uniform(0.05, 0.95, n_q)
+                s_sq = (1 - a) ** 2
+                v0_s = -(1 - a)  # <v0, s_i> with v0 = -e, s_i = (1 - a) e
+                norm = np.abs(1 - 2 * a) + rng.normal(0, 1e-3, n_q)
+                rows.append(pd.DataFrame({"layer": layer, "head": head, "sequence": sequence, "query": np.arange(n_q),
+                                          "alpha0": a, "norm": norm, "v0_sq": 1.0, "s_sq": s_sq, "v0_s": v0_s,
+                                          "u_s": u_s_of(v0_s)}))
+    return pd.concat(rows, ignore_index=True)
+
+
+def test_the_direction_control_credits_the_direction_only_when_a_random_one_does_worse():
+    from cwcore.sinks.convexity import _claim_rows, _convexity_tables
+
+    # a random direction aligned with the tail (u = +e): the norm a + (1 - a) = 1 is flat, no minimum
+    points = _synthetic_points(lambda v0_s: -v0_s)
+    fits = _convexity_tables(points, 10, "norm", 0.05, 0.3).fits
+    rows = pd.DataFrame(_claim_rows(fits, points, 0.3, 200, 0)).set_index("key")
+    part = rows.loc["share_interior_minus_random_direction"]
+    assert part["claim"] == "convexity [per head]" and part["verdict"] == "holds"
+    assert part["estimate"] == pytest.approx(rows.loc["share_vertex_inside", "estimate"])
+    # the control: the "random" direction is the sink's own, so the difference is 0 and the part cannot hold
+    points = _synthetic_points(lambda v0_s: v0_s)
+    fits = _convexity_tables(points, 10, "norm", 0.05, 0.3).fits
+    rows = pd.DataFrame(_claim_rows(fits, points, 0.3, 200, 0)).set_index("key")
+    assert rows.loc["share_interior_minus_random_direction", "estimate"] == pytest.approx(0.0)
+    assert rows.loc["share_interior_minus_random_direction", "verdict"] != "holds"

@@ -109,3 +109,59 @@ def test_joint_shares_match_a_naive_least_squares_on_every_pair():
         assert row["share_alpha_low"] <= row["share_alpha"] <= row["share_alpha_high"]
         assert row["n_sequences"] == 4
     assert set(joint["group"]) == {"sink_heads", "all"}  # eps = 0: every head is a sink head
+
+
+def test_the_null_baseline_class_holds_one_seeded_random_key_per_query_and_its_shares_are_naive():
+    """The registered null baseline of the decomposition: class ``null`` is one key drawn from 1..i for
+    every query i >= 1 (seeded per sequence, the same in every layer and head); its pooled factor shares
+    equal a naive covariance over exactly those pairs, recomputed from the model's materialised vectors."""
+    model, ids = tiny_model("llama"), random_ids()
+    tables = sinks.sink_decomposition(model, None, ids, batch_size=2, **FAST)
+    reference, _ = naive_run(model, ids)
+    a = torch.stack([r["attention"] for r in reference]).double()  # [l, b, h, q, k]
+    v = torch.stack([r["values"] for r in reference]).double()
+    o = torch.stack([r["outputs"] for r in reference]).double()
+    n_layers, b, heads, T, _ = a.shape
+    logs = []
+    for s in range(b):
+        keys = np.random.default_rng([0, s, 1]).integers(1, np.arange(2, T + 1))  # the registered draw
+        assert ((keys >= 1) & (keys <= np.arange(1, T))).all()
+        q, k = torch.arange(1, T), torch.as_tensor(keys)
+        alpha = a[:, s, :, q, k]  # [l, h, T-1]
+        vj, oi = v[:, s][:, :, k], o[:, s][:, :, q]
+        rel = vj.norm(dim=-1) / oi.norm(dim=-1)
+        cos = (vj * oi).sum(-1) / (vj.norm(dim=-1) * oi.norm(dim=-1))
+        logs.append(torch.stack([alpha.log(), rel.log(), cos.abs().log()], -1).reshape(-1, 3))
+    logs = torch.cat(logs).numpy()
+    total = logs.sum(1)
+    pooled = tables.summary[(tables.summary["scope"] == "model") & (tables.summary["token_class"] == "null")]
+    pooled = pooled.set_index("factor")
+    assert int(pooled.loc["alpha", "n"]) == len(logs) == n_layers * b * heads * (T - 1)
+    for j, factor in enumerate(["alpha", "relative_norm", "cosine"]):
+        share = np.cov(logs[:, j], total, bias=True)[0, 1] / total.var()
+        assert pooled.loc[factor, "share"] == pytest.approx(share, abs=1e-4)
+
+
+def test_the_null_baseline_part_is_the_sink_margin_minus_the_random_keys(monkeypatch):
+    """The claim part ``sink_geometry_minus_null`` is, per sink head, (geometry − attention) at the sink
+    minus the same at the random key, averaged over sink heads (a naive recomputation from the per-head
+    shares); a model whose sink is no different from a random key reads about zero, and the part can fail."""
+    from cwcore.sinks import decomposition as D
+
+    heads = []
+    for layer in range(6):
+        for head in range(2):
+            for cls, geometry, alpha in (("sink", 0.8, 0.2), ("null", 0.5 + 0.01 * layer, 0.5), ("tail", 0.3, 0.7)):
+                heads.append({"layer": layer, "head": head, "token_class": cls, "sink_rate": 0.6,
+                              "geometry": geometry, "alpha": alpha})
+    import pandas as pd
+
+    rows = D._claim_rows(pd.DataFrame(heads), eps=0.3)
+    part = [r for r in rows if r["key"] == "sink_geometry_minus_null"][0]
+    expected = np.mean([(0.8 - 0.2) - (0.5 + 0.01 * layer - 0.5) for layer in range(6) for _ in range(2)])
+    assert part["estimate"] == pytest.approx(expected) and part["verdict"] == "holds"
+    # the control: a sink whose margin is a random key's does not pass the null
+    same = pd.DataFrame([{**h, "geometry": 0.5 + 0.01 * h["layer"], "alpha": 0.5} if h["token_class"] == "sink" else h
+                         for h in heads])
+    part = [r for r in D._claim_rows(same, eps=0.3) if r["key"] == "sink_geometry_minus_null"][0]
+    assert part["estimate"] == pytest.approx(0.0, abs=1e-12) and part["verdict"] != "holds"
