@@ -90,3 +90,10 @@ $(PEERS_STAMP): benchmarks/peers/constraints.txt benchmarks/peers/requirements.t
 	@touch $@
 peers: $(PEERS_STAMP)
 	$(PEERS_VENV)/bin/python benchmarks/peers/bench_peers.py $(PEERS_ARGS)
+
+# make confirmatory [JOBS=N] [MODELS=m1,m2]: the confirmatory replication registered on 2026-12-05
+# (book/preregistration.md): the eight ladder cells and the sink pass on 64 new documents per data set, into
+# data/results/confirmatory, resumable and committed cell by cell; then both findings.csv (cwcore.book.confirmatory)
+.PHONY: confirmatory
+confirmatory: $(STAMP)
+	$(PY) -m cwcore.book.confirmatory build --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))

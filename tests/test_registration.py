@@ -134,3 +134,33 @@ def test_the_registration_commit_predates_every_confirmatory_export():
         commit, at = first.splitlines()[-1].split()
         assert int(at) >= int(registered_at) and commit != registered_commit, path.name
         assert _git("merge-base", "--is-ancestor", registered_commit, commit) is not None, path.name
+
+
+def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_reads_the_sample(tmp_path):
+    """``--profile confirmatory`` runs the confirmatory build (the notebooks draw the exploratory samples);
+    a smoke run must go elsewhere than the committed folder and its files never read as confirmatory."""
+    from cwcore import book
+    from cwcore.book import confirmatory
+
+    assert book.PROFILE_BUILDS[registration.CONFIRMATORY] is confirmatory.build
+    with pytest.raises(SystemExit):
+        confirmatory.main(["sinks", "--smoke", "2"])  # into the committed folder: refused before any work
+    with pytest.raises(ValueError, match="ladder, sinks and tables"):
+        confirmatory.build(only="ladder,figures")
+    assert registration.sample_of(confirmatory._profile(2)) == registration.EXPLORATORY
+    assert registration.sample_of(confirmatory._profile(None)) == registration.CONFIRMATORY
+
+
+@pytest.mark.slow
+def test_the_confirmatory_runs_draw_the_registered_sample_and_smoke_runs_the_exploratory_one():
+    from transformers import AutoTokenizer
+
+    from cwcore.book import confirmatory
+    from cwcore.models import packaged_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(packaged_model_path("smollm2-135m"))
+    registered = list(confirmatory._sample("gsm8k", tokenizer, None)["document"])
+    assert registration.document_hash(registered) == registration.document_hash(
+        list(registration.confirmatory_blocks("gsm8k", tokenizer)["document"]))
+    smoke = list(confirmatory._sample("gsm8k", tokenizer, 3)["document"])
+    assert set(smoke) <= _exploratory_ids()["gsm8k"] and not set(smoke) & set(registered)

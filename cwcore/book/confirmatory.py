@@ -1,15 +1,32 @@
 """``make confirmatory``: the confirmatory sample's evidence, computed after its registration.
 
-``python -m cwcore.book.confirmatory ladder [--models m1,m2] [--data d1,d2] [--jobs N]`` computes chapter 4's
-eight ladder cells (2 models x 2 data sets x the main protocols ``default`` and ``per-head``, both modes,
-both importance signs, every ratio of both grids, the random control at 3 seeds) on the registered
-confirmatory sample (:func:`cwcore.book.registration.confirmatory_blocks`), with exactly the sweep the
-evidence profile runs on the exploratory sample (:func:`cwcore.book.evidence_build.ladder_cell`). Each
-cell merges every :data:`~cwcore.book.evidence_build.CHECKPOINT_DOCUMENTS` documents into
-``data/results/confirmatory/per_document_<model>_<data>.csv.gz`` (its JSON says ``"sample":
-"confirmatory"`` and lists the document ids), so what is finished can be committed while it runs and a
-restarted build resumes from the committed rows after a 2-document check. The sweeps split their
-documents over ``--jobs`` single-thread ranks (``$CWCORE_JOBS``); results are the same with 1.
+The confirmatory replication (``book/preregistration.md``, "Confirmatory registration") decides the
+registered tests on 64 new documents per data set (:func:`cwcore.book.registration.confirmatory_blocks`).
+This module computes exactly those tests, with the parameters of the ``confirmatory`` profile of
+``book/run.yml`` (the evidence profile's), into ``data/results/confirmatory``; it never executes a
+notebook (the notebooks draw the exploratory samples).
+
+``python -m cwcore.book.confirmatory build [--models m1,m2] [--jobs N]`` (what ``make confirmatory`` and
+``python -m cwcore.book build --profile confirmatory`` run) does three steps, each resumable:
+
+``ladder``
+    chapter 4's eight ladder cells (2 models x 2 data sets x the protocols ``default`` and ``per-head``,
+    both modes, both importance signs, every ratio of both grids, the random control at 3 seeds) with the
+    evidence profile's sweep (:func:`cwcore.book.evidence_build.ladder_cell`): each cell merges every
+    :data:`~cwcore.book.evidence_build.CHECKPOINT_DOCUMENTS` documents into
+    ``per_document_<model>_<data>.csv.gz`` (its JSON says ``"sample": "confirmatory"`` and lists the
+    document ids), so what is finished can be committed while it runs, and a restarted build resumes
+    from the committed rows after a 2-document check;
+``sinks``
+    chapters 5-7's one pass of the sink analyses on the same documents and their claims tables
+    (:func:`sink_tables`), written as the chapters write theirs (``<chapter>/<model>.csv``);
+``tables``
+    chapter 4's ladder tables from the exports and ``findings.csv``
+    (:func:`cwcore.book.evidence_export.tables`): this folder's, and the exploratory folder's with both
+    samples' rows.
+
+The sweeps split their documents over ``--jobs`` single-thread ranks (``$CWCORE_JOBS``); the results are
+the same with 1.
 """
 
 from __future__ import annotations
@@ -19,70 +36,222 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
 
 from . import registration
 
-__all__ = ["OUT", "PROFILE", "LADDER", "ladder", "main"]
+__all__ = ["OUT", "PROFILE", "CHAPTER", "SINK_CHAPTERS", "ladder_parameters", "ladder", "sink_tables", "sinks",
+           "tables", "build", "main"]
 
 #: the committed confirmatory evidence (beside the exploratory ``data/results/evidence``)
 OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "confirmatory"  # findings.CONFIRMATORY_DIR
-#: the profile name the confirmatory exports carry (a committed export of another profile is never taken)
+#: the profile of ``book/run.yml`` that holds the parameters, and the name every confirmatory export carries
 PROFILE = registration.CONFIRMATORY
-#: the ladder sweep's settings: the evidence profile's chapter-4 parameters (book/run.yml), fixed here
-LADDER = {"metrics": ["attention", "value_weighted", "value_weighted_output_normalized", "contribution", "random"],
-          "importances": ["signed", "absolute"], "protocols": ["default", "per-head"], "random_seeds":
-          registration.RANDOM_SEEDS, "batch_size": 8, "dtype": "float32", "device": "cpu", "seed": 0}
+CHAPTER = "04_faithfulness"
+SINK_CHAPTERS = ("05_sink_decomposition", "06_sinks_as_suppressors", "07_semantic_cone")
 
 
-def ladder(models=registration.CONFIRMATORY_MODELS, datasets=registration.CONFIRMATORY_DATA, *,
-           out: str | Path = OUT, log=print) -> list[Path]:
-    """The confirmatory ladder cells of ``models`` x ``datasets`` (see the module's docstring), each
-    protocol in turn, merged into ``out`` as they go. Returns the exports written."""
+def ladder_parameters(model: str) -> dict:
+    """Chapter 4's parameters under the confirmatory profile (:func:`cwcore.book.parameters.run_parameters`)."""
+    from .parameters import run_parameters
+
+    return run_parameters(CHAPTER, PROFILE, model)
+
+
+def _sample(data: str, tokenizer, smoke: int | None):
+    """The registered sample of ``data``; with ``smoke``, that many documents of the *exploratory* sample
+    instead (a check of the code path that looks at no confirmatory document)."""
+    if smoke is None:
+        return registration.confirmatory_blocks(data, tokenizer)
+    from ..data import document_blocks, load_dataset
+
+    return document_blocks(load_dataset(data), tokenizer, registration.CONFIRMATORY_SEQ_LEN, int(smoke),
+                           seed=registration.EXPLORATORY_SEED)
+
+
+def _profile(smoke: int | None) -> str:
+    """The profile a run's files carry: a smoke run's never reads as the confirmatory sample."""
+    return PROFILE if smoke is None else f"{PROFILE}-smoke"
+
+
+def ladder(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
+           datasets: Sequence[str] = registration.CONFIRMATORY_DATA, *, out: str | Path = OUT,
+           smoke: int | None = None, log=print) -> list[Path]:
+    """The confirmatory ladder cells of ``models`` x ``datasets`` (see the module's docstring), each protocol
+    in turn, merged into ``out`` as they go. ``smoke``: that many *exploratory* documents instead, into
+    another ``out`` (a check of the code path). Returns the exports written."""
     import cwcore
     from ..faithfulness import evidence
     from .evidence_build import CHECKPOINT_DOCUMENTS, ladder_cell
     from .evidence_export import paths
 
     out = Path(out)
-    ratios = evidence.ratio_grid()
     written = []
     for model in models:
-        lm, tokenizer = cwcore.load_model(model, dtype=LADDER["dtype"], device=LADDER["device"])
+        p = ladder_parameters(model)
+        ratios = evidence.RatioGrids(p["low_ratios"], p["ratios"]).ratios
+        lm, tokenizer = cwcore.load_model(model, dtype=p["dtype"], device=p["device"])
         for data in datasets:
-            blocks = registration.confirmatory_blocks(data, tokenizer)
-            for protocol in LADDER["protocols"]:
+            blocks = _sample(data, tokenizer, smoke)
+            for protocol in p["protocols"]:
                 t0 = time.monotonic()
-                ladder_cell(lm, tokenizer, blocks, LADDER["metrics"], ratios, model=model, data=data,
-                            protocol=protocol, importances=LADDER["importances"], profile=PROFILE,
-                            seed=LADDER["seed"], dtype=LADDER["dtype"], exports=out, checkpoint=CHECKPOINT_DOCUMENTS,
-                            log=log, batch_size=LADDER["batch_size"], max_length=registration.CONFIRMATORY_SEQ_LEN,
-                            random_seeds=LADDER["random_seeds"], n_bootstrap=registration.N_BOOTSTRAP,
-                            progress=True, cache=True)
+                ladder_cell(lm, tokenizer, blocks, p["metrics"], ratios, model=model, data=data, protocol=protocol,
+                            importances=p["importances"], profile=_profile(smoke), seed=p["seed"], dtype=p["dtype"],
+                            exports=out, checkpoint=CHECKPOINT_DOCUMENTS, log=log, batch_size=p["batch_size"],
+                            max_length=p["seq_len"], random_seeds=p["random_seeds"], n_bootstrap=p["n_bootstrap"],
+                            progress=True, cache=p["cache"])
                 log(f"confirmatory  {model} {data} {protocol}: {time.monotonic() - t0:.0f} s")
             written += list(paths(model, data, out))
         del lm
     return written
 
 
+def sink_tables(results_by_data: Mapping[str, dict], parameters: Mapping[str, dict]) -> dict[str, pd.DataFrame]:
+    """Chapters 5-7's claims tables from one pass of every sink analysis per data set
+    (``results_by_data[data] = run_analyses(..., sinks.ANALYSES, raw=True)``), each stacked over the data
+    sets (:func:`cwcore.sinks.claims.stack_data`) exactly as the chapters stack theirs. ``parameters``: each
+    chapter's parameters (``n_bootstrap``, ``quantiles``) by chapter name."""
+    from ..sinks import claims as sink_claims
+    from ..sinks.engine import EPS, REGISTRY
+    from ..sinks.intervals import claims_frame
+
+    out = {}
+    seed = int(next(iter(parameters.values()))["run_parameters"].get("seed", 0))
+    eps = EPS.default
+    boot = {c: dict(n_resamples=parameters[c]["n_bootstrap"], seed=seed) for c in SINK_CHAPTERS}
+    out["05_sink_decomposition"] = sink_claims.stack_data({d: pd.concat([
+        sink_claims.rate_claims(r["rates"], eps, **boot["05_sink_decomposition"]),
+        sink_claims.decomposition_claims(r["rates"], r["decomposition"].summary, eps,
+                                         stats=r["raw"]["decomposition"]["stats"], **boot["05_sink_decomposition"]),
+    ], ignore_index=True) for d, r in results_by_data.items()})
+    out["06_sinks_as_suppressors"] = sink_claims.stack_data({d: claims_frame([
+        row for name in ("anti_alignment", "convexity") for row in REGISTRY[name].claims(
+            r, eps=eps, quantiles=5, n_resamples=parameters["06_sinks_as_suppressors"]["n_bootstrap"], seed=seed)])
+        for d, r in results_by_data.items()})
+    quantiles = parameters["07_semantic_cone"]["quantiles"]
+    out["07_semantic_cone"] = sink_claims.stack_data({
+        d: sink_claims.cone_claims(r["raw"]["semantic_cone"], quantiles, **boot["07_semantic_cone"])
+        for d, r in results_by_data.items()})
+    return out
+
+
+def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
+          datasets: Sequence[str] = registration.CONFIRMATORY_DATA, *, out: str | Path = OUT,
+          smoke: int | None = None, log=print) -> list[Path]:
+    """Chapters 5-7's claims tables of ``models`` on the confirmatory sample (one pass of every sink
+    analysis per data set, :func:`sink_tables`), written to ``out/<chapter>/<model>.csv`` with their JSON.
+    ``smoke``: as in :func:`ladder`. Returns the paths written."""
+    import cwcore
+    from .. import sinks as sink_analyses
+    from . import results_path
+    from .findings import save_results
+    from .notebook import SinkRun
+    from .parameters import run_parameters
+
+    out = Path(out)
+    written = []
+    for model in models:
+        parameters = {c: run_parameters(c, PROFILE, model) for c in SINK_CHAPTERS}
+        run = SinkRun.of(parameters["05_sink_decomposition"]["run_parameters"])
+        options = run.options()
+        lm, tokenizer = run.load(model)
+        t0 = time.monotonic()
+        results = {d: sink_analyses.run_analyses(
+            lm, tokenizer, _sample(d, tokenizer, smoke), list(sink_analyses.ANALYSES), options, raw=True,
+            sample_size=parameters["05_sink_decomposition"]["sample_size"],
+            bins=parameters["06_sinks_as_suppressors"]["bins"],
+            min_range=parameters["06_sinks_as_suppressors"]["min_range"],
+            quantiles=parameters["07_semantic_cone"]["quantiles"]) for d in datasets}
+        n = min(len(_sample(d, tokenizer, smoke)) for d in datasets)
+        for chapter, table in sink_tables(results, parameters).items():
+            path = results_path(out, chapter, model)
+            save_results(path, table, chapter=chapter, model=model, profile=_profile(smoke),
+                         parameters=dict(data=",".join(datasets), n_documents=n, seq_len=run.seq_len, seed=run.seed,
+                                         dtype=run.dtype, n_bootstrap=parameters[chapter]["n_bootstrap"],
+                                         sample=registration.EXPLORATORY if smoke else registration.CONFIRMATORY))
+            written += [path, path.with_suffix(".json")]
+        log(f"confirmatory  {model} sink pass: {time.monotonic() - t0:.0f} s")
+        del lm
+    return written
+
+
+def tables(out: str | Path = OUT) -> list[Path]:
+    """Chapter 4's ladder tables from the confirmatory exports and both ``findings.csv``
+    (:func:`cwcore.book.evidence_export.tables`)."""
+    from . import evidence_export
+
+    return evidence_export.tables(out)
+
+
+def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = OUT, **_) -> list[Path]:
+    """The three steps of the module's docstring in order (``only``: a subset of "ladder", "sinks",
+    "tables"); what ``python -m cwcore.book build --profile confirmatory`` runs."""
+    if isinstance(models, str):
+        models = [m for m in models.split(",") if m]
+    models = list(models or registration.CONFIRMATORY_MODELS)
+    steps = ["ladder", "sinks", "tables"] if not only else [s.strip() for s in str(only).split(",") if s.strip()]
+    unknown = sorted(set(steps) - {"ladder", "sinks", "tables"})
+    if unknown:
+        raise ValueError(f"unknown steps {unknown}: the confirmatory build has ladder, sinks and tables")
+    written = []
+    if "ladder" in steps:
+        written += ladder(models, out=out)
+    if "sinks" in steps:
+        written += sinks(models, out=out)
+    if "tables" in steps:
+        written += tables(out)
+    return written
+
+
+def _register_profile_build() -> None:
+    from . import PROFILE_BUILDS
+
+    PROFILE_BUILDS[PROFILE] = build
+
+
+_register_profile_build()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwcore.book.confirmatory", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("ladder", help="compute (or resume) the confirmatory ladder cells")
-    run.add_argument("--models", default=",".join(registration.CONFIRMATORY_MODELS))
-    run.add_argument("--data", default=",".join(registration.CONFIRMATORY_DATA))
-    run.add_argument("--jobs", type=int, default=None, help="single-thread ranks per sweep (default: $CWCORE_JOBS or 1)")
-    run.add_argument("--out", default=str(OUT))
+    commands = {"build": "every step below, in order", "ladder": "compute (or resume) the ladder cells",
+                "sinks": "the sink pass and chapters 5-7's claims tables", "tables": "the ladder tables and findings.csv"}
+    for name, text in commands.items():
+        p = sub.add_parser(name, help=text)
+        if name != "tables":
+            p.add_argument("--models", default=",".join(registration.CONFIRMATORY_MODELS))
+            p.add_argument("--jobs", type=int, default=None,
+                           help="single-thread ranks per sweep (default: $CWCORE_JOBS or 1)")
+        if name in ("ladder", "sinks"):
+            p.add_argument("--data", default=",".join(registration.CONFIRMATORY_DATA))
+            p.add_argument("--smoke", type=int, default=None, metavar="N",
+                           help="N exploratory documents instead of the registered sample: a check of the code path "
+                                "that looks at no confirmatory document (needs --out elsewhere)")
+        p.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    datasets = [d for d in args.data.split(",") if d]
+    models = [m for m in getattr(args, "models", "").split(",") if m]
+    datasets = [d for d in getattr(args, "data", ",".join(registration.CONFIRMATORY_DATA)).split(",") if d]
     unknown = [m for m in models if m not in registration.CONFIRMATORY_MODELS] + \
               [d for d in datasets if d not in registration.CONFIRMATORY_DATA]
     if unknown:
         parser.error(f"not registered: {', '.join(unknown)} (registered models "
                      f"{', '.join(registration.CONFIRMATORY_MODELS)}, data {', '.join(registration.CONFIRMATORY_DATA)})")
-    if args.jobs is not None:
+    smoke = getattr(args, "smoke", None)
+    if smoke is not None and Path(args.out).resolve() == OUT.resolve():
+        parser.error("--smoke writes exploratory documents: give --out another folder than the committed evidence")
+    if getattr(args, "jobs", None) is not None:
         os.environ["CWCORE_JOBS"] = str(args.jobs)
-    ladder(models, datasets, out=args.out)
+    if args.command == "build":
+        build(models=models, out=args.out)
+    elif args.command == "ladder":
+        ladder(models, datasets, out=args.out, smoke=smoke)
+    elif args.command == "sinks":
+        sinks(models, datasets, out=args.out, smoke=smoke)
+    else:
+        tables(args.out)
     return 0
 
 
