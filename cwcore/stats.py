@@ -42,7 +42,7 @@ __all__ = [
     "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "MIN_CLUSTERS", "NEGLIGIBLE", "NOT_MEASURED", "VERDICTS",
     "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_all", "combine_verdicts",
     "crossed_bootstrap_ci",
-    "detectable_from_interval", "holm", "sign_flip_p",
+    "detectable_from_interval", "holm", "mde_at_level", "sign_flip_p",
     "min_detectable_effect", "paired_bootstrap_ci", "percentile_interval", "resample_indices", "share_ci", "spearman_ci",
     "trapezoid_mean", "verdict", "wilson_ci",
 ]
@@ -372,6 +372,14 @@ def min_detectable_effect(sd: float, n: int, *, alpha: float = 0.05, power: floa
         return _NAN
     z = _scipy_stats.norm.ppf(1 - alpha / 2) + _scipy_stats.norm.ppf(power)
     return float(z * sd / math.sqrt(n))
+
+
+def mde_at_level(mde: float, alpha: float, *, from_alpha: float = 0.05, power: float = 0.8) -> float:
+    """:func:`min_detectable_effect` computed at level ``from_alpha``, restated at level ``alpha`` (the
+    same sample and power): ``mde * (z_{1-alpha/2} + z_power) / (z_{1-from_alpha/2} + z_power)``, e.g. a
+    family's Holm-adjusted level."""
+    z = _scipy_stats.norm.ppf(power)
+    return float(mde * (_scipy_stats.norm.ppf(1 - alpha / 2) + z) / (_scipy_stats.norm.ppf(1 - from_alpha / 2) + z))
 
 
 def detectable_from_interval(low: float, high: float, *, confidence: float = 0.95, alpha: float = 0.05,

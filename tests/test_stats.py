@@ -192,3 +192,14 @@ def test_holm_matches_the_step_down_definition():
         naive[i] = running
     np.testing.assert_allclose(stats.holm(p), naive)
     np.testing.assert_allclose(stats.holm([0.01, 0.02]), [0.02, 0.02])
+
+
+def test_mde_at_level_restates_the_detectable_effect_at_another_level():
+    """min_detectable_effect at 0.05 restated at 0.05/32 equals a direct computation at 0.05/32 (and the
+    restatement is the identity at the same level)."""
+    from cwcore import stats as S
+
+    direct = S.min_detectable_effect(0.3, 64, alpha=0.05 / 32)
+    restated = S.mde_at_level(S.min_detectable_effect(0.3, 64), 0.05 / 32, from_alpha=0.05)
+    assert restated == pytest.approx(direct, rel=1e-12) and restated > S.min_detectable_effect(0.3, 64)
+    assert S.mde_at_level(0.1, 0.05, from_alpha=0.05) == pytest.approx(0.1)

@@ -463,8 +463,11 @@ def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) 
         else:
             v = INCONCLUSIVE
         note = f"; primary: sign-flip p = {_fmt(r['p'])}, Holm p = {_fmt(p_holm)} (family of {len(family)})"
-        if v == INCONCLUSIVE and np.isfinite(r["mde"]) and r["mde"] > margin:
-            note += f"; too small to decide (mde {_fmt(r['mde'])} > margin {_fmt(margin)})"
+        # the smallest detectable effect at the family's strictest Holm level (registered 2026-12-05)
+        mde = stats.mde_at_level(float(r["mde"]), registration.MDE_LEVEL, from_alpha=evidence.ALPHA)
+        out.at[i, "mde"] = mde
+        if v == INCONCLUSIVE and np.isfinite(mde) and mde > margin:
+            note += f"; too small to decide (mde {_fmt(mde)} at α/{len(family)} > margin {_fmt(margin)})"
         if v != r["verdict"]:
             note += f"; unadjusted interval verdict: {r['verdict']}"
         out.at[i, "verdict"] = v
