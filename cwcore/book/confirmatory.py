@@ -43,7 +43,7 @@ import pandas as pd
 from . import registration
 
 __all__ = ["OUT", "PROFILE", "CHAPTER", "SINK_CHAPTERS", "ladder_parameters", "ladder", "sink_tables", "sinks",
-           "tables", "build", "main"]
+           "tables", "status", "write_status", "build", "main"]
 
 #: the committed confirmatory evidence (beside the exploratory ``data/results/evidence``)
 OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "confirmatory"  # findings.CONFIRMATORY_DIR
@@ -177,6 +177,52 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
     return written
 
 
+def status(out: str | Path = OUT) -> str:
+    """``STATUS.md`` of the confirmatory folder (markdown): per registered ladder cell the documents its
+    export holds of the registered number, per model the sink chapters' tables present, and what is left."""
+    import json
+
+    from . import results_path
+    from .evidence_export import paths
+
+    out = Path(out)
+    n = registration.CONFIRMATORY_DOCUMENTS
+    rows, done, parts = [], 0, 0
+    for model in registration.CONFIRMATORY_MODELS:
+        protocols = ladder_parameters(model)["protocols"]
+        for data in registration.CONFIRMATORY_DATA:
+            _, meta_path = paths(model, data, out)
+            cells = json.loads(meta_path.read_text()).get("cells", {}) if meta_path.is_file() else {}
+            for protocol in protocols:
+                held = int(cells.get(protocol, {}).get("documents", 0))
+                when = cells.get(protocol, {}).get("created", "")
+                rows.append(f"| {model} | {data} | {protocol} | {held} of {n} | {when} |")
+                parts += 1
+                done += held == n
+    sink_rows = []
+    for model in registration.CONFIRMATORY_MODELS:
+        present = [c for c in SINK_CHAPTERS if results_path(out, c, model).is_file()]
+        sink_rows.append(f"| {model} | {len(present)} of {len(SINK_CHAPTERS)} | {', '.join(present) or 'none'} |")
+        parts += 1
+        done += len(present) == len(SINK_CHAPTERS)
+    return "\n".join([
+        "# Confirmatory evidence: what is committed", "",
+        f"Written by `python -m cwcore.book.confirmatory status` (`make confirmatory` rewrites it). {done} of {parts} "
+        "parts done. The registration (book/preregistration.md) fixed these parts before any was computed.", "",
+        "| model | data | protocol | documents | last merged |", "| --- | --- | --- | --- | --- |", *rows, "",
+        "| model | sink chapters' tables | present |", "| --- | --- | --- |", *sink_rows, ""])
+
+
+def write_status(out: str | Path = OUT) -> Path:
+    """Write :func:`status` to ``out/STATUS.md`` (atomically); returns its path."""
+    from ..cache import atomic_write_bytes
+
+    path = Path(out) / "STATUS.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, status(out).encode())
+    return path
+
+
 def tables(out: str | Path = OUT) -> list[Path]:
     """Chapter 4's ladder tables from the confirmatory exports and both ``findings.csv``
     (:func:`cwcore.book.evidence_export.tables`)."""
@@ -202,7 +248,7 @@ def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = O
         written += sinks(models, out=out)
     if "tables" in steps:
         written += tables(out)
-    return written
+    return written + [write_status(out)]
 
 
 def _register_profile_build() -> None:
@@ -218,10 +264,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwcore.book.confirmatory", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"build": "every step below, in order", "ladder": "compute (or resume) the ladder cells",
-                "sinks": "the sink pass and chapters 5-7's claims tables", "tables": "the ladder tables and findings.csv"}
+                "sinks": "the sink pass and chapters 5-7's claims tables", "tables": "the ladder tables and findings.csv",
+                "status": "write STATUS.md: what the folder holds of the registered parts"}
     for name, text in commands.items():
         p = sub.add_parser(name, help=text)
-        if name != "tables":
+        if name not in ("tables", "status"):
             p.add_argument("--models", default=",".join(registration.CONFIRMATORY_MODELS))
             p.add_argument("--jobs", type=int, default=None,
                            help="single-thread ranks per sweep (default: $CWCORE_JOBS or 1)")
@@ -250,6 +297,8 @@ def main(argv=None) -> int:
         ladder(models, datasets, out=args.out, smoke=smoke)
     elif args.command == "sinks":
         sinks(models, datasets, out=args.out, smoke=smoke)
+    elif args.command == "status":
+        print(f"wrote {write_status(args.out)}")
     else:
         tables(args.out)
     return 0
