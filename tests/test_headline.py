@@ -100,3 +100,18 @@ def test_the_committed_pages_carry_the_generated_headline():
         body = page.read_text()
         block = body[body.index(headline.START) + len(headline.START):body.index(headline.END)]
         assert block.strip() == text.strip(), f"{page.name} is stale: run python -m cwcore.book.headline --write"
+
+
+def test_the_chapter_answers_name_the_deciding_part_and_what_is_not_computed(tmp_path):
+    table = _primary({("smollm2-135m", "step 2->3"): "contradicted"})
+    answer = headline.chapter4_answer(table, "smollm2-135m")
+    assert "*Confirmatory sample (registered before it was computed)*: not computed yet." in answer
+    assert "rests on step 2 → 3 (value-weighted → output-normalised) alone" in answer
+    assert "no step contradicts it" in headline.chapter4_answer(table, "gemma3-270m")
+    _claims(tmp_path / "exploratory", "m", {"cos_semantic_centred": (0.01, 0.05)})
+    answer = headline.sink_chapter_answer("06_sinks_as_suppressors", "m", exploratory_dir=tmp_path / "exploratory",
+                                          confirmatory_dir=tmp_path / "confirmatory")
+    assert "- *anti-alignment*: confirmatory: not computed yet; exploratory: **contradicted** (the centred-values " \
+           "control is contradicted)." in answer
+    assert "- *convexity*: confirmatory: not computed yet; exploratory: **holds**." in answer
+    assert "cone" not in answer  # chapter 7's claims are chapter 7's

@@ -29,7 +29,7 @@ from . import registration
 from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, STEPS, load_results
 
 __all__ = ["STEP_NAMES", "primary_rows", "ordering_summary", "ladder_sentences", "registered_sink_verdicts",
-           "sink_sentences", "headline_markdown", "committed_findings", "folders", "verdict_grid", "plot_verdicts", "write_blocks", "main"]
+           "sink_sentences", "headline_markdown", "committed_findings", "folders", "chapter4_answer", "primary_forest", "SINK_CLAIM_CHAPTER", "sink_chapter_answer", "verdict_grid", "plot_verdicts", "write_blocks", "main"]
 
 REPO = Path(__file__).resolve().parents[2]
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
@@ -140,7 +140,7 @@ def registered_sink_verdicts(results_dir: str | Path, models: Sequence[str]) -> 
     judged by the registered rule from the sink chapters' tables in ``results_dir``: each part's verdict
     (main parts and controls) and the claim's, :func:`cwcore.stats.combine_all` over all parts (a control
     missing from the table, e.g. one registered after the table was made, counts as not measured).
-    Columns ``model, data, claim, source, verdict, parts, failing``."""
+    Columns ``model, data, claim, source, computed`` (parts found), ``verdict, parts, failing``."""
     out = []
     for model in models:
         parts = [load_results(results_dir, chapter, model) for chapter in _SINK_CHAPTERS]
@@ -163,6 +163,7 @@ def registered_sink_verdicts(results_dir: str | Path, models: Sequence[str]) -> 
                 failing = [f"{PART_WORDS.get(key, key)} {'is ' + v if v != stats.NOT_MEASURED else 'was not computed'}"
                            for role, key, v in sorted(verdicts, key=lambda x: rank.get(x[2], 9)) if v != stats.HOLDS]
                 out.append({"model": model, "data": data, "claim": claim["claim"], "source": claim["source"],
+                            "computed": sum(not d.endswith("not computed") for d in described),
                             "verdict": stats.combine_all([v for *_, v in verdicts]) if table is not None
                             else stats.NOT_MEASURED, "parts": "; ".join(described), "failing": "; ".join(failing)})
     return pd.DataFrame(out)
@@ -226,6 +227,74 @@ def folders(evidence_dir: str | Path | None = None) -> dict:
     """``exploratory_dir`` and ``confirmatory_dir`` (its sibling ``confirmatory``) of ``evidence_dir``."""
     exploratory = Path(evidence_dir or EVIDENCE_DIR)
     return {"exploratory_dir": exploratory, "confirmatory_dir": exploratory.parent / "confirmatory"}
+
+
+def chapter4_answer(findings: pd.DataFrame, model: str) -> str:
+    """Chapter 4's generated answer for ``model`` (markdown): what each sample's registered tests say of the
+    paper's ordering on this model, and which step decides it; the confirmatory sample's progress."""
+    parts = []
+    for sample, label in ((registration.CONFIRMATORY, "Confirmatory sample (registered before it was computed)"),
+                          (registration.EXPLORATORY, "Exploratory sample (64 documents per data set)")):
+        rows = primary_rows(findings, sample) if len(findings) else findings
+        rows = rows[rows["model"] == model] if len(rows) else rows
+        if not len(rows) or (rows["verdict"] == stats.NOT_MEASURED).all():
+            parts.append(f"*{label}*: not computed yet.")
+            continue
+        summary = ordering_summary(rows)
+        sentence = _model_sentence(model, summary).replace(f"**{model}**, ", "")
+        beats = summary["contribution beats random"]
+        parts.append(f"*{label}*: {sentence[0].upper() + sentence[1:]} Contribution weights against a random "
+                     f"ranking: {_tally(beats)}.")
+    return "\n\n".join(parts)
+
+
+#: the chapter that judges each registered sink claim
+SINK_CLAIM_CHAPTER = {"many heads are sink heads": "05_sink_decomposition",
+                      "sink driven by value geometry, tail by attention and alignment": "05_sink_decomposition",
+                      "anti-alignment": "06_sinks_as_suppressors",
+                      "stronger sink, stronger anti-alignment": "06_sinks_as_suppressors",
+                      "the sink suppresses the output norm": "06_sinks_as_suppressors",
+                      "convexity": "06_sinks_as_suppressors",
+                      "low-norm outputs collapse into the cone": "07_semantic_cone",
+                      "removing the sink raises perplexity": "07_semantic_cone",
+                      "noise from many weak tokens accumulates": "07_semantic_cone"}
+
+
+def sink_chapter_answer(chapter: str, model: str, *, exploratory_dir: str | Path = EVIDENCE_DIR,
+                        confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> str:
+    """A sink chapter's generated answer for ``model`` (markdown bullets): each registered claim the chapter
+    judges, on each sample, with its controls (:func:`registered_sink_verdicts`), both data sets combined,
+    and the part that keeps a claim from holding."""
+    claims = [c for c, where in SINK_CLAIM_CHAPTER.items() if where == chapter]
+    lines = []
+    found = {sample: registered_sink_verdicts(folder, [model]) for sample, folder in
+             ((registration.CONFIRMATORY, confirmatory_dir), (registration.EXPLORATORY, exploratory_dir))}
+    for claim in claims:
+        said = []
+        for sample, verdicts in found.items():
+            rows = verdicts[verdicts["claim"] == claim]
+            if rows.empty or not rows["computed"].any():
+                said.append(f"{sample}: not computed yet")
+                continue
+            both = stats.combine_all(rows["verdict"])
+            stop = [f for f in dict.fromkeys("; ".join(rows["failing"]).split("; ")) if f]
+            said.append(f"{sample}: **{both}**" + (f" ({stop[0]})" if both != stats.HOLDS and stop else ""))
+        lines.append(f"- *{claim}*: " + "; ".join(said) + ".")
+    return "\n".join(lines)
+
+
+def primary_forest(findings: pd.DataFrame, model: str, sample: str = registration.EXPLORATORY):
+    """The forest plot of ``model``'s committed ladder steps on ``sample`` (main variant, every protocol,
+    sign and range; :func:`cwcore.plotting.ladder_forest`), or None when there are none."""
+    from ..plotting import ladder_forest
+
+    if not len(findings):
+        return None
+    rows = findings if "sample" not in findings else findings[findings["sample"] == sample]
+    rows = rows[(rows["model"] == model) & rows["data"].isin(list(evidence.PRIMARY["data"]))]
+    if rows.empty:
+        return None
+    return ladder_forest(rows, title=f"{model}, {sample} sample")
 
 
 # -- the picture ------------------------------------------------------------------------------------
