@@ -363,29 +363,46 @@ def _numbers_own_positions(model: nn.Module) -> bool:
     return cached
 
 
+#: Methods by which a multimodal model computes its own position ids in its own shape (multimodal RoPE:
+#: ``[3, batch, sequence]`` temporal/height/width ids for image and video tokens), reading the attention
+#: mask itself, so that a padded row keeps the positions of its unpadded sequence.
+OWN_POSITION_METHODS = ("get_rope_index", "compute_3d_position_ids")
+#: Inputs that hold text only (tokens, their mask and types): with anything else (pixels, image grids), a
+#: model with one of :data:`OWN_POSITION_METHODS` computes positions that plain 2-D ids cannot express.
+TEXT_INPUTS = {"input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "labels", "past_key_values",
+               "cache", "use_cache", "logits_to_keep", "output_attentions", "output_hidden_states", "return_dict"}
+
+
+def _computes_multimodal_positions(model: nn.Module, inputs: dict) -> bool:
+    """Whether the model computes its own positions for these inputs in another shape than ``[batch,
+    sequence]`` (see :data:`OWN_POSITION_METHODS`): they carry more than text."""
+    if not any(value is not None for name, value in inputs.items() if name not in TEXT_INPUTS):
+        return False
+    return any(callable(getattr(m, name, None)) for m in model.modules() for name in OWN_POSITION_METHODS)
+
+
 def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
     """Add ``position_ids`` consistent with left padding when the model needs them.
 
     transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts every
     real token's position. Counting only real tokens makes a padded row equal its unpadded sequence,
-    for every supported family: models that take no ``position_ids``, and models that number positions
-    from the ids themselves (RoBERTa and its relatives), are left alone.
+    for every supported family. Models that take no ``position_ids``, models that number positions
+    from the ids themselves (RoBERTa and its relatives) and multimodal models that compute their own
+    positions from the mask in their own shape (multimodal RoPE, on inputs with images or videos) are
+    left alone: cwcore never replaces a model's own positions.
     """
     mask = inputs.get("attention_mask")
     if mask is None or "position_ids" in inputs or bool(mask[:, 0].all()):
         return inputs
     if "position_ids" not in inspect.signature(model.forward).parameters or _numbers_own_positions(model):
         return inputs
+    if _computes_multimodal_positions(model, inputs):
+        return inputs
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if reference is not None and positions.shape[1] > reference.shape[1]:  # a cache holds the first tokens
         positions = positions[:, -reference.shape[1]:]
     return {**inputs, "position_ids": positions}
-
-
-def key_validity(inputs: dict) -> torch.Tensor | None:
-    mask = inputs.get("attention_mask")
-    return None if mask is None else mask.bool()
 
 
 def decompose(
@@ -433,8 +450,7 @@ def decompose(
     def record(call: LayerCall) -> None:
         recorded[call.layer] = LayerDecomposition.from_call(call)
 
-    session = AttentionSession(model, observers={layer: [record] for layer in wanted},
-                               key_valid=key_validity(inputs), compute_dtype=compute_dtype)
+    session = AttentionSession(model, observers={layer: [record] for layer in wanted}, compute_dtype=compute_dtype)
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
     missing = sorted(set(wanted) - set(recorded))
