@@ -310,9 +310,10 @@ def bart() -> nn.Module:
 
 @contextlib.contextmanager
 def recorded_attention_calls(model):
-    """The model's attention calls, recorded by an eager attention function of our own: ``[(module, queries,
-    keys, keywords)]`` in call order."""
+    """The model's attention calls, recorded by an eager attention function of our own (with eager's masks, so
+    the model computes what its eager forward computes): ``[(module, queries, keys, keywords)]`` in call order."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     calls = []
@@ -322,6 +323,7 @@ def recorded_attention_calls(model):
         return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("recording_probe", recording)
+    AttentionMaskInterface.register("recording_probe", eager_mask)  # the eager masks, as eager builds them
     configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
     previous = [c._attn_implementation for c in configs]
     try:
@@ -331,3 +333,11 @@ def recorded_attention_calls(model):
     finally:
         for config, value in zip(configs, previous):
             config._attn_implementation = value
+
+
+@functools.lru_cache(maxsize=None)
+def minimax_hybrid() -> nn.Module:
+    """MiniMax: a hybrid whose linear-attention block is named MiniMaxLightningAttention (layer 0) beside a
+    softmax block (layer 1); its eager forward returns a non-softmax map for the linear layer too."""
+    return _make(tf.MiniMaxConfig, tf.MiniMaxForCausalLM, **GQA, head_dim=16, **_MOE,
+                 layer_types=["linear_attention", "full_attention"], block_size=4)()
