@@ -341,3 +341,12 @@ def minimax_hybrid() -> nn.Module:
     softmax block (layer 1); its eager forward returns a non-softmax map for the linear layer too."""
     return _make(tf.MiniMaxConfig, tf.MiniMaxForCausalLM, **GQA, head_dim=16, **_MOE,
                  layer_types=["linear_attention", "full_attention"], block_size=4)()
+
+
+def relative_bias_model(family: str) -> nn.Module:
+    """T5 / UMT5: relative position biases passed to attention as ``position_bias`` (additive on the scores), and
+    self- and cross-attention blocks of one class."""
+    config_cls, model_cls = {"t5": (tf.T5Config, tf.T5Model), "umt5": (tf.UMT5Config, tf.UMT5Model)}[family]
+    return _make(config_cls, model_cls, dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                             num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                             relative_attention_max_distance=16, attn_implementation="eager"))()

@@ -119,16 +119,21 @@ def attention_forward(
         q_len, k_len = query.shape[2], key.shape[2]
         attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
                           else session.causal_mask(q_len, k_len, query.device))
+    position_bias = kwargs.get("position_bias")  # T5's relative positions: additive on the scores, like a float mask
+    call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     sink_mass = mixed = spans = None
     if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
         # alpha V in the same pass unless a transform may change alpha afterwards
-        probs, mixed, spans = _probs_in_chunks(query, key, attention_mask, scaling,
+        scores_mask = attention_mask if position_bias is None else _bias_mask(position_bias, attention_mask, key)
+        probs, mixed, spans = _probs_in_chunks(query, key, scores_mask, scaling,
                                                None if session.transforms_module(module) else value,
                                                session.mask_plans)
     else:
         probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
         if softcap is not None:
             probs = torch.tanh(probs / softcap) * softcap
+        if position_bias is not None:  # T5's eager order: scores + bias, then the mask
+            probs = probs + position_bias
         if attention_mask is not None:
             if attention_mask.dtype == torch.bool:
                 probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
@@ -146,7 +151,7 @@ def attention_forward(
             probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
     computed = probs
     if session is not None:
-        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans, attention_mask)
+        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans, call_mask)
     probs = probs.to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     output = session.computed_output(module, probs, value) if session is not None else None
@@ -156,6 +161,17 @@ def attention_forward(
     if session is not None:
         session.on_output(module, output)
     return output, probs
+
+
+def _bias_mask(position_bias: torch.Tensor, attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """An additive score bias ``[batch or 1, head, query, key]`` and the call's mask as one additive float mask,
+    as transformers' SDPA function combines them (the blockwise softmax of a model configured for SDPA)."""
+    bias = position_bias[..., : key.shape[-2]]
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, bias, max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min))
+    return bias + attention_mask[..., : key.shape[-2]]
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:

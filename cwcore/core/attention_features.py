@@ -41,6 +41,8 @@ HANDLED_KEYWORDS = {
     "deterministic": "a flash-attention kernel option",
     "target_dtype": "a flash-attention kernel option",
     "layer_idx": "not read by attention",
+    "position_bias": "an additive score bias (T5's relative positions), added to the scores before the softmax as "
+                     "the model's eager attention adds it",
 }
 #: Keywords known to change attention, with what they mean, for the refusal's wording.
 _KNOWN_UNSUPPORTED = {
@@ -51,7 +53,6 @@ _KNOWN_UNSUPPORTED = {
     "sinks": "learned sink logits under a keyword cwcore does not read",
     "attention_sinks": "learned sink logits under a keyword cwcore does not read",
     "alibi": "ALiBi position biases",
-    "position_bias": "additive position biases",
     "cu_seq_lens_q": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
     "cu_seq_lens_k": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
     "max_length_q": "packed sequences (flash-attention's variable-length layout)",

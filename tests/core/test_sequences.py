@@ -93,3 +93,49 @@ def test_an_encoder_decoder_with_equal_lengths_keeps_the_encoder_mask_on_the_enc
         if d[layer].block_name.endswith("encoder_attn"):  # padded encoder keys weigh nothing
             assert (d.attention[layer][1, :, :, 6:] == 0).all()
             assert d[layer].value_norm[1, :, 6:].isnan().all()
+
+
+# ---- relative position bias (T5's position_bias): additive on the scores ---------------------------------
+@pytest.mark.parametrize("family", ["t5", "umt5"])
+def test_relative_position_bias_is_exact_against_the_eager_run(family):
+    """T5 and UMT5 pass their relative position bias to attention as ``position_bias`` (refused before); the
+    decomposition must equal the eager maps and outputs, on a padded encoder batch with equal lengths, eager and
+    SDPA-configured, whatever layers are asked."""
+    from zoo_models import relative_bias_model
+
+    model = relative_bias_model(family)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:], ids[1, 6:] = 0, 0
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, VOCAB, (2, 9), generator=generator))
+    with torch.no_grad():
+        eager = model(**inputs, output_attentions=True)
+    maps = [*eager.encoder_attentions, eager.decoder_attentions[0], eager.cross_attentions[0],
+            eager.decoder_attentions[1], eager.cross_attentions[1]]
+    outputs = {}
+    handles = [model.get_submodule(b.name).o.register_forward_hook(
+        lambda module, args, out, layer=b.layer: outputs.__setitem__(layer, out.detach().clone()))
+        for b in cwcore.attention_blocks(model)]
+    try:
+        d = cwcore.decompose(model, **inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(d.outputs.last_hidden_state, eager.last_hidden_state, rtol=0, atol=1e-6)
+    for layer, eager_map in zip(d.layers, maps):
+        real = slice(None) if layer >= 2 else slice(0, 6)  # the encoder's padded query rows are NaN by design
+        for row in (0, 1):
+            rows = slice(None) if row == 0 else real
+            torch.testing.assert_close(d.attention[layer][row, :, rows], eager_map[row, :, rows], rtol=0, atol=1e-6)
+            torch.testing.assert_close(d[layer].geometry.output[row, rows], outputs[layer][row, rows], rtol=1e-4,
+                                       atol=1e-5)
+        sums = d.inter[layer].sum((1, 3))[0]
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
+    sdpa = relative_bias_model(family)
+    sdpa.set_attn_implementation("sdpa")
+    for layers in ([0], [3], None):  # recorded layers blockwise, the others through SDPA with the bias
+        chosen = cwcore.decompose(sdpa, layers=layers, **inputs)
+        torch.testing.assert_close(chosen.outputs.last_hidden_state, eager.last_hidden_state, rtol=1e-4, atol=1e-5)
+        for layer in chosen.layers:
+            torch.testing.assert_close(chosen.attention[layer], d.attention[layer], rtol=0, atol=1e-6, equal_nan=True)
