@@ -125,7 +125,13 @@ class LayerDecomposition:
     # -- stored quantities -------------------------------------------------------------------------
     @property
     def attention(self) -> torch.Tensor:
-        """alpha ``[batch, head, query, key]``."""
+        """alpha ``[batch, head, query, key]``: the weight of key j in o_i = sum_j alpha_ij v~_j.
+
+        With learned sink logits (``s_aux``) it is the softmax over the keys and the sink with the sink's column
+        dropped, so a row sums to one minus the mass the sink absorbed: the map GPT-OSS's eager attention returns.
+        A model that returns the softmax over the keys alone and applies its sink as a scale on the attention
+        output instead (Granite SWA) computes the same o_i, but its own maps are these rows divided by their sums.
+        """
         return self.geometry.attention
 
     @property
