@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import transformers as tf
@@ -308,19 +308,38 @@ def bart() -> nn.Module:
                                                    pad_token_id=1, attn_implementation="eager"))()
 
 
+class RecordedCall(NamedTuple):
+    """One attention call as the recording probe saw it."""
+
+    module: nn.Module
+    queries: int
+    keys: int
+    keywords: list[str]  # the keywords passed with a value (not None)
+    output: torch.Tensor  # what the attention function returned, [batch, query, head, dim]
+
+
 @contextlib.contextmanager
 def recorded_attention_calls(model):
     """The model's attention calls, recorded by an eager attention function of our own (with eager's masks, so
-    the model computes what its eager forward computes): ``[(module, queries, keys, keywords)]`` in call order."""
+    the model computes what its eager forward computes): a list of :class:`RecordedCall` in call order."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
-    from transformers.models.llama.modeling_llama import eager_attention_forward
 
     calls = []
 
-    def recording(module, query, key, value, attention_mask, **kwargs):
-        calls.append((module, query.shape[-2], key.shape[-2], sorted(k for k, v in kwargs.items() if v is not None)))
-        return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    def recording(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # plain eager attention (no softcap, sinks or biases: the families probed here have none that matter)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+        if attention_mask is not None:
+            scores = (scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+                      if attention_mask.dtype == torch.bool else scores + attention_mask[..., : key.shape[-2]])
+        weights = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+        output = (weights @ value).transpose(1, 2).contiguous()
+        calls.append(RecordedCall(module, query.shape[-2], key.shape[-2],
+                                  sorted(k for k, v in kwargs.items() if v is not None), output.detach().clone()))
+        return output, weights
 
     AttentionInterface.register("recording_probe", recording)
     AttentionMaskInterface.register("recording_probe", eager_mask)  # the eager masks, as eager builds them

@@ -19,8 +19,10 @@ def test_a_linear_attention_block_named_attention_is_not_numbered():
     lightning, softmax = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     assert type(lightning).__name__ == "MiniMaxLightningAttention"  # the name says attention...
     with torch.no_grad(), recorded_attention_calls(model) as calls:
+        model(input_ids=IDS)
+    with torch.no_grad():
         eager = model(input_ids=IDS, output_attentions=True)
-    assert [c[0] for c in calls] == [softmax]  # ...but only layer 1 calls the attention interface
+    assert [c.module for c in calls] == [softmax]  # ...but only layer 1 calls the attention interface
     blocks = attention_blocks(model)
     assert [(b.layer, b.module) for b in blocks] == [(0, softmax)]
     d = cwcore.decompose(model, input_ids=IDS)  # layers=None: every softmax layer, exact

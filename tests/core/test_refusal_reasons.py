@@ -22,7 +22,7 @@ def test_a_vision_tower_with_several_images_is_refused_for_its_per_image_calls()
     with torch.no_grad(), recorded_attention_calls(model) as calls:
         model(**inputs)
     tower = model.model.visual.blocks[0].attn
-    sizes = [(q, k) for module, q, k, _ in calls if module is tower]
+    sizes = [(c.queries, c.keys) for c in calls if c.module is tower]
     assert len(sizes) == 2 and all(q == k for q, k in sizes)  # the probe: 2 calls, one per image
     tokens = row["pixel_values"].shape[0]
     assert sum(q for q, _ in sizes) == tokens
@@ -45,7 +45,7 @@ def test_differential_attention_is_refused_for_its_two_maps_over_the_same_querie
     with torch.no_grad(), recorded_attention_calls(model) as calls:
         model(input_ids=ids)
     first = model.model.layers[0].self_attn
-    sizes = [(q, k) for module, q, k, _ in calls if module is first]
+    sizes = [(c.queries, c.keys) for c in calls if c.module is first]
     assert sizes == [(7, 7), (7, 7)]  # the probe: two maps over all 7 queries
     with pytest.raises(cwcore.UnsupportedModelError,
                        match=r"calls the attention function 2 times per layer, each time over all its 7 queries: it "
@@ -74,9 +74,72 @@ def test_a_grouped_low_rank_output_projection_is_refused_before_any_geometry(pad
     finally:
         handle.remove()
     heads, head_dim = attention.config.num_attention_heads, attention.head_dim
-    assert len([c for c in calls if c[0] is attention]) == 1  # one softmax map per layer...
+    assert len([c for c in calls if c.module is attention]) == 1  # one softmax map per layer...
     assert received[0] != heads * head_dim  # ...but o_b_proj does not receive the attention output
     expected = (rf"`o_b_proj`, which cwcore took as its output projection W_O .* takes inputs of width {received[0]}, "
                 rf"but the attention output has {heads} heads x {head_dim} = {heads * head_dim} values per token")
     with pytest.raises(cwcore.UnsupportedModelError, match=expected):
         cwcore.decompose(model, **{k: v for k, v in inputs.items()})
+
+
+def test_a_block_that_never_calls_the_attention_interface_is_refused_for_it():
+    """GPT-Neo computes attention in its own code: the probe records no call from its blocks."""
+    model = zoo_model("gpt_neo")
+    ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), recorded_attention_calls(model) as calls:
+        model(input_ids=ids)
+    block = cwcore.attention_blocks(model)[0]
+    assert not [c for c in calls if c.module is block.module]
+    with pytest.raises(cwcore.UnsupportedModelError,
+                       match=rf"attention block '{re.escape(block.name)}' .*did not run through cwcore's attention "
+                             "function: it does not call transformers' attention interface"):
+        cwcore.decompose(model, input_ids=ids)
+
+
+def test_a_keyword_cwcore_does_not_implement_is_named_as_the_call_passed_it():
+    """DeepSeek-V3.2's indexer passes its top-k keys as `indices=`: the probe records the keyword."""
+    model = zoo_model("deepseek_v32")
+    ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), recorded_attention_calls(model) as calls:
+        model(input_ids=ids)
+    first = model.model.layers[0].self_attn
+    assert "indices" in [k for c in calls if c.module is first for k in c.keywords]
+    with pytest.raises(cwcore.UnsupportedModelError, match=r"'model.layers.0.self_attn' \(DeepseekV32Attention\) "
+                                                           r"passes `indices` to the attention function"):
+        cwcore.decompose(model, input_ids=ids)
+
+
+def test_a_gate_before_the_output_projection_is_refused_with_the_measured_difference():
+    """Qwen3-Next multiplies the attention output by a gate before o_proj: the refusal's max |difference| is the
+    one between the probe's attention output and what o_proj received."""
+    model = zoo_model("qwen3_next")
+    ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    attention = cwcore.attention_blocks(model)[0].module
+    received = []
+    handle = attention.o_proj.register_forward_pre_hook(lambda module, args: received.append(args[0].detach().clone()))
+    try:
+        with torch.no_grad(), recorded_attention_calls(model) as calls:
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    (produced,) = [c.output for c in calls if c.module is attention]
+    difference = float((received[0] - produced.reshape(received[0].shape)).abs().max())
+    assert difference > 1e-3
+    with pytest.raises(cwcore.UnsupportedModelError, match="output projection received something other") as refusal:
+        cwcore.decompose(model, input_ids=ids)
+    stated = float(re.search(r"max \|difference\| ([0-9.e+-]+)", str(refusal.value)).group(1))
+    assert stated == pytest.approx(difference, rel=5e-3)  # the message prints 3 significant digits
+
+
+def test_a_module_shared_across_layers_is_refused_for_its_repeated_runs():
+    """ALBERT runs one attention module in every layer: the probe records 2 calls from it in one forward."""
+    model = zoo_model("albert")
+    ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), recorded_attention_calls(model) as calls:
+        model(input_ids=ids)
+    block = cwcore.attention_blocks(model)[0]
+    runs = len([c for c in calls if c.module is block.module])
+    assert runs == 2
+    with pytest.raises(cwcore.UnsupportedModelError, match=rf"ran {runs} times in one forward pass: its weights are "
+                                                           "shared across layers"):
+        cwcore.decompose(model, input_ids=ids)
