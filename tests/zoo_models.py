@@ -137,6 +137,8 @@ _ZOO = [
     Species("gpt_oss", _make(tf.GptOssConfig, tf.GptOssForCausalLM, **GQA, head_dim=16, **_MOE,
                              layer_types=["sliding_attention", "full_attention"], sliding_window=4),
             what="learned sink logits, sliding window, MoE"),
+    Species("granite_swa", _make(tf.GraniteSWAConfig, tf.GraniteSWAForCausalLM, **GQA),
+            what="learned sinks applied as a scale on the attention output: its own maps exclude the sink"),
     Species("qwen3_next", _make(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, **GQA, head_dim=16,
                                 layer_types=["linear_attention", "full_attention"], **_QWEN_MOE,
                                 linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,

@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
-from .attention_features import HANDLED_KEYWORDS, block_label, refuse_unknown_features
+from .attention_features import HANDLED_KEYWORDS, block_label, maps_exclude_the_sink, refuse_unknown_features
 from .geometry import HeadSpaceGeometry, head_space_geometry, projected_check as _projected_check, split_output_projection
 
 __all__ = [
@@ -106,6 +106,7 @@ def attention_forward(
         return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  softcap=softcap, **kwargs)
     groups = query.shape[1] // key.shape[1]
+    unrepeated = (key.shape[1], key.shape[-1], value.shape[-1])  # kv heads, key and value head dims
     key = _repeat_heads(key, groups)
     value = _repeat_heads(value, groups)
     if scaling is None:
@@ -151,7 +152,8 @@ def attention_forward(
             probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
     computed = probs
     if session is not None:
-        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans, call_mask)
+        sink_scales_output = s_aux is not None and maps_exclude_the_sink(module, query, *unrepeated, s_aux)
+        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans, call_mask, sink_scales_output)
     probs = probs.to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     output = session.computed_output(module, probs, value) if session is not None else None
@@ -326,6 +328,9 @@ class LayerCall:
         self.block, self.layer, self.module = block, block.layer, block.module
         #: ``[batch, head, query]``: the softmax mass a learned sink logit absorbed (None without one)
         self.learned_sink_mass = learned_sink_mass
+        #: whether the model's own maps are the softmax over the keys alone, its sink a scale 1 - learned_sink_mass
+        #: on the output (Granite SWA), rather than ``probs`` (the sink-dropped softmax, as GPT-OSS returns them)
+        self.sink_scales_output = False
         self._probs = probs
         # what the blockwise softmax computed with these probabilities: probs @ value and where probs is 0
         self._computed = (mixed, key_spans)
@@ -550,7 +555,8 @@ class AttentionSession:
 
     def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
                      learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
-                     key_spans=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     key_spans=None, attention_mask: torch.Tensor | None = None,
+                     sink_scales_output: bool = False) -> torch.Tensor:
         block = self._by_module.get(id(module))
         if block is None:
             return probs
@@ -582,6 +588,7 @@ class AttentionSession:
             query_valid = rows_valid  # with a cache: a padded query is one that sees no key (left padding)
         call = LayerCall(block, probs, value, key_valid, self.compute_dtype, learned_sink_mass, mixed, key_spans,
                          query_valid)
+        call.sink_scales_output = sink_scales_output
         for transform in transforms:
             new = transform(call)
             if new is not None:

@@ -98,8 +98,12 @@ class LayerDecomposition:
         output_bias: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
         block_name: str | None = None,
+        map_scale: torch.Tensor | None = None,
     ):
         self.layer = layer
+        #: ``[batch, head, query]`` or None: the scale a learned sink applies to the output of a model whose own
+        #: maps exclude the sink (Granite SWA); :attr:`attention` divides by it to return the model's maps
+        self.map_scale = map_scale
         #: the attention module this layer number refers to, e.g. ``"model.layers.3.self_attn"``
         self.block_name = block_name
         self.geometry = geometry
@@ -112,7 +116,11 @@ class LayerDecomposition:
         """The decomposition of the layer an observer or transform sees (see :class:`~cwcore.core.attention.LayerCall`)."""
         _, bias = call.output_projection()
         bias = None if bias is None else bias.detach().to(call.compute_dtype)
-        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid, block_name=call.block.name)
+        scale = None
+        if getattr(call, "sink_scales_output", False) and call.learned_sink_mass is not None:
+            scale = (1 - call.learned_sink_mass.detach()).to(call.compute_dtype)
+        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid, block_name=call.block.name,
+                   map_scale=scale)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_views": {}}  # weak references do not pickle (and hold nothing)
@@ -125,14 +133,18 @@ class LayerDecomposition:
     # -- stored quantities -------------------------------------------------------------------------
     @property
     def attention(self) -> torch.Tensor:
-        """alpha ``[batch, head, query, key]``: the weight of key j in o_i = sum_j alpha_ij v~_j.
+        """The attention map the model applies ``[batch, head, query, key]``, as its eager forward returns it.
 
-        With learned sink logits (``s_aux``) it is the softmax over the keys and the sink with the sink's column
-        dropped, so a row sums to one minus the mass the sink absorbed: the map GPT-OSS's eager attention returns.
-        A model that returns the softmax over the keys alone and applies its sink as a scale on the attention
-        output instead (Granite SWA) computes the same o_i, but its own maps are these rows divided by their sums.
+        Without learned sink logits it is alpha, the weight of key j in o_i = sum_j alpha_ij v~_j. With them
+        (``s_aux``) it follows the model's own convention, measured from its eager attention: GPT-OSS returns the
+        softmax over the keys and the sink with the sink's column dropped (alpha itself: a row sums to one minus
+        the mass the sink absorbed); Granite SWA returns the softmax over the keys alone (rows sum to one) and
+        applies its sink as a scale on the output, so there ``attention`` is alpha divided by that scale
+        (:attr:`map_scale`), and the terms, ``value_weighted`` and the contribution weights use alpha.
         """
-        return self.geometry.attention
+        if self.map_scale is None:
+            return self.geometry.attention
+        return self.geometry.attention / self.map_scale[..., None]
 
     @property
     def value_norm(self) -> torch.Tensor:
@@ -241,8 +253,8 @@ class LayerDecomposition:
     @property
     def value_weighted(self) -> torch.Tensor:
         """alpha_ij ||v~_j|| (Kobayashi et al. 2020) ``[batch, head, query, key]``."""
-        # padded keys have NaN norm but zero attention: they weigh zero
-        return self.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
+        # padded keys have NaN norm but zero attention: they weigh zero; alpha, the terms' own weights
+        return self.geometry.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
 
     @property
     def intra_value_weighted_normalized(self) -> torch.Tensor:
@@ -263,7 +275,8 @@ class LayerDecomposition:
         moved = self.geometry.to(*args, **kwargs)
         bias = None if self.output_bias is None else self.output_bias.to(*args, **kwargs)
         valid = None if self.key_valid is None else self.key_valid.to(moved.attention.device)
-        return LayerDecomposition(self.layer, moved, bias, valid, self.block_name)
+        scale = None if self.map_scale is None else self.map_scale.to(*args, **kwargs)
+        return LayerDecomposition(self.layer, moved, bias, valid, self.block_name, scale)
 
 
 class LayerNotDecomposedError(KeyError):
