@@ -10,9 +10,10 @@ the module the model really calls.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import transformers as tf
@@ -136,6 +137,8 @@ _ZOO = [
     Species("gpt_oss", _make(tf.GptOssConfig, tf.GptOssForCausalLM, **GQA, head_dim=16, **_MOE,
                              layer_types=["sliding_attention", "full_attention"], sliding_window=4),
             what="learned sink logits, sliding window, MoE"),
+    Species("granite_swa", _make(tf.GraniteSWAConfig, tf.GraniteSWAForCausalLM, **GQA),
+            what="learned sinks applied as a scale on the attention output: its own maps exclude the sink"),
     Species("qwen3_next", _make(tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, **GQA, head_dim=16,
                                 layer_types=["linear_attention", "full_attention"], **_QWEN_MOE,
                                 linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
@@ -161,8 +164,18 @@ _ZOO = [
             refused=r"attention block 'model.layers.0.self_attn' \(DeepseekV32Attention\) passes `indices` to the "
                     r"attention function \(the top-k keys a sparse-attention indexer selected",
             what="sparse attention: an indexer passes its top-k keys as `indices=` (silently dense before)"),
+    Species("deepseek_v4", _make(tf.DeepseekV4Config, tf.DeepseekV4ForCausalLM, num_key_value_heads=1, head_dim=16,
+                                 q_lora_rank=32, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                                 num_experts_per_tok=2, o_groups=2, o_lora_rank=8, index_n_heads=2, index_head_dim=16,
+                                 index_topk=4, sliding_window=4, hc_mult=2, num_nextn_predict_layers=0),
+            projection="o_b_proj",
+            refused=r"`o_b_proj`, which cwcore took as its output projection W_O \(no registered name matched, so the "
+                    r"block's last linear layer\), takes inputs of width 16, but the attention output has 4 heads x 16 "
+                    r"= 64 values per token",
+            what="grouped low-rank output projection (o_a_proj per group, then o_b_proj): W_O is not one linear map"),
     Species("diffllama", _make(tf.DiffLlamaConfig, tf.DiffLlamaForCausalLM, **GQA),
-            refused="calls the attention function 2 times per layer: it combines 2 attention maps",
+            refused="calls the attention function 2 times per layer, each time over all its 9 queries: it combines 2 "
+                    "attention maps",
             what="differential attention: two softmax maps per layer, a_1 - lambda a_2"),
     # ---- refused: blocks that do not call transformers' attention interface -----------------------
     Species("gpt_neo", _make(tf.GPTNeoConfig, tf.GPTNeoForCausalLM, dict(vocab_size=VOCAB, hidden_size=64, num_layers=2,
@@ -240,3 +253,121 @@ def projection_of(block_module: nn.Module, parent: nn.Module | None, path: str) 
     for part in path.split("."):
         root = getattr(root, part)
     return root
+
+
+# ---- families whose inputs are more than one token sequence (tests/core/test_sequences.py) ------------------
+IMAGE_TOKEN, VISION_START, VISION_END = 90, 92, 93
+PATCH_GRID = (1, 4, 4)  # one image: 1 x 4 x 4 patches, merged 2 x 2 into 4 language tokens
+
+
+@functools.lru_cache(maxsize=None)
+def qwen2_vl() -> nn.Module:
+    """Qwen2-VL: a vision tower that calls attention once per image, and multimodal RoPE (``[3, batch,
+    sequence]`` temporal/height/width position ids that the model computes from the mask itself)."""
+    torch.manual_seed(0)
+    config = tf.Qwen2VLConfig(
+        text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=None, eos_token_id=None,
+                         rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=10000.0)),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, patch_size=2, spatial_merge_size=2,
+                           temporal_patch_size=2, in_channels=3, mlp_ratio=2),
+        image_token_id=IMAGE_TOKEN, video_token_id=91, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, attn_implementation="eager")
+    model = tf.Qwen2VLForConditionalGeneration(config).eval()
+    model.config._attn_implementation = "eager"
+    return _randomise_biases(model)
+
+
+def qwen2_vl_row(text: int = 7, images: int = 1, seed: int = 1) -> dict:
+    """One unpadded row: 2 text tokens, ``images`` images (start, 4 image tokens, end), the rest of the text."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(2, 80, (text,), generator=generator)
+    image = torch.tensor([VISION_START, *[IMAGE_TOKEN] * 4, VISION_END])
+    ids = torch.cat([words[:2], *[image] * images, words[2:]])
+    patches = PATCH_GRID[0] * PATCH_GRID[1] * PATCH_GRID[2]
+    return dict(input_ids=ids, pixel_values=torch.randn(images * patches, 3 * 2 * 2 * 2, generator=generator),
+                image_grid_thw=torch.tensor([PATCH_GRID] * images), mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+
+
+def qwen2_vl_inputs(row: dict, pad: int = 0) -> dict:
+    """``row`` as a batch of one, left-padded by ``pad`` tokens (with the attention mask that says so)."""
+    ids, types = row["input_ids"], row["mm_token_type_ids"]
+    inputs = dict(input_ids=torch.cat([torch.zeros(pad, dtype=torch.long), ids])[None],
+                  mm_token_type_ids=torch.cat([torch.zeros(pad, dtype=types.dtype), types])[None],
+                  pixel_values=row["pixel_values"], image_grid_thw=row["image_grid_thw"])
+    if pad:
+        inputs["attention_mask"] = torch.cat([torch.zeros(pad), torch.ones(len(ids))]).long()[None]
+    return inputs
+
+
+@functools.lru_cache(maxsize=None)
+def bart() -> nn.Module:
+    """BART: an encoder-decoder whose self- and cross-attention blocks share one class (both numbered)."""
+    return _make(tf.BartConfig, tf.BartModel, dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                                   encoder_attention_heads=4, decoder_attention_heads=4,
+                                                   encoder_ffn_dim=96, decoder_ffn_dim=96, max_position_embeddings=64,
+                                                   pad_token_id=1, attn_implementation="eager"))()
+
+
+class RecordedCall(NamedTuple):
+    """One attention call as the recording probe saw it."""
+
+    module: nn.Module
+    queries: int
+    keys: int
+    keywords: list[str]  # the keywords passed with a value (not None)
+    output: torch.Tensor  # what the attention function returned, [batch, query, head, dim]
+
+
+@contextlib.contextmanager
+def recorded_attention_calls(model):
+    """The model's attention calls, recorded by an eager attention function of our own (with eager's masks, so
+    the model computes what its eager forward computes): a list of :class:`RecordedCall` in call order."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    calls = []
+
+    def recording(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # plain eager attention (no softcap, sinks or biases: the families probed here have none that matter)
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+        if attention_mask is not None:
+            scores = (scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+                      if attention_mask.dtype == torch.bool else scores + attention_mask[..., : key.shape[-2]])
+        weights = torch.softmax(scores, -1, dtype=torch.float32).to(query.dtype)
+        output = (weights @ value).transpose(1, 2).contiguous()
+        calls.append(RecordedCall(module, query.shape[-2], key.shape[-2],
+                                  sorted(k for k, v in kwargs.items() if v is not None), output.detach().clone()))
+        return output, weights
+
+    AttentionInterface.register("recording_probe", recording)
+    AttentionMaskInterface.register("recording_probe", eager_mask)  # the eager masks, as eager builds them
+    configs = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")]
+    previous = [c._attn_implementation for c in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = "recording_probe"
+        yield calls
+    finally:
+        for config, value in zip(configs, previous):
+            config._attn_implementation = value
+
+
+@functools.lru_cache(maxsize=None)
+def minimax_hybrid() -> nn.Module:
+    """MiniMax: a hybrid whose linear-attention block is named MiniMaxLightningAttention (layer 0) beside a
+    softmax block (layer 1); its eager forward returns a non-softmax map for the linear layer too."""
+    return _make(tf.MiniMaxConfig, tf.MiniMaxForCausalLM, **GQA, head_dim=16, **_MOE,
+                 layer_types=["linear_attention", "full_attention"], block_size=4)()
+
+
+def relative_bias_model(family: str) -> nn.Module:
+    """T5 / UMT5: relative position biases passed to attention as ``position_bias`` (additive on the scores), and
+    self- and cross-attention blocks of one class."""
+    config_cls, model_cls = {"t5": (tf.T5Config, tf.T5Model), "umt5": (tf.UMT5Config, tf.UMT5Model)}[family]
+    return _make(config_cls, model_cls, dict(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                             num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+                                             relative_attention_max_distance=16, attn_implementation="eager"))()

@@ -178,10 +178,93 @@ def _is_attention_module(module: nn.Module) -> bool:
     return name.endswith("Attention") and "Cross" not in name
 
 
-def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
-    """The model's self-attention blocks in forward order, numbered from 0.
+#: Names by which a block's code calls transformers' attention interface (a softmax attention block).
+_INTERFACE_MARKERS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "AttentionInterface", "eager_attention_forward")
+#: The torch functions that compute a softmax attention map (or SDPA, which computes one inside).
+_SOFTMAX_FUNCTIONS = {torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax,
+                      torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.multi_head_attention_forward}
+_CALLS_INTERFACE: dict[type, bool] = {}
 
-    A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded);
+
+def _calls_attention_interface(cls: type) -> bool:
+    """Whether the class's own code calls transformers' attention interface (read once per class)."""
+    if cls not in _CALLS_INTERFACE:
+        import inspect
+
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            source = ""
+        _CALLS_INTERFACE[cls] = any(marker in source for marker in _INTERFACE_MARKERS)
+    return _CALLS_INTERFACE[cls]
+
+
+class _SoftmaxProbe(torch.overrides.TorchFunctionMode):
+    """Records which of the watched modules compute a softmax (or SDPA) while they run."""
+
+    def __init__(self, watched: list[nn.Module]):
+        super().__init__()
+        self.active: list[int] = []
+        self.ran: set[int] = set()
+        self.softmax: set[int] = set()
+        self.handles = []
+        for module in watched:
+            self.handles.append(module.register_forward_pre_hook(self._enter))
+            self.handles.append(module.register_forward_hook(self._leave))
+
+    def _enter(self, module, args):
+        self.active.append(id(module))
+        self.ran.add(id(module))
+
+    def _leave(self, module, args, output):
+        if self.active and self.active[-1] == id(module):
+            self.active.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _SOFTMAX_FUNCTIONS and self.active:
+            self.softmax.update(self.active)
+        return func(*args, **(kwargs or {}))
+
+
+def _without_softmax(model: nn.Module, modules: list[nn.Module]) -> set[int]:
+    """The ids of the ``modules`` that, in a probe forward pass on 4 tokens, ran without computing any softmax or
+    SDPA (linear attention, state-space mixers named "...Attention"): not softmax attention blocks. Empty when the
+    probe cannot run (a model that takes more than token ids): then every module keeps its number."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+        device = next(model.parameters()).device
+    except (TypeError, ValueError, StopIteration):
+        return set()
+    if "input_ids" not in parameters:
+        return set()
+    ids = torch.arange(4, device=device).reshape(1, 4)
+    inputs = {"input_ids": ids}
+    if "decoder_input_ids" in parameters:
+        inputs["decoder_input_ids"] = ids
+    probe = _SoftmaxProbe(modules)
+    training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode(), outside_sessions(), probe:
+            model(**inputs)
+    except Exception:  # a model the probe cannot run keeps every block numbered (never dropped on a guess)
+        return set()
+    finally:
+        model.train(training)
+        for handle in probe.handles:
+            handle.remove()
+    return {id(m) for m in modules if id(m) in probe.ran and id(m) not in probe.softmax}
+
+
+def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
+    """The model's softmax attention blocks in forward order, numbered from 0.
+
+    A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded) and
+    that computes softmax attention: its code calls transformers' attention interface, or, probed in a
+    4-token forward pass, it computes a softmax (a block with its own attention code is numbered, and
+    refused when it runs); one that runs without any softmax (linear attention in a hybrid) is not numbered;
     a registered finder locates its output projection (the last finder takes the block's last linear
     child; the run verifies it). Modules of :data:`UNSUPPORTED_MODULES` (``nn.MultiheadAttention``) and
     blocks whose W_O no finder locates keep their number with ``unsupported`` saying why they cannot be
@@ -200,6 +283,13 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     innermost = [
         m for m in candidates if not any(c is not m and _is_attention_module(c) for c in m.modules())
     ]
+    # numbered by behaviour: a block whose code does not call the attention interface is probed, and one that
+    # computes no softmax (linear attention named "...Attention" in a hybrid) is not a softmax attention block
+    unknown = [m for m in innermost if not isinstance(m, tuple(UNSUPPORTED_MODULES))
+               and not _calls_attention_interface(type(m))]
+    if unknown:
+        linear = _without_softmax(model, unknown)
+        innermost = [m for m in innermost if id(m) not in linear]
     blocks = []
     skipped = []
     for module in innermost:

@@ -17,6 +17,7 @@ name; without it transformers would build no causal mask at all.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -27,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
-from .attention_features import HANDLED_KEYWORDS, block_label, refuse_unknown_features
+from .attention_features import HANDLED_KEYWORDS, block_label, maps_exclude_the_sink, refuse_unknown_features
 from .geometry import HeadSpaceGeometry, head_space_geometry, projected_check as _projected_check, split_output_projection
 
 __all__ = [
@@ -36,6 +37,10 @@ __all__ = [
 ]
 
 ATTENTION_NAME = "cwcore"
+
+#: Arguments of an attention block's forward that carry another sequence's states (cross-attention: an
+#: encoder's, an image's); a call that receives one attends to that sequence, not to its own queries.
+CROSS_INPUTS = ("key_value_states", "encoder_hidden_states", "cross_attention_states", "encoder_outputs")
 
 # Sessions are per thread (two threads decomposing two models do not see each other's session); a model's
 # attention implementation is switched under a per-config lock, so two threads on one model serialise.
@@ -101,6 +106,7 @@ def attention_forward(
         return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                  softcap=softcap, **kwargs)
     groups = query.shape[1] // key.shape[1]
+    unrepeated = (key.shape[1], key.shape[-1], value.shape[-1])  # kv heads, key and value head dims
     key = _repeat_heads(key, groups)
     value = _repeat_heads(value, groups)
     if scaling is None:
@@ -114,16 +120,21 @@ def attention_forward(
         q_len, k_len = query.shape[2], key.shape[2]
         attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
                           else session.causal_mask(q_len, k_len, query.device))
+    position_bias = kwargs.get("position_bias")  # T5's relative positions: additive on the scores, like a float mask
+    call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     sink_mass = mixed = spans = None
     if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
         # alpha V in the same pass unless a transform may change alpha afterwards
-        probs, mixed, spans = _probs_in_chunks(query, key, attention_mask, scaling,
+        scores_mask = attention_mask if position_bias is None else _bias_mask(position_bias, attention_mask, key)
+        probs, mixed, spans = _probs_in_chunks(query, key, scores_mask, scaling,
                                                None if session.transforms_module(module) else value,
                                                session.mask_plans)
     else:
         probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
         if softcap is not None:
             probs = torch.tanh(probs / softcap) * softcap
+        if position_bias is not None:  # T5's eager order: scores + bias, then the mask
+            probs = probs + position_bias
         if attention_mask is not None:
             if attention_mask.dtype == torch.bool:
                 probs = probs.masked_fill(~attention_mask, torch.finfo(probs.dtype).min)
@@ -141,7 +152,8 @@ def attention_forward(
             probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
     computed = probs
     if session is not None:
-        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans)
+        sink_scales_output = s_aux is not None and maps_exclude_the_sink(module, query, *unrepeated, s_aux)
+        probs = session.on_attention(module, probs, value, sink_mass, mixed, spans, call_mask, sink_scales_output)
     probs = probs.to(query.dtype)
     probs = nn.functional.dropout(probs, p=dropout, training=module.training)
     output = session.computed_output(module, probs, value) if session is not None else None
@@ -151,6 +163,17 @@ def attention_forward(
     if session is not None:
         session.on_output(module, output)
     return output, probs
+
+
+def _bias_mask(position_bias: torch.Tensor, attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """An additive score bias ``[batch or 1, head, query, key]`` and the call's mask as one additive float mask,
+    as transformers' SDPA function combines them (the blockwise softmax of a model configured for SDPA)."""
+    bias = position_bias[..., : key.shape[-2]]
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, bias, max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min))
+    return bias + attention_mask[..., : key.shape[-2]]
 
 
 def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
@@ -290,7 +313,10 @@ class LayerCall:
 
     ``probs`` ``[batch, head, query, key]``: the float32 softmax output (without a learned sink's
     column, see ``learned_sink_mass``), after the transforms that ran before; ``value`` ``[batch, head, key, dim]``: the values in the model's dtype, already repeated
-    for grouped-query attention; ``key_valid`` ``[batch, key]`` (False at padding) or None.
+    for grouped-query attention; ``key_valid`` ``[batch, key]`` (False at padding) or None and
+    ``query_valid`` ``[batch, query]`` or None, both read from this call's own attention mask (a key no
+    query may see is padding; a query is padding when it is a self-attention call's padded key), never
+    from a mask of another sequence that happens to have the same length.
     :meth:`geometry` (cached until ``probs`` is replaced) is the layer's head-space geometry in
     ``compute_dtype``, with padded query rows NaN.
     """
@@ -298,15 +324,19 @@ class LayerCall:
     def __init__(self, block: AttentionBlock, probs: torch.Tensor, value: torch.Tensor,
                  key_valid: torch.Tensor | None, compute_dtype: torch.dtype,
                  learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
-                 key_spans=None):
+                 key_spans=None, query_valid: torch.Tensor | None = None):
         self.block, self.layer, self.module = block, block.layer, block.module
         #: ``[batch, head, query]``: the softmax mass a learned sink logit absorbed (None without one)
         self.learned_sink_mass = learned_sink_mass
+        #: whether the model's own maps are the softmax over the keys alone, its sink a scale 1 - learned_sink_mass
+        #: on the output (Granite SWA), rather than ``probs`` (the sink-dropped softmax, as GPT-OSS returns them)
+        self.sink_scales_output = False
         self._probs = probs
         # what the blockwise softmax computed with these probabilities: probs @ value and where probs is 0
         self._computed = (mixed, key_spans)
         self.value = value
         self.key_valid = key_valid
+        self.query_valid = query_valid
         self.compute_dtype = compute_dtype
         self._geometry: HeadSpaceGeometry | None = None
         self._mixed_is_output = False
@@ -331,11 +361,12 @@ class LayerCall:
         return self.block.output_projection()
 
     def valid_keys(self) -> torch.Tensor | None:
-        """``key_valid`` when it describes this layer's keys (self-attention over the same tokens), else None."""
-        valid = self.key_valid
-        if valid is None or valid.shape[-1] != self._probs.shape[-1]:
-            return None
-        return valid.to(self._probs.device)
+        """``[batch, key]``: False at the keys this call's mask hides from every query (padding), or None."""
+        return None if self.key_valid is None else self.key_valid.to(self._probs.device)
+
+    def valid_queries(self) -> torch.Tensor | None:
+        """``[batch, query]``: False at padded queries (a self-attention call's padded keys), or None."""
+        return None if self.query_valid is None else self.query_valid.to(self._probs.device)
 
     def geometry(self) -> HeadSpaceGeometry:
         """The head-space geometry of the current probabilities (see :mod:`cwcore.core.geometry`)."""
@@ -350,12 +381,11 @@ class LayerCall:
         w_o = split_output_projection(weight.detach().to(dtype, copy=True), self._probs.shape[1])
         alpha = self._probs.detach().to(dtype)
         values = self.value.detach().to(dtype)
-        valid = self.valid_keys()
-        if valid is not None and bool(valid.all()):
-            valid = None  # no padding: nothing to mask (and no copy of alpha)
-        if valid is not None and alpha.shape[-1] == alpha.shape[-2]:
+        valid, queries = self.valid_keys(), self.valid_queries()
+        if queries is not None:
             # Padded queries are not tokens: make that explicit instead of reporting garbage rows.
-            alpha = alpha.masked_fill(~valid[:, None, :, None], float("nan"))
+            alpha = alpha.masked_fill(~queries[:, None, :, None], float("nan"))
+        if valid is not None:
             values = values.masked_fill(~valid[:, None, :, None], 0.0)
         own = (alpha.data_ptr() == self._probs.data_ptr() and values.data_ptr() == self.value.data_ptr()
                and alpha.dtype == self._probs.dtype and values.dtype == self.value.dtype)
@@ -427,7 +457,6 @@ class AttentionSession:
 
     transforms: ``{layer: [Transform, ...]}``, run in order; each may replace the probabilities.
     observers: ``{layer: [Observer, ...]}``, called after the transforms with the final probabilities.
-    key_valid: ``[batch, key]`` bool, False at padding (padded queries become NaN in the geometry).
     compute_dtype: the dtype of :meth:`LayerCall.geometry` (float32 or float64; None: the model's own for a
     float64 model, else float32).
     verify: check, in every forward and for every layer the session touches, that the block's output
@@ -447,7 +476,6 @@ class AttentionSession:
         *,
         observers: Mapping[int, Sequence[Observer] | Observer] | None = None,
         transforms: Mapping[int, Sequence[Transform] | Transform] | None = None,
-        key_valid: torch.Tensor | None = None,
         compute_dtype: torch.dtype | None = None,
         verify: bool = True,
         allow_fast_path: bool = True,
@@ -459,7 +487,6 @@ class AttentionSession:
         self.transforms = _per_layer(transforms, len(self.blocks), "transform")
         for layer in sorted(set(self.observers) | set(self.transforms)):
             self.blocks[layer].refuse_if_unsupported()  # before any forward pass
-        self.key_valid = key_valid
         self.compute_dtype = default_compute_dtype(model) if compute_dtype is None else compute_dtype
         self.verify = verify
         self.allow_fast_path = allow_fast_path
@@ -472,11 +499,15 @@ class AttentionSession:
         self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
         self._in_block: dict[int, int] = {}  # layer -> attention calls in the block's current forward
+        self._call_sizes: dict[int, list] = {}  # layer -> (queries, keys) of each call in the block's current forward
+        self._block_tokens: dict[int, int | None] = {}  # layer -> tokens of the block's input in its current forward
         self._early: dict[int, bool] = {}  # layer -> its projection ran before its attention did
         self._depth: dict[int, int] = {}  # layer -> how many calls of the block are running (re-entrant)
         self._hooks: list = []
         self.mask_plans: dict = {}  # the blockwise softmax's analysis of each mask (see _probs_in_chunks)
         self._causal_masks: dict = {}
+        self._validity: dict = {}  # id(mask) -> (mask, key validity): every layer of a forward shares one mask
+        self._cross: dict[int, bool] = {}  # layer -> whether its current call attends to another sequence
 
     @property
     def layers(self) -> set[int]:
@@ -500,9 +531,32 @@ class AttentionSession:
             self._causal_masks[key] = _causal_mask(q_len, k_len, device)
         return self._causal_masks[key]
 
+    def mask_validity(self, attention_mask: torch.Tensor | None, batch: int, q_len: int,
+                      k_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keys [batch, key], rows [batch, query])`` bool from this call's own mask: False at a key that the
+        mask hides from every query (padding, an empty cache slot), and at a query row that sees no key; None
+        where the mask hides nothing. Read from the call, never matched to the user's mask by length (a text as
+        long as an image's patches, a decoder as long as its encoder)."""
+        if attention_mask is None:
+            return None, None
+        held = self._validity.get(id(attention_mask))
+        if held is not None and held[0] is attention_mask and held[1] == (batch, q_len, k_len):
+            return held[2]
+        mask = attention_mask[..., :k_len]
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+        keys = allowed.any(2).any(1).expand(batch, k_len)  # seen by some query of some head
+        rows = allowed.any(3).any(1).expand(batch, q_len)  # sees some key in some head
+        found = (None if bool(keys.all()) else keys.clone(), None if bool(rows.all()) else rows.clone())
+        if len(self._validity) >= 4:
+            self._validity.pop(next(iter(self._validity)))
+        self._validity[id(attention_mask)] = (attention_mask, (batch, q_len, k_len), found)
+        return found
+
     def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
                      learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
-                     key_spans=None) -> torch.Tensor:
+                     key_spans=None, attention_mask: torch.Tensor | None = None,
+                     sink_scales_output: bool = False) -> torch.Tensor:
         block = self._by_module.get(id(module))
         if block is None:
             return probs
@@ -515,6 +569,7 @@ class AttentionSession:
             calls = self._in_block.get(block.layer)
             if calls is not None:
                 self._in_block[block.layer] = calls = calls + 1
+                self._call_sizes.setdefault(block.layer, []).append((probs.shape[-2], probs.shape[-1]))
                 if calls > 1:  # counted to the end of the block, refused by the projection or block hook
                     return probs
             if runs > 1:
@@ -522,7 +577,18 @@ class AttentionSession:
                     f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
                     "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
                     "report one of the calls as the layer")
-        call = LayerCall(block, probs, value, self.key_valid, self.compute_dtype, learned_sink_mass, mixed, key_spans)
+        batch, heads, q_len, k_len = probs.shape
+        self._refuse_unmatched_projection(block, heads, value.shape[-1])  # before any geometry is built
+        key_valid, rows_valid = self.mask_validity(attention_mask, batch, q_len, k_len)
+        if key_valid is None or self._cross.get(block.layer):
+            query_valid = None  # a cross-attention call's queries are another sequence, whose padding its mask lacks
+        elif q_len == k_len:
+            query_valid = key_valid  # self-attention without a cache: query i is key i
+        else:
+            query_valid = rows_valid  # with a cache: a padded query is one that sees no key (left padding)
+        call = LayerCall(block, probs, value, key_valid, self.compute_dtype, learned_sink_mass, mixed, key_spans,
+                         query_valid)
+        call.sink_scales_output = sink_scales_output
         for transform in transforms:
             new = transform(call)
             if new is not None:
@@ -534,6 +600,19 @@ class AttentionSession:
         if call.geometry_computed:
             self._last_call[id(module)] = call
         return call.probs
+
+    @staticmethod
+    def _refuse_unmatched_projection(block: AttentionBlock, heads: int, head_dim: int) -> None:
+        """Refuse, before any geometry, a W_O whose input width is not the attention output's heads x head_dim."""
+        weight, _ = block.output_projection()
+        if weight.dim() != 2 or weight.shape[1] != heads * head_dim:
+            width = weight.shape[1] if weight.dim() == 2 else tuple(weight.shape)
+            raise UnsupportedModelError(
+                f"attention block {block.name!r}: `{block.output_module_name()}`, which cwcore took as its output "
+                f"projection W_O ({block.projection_source()}), takes inputs of width {width}, but the attention output "
+                f"has {heads} heads x {head_dim} = {heads * head_dim} values per token, so it is not one linear map of "
+                "the attention output (the block transforms the head outputs first, e.g. a grouped low-rank "
+                "projection); register the module that applies W_O with cwcore.register_output_projection")
 
     def computed_output(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """The layer's ``probs @ value`` if an observer's geometry already computed it, else None."""
@@ -547,7 +626,11 @@ class AttentionSession:
 
     # -- verification: hooks on the output projections of the touched layers --------------------------
     def attach(self) -> None:
-        """Install the verification hooks (done by :func:`cwcore_attention`)."""
+        """Install the hooks (done by :func:`cwcore_attention`): which sequence each touched block attends to,
+        and the verification hooks."""
+        for layer in sorted(self.layers):
+            block = self.blocks[layer]
+            self._hooks.append(block.module.register_forward_pre_hook(self._note_sequence(block), with_kwargs=True))
         if not self.verify:
             return
         # a new forward pass (of the model or of its backbone, as the sink analyses call it) starts the
@@ -563,7 +646,7 @@ class AttentionSession:
             block = self.blocks[layer]
             projection = block.output_module()
             inside = projection is not None and any(m is projection for m in block.module.modules())
-            self._hooks.append(block.module.register_forward_pre_hook(self._enter_block(block)))
+            self._hooks.append(block.module.register_forward_pre_hook(self._enter_block(block), with_kwargs=True))
             self._hooks.append(block.module.register_forward_hook(self._leave_block(block, inside)))
             if projection is None:
                 raise UnsupportedModelError(
@@ -582,27 +665,50 @@ class AttentionSession:
         self._last_call.clear()
         self._runs.clear()
         self._in_block.clear()
+        self._call_sizes.clear()
+        self._block_tokens.clear()
         self._early.clear()
         self._depth.clear()
         self.mask_plans.clear()
         self._causal_masks.clear()
+        self._validity.clear()
+        self._cross.clear()
+
+    def _note_sequence(self, block: AttentionBlock):
+        """Whether this call of the block attends to another sequence (an encoder's states, an image's):
+        its mask then says nothing about the padding of its queries."""
+        try:
+            signature = inspect.signature(block.module.forward)
+        except (TypeError, ValueError):
+            signature = None
+
+        def hook(module, args, kwargs):
+            if outside():
+                return
+            bound = dict(kwargs)
+            if signature is not None and args:
+                with contextlib.suppress(TypeError):
+                    bound = {**signature.bind_partial(*args, **kwargs).arguments, **kwargs}
+            self._cross[block.layer] = any(bound.get(name) is not None for name in CROSS_INPUTS)
+        return hook
 
     def _enter_block(self, block: AttentionBlock):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             if outside():
                 return
             self._depth[block.layer] = depth = self._depth.get(block.layer, 0) + 1
             if depth == 1:  # a call of the block from inside its own forward (an observer's) is not judged
                 self._in_block[block.layer] = 0
+                self._call_sizes[block.layer] = []
+                hidden = next((a for a in (*args, kwargs.get("hidden_states")) if isinstance(a, torch.Tensor)), None)
+                self._block_tokens[block.layer] = None if hidden is None or hidden.dim() < 2 else hidden.shape[-2]
         return hook
 
     def _refuse_repeated_calls(self, block: AttentionBlock) -> None:
         calls = self._in_block.get(block.layer) or 0
         if calls > 1:
-            raise UnsupportedModelError(
-                f"attention block {block.name!r} ({type(block.module).__name__}) calls the attention function "
-                f"{calls} times per layer: it combines {calls} attention maps into one output (as differential "
-                "attention does, a_1 - lambda a_2), not one, and cwcore decomposes one softmax map per layer")
+            raise UnsupportedModelError(repeated_calls_reason(
+                block, self._call_sizes.get(block.layer, []), self._block_tokens.get(block.layer)))
 
     def _leave_block(self, block: AttentionBlock, projection_inside: bool):
         def hook(module, args, result):
@@ -690,14 +796,32 @@ class AttentionSession:
         return hook
 
 
+def repeated_calls_reason(block: AttentionBlock, sizes: list[tuple[int, int]], tokens: int | None) -> str:
+    """Why a block that called the attention function more than once per forward is refused, from what was
+    measured: the (queries, keys) of each call and the number of tokens the block received."""
+    calls = len(sizes)
+    queries = [q for q, _ in sizes]
+    head = (f"attention block {block.name!r} ({type(block.module).__name__}) calls the attention function {calls} "
+            f"times per layer")
+    tail = "; cwcore decomposes one softmax map per layer call, and refuses rather than report one of them as the layer"
+    if tokens is not None and all(q == tokens for q in queries):
+        return (f"{head}, each time over all its {tokens} queries: it combines {calls} attention maps into one output "
+                f"(as differential attention does, a_1 - lambda a_2), not one{tail}")
+    if tokens is not None and sum(queries) == tokens and all(q == k for q, k in sizes):
+        return (f"{head}, once per segment of its {tokens} tokens (query sizes {queries}, each attending only within "
+                f"itself, as a vision tower does with one call per image): its attention is {calls} separate maps, "
+                f"not one map over the sequence{tail}")
+    return f"{head} (queries and keys per call {sizes}, for {tokens} tokens in the block's input){tail}"
+
+
 def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[float, bool]:
     """(max |o_i + b - projection's output| / max |output|, whether every real token's row is finite)."""
     rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
     actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
     rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
-    valid = call.valid_keys()
-    if valid is not None and valid.shape[-1] == rows.shape[-1]:
+    valid = call.valid_queries()
+    if valid is not None:
         rows = rows | ~valid  # ...but a NaN in a real token's row is an error
         rebuilt = torch.where(valid[..., None], rebuilt, actual)
     scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)

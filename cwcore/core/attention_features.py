@@ -9,12 +9,14 @@ keyword a family passes is one entry here.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
 from .architectures import UnsupportedModelError
 
-__all__ = ["HANDLED_KEYWORDS", "block_label", "refuse_unknown_features"]
+__all__ = ["HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features"]
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
 # not implement: refusing is better than a plausible wrong number.
@@ -41,6 +43,8 @@ HANDLED_KEYWORDS = {
     "deterministic": "a flash-attention kernel option",
     "target_dtype": "a flash-attention kernel option",
     "layer_idx": "not read by attention",
+    "position_bias": "an additive score bias (T5's relative positions), added to the scores before the softmax as "
+                     "the model's eager attention adds it",
 }
 #: Keywords known to change attention, with what they mean, for the refusal's wording.
 _KNOWN_UNSUPPORTED = {
@@ -51,7 +55,6 @@ _KNOWN_UNSUPPORTED = {
     "sinks": "learned sink logits under a keyword cwcore does not read",
     "attention_sinks": "learned sink logits under a keyword cwcore does not read",
     "alibi": "ALiBi position biases",
-    "position_bias": "additive position biases",
     "cu_seq_lens_q": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
     "cu_seq_lens_k": "packed sequences (flash-attention's variable-length layout; pass an attention mask instead)",
     "max_length_q": "packed sequences (flash-attention's variable-length layout)",
@@ -83,3 +86,36 @@ def refuse_unknown_features(module: nn.Module, kwargs: dict, has_sink_logits: bo
     for name, why in _UNSUPPORTED_MODULE_ATTRIBUTES.items():
         if isinstance(getattr(module, name, None), torch.Tensor) and not has_sink_logits:
             raise UnsupportedModelError(f"{type(module).__name__}.{name}: {why}; cwcore refuses to decompose it")
+
+
+_SINK_MAPS: dict[type, bool] = {}
+
+
+def maps_exclude_the_sink(module: nn.Module, query: torch.Tensor, kv_heads: int, key_dim: int, value_dim: int,
+                          s_aux: torch.Tensor) -> bool:
+    """Whether the model's own eager attention, given learned sink logits, returns the softmax over the keys
+    alone (rows sum to one) and applies the sink as a scale on its output (Granite SWA), rather than the
+    softmax over keys and sink with the sink's column dropped (GPT-OSS). Both compute the same output; the maps
+    they return differ. Measured once per class by calling the eager function of the module's own modeling file
+    on random tensors shaped like this call's (before grouped heads are repeated; False when it has none or it
+    fails)."""
+    cls = type(module)
+    if cls not in _SINK_MAPS:
+        eager = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+        verdict = False
+        if callable(eager):
+            generator = torch.Generator().manual_seed(0)
+            shapes = ((1, query.shape[1], 3, query.shape[-1]), (1, kv_heads, 3, key_dim), (1, kv_heads, 3, value_dim))
+            probe_q, probe_k, probe_v = (torch.randn(shape, generator=generator).to(query.device, query.dtype)
+                                         for shape in shapes)
+            try:
+                with torch.no_grad():
+                    _, weights = eager(module, probe_q, probe_k, probe_v, None, scaling=query.shape[-1] ** -0.5,
+                                       dropout=0.0, s_aux=s_aux)
+            except Exception:  # an eager function this probe cannot call: the sink-dropped convention
+                weights = None
+            if isinstance(weights, torch.Tensor) and weights.shape[-1] == 3:
+                sums = weights.float().sum(-1)
+                verdict = bool((sums - 1).abs().max() < 1e-3)
+        _SINK_MAPS[cls] = verdict
+    return _SINK_MAPS[cls]

@@ -98,8 +98,12 @@ class LayerDecomposition:
         output_bias: torch.Tensor | None = None,
         key_valid: torch.Tensor | None = None,
         block_name: str | None = None,
+        map_scale: torch.Tensor | None = None,
     ):
         self.layer = layer
+        #: ``[batch, head, query]`` or None: the scale a learned sink applies to the output of a model whose own
+        #: maps exclude the sink (Granite SWA); :attr:`attention` divides by it to return the model's maps
+        self.map_scale = map_scale
         #: the attention module this layer number refers to, e.g. ``"model.layers.3.self_attn"``
         self.block_name = block_name
         self.geometry = geometry
@@ -112,7 +116,11 @@ class LayerDecomposition:
         """The decomposition of the layer an observer or transform sees (see :class:`~cwcore.core.attention.LayerCall`)."""
         _, bias = call.output_projection()
         bias = None if bias is None else bias.detach().to(call.compute_dtype)
-        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid, block_name=call.block.name)
+        scale = None
+        if getattr(call, "sink_scales_output", False) and call.learned_sink_mass is not None:
+            scale = (1 - call.learned_sink_mass.detach()).to(call.compute_dtype)
+        return cls(call.layer, call.geometry(), bias, key_valid=call.key_valid, block_name=call.block.name,
+                   map_scale=scale)
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_views": {}}  # weak references do not pickle (and hold nothing)
@@ -125,8 +133,18 @@ class LayerDecomposition:
     # -- stored quantities -------------------------------------------------------------------------
     @property
     def attention(self) -> torch.Tensor:
-        """alpha ``[batch, head, query, key]``."""
-        return self.geometry.attention
+        """The attention map the model applies ``[batch, head, query, key]``, as its eager forward returns it.
+
+        Without learned sink logits it is alpha, the weight of key j in o_i = sum_j alpha_ij v~_j. With them
+        (``s_aux``) it follows the model's own convention, measured from its eager attention: GPT-OSS returns the
+        softmax over the keys and the sink with the sink's column dropped (alpha itself: a row sums to one minus
+        the mass the sink absorbed); Granite SWA returns the softmax over the keys alone (rows sum to one) and
+        applies its sink as a scale on the output, so there ``attention`` is alpha divided by that scale
+        (:attr:`map_scale`), and the terms, ``value_weighted`` and the contribution weights use alpha.
+        """
+        if self.map_scale is None:
+            return self.geometry.attention
+        return self.geometry.attention / self.map_scale[..., None]
 
     @property
     def value_norm(self) -> torch.Tensor:
@@ -235,8 +253,8 @@ class LayerDecomposition:
     @property
     def value_weighted(self) -> torch.Tensor:
         """alpha_ij ||v~_j|| (Kobayashi et al. 2020) ``[batch, head, query, key]``."""
-        # padded keys have NaN norm but zero attention: they weigh zero
-        return self.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
+        # padded keys have NaN norm but zero attention: they weigh zero; alpha, the terms' own weights
+        return self.geometry.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
 
     @property
     def intra_value_weighted_normalized(self) -> torch.Tensor:
@@ -257,7 +275,8 @@ class LayerDecomposition:
         moved = self.geometry.to(*args, **kwargs)
         bias = None if self.output_bias is None else self.output_bias.to(*args, **kwargs)
         valid = None if self.key_valid is None else self.key_valid.to(moved.attention.device)
-        return LayerDecomposition(self.layer, moved, bias, valid, self.block_name)
+        scale = None if self.map_scale is None else self.map_scale.to(*args, **kwargs)
+        return LayerDecomposition(self.layer, moved, bias, valid, self.block_name, scale)
 
 
 class LayerNotDecomposedError(KeyError):
@@ -363,29 +382,46 @@ def _numbers_own_positions(model: nn.Module) -> bool:
     return cached
 
 
+#: Methods by which a multimodal model computes its own position ids in its own shape (multimodal RoPE:
+#: ``[3, batch, sequence]`` temporal/height/width ids for image and video tokens), reading the attention
+#: mask itself, so that a padded row keeps the positions of its unpadded sequence.
+OWN_POSITION_METHODS = ("get_rope_index", "compute_3d_position_ids")
+#: Inputs that hold text only (tokens, their mask and types): with anything else (pixels, image grids), a
+#: model with one of :data:`OWN_POSITION_METHODS` computes positions that plain 2-D ids cannot express.
+TEXT_INPUTS = {"input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "labels", "past_key_values",
+               "cache", "use_cache", "logits_to_keep", "output_attentions", "output_hidden_states", "return_dict"}
+
+
+def _computes_multimodal_positions(model: nn.Module, inputs: dict) -> bool:
+    """Whether the model computes its own positions for these inputs in another shape than ``[batch,
+    sequence]`` (see :data:`OWN_POSITION_METHODS`): they carry more than text."""
+    if not any(value is not None for name, value in inputs.items() if name not in TEXT_INPUTS):
+        return False
+    return any(callable(getattr(m, name, None)) for m in model.modules() for name in OWN_POSITION_METHODS)
+
+
 def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
     """Add ``position_ids`` consistent with left padding when the model needs them.
 
     transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts every
     real token's position. Counting only real tokens makes a padded row equal its unpadded sequence,
-    for every supported family: models that take no ``position_ids``, and models that number positions
-    from the ids themselves (RoBERTa and its relatives), are left alone.
+    for every supported family. Models that take no ``position_ids``, models that number positions
+    from the ids themselves (RoBERTa and its relatives) and multimodal models that compute their own
+    positions from the mask in their own shape (multimodal RoPE, on inputs with images or videos) are
+    left alone: cwcore never replaces a model's own positions.
     """
     mask = inputs.get("attention_mask")
     if mask is None or "position_ids" in inputs or bool(mask[:, 0].all()):
         return inputs
     if "position_ids" not in inspect.signature(model.forward).parameters or _numbers_own_positions(model):
         return inputs
+    if _computes_multimodal_positions(model, inputs):
+        return inputs
     positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
     reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if reference is not None and positions.shape[1] > reference.shape[1]:  # a cache holds the first tokens
         positions = positions[:, -reference.shape[1]:]
     return {**inputs, "position_ids": positions}
-
-
-def key_validity(inputs: dict) -> torch.Tensor | None:
-    mask = inputs.get("attention_mask")
-    return None if mask is None else mask.bool()
 
 
 def decompose(
@@ -433,8 +469,7 @@ def decompose(
     def record(call: LayerCall) -> None:
         recorded[call.layer] = LayerDecomposition.from_call(call)
 
-    session = AttentionSession(model, observers={layer: [record] for layer in wanted},
-                               key_valid=key_validity(inputs), compute_dtype=compute_dtype)
+    session = AttentionSession(model, observers={layer: [record] for layer in wanted}, compute_dtype=compute_dtype)
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
     missing = sorted(set(wanted) - set(recorded))

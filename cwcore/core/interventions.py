@@ -65,8 +65,10 @@ def intervene(
     (True removes alpha^h_ij v~^h_j from o_i), or to a callable that receives that layer's live
     :class:`~cwcore.LayerDecomposition` (computed inside the intervened run, before the removal) and
     returns such a mask. ``record`` lists layers whose decomposition *after* the removal is kept in
-    ``session.recorded``. ``attention_mask`` (``[batch, key]``) marks padding for those decompositions;
-    pass ``cwcore.prepare_inputs(model, inputs)`` to the model when batches are left-padded.
+    ``session.recorded``. Their padding is read from each attention call's own mask (built from the
+    ``attention_mask`` the model is called with); ``attention_mask`` (``[batch, key]``) given here is checked
+    against the inputs of every forward; pass ``cwcore.prepare_inputs(model, inputs)`` to the model when batches
+    are left-padded.
     ``transforms`` run after the removal and ``observers`` (see :mod:`cwcore.core.attention`) see each
     layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).
     ``compute_dtype`` (float32 or float64; default the model's own for a float64 model, else float32) is
@@ -100,8 +102,7 @@ def intervene(
     if attention_mask is not None:
         attention_mask = check_attention_mask(attention_mask, None, caller="intervene")
     key_valid = None if attention_mask is None else attention_mask.bool()
-    session = AttentionSession(model, observers=all_observers, transforms=all_transforms, key_valid=key_valid,
-                               compute_dtype=compute_dtype)
+    session = AttentionSession(model, observers=all_observers, transforms=all_transforms, compute_dtype=compute_dtype)
     session.recorded = recorded  # the decompositions of the ``record`` layers, filled by each forward
     handle = None if key_valid is None else model.register_forward_pre_hook(_mask_fits(key_valid), with_kwargs=True)
     try:

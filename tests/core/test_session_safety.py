@@ -204,7 +204,7 @@ class _KeywordModel(nn.Module):
 
 @pytest.mark.parametrize("keyword,value,meaning", [
     ("indices", torch.zeros(1, 3, 2, dtype=torch.int32), "the top-k keys a sparse-attention indexer selected"),
-    ("position_bias", torch.zeros(1, 2, 3, 3), "additive position biases"),
+    ("alibi", torch.zeros(1, 2, 3, 3), "ALiBi position biases"),
     ("my_new_feature", 1.5, "a keyword cwcore's attention function does not know"),
 ])
 def test_a_keyword_cwcore_does_not_implement_is_refused_naming_block_and_keyword(keyword, value, meaning):

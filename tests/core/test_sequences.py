@@ -1,0 +1,141 @@
+"""Positions, masks and sequences: cwcore never substitutes a model's positions, and applies each mask to the
+attention call and sequence it belongs to, never to another sequence of the same length.
+
+References are the model's own eager runs on the same inputs, padded or not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cwcore
+from cwcore.core.decomposition import prepare_inputs
+from zoo_models import VOCAB, bart, qwen2_vl, qwen2_vl_inputs, qwen2_vl_row
+
+ATOL = 1e-5
+
+
+# ---- multimodal positions: the model's own, never cwcore's --------------------------------------------------
+def test_multimodal_positions_are_the_models_own_on_a_left_padded_batch():
+    """Qwen2-VL computes ``[3, batch, sequence]`` positions for its image tokens from the mask itself; cwcore's
+    plain 2-D positions would replace them (logits off, silently). The padded row must equal the model's own
+    forward on the same inputs and the row alone."""
+    model, row = qwen2_vl(), qwen2_vl_row()
+    pad = 3
+    alone, padded = qwen2_vl_inputs(row), qwen2_vl_inputs(row, pad=pad)
+    assert "position_ids" not in prepare_inputs(model, padded)  # with an image, the model numbers positions
+    text_only = dict(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"])
+    assert "position_ids" in prepare_inputs(model, text_only)  # text only: plain positions, expanded by the model
+    with torch.no_grad():
+        own_alone = model(**alone).logits
+        own_padded = model(**padded).logits
+    torch.testing.assert_close(own_padded[:, pad:], own_alone, rtol=0, atol=ATOL)  # the model handles padding
+    d_alone, d_padded = cwcore.decompose(model, **alone), cwcore.decompose(model, **padded)
+    torch.testing.assert_close(d_padded.outputs.logits, own_padded, rtol=0, atol=1e-6)  # what the model computes
+    torch.testing.assert_close(d_alone.outputs.logits, own_alone, rtol=0, atol=1e-6)
+    for layer in (2, 3):  # the language layers (0, 1: the vision tower)
+        for field in ("attention", "inter", "intra"):
+            torch.testing.assert_close(getattr(d_padded[layer], field)[:, :, pad:, pad:], getattr(d_alone[layer], field),
+                                       rtol=1e-4, atol=ATOL, msg=lambda m: f"layer {layer} {field}: {m}")
+        assert d_padded[layer].inter[0, :, :pad].isnan().all()  # padded queries are not tokens
+
+
+# ---- masks keyed to the call, not to a length -----------------------------------------------------------
+def test_a_text_as_long_as_the_image_patches_keeps_its_mask_off_the_vision_tower():
+    """16 image patches, and a left-padded text of 16 tokens: the text's padding must not be applied to the
+    vision tower's keys and queries (a refusal 'terms do not reproduce' before)."""
+    model, row = qwen2_vl(), qwen2_vl_row()
+    padded = qwen2_vl_inputs(row, pad=16 - len(row["input_ids"]))
+    assert padded["input_ids"].shape[1] == row["pixel_values"].shape[0] == 16
+    with torch.no_grad():
+        eager = model(**padded, output_attentions=True)
+    d = cwcore.decompose(model, **padded)
+    torch.testing.assert_close(d.outputs.logits, eager.logits, rtol=0, atol=1e-6)
+    for layer in (0, 1):  # the vision tower: every patch is a real token
+        assert not d[layer].inter.isnan().any()
+        sums = d[layer].inter.sum((1, 3))
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
+    pad = 16 - len(row["input_ids"])
+    for layer, eager_map in zip((2, 3), eager.attentions):  # padded query rows are NaN by design
+        torch.testing.assert_close(d.attention[layer][:, :, pad:], eager_map[:, :, pad:], rtol=0, atol=1e-6)
+        assert d[layer].inter[0, :, :pad].isnan().all()
+
+
+@pytest.mark.parametrize("decoder_length", [9, 10])
+def test_an_encoder_decoder_with_equal_lengths_keeps_the_encoder_mask_on_the_encoder(decoder_length):
+    """Encoder and decoder of 9 tokens, the encoder padded: its padding must mask encoder keys only, never
+    decoder queries (cross-attention gave NaN for exactly the padded count of real decoder tokens)."""
+    model = bart()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:], ids[1, 6:] = 0, 1
+    inputs = dict(input_ids=ids, attention_mask=mask,
+                  decoder_input_ids=torch.randint(3, VOCAB, (2, decoder_length), generator=generator))
+    with torch.no_grad():
+        eager = model(**inputs, output_attentions=True)
+    d = cwcore.decompose(model, **inputs)
+    assert [d[layer].block_name.split(".")[-1] for layer in d.layers] == [
+        "self_attn", "self_attn", "self_attn", "encoder_attn", "self_attn", "encoder_attn"]
+    torch.testing.assert_close(d.outputs.last_hidden_state, eager.last_hidden_state, rtol=0, atol=1e-6)
+    maps = [*eager.encoder_attentions, eager.decoder_attentions[0], eager.cross_attentions[0],
+            eager.decoder_attentions[1], eager.cross_attentions[1]]
+    for layer, eager_map in zip(d.layers, maps):
+        real = slice(None) if layer >= 2 else slice(0, 6)  # the encoder's padded query rows are NaN by design
+        torch.testing.assert_close(d.attention[layer][:, :, real], eager_map[:, :, real], rtol=0, atol=1e-6)
+        if layer < 2:  # encoder: padded queries NaN, real ones sum to one
+            assert d[layer].inter[1, :, 6:].isnan().all() and not d[layer].inter[1, :, :6].isnan().any()
+        else:  # decoder: every query is a real token
+            assert not d[layer].inter.isnan().any(), f"layer {layer}: NaN rows for real decoder tokens"
+            sums = d[layer].inter.sum((1, 3))
+            torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
+        if d[layer].block_name.endswith("encoder_attn"):  # padded encoder keys weigh nothing
+            assert (d.attention[layer][1, :, :, 6:] == 0).all()
+            assert d[layer].value_norm[1, :, 6:].isnan().all()
+
+
+# ---- relative position bias (T5's position_bias): additive on the scores ---------------------------------
+@pytest.mark.parametrize("family", ["t5", "umt5"])
+def test_relative_position_bias_is_exact_against_the_eager_run(family):
+    """T5 and UMT5 pass their relative position bias to attention as ``position_bias`` (refused before); the
+    decomposition must equal the eager maps and outputs, on a padded encoder batch with equal lengths, eager and
+    SDPA-configured, whatever layers are asked."""
+    from zoo_models import relative_bias_model
+
+    model = relative_bias_model(family)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:], ids[1, 6:] = 0, 0
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=torch.randint(3, VOCAB, (2, 9), generator=generator))
+    with torch.no_grad():
+        eager = model(**inputs, output_attentions=True)
+    maps = [*eager.encoder_attentions, eager.decoder_attentions[0], eager.cross_attentions[0],
+            eager.decoder_attentions[1], eager.cross_attentions[1]]
+    outputs = {}
+    handles = [model.get_submodule(b.name).o.register_forward_hook(
+        lambda module, args, out, layer=b.layer: outputs.__setitem__(layer, out.detach().clone()))
+        for b in cwcore.attention_blocks(model)]
+    try:
+        d = cwcore.decompose(model, **inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    torch.testing.assert_close(d.outputs.last_hidden_state, eager.last_hidden_state, rtol=0, atol=1e-6)
+    for layer, eager_map in zip(d.layers, maps):
+        real = slice(None) if layer >= 2 else slice(0, 6)  # the encoder's padded query rows are NaN by design
+        for row in (0, 1):
+            rows = slice(None) if row == 0 else real
+            torch.testing.assert_close(d.attention[layer][row, :, rows], eager_map[row, :, rows], rtol=0, atol=1e-6)
+            torch.testing.assert_close(d[layer].geometry.output[row, rows], outputs[layer][row, rows], rtol=1e-4,
+                                       atol=1e-5)
+        sums = d.inter[layer].sum((1, 3))[0]
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
+    sdpa = relative_bias_model(family)
+    sdpa.set_attn_implementation("sdpa")
+    for layers in ([0], [3], None):  # recorded layers blockwise, the others through SDPA with the bias
+        chosen = cwcore.decompose(sdpa, layers=layers, **inputs)
+        torch.testing.assert_close(chosen.outputs.last_hidden_state, eager.last_hidden_state, rtol=1e-4, atol=1e-5)
+        for layer in chosen.layers:
+            torch.testing.assert_close(chosen.attention[layer], d.attention[layer], rtol=0, atol=1e-6, equal_nan=True)
