@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
@@ -432,3 +433,37 @@ def test_importing_this_checkout_from_inside_it_is_silent():
     done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import cwcore"], cwd=root / "tests",
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_callable_returning_the_attention_works_on_texts_of_different_lengths(model):
+    """The README's example: padded query rows are NaN by the decomposition's convention, not the metric's
+    failure; the callable gives exactly the ``attention`` curve."""
+    texts = [" ".join(WORDS[:3]), " ".join(WORDS[:9]), " ".join(WORDS[2:7])]
+    tok = word_tokenizer()
+
+    def mine(layer_decomposition, **_):
+        return layer_decomposition.attention
+
+    got = faithfulness_curve(model, tok, texts, {"attention": mine}, [0.1, 0.5], "comprehensiveness", **FC)
+    want = faithfulness_curve(model, tok, texts, "attention", [0.1, 0.5], "comprehensiveness", **FC)
+    pd.testing.assert_frame_equal(got, want)
+
+
+def test_explain_counts_negative_layers_from_the_end_and_sizes_pages_for_people(monkeypatch, capsys, tmp_path):
+    from cwcore import cli
+    from cwcore.cli import explain
+    import cwcore.models
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: (model, tok))
+    text = "the cat sat on a mat"
+    _, last_attention, last_contribution, _ = explain(text, model, tok, layer=-1)
+    _, attention, contribution, _ = explain(text, model, tok, layer=1)  # the tiny model has 2 layers
+    np.testing.assert_array_equal(last_contribution, contribution)
+    assert cli.main(["explain", text, "--layer", "-1", "--out", str(tmp_path / "fig.png")]) == 0
+    capsys.readouterr()
+    assert cli.main(["explain", text, "--layer", "-1", "--out", str(tmp_path / "page.html")]) == 0
+    size = (tmp_path / "page.html").stat().st_size
+    printed = capsys.readouterr().out
+    assert size < 1e6 and "0.0 MB" not in printed and f"{size / 1024:.1f} KB" in printed
+    assert cli.main(["explain", text, "--layer", "-3", "--out", str(tmp_path / "fig.png")]) == 2
