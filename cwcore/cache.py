@@ -616,8 +616,36 @@ def ensure_cached_folder(target: str | os.PathLike, source: dict,
                                   f"({err.strerror or err}); delete the folder, or run `cwcore cache verify "
                                   "--repair` where the cache is writable") from None
         return _build_uncached(target, source, build, description, err)
-    _build_into(tmp, target, source, build, description)
+    try:
+        _build_into(tmp, target, source, build, description)
+    except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as its own SafetensorError
+        if not disk_full(err):
+            raise
+        try:  # the promised fallback: a temporary folder for this process (another disk, often)
+            return _build_uncached(target, source, build, description,
+                                   OSError(errno.ENOSPC, "no space left on the device"))
+        except Exception as again:  # noqa: BLE001
+            if not disk_full(again):
+                raise
+            raise ModelCacheError(f"no space left on the device to convert {target.name}, neither in the cache "
+                                  f"{target.parent} nor in the temporary folder {tempfile.gettempdir()}: free "
+                                  "space there, or set CWCORE_CACHE (and TMPDIR) to a disk with room") from None
     return target
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a full disk or an exceeded quota, however a library words it
+    (an OSError's errno; safetensors' ``SafetensorError`` carries only the operating system's message)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(error)
+        if "No space left on device" in text or "Disk quota exceeded" in text or "StorageFull" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 _uncached_builds: dict[str, Path] = {}  # target -> temporary folder, for caches this process cannot write

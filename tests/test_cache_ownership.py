@@ -76,3 +76,34 @@ def test_an_unreadable_cache_warns_once_per_sweep(tmp_path, monkeypatch):
         assert all(store.get(f"p{i}") is None for i in range(40))
     assert len([w for w in caught if issubclass(w.category, CacheWarning)]) == 1
     assert "cannot be read" in str(caught[0].message)
+
+
+class SafetensorError(Exception):
+    """What safetensors raises when the disk fills (its own type, no errno)."""
+
+
+def test_a_full_disk_while_converting_falls_back_to_a_temporary_folder(tmp_path):
+    calls = []
+
+    def build(folder):
+        calls.append(folder)
+        if len(calls) == 1:  # the cache's disk is full
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                  'message: "No space left on device" })')
+        (folder / "model.safetensors").write_bytes(b"w" * 10)
+
+    with pytest.warns(CacheWarning, match="temporary folder"):
+        got = cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
+    assert got != tmp_path / "models" / "m" and (got / "model.safetensors").read_bytes() == b"w" * 10
+    assert not (tmp_path / "models" / "m").exists() and len(calls) == 2
+
+
+def test_a_full_disk_everywhere_is_one_line_naming_the_fix(tmp_path):
+    def build(folder):
+        raise SafetensorError("IoError: No space left on device")
+
+    with pytest.warns(CacheWarning):
+        with pytest.raises(cache.ModelCacheError, match="no space left on the device to convert m.*CWCORE_CACHE"):
+            cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
+    with pytest.raises(ValueError, match="unrelated"):  # any other failure is not taken for a full disk
+        cache.ensure_cached_folder(tmp_path / "models" / "n", {"v": 1}, lambda f: (_ for _ in ()).throw(ValueError("unrelated")))

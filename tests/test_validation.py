@@ -467,3 +467,21 @@ def test_explain_counts_negative_layers_from_the_end_and_sizes_pages_for_people(
     printed = capsys.readouterr().out
     assert size < 1e6 and "0.0 MB" not in printed and f"{size / 1024:.1f} KB" in printed
     assert cli.main(["explain", text, "--layer", "-3", "--out", str(tmp_path / "fig.png")]) == 2
+
+
+def test_one_document_gives_aopc_without_an_interval(monkeypatch, capsys, tmp_path):
+    """aopc() of one document: the area, NaN interval (one unit has no spread), no KeyError; the command
+    line with --num-sequences 1 runs through."""
+    from cwcore.faithfulness import aopc
+    from cwcore.faithfulness import cli
+
+    rows = [dict(metric=m, mode="comprehensiveness", ratio=r, sequence=0, document=3, nll=2 + r, clean_nll=2.0)
+            for m in ("a", "b") for r in (0.1, 0.5)]
+    got = aopc(pd.DataFrame(rows))
+    assert got["aopc_nll"].tolist() == pytest.approx([0.25, 0.25])  # mean height of 0, 0.1, 0.5 by trapezoids
+    assert got["aopc_nll_ci_low"].isna().all() and got["n_documents"].tolist() == [1, 1]
+    texts = [" ".join(WORDS[3:14][(i + j) % 11] for j in range(12)) for i in range(3)]
+    monkeypatch.setattr(cli.models, "load_model", lambda *a, **k: (tiny_model("llama"), word_tokenizer()))
+    monkeypatch.setattr(cli.data, "load_dataset", lambda *a, **k: texts)
+    assert cli.main(["--data", "toy", "--num-sequences", "1", "--block-size", "8", "--metrics", "contribution",
+                     "random", "--ratios", "0.1", "0.5", "--no-cache", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
