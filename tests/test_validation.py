@@ -485,3 +485,35 @@ def test_one_document_gives_aopc_without_an_interval(monkeypatch, capsys, tmp_pa
     monkeypatch.setattr(cli.data, "load_dataset", lambda *a, **k: texts)
     assert cli.main(["--data", "toy", "--num-sequences", "1", "--block-size", "8", "--metrics", "contribution",
                      "random", "--ratios", "0.1", "0.5", "--no-cache", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+
+
+def test_run_analyses_on_short_texts_names_block_size(model):
+    from cwcore.sinks import run_analyses
+
+    with pytest.raises(ValueError, match="block_size=128"):
+        run_analyses(model, word_tokenizer(), ["the cat sat", "a dog ran"], ["rates"], cache=False, progress=False)
+
+
+def test_value_zeroing_shows_progress_on_long_layers(model, monkeypatch):
+    from cwcore.faithfulness.methods import registry
+    from cwcore.faithfulness.methods import value_zeroing as vz
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, **kwargs):
+            self.total, self.desc, self.enabled, self.n, self.closed = total, desc, kwargs.get("enabled"), 0, False
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(vz, "progress", Bar)
+    ids = torch.randint(1, VOCAB, (1, 72), generator=torch.Generator().manual_seed(1))
+    registry.method_scores(model, "value_zeroing", ids, layers=[1])
+    pairs = 72 * 73 // 2 - 72  # every causal pair of real tokens but key 0 (keep_first_token)
+    assert [(b.desc, b.total, b.n, b.enabled, b.closed) for b in bars] == [("value zeroing, layer 1", pairs, pairs,
+                                                                           True, True)]
