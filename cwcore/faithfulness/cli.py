@@ -1,7 +1,9 @@
-"""The command line: ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out data/results/``.
+"""The command line: ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out my-results/``.
 
 Writes tidy CSVs per LM data set (``faithfulness_*``, ``aopc_*``, ``ladder_*``) and for the
-multiple-choice tasks (``downstream_*``, ``downstream_aopc_*``, ``downstream_ladder_*``).
+multiple-choice tasks (``downstream_*``, ``downstream_aopc_*``, ``downstream_ladder_*``) into ``--out``
+(default ``./cwcore-results/`` in the working folder, never a repository's committed tables); every
+argument, ``--out`` included, is checked before the model is loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from .. import data, models
 from ..cache import write_csv
+from ..provenance import RESULTS_FOLDER, confined, output_folder
 from ..core.architectures import attention_blocks
 from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
 from .downstream import downstream_eval
@@ -73,7 +76,8 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--n-bootstrap", type=int, default=1000)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--tag", default="", help="suffix of the output file names")
-    parser.add_argument("--out", default="data/results/")
+    parser.add_argument("--out", default=RESULTS_FOLDER,
+                        help=f"folder of the tables (default ./{RESULTS_FOLDER}/ in the working folder)")
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
@@ -87,12 +91,12 @@ def _main(argv: Sequence[str] | None) -> int:
     check_batch_size(args.batch_size)
     for name in ("num_sequences", "block_size", "num_examples", "max_length", "n_bootstrap"):
         check_count(getattr(args, name), "--" + name.replace("_", "-"), minimum=2 if name == "block_size" else 1)
+    out = output_folder(args.out)
 
     torch.manual_seed(args.seed)
     model, tokenizer = models.load_model(args.model, dtype=args.dtype)
     if args.layers is not None:
         check_layers(args.layers, len(attention_blocks(model)), argument="--layers", allow_empty=False)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_{_slug(args.tag)}" if args.tag else ""
     protocol = dict(protocol=Protocol(unit=args.unit, scope=args.scope, layers=args.layers,
@@ -116,7 +120,7 @@ def _main(argv: Sequence[str] | None) -> int:
         for prefix, frame in (("faithfulness", curve), ("aopc", area), ("ladder", ladder)):
             frame.insert(0, "data", name)
             frame.insert(0, "model", common["model"])
-            path = write_csv(frame, out / f"{prefix}_{stem}.csv", index=False, float_format="%.6g")
+            path = write_csv(frame, confined(out, f"{prefix}_{stem}.csv"), index=False, float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     if tasks:
         per_example = downstream_eval(model, tokenizer, tasks, args.metrics, args.downstream_ratios or args.ratios,
@@ -128,7 +132,7 @@ def _main(argv: Sequence[str] | None) -> int:
         ladder = ladder_comparison(per_example, n_bootstrap=args.n_bootstrap, seed=args.seed)
         for prefix, frame in (("downstream", summary), ("downstream_aopc", area), ("downstream_ladder", ladder)):
             frame.insert(0, "model", args.model)
-            path = write_csv(frame, out / f"{prefix}_{_slug(args.model)}{tag}.csv", index=False,
+            path = write_csv(frame, confined(out, f"{prefix}_{_slug(args.model)}{tag}.csv"), index=False,
                              float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     return 0

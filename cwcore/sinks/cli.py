@@ -24,8 +24,8 @@ __all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 
 _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
                 "as five analyses returning tidy tables.")
-#: where the tables go unless --out says otherwise: a folder of the working folder, never committed data
-DEFAULT_OUT = "cwcore-results"
+from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
+from ..provenance import confined, output_folder
 ANALYSIS_NAMES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
 #: the flags of :class:`cwcore.sinks.SinkOptions`' command-line options (``name: (default, help, choices)``),
 #: declared here so that ``--help`` needs no torch; a test checks them against ``SinkOptions.OPTIONS``
@@ -50,30 +50,6 @@ def file_name(name: str) -> str:
     from ..provenance import slug
 
     return slug(name)
-
-
-def confined(folder: Path, name: str) -> Path:
-    """``folder / name``, refused unless it stays inside ``folder``."""
-    path = folder / name
-    if Path(os.path.abspath(path)).parent != Path(os.path.abspath(folder)):
-        raise ValueError(f"output {name!r} would leave {folder}")
-    return path
-
-
-def _check_out(out: str) -> Path:
-    """``--out`` as a folder that exists or can be made: refused (before any model is loaded) when it is a
-    file, or sits under a file, or cannot be written."""
-    folder = Path(out).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise ValueError(f"--out {out} is a file; pass a folder for the tables (default ./{DEFAULT_OUT}/)")
-    parent = folder
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--out {out}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"--out {out}: {parent} cannot be written (permission denied)")
-    return folder
 
 
 def _round(frame, digits: int = 6):
@@ -181,7 +157,7 @@ def _main(argv: list[str] | None) -> int:
     check_batch_size(args.batch_size)
     check_count(args.num_sequences, "--num-sequences")
     check_count(args.block_size, "--block-size", minimum=2)
-    out = _check_out(args.out)
+    out = output_folder(args.out)
     suffix = f"{file_name(args.model)}_{file_name(args.data)}"
     raw = confined(Path(args.raw).expanduser(), suffix) if args.raw else None
     if raw is not None and raw.exists() and not raw.is_dir():

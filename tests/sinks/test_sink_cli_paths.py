@@ -73,3 +73,20 @@ def test_the_declared_flags_are_the_options_of_the_analyses():
     declared = {n: (o.default, o.help, o.choices) for n, o in SinkOptions.OPTIONS.items() if o.cli}
     assert declared == cli.CLI_OPTIONS
     assert tuple(cli.ANALYSIS_NAMES) == tuple(__import__("cwcore.sinks", fromlist=["ANALYSES"]).ANALYSES)
+
+
+def test_the_faithfulness_command_line_shares_the_rules(tmp_path, monkeypatch, capsys):
+    import cwcore.models
+    from cwcore.faithfulness import cli as fcli
+
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("loaded before --out was checked"))
+    (tmp_path / "a.txt").write_text("x")
+    assert fcli.main(["--out", str(tmp_path / "a.txt")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    monkeypatch.setattr(fcli.models, "load_model", lambda *a, **k: (tiny_model("llama"), _word_tokenizer()))
+    monkeypatch.setattr(fcli.data, "load_dataset", lambda *a, **k: TEXTS)
+    monkeypatch.chdir(tmp_path)
+    assert fcli.main(["--model", "org/x", "--data", "toy", "--num-sequences", "2", "--block-size", "8", "--metrics",
+                      "attention", "--ratios", "0.1", "--no-cache", "--no-progress", "--n-bootstrap", "10"]) == 0
+    assert sorted(p.name for p in (tmp_path / "cwcore-results").iterdir()) == \
+        [f"{kind}_org_x_toy.csv" for kind in ("aopc", "faithfulness", "ladder")]
