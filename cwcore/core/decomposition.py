@@ -1,6 +1,6 @@
 """``cwcore.decompose`` (defined here): attention, value-aware metrics and contribution weights of a forward pass.
 
-Terminology (PAPER.md sections 2-4), for layer l, head h, query i, key j:
+Terminology (the paper's sections 'Multi-head attention as a sum of projected value vectors' to 'The metrics compared'), for layer l, head h, query i, key j:
 
 - ``attention``: alpha_ij, ``[batch, head, query, key]``
 - ``value_norm``: ||v~_j||, the projected value vector's norm, ``[batch, head, key]``
@@ -69,7 +69,7 @@ class Rung(str):
         return bool(self.kinds)
 
 
-#: The geometric ladder of PAPER.md section 4, in order (names are plain strings: ``"contribution" in METRICS``).
+#: The geometric ladder of the paper's section 'The metrics compared', in order (names are plain strings: ``"contribution" in METRICS``).
 METRICS = (
     Rung("attention", "1 attention", "#0173b2"),
     Rung("value_weighted", "2 value-weighted", "#de8f05"),

@@ -1,4 +1,4 @@
-"""Faithfulness of attribution metrics by causal intervention (PAPER.md section 5).
+"""Faithfulness of attribution metrics by causal intervention (the paper's section 'Faithfulness by causal intervention').
 
 Rank the terms alpha^h_ij v~^h_j of every attention layer by a metric, remove a fraction r of them
 (zero the post-softmax probabilities, no renormalisation; see :func:`cwcore.intervene`) and measure how

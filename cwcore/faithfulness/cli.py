@@ -56,7 +56,7 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--sampling", default="documents", choices=("documents", "stream"),
                         help="documents: the first block of each of --num-sequences documents drawn with --seed "
                              "(cwcore.data.document_blocks); stream: consecutive blocks of the data-set stream "
-                             "(cwcore.data.lm_blocks, how the tables before issue 12 were made)")
+                             "(cwcore.data.lm_blocks)")
     parser.add_argument("--num-examples", type=int, default=100, help="examples per multiple-choice task")
     parser.add_argument("--max-length", type=int, default=512, help="multiple choice: context tokens kept")
     parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))

@@ -1,4 +1,4 @@
-"""The value geometry of attention sinks (PAPER.md section 6), as five analyses returning tidy tables.
+"""The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), as five analyses returning tidy tables.
 
 Every analysis has the same signature, ``analysis(model, tokenizer, data, **options)``: its own options
 and the run options (``block_size=128, num_sequences=None, add_bos=None, batch_size=8, cache=True,
