@@ -478,10 +478,8 @@ RUN_FORMAT = 1
 def run_record(folder: Path) -> dict | None:
     """The ``parameters.json`` of a run folder the result cache wrote (:data:`RUN_MARKER`, naming this
     folder's key), or None for any other folder, whose files the cache never touches."""
-    if not folder.is_dir() or folder.is_symlink():
-        return None
     try:
-        stored = json.loads((folder / "parameters.json").read_text())
+        stored = json.loads((folder / "parameters.json").read_text()) if not folder.is_symlink() else None
     except (OSError, ValueError):
         return None
     if not isinstance(stored, dict) or stored.get(RUN_MARKER) != RUN_FORMAT or stored.get("key") != folder.name:
@@ -490,11 +488,10 @@ def run_record(folder: Path) -> dict | None:
 
 
 def _written_by_cache(path: Path) -> bool:
-    """A file name the result cache writes in a run folder: a piece, its checksum, a temporary file of an
-    atomic write, ``parameters.json``."""
+    """A name the cache writes in a run folder: a piece, its checksum, a temporary file, ``parameters.json``."""
     name = path.name
-    return (name == "parameters.json" or name.endswith(".parquet") or name.endswith(".parquet" + CHECKSUM_SUFFIX)
-            or (name.startswith(".") and name.endswith(".tmp")))
+    return name == "parameters.json" or name.endswith((".parquet", ".parquet" + CHECKSUM_SUFFIX)) or (
+        name.startswith(".") and name.endswith(".tmp"))
 
 
 def _remove_run(folder: Path) -> None:
@@ -503,10 +500,8 @@ def _remove_run(folder: Path) -> None:
         if path.is_file() and not path.is_symlink() and _written_by_cache(path) and path.name != "parameters.json":
             path.unlink(missing_ok=True)
     (folder / "parameters.json").unlink(missing_ok=True)  # last: a half-removed run is still marked as ours
-    try:
+    with contextlib.suppress(OSError):  # a file the cache did not write is in it: left alone
         folder.rmdir()
-    except OSError:  # a file the cache did not write is in it: left alone
-        pass
 
 
 def verify(root: Path | None = None, repair: bool = False) -> list[dict]:

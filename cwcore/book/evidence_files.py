@@ -130,9 +130,11 @@ def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
     return changed
 
 
-def main(argv=None) -> int:
-    from .evidence_frames import DEFAULT_OUT
+#: the committed evidence of this checkout (as :data:`cwcore.book.evidence_frames.DEFAULT_OUT`)
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_files", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", default=str(DEFAULT_OUT), help=f"default {DEFAULT_OUT}")
     parser.add_argument("--record", action="store_true", help=f"add {HASH_FIELD} to the JSONs that have none")

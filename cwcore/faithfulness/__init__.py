@@ -97,6 +97,15 @@ run resumes, and a longer run over the same first sequences reuses the shorter r
 
 from __future__ import annotations
 
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and {"-h", "--help"} & set(_sys.argv[1:]):
+    # ``python -m cwcore.faithfulness --help`` imports this package first: answer without importing torch
+    from .cli import parser as _parser
+
+    _parser().print_help()
+    raise SystemExit(0)
+
 from ..runs import model_fingerprint
 from .cli import main
 from .downstream import downstream_eval

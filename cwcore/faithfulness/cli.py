@@ -14,20 +14,20 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
-from .. import data, models
-from ..cache import write_csv
 from ..provenance import RESULTS_FOLDER, confined, output_folder
-from ..core.architectures import attention_blocks
-from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
-from .downstream import downstream_eval
-from .lm import faithfulness_curve
-from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, Protocol, modes as parse_modes, specs as parse_specs
-from .ranking import MODES, SCOPES, UNITS
-from .summary import aopc, ladder_comparison, summarize, summarize_downstream
 
-__all__ = ["main"]
+__all__ = ["main", "parser", "CHOICES"]
+
+#: the defaults and choices of the flags (``cwcore.faithfulness.protocol`` and ``.ranking`` declare them;
+#: written here so that ``--help`` needs no torch, and a test checks that they agree)
+CHOICES = {
+    "metrics": ("attention", "value_weighted", "value_weighted_output_normalized", "contribution", "random"),
+    "ratios": (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+    "kinds": ("inter", "intra"),
+    "modes": ("comprehensiveness", "sufficiency"),
+    "scopes": ("row", "layer"),
+    "units": ("head_key", "key", "token"),
+}
 
 _MC_TASKS = ("mmlu", "winogrande", "boolq")
 
@@ -44,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command("python -m cwcore.faithfulness", lambda: _main(argv), debug_requested(argv))
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (standard library only: ``--help`` answers at once)."""
     parser = argparse.ArgumentParser(
         prog="python -m cwcore.faithfulness",
         description="Faithfulness sweeps (comprehensiveness / sufficiency) written as tidy CSVs.")
@@ -59,15 +60,15 @@ def _main(argv: Sequence[str] | None) -> int:
                              "(cwcore.data.lm_blocks)")
     parser.add_argument("--num-examples", type=int, default=100, help="examples per multiple-choice task")
     parser.add_argument("--max-length", type=int, default=512, help="multiple choice: context tokens kept")
-    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
-    parser.add_argument("--ratios", nargs="+", type=float, default=list(DEFAULT_RATIOS))
+    parser.add_argument("--metrics", nargs="+", default=list(CHOICES["metrics"]))
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(CHOICES["ratios"]))
     parser.add_argument("--downstream-ratios", nargs="+", type=float, default=None,
                         help="ratios for the multiple-choice tasks (default: --ratios)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
-    parser.add_argument("--unit", default="head_key", choices=UNITS)
-    parser.add_argument("--scope", default="row", choices=SCOPES)
+    parser.add_argument("--modes", nargs="+", default=list(CHOICES["modes"]))
+    parser.add_argument("--unit", default="head_key", choices=CHOICES["units"])
+    parser.add_argument("--scope", default="row", choices=CHOICES["scopes"])
     parser.add_argument("--scores", default="clean", choices=("clean", "live"))
-    parser.add_argument("--kind", default="inter", choices=KINDS)
+    parser.add_argument("--kind", default="inter", choices=CHOICES["kinds"])
     parser.add_argument("--importance", default="signed", choices=("signed", "absolute"))
     parser.add_argument("--remove-first-token", action="store_true", help="allow removing the first token (sink)")
     parser.add_argument("--layers", nargs="+", type=int, default=None)
@@ -81,7 +82,22 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = parser().parse_args(argv)
+    import torch
+
+    from .. import data, models
+    from ..cache import write_csv
+    from ..core.architectures import attention_blocks
+    from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
+    from .downstream import downstream_eval
+    from .lm import faithfulness_curve
+    from .protocol import Protocol, modes as parse_modes, specs as parse_specs
+    from .summary import aopc, ladder_comparison, summarize, summarize_downstream
+
     # everything that can be checked without the model, before loading it (one sentence each)
     check_ratios(args.ratios, argument="--ratios")
     if args.downstream_ratios is not None:
@@ -136,3 +152,12 @@ def _main(argv: Sequence[str] | None) -> int:
                              float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def __getattr__(name: str):
+    """``cli.data`` and ``cli.models``, imported on first use (``--help`` imports neither)."""
+    if name in ("data", "models"):
+        import importlib
+
+        return importlib.import_module(f"cwcore.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

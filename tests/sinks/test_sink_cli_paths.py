@@ -90,3 +90,17 @@ def test_the_faithfulness_command_line_shares_the_rules(tmp_path, monkeypatch, c
                       "attention", "--ratios", "0.1", "--no-cache", "--no-progress", "--n-bootstrap", "10"]) == 0
     assert sorted(p.name for p in (tmp_path / "cwcore-results").iterdir()) == \
         [f"{kind}_org_x_toy.csv" for kind in ("aopc", "faithfulness", "ladder")]
+
+
+def test_the_faithfulness_help_answers_without_torch_and_its_flags_agree():
+    from cwcore.faithfulness import cli as fcli
+    from cwcore.faithfulness.protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS
+    from cwcore.faithfulness.ranking import MODES, SCOPES, UNITS
+
+    assert fcli.CHOICES == {"metrics": tuple(DEFAULT_METRICS), "ratios": tuple(DEFAULT_RATIOS), "kinds": tuple(KINDS),
+                            "modes": tuple(MODES), "scopes": tuple(SCOPES), "units": tuple(UNITS)}
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "cwcore.faithfulness", "--help"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "--num-sequences" in done.stdout
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "pandas" not in imported
