@@ -164,3 +164,23 @@ def test_metric_reading_an_object_without_identity_is_not_cached():
         first = as_method(metric)
     with pytest.warns(UserWarning, match="is not cached"):
         assert as_method(metric).key != first.key
+
+
+SCALES = __import__("pandas").DataFrame({"layer": range(200), "scale": [1.0] * 200})
+
+
+def _frame_reading_metric(layer_decomposition, layer, **_):
+    return layer_decomposition.attention * float(SCALES["scale"].iloc[layer])
+
+
+def test_metric_key_covers_every_row_of_a_global_table():
+    """A global table's repr shows a few rows: the key hashes them all."""
+    from cwcore.faithfulness.methods import method_key
+
+    first = method_key(_frame_reading_metric)
+    SCALES.loc[100, "scale"] = 2.0  # a row the repr does not show
+    try:
+        assert method_key(_frame_reading_metric) != first
+    finally:
+        SCALES.loc[100, "scale"] = 1.0
+    assert method_key(_frame_reading_metric) == first

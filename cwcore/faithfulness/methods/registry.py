@@ -116,6 +116,13 @@ def _repr_digest(value: Any, seen: set | None = None) -> str:
         return _method_digest(value, seen if seen is not None else set())
     if isinstance(value, (list, tuple)):
         return type(value).__name__ + "[" + ",".join(_repr_digest(v, seen) for v in value) + "]"
+    if isinstance(value, (set, frozenset)):  # in a stable order (string hashes differ between processes)
+        return type(value).__name__ + "{" + ",".join(sorted(_repr_digest(v, seen) for v in value)) + "}"
+    if type(value).__module__.startswith("pandas") and hasattr(value, "to_numpy"):  # repr shows a few rows only
+        import pandas as pd
+
+        rows = pd.util.hash_pandas_object(value, index=True).to_numpy()
+        return f"<{type(value).__name__} {hashlib.sha256(rows.tobytes() + repr(list(getattr(value, 'columns', []))).encode()).hexdigest()}>"
     if isinstance(value, dict):
         return "{" + ",".join(f"{_repr_digest(k, seen)}:{_repr_digest(v, seen)}" for k, v in value.items()) + "}"
     text = repr(value)
