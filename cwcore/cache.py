@@ -9,11 +9,18 @@ plus the producing module or subpackage named by ``code`` (e.g. ``"faithfulness"
 book runner and the command line are never in a key: editing a figure reuses every cached number.
 
 A cache cannot silently go wrong: each piece has a checksum (``<piece>.parquet.sha256``, written
-atomically before the rename that publishes the piece); a piece that fails to read or verify is
+atomically before the rename that publishes the piece) over the piece's place (namespace, key, piece
+name) and its bytes, so a piece copied with its checksum under another key or name is refused; a piece
+that fails to read or verify is
 deleted and computed again with a :class:`CacheWarning`. A cache that cannot be written (read-only,
-full disk) turns into an uncached run with one warning per cache folder and process. Setting
+full disk) or read turns into an uncached run with one warning per cache folder and process. Setting
 ``CWCORE_NO_CACHE=1`` switches the result cache off (nothing read, nothing written).
 :func:`verify` checks every piece (``cwcore cache verify [--repair]``).
+
+The cache deletes only what it wrote: a run folder is cwcore's when its ``parameters.json`` carries the
+run marker (:data:`RUN_MARKER`, with the folder's own key); :func:`prune` and :func:`verify` skip every
+other folder, and inside a run folder they touch only the pieces, checksums, temporary files and
+``parameters.json`` that the cache writes. A folder of one's own tables under a cache root is left alone.
 
 The folder cache (:func:`ensure_cached_folder`) keeps what is built once and reused by every run, such
 as a converted model (``<cache>/models/<name>``): built in a temporary folder, published by a rename,
@@ -137,10 +144,19 @@ def _checksum_path(path: Path) -> Path:
     return path.with_name(path.name + CHECKSUM_SUFFIX)
 
 
+def piece_checksum(path: str | os.PathLike, data: bytes) -> str:
+    """The checksum of a piece at ``path`` (``<root>/results/<namespace>/<key>/<piece>.parquet``) holding
+    ``data``: the sha256 of its place (namespace, key and piece name) and its bytes, so the same bytes
+    under another key or name do not verify."""
+    path = Path(path)
+    place = f"cwcore-piece:{path.parent.parent.name}/{path.parent.name}/{path.name}\n".encode()
+    return _sha256(place + data)
+
+
 def write_piece(path: Path, data: bytes) -> None:
     """Publish a piece: its checksum first, then the piece, each atomically. A process killed between
     the two leaves a checksum without a piece (a missing piece), never a piece without its checksum."""
-    atomic_write_bytes(_checksum_path(path), (_sha256(data) + "\n").encode())
+    atomic_write_bytes(_checksum_path(path), (piece_checksum(path, data) + "\n").encode())
     atomic_write_bytes(path, data)
 
 
@@ -152,8 +168,9 @@ def _check_piece(path: Path, data: bytes) -> tuple[pd.DataFrame | None, str | No
         return None, "it has no checksum file"
     except (OSError, UnicodeDecodeError) as err:
         return None, f"its checksum file cannot be read ({err})"
-    if _sha256(data) != expected:
-        return None, f"its checksum does not match (truncated or overwritten: {len(data)} bytes)"
+    if piece_checksum(path, data) != expected:
+        return None, (f"its checksum does not match (truncated, overwritten, or copied from another key or piece: "
+                      f"{len(data)} bytes)")
     try:
         # read from an Arrow buffer on this thread: pyarrow's readers of a Python file object leave
         # threads that abort the interpreter at exit now and then (apache/arrow#34314; measured here with
@@ -182,6 +199,18 @@ def _discard_piece(path: Path) -> None:
 
 
 _unwritable: dict[str, str] = {}  # cache roots this process could not write to -> why (warned once each)
+_unreadable: dict[str, str] = {}  # cache roots this process could not read from -> why (warned once each)
+
+
+def _warn_unreadable(root: Path, path: Path, error: OSError) -> None:
+    """One warning per cache root and process for pieces that cannot be read (a sweep reads many)."""
+    key = str(root)
+    if key in _unreadable:
+        return
+    _unreadable[key] = error.strerror or str(error)
+    warnings.warn(f"cwcore: the result cache {root} cannot be read ({error.strerror or error}: {path.name}); "
+                  f"its pieces are computed again (fix the folder's permissions, or set {NO_CACHE_ENV_VAR}=1)",
+                  CacheWarning, stacklevel=4)
 
 
 def _mark_unwritable(root: Path, error: OSError) -> None:
@@ -189,6 +218,9 @@ def _mark_unwritable(root: Path, error: OSError) -> None:
     if key in _unwritable:
         return
     reason = error.strerror or str(error)
+    if key in _unreadable:  # warned already: one warning for a cache that can be neither read nor written
+        _unwritable[key] = reason
+        return
     if error.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM):
         reason = {errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the device",
                   errno.EDQUOT: "disk quota exceeded"}.get(error.errno, reason)
@@ -359,8 +391,7 @@ class ResultCache:
         except FileNotFoundError:
             return None
         except OSError as err:
-            warnings.warn(f"cwcore: cached piece {path} cannot be read ({err.strerror or err}); computing it again",
-                          CacheWarning, stacklevel=2)
+            _warn_unreadable(self.root, path, err)
             return None
         frame, problem = _check_piece(path, data)
         if problem is not None:
@@ -380,7 +411,8 @@ class ResultCache:
         data = frame.to_parquet(index=False)
         try:
             if not (self.directory / "parameters.json").exists():
-                text = json.dumps({"parameters": _canonical(self.parameters), "code": code_version(self.code),
+                text = json.dumps({RUN_MARKER: RUN_FORMAT, "key": self.directory.name,
+                                   "parameters": _canonical(self.parameters), "code": code_version(self.code),
                                    "code_scope": list(self.code)}, indent=1)
                 atomic_write_bytes(self.directory / "parameters.json", text.encode())
             write_piece(self._path(piece), data)
@@ -402,16 +434,16 @@ def result_runs(root: Path | None = None) -> pd.DataFrame:
     base = (root or cache_root()) / "results"
     rows = []
     for folder in sorted(base.glob("*/*")) if base.is_dir() else []:
-        if not folder.is_dir():
+        stored = run_record(folder)
+        if stored is None:  # not a folder the cache wrote: never listed, never deleted
             continue
         try:
-            stored = json.loads((folder / "parameters.json").read_text())
             code = stored.get("code")
             scope = stored.get("code_scope")  # absent in runs written before scopes existed: whole package
             current = code_version(None if scope is None else tuple(scope))
         except (OSError, ValueError, TypeError):
             code = current = None  # no piece was ever completed here, the file is unreadable, or its scope gone
-        files = {f: f.stat() for f in folder.iterdir() if f.is_file()}  # one stat per file
+        files = {f: f.stat() for f in folder.iterdir() if f.is_file() and _written_by_cache(f)}  # one stat per file
         rows.append({"namespace": folder.parent.name, "key": folder.name, "current": code is not None and code == current,
                      "pieces": sum(f.suffix == ".parquet" and not f.name.startswith(".") for f in files),
                      "bytes": sum(st.st_size for st in files.values()),
@@ -434,8 +466,42 @@ def prune(root: Path | None = None, everything: bool = False, dry_run: bool = Fa
     doomed = doomed[doomed["modified"] < time.time() - min_age_seconds]
     if not dry_run:
         for path in doomed["path"]:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_run(Path(path))
     return doomed.reset_index(drop=True)
+
+
+#: the field of a run folder's ``parameters.json`` that marks the folder as the result cache's
+RUN_MARKER = "cwcore_result_run"
+RUN_FORMAT = 1
+
+
+def run_record(folder: Path) -> dict | None:
+    """The ``parameters.json`` of a run folder the result cache wrote (:data:`RUN_MARKER`, naming this
+    folder's key), or None for any other folder, whose files the cache never touches."""
+    try:
+        stored = json.loads((folder / "parameters.json").read_text()) if not folder.is_symlink() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get(RUN_MARKER) != RUN_FORMAT or stored.get("key") != folder.name:
+        return None
+    return stored
+
+
+def _written_by_cache(path: Path) -> bool:
+    """A name the cache writes in a run folder: a piece, its checksum, a temporary file, ``parameters.json``."""
+    name = path.name
+    return name == "parameters.json" or name.endswith((".parquet", ".parquet" + CHECKSUM_SUFFIX)) or (
+        name.startswith(".") and name.endswith(".tmp"))
+
+
+def _remove_run(folder: Path) -> None:
+    """Delete the cache's files of one run folder, then the folder if nothing else is left in it."""
+    for path in folder.iterdir():
+        if path.is_file() and not path.is_symlink() and _written_by_cache(path) and path.name != "parameters.json":
+            path.unlink(missing_ok=True)
+    (folder / "parameters.json").unlink(missing_ok=True)  # last: a half-removed run is still marked as ours
+    with contextlib.suppress(OSError):  # a file the cache did not write is in it: left alone
+        folder.rmdir()
 
 
 def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
@@ -443,7 +509,8 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
 
     Returns one dict per problem: ``path``, ``problem`` (a sentence) and ``action`` (what ``repair``
     did, or would do). ``repair=True`` deletes damaged pieces (the next run computes them again),
-    checksums without a piece and temporary files of killed writers older than an hour.
+    checksums without a piece and temporary files of killed writers older than an hour. Only run folders
+    the cache wrote (:func:`run_record`) are checked, and only the files the cache writes in them.
     Converted models are checked by :func:`cwcore.models.verify_models`.
     """
     base = (root or cache_root()) / "results"
@@ -457,17 +524,11 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
         problems.append({"path": str(path), "problem": problem, "action": action})
 
     for folder in sorted(base.glob("*/*")) if base.is_dir() else []:
-        if not folder.is_dir():
+        if run_record(folder) is None:  # not a run folder the cache wrote: nothing in it is checked or deleted
             continue
-        meta = folder / "parameters.json"
-        try:
-            json.loads(meta.read_text())
-        except FileNotFoundError:
-            pass  # no piece was ever completed here
-        except (OSError, ValueError) as err:
-            report(meta, f"the run's parameters.json is unreadable ({err}); `cwcore cache prune` removes the run",
-                   remove=False)
         for path in sorted(folder.iterdir()):
+            if path.is_symlink() or not path.is_file():
+                continue
             if path.name.startswith(".") and path.name.endswith(".tmp"):
                 try:
                     old = now - path.stat().st_mtime > ABANDONED_AFTER_SECONDS
@@ -550,8 +611,36 @@ def ensure_cached_folder(target: str | os.PathLike, source: dict,
                                   f"({err.strerror or err}); delete the folder, or run `cwcore cache verify "
                                   "--repair` where the cache is writable") from None
         return _build_uncached(target, source, build, description, err)
-    _build_into(tmp, target, source, build, description)
+    try:
+        _build_into(tmp, target, source, build, description)
+    except Exception as err:  # noqa: BLE001 - safetensors reports a full disk as its own SafetensorError
+        if not disk_full(err):
+            raise
+        try:  # the promised fallback: a temporary folder for this process (another disk, often)
+            return _build_uncached(target, source, build, description,
+                                   OSError(errno.ENOSPC, "no space left on the device"))
+        except Exception as again:  # noqa: BLE001
+            if not disk_full(again):
+                raise
+            raise ModelCacheError(f"no space left on the device to convert {target.name}, neither in the cache "
+                                  f"{target.parent} nor in the temporary folder {tempfile.gettempdir()}: free "
+                                  "space there, or set CWCORE_CACHE (and TMPDIR) to a disk with room") from None
     return target
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is a full disk or an exceeded quota, however a library words it
+    (an OSError's errno; safetensors' ``SafetensorError`` carries only the operating system's message)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(error)
+        if "No space left on device" in text or "Disk quota exceeded" in text or "StorageFull" in text:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 _uncached_builds: dict[str, Path] = {}  # target -> temporary folder, for caches this process cannot write

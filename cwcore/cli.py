@@ -82,8 +82,10 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
         if not layers:
             raise UsageError(f"no attention block of this model can be decomposed: {blocks[0].unsupported}")
         layer = layers[len(layers) // 2]
-    if not 0 <= layer < num_layers:
-        raise UsageError(f"layer {layer} out of range: the model has layers 0..{num_layers - 1}")
+    if not -num_layers <= layer < num_layers:
+        raise UsageError(f"layer {layer} out of range: the model has layers 0..{num_layers - 1} "
+                         f"(or -{num_layers}..-1 from the end)")
+    layer %= num_layers  # negative layers count from the end, as everywhere in cwcore
     from .tokens import token_labels
 
     inputs = tokenizer(text, return_tensors="pt")
@@ -149,7 +151,7 @@ def _explain_command(args) -> None:
                            start={"layer": args.layer, "head": args.head, "quantity": args.kind})
         except ValueError as error:  # a layer or head out of range, a model cwcore refuses
             raise UsageError(str(error)) from None
-        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        print(f"wrote {out} ({_size(out.stat().st_size)})")
         return
     fig, *_ = explain(args.text, model, tokenizer, layer=args.layer, head=args.head, kind=args.kind,
                       model_name=args.model, max_tokens=args.max_tokens)

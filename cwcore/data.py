@@ -318,7 +318,43 @@ def _read_txt(path: Path) -> datasets.Dataset:
     return datasets.Dataset.from_dict({"text": [b for b in blocks if b]}, features=datasets.Features({"text": _STR}))
 
 
+def _check_utf8(path: Path) -> None:
+    """Refuse a text file (.txt, .json, .jsonl, .csv) that is not UTF-8, naming the first bad byte: some
+    builders would read it and fail later, far from the file."""
+    import codecs
+
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path} is not UTF-8 text (byte {block[err.start]:#04x} at byte {offset + err.start} "
+                                 "cannot be decoded): save it as UTF-8") from None
+            offset += len(block)
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text (it ends inside a character): save it as UTF-8") from None
+
+
 def _load_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
+    if path.is_file() and _LOCAL_EXTENSIONS.get(path.suffix.lower()) != "parquet":
+        _check_utf8(path)
+    try:
+        return _read_local(path, split, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the datasets builders wrap the decoding error in their own
+        cause, seen = err, set()
+        while cause is not None and not isinstance(cause, UnicodeDecodeError) and id(cause) not in seen:
+            seen.add(id(cause))
+            cause = cause.__cause__ or cause.__context__
+        if not isinstance(cause, UnicodeDecodeError):
+            raise
+        raise ValueError(f"{path} is not UTF-8 text (byte {cause.object[cause.start]:#04x} at byte {cause.start} "
+                         "cannot be decoded): save it as UTF-8") from None
+
+
+def _read_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
             ds = datasets.load_from_disk(str(path))

@@ -213,6 +213,8 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
     keys = [q[0] for q in QUANTITIES]
     if start.get("quantity", "inter") not in keys:
         raise ValueError(f"quantity must be one of {', '.join(keys)}, not {start['quantity']!r}")
+    if -meta["layers"] <= start.get("layer", 0) < 0:  # negative layers count from the end, as everywhere
+        start["layer"] += meta["layers"]
     if not 0 <= start.get("layer", 0) < meta["layers"]:
         raise ValueError(f"layer {start['layer']} out of range: the model has layers 0..{meta['layers'] - 1}")
     if not 0 <= start.get("head", 0) < meta["heads"]:

@@ -4,7 +4,9 @@
     model, tokenizer = load_model("gpt2", dtype="bfloat16")  # hub id or local folder
 
 Every model comes back in ``eval()`` mode with ``attn_implementation="eager"`` (cwcore swaps in
-its own attention function that follows eager's math) and a tokenizer whose ``pad_token`` is set.
+its own attention function that follows eager's math), or ``"sdpa"`` when asked (``load_model(name,
+attn_implementation="sdpa")``: the layers a session neither reads nor changes then run SDPA), and a
+tokenizer whose ``pad_token`` is set.
 ``padding_side`` is left at the tokenizer's default (SmolLM2: right, Gemma: left); cwcore handles
 both, because it always takes the ``attention_mask``.
 
@@ -220,6 +222,10 @@ def variant_model_path(name: str, variant: str = "requantized") -> Path:
                                 build, description=f"{key} re-quantised with {scheme}")
 
 
+#: the attention implementations a model may be loaded with (see the module's docstring)
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
 def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, device: Any = None,
                variant: str | None = None, **kwargs):
     """Load a model and its tokenizer for analysis.
@@ -233,7 +239,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     whose de-quantised weights were quantised once more with another 4-bit scheme (:data:`VARIANTS`,
     :func:`requantize_weights`), converted once into the model cache like the model itself.
 
-    Returns ``(model, tokenizer)``: the model in eval mode with eager attention (a causal LM, or
+    Returns ``(model, tokenizer)``: the model in eval mode with eager attention (``attn_implementation="sdpa"``:
+    SDPA for the layers no session reads or changes) (a causal LM, or
     the bare encoder when the checkpoint has no LM head), the tokenizer with ``pad_token`` set.
     Raises ``ModelNotFoundError`` when the name is found neither locally nor on the hub.
     """
@@ -244,10 +251,11 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     import torch
 
     torch_dtype = resolve_dtype(dtype)
-    attention = kwargs.pop("attn_implementation", "eager")
-    if attention != "eager":
-        raise ValueError(f"cwcore analyses eager attention; attn_implementation={attention!r} "
-                         "is not supported")
+    attention = kwargs.get("attn_implementation", "eager")
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation must be one of {', '.join(map(repr, ATTENTION_IMPLEMENTATIONS))} "
+                         f"(eager: eager's exact arithmetic; sdpa: the layers nobody reads run SDPA), not {attention!r}")
+    kwargs["attn_implementation"] = attention
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")
     key = _packaged_key(name)
@@ -448,8 +456,7 @@ def _load_packaged(key: str, torch_dtype, kwargs: dict, variant: str | None = No
 
     folder = packaged_model_path(key) if variant is None else variant_model_path(key, variant)
     model_class = AutoModel if key == "minilm-l6" else AutoModelForCausalLM
-    model = model_class.from_pretrained(folder, dtype=torch_dtype, attn_implementation="eager",
-                                        **kwargs)
+    model = model_class.from_pretrained(folder, dtype=torch_dtype, **{"attn_implementation": "eager", **kwargs})
     return model, AutoTokenizer.from_pretrained(folder)
 
 
@@ -487,8 +494,7 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
         raise ModelNotFoundError(_not_found_message(name, hub_problem)) from err
     model_class = AutoModelForCausalLM if _has_lm_head(config) else AutoModel
     model = model_class.from_pretrained(name, config=config, dtype=torch_dtype,
-                                        attn_implementation="eager",
-                                        trust_remote_code=trust_remote_code, **kwargs)
+                                        trust_remote_code=trust_remote_code, **{"attn_implementation": "eager", **kwargs})
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     return model, tokenizer
 

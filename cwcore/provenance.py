@@ -7,7 +7,11 @@ import re
 import subprocess
 from pathlib import Path
 
-__all__ = ["slug", "git"]
+__all__ = ["slug", "git", "RESULTS_FOLDER", "output_folder", "confined"]
+
+#: where the command lines write their tables unless ``--out`` says otherwise: a folder of the user's working
+#: folder, never a repository's committed tables (``data/results``)
+RESULTS_FOLDER = "cwcore-results"
 
 
 def slug(name: str) -> str:
@@ -25,3 +29,32 @@ def git(root: str | Path, *args: str) -> str | None:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def output_folder(out: str | Path, flag: str = "--out") -> Path:
+    """``out`` as a folder that exists or can be made, checked before any model is loaded: refused (a
+    ``ValueError`` in one sentence) when it is a file, sits under a file, or cannot be written."""
+    import os
+
+    folder = Path(out).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {out} is a file; pass a folder for the tables (default ./{RESULTS_FOLDER}/)")
+    parent = folder
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {out}: {parent} cannot be written (permission denied)")
+    return folder
+
+
+def confined(folder: str | Path, name: str) -> Path:
+    """``folder / name``, refused (``ValueError``) unless it is a file directly inside ``folder``."""
+    import os
+
+    folder = Path(folder)
+    path = folder / name
+    if Path(os.path.abspath(path)).parent != Path(os.path.abspath(folder)):
+        raise ValueError(f"output {name!r} would leave {folder}")
+    return path

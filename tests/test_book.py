@@ -696,3 +696,17 @@ def test_save_figure_is_atomic_and_heatmap_is_centred_at_zero(tmp_path):
     assert (tmp_path / "both" / "heat.svg").read_bytes() == first  # no date, fixed ids: the same bytes
     assert b"<dc:date>" not in first
     plt.close(fig)
+
+
+@pytest.mark.parametrize("models", [["Qwen/Qwen3-8B", "qwen-qwen3-8b"], ["org/a.b", "org/a-b"], ["x", "x"]])
+def test_models_whose_file_names_collide_are_refused_up_front(tiny, models):
+    with pytest.raises(book.BookError, match="same file name|listed twice"):
+        plan_tiny(tiny, models=models)
+
+
+def test_a_relative_cache_resolves_against_the_working_folder_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CWCORE_CACHE", "my-cache")
+    with book._kernel_environment():
+        assert os.environ["CWCORE_CACHE"] == str(tmp_path / "my-cache")
+    assert os.environ["CWCORE_CACHE"] == "my-cache"

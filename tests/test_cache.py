@@ -61,10 +61,11 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     old.put("p0", pd.DataFrame({"x": [2.0]}))
     old.put("p1", pd.DataFrame({"x": [3.0]}))
     meta = old.directory / "parameters.json"
-    meta.write_text(json.dumps({"parameters": {"a": 2}, "code": "an-older-version"}))
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "code": "an-older-version"}))
     fresh_old = ResultCache("other", {"b": 1}, root=tmp_path)  # stale, but being written right now
     fresh_old.put("p0", pd.DataFrame({"x": [4.0]}))
-    (fresh_old.directory / "parameters.json").write_text(json.dumps({"parameters": {}, "code": "older"}))
+    fresh_meta = fresh_old.directory / "parameters.json"
+    fresh_meta.write_text(json.dumps({**json.loads(fresh_meta.read_text()), "code": "older"}))
     for run in (current, old):
         _age(run.directory, 3600)
     (tmp_path / "models").mkdir()  # converted models are never touched

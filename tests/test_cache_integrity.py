@@ -49,7 +49,8 @@ def test_piece_carries_the_sha256_of_its_bytes(tmp_path):
     store = ResultCache("demo", {"a": 1}, root=tmp_path)
     store.put("p", FRAME)
     piece = store.directory / "p.parquet"
-    assert (store.directory / "p.parquet.sha256").read_text().strip() == hashlib.sha256(piece.read_bytes()).hexdigest()
+    place = f"cwcore-piece:demo/{store.directory.name}/p.parquet\n".encode()
+    assert (store.directory / "p.parquet.sha256").read_text().strip() == hashlib.sha256(place + piece.read_bytes()).hexdigest()
     assert cache.verify_piece(piece) is None
 
 
@@ -70,7 +71,7 @@ def _flip(path: Path, at: float = 0.5) -> None:
     (_flip, "checksum does not match"),
     (lambda p: p.with_name(p.name + ".sha256").unlink(), "no checksum"),
     (lambda p: (p.write_bytes(b"not parquet"),
-                p.with_name(p.name + ".sha256").write_text(__import__("hashlib").sha256(b"not parquet").hexdigest())),
+                p.with_name(p.name + ".sha256").write_text(cache.piece_checksum(p, b"not parquet"))),
      "not a readable table"),
 ])
 def test_a_damaged_piece_is_deleted_and_recomputed_with_a_warning(tmp_path, damage, problem):

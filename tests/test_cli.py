@@ -74,7 +74,7 @@ def test_explain_defaults_to_the_middle_block_it_can_decompose(monkeypatch):
     [
         (dict(text="   "), "text is empty"),
         (dict(layer=2), "layer 2 out of range"),
-        (dict(layer=-1), "layer -1 out of range"),
+        (dict(layer=-3), "layer -3 out of range"),  # -1 and -2 count from the end of the 2 layers
         (dict(head=4), "head 4 out of range"),
         (dict(kind="intra"), "needs --head"),
     ],

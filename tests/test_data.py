@@ -455,3 +455,16 @@ def test_document_blocks_never_draws_an_excluded_document_and_keeps_the_others_o
     assert drawn == naive and not set(drawn) & excluded
     plain = list(data.document_blocks(texts, tiny, block_size=8, num_documents=30, seed=5)["document"])
     assert drawn == [d for d in plain if d not in excluded][:10]
+
+
+@pytest.mark.parametrize("suffix, content", [(".txt", b"caf\xe9 au lait\n"), (".jsonl", b'{"text": "caf\xe9"}\n'),
+                                             (".csv", b"text\ncaf\xe9\n")])
+def test_a_file_that_is_not_utf8_is_named_as_bad_input(tmp_path, suffix, content):
+    from cwcore import cli
+    from cwcore.data import load_dataset
+
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="is not UTF-8 text") as caught:
+        load_dataset(str(path))
+    assert str(path) in str(caught.value) and cli._user_error(caught.value)

@@ -19,6 +19,7 @@ from cwcore import cache as cw_cache
 from cwcore import runs
 from cwcore.book import evidence_build as eb
 from cwcore.book import evidence_export as ee
+from cwcore.book.evidence_files import HASH_FIELD, content_hash
 from cwcore.book import evidence_frames as ef
 from cwcore.cache import ResultCache
 from cwcore.faithfulness import evidence
@@ -124,7 +125,8 @@ def _commit(rows, out, model="tiny", data="toy"):
     table.to_csv(csv, index=False, float_format="%.8g", compression={"method": "gzip", "mtime": 0})
     js.write_text(json.dumps({"profile": "evidence", "model": model, "data": data, "seq_len": 12, "seed": 0,
                               "dtype": "float32", "documents": int(rows["document"].nunique()),
-                              "document_ids": [7, 3, 11, 5], "modes": sorted(rows["mode"].unique())}))
+                              "document_ids": [7, 3, 11, 5], "modes": sorted(rows["mode"].unique()),
+                              "rows": len(table), HASH_FIELD: content_hash(csv.read_bytes())}))
 
 
 def test_an_export_of_fewer_cells_keeps_the_committed_cells_it_did_not_run(cell, capsys):

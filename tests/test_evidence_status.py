@@ -7,11 +7,15 @@ import json
 import shutil
 from pathlib import Path
 
+import io
+
+import pandas as pd
 import pytest
 
 from cwcore.book import evidence_export as ee
 from cwcore.book import evidence_status as es
 from cwcore.book import load_config
+from cwcore.book.evidence_files import HASH_FIELD, content_hash
 from cwcore.book.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
 from cwcore.book.findings import BENCH_CHAPTER
 from cwcore.book.parameters import run_parameters
@@ -59,6 +63,20 @@ def test_the_committed_status_page_is_the_one_the_committed_files_give():
     assert page.read_text() == es.status_markdown(es.evidence_status(COMMITTED))
 
 
+def _pair(js: Path, table: pd.DataFrame, meta: dict) -> None:
+    """A committed pair as the writers leave it: the gzipped table and its JSON with rows and SHA-256."""
+    csv = js.with_name(js.name[: -len(".json")] + ".csv.gz")
+    rows = io.BytesIO()
+    table.to_csv(rows, index=False, compression={"method": "gzip", "mtime": 0})
+    csv.write_bytes(rows.getvalue())
+    js.write_text(json.dumps({**meta, "rows": len(table), HASH_FIELD: content_hash(rows.getvalue())}))
+
+
+def _units(n: int, unit: str = "sequence", **keys) -> pd.DataFrame:
+    frame = pd.DataFrame({unit: range(n), **({"document": range(n)} if unit == "sequence" else {})})
+    return frame.assign(**{"metric": "attention", "mode": "comprehensiveness", "ratio": 0.1, **keys})
+
+
 def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tmp_path):
     out = tmp_path / "evidence"
     out.mkdir()
@@ -67,25 +85,30 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
     data = p["datasets"][0]
     # a ladder export holding one cell whole and another in part
     ids = list(range(p["n_sequences"]))
-    (out / f"per_document_{model}_{data}.json").write_text(json.dumps({
-        "document_ids": ids, "documents": 16, "protocols": p["protocols"],
+    ladder = pd.concat([_units(p["n_sequences"], protocol="default", variant="main", importance="signed"),
+                        _units(16, protocol="per-head", variant="main", importance="signed")])
+    _pair(out / f"per_document_{model}_{data}.json", ladder.assign(nll=1.0, clean_nll=0.5), {
+        "document_ids": ids, "documents": p["n_sequences"], "protocols": p["protocols"],
         "cells": {"default": {"documents": p["n_sequences"], "commit": "a" * 40, "created": "t1"},
-                  "per-head": {"documents": 16, "commit": "b" * 40, "created": "t2"}}}))
+                  "per-head": {"documents": 16, "commit": "b" * 40, "created": "t2"}}})
     # the downstream frames: the first task whole, the second with 40 examples, the third absent
     tasks = p["tasks"]
     for task, n in ((tasks[0], p["n_examples"]), (tasks[1], 40)):
-        frame_paths(DOWNSTREAM, model, task, out)[1].write_text(json.dumps({
-            "example_ids": {task: list(range(n))}, "commit": "c" * 40}))
+        _pair(frame_paths(DOWNSTREAM, model, task, out)[1], _units(n, "example", task=task),
+              {"example_ids": {task: list(range(n))}, "commit": "c" * 40})
     # the per-layer frame's JSON is damaged
+    _pair(frame_paths(PER_LAYER, model, data, out)[1], _units(4, layer=0), {"document_ids": [0, 1, 2, 3]})
     frame_paths(PER_LAYER, model, data, out)[1].write_text("{not json")
     # Table 8's protocol variants, whole
-    frame_paths(SENSITIVITY, model, data, out)[1].write_text(json.dumps({
-        "variants": {"default": {}, "unit = token": {"unit": "token"}}, "commit": "d" * 40,
-        "document_ids": list(range(p["sensitivity_sequences"]))}))
+    n = p["sensitivity_sequences"]
+    _pair(frame_paths(SENSITIVITY, model, data, out)[1],
+          pd.concat([_units(n, change="default"), _units(n, change="unit = token")]), {
+              "variants": {"default": {}, "unit = token": {"unit": "token"}}, "commit": "d" * 40,
+              "document_ids": list(range(n))})
     # the bench: the first data set's frame whole, the second's absent (each is written when it completes)
     bench = run_parameters(BENCH_CHAPTER, "evidence", model, config=CONFIG)
-    frame_paths(BENCH, model, bench["datasets"][0], out)[1].write_text(json.dumps({
-        "document_ids": list(range(bench["n_sequences"])), "commit": "e" * 40, "created": "t3"}))
+    _pair(frame_paths(BENCH, model, bench["datasets"][0], out)[1], _units(bench["n_sequences"]), {
+        "document_ids": list(range(bench["n_sequences"])), "commit": "e" * 40, "created": "t3"})
     # chapter 5's table ran at 8 documents
     (out / "05_sink_decomposition").mkdir()
     (out / "05_sink_decomposition" / f"{model}.json").write_text(json.dumps({"parameters": {"n_documents": 8,
@@ -123,3 +146,43 @@ def test_the_command_line_prints_and_writes_the_page(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert es.main(["--out", str(out), "--write"]) == 0
     assert (out / es.STATUS_FILE).read_text().rstrip("\n") == printed.rstrip("\n")
+
+
+@pytest.mark.parametrize("damage", ["number", "lost document", "torn"])
+def test_a_changed_or_torn_pair_is_not_work_done(tmp_path, damage):
+    """A number changed by hand, a document's rows removed (with the JSON's rows count edited to match), or a
+    new table beside the old JSON (a kill between the two writes) is reported unreadable with its reason, not
+    done; a committed pair as written is done."""
+    out = tmp_path / "evidence"
+    out.mkdir()
+    model = _profile()["models"][0]
+    bench = run_parameters(BENCH_CHAPTER, "evidence", model, config=CONFIG)
+    data, n = bench["datasets"][0], bench["n_sequences"]
+    js = frame_paths(BENCH, model, data, out)[1]
+    _pair(js, _units(n).assign(nll=1.5), {"document_ids": list(range(n)), "commit": "e" * 40})
+
+    def state():
+        return es.evidence_status(out).set_index(["part", "model", "data"]).loc[(BENCH_CHAPTER, model, data), "state"]
+
+    assert state() == "done"
+    meta = json.loads(js.read_text())
+    if damage == "number":
+        table = _units(n).assign(nll=1.5)
+        table.loc[n - 1, "nll"] = 2.5  # outside any slice a check would recompute
+        _pair(js, table, meta)
+        js.write_text(json.dumps(meta))  # the old JSON: its hash is the old table's
+    elif damage == "lost document":
+        _pair(js, _units(n).iloc[:-1], {**meta, "rows": n - 1})  # rows and hash made to agree: units do not
+    else:
+        csv = frame_paths(BENCH, model, data, out)[0]
+        rows = io.BytesIO()
+        _units(n).assign(nll=9.0).to_csv(rows, index=False, compression={"method": "gzip", "mtime": 0})
+        csv.write_bytes(rows.getvalue())
+    assert state().startswith("unreadable (")
+    reason = state()
+    assert ("lacks 1 of its" in reason) if damage == "lost document" else ("SHA-256" in reason)
+
+
+def test_a_mistyped_out_folder_fails(tmp_path, capsys):
+    assert es.main(["--out", str(tmp_path / "evidnce")]) == 2
+    assert "no such folder" in capsys.readouterr().err

@@ -60,7 +60,7 @@ def solutions():
     for path in sorted(NOTEBOOKS.glob("*.ipynb")):
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:
-            if "solution" in cell.get("metadata", {}).get("tags", []):
+            if "solution" in cell.get("metadata", {}).get("tags", []) and cell.cell_type == "code":
                 yield path.stem, cell.source
 
 

@@ -373,8 +373,8 @@ def test_loader_defaults_are_safe(tmp_path, monkeypatch):
 def test_conflicting_arguments_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="device_map"):
         load_model("minilm-l6", device="cpu", device_map="auto")
-    with pytest.raises(ValueError, match="eager"):
-        load_model("minilm-l6", attn_implementation="sdpa")
+    with pytest.raises(ValueError, match="'eager', 'sdpa'"):  # sdpa is one of the two (the README's SDPA path)
+        load_model("minilm-l6", attn_implementation="flex_attention")
 
 
 @pytest.mark.parametrize("name", ["no-such-org/no-such-model-cwcore", "smollm3-135m",
@@ -504,3 +504,23 @@ def test_minilm_is_an_eager_bert_encoder_with_meaningful_embeddings():
     embeddings = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
     similar, unrelated = embeddings[0] @ embeddings[1], embeddings[0] @ embeddings[2]
     assert similar > 0.5 > unrelated + 0.3
+
+
+def test_a_model_loaded_with_sdpa_decomposes_as_its_eager_load(tmp_path):
+    """The README's SDPA path: load_model(..., attn_implementation="sdpa") loads, keeps SDPA, and its
+    decomposition equals the eager load's (float32 rounding); other implementations are refused by name."""
+    import cwcore
+
+    folder = tmp_path / "tiny"
+    tiny_llama().save_pretrained(folder)
+    tiny_tokenizer(with_pad=True).save_pretrained(folder)
+    sdpa, tok = models.load_model(str(folder), attn_implementation="sdpa")
+    eager, _ = models.load_model(str(folder))
+    assert sdpa.config._attn_implementation == "sdpa" and eager.config._attn_implementation == "eager"
+    enc = tok(["a b c d", "b c"], return_tensors="pt", padding=True)
+    got, want = cwcore.decompose(sdpa, **enc), cwcore.decompose(eager, **enc)
+    for layer in want.layers:
+        torch.testing.assert_close(got[layer].contribution("inter"), want[layer].contribution("inter"),
+                                   rtol=1e-4, atol=1e-5, equal_nan=True)
+    with pytest.raises(ValueError, match="attn_implementation must be one of 'eager', 'sdpa'"):
+        models.load_model(str(folder), attn_implementation="flash_attention_2")

@@ -103,3 +103,84 @@ def test_the_main_ranks_bar_is_written_for_the_book_build_to_show(tmp_path, monk
     assert shown.getvalue().startswith("\r\033[K[1/2] 04 sweep 7/7 batch") and shown.getvalue().endswith("\r\033[K[1/2] 04")
     monkeypatch.delenv(runs.PROGRESS_FILE_ENV_VAR)
     assert isinstance(runs.progress(3, "quiet", enabled=False), runs._NoBar)  # outside a build: nothing written
+
+
+def test_fingerprint_hashes_every_weight_byte():
+    """One edited value anywhere (off any strided sample, through ``.data`` which moves no version
+    counter, a tied embedding, one zeroed MLP neuron, a bfloat16 model's last byte) changes the identity."""
+    a = nn.Sequential(nn.Embedding(5000, 8), nn.Linear(8, 8))
+    base = runs.model_fingerprint(a)
+    weight = a[0].weight
+    for index in (1, 4097, weight.numel() - 1):  # positions between the old sample's stride
+        before = weight.view(-1)[index].item()
+        weight.data.view(-1)[index] += 1e-6 * (1 + abs(before))
+        assert runs.model_fingerprint(a) != base, index
+        weight.data.view(-1)[index] = before
+        assert runs.model_fingerprint(a) == base
+    model = tiny_model("llama", seed=0)
+    base = runs.model_fingerprint(model)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[:, 7] = 0  # one neuron
+    assert runs.model_fingerprint(model) != base
+    half = tiny_model("llama", seed=0).to(torch.bfloat16)
+    base = runs.model_fingerprint(half)
+    half.model.embed_tokens.weight.data.view(-1)[-1] += 1  # tied or not: the embedding's last value
+    assert runs.model_fingerprint(half) != base
+
+
+THRESHOLD = 0.5
+
+
+def _global_reading_metric(layer_decomposition, **_):
+    return layer_decomposition.attention * THRESHOLD
+
+
+def test_metric_key_covers_the_globals_it_reads():
+    """A callable metric that reads a module-level value gets another cache key when the value changes."""
+    from cwcore.faithfulness.methods import method_key
+
+    global THRESHOLD
+    first = method_key(_global_reading_metric)
+    THRESHOLD = 0.25
+    try:
+        assert method_key(_global_reading_metric) != first
+    finally:
+        THRESHOLD = 0.5
+    assert method_key(_global_reading_metric) == first
+
+
+def test_metric_reading_an_object_without_identity_is_not_cached():
+    from cwcore.faithfulness.methods.registry import as_method
+
+    class Opaque:
+        pass
+
+    holder = Opaque()
+
+    def metric(layer_decomposition, **_):
+        return layer_decomposition.attention * (holder is not None)
+
+    with pytest.warns(UserWarning, match="is not cached"):
+        first = as_method(metric)
+    with pytest.warns(UserWarning, match="is not cached"):
+        assert as_method(metric).key != first.key
+
+
+SCALES = __import__("pandas").DataFrame({"layer": range(200), "scale": [1.0] * 200})
+
+
+def _frame_reading_metric(layer_decomposition, layer, **_):
+    return layer_decomposition.attention * float(SCALES["scale"].iloc[layer])
+
+
+def test_metric_key_covers_every_row_of_a_global_table():
+    """A global table's repr shows a few rows: the key hashes them all."""
+    from cwcore.faithfulness.methods import method_key
+
+    first = method_key(_frame_reading_metric)
+    SCALES.loc[100, "scale"] = 2.0  # a row the repr does not show
+    try:
+        assert method_key(_frame_reading_metric) != first
+    finally:
+        SCALES.loc[100, "scale"] = 1.0
+    assert method_key(_frame_reading_metric) == first

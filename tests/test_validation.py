@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
@@ -432,3 +433,87 @@ def test_importing_this_checkout_from_inside_it_is_silent():
     done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import cwcore"], cwd=root / "tests",
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_callable_returning_the_attention_works_on_texts_of_different_lengths(model):
+    """The README's example: padded query rows are NaN by the decomposition's convention, not the metric's
+    failure; the callable gives exactly the ``attention`` curve."""
+    texts = [" ".join(WORDS[:3]), " ".join(WORDS[:9]), " ".join(WORDS[2:7])]
+    tok = word_tokenizer()
+
+    def mine(layer_decomposition, **_):
+        return layer_decomposition.attention
+
+    got = faithfulness_curve(model, tok, texts, {"attention": mine}, [0.1, 0.5], "comprehensiveness", **FC)
+    want = faithfulness_curve(model, tok, texts, "attention", [0.1, 0.5], "comprehensiveness", **FC)
+    pd.testing.assert_frame_equal(got, want)
+
+
+def test_explain_counts_negative_layers_from_the_end_and_sizes_pages_for_people(monkeypatch, capsys, tmp_path):
+    from cwcore import cli
+    from cwcore.cli import explain
+    import cwcore.models
+
+    model, tok = tiny_model("llama"), word_tokenizer()
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: (model, tok))
+    text = "the cat sat on a mat"
+    _, last_attention, last_contribution, _ = explain(text, model, tok, layer=-1)
+    _, attention, contribution, _ = explain(text, model, tok, layer=1)  # the tiny model has 2 layers
+    np.testing.assert_array_equal(last_contribution, contribution)
+    assert cli.main(["explain", text, "--layer", "-1", "--out", str(tmp_path / "fig.png")]) == 0
+    capsys.readouterr()
+    assert cli.main(["explain", text, "--layer", "-1", "--out", str(tmp_path / "page.html")]) == 0
+    size = (tmp_path / "page.html").stat().st_size
+    printed = capsys.readouterr().out
+    assert size < 1e6 and "0.0 MB" not in printed and f"{size / 1024:.1f} KB" in printed
+    assert cli.main(["explain", text, "--layer", "-3", "--out", str(tmp_path / "fig.png")]) == 2
+
+
+def test_one_document_gives_aopc_without_an_interval(monkeypatch, capsys, tmp_path):
+    """aopc() of one document: the area, NaN interval (one unit has no spread), no KeyError; the command
+    line with --num-sequences 1 runs through."""
+    from cwcore.faithfulness import aopc
+    from cwcore.faithfulness import cli
+
+    rows = [dict(metric=m, mode="comprehensiveness", ratio=r, sequence=0, document=3, nll=2 + r, clean_nll=2.0)
+            for m in ("a", "b") for r in (0.1, 0.5)]
+    got = aopc(pd.DataFrame(rows))
+    assert got["aopc_nll"].tolist() == pytest.approx([0.25, 0.25])  # mean height of 0, 0.1, 0.5 by trapezoids
+    assert got["aopc_nll_ci_low"].isna().all() and got["n_documents"].tolist() == [1, 1]
+    texts = [" ".join(WORDS[3:14][(i + j) % 11] for j in range(12)) for i in range(3)]
+    monkeypatch.setattr(cli.models, "load_model", lambda *a, **k: (tiny_model("llama"), word_tokenizer()))
+    monkeypatch.setattr(cli.data, "load_dataset", lambda *a, **k: texts)
+    assert cli.main(["--data", "toy", "--num-sequences", "1", "--block-size", "8", "--metrics", "contribution",
+                     "random", "--ratios", "0.1", "0.5", "--no-cache", "--out", str(tmp_path)]) == 0, capsys.readouterr().err
+
+
+def test_run_analyses_on_short_texts_names_block_size(model):
+    from cwcore.sinks import run_analyses
+
+    with pytest.raises(ValueError, match="block_size=128"):
+        run_analyses(model, word_tokenizer(), ["the cat sat", "a dog ran"], ["rates"], cache=False, progress=False)
+
+
+def test_value_zeroing_shows_progress_on_long_layers(model, monkeypatch):
+    from cwcore.faithfulness.methods import registry
+    from cwcore.faithfulness.methods import value_zeroing as vz
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, **kwargs):
+            self.total, self.desc, self.enabled, self.n, self.closed = total, desc, kwargs.get("enabled"), 0, False
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(vz, "progress", Bar)
+    ids = torch.randint(1, VOCAB, (1, 72), generator=torch.Generator().manual_seed(1))
+    registry.method_scores(model, "value_zeroing", ids, layers=[1])
+    pairs = 72 * 73 // 2 - 72  # every causal pair of real tokens but key 0 (keep_first_token)
+    assert [(b.desc, b.total, b.n, b.enabled, b.closed) for b in bars] == [("value zeroing, layer 1", pairs, pairs,
+                                                                           True, True)]

@@ -219,6 +219,18 @@ def profile_config(config: dict, profile: str | None) -> tuple[str, dict]:
     return name, prof
 
 
+def _refuse_slug_collisions(models: list, where: str) -> None:
+    """Models whose file names (:func:`slug`) coincide would write over each other's notebooks and tables."""
+    seen: dict[str, str] = {}
+    for model in models:
+        name = slug(model)
+        if name in seen:
+            raise BookError(f"{where}: model {model!r} is listed twice" if seen[name] == model else
+                            f"{where}: models {seen[name]!r} and {model!r} have the same file name {name!r}; "
+                            "rename one (its results would overwrite the other's)")
+        seen[name] = model
+
+
 def plan(config: dict, *, profile: str | None = None, models: str | list[str] | None = None,
          only: str | list[str] | None = None, notebooks_dir: Path = DEFAULT_NOTEBOOKS_DIR,
          generated_dir: Path = DEFAULT_BOOK_DIR / "generated",
@@ -241,6 +253,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
     if isinstance(models, str):
         models = [m.strip() for m in models.split(",") if m.strip()]
     profile_models = list(models or prof.get("models") or [])
+    _refuse_slug_collisions(profile_models, f"profile {name}")
     per_notebook = prof.get("notebooks") or {}
     stray = sorted(set(per_notebook) - {c.name for c in all_chapters if not c.is_page})
     if stray:
@@ -270,6 +283,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
                             explicit))
             continue
         chapter_models = list(chapter_models or chapter.models or profile_models)
+        _refuse_slug_collisions(chapter_models, f"chapter {chapter.name}")
         if not chapter_models:
             raise BookError(f"chapter {chapter.name} runs per model but profile {name} names no models")
         for model in chapter_models:
@@ -473,9 +487,13 @@ def ensure_kernel(name: str = KERNEL_NAME) -> str:
 
 @contextlib.contextmanager
 def _kernel_environment():
-    """Environment of the kernels papermill starts (they inherit this process's)."""
-    old = {name: os.environ.get(name) for name in ("PYTHONWARNINGS", *KERNEL_ENVIRONMENT_DEFAULTS)}
+    """Environment of the kernels papermill starts (they inherit this process's). A relative
+    ``$CWCORE_CACHE`` is made absolute against this process's working folder (the user's), since each
+    kernel runs in its chapter's folder: one cache for the whole build, never one inside each chapter."""
+    old = {name: os.environ.get(name) for name in ("PYTHONWARNINGS", "CWCORE_CACHE", *KERNEL_ENVIRONMENT_DEFAULTS)}
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old["PYTHONWARNINGS"], *KERNEL_WARNING_FILTERS]))
+    if old["CWCORE_CACHE"]:
+        os.environ["CWCORE_CACHE"] = str(Path(old["CWCORE_CACHE"]).expanduser().absolute())
     for name, value in KERNEL_ENVIRONMENT_DEFAULTS.items():
         if not os.environ.get(name):  # unset or empty
             os.environ[name] = value

@@ -51,6 +51,7 @@ from ..faithfulness.protocol import Protocol, identical_steps
 from ..faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
+from .evidence_files import CommittedFileError
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, read_committed, tables as export_tables
 from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, NOT_NUMBERS, PER_LAYER, RTOL,
                               SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity, checked_how,
@@ -95,7 +96,9 @@ def committed_documents(model: str, data: str, protocol: str, documents: Sequenc
     (a checkpointed build merges whole batches); rows None and ``held`` 0 with the reason otherwise.
     ``found``: the export as :func:`~cwcore.book.evidence_export.read_committed` already read it."""
     if found is False:
-        found = read_committed(model, data, exports)
+        found = _read_or_refused(model, data, exports)
+    if isinstance(found, CommittedFileError):
+        return None, 0, f"the committed export is refused: {found}"
     if found is None:
         return None, 0, "no committed export"
     table, meta = found
@@ -134,6 +137,14 @@ def committed_documents(model: str, data: str, protocol: str, documents: Sequenc
     return rows.reset_index(drop=True), held, why
 
 
+def _read_or_refused(model: str, data: str, exports) -> tuple | None | CommittedFileError:
+    """:func:`~cwcore.book.evidence_export.read_committed`, or the reason it refused the export."""
+    try:
+        return read_committed(model, data, exports)
+    except CommittedFileError as err:
+        return err
+
+
 def _broken_identities(rows: pd.DataFrame, protocol: str, variant: str) -> str:
     """The steps whose two rungs :func:`cwcore.faithfulness.protocol.identical_steps` ranks identically
     under the cell's protocol but whose committed rows differ (checked on every row, not a slice)."""
@@ -148,13 +159,7 @@ def _broken_identities(rows: pd.DataFrame, protocol: str, variant: str) -> str:
 
 
 def _rows_hash(rows: pd.DataFrame) -> str:
-    import hashlib
-
-    keys = [k for k in ("importance", "metric", "mode", "ratio", "document") if k in rows]
-    # as the export writes them (8 significant digits), so computed rows hash as they read back
-    text = rows.sort_values(keys, kind="stable")[[*keys, "nll", "clean_nll"]].to_csv(
-        index=False, float_format=f"%.{evidence_export.SIGNIFICANT_DIGITS}g")
-    return hashlib.sha256(text.encode()).hexdigest()
+    return evidence_export.cell_rows_hash(rows)
 
 
 def checkpoint_documents(checkpoint: int | None, batch_size: int) -> int:
@@ -201,7 +206,8 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     every_slice = checkpoint_documents(checkpoint, batch)
     seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
     labels = [*metrics, *seeds]
-    look = dict(**same, exports=exports, variant=variant, multiple=batch, found=read_committed(model, data, exports))
+    look = dict(**same, exports=exports, variant=variant, multiple=batch,
+                found=_read_or_refused(model, data, exports))
     whole, held_whole, why = committed_documents(model, data, protocol, documents, labels, ratios, importances, **look)
     base, held = whole, held_whole
     if seeds:

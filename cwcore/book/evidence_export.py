@@ -49,6 +49,7 @@ from ..faithfulness import evidence
 from . import findings
 from . import results_path, slug
 from . import registration
+from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, content_hash, read_pair
 from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
                               downstream_ladder, read_downstream, read_frame)
 from .parameters import profile_models, run_parameters
@@ -300,20 +301,31 @@ def _keep_written_differences(table: pd.DataFrame, written: pd.DataFrame) -> pd.
 
 
 def _write(csv: Path, js: Path, table: pd.DataFrame, meta: dict) -> bool:
-    """Write an export in its canonical order (:func:`canonical_rows`); False, touching nothing, when the
-    rows already written are these (a rebuild that took every cell leaves git clean, its record too)."""
+    """Write an export in its canonical order (:func:`canonical_rows`), its JSON recording the SHA-256 of
+    the table's bytes (``csv_sha256``, verified by :func:`read_committed`); False, touching nothing, when
+    the rows already written are these and their JSON records them (a rebuild that took every cell leaves
+    git clean, its record too)."""
     table = canonical_rows(table, meta.get("document_ids"))
-    written = _read_rows(csv) if csv.is_file() and js.is_file() else None
+    written = _read_rows(csv) if csv.is_file() and js.is_file() else None  # verified by the caller's read
     if written is not None:
         table = _keep_written_differences(table, written)
     # mtime 0: the same rows give the same bytes
     rows = io.BytesIO()  # written whole, then renamed into place: a killed export leaves the old file
     table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
-    if written is not None and csv.read_bytes() == rows.getvalue():
+    digest = content_hash(rows.getvalue())
+    if written is not None and csv.read_bytes() == rows.getvalue() and _recorded_hash(js) == digest:
         return False
+    meta = {**meta, "rows": len(table), HASH_FIELD: digest}
     cw_cache.atomic_write_bytes(csv, rows.getvalue())
     cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1) + "\n").encode())
     return True
+
+
+def _recorded_hash(js: Path) -> str | None:
+    try:
+        return json.loads(js.read_text()).get(HASH_FIELD)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: str, variant: str = "main",
@@ -393,17 +405,93 @@ def _version(name: str) -> str | None:
 
 
 def read_committed(model: str, data: str, out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
-    """(table, provenance) of an export, or None when either file is absent. Text columns read back as
+    """(table, provenance) of an export, or None when both files are absent. Text columns read back as
     the sweep wrote them (an empty ``kind`` or ``variant`` is ``""``, not NaN), so that committed rows
-    and freshly computed ones group together."""
+    and freshly computed ones group together. Verified on every read
+    (:class:`~cwcore.book.evidence_files.CommittedFileError` with a one-line reason otherwise): the
+    table's bytes against the SHA-256 its JSON records, its rows, documents and each cell's documents
+    against the counts the JSON records (a cell recorded whole holds every document of the sample)."""
     csv, js = paths(model, data, out)
     if not (csv.is_file() and js.is_file()):
+        if csv.is_file() != js.is_file():
+            raise CommittedFileError(f"{(csv if csv.is_file() else js).name} has no "
+                                     f"{(js if csv.is_file() else csv).name} beside it (an interrupted write)")
         return None
-    return _read_rows(csv), json.loads(js.read_text())
+    data_bytes, meta = read_pair(csv, js)
+    table = _read_rows(io.BytesIO(data_bytes))
+    _check_export(table, meta, csv.name)
+    _check_provenance(table, meta, csv.name, csv.parent / "PROVENANCE")
+    return table, meta
 
 
-def _read_rows(csv: Path) -> pd.DataFrame:
-    table = pd.read_csv(csv)
+def cell_rows_hash(rows: pd.DataFrame) -> str:
+    """The SHA-256 of a ladder cell's rows as ``PROVENANCE`` records it (``cell_sha256``): keys, ``nll`` and
+    ``clean_nll`` at the export's 8 significant digits, so computed rows hash as they read back."""
+    import hashlib
+
+    keys = [k for k in ("importance", "metric", "mode", "ratio", "document") if k in rows]
+    text = rows.sort_values(keys, kind="stable")[[*keys, "nll", "clean_nll"]].to_csv(
+        index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _check_provenance(table: pd.DataFrame, meta: dict, name: str, provenance_file: Path) -> None:
+    """Each cell of the export that a build recorded in ``PROVENANCE`` (its ``cell_sha256``) and that no
+    merge has written since must still hold those rows: otherwise it changed outside a build."""
+    if not provenance_file.is_file() or not len(table):
+        return
+    try:
+        builds = json.loads(provenance_file.read_text()).get("builds", [])
+    except (OSError, ValueError, AttributeError) as err:
+        raise CommittedFileError(f"{provenance_file.name} beside {name} cannot be read ({err})") from None
+    variants = table["variant"] if "variant" in table else pd.Series("main", index=table.index)
+    for build in builds:
+        cells = build.get("committed_cells", {})
+        for cell in [*cells.get("taken", []), *cells.get("recomputed", [])]:
+            if (cell.get("model"), cell.get("data")) != (meta.get("model"), meta.get("data")) or "cell_sha256" not in cell:
+                continue
+            protocol, variant = cell.get("protocol"), cell.get("variant", "main")
+            record = meta.get("cells", {}).get(cell_name(protocol, variant), {})
+            if str(record.get("created", "")) > str(build.get("created", "")):
+                continue  # merged again after that build: a later record describes it
+            rows = table[(table["protocol"] == protocol) & (variants == variant)]
+            if cell_rows_hash(rows) != cell["cell_sha256"]:
+                raise CommittedFileError(f"{name}: cell {cell_name(protocol, variant)} no longer holds the rows "
+                                         f"PROVENANCE records for the build of {build.get('created')} (changed "
+                                         "outside a build): not taken; restore it from git or recompute it")
+
+
+def _check_export(table: pd.DataFrame, meta: dict, name: str) -> None:
+    """An export's counts against its JSON: rows, documents, and each cell's documents."""
+    check_rows(table, meta, name)
+    ids = [int(d) for d in meta.get("document_ids", [])]
+    held = sorted(set(int(d) for d in table["document"])) if len(table) else []
+    if "documents" in meta and int(meta["documents"]) != len(held):
+        raise CommittedFileError(f"{name} holds {len(held)} documents, its JSON records {meta['documents']}")
+    if ids and not set(held) <= set(ids):
+        raise CommittedFileError(f"{name} holds documents its JSON does not list")
+    if not len(table):
+        return
+    variants = table["variant"] if "variant" in table else pd.Series("main", index=table.index)
+    names = pd.Series([cell_name(p, v) for p, v in zip(table["protocol"], variants)], index=table.index)
+    for cell, record in meta.get("cells", {}).items():
+        rows = table[names == cell]
+        recorded = int(record.get("documents", 0))
+        documents = set(int(d) for d in rows["document"])
+        if len(documents) != recorded or (ids and documents != set(ids[:recorded])):
+            raise CommittedFileError(f"{name}: cell {cell} holds {len(documents)} documents, its JSON records "
+                                     f"{recorded} (the first {recorded} of the sample)")
+        seeded = rows["metric"].astype(str).str.startswith(evidence.RANDOM_PREFIX)
+        per_combination = rows[~seeded].groupby(["importance", "metric", "mode", "ratio"])["document"].nunique()
+        if len(per_combination) and (per_combination != recorded).any():
+            short = per_combination[per_combination != recorded]
+            raise CommittedFileError(f"{name}: cell {cell} lacks documents in {len(short)} of its importance x metric "
+                                     f"x mode x ratio combinations (e.g. {short.index[0]}: {int(short.iloc[0])} of "
+                                     f"{recorded})")
+
+
+def _read_rows(csv) -> pd.DataFrame:
+    table = pd.read_csv(csv, compression="gzip")
     if "variant" not in table:  # an export older than the column holds the main protocols only
         table.insert(int(table.columns.get_loc("protocol")) + 1, "variant", "main")
     for column in table.columns.difference([*EXACT, *FLOATS, *_NUMERIC]):
@@ -495,7 +583,16 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
     differ from the notebook's in-memory one in the 8th digit."""
     out = Path(out) if out is not None else DEFAULT_OUT
+    if not out.is_dir():
+        raise ValueError(f"{out} is not a folder of per-document exports (pass --out the folder that holds "
+                         "per_document_<model>_<data>.csv.gz)")
     exported = _exports(out)
+    if not exported:
+        raise ValueError(f"{out} holds no per-document export (per_document_<model>_<data>.csv.gz with its .json)")
+    unknown = [m for m in models or [] if m not in exported]
+    if unknown:
+        raise ValueError(f"no per-document export of {', '.join(map(repr, unknown))} in {out}; it holds "
+                         f"{', '.join(exported)}")
     written = []
     for model in models or list(exported):
         if model not in exported:
@@ -597,6 +694,16 @@ def _arguments(argv=None):
 
 def main(argv=None) -> int:
     args = _arguments(argv)
+    try:
+        return _main(args)
+    except (ValueError, OSError) as err:  # CommittedFileError is a ValueError: one line, not a traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    if args.out is not None and args.command != "export" and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: no such folder")
     if args.command == "tables":
         for path in tables(args.out, args.models):
             print(f"wrote {path}")

@@ -77,6 +77,7 @@ from ..faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse
 from ..faithfulness.protocol import specs as parse_specs
 from ..faithfulness.summary import ladder_comparison
 from . import slug
+from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, check_units, content_hash, read_pair
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
            "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "SENSITIVITY", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
@@ -369,13 +370,15 @@ def frame_paths(kind: FrameKind, model: str, data: str | None = None,
 def write_frame(kind: FrameKind, table: pd.DataFrame, meta: dict, model: str, data: str | None = None,
                 out: str | Path | None = None) -> tuple[Path, Path]:
     """Write ``table`` (floats to :data:`SIGNIFICANT_DIGITS` significant digits) and ``meta`` with its
-    columns, dtypes and row count, each file atomically; returns their paths."""
+    columns, dtypes, row count and the SHA-256 of the table's bytes (``csv_sha256``, checked by
+    :func:`read_frame`), each file atomically; returns their paths."""
     csv, js = frame_paths(kind, model, data, out)
     meta = {**meta, "columns": list(table.columns), "dtypes": {c: str(t) for c, t in table.dtypes.items()},
             "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g"}
     # mtime 0: the same rows give the same bytes, so a rewrite that changes nothing leaves git clean
     rows = io.BytesIO()
     table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
+    meta[HASH_FIELD] = content_hash(rows.getvalue())
     csv.parent.mkdir(parents=True, exist_ok=True)
     cw_cache.atomic_write_bytes(csv, rows.getvalue())
     cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1, default=_plain) + "\n").encode())
@@ -385,19 +388,43 @@ def write_frame(kind: FrameKind, table: pd.DataFrame, meta: dict, model: str, da
 def read_frame(kind: FrameKind, model: str, data: str | None = None,
                out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
     """(table, meta) of a committed frame with the columns and dtypes the sweep returned (an empty text
-    is ``""``, as the sweep wrote it), or None when either file is absent."""
+    is ``""``, as the sweep wrote it), or None when either file is absent. Verified on every read: the
+    table's bytes against the SHA-256 its JSON records, its row count, and every unit (each sequence of
+    the sample, each example of the task) in every group of the other keys; otherwise
+    :class:`~cwcore.book.evidence_files.CommittedFileError` with a one-line reason."""
     csv, js = frame_paths(kind, model, data, out)
     if not (csv.is_file() and js.is_file()):
+        if csv.is_file() != js.is_file():
+            raise CommittedFileError(f"{(csv if csv.is_file() else js).name} has no "
+                                     f"{(js if csv.is_file() else csv).name} beside it (an interrupted write)")
         return None
-    meta = json.loads(js.read_text())
+    data_bytes, meta = read_pair(csv, js)
     dtypes = meta.get("dtypes", {})
     text = [c for c, t in dtypes.items() if t in ("str", "object", "string")]
-    table = pd.read_csv(csv, dtype={c: str for c in text})
+    table = pd.read_csv(io.BytesIO(data_bytes), dtype={c: str for c in text}, compression="gzip")
     for column, dtype in dtypes.items():
         if column in text:
             table[column] = table[column].fillna("")
         table[column] = table[column].astype(dtype)
-    return table[meta.get("columns", list(table.columns))], meta
+    table = table[meta.get("columns", list(table.columns))]
+    _check_frame(kind, table, meta, csv.name)
+    return table, meta
+
+
+def _check_frame(kind: FrameKind, table: pd.DataFrame, meta: dict, name: str) -> None:
+    """The counts of a committed frame against its JSON: its rows, and every unit it ran in every group."""
+    check_rows(table, meta, name)
+    if "example" in kind.keys and "example_ids" in meta:
+        for task, ids in meta["example_ids"].items():
+            check_units(table[table["task"] == task], [k for k in kind.keys if k != "example"], "example", ids,
+                        name, "examples")
+    elif "sequence" in kind.keys and "document_ids" in meta:
+        ids = [int(d) for d in meta["document_ids"]]
+        check_units(table, [k for k in kind.keys if k != "sequence"], "sequence", range(len(ids)), name)
+        if "document" in table and len(table):
+            placed = table["sequence"].map(dict(enumerate(ids)))
+            if not (placed == table["document"].astype("int64")).all():
+                raise CommittedFileError(f"{name} pairs sequences with other documents than its JSON lists")
 
 
 def _plain(value):
@@ -472,7 +499,15 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
     t0 = time.monotonic()
     label = f"{model}{' ' + data if data else ''} {kind.sweep}"
     decision = {"sweep": kind.sweep, "model": model, **({"data": data} if data else {})}
-    rows, why = _held(kind, read_frame(kind, model, data, exports), settings, wanted, samples or {}, combinations)
+    try:
+        found = read_frame(kind, model, data, exports)
+    except CommittedFileError as err:  # refused: computed again, saying why
+        found, refused = None, str(err)
+    else:
+        refused = None
+    rows, why = _held(kind, found, settings, wanted, samples or {}, combinations)
+    if refused is not None:
+        why = f"the committed export is refused: {refused}"
     if rows is not None:
         identity = None if computed_by is None else check_identity(
             {"frame": label, "settings": settings, "wanted": wanted, "samples": samples, "combinations": combinations,
@@ -499,7 +534,7 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
             return rows
         why = (f"{len(bad)} of {slice_rows} recomputed rows differ from the export by more than {atol:g} nats "
                f"+ {rtol:g} relative")
-    if why != "no committed export" and "profile" not in why:  # another profile's build: silent
+    if refused is not None or (why != "no committed export" and "profile" not in why):  # another profile: silent
         say(log, f"{label}: computing ({why})")
     decision.update(decision="recomputed", reason=why)
     table = compute()

@@ -27,8 +27,10 @@ import pandas as pd
 
 from .. import cache as cw_cache
 from . import DEFAULT_BOOK_DIR, load_config, plan, results_path
-from .evidence_export import CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, weight_variant_names
-from .evidence_frames import ANATOMY, BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
+from .evidence_export import (CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, read_committed,
+                              weight_variant_names)
+from .evidence_files import CommittedFileError
+from .evidence_frames import ANATOMY, BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths, read_frame
 from .findings import BENCH_CHAPTER, CHAPTERS
 from .parameters import run_parameters
 
@@ -51,6 +53,19 @@ def _json(path: Path) -> dict | None:
         return {UNREADABLE: f"{path.name}: {err}"}
 
 
+def _verified(read, meta_path: Path) -> dict | None:
+    """The JSON of a committed pair once its reader verified the pair (the table's SHA-256, rows and units:
+    :func:`cwcore.book.evidence_export.read_committed`, :func:`cwcore.book.evidence_frames.read_frame`); None
+    when absent, ``{UNREADABLE: reason}`` when refused (a changed or torn pair is not work done)."""
+    try:
+        found = read()
+    except CommittedFileError as err:
+        return {UNREADABLE: str(err)}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError) as err:
+        return {UNREADABLE: f"{meta_path.name}: {err}"}
+    return None if found is None else found[1]
+
+
 def _state(held: int, planned: int) -> str:
     return DONE if held >= planned else IN_PROGRESS if held > 0 else NOT_STARTED
 
@@ -71,7 +86,7 @@ def _ladder_rows(out: Path, model: str, p: dict) -> list[dict]:
     for name, cells in [(model, [cell_name(q) for q in p["protocols"]] + [cell_name("default", v) for v in variants]),
                         *((w, [cell_name(q) for q in p["protocols"]]) for w in weight_variant_names(model, p))]:
         for data in p["datasets"]:
-            meta = _json(paths(name, data, out)[1]) or {}
+            meta = _verified(lambda: read_committed(name, data, out), paths(name, data, out)[1]) or {}
             for cell in cells:
                 record = meta.get("cells", {}).get(cell)
                 if record is None and cell in meta.get("protocols", ()):  # an export older than ``cells``
@@ -85,7 +100,7 @@ def _ladder_rows(out: Path, model: str, p: dict) -> list[dict]:
 
 def _documents_row(out: Path, kind, part: str, model: str, data: str, cell: str, planned: int) -> dict:
     """The row of one committed frame of ``kind`` that counts documents (``document_ids`` in its JSON)."""
-    meta = _json(frame_paths(kind, model, data, out)[1]) or {}
+    meta = _verified(lambda: read_frame(kind, model, data, out), frame_paths(kind, model, data, out)[1]) or {}
     return _row(part, model, data, cell, planned, len(meta.get("document_ids", ())), "documents",
                 meta.get("commit"), meta.get("created"), meta)
 
@@ -97,7 +112,8 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
     rows = []
     if p.get("n_examples"):
         for task in p["tasks"]:
-            meta = _json(frame_paths(DOWNSTREAM, model, task, out)[1]) or {}
+            meta = _verified(lambda: read_frame(DOWNSTREAM, model, task, out),
+                             frame_paths(DOWNSTREAM, model, task, out)[1]) or {}
             held = len(meta.get("example_ids", {}).get(task, ()))
             rows.append(_row("downstream", model, task, "", p["n_examples"], held, "examples",
                              meta.get("commit"), meta.get("created"), meta))
@@ -106,7 +122,8 @@ def _frame_rows(out: Path, model: str, p: dict) -> list[dict]:
         rows.append(_documents_row(out, PER_LAYER, "per-layer", model, data, "", p["per_layer_sequences"]))
     if p.get("sensitivity_sequences"):  # Table 8: every variant on the first documents of the first data set
         data = p["datasets"][0]
-        meta = _json(frame_paths(SENSITIVITY, model, data, out)[1]) or {}
+        meta = _verified(lambda: read_frame(SENSITIVITY, model, data, out),
+                         frame_paths(SENSITIVITY, model, data, out)[1]) or {}
         rows.append(_row("protocol variants", model, data, f"{len(meta.get('variants', {})) or ''} variants".strip(),
                          p["sensitivity_sequences"], len(meta.get("document_ids", ())), "documents",
                          meta.get("commit"), meta.get("created"), meta))
@@ -193,6 +210,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default="evidence")
     parser.add_argument("--write", action="store_true", help=f"write {STATUS_FILE} there instead of printing it")
     args = parser.parse_args(argv)
+    if args.out is not None and not Path(args.out).is_dir():
+        print(f"error: --out {args.out}: no such folder of committed evidence (default {DEFAULT_OUT})", file=sys.stderr)
+        return 2
     if args.write:
         print(f"wrote {write_status(args.out, profile=args.profile)}")
     else:

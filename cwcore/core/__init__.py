@@ -1,4 +1,4 @@
-"""The method itself (PAPER.md sections 2-5): head-space geometry, where each architecture keeps its
+"""The method itself (the paper's sections 'Multi-head attention as a sum of projected value vectors' to 'Faithfulness by causal intervention'): head-space geometry, where each architecture keeps its
 output projection, the attention function with its session (transforms that change a layer,
 observers that read it), the decomposition classes with :func:`decompose`, and :func:`intervene`.
 

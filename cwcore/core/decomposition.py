@@ -1,6 +1,6 @@
 """``cwcore.decompose`` (defined here): attention, value-aware metrics and contribution weights of a forward pass.
 
-Terminology (PAPER.md sections 2-4), for layer l, head h, query i, key j:
+Terminology (the paper's sections 'Multi-head attention as a sum of projected value vectors' to 'The metrics compared'), for layer l, head h, query i, key j:
 
 - ``attention``: alpha_ij, ``[batch, head, query, key]``
 - ``value_norm``: ||v~_j||, the projected value vector's norm, ``[batch, head, key]``
@@ -28,7 +28,7 @@ from torch import nn
 from .architectures import UnsupportedModelError, attention_blocks
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
-from .inputs import check_compute_dtype, check_inputs, check_layers
+from .inputs import InputError, check_compute_dtype, check_inputs, check_layers, check_materialised, unwrap_compiled
 
 __all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
            "prepare_inputs"]
@@ -69,7 +69,7 @@ class Rung(str):
         return bool(self.kinds)
 
 
-#: The geometric ladder of PAPER.md section 4, in order (names are plain strings: ``"contribution" in METRICS``).
+#: The geometric ladder of the paper's section 'The metrics compared', in order (names are plain strings: ``"contribution" in METRICS``).
 METRICS = (
     Rung("attention", "1 attention", "#0173b2"),
     Rung("value_weighted", "2 value-weighted", "#de8f05"),
@@ -446,8 +446,28 @@ def decompose(
     ``layers=None`` it is skipped with a warning, and listed in ``d.undecomposable``. An input longer than the
     model's context is refused unless ``truncate=True``, which keeps its first tokens.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
-    ``compute_dtype`` (float32 or float64) whatever the model's dtype.
+    ``compute_dtype`` (float32 or float64) whatever the model's dtype. A ``torch.compile``'d model is
+    decomposed through the module it wraps (the same weights, run eagerly).
+
+    The inputs may also come as one mapping in place of ``layers``: ``decompose(model, enc)`` with ``enc``
+    a tokenizer's ``BatchEncoding`` or a dict is ``decompose(model, **enc)``.
+
+    **Padding.** Rows of padded queries are NaN in every ``[batch, head, query, key]`` quantity (attention,
+    contribution weights, cosines): a padded position has no output to decompose. Padded keys get zero
+    attention and zero weight. A plain ``.sum()`` over a padded batch is therefore NaN; reduce over the
+    real tokens, e.g. ``d[l].contribution("inter").nansum(-1)`` or
+    ``w[mask[:, None, :, None].expand_as(w).bool()].sum()`` with ``mask = enc["attention_mask"]``.
     """
+    if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
+        if inputs:
+            raise InputError("decompose: give the inputs once, either as one mapping (decompose(model, enc)) or "
+                             "as keywords (decompose(model, **enc))")
+        layers, inputs = None, dict(layers)
+    elif isinstance(layers, torch.Tensor) and layers.ndim >= 1 and not inputs:
+        raise InputError("decompose(model, tensor): the second positional argument is layers; pass token ids as "
+                         "decompose(model, input_ids=tensor)")
+    model = unwrap_compiled(model)
+    check_materialised(model, "decompose")
     blocks = attention_blocks(model)
     num_layers = len(blocks)
     undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}

@@ -95,6 +95,28 @@ def _cached_length(inputs: dict) -> int:
     return int(length()) if callable(length) else 0
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``'d model wraps (``_orig_mod``; its weights are the same tensors), so
+    that its blocks are found and its forward's keywords read; any other model as it is. The
+    decomposition then runs the module's own eager forward."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else model
+
+
+def check_materialised(model: nn.Module, caller: str = "decompose") -> None:
+    """Refuse a model whose weights are on the ``meta`` device without an offloading hook (made under
+    ``torch.device("meta")`` or ``init_empty_weights``: no values to run); accelerate's offloaded models
+    (``device_map`` with disk or CPU offload) keep a hook that loads each weight when its module runs."""
+    meta = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
+    if meta is None:
+        return
+    if any(hasattr(module, "_hf_hook") for module in model.modules()):
+        return
+    raise InputError(f"{caller}: the model's weights are on the meta device (e.g. {meta}): it was made without "
+                     "weights (torch.device('meta'), init_empty_weights); load them first, e.g. with "
+                     "cwcore.load_model or from_pretrained")
+
+
 def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False) -> dict:
     """The model inputs, checked (and 1-D ``input_ids``/``attention_mask`` promoted to a batch of one).
 
@@ -381,7 +403,9 @@ def finite_scores(fn):
         decomposition = kwargs.get("layer_decomposition")
         if isinstance(values, torch.Tensor) and decomposition is not None:
             attention = decomposition.attention  # [batch, head, query, key]; 0 where a key is hidden
-            visible = attention.ne(0).any(1) if values.dim() == 3 else attention.ne(0)
+            # padded query rows are NaN by the decomposition's convention: not a failure of the metric
+            seen = attention.nan_to_num(0.0).ne(0)
+            visible = seen.any(1) if values.dim() == 3 else seen
             if tuple(visible.shape) == tuple(values.shape):
                 check_finite_scores(values, name, kwargs.get("layer", decomposition.layer), visible)
         return values

@@ -1,7 +1,7 @@
 """Causal interventions: remove projected value terms alpha^h_ij v~^h_j inside the model.
 
 Removing a term zeroes the post-softmax probability alpha^h_ij without renormalising the row, so the
-head output loses exactly alpha^h_ij v~^h_j and nothing else changes (PAPER.md section 5).
+head output loses exactly alpha^h_ij v~^h_j and nothing else changes (the paper's section 'Faithfulness by causal intervention').
 """
 
 from __future__ import annotations

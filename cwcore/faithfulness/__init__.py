@@ -1,4 +1,4 @@
-"""Faithfulness of attribution metrics by causal intervention (PAPER.md section 5).
+"""Faithfulness of attribution metrics by causal intervention (the paper's section 'Faithfulness by causal intervention').
 
 Rank the terms alpha^h_ij v~^h_j of every attention layer by a metric, remove a fraction r of them
 (zero the post-softmax probabilities, no renormalisation; see :func:`cwcore.intervene`) and measure how
@@ -96,6 +96,15 @@ run resumes, and a longer run over the same first sequences reuses the shorter r
 """
 
 from __future__ import annotations
+
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and {"-h", "--help"} & set(_sys.argv[1:]):
+    # ``python -m cwcore.faithfulness --help`` imports this package first: answer without importing torch
+    from .cli import parser as _parser
+
+    _parser().print_help()
+    raise SystemExit(0)
 
 from ..runs import model_fingerprint
 from .cli import main

@@ -1,7 +1,9 @@
-"""The command line: ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out data/results/``.
+"""The command line: ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out my-results/``.
 
 Writes tidy CSVs per LM data set (``faithfulness_*``, ``aopc_*``, ``ladder_*``) and for the
-multiple-choice tasks (``downstream_*``, ``downstream_aopc_*``, ``downstream_ladder_*``).
+multiple-choice tasks (``downstream_*``, ``downstream_aopc_*``, ``downstream_ladder_*``) into ``--out``
+(default ``./cwcore-results/`` in the working folder, never a repository's committed tables); every
+argument, ``--out`` included, is checked before the model is loaded.
 """
 
 from __future__ import annotations
@@ -12,19 +14,20 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
+from ..provenance import RESULTS_FOLDER, confined, output_folder
 
-from .. import data, models
-from ..cache import write_csv
-from ..core.architectures import attention_blocks
-from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
-from .downstream import downstream_eval
-from .lm import faithfulness_curve
-from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, Protocol, modes as parse_modes, specs as parse_specs
-from .ranking import MODES, SCOPES, UNITS
-from .summary import aopc, ladder_comparison, summarize, summarize_downstream
+__all__ = ["main", "parser", "CHOICES"]
 
-__all__ = ["main"]
+#: the defaults and choices of the flags (``cwcore.faithfulness.protocol`` and ``.ranking`` declare them;
+#: written here so that ``--help`` needs no torch, and a test checks that they agree)
+CHOICES = {
+    "metrics": ("attention", "value_weighted", "value_weighted_output_normalized", "contribution", "random"),
+    "ratios": (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9),
+    "kinds": ("inter", "intra"),
+    "modes": ("comprehensiveness", "sufficiency"),
+    "scopes": ("row", "layer"),
+    "units": ("head_key", "key", "token"),
+}
 
 _MC_TASKS = ("mmlu", "winogrande", "boolq")
 
@@ -41,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command("python -m cwcore.faithfulness", lambda: _main(argv), debug_requested(argv))
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (standard library only: ``--help`` answers at once)."""
     parser = argparse.ArgumentParser(
         prog="python -m cwcore.faithfulness",
         description="Faithfulness sweeps (comprehensiveness / sufficiency) written as tidy CSVs.")
@@ -53,18 +57,18 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--sampling", default="documents", choices=("documents", "stream"),
                         help="documents: the first block of each of --num-sequences documents drawn with --seed "
                              "(cwcore.data.document_blocks); stream: consecutive blocks of the data-set stream "
-                             "(cwcore.data.lm_blocks, how the tables before issue 12 were made)")
+                             "(cwcore.data.lm_blocks)")
     parser.add_argument("--num-examples", type=int, default=100, help="examples per multiple-choice task")
     parser.add_argument("--max-length", type=int, default=512, help="multiple choice: context tokens kept")
-    parser.add_argument("--metrics", nargs="+", default=list(DEFAULT_METRICS))
-    parser.add_argument("--ratios", nargs="+", type=float, default=list(DEFAULT_RATIOS))
+    parser.add_argument("--metrics", nargs="+", default=list(CHOICES["metrics"]))
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(CHOICES["ratios"]))
     parser.add_argument("--downstream-ratios", nargs="+", type=float, default=None,
                         help="ratios for the multiple-choice tasks (default: --ratios)")
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
-    parser.add_argument("--unit", default="head_key", choices=UNITS)
-    parser.add_argument("--scope", default="row", choices=SCOPES)
+    parser.add_argument("--modes", nargs="+", default=list(CHOICES["modes"]))
+    parser.add_argument("--unit", default="head_key", choices=CHOICES["units"])
+    parser.add_argument("--scope", default="row", choices=CHOICES["scopes"])
     parser.add_argument("--scores", default="clean", choices=("clean", "live"))
-    parser.add_argument("--kind", default="inter", choices=KINDS)
+    parser.add_argument("--kind", default="inter", choices=CHOICES["kinds"])
     parser.add_argument("--importance", default="signed", choices=("signed", "absolute"))
     parser.add_argument("--remove-first-token", action="store_true", help="allow removing the first token (sink)")
     parser.add_argument("--layers", nargs="+", type=int, default=None)
@@ -73,11 +77,27 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("--n-bootstrap", type=int, default=1000)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--tag", default="", help="suffix of the output file names")
-    parser.add_argument("--out", default="data/results/")
+    parser.add_argument("--out", default=RESULTS_FOLDER,
+                        help=f"folder of the tables (default ./{RESULTS_FOLDER}/ in the working folder)")
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = parser().parse_args(argv)
+    import torch
+
+    from .. import data, models
+    from ..cache import write_csv
+    from ..core.architectures import attention_blocks
+    from ..core.inputs import check_batch_size, check_count, check_layers, check_ratios
+    from .downstream import downstream_eval
+    from .lm import faithfulness_curve
+    from .protocol import Protocol, modes as parse_modes, specs as parse_specs
+    from .summary import aopc, ladder_comparison, summarize, summarize_downstream
+
     # everything that can be checked without the model, before loading it (one sentence each)
     check_ratios(args.ratios, argument="--ratios")
     if args.downstream_ratios is not None:
@@ -87,12 +107,12 @@ def _main(argv: Sequence[str] | None) -> int:
     check_batch_size(args.batch_size)
     for name in ("num_sequences", "block_size", "num_examples", "max_length", "n_bootstrap"):
         check_count(getattr(args, name), "--" + name.replace("_", "-"), minimum=2 if name == "block_size" else 1)
+    out = output_folder(args.out)
 
     torch.manual_seed(args.seed)
     model, tokenizer = models.load_model(args.model, dtype=args.dtype)
     if args.layers is not None:
         check_layers(args.layers, len(attention_blocks(model)), argument="--layers", allow_empty=False)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = f"_{_slug(args.tag)}" if args.tag else ""
     protocol = dict(protocol=Protocol(unit=args.unit, scope=args.scope, layers=args.layers,
@@ -116,7 +136,7 @@ def _main(argv: Sequence[str] | None) -> int:
         for prefix, frame in (("faithfulness", curve), ("aopc", area), ("ladder", ladder)):
             frame.insert(0, "data", name)
             frame.insert(0, "model", common["model"])
-            path = write_csv(frame, out / f"{prefix}_{stem}.csv", index=False, float_format="%.6g")
+            path = write_csv(frame, confined(out, f"{prefix}_{stem}.csv"), index=False, float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     if tasks:
         per_example = downstream_eval(model, tokenizer, tasks, args.metrics, args.downstream_ratios or args.ratios,
@@ -128,7 +148,16 @@ def _main(argv: Sequence[str] | None) -> int:
         ladder = ladder_comparison(per_example, n_bootstrap=args.n_bootstrap, seed=args.seed)
         for prefix, frame in (("downstream", summary), ("downstream_aopc", area), ("downstream_ladder", ladder)):
             frame.insert(0, "model", args.model)
-            path = write_csv(frame, out / f"{prefix}_{_slug(args.model)}{tag}.csv", index=False,
+            path = write_csv(frame, confined(out, f"{prefix}_{_slug(args.model)}{tag}.csv"), index=False,
                              float_format="%.6g")
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def __getattr__(name: str):
+    """``cli.data`` and ``cli.models``, imported on first use (``--help`` imports neither)."""
+    if name in ("data", "models"):
+        import importlib
+
+        return importlib.import_module(f"cwcore.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

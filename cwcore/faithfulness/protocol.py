@@ -1,4 +1,4 @@
-"""The protocol of PAPER.md section 5: which metric ranks the terms, how, and where.
+"""The protocol of the paper's section 'Faithfulness by causal intervention': which metric ranks the terms, how, and where.
 
 :class:`Protocol` holds the choices (unit, scope, layers, first token, clean or live scores, kind,
 importance, seed; the package docstring gives each default's reason); :func:`parse_metric` turns
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 DEFAULT_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
-#: The geometric ladder (PAPER.md section 4), least to most geometric.
+#: The geometric ladder (the paper's section 'The metrics compared'), least to most geometric.
 LADDER = METRICS
 DEFAULT_METRICS = METRICS + ("random",)
 KINDS = ("inter", "intra")
@@ -101,7 +101,7 @@ def parse_metric(metric, kind: str = "inter", label: str | None = None) -> Metri
 
 @dataclass(frozen=True)
 class Protocol:
-    """The choices of PAPER.md section 5 (see :mod:`cwcore.faithfulness` for the defaults' reasons)."""
+    """The choices of the paper's section 'Faithfulness by causal intervention' (see :mod:`cwcore.faithfulness` for the defaults' reasons)."""
 
     unit: str = "head_key"
     scope: str = "row"
@@ -152,7 +152,7 @@ class Protocol:
 
 #: the choices every main protocol shares (they differ in ``kind`` and ``importance`` only)
 _MAIN_CHOICES = {"unit": "head_key", "scope": "row", "scores": "clean", "keep_first_token": True, "layers": None}
-#: named variants of the removal unit (PAPER.md section 5: the paper masks the values of tokens)
+#: named variants of the removal unit (the paper's section 'Faithfulness by causal intervention': the paper masks the values of tokens)
 VARIANTS = {("unit", "token"): "token-unit", ("keep_first_token", False): "first-token-removable"}
 #: the fields of :class:`Protocol`, the only protocol keywords the entry points take
 PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))

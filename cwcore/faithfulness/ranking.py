@@ -1,6 +1,6 @@
 """Which terms alpha^h_ij v~^h_j a faithfulness intervention removes: candidates, ranks and masks.
 
-The protocol of PAPER.md section 5 ranks the candidate terms of one attention layer by a score
+The protocol of the paper's section 'Faithfulness by causal intervention' ranks the candidate terms of one attention layer by a score
 (attention, value-weighted attention, ..., contribution weights, or a seeded random control) and
 removes a fraction r of them: the most important (comprehensiveness) or the least important
 (sufficiency). This module turns scores ``[batch, head, query, key]`` into those removal masks.

@@ -206,10 +206,10 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
     wide = long.pivot_table(index=keys + ["n_ratios", "n"], columns="statistic", values=["value", "low", "high"],
                             sort=False)
     out = pd.DataFrame(index=wide.index)
-    for name in ("aopc_nll", "aopc_ppl"):
+    for name in ("aopc_nll", "aopc_ppl"):  # one unit has no interval: pivot_table drops its all-NaN columns
         out[name] = wide[("value", name)]
-        out[f"{name}_ci_low"] = wide[("low", name)]
-        out[f"{name}_ci_high"] = wide[("high", name)]
+        out[f"{name}_ci_low"] = wide.get(("low", name), np.nan)
+        out[f"{name}_ci_high"] = wide.get(("high", name), np.nan)
     out = out.reset_index()
     out["r_max"] = float(frame["ratio"].max())
     out = out.rename(columns={"n": {"sequence": "n_sequences", "document": "n_documents"}.get(unit, "n_examples")})

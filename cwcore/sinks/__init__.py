@@ -1,4 +1,4 @@
-"""The value geometry of attention sinks (PAPER.md section 6), as five analyses returning tidy tables.
+"""The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), as five analyses returning tidy tables.
 
 Every analysis has the same signature, ``analysis(model, tokenizer, data, **options)``: its own options
 and the run options (``block_size=128, num_sequences=None, add_bos=None, batch_size=8, cache=True,
@@ -56,10 +56,19 @@ order, :class:`SinkOptions`, :func:`run_analyses`), :mod:`~cwcore.sinks.claims` 
 The command line runs all five on a named model and data set and writes small CSVs
 ``sinks_<table>_<model>_<data>.csv`` plus ``sinks_summary_<model>_<data>.csv`` (:func:`summarize`)::
 
-    python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out data/results/
+    python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out my-results/
 """
 
 from __future__ import annotations
+
+import sys as _sys
+
+if _sys.argv[:1] == ["-m"] and {"-h", "--help"} & set(_sys.argv[1:]):
+    # ``python -m cwcore.sinks --help`` imports this package first: answer without importing torch
+    from .cli import parser as _parser
+
+    _parser().print_help()
+    raise SystemExit(0)
 
 from .analyses import ANALYSES, SinkOptions, run_analyses
 from . import suppression

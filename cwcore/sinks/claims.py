@@ -12,7 +12,7 @@ percentile bootstrap otherwise: over heads for medians and rank correlations, ov
 pooled means), and ``verdict`` is :func:`cwcore.stats.verdict` of that interval against ``threshold``
 on the claimed ``side`` (holds / contradicted / inconclusive / not measured); ``why`` says, for a part
 not measured, what the model lacks (e.g. "no sink heads at eps=0.3"), and :func:`display` shows it;
-``source`` says whose claim the row tests: ``"paper"`` (PAPER.md section 6) or ``"book"`` (the book's
+``source`` says whose claim the row tests: ``"paper"`` (the paper's section 'Value geometry of attention sinks') or ``"book"`` (the book's
 own: "many heads are sink heads", "the sink is position 0", the older tail reading).
 :func:`claim_verdicts` combines the parts of each claim (:func:`cwcore.stats.combine_verdicts`). ``key`` names a part for
 code (e.g. ``"cos_semantic"``); :func:`triple` reads ``(estimate, low, high)`` by key.

@@ -1,49 +1,75 @@
 """The command line: all sink analyses on a named model and data set, written as small CSVs::
 
-    python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out data/results/
+    python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out my-results/
 
 samples one block per document (``--sampling documents``, as the book does; ``--sampling stream`` cuts
-consecutive blocks in data-set order, as the tables before issue 12 were made) and
-writes ``sinks_<table>_<model>_<data>.csv`` (the registered analyses' stems) plus
-``sinks_summary_<model>_<data>.csv`` (:func:`cwcore.sinks.summarize`).
+consecutive blocks in data-set order, as the book's first sink tables were made) and writes
+``sinks_<table>_<model>_<data>.csv`` (the registered analyses' stems; ``<model>`` and ``<data>`` as file
+names: ``org/name`` and local paths become ``org-name``) plus ``sinks_summary_<model>_<data>.csv``
+(:func:`cwcore.sinks.summarize`) into ``--out`` (default ``./cwcore-results/`` in the working folder,
+never a repository's committed tables). Every argument is checked before the model is loaded, and
+``--help`` answers without importing torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Iterable
 
-import numpy as np
-import pandas as pd
-import torch
+__all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 
-from ..cache import atomic_write_bytes, write_csv
-from ..core.inputs import check_batch_size, check_count
-from .analyses import ANALYSES, REGISTRY, SinkOptions
-from .engine import Blocks, collect
-from .summary import summarize
+_DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
+                "as five analyses returning tidy tables.")
+from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
+from ..provenance import confined, output_folder
+ANALYSIS_NAMES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
+#: the flags of :class:`cwcore.sinks.SinkOptions`' command-line options (``name: (default, help, choices)``),
+#: declared here so that ``--help`` needs no torch; a test checks them against ``SinkOptions.OPTIONS``
+CLI_OPTIONS = {
+    "eps": (0.3, "sink heads: a sink rate (mean alpha_i0 over queries >= 1) above eps", None),
+    "kind": ("intra", "contribution weights within the head (intra) or of the layer's output (inter)", ("intra", "inter")),
+    "quantile_sample": (128, "(query, key) pairs kept per sequence, head and token class", None),
+    "sample_size": (2000, "pairs per token class in the decomposition's sample table", None),
+    "seed": (0, "seed of every random choice", None),
+    "bins": (10, "equal-width bins of the sink rate in the convexity curves", None),
+    "fit_on": ("norm", "the convexity fits' y: the output norm or its square", ("norm", "squared_norm")),
+    "min_range": (0.05, "heads whose sink rates span less (q95 - q05) are not fitted", None),
+    "heads": ("all", "semantic-cone interventions in all heads, or only in sink heads (rate above threshold)", ("all", "sink")),
+    "threshold": (0.3, "heads='sink': a head's sink rate in the sequence above this", None),
+    "quantiles": (5, "bins of the clean output norm (bin 1: the lowest-norm outputs)", None),
+}
 
-__all__ = ["main"]
 
-_DESCRIPTION = "The value geometry of attention sinks (PAPER.md section 6), as five analyses returning tidy tables."
+def file_name(name: str) -> str:
+    """A model or data-set name as one file-name component: ``org/name``, a local path or ``../x`` become
+    letters, digits and dashes (:func:`cwcore.provenance.slug`), so no output nests folders or leaves ``--out``."""
+    from ..provenance import slug
+
+    return slug(name)
 
 
-def _round(frame: pd.DataFrame, digits: int = 6) -> pd.DataFrame:
+def _round(frame, digits: int = 6):
     floats = frame.select_dtypes("floating").columns
     return frame.assign(**{c: frame[c].astype(float).round(digits) for c in floats})
 
 
-def _npy(array: np.ndarray) -> bytes:
+def _npy(array) -> bytes:
+    import io
+
+    import numpy as np
+
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
 
 
-def _save_raw(folder: Path, parts: dict, blocks: Blocks, sampling: str) -> None:
+def _save_raw(folder: Path, parts: dict, blocks, sampling: str) -> None:
+    from ..cache import atomic_write_bytes
+
     folder.mkdir(parents=True, exist_ok=True)
     for name, frames in parts.items():  # every file atomically: a full disk leaves no partial file
         for part, frame in frames.items():
@@ -55,7 +81,13 @@ def _save_raw(folder: Path, parts: dict, blocks: Blocks, sampling: str) -> None:
     atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
 
 
-def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, Blocks]:
+def _load_raw(folder: Path, analyses: list[str]) -> tuple:
+    import numpy as np
+    import pandas as pd
+    import torch
+
+    from .engine import Blocks
+
     if not (folder / "blocks.json").is_file():
         raise FileNotFoundError(f"--from-raw: no raw material in {folder} (write it first with --raw, without --from-raw)")
     meta = json.loads((folder / "blocks.json").read_text())
@@ -72,15 +104,13 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple[dict, Blocks]:
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per option of :class:`SinkOptions` that has one (``--eps``, ``--heads``, ...), its default
-    and help from the option's declaration; ``--cone-heads`` is the older name of ``--heads``."""
-    for name, option in SinkOptions.OPTIONS.items():
-        if not option.cli:
-            continue
+    """One flag per command-line option of :class:`SinkOptions` (``--eps``, ``--heads``, ...,
+    :data:`CLI_OPTIONS`); ``--cone-heads`` is the older name of ``--heads``."""
+    for name, (default, text, choices) in CLI_OPTIONS.items():
         flags = [f"--{name.replace('_', '-')}"] + (["--cone-heads"] if name == "heads" else [])
-        kind = {bool: None, int: int, float: float, str: str}.get(type(option.default), str)
-        parser.add_argument(*flags, dest=name, default=option.default, type=kind, choices=option.choices,
-                            help=f"{option.help} (default {option.default!r})")
+        kind = {bool: None, int: int, float: float, str: str}.get(type(default), str)
+        parser.add_argument(*flags, dest=name, default=default, type=kind, choices=choices,
+                            help=f"{text} (default {default!r})")
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -92,7 +122,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     return run_command("python -m cwcore.sinks", lambda: _main(argv), debug_requested(argv))
 
 
-def _main(argv: list[str] | None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (standard library only: ``--help`` answers at once)."""
     parser = argparse.ArgumentParser(prog="python -m cwcore.sinks", description=_DESCRIPTION)
     parser.add_argument("--model", required=True, help="a name cwcore.models.load_model knows, e.g. smollm2-135m")
     parser.add_argument("--data", required=True, help="a data set cwcore.data.load_dataset knows, e.g. gsm8k, web-text")
@@ -100,41 +131,61 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--sampling", choices=("documents", "stream"), default="documents",
                         help="documents (default): the first block of each of N documents drawn with the seed, as "
                              "the book does (cwcore.data.document_blocks); stream: consecutive blocks of the "
-                             "concatenated texts in data-set order (cwcore.data.lm_blocks, the tables before issue 12)")
+                             "concatenated texts in data-set order (cwcore.data.lm_blocks)")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default")
-    parser.add_argument("--analyses", default=",".join(ANALYSES), help=f"comma-separated subset of {','.join(ANALYSES)}")
+    parser.add_argument("--analyses", default=",".join(ANALYSIS_NAMES),
+                        help=f"comma-separated subset of {','.join(ANALYSIS_NAMES)}")
     _add_options(parser)
     parser.add_argument("--no-cache", action="store_true")
-    parser.add_argument("--out", default="data/results/")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder of the tables (default ./{DEFAULT_OUT}/ in the working folder)")
     parser.add_argument("--raw", default=None,
                         help="also keep the raw per-batch material under RAW/<model>_<data>/ (parquet), independent "
                              "of the code version, so the tables can be rebuilt with --from-raw")
     parser.add_argument("--from-raw", action="store_true", help="rebuild the tables from --raw without running the model")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(argv: list[str] | None) -> int:
+    parser_ = parser()
+    args = parser_.parse_args(argv)
+    from ..core.inputs import check_batch_size, check_count
+
     check_batch_size(args.batch_size)
     check_count(args.num_sequences, "--num-sequences")
     check_count(args.block_size, "--block-size", minimum=2)
+    out = output_folder(args.out)
+    suffix = f"{file_name(args.model)}_{file_name(args.data)}"
+    raw = confined(Path(args.raw).expanduser(), suffix) if args.raw else None
+    if raw is not None and raw.exists() and not raw.is_dir():
+        raise ValueError(f"--raw {args.raw}: {raw} is a file")
+    if args.from_raw and raw is None:
+        parser_.error("--from-raw needs --raw")
+    import pandas as pd
+    import torch
+
+    from ..cache import write_csv
+    from .analyses import ANALYSES, REGISTRY, SinkOptions
+    from .engine import collect
+    from .summary import summarize
+
     try:  # the analyses' options, checked by SinkOptions (an eps of 1.5 is refused here, with its reason)
         checked = SinkOptions(**{name: getattr(args, name) for name, o in SinkOptions.OPTIONS.items() if o.cli})
     except (TypeError, ValueError) as error:
-        parser.error(str(error))
+        parser_.error(str(error))
     options = {name: getattr(checked, name) for name, o in SinkOptions.OPTIONS.items() if o.cli}
     wanted = [a.strip() for a in args.analyses.split(",") if a.strip()]
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
-        parser.error(f"unknown analyses: {', '.join(unknown)}")
+        parser_.error(f"unknown analyses: {', '.join(unknown)}")
 
     from ..data import load_dataset
     from ..models import load_model
 
-    suffix = f"{args.model}_{args.data}"
-    raw = Path(args.raw) / suffix if args.raw else None
     if args.from_raw:
-        if raw is None:
-            parser.error("--from-raw needs --raw")
         parts, blocks = _load_raw(raw, wanted)
     else:
         torch.manual_seed(args.seed)
@@ -156,13 +207,12 @@ def _main(argv: list[str] | None) -> int:
     tables: dict[str, pd.DataFrame] = {}
     for name in wanted:
         tables.update(REGISTRY[name].named_tables(REGISTRY[name].tables(parts[name], blocks, **options)))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for stem, table in tables.items():
         frame = table.copy()
         frame.insert(0, "data", args.data)
         frame.insert(0, "model", args.model)
-        write_csv(_round(frame), out / f"sinks_{stem}_{suffix}.csv", index=False)
+        write_csv(_round(frame), confined(out, f"sinks_{stem}_{suffix}.csv"), index=False)
     summary = summarize(tables)
     summary.insert(0, "data", args.data)
     summary.insert(0, "model", args.model)
@@ -170,6 +220,6 @@ def _main(argv: list[str] | None) -> int:
     summary["num_sequences"] = int(blocks.ids.shape[0])
     summary["sampling"] = (json.loads((raw / "blocks.json").read_text()).get("sampling", "stream")  # older raw: stream
                            if args.from_raw else args.sampling)
-    write_csv(_round(summary), out / f"sinks_summary_{suffix}.csv", index=False)
+    write_csv(_round(summary), confined(out, f"sinks_summary_{suffix}.csv"), index=False)
     print(summary.to_string(index=False), file=sys.stdout)
     return 0

@@ -406,7 +406,7 @@ def _joint_triple(joint: pd.DataFrame | None, measure: str, cls: str, group: str
 
 def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = None, n_resamples: int = 1000,
                 seed: int = 0) -> list[dict]:
-    """The claim "sink driven by value geometry, tail by attention" (PAPER.md: "for tail tokens by alpha
+    """The claim "sink driven by value geometry, tail by attention" (the paper: "for tail tokens by alpha
     and alignment together"), in sink heads:
 
     * sink, per head: the share of sink heads where geometry's share of var(log|c|) exceeds attention's

@@ -254,6 +254,9 @@ def token_blocks(
         resolved = _resolve_bos(tokenizer, add_bos) is not None
         blocks = lm_blocks(data, tokenizer, block_size=block_size, num_blocks=num_sequences, add_bos=add_bos)
         ids = torch.tensor(blocks["input_ids"], dtype=torch.long).reshape(len(blocks), block_size)
+        if ids.shape[0] == 0:
+            raise ValueError(f"the texts are shorter than one block of block_size={block_size} tokens (text is cut "
+                             "into blocks of block_size tokens): give longer or more texts, or a smaller block_size")
     if ids.shape[0] == 0 or ids.shape[1] < 2:
         raise ValueError(f"need at least one block of at least 2 tokens, got shape {tuple(ids.shape)}")
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None

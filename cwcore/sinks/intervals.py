@@ -59,7 +59,7 @@ def contrast(boot: stats.ClusterBootstrap, column: str, first: Mapping, second: 
 COLUMNS = ["chapter", "claim", "part", "statistic", "key", "estimate", "low", "high", "threshold", "side", "n",
            "verdict", "why", "unit", "n_units", "source"]
 
-#: whose claim a row tests (the ``source`` column): PAPER.md section 6's, or the book's own (a claim the
+#: whose claim a row tests (the ``source`` column): the paper's section 'Value geometry of attention sinks', or the book's own (a claim the
 #: book adds, e.g. "many heads are sink heads", or an older reading it keeps beside the paper's)
 PAPER, BOOK = "paper", "book"
 
@@ -85,7 +85,7 @@ def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=
     findings table's ``unit`` and ``n_units``; its power statement comes from the interval's width).
     ``why``: what a model lacks when the part cannot be measured (e.g. :func:`no_sink_heads`); kept only
     when the verdict is "not measured", which then says why (a generic reason if none is given).
-    ``source``: :data:`PAPER` (the claim is PAPER.md's) or :data:`BOOK` (the book's own)."""
+    ``source``: :data:`PAPER` (the claim is the paper's) or :data:`BOOK` (the book's own)."""
     if source not in (PAPER, BOOK):
         raise ValueError(f"source must be {PAPER!r} or {BOOK!r}, not {source!r}")
     est, low, high = (float(x) for x in triple_)

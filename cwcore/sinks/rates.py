@@ -12,7 +12,7 @@ from .intervals import BOOK, claim_row, no_sink_heads, pooled_claim_rows, share_
 
 __all__ = ["SINK_RATES", "SINK_POSITION_CLAIM", "sink_rates"]
 
-#: the claims this analysis states (chapter 5); both are the book's, not the paper's (PAPER.md section 6
+#: the claims this analysis states (chapter 5); both are the book's, not the paper's (the paper's section 'Value geometry of attention sinks'
 #: asks to *report* Sink_eps and reads position 0 as the sink; it claims neither)
 SINK_RATES = "many heads are sink heads"
 SINK_POSITION_CLAIM = "the sink is position 0"

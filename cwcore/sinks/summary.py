@@ -1,4 +1,4 @@
-"""The numbers behind each sink claim of PAPER.md section 6, from the command line's tables."""
+"""The numbers behind each sink claim of the paper's section 'Value geometry of attention sinks', from the command line's tables."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ __all__ = ["summarize"]
 
 
 def summarize(tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """The numbers behind each sink claim of PAPER.md section 6 from the CLI's tables.
+    """The numbers behind each sink claim of the paper's section 'Value geometry of attention sinks' from the CLI's tables.
 
     ``tables`` maps the CSV stems (``rates``, ``decomposition``, ``anti_alignment``, ``convexity``,
     ``semantic_cone``, ``semantic_cone-ppl``, ...) to their frames. Returns rows (claim, statistic, value),

@@ -4,7 +4,7 @@ The head output is the sink term plus the rest, o_i = a_i v~_0 + s_i (a_i = alph
 alpha_ij v~_j). "The sink suppresses the output norm" compares ||o_i|| with the output *without the
 sink*, which has two readings:
 
-* **raw**: without the sink's term, s_i (the intervention of PAPER.md section 5: the probability is
+* **raw**: without the sink's term, s_i (the intervention of the paper's section 'Faithfulness by causal intervention': the probability is
   zeroed, not renormalised). The sink suppresses when ||o_i|| < ||s_i||, i.e. exactly when
   cos(v~_0, s_i) < -a_i ||v~_0|| / (2 ||s_i||): it needs anti-alignment strong enough for the term's length.
 * **renormalised**: without the sink as a key, attention renormalised over the others,

@@ -22,6 +22,7 @@ from cwcore.book import findings
 from cwcore.book import results_path
 from cwcore.book import evidence_export as es
 from cwcore.book import evidence_frames as ef
+from cwcore.book.evidence_files import HASH_FIELD, content_hash
 from cwcore.faithfulness import evidence
 from faith_helpers import forest_points, peaked_llama, word_tokenizer
 
@@ -45,7 +46,7 @@ def sliced(tmp_path_factory):
     rows.to_csv(csv, index=False, compression="gzip")
     cells = {name: {**cell, "documents": DOCUMENTS} for name, cell in meta.get("cells", {}).items()}
     js.write_text(json.dumps({**meta, "documents": DOCUMENTS, "document_ids": keep, "rows": len(rows),
-                              "cells": cells}))
+                              "cells": cells, HASH_FIELD: content_hash(csv.read_bytes())}))
     written = es.tables(out, all_models=[MODEL])
     return out, rows, written
 

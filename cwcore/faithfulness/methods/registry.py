@@ -90,19 +90,100 @@ def colours(names=None) -> dict[str, str]:
     return {n: _REGISTRY[n].colour for n in names if n in _REGISTRY and _REGISTRY[n].colour}
 
 
-def _repr_digest(value: Any) -> str:
+class UncacheableMetric(Exception):
+    """A callable reads a value with no stable identity (an object whose ``repr`` is its address)."""
+
+
+def _repr_digest(value: Any, seen: set | None = None) -> str:
+    import types
+
+    import numpy as np
+
     if isinstance(value, torch.Tensor):
         from ...runs import tensor_digest
         return tensor_digest(value.detach().cpu())
-    if callable(value) and hasattr(value, "__code__"):
-        return method_key(value)
-    return repr(value)
+    if isinstance(value, np.ndarray):
+        from ...runs import tensor_digest
+        return tensor_digest(value)
+    if isinstance(value, types.ModuleType):
+        return f"<module {value.__name__}>"
+    if isinstance(value, type):
+        return f"<class {value.__module__}.{value.__qualname__}>"
+    if isinstance(value, nn.Module):  # a model read by the metric: its weights, every byte
+        from ...runs import model_fingerprint
+        return f"<module {type(value).__name__} {model_fingerprint(value)}>"
+    if callable(value) and hasattr(getattr(value, "__func__", value), "__code__"):
+        return _method_digest(value, seen if seen is not None else set())
+    if isinstance(value, (list, tuple)):
+        return type(value).__name__ + "[" + ",".join(_repr_digest(v, seen) for v in value) + "]"
+    if isinstance(value, (set, frozenset)):  # in a stable order (string hashes differ between processes)
+        return type(value).__name__ + "{" + ",".join(sorted(_repr_digest(v, seen) for v in value)) + "}"
+    if type(value).__module__.startswith("pandas") and hasattr(value, "to_numpy"):  # repr shows a few rows only
+        import pandas as pd
+
+        rows = pd.util.hash_pandas_object(value, index=True).to_numpy()
+        return f"<{type(value).__name__} {hashlib.sha256(rows.tobytes() + repr(list(getattr(value, 'columns', []))).encode()).hexdigest()}>"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{_repr_digest(k, seen)}:{_repr_digest(v, seen)}" for k, v in value.items()) + "}"
+    text = repr(value)
+    if " at 0x" in text:  # the default object repr: its address, not its state
+        raise UncacheableMetric(f"{type(value).__name__} has no stable identity ({text[:60]})")
+    return text
+
+
+def _globals_read(target) -> dict:
+    """The module-level values a function's code names (its globals and builtins are resolved as the
+    function would), the attributes it reads from them included through the values themselves."""
+    code = target.__code__
+    names, stack = set(), [code]
+    while stack:  # nested functions and comprehensions have code objects of their own
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if hasattr(c, "co_names"))
+    module_globals = getattr(target, "__globals__", {})
+    return {name: module_globals[name] for name in sorted(names) if name in module_globals}
+
+
+def _method_digest(fn: Callable, seen: set) -> str:
+    target = getattr(fn, "__func__", fn)
+    if id(target) in seen:
+        return f"<recursive {getattr(target, '__qualname__', '')}>"
+    seen.add(id(target))
+    code = target.__code__
+    digest = hashlib.sha256(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}".encode())
+    try:
+        digest.update(inspect.getsource(target).encode())
+    except (OSError, TypeError):
+        pass
+    digest.update(code.co_code)
+    digest.update(repr(code.co_consts).encode())
+    digest.update(repr(code.co_names).encode())
+    for value in (target.__defaults__ or ()) + tuple((target.__kwdefaults__ or {}).items()):
+        digest.update(_repr_digest(value, seen).encode())
+    for cell in target.__closure__ or ():
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # an empty cell
+            digest.update(b"<empty>")
+            continue
+        digest.update(_repr_digest(contents, seen).encode())
+    module = getattr(target, "__module__", "") or ""
+    if not module.startswith(("cwcore", "torch", "numpy", "transformers")):  # a user's code: what it reads too
+        for name, value in _globals_read(target).items():
+            digest.update(name.encode())
+            digest.update(_repr_digest(value, seen).encode())
+    if hasattr(fn, "__self__"):
+        digest.update(_repr_digest(getattr(fn.__self__, "__dict__", fn.__self__), seen).encode())
+    return digest.hexdigest()
 
 
 def method_key(fn: Callable) -> str:
     """The identity of a callable: ``<qualified name>-<hash>`` of its source (or bytecode), constants,
-    defaults and closure values. Two callables share a key only if that code and those values match;
-    helpers it calls are not covered (pass ``cache=False`` while editing them)."""
+    defaults, closure values, and the values of the module-level names it reads (a global threshold, a
+    helper function's code and what that reads in turn, a tensor's bytes, a model's weights). Two
+    callables share a key only if all of these match, so a curve cached for one value of a global is
+    never served after the global changes. A callable that reads an object with no stable identity
+    (whose ``repr`` is its address) raises :class:`UncacheableMetric`: its results cannot be cached."""
     target = getattr(fn, "__func__", fn)
     code = getattr(target, "__code__", None)
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(fn).__name__)}"
@@ -115,23 +196,11 @@ def method_key(fn: Callable) -> str:
         except (OSError, TypeError):
             digest.update(repr(vars(target)).encode())
         digest.update(_repr_digest(getattr(fn, "__dict__", {})).encode())
+        call = getattr(type(fn), "__call__", None)
+        if call is not None and hasattr(call, "__code__"):
+            digest.update(_method_digest(call, set()).encode())
         return f"{name}-{digest.hexdigest()[:16]}"
-    try:
-        digest.update(inspect.getsource(target).encode())
-    except (OSError, TypeError):
-        pass
-    digest.update(code.co_code)
-    digest.update(repr(code.co_consts).encode())
-    digest.update(repr(code.co_names).encode())
-    for value in (target.__defaults__ or ()) + tuple((target.__kwdefaults__ or {}).items()):
-        digest.update(_repr_digest(value).encode())
-    for cell in target.__closure__ or ():
-        try:
-            digest.update(_repr_digest(cell.cell_contents).encode())
-        except ValueError:  # an empty cell
-            digest.update(b"<empty>")
-    if hasattr(fn, "__self__"):
-        digest.update(_repr_digest(getattr(fn.__self__, "__dict__", fn.__self__)).encode())
+    digest.update(_method_digest(fn, set()).encode())
     return f"{name}-{digest.hexdigest()[:16]}"
 
 
@@ -139,7 +208,15 @@ def as_method(fn: Callable, label: str | None = None) -> Method:
     """A user's callable as a :class:`Method` (label: ``label`` or the function's name)."""
     name = label or getattr(fn, "__name__", type(fn).__name__)
     name = "lambda" if name == "<lambda>" else name
-    key = hashlib.sha256(method_key(fn).encode()).hexdigest()[:16]
+    try:
+        key = hashlib.sha256(method_key(fn).encode()).hexdigest()[:16]
+    except UncacheableMetric as err:  # a fresh key each call: its curves are never served from the cache
+        import uuid
+        import warnings
+
+        warnings.warn(f"cwcore: metric {name!r} is not cached: it reads a value whose state cwcore cannot "
+                      f"fingerprint ({err}); its results are computed every time", stacklevel=3)
+        key = "uncached-" + uuid.uuid4().hex[:16]
     from ...core.inputs import finite_scores  # a user's NaN/inf scores are refused at the layer they appear
 
     return Method(name, finite_scores(fn), frozenset(getattr(fn, "cwcore_needs", ())), "",

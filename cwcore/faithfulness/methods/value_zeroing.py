@@ -5,10 +5,14 @@ from __future__ import annotations
 import torch
 
 from ...core.architectures import UnsupportedModelError
+from ...runs import progress
 from .projection import CHUNK_BYTES, projected_values
 from .registry import register_method
 
-__all__ = ["value_zeroing"]
+__all__ = ["value_zeroing", "PROGRESS_PAIRS"]
+
+#: a layer with at least this many scored pairs shows a progress bar (about a second of work on a CPU core)
+PROGRESS_PAIRS = 2048
 
 
 def _rest_of_block(call, block_input, hidden: torch.Tensor, attention_out: torch.Tensor) -> torch.Tensor:
@@ -61,9 +65,16 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
     rows, queries, keys = candidates[:, 0].expand(b, q, k).nonzero(as_tuple=True)
     scores = torch.zeros(b, q, k, dtype=torch.float32)
     step = max(1, CHUNK_BYTES // (h * m * projected.element_size()))
-    for start in range(0, rows.numel(), step):
-        r, i, j = rows[start:start + step], queries[start:start + step], keys[start:start + step]
-        delta = torch.einsum("ph,phm->pm", alpha[r, :, i, j], projected[r, :, j])
-        altered = _rest_of_block(call, block_input, hidden[r, i][None], (original[r, i] - delta)[None])[0].double()
-        scores[r, i, j] = (1 - torch.nn.functional.cosine_similarity(clean[r, i], altered, dim=-1)).float()
+    # a bar for the long calls (seconds per layer: ~Q^2/2 pairs through the MLP), none for short ones
+    bar = progress(rows.numel(), f"value zeroing, layer {layer_decomposition.layer}", unit="pair",
+                   enabled=rows.numel() >= PROGRESS_PAIRS, leave=False)
+    try:
+        for start in range(0, rows.numel(), step):
+            r, i, j = rows[start:start + step], queries[start:start + step], keys[start:start + step]
+            delta = torch.einsum("ph,phm->pm", alpha[r, :, i, j], projected[r, :, j])
+            altered = _rest_of_block(call, block_input, hidden[r, i][None], (original[r, i] - delta)[None])[0].double()
+            scores[r, i, j] = (1 - torch.nn.functional.cosine_similarity(clean[r, i], altered, dim=-1)).float()
+            bar.update(int(r.numel()))
+    finally:
+        bar.close()
     return scores

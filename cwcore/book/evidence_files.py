@@ -1,0 +1,165 @@
+"""Committed evidence verified by its content: each committed table's JSON records the SHA-256 of its CSV.
+
+The evidence folder (``data/results/evidence``) holds pairs of files: a table (``<name>.csv.gz``) and
+its JSON (what ran, how many rows, which documents). A pair is trusted only when the table's bytes
+hash to the ``csv_sha256`` its JSON records (:func:`read_pair`): a number changed by hand, a document
+lost, or a process killed between the two writes (a new table beside the old JSON) is refused with a
+one-line reason, and the reader recomputes instead of taking the rows. The row count and the units
+(documents, examples) a table holds are checked against its JSON by the readers
+(:func:`check_rows`, :func:`check_units`).
+
+``python -m cwcore.book.evidence_files --record [FOLDER]`` adds the hash to the JSONs that have none
+(files written before the hash existed), leaving every table as it is; a JSON whose recorded hash does
+not match is never rewritten (that pair must be recomputed, or restored from git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import pandas as pd
+
+__all__ = ["HASH_FIELD", "CommittedFileError", "content_hash", "read_pair", "check_rows", "check_units",
+           "record_hashes", "committed_pairs"]
+
+#: the JSON field that holds the SHA-256 (hex) of the table's bytes as committed
+HASH_FIELD = "csv_sha256"
+
+
+class CommittedFileError(ValueError):
+    """A committed table does not hold what its JSON records (its content, rows or units): refused."""
+
+
+def content_hash(data: bytes) -> str:
+    """The SHA-256 (hex) of a committed file's bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_pair(table: Path, meta_path: Path) -> tuple[bytes, dict]:
+    """``(the table's bytes, its JSON)``, once the bytes hash to the JSON's :data:`HASH_FIELD`; otherwise
+    :class:`CommittedFileError` with a one-line reason. Both files must exist."""
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CommittedFileError(f"{meta_path.name} cannot be read ({err})") from None
+    if not isinstance(meta, dict):
+        raise CommittedFileError(f"{meta_path.name} is not a JSON object")
+    try:
+        data = table.read_bytes()
+    except OSError as err:
+        raise CommittedFileError(f"{table.name} cannot be read ({err.strerror or err})") from None
+    recorded = meta.get(HASH_FIELD)
+    if not recorded:
+        raise CommittedFileError(f"{meta_path.name} records no {HASH_FIELD} of {table.name}, so its content cannot "
+                                 "be verified: recompute it, or record the hash of a table known to be right with "
+                                 "`python -m cwcore.book.evidence_files --record`")
+    if content_hash(data) != recorded:
+        raise CommittedFileError(f"{table.name} does not match the SHA-256 its {meta_path.name} records (changed "
+                                 "after it was written, or a write interrupted between the two files): not taken; "
+                                 "restore both from git or recompute them")
+    return data, meta
+
+
+def check_rows(table: pd.DataFrame, meta: dict, name: str) -> None:
+    """:class:`CommittedFileError` unless ``table`` has the ``rows`` its JSON records."""
+    if "rows" in meta and int(meta["rows"]) != len(table):
+        raise CommittedFileError(f"{name} holds {len(table)} rows, its JSON records {meta['rows']}")
+
+
+def check_units(table: pd.DataFrame, groups: Sequence[str], unit: str, expected: Sequence, name: str,
+                what: str = "documents") -> None:
+    """:class:`CommittedFileError` unless every group of ``table`` (by ``groups``) holds exactly the units
+    ``expected`` in column ``unit`` (each sequence of the sample, each example of the task)."""
+    wanted = set(expected)
+    if table.empty:
+        if wanted:
+            raise CommittedFileError(f"{name} holds no rows of its {len(wanted)} {what}")
+        return
+    for key, part in (table.groupby(list(groups), sort=False, dropna=False) if groups else [((), table)]):
+        held = set(part[unit])
+        if held != wanted or len(part) != len(held):
+            missing, extra = sorted(wanted - held), sorted(held - wanted)
+            detail = (f"lacks {len(missing)} of its {len(wanted)} {what} ({', '.join(map(str, missing[:3]))}"
+                      f"{', ...' if len(missing) > 3 else ''})" if missing else
+                      f"holds {what} its JSON does not list ({', '.join(map(str, extra[:3]))})" if extra else
+                      f"repeats {what}")
+            raise CommittedFileError(f"{name} {detail} in {dict(zip(groups, key if isinstance(key, tuple) else (key,)))}"
+                                     if groups else f"{name} {detail}")
+
+
+def committed_pairs(folder: Path) -> list[tuple[Path, Path]]:
+    """The (table, JSON) pairs of a committed evidence folder: every ``*.csv.gz`` with a JSON beside it."""
+    pairs = []
+    for table in sorted(Path(folder).glob("*.csv.gz")):
+        meta = table.with_name(table.name[: -len(".csv.gz")] + ".json")
+        if meta.is_file():
+            pairs.append((table, meta))
+    return pairs
+
+
+def _dump(meta: Mapping) -> bytes:
+    return (json.dumps(meta, indent=1) + "\n").encode()
+
+
+def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
+    """Add :data:`HASH_FIELD` to each JSON of ``folder``'s pairs that has none (the table's bytes as they
+    are: nothing is recomputed, no table is touched). Returns the JSONs changed (``dry_run``: that would
+    be). A JSON whose recorded hash differs from its table is left alone (:class:`CommittedFileError`
+    lists them at the end: such a pair is not right, whatever the JSON says)."""
+    from ..cache import atomic_write_bytes
+
+    changed, wrong = [], []
+    for table, meta_path in committed_pairs(Path(folder)):
+        meta = json.loads(meta_path.read_text())
+        digest = content_hash(table.read_bytes())
+        if meta.get(HASH_FIELD):
+            if meta[HASH_FIELD] != digest:
+                wrong.append(table.name)
+            continue
+        changed.append(meta_path)
+        if not dry_run:
+            atomic_write_bytes(meta_path, _dump({**meta, HASH_FIELD: digest}))
+    if wrong:
+        raise CommittedFileError(f"{len(wrong)} tables do not match their recorded hash ({', '.join(wrong)}): "
+                                 "left alone; recompute them")
+    return changed
+
+
+#: the committed evidence of this checkout (as :data:`cwcore.book.evidence_frames.DEFAULT_OUT`)
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_files", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", default=str(DEFAULT_OUT), help=f"default {DEFAULT_OUT}")
+    parser.add_argument("--record", action="store_true", help=f"add {HASH_FIELD} to the JSONs that have none")
+    args = parser.parse_args(argv)
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        print(f"error: {folder} is not a folder of committed evidence", file=sys.stderr)
+        return 2
+    try:
+        if args.record:
+            for path in record_hashes(folder):
+                print(f"recorded the hash in {path.name}")
+        bad = 0
+        for table, meta_path in committed_pairs(folder):
+            try:
+                read_pair(table, meta_path)
+            except CommittedFileError as err:
+                bad += 1
+                print(f"{table.name}: {err}")
+        print(f"{len(committed_pairs(folder)) - bad} of {len(committed_pairs(folder))} committed tables verified")
+        return 1 if bad else 0
+    except CommittedFileError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The result cache deletes only what it wrote, and serves a piece only under the key it was written for."""
+import json
+import os
+import shutil
+import time
+import warnings
+
+import pandas as pd
+import pytest
+
+from cwcore import cache
+from cwcore.cache import CacheWarning, ResultCache
+
+
+def _age(folder, seconds):
+    old = time.time() - seconds
+    for path in [folder, *folder.iterdir()]:
+        os.utime(path, (old, old))
+
+
+def test_prune_and_repair_leave_folders_the_cache_did_not_write(tmp_path):
+    """A cache root pointed at a folder shaped like ``results/<a>/<b>`` holding one's own tables: prune
+    (even ``everything``) and ``verify --repair`` touch none of its files; a run's foreign file survives too."""
+    tables = tmp_path / "results" / "04_faithfulness" / "tables"
+    tables.mkdir(parents=True)
+    files = {"smollm2.csv": b"a,b\n1,2\n", "smollm2.json": b"{}", "x.parquet": b"not a piece",
+             "x.parquet.sha256": b"0" * 64, ".y.tmp": b"tmp", "parameters.json": b'{"parameters": {}, "code": "c"}'}
+    for name, data in files.items():
+        (tables / name).write_bytes(data)
+    run = ResultCache("demo", {"a": 1}, root=tmp_path)
+    run.put("p", pd.DataFrame({"x": [1.0]}))
+    (run.directory / "notes.txt").write_text("mine")
+    for folder in (tables, run.directory):
+        _age(folder, 7200)
+
+    problems = cache.verify(tmp_path, repair=True)
+    assert not [p for p in problems if str(tables) in p["path"]]
+    gone = cache.prune(tmp_path, everything=True)
+    assert list(gone["key"]) == [run.directory.name]
+    assert sorted(p.name for p in tables.iterdir()) == sorted(files)
+    assert all((tables / n).read_bytes() == d for n, d in files.items())
+    assert [p.name for p in run.directory.iterdir()] == ["notes.txt"]  # the cache's files went, not the user's
+
+
+def test_a_piece_copied_under_another_key_is_not_served(tmp_path):
+    poisoned = ResultCache("demo", {"a": 1}, root=tmp_path)
+    poisoned.put("p", pd.DataFrame({"x": [666.0]}))
+    target = ResultCache("demo", {"a": 2}, root=tmp_path)
+    target.put("other", pd.DataFrame({"x": [0.0]}))
+    for name in ("p.parquet", "p.parquet.sha256"):
+        shutil.copy(poisoned.directory / name, target.directory / name)
+    with pytest.warns(CacheWarning, match="copied from another key"):
+        assert target.get("p") is None
+    poisoned.put("q", pd.DataFrame({"x": [1.0]}))  # another piece name in the same run
+    for suffix in ("", ".sha256"):
+        shutil.copy(poisoned.directory / f"p.parquet{suffix}", poisoned.directory / f"q.parquet{suffix}")
+    with pytest.warns(CacheWarning, match="checksum does not match"):
+        assert poisoned.get("q") is None
+
+
+def test_an_unreadable_cache_warns_once_per_sweep(tmp_path, monkeypatch):
+    store = ResultCache("demo", {"a": 1}, root=tmp_path / "c")
+    for i in range(40):
+        store.put(f"p{i}", pd.DataFrame({"x": [float(i)]}))
+    real = type(tmp_path).read_bytes
+
+    def denied(self):
+        if self.suffix == ".parquet":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(type(tmp_path), "read_bytes", denied)
+    monkeypatch.setattr(cache, "_unreadable", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert all(store.get(f"p{i}") is None for i in range(40))
+    assert len([w for w in caught if issubclass(w.category, CacheWarning)]) == 1
+    assert "cannot be read" in str(caught[0].message)
+
+
+class SafetensorError(Exception):
+    """What safetensors raises when the disk fills (its own type, no errno)."""
+
+
+def test_a_full_disk_while_converting_falls_back_to_a_temporary_folder(tmp_path):
+    calls = []
+
+    def build(folder):
+        calls.append(folder)
+        if len(calls) == 1:  # the cache's disk is full
+            raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                  'message: "No space left on device" })')
+        (folder / "model.safetensors").write_bytes(b"w" * 10)
+
+    with pytest.warns(CacheWarning, match="temporary folder"):
+        got = cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
+    assert got != tmp_path / "models" / "m" and (got / "model.safetensors").read_bytes() == b"w" * 10
+    assert not (tmp_path / "models" / "m").exists() and len(calls) == 2
+
+
+def test_a_full_disk_everywhere_is_one_line_naming_the_fix(tmp_path):
+    def build(folder):
+        raise SafetensorError("IoError: No space left on device")
+
+    with pytest.warns(CacheWarning):
+        with pytest.raises(cache.ModelCacheError, match="no space left on the device to convert m.*CWCORE_CACHE"):
+            cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
+    with pytest.raises(ValueError, match="unrelated"):  # any other failure is not taken for a full disk
+        cache.ensure_cached_folder(tmp_path / "models" / "n", {"v": 1}, lambda f: (_ for _ in ()).throw(ValueError("unrelated")))
