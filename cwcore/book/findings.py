@@ -329,8 +329,8 @@ def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *
 FAITHFULNESS_COLUMNS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict", "estimate",
                         "ci_low", "ci_high", "n_units", "unit", "mde", "profile", "measured", "variant", "primary",
                         "margin", "p", "p_holm", "source", "sample", "prospective"]
-#: whose claim a findings row tests (``source``): the paper's (chapter 4's ladder, PAPER.md section 6) or the
-#: book's own (the attribution bench, "many heads are sink heads", "the sink is position 0", ...)
+#: whose claim a findings row tests (``source``): the paper's (chapter 4's ladder; the sink claims of its section on the value
+#: geometry of attention sinks) or the book's own (the attribution bench, "many heads are sink heads", ...)
 PAPER_CLAIM, BOOK_CLAIM = "paper", "book"
 
 #: the slice of chapter 4's ladder that the scoreboard judges: the pre-registered headline importance
