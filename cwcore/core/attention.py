@@ -109,6 +109,12 @@ def attention_forward(
     if causal is None:  # SDPA's rule: the call's `is_causal` first (CLIP's text encoder passes True to modules that
         # say False), else the module's, else SDPA's default True where the None mask is SDPA's (fast path on)
         causal = getattr(module, "is_causal", session is not None and session.fast_path is not None)
+    if session is not None and session.streams(module):
+        # a session that computes this layer itself, a block of queries at a time (cwcore.summarize)
+        output = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal), softcap,
+                                         s_aux).transpose(1, 2).contiguous()
+        session.on_output(module, output)
+        return output, None
     if attention_mask is None and causal and query.shape[2] > 1:
         # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it, as SDPA would apply it
         q_len, k_len = query.shape[2], key.shape[2]
@@ -165,7 +171,7 @@ def attention_mask_function(*args, **kwargs):
     pattern) while a session runs the layers it does not touch through SDPA."""
     stack = _sessions()
     session = stack[-1] if stack and not outside() else None
-    if session is not None and session.fast_path is not None:
+    if session is not None and (session.fast_path is not None or session.streaming):
         return sdpa_mask(*args, **kwargs)
     return eager_mask(*args, **kwargs)
 
@@ -510,18 +516,8 @@ class AttentionSession:
         observers = self.observers.get(block.layer, ())
         if not transforms and not observers:
             return probs
-        if self.verify:
-            self._runs[block.layer] = runs = self._runs.get(block.layer, 0) + 1
-            calls = self._in_block.get(block.layer)
-            if calls is not None:
-                self._in_block[block.layer] = calls = calls + 1
-                if calls > 1:  # counted to the end of the block, refused by the projection or block hook
-                    return probs
-            if runs > 1:
-                raise UnsupportedModelError(
-                    f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
-                    "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
-                    "report one of the calls as the layer")
+        if not self.count_call(block):
+            return probs
         call = LayerCall(block, probs, value, self.key_valid, self.compute_dtype, learned_sink_mass, mixed, key_spans)
         for transform in transforms:
             new = transform(call)
@@ -534,6 +530,38 @@ class AttentionSession:
         if call.geometry_computed:
             self._last_call[id(module)] = call
         return call.probs
+
+    def count_call(self, block: AttentionBlock) -> bool:
+        """Count one attention call of a touched layer (with ``verify``); False for a repeated call inside one
+        forward of the block (counted to the end of the block, refused by the projection or block hook)."""
+        if not self.verify:
+            return True
+        self._runs[block.layer] = runs = self._runs.get(block.layer, 0) + 1
+        calls = self._in_block.get(block.layer)
+        if calls is not None:
+            self._in_block[block.layer] = calls = calls + 1
+            if calls > 1:
+                return False
+        if runs > 1:
+            raise UnsupportedModelError(
+                f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
+                "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
+                "report one of the calls as the layer")
+        return True
+
+    #: whether this session computes some layers itself (:meth:`streamed_output`); those take SDPA's masks
+    #: (boolean, or None for a plain causal pattern), never an eager float mask of [query, key]
+    streaming = False
+
+    def streams(self, module: nn.Module) -> bool:
+        """Whether :meth:`streamed_output` computes this attention module's layer (never, here)."""
+        return False
+
+    def streamed_output(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float, causal: bool, softcap, s_aux) -> torch.Tensor:
+        """The layer's ``alpha @ value`` ``[batch, head, query, dim]``, for sessions that compute a layer
+        themselves without a ``[batch, head, query, key]`` tensor (:class:`cwcore.core.summary.SummarySession`)."""
+        raise NotImplementedError
 
     def computed_output(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """The layer's ``probs @ value`` if an observer's geometry already computed it, else None."""
