@@ -151,6 +151,15 @@ class Summary(Mapping):
         return f"Summary(layers={self.layers})"
 
 
+def _canonical_order(best: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor):
+    """The top terms ``[..., k]`` ordered by ranking value, largest first, and equal values by (head, key):
+    one order whatever order ``topk`` returned them in (it is not stable)."""
+    by_position = (heads * (int(keys.max()) + 1 if keys.numel() else 1) + keys).sort(dim=-1, stable=True).indices
+    best, heads, keys = best.gather(-1, by_position), heads.gather(-1, by_position), keys.gather(-1, by_position)
+    order = best.sort(dim=-1, descending=True, stable=True).indices
+    return best.gather(-1, order), heads.gather(-1, order), keys.gather(-1, order)
+
+
 def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, rows: int):
     """Per query block of batch row ``b``: ``(start, stop, first, limit, allowed)`` where every key outside
     ``first:limit`` is masked for every query of the block, and ``allowed`` is ``[head or 1, block, limit - first]``
@@ -344,7 +353,9 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 side = mixed
             side = side / _nan_at_zero(norm * norm)[..., None]
             scaled = torch.matmul(side, keys_side[b, :, first:limit].transpose(-1, -2))  # <o_i, v~_j>/||o_i||^2
-            contribution = scaled * alpha_c
+            # the row positions need <o_i, v~_j> where alpha is 0 too: their rows are computed below, over every key
+            contribution = scaled.mul_(alpha_c)  # c_ij, in place: one [head, block, key] tensor besides alpha
+            del scaled
             real = None
             if valid_b is not None:
                 real = valid_b[start:stop]
@@ -359,29 +370,33 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
             else:
                 contribution_received[b, :, first:limit] += contribution[:, real].sum(1)
                 attention_received[b, :, first:limit] += alpha_c[:, real].sum(1)
-            # the top (head, key) terms of each query, among those with alpha > 0
+            # the top (head, key) terms of each query, among those with alpha > 0: the best k of each head
+            # (along the contiguous key axis), then the best k of those
             width = limit - first
-            ranking = contribution.abs() if session.absolute else contribution.clone()
-            ranking.masked_fill_(alpha_c == 0, float("-inf"))
-            ranking = ranking.transpose(0, 1).reshape(n, heads * width)
-            taken = min(k, heads * width)
-            best, index = ranking.topk(taken, dim=-1)
+            ranking = torch.where(alpha_c > 0, contribution.abs() if session.absolute else contribution, -torch.inf)
+            per_head, key_index = ranking.topk(min(k, width), dim=-1)  # [head, block, k]
             del ranking
-            heads_of, keys_of = index // width, index % width
-            kept = best != float("-inf")
+            per_head = per_head.transpose(0, 1).reshape(n, -1)  # [block, head * k]
+            taken = min(k, per_head.shape[-1])
+            best, index = per_head.topk(taken, dim=-1)
+            heads_of = index // key_index.shape[-1]
+            query_of = torch.arange(n, device=index.device)[:, None].expand(n, taken)
+            keys_of = key_index.transpose(0, 1).reshape(n, -1).gather(1, index)
+            best, heads_of, keys_of = _canonical_order(best, heads_of, keys_of + first)
+            keys_of = keys_of - first
+            kept = best != -torch.inf
             if real is not None:
                 kept &= real[:, None]
-            query_of = torch.arange(n, device=index.device)[:, None].expand(n, taken)
             c_top = contribution[heads_of, query_of, keys_of]
             a_top = alpha_c[heads_of, query_of, keys_of]
-            s_top = scaled[heads_of, query_of, keys_of]
             norm_top = norm[heads_of, query_of]
             vn_top = value_norm[b][heads_of, keys_of + first]
             nan = torch.tensor(float("nan"), dtype=dtype, device=value.device)
             top["contribution"][b, start:stop, :taken] = torch.where(kept, c_top, nan)
             top["attention"][b, start:stop, :taken] = torch.where(kept, a_top, nan)
             top["relative_norm"][b, start:stop, :taken] = torch.where(kept, vn_top / _nan_at_zero(norm_top), nan)
-            top["cosine"][b, start:stop, :taken] = torch.where(kept, s_top * norm_top / _nan_at_zero(vn_top), nan)
+            # cos = <o_i, v~_j> / (||o_i|| ||v~_j||) = (c_ij / alpha_ij) ||o_i|| / ||v~_j|| (alpha > 0 where kept)
+            top["cosine"][b, start:stop, :taken] = torch.where(kept, c_top / a_top * norm_top / _nan_at_zero(vn_top), nan)
             top_head[b, start:stop, :taken] = torch.where(kept, heads_of, -1)
             top_key[b, start:stop, :taken] = torch.where(kept, keys_of + first, -1)
             # the full rows of chosen positions: over every key (alpha is 0 outside the span)
@@ -407,7 +422,7 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                     if real is not None and not bool(real[i]):
                         token_rows["contribution"][b, r] = float("nan")
                         token_rows["attention"][b, r] = float("nan")
-            del alpha, alpha_c, contribution, scaled, side
+            del alpha, alpha_c, contribution, side
     summary = LayerSummary(
         block.layer, block.name, session.kind, contribution_received, attention_received,
         TopTerms(top_head, top_key, top["contribution"], top["attention"], top["relative_norm"], top["cosine"]),
@@ -493,3 +508,87 @@ def summarize(
             "forward pass, so cwcore could not summarise them")
     return Summary(session.summaries, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
                    undecomposable=undecomposable)
+
+
+# -- the same summaries from a dense decomposition (the reference the tests and the benchmark compare with) --
+def dense_summary(layer, attention_mask=None, *, top_k: int = 8, rows=(-1,), token_rows=None, kind: str = "inter",
+                  absolute: bool = False) -> LayerSummary:
+    """The :class:`LayerSummary` that :func:`summarize` would give, reduced from a dense
+    :class:`~cwcore.core.decomposition.LayerDecomposition` ``layer`` (``attention_mask`` ``[batch, query]`` of
+    its input, or None). Holds ``[batch, head, query, key]`` tensors: for inputs the dense path can hold."""
+    c = layer.contribution(kind)  # [batch, head, query, key], padded query rows NaN
+    alpha = layer.attention
+    batch, heads, q_len, k_len = c.shape
+    real = (torch.ones(batch, q_len, dtype=torch.bool, device=c.device) if attention_mask is None
+            else attention_mask.bool().to(c.device))
+    keep = real[:, None, :, None]
+    contribution_received = torch.where(keep, c, 0.0).sum(2)
+    attention_received = torch.where(keep, alpha, 0.0).sum(2)
+    ranking = (c.abs() if absolute else c.clone()).masked_fill(alpha == 0, float("-inf"))
+    ranking = ranking.permute(0, 2, 1, 3).reshape(batch, q_len, heads * k_len)
+    taken = min(top_k, heads * k_len)
+    best, index = ranking.topk(taken, dim=-1)
+    best, head_of, key_of = _canonical_order(best, index // k_len, index % k_len)
+    kept = (best != float("-inf")) & real[..., None]
+    relative, cosine = layer.relative_norm(kind), layer.cosine(kind)
+    b_of = torch.arange(batch)[:, None, None]
+    q_of = torch.arange(q_len)[None, :, None]
+    nan = torch.tensor(float("nan"), dtype=c.dtype)
+
+    def gathered(values):
+        out = torch.full((batch, q_len, top_k), float("nan"), dtype=c.dtype)
+        out[..., :taken] = torch.where(kept, values[b_of, head_of, q_of, key_of], nan)
+        return out
+
+    def indices(values):
+        out = torch.full((batch, q_len, top_k), -1, dtype=torch.long)
+        out[..., :taken] = torch.where(kept, values, -1)
+        return out
+
+    top = TopTerms(indices(head_of), indices(key_of), gathered(c), gathered(alpha), gathered(relative), gathered(cosine))
+    row_positions = _positions(rows, q_len, "rows")
+    token_positions = row_positions if token_rows is None else _positions(token_rows, q_len, "token_rows")
+    full = {"contribution": c, "attention": alpha, "relative_norm": relative, "cosine": cosine}
+    row_values = {name: values[:, :, list(row_positions)] for name, values in full.items()}
+    for name in ROW_FIELDS:  # padded query rows are NaN throughout, as in the summary
+        row_values[name] = row_values[name].masked_fill(~real[:, None, list(row_positions), None], float("nan"))
+    token = {"contribution": c[:, :, list(token_positions)].sum(1),
+             "attention": alpha[:, :, list(token_positions)].mean(1)}
+    norm = layer.output_norm.masked_fill(~real, float("nan"))
+    head_norm = layer.head_output_norm.masked_fill(~real[:, None], float("nan"))
+    return LayerSummary(layer.layer, layer.block_name, kind, contribution_received, attention_received, top,
+                        row_positions, row_values, token_positions, token, layer.value_norm, head_norm, norm,
+                        layer.output_bias)
+
+
+def summary_fields(summary: LayerSummary) -> dict[str, torch.Tensor]:
+    """Every tensor of a :class:`LayerSummary` by name (``top.<field>``, ``rows.<name>``, ``token_rows.<name>``)."""
+    out = {"contribution_received": summary.contribution_received, "attention_received": summary.attention_received,
+           "value_norm": summary.value_norm, "head_output_norm": summary.head_output_norm,
+           "output_norm": summary.output_norm}
+    out.update({f"top.{name}": getattr(summary.top, name) for name in ("head", "key", *ROW_FIELDS)})
+    out.update({f"rows.{name}": values for name, values in summary.rows.items()})
+    out.update({f"token_rows.{name}": values for name, values in summary.token_rows.items()})
+    return out
+
+
+def relative_differences(summary: LayerSummary, reference: LayerSummary) -> dict[str, float]:
+    """Per tensor, max |summary - reference| / max |reference| over the entries finite in both (0 when the
+    reference is all zero and so is the summary); ``inf`` where the NaN patterns differ. For the indices
+    ``top.head`` and ``top.key``: the share of entries that differ (ties may order equal terms differently)."""
+    out = {}
+    mine, theirs = summary_fields(summary), summary_fields(reference)
+    for name, expected in theirs.items():
+        got = mine[name].to(expected.device)
+        if got.shape != expected.shape:
+            out[name] = float("inf")
+        elif not expected.is_floating_point():
+            out[name] = float((got != expected).double().mean()) if expected.numel() else 0.0
+        elif not torch.equal(torch.isnan(got), torch.isnan(expected)):
+            out[name] = float("inf")
+        else:
+            finite = torch.isfinite(expected) & torch.isfinite(got)
+            scale = expected[finite].abs().max() if bool(finite.any()) else torch.tensor(0.0)
+            difference = (got[finite] - expected[finite]).abs().max() if bool(finite.any()) else torch.tensor(0.0)
+            out[name] = float(difference / scale) if float(scale) > 0 else float(difference)
+    return out
