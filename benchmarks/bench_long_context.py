@@ -11,7 +11,8 @@ One mode per process (each figure is that process's own wall time and peak resid
 on every layer (top 8 terms per query, the last query's full rows); ``check``: the same summary compared
 with the reduction of :func:`cwcore.decompose`'s dense tensors, layer group by layer group, at a length
 the dense path holds. Each prints one JSON line: ``wall_s`` (the call alone, the model already loaded),
-``peak_rss_gib`` (the process's peak, model included) and, for ``check``, ``max_relative_difference``
+``cpu_s`` (its process CPU time, steadier on a shared machine), ``peak_rss_gib`` (the process's peak, model
+included) and, for ``check``, ``max_relative_difference``
 (max |summary - dense| / max |dense| per tensor, the largest over tensors and layers) with the tensor it
 came from, and ``top_index_mismatch`` (the share of top-k indices that differ). Both forwards compute the
 logits of the last position only (``logits_to_keep=1``): the logits of every position of a 32k-token
@@ -50,18 +51,18 @@ def _setup(args):
 
 def run_sdpa(args) -> dict:
     model, ids = _setup(args)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         model(input_ids=ids, logits_to_keep=1)
-    return {"wall_s": time.perf_counter() - start}
+    return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
 
 
 def run_summary(args) -> dict:
     model, ids = _setup(args)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     summary = cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1)
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "layers": len(summary)}
+    return {"wall_s": wall, "cpu_s": time.process_time() - cpu, "layers": len(summary)}
 
 
 def run_check(args) -> dict:
@@ -90,7 +91,7 @@ def run_check(args) -> dict:
 
 def _spawn(args, mode: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--tokens", str(args.tokens),
-               "--mode", mode, "--top-k", str(args.top_k)]
+               "--mode", mode, "--top-k", str(args.top_k)] + (["--threads", str(args.threads)] if args.threads else [])
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -102,7 +103,11 @@ def main() -> None:
     parser.add_argument("--mode", choices=("sdpa", "summary", "check", "ratios"), required=True)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--group", type=int, default=6, help="check: dense layers held at a time (default 6)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's); on a shared machine 1 keeps the two modes comparable")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     if args.mode == "ratios":
         sdpa, summary = _spawn(args, "sdpa"), _spawn(args, "summary")
@@ -112,6 +117,7 @@ def main() -> None:
         result = {"sdpa": run_sdpa, "summary": run_summary, "check": run_check}[args.mode](args)
         result["peak_rss_gib"] = _peak_gib()
     result = {"model": args.model, "tokens": args.tokens, "mode": args.mode, "threads": torch.get_num_threads(),
+              "load_average": round(os.getloadavg()[0], 2),
               **result}
     print(json.dumps(result))
 

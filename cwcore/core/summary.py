@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
-from .attention import RECONSTRUCTION_TOLERANCE, AttentionSession, _block_rows, cwcore_attention, default_compute_dtype
+from .attention import RECONSTRUCTION_TOLERANCE, AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, _missing_layer, key_validity, prepare_inputs
 from .geometry import split_output_projection
 from .inputs import InputError, check_compute_dtype, check_count, check_inputs, check_layers
@@ -151,6 +151,37 @@ class Summary(Mapping):
         return f"Summary(layers={self.layers})"
 
 
+#: :func:`_top_terms` takes the maximum of each GROUP consecutive keys first, then looks inside the best groups only
+GROUP = 64
+
+
+def _top_terms(ranking: torch.Tensor, k: int, plain: bool = False):
+    """The ``k`` largest entries of each query's ``[head, key]`` terms, ``ranking`` ``[head, query, key]``:
+    ``(values, heads, keys)`` ``[query, min(k, head * key)]``.
+
+    One pass over the block, not a sort: the k largest terms lie in the k groups of :data:`GROUP` keys with the
+    largest maxima (any other group's maximum is at most k terms' values), so only those groups are searched."""
+    heads, n, width = ranking.shape
+    if plain or width <= 4 * GROUP:
+        taken = min(k, heads * width)
+        values, index = ranking.transpose(0, 1).reshape(n, heads * width).topk(taken, dim=-1)
+        return values, index // width, index % width
+    groups, tail = divmod(width, GROUP)
+    maxima = ranking[..., :groups * GROUP].unflatten(-1, (groups, GROUP)).amax(-1)  # [head, query, group]
+    if tail:
+        maxima = torch.cat([maxima, ranking[..., groups * GROUP:].amax(-1, keepdim=True)], -1)
+    count = maxima.shape[-1]
+    _, chosen = maxima.transpose(0, 1).reshape(n, heads * count).topk(min(k, heads * count), dim=-1)
+    group_head, group_start = chosen // count, (chosen % count) * GROUP  # [query, groups chosen]
+    keys = group_start[..., None] + torch.arange(GROUP, device=ranking.device)  # [query, chosen, GROUP]
+    inside = keys < width
+    keys = keys.clamp_max(width - 1)
+    candidates = ranking[group_head[..., None], torch.arange(n, device=ranking.device)[:, None, None], keys]
+    candidates = candidates.masked_fill(~inside, -torch.inf).reshape(n, -1)
+    values, index = candidates.topk(min(k, heads * width), dim=-1)
+    return values, group_head.gather(1, index // GROUP), keys.reshape(n, -1).gather(1, index)
+
+
 def _canonical_order(best: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor):
     """The top terms ``[..., k]`` ordered by ranking value, largest first, and equal values by (head, key):
     one order whatever order ``topk`` returned them in (it is not stable)."""
@@ -160,36 +191,60 @@ def _canonical_order(best: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor
     return best.gather(-1, order), heads.gather(-1, order), keys.gather(-1, order)
 
 
-def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, rows: int):
-    """Per query block of batch row ``b``: ``(start, stop, first, limit, allowed)`` where every key outside
-    ``first:limit`` is masked for every query of the block, and ``allowed`` is ``[head or 1, block, limit - first]``
-    bool (None: every key of the span is allowed), ``additive`` the float mask's slice or None."""
+#: A block of queries holds at most about BLOCK_ELEMENTS scores ([head, block, keys it sees], 2 MiB in float32),
+#: at least MIN_BLOCK and at most MAX_BLOCK queries: small enough that the block's scores, alpha and weights stay
+#: in cache through the softmax, alpha V, the inner products, the sums and the top-k (each is a pass over them),
+#: large enough for the matrix products. The block grows where the keys it sees are few (a sliding window).
+BLOCK_ELEMENTS = 1 << 19
+MIN_BLOCK, MAX_BLOCK = 16, 512
+
+
+def _upper_triangle(rows: int, columns: int, device) -> torch.Tensor:
+    """``[rows, columns]`` bool, True where key ``start + j`` is after query ``start + i`` (j > i)."""
+    return torch.ones(rows, columns, dtype=torch.bool, device=device).triu_(1)
+
+
+def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, heads: int):
+    """Per query block of batch row ``b``: ``(start, stop, first, limit, allowed, additive)`` where every key outside
+    ``first:limit`` is masked for every query of the block, ``allowed`` is ``[head or 1, block, limit - first]``
+    bool (None: every key of the span is allowed; ``"causal"``: a plain causal pattern, query i sees keys up to i)
+    and ``additive`` the float mask's slice (or None)."""
     minimum = torch.finfo(torch.float32).min
-    for start in range(0, q_len, rows):
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.reshape((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
+        mask = mask[b if mask.shape[0] > 1 else 0]
+    width = k_len if attention_mask is None and not causal else 1  # the keys the last block saw
+    start = 0
+    while start < q_len:
+        rows = max(MIN_BLOCK, min(MAX_BLOCK, BLOCK_ELEMENTS // max(1, heads * width)))
+        if attention_mask is None and causal:
+            rows = max(MIN_BLOCK, min(MAX_BLOCK, BLOCK_ELEMENTS // max(1, heads * min(k_len, start + rows))))
         stop = min(q_len, start + rows)
-        if attention_mask is None:
+        if mask is None:
             if not causal:
                 yield start, stop, 0, k_len, None, None
-                continue
-            # SDPA's is_causal alignment (top-left): query i sees keys 0..i
-            limit = min(k_len, stop)
-            allowed = (torch.arange(0, limit)[None, :] <= torch.arange(start, stop)[:, None])[None]
-            yield start, stop, 0, limit, allowed, None
+            else:  # SDPA's is_causal alignment (top-left): query i sees keys 0..i, so only the block's diagonal masks
+                limit = min(k_len, stop)
+                yield start, stop, 0, limit, "causal", None
+                width = limit
+            start = stop
             continue
-        mask = attention_mask.reshape((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
-        mask = mask[b if mask.shape[0] > 1 else 0, :, start:stop, :k_len]
+        block = mask[:, start:stop, :k_len]
         additive = None
-        if mask.dtype == torch.bool:
-            allowed = mask
+        if block.dtype == torch.bool:
+            allowed = block
         else:
-            additive = mask.to(torch.float32)
+            additive = block.to(torch.float32)
             allowed = additive > minimum
         first, limit = 0, k_len
         if bool(allowed.any(-1).all()):  # no row masks every key: drop the keys all rows mask
             columns = allowed.any(1).any(0).nonzero()
             first, limit = int(columns[0]), int(columns[-1]) + 1
+        width = limit - first
         yield (start, stop, first, limit, allowed[..., first:limit],
                None if additive is None else additive[..., first:limit])
+        start = stop
 
 
 class SummarySession(AttentionSession):
@@ -319,19 +374,22 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     token_rows = {name: torch.zeros(batch, len(token_positions), k_len, dtype=dtype, device=value.device)
                   for name in ("contribution", "attention")}
     minimum = torch.finfo(torch.float32).min
-    block_rows = _block_rows(heads, k_len)
+    query = query * scaling  # scaled once per layer, as SDPA does (eager scales the scores: the same to rounding)
     key_t = key.transpose(2, 3)
 
     for b in range(batch):
         valid_b = None if valid is None else valid[b]
         for start, stop, first, limit, allowed, additive in _block_spans(attention_mask, causal, b, q_len, k_len,
-                                                                         block_rows):
-            scores = torch.matmul(query[b, :, start:stop], key_t[b, :, :, first:limit]) * scaling  # [head, n, keys]
+                                                                         heads):
+            scores = torch.matmul(query[b, :, start:stop], key_t[b, :, :, first:limit])  # [head, n, keys]
             scores = scores.to(torch.float32)
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
             if additive is not None:
                 scores += additive
+            elif isinstance(allowed, str):  # the causal triangle: keys start..stop-1 against queries start..stop-1
+                diagonal = scores[..., start - first:]
+                diagonal.masked_fill_(_upper_triangle(stop - start, diagonal.shape[-1], query.device), minimum)
             elif allowed is not None:
                 scores.masked_fill_(~allowed, minimum)
             alpha = torch.softmax(scores, -1)
@@ -370,18 +428,17 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
             else:
                 contribution_received[b, :, first:limit] += contribution[:, real].sum(1)
                 attention_received[b, :, first:limit] += alpha_c[:, real].sum(1)
-            # the top (head, key) terms of each query, among those with alpha > 0: the best k of each head
-            # (along the contiguous key axis), then the best k of those
+            # the top (head, key) terms of each query, among those with alpha > 0
             width = limit - first
-            ranking = torch.where(alpha_c > 0, contribution.abs() if session.absolute else contribution, -torch.inf)
-            per_head, key_index = ranking.topk(min(k, width), dim=-1)  # [head, block, k]
-            del ranking
-            per_head = per_head.transpose(0, 1).reshape(n, -1)  # [block, head * k]
-            taken = min(k, per_head.shape[-1])
-            best, index = per_head.topk(taken, dim=-1)
-            heads_of = index // key_index.shape[-1]
-            query_of = torch.arange(n, device=index.device)[:, None].expand(n, taken)
-            keys_of = key_index.transpose(0, 1).reshape(n, -1).gather(1, index)
+            ranking = contribution.abs() if session.absolute else contribution
+            best, heads_of, keys_of = _top_terms(ranking, k)
+            query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
+            # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms: redo those queries without them
+            redo = (alpha_c[heads_of, query_of, keys_of] == 0).any(-1).nonzero()[:, 0]
+            if len(redo):
+                masked = torch.where(alpha_c[:, redo] > 0, ranking[:, redo], -torch.inf)
+                best[redo], heads_of[redo], keys_of[redo] = _top_terms(masked, k, plain=True)
+            taken = best.shape[-1]
             best, heads_of, keys_of = _canonical_order(best, heads_of, keys_of + first)
             keys_of = keys_of - first
             kept = best != -torch.inf
