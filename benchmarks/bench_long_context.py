@@ -14,7 +14,9 @@ the dense path holds. Each prints one JSON line: ``wall_s`` (the call alone, the
 ``cpu_s`` (its process CPU time, steadier on a shared machine), ``peak_rss_gib`` (the process's peak, model
 included) and, for ``check``, ``max_relative_difference``
 (max |summary - dense| / max |dense| per tensor, the largest over tensors and layers) with the tensor it
-came from, and ``top_index_mismatch`` (the share of top-k indices that differ). Both forwards compute the
+came from, and ``top_index_mismatch`` (the share of top-k indices that differ: two terms whose c agree to
+rounding may rank in either order; the top terms' values are then compared with the dense values of the
+terms the summary chose, and the k largest c rank by rank, see ``relative_differences``). Both forwards compute the
 logits of the last position only (``logits_to_keep=1``): the logits of every position of a 32k-token
 input would be the largest tensor of either run (34 GB for Gemma 3's vocabulary) and are no part of
 the attention's cost. The input is ``--tokens`` random ids (seed 0).
@@ -79,7 +81,7 @@ def run_check(args) -> dict:
         dense = cwcore.decompose(model, layers=group, input_ids=ids, logits_to_keep=1)
         for layer in group:
             reference = dense_summary(dense[layer], top_k=args.top_k, rows=[-1])
-            for name, value in relative_differences(summary[layer], reference).items():
+            for name, value in relative_differences(summary[layer], reference, dense[layer]).items():
                 if name.startswith("top.") and name in ("top.head", "top.key"):
                     mismatch = max(mismatch, value)
                 elif value > worst or where is None:

@@ -629,12 +629,38 @@ def summary_fields(summary: LayerSummary) -> dict[str, torch.Tensor]:
     return out
 
 
-def relative_differences(summary: LayerSummary, reference: LayerSummary) -> dict[str, float]:
-    """Per tensor, max |summary - reference| / max |reference| over the entries finite in both (0 when the
-    reference is all zero and so is the summary); ``inf`` where the NaN patterns differ. For the indices
-    ``top.head`` and ``top.key``: the share of entries that differ (ties may order equal terms differently)."""
+def dense_terms(layer, top: TopTerms, kind: str = "inter") -> TopTerms:
+    """The dense decomposition's c, alpha, relative norm and cosine of the (head, key) terms ``top`` names
+    (NaN where it names none): the values of the terms a summary chose, read from the dense tensors."""
+    heads, keys = top.head, top.key
+    batch, queries, _ = heads.shape
+    named = heads >= 0
+    b_of = torch.arange(batch)[:, None, None].expand_as(heads)
+    q_of = torch.arange(queries)[None, :, None].expand_as(heads)
+    h_of, k_of = heads.clamp_min(0), keys.clamp_min(0)
+    values = {"contribution": layer.contribution(kind), "attention": layer.attention,
+              "relative_norm": layer.relative_norm(kind), "cosine": layer.cosine(kind)}
+    read = {name: torch.where(named, v[b_of, h_of, q_of, k_of], torch.tensor(float("nan"), dtype=v.dtype))
+            for name, v in values.items()}
+    return TopTerms(heads, keys, **read)
+
+
+def relative_differences(summary: LayerSummary, reference: LayerSummary, dense=None) -> dict[str, float]:
+    """Per tensor, max |summary - reference| / max |reference| over the entries finite in both (the absolute
+    difference where the reference is all zero); ``inf`` where the NaN patterns differ. For the indices
+    ``top.head`` and ``top.key``: the share of entries that differ.
+
+    With ``dense`` (the :class:`~cwcore.core.decomposition.LayerDecomposition` ``reference`` was reduced from),
+    two terms whose c agree to rounding may be ranked in either order, so the top terms are compared as
+    ``top.contribution`` (the k largest values, rank by rank, against the reference's) and ``top.<field>``
+    against the dense values of the terms the summary chose (:func:`dense_terms`)."""
     out = {}
     mine, theirs = summary_fields(summary), summary_fields(reference)
+    if dense is not None:
+        chosen = dense_terms(dense, summary.top, summary.kind)
+        for name in ROW_FIELDS:
+            theirs[f"top.{name}"] = getattr(chosen, name)
+        theirs["top.rank_values"], mine["top.rank_values"] = reference.top.contribution, summary.top.contribution
     for name, expected in theirs.items():
         got = mine[name].to(expected.device)
         if got.shape != expected.shape:

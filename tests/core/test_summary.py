@@ -24,7 +24,7 @@ LEFT_PADDED[1, :3] = 0
 def assert_equal_to_dense(summary, decomposition, mask, **options):
     for layer in summary.layers:
         reference = dense_summary(decomposition[layer], mask, **options)
-        differences = relative_differences(summary[layer], reference)
+        differences = relative_differences(summary[layer], reference, decomposition[layer])
         wrong = {name: value for name, value in differences.items() if value > RELATIVE}
         assert not wrong, f"layer {layer}: {wrong}"
 
