@@ -374,14 +374,15 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     token_rows = {name: torch.zeros(batch, len(token_positions), k_len, dtype=dtype, device=value.device)
                   for name in ("contribution", "attention")}
     minimum = torch.finfo(torch.float32).min
-    query = query * scaling  # scaled once per layer, as SDPA does (eager scales the scores: the same to rounding)
     key_t = key.transpose(2, 3)
 
     for b in range(batch):
         valid_b = None if valid is None else valid[b]
         for start, stop, first, limit, allowed, additive in _block_spans(attention_mask, causal, b, q_len, k_len,
                                                                          heads):
-            scores = torch.matmul(query[b, :, start:stop], key_t[b, :, :, first:limit])  # [head, n, keys]
+            # scaled after the product, as eager and the dense path do: scaling the queries first rounds the scores
+            # differently, which exp turns into relative differences of alpha near 1e-5 at Gemma 3's score sizes
+            scores = torch.matmul(query[b, :, start:stop], key_t[b, :, :, first:limit]).mul_(scaling)  # [head, n, keys]
             scores = scores.to(torch.float32)
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
