@@ -2,6 +2,7 @@
 
     cwcore explain "The cat sat on the mat" --model smollm2-135m --layer 5 --kind inter --out fig.png
     cwcore explain "The cat sat on the mat" --model smollm2-135m --out fig.html   (the interactive explorer)
+    cwcore explain --file report.txt --model gemma3-270m --summary --out report.html   (a long document)
     cwcore models
     cwcore cache [prune [--all] [--dry-run] | verify [--repair]]
 
@@ -136,11 +137,30 @@ def _explain_command(args) -> None:
     from .models import load_model
 
     out = _check_output_path(args.out)
+    if (args.text is None) == (args.file is None):
+        raise UsageError("give the text, or --file with a UTF-8 text file, not both")
+    if args.file is not None:
+        try:
+            args.text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise UsageError(f"cannot read {args.file}: {error}") from None
     _check_text(args.text)
+    if args.summary and out.suffix.lower() != ".html":
+        raise UsageError("--summary writes the long-document page: give --out a .html file")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
     model, tokenizer = load_model(args.model)  # ModelNotFoundError, ModelCacheError: one line from main()
+    if args.summary:  # a long document: each key's total over the text, and the top terms of every query
+        from .explorer import write_long_explorer
+
+        try:
+            write_long_explorer(out, model, tokenizer, args.text, model_name=args.model, top_k=args.top_k,
+                                kind=args.kind, query=args.query, layer=args.layer)
+        except ValueError as error:  # a layer or query out of range, a text longer than the model's context
+            raise UsageError(str(error)) from None
+        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        return
     if out.suffix.lower() == ".html":  # every layer, head and quantity in one offline page
         from .explorer import write_explorer
 
@@ -244,7 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run without the result cache (or CWCORE_NO_CACHE=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("explain", help="draw attention beside contribution weights for a text", parents=[common])
-    ex.add_argument("text")
+    ex.add_argument("text", nargs="?", default=None, help="the text (or --file)")
+    ex.add_argument("--file", default=None, help="read the text from this UTF-8 file (a long document)")
+    ex.add_argument("--summary", action="store_true",
+                    help="long documents (up to the model's context): write the summary page (.html) instead of the "
+                         "maps: each token's total contribution as a heat strip over the text, and the top terms of "
+                         "the query you pick; no [query, key] map is computed")
+    ex.add_argument("--query", type=int, default=None, help="--summary: the first query shown (default: the last token)")
+    ex.add_argument("--top-k", type=int, default=5, help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level)")

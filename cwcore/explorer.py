@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["QUANTITIES", "explorer_data", "explorer_html", "write_explorer", "read_payload", "iframe", "tolerance"]
+__all__ = ["QUANTITIES", "explorer_data", "explorer_html", "write_explorer", "read_payload", "iframe", "tolerance",
+           "long_explorer_data", "long_explorer_html", "write_long_explorer"]
 
 #: The quantities a reader can pick: (key, label, signed, per head only).
 QUANTITIES = (
@@ -42,8 +43,8 @@ QUANTITIES = (
     ("dla", "direct logit attribution", True, False),
 )
 
-_F16 = ("attention", "dla")
-_I8 = ("cos_inter", "cos_intra")  # cosines in [-1, 1] as round(127 cos); -128 stands for NaN
+_F16 = ("attention", "dla", "top_contribution", "top_attention", "top_relative_norm")
+_I8 = ("cos_inter", "cos_intra", "top_cosine")  # cosines in [-1, 1] as round(127 cos); -128 stands for NaN
 
 
 def _target_label(tokenizer, token: int) -> str:
@@ -124,6 +125,9 @@ def _pack(arrays: dict) -> tuple[list[dict], str]:
             codes = np.round(np.clip(array, -1, 1) * 127)
             raw = np.where(np.isnan(array), -128, codes).astype(np.int8).tobytes()
             dtype = "i8"
+        elif np.issubdtype(np.asarray(array).dtype, np.integer):  # indices (the long page's top terms)
+            raw = np.ascontiguousarray(array, dtype="<i4").tobytes()
+            dtype = "i32"
         else:
             raw = np.ascontiguousarray(array, dtype="<f4").tobytes()
             dtype = "f32"
@@ -150,6 +154,8 @@ def read_payload(page: str | Path) -> dict:
         elif entry["dtype"] == "i8":
             codes = chunk.view(np.int8).astype(np.float32)
             values = np.where(codes == -128, np.nan, codes / 127).astype(np.float32)
+        elif entry["dtype"] == "i32":
+            values = chunk.view("<i4")
         else:
             values = chunk.view("<f4")
         arrays[entry["name"]] = values.reshape(entry["shape"])
@@ -464,6 +470,240 @@ new Response(stream).arrayBuffer().then(function (buf) {
   decode(buf); controls(); update();
   status.textContent = ""; document.body.dataset.ready = "1";
   window.cwExplorer = {meta: meta, state: state, cell: cell, geometry: function () { return geo; }};
+}).catch(function (e) { status.textContent = "could not read the data: " + e; });
+})();
+</script></body></html>
+"""
+
+
+# --------------------------------------------------------------------------------------------------
+# Long documents: the summary mode's page (cwcore.summarize), no [query, key] map
+# --------------------------------------------------------------------------------------------------
+def long_explorer_data(model, tokenizer, text: str, *, layers=None, top_k: int = 5, kind: str = "inter",
+                       model_name: str | None = None) -> dict:
+    """Run a long ``text`` through :func:`cwcore.summarize` and gather what the long-document page shows.
+
+    Returns ``{"meta": {...}, "arrays": {...}}``: ``received`` and ``received_attention`` ``[layer, key]``
+    (each key's c and alpha summed over queries and heads), and per query its ``top_k`` (head, key) terms
+    ``[layer, query, k]``: ``top_head``, ``top_key`` (-1 where a query has fewer terms), ``top_contribution``,
+    ``top_attention``, ``top_relative_norm`` (float16 in the page) and ``top_cosine`` (int8, as the map page).
+    """
+    from .core.summary import summarize
+    from .tokens import token_labels
+
+    if not text.strip():
+        raise ValueError("the text is empty")
+    encoded = tokenizer(text, return_tensors="pt")
+    device = next(model.parameters()).device
+    inputs = {k: v.to(device) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
+    s = summarize(model, layers=layers, top_k=top_k, rows=None, kind=kind, **inputs, **extra)
+    rows = {name: [] for name in ("received", "received_attention", "top_head", "top_key", "top_contribution",
+                                  "top_attention", "top_relative_norm", "top_cosine")}
+    for layer in s.layers:
+        summary = s[layer]
+        rows["received"].append(summary.received("contribution")[0].float().cpu())
+        rows["received_attention"].append(summary.received("attention")[0].float().cpu())
+        rows["top_head"].append(summary.top.head[0].to(torch.int32).cpu())
+        rows["top_key"].append(summary.top.key[0].to(torch.int32).cpu())
+        for name in ("contribution", "attention", "relative_norm", "cosine"):
+            rows[f"top_{name}"].append(getattr(summary.top, name)[0].float().cpu())
+    arrays = {name: torch.stack(values).numpy() for name, values in rows.items()}
+    ids = inputs["input_ids"][0].tolist()
+    labels = token_labels(tokenizer, text)
+    if len(labels) != len(ids):
+        labels = token_labels(tokenizer, ids)
+    name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    meta = {"model": str(name), "tokens": labels, "layers": s.layers, "kind": kind, "top_k": top_k,
+            "heads": int(s[s.layers[0]].contribution_received.shape[1])}
+    return {"meta": meta, "arrays": arrays}
+
+
+def _forward_parameters(model) -> set:
+    import inspect
+
+    return set(inspect.signature(model.forward).parameters)
+
+
+def long_explorer_html(data: dict, title: str | None = None, query: int | None = None, layer: int | None = None) -> str:
+    """The long-document page for ``data`` from :func:`long_explorer_data`: each key's total as a heat strip over
+    the whole text and as the text's background, and the top contributors of the picked query (click a token;
+    ``query`` picks the first, default the last token; ``layer`` the first layer shown, default the middle one)."""
+    meta = dict(data["meta"])
+    n = len(meta["tokens"])
+    if query is not None and not -n <= int(query) < n:
+        raise ValueError(f"query {query} out of range: the text has tokens 0..{n - 1}")
+    if layer is not None and int(layer) not in meta["layers"]:
+        raise ValueError(f"layer {layer} was not summarised: the page holds layers {meta['layers']}")
+    meta["start"] = {"query": (int(query) % n) if query is not None else n - 1,
+                     "layer": meta["layers"].index(int(layer)) if layer is not None else len(meta["layers"]) // 2}
+    layout, payload = _pack(data["arrays"])
+    meta["layout"] = layout
+    meta["colours"] = _colour_scales()
+    title = title or f"cwcore long-document explorer · {meta['model']}"
+    fields = {"__TITLE__": html.escape(title), "__META__": script_safe_json(meta), "__DATA__": payload}
+    return re.sub("__TITLE__|__META__|__DATA__", lambda m: fields[m.group(0)], _LONG_PAGE)
+
+
+def write_long_explorer(path, model, tokenizer, text: str, *, layers=None, top_k: int = 5, kind: str = "inter",
+                        model_name: str | None = None, query: int | None = None, layer: int | None = None) -> Path:
+    """Write the long-document page for ``text`` (atomically) and return its path."""
+    from .cache import atomic_write_bytes
+
+    path = Path(path)
+    data = long_explorer_data(model, tokenizer, text, layers=layers, top_k=top_k, kind=kind, model_name=model_name)
+    atomic_write_bytes(path, long_explorer_html(data, query=query, layer=layer).encode("utf-8"))
+    return path
+
+
+_LONG_PAGE = r"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>__TITLE__</title>
+<style>
+body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",Roboto,"Noto Sans","Noto Color Emoji",sans-serif;margin:12px;color:#222}
+h1{font-size:17px;margin:0 0 4px} .sub{color:#555;margin:0 0 8px}
+#cw-controls{display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin-bottom:6px}
+#cw-strip{display:block;width:100%;height:34px;cursor:pointer;border:1px solid #ccc}
+#cw-text{white-space:pre-wrap;font:13px/1.7 ui-monospace,Menlo,Consolas,monospace;max-height:55vh;overflow:auto;
+  border:1px solid #ddd;padding:6px;margin-top:6px}
+#cw-text span{cursor:pointer} #cw-text span.q{outline:2px solid #000} #cw-text span.t{outline:2px solid #0173b2}
+#cw-text sup{color:#0173b2;font-size:9px}
+table{border-collapse:collapse;margin-top:8px} td,th{padding:1px 8px;text-align:right} td.tok{text-align:left}
+#cw-status{color:#a33}
+</style></head><body>
+<h1 id="cw-title"></h1><p class="sub" id="cw-sub"></p>
+<div id="cw-controls">
+ <label>layer <select id="cw-layer"></select></label>
+ <label>strip <select id="cw-what"><option value="received">contribution received (Σ over queries and heads)</option>
+  <option value="received_attention">attention received (Σ over queries and heads)</option></select></label>
+ <label>query <input type="number" id="cw-query" min="0" style="width:7em"></label>
+ <label><input type="checkbox" id="cw-clip"> colour range without key 0</label>
+</div>
+<div id="cw-status">loading…</div>
+<canvas id="cw-strip" height="34"></canvas>
+<div id="cw-top"></div>
+<div id="cw-text"></div>
+<script id="cw-meta" type="application/json">__META__</script>
+<script id="cw-data" type="application/octet-stream">__DATA__</script>
+<script>
+(function () {
+"use strict";
+var meta = JSON.parse(document.getElementById("cw-meta").textContent);
+var N = meta.tokens.length, K = meta.top_k, A = {};
+var state = {layer: meta.start.layer, query: meta.start.query, what: "received", clip: false};
+var half = (function () {
+  var t = new Float32Array(65536);
+  for (var h = 0; h < 65536; h++) {
+    var s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 31, f = h & 1023;
+    t[h] = e === 0 ? s * f * Math.pow(2, -24) : e === 31 ? (f ? NaN : s * Infinity) : s * (1 + f / 1024) * Math.pow(2, e - 15);
+  }
+  return t;
+})();
+function decode(buf) {
+  meta.layout.forEach(function (a) {
+    var bytes = new Uint8Array(buf, a.offset, a.bytes);
+    if (a.dtype === "f16") {
+      var n = a.bytes / 2, out = new Float32Array(n);
+      for (var k = 0; k < n; k++) out[k] = half[(bytes[k] << 8) | bytes[n + k]];
+      A[a.name] = out;
+    } else if (a.dtype === "i8") {
+      var codes = new Int8Array(buf, a.offset, a.bytes), cos = new Float32Array(a.bytes);
+      for (var m = 0; m < a.bytes; m++) cos[m] = codes[m] === -128 ? NaN : codes[m] / 127;
+      A[a.name] = cos;
+    } else if (a.dtype === "i32") {
+      A[a.name] = new Int32Array(buf.slice(a.offset, a.offset + a.bytes));
+    } else {
+      A[a.name] = new Float32Array(buf.slice(a.offset, a.offset + a.bytes));
+    }
+  });
+}
+function b64bytes(text) {
+  var raw = atob(text.trim()), out = new Uint8Array(raw.length);
+  for (var i = 0; i < raw.length; i++) out[i] = raw.charCodeAt(i);
+  return out;
+}
+function fmt(x) { return isNaN(x) ? "n/a" : Math.abs(x) >= 1e4 || (x !== 0 && Math.abs(x) < 1e-3) ? x.toExponential(3) : x.toPrecision(4); }
+function colour(v, vmax, signed) {
+  var c = meta.colours;
+  if (isNaN(v)) return c.bad;
+  var x = vmax > 0 ? v / vmax : 0;
+  if (signed) return c.diverging[Math.max(0, Math.min(255, Math.round((x + 1) * 127.5)))];
+  return c.sequential[Math.max(0, Math.min(255, Math.round(x * 255)))];
+}
+function label(t) { return t.replace(/\n/g, "\u21b5\n"); }
+var spans = [], textBox = document.getElementById("cw-text");
+function build() {
+  document.getElementById("cw-title").textContent = "cwcore long-document explorer · " + meta.model;
+  document.getElementById("cw-sub").textContent = N + " tokens, " + meta.layers.length + " layers, " + meta.heads +
+    " heads; " + meta.kind + "-head contribution weights. Click a token (or the strip) to pick the query.";
+  var select = document.getElementById("cw-layer");
+  meta.layers.forEach(function (l, i) { var o = document.createElement("option"); o.value = i; o.textContent = l; select.appendChild(o); });
+  var frag = document.createDocumentFragment();
+  meta.tokens.forEach(function (t, j) {
+    var s = document.createElement("span"); s.textContent = label(t); s.dataset.j = j; spans.push(s); frag.appendChild(s);
+  });
+  textBox.appendChild(frag);
+  textBox.addEventListener("click", function (e) { var j = e.target.dataset && e.target.dataset.j; if (j !== undefined) pick(+j); });
+  select.addEventListener("change", function () { state.layer = +select.value; update(); });
+  document.getElementById("cw-what").addEventListener("change", function (e) { state.what = e.target.value; update(); });
+  document.getElementById("cw-clip").addEventListener("change", function (e) { state.clip = e.target.checked; update(); });
+  document.getElementById("cw-query").addEventListener("change", function (e) { pick(Math.max(0, Math.min(N - 1, +e.target.value))); });
+  document.getElementById("cw-strip").addEventListener("click", function (e) {
+    var r = e.target.getBoundingClientRect(); pick(Math.min(N - 1, Math.floor((e.clientX - r.left) / r.width * N)));
+  });
+}
+function pick(j) { state.query = j; update(); spans[j].scrollIntoView({block: "center"}); }
+function totals() {
+  var all = A[state.what], out = all.subarray(state.layer * N, (state.layer + 1) * N), vmax = 0;
+  for (var j = 0; j < N; j++) if (!isNaN(out[j]) && (!state.clip || j > 0)) vmax = Math.max(vmax, Math.abs(out[j]));
+  return {values: out, vmax: vmax, signed: state.what === "received"};
+}
+function drawStrip(t) {
+  var canvas = document.getElementById("cw-strip"), width = canvas.clientWidth || 1000;
+  canvas.width = width; var ctx = canvas.getContext("2d");
+  for (var x = 0; x < width; x++) {  // each column: the largest total (in size) of the tokens it covers
+    var a = Math.floor(x * N / width), b = Math.max(a + 1, Math.floor((x + 1) * N / width)), best = NaN;
+    for (var j = a; j < b; j++) if (isNaN(best) || Math.abs(t.values[j]) > Math.abs(best)) best = t.values[j];
+    ctx.fillStyle = colour(best, t.vmax, t.signed); ctx.fillRect(x, 0, 1, 26);
+  }
+  ctx.fillStyle = "#000"; ctx.fillRect(Math.floor(state.query / N * width), 26, 2, 8);
+}
+function update() {
+  var t = totals();
+  drawStrip(t);
+  document.getElementById("cw-query").value = state.query;
+  document.getElementById("cw-layer").value = state.layer;
+  var base = (state.layer * N + state.query) * K, marks = {};
+  for (var r = 0; r < K; r++) { var key = A.top_key[base + r]; if (key >= 0) marks[key] = (marks[key] || []).concat([r + 1]); }
+  for (var j = 0; j < N; j++) {
+    var s = spans[j];
+    s.style.background = colour(t.values[j], t.vmax, t.signed);
+    s.className = j === state.query ? "q" : marks[j] ? "t" : "";
+    s.title = "token " + j + ": " + (state.what === "received" ? "Σ c = " : "Σ α = ") + fmt(t.values[j]);
+    var sup = s.querySelector("sup"); if (sup) s.removeChild(sup);
+    if (marks[j]) { sup = document.createElement("sup"); sup.textContent = marks[j].join(","); s.appendChild(sup); }
+  }
+  var rows = ["<tr><th>rank</th><th>head</th><th>key</th><th class='tok'>token</th><th>c</th><th>α</th><th>‖ṽⱼ‖/‖oᵢ‖</th><th>cos</th></tr>"];
+  for (var k = 0; k < K; k++) {
+    var key2 = A.top_key[base + k]; if (key2 < 0) continue;
+    var tok = document.createElement("span"); tok.textContent = JSON.stringify(meta.tokens[key2]);
+    rows.push("<tr><td>" + (k + 1) + "</td><td>" + A.top_head[base + k] + "</td><td>" + key2 + "</td><td class='tok'>" +
+              tok.innerHTML + "</td><td>" + fmt(A.top_contribution[base + k]) + "</td><td>" + fmt(A.top_attention[base + k]) +
+              "</td><td>" + fmt(A.top_relative_norm[base + k]) + "</td><td>" + fmt(A.top_cosine[base + k]) + "</td></tr>");
+  }
+  var q = document.createElement("span"); q.textContent = JSON.stringify(meta.tokens[state.query]);
+  document.getElementById("cw-top").innerHTML = "<p>query " + state.query + " " + q.innerHTML + ", layer " +
+    meta.layers[state.layer] + ": its top " + K + " (head, key) terms</p><table>" + rows.join("") + "</table>";
+}
+var status = document.getElementById("cw-status");
+var stream = new Blob([b64bytes(document.getElementById("cw-data").textContent)]).stream()
+  .pipeThrough(new DecompressionStream("deflate"));
+new Response(stream).arrayBuffer().then(function (buf) {
+  decode(buf); build(); update();
+  status.textContent = ""; document.body.dataset.ready = "1";
+  window.cwLongExplorer = {meta: meta, state: state, arrays: A, pick: pick};
 }).catch(function (e) { status.textContent = "could not read the data: " + e; });
 })();
 </script></body></html>

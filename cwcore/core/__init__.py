@@ -3,7 +3,7 @@ output projection, the attention function with its session (transforms that chan
 observers that read it), the decomposition classes with :func:`decompose`, and :func:`intervene`.
 
 Import order is the dependency order, with no cycle: geometry -> architectures -> attention ->
-decomposition -> interventions.
+decomposition -> interventions, summary.
 """
 
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, register_output_projection
@@ -11,10 +11,11 @@ from .attention import AttentionSession, LayerCall, cwcore_attention, every_laye
 from .decomposition import METRICS, ZERO_NORM, Decomposition, LayerDecomposition, decompose, prepare_inputs
 from .geometry import HeadSpaceGeometry, head_space_geometry, naive_geometry, split_output_projection
 from .interventions import intervene, removal
+from .summary import LayerSummary, Summary, summarize
 
 __all__ = [
     "AttentionBlock", "AttentionSession", "Decomposition", "HeadSpaceGeometry", "LayerCall", "LayerDecomposition",
     "METRICS", "UnsupportedModelError", "ZERO_NORM", "attention_blocks", "cwcore_attention", "decompose",
     "every_layer", "head_space_geometry", "intervene", "naive_geometry", "prepare_inputs",
-    "register_output_projection", "removal", "split_output_projection",
+    "register_output_projection", "removal", "split_output_projection", "LayerSummary", "Summary", "summarize",
 ]

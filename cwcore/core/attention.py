@@ -115,6 +115,12 @@ def attention_forward(
     if causal is None:  # SDPA's rule: the call's `is_causal` first (CLIP's text encoder passes True to modules that
         # say False), else the module's, else SDPA's default True where the None mask is SDPA's (fast path on)
         causal = getattr(module, "is_causal", session is not None and session.fast_path is not None)
+    if session is not None and session.streams(module):
+        # a session that computes this layer itself, a block of queries at a time (cwcore.summarize)
+        output = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal), softcap,
+                                         s_aux).transpose(1, 2).contiguous()
+        session.on_output(module, output)
+        return output, None
     if attention_mask is None and causal and query.shape[2] > 1:
         # the SDPA-style mask skips a plain causal pattern (fast path on): rebuild it, as SDPA would apply it
         q_len, k_len = query.shape[2], key.shape[2]
@@ -188,7 +194,7 @@ def attention_mask_function(*args, **kwargs):
     pattern) while a session runs the layers it does not touch through SDPA."""
     stack = _sessions()
     session = stack[-1] if stack and not outside() else None
-    if session is not None and session.fast_path is not None:
+    if session is not None and (session.fast_path is not None or session.streaming):
         return sdpa_mask(*args, **kwargs)
     return eager_mask(*args, **kwargs)
 
@@ -564,19 +570,8 @@ class AttentionSession:
         observers = self.observers.get(block.layer, ())
         if not transforms and not observers:
             return probs
-        if self.verify:
-            self._runs[block.layer] = runs = self._runs.get(block.layer, 0) + 1
-            calls = self._in_block.get(block.layer)
-            if calls is not None:
-                self._in_block[block.layer] = calls = calls + 1
-                self._call_sizes.setdefault(block.layer, []).append((probs.shape[-2], probs.shape[-1]))
-                if calls > 1:  # counted to the end of the block, refused by the projection or block hook
-                    return probs
-            if runs > 1:
-                raise UnsupportedModelError(
-                    f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
-                    "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
-                    "report one of the calls as the layer")
+        if not self.count_call(block, (probs.shape[-2], probs.shape[-1])):
+            return probs
         batch, heads, q_len, k_len = probs.shape
         self._refuse_unmatched_projection(block, heads, value.shape[-1])  # before any geometry is built
         key_valid, rows_valid = self.mask_validity(attention_mask, batch, q_len, k_len)
@@ -613,6 +608,41 @@ class AttentionSession:
                 f"has {heads} heads x {head_dim} = {heads * head_dim} values per token, so it is not one linear map of "
                 "the attention output (the block transforms the head outputs first, e.g. a grouped low-rank "
                 "projection); register the module that applies W_O with cwcore.register_output_projection")
+
+    def count_call(self, block: AttentionBlock, sizes: tuple[int, int] | None = None) -> bool:
+        """Count one attention call of a touched layer (with ``verify``; ``sizes``: its (query, key) lengths,
+        recorded for the refusal's reason); False for a repeated call inside one forward of the block (counted
+        to the end of the block, refused by the projection or block hook)."""
+        if not self.verify:
+            return True
+        self._runs[block.layer] = runs = self._runs.get(block.layer, 0) + 1
+        calls = self._in_block.get(block.layer)
+        if calls is not None:
+            self._in_block[block.layer] = calls = calls + 1
+            if sizes is not None:
+                self._call_sizes.setdefault(block.layer, []).append(tuple(sizes))
+            if calls > 1:
+                return False
+        if runs > 1:
+            raise UnsupportedModelError(
+                f"attention block {block.name!r} ran {runs} times in one forward pass: its weights are shared "
+                "across layers (as in ALBERT), and cwcore numbers layers by module, so it refuses rather than "
+                "report one of the calls as the layer")
+        return True
+
+    #: whether this session computes some layers itself (:meth:`streamed_output`); those take SDPA's masks
+    #: (boolean, or None for a plain causal pattern), never an eager float mask of [query, key]
+    streaming = False
+
+    def streams(self, module: nn.Module) -> bool:
+        """Whether :meth:`streamed_output` computes this attention module's layer (never, here)."""
+        return False
+
+    def streamed_output(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float, causal: bool, softcap, s_aux) -> torch.Tensor:
+        """The layer's ``alpha @ value`` ``[batch, head, query, dim]``, for sessions that compute a layer
+        themselves without a ``[batch, head, query, key]`` tensor (:class:`cwcore.core.summary.SummarySession`)."""
+        raise NotImplementedError
 
     def computed_output(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """The layer's ``probs @ value`` if an observer's geometry already computed it, else None."""

@@ -1,0 +1,685 @@
+"""``cwcore.summarize``: contribution summaries of long inputs, a block of queries at a time.
+
+:func:`cwcore.decompose` keeps alpha ``[batch, head, query, key]`` for every layer it decomposes, and each
+weight it is asked for is another tensor of that size: at 32k tokens one layer's map is gigabytes. The
+summary mode computes, inside the attention function and a block of queries at a time, only what a
+reader of a long document uses (for layer l, head h, query i, key j; c_ij as in :mod:`.decomposition`,
+inter- or intra-head):
+
+- ``contribution_received`` / ``attention_received`` ``[batch, head, key]``: sum over the real queries of
+  c^h_ij and of alpha^h_ij (what each key gives the whole document), with :meth:`LayerSummary.received`
+  summing over heads too;
+- :class:`TopTerms` ``[batch, query, k]``: the k (head, key) terms of each query with the largest c (or
+  |c|), with c, alpha, ||v~_j|| / ||o_i|| and cos(o_i, v~_j);
+- ``rows``: the full ``[batch, head, row, key]`` rows of chosen query positions (c, alpha, relative norm,
+  cosine), and ``token_rows`` ``[batch, row, key]``: head-summed c and head-averaged alpha of chosen
+  positions (the convention of :meth:`LayerDecomposition.token_level`).
+
+No ``[head, query, key]`` tensor of the whole input exists: a block's scores, alpha and inner products
+are ``[head, block, keys the block can see]``, so a sliding-window layer costs what its window costs.
+The summary is the exact reduction of the dense decomposition, to float32 rounding (the tests check
+1e-5 relative), with the same conventions: padded query rows are NaN and excluded from the sums, padded
+keys receive zero, NaN where an output norm is at most ``ZERO_NORM``. It is checked like the dense path:
+the block's output projection must receive exactly the attention output this computed, and sum_h W_O^h z^h_i
+plus the bias must reproduce the projection's result, or the call raises :class:`UnsupportedModelError`.
+The softmax is computed blockwise (the arithmetic of the dense path on an SDPA-configured model), so a
+model configured ``eager`` gives its outputs to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
+from .attention import RECONSTRUCTION_TOLERANCE, AttentionSession, cwcore_attention, default_compute_dtype
+from .decomposition import ZERO_NORM, _missing_layer, prepare_inputs
+from .geometry import split_output_projection
+from .inputs import InputError, check_compute_dtype, check_count, check_inputs, check_layers
+
+__all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
+
+#: The quantities of a full row ``[batch, head, row, key]`` (and of :class:`TopTerms`).
+ROW_FIELDS = ("contribution", "attention", "relative_norm", "cosine")
+
+
+def _nan_at_zero(norm: torch.Tensor) -> torch.Tensor:
+    return norm.masked_fill(norm.abs() <= ZERO_NORM, float("nan"))
+
+
+@dataclass
+class TopTerms:
+    """The ``k`` (head, key) terms of each query with the largest c (or |c|), best first, ``[batch, query, k]``.
+
+    Only terms with alpha > 0 compete; a query that sees fewer than ``k`` of them (the first tokens), and
+    every padded query, has ``head`` and ``key`` -1 and NaN values in the slots left over.
+    """
+
+    head: torch.Tensor
+    key: torch.Tensor
+    contribution: torch.Tensor
+    attention: torch.Tensor
+    relative_norm: torch.Tensor
+    cosine: torch.Tensor
+
+
+class LayerSummary:
+    """The summary of one attention layer (see :mod:`cwcore.core.summary`); tensors in the compute dtype.
+
+    ``contribution_received``, ``attention_received`` ``[batch, head, key]``; ``top`` (:class:`TopTerms`);
+    ``rows[name]`` ``[batch, head, row, key]`` for ``row_positions``; ``token_rows[name]`` ``[batch, row, key]``
+    (``contribution`` summed over heads, ``attention`` averaged) for ``token_row_positions``;
+    ``value_norm`` ||v~_j|| ``[batch, head, key]``, ``head_output_norm`` ||o^h_i|| ``[batch, head, query]``,
+    ``output_norm`` ||o_i|| ``[batch, query]``. ``kind`` is ``"inter"`` or ``"intra"``.
+    """
+
+    def __init__(self, layer: int, block_name: str, kind: str, contribution_received, attention_received, top,
+                 row_positions, rows, token_row_positions, token_rows, value_norm, head_output_norm, output_norm,
+                 output_bias=None):
+        self.layer, self.block_name, self.kind = layer, block_name, kind
+        self.contribution_received, self.attention_received = contribution_received, attention_received
+        self.top = top
+        self.row_positions, self.rows = tuple(row_positions), rows
+        self.token_row_positions, self.token_rows = tuple(token_row_positions), token_rows
+        self.value_norm, self.head_output_norm, self.output_norm = value_norm, head_output_norm, output_norm
+        self.output_bias = output_bias
+
+    def received(self, name: str = "contribution", per_head: bool = False) -> torch.Tensor:
+        """What each key receives, summed over the real queries: ``[batch, key]`` summed over heads too, or
+        ``[batch, head, key]`` with ``per_head``. ``name``: ``"contribution"`` or ``"attention"``."""
+        if name not in ("contribution", "attention"):
+            raise InputError(f"name must be 'contribution' or 'attention', got {name!r}")
+        values = self.contribution_received if name == "contribution" else self.attention_received
+        return values if per_head else values.sum(1)
+
+    def row(self, position: int, name: str = "contribution") -> torch.Tensor:
+        """The full ``[batch, head, key]`` row of one chosen query position (as given, or counted from the end)."""
+        return self.rows[name][:, :, self._index(position, self.row_positions, "row_positions")]
+
+    def token_row(self, position: int, name: str = "contribution") -> torch.Tensor:
+        """The head-aggregated ``[batch, key]`` row of one chosen query position."""
+        return self.token_rows[name][:, self._index(position, self.token_row_positions, "token_row_positions")]
+
+    def _index(self, position: int, positions: Sequence[int], what: str) -> int:
+        length = self.output_norm.shape[-1]
+        wanted = position + length if position < 0 else position
+        if wanted not in positions:
+            raise InputError(f"query position {position} was not kept; this summary holds {what} {list(positions)} "
+                             "(pass rows=... to cwcore.summarize)")
+        return positions.index(wanted)
+
+    def __repr__(self) -> str:
+        b, h, k = self.contribution_received.shape
+        return (f"LayerSummary(layer={self.layer}, block={self.block_name!r}, kind={self.kind!r}, batch={b}, heads={h}, "
+                f"keys={k}, top_k={self.top.head.shape[-1]}, rows={list(self.row_positions)})")
+
+
+class Summary(Mapping):
+    """The summaries of a forward pass: ``s[layer]`` is a :class:`LayerSummary` (negative numbers count from
+    the last layer); ``outputs`` is the model's own output of that forward pass."""
+
+    def __init__(self, layers: dict[int, LayerSummary], outputs=None, attention_mask=None, num_blocks=None,
+                 undecomposable=None):
+        self.layer_summaries = dict(sorted(layers.items()))
+        self.outputs, self.attention_mask, self.num_blocks = outputs, attention_mask, num_blocks
+        self.undecomposable = dict(undecomposable or {})
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.layer_summaries)
+
+    def __getitem__(self, layer: int) -> LayerSummary:
+        number = layer
+        if self.num_blocks is not None and isinstance(layer, int) and -self.num_blocks <= layer < 0:
+            number = layer + self.num_blocks
+        found = self.layer_summaries.get(number) if isinstance(number, int) else None
+        if found is None:
+            raise _missing_layer(number, self.layer_summaries, self.num_blocks, self.undecomposable)
+        return found
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.layer_summaries)
+
+    def __len__(self) -> int:
+        return len(self.layer_summaries)
+
+    def __repr__(self) -> str:
+        return f"Summary(layers={self.layers})"
+
+
+#: :func:`_top_terms` takes the maximum of each GROUP consecutive keys first, then looks inside the best groups only
+GROUP = 64
+
+
+def _top_terms(ranking: torch.Tensor, k: int, plain: bool = False):
+    """The ``k`` largest entries of each query's ``[head, key]`` terms, ``ranking`` ``[head, query, key]``:
+    ``(values, heads, keys)`` ``[query, min(k, head * key)]``.
+
+    One pass over the block, not a sort: the k largest terms lie in the k groups of :data:`GROUP` keys with the
+    largest maxima (any other group's maximum is at most k terms' values), so only those groups are searched."""
+    heads, n, width = ranking.shape
+    if plain or width <= 4 * GROUP:
+        taken = min(k, heads * width)
+        values, index = ranking.transpose(0, 1).reshape(n, heads * width).topk(taken, dim=-1)
+        return values, index // width, index % width
+    groups, tail = divmod(width, GROUP)
+    maxima = ranking[..., :groups * GROUP].unflatten(-1, (groups, GROUP)).amax(-1)  # [head, query, group]
+    if tail:
+        maxima = torch.cat([maxima, ranking[..., groups * GROUP:].amax(-1, keepdim=True)], -1)
+    count = maxima.shape[-1]
+    _, chosen = maxima.transpose(0, 1).reshape(n, heads * count).topk(min(k, heads * count), dim=-1)
+    group_head, group_start = chosen // count, (chosen % count) * GROUP  # [query, groups chosen]
+    keys = group_start[..., None] + torch.arange(GROUP, device=ranking.device)  # [query, chosen, GROUP]
+    inside = keys < width
+    keys = keys.clamp_max(width - 1)
+    candidates = ranking[group_head[..., None], torch.arange(n, device=ranking.device)[:, None, None], keys]
+    candidates = candidates.masked_fill(~inside, -torch.inf).reshape(n, -1)
+    values, index = candidates.topk(min(k, heads * width), dim=-1)
+    return values, group_head.gather(1, index // GROUP), keys.reshape(n, -1).gather(1, index)
+
+
+def _canonical_order(best: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor):
+    """The top terms ``[..., k]`` ordered by ranking value, largest first, and equal values by (head, key):
+    one order whatever order ``topk`` returned them in (it is not stable)."""
+    by_position = (heads * (int(keys.max()) + 1 if keys.numel() else 1) + keys).sort(dim=-1, stable=True).indices
+    best, heads, keys = best.gather(-1, by_position), heads.gather(-1, by_position), keys.gather(-1, by_position)
+    order = best.sort(dim=-1, descending=True, stable=True).indices
+    return best.gather(-1, order), heads.gather(-1, order), keys.gather(-1, order)
+
+
+#: A block of queries holds at most about BLOCK_ELEMENTS scores ([head, block, keys it sees], 2 MiB in float32),
+#: at least MIN_BLOCK and at most MAX_BLOCK queries: small enough that the block's scores, alpha and weights stay
+#: in cache through the softmax, alpha V, the inner products, the sums and the top-k (each is a pass over them),
+#: large enough for the matrix products. The block grows where the keys it sees are few (a sliding window).
+BLOCK_ELEMENTS = 1 << 19
+MIN_BLOCK, MAX_BLOCK = 16, 512
+
+
+def _upper_triangle(rows: int, columns: int, device) -> torch.Tensor:
+    """``[rows, columns]`` bool, True where key ``start + j`` is after query ``start + i`` (j > i)."""
+    return torch.ones(rows, columns, dtype=torch.bool, device=device).triu_(1)
+
+
+def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, heads: int):
+    """Per query block of batch row ``b``: ``(start, stop, first, limit, allowed, additive)`` where every key outside
+    ``first:limit`` is masked for every query of the block, ``allowed`` is ``[head or 1, block, limit - first]``
+    bool (None: every key of the span is allowed; ``"causal"``: a plain causal pattern, query i sees keys up to i)
+    and ``additive`` the float mask's slice (or None)."""
+    minimum = torch.finfo(torch.float32).min
+    mask = None
+    if attention_mask is not None:
+        mask = attention_mask.reshape((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
+        mask = mask[b if mask.shape[0] > 1 else 0]
+    width = k_len if attention_mask is None and not causal else 1  # the keys the last block saw
+    start = 0
+    while start < q_len:
+        rows = max(MIN_BLOCK, min(MAX_BLOCK, BLOCK_ELEMENTS // max(1, heads * width)))
+        if attention_mask is None and causal:
+            rows = max(MIN_BLOCK, min(MAX_BLOCK, BLOCK_ELEMENTS // max(1, heads * min(k_len, start + rows))))
+        stop = min(q_len, start + rows)
+        if mask is None:
+            if not causal:
+                yield start, stop, 0, k_len, None, None
+            else:  # SDPA's is_causal alignment (top-left): query i sees keys 0..i, so only the block's diagonal masks
+                limit = min(k_len, stop)
+                yield start, stop, 0, limit, "causal", None
+                width = limit
+            start = stop
+            continue
+        block = mask[:, start:stop, :k_len]
+        additive = None
+        if block.dtype == torch.bool:
+            allowed = block
+        else:
+            additive = block.to(torch.float32)
+            allowed = additive > minimum
+        first, limit = 0, k_len
+        if bool(allowed.any(-1).all()):  # no row masks every key: drop the keys all rows mask
+            columns = allowed.any(1).any(0).nonzero()
+            first, limit = int(columns[0]), int(columns[-1]) + 1
+        width = limit - first
+        yield (start, stop, first, limit, allowed[..., first:limit],
+               None if additive is None else additive[..., first:limit])
+        start = stop
+
+
+def _key_validity(inputs: dict) -> torch.Tensor | None:
+    """``[batch, key]`` bool from the inputs' ``attention_mask`` (None without one): the summary's padding."""
+    mask = inputs.get("attention_mask")
+    return None if mask is None else mask.bool()
+
+
+class SummarySession(AttentionSession):
+    """An :class:`AttentionSession` that computes the summarised layers itself, a block of queries at a time,
+    and checks each against the model's output projection (see :func:`summarize`)."""
+
+    streaming = True
+
+    def __init__(self, model: nn.Module, layers: Iterable[int], *, top_k: int, rows: Sequence[int],
+                 token_rows: Sequence[int], kind: str, absolute: bool, key_valid=None, compute_dtype=None):
+        self.summarised = set(layers)  # before the base class reads `layers`
+        super().__init__(model, compute_dtype=compute_dtype)
+        self.key_valid = key_valid  # [batch, key] from the inputs: the summary reads padding from them
+        self.top_k, self.row_positions, self.token_row_positions = top_k, tuple(rows), tuple(token_rows)
+        self.kind, self.absolute = kind, absolute
+        self.summaries: dict[int, LayerSummary] = {}
+        self._pending: dict[int, torch.Tensor] = {}  # layer -> o_i [batch, query, model], until its projection runs
+
+    @property
+    def layers(self) -> set[int]:
+        return super().layers | self.summarised
+
+    def streams(self, module: nn.Module) -> bool:
+        block = self._by_module.get(id(module))
+        return block is not None and block.layer in self.summarised
+
+    # -- the check: the projection's result is o_i plus its bias ------------------------------------------
+    def attach(self) -> None:
+        super().attach()
+        if not self.verify:
+            return
+        for layer in sorted(self.summarised):
+            block = self.blocks[layer]
+            self._hooks.append(block.output_module().register_forward_hook(self._check_summary(block)))
+
+    def _check_summary(self, block: AttentionBlock):
+        def hook(projection, args, result):
+            rebuilt = self._pending.pop(block.layer, None)
+            if rebuilt is None:
+                return
+            output = (result[0] if isinstance(result, tuple) else result).detach()
+            _, bias = block.output_projection()
+            if bias is not None:
+                rebuilt = rebuilt + bias.detach().to(rebuilt.dtype)
+            actual = output.to(rebuilt.dtype).reshape(rebuilt.shape)
+            rows = torch.isfinite(rebuilt).all(-1)
+            valid = self._valid(rebuilt.shape[1])
+            if valid is not None:  # padded queries are NaN by design
+                rows = rows | ~valid
+                rebuilt = torch.where(valid[..., None], rebuilt, actual)
+            scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
+            error = float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf")))
+            allowed = max(RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2),
+                          RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
+            if not bool(rows.all()) or error > allowed:
+                self.summaries.pop(block.layer, None)
+                raise UnsupportedModelError(
+                    f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
+                    f"output projection's result (relative error {error:.3g} > {allowed:g} for a {output.dtype} model "
+                    f"summarised in compute_dtype={self.compute_dtype}); cwcore refuses to report this summary")
+        return hook
+
+    def _valid(self, length: int) -> torch.Tensor | None:
+        valid = self.key_valid
+        if valid is None or valid.shape[-1] != length or bool(valid.all()):
+            return None
+        return valid
+
+    # -- the computation -------------------------------------------------------------------------------
+    def streamed_output(self, module, query, key, value, attention_mask, scaling, causal, softcap, s_aux):
+        block = self._by_module[id(module)]
+        record = self.count_call(block)
+        if s_aux is not None:
+            raise UnsupportedModelError(
+                f"attention block {block.name!r} has learned sink logits (s_aux), which cwcore.summarize does not "
+                "compute; use cwcore.decompose for this model")
+        if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+            raise UnsupportedModelError("cwcore.summarize computes no gradients; call it under torch.no_grad()")
+        output, summary, rebuilt = _summarise_layer(self, block, query, key, value, attention_mask, scaling, causal,
+                                                    softcap)
+        if record:
+            self.summaries[block.layer] = summary
+            if self.verify:
+                self._pending[block.layer] = rebuilt
+        return output
+
+    def detach(self) -> None:
+        super().detach()
+        self._pending.clear()
+
+
+def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key, value, attention_mask, scaling,
+                     causal, softcap):
+    """One layer: (alpha @ value ``[batch, head, query, dim]`` in the model's dtype, its :class:`LayerSummary`,
+    o_i ``[batch, query, model]`` in the compute dtype for the check)."""
+    dtype = session.compute_dtype
+    batch, heads, q_len, head_dim = query.shape
+    k_len = key.shape[-2]
+    weight, bias = block.output_projection()
+    w_o = split_output_projection(weight.detach().to(dtype, copy=True), heads)  # [head, model, head_dim]
+    model_dim = w_o.shape[1]
+    flat_w_o = w_o.permute(1, 0, 2).reshape(model_dim, heads * head_dim)
+    gram = w_o.transpose(1, 2) @ w_o
+    values = value.detach().to(dtype)
+    valid = session._valid(k_len) if q_len == k_len else None
+    if valid is not None:
+        values = values.masked_fill(~valid[:, None, :, None], 0.0)
+    value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt()  # [batch, head, key]
+    if valid is not None:
+        value_norm = value_norm.masked_fill(~valid[:, None, :], float("nan"))
+    keys_side = values if session.kind == "inter" else values @ gram  # <o_i, v~_j> = (W_O^T o_i)^T v_j; z^T G v
+    # the model's dtype when it equals the compute dtype and nothing was masked: the layer's own alpha @ V
+    own_mixed = value.dtype == dtype and valid is None
+
+    output = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=value.device)
+    rebuilt = torch.empty(batch, q_len, model_dim, dtype=dtype, device=value.device)
+    output_norm = torch.empty(batch, q_len, dtype=dtype, device=value.device)
+    head_output_norm = torch.empty(batch, heads, q_len, dtype=dtype, device=value.device)
+    contribution_received = torch.zeros(batch, heads, k_len, dtype=dtype, device=value.device)
+    attention_received = torch.zeros_like(contribution_received)
+    k = session.top_k
+    top = {name: torch.full((batch, q_len, k), float("nan"), dtype=dtype, device=value.device) for name in ROW_FIELDS}
+    top_head = torch.full((batch, q_len, k), -1, dtype=torch.long, device=value.device)
+    top_key = torch.full_like(top_head, -1)
+    rows = {name: torch.zeros(batch, heads, len(session.row_positions), k_len, dtype=dtype, device=value.device)
+            for name in ROW_FIELDS}
+    token_positions = session.token_row_positions
+    token_rows = {name: torch.zeros(batch, len(token_positions), k_len, dtype=dtype, device=value.device)
+                  for name in ("contribution", "attention")}
+    minimum = torch.finfo(torch.float32).min
+    key_t = key.transpose(2, 3)
+
+    for b in range(batch):
+        valid_b = None if valid is None else valid[b]
+        for start, stop, first, limit, allowed, additive in _block_spans(attention_mask, causal, b, q_len, k_len,
+                                                                         heads):
+            # scaled after the product, as eager and the dense path do: scaling the queries first rounds the scores
+            # differently, which exp turns into relative differences of alpha near 1e-5 at Gemma 3's score sizes
+            scores = torch.matmul(query[b, :, start:stop], key_t[b, :, :, first:limit]).mul_(scaling)  # [head, n, keys]
+            scores = scores.to(torch.float32)
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if additive is not None:
+                scores += additive
+            elif isinstance(allowed, str):  # the causal triangle: keys start..stop-1 against queries start..stop-1
+                diagonal = scores[..., start - first:]
+                diagonal.masked_fill_(_upper_triangle(stop - start, diagonal.shape[-1], query.device), minimum)
+            elif allowed is not None:
+                scores.masked_fill_(~allowed, minimum)
+            alpha = torch.softmax(scores, -1)
+            del scores
+            torch.matmul(alpha.to(value.dtype), value[b, :, first:limit], out=output[b, :, start:stop])
+            alpha_c = alpha.to(dtype)
+            mixed = (output[b, :, start:stop] if own_mixed
+                     else alpha_c @ values[b, :, first:limit])  # z^h_i [head, n, head_dim]
+            n = stop - start
+            o = mixed.transpose(0, 1).reshape(n, heads * head_dim) @ flat_w_o.T  # o_i [n, model]
+            rebuilt[b, start:stop] = o
+            o_norm = o.norm(dim=-1)  # [n]
+            h_norm = ((mixed @ gram) * mixed).sum(-1).clamp_min(0).sqrt()  # [head, n]
+            if session.kind == "inter":
+                norm = o_norm[None, :].expand(heads, n)
+                side = (o @ flat_w_o).view(n, heads, head_dim).transpose(0, 1)  # W_O^h^T o_i [head, n, head_dim]
+            else:
+                norm = h_norm
+                side = mixed
+            side = side / _nan_at_zero(norm * norm)[..., None]
+            scaled = torch.matmul(side, keys_side[b, :, first:limit].transpose(-1, -2))  # <o_i, v~_j>/||o_i||^2
+            # the row positions need <o_i, v~_j> where alpha is 0 too: their rows are computed below, over every key
+            contribution = scaled.mul_(alpha_c)  # c_ij, in place: one [head, block, key] tensor besides alpha
+            del scaled
+            real = None
+            if valid_b is not None:
+                real = valid_b[start:stop]
+                o_norm = o_norm.masked_fill(~real, float("nan"))
+                h_norm = h_norm.masked_fill(~real[None], float("nan"))
+            output_norm[b, start:stop] = o_norm
+            head_output_norm[b, :, start:stop] = h_norm
+            # what each key receives, from the real queries
+            if real is None:
+                contribution_received[b, :, first:limit] += contribution.sum(1)
+                attention_received[b, :, first:limit] += alpha_c.sum(1)
+            else:
+                contribution_received[b, :, first:limit] += contribution[:, real].sum(1)
+                attention_received[b, :, first:limit] += alpha_c[:, real].sum(1)
+            # the top (head, key) terms of each query, among those with alpha > 0
+            width = limit - first
+            ranking = contribution.abs() if session.absolute else contribution
+            best, heads_of, keys_of = _top_terms(ranking, k)
+            query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
+            # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms: redo those queries without them
+            redo = (alpha_c[heads_of, query_of, keys_of] == 0).any(-1).nonzero()[:, 0]
+            if len(redo):
+                masked = torch.where(alpha_c[:, redo] > 0, ranking[:, redo], -torch.inf)
+                best[redo], heads_of[redo], keys_of[redo] = _top_terms(masked, k, plain=True)
+            taken = best.shape[-1]
+            best, heads_of, keys_of = _canonical_order(best, heads_of, keys_of + first)
+            keys_of = keys_of - first
+            kept = best != -torch.inf
+            if real is not None:
+                kept &= real[:, None]
+            c_top = contribution[heads_of, query_of, keys_of]
+            a_top = alpha_c[heads_of, query_of, keys_of]
+            norm_top = norm[heads_of, query_of]
+            vn_top = value_norm[b][heads_of, keys_of + first]
+            nan = torch.tensor(float("nan"), dtype=dtype, device=value.device)
+            top["contribution"][b, start:stop, :taken] = torch.where(kept, c_top, nan)
+            top["attention"][b, start:stop, :taken] = torch.where(kept, a_top, nan)
+            top["relative_norm"][b, start:stop, :taken] = torch.where(kept, vn_top / _nan_at_zero(norm_top), nan)
+            # cos = <o_i, v~_j> / (||o_i|| ||v~_j||) = (c_ij / alpha_ij) ||o_i|| / ||v~_j|| (alpha > 0 where kept)
+            top["cosine"][b, start:stop, :taken] = torch.where(kept, c_top / a_top * norm_top / _nan_at_zero(vn_top), nan)
+            top_head[b, start:stop, :taken] = torch.where(kept, heads_of, -1)
+            top_key[b, start:stop, :taken] = torch.where(kept, keys_of + first, -1)
+            # the full rows of chosen positions: over every key (alpha is 0 outside the span)
+            for r, position in enumerate(session.row_positions):
+                if start <= position < stop:
+                    i = position - start
+                    row_scaled = (side[:, i, None] @ keys_side[b].transpose(-1, -2))[:, 0]  # [head, key]
+                    row_alpha = torch.zeros(heads, k_len, dtype=dtype, device=value.device)
+                    row_alpha[:, first:limit] = alpha_c[:, i]
+                    row_norm = _nan_at_zero(norm[:, i])[:, None]
+                    rows["attention"][b, :, r] = row_alpha
+                    rows["contribution"][b, :, r] = row_scaled * row_alpha
+                    rows["relative_norm"][b, :, r] = value_norm[b] / row_norm
+                    rows["cosine"][b, :, r] = row_scaled * row_norm / _nan_at_zero(value_norm[b])
+                    if real is not None and not bool(real[i]):
+                        for name in ROW_FIELDS:
+                            rows[name][b, :, r] = float("nan")
+            for r, position in enumerate(token_positions):
+                if start <= position < stop:
+                    i = position - start
+                    token_rows["contribution"][b, r, first:limit] = contribution[:, i].sum(0)
+                    token_rows["attention"][b, r, first:limit] = alpha_c[:, i].mean(0)
+                    if real is not None and not bool(real[i]):
+                        token_rows["contribution"][b, r] = float("nan")
+                        token_rows["attention"][b, r] = float("nan")
+            del alpha, alpha_c, contribution, side
+    summary = LayerSummary(
+        block.layer, block.name, session.kind, contribution_received, attention_received,
+        TopTerms(top_head, top_key, top["contribution"], top["attention"], top["relative_norm"], top["cosine"]),
+        session.row_positions, rows, token_positions, token_rows, value_norm, head_output_norm, output_norm,
+        None if bias is None else bias.detach().to(dtype))
+    return output, summary, rebuilt
+
+
+def _positions(positions, length: int, argument: str) -> tuple[int, ...]:
+    if positions is None:
+        return ()
+    if isinstance(positions, int) and not isinstance(positions, bool):
+        positions = [positions]
+    out = []
+    for position in positions:
+        if isinstance(position, bool) or not isinstance(position, int) or not -length <= position < length:
+            raise InputError(f"{argument} must be query positions in -{length}..{length - 1} (the input has {length} "
+                             f"tokens), got {position!r}")
+        wanted = position + length if position < 0 else position
+        if wanted not in out:
+            out.append(wanted)
+    return tuple(out)
+
+
+def summarize(
+    model: nn.Module,
+    layers: int | Iterable[int] | None = None,
+    *,
+    top_k: int = 8,
+    rows: int | Sequence[int] | None = (-1,),
+    token_rows: int | Sequence[int] | None = None,
+    kind: str = "inter",
+    absolute: bool = False,
+    compute_dtype: torch.dtype | str | None = None,
+    truncate: bool = False,
+    **inputs,
+) -> Summary:
+    """Contribution summaries of every requested layer, without a ``[head, query, key]`` tensor of the input.
+
+    The summary mode of :func:`cwcore.decompose` for long documents: the same inputs, ``layers``,
+    ``compute_dtype`` and ``truncate``, and the same checks and refusals; instead of the maps it keeps, per
+    layer (:class:`LayerSummary`), what each key receives over all queries, the ``top_k`` (head, key) terms
+    of every query (ranked by c, or by |c| with ``absolute``), the full ``[head, key]`` rows of the query
+    positions ``rows`` (negative positions count from the end: -1 is the last token) and the head-aggregated
+    rows of ``token_rows`` (default: the same positions). ``kind``: ``"inter"`` (c against the combined
+    output o_i) or ``"intra"`` (against the head's own o^h_i). Every summary equals the reduction of
+    :func:`cwcore.decompose`'s tensors to float32 rounding. Memory: the model's forward plus, per layer,
+    O(query * top_k + head * key * rows), and one block of ``[head, block, key]`` while a layer runs.
+    """
+    if kind not in ("inter", "intra"):
+        raise InputError(f"kind must be 'inter' or 'intra', got {kind!r}")
+    if not isinstance(absolute, bool):
+        raise InputError(f"absolute must be True or False, got {absolute!r}")
+    top_k = check_count(top_k, "top_k")
+    blocks = attention_blocks(model)
+    num_layers = len(blocks)
+    undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}
+    wanted = check_layers(layers, num_layers)
+    if layers is None and undecomposable:
+        wanted = [layer for layer in wanted if layer not in undecomposable]
+        warnings.warn("cwcore.summarize: " + "; ".join(
+            f"layer {b.layer} ({b.name!r}, {type(b.module).__name__}) is not summarised: {b.unsupported}"
+            for b in blocks if b.layer in undecomposable), stacklevel=2)
+    for layer in wanted:
+        blocks[layer].refuse_if_unsupported()
+    if not wanted:
+        raise UnsupportedModelError(f"{type(model).__name__}: no attention layer can be summarised ("
+                                    + "; ".join(undecomposable.values()) + ")")
+    compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
+    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="summarize", truncate=truncate))
+    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    length = reference.shape[1]
+    row_positions = _positions(rows, length, "rows")
+    token_positions = row_positions if token_rows is None else _positions(token_rows, length, "token_rows")
+    session = SummarySession(model, wanted, top_k=top_k, rows=row_positions, token_rows=token_positions, kind=kind,
+                             absolute=absolute, key_valid=_key_validity(inputs), compute_dtype=compute_dtype)
+    with torch.inference_mode(), cwcore_attention(model, session):
+        outputs = model(**inputs)
+    missing = sorted(set(wanted) - set(session.summaries))
+    if missing:
+        raise UnsupportedModelError(
+            f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
+            "forward pass, so cwcore could not summarise them")
+    return Summary(session.summaries, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
+                   undecomposable=undecomposable)
+
+
+# -- the same summaries from a dense decomposition (the reference the tests and the benchmark compare with) --
+def dense_summary(layer, attention_mask=None, *, top_k: int = 8, rows=(-1,), token_rows=None, kind: str = "inter",
+                  absolute: bool = False) -> LayerSummary:
+    """The :class:`LayerSummary` that :func:`summarize` would give, reduced from a dense
+    :class:`~cwcore.core.decomposition.LayerDecomposition` ``layer`` (``attention_mask`` ``[batch, query]`` of
+    its input, or None). Holds ``[batch, head, query, key]`` tensors: for inputs the dense path can hold."""
+    c = layer.contribution(kind)  # [batch, head, query, key], padded query rows NaN
+    alpha = layer.attention
+    batch, heads, q_len, k_len = c.shape
+    real = (torch.ones(batch, q_len, dtype=torch.bool, device=c.device) if attention_mask is None
+            else attention_mask.bool().to(c.device))
+    keep = real[:, None, :, None]
+    contribution_received = torch.where(keep, c, 0.0).sum(2)
+    attention_received = torch.where(keep, alpha, 0.0).sum(2)
+    ranking = (c.abs() if absolute else c.clone()).masked_fill(alpha == 0, float("-inf"))
+    ranking = ranking.permute(0, 2, 1, 3).reshape(batch, q_len, heads * k_len)
+    taken = min(top_k, heads * k_len)
+    best, index = ranking.topk(taken, dim=-1)
+    best, head_of, key_of = _canonical_order(best, index // k_len, index % k_len)
+    kept = (best != float("-inf")) & real[..., None]
+    relative, cosine = layer.relative_norm(kind), layer.cosine(kind)
+    b_of = torch.arange(batch)[:, None, None]
+    q_of = torch.arange(q_len)[None, :, None]
+    nan = torch.tensor(float("nan"), dtype=c.dtype)
+
+    def gathered(values):
+        out = torch.full((batch, q_len, top_k), float("nan"), dtype=c.dtype)
+        out[..., :taken] = torch.where(kept, values[b_of, head_of, q_of, key_of], nan)
+        return out
+
+    def indices(values):
+        out = torch.full((batch, q_len, top_k), -1, dtype=torch.long)
+        out[..., :taken] = torch.where(kept, values, -1)
+        return out
+
+    top = TopTerms(indices(head_of), indices(key_of), gathered(c), gathered(alpha), gathered(relative), gathered(cosine))
+    row_positions = _positions(rows, q_len, "rows")
+    token_positions = row_positions if token_rows is None else _positions(token_rows, q_len, "token_rows")
+    full = {"contribution": c, "attention": alpha, "relative_norm": relative, "cosine": cosine}
+    row_values = {name: values[:, :, list(row_positions)] for name, values in full.items()}
+    for name in ROW_FIELDS:  # padded query rows are NaN throughout, as in the summary
+        row_values[name] = row_values[name].masked_fill(~real[:, None, list(row_positions), None], float("nan"))
+    token = {"contribution": c[:, :, list(token_positions)].sum(1),
+             "attention": alpha[:, :, list(token_positions)].mean(1)}
+    norm = layer.output_norm.masked_fill(~real, float("nan"))
+    head_norm = layer.head_output_norm.masked_fill(~real[:, None], float("nan"))
+    return LayerSummary(layer.layer, layer.block_name, kind, contribution_received, attention_received, top,
+                        row_positions, row_values, token_positions, token, layer.value_norm, head_norm, norm,
+                        layer.output_bias)
+
+
+def summary_fields(summary: LayerSummary) -> dict[str, torch.Tensor]:
+    """Every tensor of a :class:`LayerSummary` by name (``top.<field>``, ``rows.<name>``, ``token_rows.<name>``)."""
+    out = {"contribution_received": summary.contribution_received, "attention_received": summary.attention_received,
+           "value_norm": summary.value_norm, "head_output_norm": summary.head_output_norm,
+           "output_norm": summary.output_norm}
+    out.update({f"top.{name}": getattr(summary.top, name) for name in ("head", "key", *ROW_FIELDS)})
+    out.update({f"rows.{name}": values for name, values in summary.rows.items()})
+    out.update({f"token_rows.{name}": values for name, values in summary.token_rows.items()})
+    return out
+
+
+def dense_terms(layer, top: TopTerms, kind: str = "inter") -> TopTerms:
+    """The dense decomposition's c, alpha, relative norm and cosine of the (head, key) terms ``top`` names
+    (NaN where it names none): the values of the terms a summary chose, read from the dense tensors."""
+    heads, keys = top.head, top.key
+    batch, queries, _ = heads.shape
+    named = heads >= 0
+    b_of = torch.arange(batch)[:, None, None].expand_as(heads)
+    q_of = torch.arange(queries)[None, :, None].expand_as(heads)
+    h_of, k_of = heads.clamp_min(0), keys.clamp_min(0)
+    values = {"contribution": layer.contribution(kind), "attention": layer.attention,
+              "relative_norm": layer.relative_norm(kind), "cosine": layer.cosine(kind)}
+    read = {name: torch.where(named, v[b_of, h_of, q_of, k_of], torch.tensor(float("nan"), dtype=v.dtype))
+            for name, v in values.items()}
+    return TopTerms(heads, keys, **read)
+
+
+def relative_differences(summary: LayerSummary, reference: LayerSummary, dense=None) -> dict[str, float]:
+    """Per tensor, max |summary - reference| / max |reference| over the entries finite in both (the absolute
+    difference where the reference is all zero); ``inf`` where the NaN patterns differ. For the indices
+    ``top.head`` and ``top.key``: the share of entries that differ.
+
+    With ``dense`` (the :class:`~cwcore.core.decomposition.LayerDecomposition` ``reference`` was reduced from),
+    two terms whose c agree to rounding may be ranked in either order, so the top terms are compared as
+    ``top.contribution`` (the k largest values, rank by rank, against the reference's) and ``top.<field>``
+    against the dense values of the terms the summary chose (:func:`dense_terms`)."""
+    out = {}
+    mine, theirs = summary_fields(summary), summary_fields(reference)
+    if dense is not None:
+        chosen = dense_terms(dense, summary.top, summary.kind)
+        for name in ROW_FIELDS:
+            theirs[f"top.{name}"] = getattr(chosen, name)
+        theirs["top.rank_values"], mine["top.rank_values"] = reference.top.contribution, summary.top.contribution
+    for name, expected in theirs.items():
+        got = mine[name].to(expected.device)
+        if got.shape != expected.shape:
+            out[name] = float("inf")
+        elif not expected.is_floating_point():
+            out[name] = float((got != expected).double().mean()) if expected.numel() else 0.0
+        elif not torch.equal(torch.isnan(got), torch.isnan(expected)):
+            out[name] = float("inf")
+        else:
+            finite = torch.isfinite(expected) & torch.isfinite(got)
+            scale = expected[finite].abs().max() if bool(finite.any()) else torch.tensor(0.0)
+            difference = (got[finite] - expected[finite]).abs().max() if bool(finite.any()) else torch.tensor(0.0)
+            out[name] = float(difference / scale) if float(scale) > 0 else float(difference)
+    return out

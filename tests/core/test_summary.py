@@ -1,0 +1,166 @@
+"""cwcore.summarize against the reduction of the dense decomposition, per summary.
+
+The reference is :func:`cwcore.decompose`'s ``[batch, head, query, key]`` tensors reduced with plain torch
+(:func:`cwcore.core.summary.dense_summary`: sums over the real queries, one ``topk`` over all (head, key)
+terms, indexing of the rows); the summary computes the same blockwise without those tensors. Tolerance:
+1e-5 relative to the largest entry of each tensor (float32 sums in another order); top-k indices equal.
+"""
+
+import pytest
+import torch
+import transformers as tf
+
+import cwcore
+from cwcore.core.inputs import InputError
+from cwcore.core.summary import ROW_FIELDS, dense_summary, relative_differences, summary_fields
+from tiny_models import DECODERS, VOCAB, tiny_model
+
+RELATIVE = 1e-5
+IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+LEFT_PADDED = torch.ones_like(IDS)
+LEFT_PADDED[1, :3] = 0
+
+
+def assert_equal_to_dense(summary, decomposition, mask, **options):
+    for layer in summary.layers:
+        reference = dense_summary(decomposition[layer], mask, **options)
+        differences = relative_differences(summary[layer], reference, decomposition[layer])
+        wrong = {name: value for name, value in differences.items() if value > RELATIVE}
+        assert not wrong, f"layer {layer}: {wrong}"
+
+
+@pytest.mark.parametrize("kind", ["inter", "intra"])
+@pytest.mark.parametrize("family", DECODERS)
+def test_every_summary_equals_the_dense_reduction_in_a_padded_batch(family, kind):
+    model = tiny_model(family)
+    options = dict(top_k=5, rows=[-1, 5, 1], token_rows=[3, -2, 0], kind=kind)
+    s = cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, **options)
+    d = cwcore.decompose(model, input_ids=IDS, attention_mask=LEFT_PADDED)
+    assert s.layers == d.layers == [0, 1]
+    assert_equal_to_dense(s, d, LEFT_PADDED, **options)
+    # padded query rows are NaN (row 1 is padded in the second sequence) and padded keys receive nothing
+    assert torch.isnan(s[0].rows["contribution"][1, :, 2]).all()
+    assert (s[0].top.head[1, :3] == -1).all() and torch.isnan(s[0].top.contribution[1, :3]).all()
+    assert (s[0].contribution_received[1, :, :3] == 0).all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
+def test_inter_contributions_received_add_up_to_one_per_real_query(family):
+    # an invariant independent of the dense path: c_ij sums to 1 over (head, key) for each query
+    s = cwcore.summarize(tiny_model(family), input_ids=IDS, attention_mask=LEFT_PADDED)
+    for layer in s.layers:
+        totals = s[layer].received("contribution").sum(-1)
+        torch.testing.assert_close(totals, LEFT_PADDED.sum(-1).to(totals.dtype), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s[layer].received("attention").sum(-1), 4 * LEFT_PADDED.sum(-1).float(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _long_model(family: str, sliding_window: int | None = None):
+    """A 2-layer random model with a long context and a large vocabulary (few repeated tokens, so few tied
+    terms), configured for SDPA as the packaged models are when they run long inputs."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=4000, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=2048, num_key_value_heads=2)
+    if family == "gemma3":
+        config = tf.Gemma3TextConfig(**common, head_dim=16, sliding_window=sliding_window,
+                                     layer_types=["sliding_attention", "full_attention"])
+    else:
+        config = tf.LlamaConfig(**common)
+    config._attn_implementation = "sdpa"
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # sharper attention than the initialisation's near-uniform maps
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize("absolute", [False, True])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_long_inputs_use_the_grouped_top_k_and_sliding_spans_exactly(family, absolute):
+    model = _long_model(family, sliding_window=300)
+    ids = torch.randint(0, 4000, (2, 700), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    options = dict(top_k=8, rows=[-1, 400], absolute=absolute)
+    s = cwcore.summarize(model, input_ids=ids, attention_mask=mask, **options)
+    d = cwcore.decompose(model, input_ids=ids, attention_mask=mask)
+    assert_equal_to_dense(s, d, mask, **options)
+    if family == "gemma3":  # the sliding layer: a query far from the start has no term outside its window
+        keys = s[0].top.key[0, 600:]
+        assert (keys > torch.arange(600, 700)[:, None] - 300).all()
+
+
+def test_the_model_computes_what_it_computes_without_a_session():
+    model = _long_model("llama")
+    ids = torch.randint(0, 4000, (1, 300), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    s = cwcore.summarize(model, input_ids=ids)
+    torch.testing.assert_close(s.outputs.logits, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_and_token_rows_index_by_position():
+    model = tiny_model("llama")
+    s = cwcore.summarize(model, input_ids=IDS, rows=[-1, 4], token_rows=[4])
+    d = cwcore.decompose(model, input_ids=IDS)
+    torch.testing.assert_close(s[1].row(-1), d.inter[1][:, :, -1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s[1].row(4, "attention"), d.attention[1][:, :, 4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s[1].token_row(4), d[1].token_level()[:, 4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s[-1].token_row(4, "attention"), d[1].token_level("attention")[:, 4],
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(InputError, match="was not kept"):
+        s[1].row(3)
+    assert set(s[0].rows) == set(ROW_FIELDS)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(rows=[12]), "rows must be query positions"),
+    (dict(kind="both"), "kind must be"),
+    (dict(top_k=0), "top_k must be at least 1"),
+    (dict(layers=[5]), "out of range|layer"),
+])
+def test_bad_arguments_are_refused(arguments, message):
+    with pytest.raises((InputError, IndexError, ValueError), match=message):
+        cwcore.summarize(tiny_model("llama"), input_ids=IDS, **arguments)
+
+
+def test_a_summary_that_does_not_add_up_is_refused():
+    model = tiny_model("qwen2")
+    projection = model.model.layers[1].self_attn.o_proj
+    handle = projection.register_forward_hook(lambda module, args, output: output * 1.01)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"do not reproduce .*refuses to report this summary"):
+            cwcore.summarize(model, input_ids=IDS)
+        with pytest.raises(cwcore.UnsupportedModelError, match="do not reproduce"):  # as the dense path does
+            cwcore.decompose(model, input_ids=IDS)
+    finally:
+        handle.remove()
+
+
+def test_a_gate_before_the_output_projection_is_refused_as_by_decompose():
+    model = tiny_model("llama")
+    projection = model.model.layers[0].self_attn.o_proj
+    handle = projection.register_forward_pre_hook(lambda module, args: (args[0] * 0.5,))
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match="received something other than the attention output"):
+            cwcore.summarize(model, input_ids=IDS)
+    finally:
+        handle.remove()
+
+
+def test_summary_fields_are_small():
+    # per layer: O(query * top_k + head * key * rows), nothing of size query * key
+    s = cwcore.summarize(tiny_model("llama"), input_ids=IDS, top_k=3, rows=[-1])
+    for name, tensor in summary_fields(s[0]).items():
+        assert tensor.numel() <= 2 * 4 * 12 * 3, name
+
+
+@pytest.mark.slow
+def test_smollm2_summary_equals_the_dense_reduction():
+    model, tokenizer = cwcore.load_model("smollm2-135m")
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 7, return_tensors="pt")["input_ids"][:, :64]
+    options = dict(top_k=8, rows=[-1, 30])
+    s = cwcore.summarize(model, input_ids=ids, **options)
+    d = cwcore.decompose(model, input_ids=ids)
+    assert_equal_to_dense(s, d, None, **options)

@@ -1,0 +1,55 @@
+"""The long-document page (cwcore.explorer.long_explorer_*, `cwcore explain --summary`): its numbers are
+cwcore.summarize's, within the page's stated precision (float16: relative 2^-11; cosines: 1/254)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import cwcore
+from cwcore.explorer import long_explorer_data, long_explorer_html, read_payload
+from test_explorer import TEXT, tiny_tokenizer
+from tiny_models import tiny_model
+
+
+def test_the_long_page_carries_the_summary_within_its_precision():
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    page = long_explorer_html(long_explorer_data(model, tokenizer, TEXT, top_k=4, model_name="tiny"), query=3)
+    back = read_payload(page)
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    s = cwcore.summarize(model, input_ids=ids, top_k=4, rows=None)
+    arrays = back["arrays"]
+    assert back["meta"]["layers"] == [0, 1] and back["meta"]["start"] == {"query": 3, "layer": 1}
+    for index, layer in enumerate(s.layers):
+        expected = s[layer]
+        np.testing.assert_array_equal(arrays["received"][index], expected.received()[0].numpy())
+        np.testing.assert_array_equal(arrays["top_key"][index], expected.top.key[0].numpy())
+        np.testing.assert_array_equal(arrays["top_head"][index], expected.top.head[0].numpy())
+        for name in ("contribution", "attention", "relative_norm"):
+            np.testing.assert_allclose(arrays[f"top_{name}"][index], getattr(expected.top, name)[0].numpy(),
+                                       rtol=2 ** -11, atol=1e-7, equal_nan=True)
+        np.testing.assert_allclose(arrays["top_cosine"][index], expected.top.cosine[0].numpy(), atol=1 / 254 + 1e-7,
+                                   equal_nan=True)
+    assert "default-src 'none'" in page  # the page loads nothing
+
+
+def test_cli_summary_writes_the_long_page_from_a_file(tmp_path, capsys):
+    from cwcore.cli import main
+
+    folder = tmp_path / "model"
+    tiny_model("gemma3").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    document = tmp_path / "doc.txt"
+    document.write_text(" ".join([TEXT] * 4), encoding="utf-8")
+    out = tmp_path / "doc.html"
+    assert main(["explain", "--file", str(document), "--summary", "--model", str(folder), "--out", str(out),
+                 "--top-k", "3", "--query", "-2"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    back = read_payload(out)
+    n = len(back["meta"]["tokens"])
+    assert back["meta"]["start"]["query"] == n - 2 and back["arrays"]["top_key"].shape == (2, n, 3)
+    assert main(["explain", "--file", str(document), "--summary", "--model", str(folder), "--out",
+                 str(tmp_path / "x.png")]) == 2
+    assert "--summary writes the long-document page" in capsys.readouterr().err
+    assert main(["explain", "the cat", "--file", str(document), "--model", str(folder), "--out", str(out)]) == 2
+    assert "not both" in capsys.readouterr().err
