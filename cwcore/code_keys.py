@@ -19,7 +19,7 @@ BASE_CODE = ("core", "stats.py", "runs.py", "cache.py", "data.py")
 #: until someone declares it non-producing. ``models.py`` loads the weights, which are in every key
 #: through :func:`cwcore.runs.model_fingerprint`.
 NOT_PRODUCING = ("__main__.py", "_compat.py", "book", "book.py", "cli.py", "explorer.py", "findings.py",
-                 "models.py", "notebook.py", "plotting.py", "tokens.py",
+                 "models.py", "notebook.py", "plotting.py", "provenance.py", "tokens.py",
                  "faithfulness/__main__.py", "faithfulness/cli.py", "faithfulness/evidence.py",
                  "faithfulness/evidence_slice.py",
                  "sinks/__main__.py", "sinks/cli.py", "sinks/claims.py", "sinks/summary.py")
