@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {
     "the method summary file": re.compile(r"PAPER\.md"),
     "an issue number": re.compile(r"\b[Ii]ssues?\s*#?\d+|/issues/\d+|\bbefore issue\b"),
-    "a developer's folder": re.compile(r"/work/(?:shared|main|wt\d+)"),
+    "a developer's shared folder": re.compile(r"\.\./shared/"),
 }
 #: files another change owns; each still holds one reference (remove an entry once its file is clean)
 OWNED_ELSEWHERE: set[str] = set()
