@@ -1,4 +1,4 @@
-"""``make evidence``'s own steps (cwcore.book.evidence_build): PROVENANCE counts every process's cache
+"""``make evidence``'s own steps (cwbook.evidence_build): PROVENANCE counts every process's cache
 reads, and a committed ladder cell is taken only when a recomputed 2-document slice equals it."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from cwcore import cache as cw_cache
 from cwcore import runs
-from cwcore.book import evidence_build as eb
-from cwcore.book import evidence_export as ee
-from cwcore.book.evidence_files import HASH_FIELD, content_hash
-from cwcore.book import evidence_frames as ef
+from cwbook import evidence_build as eb
+from cwbook import evidence_export as ee
+from cwbook.evidence_files import HASH_FIELD, content_hash
+from cwbook import evidence_frames as ef
 from cwcore.cache import ResultCache
-from cwcore.faithfulness import evidence
+from cwbook import ladder as evidence
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ("import sys; from cwcore.cache import ResultCache; import pandas as pd\n"
@@ -250,7 +250,7 @@ def test_a_perturbed_or_incomplete_committed_cell_is_recomputed(cell, tmp_path, 
 
 
 def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
-    import cwcore.book as book
+    import cwbook as book
 
     assert book.PROFILE_BUILDS["evidence"] is eb.build_evidence
     seen = []
@@ -260,7 +260,7 @@ def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
     assert seen[0]["profile"] == "evidence" and seen[0]["only"] == "09" and seen[0]["html"] is False
     assert book.main(["build", "--profile", "smoke", "--only", "09", "--no-html"]) == 0
     assert seen[1] == ("plain", "smoke")
-    main_py = (ROOT / "cwcore" / "book" / "__main__.py").read_text()  # `python -m cwcore.book` registers it
+    main_py = (ROOT / "book" / "cwbook" / "__main__.py").read_text()  # `python -m cwbook` registers it
     assert "from . import evidence_build" in main_py
 
 
@@ -286,8 +286,7 @@ def test_a_committed_cell_of_one_random_seed_is_completed_by_the_missing_seeds_o
 
 
 def test_the_sink_chapters_tables_of_the_build_are_copied_into_the_evidence_folder(tmp_path):
-    from cwcore import book
-
+    import cwbook as book
     config = book.load_config(ROOT / "book" / "run.yml")
     _, _, planned = book.plan(config, profile="evidence", only="05,06,07_semantic_cone,04_faith",
                               generated_dir=tmp_path / "generated", book_dir=ROOT / "book")
@@ -786,8 +785,8 @@ def test_provenance_records_the_command_line_models_and_a_run_configuration_of_i
 def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tmp_path, monkeypatch):
     """``export_and_tables`` returns the downstream and per-layer frames the notebook wrote (on the profile's
     first data set) beside the ladder exports, and leaves out a frame whose JSON is missing."""
-    from cwcore import book
-    from cwcore.book.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, frame_paths
+    import cwbook as book
+    from cwbook.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, frame_paths
 
     calls = []
     monkeypatch.setattr(eb, "export", lambda profile, model, data, *a, **k: calls.append((model, data)) or [])
