@@ -252,6 +252,7 @@ def test_a_perturbed_or_incomplete_committed_cell_is_recomputed(cell, tmp_path, 
 def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
     import cwbook as book
 
+    assert book.PROFILE_MODULES["evidence"] == eb.__name__  # imported by the runner when the profile is built
     assert book.PROFILE_BUILDS["evidence"] is eb.build_evidence
     seen = []
     monkeypatch.setitem(book.PROFILE_BUILDS, "evidence", lambda **kwargs: seen.append(kwargs))
@@ -260,8 +261,16 @@ def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
     assert seen[0]["profile"] == "evidence" and seen[0]["only"] == "09" and seen[0]["html"] is False
     assert book.main(["build", "--profile", "smoke", "--only", "09", "--no-html"]) == 0
     assert seen[1] == ("plain", "smoke")
-    main_py = (ROOT / "book" / "cwbook" / "__main__.py").read_text()  # `python -m cwbook` registers it
-    assert "from . import evidence_build" in main_py
+
+
+def test_the_runners_help_and_plan_do_not_load_torch():
+    """``python -m cwbook --help`` answers at once: the profiles' builds (which load torch) are imported only
+    when their profile is built."""
+    probe = ("import runpy, sys\nsys.argv = ['cwbook', '--help']\n"
+             "try:\n    runpy.run_module('cwbook', run_name='__main__')\nexcept SystemExit as done:\n"
+             "    print(done.code, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["0", "False"], out.stdout + out.stderr
 
 
 def test_a_committed_cell_of_one_random_seed_is_completed_by_the_missing_seeds_only(cell, tmp_path, monkeypatch):

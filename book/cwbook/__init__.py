@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -101,6 +102,9 @@ KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"
 
 #: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwbook.evidence_build)
 PROFILE_BUILDS: dict = {}
+#: profile -> the module that registers its build in :data:`PROFILE_BUILDS`, imported only when that profile
+#: is built (they load torch: ``python -m cwbook --help`` and ``plan`` stay quick)
+PROFILE_MODULES = {"evidence": "cwbook.evidence_build", "confirmatory": "cwbook.confirmatory"}
 
 
 class BookError(RuntimeError):
@@ -836,6 +840,8 @@ def _main(argv: list[str] | None) -> int:
                     params = injected_parameters(run, notebook_parameters(run.source))
                     print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
             return 0
+        if name in PROFILE_MODULES:
+            importlib.import_module(PROFILE_MODULES[name])  # registers the profile's own build
         PROFILE_BUILDS.get(name, build)(profile=name, models=args.models, only=args.only, book_dir=args.book_dir,
               build_dir=args.build_dir, notebooks_dir=args.notebooks_dir, config_path=args.config,
               force=args.force, html=not args.no_html)

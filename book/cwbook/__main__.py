@@ -1,7 +1,5 @@
 import sys
 
-from . import evidence_build  # noqa: F401 - registers the evidence profile's build (PROVENANCE, resume)
-from . import confirmatory  # noqa: F401 - registers the confirmatory profile's build (never the notebooks)
-from . import main
+from . import main  # a profile with a build of its own (evidence, confirmatory) is imported when it is built
 
 sys.exit(main())
