@@ -241,12 +241,6 @@ def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, h
         start = stop
 
 
-def _key_validity(inputs: dict) -> torch.Tensor | None:
-    """``[batch, key]`` bool from the inputs' ``attention_mask`` (None without one): the summary's padding."""
-    mask = inputs.get("attention_mask")
-    return None if mask is None else mask.bool()
-
-
 class SummarySession(AttentionSession):
     """An :class:`AttentionSession` that computes the summarised layers itself, a block of queries at a time,
     and checks each against the model's output projection (see :func:`summarize`)."""
@@ -254,10 +248,11 @@ class SummarySession(AttentionSession):
     streaming = True
 
     def __init__(self, model: nn.Module, layers: Iterable[int], *, top_k: int, rows: Sequence[int],
-                 token_rows: Sequence[int], kind: str, absolute: bool, key_valid=None, compute_dtype=None):
+                 token_rows: Sequence[int], kind: str, absolute: bool, compute_dtype=None):
         self.summarised = set(layers)  # before the base class reads `layers`
         super().__init__(model, compute_dtype=compute_dtype)
-        self.key_valid = key_valid  # [batch, key] from the inputs: the summary reads padding from them
+        # layer -> [batch, query] bool of its current call (None: nothing padded), read from the call's own mask
+        self._query_validity: dict[int, torch.Tensor | None] = {}
         self.top_k, self.row_positions, self.token_row_positions = top_k, tuple(rows), tuple(token_rows)
         self.kind, self.absolute = kind, absolute
         self.summaries: dict[int, LayerSummary] = {}
@@ -291,7 +286,7 @@ class SummarySession(AttentionSession):
                 rebuilt = rebuilt + bias.detach().to(rebuilt.dtype)
             actual = output.to(rebuilt.dtype).reshape(rebuilt.shape)
             rows = torch.isfinite(rebuilt).all(-1)
-            valid = self._valid(rebuilt.shape[1])
+            valid = self._query_validity.pop(block.layer, None)
             if valid is not None:  # padded queries are NaN by design
                 rows = rows | ~valid
                 rebuilt = torch.where(valid[..., None], rebuilt, actual)
@@ -306,12 +301,6 @@ class SummarySession(AttentionSession):
                     f"output projection's result (relative error {error:.3g} > {allowed:g} for a {output.dtype} model "
                     f"summarised in compute_dtype={self.compute_dtype}); cwcore refuses to report this summary")
         return hook
-
-    def _valid(self, length: int) -> torch.Tensor | None:
-        valid = self.key_valid
-        if valid is None or valid.shape[-1] != length or bool(valid.all()):
-            return None
-        return valid
 
     # -- the computation -------------------------------------------------------------------------------
     def streamed_output(self, module, query, key, value, attention_mask, scaling, causal, softcap, s_aux):
@@ -334,6 +323,7 @@ class SummarySession(AttentionSession):
     def detach(self) -> None:
         super().detach()
         self._pending.clear()
+        self._query_validity.clear()
 
 
 def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key, value, attention_mask, scaling,
@@ -349,15 +339,22 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     flat_w_o = w_o.permute(1, 0, 2).reshape(model_dim, heads * head_dim)
     gram = w_o.transpose(1, 2) @ w_o
     values = value.detach().to(dtype)
-    valid = session._valid(k_len) if q_len == k_len else None
-    if valid is not None:
-        values = values.masked_fill(~valid[:, None, :, None], 0.0)
+    # padding from the call's own mask, never from the user's matched by length (a text as long as an image's
+    # patches); self-attention without a cache: query i is key i, so a padded key is a padded query
+    keys_valid, _ = session.mask_validity(attention_mask, batch, q_len, k_len)
+    if session._cross.get(block.layer):  # an encoder's keys: the queries are the decoder's tokens
+        valid = session._decoder_rows(batch, q_len)
+    else:
+        valid = keys_valid if q_len == k_len else None
+    session._query_validity[block.layer] = valid
+    if keys_valid is not None:
+        values = values.masked_fill(~keys_valid[:, None, :, None], 0.0)
     value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt()  # [batch, head, key]
-    if valid is not None:
-        value_norm = value_norm.masked_fill(~valid[:, None, :], float("nan"))
+    if keys_valid is not None:
+        value_norm = value_norm.masked_fill(~keys_valid[:, None, :], float("nan"))
     keys_side = values if session.kind == "inter" else values @ gram  # <o_i, v~_j> = (W_O^T o_i)^T v_j; z^T G v
     # the model's dtype when it equals the compute dtype and nothing was masked: the layer's own alpha @ V
-    own_mixed = value.dtype == dtype and valid is None
+    own_mixed = value.dtype == dtype and keys_valid is None
 
     output = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=value.device)
     rebuilt = torch.empty(batch, q_len, model_dim, dtype=dtype, device=value.device)
@@ -557,7 +554,10 @@ def summarize(
     row_positions = _positions(rows, length, "rows")
     token_positions = row_positions if token_rows is None else _positions(token_rows, length, "token_rows")
     session = SummarySession(model, wanted, top_k=top_k, rows=row_positions, token_rows=token_positions, kind=kind,
-                             absolute=absolute, key_valid=_key_validity(inputs), compute_dtype=compute_dtype)
+                             absolute=absolute, compute_dtype=compute_dtype)
+    decoder_mask = inputs.get("decoder_attention_mask")  # the padding of an encoder-decoder's cross-attention queries
+    if isinstance(decoder_mask, torch.Tensor) and decoder_mask.dim() == 2:
+        session.decoder_query_valid = decoder_mask.bool()
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
     missing = sorted(set(wanted) - set(session.summaries))

@@ -164,3 +164,31 @@ def test_smollm2_summary_equals_the_dense_reduction():
     s = cwcore.summarize(model, input_ids=ids, **options)
     d = cwcore.decompose(model, input_ids=ids)
     assert_equal_to_dense(s, d, None, **options)
+
+
+@pytest.mark.parametrize("pad_decoder", [False, True])
+def test_an_encoder_decoders_padding_is_read_from_each_call_not_matched_by_length(pad_decoder):
+    """Encoder and decoder of 9 tokens, the encoder padded (and the decoder too): the encoder's mask must pad
+    encoder queries only, the decoder's mask the decoder's self- and cross-attention queries; every row the
+    summary gives is the decomposition's (matching masks by length padded real decoder rows)."""
+    from zoo_models import VOCAB as BART_VOCAB, bart
+
+    model = bart()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, BART_VOCAB, (2, 9), generator=generator)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:], ids[1, 6:] = 0, 1
+    inputs = dict(input_ids=ids, attention_mask=mask,
+                  decoder_input_ids=torch.randint(3, BART_VOCAB, (2, 9), generator=generator))
+    if pad_decoder:
+        inputs["decoder_attention_mask"] = torch.ones(2, 9, dtype=torch.long)
+        inputs["decoder_attention_mask"][0, 7:] = 0
+    summary, d = cwcore.summarize(model, **inputs), cwcore.decompose(model, **inputs)
+    assert summary.layers == d.layers == [0, 1, 2, 3, 4, 5]
+    for layer in d.layers:
+        expected = d[layer].output_norm
+        assert torch.equal(summary[layer].output_norm.isnan(), expected.isnan()), layer
+        torch.testing.assert_close(summary[layer].output_norm.nan_to_num(0), expected.nan_to_num(0), rtol=1e-5,
+                                   atol=1e-6)
+    assert d[3].output_norm.isnan().sum() == (2 if pad_decoder else 0)  # the control: real decoder rows stay real
+    assert d[0].output_norm[1, 6:].isnan().all()
