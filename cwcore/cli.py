@@ -367,7 +367,7 @@ def debug_requested(argv: list[str] | None = None) -> bool:
 
 def run_command(prog: str, body, debug: bool, *, user_errors: tuple = ()) -> int:
     """The one error path of every command line (``cwcore``, ``python -m cwcore.faithfulness``,
-    ``python -m cwcore.sinks``, ``python -m cwcore.book``): runs ``body()`` and returns its exit status.
+    ``python -m cwcore.sinks``, ``python -m cwbook``): runs ``body()`` and returns its exit status.
 
     Bad input (a refused argument, an unknown model or data set, an unreadable or full disk) ends with
     one ``<prog>: error: ...`` line on stderr and status 2; any other exception is a bug of cwcore:

@@ -1,6 +1,6 @@
 """What a result cache key covers: the normalised code (no comments, docstrings or layout) of the modules
 that produce a result and of every package module they import, except those declared non-producing
-(exporters, command lines, the book wing). :mod:`cwcore.cache` builds its keys from :func:`code_version`."""
+(exporters, command lines). :mod:`cwcore.cache` builds its keys from :func:`code_version`."""
 
 from __future__ import annotations
 
@@ -14,14 +14,12 @@ __all__ = ["ALL_CODE", "BASE_CODE", "NOT_PRODUCING", "code_files", "code_scope",
 #: The code every cached result depends on, whatever produced it (paths relative to the package):
 #: the core, the statistics, the run driver, the cache and the data loaders.
 BASE_CODE = ("core", "stats.py", "runs.py", "cache.py", "data.py")
-#: Modules that never compute a cached number: exporters, command lines, the book wing. A key covers
+#: Modules that never compute a cached number: exporters, command lines. A key covers
 #: a module unless it is named here (or lies under a folder named here), so a new module is covered
 #: until someone declares it non-producing. ``models.py`` loads the weights, which are in every key
 #: through :func:`cwcore.runs.model_fingerprint`.
-NOT_PRODUCING = ("__main__.py", "_compat.py", "book", "book.py", "cli.py", "explorer.py", "findings.py",
-                 "models.py", "notebook.py", "plotting.py", "provenance.py", "tokens.py",
-                 "faithfulness/__main__.py", "faithfulness/cli.py", "faithfulness/evidence.py",
-                 "faithfulness/evidence_slice.py",
+NOT_PRODUCING = ("__main__.py", "cli.py", "explorer.py", "models.py", "plotting.py", "provenance.py", "tokens.py",
+                 "faithfulness/__main__.py", "faithfulness/cli.py",
                  "sinks/__main__.py", "sinks/cli.py", "sinks/claims.py", "sinks/summary.py")
 _PACKAGE = Path(__file__).parent
 

@@ -259,6 +259,42 @@ def iframe(page: str, height: int = 900) -> str:
             f'style="width:100%;height:{height}px;border:1px solid #ddd"></iframe></div>')
 
 
+# The data both pages carry: float16 arrays as two byte planes, cosines as int8 codes (-128: none), int32 and
+# float32 arrays as raw bytes; the whole deflated and base64-encoded. One decoder for both pages.
+_DECODE_JS = r"""var half = (function () {  // float16 bits -> float32, one table
+  var t = new Float32Array(65536);
+  for (var h = 0; h < 65536; h++) {
+    var s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 31, f = h & 1023;
+    t[h] = e === 0 ? s * f * Math.pow(2, -24) : e === 31 ? (f ? NaN : s * Infinity) : s * (1 + f / 1024) * Math.pow(2, e - 15);
+  }
+  return t;
+})();
+function decode(buf) {
+  meta.layout.forEach(function (a) {
+    var bytes = new Uint8Array(buf, a.offset, a.bytes);
+    if (a.dtype === "f16") {
+      var n = a.bytes / 2, out = new Float32Array(n);
+      for (var k = 0; k < n; k++) out[k] = half[(bytes[k] << 8) | bytes[n + k]];
+      A[a.name] = out;
+    } else if (a.dtype === "i8") {
+      var codes = new Int8Array(buf, a.offset, a.bytes), cos = new Float32Array(a.bytes);
+      for (var m = 0; m < a.bytes; m++) cos[m] = codes[m] === -128 ? NaN : codes[m] / 127;
+      A[a.name] = cos;
+    } else if (a.dtype === "i32") {
+      A[a.name] = new Int32Array(buf.slice(a.offset, a.offset + a.bytes));
+    } else {
+      A[a.name] = new Float32Array(buf.slice(a.offset, a.offset + a.bytes));
+    }
+  });
+}
+function b64bytes(text) {
+  var raw = atob(text.trim()), out = new Uint8Array(raw.length);
+  for (var i = 0; i < raw.length; i++) out[i] = raw.charCodeAt(i);
+  return out;
+}
+"""
+
+
 _PAGE = r"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
@@ -298,31 +334,7 @@ var A = {}, start = meta.start || {};
 var state = {layer: "layer" in start ? start.layer : Math.floor(L / 2), head: "head" in start ? start.head : -1,
              quantity: start.quantity || "inter"};
 var Q = {}; meta.quantities.forEach(function (q) { Q[q.key] = q; });
-var half = (function () {  // float16 bits -> float32, one table
-  var t = new Float32Array(65536);
-  for (var h = 0; h < 65536; h++) {
-    var s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 31, f = h & 1023;
-    t[h] = e === 0 ? s * f * Math.pow(2, -24) : e === 31 ? (f ? NaN : s * Infinity) : s * (1 + f / 1024) * Math.pow(2, e - 15);
-  }
-  return t;
-})();
-function decode(buf) {
-  meta.layout.forEach(function (a) {
-    var bytes = new Uint8Array(buf, a.offset, a.bytes);
-    if (a.dtype === "f16") {
-      var n = a.bytes / 2, out = new Float32Array(n);
-      for (var k = 0; k < n; k++) out[k] = half[(bytes[k] << 8) | bytes[n + k]];
-      A[a.name] = out;
-    } else if (a.dtype === "i8") {
-      var codes = new Int8Array(buf, a.offset, a.bytes), cos = new Float32Array(a.bytes);
-      for (var m = 0; m < a.bytes; m++) cos[m] = codes[m] === -128 ? NaN : codes[m] / 127;
-      A[a.name] = cos;
-    } else {
-      A[a.name] = new Float32Array(buf.slice(a.offset, a.offset + a.bytes));
-    }
-  });
-}
-function at(name, l, h, i, j) { return A[name][((l * H + h) * N + i) * N + j]; }
+__DECODE_JS__function at(name, l, h, i, j) { return A[name][((l * H + h) * N + i) * N + j]; }
 // One cell of one head: every quantity the page shows, from the stored factors.
 function headCell(l, h, i, j) {
   var a = at("attention", l, h, i, j), vn = A.value_norm[(l * H + h) * N + j];
@@ -458,11 +470,6 @@ function update() {
   tip.style.display = "none";
   render();
 }
-function b64bytes(s) {
-  var bin = atob(s.trim()), out = new Uint8Array(bin.length);
-  for (var k = 0; k < bin.length; k++) out[k] = bin.charCodeAt(k);
-  return out;
-}
 var status = document.getElementById("cw-status");
 var stream = new Blob([b64bytes(document.getElementById("cw-data").textContent)]).stream()
   .pipeThrough(new DecompressionStream("deflate"));
@@ -474,6 +481,7 @@ new Response(stream).arrayBuffer().then(function (buf) {
 })();
 </script></body></html>
 """
+_PAGE = _PAGE.replace("__DECODE_JS__", _DECODE_JS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -593,38 +601,7 @@ table{border-collapse:collapse;margin-top:8px} td,th{padding:1px 8px;text-align:
 var meta = JSON.parse(document.getElementById("cw-meta").textContent);
 var N = meta.tokens.length, K = meta.top_k, A = {};
 var state = {layer: meta.start.layer, query: meta.start.query, what: "received", clip: false};
-var half = (function () {
-  var t = new Float32Array(65536);
-  for (var h = 0; h < 65536; h++) {
-    var s = h & 0x8000 ? -1 : 1, e = (h >> 10) & 31, f = h & 1023;
-    t[h] = e === 0 ? s * f * Math.pow(2, -24) : e === 31 ? (f ? NaN : s * Infinity) : s * (1 + f / 1024) * Math.pow(2, e - 15);
-  }
-  return t;
-})();
-function decode(buf) {
-  meta.layout.forEach(function (a) {
-    var bytes = new Uint8Array(buf, a.offset, a.bytes);
-    if (a.dtype === "f16") {
-      var n = a.bytes / 2, out = new Float32Array(n);
-      for (var k = 0; k < n; k++) out[k] = half[(bytes[k] << 8) | bytes[n + k]];
-      A[a.name] = out;
-    } else if (a.dtype === "i8") {
-      var codes = new Int8Array(buf, a.offset, a.bytes), cos = new Float32Array(a.bytes);
-      for (var m = 0; m < a.bytes; m++) cos[m] = codes[m] === -128 ? NaN : codes[m] / 127;
-      A[a.name] = cos;
-    } else if (a.dtype === "i32") {
-      A[a.name] = new Int32Array(buf.slice(a.offset, a.offset + a.bytes));
-    } else {
-      A[a.name] = new Float32Array(buf.slice(a.offset, a.offset + a.bytes));
-    }
-  });
-}
-function b64bytes(text) {
-  var raw = atob(text.trim()), out = new Uint8Array(raw.length);
-  for (var i = 0; i < raw.length; i++) out[i] = raw.charCodeAt(i);
-  return out;
-}
-function fmt(x) { return isNaN(x) ? "n/a" : Math.abs(x) >= 1e4 || (x !== 0 && Math.abs(x) < 1e-3) ? x.toExponential(3) : x.toPrecision(4); }
+__DECODE_JS__function fmt(x) { return isNaN(x) ? "n/a" : Math.abs(x) >= 1e4 || (x !== 0 && Math.abs(x) < 1e-3) ? x.toExponential(3) : x.toPrecision(4); }
 function colour(v, vmax, signed) {
   var c = meta.colours;
   if (isNaN(v)) return c.bad;
@@ -708,3 +685,4 @@ new Response(stream).arrayBuffer().then(function (buf) {
 })();
 </script></body></html>
 """
+_LONG_PAGE = _LONG_PAGE.replace("__DECODE_JS__", _DECODE_JS)

@@ -10,7 +10,7 @@
 * Per-layer figures of the model chapters (3 and 8): :func:`per_layer` picks one statistic of
   :func:`cwcore.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
   :func:`layer_axis` labels the layers, :func:`plain_log` and :func:`legend_below` finish the axes.
-* :func:`ladder_forest` — the ladder's steps (rows of :func:`cwcore.book.findings.faithfulness_findings`)
+* :func:`ladder_forest` — the ladder's steps (rows of :func:`cwbook.findings.faithfulness_findings`)
   as a forest plot: every step with its interval, in the paper's direction, coloured by verdict.
 
 Importing this module loads neither torch nor seaborn (they are imported where a function needs them).
@@ -264,7 +264,7 @@ def _forest_panels(rows, n_lines: int, line_height: float, pad: float):
 def ladder_forest(claims, title: str = ""):
     """A forest plot of the ladder: one panel per (data set, mode), one line per step x protocol, one
     marker per importance sign x ratio range, with its 95% interval. ``claims``: rows of
-    :func:`cwcore.book.findings.faithfulness_findings` (the step claims and ``contribution beats random`` are
+    :func:`cwbook.findings.faithfulness_findings` (the step claims and ``contribution beats random`` are
     drawn; a *not measured* step is left out). The x axis is the step in the paper's direction
     (``estimate``, negated for sufficiency, where lower is better), symmetric-log so that the gentle
     range and the full range read on one axis: right of zero supports the paper. Returns the figure."""

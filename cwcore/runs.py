@@ -13,7 +13,7 @@ therefore resumes where it stopped, and a longer run over the same first batches
 ``accelerate launch``, Slurm with ``srun torchrun``: ``WORLD_SIZE > 1``) each rank computes the batches
 ``rank, rank + N, ...`` and the ranks exchange their results (``all_gather_object`` over a gloo group),
 so every rank returns the complete result in the single-process order, bit for bit the same as one
-single-threaded process. With ``$CWCORE_JOBS=N`` (``python -m cwcore.book build --jobs N``) and no
+single-threaded process. With ``$CWCORE_JOBS=N`` (``python -m cwbook build --jobs N``) and no
 launcher, a sweep forks N-1 single-thread helper ranks on this machine that join the calling process in
 a gloo group on localhost: the same path. :func:`launch_info` says how the process was started.
 """

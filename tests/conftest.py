@@ -65,8 +65,9 @@ def smoke_book(tmp_path_factory, smoke_code_version):
     import shutil
     from pathlib import Path
 
-    from cwcore import book, cache
+    import cwbook as book
 
+    from cwcore import cache
     repo = Path(__file__).resolve().parent.parent
     root = tmp_path_factory.mktemp("smoke")
     bookdir = root / "book"

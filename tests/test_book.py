@@ -1,4 +1,4 @@
-"""The book runner (cwcore.book): run configuration, table of contents, stamps, atomic execution,
+"""The book runner (cwbook): run configuration, table of contents, stamps, atomic execution,
 an end-to-end build of the real book with the smoke profile, and headless Chromium on the result."""
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import nbformat
 import pytest
 import yaml
 
-from cwcore import book
-
+import cwbook as book
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -1,5 +1,5 @@
-"""The run parameters of a chapter: one reader of run.yml (cwcore.book.parameters), the runner's
-``run_parameters`` dict for the chapters that share a set of them (5-7, cwcore.book.notebook.SinkRun)."""
+"""The run parameters of a chapter: one reader of run.yml (cwbook.parameters), the runner's
+``run_parameters`` dict for the chapters that share a set of them (5-7, cwbook.notebook.SinkRun)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from cwcore import book, sinks
-from cwcore.book.notebook import SinkRun
-from cwcore.book.parameters import declared_defaults, profile_models, run_parameters
+import cwbook as book
+
+from cwcore import sinks
+from cwbook.notebook import SinkRun
+from cwbook.parameters import declared_defaults, profile_models, run_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 SINK_CHAPTERS = ("05_sink_decomposition", "06_sinks_as_suppressors", "07_semantic_cone")

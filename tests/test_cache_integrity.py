@@ -16,7 +16,9 @@ import pandas as pd
 import pytest
 import torch
 
-from cwcore import book, cache, cli, models, runs
+import cwbook as book
+
+from cwcore import cache, cli, models, runs
 from cwcore.cache import CacheWarning, ResultCache, atomic_write_bytes
 
 FRAME = pd.DataFrame({"x": [1.5, 2.5, 3.5], "name": ["a", "b", "c"]})

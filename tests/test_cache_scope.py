@@ -101,8 +101,8 @@ def test_exporter_docstring_and_comment_edits_keep_every_cached_piece_and_a_rank
     assert computed > 0
 
     # an exporter (real code), a docstring and a comment of the ranking module
-    evidence = package_copy / "faithfulness" / "evidence.py"
-    evidence.write_text(evidence.read_text() + "\nEXPORTED_COLUMNS = ('an', 'edit')\n")
+    exporter = package_copy / "faithfulness" / "cli.py"
+    exporter.write_text(exporter.read_text() + "\nEXPORTED_COLUMNS = ('an', 'edit')\n")
     ranking = package_copy / "faithfulness" / "ranking.py"
     text = ranking.read_text()
     assert text.startswith('"""')

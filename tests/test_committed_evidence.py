@@ -13,9 +13,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from cwcore.book import evidence_export as ee
-from cwcore.book import evidence_frames as ef
-from cwcore.book.evidence_files import HASH_FIELD, CommittedFileError, committed_pairs, content_hash, record_hashes
+from cwbook import evidence_export as ee
+from cwbook import evidence_frames as ef
+from cwbook.evidence_files import HASH_FIELD, CommittedFileError, committed_pairs, content_hash, record_hashes
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "data" / "results" / "evidence"
@@ -130,7 +130,7 @@ def test_recording_hashes_changes_only_the_jsons(evidence):
 def test_tables_name_a_missing_folder_or_model_in_one_line(tmp_path):
     for argv in (["tables", "--out", str(tmp_path / "nowhere")], ["tables", "--out", str(tmp_path)],
                  ["tables", "--out", str(COMMITTED), "--models", "no-such-model"]):
-        done = subprocess.run([sys.executable, "-m", "cwcore.book.evidence_export", *argv], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "cwbook.evidence_export", *argv], capture_output=True,
                               text=True, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr

@@ -1,4 +1,4 @@
-"""``make evidence``'s own steps (cwcore.book.evidence_build): PROVENANCE counts every process's cache
+"""``make evidence``'s own steps (cwbook.evidence_build): PROVENANCE counts every process's cache
 reads, and a committed ladder cell is taken only when a recomputed 2-document slice equals it."""
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 
 from cwcore import cache as cw_cache
 from cwcore import runs
-from cwcore.book import evidence_build as eb
-from cwcore.book import evidence_export as ee
-from cwcore.book.evidence_files import HASH_FIELD, content_hash
-from cwcore.book import evidence_frames as ef
+from cwbook import evidence_build as eb
+from cwbook import evidence_export as ee
+from cwbook.evidence_files import HASH_FIELD, content_hash
+from cwbook import evidence_frames as ef
 from cwcore.cache import ResultCache
-from cwcore.faithfulness import evidence
+from cwbook import ladder as evidence
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ("import sys; from cwcore.cache import ResultCache; import pandas as pd\n"
@@ -250,8 +250,9 @@ def test_a_perturbed_or_incomplete_committed_cell_is_recomputed(cell, tmp_path, 
 
 
 def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
-    import cwcore.book as book
+    import cwbook as book
 
+    assert book.PROFILE_MODULES["evidence"] == eb.__name__  # imported by the runner when the profile is built
     assert book.PROFILE_BUILDS["evidence"] is eb.build_evidence
     seen = []
     monkeypatch.setitem(book.PROFILE_BUILDS, "evidence", lambda **kwargs: seen.append(kwargs))
@@ -260,8 +261,16 @@ def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
     assert seen[0]["profile"] == "evidence" and seen[0]["only"] == "09" and seen[0]["html"] is False
     assert book.main(["build", "--profile", "smoke", "--only", "09", "--no-html"]) == 0
     assert seen[1] == ("plain", "smoke")
-    main_py = (ROOT / "cwcore" / "book" / "__main__.py").read_text()  # `python -m cwcore.book` registers it
-    assert "from . import evidence_build" in main_py
+
+
+def test_the_runners_help_and_plan_do_not_load_torch():
+    """``python -m cwbook --help`` answers at once: the profiles' builds (which load torch) are imported only
+    when their profile is built."""
+    probe = ("import runpy, sys\nsys.argv = ['cwbook', '--help']\n"
+             "try:\n    runpy.run_module('cwbook', run_name='__main__')\nexcept SystemExit as done:\n"
+             "    print(done.code, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-2:] == ["0", "False"], out.stdout + out.stderr
 
 
 def test_a_committed_cell_of_one_random_seed_is_completed_by_the_missing_seeds_only(cell, tmp_path, monkeypatch):
@@ -286,8 +295,7 @@ def test_a_committed_cell_of_one_random_seed_is_completed_by_the_missing_seeds_o
 
 
 def test_the_sink_chapters_tables_of_the_build_are_copied_into_the_evidence_folder(tmp_path):
-    from cwcore import book
-
+    import cwbook as book
     config = book.load_config(ROOT / "book" / "run.yml")
     _, _, planned = book.plan(config, profile="evidence", only="05,06,07_semantic_cone,04_faith",
                               generated_dir=tmp_path / "generated", book_dir=ROOT / "book")
@@ -786,8 +794,8 @@ def test_provenance_records_the_command_line_models_and_a_run_configuration_of_i
 def test_the_export_lists_each_models_committed_frames_and_only_complete_ones(tmp_path, monkeypatch):
     """``export_and_tables`` returns the downstream and per-layer frames the notebook wrote (on the profile's
     first data set) beside the ladder exports, and leaves out a frame whose JSON is missing."""
-    from cwcore import book
-    from cwcore.book.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, frame_paths
+    import cwbook as book
+    from cwbook.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, frame_paths
 
     calls = []
     monkeypatch.setattr(eb, "export", lambda profile, model, data, *a, **k: calls.append((model, data)) or [])

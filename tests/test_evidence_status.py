@@ -1,4 +1,4 @@
-"""``STATUS.md`` (cwcore.book.evidence_status): every part the evidence profile plans, against what the
+"""``STATUS.md`` (cwbook.evidence_status): every part the evidence profile plans, against what the
 committed files hold, counted independently here from run.yml and the files themselves."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import io
 import pandas as pd
 import pytest
 
-from cwcore.book import evidence_export as ee
-from cwcore.book import evidence_status as es
-from cwcore.book import load_config
-from cwcore.book.evidence_files import HASH_FIELD, content_hash
-from cwcore.book.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
-from cwcore.book.findings import BENCH_CHAPTER
-from cwcore.book.parameters import run_parameters
+from cwbook import evidence_export as ee
+from cwbook import evidence_status as es
+from cwbook import load_config
+from cwbook.evidence_files import HASH_FIELD, content_hash
+from cwbook.evidence_frames import BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths
+from cwbook.findings import BENCH_CHAPTER
+from cwbook.parameters import run_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "book" / "run.yml"

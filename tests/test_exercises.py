@@ -256,8 +256,7 @@ def test_teaching_page_names_only_exercises_that_exist():
 # --------------------------------------------------------------------------------------------------
 def smoke_runs(smoke_book):
     """(run, executed notebook, source notebook) of every smoke run whose notebook has exercises."""
-    from cwcore import book
-
+    import cwbook as book
     bookdir, _, _ = smoke_book
     config = book.load_config(bookdir / "run.yml")
     _, _, runs = book.plan(config, profile="smoke", generated_dir=bookdir / "generated")
@@ -314,8 +313,7 @@ def test_smoke_book_folds_the_solutions(smoke_book):
 
 
 def test_teaching_page_is_in_the_table_of_contents(tmp_path):
-    from cwcore import book
-
+    import cwbook as book
     config = book.load_config(REPO / "book" / "run.yml")
     names = [c.name for c in book.chapters(config)]
     assert "teaching" in names and names.index("teaching") < names.index("02_geometry"), names
@@ -325,4 +323,4 @@ def test_teaching_page_is_in_the_table_of_contents(tmp_path):
     assert {"file": "teaching"} in toc["chapters"]
     text = (REPO / "book" / "teaching.md").read_text()
     assert text.startswith("# Teaching with this book\n")
-    assert 'href="figures/index.html"' in text  # the figure index the build writes (cwcore.book.copy_figures)
+    assert 'href="figures/index.html"' in text  # the figure index the build writes (cwbook.copy_figures)

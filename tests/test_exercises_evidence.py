@@ -144,7 +144,7 @@ def _solution(key: str) -> str:
 
 
 def _exports():
-    from cwcore.book import evidence_export as es
+    from cwbook import evidence_export as es
 
     out = []
     for js in sorted(es.DEFAULT_OUT.glob("per_document_*.json")):
@@ -166,9 +166,9 @@ def chapter4_inputs():
     """{(model, data): namespace} with the names chapter 4's solutions read, from the committed evidence:
     ``per_seq`` (the per-document export), ``areas`` (evidence_tables of it, as the notebook computes
     them), ``claims`` (faithfulness_findings of the committed ladder table), ``protocols``, ``first``."""
-    from cwcore.book import findings
-    from cwcore.book import evidence_export as es
-    from cwcore.faithfulness import evidence
+    from cwbook import findings
+    from cwbook import evidence_export as es
+    from cwbook import ladder as evidence
 
     if not EXPORTS:
         pytest.skip("no committed per-document export")
@@ -202,7 +202,7 @@ def _namespace(inputs):
 
     import cwcore
     from cwcore import stats
-    from cwcore.faithfulness import evidence
+    from cwbook import ladder as evidence
 
     # low_max: the top of the low grid the notebook ran (the committed exports used evidence.LOW_RATIOS)
     return {"np": np, "pd": pd, "torch": torch, "cwcore": cwcore, "stats": stats, "evidence": evidence,

@@ -58,7 +58,7 @@ def test_a_killed_and_damaged_build_gives_the_numbers_of_an_undisturbed_one(tmp_
         root = tmp_path / name
         shutil.copytree(REPO / "book", root / "book", ignore=shutil.ignore_patterns("_build", "generated", "_toc.yml"))
         shutil.copytree(converted, root / "cache" / "models" / "smollm2-135m")
-        command = [sys.executable, "-m", "cwcore.book", "build", "--profile", "smoke", "--only", CHAPTER[:2],
+        command = [sys.executable, "-m", "cwbook", "build", "--profile", "smoke", "--only", CHAPTER[:2],
                    "--no-html", "--book-dir", str(root / "book")]
         env = {**os.environ, "CWCORE_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1"}
         env.pop("CWCORE_NO_CACHE", None)

@@ -1,4 +1,4 @@
-"""cwcore.book.findings: the verdict rules in the one vocabulary of cwcore.stats, and the tables the chapters
+"""cwbook.findings: the verdict rules in the one vocabulary of cwcore.stats, and the tables the chapters
 write and the findings page reads (missing chapters: not measured)."""
 
 import json
@@ -8,12 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cwcore import book
-
-from cwcore.book import findings as F
-from cwcore.book.table1 import primary_table
+import cwbook as book
+from cwbook import findings as F
+from cwbook.table1 import primary_table
 from cwcore import stats
-from cwcore.faithfulness import evidence
+from cwbook import ladder as evidence
 from cwcore.sinks import claims as SC
 
 H, C, I, N = stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NOT_MEASURED

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from cwcore import book
-from cwcore.book import findings, headline, registration, table1
-from cwcore.faithfulness import evidence
+import cwbook as book
+from cwbook import findings, headline, registration, table1
+from cwbook import ladder as evidence
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_OF = {"step 1->2": "default", "step 2->3": "per-head", "step 3->4": "default", "contribution beats random": "default"}
@@ -99,7 +99,7 @@ def test_the_committed_pages_carry_the_generated_headline():
     for page in (REPO / "README.md", REPO / "book" / "intro.md"):
         body = page.read_text()
         block = body[body.index(headline.START) + len(headline.START):body.index(headline.END)]
-        assert block.strip() == text.strip(), f"{page.name} is stale: run python -m cwcore.book.headline --write"
+        assert block.strip() == text.strip(), f"{page.name} is stale: run python -m cwbook.headline --write"
 
 
 def test_the_chapter_answers_name_the_deciding_part_and_what_is_not_computed(tmp_path):

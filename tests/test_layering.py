@@ -1,5 +1,5 @@
-"""The book wing sits on top: nothing in the science (cwcore.core, faithfulness, sinks, stats, runs, cache,
-data, models) imports cwcore.book or the old names of its modules, lazily inside a function or not.
+"""The library and the book apart: nothing in ``cwcore`` imports ``cwbook`` (the book's production, under
+``book/cwbook/``), lazily inside a function or not, and the package holds no book production.
 The imports are read from the source (AST), relative ones resolved, so a lazy import is caught too."""
 
 from __future__ import annotations
@@ -8,16 +8,14 @@ import ast
 from pathlib import Path
 
 import cwcore
-from cwcore import _compat
 
 PACKAGE = Path(cwcore.__file__).resolve().parent
-SCIENCE = ("core", "faithfulness", "sinks", "stats.py", "runs.py", "cache.py", "data.py", "models.py")
-#: the book wing's package and the old names that alias into it
-BOOK = ("cwcore.book", *(old for old, new in _compat.MOVED.items() if new.startswith("cwcore.book")))
+REPO = PACKAGE.parent
+BOOK_PACKAGE = REPO / "book" / "cwbook"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, root: Path = PACKAGE.parent) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -43,52 +41,40 @@ def imports(path: Path, name: str | None = None) -> list[tuple[int, str]]:
 
 
 def into_book(name: str) -> bool:
-    return any(name == b or name.startswith(b + ".") for b in BOOK)
+    return name == "cwbook" or name.startswith("cwbook.") or name == "cwcore.book" or name.startswith("cwcore.book.")
 
 
-def science_files() -> list[Path]:
-    files = []
-    for entry in SCIENCE:
-        path = PACKAGE / entry
-        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
-    return files
-
-
-def test_the_science_never_imports_the_book_wing():
-    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports {name}"
-           for path in science_files() for line, name in imports(path) if into_book(name)]
+def test_the_library_never_imports_the_book():
+    files = sorted(PACKAGE.rglob("*.py"))
+    bad = [f"{path.relative_to(REPO)}:{line} imports {name}"
+           for path in files for line, name in imports(path) if into_book(name)]
     assert not bad, "\n".join(bad)
-    assert len(science_files()) > 30  # the walk found the packages
+    assert len(files) > 50  # the walk found the package
 
 
 def test_the_walk_sees_lazy_and_relative_imports(tmp_path):
-    # a control that could fail: a lazy relative import of the book inside a function of a science module
+    # a control that could fail: lazy imports of the book inside a function of a library module
     fake = tmp_path / "probe.py"
-    fake.write_text("def f():\n    from .. import book\n    from ..book import findings\n    import cwcore.notebook\n")
-    tree_names = [n for _, n in imports(fake, "cwcore.faithfulness.probe")]
-    assert {"cwcore.book", "cwcore.book.findings", "cwcore.notebook"} <= set(tree_names)
-    assert all(into_book(n) for n in ("cwcore.book", "cwcore.book.findings", "cwcore.notebook", "cwcore.findings"))
-    assert not into_book("cwcore.bookkeeping") and not into_book("cwcore.faithfulness.evidence")
+    fake.write_text("def f():\n    import cwbook.findings\n    from cwbook import ladder\n    from .. import book\n")
+    names = [n for _, n in imports(fake, "cwcore.faithfulness.probe")]
+    assert {"cwbook.findings", "cwbook", "cwbook.ladder", "cwcore.book"} <= set(names)
+    assert all(into_book(n) for n in ("cwbook", "cwbook.findings", "cwcore.book"))
+    assert not into_book("cwcore.bookkeeping") and not into_book("cwbooks")
 
 
-def test_no_module_or_notebook_of_the_project_uses_the_old_names():
-    old = [name for name in BOOK if name != "cwcore.book"]
-    repo = PACKAGE.parent
-    users = []
-    for path in [*PACKAGE.rglob("*.py"), *(repo / "notebooks").glob("*.ipynb")]:
-        if path.name == "_compat.py":
-            continue
-        text = path.read_text()
-        users += [f"{path.relative_to(repo)}: {name}" for name in old if name in text]
-        if path.suffix == ".ipynb" or path.parent.name in ("book",):
-            users += [f"{path.relative_to(repo)}: from cwcore import findings" for _ in [0]
-                      if "from cwcore import findings" in text]
+def test_the_library_holds_no_book_production():
+    # the runner, the evidence build and the chapters' helpers live in book/cwbook, a package of their own
+    assert not (PACKAGE / "book").exists()
+    assert (BOOK_PACKAGE / "__init__.py").is_file()
+    assert not any(PACKAGE.rglob("evidence*.py")), "evidence modules belong to the book's production"
+    # no module of the library names the repository's evidence folder
+    users = [str(p.relative_to(REPO)) for p in PACKAGE.rglob("*.py") if "data/results/evidence" in p.read_text()
+             or '"results" / "evidence"' in p.read_text()]
     assert not users, users
 
 
-def test_the_old_names_still_import_as_the_same_modules():
-    import importlib
-
-    for old, new in _compat.MOVED.items():
-        if new.startswith("cwcore.book"):
-            assert importlib.import_module(old) is importlib.import_module(new)
+def test_the_book_imports_the_library_by_its_public_name():
+    # cwbook is another distribution: it reaches cwcore as `cwcore`, never by a relative import out of itself
+    bad = [f"{path.relative_to(REPO)}:{node.lineno}" for path in sorted(BOOK_PACKAGE.rglob("*.py"))
+           for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom) and node.level > 1]
+    assert not bad, "\n".join(bad)

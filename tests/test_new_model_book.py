@@ -23,8 +23,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from cwcore import book
-
+import cwbook as book
 REPO = Path(__file__).resolve().parent.parent
 NO_SINKS = "no sink heads at eps=0.3"
 pytestmark = pytest.mark.slow
@@ -52,7 +51,7 @@ def new_model_book(tmp_path_factory):
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "cwcore.book", "build", "--profile", "smoke", "--models", ",".join(map(str, folders)),
+        [sys.executable, "-m", "cwbook", "build", "--profile", "smoke", "--models", ",".join(map(str, folders)),
          "--book-dir", str(bookdir), "--build-dir", str(root / "build")],
         cwd=REPO, capture_output=True, text=True, timeout=1800, env=dict(os.environ))
     took = time.monotonic() - start

@@ -1,6 +1,6 @@
 """book/preregistration.md and the code that applies it say the same thing: the page is in the table of
 contents, dated, and names the family, the headline choices, the margins and the level that
-``cwcore.faithfulness.evidence`` holds; the committed findings.csv marks exactly that family."""
+``cwbook.ladder`` holds; the committed findings.csv marks exactly that family."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from cwcore import book
-from cwcore.faithfulness import evidence
+import cwbook as book
+from cwbook import ladder as evidence
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "book" / "preregistration.md"
@@ -54,7 +54,7 @@ def test_the_exploratory_tests_seen_before_registration_are_marked():
     """22 of the exploratory family's 32 tests were computed before the registration of 2026-12-02: their
     rows say ``prospective = False``; the other 10 (gemma3-270m's later cells) and every confirmatory test
     say True."""
-    from cwcore.book import registration
+    from cwbook import registration
 
     table = pd.read_csv(REPO / "data" / "results" / "evidence" / "findings.csv")
     primary = table[table["primary"]]

@@ -64,7 +64,7 @@ def test_two_forked_ranks_give_the_single_process_faithfulness_frame(monkeypatch
 def test_two_forked_ranks_give_the_single_process_anatomy_frame(monkeypatch, one_thread):
     import datasets
 
-    from cwcore.faithfulness.anatomy import selection_anatomy
+    from cwbook.anatomy import selection_anatomy
 
     model, ids = tiny_model("llama"), _ids(rows=5)
     blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
@@ -124,8 +124,7 @@ def test_torchrun_with_two_ranks_gives_the_single_process_frame_on_every_rank(tm
 
 
 def test_book_build_jobs_sets_the_ranks_of_every_kernel(monkeypatch):
-    from cwcore import book
-
+    import cwbook as book
     seen = {}
     monkeypatch.setenv(runs.JOBS_ENV_VAR, "1")  # restored after the test, whatever main sets
     monkeypatch.setattr(book, "build", lambda **kwargs: seen.update(jobs=os.environ.get(runs.JOBS_ENV_VAR)))

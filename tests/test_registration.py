@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cwcore.book import registration
+from cwbook import registration
 from cwcore.data import load_dataset
-from cwcore.faithfulness import evidence
+from cwbook import ladder as evidence
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "book" / "preregistration.md"
@@ -139,8 +139,8 @@ def test_the_registration_commit_predates_every_confirmatory_export():
 def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_reads_the_sample(tmp_path):
     """``--profile confirmatory`` runs the confirmatory build (the notebooks draw the exploratory samples);
     a smoke run must go elsewhere than the committed folder and its files never read as confirmatory."""
-    from cwcore import book
-    from cwcore.book import confirmatory
+    import cwbook as book
+    from cwbook import confirmatory
 
     assert book.PROFILE_BUILDS[registration.CONFIRMATORY] is confirmatory.build
     with pytest.raises(SystemExit):
@@ -155,7 +155,7 @@ def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_r
 def test_the_confirmatory_runs_draw_the_registered_sample_and_smoke_runs_the_exploratory_one():
     from transformers import AutoTokenizer
 
-    from cwcore.book import confirmatory
+    from cwbook import confirmatory
     from cwcore.models import packaged_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(packaged_model_path("smollm2-135m"))

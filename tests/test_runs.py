@@ -73,7 +73,7 @@ def test_the_main_ranks_bar_is_written_for_the_book_build_to_show(tmp_path, monk
     import io
     import json
 
-    from cwcore.book import progress as book_progress
+    from cwbook import progress as book_progress
 
     path = tmp_path / "bar.json"
     monkeypatch.setenv(runs.PROGRESS_FILE_ENV_VAR, str(path))

@@ -302,12 +302,11 @@ def test_sinks_cli_from_raw_without_material_is_one_line(capsys, tmp_path):
     (None, "does not exist"),
 ])
 def test_book_runner_reports_a_bad_run_yml_in_one_line(content, message, tmp_path, capsys):
-    from cwcore import book
-
+    import cwbook as book
     if content is not None:
         (tmp_path / "run.yml").write_text(content)
     assert book.main(["plan", "--book-dir", str(tmp_path)]) == 2
-    line = _one_error_line(capsys, "python -m cwcore.book")
+    line = _one_error_line(capsys, "python -m cwbook")
     assert message in line
     if content and "YAML" in message:
         assert "at line 2, column 3" in line  # where the mistake is
@@ -400,7 +399,7 @@ def _checkout(folder: Path) -> Path:
 
 
 def test_import_warns_only_when_another_checkouts_code_runs(tmp_path, monkeypatch):
-    from cwcore._checkout import CheckoutWarning, warn_if_other_checkout
+    from cwbook.checkout import CheckoutWarning, warn_if_other_checkout
 
     monkeypatch.delenv("CWCORE_NO_CHECKOUT_WARNING", raising=False)
     a, b = _checkout(tmp_path / "a"), _checkout(tmp_path / "b")
@@ -429,8 +428,8 @@ def test_importing_this_checkout_from_inside_it_is_silent():
 
     root = Path(cwcore.__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "CWCORE_NO_CHECKOUT_WARNING"}
-    env["PYTHONPATH"] = str(root)
-    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import cwcore"], cwd=root / "tests",
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "book")])
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", "import cwcore, cwbook"], cwd=root / "tests",
                           env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 

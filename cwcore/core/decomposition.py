@@ -297,6 +297,19 @@ def _missing_layer(layer, layers, num_blocks: int | None, undecomposable: Mappin
                                    "cwcore.decompose to decompose it")
 
 
+def layer_by_number(held: Mapping[int, object], layer, num_blocks: int | None, undecomposable: Mapping[int, str]):
+    """``held[layer]`` for a layer number (negative numbers count from the last of ``num_blocks`` attention
+    layers), or :class:`LayerNotDecomposedError` saying why that layer is not held. The one lookup of
+    :class:`Decomposition` and :class:`cwcore.core.summary.Summary`."""
+    number = layer
+    if num_blocks is not None and isinstance(layer, int) and -num_blocks <= layer < 0:
+        number = layer + num_blocks
+    found = held.get(number) if isinstance(number, int) else None
+    if found is None:
+        raise _missing_layer(number, held, num_blocks, undecomposable)
+    return found
+
+
 class _FieldView(Mapping):
     """``d.<field>[layer]``: one field of every recorded layer, indexed by layer number."""
 
@@ -348,13 +361,7 @@ class Decomposition:
         return list(self.layer_decompositions)
 
     def __getitem__(self, layer: int) -> LayerDecomposition:
-        number = layer
-        if self.num_blocks is not None and isinstance(layer, int) and -self.num_blocks <= layer < 0:
-            number = layer + self.num_blocks
-        found = self.layer_decompositions.get(number) if isinstance(number, int) else None
-        if found is None:
-            raise _missing_layer(number, self.layer_decompositions, self.num_blocks, self.undecomposable)
-        return found
+        return layer_by_number(self.layer_decompositions, layer, self.num_blocks, self.undecomposable)
 
     def __iter__(self) -> Iterator[LayerDecomposition]:
         return iter(self.layer_decompositions.values())

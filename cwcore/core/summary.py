@@ -37,7 +37,7 @@ from torch import nn
 
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
 from .attention import RECONSTRUCTION_TOLERANCE, AttentionSession, cwcore_attention, default_compute_dtype
-from .decomposition import ZERO_NORM, _missing_layer, prepare_inputs
+from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs
 from .geometry import split_output_projection
 from .inputs import InputError, check_compute_dtype, check_count, check_inputs, check_layers
 
@@ -133,13 +133,7 @@ class Summary(Mapping):
         return list(self.layer_summaries)
 
     def __getitem__(self, layer: int) -> LayerSummary:
-        number = layer
-        if self.num_blocks is not None and isinstance(layer, int) and -self.num_blocks <= layer < 0:
-            number = layer + self.num_blocks
-        found = self.layer_summaries.get(number) if isinstance(number, int) else None
-        if found is None:
-            raise _missing_layer(number, self.layer_summaries, self.num_blocks, self.undecomposable)
-        return found
+        return layer_by_number(self.layer_summaries, layer, self.num_blocks, self.undecomposable)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.layer_summaries)

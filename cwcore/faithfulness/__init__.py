@@ -24,10 +24,8 @@ Modules, one concept each: :mod:`~cwcore.faithfulness.protocol` (the choices bel
 (the engine: clean pass, points, cached pieces), :mod:`~cwcore.faithfulness.lm` and
 :mod:`~cwcore.faithfulness.downstream` (the two scorers), :mod:`~cwcore.faithfulness.summary`
 (curves, AOPC, ladder tests), :mod:`~cwcore.faithfulness.layers` (one layer at a time, from the
-clean residual stream), :mod:`~cwcore.faithfulness.evidence` (the book's main protocols, ratio
-ranges and importance signs, run on one sample of documents), :mod:`~cwcore.faithfulness.anatomy`
-(what each ranking removes, measured in the clean run: the test of an explanation for a ladder step),
-:mod:`~cwcore.faithfulness.cli` (the command line).
+clean residual stream), :mod:`~cwcore.faithfulness.cli` (the command line). The book's own evidence design (its main
+protocols, ratio ranges and importance signs) lives with the book's production, not in the library.
 
 Protocol defaults (each a keyword argument) and why
 ----------------------------------------------------
@@ -114,7 +112,7 @@ from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, LADDER, MetricSpec
 from .ranking import MODES, SCOPES, UNITS
 from .summary import aopc, ladder_comparison, method_pairs, random_baseline, summarize, summarize_downstream
 from .methods import available_methods, method_scores, register_method
-from . import evidence, methods
+from . import methods
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -139,7 +137,6 @@ __all__ = [
     "available_methods",
     "method_scores",
     "model_fingerprint",
-    "evidence",
     "methods",
     "main",
 ]

@@ -196,3 +196,20 @@ def test_padded_batches_equal_single_sequences(family, side):
             with torch.no_grad():
                 clean = model(input_ids=seq[None]).logits[0]
             assert (single - clean).abs().max() > 1e-4
+
+
+def test_a_compiled_model_is_intervened_as_its_eager_module():
+    """``torch.compile`` wraps the model (``_orig_mod``): the removal reaches the compiled forward, which
+    gives the eager module's intervened logits; a control shows the removal changed them."""
+    model = tiny_model("llama").eval()
+    ids = _ids(batch=1, length=8, seed=3)
+    compiled = torch.compile(model, backend="eager")  # dynamo's tracing, no C compiler needed
+    mask = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    mask[..., 0] = True  # every query loses its first key's terms in layer 0
+    clean = model(input_ids=ids).logits
+    with cwcore.intervene(model, {0: mask}):
+        eager = model(input_ids=ids).logits
+    with cwcore.intervene(compiled, {0: mask}):
+        through_compile = compiled(input_ids=ids).logits
+    assert (eager - clean).abs().max() > 1e-3  # the control: the removal moves the logits
+    torch.testing.assert_close(through_compile, eager, atol=ATOL, rtol=RTOL)

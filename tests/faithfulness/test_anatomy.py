@@ -12,7 +12,7 @@ import torch
 
 import cwcore
 from cwcore.core.architectures import attention_blocks
-from cwcore.faithfulness import anatomy
+from cwbook import anatomy
 from cwcore.faithfulness.ranking import candidate_mask, removal_mask, selection
 from faith_helpers import NON_RANDOM
 
@@ -151,7 +151,7 @@ def test_the_anatomy_frame_is_the_layer_average_in_key_order_and_a_committed_one
         sample, tmp_path, monkeypatch):
     """anatomy_cell: the layer averages of selection_anatomy per document (with its place), written once
     and taken back after 2 documents recompute equal; a tampered frame is recomputed."""
-    from cwcore.book import evidence_frames as ef
+    from cwbook import evidence_frames as ef
 
     model, _, blocks = sample
     monkeypatch.setenv(ef.CELLS_ENV_VAR, str(tmp_path / "cells"))
@@ -187,7 +187,7 @@ def test_the_anatomy_frame_is_the_layer_average_in_key_order_and_a_committed_one
 def test_the_explained_steps_pair_the_anatomy_with_the_exports_per_head_signed_rows(sample):
     """anatomy_explained: each step's damage gap is the per-document export's own delta_nll, per-head and
     signed only (another protocol's or sign's rows of the same documents do not enter)."""
-    from cwcore.book import evidence_frames as ef
+    from cwbook import evidence_frames as ef
 
     model, _, blocks = sample
     frame = anatomy.layer_average(anatomy.selection_anatomy(model, blocks, list(anatomy.LADDER), [0.1],

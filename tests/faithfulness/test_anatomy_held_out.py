@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 
 from cwcore import stats
-from cwcore.faithfulness import anatomy
+from cwbook import anatomy
 
 RUNGS = anatomy.LADDER
 

@@ -7,7 +7,7 @@ import pandas as pd
 
 from cwcore import faithfulness as fa
 from cwcore import stats
-from cwcore.book import findings
+from cwbook import findings
 from faith_helpers import forest_points
 
 

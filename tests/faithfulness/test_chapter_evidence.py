@@ -1,6 +1,6 @@
-"""Chapter 4's cells are one function of the package (:func:`cwcore.faithfulness.evidence.ladder_evidence`),
+"""Chapter 4's cells are one function of the package (:func:`cwbook.ladder.ladder_evidence`),
 called by the notebook and by the evidence export alike, with the parameters of one reader of run.yml
-(:func:`cwcore.book.parameters.run_parameters`); the named grids travel with the run, so the low range
+(:func:`cwbook.parameters.run_parameters`); the named grids travel with the run, so the low range
 is the profile's low grid, not a constant. On a tiny Llama with a word tokenizer and a local text file."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 import cwcore
-from cwcore.book import evidence_export as es
-from cwcore.book import notebook as book_notebook
-from cwcore.book.parameters import declared_defaults, run_parameters
-from cwcore.faithfulness import evidence as ev
+from cwbook import evidence_export as es
+from cwbook import notebook as book_notebook
+from cwbook.parameters import declared_defaults, run_parameters
+from cwbook import ladder as ev
 from faith_helpers import peaked_llama, word_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -279,7 +279,7 @@ def _per_layer_section(scope: dict, monkeypatch, out: Path) -> tuple[dict, dict]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cwcore.book import evidence_frames as ef
+    from cwbook import evidence_frames as ef
 
     nb = json.loads(NOTEBOOK.read_text())
     cell = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
@@ -304,7 +304,7 @@ def test_the_per_layer_section_shows_the_committed_frame_when_the_profile_skips_
     import datasets
     import torch
 
-    from cwcore.book import evidence_frames as ef
+    from cwbook import evidence_frames as ef
     from cwcore.faithfulness.layers import per_layer_aopc, per_layer_curve
     from faith_helpers import self_sampled
 

@@ -10,7 +10,7 @@ import pytest
 
 from cwcore import faithfulness as fa
 from cwcore import stats
-from cwcore.faithfulness import evidence as ev
+from cwbook import ladder as ev
 
 
 def _curves(sweep, unit="document"):

@@ -1,6 +1,6 @@
 """The committed evidence, recomputed: the first two documents of the exported per-document table
 (data/results/evidence/per_document_smollm2-135m_gsm8k.csv.gz, written by
-``cwcore/book/evidence_export.py export`` from the evidence profile's cached run) are run again
+``book/cwbook/evidence_export.py export`` from the evidence profile's cached run) are run again
 by the current code, without any cache, and every per-document row of the slice must match.
 
 The slice (both main protocols, r = 0.05, both modes, both importance signs, rungs 2-4: eighteen
@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from cwcore.book import evidence_export as es
+from cwbook import evidence_export as es
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,7 @@ def committed():
     if found is None:
         csv, js = es.paths(MODEL, DATA)
         pytest.skip(f"the committed evidence export is absent ({csv} and {js.name}): write it with "
-                    "`python -m cwcore.book.evidence_export export` (see data/results/README.md)")
+                    "`python -m cwbook.evidence_export export` (see data/results/README.md)")
     return found
 
 

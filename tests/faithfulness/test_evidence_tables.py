@@ -18,12 +18,12 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from cwcore.book import findings
-from cwcore.book import results_path
-from cwcore.book import evidence_export as es
-from cwcore.book import evidence_frames as ef
-from cwcore.book.evidence_files import HASH_FIELD, content_hash
-from cwcore.faithfulness import evidence
+from cwbook import findings
+from cwbook import results_path
+from cwbook import evidence_export as es
+from cwbook import evidence_frames as ef
+from cwbook.evidence_files import HASH_FIELD, content_hash
+from cwbook import ladder as evidence
 from faith_helpers import forest_points, peaked_llama, word_tokenizer
 
 MODEL, DATA, DOCUMENTS = "smollm2-135m", "gsm8k", 8

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pickle
 
 
-from cwcore.book import findings
+from cwbook import findings
 from cwcore.core.decomposition import METRICS, Rung
-from cwcore.faithfulness import anatomy, evidence, methods
+from cwbook import anatomy, ladder as evidence
+from cwcore.faithfulness import methods
 from cwcore.faithfulness.protocol import LADDER
 
 

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from cwcore import faithfulness as fa
-from cwcore.faithfulness import anatomy
+from cwbook import anatomy
 from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, Protocol, as_protocol
 
 KW = dict(cache=False, progress=False, per_sequence=True, batch_size=5)

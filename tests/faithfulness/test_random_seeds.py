@@ -65,7 +65,7 @@ def test_the_ladder_sweep_averages_the_random_rung_over_its_seeds(peaked):
     # evidence.ladder_sweep(random_seeds=3) runs random (seed 0) and random_s1, random_s2; evidence_tables
     # gives the random rung's AOPC and every "x beats random" step from the three seeds, recomputed here
     # by hand from the per-document rows (AOPC per document and seed, crossed bootstrap, sign-flip p)
-    from cwcore.faithfulness import evidence as ev
+    from cwbook import ladder as ev
     from cwcore.faithfulness.summary import curve_mean
 
     model, ids = peaked

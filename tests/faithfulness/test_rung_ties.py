@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cwcore import faithfulness as fa
-from cwcore.book import findings
+from cwbook import findings
 from cwcore.faithfulness.protocol import Protocol, identical_steps, ranking_identity, same_ranking
 from cwcore.faithfulness.ranking import candidate_mask, selection
 from faith_helpers import peaked_llama, self_sampled

@@ -4,7 +4,7 @@ measured part. The same inputs as test_sink_claims, with every sink rate pushed 
 import numpy as np
 import pandas as pd
 
-from cwcore.book import findings
+from cwbook import findings
 from cwcore.sinks import claims as SC
 from test_sink_claims import decomposition_inputs, suppressor_inputs
 

@@ -1,12 +1,12 @@
 """What a chapter runs with under a profile of ``book/run.yml``: the one reader of its parameters.
 
-:func:`run_parameters` resolves run.yml exactly as ``python -m cwcore.book build`` does
-(:func:`cwcore.book.plan`, then :func:`cwcore.book.injected_parameters`: the profile's ``params``
+:func:`run_parameters` resolves run.yml exactly as ``python -m cwbook build`` does
+(:func:`cwbook.plan`, then :func:`cwbook.injected_parameters`: the profile's ``params``
 updated with ``notebooks.<chapter>``, only those the notebook declares, plus ``profile``, ``model``,
 ``output_dir``, ``results_file`` and ``results_dir``) over the defaults the notebook's ``parameters``
 cell declares. The defaults are read as papermill reads them (:func:`papermill.inspect_notebook`: the
 names and their literal values, nothing of the notebook is executed), so a script that reruns a
-chapter's computation (:mod:`cwcore.book.evidence_export`) gets what the chapter got.
+chapter's computation (:mod:`cwbook.evidence_export`) gets what the chapter got.
 """
 
 from __future__ import annotations

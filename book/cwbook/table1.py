@@ -1,6 +1,6 @@
 """Chapter 9's Table 1: the pre-registered primary family, each step under the protocol where it is
 measured and the ordering over those steps, in both modes and both importance signs, from the committed
-evidence (:func:`cwcore.book.findings.findings_csv` of ``data/results/evidence``), with this build's live
+evidence (:func:`cwbook.findings.findings_csv` of ``data/results/evidence``), with this build's live
 verdicts beside it as a rerun check."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Sequence
 
 import pandas as pd
 
-from ..faithfulness import evidence
-from ..stats import NOT_MEASURED, combine_all
+from . import ladder as evidence
+from cwcore.stats import NOT_MEASURED, combine_all
 from .findings import STEPS, _main
 
 __all__ = ["PRIMARY_COLUMNS", "primary_table", "side_by_side", "secondary_contradictions"]

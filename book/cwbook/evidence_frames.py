@@ -3,7 +3,7 @@ machine resumes from them.
 
 The evidence build runs for many sessions on possibly different machines, and the result cache does
 not travel. Chapter 4's ladder cells keep their rows in the per-document exports
-(:func:`cwcore.book.evidence_build.ladder_cell`); the chapter's other sweeps are kept here as
+(:func:`cwbook.evidence_build.ladder_cell`); the chapter's other sweeps are kept here as
 *committed frames*: the per-unit table the sweep returns, written whole and atomically beside them.
 
 * :func:`downstream_cell` wraps :func:`cwcore.faithfulness.downstream.downstream_eval` (``per_example=True``):
@@ -18,12 +18,12 @@ not travel. Chapter 4's ladder cells keep their rows in the per-document exports
 * :func:`sensitivity_cell` wraps one :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) per
   protocol variant for chapter 4's Table 8: ``sensitivity_<model>_<data>.csv.gz`` + ``.json``, one row per
   (change, metric, mode, ratio, sequence), ``change`` naming the variant's one change of the default protocol;
-* :func:`anatomy_cell` keeps the layer averages of :func:`cwcore.faithfulness.anatomy.selection_anatomy`
+* :func:`anatomy_cell` keeps the layer averages of :func:`cwbook.anatomy.selection_anatomy`
   (per-head, signed) on the evidence sample: ``anatomy_<model>_<data>.csv.gz`` + ``.json``, one row per
   (metric, mode, ratio, document); :func:`anatomy_explained` and :func:`anatomy_held_out` pair it with a
-  per-document export (the build's step, :func:`cwcore.book.evidence_build.anatomy_evidence`);
+  per-document export (the build's step, :func:`cwbook.evidence_build.anatomy_evidence`);
 * :func:`downstream_ladder` turns the downstream frame into the ladder's steps, for the notebook and for
-  :func:`cwcore.book.evidence_export.tables` (which adds them to chapter 4's table and ``findings.csv``).
+  :func:`cwbook.evidence_export.tables` (which adds them to chapter 4's table and ``findings.csv``).
 
 All go through :func:`committed_frame`: the export is taken when it ran with the same settings (every
 argument that changes a number, the sample's content digest among them), holds every requested row, and a
@@ -64,19 +64,19 @@ import numpy as np
 import pandas as pd
 
 import cwcore
-from .. import cache as cw_cache
-from .. import provenance
-from .. import runs
-from ..data import load_dataset
-from ..faithfulness import evidence
-from ..faithfulness.anatomy import LADDER, MEASURES, explain_held_out, explain_step, layer_average, selection_anatomy
-from ..faithfulness.downstream import downstream_eval
-from ..faithfulness.layers import per_layer_curve
-from ..faithfulness.lm import faithfulness_curve
-from ..faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
-from ..faithfulness.protocol import specs as parse_specs
-from ..faithfulness.summary import ladder_comparison
-from . import slug
+from cwcore import cache as cw_cache
+from cwcore import provenance
+from cwcore import runs
+from cwcore.data import load_dataset
+from . import ladder as evidence
+from .anatomy import LADDER, MEASURES, explain_held_out, explain_step, layer_average, selection_anatomy
+from cwcore.faithfulness.downstream import downstream_eval
+from cwcore.faithfulness.layers import per_layer_curve
+from cwcore.faithfulness.lm import faithfulness_curve
+from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
+from cwcore.faithfulness.protocol import specs as parse_specs
+from cwcore.faithfulness.summary import ladder_comparison
+from . import book_code_hash, slug
 from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, check_units, content_hash, read_pair
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
@@ -195,12 +195,12 @@ def check_identity(what: dict, reference: pd.DataFrame, *, computed_by: Callable
     if computed_by is None:
         return None
     module, name = getattr(computed_by, "__module__", None) or "", getattr(computed_by, "__qualname__", "")
-    if not (inspect.isfunction(computed_by) and module.split(".")[0] == "cwcore" and "<" not in name):
+    if not (inspect.isfunction(computed_by) and module.split(".")[0] in ("cwcore", "cwbook") and "<" not in name):
         return None
     rows = hashlib.sha256(pd.util.hash_pandas_object(reference, index=False).values.tobytes()).hexdigest()
     return {"what": what, "computed_by": f"{module}.{name}", "reference_rows": rows,
             "model": runs.model_fingerprint(lm) if lm is not None else None, "units": units,
-            "code": cw_cache.code_version(None), "libraries": cw_cache._library_versions(),
+            "code": cw_cache.code_version(None), "book_code": book_code_hash(), "libraries": cw_cache._library_versions(),
             "cpu": this_cpu() or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "atol": atol, "rtol": rtol}
 
@@ -350,7 +350,7 @@ SENSITIVITY = FrameKind("sensitivity", "per-sequence rows of chapter 04_faithful
                         keys=("change", "metric", "mode", "ratio", "sequence"),
                         exact=("document", "n_tokens", "n_removed", "n_candidates"), floats=("nll", "clean_nll"))
 ANATOMY = FrameKind("anatomy", "per-document layer averages of what each rung's removal takes in the clean run "
-                    "(cwcore.faithfulness.anatomy.selection_anatomy, then layer_average) on chapter 04_faithfulness's "
+                    "(cwbook.anatomy.selection_anatomy, then layer_average) on chapter 04_faithfulness's "
                     "evidence sample, per-head protocol, signed",
                     keys=("metric", "mode", "ratio", "sequence"), exact=("document",), floats=MEASURES)
 PER_LAYER = FrameKind("per_layer", "per-sequence rows of chapter 04_faithfulness's per-layer interventions "
@@ -391,7 +391,7 @@ def read_frame(kind: FrameKind, model: str, data: str | None = None,
     is ``""``, as the sweep wrote it), or None when either file is absent. Verified on every read: the
     table's bytes against the SHA-256 its JSON records, its row count, and every unit (each sequence of
     the sample, each example of the task) in every group of the other keys; otherwise
-    :class:`~cwcore.book.evidence_files.CommittedFileError` with a one-line reason."""
+    :class:`~cwbook.evidence_files.CommittedFileError` with a one-line reason."""
     csv, js = frame_paths(kind, model, data, out)
     if not (csv.is_file() and js.is_file()):
         if csv.is_file() != js.is_file():
@@ -753,7 +753,7 @@ def sensitivity_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None,
 
 
 def _anatomy_rows(lm, blocks, metrics, ratios, modes, *, protocol, batch_size: int, progress: bool) -> pd.DataFrame:
-    """:func:`~cwcore.faithfulness.anatomy.layer_average` of :func:`~cwcore.faithfulness.anatomy.selection_anatomy`
+    """:func:`~cwbook.anatomy.layer_average` of :func:`~cwbook.anatomy.selection_anatomy`
     with each document's place in ``blocks`` (``sequence``), in :data:`ANATOMY`'s key order."""
     table = layer_average(selection_anatomy(lm, blocks, metrics, ratios, modes, protocol=protocol,
                                             batch_size=batch_size, progress=progress))
@@ -771,7 +771,7 @@ def anatomy_cell(lm, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[f
                  exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS, atol: float = ATOL,
                  rtol: float = RTOL, progress: bool = False, log: Callable[[str], None] | None = print) -> pd.DataFrame:
     """What each rung's removal takes, per document: the layer averages of
-    :func:`cwcore.faithfulness.anatomy.selection_anatomy` (``protocol``, a main protocol's name; one row per
+    :func:`cwbook.anatomy.selection_anatomy` (``protocol``, a main protocol's name; one row per
     metric, mode, ratio and document, with its place ``sequence``), or the committed frame
     ``anatomy_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first ``slice_documents``
     documents, recomputed, equal it. ``blocks``: a :func:`cwcore.data.document_blocks` data set."""
@@ -799,7 +799,7 @@ def _step_rows(per_document: pd.DataFrame) -> pd.DataFrame:
 
 def anatomy_explained(anatomy: pd.DataFrame, per_document: pd.DataFrame, *, n_bootstrap: int,
                       seed: int) -> pd.DataFrame:
-    """:func:`cwcore.faithfulness.anatomy.explain_step` for the ladder's three steps (1->2, 2->3, 3->4): does a
+    """:func:`cwbook.anatomy.explain_step` for the ladder's three steps (1->2, 2->3, 3->4): does a
     step's damage gap (the per-head, signed rows of the per-document export) follow its gap in what it
     removes (``anatomy``, :func:`anatomy_cell`'s frame) across documents?"""
     rows = _step_rows(per_document)
@@ -810,6 +810,6 @@ def anatomy_explained(anatomy: pd.DataFrame, per_document: pd.DataFrame, *, n_bo
 
 
 def anatomy_held_out(anatomy: pd.DataFrame, per_document: pd.DataFrame, *, seed: int) -> pd.DataFrame:
-    """:func:`cwcore.faithfulness.anatomy.explain_held_out` (fitted on half of the documents, tested on the
+    """:func:`cwbook.anatomy.explain_held_out` (fitted on half of the documents, tested on the
     other half, with the controls 1->2 and 3->4) of an anatomy frame and a per-document export."""
     return explain_held_out(anatomy, _step_rows(per_document), seed=seed)

@@ -6,14 +6,14 @@ plans (chapter 4's ladder cells, its downstream tasks, per-layer interventions, 
 anatomy, and the tables of the other chapters that ``findings.csv`` reads) against what the committed files hold:
 
 * a ladder cell: the ``cells`` record of its per-document export
-  (:func:`cwcore.book.evidence_export.merge_cell`: documents held, commit, time);
+  (:func:`cwbook.evidence_export.merge_cell`: documents held, commit, time);
 * the downstream tasks, the per-layer interventions, the protocol variants and the anatomy: their
-  committed frames (:mod:`cwcore.book.evidence_frames`: the examples of each task, the documents);
+  committed frames (:mod:`cwbook.evidence_frames`: the examples of each task, the documents);
 * the attribution bench (chapter 4b): its committed frame of each data set (the documents);
 * chapters 5-7: the documents their committed results table ran with (``n_documents``).
 
 :func:`write_status` writes it as ``STATUS.md`` (``make evidence`` does, after the tables, so it is never
-edited by hand); ``python -m cwcore.book.evidence_status`` prints it, ``--write`` writes it.
+edited by hand); ``python -m cwbook.evidence_status`` prints it, ``--write`` writes it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .. import cache as cw_cache
+from cwcore import cache as cw_cache
 from . import DEFAULT_BOOK_DIR, load_config, plan, results_path
 from .evidence_export import (CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, read_committed,
                               weight_variant_names)
@@ -55,7 +55,7 @@ def _json(path: Path) -> dict | None:
 
 def _verified(read, meta_path: Path) -> dict | None:
     """The JSON of a committed pair once its reader verified the pair (the table's SHA-256, rows and units:
-    :func:`cwcore.book.evidence_export.read_committed`, :func:`cwcore.book.evidence_frames.read_frame`); None
+    :func:`cwbook.evidence_export.read_committed`, :func:`cwbook.evidence_frames.read_frame`); None
     when absent, ``{UNREADABLE: reason}`` when refused (a changed or torn pair is not work done)."""
     try:
         found = read()
@@ -177,7 +177,7 @@ def status_markdown(table: pd.DataFrame, profile: str = "evidence") -> str:
     markdown table per part."""
     counts = table["state"].value_counts()
     lines = [f"# Evidence build: what is committed (profile `{profile}`)", "",
-             "Generated from the committed files by `python -m cwcore.book.evidence_status --write` (`make "
+             "Generated from the committed files by `python -m cwbook.evidence_status --write` (`make "
              "evidence` runs it after the tables); do not edit. `held` counts what the committed "
              "files hold of the `planned` units; a ladder cell in progress is committed as a checkpoint and "
              "is judged in `findings.csv` only once it holds every document.", "",
@@ -205,7 +205,7 @@ def write_status(out: str | Path | None = None, *, profile: str = "evidence",
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_status", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwbook.evidence_status", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help=f"folder of the committed evidence (default {DEFAULT_OUT})")
     parser.add_argument("--profile", default="evidence")
     parser.add_argument("--write", action="store_true", help=f"write {STATUS_FILE} there instead of printing it")

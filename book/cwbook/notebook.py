@@ -11,10 +11,10 @@ and the prose reads ``{glue:text}`n_heads```. These helpers are that glue, once 
 * :func:`show` — a table in the book's table style;
 * :class:`SinkRun` — the run parameters chapters 5-7 share (one cached pass of the sink analyses),
   declared once with their defaults; each of those notebooks declares ``run_parameters = {}``, which
-  the book runner fills from run.yml (:data:`cwcore.book.RUN_PARAMETERS`).
+  the book runner fills from run.yml (:data:`cwbook.RUN_PARAMETERS`).
 
 The figure helpers (bands, per-layer axes, legends) are in :mod:`cwcore.plotting`; the tables the
-chapters hand to the findings page are written by :func:`cwcore.book.findings.save_results`. Importing
+chapters hand to the findings page are written by :func:`cwbook.findings.save_results`. Importing
 this module loads neither torch nor myst_nb; ``glue`` is imported on first use.
 """
 
@@ -109,21 +109,21 @@ class SinkRun:
     def options(self):
         """The analyses' options (:class:`cwcore.sinks.SinkOptions`): blocks of ``seq_len``, this batch
         size, seed and cache, no progress bars, and ``sink_options``."""
-        from .. import sinks
+        from cwcore import sinks
 
         return sinks.SinkOptions(block_size=self.seq_len, batch_size=self.batch_size, seed=self.seed,
                                  cache=self.cache, progress=False, **self.sink_options)
 
     def load(self, model: str):
         """``(model, tokenizer)`` of ``model`` in this run's dtype, on its device."""
-        from .. import models
+        from cwcore import models
 
         return models.load_model(model, dtype=self.dtype, device=self.device)
 
     def blocks(self, tokenizer) -> dict:
         """``{data set: its blocks}``: ``n_sequences`` documents of each data set, one ``seq_len``-token
         block each (:func:`cwcore.data.document_blocks`), the same blocks in chapters 5-7."""
-        from ..data import document_blocks, load_dataset
+        from cwcore.data import document_blocks, load_dataset
 
         return {name: document_blocks(load_dataset(name), tokenizer, self.seq_len, self.n_sequences, seed=self.seed)
                 for name in self.datasets}

@@ -27,7 +27,7 @@ Chapter 4's cells (:func:`ladder_evidence`)
 One call runs the chapter's ladder sweeps (every data set x main protocol x importance sign) on one
 sample of documents and returns a :class:`LadderRun`, whose :meth:`~LadderRun.tables` and
 :meth:`~LadderRun.curves` are the chapter's AOPC, ladder and curve tables. Notebook
-``04_faithfulness`` and the evidence export (:mod:`cwcore.book.evidence_export`) both call it.
+``04_faithfulness`` and the evidence export (:mod:`cwbook.evidence_export`) both call it.
 
 Importance signs
 ----------------
@@ -45,7 +45,7 @@ permutation p-value (:func:`judge`). Its verdict: **negligible** when the interv
 +-:data:`MARGINS` of its mode; otherwise holds / contradicted / inconclusive by the interval against 0
 on the claimed side; **not measured** when the protocol makes the two rungs the same ranking
 (:func:`identical_by_construction`), whatever the numbers say. The primary family (:func:`primary_family`)
-is decided with Holm's adjustment over the whole family (``cwcore.book.findings``).
+is decided with Holm's adjustment over the whole family (``cwbook.findings``).
 """
 
 from __future__ import annotations
@@ -58,13 +58,13 @@ import pandas as pd
 
 import numpy as np
 
-from .. import stats
-from ..core.decomposition import METRICS
-from ..data import document_blocks, load_dataset
-from .lm import faithfulness_curve
-from .protocol import DEFAULT_RATIOS, VARIANTS, Protocol, identical_steps, parse_metric
-from .methods import random_controls
-from .summary import aopc, ladder_comparison, random_baseline
+from cwcore import stats
+from cwcore.core.decomposition import METRICS
+from cwcore.data import document_blocks, load_dataset
+from cwcore.faithfulness.lm import faithfulness_curve
+from cwcore.faithfulness.protocol import DEFAULT_RATIOS, VARIANTS, Protocol, identical_steps, parse_metric
+from cwcore.faithfulness.methods import random_controls
+from cwcore.faithfulness.summary import aopc, ladder_comparison, random_baseline
 
 __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
            "SIGN_INVARIANT", "RatioGrids", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables",
@@ -197,7 +197,7 @@ def sweep_order(rows: pd.DataFrame, metrics: Sequence[str], importances: Sequenc
     in the order :func:`ladder_sweep` returns them: importance as given, then its metrics in the
     sweep's order (the absolute sign: the reused sign-invariant rows first), mode as given, ratio,
     sequence. ``metrics``: the metric labels of the cell (extra seeds included), as requested."""
-    from .ranking import MODES
+    from cwcore.faithfulness.ranking import MODES
 
     modes = list(modes or MODES)
     metrics = [str(m) for m in metrics]
@@ -320,7 +320,7 @@ class LadderRun:
     def curves(self) -> pd.DataFrame:
         """The signed curves (:func:`~cwcore.faithfulness.summarize`) per data set and protocol, with
         ``data`` and ``protocol`` columns (the random control at the protocol's seed only)."""
-        from .summary import summarize
+        from cwcore.faithfulness.summary import summarize
 
         curves = []
         rows = self.per_sequence
@@ -347,7 +347,7 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
     (None: every model; ``model_name`` is this model's name). ``kwargs`` (e.g. ``cache_dir``) go to
     :func:`~cwcore.faithfulness.faithfulness_curve`. ``sweep``: what runs one cell, called with
     :func:`ladder_sweep`'s arguments plus ``data=`` (the data set's name), e.g.
-    :func:`cwcore.book.evidence_build.ladder_cell`, which takes a committed cell once its first documents
+    :func:`cwbook.evidence_build.ladder_cell`, which takes a committed cell once its first documents
     recompute equal; default :func:`ladder_sweep`. Returns a :class:`LadderRun`."""
     unknown = [v for v in variants if v not in VARIANT_CHANGES]
     if unknown:

@@ -32,13 +32,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .. import stats
-from ..core.architectures import attention_blocks
-from ..core.decomposition import METRICS, decompose
-from ..runs import progress as progress_bar, shard_map
-from .evidence import PROTOCOLS
-from .protocol import Protocol, as_protocol, modes as parse_modes, ranking_identity
-from .ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
+from cwcore import stats
+from cwcore.core.architectures import attention_blocks
+from cwcore.core.decomposition import METRICS, decompose
+from cwcore.runs import progress as progress_bar, shard_map
+from .ladder import PROTOCOLS
+from cwcore.faithfulness.protocol import Protocol, as_protocol, modes as parse_modes, ranking_identity
+from cwcore.faithfulness.ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
 
 __all__ = ["MEASURES", "LADDER", "STEPS", "selection_anatomy", "layer_average", "explain_step", "explain_held_out"]
 
@@ -93,7 +93,7 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
                       layers=None, batch_size: int = 8, progress: bool = True, **protocol_keywords) -> pd.DataFrame:
     """One row per (document, layer, metric, mode, ratio) with the :data:`MEASURES` of the terms that
     ``protocol`` removes (a :class:`~cwcore.faithfulness.Protocol`, or the name of a main protocol of
-    :data:`cwcore.faithfulness.evidence.PROTOCOLS`; its fields may be replaced by keywords, e.g.
+    :data:`cwbook.ladder.PROTOCOLS`; its fields may be replaced by keywords, e.g.
     ``importance="absolute"``), computed in float32 from the clean forward (so ``scores="live"`` is refused;
     the protocol's ``layers`` are the layers dissected, as is ``layers`` here).
 

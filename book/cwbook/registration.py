@@ -31,7 +31,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..faithfulness import evidence
+from . import ladder as evidence
 
 __all__ = ["REGISTERED", "SAMPLES", "SEEN_BEFORE_REGISTRATION", "EXPLORATORY", "CONFIRMATORY", "EXPLORATORY_SEED", "EXPLORATORY_PREFIX",
            "STREAM_DOCUMENTS", "CONFIRMATORY_SEED", "CONFIRMATORY_DOCUMENTS", "CONFIRMATORY_SEQ_LEN",
@@ -156,7 +156,7 @@ def confirmatory_blocks(data: str, tokenizer, *, n_documents: int = CONFIRMATORY
     :func:`cwcore.data.document_blocks` data set (``input_ids``, ``attention_mask``, ``document``) of
     ``n_documents`` blocks of ``seq_len`` tokens, seed :data:`CONFIRMATORY_SEED`, never a document of
     :func:`exploratory_documents`. A smaller ``n_documents`` gives a prefix of the registered sample."""
-    from ..data import document_blocks, load_dataset
+    from cwcore.data import document_blocks, load_dataset
 
     dataset = load_dataset(data)
     return document_blocks(dataset, tokenizer, seq_len, n_documents, seed=CONFIRMATORY_SEED,
@@ -170,10 +170,10 @@ def document_hash(ids: Sequence[int]) -> str:
 
 def constants() -> dict:
     """Every constant that decides a confirmatory verdict, as plain JSON values: the primary family and
-    its rule (:mod:`cwcore.faithfulness.evidence`), the ratio grids and protocols, the samples, the
+    its rule (:mod:`cwbook.ladder`), the ratio grids and protocols, the samples, the
     resamples and seeds, the sink analyses' thresholds and the sink claims with their controls."""
-    from ..sinks.decomposition import TAIL_MARGIN
-    from ..sinks.engine import EPS
+    from cwcore.sinks.decomposition import TAIL_MARGIN
+    from cwcore.sinks.engine import EPS
 
     return json.loads(json.dumps({
         "primary": evidence.PRIMARY, "margins": evidence.MARGINS, "alpha": evidence.ALPHA,

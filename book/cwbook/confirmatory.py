@@ -1,19 +1,19 @@
 """``make confirmatory``: the confirmatory sample's evidence, computed after its registration.
 
 The confirmatory replication (``book/preregistration.md``, "Confirmatory registration") decides the
-registered tests on 64 new documents per data set (:func:`cwcore.book.registration.confirmatory_blocks`).
+registered tests on 64 new documents per data set (:func:`cwbook.registration.confirmatory_blocks`).
 This module computes exactly those tests, with the parameters of the ``confirmatory`` profile of
 ``book/run.yml`` (the evidence profile's), into ``data/results/confirmatory``; it never executes a
 notebook (the notebooks draw the exploratory samples).
 
-``python -m cwcore.book.confirmatory build [--models m1,m2] [--jobs N]`` (what ``make confirmatory`` and
-``python -m cwcore.book build --profile confirmatory`` run) does three steps, each resumable:
+``python -m cwbook.confirmatory build [--models m1,m2] [--jobs N]`` (what ``make confirmatory`` and
+``python -m cwbook build --profile confirmatory`` run) does three steps, each resumable:
 
 ``ladder``
     chapter 4's eight ladder cells (2 models x 2 data sets x the protocols ``default`` and ``per-head``,
     both modes, both importance signs, every ratio of both grids, the random control at 3 seeds) with the
-    evidence profile's sweep (:func:`cwcore.book.evidence_build.ladder_cell`): each cell merges every
-    :data:`~cwcore.book.evidence_build.CHECKPOINT_DOCUMENTS` documents into
+    evidence profile's sweep (:func:`cwbook.evidence_build.ladder_cell`): each cell merges every
+    :data:`~cwbook.evidence_build.CHECKPOINT_DOCUMENTS` documents into
     ``per_document_<model>_<data>.csv.gz`` (its JSON says ``"sample": "confirmatory"`` and lists the
     document ids), so what is finished can be committed while it runs, and a restarted build resumes
     from the committed rows after a 2-document check;
@@ -22,7 +22,7 @@ notebook (the notebooks draw the exploratory samples).
     (:func:`sink_tables`), written as the chapters write theirs (``<chapter>/<model>.csv``);
 ``tables``
     chapter 4's ladder tables from the exports and ``findings.csv``
-    (:func:`cwcore.book.evidence_export.tables`): this folder's, and the exploratory folder's with both
+    (:func:`cwbook.evidence_export.tables`): this folder's, and the exploratory folder's with both
     samples' rows.
 
 The sweeps split their documents over ``--jobs`` single-thread ranks (``$CWCORE_JOBS``); the results are
@@ -54,7 +54,7 @@ SINK_CHAPTERS = ("05_sink_decomposition", "06_sinks_as_suppressors", "07_semanti
 
 
 def ladder_parameters(model: str) -> dict:
-    """Chapter 4's parameters under the confirmatory profile (:func:`cwcore.book.parameters.run_parameters`)."""
+    """Chapter 4's parameters under the confirmatory profile (:func:`cwbook.parameters.run_parameters`)."""
     from .parameters import run_parameters
 
     return run_parameters(CHAPTER, PROFILE, model)
@@ -65,7 +65,7 @@ def _sample(data: str, tokenizer, smoke: int | None):
     instead (a check of the code path that looks at no confirmatory document)."""
     if smoke is None:
         return registration.confirmatory_blocks(data, tokenizer)
-    from ..data import document_blocks, load_dataset
+    from cwcore.data import document_blocks, load_dataset
 
     return document_blocks(load_dataset(data), tokenizer, registration.CONFIRMATORY_SEQ_LEN, int(smoke),
                            seed=registration.EXPLORATORY_SEED)
@@ -83,7 +83,7 @@ def ladder(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
     in turn, merged into ``out`` as they go. ``smoke``: that many *exploratory* documents instead, into
     another ``out`` (a check of the code path). Returns the exports written."""
     import cwcore
-    from ..faithfulness import evidence
+    from . import ladder as evidence
     from .evidence_build import CHECKPOINT_DOCUMENTS, ladder_cell
     from .evidence_export import paths
 
@@ -113,9 +113,9 @@ def sink_tables(results_by_data: Mapping[str, dict], parameters: Mapping[str, di
     (``results_by_data[data] = run_analyses(..., sinks.ANALYSES, raw=True)``), each stacked over the data
     sets (:func:`cwcore.sinks.claims.stack_data`) exactly as the chapters stack theirs. ``parameters``: each
     chapter's parameters (``n_bootstrap``, ``quantiles``) by chapter name."""
-    from ..sinks import claims as sink_claims
-    from ..sinks.engine import EPS, REGISTRY
-    from ..sinks.intervals import claims_frame
+    from cwcore.sinks import claims as sink_claims
+    from cwcore.sinks.engine import EPS, REGISTRY
+    from cwcore.sinks.intervals import claims_frame
 
     out = {}
     seed = int(next(iter(parameters.values()))["run_parameters"].get("seed", 0))
@@ -144,7 +144,7 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
     analysis per data set, :func:`sink_tables`), written to ``out/<chapter>/<model>.csv`` with their JSON.
     ``smoke``: as in :func:`ladder`. Returns the paths written."""
     import cwcore
-    from .. import sinks as sink_analyses
+    from cwcore import sinks as sink_analyses
     from . import results_path
     from .findings import save_results
     from .notebook import SinkRun
@@ -207,7 +207,7 @@ def status(out: str | Path = OUT) -> str:
         done += len(present) == len(SINK_CHAPTERS)
     return "\n".join([
         "# Confirmatory evidence: what is committed", "",
-        f"Written by `python -m cwcore.book.confirmatory status` (`make confirmatory` rewrites it). {done} of {parts} "
+        f"Written by `python -m cwbook.confirmatory status` (`make confirmatory` rewrites it). {done} of {parts} "
         "parts done. The registration (book/preregistration.md) fixed these parts before any was computed.", "",
         "| model | data | protocol | documents | last merged |", "| --- | --- | --- | --- | --- |", *rows, "",
         "| model | sink chapters' tables | present |", "| --- | --- | --- |", *sink_rows, ""])
@@ -215,7 +215,7 @@ def status(out: str | Path = OUT) -> str:
 
 def write_status(out: str | Path = OUT) -> Path:
     """Write :func:`status` to ``out/STATUS.md`` (atomically); returns its path."""
-    from ..cache import atomic_write_bytes
+    from cwcore.cache import atomic_write_bytes
 
     path = Path(out) / "STATUS.md"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +225,7 @@ def write_status(out: str | Path = OUT) -> Path:
 
 def tables(out: str | Path = OUT) -> list[Path]:
     """Chapter 4's ladder tables from the confirmatory exports and both ``findings.csv``
-    (:func:`cwcore.book.evidence_export.tables`)."""
+    (:func:`cwbook.evidence_export.tables`)."""
     from . import evidence_export
 
     return evidence_export.tables(out)
@@ -233,7 +233,7 @@ def tables(out: str | Path = OUT) -> list[Path]:
 
 def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = OUT, **_) -> list[Path]:
     """The three steps of the module's docstring in order (``only``: a subset of "ladder", "sinks",
-    "tables"); what ``python -m cwcore.book build --profile confirmatory`` runs."""
+    "tables"); what ``python -m cwbook build --profile confirmatory`` runs."""
     if isinstance(models, str):
         models = [m for m in models.split(",") if m]
     models = list(models or registration.CONFIRMATORY_MODELS)
@@ -261,7 +261,7 @@ _register_profile_build()
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cwcore.book.confirmatory", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwbook.confirmatory", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"build": "every step below, in order", "ladder": "compute (or resume) the ladder cells",
                 "sinks": "the sink pass and chapters 5-7's claims tables", "tables": "the ladder tables and findings.csv",

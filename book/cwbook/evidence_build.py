@@ -1,23 +1,23 @@
 """``make evidence``: the evidence profile, resumed from the repository, then its tables and ``PROVENANCE``.
 
-:func:`build_evidence` (what ``python -m cwcore.book build --profile evidence [--jobs N]`` runs)
+:func:`build_evidence` (what ``python -m cwbook build --profile evidence [--jobs N]`` runs)
 
-1. executes the profile's notebooks (:func:`cwcore.book.build`), every sweep resumable from the result
+1. executes the profile's notebooks (:func:`cwbook.build`), every sweep resumable from the result
    cache; chapter 4's ladder cells go through :func:`ladder_cell`, which takes a cell from its committed
    per-document export (``data/results/evidence/per_document_<model>_<data>.csv.gz``) when a fresh
    recomputation of the cell's first :data:`SLICE_DOCUMENTS` documents, without the cache, equals the
    committed rows within :data:`ATOL` nats plus :data:`RTOL` relative (float32 rounding); otherwise it computes the whole cell. So a new machine with
    an empty cache resumes from what is committed. While the build runs, each cell merges every
-   :data:`CHECKPOINT_DOCUMENTS` documents into its export (:func:`cwcore.book.evidence_export.merge_cell`),
+   :data:`CHECKPOINT_DOCUMENTS` documents into its export (:func:`cwbook.evidence_export.merge_cell`),
    and a cell the export holds in part is resumed: its documents held whole are taken, the rest computed;
 2. copies the results tables of the other per-model chapters it ran (the sink chapters 5-7) into the
    evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
    and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
    (:func:`export_and_tables`), then ``STATUS.md``, what the profile plans against what the folder now holds
-   (:func:`cwcore.book.evidence_status.write_status`). The chapter's downstream tasks, per-layer interventions and
+   (:func:`cwbook.evidence_status.write_status`). The chapter's downstream tasks, per-layer interventions and
    protocol variants (Table 8) are kept the same way, as committed frames the notebook writes or takes
-   (:mod:`cwcore.book.evidence_frames`: :func:`downstream_cell`, :func:`per_layer_cell`,
-   :func:`~cwcore.book.evidence_frames.sensitivity_cell`); the anatomy of each exported data set and its explained
+   (:mod:`cwbook.evidence_frames`: :func:`downstream_cell`, :func:`per_layer_cell`,
+   :func:`~cwbook.evidence_frames.sensitivity_cell`); the anatomy of each exported data set and its explained
    steps are made after the exports (:func:`anatomy_evidence`);
 3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
    of the result keys, the result cache's hits and misses summed over every process of the build
@@ -41,14 +41,14 @@ from typing import Callable, Sequence
 import pandas as pd
 
 import cwcore
-from .. import cache as cw_cache
-from .. import provenance
-from .. import runs
-from ..data import document_blocks, load_dataset
-from ..faithfulness import evidence
-from ..faithfulness.anatomy import LADDER
-from ..faithfulness.protocol import Protocol, identical_steps
-from ..faithfulness.ranking import MODES
+from cwcore import cache as cw_cache
+from cwcore import provenance
+from cwcore import runs
+from cwcore.data import document_blocks, load_dataset
+from . import ladder as evidence
+from .anatomy import LADDER
+from cwcore.faithfulness.protocol import Protocol, identical_steps
+from cwcore.faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_files import CommittedFileError
@@ -94,7 +94,7 @@ def committed_documents(model: str, data: str, protocol: str, documents: Sequenc
     ``held`` ``documents``, the longest leading run of them that the export holds whole (every
     importance, metric, ratio and mode), cut to a multiple of ``multiple`` unless it is all of them
     (a checkpointed build merges whole batches); rows None and ``held`` 0 with the reason otherwise.
-    ``found``: the export as :func:`~cwcore.book.evidence_export.read_committed` already read it."""
+    ``found``: the export as :func:`~cwbook.evidence_export.read_committed` already read it."""
     if found is False:
         found = _read_or_refused(model, data, exports)
     if isinstance(found, CommittedFileError):
@@ -138,7 +138,7 @@ def committed_documents(model: str, data: str, protocol: str, documents: Sequenc
 
 
 def _read_or_refused(model: str, data: str, exports) -> tuple | None | CommittedFileError:
-    """:func:`~cwcore.book.evidence_export.read_committed`, or the reason it refused the export."""
+    """:func:`~cwbook.evidence_export.read_committed`, or the reason it refused the export."""
     try:
         return read_committed(model, data, exports)
     except CommittedFileError as err:
@@ -182,16 +182,16 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
                 sweep: Callable = evidence.ladder_sweep, log: Callable[[str], None] | None = print,
                 checkpoint: int | None = None, **kwargs) -> pd.DataFrame:
     """``sweep(lm, tokenizer, blocks, metrics, ratios, protocol=..., importances=..., seed=seed, **kwargs)``
-    (:func:`cwcore.faithfulness.evidence.ladder_sweep`: the per-sequence table of one ladder cell), resumed
+    (:func:`cwbook.ladder.ladder_sweep`: the per-sequence table of one ladder cell), resumed
     from the cell's committed rows (:func:`committed_documents`; ``model`` and ``data`` name the export)
     when ``sweep`` on the first ``slice_documents`` blocks, without the cache, gives the same rows within
-    ``atol`` nats plus ``rtol`` of the committed value (:func:`cwcore.book.evidence_export.compare`): the documents the export holds whole are
+    ``atol`` nats plus ``rtol`` of the committed value (:func:`cwbook.evidence_export.compare`): the documents the export holds whole are
     taken, the rest computed (``first_sequence``: the same batches as a whole run). The committed rows come
     without the export's ``data``, ``model`` and ``delta_nll`` columns, in the sweep's order
-    (:func:`cwcore.faithfulness.evidence.sweep_order`). A ``random_seeds`` keyword of more seeds than the
+    (:func:`cwbook.ladder.sweep_order`). A ``random_seeds`` keyword of more seeds than the
     export ran completes it: only the missing seeds are computed. ``checkpoint`` (documents;
     :func:`checkpoint_documents`): compute that many documents at a time and merge each slice into the
-    export (:func:`cwcore.book.evidence_export.merge_cell`), so that what is finished can be committed
+    export (:func:`cwbook.evidence_export.merge_cell`), so that what is finished can be committed
     while the build runs. ``blocks``: a :func:`cwcore.data.document_blocks` data set (its ``document``
     column names the rows)."""
     t0 = time.monotonic()
@@ -326,8 +326,8 @@ def _machine() -> dict:
     return out
 
 
-PROVENANCE_WHAT = ("provenance of `make evidence` (python -m cwcore.book build --profile evidence), written by "
-                   "cwcore.book.evidence_build: one record per build, each with the chapters whose tables it made")
+PROVENANCE_WHAT = ("provenance of `make evidence` (python -m cwbook build --profile evidence), written by "
+                   "cwbook.evidence_build: one record per build, each with the chapters whose tables it made")
 
 
 def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict, cells: list[dict],
@@ -419,7 +419,7 @@ def _cells(folder: Path) -> list[dict]:
 
 
 def copy_chapter_tables(planned, out: Path) -> list[Path]:
-    """The results tables (CSV and JSON, :func:`cwcore.book.findings.save_results`) that the build's
+    """The results tables (CSV and JSON, :func:`cwbook.findings.save_results`) that the build's
     per-model chapters other than chapter 4 wrote (the sink chapters 5-7, the bench), copied into
     ``out/<chapter>/<model>.csv`` atomically, so that ``findings.csv`` and the book read this build's
     tables. Chapter 4's table is remade from its exports instead. Returns the paths written."""
@@ -442,10 +442,10 @@ def copy_chapter_tables(planned, out: Path) -> list[Path]:
 def anatomy_evidence(model: str, p: dict, out: Path, *, profile: str, loaded=None) -> list[Path]:
     """Chapter 4's anatomy evidence of ``model`` (``p``: the chapter's parameters under ``profile``) on each
     data set it exported: what each rung removes on the profile's documents, at every ratio of the
-    export and in both modes, per-head, signed (:func:`cwcore.book.evidence_frames.anatomy_cell`: taken
+    export and in both modes, per-head, signed (:func:`cwbook.evidence_frames.anatomy_cell`: taken
     from ``anatomy_<model>_<data>.csv.gz`` after its 2-document check, else computed over the ranks and
     written), and ``explain_<model>_<data>.csv``, the ladder's three steps explained against the export's
-    damage (:func:`cwcore.book.evidence_frames.anatomy_explained`). Returns the paths written."""
+    damage (:func:`cwbook.evidence_frames.anatomy_explained`). Returns the paths written."""
     written: list[Path] = []
     for data in p["datasets"]:
         found = read_committed(model, data, out)
@@ -467,9 +467,9 @@ def anatomy_evidence(model: str, p: dict, out: Path, *, profile: str, loaded=Non
 def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only=None,
                       config_path: str | Path | None = None, **_) -> list[Path]:
     """Steps 2-3 of :func:`build_evidence`'s work: the other chapters' tables copied
-    (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwcore.book.evidence_export.export`, resumed: the cache's pieces, or a committed cell
-    this build took), then :func:`cwcore.book.evidence_export.tables`. Returns the paths written, with
-    the committed frames of each model (:mod:`cwcore.book.evidence_frames`: chapter 4's downstream
+    (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwbook.evidence_export.export`, resumed: the cache's pieces, or a committed cell
+    this build took), then :func:`cwbook.evidence_export.tables`. Returns the paths written, with
+    the committed frames of each model (:mod:`cwbook.evidence_frames`: chapter 4's downstream
     tasks, and its per-layer interventions and protocol variants on the first data set; chapter 4b's bench
     per data set), which the notebooks wrote or took."""
     config = config_path or DEFAULT_BOOK_DIR / "run.yml"
@@ -501,7 +501,7 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
 def build_evidence(*, profile: str = "evidence", models=None, only=None, out: str | Path | None = None,
                    build: Callable | None = None, tables: Callable | None = None, **build_kwargs) -> Path:
     """Steps 1-3 of the module's docstring; returns the path of ``PROVENANCE``. ``build`` (default
-    :func:`cwcore.book.build`) gets ``profile``, ``models``, ``only`` and ``build_kwargs``; ``tables``
+    :func:`cwbook.build`) gets ``profile``, ``models``, ``only`` and ``build_kwargs``; ``tables``
     (default :func:`export_and_tables`) gets ``out``. ``PROVENANCE`` is not written when a step fails."""
     out = Path(out) if out is not None else evidence_export.DEFAULT_OUT
     build = build or book_build

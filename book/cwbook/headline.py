@@ -5,7 +5,7 @@ confirmatory sample (registered 2026-12-05, 64 fresh documents per data set) dec
 model, and which step drives any contradiction; then the exploratory sample's verdicts, labelled so.
 Everything is generated from the committed ``findings.csv`` (its ``sample`` column) and the committed
 sink chapters' tables, so no number in these sentences is typed by hand. ``python -m
-cwcore.book.headline --write`` rewrites the generated blocks of ``book/intro.md`` and ``README.md``
+cwbook.headline --write`` rewrites the generated blocks of ``book/intro.md`` and ``README.md``
 (between ``<!-- headline:start -->`` and ``<!-- headline:end -->``); a test fails when they are stale.
 
 :func:`verdict_grid` and :func:`plot_verdicts` lay out every registered verdict (claim x model x data
@@ -23,8 +23,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from .. import stats
-from ..faithfulness import evidence
+from cwcore import stats
+from . import ladder as evidence
 from . import registration
 from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, STEPS, load_results
 
@@ -136,7 +136,7 @@ def ladder_sentences(findings: pd.DataFrame, sample: str) -> list[str]:
 
 
 def registered_sink_verdicts(results_dir: str | Path, models: Sequence[str]) -> pd.DataFrame:
-    """Every registered sink claim (:data:`cwcore.book.registration.SINK_CLAIMS`) per model and data set,
+    """Every registered sink claim (:data:`cwbook.registration.SINK_CLAIMS`) per model and data set,
     judged by the registered rule from the sink chapters' tables in ``results_dir``: each part's verdict
     (main parts and controls) and the claim's, :func:`cwcore.stats.combine_all` over all parts (a control
     missing from the table, e.g. one registered after the table was made, counts as not measured).
@@ -286,7 +286,7 @@ def sink_chapter_answer(chapter: str, model: str, *, exploratory_dir: str | Path
 def primary_forest(findings: pd.DataFrame, model: str, sample: str = registration.EXPLORATORY):
     """The forest plot of ``model``'s committed ladder steps on ``sample`` (main variant, every protocol,
     sign and range; :func:`cwcore.plotting.ladder_forest`), or None when there are none."""
-    from ..plotting import ladder_forest
+    from cwcore.plotting import ladder_forest
 
     if not len(findings):
         return None
@@ -329,7 +329,7 @@ def plot_verdicts(grid: pd.DataFrame):
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    from ..plotting import VERDICT_COLOURS
+    from cwcore.plotting import VERDICT_COLOURS
 
     colours = [VERDICT_COLOURS["holds"], VERDICT_COLOURS["negligible"], VERDICT_COLOURS["inconclusive"],
                VERDICT_COLOURS["contradicted"], "#e6e6e6"]
@@ -380,7 +380,7 @@ def write_blocks(paths: Sequence[str | Path] = (REPO / "book" / "intro.md", REPO
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cwcore.book.headline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwbook.headline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="rewrite the generated blocks of book/intro.md and README.md")
     args = parser.parse_args(argv)
     if args.write:

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m cwcore.book build [--profile P] [--models m1,m2] [--only CHAPTER] [--force]
-    python -m cwcore.book plan  [--profile P] [--models m1,m2] [--only CHAPTER]
+    python -m cwbook build [--profile P] [--models m1,m2] [--only CHAPTER] [--force]
+    python -m cwbook plan  [--profile P] [--models m1,m2] [--only CHAPTER]
 
 ``book/run.yml`` lists the chapters (``chapters:``: a notebook name in ``notebooks/``, whether it
 runs ``once`` or ``per_model``, optionally a fixed ``models`` list; or a static page ``book/<name>.md``,
@@ -14,7 +14,7 @@ receives). ``build``
    profile's parameters (only those the notebook's ``parameters`` cell declares, plus ``profile``,
    ``model``, ``output_dir``, ``results_file`` and ``results_dir`` where declared), into
    ``book/generated/`` through a temporary file and an atomic rename; an executed copy whose stamp
-   (hash of the source notebook, the parameters and the ``cwcore`` sources; for a notebook that
+   (hash of the source notebook, the parameters, the ``cwcore`` and ``cwbook`` sources; for a notebook that
    declares ``results_dir``, also the result tables in it) is current, and whose ``results_file``
    exists, is skipped;
 2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters,
@@ -39,7 +39,7 @@ Layout of ``book/generated/`` (relative to it; ``<slug>`` is the model name made
 A notebook runs with its executed copy's folder as working directory, so ``output_dir``,
 ``results_file`` and ``results_dir`` are relative paths. ``results_file`` is where a chapter writes
 the table that later pages read (chapters 4-7 write their claims and ladder tables there; see
-:mod:`cwcore.book.findings`); ``results_dir`` is the folder of all of them, for a page that reads them (the
+:mod:`cwbook.findings`); ``results_dir`` is the folder of all of them, for a page that reads them (the
 findings page), which is executed again whenever one of those tables changes.
 
 A failing notebook stops the build; its executed copy (with the error) is kept in
@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -69,8 +70,12 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-from ..cache import atomic_write_bytes, current_umask, parameters_key
-from .. import provenance as _provenance
+import cwcore
+from cwcore.cache import atomic_write_bytes, current_umask, parameters_key
+from cwcore import provenance as _provenance
+from .checkout import warn_if_other_checkout
+
+warn_if_other_checkout(Path(cwcore.__file__).parent)  # a clone sharing another checkout's environment runs that code
 from .figures import FIGURE_SUFFIXES, FIGURES, FigureFolder, copy_figures
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -95,8 +100,11 @@ KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
 KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"}
 
 
-#: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwcore.book.evidence_build)
+#: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwbook.evidence_build)
 PROFILE_BUILDS: dict = {}
+#: profile -> the module that registers its build in :data:`PROFILE_BUILDS`, imported only when that profile
+#: is built (they load torch: ``python -m cwbook --help`` and ``plan`` stay quick)
+PROFILE_MODULES = {"evidence": "cwbook.evidence_build", "confirmatory": "cwbook.confirmatory"}
 
 
 class BookError(RuntimeError):
@@ -297,7 +305,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
 def results_path(results_dir: str | os.PathLike, chapter: str, model: str | None = None) -> Path:
     """Where chapter ``chapter`` (run on ``model``; None: a once chapter) writes its results table
     inside ``results_dir``: ``<chapter>/<slug(model)>.csv``, or ``<chapter>.csv``. Its metadata goes
-    beside it, with the suffix ``.json`` (:func:`cwcore.book.findings.save_results`)."""
+    beside it, with the suffix ``.json`` (:func:`cwbook.findings.save_results`)."""
     if model is None:
         return Path(results_dir) / f"{chapter}.csv"
     return Path(results_dir) / chapter / f"{slug(model)}.csv"
@@ -380,12 +388,21 @@ def write_if_changed(path: Path, text: str) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Stamps: is an executed copy current?
 # --------------------------------------------------------------------------------------------------
+def book_code_hash() -> str:
+    """SHA-256 of the book's production code (every ``.py`` of this package): a chapter module's edit
+    makes its notebooks stale, as an edit of cwcore does."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def stamp(source: Path, parameters: dict, inputs: str | None = None) -> str:
     """What an executed copy was made from: the source notebook, its parameters, ``inputs`` (the
-    :func:`results_digest` of the tables a page reads, if any) and (through
-    :func:`cwcore.cache.parameters_key`) the hash of cwcore's source files."""
+    :func:`results_digest` of the tables a page reads, if any), the book's code (:func:`book_code_hash`)
+    and (through :func:`cwcore.cache.parameters_key`) the hash of cwcore's source files."""
     notebook = hashlib.sha256(Path(source).read_bytes()).hexdigest()
-    key = {"notebook": notebook, "parameters": parameters}
+    key = {"notebook": notebook, "parameters": parameters, "book_code": book_code_hash()}
     if inputs is not None:
         key["inputs"] = inputs
     return parameters_key(key)
@@ -429,7 +446,7 @@ def injected_parameters(run: Run, declared: set[str]) -> dict:
     so is a per_model notebook that declares no ``model``. A notebook that declares
     :data:`RUN_PARAMETERS` (a dict) receives there every parameter of run.yml it does not declare by
     name (not those the runner adds): the chapters that share one set of run parameters
-    (:class:`cwcore.book.notebook.SinkRun`) take them, and refuse a name they do not know, from it.
+    (:class:`cwbook.notebook.SinkRun`) take them, and refuse a name they do not know, from it.
     """
     collect = RUN_PARAMETERS in declared
     missing = sorted(k for k in run.explicit if k not in declared and not collect)
@@ -535,7 +552,7 @@ def _finish(nb, run: Run, stamp_value: str) -> None:
 
 @contextlib.contextmanager
 def _progress_shown(prefix: str):
-    """The notebook's sweeps shown after ``prefix`` while it runs (:mod:`cwcore.book.progress`): its
+    """The notebook's sweeps shown after ``prefix`` while it runs (:mod:`cwbook.progress`): its
     kernel inherits ``$CWCORE_PROGRESS_FILE``, a file of this build's."""
     from .progress import PROGRESS_FILE_ENV_VAR, Watch
 
@@ -761,7 +778,7 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
         if chapter.runs == "per_model":
             mine = [r for r in runs if r.chapter == chapter]
             write_if_changed(generated / chapter.name / "index.md", chapter_index(chapter, mine, name))
-    toc_text = ("# Generated by `python -m cwcore.book build` from run.yml; do not edit.\n"
+    toc_text = ("# Generated by `python -m cwbook build` from run.yml; do not edit.\n"
                 + yaml.safe_dump(toc(chosen, runs, generated, book_dir), sort_keys=False))
     write_if_changed(book_dir / "_toc.yml", toc_text)
     out = build_html(book_dir, build_dir, force=force, figures=figure_folders(runs)) if html else None
@@ -770,15 +787,15 @@ def build(*, profile: str | None = None, models: str | list[str] | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m cwcore.book build|plan``: 0 when done; 2 for bad input (run.yml, a profile, a chapter:
+    """``python -m cwbook build|plan``: 0 when done; 2 for bad input (run.yml, a profile, a chapter:
     one line), 1 when a notebook or the HTML build failed, or for a bug of cwcore (``--debug``: traceback)."""
-    from ..cli import debug_requested, run_command
+    from cwcore.cli import debug_requested, run_command
 
-    return run_command("python -m cwcore.book", lambda: _main(argv), debug_requested(argv))
+    return run_command("python -m cwbook", lambda: _main(argv), debug_requested(argv))
 
 
 def _main(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cwcore.book", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwbook", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for cmd, text in (("build", "execute the notebooks and build the HTML book"),
                       ("plan", "print the notebook runs and their parameters; execute nothing")):
@@ -803,7 +820,7 @@ def _main(argv: list[str] | None) -> int:
     if getattr(args, "jobs", None) is not None:
         if args.jobs < 1:
             parser.error(f"--jobs must be at least 1, got {args.jobs}")
-        from ..runs import JOBS_ENV_VAR
+        from cwcore.runs import JOBS_ENV_VAR
 
         os.environ[JOBS_ENV_VAR] = str(args.jobs)  # the kernels inherit it
     try:  # the configuration, the profile and the chapters first: a mistake there is bad input (status 2)
@@ -812,7 +829,7 @@ def _main(argv: list[str] | None) -> int:
                                   notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
                                   book_dir=args.book_dir)
     except BookError as err:
-        print(f"python -m cwcore.book: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+        print(f"python -m cwbook: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
     try:
         if args.command == "plan":
@@ -823,6 +840,8 @@ def _main(argv: list[str] | None) -> int:
                     params = injected_parameters(run, notebook_parameters(run.source))
                     print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
             return 0
+        if name in PROFILE_MODULES:
+            importlib.import_module(PROFILE_MODULES[name])  # registers the profile's own build
         PROFILE_BUILDS.get(name, build)(profile=name, models=args.models, only=args.only, book_dir=args.book_dir,
               build_dir=args.build_dir, notebooks_dir=args.notebooks_dir, config_path=args.config,
               force=args.force, html=not args.no_html)

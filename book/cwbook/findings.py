@@ -2,7 +2,7 @@
 
 The findings page (chapter 9) does not compute anything itself. The chapters that judge claims write
 their tables into the book's results folder (:func:`save_results`, at the ``results_file`` the book
-runner gives them, see :mod:`cwcore.book`), and the page reads them back (:func:`load_results`):
+runner gives them, see :mod:`cwbook`), and the page reads them back (:func:`load_results`):
 
 - ``04_faithfulness``: the ladder, :func:`cwcore.faithfulness.ladder_comparison` of its first data set;
 - ``05_sink_decomposition``: claims (the columns of :mod:`cwcore.sinks.claims`): the decomposition
@@ -12,7 +12,7 @@ runner gives them, see :mod:`cwcore.book`), and the page reads them back (:func:
 - ``04b_attribution_bench``: the bench's paired comparisons of attribution methods (no claim of the
   paper: they join the faithfulness rows of ``findings.csv``, :func:`bench_findings`);
 
-each at ``<results_dir>/<chapter>/<model>.csv`` (:func:`cwcore.book.results_path`), so a claim is
+each at ``<results_dir>/<chapter>/<model>.csv`` (:func:`cwbook.results_path`), so a claim is
 judged on exactly the numbers, parameters and intervals its chapter shows. :func:`model_findings`
 turns the tables of one model into :class:`Finding` rows; a chapter whose table is missing gives
 "not measured: chapter N was not built".
@@ -27,11 +27,11 @@ ladder's ordering is a chain and holds only when *every* step is measured and ho
 (:func:`cwcore.stats.combine_all`).
 
 The ladder's steps take the verdicts of chapter 4's ladder table (judged there by
-:func:`cwcore.faithfulness.evidence.judge`: the equivalence margin per mode, not measured where the
+:func:`cwbook.ladder.judge`: the equivalence margin per mode, not measured where the
 protocol ranks two rungs identically), so the two tables never disagree on a row. The pre-registered
-primary family (``book/preregistration.md``, :data:`cwcore.faithfulness.evidence.PRIMARY`) is decided
+primary family (``book/preregistration.md``, :data:`cwbook.ladder.PRIMARY`) is decided
 in :func:`findings_csv` with Holm's adjustment over the whole family (:func:`primary_decisions`); chapter 9's
-Table 1 lays that family out (:mod:`cwcore.book.table1`).
+Table 1 lays that family out (:mod:`cwbook.table1`).
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ from typing import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from .. import stats
-from ..core.decomposition import METRICS
+from cwcore import stats
+from cwcore.core.decomposition import METRICS
 from . import registration, results_path
-from ..cache import atomic_write_bytes
-from ..faithfulness import evidence
-from ..stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
+from cwcore.cache import atomic_write_bytes
+from . import ladder as evidence
+from cwcore.stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
                     combine_verdicts)
-from ..sinks import claims as sink_claims
-from ..sinks.engine import EPS as _EPS_OPTION
+from cwcore.sinks import claims as sink_claims
+from cwcore.sinks.engine import EPS as _EPS_OPTION
 
 _EPS = _EPS_OPTION.default  # the sink analyses' one eps (cwcore.sinks.engine.EPS)
 
@@ -160,8 +160,8 @@ def _identical(row) -> bool:
     numbers: the row's ``identical`` column where the ladder table has one, else the protocol read from
     its columns (``protocol``: a main protocol's name; ``unit``, ``scope``). Only a bare table with none of
     them falls back to the numbers (difference and interval exactly 0)."""
-    from ..faithfulness.evidence import PROTOCOLS
-    from ..faithfulness.protocol import Protocol, identical_steps
+    from cwbook.ladder import PROTOCOLS
+    from cwcore.faithfulness.protocol import Protocol, identical_steps
 
     get = row.get if hasattr(row, "get") else (lambda key, default=None: default)
     given = get("identical")
@@ -175,7 +175,7 @@ def _identical(row) -> bool:
 
 
 def _judged(ladder: pd.DataFrame) -> pd.DataFrame:
-    """``ladder`` with the pre-registered verdicts (:func:`cwcore.faithfulness.evidence.judge`) unless
+    """``ladder`` with the pre-registered verdicts (:func:`cwbook.ladder.judge`) unless
     it carries them already (a ``margin`` column: chapter 4's tables do)."""
     if ladder is None or ladder.empty or "margin" in ladder:
         return ladder
@@ -240,7 +240,7 @@ def ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
 
 
 def _primary_steps(ladder: pd.DataFrame, mode: str, data: str | None) -> list[tuple[str, object]]:
-    """[(label, ladder row or None)] of the pre-registered steps (:data:`cwcore.faithfulness.evidence.PRIMARY`),
+    """[(label, ladder row or None)] of the pre-registered steps (:data:`cwbook.ladder.PRIMARY`),
     each under the protocol where it is measured, at the headline importance and range, of ``data``
     (default: the table's first data set), the main variant's."""
     t = _judged(_with_defaults(ladder))
@@ -259,7 +259,7 @@ def _primary_steps(ladder: pd.DataFrame, mode: str, data: str | None) -> list[tu
 
 
 def primary_ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, data: str | None = None) -> Finding:
-    """The ordering over the pre-registered steps (:data:`cwcore.faithfulness.evidence.PRIMARY`): each
+    """The ordering over the pre-registered steps (:data:`cwbook.ladder.PRIMARY`): each
     consecutive step under the protocol where it is measured (1->2 and 3->4 under ``default``, 2->3 under
     ``per-head``), at the headline importance and ratio range, of ``data`` (default: the table's first
     data set); combined by :func:`cwcore.stats.combine_all`."""
@@ -382,7 +382,7 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
     AOPC difference, higher minus lower rung, with its interval, ``p``, ``margin``, verdict and ``mde``,
     the smallest difference the sample could detect), ``contribution beats random``, the combined
     ``ordering`` (:func:`ordering`) and the ``cosine_gain`` (:func:`cosine_gain`), whose estimate is left
-    empty. A step takes the ladder's verdict (:func:`cwcore.faithfulness.evidence.judge`: not measured
+    empty. A step takes the ladder's verdict (:func:`cwbook.ladder.judge`: not measured
     where the protocol ranks its rungs identically). ``primary`` marks the pre-registered family
     (its Holm decision is made over all models by :func:`primary_decisions`)."""
     if ladder is None or ladder.empty:
@@ -424,7 +424,7 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
 def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) -> pd.DataFrame:
     """The pre-registered decision of the primary family in a findings table (:func:`findings_csv`).
 
-    The family is :func:`cwcore.faithfulness.evidence.primary_family` (of ``models``, default the
+    The family is :func:`cwbook.ladder.primary_family` (of ``models``, default the
     pre-registered ones); a member without a row or without a p-value counts as p = 1, so the family
     keeps its registered size. ``p_holm``: Holm's adjustment (:func:`cwcore.stats.holm`) of the members'
     sign-flip ``p``. A member's verdict: not measured when its step is; negligible when its 95%
@@ -558,9 +558,9 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
 
 
 def _with_sample(table: pd.DataFrame, profile: str | None) -> pd.DataFrame:
-    """``sample`` (:func:`cwcore.book.registration.sample_of` the profile) and, on primary rows,
+    """``sample`` (:func:`cwbook.registration.sample_of` the profile) and, on primary rows,
     ``prospective``: whether the test's cell was computed after its registration (every confirmatory test;
-    the 10 exploratory tests outside :data:`cwcore.book.registration.SEEN_BEFORE_REGISTRATION`)."""
+    the 10 exploratory tests outside :data:`cwbook.registration.SEEN_BEFORE_REGISTRATION`)."""
     sample = registration.sample_of(profile or "")
     table = table.assign(sample=sample)
     seen = {tuple(cell) for cell in registration.SEEN_BEFORE_REGISTRATION}
@@ -606,7 +606,7 @@ def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:
     """Rows of a packaged model's weights variant (``<model>-<variant>``, :data:`cwcore.models.VARIANTS`,
     e.g. ``smollm2-135m-requantized``) as rows of that model with the variant named (``requantized``, or
     ``requantized+token-unit``); never primary (they were computed as other models' rows)."""
-    from ..models import VARIANTS as WEIGHTS_VARIANTS
+    from cwcore.models import VARIANTS as WEIGHTS_VARIANTS
 
     table = table.copy()
     for name in WEIGHTS_VARIANTS:

@@ -1,6 +1,6 @@
 """The figure files of the built book: each run's ``output_dir`` copied into ``html/figures/`` with an
-index page (:func:`copy_figures`), for slides. Part of the runner (:mod:`cwcore.book`, which says where each
-run's figures go: :func:`cwcore.book.figure_folders`)."""
+index page (:func:`copy_figures`), for slides. Part of the runner (:mod:`cwbook`, which says where each
+run's figures go: :func:`cwbook.figure_folders`)."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 The ``evidence`` profile of ``book/run.yml`` runs chapter 4's ladder sweeps for hours; the notebook
 keeps its per-document table only in the result cache. This module
 
-* :func:`per_document` calls :func:`cwcore.faithfulness.evidence.ladder_evidence`, the function that
+* :func:`per_document` calls :func:`cwbook.ladder.ladder_evidence`, the function that
   computes notebook ``04_faithfulness``'s cells, with the parameters that notebook runs with under a
-  profile (:func:`cwcore.book.parameters.run_parameters`: run.yml merged as the book runner merges it)
+  profile (:func:`cwbook.parameters.run_parameters`: run.yml merged as the book runner merges it)
   on the first ``n_documents`` documents of one data set, for a subset of protocols, importance signs,
   ratios and metrics, and returns the per-document table with ``data``, ``model`` and ``document``
   columns. :func:`cwcore.data.document_blocks` is prefix-stable and the sweep's pieces are named by
@@ -17,13 +17,13 @@ keeps its per-document table only in the result cache. This module
   (``tests/faithfulness/test_evidence_slice.py`` recomputes the first two documents);
 * :func:`tables` turns the exports into chapter 4's evidence tables (the stacked ladder the notebook
   writes, ``04_faithfulness/<model>.csv`` with its ``.json``; the downstream tasks' steps too, where
-  their committed frame is, :mod:`cwcore.book.evidence_frames`) and rewrites ``findings.csv`` beside
+  their committed frame is, :mod:`cwbook.evidence_frames`) and rewrites ``findings.csv`` beside
   them, so that the findings page shows what the exports hold while the build is unfinished.
 
 It runs as a module, also under a frozen checkout of cwcore (whose code hash keys that checkout's
 cache; a checkout older than this module has it as ``cwcore/faithfulness/evidence_slice.py``)::
 
-    PYTHONPATH=/path/to/frozen CWCORE_CACHE=... python -m cwcore.book.evidence_export export \\
+    PYTHONPATH=/path/to/frozen CWCORE_CACHE=... python -m cwbook.evidence_export export \\
         --profile evidence --model smollm2-135m --data gsm8k --documents 8 --protocols default --require-cached
 """
 
@@ -42,10 +42,10 @@ import numpy as np
 import pandas as pd
 
 import cwcore
-from .. import cache as cw_cache
-from .. import provenance
-from ..data import document_blocks
-from ..faithfulness import evidence
+from cwcore import cache as cw_cache
+from cwcore import provenance
+from cwcore.data import document_blocks
+from . import ladder as evidence
 from . import findings
 from . import results_path, slug
 from . import registration
@@ -67,7 +67,7 @@ EXACT = ("sequence", "n_tokens", "n_removed", "n_candidates")
 FLOATS = ("nll", "clean_nll", "delta_nll")
 #: the other numeric columns of an export
 _NUMERIC = ("ratio", "document", "keep_first_token")
-#: the chapter's parameters that :func:`cwcore.faithfulness.evidence.ladder_evidence` takes as they are
+#: the chapter's parameters that :func:`cwbook.ladder.ladder_evidence` takes as they are
 LADDER_PARAMETERS = ("datasets", "n_sequences", "seq_len", "low_ratios", "ratios", "protocols", "importances",
                      "metrics", "random_seeds", "variants", "variant_models", "n_bootstrap", "seed", "batch_size",
                      "cache")
@@ -77,7 +77,7 @@ _FIRST = ["data", "model", "protocol", "importance", "metric", "kind", "mode", "
 
 def notebook_parameters(profile: str, model: str, config: str | Path | None = None) -> dict:
     """What notebook ``04_faithfulness`` runs with for ``model`` under ``profile``
-    (:func:`cwcore.book.parameters.run_parameters`: its parameters cell's defaults, replaced by what the
+    (:func:`cwbook.parameters.run_parameters`: its parameters cell's defaults, replaced by what the
     book runner injects from run.yml)."""
     return run_parameters(CHAPTER, profile, model, config=config)
 
@@ -120,19 +120,19 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
                  loaded=None, progress: bool = False, sweep=None, variants: Sequence[str] | None = None) -> pd.DataFrame:
     """The per-document table of chapter 4's ladder sweeps under ``profile`` on the first
     ``n_documents`` documents of ``data``: the notebook's own function,
-    :func:`cwcore.faithfulness.evidence.ladder_evidence`, with the notebook's parameters
+    :func:`cwbook.ladder.ladder_evidence`, with the notebook's parameters
     (:func:`notebook_parameters`) for this one data set, with a ``model`` column.
 
     ``importances``, ``ratios``, ``metrics`` and ``variants`` (the variant cells, ``()``: none) default
     to the notebook's and must be among them (a
     ratio subset reads the same pieces: they are named by ratio; it keeps the names of the grids
-    the ratios come from, :meth:`~cwcore.faithfulness.evidence.RatioGrids.restrict`). ``cache``
+    the ratios come from, :meth:`~cwbook.ladder.RatioGrids.restrict`). ``cache``
     defaults to the notebook's ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`.
     ``loaded``: an already loaded ``(model, tokenizer)`` (it must be the notebook's ``model`` in its
     ``dtype``). The merged notebook parameters are in ``table.attrs["parameters"]`` (with ``grids``:
     the named grids run). ``sweep``: what runs one cell (default ``ladder_sweep``;
-    :func:`cwcore.book.evidence_build.ladder_cell` resumes from an export; see
-    :func:`~cwcore.faithfulness.evidence.ladder_evidence`).
+    :func:`cwbook.evidence_build.ladder_cell` resumes from an export; see
+    :func:`~cwbook.ladder.ladder_evidence`).
     """
     p = notebook_parameters(profile, model, config)
     protocols = _subset(protocols, p["protocols"], "protocol")
@@ -190,7 +190,7 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     root = Path(cwcore.__file__).resolve().parent.parent
     status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
     meta = {
-        "what": f"per-document rows of chapter {CHAPTER}'s ladder sweeps (cwcore.faithfulness.evidence.ladder_sweep)"
+        "what": f"per-document rows of chapter {CHAPTER}'s ladder sweeps (cwbook.ladder.ladder_sweep)"
                 " on the first documents of the profile's sample; delta_nll = nll - clean_nll (nats)",
         "commit": provenance.git(root, "rev-parse", "HEAD"),
         "cwcore_modified": None if status is None else bool(status),
@@ -331,10 +331,10 @@ def _recorded_hash(js: Path) -> str | None:
 def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: str, variant: str = "main",
                profile: str, seq_len: int, seed: int, dtype: str, document_ids: Sequence[int],
                out: str | Path | None = None, replace: bool = False) -> tuple[Path, Path]:
-    """Merge the per-document ``rows`` of one ladder cell (as :func:`cwcore.faithfulness.evidence.ladder_sweep`
+    """Merge the per-document ``rows`` of one ladder cell (as :func:`cwbook.ladder.ladder_sweep`
     returns them, for some of its documents) into the export of ``model`` and ``data``, atomically, so
     that a long build's finished documents can be committed while it runs (the evidence build checkpoints
-    every few batches: :func:`cwcore.book.evidence_build.ladder_cell`). Rows with the same key replace
+    every few batches: :func:`cwbook.evidence_build.ladder_cell`). Rows with the same key replace
     the export's; ``replace``: drop the cell's rows first (a cell being recomputed from scratch; ``rows``
     may then be None). ``document_ids``: the whole sample's documents in order (the export's
     ``document_ids``). The JSON's ``cells`` records, per cell, the documents held and the commit and
@@ -408,7 +408,7 @@ def read_committed(model: str, data: str, out: str | Path | None = None) -> tupl
     """(table, provenance) of an export, or None when both files are absent. Text columns read back as
     the sweep wrote them (an empty ``kind`` or ``variant`` is ``""``, not NaN), so that committed rows
     and freshly computed ones group together. Verified on every read
-    (:class:`~cwcore.book.evidence_files.CommittedFileError` with a one-line reason otherwise): the
+    (:class:`~cwbook.evidence_files.CommittedFileError` with a one-line reason otherwise): the
     table's bytes against the SHA-256 its JSON records, its rows, documents and each cell's documents
     against the counts the JSON records (a cell recorded whole holds every document of the sample)."""
     csv, js = paths(model, data, out)
@@ -567,18 +567,18 @@ def _cell_documents(meta: dict, name: str) -> str:
 def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
            all_models: Sequence[str] | None = None) -> list[Path]:
     """Chapter 4's evidence tables from the exports in ``out`` (default ``data/results/evidence``):
-    for each model, :func:`cwcore.faithfulness.evidence.evidence_tables` of every exported data set
+    for each model, :func:`cwbook.ladder.evidence_tables` of every exported data set
     (per protocol and ratio range, the low range ending at the top of the export's low grid; the
     profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
-    column as the notebook stacks them, written by :func:`cwcore.book.findings.save_results` to
+    column as the notebook stacks them, written by :func:`cwbook.findings.save_results` to
     ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
     cells the rows hold (data set x protocol, documents) and what is not in them. Where the model's
-    downstream tasks are committed (``downstream_<model>_<task>.csv.gz``, :func:`cwcore.book.evidence_frames.downstream_cell`),
-    their ladder steps follow, as the notebook computes them (:func:`cwcore.book.evidence_frames.downstream_ladder`, ``data`` = the
+    downstream tasks are committed (``downstream_<model>_<task>.csv.gz``, :func:`cwbook.evidence_frames.downstream_cell`),
+    their ladder steps follow, as the notebook computes them (:func:`cwbook.evidence_frames.downstream_ladder`, ``data`` = the
     task); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
-    test with its controls (:func:`cwcore.book.evidence_frames.anatomy_held_out`) where the anatomy frame
+    test with its controls (:func:`cwbook.evidence_frames.anatomy_held_out`) where the anatomy frame
     of that data set is committed (``anatomy_<model>_<data>.csv.gz``). Then ``out/findings.csv`` is rewritten by
-    :func:`cwcore.book.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
+    :func:`cwbook.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
     order, as chapter 9 writes it), so its sink rows are those of the committed sink tables.
     Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
     differ from the notebook's in-memory one in the 8th digit."""
@@ -666,7 +666,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
 
 # -- command line ----------------------------------------------------------------------------------
 def _arguments(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwbook.evidence_export", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (("export", "write per_document_<model>_<data>.csv.gz/.json"),
                        ("check", "recompute a slice without the cache and compare it with the export")):

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..runs import PROGRESS_FILE_ENV_VAR
+from cwcore.runs import PROGRESS_FILE_ENV_VAR
 
 __all__ = ["PROGRESS_FILE_ENV_VAR", "Watch", "read", "describe"]
 

@@ -8,7 +8,7 @@ one-line reason, and the reader recomputes instead of taking the rows. The row c
 (documents, examples) a table holds are checked against its JSON by the readers
 (:func:`check_rows`, :func:`check_units`).
 
-``python -m cwcore.book.evidence_files --record [FOLDER]`` adds the hash to the JSONs that have none
+``python -m cwbook.evidence_files --record [FOLDER]`` adds the hash to the JSONs that have none
 (files written before the hash existed), leaving every table as it is; a JSON whose recorded hash does
 not match is never rewritten (that pair must be recomputed, or restored from git).
 """
@@ -57,7 +57,7 @@ def read_pair(table: Path, meta_path: Path) -> tuple[bytes, dict]:
     if not recorded:
         raise CommittedFileError(f"{meta_path.name} records no {HASH_FIELD} of {table.name}, so its content cannot "
                                  "be verified: recompute it, or record the hash of a table known to be right with "
-                                 "`python -m cwcore.book.evidence_files --record`")
+                                 "`python -m cwbook.evidence_files --record`")
     if content_hash(data) != recorded:
         raise CommittedFileError(f"{table.name} does not match the SHA-256 its {meta_path.name} records (changed "
                                  "after it was written, or a write interrupted between the two files): not taken; "
@@ -111,7 +111,7 @@ def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
     are: nothing is recomputed, no table is touched). Returns the JSONs changed (``dry_run``: that would
     be). A JSON whose recorded hash differs from its table is left alone (:class:`CommittedFileError`
     lists them at the end: such a pair is not right, whatever the JSON says)."""
-    from ..cache import atomic_write_bytes
+    from cwcore.cache import atomic_write_bytes
 
     changed, wrong = [], []
     for table, meta_path in committed_pairs(Path(folder)):
@@ -130,12 +130,12 @@ def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
     return changed
 
 
-#: the committed evidence of this checkout (as :data:`cwcore.book.evidence_frames.DEFAULT_OUT`)
+#: the committed evidence of this checkout (as :data:`cwbook.evidence_frames.DEFAULT_OUT`)
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cwcore.book.evidence_files", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m cwbook.evidence_files", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", default=str(DEFAULT_OUT), help=f"default {DEFAULT_OUT}")
     parser.add_argument("--record", action="store_true", help=f"add {HASH_FIELD} to the JSONs that have none")
     args = parser.parse_args(argv)
