@@ -113,3 +113,18 @@ def test_readme_cwcore_commands_run(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         out = Path(tmp_path) / args[args.index("--out") + 1]
         assert out.is_file() and out.stat().st_size > 10_000, out
+
+
+def test_the_manual_zoo_table_names_every_zoo_model():
+    """book/manual/models.md's zoo table lists every family of tests/zoo_models.py, and its count is theirs."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from zoo_models import ZOO
+
+    text = (MANUAL / "models.md").read_text()
+    table = text[text.index("| family | what it brings | result |"):]
+    table = table[:table.index("\n\n")] if "\n\n" in table else table
+    named = set(re.findall(r"[a-z][a-z0-9_]+", " ".join(line.split("|")[1] for line in table.splitlines()[2:]).lower()))
+    aliases = {"falcon_alibi": "alibi"}  # "falcon with ALiBi"
+    missing = [name for name in ZOO if name not in named and aliases.get(name) not in named]
+    assert not missing, f"the zoo table lacks {missing}"
+    assert f"runs {len(ZOO)} tiny random models" in " ".join(text.split())
