@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 import cwbook as book
+from cwbook.evidence_files import CommittedFileError
 from cwbook import findings as F
 from cwbook.table1 import primary_table
 from cwcore import stats
@@ -157,6 +158,14 @@ def test_results_round_trip_and_missing_chapters_are_not_measured(tmp_path):
     back = F.load_results(tmp_path, "04_faithfulness", model)
     pd.testing.assert_frame_equal(back.table, lad)
     assert F.save_results(None, lad, chapter="04_faithfulness") is None  # a notebook run by hand
+    assert F.results_verified(path)
+    # an edited table, or a kill between the two writes (a new table beside the old metadata), is refused
+    path.write_text(path.read_text().replace("0.3", "0.31", 1))
+    with pytest.raises(CommittedFileError, match="SHA-256"):
+        F.load_results(tmp_path, "04_faithfulness", model)
+    assert not F.results_verified(path)
+    F.save_results(path, lad, chapter="04_faithfulness", model=model, profile="smoke")
+    assert F.results_verified(path)  # the control: written again, it verifies
 
     claims = claims_table([(SC.CONVEXITY, 0.6, 0.8, 0.5, "above")])
     F.save_results(book.results_path(tmp_path, "06_sinks_as_suppressors", model), claims,

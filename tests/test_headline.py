@@ -88,7 +88,8 @@ def test_a_missing_registered_control_leaves_the_claim_not_measured(tmp_path):
     _claims(tmp_path, "m", {})
     table = book.results_path(tmp_path, "06_sinks_as_suppressors", "m")
     frame = pd.read_csv(table)
-    frame[~frame["key"].str.endswith("/share_interior_minus_random_direction")].to_csv(table, index=False)
+    findings.save_results(table, frame[~frame["key"].str.endswith("/share_interior_minus_random_direction")],
+                          chapter="06_sinks_as_suppressors", model="m", profile="evidence")
     verdicts = headline.registered_sink_verdicts(tmp_path, ["m"])
     assert (verdicts.loc[verdicts["claim"] == "convexity", "verdict"] == "not measured").all()
     assert (verdicts.loc[verdicts["claim"] != "convexity", "verdict"] == "holds").all()

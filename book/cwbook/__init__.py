@@ -423,8 +423,13 @@ def run_stamp(run: Run, parameters: dict) -> str:
 
 
 def outputs_present(run: Run, parameters: dict) -> bool:
-    """False when the run declares ``results_file`` and that table is missing (so it runs again)."""
-    return "results_file" not in parameters or (run.output.parent / parameters["results_file"]).is_file()
+    """False when the run declares ``results_file`` and that table is missing, or does not match the hash
+    its metadata records (edited, torn by a kill): then it runs again."""
+    if "results_file" not in parameters:
+        return True
+    from .findings import results_verified  # findings loads cwcore's statistics: only when a run has a table
+
+    return results_verified(run.output.parent / parameters["results_file"])
 
 
 def read_stamp(executed: Path) -> str | None:

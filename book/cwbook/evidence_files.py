@@ -93,12 +93,16 @@ def check_units(table: pd.DataFrame, groups: Sequence[str], unit: str, expected:
 
 
 def committed_pairs(folder: Path) -> list[tuple[Path, Path]]:
-    """The (table, JSON) pairs of a committed evidence folder: every ``*.csv.gz`` with a JSON beside it."""
+    """The (table, JSON) pairs of a committed evidence folder: every ``*.csv.gz`` with a JSON beside it, and
+    the chapters' tables (``<chapter>/<model>.csv``, written by :func:`cwbook.findings.save_results`)."""
     pairs = []
     for table in sorted(Path(folder).glob("*.csv.gz")):
         meta = table.with_name(table.name[: -len(".csv.gz")] + ".json")
         if meta.is_file():
             pairs.append((table, meta))
+    for table in sorted(Path(folder).glob("*/*.csv")):
+        if table.with_suffix(".json").is_file():
+            pairs.append((table, table.with_suffix(".json")))
     return pairs
 
 

@@ -36,6 +36,7 @@ Table 1 lays that family out (:mod:`cwbook.table1`).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -51,6 +52,7 @@ from cwcore.core.decomposition import METRICS
 from . import registration, results_path
 from cwcore.cache import atomic_write_bytes
 from . import ladder as evidence
+from .evidence_files import HASH_FIELD, CommittedFileError, content_hash, read_pair
 from cwcore.stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
                     combine_verdicts)
 from cwcore.sinks import claims as sink_claims
@@ -773,26 +775,41 @@ def save_results(results_file: str | os.PathLike | None, table: pd.DataFrame, *,
     """Write a chapter's table to ``results_file`` (CSV) and its metadata beside it (``.json``), each
     atomically, the metadata last. ``results_file`` is the path the book runner passes (``None``, a
     notebook run by hand: nothing is written; returns None). ``parameters``: what the chapter ran with
-    (sizes, seed, data), shown by the findings page."""
+    (sizes, seed, data), shown by the findings page. The metadata records the SHA-256 of the table's bytes
+    (``csv_sha256``), which :func:`load_results` verifies."""
     if results_file is None:
         return None
     path = Path(results_file)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, table.to_csv(index=False).encode())
+    data = table.to_csv(index=False).encode()
+    atomic_write_bytes(path, data)
     meta = {"chapter": chapter, "model": model, "profile": profile, "columns": list(map(str, table.columns)),
-            "parameters": _jsonable(dict(parameters or {}))}
+            "parameters": _jsonable(dict(parameters or {})), HASH_FIELD: content_hash(data)}
     atomic_write_bytes(path.with_suffix(".json"), (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
     return path
 
 
 def load_results(results_dir: str | os.PathLike, chapter: str, model: str | None = None) -> Results | None:
     """The table ``chapter`` wrote for ``model`` into ``results_dir`` (:func:`save_results`), or None
-    when it is missing (the chapter was not built) or unfinished (no metadata yet)."""
+    when it is missing (the chapter was not built) or unfinished (no metadata yet). A table whose bytes do
+    not hash to the ``csv_sha256`` its metadata records (edited, or torn by a kill between the two writes)
+    is refused: :class:`cwbook.evidence_files.CommittedFileError`, one line."""
     path = results_path(results_dir, chapter, model)
     meta = path.with_suffix(".json")
     if not path.is_file() or not meta.is_file():
         return None
-    return Results(pd.read_csv(path, keep_default_na=True), json.loads(meta.read_text()))
+    data, metadata = read_pair(path, meta)
+    return Results(pd.read_csv(io.BytesIO(data), keep_default_na=True), metadata)
+
+
+def results_verified(results_file: str | os.PathLike) -> bool:
+    """Whether a chapter's table and its metadata exist and agree (:func:`save_results`'s hash)."""
+    path = Path(results_file)
+    try:
+        read_pair(path, path.with_suffix(".json"))
+    except (CommittedFileError, FileNotFoundError):
+        return False
+    return True
 
 
 def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Finding], dict[str, Results]]:

@@ -407,6 +407,9 @@ class AttentionSession:
         self._causal_masks: dict = {}
         self._validity: dict = {}  # id(mask) -> (mask, key validity): every layer of a forward shares one mask
         self._cross: dict[int, bool] = {}  # layer -> whether its current call attends to another sequence
+        #: ``[batch, decoder token]`` bool, False at a padded decoder token (the decoder_attention_mask a forward
+        #: is given): the padding of a cross-attention call's queries, which that call's own mask cannot show
+        self.decoder_query_valid: torch.Tensor | None = None
 
     @property
     def layers(self) -> set[int]:
@@ -452,6 +455,14 @@ class AttentionSession:
         self._validity[id(attention_mask)] = (attention_mask, (batch, q_len, k_len), found)
         return found
 
+    def _decoder_rows(self, batch: int, q_len: int) -> torch.Tensor | None:
+        """The validity of a cross-attention call's queries ``[batch, query]``: :attr:`decoder_query_valid` when
+        it describes exactly these queries (a generation step with a cache has other shapes: None), else None."""
+        valid = self.decoder_query_valid
+        if valid is None or tuple(valid.shape) != (batch, q_len) or bool(valid.all()):
+            return None
+        return valid
+
     def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
                      learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
                      key_spans=None, attention_mask: torch.Tensor | None = None,
@@ -468,8 +479,10 @@ class AttentionSession:
         batch, heads, q_len, k_len = probs.shape
         self._refuse_unmatched_projection(block, heads, value.shape[-1])  # before any geometry is built
         key_valid, rows_valid = self.mask_validity(attention_mask, batch, q_len, k_len)
-        if key_valid is None or self._cross.get(block.layer):
-            query_valid = None  # a cross-attention call's queries are another sequence, whose padding its mask lacks
+        if self._cross.get(block.layer):
+            query_valid = self._decoder_rows(batch, q_len)  # its mask describes the encoder's keys, not its queries
+        elif key_valid is None:
+            query_valid = None
         elif q_len == k_len:
             query_valid = key_valid  # self-attention without a cache: query i is key i
         else:

@@ -497,6 +497,9 @@ def decompose(
         recorded[call.layer] = LayerDecomposition.from_call(call)
 
     session = AttentionSession(model, observers={layer: [record] for layer in wanted}, compute_dtype=compute_dtype)
+    decoder_mask = inputs.get("decoder_attention_mask")  # an encoder-decoder's padded decoder tokens: their cross-
+    if isinstance(decoder_mask, torch.Tensor) and decoder_mask.dim() == 2:  # attention rows are padded queries too
+        session.decoder_query_valid = decoder_mask.bool()
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
     missing = sorted(set(wanted) - set(recorded))

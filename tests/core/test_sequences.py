@@ -95,6 +95,33 @@ def test_an_encoder_decoder_with_equal_lengths_keeps_the_encoder_mask_on_the_enc
             assert d[layer].value_norm[1, :, 6:].isnan().all()
 
 
+def test_padded_decoder_tokens_are_padded_queries_of_cross_attention_too():
+    """A right-padded decoder (``decoder_attention_mask``): its padded tokens are padded query rows in the
+    decoder's self-attention *and* in its cross-attention (NaN by the decomposition's convention), whose own
+    mask describes the encoder's keys only; every real row is the eager model's."""
+    model = bart()
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, VOCAB, (2, 7), generator=generator)
+    decoder_ids = torch.randint(3, VOCAB, (2, 8), generator=generator)
+    decoder_mask = torch.ones(2, 8, dtype=torch.long)
+    decoder_mask[1, 5:], decoder_ids[1, 5:] = 0, 1
+    inputs = dict(input_ids=ids, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask)
+    with torch.no_grad():
+        eager = model(**inputs, output_attentions=True)
+    d = cwcore.decompose(model, **inputs)
+    cross = [layer for layer in d.layers if d[layer].block_name.endswith("encoder_attn")]
+    assert cross == [3, 5]
+    for layer, eager_map in zip(cross, eager.cross_attentions):
+        assert d[layer].inter[1, :, 5:].isnan().all()  # padded decoder tokens
+        assert not d[layer].inter[0].isnan().any() and not d[layer].inter[1, :, :5].isnan().any()
+        torch.testing.assert_close(d.attention[layer][1, :, :5], eager_map[1, :, :5], rtol=0, atol=1e-6)
+        sums = d[layer].inter[1, :, :5].sum((0, 2))
+        torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-4)
+    # the control: the same tokens without the decoder's mask are all real rows
+    unmasked = cwcore.decompose(model, input_ids=ids, decoder_input_ids=decoder_ids)
+    assert not unmasked[3].inter.isnan().any()
+
+
 # ---- relative position bias (T5's position_bias): additive on the scores ---------------------------------
 @pytest.mark.parametrize("family", ["t5", "umt5"])
 def test_relative_position_bias_is_exact_against_the_eager_run(family):
