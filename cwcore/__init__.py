@@ -16,7 +16,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> submodule that defines it (each concept has one home; see the README's layout table)
+# public name -> submodule that defines it (each concept has one home; see ARCHITECTURE.md)
 _EXPORTS = {
     "UnsupportedModelError": "core.architectures",
     "attention_blocks": "core.architectures",

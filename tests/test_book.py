@@ -172,6 +172,29 @@ def test_page_chapters_are_listed_in_the_toc_and_never_executed(tiny):
         book.plan(config, only="01", notebooks_dir=nbdir, generated_dir=bookdir / "generated")
 
 
+def test_a_page_may_live_in_a_folder_of_the_book(tiny):
+    """The manual's pages, book/manual/<name>.md, are chapters `- page: manual/<name>`; a path that leaves
+    book/ or points into a folder the build writes is refused."""
+    bookdir, nbdir = tiny
+    config = yaml.safe_load(yaml.safe_dump(RUN_YML))
+    config["chapters"].append({"page": "manual/cli"})
+    (bookdir / "manual").mkdir()
+    (bookdir / "manual" / "cli.md").write_text("# The command line\n")
+    name, chapters, runs = book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    assert (chapters[-1].name, chapters[-1].runs) == ("manual/cli", "page")
+    entries = book.toc(chapters, runs, bookdir / "generated", bookdir)["chapters"]
+    assert entries[-1] == {"file": "manual/cli"}
+    (bookdir / "manual" / "cli.md").unlink()
+    with pytest.raises(book.BookError, match=r"lists page manual/cli but .*manual/cli\.md does not exist"):
+        book.plan(config, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+    for bad in ("../notes", "manual/../notes", "/notes", "manual//cli", "generated/notes", "_build/notes",
+                "manual\\cli", "manual/cli.md"):
+        broken = yaml.safe_load(yaml.safe_dump(RUN_YML))
+        broken["chapters"].append({"page": bad})
+        with pytest.raises(book.BookError, match="inside book/ without '.md'"):
+            book.plan(broken, notebooks_dir=nbdir, generated_dir=bookdir / "generated")
+
+
 def test_only_must_match_one_chapter(tiny):
     with pytest.raises(book.BookError, match="matches no chapter"):
         plan_tiny(tiny, only="99")

@@ -373,7 +373,7 @@ def test_loader_defaults_are_safe(tmp_path, monkeypatch):
 def test_conflicting_arguments_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="device_map"):
         load_model("minilm-l6", device="cpu", device_map="auto")
-    with pytest.raises(ValueError, match="'eager', 'sdpa'"):  # sdpa is one of the two (the README's SDPA path)
+    with pytest.raises(ValueError, match="'eager', 'sdpa'"):  # sdpa is one of the two (the manual's SDPA path, How it works)
         load_model("minilm-l6", attn_implementation="flex_attention")
 
 
@@ -507,7 +507,7 @@ def test_minilm_is_an_eager_bert_encoder_with_meaningful_embeddings():
 
 
 def test_a_model_loaded_with_sdpa_decomposes_as_its_eager_load(tmp_path):
-    """The README's SDPA path: load_model(..., attn_implementation="sdpa") loads, keeps SDPA, and its
+    """The SDPA path of the manual (How it works): load_model(..., attn_implementation="sdpa") loads, keeps SDPA, and its
     decomposition equals the eager load's (float32 rounding); other implementations are refused by name."""
     import cwcore
 

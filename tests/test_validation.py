@@ -435,7 +435,7 @@ def test_importing_this_checkout_from_inside_it_is_silent():
 
 
 def test_a_callable_returning_the_attention_works_on_texts_of_different_lengths(model):
-    """The README's example: padded query rows are NaN by the decomposition's convention, not the metric's
+    """The manual's example (attribution): padded query rows are NaN by the decomposition's convention, not the metric's
     failure; the callable gives exactly the ``attention`` curve."""
     texts = [" ".join(WORDS[:3]), " ".join(WORDS[:9]), " ".join(WORDS[2:7])]
     tok = word_tokenizer()

@@ -86,7 +86,9 @@ RUN_MODES = ("once", "per_model")
 RESULTS = "results"  # generated/results/<profile>/: the tables chapters write for later pages
 RUN_PARAMETERS = "run_parameters"  # a dict parameter: run.yml's parameters the notebook does not declare by name
 RUNNER_PARAMETERS = ("profile", "model", "models", "output_dir", "results_file", "results_dir")  # added by plan()
-PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md
+PAGE = "page"  # a chapter entry `- page: NAME`: the static page book/NAME.md (NAME may hold folders: manual/cli)
+#: folders of book/ that the build writes, so a static page cannot live there
+RESERVED_PAGE_FOLDERS = ("generated", "_build")
 BUILD_STAMP = ".cwcore-build-stamp"
 # Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
 # (no ipywidgets here) would otherwise print to stderr in every page that imports transformers.
@@ -175,8 +177,11 @@ def chapters(config: dict) -> list[Chapter]:
             if unknown:
                 raise BookError(f"run.yml page {entry[PAGE]}: unknown keys {sorted(unknown)} (a page is not executed)")
             name = str(entry[PAGE])
-            if not name or Path(name).name != name or name.endswith(".md"):
-                raise BookError(f"run.yml page {name!r}: give the name of book/<name>.md without '.md' or folders")
+            parts = name.split("/")
+            if (not name or name.endswith(".md") or "\\" in name or any(p in ("", ".", "..") for p in parts)
+                    or parts[0] in RESERVED_PAGE_FOLDERS):
+                raise BookError(f"run.yml page {name!r}: give the path of book/<name>.md inside book/ without '.md' "
+                                f"(a folder such as manual/models is allowed; not '..', not {', '.join(RESERVED_PAGE_FOLDERS)})")
             out.append(Chapter(name, PAGE))
             continue
         if not isinstance(entry, dict) or "notebook" not in entry:
