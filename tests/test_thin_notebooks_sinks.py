@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = REPO / "notebooks"
 #: notebook stem -> non-blank lines of its code cells outside exercises and solutions before the conversion
 THIN = {
+    "05_sink_decomposition": 412,
     "06_sinks_as_suppressors": 526,
 }
 
