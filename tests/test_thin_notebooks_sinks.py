@@ -20,6 +20,7 @@ NOTEBOOKS = REPO / "notebooks"
 THIN = {
     "05_sink_decomposition": 412,
     "06_sinks_as_suppressors": 526,
+    "07_semantic_cone": 282,
 }
 
 
