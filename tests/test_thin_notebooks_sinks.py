@@ -21,6 +21,7 @@ THIN = {
     "05_sink_decomposition": 412,
     "06_sinks_as_suppressors": 526,
     "07_semantic_cone": 282,
+    "09_findings": 136,
 }
 
 
