@@ -199,14 +199,14 @@ def _sink_heads(r: SinkDecomposition) -> None:
 
 
 def _positions(r: SinkDecomposition) -> None:
-    from cwcore import sinks, stats
+    from cwcore import stats
+    from cwcore.sinks.intervals import pooled_by_layer
 
     eps = r.eps
     rows = []
     for name in r.datasets:
         rates = r.results[name]["rates"]
-        by_layer = sinks.intervals.pooled_by_layer(rates.assign(sink=rates["sink_rate"] > eps), "sink",
-                                                   statistic="share", **r.boot)
+        by_layer = pooled_by_layer(rates.assign(sink=rates["sink_rate"] > eps), "sink", statistic="share", **r.boot)
         first_class = "bos" if r.sinks.blocks[name] and rates["first_token_is_bos"].iloc[0] == 1 else "first"
         for row in by_layer.itertuples():
             part = rates if row.scope == "all" else rates[rates["layer_type"] == row.scope]
