@@ -1,0 +1,192 @@
+"""Chapter 9, the findings page: the tables it shows beside the committed evidence's headline (which
+:mod:`cwbook.headline` and :mod:`cwbook.table1` draw), read from the chapters' results tables.
+
+:func:`run` reads this build's tables (``results_dir``) and, where the checkout has them, the committed
+evidence tables, and returns :class:`Findings`: Table 1 of the primary claims, the scoreboard of every claim
+per model, the faithfulness and sink rows of ``findings.csv``, the comparison with the committed evidence,
+where each chapter's table came from, and the phrases the prose quotes (``phrases``, glued under those names).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+#: the columns of the faithfulness rows the page shows
+STEP_COLUMNS = ["model", "data", "protocol", "importance", "range", "mode", "claim", "verdict", "estimate", "interval",
+                "n_units", "unit", "mde"]
+
+
+@dataclass
+class Findings:
+    """The findings page's tables for ``models`` (one row per claim, part or step unless said otherwise).
+
+    * ``table1``: the primary claims' table (:func:`cwbook.table1.primary_table`), from the committed
+      evidence with this build beside it, or from this build alone;
+    * ``board`` / ``table``: the scoreboard (claims x models) and the claims' table with what was measured;
+    * ``sources``: per chapter and model, whether its table was read, at which profile and parameters;
+    * ``faith_findings``: this build's ``findings.csv``; ``steps`` / ``sink_rows``: its faithfulness and
+      chapter 5-7 rows, as shown; ``compared``: the parts both this build and the evidence measured.
+    """
+
+    models: list
+    profile: str
+    committed_dir: Path
+    use_committed: bool
+    phrases: dict = field(default_factory=dict)
+    table1: pd.DataFrame = None
+    board: pd.DataFrame = None
+    table: pd.DataFrame = None
+    sources: pd.DataFrame = None
+    faith_findings: pd.DataFrame = None
+    steps: pd.DataFrame = None
+    sink_rows: pd.DataFrame = None
+    compared: pd.DataFrame = None
+
+
+def _interval(frame: pd.DataFrame) -> list[str]:
+    return [f"{lo:+.3f} – {hi:+.3f}" if pd.notna(lo) else "" for lo, hi in zip(frame["ci_low"], frame["ci_high"])]
+
+
+def run(models, results_dir: str | os.PathLike, profile: str, evidence_dir: str | os.PathLike | None = None) -> Findings:
+    """The findings page's tables: ``models`` of the book's per_model chapters, ``results_dir`` the chapters'
+    tables of this build, ``profile`` its run profile, ``evidence_dir`` the committed evidence tables (None:
+    ``data/results/evidence`` of this checkout)."""
+    from cwbook import findings
+
+    committed_dir = Path(evidence_dir) if evidence_dir else findings.EVIDENCE_DIR
+    use_committed = profile != "evidence" and (committed_dir / "PROVENANCE").is_file()
+    r = Findings(models=list(models), profile=profile, committed_dir=committed_dir, use_committed=use_committed)
+    _primary(r, results_dir)
+    _scoreboard(r, results_dir)
+    r.faith_findings = findings.findings_csv(results_dir, r.models, profile)
+    _faithfulness_rows(r)
+    _compared(r)
+    return r
+
+
+def _primary(r: Findings, results_dir) -> None:
+    from cwbook import findings
+    from cwbook import ladder as evidence
+    from cwbook.table1 import PRIMARY_COLUMNS, primary_table
+
+    models, profile, committed_dir = r.models, r.profile, r.committed_dir
+    live_rows = findings.findings_csv(results_dir, models, profile)
+    if r.use_committed:
+        evidence_rows = findings.findings_csv(committed_dir, list(evidence.PRIMARY["models"]), "evidence")
+        r.table1 = primary_table(evidence_rows, live_rows)
+        r.phrases["table1_source"] = (
+            f"the committed evidence (`{committed_dir.name}/`, 64 documents per data set), "
+            f"with this build's verdicts (profile `{profile}`, {', '.join(models)}) beside it as a rerun check "
+            "(`rerun`: |c| / signed in comprehensiveness; the same in sufficiency)")
+        source_rows = evidence_rows
+    else:  # an evidence build, or an installed package without data/results: this build is the evidence
+        r.table1 = primary_table(live_rows, None, models)
+        r.phrases["table1_source"] = f"this build (profile `{profile}`)" + (
+            "" if profile == "evidence" else "; no committed evidence was found beside it")
+        source_rows = live_rows
+    measured = r.table1[~r.table1["claim"].eq("ordering")]
+    holding = {label: int(measured[label].str.startswith(findings.HOLDS).sum()) for *_, label in PRIMARY_COLUMNS}
+    requantized = source_rows[(source_rows["variant"] == "requantized") & source_rows["claim"].str.startswith("step")]
+    if requantized.empty:
+        r.phrases["requantized_status"] = "its rows are not in these findings yet, so this confound is stated, not tested"
+    else:
+        main_rows = source_rows[source_rows["primary"]]
+        survive = requantized.merge(main_rows, on=["model", "data", "mode", "protocol", "importance", "range", "claim"],
+                                    suffixes=("", "_main"))
+        same = int((survive["verdict"] == survive["verdict_main"]).sum())
+        r.phrases["requantized_status"] = (
+            f"of the {len(survive)} primary steps it ran, {same} keep their verdict on the "
+            f"re-quantised weights ({', '.join(sorted(set(survive['model'])))}; `variant = requantized` in "
+            "`findings.csv`, exploratory and unadjusted)")
+    r.phrases["table1_counts"] = "; ".join(f"{label}: {n} of {len(measured)} steps hold" for label, n in holding.items())
+
+
+def _scoreboard(r: Findings, results_dir) -> None:
+    from cwbook import findings
+
+    # the verdicts a reader reads come from the evidence-size tables where they are committed; this build's
+    # own (smaller) tables are the rerun check above
+    results, sources = {}, []
+    for name in r.models:
+        # a model the evidence holds is read at evidence size; any other model (your own) from this build
+        held = r.use_committed and findings.load_results(r.committed_dir, "04_faithfulness", name) is not None
+        verdict_dir = r.committed_dir if held else results_dir
+        results[name], read = findings.model_findings(verdict_dir, name)
+        for chapter in [*findings.CHAPTERS, findings.BENCH_CHAPTER]:
+            got = read.get(chapter)
+            params = got.metadata.get("parameters", {}) if got else {}
+            sources.append({"chapter": chapter, "model": name,
+                            "table": "read" if got else "not built",
+                            "profile": got.metadata.get("profile") if got else "",
+                            "ran with": ", ".join(f"{k} = {v}" for k, v in params.items())})
+    r.sources = pd.DataFrame(sources)
+    r.table = findings.findings_table(results)
+    r.board = findings.scoreboard(r.table)
+    judged = r.table[r.table["key"] != "encoders"]
+
+    def counted(name):
+        n = findings.verdict_counts(judged, name)
+        return f"{name}: " + ", ".join(f"{n[v]} {v}" for v in findings.VERDICTS)
+
+    r.phrases["counts"] = "; ".join(counted(name) for name in r.models)
+    built = sorted({s["chapter"].split("_")[0] for s in sources if s["table"] == "read"})
+    r.phrases["caption"] = (f"{', '.join(r.models)}; "
+                            + ("the committed evidence, 64 documents per data set, for the models it holds"
+                               if r.use_committed else f"profile `{r.profile}`")
+                            + "; tables of chapter(s) "
+                            f"{', '.join(c.lstrip('0') for c in built) if built else 'none'}")
+
+
+def _faithfulness_rows(r: Findings) -> None:
+    faith = r.faith_findings
+    steps = faith[faith["claim"].str.startswith("step") | faith["claim"].isin(
+        ["ordering", "cosine_gain", "contribution beats random"]) | faith["measured"].str.startswith(
+        "chapter 4b", na=False)]
+    r.steps = steps.assign(interval=_interval(steps))[STEP_COLUMNS]
+    r.phrases["n_findings"] = f"{len(faith)} rows"
+    sink_rows = faith[faith["measured"].str.match(r"chapter [567],", na=False)]
+    r.phrases["n_sink_rows"] = f"{len(sink_rows)} rows"
+    r.sink_rows = (sink_rows.assign(interval=_interval(sink_rows))
+                   [["model", "data", "claim", "source", "protocol", "verdict", "estimate", "interval", "n_units"]]
+                   .rename(columns={"protocol": "part", "n_units": "n", "source": "claim by"}))
+
+
+def _compared(r: Findings) -> None:
+    from cwbook import findings
+    from cwbook.evidence_build import provenance_lines
+
+    committed_dir, profile = r.committed_dir, r.profile
+    provenance = committed_dir / "PROVENANCE"
+    if profile == "evidence":
+        r.phrases["committed_note"] = ("This page was built with the `evidence` profile: the numbers above *are* the "
+                                       "evidence tables, so there is nothing to set beside them.")
+        compared = pd.DataFrame()
+    elif not provenance.is_file():
+        r.phrases["committed_note"] = (f"No committed evidence was found (`{committed_dir}` has no PROVENANCE): an "
+                                       "installed package does not ship `data/results/`; a checkout of the repository "
+                                       "does.")
+        compared = pd.DataFrame()
+    else:
+        committed = findings.findings_csv(committed_dir, r.models, "evidence")
+        compared = findings.beside(r.faith_findings, committed, live_name=profile, committed_name="evidence")
+        compared = compared[compared["evidence"].notna()]  # what the evidence measured
+        head = compared[~compared["claim"].str.contains(r"\[", regex=True)]  # the paper's own readings
+        lines = "; ".join(provenance_lines(provenance))  # each build: its chapters, commit, time, machine
+        r.phrases["committed_note"] = (
+            f"The committed tables (`{committed_dir.name}/`: {lines}) hold "
+            f"{len(committed)} findings rows; {len(compared)} of them have a row here too, and on "
+            f"{int(compared['agree'].sum())} of those the two profiles give the same verdict. The table shows "
+            f"the {len(head)} parts of the paper's own readings (the bracketed variants are in both "
+            "`findings.csv` files).")
+        compared = head
+    r.phrases["committed_table_note"] = (
+        "" if compared.empty else
+        "Each part measured by both profiles: estimate [95% interval] and verdict at this page's "
+        "size and at the evidence size, the number of independent units behind each (`n`) and the smallest "
+        "effect each could detect (`mde`). `agree`: the same verdict.")
+    r.compared = compared.drop(columns=["mode", "importance", "range"], errors="ignore").rename(
+        columns={"protocol": "part"})
