@@ -41,6 +41,8 @@ _EXPORTS = {
     "AttentionSession": "core.attention",
     "LayerCall": "core.attention",
     "intervene": "core.interventions",
+    "attribute": "attribution",
+    "list_attribution_methods": "attribution",
     "PACKAGED_MODELS": "models",
     "load_model": "models",
     "PACKAGED_DATASETS": "data",
