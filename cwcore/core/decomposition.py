@@ -336,10 +336,13 @@ class Decomposition:
     )
 
     def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None,
-                 num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None):
+                 num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None,
+                 input_ids: torch.Tensor | None = None):
         self.layer_decompositions = dict(sorted(layers.items()))
         self.outputs = outputs
         self.attention_mask = attention_mask
+        #: ``[batch, sequence]`` the token ids decomposed (None when the model was given embeddings)
+        self.input_ids = input_ids
         self.num_blocks = num_blocks
         self.undecomposable = dict(undecomposable or {})
 
@@ -366,6 +369,70 @@ class Decomposition:
         if name in Decomposition.FIELDS:
             return _FieldView(self.layer_decompositions, name, self)
         raise AttributeError(name)
+
+    def to_frame(self, layers: int | Iterable[int] | None = None, heads: int | Iterable[int] | None = None,
+                 kind: str = "inter", tokenizer=None):
+        """A tidy table (pandas DataFrame): one row per (sequence, layer, head, query, key) term.
+
+        Columns: ``sequence`` (row of the batch), ``layer``, ``head``, ``query``, ``key`` (positions
+        among the sequence's real tokens, so a padded row reads like its unpadded sequence),
+        ``query_token`` and ``key_token`` (with a ``tokenizer``: its ``convert_ids_to_tokens`` of the
+        decomposed ids), ``attention`` (alpha_ij as the model applies it), ``norm_ratio``
+        (||v~_j|| / ||o_i||), ``cosine`` (cos(o_i, v~_j)) and ``contribution`` (c_ij), the last three
+        normalised by the output of ``kind`` (``"inter"``: the combined output, ``"intra"``: the head's).
+        Padded queries and keys have no rows; in a causal layer (all attention above the diagonal exactly
+        zero) neither do the future keys. ``layers``/``heads``: a number, a list, or None for all.
+        """
+        import pandas as pd
+
+        chosen = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
+        input_ids = getattr(self, "input_ids", None)  # a decomposition pickled before it held them has none
+        if tokenizer is not None and input_ids is None:
+            raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
+                             "so it has no tokens to name")
+        frames = []
+        for layer in chosen:
+            ld = self[layer]
+            b, h, q, k = ld.attention.shape
+            if q != k:
+                raise ValueError(f"to_frame: layer {layer} has {q} queries and {k} keys (a cache); decompose the "
+                                 "whole sequence to tabulate it")
+            picked = list(range(h)) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
+            bad = [x for x in picked if not (isinstance(x, int) and 0 <= x < h)]
+            if bad:
+                raise ValueError(f"to_frame: heads {bad} are out of range: layer {layer} has {h} heads (0 to {h - 1})")
+            index = torch.tensor(picked, dtype=torch.long, device=ld.attention.device)
+            valid = self._valid_tokens(ld, b, k)
+            pairs = valid[:, :, None] & valid[:, None, :]
+            attention = ld.attention
+            if bool((attention.nan_to_num(0.0).triu(1) == 0).all()):  # a causal layer: future keys are no terms
+                pairs = pairs & torch.ones(q, k, dtype=torch.bool, device=pairs.device).tril()
+            keep = pairs[:, None].expand(b, len(picked), q, k)
+            rows, head, query, key = keep.nonzero(as_tuple=True)
+            position = (valid.long().cumsum(-1) - 1)
+            columns = {
+                "sequence": rows.cpu().numpy(), "layer": layer, "head": index[head].cpu().numpy(),
+                "query": position[rows, query].cpu().numpy(), "key": position[rows, key].cpu().numpy(),
+            }
+            if tokenizer is not None:
+                ids = input_ids.to(rows.device)
+                names = {int(t): tokenizer.convert_ids_to_tokens(int(t)) for t in ids.unique()}
+                columns["query_token"] = [names[int(t)] for t in ids[rows, query]]
+                columns["key_token"] = [names[int(t)] for t in ids[rows, key]]
+            for name, values in (("attention", attention), ("norm_ratio", ld.relative_norm(kind)),
+                                 ("cosine", ld.cosine(kind)), ("contribution", ld.contribution(kind))):
+                columns[name] = values[:, index][keep].cpu().numpy()
+            frames.append(pd.DataFrame(columns))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def _valid_tokens(self, ld: LayerDecomposition, batch: int, length: int) -> torch.Tensor:
+        """``[batch, length]`` bool: the real tokens (the attention mask's, else the layer's valid keys)."""
+        device = ld.attention.device
+        if self.attention_mask is not None and self.attention_mask.shape[-1] == length:
+            return self.attention_mask.to(device).bool()
+        if ld.key_valid is not None:
+            return ld.key_valid.to(device).bool()
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
 
     def __repr__(self) -> str:
         skipped = f", undecomposable={sorted(self.undecomposable)}" if self.undecomposable else ""
@@ -498,4 +565,4 @@ def decompose(
             f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
             "forward pass, so cwcore could not decompose them")
     return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
-                         undecomposable=undecomposable)
+                         undecomposable=undecomposable, input_ids=inputs.get("input_ids"))
