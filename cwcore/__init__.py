@@ -24,35 +24,40 @@ warn_if_other_checkout(__path__[0])  # a clone sharing another checkout's enviro
 
 __version__ = "0.1.0"
 
-# public name -> submodule that defines it (each concept has one home; see the README's layout table)
+# public name -> submodule that defines it (each concept has one home; see the README's layout table):
+# the user's verbs and the few classes they meet; the engine stays in its modules (cwcore.core.attention, ...)
 _EXPORTS = {
+    "load_model": "models",
+    "PACKAGED_MODELS": "models",
+    "load_dataset": "data",
+    "PACKAGED_DATASETS": "data",
+    "decompose": "core.decomposition",
+    "Decomposition": "core.decomposition",
+    "summarize": "core.summary",
+    "intervene": "core.interventions",
+    "attribute": "attribution",
+    "list_attribution_methods": "attribution",
     "UnsupportedModelError": "core.architectures",
+    "register_output_projection": "core.architectures",
+    # the paper's section on faithfulness by causal intervention
+    "faithfulness_curve": "faithfulness",
+    "aopc": "faithfulness",
+}
+#: subpackages named at the top level (``cwcore.sinks.sink_rates(...)``: the sink analyses)
+_SUBPACKAGES = ("sinks",)
+#: names the top level exported before 0.2, still reachable there with a DeprecationWarning
+_MOVED = {
     "attention_blocks": "core.architectures",
     "decomposable_layers": "core.architectures",
-    "register_output_projection": "core.architectures",
     "METRICS": "core.decomposition",
-    "Decomposition": "core.decomposition",
     "LayerDecomposition": "core.decomposition",
-    "decompose": "core.decomposition",
     "prepare_inputs": "core.decomposition",
-    "summarize": "core.summary",
     "Summary": "core.summary",
     "LayerSummary": "core.summary",
     "AttentionSession": "core.attention",
     "LayerCall": "core.attention",
-    "intervene": "core.interventions",
-    "attribute": "attribution",
-    "list_attribution_methods": "attribution",
-    "PACKAGED_MODELS": "models",
-    "load_model": "models",
-    "PACKAGED_DATASETS": "data",
-    "load_dataset": "data",
-    # section 5: faithfulness by causal intervention
-    "faithfulness_curve": "faithfulness",
     "downstream_eval": "faithfulness",
-    "aopc": "faithfulness",
     "ladder_comparison": "faithfulness",
-    # section 6: the value geometry of attention sinks
     "sink_rates": "sinks",
     "sink_decomposition": "sinks",
     "anti_alignment": "sinks",
@@ -60,7 +65,9 @@ _EXPORTS = {
     "semantic_cone": "sinks",
     "run_analyses": "sinks",
 }
-__all__ = sorted(_EXPORTS)
+#: a moved name whose new home spells it differently
+_MOVED_NAMES: dict[str, str] = {}
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
 
 
 def __getattr__(name: str):
@@ -68,6 +75,15 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value
         return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f".{name}", __name__)
+    if name in _MOVED:  # not cached in globals: every use says where the name lives now
+        import warnings
+
+        home = f"cwcore.{_MOVED[name]}"
+        warnings.warn(f"cwcore.{name} is deprecated: use {home}.{name} (the top level holds the user's verbs only)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), _MOVED_NAMES.get(name, name))
     raise AttributeError(f"module 'cwcore' has no attribute {name!r}")
 
 

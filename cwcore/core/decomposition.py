@@ -506,7 +506,7 @@ def decompose(
     model's context raise at once. ``layers`` is a layer number, a list of them, or None for all;
     layer numbers count the model's softmax-attention blocks in forward order (in a hybrid model the
     state-space or linear-attention layers are not numbered; ``d[l].block_name`` and
-    :func:`cwcore.attention_blocks` say which module each number is);
+    :func:`cwcore.core.architectures.attention_blocks` say which module each number is);
     ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name (default: float64 for a float64
     model, float32 otherwise). A block cwcore numbers but cannot decompose (``nn.MultiheadAttention``,
     or a block whose output projection no finder locates) is refused with its reason when asked for; with
