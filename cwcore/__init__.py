@@ -45,7 +45,7 @@ _EXPORTS = {
 }
 #: subpackages named at the top level (``cwcore.sinks.sink_rates(...)``: the sink analyses)
 _SUBPACKAGES = ("sinks",)
-#: names the top level exported before 0.2, still reachable there with a DeprecationWarning
+#: names the top level used to export, still reachable there with a DeprecationWarning (see CHANGELOG.md)
 _MOVED = {
     "attention_blocks": "core.architectures",
     "decomposable_layers": "core.architectures",
@@ -66,7 +66,8 @@ _MOVED = {
     "run_analyses": "sinks",
 }
 #: a moved name whose new home spells it differently
-_MOVED_NAMES: dict[str, str] = {}
+_MOVED_NAMES = {"anti_alignment": "sink_anti_alignment", "convexity": "sink_convexity",
+                "semantic_cone": "sink_semantic_cone"}
 __all__ = sorted([*_EXPORTS, *_SUBPACKAGES])
 
 
@@ -80,10 +81,10 @@ def __getattr__(name: str):
     if name in _MOVED:  # not cached in globals: every use says where the name lives now
         import warnings
 
-        home = f"cwcore.{_MOVED[name]}"
-        warnings.warn(f"cwcore.{name} is deprecated: use {home}.{name} (the top level holds the user's verbs only)",
+        home, new = f"cwcore.{_MOVED[name]}", _MOVED_NAMES.get(name, name)
+        warnings.warn(f"cwcore.{name} is deprecated: use {home}.{new} (the top level holds the user's verbs only)",
                       DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(home), _MOVED_NAMES.get(name, name))
+        return getattr(importlib.import_module(home), new)
     raise AttributeError(f"module 'cwcore' has no attribute {name!r}")
 
 
