@@ -4,7 +4,7 @@ One call from a model to its decomposition::
 
     model, tokenizer = cwcore.load_model("smollm2-135m")
     d = cwcore.decompose(model, **tokenizer("The cat sat", return_tensors="pt"))
-    d.inter[3]      # [batch, head, query, key] contribution weights of layer 3
+    d[3].contribution("inter")  # [batch, head, query, key] contribution weights of layer 3
 
 Submodules load on first use, so ``import cwcore`` (and tools that only need plotting or the cache)
 does not pay for torch and transformers.

@@ -6,10 +6,14 @@ Terminology (the paper's sections 'Multi-head attention as a sum of projected va
 - ``value_norm``: ||v~_j||, the projected value vector's norm, ``[batch, head, key]``
 - ``head_output_norm`` ||o^h_i|| ``[batch, head, query]``; ``output_norm`` ||o_i|| ``[batch, query]``
   (o_i is the block's output without the output projection's bias, exposed as ``output_bias``)
-- ``intra``: alpha_ij <o^h_i, v~_j> / ||o^h_i||^2 (sums to 1 over keys for each head and query)
-- ``inter``: alpha_ij <o_i, v~_j> / ||o_i||^2 (sums to 1 over heads and keys for each query)
-- factors: ``*_relative_norm`` ||v~_j|| / ||o_i|| and ``*_cosine`` cos(o_i, v~_j), ``[batch, head, query, key]``
-- ``value_weighted`` alpha_ij ||v~_j|| and ``*_value_weighted_normalized`` alpha_ij ||v~_j|| / ||o_i||
+- ``contribution(kind)``: the contribution weights c_ij, one spelling for both kinds (``[batch, head,
+  query, key]``): ``"inter"`` alpha_ij <o_i, v~_j> / ||o_i||^2 (sums to 1 over heads and keys for each
+  query), ``"intra"`` alpha_ij <o^h_i, v~_j> / ||o^h_i||^2 (sums to 1 over keys for each head and query)
+- factors: ``relative_norm(kind)`` ||v~_j|| / ||o_i|| and ``cosine(kind)`` cos(o_i, v~_j)
+- ``value_weighted`` alpha_ij ||v~_j|| and ``value_weighted_output_normalized(kind)`` alpha_ij ||v~_j|| / ||o_i||
+- ``metric(name, kind)``: a rung of the ladder by its name (:data:`METRICS`), for code that loops over them
+- deprecated spellings (:data:`DEPRECATED_VIEWS`, one DeprecationWarning each): ``inter``/``intra``,
+  ``d.inter[layer]``, ``*_relative_norm``, ``*_cosine``, ``*_value_weighted_normalized``
 
 Where an output norm is at most :data:`ZERO_NORM` the quantities divided by it are NaN, never a
 silently huge number. Padded query rows are NaN; padded keys get zero attention and zero weight.
@@ -86,6 +90,26 @@ def _nan_at_zero(denominator: torch.Tensor) -> torch.Tensor:
 
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return numerator / _nan_at_zero(denominator)
+
+
+#: deprecated attribute -> the one spelling that replaces it (kind as an argument, as relative_norm(kind))
+DEPRECATED_VIEWS = {
+    "inter": 'contribution("inter")', "intra": 'contribution("intra")',
+    "inter_relative_norm": 'relative_norm("inter")', "intra_relative_norm": 'relative_norm("intra")',
+    "inter_cosine": 'cosine("inter")', "intra_cosine": 'cosine("intra")',
+    "inter_value_weighted_normalized": 'value_weighted_output_normalized("inter")',
+    "intra_value_weighted_normalized": 'value_weighted_output_normalized("intra")',
+}
+_WARNED: set[str] = set()
+
+
+def _deprecated(name: str, replacement: str, where: str = "d[layer]", stacklevel: int = 3) -> None:
+    """One DeprecationWarning per old spelling and process."""
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    warnings.warn(f"{where}.{name} is deprecated: use d[layer].{replacement}, the one spelling of this tensor",
+                  DeprecationWarning, stacklevel=stacklevel)
 
 
 class LayerDecomposition:
@@ -224,30 +248,37 @@ class LayerDecomposition:
             self._views[name] = weakref.ref(value)
         return value
 
+    # -- deprecated spellings: one tensor, one name (contribution(kind), relative_norm(kind), cosine(kind))
     @property
     def intra(self) -> torch.Tensor:
-        """Intra-head contribution weights ``[batch, head, query, key]`` (computed when read)."""
+        """Deprecated: ``contribution("intra")`` (this alias keeps the tensor while the caller holds it)."""
+        _deprecated("intra", 'contribution("intra")')
         return self._remembered("intra", lambda: self.contribution("intra"))
 
     @property
     def inter(self) -> torch.Tensor:
-        """Inter-head contribution weights ``[batch, head, query, key]`` (computed when read)."""
+        """Deprecated: ``contribution("inter")`` (this alias keeps the tensor while the caller holds it)."""
+        _deprecated("inter", 'contribution("inter")')
         return self._remembered("inter", lambda: self.contribution("inter"))
 
     @property
     def intra_relative_norm(self) -> torch.Tensor:
+        _deprecated("intra_relative_norm", 'relative_norm("intra")')
         return self.relative_norm("intra")
 
     @property
     def inter_relative_norm(self) -> torch.Tensor:
+        _deprecated("inter_relative_norm", 'relative_norm("inter")')
         return self.relative_norm("inter")
 
     @property
     def intra_cosine(self) -> torch.Tensor:
+        _deprecated("intra_cosine", 'cosine("intra")')
         return self.cosine("intra")
 
     @property
     def inter_cosine(self) -> torch.Tensor:
+        _deprecated("inter_cosine", 'cosine("inter")')
         return self.cosine("inter")
 
     @property
@@ -256,12 +287,18 @@ class LayerDecomposition:
         # padded keys have NaN norm but zero attention: they weigh zero; alpha, the terms' own weights
         return self.geometry.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
 
+    def value_weighted_output_normalized(self, kind: str = "inter") -> torch.Tensor:
+        """alpha_ij ||v~_j|| / ||o_i|| ``[batch, head, query, key]`` (the ladder's third rung)."""
+        return self.metric("value_weighted_output_normalized", kind)
+
     @property
     def intra_value_weighted_normalized(self) -> torch.Tensor:
+        _deprecated("intra_value_weighted_normalized", 'value_weighted_output_normalized("intra")')
         return self.metric("value_weighted_output_normalized", "intra")
 
     @property
     def inter_value_weighted_normalized(self) -> torch.Tensor:
+        _deprecated("inter_value_weighted_normalized", 'value_weighted_output_normalized("inter")')
         return self.metric("value_weighted_output_normalized", "inter")
 
     def token_level(self, name: str = "contribution", kind: str = "inter") -> torch.Tensor:
@@ -319,7 +356,8 @@ class _FieldView(Mapping):
 
 class Decomposition:
     """The decomposition of a forward pass: ``d[layer]`` is a :class:`LayerDecomposition` and
-    ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.inter[3]``.
+    ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.attention[3]``; contribution weights
+    have one spelling, ``d[3].contribution("inter")`` (``d.inter[3]`` and ``d[3].inter`` are deprecated).
 
     ``outputs`` holds the model's own output of that forward pass (logits, hidden states, ...).
     ``num_blocks`` is the model's number of attention layers (negative layer numbers count from it, -1
@@ -367,6 +405,8 @@ class Decomposition:
 
     def __getattr__(self, name: str):
         if name in Decomposition.FIELDS:
+            if name in DEPRECATED_VIEWS:  # d.inter[layer]: the same key, so one warning whichever spelling came first
+                _deprecated(name, DEPRECATED_VIEWS[name], where="d")
             return _FieldView(self.layer_decompositions, name, self)
         raise AttributeError(name)
 
