@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .architectures import UnsupportedModelError, attention_blocks
+from .architectures import UnsupportedModelError, attention_blocks, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
 from .inputs import InputError, check_compute_dtype, check_inputs, check_layers, check_materialised, unwrap_compiled
@@ -482,11 +482,10 @@ class Decomposition:
 def _numbers_own_positions(model: nn.Module) -> bool:
     """Whether the model derives position ids from its input ids itself (RoBERTa's family numbers real
     tokens from ``padding_idx + 1`` and gives padding ``padding_idx``), so padding is already handled."""
-    cached = getattr(model, "_cwcore_own_positions", None)
-    if cached is None:
-        cached = any(hasattr(type(m), "create_position_ids_from_input_ids") for m in model.modules())
-        object.__setattr__(model, "_cwcore_own_positions", cached)
-    return cached
+    facts = model_facts(model)
+    if "own_positions" not in facts:
+        facts["own_positions"] = any(hasattr(type(m), "create_position_ids_from_input_ids") for m in model.modules())
+    return facts["own_positions"]
 
 
 #: Methods by which a multimodal model computes its own position ids in its own shape (multimodal RoPE:
