@@ -253,3 +253,10 @@ def test_notebooks_reach_model_internals_only_through_cwcore():
             cell, rest = where.split(":", 1)
             found.setdefault(path.name, []).append(f"{cells[int(cell)].get('id')}:{rest}")
     assert not found, f"notebooks reaching model internals by name (use cwcore's architecture facts): {found}"
+
+
+def test_cwcore_reads_no_private_mapping_of_transformers():
+    """transformers' private ``_global_mapping`` can change without notice; the model's own forward looks
+    attention functions up in the public ``ALL_ATTENTION_FUNCTIONS``, and so does cwcore."""
+    users = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "_global_mapping" in p.read_text()]
+    assert users == []
