@@ -166,8 +166,12 @@ def attribute(
     if "output_gradient" in chosen.needs and set(checked) - {"input_ids", "attention_mask"}:
         raise InputError(f"attribute: method {chosen.name!r} takes input_ids and attention_mask only, got also "
                          f"{', '.join(sorted(set(checked) - {'input_ids', 'attention_mask'}))}")
-    num_layers = len(attention_blocks(model))
-    wanted = check_layers(layers, num_layers)
+    blocks = attention_blocks(model)
+    wanted = check_layers(layers, len(blocks))
+    if layers is None:  # as decompose: all the layers cwcore can decompose (asked for by number, one is refused)
+        wanted = [layer for layer in wanted if blocks[layer].unsupported is None]
+    for layer in wanted:
+        blocks[layer].refuse_if_unsupported()
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     observed = list(range(max(wanted) + 1)) if "earlier_layers" in chosen.needs else wanted
     raw: dict[int, torch.Tensor] = {}

@@ -137,3 +137,18 @@ def test_names_and_keywords_fail_in_one_line():
         cwcore.attribute(model, {"input_ids": ids}, method="alti", attention_mask=torch.ones_like(ids))
     with pytest.raises(ValueError, match="kind must be 'inter' or 'intra'"):
         cwcore.attribute(model, method="contribution", input_ids=ids, kind="outer")
+
+
+def test_a_block_cwcore_cannot_decompose_is_skipped_by_default_and_refused_when_asked_for():
+    from cwcore.core.architectures import attention_blocks, forget_model
+
+    model, ids = _model("llama"), _ids()
+    try:
+        attention_blocks(model)[0].unsupported = "a reason measured elsewhere"  # as for nn.MultiheadAttention
+        got = cwcore.attribute(model, method="alti", input_ids=ids)
+        assert got.layers == [1]
+        torch.testing.assert_close(got[1], cwcore.attribute(model, method="alti", layers=1, input_ids=ids)[1])
+        with pytest.raises(cwcore.UnsupportedModelError, match="a reason measured elsewhere"):
+            cwcore.attribute(model, method="alti", layers=[0, 1], input_ids=ids)
+    finally:
+        forget_model(model)
