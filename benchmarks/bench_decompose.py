@@ -62,7 +62,7 @@ def workloads(model, ids, layer):
     def decompose_weights():  # every layer's intra- and inter-head weights materialised too
         d = cwcore.decompose(model, input_ids=ids)
         for layer_d in d:
-            layer_d.intra, layer_d.inter
+            layer_d.contribution("intra"), layer_d.contribution("inter")
 
     return {
         "eager": eager,

@@ -57,7 +57,7 @@ def workloads(model, ids, layer: int) -> dict:
             model.config._attn_implementation = implementation
             d = cwcore.decompose(model, layers=layers, input_ids=ids)
             if read:  # what a user reads: attention and the inter weights of every decomposed layer
-                return {l.layer: (l.attention, l.inter) for l in d}
+                return {l.layer: (l.attention, l.contribution("inter")) for l in d}
         return run
 
     return {

@@ -225,9 +225,9 @@ def layer_statistics(layer, key_groups: Mapping[str, torch.Tensor] | None = None
     counted = counted_queries(visible, min_keys)  # [b, q]
     ranked = counted_queries(visible, rank_min_keys)
     weights = {  # view -> (attention, contribution); per head [b, h, q, k], token level [b, q, k]
-        "intra": (attention, layer.intra),
-        "inter": (attention, layer.inter),
-        "token": (attention.mean(1), layer.inter.sum(1)),
+        "intra": (attention, layer.contribution("intra")),
+        "inter": (attention, layer.contribution("inter")),
+        "token": (attention.mean(1), layer.contribution("inter").sum(1)),
     }
     records: list[tuple] = []
 

@@ -103,7 +103,7 @@ def test_decompose_takes_valid_ids_exactly_and_refuses_the_rest(ids):
 @SETTINGS
 @given(token_ids())
 def test_sink_rates_refuses_exactly_what_decompose_refuses(ids):
-    kind, result = outcome(lambda: cwcore.sink_rates(MODEL, None, ids, cache=False, progress=False))
+    kind, result = outcome(lambda: cwcore.sinks.sink_rates(MODEL, None, ids, cache=False, progress=False))
     reference = valid_ids(ids, min_length=2) if ids.ndim == 2 else None  # ready blocks are [sequence, token]
     assert (kind == "ok") == (reference is not None), (ids.dtype, tuple(ids.shape), result)
     if kind == "ok":
@@ -113,7 +113,7 @@ def test_sink_rates_refuses_exactly_what_decompose_refuses(ids):
 
 @functools.lru_cache(maxsize=None)
 def _sink_reference(rows):
-    return cwcore.sink_rates(MODEL, None, torch.tensor(rows), cache=False, progress=False)["sink_rate"].tolist()
+    return cwcore.sinks.sink_rates(MODEL, None, torch.tensor(rows), cache=False, progress=False)["sink_rate"].tolist()
 
 
 # -- the sweep's arguments ---------------------------------------------------------------------------

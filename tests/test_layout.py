@@ -83,6 +83,27 @@ def test_top_level_names_resolve():
     assert cwcore.faithfulness_curve is __import__("cwcore.faithfulness", fromlist=["x"]).faithfulness_curve
 
 
+def test_the_top_level_holds_the_users_verbs_and_the_engine_stays_in_its_modules():
+    import importlib
+    import types
+
+    import cwcore
+
+    assert set(cwcore.__all__) == {
+        "load_model", "load_dataset", "PACKAGED_MODELS", "PACKAGED_DATASETS", "decompose", "Decomposition",
+        "summarize", "intervene", "attribute", "list_attribution_methods", "faithfulness_curve", "aopc", "sinks",
+        "UnsupportedModelError", "register_output_projection"}
+    assert isinstance(cwcore.sinks, types.ModuleType) and cwcore.sinks.__name__ == "cwcore.sinks"
+    engine = {"AttentionSession": "core.attention", "LayerCall": "core.attention", "METRICS": "core.decomposition",
+              "attention_blocks": "core.architectures", "prepare_inputs": "core.decomposition",
+              "decomposable_layers": "core.architectures"}
+    for name, home in engine.items():
+        assert name not in dir(cwcore), name
+        with pytest.warns(DeprecationWarning, match=rf"cwcore.{name} is deprecated: use cwcore.{home}.{name}"):
+            old = getattr(cwcore, name)
+        assert old is getattr(importlib.import_module(f"cwcore.{home}"), name)
+
+
 def _delegates(node: ast.FunctionDef) -> bool:
     """A compatibility wrapper: its body (after the docstring) is one ``return stats.f(...)``/``runs.f(...)``."""
     body = [n for n in node.body if not (isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant))]
@@ -151,8 +172,8 @@ def test_every_table_a_notebook_shows_is_displayed():
 
 
 #: Names of a model's internals: its projections and attention modules, its layer lists and the containers that
-#: hold them. A notebook reaches a block through cwcore's architecture facts (``cwcore.attention_blocks(lm)[l]``,
-#: ``.output_module()``, ``cwcore.decomposable_layers``), which work for every layout, never by one family's names.
+#: hold them. A notebook reaches a block through cwcore's architecture facts (``attention_blocks(lm)[l]``,
+#: ``.output_module()``, ``decomposable_layers`` of ``cwcore.core.architectures``), which work for every layout, never by one family's names.
 INTERNAL_NAMES = {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "c_proj", "out_proj", "Wqkv", "Wo",
                   "self_attn", "self_attention", "attn", "embed_tokens", "lm_head"}
 LAYER_LISTS = {"layers", "layer", "h", "blocks"}
@@ -201,7 +222,7 @@ def _internal_reaches(sources: list[str]) -> list[str]:
                   and isinstance(node.args[0], ast.Call)
                   and getattr(node.args[0].func, "attr", getattr(node.args[0].func, "id", "")) == "attention_blocks"):
                 found.append(f"{cell}:{node.lineno}: len(attention_blocks(...)) counts blocks cwcore may not decompose; "
-                             "use cwcore.decomposable_layers")
+                             "use cwcore.core.architectures.decomposable_layers")
             if name is None:
                 continue
             on_model = _root(base) in models
@@ -222,7 +243,7 @@ def test_notebooks_reach_model_internals_only_through_cwcore():
     for source in bad:  # the check can fail
         assert _internal_reaches([source]), source
     fine = ["d[d.layers[len(d.layers) // 2]].attention", "d.layers[-1] + 1", "frame.query('layer > 0')",
-            "cwcore.attention_blocks(lm)[3].output_module().weight", "layers = cwcore.decomposable_layers(lm)",
+            "attention_blocks(lm)[3].output_module().weight", "layers = decomposable_layers(lm)",
             "config.num_hidden_layers", "run.blocks", "%matplotlib inline\nx = 1"]
     assert _internal_reaches(fine) == []
     found = {}
@@ -232,3 +253,10 @@ def test_notebooks_reach_model_internals_only_through_cwcore():
             cell, rest = where.split(":", 1)
             found.setdefault(path.name, []).append(f"{cells[int(cell)].get('id')}:{rest}")
     assert not found, f"notebooks reaching model internals by name (use cwcore's architecture facts): {found}"
+
+
+def test_cwcore_reads_no_private_mapping_of_transformers():
+    """transformers' private ``_global_mapping`` can change without notice; the model's own forward looks
+    attention functions up in the public ``ALL_ATTENTION_FUNCTIONS``, and so does cwcore."""
+    users = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "_global_mapping" in p.read_text()]
+    assert users == []

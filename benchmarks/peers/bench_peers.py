@@ -100,7 +100,7 @@ def tl_weights(bridge, ids, layers, head_space: bool):
 def cw_weights(model, ids, layers):
     model.config._attn_implementation = "sdpa"
     d = cwcore.decompose(model, layers=layers, input_ids=ids)
-    return {l: (d[l].attention, d[l].inter) for l in (range(len(d)) if layers is None else layers)}
+    return {l: (d[l].attention, d[l].contribution("inter")) for l in (range(len(d)) if layers is None else layers)}
 
 
 # ------------------------------------------------------------------------------------------ inseq

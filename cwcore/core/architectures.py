@@ -11,6 +11,7 @@ The other facts the packages need about a model have their one home (and one rul
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -32,6 +33,31 @@ class UnsupportedModelError(ValueError):
 # (weight [model, head * head_dim], bias [model] or None), or None when it does not apply.
 ProjectionFinder = Callable[[nn.Module, nn.Module | None], "tuple[torch.Tensor, torch.Tensor | None] | None"]
 _FINDERS: list[ProjectionFinder] = []
+
+
+#: cwcore's facts about a model (its blocks, post-attention norms, ...), keyed weakly by the model
+#: object: nothing is written on the user's model, and a copy of it is looked at afresh
+_FACTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+#: attention module -> the name of its block, for refusals raised without a session
+_BLOCK_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def model_facts(model: nn.Module) -> dict:
+    """The mutable dict of what cwcore has found out about ``model`` (kept while the model lives)."""
+    facts = _FACTS.get(model)
+    if facts is None:
+        facts = _FACTS[model] = {}
+    return facts
+
+
+def forget_model(model: nn.Module) -> None:
+    """Drop what cwcore found out about ``model`` (e.g. after registering a projection finder)."""
+    _FACTS.pop(model, None)
+
+
+def block_name_of(module: nn.Module) -> str | None:
+    """The name of the block an attention module is, once :func:`attention_blocks` has numbered it."""
+    return _BLOCK_NAMES.get(module)
 
 
 def register_output_projection(finder: ProjectionFinder, first: bool = True) -> ProjectionFinder:
@@ -270,7 +296,7 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     blocks whose W_O no finder locates keep their number with ``unsupported`` saying why they cannot be
     decomposed; a model with no block whose W_O is found is refused.
     """
-    cached = getattr(model, "_cwcore_blocks", None)
+    cached = model_facts(model).get("blocks")
     if cached is not None:
         return cached
     parents: dict[int, nn.Module] = {}
@@ -304,14 +330,14 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                 block.unsupported = NO_OUTPUT_PROJECTION
                 skipped.append(block.name)
         blocks.append(block)
-        object.__setattr__(module, "_cwcore_block_name", block.name)  # for refusals raised without a session
+        _BLOCK_NAMES[module] = block.name  # for refusals raised without a session
     if len(skipped) == len(blocks):  # no attention module, or none whose W_O is found
         found = f" (attention modules without one: {', '.join(skipped[:3])})" if skipped else ""
         raise UnsupportedModelError(
             f"cwcore found no attention block with a linear output projection in {type(model).__name__}{found}; "
             "register the module that applies W_O with cwcore.register_output_projection"
         )
-    object.__setattr__(model, "_cwcore_blocks", blocks)
+    model_facts(model)["blocks"] = blocks
     return blocks
 
 
@@ -398,7 +424,7 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
     ``post_attention_layernorm`` is the MLP's pre-norm, applied after the residual add): in a probe forward
     pass on ``ids [1, n]`` (default ``[[0, 1, 2, 3]]``), the candidate norm whose input equals the output
     projection's output. The probe runs outside any active cwcore session. Cached on the model."""
-    cached = getattr(model, "_cwcore_post_norms", None)
+    cached = model_facts(model).get("post_norms")
     if cached is not None:
         return cached
 
@@ -434,5 +460,5 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
             if out is not None and inp.shape == out.shape and torch.equal(inp, out):
                 found[block.layer] = module
                 break
-    object.__setattr__(model, "_cwcore_post_norms", found)
+    model_facts(model)["post_norms"] = found
     return found

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
@@ -777,7 +778,7 @@ def _fast_path(previous: list, session: AttentionSession):
     name = names.pop()
     if name not in FAST_IMPLEMENTATIONS or len(session.layers) == len(session.blocks):
         return None
-    return AttentionInterface._global_mapping[name]
+    return ALL_ATTENTION_FUNCTIONS[name]  # what the model's own forward looks up (transformers' public mapping)
 
 
 def _configs(model: nn.Module) -> list:

@@ -14,7 +14,7 @@ import sys
 import torch
 from torch import nn
 
-from .architectures import UnsupportedModelError
+from .architectures import UnsupportedModelError, block_name_of
 
 __all__ = ["HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features"]
 
@@ -68,7 +68,7 @@ _KNOWN_UNSUPPORTED = {
 
 def block_label(module: nn.Module) -> str:
     """How a refusal names an attention module: its block's name where attention_blocks has set it."""
-    block_name = getattr(module, "_cwcore_block_name", None)
+    block_name = block_name_of(module)
     return f"attention block {block_name!r} ({type(module).__name__})" if block_name is not None else type(module).__name__
 
 

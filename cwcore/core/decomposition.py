@@ -6,10 +6,14 @@ Terminology (the paper's sections 'Multi-head attention as a sum of projected va
 - ``value_norm``: ||v~_j||, the projected value vector's norm, ``[batch, head, key]``
 - ``head_output_norm`` ||o^h_i|| ``[batch, head, query]``; ``output_norm`` ||o_i|| ``[batch, query]``
   (o_i is the block's output without the output projection's bias, exposed as ``output_bias``)
-- ``intra``: alpha_ij <o^h_i, v~_j> / ||o^h_i||^2 (sums to 1 over keys for each head and query)
-- ``inter``: alpha_ij <o_i, v~_j> / ||o_i||^2 (sums to 1 over heads and keys for each query)
-- factors: ``*_relative_norm`` ||v~_j|| / ||o_i|| and ``*_cosine`` cos(o_i, v~_j), ``[batch, head, query, key]``
-- ``value_weighted`` alpha_ij ||v~_j|| and ``*_value_weighted_normalized`` alpha_ij ||v~_j|| / ||o_i||
+- ``contribution(kind)``: the contribution weights c_ij, one spelling for both kinds (``[batch, head,
+  query, key]``): ``"inter"`` alpha_ij <o_i, v~_j> / ||o_i||^2 (sums to 1 over heads and keys for each
+  query), ``"intra"`` alpha_ij <o^h_i, v~_j> / ||o^h_i||^2 (sums to 1 over keys for each head and query)
+- factors: ``relative_norm(kind)`` ||v~_j|| / ||o_i|| and ``cosine(kind)`` cos(o_i, v~_j)
+- ``value_weighted`` alpha_ij ||v~_j|| and ``value_weighted_output_normalized(kind)`` alpha_ij ||v~_j|| / ||o_i||
+- ``metric(name, kind)``: a rung of the ladder by its name (:data:`METRICS`), for code that loops over them
+- deprecated spellings (:data:`DEPRECATED_VIEWS`, one DeprecationWarning each): ``inter``/``intra``,
+  ``d.inter[layer]``, ``*_relative_norm``, ``*_cosine``, ``*_value_weighted_normalized``
 
 Where an output norm is at most :data:`ZERO_NORM` the quantities divided by it are NaN, never a
 silently huge number. Padded query rows are NaN; padded keys get zero attention and zero weight.
@@ -25,7 +29,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .architectures import UnsupportedModelError, attention_blocks
+from .architectures import UnsupportedModelError, attention_blocks, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
 from .inputs import InputError, check_compute_dtype, check_inputs, check_layers, check_materialised, unwrap_compiled
@@ -86,6 +90,26 @@ def _nan_at_zero(denominator: torch.Tensor) -> torch.Tensor:
 
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     return numerator / _nan_at_zero(denominator)
+
+
+#: deprecated attribute -> the one spelling that replaces it (kind as an argument, as relative_norm(kind))
+DEPRECATED_VIEWS = {
+    "inter": 'contribution("inter")', "intra": 'contribution("intra")',
+    "inter_relative_norm": 'relative_norm("inter")', "intra_relative_norm": 'relative_norm("intra")',
+    "inter_cosine": 'cosine("inter")', "intra_cosine": 'cosine("intra")',
+    "inter_value_weighted_normalized": 'value_weighted_output_normalized("inter")',
+    "intra_value_weighted_normalized": 'value_weighted_output_normalized("intra")',
+}
+_WARNED: set[str] = set()
+
+
+def _deprecated(name: str, replacement: str, where: str = "d[layer]", stacklevel: int = 3) -> None:
+    """One DeprecationWarning per old spelling and process."""
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    warnings.warn(f"{where}.{name} is deprecated: use d[layer].{replacement}, the one spelling of this tensor",
+                  DeprecationWarning, stacklevel=stacklevel)
 
 
 class LayerDecomposition:
@@ -224,30 +248,37 @@ class LayerDecomposition:
             self._views[name] = weakref.ref(value)
         return value
 
+    # -- deprecated spellings: one tensor, one name (contribution(kind), relative_norm(kind), cosine(kind))
     @property
     def intra(self) -> torch.Tensor:
-        """Intra-head contribution weights ``[batch, head, query, key]`` (computed when read)."""
+        """Deprecated: ``contribution("intra")`` (this alias keeps the tensor while the caller holds it)."""
+        _deprecated("intra", 'contribution("intra")')
         return self._remembered("intra", lambda: self.contribution("intra"))
 
     @property
     def inter(self) -> torch.Tensor:
-        """Inter-head contribution weights ``[batch, head, query, key]`` (computed when read)."""
+        """Deprecated: ``contribution("inter")`` (this alias keeps the tensor while the caller holds it)."""
+        _deprecated("inter", 'contribution("inter")')
         return self._remembered("inter", lambda: self.contribution("inter"))
 
     @property
     def intra_relative_norm(self) -> torch.Tensor:
+        _deprecated("intra_relative_norm", 'relative_norm("intra")')
         return self.relative_norm("intra")
 
     @property
     def inter_relative_norm(self) -> torch.Tensor:
+        _deprecated("inter_relative_norm", 'relative_norm("inter")')
         return self.relative_norm("inter")
 
     @property
     def intra_cosine(self) -> torch.Tensor:
+        _deprecated("intra_cosine", 'cosine("intra")')
         return self.cosine("intra")
 
     @property
     def inter_cosine(self) -> torch.Tensor:
+        _deprecated("inter_cosine", 'cosine("inter")')
         return self.cosine("inter")
 
     @property
@@ -256,12 +287,18 @@ class LayerDecomposition:
         # padded keys have NaN norm but zero attention: they weigh zero; alpha, the terms' own weights
         return self.geometry.attention * self.value_norm.nan_to_num(0.0)[:, :, None, :]
 
+    def value_weighted_output_normalized(self, kind: str = "inter") -> torch.Tensor:
+        """alpha_ij ||v~_j|| / ||o_i|| ``[batch, head, query, key]`` (the ladder's third rung)."""
+        return self.metric("value_weighted_output_normalized", kind)
+
     @property
     def intra_value_weighted_normalized(self) -> torch.Tensor:
+        _deprecated("intra_value_weighted_normalized", 'value_weighted_output_normalized("intra")')
         return self.metric("value_weighted_output_normalized", "intra")
 
     @property
     def inter_value_weighted_normalized(self) -> torch.Tensor:
+        _deprecated("inter_value_weighted_normalized", 'value_weighted_output_normalized("inter")')
         return self.metric("value_weighted_output_normalized", "inter")
 
     def token_level(self, name: str = "contribution", kind: str = "inter") -> torch.Tensor:
@@ -332,7 +369,8 @@ class _FieldView(Mapping):
 
 class Decomposition:
     """The decomposition of a forward pass: ``d[layer]`` is a :class:`LayerDecomposition` and
-    ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.inter[3]``.
+    ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.attention[3]``; contribution weights
+    have one spelling, ``d[3].contribution("inter")`` (``d.inter[3]`` and ``d[3].inter`` are deprecated).
 
     ``outputs`` holds the model's own output of that forward pass (logits, hidden states, ...).
     ``num_blocks`` is the model's number of attention layers (negative layer numbers count from it, -1
@@ -349,10 +387,13 @@ class Decomposition:
     )
 
     def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None,
-                 num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None):
+                 num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None,
+                 input_ids: torch.Tensor | None = None):
         self.layer_decompositions = dict(sorted(layers.items()))
         self.outputs = outputs
         self.attention_mask = attention_mask
+        #: ``[batch, sequence]`` the token ids decomposed (None when the model was given embeddings)
+        self.input_ids = input_ids
         self.num_blocks = num_blocks
         self.undecomposable = dict(undecomposable or {})
 
@@ -371,8 +412,74 @@ class Decomposition:
 
     def __getattr__(self, name: str):
         if name in Decomposition.FIELDS:
+            if name in DEPRECATED_VIEWS:  # d.inter[layer]: the same key, so one warning whichever spelling came first
+                _deprecated(name, DEPRECATED_VIEWS[name], where="d")
             return _FieldView(self.layer_decompositions, name, self)
         raise AttributeError(name)
+
+    def to_frame(self, layers: int | Iterable[int] | None = None, heads: int | Iterable[int] | None = None,
+                 kind: str = "inter", tokenizer=None):
+        """A tidy table (pandas DataFrame): one row per (sequence, layer, head, query, key) term.
+
+        Columns: ``sequence`` (row of the batch), ``layer``, ``head``, ``query``, ``key`` (positions
+        among the sequence's real tokens, so a padded row reads like its unpadded sequence),
+        ``query_token`` and ``key_token`` (with a ``tokenizer``: its ``convert_ids_to_tokens`` of the
+        decomposed ids), ``attention`` (alpha_ij as the model applies it), ``norm_ratio``
+        (||v~_j|| / ||o_i||), ``cosine`` (cos(o_i, v~_j)) and ``contribution`` (c_ij), the last three
+        normalised by the output of ``kind`` (``"inter"``: the combined output, ``"intra"``: the head's).
+        Padded queries and keys have no rows; in a causal layer (all attention above the diagonal exactly
+        zero) neither do the future keys. ``layers``/``heads``: a number, a list, or None for all.
+        """
+        import pandas as pd
+
+        chosen = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
+        input_ids = getattr(self, "input_ids", None)  # a decomposition pickled before it held them has none
+        if tokenizer is not None and input_ids is None:
+            raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
+                             "so it has no tokens to name")
+        frames = []
+        for layer in chosen:
+            ld = self[layer]
+            b, h, q, k = ld.attention.shape
+            if q != k:
+                raise ValueError(f"to_frame: layer {layer} has {q} queries and {k} keys (a cache); decompose the "
+                                 "whole sequence to tabulate it")
+            picked = list(range(h)) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
+            bad = [x for x in picked if not (isinstance(x, int) and 0 <= x < h)]
+            if bad:
+                raise ValueError(f"to_frame: heads {bad} are out of range: layer {layer} has {h} heads (0 to {h - 1})")
+            index = torch.tensor(picked, dtype=torch.long, device=ld.attention.device)
+            valid = self._valid_tokens(ld, b, k)
+            pairs = valid[:, :, None] & valid[:, None, :]
+            attention = ld.attention
+            if bool((attention.nan_to_num(0.0).triu(1) == 0).all()):  # a causal layer: future keys are no terms
+                pairs = pairs & torch.ones(q, k, dtype=torch.bool, device=pairs.device).tril()
+            keep = pairs[:, None].expand(b, len(picked), q, k)
+            rows, head, query, key = keep.nonzero(as_tuple=True)
+            position = (valid.long().cumsum(-1) - 1)
+            columns = {
+                "sequence": rows.cpu().numpy(), "layer": layer, "head": index[head].cpu().numpy(),
+                "query": position[rows, query].cpu().numpy(), "key": position[rows, key].cpu().numpy(),
+            }
+            if tokenizer is not None:
+                ids = input_ids.to(rows.device)
+                names = {int(t): tokenizer.convert_ids_to_tokens(int(t)) for t in ids.unique()}
+                columns["query_token"] = [names[int(t)] for t in ids[rows, query]]
+                columns["key_token"] = [names[int(t)] for t in ids[rows, key]]
+            for name, values in (("attention", attention), ("norm_ratio", ld.relative_norm(kind)),
+                                 ("cosine", ld.cosine(kind)), ("contribution", ld.contribution(kind))):
+                columns[name] = values[:, index][keep].cpu().numpy()
+            frames.append(pd.DataFrame(columns))
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def _valid_tokens(self, ld: LayerDecomposition, batch: int, length: int) -> torch.Tensor:
+        """``[batch, length]`` bool: the real tokens (the attention mask's, else the layer's valid keys)."""
+        device = ld.attention.device
+        if self.attention_mask is not None and self.attention_mask.shape[-1] == length:
+            return self.attention_mask.to(device).bool()
+        if ld.key_valid is not None:
+            return ld.key_valid.to(device).bool()
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
 
     def __repr__(self) -> str:
         skipped = f", undecomposable={sorted(self.undecomposable)}" if self.undecomposable else ""
@@ -382,11 +489,10 @@ class Decomposition:
 def _numbers_own_positions(model: nn.Module) -> bool:
     """Whether the model derives position ids from its input ids itself (RoBERTa's family numbers real
     tokens from ``padding_idx + 1`` and gives padding ``padding_idx``), so padding is already handled."""
-    cached = getattr(model, "_cwcore_own_positions", None)
-    if cached is None:
-        cached = any(hasattr(type(m), "create_position_ids_from_input_ids") for m in model.modules())
-        object.__setattr__(model, "_cwcore_own_positions", cached)
-    return cached
+    facts = model_facts(model)
+    if "own_positions" not in facts:
+        facts["own_positions"] = any(hasattr(type(m), "create_position_ids_from_input_ids") for m in model.modules())
+    return facts["own_positions"]
 
 
 #: Methods by which a multimodal model computes its own position ids in its own shape (multimodal RoPE:
@@ -446,7 +552,7 @@ def decompose(
     model's context raise at once. ``layers`` is a layer number, a list of them, or None for all;
     layer numbers count the model's softmax-attention blocks in forward order (in a hybrid model the
     state-space or linear-attention layers are not numbered; ``d[l].block_name`` and
-    :func:`cwcore.attention_blocks` say which module each number is);
+    :func:`cwcore.core.architectures.attention_blocks` say which module each number is);
     ``compute_dtype`` is ``torch.float32``/``torch.float64`` or its name (default: float64 for a float64
     model, float32 otherwise). A block cwcore numbers but cannot decompose (``nn.MultiheadAttention``,
     or a block whose output projection no finder locates) is refused with its reason when asked for; with
@@ -508,4 +614,4 @@ def decompose(
             f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
             "forward pass, so cwcore could not decompose them")
     return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
-                         undecomposable=undecomposable)
+                         undecomposable=undecomposable, input_ids=inputs.get("input_ids"))

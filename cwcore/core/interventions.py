@@ -63,11 +63,11 @@ def intervene(
 
     ``masks`` maps a layer number to a boolean tensor broadcastable to ``[batch, head, query, key]``
     (True removes alpha^h_ij v~^h_j from o_i), or to a callable that receives that layer's live
-    :class:`~cwcore.LayerDecomposition` (computed inside the intervened run, before the removal) and
+    :class:`~cwcore.core.decomposition.LayerDecomposition` (computed inside the intervened run, before the removal) and
     returns such a mask. ``record`` lists layers whose decomposition *after* the removal is kept in
     ``session.recorded``. Their padding is read from each attention call's own mask (built from the
     ``attention_mask`` the model is called with); ``attention_mask`` (``[batch, key]``) given here is checked
-    against the inputs of every forward; pass ``cwcore.prepare_inputs(model, inputs)`` to the model when batches
+    against the inputs of every forward; pass ``cwcore.core.decomposition.prepare_inputs(model, inputs)`` to the model when batches
     are left-padded.
     ``transforms`` run after the removal and ``observers`` (see :mod:`cwcore.core.attention`) see each
     layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).

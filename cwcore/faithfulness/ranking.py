@@ -14,7 +14,7 @@ candidate
 unit
     what is ranked as one item. ``"head_key"``: a (head, key) pair, ranked jointly over heads for a
     query; ``"key"``: a key within one head; ``"token"``: a key, with the head-aggregated score
-    (:meth:`cwcore.LayerDecomposition.token_level`: attention averaged, other metrics summed over
+    (:meth:`cwcore.core.decomposition.LayerDecomposition.token_level`: attention averaged, other metrics summed over
     heads) and removed from every head.
 scope
     ``"row"``: one ranking per query row (per (sequence, query) for head_key/token units, per

@@ -72,14 +72,14 @@ if _sys.argv[:1] == ["-m"] and {"-h", "--help"} & set(_sys.argv[1:]):
 
 from .analyses import ANALYSES, SinkOptions, run_analyses
 from . import suppression
-from .anti_alignment import anti_alignment, layer_profile
+from .anti_alignment import layer_profile, sink_anti_alignment
 from .cli import main
-from .convexity import ConvexityTables, convexity, vertex_intervals
+from .convexity import ConvexityTables, sink_convexity, vertex_intervals
 from .decomposition import DecompositionTables, sink_decomposition
 from .engine import model_fingerprint, token_blocks
 from .intervals import UNMEASURED, combine_verdicts, share_ci, verdict
 from .rates import sink_rates
-from .semantic_cone import CONDITIONS, SemanticConeTables, cone_points, semantic_cone
+from .semantic_cone import CONDITIONS, SemanticConeTables, cone_points, sink_semantic_cone
 from .summary import summarize
 
 __all__ = [
@@ -90,12 +90,12 @@ __all__ = [
     "SemanticConeTables",
     "SinkOptions",
     "UNMEASURED",
-    "anti_alignment",
+    "sink_anti_alignment",
     "combine_verdicts",
     "cone_points",
-    "convexity",
+    "sink_convexity",
     "model_fingerprint",
-    "semantic_cone",
+    "sink_semantic_cone",
     "sink_decomposition",
     "share_ci",
     "sink_rates",

@@ -16,8 +16,8 @@ from typing import Iterable
 from .engine import REGISTRY, collect, options_class
 
 # importing the analysis modules registers them, in this order (the order of ANALYSES, of the CSVs,
-# of the summary rows and of the claims); by name, because the package rebinds some of these names
-# to the analysis functions (cwcore.sinks.convexity is the function convexity)
+# of the summary rows and of the claims); by name (the functions are cwcore.sinks.sink_<analysis>,
+# the modules keep the analyses' names)
 _MODULES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
 for _name in _MODULES:
     importlib.import_module(f"{__package__}.{_name}")
@@ -39,7 +39,7 @@ def run_analyses(model, tokenizer, data, analyses: Iterable[str] = ANALYSES, opt
     ``options``: a :class:`SinkOptions` (default: all defaults); ``keywords``: any of its fields, which
     replace those of ``options`` (a name that is not a field is refused, a value out of range too).
     Returns ``{name: result}`` with the results of :func:`sink_rates` (``rates``),
-    :func:`sink_decomposition`, :func:`anti_alignment`, :func:`convexity` and :func:`semantic_cone`,
+    :func:`sink_decomposition`, :func:`sink_anti_alignment`, :func:`sink_convexity` and :func:`sink_semantic_cone`,
     equal to what those functions return (they share the cache: calling one afterwards reads it).
     With ``raw=True`` the result also holds ``"raw"``: ``{name: {part: DataFrame}}``, the per-point
     material the tables are made from (e.g. for intervals over sequences with :func:`cwcore.stats.cluster_bootstrap`;

@@ -10,7 +10,7 @@ from .engine import EPS, Analysis, Collector, concat, flat, grid_columns, regist
 from .. import stats
 from .intervals import claim_row, no_sink_heads, too_few_layers
 
-__all__ = ["ANTI_ALIGNMENT", "TREND", "anti_alignment", "layer_profile"]
+__all__ = ["ANTI_ALIGNMENT", "TREND", "layer_profile", "sink_anti_alignment"]
 
 #: the claims chapter 6 judges with this analysis
 ANTI_ALIGNMENT = "anti-alignment"
@@ -19,7 +19,7 @@ TREND = "stronger sink, stronger anti-alignment"
 
 class _AntiAlignmentCollector(Collector):
     """Piece ``points``: per (sequence, layer, head, position p >= 1) alpha_p0, cos(v~_0, v~_p) (key p),
-    cos(v~_0, s_p) (query p), the baseline and centred cosines of query p (see :func:`anti_alignment`),
+    cos(v~_0, s_p) (query p), the baseline and centred cosines of query p (see :func:`sink_anti_alignment`),
     and per-sequence constants. Piece ``layers``: each layer's type (sliding / global)."""
 
     def __init__(self, *args, **options):
@@ -235,7 +235,7 @@ ANALYSIS = register(Analysis("anti_alignment", _AntiAlignmentCollector, _tables,
 
 
 @ANALYSIS.public
-def anti_alignment(model, tokenizer, data, **options) -> pd.DataFrame:
+def sink_anti_alignment(model, tokenizer, data, **options) -> pd.DataFrame:
     """Per (layer, head): does the sink's projected value point against the others?
 
     Per sequence and head: ``cos(v~_0, v~_j)`` for every key j >= 1; ``cos(v~_0, s_i)`` for every query

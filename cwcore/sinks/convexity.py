@@ -14,7 +14,7 @@ from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
 from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
-__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "convexity", "pooled_suppression", "vertex_intervals"]
+__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "pooled_suppression", "sink_convexity", "vertex_intervals"]
 
 BINS = Option("bins", 10, "equal-width bins of the sink rate in the convexity curves", count("bins"))
 FIT_ON = Option("fit_on", "norm", "the convexity fits' y: the output norm or its square", choices=("norm", "squared_norm"))
@@ -198,7 +198,7 @@ def _convexity_tables(points: pd.DataFrame, bins: int, fit_on: str, min_range: f
 
 
 def _fit_points(points: pd.DataFrame, scope: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(a, norm)`` of a fit scope, made dimensionless as in :func:`convexity`'s pooled rows."""
+    """``(a, norm)`` of a fit scope, made dimensionless as in :func:`sink_convexity`'s pooled rows."""
     a, norm = points["alpha0"].to_numpy(float), points["norm"].to_numpy(float)
     if scope == "model":
         norm = norm / points.groupby(["layer", "head"])["norm"].transform("mean").to_numpy(float)
@@ -222,7 +222,7 @@ def _solve_quadratics(moments: np.ndarray) -> np.ndarray:
 
 def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "norm", n_resamples: int = 1000,
                      seed: int = 0) -> pd.DataFrame:
-    """Where the vertex lies, with an interval: the quadratic fits of :func:`convexity` refitted on
+    """Where the vertex lies, with an interval: the quadratic fits of :func:`sink_convexity` refitted on
     ``n_resamples`` resamples of whole sequences (documents), per fitted head and for the pooled rows.
 
     One row per (scope, layer, head) of ``fits`` that was fitted: ``alpha_star`` and ``curvature`` (the
@@ -460,7 +460,7 @@ ANALYSIS = register(Analysis("convexity", _ConvexityCollector, _tables, stems=("
 
 
 @ANALYSIS.public
-def convexity(model, tokenizer, data, **options) -> ConvexityTables:
+def sink_convexity(model, tokenizer, data, **options) -> ConvexityTables:
     """Head output norm ||o^h_i|| as a function of the sink rate a_i = alpha^h_i0, over queries i >= 1.
 
     Every head output is a two-vector mixture o_i = a_i v~_0 + (1 - a_i) s^_i with s^_i = s_i / (1 - a_i)

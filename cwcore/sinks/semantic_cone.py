@@ -15,7 +15,7 @@ from .intervals import claim_row, claims_frame, contrast, group_value
 
 __all__ = ["CONDITIONS", "CONE", "DRIFT", "PERPLEXITY", "drift_curve", "drift_points", "mass_matched_removal",
            "weak_token_counts", "PerplexityChanges", "SemanticConeTables", "cone_claims",
-           "cone_points", "perplexity_changes", "semantic_cone"]
+           "cone_points", "perplexity_changes", "sink_semantic_cone"]
 
 HEADS = Option("heads", "all", "semantic-cone interventions in all heads, or only in sink heads (rate above threshold)",
                choices=("all", "sink"))
@@ -296,7 +296,7 @@ def _head_summary(heads: pd.DataFrame, quantiles: int) -> pd.DataFrame:
 
 
 def cone_points(raw: dict[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFrame:
-    """The per-output rows of :func:`semantic_cone` with their bins, for intervals over sequences.
+    """The per-output rows of :func:`sink_semantic_cone` with their bins, for intervals over sequences.
 
     ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
     Returns its ``points`` (condition, layer, sequence, head, query, norm_clean, cos_clean, norm_after,
@@ -540,7 +540,7 @@ ANALYSIS = register(Analysis("semantic_cone", _SemanticConeCollector, _tables,
 
 
 @ANALYSIS.public
-def semantic_cone(model, tokenizer, data, **options) -> SemanticConeTables:
+def sink_semantic_cone(model, tokenizer, data, **options) -> SemanticConeTables:
     """Remove the sink's value in every layer and compare head outputs and perplexity with a control.
 
     Conditions (each one forward pass intervening in every layer at once, on queries i >= 1; query 0,

@@ -9,6 +9,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import cwcore
 from cwcore.core import architectures
 from cwcore.core.geometry import naive_geometry, split_output_projection
+from tiny_models import VOCAB, tiny_model
 
 
 class ToyAttention(nn.Module):
@@ -259,3 +260,33 @@ def test_model_facts_are_defined_only_in_architectures():
             if isinstance(node, ast.FunctionDef) and node.name in facts:
                 homes.setdefault(node.name, []).append(path.relative_to(package).as_posix())
     assert homes and all(where == ["core/architectures.py"] for where in homes.values()), homes
+
+
+def test_cwcore_writes_nothing_on_the_users_model():
+    """Facts about a model (blocks, post-attention norms, own positions) are kept beside it, keyed weakly
+    by the model object: no ``_cwcore_*`` attribute on the model or its modules, and a deep copy of the
+    model gets blocks of its own modules, not the original's."""
+    import copy
+    import gc
+    import weakref
+
+    import cwcore
+    from cwcore.core import architectures
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+    d = cwcore.decompose(model, input_ids=ids)
+    architectures.post_attention_norms(model)
+    written = [(name, attribute) for name, module in model.named_modules() for attribute in vars(module)
+               if attribute.startswith("_cwcore")]
+    assert written == []
+    twin = copy.deepcopy(model)
+    blocks, twin_blocks = architectures.attention_blocks(model), architectures.attention_blocks(twin)
+    assert [b.name for b in blocks] == [b.name for b in twin_blocks]
+    assert all(t.module is not b.module and any(t.module is m for m in twin.modules())
+               for b, t in zip(blocks, twin_blocks))
+    torch.testing.assert_close(cwcore.decompose(twin, input_ids=ids)[1].contribution(), d[1].contribution())
+    gone = weakref.ref(twin)
+    del twin, twin_blocks
+    gc.collect()
+    assert gone() is None  # the facts do not keep a model alive

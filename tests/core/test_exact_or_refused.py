@@ -130,14 +130,14 @@ def test_a_wrong_output_projection_is_caught_by_the_reconstruction_check():
         return None
 
     finders = list(architectures._FINDERS)
-    object.__setattr__(model, "_cwcore_blocks", None)
+    architectures.forget_model(model)
     cwcore.register_output_projection(wrong)
     try:
         with pytest.raises(cwcore.UnsupportedModelError, match="not a module of the block"):
             cwcore.decompose(model, input_ids=IDS)
     finally:
         architectures._FINDERS[:] = finders
-        object.__setattr__(model, "_cwcore_blocks", None)
+        architectures.forget_model(model)
 
 
 def test_a_decomposition_that_does_not_add_up_is_refused(monkeypatch):

@@ -5,6 +5,7 @@ import torch
 import transformers
 
 import cwcore
+from cwcore.core.decomposition import prepare_inputs
 from cwcore.core import attention
 from tiny_models import VOCAB, tiny_model
 
@@ -37,7 +38,7 @@ def test_one_recorded_layer_runs_eager_the_others_sdpa(family, padded, monkeypat
     assert eager_calls == [1]  # layer 0 went through SDPA, not cwcore's eager arithmetic
     monkeypatch.undo()
     with torch.no_grad():
-        sdpa_logits = model(**cwcore.prepare_inputs(model, inputs)).logits
+        sdpa_logits = model(**prepare_inputs(model, inputs)).logits
     # the model's own SDPA forward and the decomposed one differ only by eager-vs-SDPA rounding in layer 1
     real = mask.bool()
     torch.testing.assert_close(d.outputs.logits[real], sdpa_logits[real], rtol=1e-4, atol=1e-5)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cwcore
+from cwcore.core.decomposition import prepare_inputs
 from tiny_models import VOCAB, tiny_model
 
 FAMILIES = ["llama", "qwen2", "gpt2", "bert"]
@@ -185,7 +186,7 @@ def test_padded_batches_equal_single_sequences(family, side):
         ids[row, span] = seq
         attention_mask[row, span] = 1
         batch_mask[row, :, span, span] = mask
-    inputs = cwcore.prepare_inputs(model, {"input_ids": ids, "attention_mask": attention_mask})
+    inputs = prepare_inputs(model, {"input_ids": ids, "attention_mask": attention_mask})
     with torch.inference_mode():
         with cwcore.intervene(model, {0: batch_mask, 1: batch_mask}, attention_mask=attention_mask):
             batched = model(**inputs).logits

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cwcore
+from cwcore.core.decomposition import prepare_inputs
 from cwcore.core.architectures import attention_blocks
 from test_decompose import ATOL, RTOL, capture_projections
 
@@ -19,11 +20,11 @@ def test_packaged_model_decomposition_reconstructs_its_outputs(name):
     layers = [0, len(attention_blocks(model)) - 1]
     d = cwcore.decompose(model, layers=layers, **inputs)
     with torch.no_grad():
-        plain = model(**cwcore.prepare_inputs(model, inputs))
+        plain = model(**prepare_inputs(model, inputs))
     first = "logits" if hasattr(plain, "logits") else "last_hidden_state"
     valid = inputs["attention_mask"].bool()
     torch.testing.assert_close(getattr(d.outputs, first)[valid], getattr(plain, first)[valid], rtol=0, atol=1e-5)
-    captured = capture_projections(model, **cwcore.prepare_inputs(model, inputs))
+    captured = capture_projections(model, **prepare_inputs(model, inputs))
     for layer in layers:
         output = captured[layer][1]
         torch.testing.assert_close(d.output_norm[layer][valid], output.norm(dim=-1)[valid], rtol=RTOL, atol=1e-4)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import cwcore
+from cwcore.core.architectures import attention_blocks
 from zoo_models import VOCAB, qwen2_vl, qwen2_vl_inputs, qwen2_vl_row, recorded_attention_calls, zoo_model
 
 
@@ -88,7 +89,7 @@ def test_a_block_that_never_calls_the_attention_interface_is_refused_for_it():
     ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), recorded_attention_calls(model) as calls:
         model(input_ids=ids)
-    block = cwcore.attention_blocks(model)[0]
+    block = attention_blocks(model)[0]
     assert not [c for c in calls if c.module is block.module]
     with pytest.raises(cwcore.UnsupportedModelError,
                        match=rf"attention block '{re.escape(block.name)}' .*did not run through cwcore's attention "
@@ -114,7 +115,7 @@ def test_a_gate_before_the_output_projection_is_refused_with_the_measured_differ
     one between the probe's attention output and what o_proj received."""
     model = zoo_model("qwen3_next")
     ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
-    attention = cwcore.attention_blocks(model)[0].module
+    attention = attention_blocks(model)[0].module
     received = []
     handle = attention.o_proj.register_forward_pre_hook(lambda module, args: received.append(args[0].detach().clone()))
     try:
@@ -137,7 +138,7 @@ def test_a_module_shared_across_layers_is_refused_for_its_repeated_runs():
     ids = torch.randint(2, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), recorded_attention_calls(model) as calls:
         model(input_ids=ids)
-    block = cwcore.attention_blocks(model)[0]
+    block = attention_blocks(model)[0]
     runs = len([c for c in calls if c.module is block.module])
     assert runs == 2
     with pytest.raises(cwcore.UnsupportedModelError, match=rf"ran {runs} times in one forward pass: its weights are "

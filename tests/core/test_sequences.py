@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import cwcore
+from cwcore.core.architectures import attention_blocks
 from cwcore.core.decomposition import prepare_inputs
 from zoo_models import VOCAB, bart, qwen2_vl, qwen2_vl_inputs, qwen2_vl_row
 
@@ -143,7 +144,7 @@ def test_relative_position_bias_is_exact_against_the_eager_run(family):
     outputs = {}
     handles = [model.get_submodule(b.name).o.register_forward_hook(
         lambda module, args, out, layer=b.layer: outputs.__setitem__(layer, out.detach().clone()))
-        for b in cwcore.attention_blocks(model)]
+        for b in attention_blocks(model)]
     try:
         d = cwcore.decompose(model, **inputs)
     finally:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import cwcore
-from cwcore.core.architectures import attention_blocks
+from cwcore.core.architectures import attention_blocks, decomposable_layers
 from cwcore.core.attention import cwcore_attention
 from zoo_models import SEQ, VOCAB, ZOO, projection_of, zoo_model
 
@@ -261,7 +261,7 @@ def test_a_block_that_cannot_be_decomposed_is_refused_by_name_when_asked_for(nam
         cwcore.intervene(model, {layer: torch.zeros((), dtype=torch.bool)}).__enter__()
     with pytest.warns(UserWarning):
         d = cwcore.decompose(model, **inputs)
-    assert cwcore.decomposable_layers(model) == d.layers == [n for n in range(species.blocks) if n != layer]
+    assert decomposable_layers(model) == d.layers == [n for n in range(species.blocks) if n != layer]
     for read in (lambda: d[layer], lambda: d[-1], lambda: d.inter[-1], lambda: d.attention[layer]):
         with pytest.raises(KeyError, match=r"^layer 2 cannot be decomposed: torch\.nn\.MultiheadAttention"):
             read()

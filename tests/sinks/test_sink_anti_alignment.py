@@ -1,4 +1,4 @@
-"""Anti-alignment of the sink's value (cwcore.sinks.anti_alignment)."""
+"""Anti-alignment of the sink's value (cwcore.sinks.sink_anti_alignment)."""
 
 import sys
 
@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 
 def test_anti_alignment_recovers_the_planted_cosines():
     model, ids = planted_model(), planted_ids()
-    table = sinks.anti_alignment(model, None, ids, **FAST).set_index("head")
+    table = sinks.sink_anti_alignment(model, None, ids, **FAST).set_index("head")
     np.testing.assert_allclose(table["sink_rate"], expected_alpha().mean(), atol=1e-5)
     assert table.loc[0, "cos_value_mean"] == pytest.approx(-1.0, abs=1e-5)
     assert table.loc[0, "cos_semantic_mean"] == pytest.approx(-1.0, abs=1e-5)
@@ -31,7 +31,7 @@ def test_anti_alignment_recovers_the_planted_cosines():
 
 def test_anti_alignment_matches_naive_cosines():
     model, ids = tiny_model("llama"), random_ids()
-    table = sinks.anti_alignment(model, None, ids, batch_size=2, **FAST).set_index(["layer", "head"])
+    table = sinks.sink_anti_alignment(model, None, ids, batch_size=2, **FAST).set_index(["layer", "head"])
     reference, _ = naive_run(model, ids)
     for l, ref in enumerate(reference):
         v, o, a = ref["values"], ref["outputs"], ref["attention"]
@@ -91,7 +91,7 @@ def test_random_key_baseline_and_centred_cosines_match_naive_model_space_values(
 
 def test_planted_baseline_separates_the_sink_from_an_ordinary_key():
     model, ids = planted_model(), planted_ids()
-    table = sinks.anti_alignment(model, None, ids, **FAST).set_index("head")
+    table = sinks.sink_anti_alignment(model, None, ids, **FAST).set_index("head")
     # every tail value is the same vector: a random key is parallel to the rest of s_i (cos 1)
     assert table.loc[0, "cos_key_mean"] == pytest.approx(1.0, abs=1e-5)
     assert table.loc[0, "contrast"] == pytest.approx(-2.0, abs=1e-5)

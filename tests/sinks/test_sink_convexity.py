@@ -1,4 +1,4 @@
-"""Convexity of the output norm in the sink rate (cwcore.sinks.convexity)."""
+"""Convexity of the output norm in the sink rate (cwcore.sinks.sink_convexity)."""
 
 import numpy as np
 import pandas as pd
@@ -18,7 +18,7 @@ def test_convexity_fit_recovers_the_planted_interior_minimum():
     model, ids = planted_model(), planted_ids()
     vt, v0 = np.array(VT), np.array(V0)
     a_star = vt @ (vt - v0) / ((vt - v0) @ (vt - v0))  # 0.4615...
-    exact = sinks.convexity(model, None, ids, fit_on="squared_norm", **FAST)
+    exact = sinks.sink_convexity(model, None, ids, fit_on="squared_norm", **FAST)
     fits = exact.fits.set_index("scope").loc["head"].set_index("head")
     assert fits.loc[1, "alpha_star"] == pytest.approx(a_star, abs=1e-3)
     assert fits.loc[1, "curvature"] == pytest.approx((vt - v0) @ (vt - v0), rel=1e-3)  # ||vt - v0||^2
@@ -27,7 +27,7 @@ def test_convexity_fit_recovers_the_planted_interior_minimum():
     assert fits.loc[1, "reference_alpha_star"] == pytest.approx(a_star, abs=0.005)
     assert bool(fits.loc[1, "interior_minimum"]) and bool(fits.loc[1, "minimum_in_range"])
     # on the norm itself (not exactly quadratic) the vertex is still close
-    norm_fit = sinks.convexity(model, None, ids, **FAST).fits
+    norm_fit = sinks.sink_convexity(model, None, ids, **FAST).fits
     head1 = norm_fit[(norm_fit["scope"] == "head") & (norm_fit["head"] == 1)].iloc[0]
     assert head1["alpha_star"] == pytest.approx(a_star, abs=0.05) and head1["curvature"] > 0
     # head 0: anti-parallel values, the norm |(1 - a) P - a Q| vanishes at P / (P + Q)
@@ -49,7 +49,7 @@ def test_convexity_fit_recovers_the_planted_interior_minimum():
 
 def test_convexity_points_match_naive_head_output_norms():
     model, ids = tiny_model("gemma3"), random_ids(length=10)
-    fits = sinks.convexity(model, None, ids, min_range=0.0, **FAST).fits
+    fits = sinks.sink_convexity(model, None, ids, min_range=0.0, **FAST).fits
     reference, _ = naive_run(model, ids)
     heads = fits[fits["scope"] == "head"].set_index(["layer", "head"])
     for l, ref in enumerate(reference):

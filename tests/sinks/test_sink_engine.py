@@ -27,7 +27,7 @@ def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, mon
         raise AssertionError("recomputed instead of reading the cache")
 
     monkeypatch.setattr(engine, "forward", boom)
-    cached = sinks.semantic_cone(model, None, ids, **kwargs)  # the single function reads run_analyses' pieces
+    cached = sinks.sink_semantic_cone(model, None, ids, **kwargs)  # the single function reads run_analyses' pieces
     pd.testing.assert_frame_equal(cached.ppl, first["semantic_cone"].ppl)
     monkeypatch.undo()
     other = sinks.sink_decomposition(model, None, ids, batch_size=3, sample_size=50, **FAST)
@@ -73,7 +73,7 @@ def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
     later = sinks.run_analyses(model, None, ids, ["convexity", "semantic_cone"], raw=True, **options)
     assert set(later) == {"convexity", "semantic_cone", "raw"} and set(later["raw"]) == {"convexity", "semantic_cone"}
     monkeypatch.undo()
-    fresh = sinks.convexity(model, None, ids, batch_size=2, cache=False, progress=False)
+    fresh = sinks.sink_convexity(model, None, ids, batch_size=2, cache=False, progress=False)
     pd.testing.assert_frame_equal(later["convexity"].fits, fresh.fits)
     with pytest.raises(ValueError, match="unknown analyses"):
         sinks.run_analyses(model, None, ids, ["rates"], precompute=["nonsense"], **options)
@@ -135,7 +135,7 @@ def test_sink_options_check_eps_and_refuse_unknown_options():
     assert (got["eps"] == 0.05).all()
     # every analysis's public function lists its options with their declared defaults
     import inspect
-    params = inspect.signature(sinks.semantic_cone).parameters
+    params = inspect.signature(sinks.sink_semantic_cone).parameters
     assert params["threshold"].default == 0.3 and params["heads"].default == "all" and "eps" not in params
     assert inspect.signature(sinks.sink_rates).parameters["eps"].default == engine.EPS.default
 
@@ -187,3 +187,26 @@ def test_a_new_analysis_declares_its_own_options(monkeypatch):
         monkeypatch.setitem(REGISTRY, "clash", Analysis("clash", Scaled, toy.tables, stems=("c",),
                                                         options=(Option("power", 2, "another"),)))
         options_class()
+
+
+def test_the_analysis_modules_keep_their_names_and_the_functions_are_sink_prefixed():
+    """cwcore.sinks.convexity is the module whatever was imported first (it used to be rebound to the
+    function by the package), and the functions are sinks.sink_<analysis>."""
+    import importlib
+    import types
+    import warnings
+
+    import cwcore
+
+    for name in ("anti_alignment", "convexity", "semantic_cone"):
+        module = importlib.import_module(f"cwcore.sinks.{name}")
+        assert getattr(sinks, name) is module, name
+        assert isinstance(getattr(sinks, name), types.ModuleType)
+        assert getattr(sinks, f"sink_{name}") is getattr(module, f"sink_{name}")
+        assert f"sink_{name}" in sinks.__all__ and name not in sinks.__all__
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert getattr(cwcore, name) is getattr(sinks, f"sink_{name}")  # the old top-level name, deprecated
+        assert any(issubclass(w.category, DeprecationWarning) and f"cwcore.sinks.sink_{name}" in str(w.message)
+                   for w in caught)
+    assert not {n for n in sinks.__all__ if isinstance(getattr(sinks, n), types.ModuleType)} - {"suppression"}

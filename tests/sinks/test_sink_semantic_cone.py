@@ -1,4 +1,4 @@
-"""The semantic cone (cwcore.sinks.semantic_cone): interventions, bins and raw points."""
+"""The semantic cone (cwcore.sinks.sink_semantic_cone): interventions, bins and raw points."""
 
 import math
 
@@ -17,7 +17,7 @@ from tiny_models import VOCAB, tiny_model
 
 def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
     model, ids = planted_model(), planted_ids()
-    tables = sinks.semantic_cone(model, None, ids, **FAST)
+    tables = sinks.sink_semantic_cone(model, None, ids, **FAST)
     heads = tables.heads.set_index(["condition", "head"])
     # head 1: removing the sink leaves (1 - a) vt, exactly on the cone's axis; before, the angle is planted
     assert heads.loc[("sink", 1), "cos_after"] == pytest.approx(1.0, abs=1e-5)
@@ -47,7 +47,7 @@ def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
 
 def test_semantic_cone_matches_naive_interventions():
     model, ids = tiny_model("llama"), random_ids()
-    tables = sinks.semantic_cone(model, None, ids, batch_size=2, **FAST)
+    tables = sinks.sink_semantic_cone(model, None, ids, batch_size=2, **FAST)
     clean, clean_logits = naive_run(model, ids)
     b, n = ids.shape
     mask = torch.zeros(b, 4, n, n, dtype=torch.bool)
@@ -86,7 +86,7 @@ def test_sink_heads_scope_only_touches_heads_above_the_threshold():
     rates = torch.stack([r["attention"][:, :, 1:, 0].mean(-1) for r in reference])  # [layer, sequence, head]
     highest = rates.max(1).values  # [layer, head]
     threshold = float(highest.median())
-    tables = sinks.semantic_cone(model, None, ids, heads="sink", threshold=threshold, **FAST)
+    tables = sinks.sink_semantic_cone(model, None, ids, heads="sink", threshold=threshold, **FAST)
     for condition in sinks.CONDITIONS:
         touched = tables.heads[tables.heads["condition"] == condition]
         expected = {(l, h) for l in range(2) for h in range(4) if highest[l, h] > threshold}

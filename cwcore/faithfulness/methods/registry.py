@@ -300,7 +300,14 @@ class ScoreContext:
         self.gradients: dict[int, torch.Tensor] = {}
 
     def scores(self, method: Method, layer_decomposition: LayerDecomposition, call=None, kind: str | None = None):
-        """``[batch, head, query, key]`` scores of ``method`` for one layer (token-level ones spread)."""
+        """``[batch, head, query, key]`` scores of ``method`` for one layer. Token-level scores are copied
+        into every head, which the head-key ranking needs (one order over all terms); they are then H
+        times too large when summed over heads: :func:`cwcore.attribute` returns them token-level."""
+        values = self.raw_scores(method, layer_decomposition, call, kind)
+        return _spread(values, layer_decomposition.attention.shape, method.name, layer_decomposition.layer)
+
+    def raw_scores(self, method: Method, layer_decomposition: LayerDecomposition, call=None, kind: str | None = None):
+        """What ``method`` returns for one layer: ``[batch, head, query, key]`` or ``[batch, query, key]``."""
         layer = layer_decomposition.layer
         context = dict(layer=layer, call=call, model=self.model, input_ids=self.input_ids,
                        attention_mask=self.attention_mask, positions=self.positions, groups=self.groups,
@@ -313,8 +320,7 @@ class ScoreContext:
         accepted = _accepted(method.fn)
         if accepted is not None:
             context = {k: v for k, v in context.items() if k in accepted}
-        values = method.fn(layer_decomposition=layer_decomposition, **context)
-        return _spread(values, layer_decomposition.attention.shape, method.name, layer)
+        return method.fn(layer_decomposition=layer_decomposition, **context)
 
 
 def _spread(values, shape, name: str, layer: int) -> torch.Tensor:
@@ -402,7 +408,10 @@ def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torc
 def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None, keep_first_token=True,
                   kind="inter", seed=0, compute_dtype=None) -> dict[int, torch.Tensor]:
     """``{layer: [batch, head, query, key]}`` scores of one method on one batch (a named method or a
-    callable), computed exactly as the faithfulness sweep computes them in its clean pass.
+    callable), computed exactly as the faithfulness sweep computes them in its clean pass. Token-level
+    methods (ALTI, value zeroing, rollout) have their ``[batch, query, key]`` scores copied into every
+    head here, the layout the sweep's ranking uses: do not sum them over heads. For attributions, use
+    :func:`cwcore.attribute`, which returns them token-level.
     ``compute_dtype``: the decomposition's dtype (default float64 for a float64 model, else float32)."""
     from ...core.interventions import intervene
     from ..ranking import candidate_mask, layer_windows

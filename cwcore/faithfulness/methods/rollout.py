@@ -39,6 +39,6 @@ def contribution_rollout(layer_decomposition, state, attention_mask=None, **_):
     """The rollout product applied to token-level contribution weights C_ij = sum_h c^h_ij (``inter``,
     summing to 1 over keys). Negative weights (destructive interference) are clipped at zero before the
     row normalisation, as ALTI clips its contributions (Ferrando et al. 2022)."""
-    mixing = layer_decomposition.inter.nan_to_num(0.0).sum(1).clamp_min(0.0)
+    mixing = layer_decomposition.contribution("inter").nan_to_num(0.0).sum(1).clamp_min(0.0)
     mixing = mixing / mixing.sum(-1, keepdim=True).clamp_min(1e-30)
     return _rolled(state, "contribution_rollout", mixing, None if attention_mask is None else attention_mask.bool())

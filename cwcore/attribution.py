@@ -1,0 +1,219 @@
+"""``cwcore.attribute`` (defined here): one entry point for every registered attribution method.
+
+Like inseq's ``attribute``, a method is picked by its registered name::
+
+    model, tokenizer = cwcore.load_model("smollm2-135m")
+    enc = tokenizer("The cat sat on the mat", return_tensors="pt")
+    a = cwcore.attribute(model, method="alti", **enc)
+    a[3]        # [batch, query, key]: ALTI of layer 3 (token-level)
+    a.tensor    # [batch, layer, query, key], layers in the order of a.layers
+
+:func:`list_attribution_methods` lists the names: the geometric ladder (``attention``, ``value_weighted``,
+``value_weighted_output_normalized``, ``contribution``), ``random``, ``grad_x_input`` (head-level) and
+``alti``, ``value_zeroing``, ``rollout``, ``contribution_rollout`` (token-level), plus any method a user
+registered with :func:`cwcore.faithfulness.methods.register_method`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+__all__ = ["Attribution", "attribute", "list_attribution_methods"]
+
+#: options a method may declare by naming them in its signature (besides the model inputs)
+_OPTIONS = {"kind": "inter", "seed": 0}
+
+
+class Attribution:
+    """The scores of one attribution method on one batch, indexed by layer number like a decomposition.
+
+    ``a[layer]`` is ``[batch, head, query, key]`` for a head-level method (``a.level == "head"``: the
+    ladder, ``random``, ``grad_x_input``) and ``[batch, query, key]`` for a token-level one
+    (``a.level == "token"``: ALTI, value zeroing, rollout), whose scores are one number per token pair and
+    are never copied into heads. ``a.tensor`` stacks the layers: ``[batch, layer, head, query, key]`` or
+    ``[batch, layer, query, key]``, the layer axis in the order of ``a.layers``; ``a.dims`` names its axes.
+    Padding follows :func:`cwcore.decompose`: rows of padded queries are NaN, padded keys score 0.
+    """
+
+    def __init__(self, method: str, level: str, scores: dict[int, torch.Tensor], attention_mask: torch.Tensor):
+        self.method, self.level = method, level
+        self.scores = dict(sorted(scores.items()))
+        self.attention_mask = attention_mask
+
+    @property
+    def layers(self) -> list[int]:
+        return list(self.scores)
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return ("batch", "layer", "head", "query", "key") if self.level == "head" else ("batch", "layer", "query", "key")
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return torch.stack([self.scores[layer] for layer in self.layers], dim=1)
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if layer not in self.scores:
+            raise KeyError(f"layer {layer} was not attributed (it holds layers {self.layers}); pass layers={layer}")
+        return self.scores[layer]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.scores)
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+    def __repr__(self) -> str:
+        shape = tuple(next(iter(self.scores.values())).shape) if self.scores else ()
+        return f"Attribution(method={self.method!r}, level={self.level!r}, layers={self.layers}, shape per layer={shape})"
+
+
+def list_attribution_methods() -> tuple[str, ...]:
+    """The names :func:`attribute` accepts as ``method``, in registration order."""
+    from .faithfulness.methods import available_methods
+
+    return available_methods()
+
+
+def _method_options(method) -> dict:
+    """The options (name -> default) a method takes: ``kind`` for the kind-dependent rungs of the
+    ladder, ``seed`` for methods whose function names it."""
+    try:
+        parameters = inspect.signature(method.fn).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    options = {}
+    if method.kind_dependent:
+        options["kind"] = _OPTIONS["kind"]
+    if "seed" in parameters:
+        options["seed"] = parameters["seed"].default if parameters["seed"].default is not inspect._empty else 0
+    return options
+
+
+def attribute(
+    model: nn.Module,
+    inputs: Mapping | None = None,
+    *,
+    method: str | Callable = "contribution",
+    layers: int | Iterable[int] | None = None,
+    compute_dtype: torch.dtype | str | None = None,
+    **keywords,
+) -> Attribution:
+    """Scores of the attribution ``method`` for every requested layer of one forward pass.
+
+    The model inputs come as in :func:`cwcore.decompose`: keywords (``attribute(model, method="alti",
+    **tokenizer(text, return_tensors="pt"))``) or one mapping (``attribute(model, enc, method="alti")``);
+    ``input_ids`` ``[batch, sequence]`` is required, ``attention_mask`` is optional. The method's own
+    options are keywords too (``kind="intra"`` for a kind-dependent rung of the ladder, ``seed=`` for
+    ``random``); a keyword that is neither an option of that method nor an input of the model raises.
+    ``method``: a registered name (see :func:`list_attribution_methods`) or a callable with the
+    registry's calling convention. ``layers``: a layer number, a list of them, or None for all.
+    ``compute_dtype``: the decomposition's dtype (default float64 for a float64 model, else float32).
+
+    Returns an :class:`Attribution`: ``[batch, head, query, key]`` per layer for head-level methods,
+    ``[batch, query, key]`` for token-level ones (ALTI, value zeroing, rollout: sum contribution weights
+    over heads to compare with them, never these).
+    """
+    from .core.architectures import attention_blocks
+    from .core.attention import default_compute_dtype
+    from .core.decomposition import LayerDecomposition, prepare_inputs
+    from .core.inputs import InputError, check_compute_dtype, check_inputs, check_layers, unwrap_compiled
+    from .core.interventions import intervene
+    from .faithfulness.methods import as_method, available_methods, get_method, scoring
+
+    if isinstance(method, str):
+        if method not in available_methods():
+            raise ValueError(f"attribute: unknown method {method!r}; registered methods: {', '.join(available_methods())}")
+        chosen = get_method(method)
+    elif callable(method):
+        chosen = as_method(method)
+    else:
+        raise TypeError(f"attribute: method must be a registered name or a callable, got {type(method).__name__}")
+    options = _method_options(chosen)
+    given_options = {name: keywords.pop(name) for name in list(keywords) if name in options}
+    stray = sorted(set(keywords) & set(_OPTIONS))
+    if stray:
+        raise TypeError(f"attribute: method {chosen.name!r} takes no option {', '.join(map(repr, stray))}"
+                        + (f" (its options: {', '.join(options)})" if options else " (it has no options)"))
+    if inputs is not None:
+        if keywords:
+            raise InputError("attribute: give the inputs once, either as one mapping (attribute(model, enc)) or as "
+                             "keywords (attribute(model, **enc))")
+        if not isinstance(inputs, Mapping):
+            raise TypeError(f"attribute: inputs must be a mapping such as a tokenizer's output, got "
+                            f"{type(inputs).__name__}; pass token ids as input_ids=...")
+        keywords = dict(inputs)
+    options.update(given_options)
+    if options.get("kind", "inter") not in ("inter", "intra"):
+        raise ValueError(f"attribute: kind must be 'inter' or 'intra', not {options['kind']!r}")
+
+    model = unwrap_compiled(model)
+    try:
+        checked = check_inputs(model, keywords, caller="attribute")
+    except TypeError as err:  # say that the method's options were looked at too
+        raise type(err)(f"{err}; method {chosen.name!r} takes "
+                        + (f"the options {', '.join(options)}" if options else "no options")) from None
+    if checked.get("input_ids") is None:
+        raise InputError("attribute: input_ids are required (the methods index tokens)")
+    input_ids = checked["input_ids"]
+    attention_mask = checked.get("attention_mask")
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    checked["attention_mask"] = attention_mask
+    if "output_gradient" in chosen.needs and set(checked) - {"input_ids", "attention_mask"}:
+        raise InputError(f"attribute: method {chosen.name!r} takes input_ids and attention_mask only, got also "
+                         f"{', '.join(sorted(set(checked) - {'input_ids', 'attention_mask'}))}")
+    blocks = attention_blocks(model)
+    wanted = check_layers(layers, len(blocks))
+    if layers is None:  # as decompose: all the layers cwcore can decompose (asked for by number, one is refused)
+        wanted = [layer for layer in wanted if blocks[layer].unsupported is None]
+    for layer in wanted:
+        blocks[layer].refuse_if_unsupported()
+    compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
+    observed = list(range(max(wanted) + 1)) if "earlier_layers" in chosen.needs else wanted
+    raw: dict[int, torch.Tensor] = {}
+    with scoring(model, [chosen], input_ids, attention_mask, layers=wanted, kind=options.get("kind", "inter"),
+                 seed=options.get("seed", 0)) as context:
+        def observe(call):
+            values = context.raw_scores(chosen, LayerDecomposition.from_call(call), call)
+            if call.layer in wanted:
+                raw[call.layer] = values.detach().clone()
+
+        forward_inputs = prepare_inputs(model, checked)
+        with torch.inference_mode(), intervene(model, {}, attention_mask=attention_mask, compute_dtype=compute_dtype,
+                                               observers={layer: [observe] for layer in observed}):
+            model(**forward_inputs)
+    return _assemble(chosen.name, raw, input_ids.shape, attention_mask)
+
+
+def _assemble(name: str, raw: dict[int, torch.Tensor], shape, attention_mask: torch.Tensor) -> Attribution:
+    """Check each layer's shape, squeeze a one-head axis to token level, apply the padding convention."""
+    b, n = shape
+    levels, scores = set(), {}
+    for layer, values in raw.items():
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"attribute: method {name!r} returned {type(values).__name__} at layer {layer}, not a tensor")
+        if values.dim() == 4 and values.shape[1] == 1:
+            values = values[:, 0]
+        if values.dim() == 3 and tuple(values.shape) == (b, n, n):
+            levels.add("token")
+        elif values.dim() == 4 and values.shape[0] == b and tuple(values.shape[2:]) == (n, n):
+            levels.add("head")
+        else:
+            raise ValueError(f"attribute: method {name!r} returned shape {tuple(values.shape)} at layer {layer}; "
+                             f"expected [batch, head, query, key] or [batch, query, key] with batch {b}, length {n}")
+        values = values.float() if not values.is_floating_point() else values.clone()
+        valid = attention_mask.bool().to(values.device)
+        if not bool(valid.all()):
+            if values.dim() == 4:
+                values = values.masked_fill(~valid[:, None, None, :], 0.0)
+                values = values.masked_fill(~valid[:, None, :, None], float("nan"))
+            else:
+                values = values.masked_fill(~valid[:, None, :], 0.0).masked_fill(~valid[:, :, None], float("nan"))
+        scores[layer] = values
+    if len(levels) > 1:
+        raise ValueError(f"attribute: method {name!r} returned head-level scores at some layers and token-level at others")
+    return Attribution(name, levels.pop() if levels else "head", scores, attention_mask)

@@ -1,0 +1,154 @@
+"""cwcore.attribute, the one entry point to every registered method, against naive implementations
+written in tests/faithfulness/test_methods.py (loops over the model's own modules and eager forwards):
+head-level methods give [batch, head, query, key], token-level ones [batch, query, key] (never copied
+into heads), padding follows cwcore.decompose, and a wrong name or keyword fails in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cwcore
+from cwcore.faithfulness import methods
+from test_methods import _alti_row, _decoder_layers, _eager, _ids, _model, _terms
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_alti_is_token_level_and_matches_loops(family):
+    model, ids = _model(family), _ids(seed=2)
+    got = cwcore.attribute(model, method="alti", input_ids=ids)
+    assert got.level == "token" and got.layers == [0, 1] and got.dims == ("batch", "layer", "query", "key")
+    assert tuple(got.tensor.shape) == (2, 2, 9, 9)
+    attentions, values, inputs, _ = _eager(model, ids)
+    b, n = ids.shape
+    for layer in range(2):
+        block = _decoder_layers(model)[layer]
+        seen = {}
+        after = block.pre_feedforward_layernorm if family == "gemma3" else block.post_attention_layernorm
+        handle = after.register_forward_pre_hook(lambda mod, args: seen.__setitem__("y", args[0].clone()))
+        with torch.no_grad():
+            model(input_ids=ids)
+        handle.remove()
+        terms = _terms(model, layer, attentions[layer], values[layer]).sum(1).detach()
+        naive = torch.zeros(b, n, n, dtype=torch.float64)
+        for r in range(b):
+            for i in range(n):
+                with torch.no_grad():
+                    naive[r, i] = _alti_row(family, block, terms[r, i], block.self_attn.o_proj.bias,
+                                            inputs[layer][r, i], seen["y"][r, i], i, n)
+        assert got[layer].shape == (b, n, n)
+        torch.testing.assert_close(got[layer].double(), naive, rtol=1e-5, atol=1e-7)
+        # one number per token pair: a query's scores sum to 1 over keys, not to the number of heads
+        torch.testing.assert_close(got[layer].double().sum(-1), torch.ones(b, n, dtype=torch.float64))
+        torch.testing.assert_close(got.tensor[:, layer], got[layer])
+
+
+def test_value_zeroing_is_token_level_and_matches_zeroing_the_value_rows():
+    model, ids = _model("llama"), _ids(n=1, length=6)
+    got = cwcore.attribute(model, {"input_ids": ids}, method="value_zeroing")
+    _, _, _, clean = _eager(model, ids)
+    n = ids.shape[1]
+    assert got.level == "token"
+    for layer in range(2):
+        naive = torch.zeros(1, n, n, dtype=torch.float64)
+        v_proj = _decoder_layers(model)[layer].self_attn.v_proj
+        for j in range(n):  # key 0 included: the user's attribution scores every causal pair
+            handle = v_proj.register_forward_hook(lambda mod, args, out, j=j: out.index_fill(1, torch.tensor([j]), 0.0))
+            _, _, _, altered = _eager(model, ids)
+            handle.remove()
+            naive[:, j:, j] = (1 - torch.nn.functional.cosine_similarity(clean[layer], altered[layer], dim=-1))[:, j:]
+        assert naive[:, :, 0].abs().max() > 1e-4
+        torch.testing.assert_close(got[layer].double(), naive, rtol=1e-5, atol=1e-8)
+
+
+def test_rollout_is_the_layer_product_and_needs_no_earlier_layer_asked():
+    model, ids = _model("llama"), _ids(seed=3)
+    attentions, _, _, _ = _eager(model, ids)
+    eye = torch.eye(ids.shape[1], dtype=torch.float64)
+    product = None
+    for layer in range(2):
+        a = 0.5 * attentions[layer].mean(1) + 0.5 * eye
+        a = a / a.sum(-1, keepdim=True)
+        product = a if product is None else a @ product
+    got = cwcore.attribute(model, method="rollout", layers=1, input_ids=ids)
+    assert got.layers == [1] and got[1].dim() == 3
+    torch.testing.assert_close(got[1].double(), product, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["inter", "intra"])
+def test_head_level_methods_match_the_eager_maps_and_the_terms(kind):
+    model, ids = _model("llama"), _ids(seed=4)
+    attentions, values, _, _ = _eager(model, ids)
+    attention = cwcore.attribute(model, method="attention", input_ids=ids)
+    contribution = cwcore.attribute(model, method="contribution", input_ids=ids, kind=kind)
+    assert attention.level == contribution.level == "head"
+    assert tuple(contribution.tensor.shape) == (2, 2, 4, 9, 9)
+    for layer in range(2):
+        torch.testing.assert_close(attention[layer].double(), attentions[layer], rtol=1e-6, atol=1e-9)
+        terms = _terms(model, layer, attentions[layer], values[layer]).detach()  # [b, h, i, j, m]
+        if kind == "inter":
+            output = terms.sum((1, 3))  # o_i without bias
+            naive = torch.einsum("bim,bhijm->bhij", output, terms) / (output ** 2).sum(-1)[:, None, :, None]
+        else:
+            output = terms.sum(3)  # o^h_i
+            naive = torch.einsum("bhim,bhijm->bhij", output, terms) / (output ** 2).sum(-1)[..., None]
+        torch.testing.assert_close(contribution[layer].double(), naive, rtol=1e-5, atol=1e-8)
+
+
+def test_padding_rows_are_nan_and_padded_keys_zero_as_in_decompose():
+    # float32: decompose itself refuses a left-padded float64 Llama today (NaN in its output check)
+    model, ids = _model("llama").float(), _ids(n=1, length=7, seed=5)
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(ids)], 1)
+    for method in ("alti", "contribution"):
+        alone = cwcore.attribute(model, method=method, input_ids=ids)
+        batch = cwcore.attribute(model, method=method, input_ids=padded, attention_mask=mask)
+        for layer in range(2):
+            real = batch[layer][..., 2:, 2:]
+            torch.testing.assert_close(real, alone[layer], rtol=1e-5, atol=1e-6)
+            assert batch[layer][..., :2, :].isnan().all()
+            assert (batch[layer][..., 2:, :2] == 0).all()
+
+
+def test_method_scores_keeps_the_sweeps_head_copies_and_attribute_does_not():
+    model, ids = _model("llama"), _ids(seed=6)
+    copied = methods.method_scores(model, "alti", ids, keep_first_token=False)
+    got = cwcore.attribute(model, method="alti", input_ids=ids)
+    heads = model.config.num_attention_heads
+    for layer in range(2):
+        torch.testing.assert_close(copied[layer], got[layer][:, None].expand_as(copied[layer]))
+        # the trap attribute removes: summed over heads like contribution weights, the copies give H per query
+        torch.testing.assert_close(copied[layer].sum((1, 3)), torch.full((2, 9), float(heads)))
+
+
+def test_names_and_keywords_fail_in_one_line():
+    model, ids = _model("llama"), _ids()
+    assert cwcore.list_attribution_methods() == methods.available_methods()
+    assert {"alti", "value_zeroing", "rollout", "contribution", "attention", "grad_x_input"} <= set(
+        cwcore.list_attribution_methods())
+    with pytest.raises(ValueError, match=r"unknown method 'altii'; registered methods: attention, .*alti") as err:
+        cwcore.attribute(model, method="altii", input_ids=ids)
+    assert "\n" not in str(err.value)
+    with pytest.raises(TypeError, match="method 'alti' takes no option 'kind'"):
+        cwcore.attribute(model, method="alti", input_ids=ids, kind="intra")
+    with pytest.raises(TypeError, match="unexpected keyword argument.*'layer'.*did you mean 'layers'|'layer'"):
+        cwcore.attribute(model, method="alti", input_ids=ids, layer=1)
+    with pytest.raises(ValueError, match="give the inputs once"):
+        cwcore.attribute(model, {"input_ids": ids}, method="alti", attention_mask=torch.ones_like(ids))
+    with pytest.raises(ValueError, match="kind must be 'inter' or 'intra'"):
+        cwcore.attribute(model, method="contribution", input_ids=ids, kind="outer")
+
+
+def test_a_block_cwcore_cannot_decompose_is_skipped_by_default_and_refused_when_asked_for():
+    from cwcore.core.architectures import attention_blocks, forget_model
+
+    model, ids = _model("llama"), _ids()
+    try:
+        attention_blocks(model)[0].unsupported = "a reason measured elsewhere"  # as for nn.MultiheadAttention
+        got = cwcore.attribute(model, method="alti", input_ids=ids)
+        assert got.layers == [1]
+        torch.testing.assert_close(got[1], cwcore.attribute(model, method="alti", layers=1, input_ids=ids)[1])
+        with pytest.raises(cwcore.UnsupportedModelError, match="a reason measured elsewhere"):
+            cwcore.attribute(model, method="alti", layers=[0, 1], input_ids=ids)
+    finally:
+        forget_model(model)
