@@ -38,6 +38,7 @@ def _read(root, namespace, item):
 def test_provenance_sums_the_cache_reads_of_every_process_and_is_written_atomically(tmp_path, monkeypatch):
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
     monkeypatch.setenv("CWCORE_CACHE", str(cache_dir))
+    monkeypatch.setenv(cw_cache.CACHING_ENV_VAR, "1")  # as in the book's kernels: caching on
     calls = []
 
     def build(**kwargs):  # stands in for the book build: a kernel-like child process, and forked ranks
