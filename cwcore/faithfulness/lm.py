@@ -14,7 +14,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.inputs import check_sweep_arguments, check_texts, check_token_sequences
+from ..core.architectures import attention_blocks
+from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
@@ -184,6 +185,8 @@ def faithfulness_curve(
     check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
                           confidence=confidence, padding_side=padding_side)
+    if protocol_keywords.get("layers") is not None:  # a layer number or negative ones, as the check reads them
+        protocol_keywords["layers"] = check_layers(protocol_keywords["layers"], len(attention_blocks(model)))
     protocol = as_protocol(protocol, **protocol_keywords)
     check_sweep_arguments(model, caller="faithfulness_curve", layers=protocol.layers)  # a protocol object's layers too
     specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)

@@ -140,3 +140,12 @@ def test_sequence_ids_seed_the_random_control_and_a_slice_gives_the_whole_runs_r
                        ("01234", TypeError)):
         with pytest.raises(error, match="sequence_ids"):
             fa.faithfulness_curve(model, None, ids[5:], sequence_ids=bad, **options)
+
+
+@pytest.mark.parametrize("layers, same", [(0, [0]), (-1, [1]), ([-2, 1], [0, 1])])
+def test_a_layer_number_and_negative_layers_are_read_as_the_check_reads_them(peaked, layers, same):
+    model, ids = peaked  # two layers; before, an int raised "'int' object is not iterable" and -1 an IndexError
+    options = {**OPTIONS, "metric": ["contribution"], "ratios": [0.3]}
+    got = fa.faithfulness_curve(model, None, ids[:4], layers=layers, **options).per_sequence
+    want = fa.faithfulness_curve(model, None, ids[:4], layers=same, **options).per_sequence
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
