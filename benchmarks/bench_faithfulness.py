@@ -70,8 +70,8 @@ def measure(model, tokenizer, texts, length, num_sequences, repeats, deduplicate
     counter = Counter(model)
     start, cpu = time.perf_counter(), time.process_time()
     fa.faithfulness_curve(model, tokenizer, blocks, list(fa.DEFAULT_METRICS), list(fa.DEFAULT_RATIOS),
-                          list(fa.MODES), batch_size=num_sequences, max_length=None, cache=False, progress=False,
-                          deduplicate=deduplicate)
+                          list(fa.MODES), batch_size=num_sequences, max_length=None, progress=False,
+                          deduplicate=deduplicate)  # uncached: outside cwcore.cache.caching
     sweep, sweep_cpu = time.perf_counter() - start, time.process_time() - cpu
     counter.handle.remove()
     after_wall, after_cpu = clean_forward_times(model, batch, repeats)
@@ -98,7 +98,7 @@ def measure_per_layer(model, tokenizer, texts, length, num_sequences, repeats):
     before_wall, before_cpu = clean_forward_times(model, batch, repeats)
     start, cpu = time.perf_counter(), time.process_time()
     per_layer.per_layer_curve(model, tokenizer, blocks, "contribution", [0.05], "comprehensiveness",
-                              batch_size=num_sequences, max_length=None, cache=False)  # time the work, not a read
+                              batch_size=num_sequences, max_length=None)  # uncached (no caching block): time the work, not a read
     sweep, sweep_cpu = time.perf_counter() - start, time.process_time() - cpu
     after_wall, after_cpu = clean_forward_times(model, batch, repeats)
     clean, clean_cpu = statistics.median(before_wall + after_wall), statistics.median(before_cpu + after_cpu)

@@ -27,8 +27,8 @@ from cwcore.models import load_model
 
 
 def sweep(model, blocks, batch_size):
-    return fa.faithfulness_curve(model, None, blocks, ratios=[0, 0.1, 0.3, 0.5], batch_size=batch_size, cache=False,
-                                 progress=False, per_sequence=True)
+    return fa.faithfulness_curve(model, None, blocks, ratios=[0, 0.1, 0.3, 0.5], batch_size=batch_size,
+                                 progress=False).per_sequence  # uncached: outside cwcore.cache.caching
 
 
 def main(argv=None) -> int:

@@ -333,7 +333,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
             key_groups: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
             layers: Sequence[int] | None = None, kind: str = "intra", min_keys: int = 2, rank_min_keys: int = 5,
             rank_views: Sequence[str] = VIEWS, kendall_views: Sequence[str] = (), factor_samples: int = 256,
-            seed: int = 0, cache: bool = True, cache_root=None,
+            seed: int = 0,
             progress: Callable[[int], None] | bool | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Decompose every batch and gather :func:`layer_statistics` and :func:`factor_sample` of each layer.
 
@@ -344,7 +344,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
     ``layer-statistics``) whose key is made of the model's fingerprint
     (:func:`cwcore.runs.model_fingerprint`), the batch's tensors (:func:`cwcore.runs.tensor_digest`),
     the options and the code that computes them (the core and this module), so a rerun reads them back
-    instead of running the model; ``cache=False`` switches that off. ``progress``: ``True`` shows a
+    instead of running the model, inside :func:`cwcore.cache.caching` (caching is opt-in). ``progress``: ``True`` shows a
     progress bar over the batches; a callable is called with the number of sequences done after each
     batch. Returns ``(statistics, factor samples)``.
     """
@@ -355,8 +355,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
     options = dict(layers=None if layers is None else sorted(layers), kind=kind, min_keys=min_keys,
                    rank_min_keys=rank_min_keys, rank_views=list(rank_views), kendall_views=list(kendall_views),
                    factor_samples=factor_samples, seed=seed)
-    store = runs.PieceStore("layer-statistics", options, model=model, code=("analysis",), cache=cache,
-                            cache_root=cache_root)
+    store = runs.PieceStore("layer-statistics", options, model=model, code=("analysis",))
 
     def compute(batch) -> dict[str, pd.DataFrame]:
         groups = key_groups(batch) if key_groups else None

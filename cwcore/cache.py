@@ -15,6 +15,12 @@ that fails to read or verify is
 deleted and computed again with a :class:`CacheWarning`. A cache that cannot be written (read-only,
 full disk) or read turns into an uncached run with one warning per cache folder and process. Setting
 ``CWCORE_NO_CACHE=1`` switches the result cache off (nothing read, nothing written).
+
+Caching is opt-in: no function of the library takes a cache argument, and a call reads or writes the
+result cache only inside :func:`caching` (``with caching(): curve = faithfulness_curve(...)``), or in a
+process started with ``$CWCORE_CACHING=1`` (the book build sets it for its notebooks). ``$CWCORE_CACHE``
+names the folder caching uses by default; ``$CWCORE_NO_CACHE=1`` switches caching off everywhere, inside
+:func:`caching` blocks too.
 :func:`verify` checks every piece (``cwcore cache verify [--repair]``).
 
 The cache deletes only what it wrote: a run folder is cwcore's when its ``parameters.json`` carries the
@@ -48,34 +54,23 @@ from typing import Any, Callable
 import pandas as pd
 import pyarrow as pa
 
+from .cache_switch import (_TRUE, CACHING_ENV_VAR, NO_CACHE_ENV_VAR, active_cache_root, cache_root,  # noqa: F401
+                           caching, caching_disabled, caching_enabled)
 from .code_keys import (BASE_CODE, NOT_PRODUCING, code_files, code_scope, code_version,  # noqa: F401
                         normalised_source)
 
-__all__ = ["BASE_CODE", "CacheWarning", "NO_CACHE_ENV_VAR", "NOT_PRODUCING", "cache_root", "caching_disabled", "code_scope",
+__all__ = ["BASE_CODE", "CacheWarning", "CACHING_ENV_VAR", "NO_CACHE_ENV_VAR", "active_cache_root", "caching", "caching_enabled", "NOT_PRODUCING", "cache_root", "caching_disabled", "code_scope",
            "code_files", "code_version", "normalised_source", "parameters_key", "ResultCache", "atomic_write_bytes", "write_csv", "current_umask", "result_runs",
            "prune", "verify", "verify_piece", "CacheTally", "counting",
            "CACHE_MARKER", "ModelCacheError", "ensure_cached_folder", "read_cache_marker", "verify_cached_folder"]
 
-NO_CACHE_ENV_VAR = "CWCORE_NO_CACHE"
 CHECKSUM_SUFFIX = ".sha256"  # <piece>.parquet.sha256: the hex sha256 of the piece's bytes
-_TRUE = {"1", "true", "yes", "on"}
 # temporary files of atomic writes older than this are left-overs of killed processes
 ABANDONED_AFTER_SECONDS = 3600
 
 
 class CacheWarning(UserWarning):
     """The cache was damaged or could not be written; the run goes on (recomputing, or uncached)."""
-
-
-def caching_disabled() -> bool:
-    """True when ``$CWCORE_NO_CACHE`` asks for uncached runs (``1``, ``true``, ``yes``, ``on``)."""
-    return os.environ.get(NO_CACHE_ENV_VAR, "").strip().lower() in _TRUE
-
-
-def cache_root() -> Path:
-    """Root of cwcore's caches: ``$CWCORE_CACHE`` or ``~/.cache/cwcore``."""
-    configured = os.environ.get("CWCORE_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "cwcore"
 
 
 def _canonical(value):
@@ -226,8 +221,8 @@ def _mark_unwritable(root: Path, error: OSError) -> None:
                   errno.EDQUOT: "disk quota exceeded"}.get(error.errno, reason)
     _unwritable[key] = reason
     warnings.warn(f"cwcore: the result cache {root} cannot be written ({reason}); this run continues uncached: "
-                  f"results are computed but not stored (set {NO_CACHE_ENV_VAR}=1 or pass cache=False / "
-                  "--no-cache to run uncached without this warning)", CacheWarning, stacklevel=4)
+                  f"results are computed but not stored (set {NO_CACHE_ENV_VAR}=1, run outside cwcore.cache.caching() "
+                  "or pass --no-cache to run uncached without this warning)", CacheWarning, stacklevel=4)
 
 
 class CacheTally:
@@ -352,17 +347,19 @@ class ResultCache:
     >>> frame = cache.get_or_compute("batch-0", lambda: compute_batch(0))
 
     Each piece is checked when read (its sha256 against the checksum written with it, then parquet);
-    a damaged piece is deleted with a :class:`CacheWarning`, so it is computed again. ``enabled=False``
-    or ``$CWCORE_NO_CACHE=1``: nothing is read or written. A cache folder that cannot be written
-    (read-only, full) makes :meth:`put` a no-op after one warning.
+    a damaged piece is deleted with a :class:`CacheWarning`, so it is computed again. Nothing is read or
+    written outside a :func:`caching` block (:func:`caching_enabled`, checked when the cache is made), with
+    ``enabled=False`` or under ``$CWCORE_NO_CACHE=1``. ``root`` defaults to the block's folder
+    (:func:`active_cache_root`). A cache folder that cannot be written (read-only, full) makes :meth:`put`
+    a no-op after one warning.
     """
 
     def __init__(self, namespace: str, parameters: dict, root: Path | None = None, enabled: bool = True,
                  code: str | tuple | list | None = None):
         self.parameters = parameters
-        self.enabled = bool(enabled) and not caching_disabled()
+        self.enabled = bool(enabled) and caching_enabled()
         self.code = code_scope(code)
-        self.root = Path(root) if root is not None else cache_root()
+        self.root = Path(root) if root is not None else active_cache_root()
         self.directory = self.root / "results" / namespace / parameters_key(parameters, self.code)
         self.hits = 0  # reads that found their piece (get), and those that did not
         self.misses = 0

@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .cache import ResultCache
+from .cache import ResultCache, caching_enabled
 from .core.inputs import InputError, InputTypeError, check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
 
 __all__ = ["JOBS_ENV_VAR", "PROGRESS_FILE_ENV_VAR", "PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
@@ -123,15 +123,18 @@ class PieceStore:
 
     ``parameters`` are every option that changes the result; ``model`` adds :func:`model_fingerprint`;
     ``code`` names the producing module or subpackage (``"faithfulness"``, ``"sinks"``, ``"analysis"``)
-    whose source, with the core's, is part of the key. ``cache=False`` (or ``$CWCORE_NO_CACHE=1``)
-    stores nothing. Every piece is read through :class:`cwcore.cache.ResultCache`, which verifies its
+    whose source, with the core's, is part of the key. Nothing is read or stored outside a
+    :func:`cwcore.cache.caching` block (:func:`cwcore.cache.caching_enabled`), with ``cache=False`` or under
+    ``$CWCORE_NO_CACHE=1``; then the model's weights are not hashed either. ``cache_root``: the folder (default
+    the caching block's, :func:`cwcore.cache.active_cache_root`). Every piece is read through :class:`cwcore.cache.ResultCache`, which verifies its
     checksum: a damaged part makes its batch incomplete, so the batch is computed again.
     """
 
     def __init__(self, namespace: str, parameters: Mapping, *, model: nn.Module | None = None,
                  code: str | tuple | list | None = None, cache: bool = True, cache_root: str | Path | None = None):
         parameters = dict(parameters)
-        if model is not None:
+        cache = bool(cache) and caching_enabled()
+        if model is not None and cache:  # reading every weight byte costs ~0.3 s per 500 MB: only when caching
             parameters["model"] = model_fingerprint(model)
         self.namespace = namespace
         self.cache = ResultCache(namespace, parameters, root=None if cache_root is None else Path(cache_root),

@@ -11,6 +11,7 @@ from scipy.stats import kendalltau, rankdata, spearmanr
 
 import cwcore
 from cwcore import analysis
+from cwcore.cache import caching
 from tiny_models import VOCAB, tiny_model
 
 
@@ -211,7 +212,8 @@ def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, 
     batches = [{"input_ids": ids[:2], "attention_mask": torch.ones(2, 8, dtype=torch.long)},
                {"input_ids": ids[2:], "attention_mask": torch.ones(1, 8, dtype=torch.long)}]
     seen = []
-    stats, factors = analysis.collect(model, batches, factor_samples=10, cache_root=tmp_path, progress=seen.append)
+    with caching(tmp_path):
+        stats, factors = analysis.collect(model, batches, factor_samples=10, progress=seen.append)
     assert seen == [2, 3]
     assert sorted(stats["sequence"].unique()) == [0, 1, 2] and sorted(factors["sequence"].unique()) == [0, 1, 2]
     # the numbers of the last sequence are those of a direct decomposition of it alone
@@ -225,10 +227,11 @@ def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, 
         raise AssertionError("decompose called although the results are cached")
 
     monkeypatch.setattr(analysis, "decompose", boom)
-    again = analysis.collect(model, batches, factor_samples=10, cache_root=tmp_path)
+    with caching(tmp_path):
+        again = analysis.collect(model, batches, factor_samples=10)
     pd.testing.assert_frame_equal(again[0], stats)
     pd.testing.assert_frame_equal(again[1], factors)
-    with pytest.raises(AssertionError, match="cached"):  # other options, other cache entries
-        analysis.collect(model, batches, factor_samples=11, cache_root=tmp_path)
-    with pytest.raises(AssertionError, match="cached"):
-        analysis.collect(model, batches, factor_samples=10, cache_root=tmp_path, cache=False)
+    with pytest.raises(AssertionError, match="cached"), caching(tmp_path):  # other options, other cache entries
+        analysis.collect(model, batches, factor_samples=11)
+    with pytest.raises(AssertionError, match="cached"):  # outside caching(): nothing is read
+        analysis.collect(model, batches, factor_samples=10)

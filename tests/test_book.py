@@ -305,11 +305,14 @@ def test_kernel_environment_waits_passively_unless_told_otherwise_and_is_restore
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setenv("PYTHONWARNINGS", "default")
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    monkeypatch.delenv("CWCORE_CACHING", raising=False)
     with book._kernel_environment():
         assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
         assert os.environ["TQDM_DISABLE"] == "1"  # no progress bars printed into the pages
+        assert os.environ["CWCORE_CACHING"] == "1"  # the chapters cache (the library caches only when asked)
         assert os.environ["PYTHONWARNINGS"] == "default,ignore:IProgress not found"
     assert "OMP_WAIT_POLICY" not in os.environ and os.environ["PYTHONWARNINGS"] == "default"
+    assert "CWCORE_CACHING" not in os.environ
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's choice wins
     with book._kernel_environment():
         assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -43,7 +43,7 @@ def test_the_sink_chapters_share_one_run_and_refuse_an_unknown_parameter():
         SinkRun.of({"n_sequnces": 4})
     # the options are SinkOptions with the run's sizes and the given fields (eps changed here)
     options = SinkRun.of({"seq_len": 24, "batch_size": 2, "sink_options": {"eps": 0.2}}).options()
-    assert options == sinks.SinkOptions(block_size=24, batch_size=2, seed=0, cache=True, progress=False, eps=0.2)
+    assert options == sinks.SinkOptions(block_size=24, batch_size=2, seed=0, progress=False, eps=0.2)
     # none of 5-7 declares a shared run parameter by name any more
     shared = {f for f in SinkRun.__dataclass_fields__}
     for chapter in SINK_CHAPTERS:

@@ -7,6 +7,12 @@ import pytest
 from cwcore.cache import ResultCache, atomic_write_bytes, parameters_key
 
 
+@pytest.fixture(autouse=True)
+def _caching_on(monkeypatch):
+    """These tests exercise the result cache itself, which caches only when asked: asked here."""
+    monkeypatch.setenv("CWCORE_CACHING", "1")
+
+
 def test_key_depends_on_every_parameter_and_not_on_order():
     base = {"model": "m", "ratios": [0.1, 0.2], "seed": 0}
     assert parameters_key(base) == parameters_key(dict(reversed(list(base.items()))))

@@ -21,6 +21,12 @@ import cwbook as book
 from cwcore import cache, cli, models, runs
 from cwcore.cache import CacheWarning, ResultCache, atomic_write_bytes
 
+
+@pytest.fixture(autouse=True)
+def _caching_on(monkeypatch):
+    """These tests exercise the result cache itself, which caches only when asked: asked here."""
+    monkeypatch.setenv("CWCORE_CACHING", "1")
+
 FRAME = pd.DataFrame({"x": [1.5, 2.5, 3.5], "name": ["a", "b", "c"]})
 
 

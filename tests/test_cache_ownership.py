@@ -12,6 +12,12 @@ from cwcore import cache
 from cwcore.cache import CacheWarning, ResultCache
 
 
+@pytest.fixture(autouse=True)
+def _caching_on(monkeypatch):
+    """These tests exercise the result cache itself, which caches only when asked: asked here."""
+    monkeypatch.setenv("CWCORE_CACHING", "1")
+
+
 def _age(folder, seconds):
     old = time.time() - seconds
     for path in [folder, *folder.iterdir()]:

@@ -79,9 +79,9 @@ def test_normalised_source_ignores_comments_docstrings_and_layout_only():
 
 def _faithfulness_run(model, ids, root, counter):
     from cwcore import faithfulness as fa
-    return fa.faithfulness_curve(model, None, ids, metric=["contribution", "random"], ratios=[0, 0.3],
-                                 mode="comprehensiveness", batch_size=4, cache_dir=root, progress=False,
-                                 per_sequence=True)
+    with cache.caching(root):
+        return fa.faithfulness_curve(model, None, ids, metric=["contribution", "random"], ratios=[0, 0.3],
+                                     mode="comprehensiveness", batch_size=4, progress=False).per_sequence
 
 
 def test_exporter_docstring_and_comment_edits_keep_every_cached_piece_and_a_ranking_edit_recomputes(
@@ -135,7 +135,7 @@ from tiny_models import VOCAB, tiny_model
 from cwcore import faithfulness as fa
 model = tiny_model("llama")
 ids = torch.randint(0, VOCAB, (4, 10), generator=torch.Generator().manual_seed(0))
-fa.faithfulness_curve(model, None, ids, ratios=[0.3], mode="comprehensiveness", cache=False, progress=False)
+fa.faithfulness_curve(model, None, ids, ratios=[0.3], mode="comprehensiveness", progress=False).table
 print(json.dumps(sorted(m for m in sys.modules if m == "cwcore" or m.startswith("cwcore."))))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
@@ -148,3 +148,9 @@ print(json.dumps(sorted(m for m in sys.modules if m == "cwcore" or m.startswith(
         file = "/".join(parts) + ".py" if (PACKAGE.joinpath(*parts).with_suffix(".py")).is_file() \
             else "/".join(parts + ["__init__.py"])
         assert file in covered, f"{module} was loaded by a faithfulness sweep but is not in its cache key"
+
+
+def test_every_module_declared_non_producing_exists():
+    """A stale entry would silently exclude from every key a future module of that name."""
+    missing = [name for name in cache.NOT_PRODUCING if not (PACKAGE / name).exists()]
+    assert missing == []

@@ -23,6 +23,7 @@ from cwbook.evidence_files import HASH_FIELD, content_hash
 from cwbook import evidence_frames as ef
 from cwcore.cache import ResultCache
 from cwbook import ladder as evidence
+from cwbook.cached import cached_downstream_eval, per_sequence_curve
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ("import sys; from cwcore.cache import ResultCache; import pandas as pd\n"
@@ -38,6 +39,7 @@ def _read(root, namespace, item):
 def test_provenance_sums_the_cache_reads_of_every_process_and_is_written_atomically(tmp_path, monkeypatch):
     cache_dir, out = tmp_path / "cache", tmp_path / "out"
     monkeypatch.setenv("CWCORE_CACHE", str(cache_dir))
+    monkeypatch.setenv(cw_cache.CACHING_ENV_VAR, "1")  # as in the book's kernels: caching on
     calls = []
 
     def build(**kwargs):  # stands in for the book build: a kernel-like child process, and forked ranks
@@ -508,7 +510,7 @@ def downstream():
     from cwcore import faithfulness as faith
 
     model, tokenizer = peaked_llama(), word_tokenizer()
-    plain = faith.downstream_eval(model, tokenizer, TASKS, DOWN_METRICS, DOWN_RATIOS, per_example=True, **DOWN_CALL)
+    plain = cached_downstream_eval(model, tokenizer, TASKS, DOWN_METRICS, DOWN_RATIOS, per_example=True, **DOWN_CALL)
     return model, tokenizer, plain
 
 
@@ -523,7 +525,7 @@ def _downstream(model, tokenizer, out, tmp_path, monkeypatch, tasks=TASKS, metri
     def evaluate(lm, tokenizer, dataset, *args, **kwargs):
         what = dataset if isinstance(dataset, (str, list)) else (kwargs["task"], len(dataset))
         seen.append((what, kwargs["cache"]))
-        return faith.downstream_eval(lm, tokenizer, dataset, *args, **kwargs)
+        return cached_downstream_eval(lm, tokenizer, dataset, *args, **kwargs)
 
     got = eb.downstream_cell(model, tokenizer, tasks, metrics, DOWN_RATIOS, model="tiny", profile="evidence",
                              exports=out, evaluate=evaluate, log=None, **{**DOWN_CALL, **change})
@@ -564,7 +566,7 @@ def test_a_committed_downstream_frame_is_taken_once_two_examples_per_task_recomp
     assert seen == [(("boolq", 2), False)] and decisions["boolq"]["decision"] == "committed"
     from cwcore import faithfulness as faith
 
-    fresh = faith.downstream_eval(model, tokenizer, ["boolq"], subset, DOWN_RATIOS, per_example=True, **DOWN_CALL)
+    fresh = cached_downstream_eval(model, tokenizer, ["boolq"], subset, DOWN_RATIOS, per_example=True, **DOWN_CALL)
     pd.testing.assert_frame_equal(got, fresh, check_exact=False, rtol=1e-7)
     # PROVENANCE lists the decisions among the committed cells taken
     cells = eb._cells(tmp_path / "cells")
@@ -622,7 +624,7 @@ def test_a_tampered_or_other_downstream_frame_is_recomputed(downstream, tmp_path
 
 def test_a_committed_per_layer_frame_is_taken_after_its_slice_and_a_changed_one_is_recomputed(cell, tmp_path,
                                                                                               monkeypatch):
-    from cwcore.faithfulness.layers import per_layer_curve
+    from cwbook.cached import cached_per_layer_curve as per_layer_curve
 
     model, blocks, _ = cell
     options = dict(batch_size=2, max_length=12, seed=0, cache=False)
@@ -664,13 +666,13 @@ def test_a_committed_bench_frame_is_taken_after_its_slice_and_a_changed_one_is_r
     model, blocks, _ = cell
     metrics = ["attention", "value_zeroing", "grad_x_input", "random"]
     options = dict(batch_size=2, max_length=12, seed=0, cache=False, progress=False)
-    plain = faith.faithfulness_curve(model, None, blocks, metrics, RATIOS, per_sequence=True, **options)
+    plain = per_sequence_curve(model, None, blocks, metrics, RATIOS, per_sequence=True, **options)
     monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
     seen = []
 
     def curve(lm, tokenizer, part, *args, **kwargs):
         seen.append((list(part["document"]), kwargs["cache"]))
-        return faith.faithfulness_curve(lm, tokenizer, part, *args, **kwargs)
+        return per_sequence_curve(lm, tokenizer, part, *args, **kwargs)
 
     def run(**change):
         seen.clear()
@@ -709,7 +711,7 @@ def test_the_protocol_variants_frame_is_each_variants_curve_and_is_taken_after_i
     model, blocks, _ = cell
     variants = {"default": {}, "unit = token": {"unit": "token"}, "scope = layer": {"scope": "layer"}}
     options = dict(batch_size=2, max_length=12, seed=0, cache=False, progress=False)
-    plain = {name: faith.faithfulness_curve(model, None, blocks, METRICS, RATIOS, per_sequence=True,
+    plain = {name: per_sequence_curve(model, None, blocks, METRICS, RATIOS, per_sequence=True,
                                             **{**options, **change}) for name, change in variants.items()}
     assert not plain["default"]["nll"].equals(plain["unit = token"]["nll"])  # the variants differ
     monkeypatch.setenv(eb.CELLS_ENV_VAR, str(tmp_path / "cells"))
@@ -717,7 +719,7 @@ def test_the_protocol_variants_frame_is_each_variants_curve_and_is_taken_after_i
 
     def curve(lm, tokenizer, part, *args, **kwargs):
         seen.append((list(part["document"]), kwargs.get("unit", "head_key"), kwargs["cache"]))
-        return faith.faithfulness_curve(lm, tokenizer, part, *args, **kwargs)
+        return per_sequence_curve(lm, tokenizer, part, *args, **kwargs)
 
     def run(variants=variants, **change):
         seen.clear()
@@ -885,7 +887,7 @@ def test_a_committed_frame_check_is_remembered_for_a_cwcore_function_and_never_f
                                                                                            monkeypatch):
     """The committed frames (here the per-layer sweep's) remember a passed check like the ladder cells, when
     the slice is computed by cwcore's own function; a caller's own function is checked every time."""
-    from cwcore.faithfulness.layers import per_layer_curve
+    from cwbook.cached import cached_per_layer_curve as per_layer_curve
 
     model, blocks, _ = cell
     monkeypatch.setenv("CWCORE_CACHE", str(tmp_path / "cache"))

@@ -30,7 +30,7 @@ SETTINGS = settings(max_examples=25, deadline=None, derandomize=True, database=N
 MODEL = tiny_model("llama")
 LAYERS = 2
 CONTEXT = 64
-FC = dict(progress=False, cache=False, n_bootstrap=10, batch_size=2, metric="contribution", mode="comprehensiveness")
+FC = dict(progress=False, n_bootstrap=10, batch_size=2, metric="contribution", mode="comprehensiveness")
 
 
 def own_error(error: BaseException) -> bool:
@@ -103,7 +103,7 @@ def test_decompose_takes_valid_ids_exactly_and_refuses_the_rest(ids):
 @SETTINGS
 @given(token_ids())
 def test_sink_rates_refuses_exactly_what_decompose_refuses(ids):
-    kind, result = outcome(lambda: cwcore.sinks.sink_rates(MODEL, None, ids, cache=False, progress=False))
+    kind, result = outcome(lambda: cwcore.sinks.sink_rates(MODEL, None, ids, progress=False))
     reference = valid_ids(ids, min_length=2) if ids.ndim == 2 else None  # ready blocks are [sequence, token]
     assert (kind == "ok") == (reference is not None), (ids.dtype, tuple(ids.shape), result)
     if kind == "ok":
@@ -113,7 +113,7 @@ def test_sink_rates_refuses_exactly_what_decompose_refuses(ids):
 
 @functools.lru_cache(maxsize=None)
 def _sink_reference(rows):
-    return cwcore.sinks.sink_rates(MODEL, None, torch.tensor(rows), cache=False, progress=False)["sink_rate"].tolist()
+    return cwcore.sinks.sink_rates(MODEL, None, torch.tensor(rows), progress=False)["sink_rate"].tolist()
 
 
 # -- the sweep's arguments ---------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def canonical_layers(layers):
 @functools.lru_cache(maxsize=None)
 def _curve_reference(ratios, layers, batch_size):
     table = cwcore.faithfulness_curve(MODEL, None, IDS, ratios=list(ratios), layers=list(layers),
-                                      **{**FC, "batch_size": batch_size})
+                                      **{**FC, "batch_size": batch_size}).table
     return table.set_index("ratio")["delta_nll"].round(12).to_dict()
 
 
@@ -154,7 +154,7 @@ def _curve_reference(ratios, layers, batch_size):
        batch_size=st.one_of(st.integers(-1, 3), st.sampled_from([1.5, "2", None])))
 def test_faithfulness_curve_gives_the_reference_or_refuses(ratios, layers, batch_size):
     kind, result = outcome(lambda: cwcore.faithfulness_curve(MODEL, None, IDS, ratios=ratios, layers=layers,
-                                                             **{**FC, "batch_size": batch_size}))
+                                                             **{**FC, "batch_size": batch_size}).table)
     r, l = canonical_ratios(ratios), canonical_layers(layers)
     b = batch_size if isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1 else None
     valid = r is not None and l is not None and b is not None

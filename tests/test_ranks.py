@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cwcore import analysis, runs
+from cwcore.cache import caching
 from cwcore import faithfulness as fa
 from cwcore.faithfulness.layers import per_layer_curve
 from tiny_models import VOCAB, tiny_model
@@ -25,7 +26,7 @@ def _ids(rows=10, length=12, seed=0):
 
 def _curve(model, ids):
     return fa.faithfulness_curve(model, None, ids, metric=["attention", "contribution", "random"], ratios=[0, 0.2, 0.5],
-                                 batch_size=2, cache=False, progress=False, per_sequence=True)
+                                 batch_size=2, progress=False).per_sequence
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_two_forked_ranks_give_the_single_process_faithfulness_frame(monkeypatch
     assert runs.launch_info()["launcher"] == "jobs" and runs.launch_info()["world_size"] == 2
     shared = _curve(model, ids)
     pd.testing.assert_frame_equal(alone, shared, check_exact=True)
-    options = dict(metric=["contribution"], ratios=[0.5], mode="comprehensiveness", batch_size=3, cache=False,
+    options = dict(metric=["contribution"], ratios=[0.5], mode="comprehensiveness", batch_size=3,
                    progress=False)
     shared = per_layer_curve(model, None, ids, **options)
     monkeypatch.delenv(runs.JOBS_ENV_VAR)
@@ -80,15 +81,17 @@ def test_two_forked_ranks_give_the_single_process_anatomy_frame(monkeypatch, one
 def test_two_forked_ranks_fill_the_cache_and_the_batch_driver_yields_every_batch(tmp_path, monkeypatch, one_thread):
     model = tiny_model("llama")
     batches = [{"input_ids": _ids(2, 9, seed)} for seed in range(5)]
-    alone = analysis.collect(model, batches, cache=False)
+    alone = analysis.collect(model, batches)
     monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
-    shared = analysis.collect(model, batches, cache_root=tmp_path)
+    with caching(tmp_path):
+        shared = analysis.collect(model, batches)
     for a, b in zip(alone, shared):
         pd.testing.assert_frame_equal(a, b, check_exact=True)
     monkeypatch.delenv(runs.JOBS_ENV_VAR)
     calls = []
     monkeypatch.setattr(analysis, "decompose", lambda *a, **k: calls.append(1))
-    again = analysis.collect(model, batches, cache_root=tmp_path)  # every piece written by either rank
+    with caching(tmp_path):
+        again = analysis.collect(model, batches)  # every piece written by either rank
     assert calls == []
     for a, b in zip(alone, again):
         pd.testing.assert_frame_equal(a, b, check_exact=True)
@@ -102,7 +105,7 @@ from tiny_models import VOCAB, tiny_model
 from cwcore import faithfulness as fa, runs
 ids = torch.randint(0, VOCAB, (10, 12), generator=torch.Generator().manual_seed(0))
 frame = fa.faithfulness_curve(tiny_model("llama"), None, ids, metric=["attention", "contribution", "random"],
-                              ratios=[0, 0.2, 0.5], batch_size=2, cache=False, progress=False, per_sequence=True)
+                              ratios=[0, 0.2, 0.5], batch_size=2, progress=False).per_sequence
 info = runs.launch_info()
 frame.to_parquet(sys.argv[1] + f"/rank{{info['rank']}}-of-{{info['world_size']}}-{{info['launcher']}}.parquet")
 """
@@ -202,7 +205,7 @@ def test_the_per_layer_sweep_moves_its_progress_bar_by_each_finished_batchs_poin
     monkeypatch.setattr(sweep_module, "progress_bar", Recorder)
     model, ids = tiny_model("llama"), _ids(rows=5)
     options = dict(metric=["attention", "contribution"], ratios=[0.2, 0.5], mode="comprehensiveness", batch_size=2,
-                   cache=False, progress=True)
+                   progress=True)
     per_layer_curve(model, None, ids, **options)
     monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
     per_layer_curve(model, None, ids, **options)

@@ -9,6 +9,12 @@ from cwcore import runs
 from tiny_models import tiny_model
 
 
+@pytest.fixture(autouse=True)
+def _caching_on(monkeypatch):
+    """These tests exercise the result cache itself, which caches only when asked: asked here."""
+    monkeypatch.setenv("CWCORE_CACHING", "1")
+
+
 def test_fingerprint_tracks_weights_and_names():
     a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
     assert runs.model_fingerprint(a) == runs.model_fingerprint(b)

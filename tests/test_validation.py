@@ -30,7 +30,7 @@ from cwcore.faithfulness.layers import per_layer_curve
 from cwcore.logit_attribution import logit_attribution
 from tiny_models import VOCAB, tiny_model
 
-FC = dict(progress=False, cache=False, n_bootstrap=10, batch_size=2)
+FC = dict(progress=False, n_bootstrap=10, batch_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +91,9 @@ def _entries(model):
     return {
         "faithfulness_curve": lambda d: faithfulness_curve(model, None, d, ["contribution"], 0.1, "comprehensiveness",
                                                            **FC),
-        "per_layer_curve": lambda d: per_layer_curve(model, None, d, ["contribution"], 0.1, "comprehensiveness",
-                                                     cache=False),
-        "sink_rates": lambda d: sinks.sink_rates(model, None, d, cache=False, progress=False),
-        "sink_decomposition": lambda d: sinks.sink_decomposition(model, None, d, cache=False, progress=False),
+        "per_layer_curve": lambda d: per_layer_curve(model, None, d, ["contribution"], 0.1, "comprehensiveness"),
+        "sink_rates": lambda d: sinks.sink_rates(model, None, d, progress=False),
+        "sink_decomposition": lambda d: sinks.sink_decomposition(model, None, d, progress=False),
         "decompose": lambda d: cwcore.decompose(model, input_ids=d),
         "logit_attribution": lambda d: logit_attribution(model, input_ids=d),
     }
@@ -119,8 +118,8 @@ def test_float_ids_as_lists_and_float_masks_are_refused_not_cut(model, ids):
         faithfulness_curve(model, None, {"input_ids": ids, "attention_mask": torch.full(ids.shape, 0.5)},
                            "contribution", 0.1, **FC)
     # the control: the same ids as integers give the curve of the tensor form
-    as_dict = faithfulness_curve(model, None, {"input_ids": ids.tolist()}, "contribution", 0.1, **FC)
-    as_tensor = faithfulness_curve(model, None, ids, "contribution", 0.1, **FC)
+    as_dict = faithfulness_curve(model, None, {"input_ids": ids.tolist()}, "contribution", 0.1, **FC).table
+    as_tensor = faithfulness_curve(model, None, ids, "contribution", 0.1, **FC).table
     pd.testing.assert_frame_equal(as_dict, as_tensor)
 
 
@@ -137,9 +136,9 @@ def test_the_sweeps_refuse_the_same_arguments(model, ids, argument, value, messa
     with pytest.raises(InputError, match=message):
         faithfulness_curve(model, None, ids, **sweep, **{**FC, **extra})
     with pytest.raises(InputError, match=message):
-        per_layer_curve(model, None, ids, **sweep, cache=False, **extra)
+        per_layer_curve(model, None, ids, **sweep, **extra)
     with pytest.raises(InputError, match=message):  # refused before any data set is read
-        downstream_eval(model, word_tokenizer(), "boolq", **sweep, cache=False, progress=False, **extra)
+        downstream_eval(model, word_tokenizer(), "boolq", **sweep, progress=False, **extra)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
@@ -160,8 +159,8 @@ def test_a_metric_returning_non_finite_scores_is_refused_at_its_layer(model, ids
     def plain(layer_decomposition, **_):
         return layer_decomposition.attention
 
-    got = faithfulness_curve(model, None, ids, {"m": masked}, [0.1, 0.5], "comprehensiveness", **FC)
-    want = faithfulness_curve(model, None, ids, {"m": plain}, [0.1, 0.5], "comprehensiveness", **FC)
+    got = faithfulness_curve(model, None, ids, {"m": masked}, [0.1, 0.5], "comprehensiveness", **FC).table
+    want = faithfulness_curve(model, None, ids, {"m": plain}, [0.1, 0.5], "comprehensiveness", **FC).table
     pd.testing.assert_frame_equal(got, want)
 
 
@@ -443,8 +442,8 @@ def test_a_callable_returning_the_attention_works_on_texts_of_different_lengths(
     def mine(layer_decomposition, **_):
         return layer_decomposition.attention
 
-    got = faithfulness_curve(model, tok, texts, {"attention": mine}, [0.1, 0.5], "comprehensiveness", **FC)
-    want = faithfulness_curve(model, tok, texts, "attention", [0.1, 0.5], "comprehensiveness", **FC)
+    got = faithfulness_curve(model, tok, texts, {"attention": mine}, [0.1, 0.5], "comprehensiveness", **FC).table
+    want = faithfulness_curve(model, tok, texts, "attention", [0.1, 0.5], "comprehensiveness", **FC).table
     pd.testing.assert_frame_equal(got, want)
 
 
@@ -490,7 +489,7 @@ def test_run_analyses_on_short_texts_names_block_size(model):
     from cwcore.sinks import run_analyses
 
     with pytest.raises(ValueError, match="block_size=128"):
-        run_analyses(model, word_tokenizer(), ["the cat sat", "a dog ran"], ["rates"], cache=False, progress=False)
+        run_analyses(model, word_tokenizer(), ["the cat sat", "a dog ran"], ["rates"], progress=False)
 
 
 def test_value_zeroing_shows_progress_on_long_layers(model, monkeypatch):

@@ -98,8 +98,11 @@ KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
 # (measured: a decomposition 4x slower with 2 spinning threads on 2 busy cores); passive waiting
 # costs next to nothing on an idle machine. Progress bars (tqdm's: the one-off GGUF conversion of a
 # packaged model, 30 lines of it) would be printed into the pages, where a reader has no use for them;
-# the build prints its own line per notebook.
-KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"}
+# the build prints its own line per notebook. The library caches nothing unless asked
+# (cwcore.cache.caching); the book relies on its result cache, so that a rerun reads every finished piece
+# and an interrupted build resumes: its kernels cache ($CWCORE_CACHING=1; a notebook's `cache = False`
+# calls run inside caching(enabled=False)).
+KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1", "CWCORE_CACHING": "1"}
 
 
 #: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwbook.evidence_build)

@@ -158,12 +158,13 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
         options = run.options()
         lm, tokenizer = run.load(model)
         t0 = time.monotonic()
-        results = {d: sink_analyses.run_analyses(
-            lm, tokenizer, _sample(d, tokenizer, smoke), list(sink_analyses.ANALYSES), options, raw=True,
-            sample_size=parameters["05_sink_decomposition"]["sample_size"],
-            bins=parameters["06_sinks_as_suppressors"]["bins"],
-            min_range=parameters["06_sinks_as_suppressors"]["min_range"],
-            quantiles=parameters["07_semantic_cone"]["quantiles"]) for d in datasets}
+        with run.caching():
+            results = {d: sink_analyses.run_analyses(
+                lm, tokenizer, _sample(d, tokenizer, smoke), list(sink_analyses.ANALYSES), options, raw=True,
+                sample_size=parameters["05_sink_decomposition"]["sample_size"],
+                bins=parameters["06_sinks_as_suppressors"]["bins"],
+                min_range=parameters["06_sinks_as_suppressors"]["min_range"],
+                quantiles=parameters["07_semantic_cone"]["quantiles"]) for d in datasets}
         n = min(len(_sample(d, tokenizer, smoke)) for d in datasets)
         for chapter, table in sink_tables(results, parameters).items():
             path = results_path(out, chapter, model)

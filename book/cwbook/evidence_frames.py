@@ -12,10 +12,10 @@ not travel. Chapter 4's ladder cells keep their rows in the per-document exports
   reads them back together);
 * :func:`per_layer_cell` wraps :func:`cwcore.faithfulness.layers.per_layer_curve`:
   ``per_layer_<model>_<data>.csv.gz`` + ``.json``, one row per (layer, metric, mode, ratio, sequence);
-* :func:`bench_cell` wraps :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) for
+* :func:`bench_cell` wraps :func:`cwbook.cached.per_sequence_curve` (the ``.per_sequence`` of faithfulness_curve) for
   chapter 4b's attribution bench: ``bench_<model>_<data>.csv.gz`` + ``.json``, one row per (metric, mode,
   ratio, sequence);
-* :func:`sensitivity_cell` wraps one :func:`cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``) per
+* :func:`sensitivity_cell` wraps one :func:`cwbook.cached.per_sequence_curve` per
   protocol variant for chapter 4's Table 8: ``sensitivity_<model>_<data>.csv.gz`` + ``.json``, one row per
   (change, metric, mode, ratio, sequence), ``change`` naming the variant's one change of the default protocol;
 * :func:`anatomy_cell` keeps the layer averages of :func:`cwbook.anatomy.selection_anatomy`
@@ -72,7 +72,8 @@ from . import ladder as evidence
 from .anatomy import LADDER, MEASURES, explain_held_out, explain_step, layer_average, selection_anatomy
 from cwcore.faithfulness.downstream import downstream_eval
 from cwcore.faithfulness.layers import per_layer_curve
-from cwcore.faithfulness.lm import faithfulness_curve
+
+from .cached import cached_downstream_eval, cached_per_layer_curve, per_sequence_curve
 from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
 from cwcore.faithfulness.protocol import specs as parse_specs
 from cwcore.faithfulness.summary import ladder_comparison
@@ -597,10 +598,11 @@ def _examples_digest(dataset) -> str:
 def downstream_cell(lm, tokenizer, tasks, metric=None, ratios=None, mode=None, *, model: str, profile: str,
                     num_examples: int | None = None, data_seed: int = 0, dtype: str = "float32",
                     exports: str | Path | None = None, slice_examples: int = SLICE_DOCUMENTS, atol: float = ATOL,
-                    rtol: float = RTOL, evaluate: Callable = downstream_eval, log: Callable[[str], None] | None = print,
+                    rtol: float = RTOL, evaluate: Callable = cached_downstream_eval, log: Callable[[str], None] | None = print,
                     per_example: bool = True, **kwargs) -> pd.DataFrame:
     """``evaluate(lm, tokenizer, tasks, metric, ratios, mode, num_examples=..., data_seed=...,
-    per_example=True, **kwargs)`` (:func:`cwcore.faithfulness.downstream.downstream_eval`: the per-example
+    per_example=True, **kwargs)`` (:func:`cwbook.cached.cached_downstream_eval`, the cached
+    :func:`cwcore.faithfulness.downstream.downstream_eval`: the per-example
     table of the downstream tasks, ``tasks`` packaged names), task by task: each task's committed frame
     ``downstream_<model>_<task>.csv.gz`` (:func:`committed_frame`) is taken once the first ``slice_examples``
     examples of its sample, recomputed without the cache, equal it; otherwise the task is computed (and
@@ -680,10 +682,11 @@ def _documents_frame(kind: FrameKind, curve: Callable, reference: Callable, lm, 
 
 def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,
                    dtype: str = "float32", exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS,
-                   atol: float = ATOL, rtol: float = RTOL, curve: Callable = per_layer_curve,
+                   atol: float = ATOL, rtol: float = RTOL, curve: Callable = cached_per_layer_curve,
                    log: Callable[[str], None] | None = print, **kwargs) -> pd.DataFrame:
     """``curve(lm, tokenizer, blocks, metric, ratios, mode, **kwargs)``
-    (:func:`cwcore.faithfulness.layers.per_layer_curve`: the per-layer interventions' per-sequence table),
+    (:func:`cwbook.cached.cached_per_layer_curve`, the cached :func:`cwcore.faithfulness.layers.per_layer_curve`:
+    the per-layer interventions' per-sequence table),
     or its committed frame ``per_layer_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first
     ``slice_documents`` documents, recomputed without the cache, equal it. ``blocks``: a
     :func:`cwcore.data.document_blocks` data set; its documents and the digest of its token ids are among
@@ -695,17 +698,18 @@ def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *
 
 def bench_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, model: str, data: str, profile: str,
                dtype: str = "float32", exports: str | Path | None = None, slice_documents: int = SLICE_DOCUMENTS,
-               atol: float = ATOL, rtol: float = RTOL, curve: Callable = faithfulness_curve,
+               atol: float = ATOL, rtol: float = RTOL, curve: Callable = per_sequence_curve,
                log: Callable[[str], None] | None = print, **kwargs) -> pd.DataFrame:
     """``curve(lm, tokenizer, blocks, metric, ratios, mode, per_sequence=True, **kwargs)``
-    (:func:`cwcore.faithfulness.faithfulness_curve`: chapter 4b's attribution bench, one data set), or its
+    (:func:`cwbook.cached.per_sequence_curve`, the per-sequence table of
+    :func:`cwcore.faithfulness.faithfulness_curve`: chapter 4b's attribution bench, one data set), or its
     committed frame ``bench_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first
     ``slice_documents`` documents, recomputed without the cache, equal it; ``blocks`` as in
     :func:`per_layer_cell`."""
     if not kwargs.setdefault("per_sequence", True):
         raise ValueError("bench_cell returns the per-sequence table (per_sequence=True); summarise it with "
                          "cwcore.faithfulness.summarize")
-    return _documents_frame(BENCH, curve, faithfulness_curve, lm, tokenizer, blocks, metric, ratios, mode,
+    return _documents_frame(BENCH, curve, per_sequence_curve, lm, tokenizer, blocks, metric, ratios, mode,
                             model=model, data=data, profile=profile, dtype=dtype, exports=exports,
                             slice_documents=slice_documents, atol=atol, rtol=rtol, log=log, kwargs=kwargs)
 
@@ -713,11 +717,11 @@ def bench_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, mo
 def sensitivity_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *, variants: Mapping[str, Mapping],
                      model: str, data: str, profile: str, dtype: str = "float32", exports: str | Path | None = None,
                      slice_documents: int = SLICE_DOCUMENTS, atol: float = ATOL, rtol: float = RTOL,
-                     curve: Callable = faithfulness_curve, log: Callable[[str], None] | None = print,
+                     curve: Callable = per_sequence_curve, log: Callable[[str], None] | None = print,
                      **kwargs) -> pd.DataFrame:
     """Chapter 4's protocol variants (Table 8): for each ``name: change`` of ``variants``,
     ``curve(lm, tokenizer, blocks, metric, ratios, mode, per_sequence=True, **{**kwargs, **change})``
-    (:func:`cwcore.faithfulness.faithfulness_curve`), its rows with the variant's ``name`` as a first column
+    (:func:`cwbook.cached.per_sequence_curve`), its rows with the variant's ``name`` as a first column
     ``change`` (the rows' own ``variant`` names only the removal unit's deviations, not the sign or the
     kind), concatenated in the order of ``variants``; or the committed frame
     ``sensitivity_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first ``slice_documents``
@@ -733,7 +737,7 @@ def sensitivity_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None,
     labels = list(dict.fromkeys(label for r in requested.values() for label in r["metric"]))
     first = next(iter(requested.values()))
     settings = {**_sample_settings(blocks, profile, dtype),
-                "variants": {name: _call_settings(faithfulness_curve, call) for name, call in calls.items()}}
+                "variants": {name: _call_settings(per_sequence_curve, call) for name, call in calls.items()}}
 
     def sweep(part, **extra):
         frames = [curve(lm, tokenizer, part, metric, ratios, mode, **{**call, **extra}) for call in calls.values()]

@@ -61,10 +61,10 @@ import numpy as np
 from cwcore import stats
 from cwcore.core.decomposition import METRICS
 from cwcore.data import document_blocks, load_dataset
-from cwcore.faithfulness.lm import faithfulness_curve
 from cwcore.faithfulness.protocol import DEFAULT_RATIOS, VARIANTS, Protocol, identical_steps, parse_metric
 from cwcore.faithfulness.methods import random_controls
 from cwcore.faithfulness.summary import aopc, ladder_comparison, random_baseline
+from .cached import per_sequence_curve
 
 __all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
            "SIGN_INVARIANT", "RatioGrids", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables",
@@ -221,7 +221,8 @@ def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, proto
     """The per-sequence table of :func:`~cwcore.faithfulness.faithfulness_curve` under one main
     ``protocol`` (a key of :data:`PROTOCOLS`) for every importance sign, stacked, with a ``protocol``
     column. Sign-invariant metrics (:data:`SIGN_INVARIANT`) are run once and their rows reused for the
-    absolute importance (relabelled); ``kwargs`` go to ``faithfulness_curve`` (``protocol_change``: more
+    absolute importance (relabelled); ``kwargs`` go to :func:`cwbook.cached.per_sequence_curve` (cached
+    unless ``cache=False``; ``first_sequence``; ``protocol_change``: more
     protocol fields, e.g. a :data:`cwcore.faithfulness.protocol.VARIANTS` entry).
 
     ``random_seeds`` > 1 (with ``"random"`` among ``metrics``) adds the random control at the seeds after
@@ -245,8 +246,8 @@ def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, proto
             chosen = [m for m in base if parse_metric(m, kind).name not in SIGN_INVARIANT]
         part = None
         if chosen:
-            part = faithfulness_curve(model, tokenizer, blocks, chosen, ratios, modes, per_sequence=True,
-                                      importance=importance, **{**kwargs, **change})
+            part = per_sequence_curve(model, tokenizer, blocks, chosen, ratios, modes, importance=importance,
+                                      **{**kwargs, **change})
         if importance == "absolute" and signed is not None:
             reused = signed[signed["metric"].map(lambda m: m in extra or parse_metric(m, kind).name in SIGN_INVARIANT)]
             part = pd.concat([reused.assign(importance="absolute"), part], ignore_index=True)
@@ -345,7 +346,7 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
     :func:`ladder_sweep`; ``variants``: names of :data:`VARIANT_CHANGES`, each one more cell per data set
     under the ``default`` protocol, in :attr:`LadderRun.variant_rows`, on the models ``variant_models`` names
     (None: every model; ``model_name`` is this model's name). ``kwargs`` (e.g. ``cache_dir``) go to
-    :func:`~cwcore.faithfulness.faithfulness_curve`. ``sweep``: what runs one cell, called with
+    :func:`cwbook.cached.per_sequence_curve`. ``sweep``: what runs one cell, called with
     :func:`ladder_sweep`'s arguments plus ``data=`` (the data set's name), e.g.
     :func:`cwbook.evidence_build.ladder_cell`, which takes a committed cell once its first documents
     recompute equal; default :func:`ladder_sweep`. Returns a :class:`LadderRun`."""

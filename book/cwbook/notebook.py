@@ -108,11 +108,17 @@ class SinkRun:
 
     def options(self):
         """The analyses' options (:class:`cwcore.sinks.SinkOptions`): blocks of ``seq_len``, this batch
-        size, seed and cache, no progress bars, and ``sink_options``."""
+        size and seed, no progress bars, and ``sink_options`` (the cache: :meth:`caching`)."""
         from cwcore import sinks
 
         return sinks.SinkOptions(block_size=self.seq_len, batch_size=self.batch_size, seed=self.seed,
-                                 cache=self.cache, progress=False, **self.sink_options)
+                                 progress=False, **self.sink_options)
+
+    def caching(self):
+        """The :func:`cwcore.cache.caching` block of this run's analyses: on unless ``cache`` is False."""
+        from cwcore.cache import caching
+
+        return caching(enabled=bool(self.cache))
 
     def load(self, model: str):
         """``(model, tokenizer)`` of ``model`` in this run's dtype, on its device."""

@@ -12,7 +12,7 @@ Any ranking can be evaluated: ``metric=`` takes a registered method's name (the 
 :func:`register_method`), a callable ``fn(layer_decomposition=..., **context)`` or precomputed scores
 (see :mod:`~cwcore.faithfulness.methods`).
 
-Entry points: :func:`faithfulness_curve` (language modelling), :func:`downstream_eval` (MMLU,
+Entry points: :func:`faithfulness_curve` (language modelling; returns a :class:`FaithfulnessResult`), :func:`downstream_eval` (MMLU,
 WinoGrande, BoolQ: gold-answer perplexity and accuracy), :func:`aopc` (area over the curve) and
 :func:`ladder_comparison` (paired differences between rungs of the geometric ladder). The command
 line ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out data/results/`` writes
@@ -87,7 +87,8 @@ Per batch of sequences: one clean pass observes every layer (an observer of
 geometry is kept), computes the selection buckets of every metric
 (:func:`cwcore.faithfulness.ranking.selection`: one uint8 per term and mode); then one forward
 per (metric, mode, ratio) point with fixed boolean masks. Everything runs under ``torch.inference_mode()``.
-Results are cached per (batch, metric, mode, ratio) piece with :class:`cwcore.runs.PieceStore`: the
+Inside :func:`cwcore.cache.caching` (caching is opt-in) results are cached per (batch, metric, mode,
+ratio) piece with :class:`cwcore.runs.PieceStore`: the
 key holds :func:`cwcore.runs.model_fingerprint`, the protocol and the producing code, and each piece
 is named by its batch's content (token ids, padding, sequence ids), so a rerun is free, an interrupted
 run resumes, and a longer run over the same first sequences reuses the shorter run's batches.
@@ -108,6 +109,7 @@ from ..runs import model_fingerprint
 from .cli import main
 from .downstream import downstream_eval
 from .lm import faithfulness_curve
+from .result import FaithfulnessResult
 from .protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS, LADDER, MetricSpec, Protocol, parse_metric
 from .ranking import MODES, SCOPES, UNITS
 from .summary import aopc, ladder_comparison, method_pairs, random_baseline, summarize, summarize_downstream
@@ -126,6 +128,7 @@ __all__ = [
     "Protocol",
     "parse_metric",
     "faithfulness_curve",
+    "FaithfulnessResult",
     "downstream_eval",
     "summarize",
     "summarize_downstream",

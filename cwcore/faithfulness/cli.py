@@ -87,6 +87,13 @@ def parser() -> argparse.ArgumentParser:
 
 def _main(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
+    from ..cache import caching
+
+    with caching(enabled=not args.no_cache):  # the command line caches its pieces unless --no-cache
+        return _sweeps(args)
+
+
+def _sweeps(args) -> int:
     import torch
 
     from .. import data, models
@@ -118,7 +125,7 @@ def _main(argv: Sequence[str] | None) -> int:
     protocol = dict(protocol=Protocol(unit=args.unit, scope=args.scope, layers=args.layers,
                                       keep_first_token=not args.remove_first_token, scores=args.scores, kind=args.kind,
                                       importance=args.importance, seed=args.seed),
-                    n_bootstrap=args.n_bootstrap, cache=not args.no_cache, progress=not args.no_progress)
+                    n_bootstrap=args.n_bootstrap, progress=not args.no_progress)
     common = dict(model=args.model)
     tasks = [d for d in args.data if d in _MC_TASKS]
     for name in [d for d in args.data if d not in _MC_TASKS]:
@@ -128,7 +135,7 @@ def _main(argv: Sequence[str] | None) -> int:
         else:
             blocks = data.lm_blocks(texts, tokenizer, block_size=args.block_size, num_blocks=args.num_sequences)
         per_seq = faithfulness_curve(model, tokenizer, blocks, args.metrics, args.ratios, args.modes,
-                                     batch_size=args.batch_size, max_length=None, per_sequence=True, **protocol)
+                                     batch_size=args.batch_size, max_length=None, **protocol).per_sequence
         curve = summarize(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)
         area = aopc(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)
         ladder = ladder_comparison(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)

@@ -7,7 +7,6 @@ prediction is the choice with the highest total log-likelihood.
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import Sequence
 
 import datasets as hf_datasets
@@ -19,7 +18,8 @@ from torch import nn
 from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
-from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
+                       specs as parse_specs)
 from .summary import summarize_downstream
 from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep
 
@@ -91,8 +91,6 @@ def downstream_eval(
     confidence: float = 0.95,
     per_example: bool = False,
     deduplicate: bool = True,
-    cache: bool = True,
-    cache_dir: str | Path | None = None,
     progress: bool = True,
     **protocol_keywords,
 ) -> pd.DataFrame:
@@ -121,11 +119,13 @@ def downstream_eval(
     is never split.
 
     ``protocol`` (or its fields as keywords): as in :func:`~cwcore.faithfulness.faithfulness_curve`.
+    Nothing is cached outside :func:`cwcore.cache.caching`.
 
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
     nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy,
     clean_ppl, ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples).
     """
+    refuse_removed("downstream_eval", protocol_keywords, ("cache", "cache_dir"))
     check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
                           confidence=confidence)
@@ -140,7 +140,7 @@ def downstream_eval(
                                   data_seed=data_seed, max_length=max_length, batch_size=batch_size,
                                   max_batch_pairs=max_batch_pairs, collapse=collapse, protocol=protocol,
                                   n_bootstrap=n_bootstrap, confidence=confidence, per_example=per_example,
-                                  deduplicate=deduplicate, cache=cache, cache_dir=cache_dir, progress=progress)
+                                  deduplicate=deduplicate, progress=progress)
                   for d in dataset]
         return pd.concat(frames, ignore_index=True)
     if isinstance(dataset, str):
@@ -176,7 +176,7 @@ def downstream_eval(
         rows.extend(ex_rows)
         length = max(length, max(len(r) for r in ex_rows))
     flush()
-    store = piece_store("downstream", {"task": task, "protocol": asdict(protocol)}, model, cache, cache_dir)
+    store = piece_store("downstream", {"task": task, "protocol": asdict(protocol)}, model)
     frames, cleans = run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
                                deduplicate, _downstream_scorer)
     table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "example")

@@ -26,7 +26,8 @@ from torch import nn
 from ..core.architectures import attention_blocks
 from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
-from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
+from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
+                       specs as parse_specs)
 from .ranking import removal_mask
 from .summary import aopc
 from ..runs import shard_map
@@ -98,14 +99,15 @@ class _PointsOfBatches:
 def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None, mode=None, *,
                     layers: Iterable[int] | None = None, protocol: Protocol | None = None, batch_size: int = 16,
                     max_length: int | None = 128, padding_side: str = "right", progress: bool = False,
-                    cache: bool = True, cache_dir=None, **protocol_keywords) -> pd.DataFrame:
-    """Per-sequence table like :func:`~cwcore.faithfulness.faithfulness_curve` (``per_sequence=True``)
+                    **protocol_keywords) -> pd.DataFrame:
+    """Per-sequence table like :func:`~cwcore.faithfulness.faithfulness_curve` (its ``.per_sequence`` table)
     with a ``layer`` column: each row's terms were removed in that one layer only. ``layers``: which
     layers to intervene in (default all); every layer is ranked as under the full protocol.
-    ``cache``: each batch's rows are stored in the result cache (namespace ``faithfulness-per-layer``,
+    Inside :func:`cwcore.cache.caching` each batch's rows are stored in the result cache (namespace ``faithfulness-per-layer``,
     named by the batch's content), so an interrupted run resumes and a longer one reuses its batches.
     ``protocol`` (or its fields as keywords, as in ``faithfulness_curve``): clean scores and all layers
     ranked (``layers`` here picks where to intervene), so ``scores="live"`` or ``protocol.layers`` are refused."""
+    refuse_removed("per_layer_curve", protocol_keywords, ("cache", "cache_dir"))
     check_sweep_arguments(model, caller="per_layer_curve", metric=metric, ratios=ratios, mode=mode, layers=layers,
                           batch_size=batch_size, padding_side=padding_side)
     protocol = as_protocol(protocol, **protocol_keywords)
@@ -116,7 +118,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
     sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length),
                                       model, caller="per_layer_curve", min_length=2)
-    documents = _documents(texts, len(sequences))
+    documents = _documents(texts, list(range(len(sequences))))
     pad = pad_id(tokenizer)
     stack = decoder_layers(model)
     n_layers = len(stack)
@@ -127,7 +129,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     store = piece_store("faithfulness-per-layer", {
         **protocol.columns(), "kind": kind, "seed": seed, "layers": chosen, "metrics": [sp.label for sp in specs],
         "modes": list(modes), "ratios": [float(r) for r in ratio_list], "max_length": max_length,
-        "padding_side": padding_side}, model, cache, cache_dir)
+        "padding_side": padding_side}, model)
     sweep = Sweep(model, specs, modes, ratio_list, protocol, None, progress, len(batches))
     scorer = _lm_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     layer_scope = scope == "layer"

@@ -7,7 +7,6 @@ predicts token t+1, both real), PPL = exp(NLL); deltas are intervened minus clea
 from __future__ import annotations
 
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any, Sequence
 
 import datasets
@@ -15,9 +14,11 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.inputs import check_sweep_arguments, check_texts, check_token_sequences
-from .protocol import Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, specs as parse_specs
-from .summary import summarize
+from ..core.architectures import attention_blocks
+from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
+from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
+                       specs as parse_specs)
+from .result import FaithfulnessResult
 from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep
 
 __all__ = ["faithfulness_curve", "pad_id", "sequence_nll"]
@@ -71,14 +72,30 @@ def sequence_nll(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
     return sums, counts
 
 
-def _documents(texts, n: int, first: int = 0) -> list[int]:
+def _documents(texts, ids: list[int]) -> list[int]:
     """The document of each sequence: the ``document`` column of a Dataset of blocks
-    (:func:`cwcore.data.document_blocks`), else each sequence its own document (its id, from ``first``)."""
+    (:func:`cwcore.data.document_blocks`), else each sequence its own document (its id)."""
     if isinstance(texts, datasets.Dataset) and "document" in texts.column_names:
         return [int(d) for d in texts["document"]]
     if isinstance(texts, dict) and "document" in texts:
         return [int(d) for d in texts["document"]]
-    return list(range(first, first + n))
+    return list(ids)
+
+
+def _sequence_ids(sequence_ids, n: int) -> list[int]:
+    """``sequence_ids`` (None: ``0 .. n-1``) as ``n`` distinct non-negative ints."""
+    if sequence_ids is None:
+        return list(range(n))
+    if isinstance(sequence_ids, (str, bytes)) or not hasattr(sequence_ids, "__iter__"):
+        raise TypeError(f"sequence_ids must be a sequence of ints, one per text, not {type(sequence_ids).__name__}")
+    ids = list(sequence_ids.tolist() if hasattr(sequence_ids, "tolist") else sequence_ids)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"sequence_ids must be non-negative ints, got {ids[:8]}{' ...' if len(ids) > 8 else ''}")
+    if len(ids) != n:
+        raise ValueError(f"sequence_ids has {len(ids)} ids for {n} sequences: give one id per text")
+    if len(set(ids)) != n:
+        raise ValueError("sequence_ids must be distinct: each identifies one text")
+    return ids
 
 
 def _lm_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
@@ -108,14 +125,11 @@ def faithfulness_curve(
     batch_size: int = 16,
     max_length: int | None = 128,
     padding_side: str = "right",
-    per_sequence: bool = False,
     deduplicate: bool = True,
-    cache: bool = True,
-    cache_dir: str | Path | None = None,
     progress: bool = True,
-    first_sequence: int = 0,
+    sequence_ids: Sequence[int] | None = None,
     **protocol_keywords,
-) -> pd.DataFrame:
+) -> FaithfulnessResult:
     """Delta perplexity of a causal LM when the top / bottom fraction of attention terms is removed.
 
     texts
@@ -148,55 +162,52 @@ def faithfulness_curve(
         metrics whose clean masks are identical to an earlier metric's in every layer (e.g. rungs 2
         and 3 under the default protocol) reuse its forwards: the results are identical by
         construction.
-    per_sequence
-        return the per-sequence table (one row per sequence and point: ``sequence, nll, n_tokens,
-        n_removed, n_candidates, metric, kind, mode, ratio, clean_nll, document`` + protocol columns)
-        instead of
-        the summary; :func:`summarize` turns it into the summary and :func:`aopc` gives bootstrap
-        intervals from it.
-    cache, cache_dir
-        store every (batch, metric, mode, ratio) piece under ``cache_dir`` (default
-        :func:`cwcore.cache.cache_root`); a rerun reads them, an interrupted run resumes.
-    first_sequence
-        the id of the first sequence (the ``sequence`` column; the random control hashes it and the
-        pieces are named by it): a slice ``texts[k:]`` of a longer sample run with ``first_sequence=k``
-        (``k`` a multiple of ``batch_size``) gives exactly that sample's rows for those sequences.
+    sequence_ids
+        identifiers of the texts, one distinct non-negative int each (default ``0 .. n-1``): the
+        ``sequence`` column, what the random control hashes with the seed (so a text keeps its control
+        whatever else is run with it), the row of a precomputed score tensor, and each sequence's
+        document when ``texts`` has no ``document`` column. The texts ``k:`` of a longer sample run with
+        ``sequence_ids=range(k, n)`` (``k`` a multiple of ``batch_size``) give exactly that sample's rows.
 
-    Returns the summary, one row per (metric, mode, ratio): ``metric, kind, mode, ratio, delta_ppl,
-    ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl, ppl, removed_fraction,
-    n_sequences`` plus the protocol columns (``unit, scope, scores, keep_first_token, importance,
-    layers, variant``: :meth:`Protocol.columns`). ``removed_fraction`` is the share of all candidate terms (head, query, key) removed.
+    Nothing is cached unless the call runs inside :func:`cwcore.cache.caching`: then every (batch,
+    metric, mode, ratio) piece is stored, a rerun reads them and an interrupted run resumes.
+
+    Returns a :class:`~cwcore.faithfulness.result.FaithfulnessResult`: ``.table``, one row per (metric,
+    mode, ratio): ``metric, kind, mode, ratio, delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low,
+    nll_ci_high, clean_ppl, ppl, removed_fraction, n_sequences`` plus the protocol columns (``unit, scope,
+    scores, keep_first_token, importance, layers, variant``: :meth:`Protocol.columns`;
+    ``removed_fraction`` is the share of all candidate terms (head, query, key) removed);
+    ``.per_sequence``, one row per sequence and point (``sequence, nll, n_tokens, n_removed,
+    n_candidates, metric, kind, mode, ratio, clean_nll, document`` + protocol columns); ``.summary()``,
+    the AOPC with intervals; ``.plot()``.
     """
+    refuse_removed("faithfulness_curve", protocol_keywords)
     check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
                           confidence=confidence, padding_side=padding_side)
+    if protocol_keywords.get("layers") is not None:  # a layer number or negative ones, as the check reads them
+        protocol_keywords["layers"] = check_layers(protocol_keywords["layers"], len(attention_blocks(model)))
     protocol = as_protocol(protocol, **protocol_keywords)
     check_sweep_arguments(model, caller="faithfulness_curve", layers=protocol.layers)  # a protocol object's layers too
     specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)
     if padding_side not in ("left", "right"):
         raise ValueError("padding_side must be 'left' or 'right'")
-    if isinstance(first_sequence, bool) or not isinstance(first_sequence, int) or first_sequence < 0:
-        raise ValueError(f"first_sequence must be a non-negative int, got {first_sequence!r}")
     sequences = check_token_sequences(_lm_sequences(check_texts(texts, "faithfulness_curve"), tokenizer, max_length),
                                       model, caller="faithfulness_curve", min_length=2)
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("every sequence needs at least two tokens (one next-token prediction)")
+    ids = _sequence_ids(sequence_ids, len(sequences))
     pad = pad_id(tokenizer)
     batches = [
-        pad_batch(i // batch_size, sequences[i:i + batch_size],
-                  list(range(first_sequence + i, first_sequence + min(i + batch_size, len(sequences)))), pad,
-                  padding_side)
+        pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side)
         for i in range(0, len(sequences), batch_size)
     ]
-    store = piece_store("faithfulness", {"protocol": asdict(protocol)}, model, cache, cache_dir)
+    store = piece_store("faithfulness", {"protocol": asdict(protocol)}, model)
     frames, cleans = run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
                                deduplicate, _lm_scorer)
     table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "sequence")
     table["clean_nll"] = table["sequence"].map(pd.concat(cleans).set_index("sequence")["nll"])
-    table["document"] = table["sequence"].map(dict(enumerate(_documents(texts, len(sequences), first_sequence),
-                                                                   start=first_sequence)))
+    table["document"] = table["sequence"].map(dict(zip(ids, _documents(texts, ids))))
     for key, value in protocol.columns().items():
         table[key] = value
-    if per_sequence:
-        return table
-    return summarize(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=protocol.seed)
+    return FaithfulnessResult(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=protocol.seed)

@@ -28,6 +28,7 @@ __all__ = [
     "Protocol",
     "PROTOCOL_FIELDS",
     "as_protocol",
+    "refuse_removed",
     "VARIANTS",
     "layer_windows",
     "num_heads",
@@ -156,6 +157,23 @@ _MAIN_CHOICES = {"unit": "head_key", "scope": "row", "scores": "clean", "keep_fi
 VARIANTS = {("unit", "token"): "token-unit", ("keep_first_token", False): "first-token-removable"}
 #: the fields of :class:`Protocol`, the only protocol keywords the entry points take
 PROTOCOL_FIELDS = tuple(f.name for f in fields(Protocol))
+
+
+#: keywords the entry points no longer take, and what replaces each
+REMOVED_KEYWORDS = {
+    "cache": "caching is opt-in around the call: `with cwcore.cache.caching(): ...`",
+    "cache_dir": "caching is opt-in around the call: `with cwcore.cache.caching(folder): ...`",
+    "per_sequence": "the result holds both layouts: read `.per_sequence` (or `.table`) of what it returns",
+    "first_sequence": "give `sequence_ids=range(first, first + n)` (the texts' ids)",
+}
+
+
+def refuse_removed(caller: str, keywords: Mapping, names=tuple(REMOVED_KEYWORDS)) -> None:
+    """Raise a one-line :class:`TypeError` for a keyword of :data:`REMOVED_KEYWORDS` (those of ``names``)
+    in ``keywords``, saying what replaces it."""
+    for name in keywords:
+        if name in names:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}: {REMOVED_KEYWORDS[name]}")
 
 
 def _column_value(name: str, value):

@@ -172,9 +172,9 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
     log-PPL deltas stay comparable when the model is destroyed at large ratios) and ``aopc_ppl`` (from
     ``delta_ppl``). Comprehensiveness: higher = more faithful; sufficiency: lower = more faithful.
 
-    ``frame`` is either a summary (:func:`~cwcore.faithfulness.faithfulness_curve`,
-    :func:`~cwcore.faithfulness.downstream_eval`): point estimates only, intervals NaN; or a
-    per-sequence / per-example table (``per_sequence=True``): then ``*_ci_low``/``*_ci_high`` are
+    ``frame`` is either a summary (the ``.table`` of :func:`~cwcore.faithfulness.faithfulness_curve`'s
+    result, :func:`~cwcore.faithfulness.downstream_eval`): point estimates only, intervals NaN; or a
+    per-sequence / per-example table (the result's ``.per_sequence``, ``per_example=True``): then ``*_ci_low``/``*_ci_high`` are
     bootstrap intervals over documents (the same resamples for every metric, so intervals are paired).
     ``max_ratio``: only the ratios up to it (r_max is then the largest measured ratio <= max_ratio);
     the column ``r_max`` says which range a row covers.

@@ -5,15 +5,14 @@ The clean pass runs the unmodified model with an *observer* on every intervened 
 the selection buckets (:func:`~cwcore.faithfulness.ranking.selection`, one uint8 per term and
 mode). Each point then runs with fixed boolean masks (``scores="clean"``) or with a mask callable
 that ranks the live decomposition inside the intervened run (``scores="live"``). Pieces (the
-clean frame, each point's frame) are cached per batch in a :class:`cwcore.runs.PieceStore`, named
-by the batch's content, so a rerun is free and an interrupted run resumes.
+clean frame, each point's frame) are cached per batch in a :class:`cwcore.runs.PieceStore` inside a
+:func:`cwcore.cache.caching` block, named by the batch's content, so a rerun is free and an interrupted run resumes.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import pandas as pd
@@ -23,6 +22,7 @@ from torch import nn
 from ..core.architectures import attention_blocks
 from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
 from ..core.interventions import intervene, removal
+from ..cache import caching_enabled
 from ..runs import PieceStore, shard_map, tensor_digest
 from ..runs import progress as progress_bar
 from .methods import get_method, scoring
@@ -313,9 +313,9 @@ def canonical_order(table: pd.DataFrame, specs, modes, unit: str) -> pd.DataFram
     return table.loc[keys.sort_values(["m", "o", "r", "u"], kind="stable").index].reset_index(drop=True)
 
 
-def piece_store(namespace: str, parameters: dict, model: nn.Module, cache: bool, cache_dir):
-    """The :class:`cwcore.runs.PieceStore` of one run (None without ``cache``)."""
-    if not cache:
+def piece_store(namespace: str, parameters: dict, model: nn.Module):
+    """The :class:`cwcore.runs.PieceStore` of one run inside a :func:`cwcore.cache.caching` block, else None
+    (then nothing is read or written, and the model's weights are not hashed)."""
+    if not caching_enabled():
         return None
-    return PieceStore(namespace, parameters, model=model, code=("faithfulness",), cache=True,
-                      cache_root=None if cache_dir is None else Path(cache_dir))
+    return PieceStore(namespace, parameters, model=model, code=("faithfulness",))

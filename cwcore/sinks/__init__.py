@@ -1,8 +1,8 @@
 """The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), as five analyses returning tidy tables.
 
 Every analysis has the same signature, ``analysis(model, tokenizer, data, **options)``: its own options
-and the run options (``block_size=128, num_sequences=None, add_bos=None, batch_size=8, cache=True,
-cache_root=None, progress=True, compute_dtype=float32``), all fields of one frozen dataclass,
+and the run options (``block_size=128, num_sequences=None, add_bos=None, batch_size=8,
+progress=True, compute_dtype=float32``), all fields of one frozen dataclass,
 :class:`SinkOptions`, where each option is declared once with its default and its check (``eps`` must
 be a finite number in (0, 1), ...); ``help(cwcore.sinks.sink_rates)`` lists a function's options.
 
@@ -34,7 +34,7 @@ Conventions shared by all analyses:
   material is cached as :class:`cwcore.runs.PieceStore` pieces (namespace ``sinks-<analysis>``,
   keyed by :func:`cwcore.runs.model_fingerprint`, every option, the batch's tokens and the source of
   this subpackage, the core and the statistics), so a rerun or an interrupted run resumes;
-  ``cache=False`` switches the cache off.
+  inside :func:`cwcore.cache.caching` (caching is opt-in).
 * Random choices (samples, the control token) use ``numpy.random.default_rng([seed, sequence index])``
   per sequence: results are deterministic and do not depend on ``batch_size`` (up to float rounding).
 

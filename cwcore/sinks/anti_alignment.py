@@ -257,7 +257,7 @@ def sink_anti_alignment(model, tokenizer, data, **options) -> pd.DataFrame:
     against a random key; below 0: the sink is more anti-aligned than an ordinary token),
     ``contrast_centred`` likewise on centred values, and ``layer_type`` (sliding / global).
 
-    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
-    cache_root, progress, compute_dtype).
+    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
+    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
     """
 

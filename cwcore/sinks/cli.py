@@ -198,10 +198,12 @@ def _main(argv: list[str] | None) -> int:
             dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
                                       add_bos=add_bos)
             add_bos = None  # applied: the blocks are tokenised
-        parts, blocks = collect(model, tokenizer, dataset, [REGISTRY[a].spec(options) for a in wanted],
-                                block_size=args.block_size,
-                                num_sequences=args.num_sequences, add_bos=add_bos, batch_size=args.batch_size,
-                                cache=not args.no_cache, progress=True)
+        from ..cache import caching
+
+        with caching(enabled=not args.no_cache):  # the command line caches its pieces unless --no-cache
+            parts, blocks = collect(model, tokenizer, dataset, [REGISTRY[a].spec(options) for a in wanted],
+                                    block_size=args.block_size, num_sequences=args.num_sequences, add_bos=add_bos,
+                                    batch_size=args.batch_size, progress=True)
         if raw is not None:
             _save_raw(raw, parts, blocks, args.sampling)
     tables: dict[str, pd.DataFrame] = {}

@@ -487,7 +487,7 @@ def sink_convexity(model, tokenizer, data, **options) -> ConvexityTables:
     ||c v~_0 + (1 - c) s^_i|| at the bin centre c, i.e. what the norm would be if only the sink rate
     changed. "model" and "model_v0" rows pool the heads, normalised as in ``fits``.
 
-    Options: ``bins``, ``fit_on``, ``min_range``, ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
-    cache_root, progress, compute_dtype).
+    Options: ``bins``, ``fit_on``, ``min_range``, ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
+    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
     """
 

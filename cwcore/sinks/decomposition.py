@@ -511,7 +511,7 @@ def sink_decomposition(model, tokenizer, data, **options) -> DecompositionTables
     ``sample``: ``sample_size`` rows per token class drawn (seeded) from that sample, with columns
     sequence, layer, head, token_class, query, key, alpha, relative_norm, cosine, contribution.
 
-    Options: ``kind``, ``eps``, ``quantile_sample``, ``sample_size``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
-    cache_root, progress, compute_dtype).
+    Options: ``kind``, ``eps``, ``quantile_sample``, ``sample_size``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
+    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
     """
 

@@ -27,7 +27,7 @@ collectors are *observers* that read each layer (:class:`LayerState` built from 
 :func:`cwcore.core.interventions.removal`, and :func:`exclude_sink` for the ``sink_renorm``
 condition). The batch loop is :func:`cwcore.runs.for_each_batch` over one
 :class:`cwcore.runs.PieceStore` per analysis (namespace ``sinks-<name>``), so the single functions
-and :func:`cwcore.sinks.run_analyses` share the cache.
+and :func:`cwcore.sinks.run_analyses` share the cache (inside :func:`cwcore.cache.caching`: caching is opt-in).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from .. import runs
+from ..cache import caching_enabled
 from ..core.architectures import attention_blocks, layer_type
 from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
@@ -152,8 +153,6 @@ RUN_OPTIONS = (
     Option("add_bos", None, "prepend a BOS token to text (None: the tokenizer's default)", choices=(None, True, False),
            cli=False),
     Option("batch_size", 8, "sequences per forward pass", count("batch_size"), cli=False),
-    Option("cache", True, "read and write the per-batch cache", choices=(True, False), cli=False),
-    Option("cache_root", None, "the cache folder (None: the default)", cli=False),
     Option("progress", True, "show a progress bar", choices=(True, False), cli=False),
     Option("compute_dtype", torch.float32, "dtype of the geometry", _dtype, cli=False),
 )
@@ -598,8 +597,9 @@ def _batch_key(batch) -> str:
 
 
 def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_sequences=None, add_bos=None,
-            batch_size=8, cache=True, cache_root=None, progress=True, compute_dtype=torch.float32):
-    """Compute (or read from the cache) every batch's pieces of every analysis in ``specs``.
+            batch_size=8, progress=True, compute_dtype=torch.float32):
+    """Compute (or, inside :func:`cwcore.cache.caching`, read from the cache) every batch's pieces of every
+    analysis in ``specs``.
 
     The analyses whose pieces are missing for a batch share one clean forward pass. Returns
     ``({analysis: {part: concatenated DataFrame}}, blocks)``.
@@ -609,11 +609,11 @@ def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_
     block_size = runs.check_count(block_size, "block_size", minimum=2)
     blocks = token_blocks(check_texts(data, "sink analyses", "data"), tokenizer, block_size, num_sequences, add_bos)
     runs.check_token_blocks(blocks.ids, model, argument="data", caller="sink analyses")  # vocabulary, context
-    fingerprint = model_fingerprint(model)  # once, not once per analysis
+    fingerprint = model_fingerprint(model) if caching_enabled() else None  # once, not once per analysis
     stores = _Stores({
         spec.name: runs.PieceStore(f"sinks-{spec.name}", {"analysis": spec.name, "model": fingerprint,
                                                           "dtype": str(compute_dtype), **spec.options},
-                                   code=("sinks",), cache=bool(cache), cache_root=cache_root)
+                                   code=("sinks",))
         for spec in specs
     })
 

@@ -203,7 +203,7 @@ def sink_rates(model, tokenizer, data, **options) -> pd.DataFrame:
     word) is the attention going to tokens of that class, ``uniform_<class>`` what a uniform causal
     attention would give them; NaN without a tokenizer.
 
-    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
-    cache_root, progress, compute_dtype).
+    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
+    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
     """
 

@@ -586,7 +586,7 @@ def sink_semantic_cone(model, tokenizer, data, **options) -> SemanticConeTables:
     ``delta_ppl``, ``delta_log_ppl`` (mean over sequences of the per-sequence difference of mean NLL)
     with a normal 95% interval ``ci_low``/``ci_high``, ``num_sequences``.
 
-    Options: ``heads``, ``threshold``, ``quantiles``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size, cache,
-    cache_root, progress, compute_dtype).
+    Options: ``heads``, ``threshold``, ``quantiles``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
+    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
     """
 

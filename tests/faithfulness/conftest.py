@@ -17,5 +17,4 @@ def peaked():
 @pytest.fixture(scope="session")
 def sweep(peaked):
     model, ids = peaked
-    return fa.faithfulness_curve(model, None, ids, ratios=[0, 0.2, 0.5], batch_size=6, cache=False, progress=False,
-                                 per_sequence=True)
+    return fa.faithfulness_curve(model, None, ids, ratios=[0, 0.2, 0.5], batch_size=6, progress=False).per_sequence

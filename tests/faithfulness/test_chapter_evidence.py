@@ -313,7 +313,7 @@ def test_the_per_layer_section_shows_the_committed_frame_when_the_profile_skips_
     blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist(),
                                          "document": [4, 9, 2]})
     frame = per_layer_curve(model, None, blocks, ["attention", "contribution"], [0.2], "comprehensiveness",
-                            batch_size=2, cache=False)
+                            batch_size=2)
     out = tmp_path / "evidence"
     ef.write_frame(ef.PER_LAYER, frame, {"profile": "evidence", "commit": "abcdef0123", "settings": {"seq_len": 10}},
                    "tiny", "toy", out)

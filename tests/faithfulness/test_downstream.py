@@ -16,7 +16,7 @@ def test_downstream_clean_accuracy_and_collapse(peaked):
     model, _ = peaked
     tokenizer = word_tokenizer()
     data = mc_dataset()
-    kwargs = dict(metric=["contribution", "random"], ratios=[0, 0.3], cache=False, progress=False, task="toy",
+    kwargs = dict(metric=["contribution", "random"], ratios=[0, 0.3], progress=False, task="toy",
                   per_example=True, batch_size=5)
     table = fa.downstream_eval(model, tokenizer, data, **kwargs)
     full = fa.downstream_eval(model, tokenizer, data, collapse=False, **kwargs)

@@ -33,8 +33,7 @@ def test_document_column_is_carried_and_blocks_of_one_document_are_one_unit(peak
     documents = [0, 0, 1, 1, 2, 3, 3, 4, 5, 5]  # ten blocks from six documents
     blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * ids.shape[1]] * len(ids),
                                          "document": documents})
-    per = fa.faithfulness_curve(model, None, blocks, ratios=[0.2, 0.5], batch_size=6, cache=False, progress=False,
-                                per_sequence=True)
+    per = fa.faithfulness_curve(model, None, blocks, ratios=[0.2, 0.5], batch_size=6, progress=False).per_sequence
     assert per.groupby("sequence")["document"].first().tolist() == documents
     # the numbers do not depend on where the blocks came from
     same = sweep[sweep["ratio"] > 0].reset_index(drop=True)
@@ -83,14 +82,14 @@ def test_low_range_is_the_aopc_of_the_low_ratios_only(sweep):
 
 def test_both_signs_reuse_only_the_sign_invariant_rankings(peaked):
     model, ids = peaked
-    kw = dict(batch_size=5, cache=False, progress=False)
-    both = ev.ladder_sweep(model, None, ids, fa.DEFAULT_METRICS, [0.1, 0.4], **kw)
+    kw = dict(batch_size=5, progress=False)
+    both = ev.ladder_sweep(model, None, ids, fa.DEFAULT_METRICS, [0.1, 0.4], cache=False, **kw)
     assert set(both["importance"]) == {"signed", "absolute"} and set(both["protocol"]) == {"default"}
     absolute = both[both.importance == "absolute"].drop(columns=["importance", "protocol"])
     # a real absolute run of every metric gives the same rows: |score| ranks the non-negative metrics as
     # their signed values do, and contribution was run again
-    real = fa.faithfulness_curve(model, None, ids, fa.DEFAULT_METRICS, [0.1, 0.4], per_sequence=True,
-                                 importance="absolute", **kw).drop(columns="importance")
+    real = fa.faithfulness_curve(model, None, ids, fa.DEFAULT_METRICS, [0.1, 0.4],
+                                 importance="absolute", **kw).per_sequence.drop(columns="importance")
     key = ["metric", "mode", "ratio", "sequence"]
     a = absolute.sort_values(key).reset_index(drop=True)
     b = real.sort_values(key).reset_index(drop=True)[a.columns]

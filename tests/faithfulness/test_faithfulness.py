@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cwcore import faithfulness as fa
+from cwcore.cache import caching
 from cwcore.faithfulness.protocol import MetricSpec, Protocol, parse_metric
 from cwcore.faithfulness.sweep import Sweep, pad_batch
 from faith_helpers import NON_RANDOM, ForwardCounter, word_tokenizer
@@ -69,23 +70,23 @@ def test_removed_fraction_follows_the_ratio(sweep):
 
 def test_runs_are_deterministic_and_the_seed_matters(peaked):
     model, ids = peaked
-    kwargs = dict(metric=["contribution", "random"], ratios=[0.3], cache=False, progress=False, batch_size=4)
-    first = fa.faithfulness_curve(model, None, ids, **kwargs)
-    again = fa.faithfulness_curve(model, None, ids, **kwargs)
+    kwargs = dict(metric=["contribution", "random"], ratios=[0.3], progress=False, batch_size=4)
+    first = fa.faithfulness_curve(model, None, ids, **kwargs).table
+    again = fa.faithfulness_curve(model, None, ids, **kwargs).table
     pd.testing.assert_frame_equal(first, again)
-    other = fa.faithfulness_curve(model, None, ids, seed=1, **kwargs)
+    other = fa.faithfulness_curve(model, None, ids, seed=1, **kwargs).table
     random = lambda df: df[df.metric == "random"].delta_nll.to_numpy()
     assert not np.array_equal(random(first), random(other))
 
 
 def test_batch_size_and_input_type_do_not_change_results(peaked):
     model, ids = peaked
-    kwargs = dict(metric=["attention", "random"], ratios=[0.3], mode="comprehensiveness", cache=False,
-                  progress=False, per_sequence=True)
-    base = fa.faithfulness_curve(model, None, ids, batch_size=10, **kwargs)
+    kwargs = dict(metric=["attention", "random"], ratios=[0.3], mode="comprehensiveness",
+                  progress=False)
+    base = fa.faithfulness_curve(model, None, ids, batch_size=10, **kwargs).per_sequence
     blocks = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     for texts, batch_size in ((ids, 3), (blocks, 10), ({"input_ids": ids}, 4)):
-        other = fa.faithfulness_curve(model, None, texts, batch_size=batch_size, **kwargs)
+        other = fa.faithfulness_curve(model, None, texts, batch_size=batch_size, **kwargs).per_sequence
         pd.testing.assert_frame_equal(base[["metric", "mode", "sequence", "n_removed"]],
                                       other[["metric", "mode", "sequence", "n_removed"]])
         np.testing.assert_allclose(base.nll, other.nll, rtol=0, atol=1e-5)
@@ -96,14 +97,14 @@ def test_strings_and_left_padding(peaked):
     tokenizer = word_tokenizer()
     texts = ["the cat sat on the mat and ran away", "hello world", "one two three four five six seven eight",
              "the dog ran far so it got away"]
-    kwargs = dict(metric=["contribution", "random"], ratios=[0.3], cache=False, progress=False, per_sequence=True)
-    right = fa.faithfulness_curve(model, tokenizer, texts, padding_side="right", **kwargs)
-    left = fa.faithfulness_curve(model, tokenizer, texts, padding_side="left", **kwargs)
+    kwargs = dict(metric=["contribution", "random"], ratios=[0.3], progress=False)
+    right = fa.faithfulness_curve(model, tokenizer, texts, padding_side="right", **kwargs).per_sequence
+    left = fa.faithfulness_curve(model, tokenizer, texts, padding_side="left", **kwargs).per_sequence
     assert (right.n_tokens.to_numpy()[:4] == [9, 2, 8, 8]).all()  # BOS + words, 1 prediction per token after BOS
     np.testing.assert_array_equal(right.n_removed, left.n_removed)
     np.testing.assert_allclose(right.nll, left.nll, rtol=0, atol=1e-4)
     # alone, a sequence gets the same result (random scores are seeded by the sequence's index: skip them)
-    single = fa.faithfulness_curve(model, tokenizer, texts[1:2], **kwargs)
+    single = fa.faithfulness_curve(model, tokenizer, texts[1:2], **kwargs).per_sequence
     same = right[(right.sequence == 1) & (right.metric == "contribution")]
     np.testing.assert_allclose(single[single.metric == "contribution"].nll, same.nll, rtol=0, atol=1e-4)
 
@@ -112,16 +113,16 @@ def test_rungs_two_and_three_coincide_under_the_default_protocol(peaked):
     """With kind=inter the normaliser ||o_i|| is shared by all (head, key) pairs of a query."""
     model, ids = peaked
     metrics = ["value_weighted", "value_weighted_output_normalized", "value_weighted_output_normalized_intra"]
-    kwargs = dict(ratios=[0.2, 0.5], cache=False, progress=False, per_sequence=True)
-    table = fa.faithfulness_curve(model, None, ids, metrics, deduplicate=False, **kwargs).set_index(
+    kwargs = dict(ratios=[0.2, 0.5], progress=False)
+    table = fa.faithfulness_curve(model, None, ids, metrics, deduplicate=False, **kwargs).per_sequence.set_index(
         ["metric", "mode", "ratio", "sequence"])
     vw, inter, intra = (table.loc[m] for m in metrics)
     pd.testing.assert_series_equal(vw.nll, inter.nll)
     assert not np.allclose(vw.nll, intra.nll)
-    deduplicated = fa.faithfulness_curve(model, None, ids, metrics, **kwargs).set_index(
+    deduplicated = fa.faithfulness_curve(model, None, ids, metrics, **kwargs).per_sequence.set_index(
         ["metric", "mode", "ratio", "sequence"])
     pd.testing.assert_series_equal(deduplicated.nll, table.nll)
-    layer = fa.faithfulness_curve(model, None, ids, metrics[:2], scope="layer", **kwargs).set_index(
+    layer = fa.faithfulness_curve(model, None, ids, metrics[:2], scope="layer", **kwargs).per_sequence.set_index(
         ["metric", "mode", "ratio", "sequence"])
     assert not np.allclose(layer.loc[metrics[0]].nll, layer.loc[metrics[1]].nll)
 
@@ -139,15 +140,14 @@ def test_metric_names_and_kinds():
 
 def test_live_scores(peaked):
     model, ids = peaked
-    kwargs = dict(metric=["attention", "contribution", "random"], ratios=[0.3], cache=False, progress=False,
-                  per_sequence=True)
+    kwargs = dict(metric=["attention", "contribution", "random"], ratios=[0.3], progress=False)
     # in the first layer nothing upstream has changed: live and clean scores are the same
-    clean0 = fa.faithfulness_curve(model, None, ids, layers=[0], **kwargs)
-    live0 = fa.faithfulness_curve(model, None, ids, layers=[0], scores="live", **kwargs)
+    clean0 = fa.faithfulness_curve(model, None, ids, layers=[0], **kwargs).per_sequence
+    live0 = fa.faithfulness_curve(model, None, ids, layers=[0], scores="live", **kwargs).per_sequence
     pd.testing.assert_series_equal(clean0.nll, live0.nll)
     pd.testing.assert_series_equal(clean0.n_removed, live0.n_removed)
-    clean = fa.faithfulness_curve(model, None, ids, **kwargs).set_index(["metric", "mode", "sequence"])
-    live = fa.faithfulness_curve(model, None, ids, scores="live", **kwargs).set_index(["metric", "mode", "sequence"])
+    clean = fa.faithfulness_curve(model, None, ids, **kwargs).per_sequence.set_index(["metric", "mode", "sequence"])
+    live = fa.faithfulness_curve(model, None, ids, scores="live", **kwargs).per_sequence.set_index(["metric", "mode", "sequence"])
     # the random control does not depend on the state; geometric scores do, from layer 1 on
     np.testing.assert_array_equal(clean.loc["random"].nll, live.loc["random"].nll)
     assert not np.allclose(clean.loc["contribution"].nll, live.loc["contribution"].nll)
@@ -158,16 +158,16 @@ def test_live_scores(peaked):
 def test_every_unit_and_scope_runs(peaked, unit, scope):
     model, ids = peaked
     summary = fa.faithfulness_curve(model, None, ids[:4], ["contribution", "random"], [0.3], "comprehensiveness",
-                                    unit=unit, scope=scope, cache=False, progress=False, importance="absolute")
+                                    unit=unit, scope=scope, progress=False, importance="absolute").table
     assert (summary.removed_fraction > 0.1).all() and (summary.delta_nll != 0).all()
     assert set(summary.unit) == {unit} and set(summary.scope) == {scope}
 
 
 def test_keep_first_token_false_removes_the_sink(peaked):
     model, ids = peaked
-    kwargs = dict(metric="attention", ratios=[0.2], mode="comprehensiveness", cache=False, progress=False)
-    kept = fa.faithfulness_curve(model, None, ids, **kwargs)
-    removed = fa.faithfulness_curve(model, None, ids, keep_first_token=False, **kwargs)
+    kwargs = dict(metric="attention", ratios=[0.2], mode="comprehensiveness", progress=False)
+    kept = fa.faithfulness_curve(model, None, ids, **kwargs).table
+    removed = fa.faithfulness_curve(model, None, ids, keep_first_token=False, **kwargs).table
     assert kept.delta_nll.item() != removed.delta_nll.item()
 
 
@@ -178,22 +178,23 @@ def test_keep_first_token_false_removes_the_sink(peaked):
 
 def test_cache_hit_runs_no_forward(peaked, tmp_path):
     model, ids = peaked
-    kwargs = dict(metric=["attention", "contribution"], ratios=[0, 0.2, 0.5], cache_dir=tmp_path, progress=False,
-                  batch_size=5)
+    kwargs = dict(metric=["attention", "contribution"], ratios=[0, 0.2, 0.5], progress=False, batch_size=5)
     counter = ForwardCounter(model)
     try:
-        first = fa.faithfulness_curve(model, None, ids, **kwargs)
-        assert counter.calls == 2 * (1 + 2 * 2 * 2)  # two batches: a clean pass + 8 points each
-        counter.calls = 0
-        again = fa.faithfulness_curve(model, None, ids, **kwargs)
-        assert counter.calls == 0
+        with caching(tmp_path):
+            first = fa.faithfulness_curve(model, None, ids, **kwargs).table
+            assert counter.calls == 2 * (1 + 2 * 2 * 2)  # two batches: a clean pass + 8 points each
+            counter.calls = 0
+            again = fa.faithfulness_curve(model, None, ids, **kwargs).table
+            assert counter.calls == 0
     finally:
         counter.remove()
     pd.testing.assert_frame_equal(first, again)
     # anything that affects the results changes the key
     counter = ForwardCounter(model)
     try:
-        fa.faithfulness_curve(model, None, ids, keep_first_token=False, **kwargs)
+        with caching(tmp_path):
+            fa.faithfulness_curve(model, None, ids, keep_first_token=False, **kwargs)
         assert counter.calls > 0
     finally:
         counter.remove()
@@ -201,12 +202,14 @@ def test_cache_hit_runs_no_forward(peaked, tmp_path):
 
 def test_a_longer_run_reuses_the_batches_of_a_shorter_one(peaked, tmp_path):
     model, ids = peaked
-    kwargs = dict(metric="attention", ratios=[0.5], mode="comprehensiveness", cache_dir=tmp_path, progress=False,
-                  batch_size=3, per_sequence=True)
-    short = fa.faithfulness_curve(model, None, ids[:6], **kwargs)
+    kwargs = dict(metric="attention", ratios=[0.5], mode="comprehensiveness", progress=False,
+                  batch_size=3)
+    with caching(tmp_path):
+        short = fa.faithfulness_curve(model, None, ids[:6], **kwargs).per_sequence
     counter = ForwardCounter(model)
     try:
-        longer = fa.faithfulness_curve(model, None, ids[:9], **kwargs)
+        with caching(tmp_path):
+            longer = fa.faithfulness_curve(model, None, ids[:9], **kwargs).per_sequence
         assert counter.calls == 2  # only the third batch: its clean pass and its one point
     finally:
         counter.remove()
@@ -216,16 +219,17 @@ def test_a_longer_run_reuses_the_batches_of_a_shorter_one(peaked, tmp_path):
 def test_interrupted_run_resumes(peaked, tmp_path):
     model, ids = peaked
     kwargs = dict(metric=["attention", "random"], ratios=[0.2, 0.5], progress=False, batch_size=10)
-    reference = fa.faithfulness_curve(model, None, ids, cache=False, **kwargs)
+    reference = fa.faithfulness_curve(model, None, ids, **kwargs).table
     counter = ForwardCounter(model, fail_after=4)  # the clean pass and 3 points finish
     try:
-        with pytest.raises(KeyboardInterrupt):
-            fa.faithfulness_curve(model, None, ids, cache_dir=tmp_path, **kwargs)
+        with pytest.raises(KeyboardInterrupt), caching(tmp_path):
+            fa.faithfulness_curve(model, None, ids, **kwargs)
     finally:
         counter.remove()
     counter = ForwardCounter(model)
     try:
-        resumed = fa.faithfulness_curve(model, None, ids, cache_dir=tmp_path, **kwargs)
+        with caching(tmp_path):
+            resumed = fa.faithfulness_curve(model, None, ids, **kwargs).table
         assert counter.calls == 1 + (8 - 3)  # clean pass again (for the masks) + the 5 missing points
     finally:
         counter.remove()
@@ -261,7 +265,7 @@ def test_smollm2_comprehensiveness_beats_sufficiency():
 
     model, tokenizer = load_model("smollm2-135m")
     blocks = lm_blocks(load_dataset("gsm8k", limit=20), tokenizer, block_size=48, num_blocks=4)
-    summary = fa.faithfulness_curve(model, tokenizer, blocks, ratios=[0.2], cache=False, progress=False)
+    summary = fa.faithfulness_curve(model, tokenizer, blocks, ratios=[0.2], progress=False).table
     table = summary.set_index(["metric", "mode"])
     for metric in NON_RANDOM:
         assert table.loc[(metric, "comprehensiveness")].delta_nll > table.loc[(metric, "sufficiency")].delta_nll

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cwcore import faithfulness as fa
+from cwcore.cache import caching
 from cwcore.faithfulness import layers as pl
 from cwcore.faithfulness.sweep import pad_batch, Sweep
 from cwcore.faithfulness.protocol import Protocol
@@ -45,7 +46,7 @@ def test_per_layer_rows_equal_full_forwards_on_one_layer(peaked):
     assert set(table["layer"]) == {0, 1}
     for layer in (0, 1):
         full = fa.faithfulness_curve(model, None, ids, ["attention", "contribution", "random"], [0.2, 0.5],
-                                     layers=[layer], per_sequence=True, cache=False, progress=False, **kw)
+                                     layers=[layer], progress=False, **kw).per_sequence
         mine = table[table.layer == layer].reset_index(drop=True)
         for column in ("sequence", "metric", "mode", "ratio", "nll", "clean_nll", "n_removed"):
             pd.testing.assert_series_equal(mine[column], full[column], check_dtype=False)
@@ -55,14 +56,16 @@ def test_per_layer_rows_equal_full_forwards_on_one_layer(peaked):
 
 def test_per_layer_rows_are_cached_per_batch_and_a_longer_run_reuses_them(peaked, tmp_path, monkeypatch):
     model, ids = peaked
-    kw = dict(batch_size=5, cache_dir=tmp_path, seed=3)
+    kw = dict(batch_size=5, seed=3)
     metrics, ratios = ["attention", "contribution", "random"], [0.2, 0.5]
-    fresh = pl.per_layer_curve(model, None, ids, metrics, ratios, cache=False, **kw)
-    first = pl.per_layer_curve(model, None, ids[:5], metrics, ratios, **kw)  # one batch, stored
+    fresh = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)  # outside caching(): nothing stored
+    with caching(tmp_path):
+        first = pl.per_layer_curve(model, None, ids[:5], metrics, ratios, **kw)  # one batch, stored
     forwards = []
     original = Sweep._forward
     monkeypatch.setattr(Sweep, "_forward", lambda self, *a, **k: forwards.append(1) or original(self, *a, **k))
-    longer = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)  # first batch read back
+    with caching(tmp_path):
+        longer = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)  # first batch read back
     pd.testing.assert_frame_equal(longer, fresh)
     pd.testing.assert_frame_equal(longer[longer["sequence"] < 5].reset_index(drop=True),
                                   first.reset_index(drop=True))
@@ -70,6 +73,7 @@ def test_per_layer_rows_are_cached_per_batch_and_a_longer_run_reuses_them(peaked
     per_batch = 1 + 2 * len(metrics) * len(ratios) * 2  # clean pass + layers x metrics x modes x ratios
     assert len(forwards) == (n_batches - 1) * per_batch
     forwards.clear()
-    again = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)
+    with caching(tmp_path):
+        again = pl.per_layer_curve(model, None, ids, metrics, ratios, **kw)
     pd.testing.assert_frame_equal(again, fresh)
     assert forwards == []  # everything read from the cache

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from cwcore import faithfulness as fa
+from cwcore.cache import caching
 from cwcore.faithfulness import methods
 from faith_helpers import mc_dataset, peaked_llama, self_sampled, word_tokenizer
 from tiny_models import VOCAB, tiny_model
@@ -198,9 +199,9 @@ def data():
 
 
 def _curve(model, ids, metric, **kwargs):
-    options = dict(ratios=[0.5], batch_size=4, cache=False, progress=False, n_bootstrap=50)
+    options = dict(ratios=[0.5], batch_size=4, progress=False, n_bootstrap=50)
     options.update(kwargs)
-    return fa.faithfulness_curve(model, None, ids, metric=metric, **options)
+    return fa.faithfulness_curve(model, None, ids, metric=metric, **options).table
 
 
 VALUES = ["delta_ppl", "ci_low", "ci_high", "delta_nll", "ppl", "removed_fraction"]
@@ -261,7 +262,7 @@ def test_bad_metrics_fail_in_one_line(data):
                             lambda layer_decomposition, **_: -layer_decomposition.attention])
     with pytest.raises(ValueError, match="faithfulness_curve") as info:
         fa.downstream_eval(model, word_tokenizer(), mc_dataset(), metric={0: torch.zeros(5, 4, 9, 9)}, ratios=[0.5],
-                           cache=False, progress=False)
+                           progress=False)
     assert "\n" not in str(info.value)
 
 
@@ -276,9 +277,10 @@ def test_cache_keys_tell_callables_apart(data, tmp_path):
     keys = {fa.parse_metric(make(s)).piece_key for s in (1.0, -1.0)}
     assert len(keys) == 2 and fa.parse_metric(make(1.0)).piece_key == fa.parse_metric(make(1.0)).piece_key
     assert fa.parse_metric(make(1.0)).label == "score"
-    first = _curve(model, ids, make(1.0), cache=True, cache_dir=tmp_path)
-    flipped = _curve(model, ids, make(-1.0), cache=True, cache_dir=tmp_path)
-    again = _curve(model, ids, make(1.0), cache=True, cache_dir=tmp_path)
+    with caching(tmp_path):
+        first = _curve(model, ids, make(1.0))
+        flipped = _curve(model, ids, make(-1.0))
+        again = _curve(model, ids, make(1.0))
     assert not first[VALUES].equals(flipped[VALUES]) and first[VALUES].equals(again[VALUES])
     # comprehensiveness of -attention removes what sufficiency of attention removes
     comp = flipped[flipped["mode"] == "comprehensiveness"]["delta_nll"].to_numpy()
@@ -305,5 +307,5 @@ def test_builtin_methods_run_in_the_sweep_and_downstream(data):
     table = _curve(model, ids[:4], list(methods.BUILT_IN), scores="live", mode="comprehensiveness")
     assert set(table["metric"]) == set(methods.BUILT_IN) and table["delta_nll"].notna().all()
     down = fa.downstream_eval(model, word_tokenizer(), mc_dataset(), metric=["rollout", "grad_x_input"],
-                              ratios=[0.5], cache=False, progress=False, n_bootstrap=50)
+                              ratios=[0.5], progress=False, n_bootstrap=50)
     assert set(down["metric"]) == {"rollout", "grad_x_input"}

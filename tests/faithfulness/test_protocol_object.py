@@ -11,7 +11,7 @@ from cwcore import faithfulness as fa
 from cwbook import anatomy
 from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, Protocol, as_protocol
 
-KW = dict(cache=False, progress=False, per_sequence=True, batch_size=5)
+KW = dict(progress=False, batch_size=5)
 
 
 def test_as_protocol_replaces_fields_and_refuses_unknown_keywords():
@@ -34,24 +34,24 @@ def test_variants_are_named_from_the_protocol():
 def test_the_object_and_the_keywords_give_the_same_rows(peaked):
     model, ids = peaked
     metrics, ratios = ["attention", "contribution"], [0.2, 0.5]
-    by_object = fa.faithfulness_curve(model, None, ids, metrics, ratios, protocol=Protocol(unit="token", kind="intra"), **KW)
-    by_keywords = fa.faithfulness_curve(model, None, ids, metrics, ratios, unit="token", kind="intra", **KW)
+    by_object = fa.faithfulness_curve(model, None, ids, metrics, ratios, protocol=Protocol(unit="token", kind="intra"), **KW).per_sequence
+    by_keywords = fa.faithfulness_curve(model, None, ids, metrics, ratios, unit="token", kind="intra", **KW).per_sequence
     pd.testing.assert_frame_equal(by_object, by_keywords)
     assert set(by_object["variant"]) == {"token-unit"} and set(by_object["unit"]) == {"token"}
     # keywords replace the object's fields
-    mixed = fa.faithfulness_curve(model, None, ids, metrics, ratios, protocol=Protocol(kind="intra"), unit="token", **KW)
+    mixed = fa.faithfulness_curve(model, None, ids, metrics, ratios, protocol=Protocol(kind="intra"), unit="token", **KW).per_sequence
     pd.testing.assert_frame_equal(mixed, by_object)
     with pytest.raises(TypeError, match="unknown protocol keyword"):
-        fa.faithfulness_curve(model, None, ids, metrics, ratios, knd="intra", **KW)
+        fa.faithfulness_curve(model, None, ids, metrics, ratios, knd="intra", **KW).per_sequence
     # the variant rides through the summaries
     assert set(fa.aopc(by_object, n_bootstrap=20)["variant"]) == {"token-unit"}
 
 
 def test_first_token_removable_makes_the_first_token_a_candidate(peaked):
     model, ids = peaked
-    main = fa.faithfulness_curve(model, None, ids, ["attention"], [0.5], "comprehensiveness", **KW)
+    main = fa.faithfulness_curve(model, None, ids, ["attention"], [0.5], "comprehensiveness", **KW).per_sequence
     free = fa.faithfulness_curve(model, None, ids, ["attention"], [0.5], "comprehensiveness",
-                                 protocol=Protocol(keep_first_token=False), **KW)
+                                 protocol=Protocol(keep_first_token=False), **KW).per_sequence
     assert set(main["variant"]) == {"main"} and set(free["variant"]) == {"first-token-removable"}
     # every query i >= 1 gains one candidate key (the first token) in each head and layer; query 0 gains its only one
     n, length = ids.shape

@@ -38,12 +38,11 @@ def test_crossed_bootstrap_matches_a_naive_double_resample():
 def test_random_baseline_pools_the_seeds(peaked):
     model, ids = peaked
     controls = random_controls((0, 1, 2))
-    table = fa.faithfulness_curve(model, None, ids, ["contribution", controls], [0.2, 0.5], cache=False,
-                                  progress=False, per_sequence=True, batch_size=5)
+    table = fa.faithfulness_curve(model, None, ids, ["contribution", controls], [0.2, 0.5],
+                                  progress=False, batch_size=5).per_sequence
     assert {"random_s0", "random_s1", "random_s2"} <= set(table["metric"])
     # random_s0 is the registered random control at the protocol's seed 0, bit for bit
-    plain = fa.faithfulness_curve(model, None, ids, ["random"], [0.2, 0.5], cache=False, progress=False,
-                                  per_sequence=True, batch_size=5)
+    plain = fa.faithfulness_curve(model, None, ids, ["random"], [0.2, 0.5], progress=False, batch_size=5).per_sequence
     assert np.array_equal(plain["nll"].to_numpy(), table.loc[table["metric"] == "random_s0", "nll"].to_numpy())
     assert not np.array_equal(table.loc[table["metric"] == "random_s1", "nll"].to_numpy(),
                               table.loc[table["metric"] == "random_s0", "nll"].to_numpy())

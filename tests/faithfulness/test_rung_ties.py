@@ -62,8 +62,8 @@ def test_the_tiny_model_has_ties_that_the_division_reorders(tied):
 @pytest.mark.parametrize("importance", ["signed", "absolute"])
 def test_rungs_2_and_3_rows_are_bit_identical_under_the_default_protocol(tied, importance):
     model, ids = tied
-    table = fa.faithfulness_curve(model, None, ids, list(STEP), RATIOS, cache=False, progress=False, per_sequence=True,
-                                  deduplicate=False, importance=importance)
+    table = fa.faithfulness_curve(model, None, ids, list(STEP), RATIOS, progress=False,
+                                  deduplicate=False, importance=importance).per_sequence
     a = table[table["metric"] == STEP[0]].reset_index(drop=True)
     b = table[table["metric"] == STEP[1]].reset_index(drop=True)
     assert len(a) == len(b) == len(ids) * 2 * len(RATIOS)
@@ -78,8 +78,8 @@ def test_rungs_2_and_3_rows_are_bit_identical_under_the_default_protocol(tied, i
 def test_per_head_keeps_rungs_2_and_3_apart(tied):
     """kind="intra": ||o^h_i|| differs between the heads of a row, so the joint (head, key) rankings differ."""
     model, ids = tied
-    table = fa.faithfulness_curve(model, None, ids, list(STEP), [0.3], "comprehensiveness", kind="intra", cache=False,
-                                  progress=False, per_sequence=True, deduplicate=False)
+    table = fa.faithfulness_curve(model, None, ids, list(STEP), [0.3], "comprehensiveness", kind="intra",
+                                  progress=False, deduplicate=False).per_sequence
     ladder = fa.ladder_comparison(table, n_bootstrap=50)
     assert not ladder.loc[(ladder["lower"] == STEP[0]) & (ladder["higher"] == STEP[1]), "identical"].any()
 

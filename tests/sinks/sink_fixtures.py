@@ -24,7 +24,7 @@ P_TAIL = 1.0  # head 0: tail value = +P_TAIL e, sink value = -Q_SINK e
 Q_SINK = 1.0
 VT = (1.0, 0.0)  # head 1: tail value and sink value in the head's first two dimensions
 V0 = (-0.5, 1.0)
-FAST = dict(cache=False, progress=False)
+FAST = dict(progress=False)
 
 
 def planted_model(seed: int = 0) -> tf.LlamaForCausalLM:

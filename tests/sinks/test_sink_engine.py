@@ -5,6 +5,7 @@ import pandas as pd
 import pytest
 
 from cwcore import sinks
+from cwcore.cache import caching
 from cwcore.sinks import engine
 from sink_fixtures import FAST, planted_ids, planted_model, random_ids, word_tokenizer as _word_tokenizer
 from tiny_models import tiny_model
@@ -16,9 +17,10 @@ from tiny_models import tiny_model
 @pytest.mark.slow  # one of the quick tier's slowest (issue 25)
 def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, monkeypatch):
     model, ids = tiny_model("llama"), random_ids(n=4)
-    kwargs = dict(cache=True, cache_root=tmp_path, progress=False, batch_size=2)
-    first = sinks.run_analyses(model, None, ids, **kwargs)
-    second = sinks.run_analyses(model, None, ids, **{**kwargs, "cache": False})
+    kwargs = dict(progress=False, batch_size=2)
+    with caching(tmp_path):
+        first = sinks.run_analyses(model, None, ids, **kwargs)
+    second = sinks.run_analyses(model, None, ids, **kwargs)  # outside caching(): computed
     for name in sinks.ANALYSES:
         for a, b in zip(*(r[name] if isinstance(r[name], tuple) else (r[name],) for r in (first, second))):
             pd.testing.assert_frame_equal(a, b)
@@ -27,7 +29,8 @@ def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, mon
         raise AssertionError("recomputed instead of reading the cache")
 
     monkeypatch.setattr(engine, "forward", boom)
-    cached = sinks.sink_semantic_cone(model, None, ids, **kwargs)  # the single function reads run_analyses' pieces
+    with caching(tmp_path):
+        cached = sinks.sink_semantic_cone(model, None, ids, **kwargs)  # the single function reads run_analyses' pieces
     pd.testing.assert_frame_equal(cached.ppl, first["semantic_cone"].ppl)
     monkeypatch.undo()
     other = sinks.sink_decomposition(model, None, ids, batch_size=3, sample_size=50, **FAST)
@@ -62,18 +65,20 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
 def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
     model = planted_model()
     ids = planted_ids(n=2, length=16)
-    options = dict(batch_size=2, cache_root=tmp_path, progress=False)
-    first = sinks.run_analyses(model, None, ids, ["rates"], precompute=sinks.ANALYSES, **options)
+    options = dict(batch_size=2, progress=False)
+    with caching(tmp_path):
+        first = sinks.run_analyses(model, None, ids, ["rates"], precompute=sinks.ANALYSES, **options)
     assert set(first) == {"rates"}  # tables only for what was asked
 
     def no_forward(*args, **kwargs):
         raise AssertionError("a forward pass ran although the cache was filled")
 
     monkeypatch.setattr(engine, "forward", no_forward)
-    later = sinks.run_analyses(model, None, ids, ["convexity", "semantic_cone"], raw=True, **options)
+    with caching(tmp_path):
+        later = sinks.run_analyses(model, None, ids, ["convexity", "semantic_cone"], raw=True, **options)
     assert set(later) == {"convexity", "semantic_cone", "raw"} and set(later["raw"]) == {"convexity", "semantic_cone"}
     monkeypatch.undo()
-    fresh = sinks.sink_convexity(model, None, ids, batch_size=2, cache=False, progress=False)
+    fresh = sinks.sink_convexity(model, None, ids, batch_size=2, progress=False)
     pd.testing.assert_frame_equal(later["convexity"].fits, fresh.fits)
     with pytest.raises(ValueError, match="unknown analyses"):
         sinks.run_analyses(model, None, ids, ["rates"], precompute=["nonsense"], **options)

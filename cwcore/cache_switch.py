@@ -1,0 +1,79 @@
+"""Whether results are cached now: caching is opt-in, around any call (:func:`caching`).
+
+No function of the library takes a cache argument. A cached computation (a faithfulness sweep, the sink
+analyses, the layer statistics) reads and writes the result cache (:class:`cwcore.cache.ResultCache`)
+only inside a :func:`caching` block, or in a process started with ``$CWCORE_CACHING=1``;
+``$CWCORE_NO_CACHE=1`` switches caching off everywhere. :mod:`cwcore.cache` re-exports every name here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from pathlib import Path
+
+__all__ = ["CACHING_ENV_VAR", "NO_CACHE_ENV_VAR", "active_cache_root", "cache_root", "caching", "caching_disabled",
+           "caching_enabled"]
+
+NO_CACHE_ENV_VAR = "CWCORE_NO_CACHE"
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def caching_disabled() -> bool:
+    """True when ``$CWCORE_NO_CACHE`` asks for uncached runs (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(NO_CACHE_ENV_VAR, "").strip().lower() in _TRUE
+
+
+def cache_root() -> Path:
+    """Root of cwcore's caches: ``$CWCORE_CACHE`` or ``~/.cache/cwcore``."""
+    configured = os.environ.get("CWCORE_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "cwcore"
+
+
+#: ``1`` (``true``, ``yes``, ``on``): this process caches results as if every call ran inside :func:`caching`
+CACHING_ENV_VAR = "CWCORE_CACHING"
+#: the innermost :func:`caching` block: ``(on, root or None)``; unset outside every block
+_CACHING: contextvars.ContextVar[tuple[bool, Path | None]] = contextvars.ContextVar("cwcore_caching")
+
+
+@contextlib.contextmanager
+def caching(root: str | os.PathLike | None = None, *, enabled: bool = True):
+    """Cache the results of the calls in this block (opt-in; outside every block nothing is read or written)::
+
+        with cwcore.cache.caching():            # under $CWCORE_CACHE, or ~/.cache/cwcore
+            curve = faithfulness_curve(model, tokenizer, texts)
+        with cwcore.cache.caching("runs/cache"):  # under a folder of one's own
+            ...
+
+    Inside the block every cached computation (the faithfulness sweeps, the sink analyses, the layer
+    statistics) reads each piece it finds under ``root`` and writes each piece it computes, so a rerun
+    computes nothing and an interrupted run resumes. A piece's key holds every parameter, the model's
+    every weight byte (:func:`cwcore.runs.model_fingerprint`) and the producing code
+    (:func:`code_version`). ``enabled=False`` switches caching off inside a caching block (or under
+    ``$CWCORE_CACHING``); ``$CWCORE_NO_CACHE=1`` switches it off everywhere. Blocks nest; each thread and
+    asyncio task sees its own (a :class:`contextvars.ContextVar`)."""
+    token = _CACHING.set((bool(enabled), None if root is None else Path(root).expanduser()))
+    try:
+        yield
+    finally:
+        _CACHING.reset(token)
+
+
+def caching_enabled() -> bool:
+    """Whether a cached computation started now reads and writes the result cache: inside a
+    :func:`caching` block (or under ``$CWCORE_CACHING=1`` outside every block), unless
+    ``$CWCORE_NO_CACHE`` is set."""
+    if caching_disabled():
+        return False
+    chosen = _CACHING.get(None)
+    if chosen is None:
+        return os.environ.get(CACHING_ENV_VAR, "").strip().lower() in _TRUE
+    return chosen[0]
+
+
+def active_cache_root() -> Path:
+    """The folder cached computations use now: the innermost :func:`caching` block's ``root``, else
+    :func:`cache_root`."""
+    chosen = _CACHING.get(None)
+    return chosen[1] if chosen is not None and chosen[1] is not None else cache_root()

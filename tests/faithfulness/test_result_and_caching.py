@@ -1,0 +1,151 @@
+"""faithfulness_curve's result object, its refusal of the removed keywords, and caching as an opt-in."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd
+import pytest
+
+from cwcore import cache
+from cwcore import faithfulness as fa
+from cwcore.faithfulness import sweep as sweep_module
+
+OPTIONS = dict(metric=["attention", "contribution", "random"], ratios=[0.2, 0.5], batch_size=5, progress=False,
+               n_bootstrap=50)
+
+
+def _files(root):
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture
+def points(monkeypatch):
+    """Every computed (metric, mode, ratio) point of a batch (a read piece is not computed)."""
+    seen = []
+    original = sweep_module.Sweep._point
+    monkeypatch.setattr(sweep_module.Sweep, "_point", lambda self, *a, **k: seen.append(1) or original(self, *a, **k))
+    return seen
+
+
+def test_outside_caching_nothing_is_written_inside_pieces_are_and_a_rerun_computes_nothing(peaked, tmp_path,
+                                                                                         monkeypatch, points):
+    model, ids = peaked
+    root = tmp_path / "cache"
+    monkeypatch.setenv("CWCORE_CACHE", str(root))
+    monkeypatch.delenv("CWCORE_CACHING", raising=False)
+    monkeypatch.delenv("CWCORE_NO_CACHE", raising=False)
+    plain = fa.faithfulness_curve(model, None, ids, **OPTIONS)
+    assert not root.exists()  # nothing read or written outside caching()
+    n_points = 2 * 3 * 2 * 2  # batches x metrics x modes x ratios, less the deduplicated rungs
+    computed = len(points)
+    assert 0 < computed <= n_points
+    points.clear()
+    with cache.caching():  # the default folder: $CWCORE_CACHE
+        first = fa.faithfulness_curve(model, None, ids, **OPTIONS)
+    assert len(points) == computed
+    written = _files(root)
+    assert any(name.endswith("-clean.parquet") for name in written)
+    assert sum(name.endswith(".parquet") for name in written) == 2 + n_points  # two clean pieces + every point
+    points.clear()
+    with cache.caching():
+        again = fa.faithfulness_curve(model, None, ids, **OPTIONS)
+    assert points == [] and _files(root) == written  # everything read back, nothing new
+    for other in (first, again):
+        pd.testing.assert_frame_equal(other.per_sequence, plain.per_sequence, check_exact=True)
+    # a folder of one's own; enabled=False inside a caching block; $CWCORE_NO_CACHE wins over the block
+    own = tmp_path / "own"
+    with cache.caching(own):
+        fa.faithfulness_curve(model, None, ids[:5], **OPTIONS)
+    assert (own / "results" / "faithfulness").is_dir()
+    points.clear()
+    with cache.caching(), cache.caching(enabled=False):
+        fa.faithfulness_curve(model, None, ids, **OPTIONS)
+    assert len(points) == computed
+    points.clear()
+    monkeypatch.setenv("CWCORE_NO_CACHE", "1")
+    with cache.caching():
+        fa.faithfulness_curve(model, None, ids, **OPTIONS)
+    assert len(points) == computed and _files(root) == written
+
+
+def test_caching_env_var_turns_caching_on_outside_every_block(peaked, tmp_path, monkeypatch, points):
+    model, ids = peaked
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    monkeypatch.delenv("CWCORE_NO_CACHE", raising=False)
+    monkeypatch.setenv("CWCORE_CACHING", "1")
+    assert cache.caching_enabled()
+    with cache.caching(enabled=False):
+        assert not cache.caching_enabled()
+    fa.faithfulness_curve(model, None, ids[:5], **OPTIONS)
+    assert (tmp_path / "results" / "faithfulness").is_dir()
+    monkeypatch.setenv("CWCORE_CACHING", "0")
+    assert not cache.caching_enabled()
+
+
+@pytest.mark.parametrize("keyword, value, hint", [
+    ("cache", True, "cwcore.cache.caching"), ("cache_dir", "somewhere", "cwcore.cache.caching"),
+    ("per_sequence", True, ".per_sequence"), ("first_sequence", 3, "sequence_ids"),
+])
+def test_a_removed_keyword_is_refused_in_one_line_naming_it(peaked, keyword, value, hint):
+    model, ids = peaked
+    with pytest.raises(TypeError) as caught:
+        fa.faithfulness_curve(model, None, ids, **{keyword: value})
+    message = str(caught.value)
+    assert f"unexpected keyword argument {keyword!r}" in message and hint in message and "\n" not in message
+    with pytest.raises(TypeError, match=f"'{keyword}'"):
+        fa.downstream_eval(model, None, "boolq", **{keyword: value})
+
+
+def test_an_unknown_keyword_is_refused_naming_it(peaked):
+    model, ids = peaked
+    with pytest.raises(TypeError, match="'caches'"):
+        fa.faithfulness_curve(model, None, ids, caches=True)
+
+
+def test_the_result_summarises_and_reads_like_its_table(peaked):
+    model, ids = peaked
+    result = fa.faithfulness_curve(model, None, ids, **OPTIONS)
+    per = result.per_sequence
+    assert len(per) == len(ids) * 3 * 2 * 2 and {"sequence", "nll", "clean_nll", "document"} <= set(per.columns)
+    pd.testing.assert_frame_equal(result.table, fa.summarize(per, n_bootstrap=50), check_exact=True)
+    pd.testing.assert_frame_equal(result.summary(), fa.aopc(per, n_bootstrap=50), check_exact=True)
+    pd.testing.assert_frame_equal(result.summary(max_ratio=0.2), fa.aopc(per, n_bootstrap=50, max_ratio=0.2),
+                                  check_exact=True)
+    # for one release: column access, len and columns are the table's
+    pd.testing.assert_series_equal(result["delta_nll"], result.table["delta_nll"])
+    assert len(result) == len(result.table) == 3 * 2 * 2 and list(result.columns) == list(result.table.columns)
+    assert repr(result).startswith("FaithfulnessResult(3 metrics x 2 modes x 2 ratios over 10 sequences")
+    axes = result.plot()
+    assert [ax.get_title() for ax in axes] == ["comprehensiveness", "sufficiency"]
+    lines = axes[0].get_lines()
+    assert [line.get_label() for line in lines] == ["attention", "contribution", "random"]
+    contribution = result.table.query("mode == 'comprehensiveness' and metric == 'contribution'").sort_values("ratio")
+    assert list(lines[1].get_ydata()) == list(contribution["delta_nll"])
+
+
+def test_sequence_ids_seed_the_random_control_and_a_slice_gives_the_whole_runs_rows(peaked):
+    model, ids = peaked
+    options = {**OPTIONS, "metric": ["random", "contribution"]}
+    whole = fa.faithfulness_curve(model, None, ids, **options).per_sequence
+    part = fa.faithfulness_curve(model, None, ids[5:], sequence_ids=range(5, 10), **options).per_sequence
+    expected = whole[whole["sequence"] >= 5].reset_index(drop=True)
+    pd.testing.assert_frame_equal(part, expected, check_exact=True)
+    renumbered = fa.faithfulness_curve(model, None, ids[5:], **options).per_sequence
+    random = lambda table: table[table["metric"] == "random"]["nll"].to_numpy()  # noqa: E731
+    assert list(random(renumbered)) != list(random(part))  # other ids: another random control
+    for bad, error in (([1, 1, 2, 3, 4], ValueError), ([0, 1], ValueError), ([-1, 1, 2, 3, 4], ValueError),
+                       ("01234", TypeError)):
+        with pytest.raises(error, match="sequence_ids"):
+            fa.faithfulness_curve(model, None, ids[5:], sequence_ids=bad, **options)
+
+
+@pytest.mark.parametrize("layers, same", [(0, [0]), (-1, [1]), ([-2, 1], [0, 1])])
+def test_a_layer_number_and_negative_layers_are_read_as_the_check_reads_them(peaked, layers, same):
+    model, ids = peaked  # two layers; before, an int raised "'int' object is not iterable" and -1 an IndexError
+    options = {**OPTIONS, "metric": ["contribution"], "ratios": [0.3]}
+    got = fa.faithfulness_curve(model, None, ids[:4], layers=layers, **options).per_sequence
+    want = fa.faithfulness_curve(model, None, ids[:4], layers=same, **options).per_sequence
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
