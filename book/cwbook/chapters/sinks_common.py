@@ -73,7 +73,8 @@ def sink_pass(model: str, run_parameters: dict | None, analyses: list[str], **an
     out = SinkPass(model=model, run=run, lm=lm, tokenizer=tokenizer, options=options, blocks=run.blocks(tokenizer))
     for d in out.datasets:
         t0 = time.monotonic()
-        out.results[d] = sinks.run_analyses(lm, tokenizer, out.blocks[d], list(analyses), options,
-                                            precompute=sinks.ANALYSES, raw=True, **analysis_options)
+        with run.caching():  # the run's ``cache`` parameter: on unless it is False
+            out.results[d] = sinks.run_analyses(lm, tokenizer, out.blocks[d], list(analyses), options,
+                                                precompute=sinks.ANALYSES, raw=True, **analysis_options)
         out.seconds[d] = time.monotonic() - t0
     return out
