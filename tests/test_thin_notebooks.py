@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 #: notebooks already thin (the others still define helpers of their own)
-THIN = ["02_geometry", "03_contribution_maps", "08_encoders"]
+THIN = ["02_geometry", "03_contribution_maps", "04b_attribution_bench", "08_encoders"]
 
 
 def _is_exercise(cell) -> bool:

@@ -101,3 +101,20 @@ def explorer_page(model, tokenizer, text: str, model_name: str, layer: int, head
 
     return explorer_html(explorer_data(model, tokenizer, text, model_name=model_name),
                          start={"layer": layer, "head": head, "quantity": "intra"})
+
+
+# --- the faithfulness chapters' tables (4 and 4b) -------------------------------------------------------
+
+def interval_cell(value, low, high) -> str:
+    """``value [low, high]`` with three decimals: an estimate and its interval in one table cell."""
+    return f"{value:.3f} [{low:.3f}, {high:.3f}]"
+
+
+def aopc_table(areas, index: list[str], metrics, labels):
+    """AOPC per metric with its interval, one column per metric (in ``metrics``' order, named by
+    ``labels``), one row per ``index`` combination (``faith.aopc``'s ``aopc_nll``, ``aopc_nll_ci_low``
+    and ``aopc_nll_ci_high`` columns)."""
+    a = areas.assign(cell=[interval_cell(v, lo, hi) for v, lo, hi in
+                           zip(areas["aopc_nll"], areas["aopc_nll_ci_low"], areas["aopc_nll_ci_high"])])
+    table = a.pivot_table(index=index, columns="metric", values="cell", aggfunc="first", sort=False)
+    return table[[m for m in metrics if m in table.columns]].rename(columns=labels).reset_index()
