@@ -18,7 +18,9 @@ OWNED_ELSEWHERE: set[str] = set()
 
 
 def _texts():
-    for folder, pattern in (("cwcore", "**/*.py"), ("notebooks", "*.ipynb"), ("book", "*.md")):
+    # the chapters' modules hold the texts the notebooks glued into their pages
+    for folder, pattern in (("cwcore", "**/*.py"), ("notebooks", "*.ipynb"), ("book", "*.md"),
+                            ("book/cwbook/chapters", "*.py")):
         yield from sorted((ROOT / folder).glob(pattern))
     yield ROOT / "README.md"
 
