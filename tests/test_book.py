@@ -405,7 +405,7 @@ def test_rerun_page_lists_the_parameters_the_notebooks_declare():
     text = (REPO / "book" / "rerun.md").read_text()
     sections = re.findall(r"^\*\*[^*]+\*\* \(`(\w+)`[^)]*\)\n\n((?:\|.*\n)+)", text, flags=re.M)
     assert {name for name, _ in sections} >= {"02_geometry", "03_contribution_maps", "08_encoders"}
-    chapters = {c.name for c in book.chapters(book.load_config(REPO / "book" / "run.yml"))}
+    chapters = {c.name for c in book.read_chapters(book.load_config(REPO / "book" / "run.yml"))}
     for name, table in sections:
         assert name in chapters, f"rerun.md documents {name}, which run.yml does not list"
         listed = set()
@@ -449,7 +449,7 @@ def test_smoke_book_pages_and_images(smoke_book):
     assert runs, "run.yml lists no chapters"
     pages = [html / "intro.html"] + [html / Path(os.path.relpath(r.output, bookdir)).with_suffix(".html")
                                      for r in runs]
-    pages += [html / f"{c.name}.html" for c in book.chapters(config) if c.is_page]
+    pages += [html / f"{c.name}.html" for c in book.read_chapters(config) if c.is_page]
     assert (html / "index.html").is_file()
     for page in pages:
         assert page.is_file(), f"missing page {page}"

@@ -315,7 +315,7 @@ def test_smoke_book_folds_the_solutions(smoke_book):
 def test_teaching_page_is_in_the_table_of_contents(tmp_path):
     import cwbook as book
     config = book.load_config(REPO / "book" / "run.yml")
-    names = [c.name for c in book.chapters(config)]
+    names = [c.name for c in book.read_chapters(config)]
     assert "teaching" in names and names.index("teaching") < names.index("02_geometry"), names
     _, chosen, runs = book.plan(config, profile="smoke", generated_dir=tmp_path / "generated",
                                 book_dir=REPO / "book")

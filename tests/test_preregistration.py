@@ -18,7 +18,7 @@ PAGE = REPO / "book" / "preregistration.md"
 
 def test_the_page_is_in_the_table_of_contents_before_the_chapters(tmp_path):
     config = book.load_config(REPO / "book" / "run.yml")
-    names = [c.name for c in book.chapters(config)]
+    names = [c.name for c in book.read_chapters(config)]
     assert "preregistration" in names and names.index("preregistration") < names.index("04_faithfulness")
     _, chosen, runs = book.plan(config, profile="smoke", generated_dir=tmp_path / "generated", book_dir=REPO / "book")
     assert {"file": "preregistration"} in book.toc(chosen, runs, tmp_path / "generated", REPO / "book")["chapters"]

@@ -163,7 +163,7 @@ def load_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def chapters(config: dict) -> list[Chapter]:
+def read_chapters(config: dict) -> list[Chapter]:
     out = []
     for i, entry in enumerate(config["chapters"]):
         if isinstance(entry, dict) and PAGE in entry and "notebook" not in entry:
@@ -252,7 +252,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
     of ``generated_dir``), must exist.
     """
     name, prof = profile_config(config, profile)
-    all_chapters = chapters(config)
+    all_chapters = read_chapters(config)
     chosen = select_chapters(all_chapters, only)
     if isinstance(models, str):
         models = [m.strip() for m in models.split(",") if m.strip()]
