@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 #: notebooks already thin (the others still define helpers of their own)
-THIN = ["02_geometry", "03_contribution_maps", "04b_attribution_bench", "08_encoders"]
+THIN = ["02_geometry", "03_contribution_maps", "04_faithfulness", "04b_attribution_bench", "08_encoders"]
 
 
 def _is_exercise(cell) -> bool:
@@ -63,3 +63,17 @@ def test_a_thin_notebook_calls_its_chapter_module(name):
     code = "".join("".join(c["source"]) for c in json.loads((REPO / "notebooks" / f"{name}.ipynb").read_text())["cells"]
                    if c["cell_type"] == "code")
     assert "cwbook.chapters" in code and module.stem in code, f"{name} does not import {module.stem}"
+
+
+def test_the_chapter_modules_hide_nothing_of_the_books_runner():
+    """Importing ``cwbook.chapters.<module>`` sets the attribute ``cwbook.chapters`` to that package: a function
+    of the runner by that name would be replaced (``plan`` called ``chapters(config)`` and failed with "'module'
+    object is not callable" in any process that had imported a chapter module)."""
+    import importlib
+
+    import cwbook
+
+    for path in sorted((REPO / "book" / "cwbook" / "chapters").glob("*.py")):
+        importlib.import_module(f"cwbook.chapters.{path.stem}")
+    _, chapters, runs = cwbook.plan(cwbook.load_config(REPO / "book" / "run.yml"), profile="smoke")
+    assert set(THIN) <= {c.name for c in chapters} and runs
