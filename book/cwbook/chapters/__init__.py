@@ -1,3 +1,3 @@
-"""The chapters' computations and figures: one module per notebook (``chNN_<notebook stem>``), which the
-notebook calls once for its results and once per figure, so that the notebooks hold only their parameters,
-prose, figures and exercises."""
+"""The computation behind each chapter of the book, one module per notebook (``chNN_<notebook stem>``): a
+notebook sets its parameters, calls its chapter's ``run``, draws the figures with the module's figure
+functions and glues the returned numbers and phrases into its prose."""
