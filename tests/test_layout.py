@@ -252,6 +252,10 @@ def test_notebooks_reach_model_internals_only_through_cwcore():
         for where in _internal_reaches(["".join(c["source"]) for c in cells]):
             cell, rest = where.split(":", 1)
             found.setdefault(path.name, []).append(f"{cells[int(cell)].get('id')}:{rest}")
+    # the chapters' modules hold the notebooks' computations: the same rule
+    for path in sorted((PACKAGE.parent / "book" / "cwbook" / "chapters").glob("*.py")):
+        for where in _internal_reaches([path.read_text()]):
+            found.setdefault(f"book/cwbook/chapters/{path.name}", []).append(where.split(":", 1)[1])
     assert not found, f"notebooks reaching model internals by name (use cwcore's architecture facts): {found}"
 
 

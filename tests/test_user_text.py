@@ -18,7 +18,9 @@ OWNED_ELSEWHERE: set[str] = set()
 
 
 def _texts():
-    for folder, pattern in (("cwcore", "**/*.py"), ("notebooks", "*.ipynb"), ("book", "**/*.md")):
+    # the chapters' modules hold the texts the notebooks glue into their pages
+    for folder, pattern in (("cwcore", "**/*.py"), ("notebooks", "*.ipynb"), ("book", "**/*.md"),
+                            ("book/cwbook/chapters", "*.py")):
         yield from sorted(p for p in (ROOT / folder).glob(pattern) if "_build" not in p.parts and "generated" not in p.parts)
     yield ROOT / "README.md"
     yield ROOT / "ARCHITECTURE.md"

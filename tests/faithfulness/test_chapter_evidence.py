@@ -1,5 +1,6 @@
 """Chapter 4's cells are one function of the package (:func:`cwbook.ladder.ladder_evidence`),
-called by the notebook and by the evidence export alike, with the parameters of one reader of run.yml
+called by the notebook (through its chapter module, :mod:`cwbook.chapters.ch04_faithfulness`) and by the
+evidence export alike, with the parameters of one reader of run.yml
 (:func:`cwbook.parameters.run_parameters`); the named grids travel with the run, so the low range
 is the profile's low grid, not a constant. On a tiny Llama with a word tokenizer and a local text file."""
 
@@ -16,7 +17,7 @@ import yaml
 
 import cwcore
 from cwbook import evidence_export as es
-from cwbook import notebook as book_notebook
+from cwbook.chapters import ch04_faithfulness as ch04
 from cwbook.parameters import declared_defaults, run_parameters
 from cwbook import ladder as ev
 from faith_helpers import peaked_llama, word_tokenizer
@@ -52,19 +53,20 @@ def setup(tmp_path_factory):
     return tmp, data, peaked_llama(), word_tokenizer()
 
 
-def _notebook_setup(parameters: dict, loaded, monkeypatch) -> dict:
-    """Execute notebook 04's setup cell (the test may run notebook code; the package never does) with
-    ``parameters`` in place of the runner's injected cell, the tiny model in place of ``load_model``."""
+def _notebook_ladder(parameters: dict, loaded):
+    """Chapter 4's ladder as notebook 04 computes it: its one call, ``ch04.ladder(lm, tokenizer, ...)``, read
+    from the notebook's setup cell, with ``parameters`` (what the runner injects) in place of each parameter
+    the call names and the tiny model in place of ``load_model``'s."""
     nb = json.loads(NOTEBOOK.read_text())
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert "parameters" in code[0]["metadata"]["tags"]
-    monkeypatch.setattr(cwcore, "load_model", lambda *a, **k: loaded)
-    monkeypatch.setattr(book_notebook, "note", lambda *a, **k: None)
-    monkeypatch.setattr(book_notebook, "note_md", lambda *a, **k: None)
-    scope = dict(parameters)
-    setup = next(c for c in code if "evidence.ladder_evidence(" in "".join(c["source"]))  # the sweeps' cell
-    exec("".join(setup["source"]), scope)  # noqa: S102 - the repository's own notebook, in a test
-    return scope
+    setup = next(c for c in code if "ch04.ladder(" in "".join(c["source"]))  # the sweeps' cell
+    call = next(node for node in ast.walk(ast.parse("".join(setup["source"])))
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "ch04.ladder")
+    assert [ast.unparse(a) for a in call.args] == ["lm", "tokenizer"]
+    # every keyword is a parameter of the notebook passed by its own name
+    assert all(isinstance(k.value, ast.Name) and k.value.id == k.arg for k in call.keywords), ast.unparse(call)
+    return ch04.ladder(*loaded, **{k.arg: parameters[k.arg] for k in call.keywords})
 
 
 def test_the_exporter_and_the_notebook_compute_the_same_frames(setup, monkeypatch):
@@ -74,21 +76,21 @@ def test_the_exporter_and_the_notebook_compute_the_same_frames(setup, monkeypatc
     # the reader: the notebook's declared defaults, replaced by what run.yml sets for this profile
     assert params["low_ratios"] == [0.1, 0.2] and params["n_sequences"] == 3 and params["seq_len"] == 10
     assert params["metrics"] == declared_defaults(NOTEBOOK)["metrics"] and params["model"] == MODEL
-    page = _notebook_setup(params, (model, tokenizer), monkeypatch)
+    page = _notebook_ladder(params, (model, tokenizer))
     exported = es.per_document("tiny", MODEL, str(data), 3, config=config, loaded=(model, tokenizer))
-    assert len(page["per_seq"]) == len(exported) > 0
+    assert len(page.per_seq) == len(exported) > 0
     # the same rows, the exporter's with model and delta_nll columns beside them
-    pd.testing.assert_frame_equal(exported[list(page["per_seq"].columns)].reset_index(drop=True),
-                                  page["per_seq"].reset_index(drop=True))
+    pd.testing.assert_frame_equal(exported[list(page.per_seq.columns)].reset_index(drop=True),
+                                  page.per_seq.reset_index(drop=True))
     assert np.allclose(exported["delta_nll"], exported["nll"] - exported["clean_nll"])
     used = exported.attrs["parameters"]
-    assert used["grids"] == {"low": [0.1, 0.2], "paper": [0.5]} and used["grid"] == page["grid"] == [0.1, 0.2, 0.5]
+    assert used["grids"] == {"low": [0.1, 0.2], "paper": [0.5]} and used["grid"] == page.grid == [0.1, 0.2, 0.5]
     # the ladder the exporter's tables() computes from those rows, at the grids it carries, is the page's
     areas, ladder = ev.evidence_tables(exported.drop(columns=["data", "model", "delta_nll"]),
                                        grids=es.grids_of(used), n_bootstrap=50, seed=0)
-    pd.testing.assert_frame_equal(ladder, page["ladder"].drop(columns="data"))
-    pd.testing.assert_frame_equal(areas, page["areas"].drop(columns="data"))
-    assert page["low_max"] == 0.2 and set(page["areas"]["range"]) == {"low", "full"}
+    pd.testing.assert_frame_equal(ladder, page.ladder.drop(columns="data"))
+    pd.testing.assert_frame_equal(areas, page.areas.drop(columns="data"))
+    assert page.low_max == 0.2 and set(page.areas["range"]) == {"low", "full"}
 
 
 def _naive_low_aopc(per_sequence: pd.DataFrame, low_max: float) -> pd.Series:
@@ -198,14 +200,14 @@ def test_variant_cells_are_the_default_protocol_with_one_field_changed_on_the_mo
     # the page's cell that says what changes (run here: the book's profiles run no variant)
     nb = json.loads(NOTEBOOK.read_text())
     source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22c")["source"])
-    said = {}
-    exec(source, {"evidence": ev, "ladder": main.assign(data="docs"), "variant_ladder": varied.assign(data="docs"),  # noqa: S102
-                  "LABELS": {}, "show": lambda *a, **k: None, "display": lambda *a: None, "note_md": lambda k, v: said.update({k: v})})
+    assert "ch04.variant_summary(lad.ladder, lad.variant_ladder)" in source  # the page's call, run here
+    said = {"variant_summary": ch04.variant_summary(main.assign(data="docs"), varied.assign(data="docs"))[0]}
     moved = int(changes["changed"].sum())
     assert said["variant_summary"].startswith(f"{moved} of {len(changes)} step verdicts differ")
 
 
-def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_names_the_primary_changes(setup):
+def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_names_the_primary_changes(
+        setup, monkeypatch):
     tmp, data, model, tokenizer = setup
     assert es.weight_variant_names("smollm2-135m", {"weight_variants": ["requantized"],
                                                    "weight_variant_models": ["smollm2-135m"]}) == [
@@ -233,20 +235,15 @@ def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_n
     main = ev.ladder_evidence(model, tokenizer, **common).tables(n_permutations=0)[1]
     nb = json.loads(NOTEBOOK.read_text())
     source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22e")["source"])
+    assert "ch04.weight_variants(" in source  # the page's call, run here on the tiny models
+    monkeypatch.setattr(cwcore, "load_model", lambda name, **_: loaded[name])
+    monkeypatch.setattr(ch04, "ladder_cell", lambda *a, model, profile, dtype, data, **k: ev.ladder_sweep(*a, **k))
+    arguments = dict(model="tiny", weight_variants=["requantized"], weight_variant_models=None, profile="tiny",
+                     dtype="float32", device="cpu", **{k: v for k, v in common.items() if k != "n_bootstrap"},
+                     n_bootstrap=50)
     said, shown = {}, []
-
-    class Loader:
-        @staticmethod
-        def load_model(name, **_):
-            return loaded[name]
-
-    scope = {"evidence": ev, "ladder": main, "LABELS": {}, "show": shown.append, "display": lambda *a: None, "pd": pd, "time": __import__("time"),
-             "note_md": lambda k, v: said.update({k: v}), "cwcore": Loader, "partial": __import__("functools").partial,
-             "ladder_cell": lambda *a, model, profile, dtype, data, **k: ev.ladder_sweep(*a, **k),
-             "weight_variants": ["requantized"], "weight_variant_models": None, "model": "tiny", "profile": "tiny",
-             "dtype": "float32", "device": "cpu",
-             **{k: v for k, v in common.items() if k != "n_bootstrap"}, "n_bootstrap": 50}
-    exec(source, scope)  # noqa: S102 - the repository's own notebook, in a test
+    said["weights_summary"], table = ch04.weight_variants(main, **arguments)
+    shown.append(table)
     changes = ev.variant_changes(main, ev.ladder_evidence(other, tokenizer, **common).tables(n_permutations=0)[1]
                                  .assign(variant="requantized"))
     # both protocols are matched step by step (a step under per-head beside the same step under per-head)
@@ -256,13 +253,12 @@ def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_n
     assert said["weights_summary"].startswith("0 of 0 primary verdicts survive")
     said.clear()
     # a primary model, its text file read as GSM8K: the primary steps (4 per mode, |c|, full range) are named
-    import types
-
     loaded["smollm2-135m-requantized"] = (other, tokenizer)
-    as_gsm8k = lambda model, data, *rest: ev.is_primary(model, "gsm8k", *rest)  # noqa: E731
-    exec(source, {**scope, "model": "smollm2-135m",  # noqa: S102
-                  "evidence": types.SimpleNamespace(**{**{k: getattr(ev, k) for k in dir(ev) if not k.startswith("__")},
-                                                       "is_primary": as_gsm8k})})
+    is_primary = ev.is_primary
+    as_gsm8k = lambda model, data, *rest: is_primary(model, "gsm8k", *rest)  # noqa: E731
+    monkeypatch.setattr(ev, "is_primary", as_gsm8k)
+    said["weights_summary"], table = ch04.weight_variants(main, **{**arguments, "model": "smollm2-135m"})
+    shown.append(table)
     primary = changes[[as_gsm8k("smollm2-135m", r.data, r.mode, r.protocol, r.importance, r.range, r.lower, r.higher)
                        for r in changes.itertuples()]]
     assert len(primary) == 8 and len(shown[-1]) == 8
@@ -272,30 +268,32 @@ def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_n
 
 
 def _per_layer_section(scope: dict, monkeypatch, out: Path) -> tuple[dict, dict]:
-    """Execute notebook 04's per-layer cell with ``scope`` (the names the setup cell defines) and the
-    committed frames read from ``out``; returns the glued values and the cell's names."""
+    """Chapter 4's per-layer section as the notebook runs it (``ch04.per_layer``, and its figure when there
+    are rows) with ``scope``'s parameters and the committed frames read from ``out``; returns the glued values
+    and the section's names (``pl_areas``)."""
+    import types
+
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     from cwbook import evidence_frames as ef
+    from cwcore.plotting import save_figure
 
     nb = json.loads(NOTEBOOK.read_text())
     cell = next("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"
-                and "per_layer_cell(" in "".join(c["source"]))
-    glued = {}
+                and "ch04.per_layer(" in "".join(c["source"]))
+    assert "ch04.per_layer_figure(pl" in cell  # the page draws what the section returns
     monkeypatch.setattr(ef, "DEFAULT_OUT", out)
-    monkeypatch.setattr(book_notebook, "note", lambda name, value: glued.__setitem__(name, value))
-    monkeypatch.setattr(book_notebook, "note_md", lambda name, text: glued.__setitem__(name, text))
-    monkeypatch.setattr(plt, "show", lambda: None)
-    import time
-
-    from cwcore.plotting import save_figure
-    names = {"time": time, "plt": plt, "save_figure": save_figure, "COLOURS": {}, "LABELS": {},
-             "note": book_notebook.note, "note_md": book_notebook.note_md, **scope}
-    exec(cell, names)  # noqa: S102 - the repository's own notebook, in a test
-    return glued, names
+    arguments = {k: scope[k] for k in ("first", "metrics", "per_layer_sequences", "per_layer_ratios", "seed",
+                                       "n_bootstrap", "model")}
+    no_blocks = types.SimpleNamespace(blocks={})  # per_layer_sequences = 0: the ladder's documents are not read
+    pl = ch04.per_layer(None, None, no_blocks, batch_size=2, seq_len=10, profile="tiny", dtype="float32",
+                        **arguments)
+    if pl.rows is not None:
+        save_figure(ch04.per_layer_figure(pl, first=scope["first"], model=scope["model"]), scope["output_dir"],
+                    "per_layer")
+    return {**pl.quoted, **pl.quoted_md}, {"pl_areas": pl.areas}
 
 
 def test_the_per_layer_section_shows_the_committed_frame_when_the_profile_skips_it(tmp_path, monkeypatch):

@@ -1,0 +1,573 @@
+"""Chapter 4, faithfulness: does removing the terms a metric ranks first hurt the model? The paper's
+ladder (attention, value-weighted, output-normalised, contribution weights, against random) on removal
+curves, its anatomy, downstream tasks, per-layer interventions, variants and protocol sensitivity.
+
+Every sweep is a call of the package, moved here unchanged from the notebook (the paper's section on
+faithfulness): :func:`ladder` (``cwbook.ladder.ladder_evidence`` through ``ladder_cell``),
+:func:`anatomy`, :func:`downstream` (``downstream_cell``), :func:`per_layer` (``per_layer_cell``),
+:func:`weight_variants` and :func:`sensitivity` (``sensitivity_cell``). Each returns its tables and
+``quoted``/``quoted_md``: the numbers and texts the prose quotes, under their glue names.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+import cwcore
+from cwbook import findings
+from cwbook import ladder as evidence
+from cwbook.chapters.common import aopc_table
+from cwbook.evidence_build import ladder_cell
+from cwbook.evidence_frames import downstream_cell, downstream_ladder, per_layer_cell, sensitivity_cell
+from cwcore import faithfulness as faith
+from cwcore import stats
+from cwcore.core.architectures import decomposable_layers
+
+COLOURS = faith.methods.colours()  # each method's colour and display name, from the registry
+LABELS = faith.methods.display_names()
+ROWS = ["data", "protocol", "importance", "range", "mode"]
+
+
+@dataclass
+class Ladder:
+    """The ladder of one model: ``run`` (``cwbook.ladder.ladder_evidence``'s result), its per-document
+    rows ``per_seq``, ``blocks`` per data set, the ratio ``grid`` and the top of its low range
+    ``low_max``; ``areas`` (AOPC) and ``ladder`` (paired steps), those of the variant cells, ``curves``;
+    ``claims`` (one verdict per claim and slice), Tables 1-3 (``aopc_table``, ``step_table``,
+    ``verdict_table``) and ``steps`` (Table 2's rows); ``common``: the keywords of the page's other
+    sweeps."""
+    run: object
+    per_seq: pd.DataFrame
+    blocks: dict
+    grid: list
+    low_max: float
+    areas: pd.DataFrame
+    ladder: pd.DataFrame
+    variant_areas: pd.DataFrame
+    variant_ladder: pd.DataFrame
+    curves: pd.DataFrame
+    common: dict
+    claims: pd.DataFrame
+    steps: pd.DataFrame
+    aopc_table: pd.DataFrame
+    step_table: pd.DataFrame
+    verdict_table: pd.DataFrame
+    seconds: float
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+    @property
+    def options(self) -> dict:
+        """The library's keywords the sweeps ran with (``common`` less the book's ``cache`` switch), for a
+        reader's own :func:`cwcore.faithfulness.faithfulness_curve` call."""
+        return {k: v for k, v in self.common.items() if k != "cache"}
+
+
+def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: int, low_ratios, ratios, protocols,
+           importances, metrics, random_seeds: int, variants, variant_models, n_bootstrap: int, seed: int,
+           batch_size: int, cache: bool, profile: str, dtype: str) -> Ladder:
+    """The chapter's sweeps and tables: one function of the package (the evidence export calls it too,
+    with the parameters this page runs with under a profile)."""
+    t0 = time.monotonic()
+    run = evidence.ladder_evidence(lm, tokenizer, datasets=datasets, n_sequences=n_sequences, seq_len=seq_len,
+                                   low_ratios=low_ratios, ratios=ratios, protocols=protocols, importances=importances,
+                                   metrics=metrics, random_seeds=random_seeds, variants=variants,
+                                   n_bootstrap=n_bootstrap, variant_models=variant_models, model_name=model,
+                                   seed=seed, batch_size=batch_size, cache=cache,
+                                   # a cell committed in data/results/evidence is taken once 2 of its documents
+                                   # recompute equal
+                                   sweep=partial(ladder_cell, model=model, profile=profile, dtype=dtype))
+    seconds = time.monotonic() - t0
+    per_seq, blocks, grid = run.per_sequence, run.blocks, run.grids.ratios
+    low_max = run.grids.low_max  # the low range ends at the top of the low grid that was run, not at a constant
+    areas, ladder_table = run.tables()
+    variant_areas, variant_ladder = run.variant_tables()  # empty unless `variants` ran
+    curves = run.curves()  # signed curves per data set and protocol
+    # the page's other sweeps (protocol variants, exercises) run with the same sizes
+    common = dict(n_bootstrap=n_bootstrap, seed=seed, batch_size=batch_size, max_length=seq_len, progress=False,
+                  cache=cache)
+    quoted, quoted_md = {}, {}
+    n_docs = {d: len(b) for d, b in blocks.items()}
+    quoted_md["caption"] = (f"{model}, one block of {seq_len} tokens from each of "
+                            + ", ".join(f"{n_docs[d]} `{d}` documents" for d in datasets)
+                            + f", ratios {', '.join(f'{r:g}' for r in grid)}, seed {seed}")
+    first = datasets[0]
+    clean = per_seq[per_seq["data"] == first].drop_duplicates("sequence")["clean_nll"]
+    quoted["clean_ppl"] = float(np.exp(clean).mean())
+
+    # Table 1
+    table1 = aopc_table(areas, ROWS, metrics, LABELS)
+    h = areas[(areas["data"] == first) & (areas["protocol"] == "default") & (areas["importance"] == "signed")]
+    h = h.set_index(["range", "mode", "metric"])
+    for rng in ("low", "full"):
+        for mode, tag in (("comprehensiveness", "comp"), ("sufficiency", "suff")):
+            for metric in metrics:
+                key = (rng, mode, metric)
+                quoted[f"aopc_{rng}_{tag}_{metric}"] = h.loc[key, "aopc_nll"] if key in h.index else float("nan")
+
+    # Tables 2 and 3
+    claims = findings.faithfulness_findings(ladder_table, model=model, profile=profile)
+    steps = claims[claims["claim"].str.startswith("step") | (claims["claim"] == "contribution beats random")]
+    steps = steps.assign(cell=[f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}] {v}" if np.isfinite(e) else v
+                               for e, lo, hi, v in zip(steps["estimate"], steps["ci_low"], steps["ci_high"],
+                                                       steps["verdict"])])
+    step_table = steps.pivot_table(index=ROWS, columns="claim", values="cell", aggfunc="first", sort=False)
+    power = steps.groupby(ROWS, sort=False).agg(n=("n_units", "max"), mde=("mde", "median"))
+    step_table = step_table.join(power).reset_index().rename(columns={"mde": "mde (median)"})
+    combined = claims[claims["claim"].isin(["ordering", "cosine_gain"])]
+    verdict_table = combined.pivot_table(index=ROWS, columns="claim", values="verdict", aggfunc="first",
+                                         sort=False).reset_index()
+    # the headline as pre-registered: each step under the protocol where it is measured, |c|, full range, both modes
+    for mode, tag in (("comprehensiveness", "comp"), ("sufficiency", "suff")):
+        quoted_md[f"v_{tag}"] = f"**{findings.primary_ordering(ladder_table, mode, data=first).verdict}**"
+        quoted_md[f"v_gain_{tag}"] = f"**{findings.primary_cosine_gain(ladder_table, mode, data=first).verdict}**"
+    ph = claims[(claims["data"] == first) & (claims["protocol"] == "per-head") & (claims["range"] == "full")
+                & (claims["claim"] == "step 2->3")]
+    quoted_md["step23"] = ("; ".join(f"{r['importance']} {r['mode']} {r['estimate']:+.3f} [{r['ci_low']:+.3f}, "
+                                     f"{r['ci_high']:+.3f}] ({r['verdict']})" for _, r in ph.iterrows())
+                           or "not measured")
+    return Ladder(run, per_seq, blocks, grid, low_max, areas, ladder_table, variant_areas, variant_ladder, curves,
+                  common, claims, steps, table1, step_table, verdict_table, seconds, quoted, quoted_md)
+
+
+def curves_figure(lad: Ladder, datasets, protocols, metrics, model: str):
+    """Figure 1: comprehensiveness and sufficiency curves of every metric, one row per data set and protocol."""
+    curves = lad.curves
+    panels = [(d, p) for d in datasets for p in protocols]
+    fig, axes = plt.subplots(len(panels), 2, figsize=(11, 3.8 * len(panels)), squeeze=False, constrained_layout=True)
+    for row, (data, protocol) in enumerate(panels):
+        for ax, mode in zip(axes[row], ("comprehensiveness", "sufficiency")):
+            part = curves[(curves["data"] == data) & (curves["protocol"] == protocol) & (curves["mode"] == mode)]
+            for metric in metrics:
+                m = part[part["metric"] == metric].sort_values("ratio")
+                style = ":" if metric == "random" else "--" if metric == "value_weighted_output_normalized" else "-"
+                ax.plot(m["ratio"], m["delta_nll"], style, marker="o", ms=3, color=COLOURS[metric],
+                        label=LABELS[metric])
+                ax.fill_between(m["ratio"], m["nll_ci_low"], m["nll_ci_high"], color=COLOURS[metric], alpha=0.18,
+                                lw=0)
+            ax.set_xscale("log")
+            ax.axvline(lad.low_max, color="grey", lw=0.8, ls=":")
+            ax.set_xlabel("fraction of terms removed $r$ (log scale)")
+            ax.set_ylabel(r"$\Delta \log$ PPL")
+            ax.set_title(f"{mode} ({data}, {protocol})")
+    axes[0, 0].legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"{model}: removing the terms each metric ranks highest / lowest", fontweight="bold")
+    return fig
+
+
+def evidence_size(lad: Ladder, *, model: str, profile: str):
+    """The committed ladder at the evidence size beside this page's steps: ``(note, figure or None)``."""
+    from cwcore.plotting import ladder_forest
+
+    committed = findings.load_results(findings.EVIDENCE_DIR, "04_faithfulness", model)
+    if profile == "evidence":
+        return ("This chapter was built with the `evidence` profile: Tables 2 and 3 *are* the "
+                "evidence, so nothing is set beside them."), None
+    if committed is None:
+        return ("No evidence table is committed for this model (`data/results/evidence/"
+                "04_faithfulness/`), so there is no figure here."), None
+    ev_claims = findings.faithfulness_findings(committed.table, model=model, profile="evidence")
+    ran = committed.metadata.get("parameters", {})
+    fig = ladder_forest(ev_claims, title=f"{model}: the ladder at the evidence size")
+    both = lad.steps.merge(ev_claims, on=findings.ROW_KEYS, suffixes=("", "_ev"))  # the step rows of Table 2
+    decided = both[(both["verdict"] == stats.INCONCLUSIVE) & both["verdict_ev"].isin([stats.HOLDS, stats.CONTRADICTED])]
+    flipped = both[both["verdict"].isin([stats.HOLDS, stats.CONTRADICTED])
+                   & both["verdict_ev"].isin([stats.HOLDS, stats.CONTRADICTED]) & (both["verdict"] != both["verdict_ev"])]
+    cells = ran.get("cells") or [f"{d} x {p}" for d in dict.fromkeys(committed.table["data"])
+                                 for p in dict.fromkeys(committed.table["protocol"])]
+    note = (f"Committed evidence (`data/results/evidence/04_faithfulness/`): {'; '.join(cells)}"
+            + (f"; not in it: {ran['not_included']}" if ran.get("not_included") else "")
+            + f". Of the {len(both)} steps measured at both sizes, {int((both['verdict'] == both['verdict_ev']).sum())} "
+            f"get the same verdict; {len(decided)} that are inconclusive at this page's size are decided at the "
+            f"evidence size, and {len(flipped)} decided ones change side.")
+    return note, fig
+
+
+@dataclass
+class Anatomy:
+    """What each rung removes (per-head protocol) on the first ``n_documents`` documents of the first data
+    set: ``dissected`` (``cwbook.anatomy.selection_anatomy``), ``per_doc`` (its layer average),
+    ``explained`` (Table 4: the explanation's test, rung 3 minus rung 2)."""
+    n_documents: int
+    rungs: list
+    ratios: list
+    dissected: pd.DataFrame
+    per_doc: pd.DataFrame
+    explained: pd.DataFrame
+    seconds: float
+    quoted_md: dict = field(default_factory=dict)
+
+
+#: the measures of the anatomy figure
+ANATOMY_SHOWN = ["output_shift", "head_norm", "first_token_attention", "removed_share"]
+
+
+def anatomy(lm, lad: Ladder, *, first: str, metrics, anatomy_sequences, anatomy_ratios, batch_size: int,
+            n_bootstrap: int, seed: int) -> Anatomy:
+    """Dissect the removals of the ladder's rungs and test the explanation of the 2->3 step."""
+    from cwbook import anatomy as dissect
+
+    blocks, per_seq = lad.blocks, lad.per_seq
+    t0 = time.monotonic()
+    n_anatomy = len(blocks[first]) if anatomy_sequences is None else min(anatomy_sequences, len(blocks[first]))
+    rungs = [m for m in dissect.LADDER if m in metrics]
+    dissected = dissect.selection_anatomy(lm, blocks[first].select(range(n_anatomy)), rungs, anatomy_ratios,
+                                          ("comprehensiveness", "sufficiency"), protocol="per-head",
+                                          batch_size=batch_size, progress=False)
+    per_doc_anatomy = dissect.layer_average(dissected)
+    seconds = time.monotonic() - t0
+
+    ph_rows = per_seq[(per_seq["data"] == first) & (per_seq["protocol"] == "per-head")
+                      & (per_seq["importance"] == "signed")]
+    explained = dissect.explain_step(dissected, ph_rows, "value_weighted", "value_weighted_output_normalized",
+                                     n_bootstrap=n_bootstrap, seed=seed)
+    gaps = per_doc_anatomy.pivot_table(index=["mode", "ratio", "document"], columns="metric", values=ANATOMY_SHOWN)
+    for measure in ("head_norm", "first_token_attention"):
+        gap = (gaps[(measure, "value_weighted_output_normalized")] - gaps[(measure, "value_weighted")])
+        gap = gap.groupby(["mode", "ratio"]).mean()
+        explained[f"{measure}_gap"] = [gap.get((m, r), np.nan) for m, r in zip(explained["mode"], explained["ratio"])]
+    comp_rows = explained[explained["mode"] == "comprehensiveness"]
+    quoted_md = {}
+    if len(comp_rows):
+        best = comp_rows.iloc[-1]
+        quoted_md["anatomy_verdict"] = (
+            f"at r = {best['ratio']:g}, rung 3's removal shifts the layer output by "
+            f"{best['measure_gap']:+.3f} [{best['measure_gap_ci_low']:+.3f}, {best['measure_gap_ci_high']:+.3f}] "
+            f"against rung 2's (head norm {best['head_norm_gap']:+.2f}, first-token attention "
+            f"{best['first_token_attention_gap']:+.2f}); that the damage gap follows the shift gap across "
+            + (f"documents, ρ = {best['rho']:+.2f} [{best['rho_ci_low']:+.2f}, {best['rho_ci_high']:+.2f}], "
+               if np.isfinite(best["rho_ci_low"]) else "documents ")
+            + f"**{best['rho_verdict']}** ({int(best['n_units'])} documents)")
+    else:
+        quoted_md["anatomy_verdict"] = "not measured (no per-head sweep at these ratios)"
+    return Anatomy(n_anatomy, rungs, list(anatomy_ratios), dissected, per_doc_anatomy, explained, seconds, quoted_md)
+
+
+def anatomy_table(anat: Anatomy) -> pd.DataFrame:
+    """Table 4's columns, rounded as shown."""
+    return anat.explained[["mode", "ratio", "measure_gap", "measure_gap_ci_low", "measure_gap_ci_high",
+                           "head_norm_gap", "first_token_attention_gap", "damage_gap", "damage_gap_ci_low",
+                           "damage_gap_ci_high", "rho", "rho_ci_low", "rho_ci_high", "rho_verdict",
+                           "n_units"]].round(4)
+
+
+def anatomy_figure(anat: Anatomy, *, first: str, model: str, n_bootstrap: int, seed: int):
+    """Figure 2: the removed terms of each rung in the clean run (per-head, comprehensiveness), mean over
+    documents of the layer average with bootstrap intervals."""
+    comp_anatomy = anat.per_doc[anat.per_doc["mode"] == "comprehensiveness"]
+    rungs, anatomy_ratios = anat.rungs, anat.ratios
+    fig, axes = plt.subplots(1, len(ANATOMY_SHOWN), figsize=(13, 3.4), constrained_layout=True)
+    width = 0.8 / len(rungs)
+    for ax, measure in zip(axes, ANATOMY_SHOWN):
+        for k, metric in enumerate(rungs):
+            part = comp_anatomy[comp_anatomy["metric"] == metric]
+            for x, ratio in enumerate(anatomy_ratios):
+                values = part.loc[np.isclose(part["ratio"], ratio), measure].to_numpy()
+                ci = stats.bootstrap_ci(values, np.mean, n_resamples=n_bootstrap, seed=seed)
+                ax.bar(x + (k - (len(rungs) - 1) / 2) * width, ci.estimate, width, color=COLOURS[metric],
+                       label=LABELS[metric] if x == 0 else None,
+                       yerr=[[ci.estimate - ci.low], [ci.high - ci.estimate]] if np.isfinite(ci.low) else None,
+                       capsize=2)
+        ax.set_xticks(range(len(anatomy_ratios)), [f"r = {r:g}" for r in anatomy_ratios])
+        ax.set_title(measure.replace("_", " "))
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{model}: what each rung removes (per-head, comprehensiveness, {first}, {anat.n_documents} "
+                 "documents)", fontweight="bold")
+    return fig
+
+
+SINK_EPS = 0.3  # the sink threshold of chapters 5-7
+
+
+def committed_anatomy(model: str, datasets):
+    """The explanation's test at the evidence size, where committed for this model: ``(quoted_md, table or
+    None)``."""
+    from cwbook import slug
+    from cwbook.evidence_frames import ANATOMY, read_frame
+
+    committed_explain = {d: findings.EVIDENCE_DIR / f"explain_{slug(model)}_{d}.csv" for d in datasets}
+    committed_explain = {d: pd.read_csv(p) for d, p in committed_explain.items() if p.is_file()}
+    explain_notes = []
+    for data, ev in committed_explain.items():
+        ev23 = ev[(ev["lower"] == "value_weighted") & (ev["higher"] == "value_weighted_output_normalized")]
+        parts = []
+        for mode, side in (("comprehensiveness", "below"), ("sufficiency", "above")):
+            m = ev23[ev23["mode"] == mode]
+            if m.empty:
+                continue
+            signed = (m["measure_gap_ci_high"] < 0) if side == "below" else (m["measure_gap_ci_low"] > 0)
+            held = m.loc[m["rho_verdict"] == "holds", "ratio"].tolist()
+            parts.append(f"{mode}: the shift gap is {side} zero at {int(signed.sum())} of {len(m)} ratios and ρ > 0 "
+                         "holds at r = " + (", ".join(f"{r:g}" for r in held) or "none"))
+        explain_notes.append(f"`{data}`, {int(ev['n_units'].max())} documents; for 2→3, " + "; ".join(parts))
+    held_notes, first_token_notes = [], []
+    for data in committed_explain:
+        held_path = findings.EVIDENCE_DIR / f"held_out_{slug(model)}_{data}.csv"  # the evidence build's step
+        removed = read_frame(ANATOMY, model, data)
+        if not held_path.is_file() or removed is None:
+            continue
+        held = pd.read_csv(held_path)
+        count = held.groupby("role")["verdict"].agg(lambda v: int((v == stats.HOLDS).sum()))
+        cells = held.groupby("role").size()
+        held_notes.append(f"`{data}`: fitted on {int(held['n_fit'].iloc[0])} documents, tested on "
+                          f"{int(held['n_test'].iloc[0])}, Holm over {int(held['n_tests'].iloc[0])} tests: 2→3 holds in "
+                          f"{count.get('explained', 0)} of {cells.get('explained', 0)} cells, the controls 1→2 and 3→4 "
+                          f"in {count.get('control', 0)} of {cells.get('control', 0)}")
+        removed = removed[0]
+        removed = removed[(removed["mode"] == "comprehensiveness")
+                          & (removed["metric"] == "value_weighted_output_normalized")]
+        by_ratio = removed.groupby("ratio")["first_token_attention"].mean()
+        if len(by_ratio):
+            side = ("below it at every ratio" if by_ratio.max() < SINK_EPS else
+                    f"above it at {int((by_ratio >= SINK_EPS).sum())} of {len(by_ratio)} ratios")
+            first_token_notes.append(f"`{data}`: {by_ratio.min():.2f} to {by_ratio.max():.2f} over the ratios, {side}")
+    quoted_md = {"anatomy_held_out": "; ".join(held_notes) or "not computed (no committed anatomy for this model)",
+                 "anatomy_first_token": "; ".join(first_token_notes) or "not committed for this model"}
+    if not committed_explain:
+        quoted_md["anatomy_evidence"] = "not committed for this model."
+        return quoted_md, None
+    quoted_md["anatomy_evidence"] = ". ".join(explain_notes) + " (table below)."
+    ev = pd.concat([e.assign(data=d) for d, e in committed_explain.items()], ignore_index=True)
+    return quoted_md, ev[["data", "lower", "higher", "mode", "ratio", "measure_gap", "measure_gap_ci_low",
+                          "measure_gap_ci_high", "damage_gap", "rho", "rho_ci_low", "rho_ci_high", "rho_verdict",
+                          "n_units"]].round(3)
+
+
+@dataclass
+class Downstream:
+    """The interventions on multiple-choice tasks: ``per_example`` rows, ``summary``
+    (``faith.summarize_downstream``), ``chance`` (Table 5), ``ladder`` (the steps on the gold answers),
+    ``table`` (Table 6) and ``steps`` (Table 7)."""
+    per_example: pd.DataFrame
+    summary: pd.DataFrame
+    chance: pd.DataFrame
+    ladder: pd.DataFrame
+    table: pd.DataFrame
+    steps: pd.DataFrame
+    seconds: float
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+
+def downstream(lm, tokenizer, *, tasks, metrics, task_ratios, n_examples: int, n_bootstrap: int, seed: int,
+               batch_size: int, cache: bool, model: str, profile: str, dtype: str) -> Downstream:
+    """The same interventions (default protocol, signed) on multiple-choice prompts."""
+    t0 = time.monotonic()
+    # faith.downstream_eval(..., per_example=True), taken from data/results/evidence once 2 examples per task
+    # recompute equal
+    down_per = downstream_cell(lm, tokenizer, tasks, metrics, task_ratios, num_examples=n_examples, data_seed=seed,
+                               n_bootstrap=n_bootstrap, seed=seed, batch_size=batch_size * 4, progress=False,
+                               cache=cache, model=model, profile=profile, dtype=dtype)
+    down = faith.summarize_downstream(down_per, n_bootstrap=n_bootstrap, seed=seed)
+    seconds = time.monotonic() - t0
+    chance_rows = []
+    for task in dict.fromkeys(down_per["task"]):
+        choices = len(cwcore.load_dataset(task, limit=1, seed=None)[0]["choices"])
+        clean = down_per[down_per["task"] == task].drop_duplicates("example")
+        acc = stats.bootstrap_ci(clean["clean_correct"].to_numpy(float), np.mean, n_resamples=n_bootstrap,
+                                 seed=seed)
+        at_chance = acc.low <= 1 / choices <= acc.high
+        chance_rows.append({"task": task, "choices": choices, "chance": 1 / choices, "clean accuracy": acc.estimate,
+                            "95% interval": f"{acc.low:.2f} – {acc.high:.2f}", "at chance": at_chance,
+                            "examples": len(clean)})
+    chance = pd.DataFrame(chance_rows)
+    down_ladder = downstream_ladder(down_per, n_bootstrap=n_bootstrap, seed=seed)  # judged as the ladder's steps
+    at = chance.loc[chance["at chance"], "task"].tolist()
+    quoted = {"n_examples": n_examples}
+    quoted_md = {"task_ratios": ", ".join(f"{r:g}" for r in task_ratios),
+                 "at_chance": ", ".join(at) if at else "none of the tasks"}
+
+    table = down.assign(metric=down["metric"].map(LABELS))
+    table["ΔlogPPL 95%"] = [f"{a:.3f} – {b:.3f}" for a, b in zip(table["nll_ci_low"], table["nll_ci_high"])]
+    table["accuracy 95%"] = [f"{a:.2f} – {b:.2f}" for a, b in zip(table["accuracy_ci_low"], table["accuracy_ci_high"])]
+    table = table[["task", "mode", "ratio", "metric", "delta_nll", "ΔlogPPL 95%", "accuracy", "accuracy 95%",
+                   "n_examples"]]
+    table = table.rename(columns={"delta_nll": "ΔlogPPL (gold)", "n_examples": "examples"})
+
+    dl = findings.faithfulness_findings(down_ladder, model=model, profile=profile)
+    dl = dl[dl["claim"].str.startswith("step") | dl["claim"].isin(["contribution beats random", "ordering"])]
+    dl = dl.assign(cell=[f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}] {v}" if np.isfinite(e) else v
+                         for e, lo, hi, v in zip(dl["estimate"], dl["ci_low"], dl["ci_high"], dl["verdict"])])
+    steps = dl.pivot_table(index=["data", "mode"], columns="claim", values="cell", aggfunc="first",
+                           sort=False).reset_index()
+    return Downstream(down_per, down, chance, down_ladder, table, steps, seconds, quoted, quoted_md)
+
+
+def save_results(results_file, lad: Ladder, down: Downstream, *, model: str, profile: str, datasets, tasks,
+                 n_sequences: int, n_examples: int, seq_len: int, task_ratios, protocols, n_bootstrap: int,
+                 seed: int, dtype: str) -> None:
+    """Write the whole ladder table (the variant cells' and the downstream tasks' steps too) to
+    ``results_file``, where the findings page reads it."""
+    ladder_all = pd.concat([lad.ladder, lad.variant_ladder, down.ladder], ignore_index=True)
+    findings.save_results(results_file, ladder_all, chapter="04_faithfulness", model=model, profile=profile,
+                          parameters=dict(data=",".join(datasets), tasks=",".join(tasks), n_documents=n_sequences,
+                                          n_examples=n_examples, seq_len=seq_len, ratios=lad.grid,
+                                          task_ratios=task_ratios, protocols=protocols, n_bootstrap=n_bootstrap,
+                                          seed=seed, dtype=dtype))
+
+
+@dataclass
+class PerLayer:
+    """The per-layer interventions (``rows``, ``areas``: AOPC per layer and metric) of this build, or the
+    committed ones when this profile skips them (``rows`` None when neither)."""
+    rows: pd.DataFrame | None
+    areas: pd.DataFrame | None
+    metrics: list
+    seconds: float | None
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+
+def per_layer(lm, tokenizer, lad: Ladder, *, first: str, metrics, per_layer_sequences: int, per_layer_ratios,
+              batch_size: int, seq_len: int, seed: int, n_bootstrap: int, model: str, profile: str,
+              dtype: str) -> PerLayer:
+    """Removing terms in one layer at a time (comprehensiveness, default protocol, signed)."""
+    from cwbook.evidence_frames import PER_LAYER, frame_paths, read_frame
+    from cwcore.faithfulness import layers as layer_curves
+
+    blocks = lad.blocks
+    pl, pl_source, seconds = None, "", None
+    if per_layer_sequences > 0:
+        t0 = time.monotonic()
+        pl_blocks = blocks[first].select(range(min(per_layer_sequences, len(blocks[first]))))
+        # per_layer.per_layer_curve, taken from data/results/evidence once 2 documents recompute equal
+        pl = per_layer_cell(lm, tokenizer, pl_blocks, metrics, per_layer_ratios, "comprehensiveness",
+                            batch_size=batch_size, max_length=seq_len, seed=seed, model=model, data=first,
+                            profile=profile, dtype=dtype)
+        seconds = time.monotonic() - t0
+    elif (found := read_frame(PER_LAYER, model, first)) is not None:  # this profile skips them: show the evidence's
+        pl, pl_meta = found
+        pl_source = (f" These are the committed rows of the `{pl_meta.get('profile')}` profile "
+                     f"(`{frame_paths(PER_LAYER, model, first)[0].name}`, commit {str(pl_meta.get('commit'))[:7]}, "
+                     f"{pl['document'].nunique()} documents of {pl_meta.get('settings', {}).get('seq_len', '?')} "
+                     "tokens): this build did not run them (`per_layer_sequences = 0`).")
+    if pl is None:
+        return PerLayer(None, None, [], None, {"pl_docs": 0}, {
+            "pl_note": "Not run in this profile (`per_layer_sequences = 0`; the `evidence` profile runs it), and "
+                       "no per-layer frame is committed for this model.",
+            "pl_ratios": ", ".join(f"{r:g}" for r in per_layer_ratios)})
+    pl_metrics = [m for m in metrics if m in set(pl["metric"])] or list(dict.fromkeys(pl["metric"]))
+    pl_areas = layer_curves.per_layer_aopc(pl, n_bootstrap=n_bootstrap, seed=seed)
+    top = pl_areas[pl_areas["metric"] == "contribution"].nlargest(3, "aopc_nll")["layer"].tolist()
+    quoted_md = {"pl_note": ("Removing contribution's top terms costs most in layers "
+                             f"{', '.join(map(str, top))} " if top else "")
+                 + "(figure below: AOPC per layer with 95% intervals over documents)." + pl_source,
+                 "pl_ratios": ", ".join(f"{r:g}" for r in sorted(set(pl["ratio"])))}
+    return PerLayer(pl, pl_areas, pl_metrics, seconds, {"pl_docs": int(pl["document"].nunique())}, quoted_md)
+
+
+def per_layer_figure(pl: PerLayer, *, first: str, model: str):
+    """AOPC (comprehensiveness) per layer whose terms are removed, with 95% intervals over documents."""
+    fig, ax = plt.subplots(figsize=(10, 3.6), constrained_layout=True)
+    for metric in pl.metrics:
+        m = pl.areas[pl.areas["metric"] == metric].sort_values("layer")
+        ax.errorbar(m["layer"], m["aopc_nll"], yerr=[m["aopc_nll"] - m["aopc_nll_ci_low"],
+                                                      m["aopc_nll_ci_high"] - m["aopc_nll"]],
+                    marker="o", ms=3, capsize=2, color=COLOURS.get(metric), label=LABELS.get(metric, metric))
+    ax.set_xlabel("layer whose terms are removed")
+    ax.set_ylabel(r"AOPC ($\Delta\log$ PPL)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"{model}: comprehensiveness per layer ({first}, {pl.rows['document'].nunique()} documents)")
+    return fig
+
+
+def variant_summary(ladder_table, variant_ladder):
+    """How the variant cells' step verdicts differ from the main protocol's: ``(text, changes or None)``."""
+    changes = evidence.variant_changes(ladder_table, variant_ladder)
+    if changes.empty:
+        return ("not run under this profile (`variants` is empty; the `evidence` profile runs "
+                "both, and `findings.csv` carries them with a `variant` column)."), None
+    moved = changes[changes["changed"]]
+    return (f"{len(moved)} of {len(changes)} step verdicts differ from the main protocol's "
+            + ("(" + "; ".join(f"{r.variant}, {r.data} {r.mode} {r.importance} {r.range}, "
+                               f"{LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
+                               f"{r.verdict_main} → {r.verdict}"
+                               for r in moved.itertuples()) + ")." if len(moved) else "(none).")), changes.round(4)
+
+
+def weight_variants(ladder_table, *, model: str, weight_variants, weight_variant_models, datasets,
+                    n_sequences: int, seq_len: int, low_ratios, ratios, protocols, importances, metrics,
+                    random_seeds: int, n_bootstrap: int, seed: int, batch_size: int, cache: bool, profile: str,
+                    dtype: str, device: str):
+    """The main ladder cells again on other weights of the model: ``(text, changes or None)``, the text
+    naming the primary verdicts that change."""
+    weight_names = ([] if weight_variant_models is not None and model not in weight_variant_models
+                    else list(weight_variants))
+    weight_ladders = []
+    for name in weight_names:  # the main cells on the other weights: committed cells are taken as above
+        other = f"{model}-{name}"
+        t0 = time.monotonic()
+        other_lm, other_tokenizer = cwcore.load_model(other, dtype=dtype, device=device)
+        other_run = evidence.ladder_evidence(other_lm, other_tokenizer, datasets=datasets, n_sequences=n_sequences,
+                                             seq_len=seq_len, low_ratios=low_ratios, ratios=ratios,
+                                             protocols=protocols, importances=importances, metrics=metrics,
+                                             random_seeds=random_seeds, n_bootstrap=n_bootstrap, model_name=other,
+                                             seed=seed, batch_size=batch_size, cache=cache,
+                                             sweep=partial(ladder_cell, model=other, profile=profile, dtype=dtype))
+        weight_ladders.append(other_run.tables()[1].assign(variant=name))
+        del other_lm, other_run
+        print(f"{other}: ladder sweeps in {time.monotonic() - t0:.0f} s")
+    if not weight_ladders:
+        return ("not run under this profile (`weight_variants` is empty; the `evidence` profile runs "
+                "`requantized` on smollm2-135m)."), None
+    changes = evidence.variant_changes(ladder_table, pd.concat(weight_ladders, ignore_index=True))
+    changes = changes[[evidence.is_primary(model, r.data, r.mode, r.protocol, r.importance, r.range, r.lower, r.higher)
+                       for r in changes.itertuples()]]
+    moved = changes[changes["changed"]]
+    return (f"{len(changes) - len(moved)} of {len(changes)} primary verdicts survive the "
+            "re-quantisation" + (" (changed: " + "; ".join(
+                f"{r.data} {r.mode}, {LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
+                f"{r.verdict_main} → {r.verdict}" for r in moved.itertuples()) + ")." if len(moved) else ".")
+            ), changes.round(4)
+
+
+@dataclass
+class Sensitivity:
+    """Each protocol variant's AOPC per metric and ordering verdict (Table 8), on ``blocks``."""
+    blocks: object
+    table: pd.DataFrame
+    seconds: float
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+
+def sensitivity(lm, tokenizer, lad: Ladder, *, first: str, metrics, sensitivity_sequences: int,
+                sensitivity_ratios, n_bootstrap: int, seed: int, model: str, profile: str,
+                dtype: str) -> Sensitivity:
+    """Each variant changes one choice of the default protocol (both modes, the first documents)."""
+    blocks, common = lad.blocks, lad.common
+    decomposable = decomposable_layers(lm)
+    first_half = decomposable[:len(decomposable) // 2]
+    variants = {"default (head_key, row)": {}, "unit = token": {"unit": "token"}, "unit = key": {"unit": "key"},
+                "scope = layer": {"scope": "layer"}, "kind = intra": {"kind": "intra"},
+                "importance = absolute": {"importance": "absolute"},
+                "keep_first_token = False": {"keep_first_token": False}, "scores = live": {"scores": "live"},
+                f"layers = {first_half[0]}-{first_half[-1]}": {"layers": first_half}}
+    sens_blocks = blocks[first].select(range(min(sensitivity_sequences, len(blocks[first]))))
+    t0 = time.monotonic()
+    # one faithfulness_curve per variant, taken from data/results/evidence once 2 documents recompute equal
+    sens_rows = sensitivity_cell(lm, tokenizer, sens_blocks, metrics, sensitivity_ratios, variants=variants,
+                                 model=model, data=first, profile=profile, dtype=dtype, **common)
+    rows = []
+    for name in variants:
+        ps = sens_rows[sens_rows["change"] == name].drop(columns="change")
+        area = faith.aopc(ps, n_bootstrap=n_bootstrap, seed=seed).set_index(["mode", "metric"])["aopc_nll"]
+        lad_ = faith.ladder_comparison(ps, n_bootstrap=n_bootstrap, seed=seed)
+        for mode in ("comprehensiveness", "sufficiency"):
+            step = lad_[(lad_["mode"] == mode)].set_index(["lower", "higher"])
+            mde = step["mde"].median()
+            rows.append({"variant": name, "mode": mode,
+                         **{LABELS[m]: area.get((mode, m), np.nan) for m in metrics},
+                         "ordering": findings.ordering(lad_, mode).verdict, "median mde": mde,
+                         "documents": ps["document"].nunique()})
+    seconds = time.monotonic() - t0
+    sens = pd.DataFrame(rows)
+    held = sorted({f"{r['variant']} ({r['mode']})" for _, r in sens.iterrows() if r["ordering"] == stats.HOLDS})
+    return Sensitivity(sens_blocks, sens, seconds, {"sensitivity_sequences": len(sens_blocks)},
+                       {"sens_ratios": ", ".join(f"{r:g}" for r in sensitivity_ratios),
+                        "sens_holds": ", ".join(held) if held else "none of them"})

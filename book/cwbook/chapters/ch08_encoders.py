@@ -1,0 +1,347 @@
+"""Chapter 8, contribution weights in an encoder: the maps of one sentence in a BERT-style encoder, the
+attention and contribution mass of its special tokens over real documents, and one call on a vision
+transformer.
+
+The same decomposition as for a decoder (the paper's section on contribution weights), with the
+special tokens ``[CLS]`` and ``[SEP]`` and punctuation as key groups (the paper's section on attention
+sinks). :func:`sentence_maps`, :func:`statistics` and :func:`random_vit` return their data and
+``quoted``/``quoted_md``: the numbers and texts the prose quotes, under their glue names.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+import cwcore
+from cwcore import analysis
+from cwcore.plotting import band, contribution_heatmap, layer_axis, legend_below, palette, per_layer
+from cwbook.chapters.common import FACTOR_COLUMNS, factors_figure, maps_head_figure, maps_layer_figure
+from cwcore.cache import caching
+from cwcore.core.architectures import decomposable_layers
+
+COLOURS = palette(10)
+ATTN, INTRA, INTER, OTHER = (COLOURS[i] for i in (0, 1, 2, 7))
+#: the key groups of the statistics and their colours
+GROUPS = [("[CLS]", COLOURS[1]), ("[SEP]", COLOURS[4]), (". and ,", COLOURS[2]), ("other", OTHER)]
+
+
+@dataclass
+class SentenceMaps:
+    """One sentence decomposed in every layer (``d``), and the maps of the layer and head shown.
+
+    ``alpha_map``, ``intra_map``, ``inter_map``: ``[query, key]`` of the head shown (an encoder's query
+    sees every key); ``token_attention`` (mean over heads) and ``token_contribution`` (inter-head, sum
+    over heads): ``[query, key]`` of the whole layer.
+    """
+    inputs: dict
+    tokens: list
+    layers: list
+    d: object
+    layer_shown: int
+    head_shown: int
+    n_heads: int
+    alpha_map: np.ndarray
+    intra_map: np.ndarray
+    inter_map: np.ndarray
+    token_attention: np.ndarray
+    token_contribution: np.ndarray
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+    @property
+    def L(self):
+        """The decomposition of the layer shown."""
+        return self.d[self.layer_shown]
+
+
+def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | None,
+                  rank_min_keys: int, model_name: str) -> SentenceMaps:
+    """Decompose ``text`` (wrapped in ``[CLS]`` ... ``[SEP]``) and pick the layer (``layer``, or the middle
+    one) and head (``head``, or the one whose attention on ``[CLS]`` and ``[SEP]`` exceeds their
+    intra-head contribution the most) of the maps."""
+    from cwcore.tokens import token_labels
+
+    layers = decomposable_layers(encoder)  # never a block cwcore numbers but cannot decompose
+    n_layers = len(layers)
+    quoted, quoted_md = {"n_layers": n_layers}, {"model_name": f"`{model_name}`"}
+    inputs = tokenizer(text, return_tensors="pt").to(encoder.device)
+    tokens = token_labels(tokenizer, inputs["input_ids"][0])
+
+    d = cwcore.decompose(encoder, **inputs)
+    layer_shown = layers[(n_layers // 2 if layer is None else layer) % n_layers]
+    L = d[layer_shown]
+    n_heads = L.attention.shape[1]
+    special = torch.tensor([t in ("[CLS]", "[SEP]") for t in tokens])
+    # per head, over all queries: attention on [CLS] and [SEP], and their
+    # intra-head contribution
+    special_attention = L.attention[0][..., special].sum(-1).mean(-1)
+    special_contribution = L.contribution("intra")[0][..., special].sum(-1).mean(-1)
+    gap = special_attention - special_contribution
+    head_shown = int(gap.argmax()) if head is None else head % n_heads
+
+    if head is None:
+        quoted_md["head_reason"] = (
+            "the head of this layer in which the attention "
+            "on `[CLS]` and `[SEP]` exceeds their intra-head contribution the "
+            "most. The code picks it to show the effect; the statistics "
+            "further down say how typical it is.")
+    else:
+        quoted_md["head_reason"] = "the head set by the `head` parameter."
+    quoted.update(layer_shown=layer_shown, head_shown=head_shown, n_heads=n_heads, n_tokens=len(tokens))
+
+    alpha_map = L.attention[0, head_shown].numpy()
+    intra_map = L.contribution("intra")[0, head_shown].numpy()
+    inter_map = L.contribution("inter")[0, head_shown].numpy()
+
+    cls_, sep_ = 0, len(tokens) - 1
+    q_min, k_min = np.unravel_index(intra_map.argmin(), intra_map.shape)
+    quoted.update(
+        alpha_special=special_attention[head_shown],
+        intra_special=special_contribution[head_shown],
+        alpha_cls=alpha_map[:, cls_].mean(),
+        intra_cls=intra_map[:, cls_].mean(),
+        alpha_sep=alpha_map[:, sep_].mean(),
+        intra_sep=intra_map[:, sep_].mean(),
+        n_negative=int((intra_map < 0).sum()),
+        n_weights=intra_map.size,
+        min_intra=intra_map[q_min, k_min])
+    quoted_md["min_pair"] = f"key `{tokens[k_min]}` for query `{tokens[q_min]}`"
+    every_key = torch.ones(len(tokens), dtype=torch.bool)
+    rho = analysis.spearman_rows(L.attention[0, head_shown], L.contribution("intra")[0, head_shown],
+                                 every_key, rank_min_keys)
+    quoted["head_rho"] = np.nanmean(rho.numpy())
+
+    # attention: mean over heads; contribution: inter-head, sum over heads
+    token_attention = L.token_level("attention")[0].numpy()
+    token_contribution = L.token_level("contribution", "inter")[0].numpy()
+    quoted["layer_alpha_special"] = token_attention[:, special].sum(-1).mean()
+    quoted["layer_c_special"] = token_contribution[:, special].sum(-1).mean()
+    quoted_md["explorer_command"] = f'`cwcore explain "{text}" --model {model_name} --out fig.html`'
+    return SentenceMaps(inputs, tokens, layers, d, layer_shown, head_shown, n_heads, alpha_map, intra_map,
+                        inter_map, token_attention, token_contribution, quoted, quoted_md)
+
+
+def special_token_groups(tokenizer) -> dict:
+    """The special tokens, and punctuation, as groups of keys: group name -> token ids."""
+    return {"[CLS]": [tokenizer.cls_token_id],
+            "[SEP]": [tokenizer.sep_token_id],
+            ". and ,": tokenizer.convert_tokens_to_ids([".", ","])}
+
+
+def key_groups(batch, special_ids: dict):
+    """The key groups of a batch (``analysis.collect``'s ``key_groups``): ``special_ids``' groups."""
+    return analysis.token_groups(batch["input_ids"], special_ids)
+
+
+@dataclass
+class Statistics:
+    """Per-layer statistics over documents: ``batches`` (the tokenised documents), ``key_groups`` (the
+    callable that groups their keys), ``stats``, ``factors`` and ``summary`` as in chapter 3
+    (:func:`cwcore.analysis.collect`, :func:`cwcore.analysis.summarize`), ``lengths [document]`` in
+    tokens and the ``seconds`` the collection took."""
+    documents: list
+    batches: list
+    key_groups: object
+    stats: pd.DataFrame
+    factors: pd.DataFrame
+    summary: pd.DataFrame
+    lengths: torch.Tensor
+    seconds: float
+    n_layers: int
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+
+def statistics(encoder, tokenizer, *, model_name: str, data: str, n_sequences: int, seq_len: int,
+               batch_size: int, kind: str, min_keys: int, rank_min_keys: int, factor_samples: int,
+               n_bootstrap: int, seed: int, cache: bool) -> Statistics:
+    """Collect and summarise the statistics on ``n_sequences`` documents of ``data``, each cut to
+    ``seq_len`` tokens (``[CLS]`` and ``[SEP]`` included), padded per batch."""
+    n_layers = len(decomposable_layers(encoder))
+    documents = cwcore.load_dataset(data, limit=n_sequences, seed=seed)["text"]
+    batches = [tokenizer(documents[i:i + batch_size], truncation=True,
+                         max_length=seq_len, padding=True,
+                         return_tensors="pt").to(encoder.device)
+               for i in range(0, len(documents), batch_size)]
+    groups = partial(key_groups, special_ids=special_token_groups(tokenizer))
+
+    t0 = time.monotonic()
+    with caching(enabled=cache):  # results are cached when the run asks for it
+        stats, factors = analysis.collect(
+            encoder, batches, key_groups=groups, kind=kind, min_keys=min_keys,
+            rank_min_keys=rank_min_keys, factor_samples=factor_samples, seed=seed)
+    summary = analysis.summarize(stats, n_bootstrap=n_bootstrap, seed=seed)
+    lengths = torch.cat([b["attention_mask"].sum(1) for b in batches])
+    seconds = time.monotonic() - t0
+
+    quoted = {"n_sequences": len(documents), "seq_len": seq_len}
+    quoted_md = {"data_name": f"`{data}`",
+                 "caption": f"{model_name}, {len(documents)} documents of {data} cut to "
+                            f"{seq_len} tokens, seed {seed}"}
+    for group, name in [("[CLS]", "cls"), ("[SEP]", "sep"), (". and ,", "punct")]:
+        att = per_layer(summary, "mass", "attention", group)["mean"]
+        tok = per_layer(summary, "mass", "token", group)["mean"]
+        quoted[f"{name}_att_max"] = att.max()
+        quoted[f"{name}_att_max_layer"] = int(att.idxmax())
+        quoted[f"{name}_tok_at_max"] = tok[att.idxmax()]
+        quoted[f"{name}_att_mean"] = att.mean()
+        quoted[f"{name}_tok_mean"] = tok.mean()
+
+    quoted["factor_samples"] = factor_samples
+    quoted_md["kind_name"] = f"{kind}-head"
+    med = factors.groupby("group")[FACTOR_COLUMNS].median()
+    quoted.update(
+        med_cls_rel=med.loc["[CLS]", "relative_norm"],
+        med_other_rel=med.loc["other", "relative_norm"],
+        med_cls_cos=med.loc["[CLS]", "cosine"],
+        med_other_cos=med.loc["other", "cosine"],
+        neg_intra_mean=per_layer(summary, "negative_share", "intra")["mean"].mean(),
+        neg_token_mean=per_layer(summary, "negative_share", "token")["mean"].mean(),
+        rho_intra_mean=per_layer(summary, "spearman", "intra")["mean"].mean(),
+        rho_token_mean=per_layer(summary, "spearman", "token")["mean"].mean())
+    return Statistics(documents, batches, groups, stats, factors, summary, lengths, seconds, n_layers,
+                      quoted, quoted_md)
+
+
+@dataclass
+class RandomViT:
+    """A tiny vision transformer with RANDOM weights (``vit``, its ``config``) decomposed on a synthetic
+    ``image [y, x, channel]`` (``dv``, every layer), and ``[CLS]``'s attention and contribution over the
+    patches of the last layer, ``[patch row, patch column]`` each."""
+    config: object
+    vit: object
+    image: np.ndarray
+    dv: object
+    cls_attention: np.ndarray
+    cls_contribution: np.ndarray
+    quoted: dict = field(default_factory=dict)
+
+    @property
+    def last(self):
+        """The decomposition of the last layer."""
+        return self.dv[max(self.dv.layers)]
+
+
+def random_vit(seed: int) -> RandomViT:
+    """Build the tiny ViT (seeded with ``seed``) and decompose it on a red square on a gradient."""
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(seed)
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3,
+                       hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       intermediate_size=128, attn_implementation="eager")
+    vit = ViTModel(config, add_pooling_layer=False).eval()  # RANDOM weights
+
+    # a synthetic image: a red square on a gradient
+    yy, xx = np.mgrid[0:32, 0:32] / 31.0
+    image = np.stack([0.2 + 0.6 * xx, 0.3 + 0.4 * yy, 0.8 - 0.5 * xx], axis=-1)
+    image[10:22, 6:18] = [0.9, 0.1, 0.1]
+    pixel_values = torch.tensor(image, dtype=torch.float32)
+    pixel_values = pixel_values.permute(2, 0, 1)[None]  # [1, channel, y, x]
+
+    dv = cwcore.decompose(vit, pixel_values=pixel_values)
+    last = dv[max(dv.layers)]
+    # one sum per query, over heads and keys: should be 1
+    sums = last.token_level("contribution", "inter")[0].sum(-1)
+    quoted = {"vit_sum_error": (sums - 1).abs().max(),
+              "vit_layers": config.num_hidden_layers,
+              "vit_heads": config.num_attention_heads,
+              "vit_patches": (config.image_size // config.patch_size) ** 2,
+              "vit_size": config.image_size}
+    grid = config.image_size // config.patch_size
+    # query 0 is [CLS]; keys 1.. are the patches, row by row
+    cls_attention = last.token_level("attention")[0, 0, 1:]
+    cls_contribution = last.token_level("contribution", "inter")[0, 0, 1:]
+    return RandomViT(config, vit, image, dv, cls_attention.reshape(grid, grid).numpy(),
+                     cls_contribution.reshape(grid, grid).numpy(), quoted)
+
+
+# --- figures -------------------------------------------------------------------------------------------
+
+def maps_head(maps: SentenceMaps, model_name: str):
+    """Figure 1: the four maps of the head shown (:func:`cwbook.chapters.common.maps_head_figure`)."""
+    return maps_head_figure(maps.alpha_map, maps.intra_map, maps.inter_map, maps.tokens,
+                            f"{model_name} · layer {maps.layer_shown} · head {maps.head_shown}")
+
+
+def maps_layer(maps: SentenceMaps, model_name: str):
+    """Figure 2: the whole layer at token level (:func:`cwbook.chapters.common.maps_layer_figure`)."""
+    return maps_layer_figure(maps.token_attention, maps.token_contribution, maps.tokens,
+                             f"{model_name} · layer {maps.layer_shown} · all {maps.n_heads} heads")
+
+
+def special_token_mass(stats: Statistics, model_name: str):
+    """Figure 3: attention and contribution mass of ``[CLS]``, ``[SEP]`` and punctuation per layer."""
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8.5), sharex=True, sharey=True,
+                             constrained_layout=True)
+    lines = [("attention", ATTN, "attention, mean over heads"),
+             ("intra", INTRA, "intra-head contribution, mean over heads"),
+             ("token", INTER, "inter-head contribution, sum over heads")]
+    for ax, (group, colour) in zip(axes, GROUPS[:3]):
+        for view, colour, label in lines:
+            band(ax, per_layer(stats.summary, "mass", view, group), colour, label)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_ylabel("mass on " + group.replace(". and ,", "'.' and ','"))
+    layer_axis(axes[-1], stats.n_layers)
+    legend_below(fig, axes[0], ncols=2)
+    axes[0].set_title(model_name, fontsize=12)
+    return fig
+
+
+def factors_per_layer(stats: Statistics, kind: str, model_name: str):
+    """Figure 4: the three factors per layer and key group."""
+    return factors_figure(stats.factors, kind, [(group, group, colour) for group, colour in GROUPS],
+                          f"{model_name}: factors of {kind}-head contribution weights", band_alpha=0.2,
+                          n_layers=stats.n_layers, ncols=4)
+
+
+def negative_and_ranks(stats: Statistics, model_name: str):
+    """Figure 5: the share of negative weights (top) and the rank agreement (bottom), per layer."""
+    views = [("intra", "intra-head, per head", INTRA),
+             ("inter", "inter-head, per head", INTER),
+             ("token", "inter-head, per token", ATTN)]
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
+                                   constrained_layout=True)
+    for view, label, colour in views:
+        band(ax0, per_layer(stats.summary, "negative_share", view), colour, label)
+        band(ax1, per_layer(stats.summary, "spearman", view), colour, label)
+    ax0.set_ylabel("share of weights < 0")
+    ax0.set_ylim(bottom=0)
+    ax1.set_ylabel(r"Spearman $\rho$(attention, contribution)")
+    ax1.axhline(1, color="0.5", lw=0.8, ls=":")
+    layer_axis(ax1, stats.n_layers)
+    legend_below(fig, ax0)
+    ax0.set_title(model_name, fontsize=12)
+    return fig
+
+
+def vit_figure(tiny: RandomViT):
+    """Figure 6: the synthetic image, and ``[CLS]``'s attention and contribution over the patches."""
+    grid = tiny.config.image_size // tiny.config.patch_size
+    cls_attention, cls_contribution = tiny.cls_attention, tiny.cls_contribution
+    fig, axes = plt.subplots(1, 3, figsize=(12, 4), constrained_layout=True)
+    axes[0].imshow(tiny.image, interpolation="nearest")
+    axes[0].set_title("input (synthetic)")
+    shared = np.abs(np.r_[cls_attention.ravel(), cls_contribution.ravel()]).max()
+    cells = [str(i) for i in range(grid)]
+    for ax, values, title in [
+            (axes[1], cls_attention, "attention of [CLS] on patches"),
+            (axes[2], cls_contribution, "contribution to [CLS]'s output")]:
+        contribution_heatmap(ax, values, cells, title, key_tokens=cells,
+                             annotate=True, vmin=-shared, vmax=shared)
+        ax.set_xlabel("patch column")
+        ax.set_ylabel("patch row")
+        ax.tick_params(axis="x", labelrotation=0)
+    for ax in axes:
+        ax.grid(False)
+    axes[0].set_xticks([])
+    axes[0].set_yticks([])
+    fig.suptitle(f"a tiny ViT with RANDOM weights · layer {max(tiny.dv.layers)} · "
+                 "all heads", fontweight="bold")
+    return fig
