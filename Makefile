@@ -17,7 +17,7 @@ MODELS ?=
 # pyproject.toml allows.
 CONSTRAINTS ?= constraints.txt
 
-.PHONY: test check venv clean-venv book evidence
+.PHONY: test check check-library venv clean-venv book evidence
 
 # Re-running is cheap: the stamp is newer than every file that describes the environment.
 $(STAMP): pyproject.toml $(CONSTRAINTS) assets.txt book/pyproject.toml
@@ -36,6 +36,10 @@ test: $(STAMP)
 
 check: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not browser and not book" tests
+
+# the library's own quick tier: `make check` less the tests of the book's production and of the repository
+check-library: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not browser and not book and not production" tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -7,6 +7,8 @@ fixtures below.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tiny_models import DECODERS, FAMILIES, VOCAB, tiny_model, tiny_vit  # noqa: F401  (re-exported)
@@ -18,12 +20,32 @@ from tiny_models import DECODERS, FAMILIES, VOCAB, tiny_model, tiny_vit  # noqa:
 # fixtures, so that no test has to remember it.
 # --------------------------------------------------------------------------------------------------
 QUICK_TIER = "not slow and not browser and not book"
+#: the library's own quick tier (`make check-library`): no test of the book's production or of the repository
+LIBRARY_TIER = QUICK_TIER + " and not production"
+#: test files about the repository around the library (its pages, workflows, release, layout), not the library
+REPOSITORY_TESTS = {"test_layout.py", "test_project.py", "test_release.py", "test_workflows.py", "test_user_text.py",
+                    "test_readme.py", "test_thin_notebooks.py", "test_thin_notebooks_sinks.py", "test_exercises.py"}
+_IMPORTS_THE_BOOK = re.compile(r"^\s*(?:import cwbook|from cwbook[ .])", re.M)
+
+
+def _is_production(path) -> bool:
+    """A test file of the book's production (it imports cwbook) or of the repository around the library."""
+    name = str(path)
+    if name not in _PRODUCTION:
+        text = path.read_text(encoding="utf-8") if path.suffix == ".py" else ""
+        _PRODUCTION[name] = path.name in REPOSITORY_TESTS or bool(_IMPORTS_THE_BOOK.search(text))
+    return _PRODUCTION[name]
+
+
+_PRODUCTION: dict[str, bool] = {}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smoke_book" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.book)
+        if _is_production(item.path):
+            item.add_marker(pytest.mark.production)
 
 
 @pytest.fixture
