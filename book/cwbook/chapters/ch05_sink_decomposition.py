@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.sinks_common import SinkPass, sink_pass
+from cwbook.chapters.sinks_common import OnSinkPass, SinkPass, sink_pass
 from cwbook.notebook import tick
 
 CHAPTER = "05_sink_decomposition"
@@ -42,7 +42,7 @@ def ratio(a, b):
 
 
 @dataclass
-class SinkDecomposition:
+class SinkDecomposition(OnSinkPass):
     """What chapter 5 shows for one model (tables of the first data set, ``data``, unless keyed by data set):
 
     * ``rates``: per (layer, head), the sink rate and the statistics of the rates analysis;
@@ -75,38 +75,13 @@ class SinkDecomposition:
     claims_display: pd.DataFrame = None  # Table 3 (cwcore.sinks.claims.display of the stacked claims)
     verdict_of: dict = None  # data set -> {claim: its verdict text}
 
-    @property
-    def model(self) -> str:
-        return self.sinks.model
 
-    @property
-    def datasets(self) -> list[str]:
-        return self.sinks.datasets
 
-    @property
-    def data(self) -> str:
-        """The data set of the figures and of the prose's numbers."""
-        return self.sinks.first
 
-    @property
-    def results(self) -> dict:
-        return self.sinks.results
 
-    @property
-    def eps(self) -> float:
-        return self.sinks.eps
 
-    @property
-    def seed(self) -> int:
-        return self.sinks.run.seed
 
-    @property
-    def seq_len(self) -> int:
-        return self.sinks.run.seq_len
 
-    @property
-    def boot(self) -> dict:
-        return dict(n_resamples=self.n_bootstrap, seed=self.seed)
 
     @property
     def claims(self) -> pd.DataFrame:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.sinks_common import SinkPass, sink_pass, sinks_module
+from cwbook.chapters.sinks_common import OnSinkPass, SinkPass, sink_pass, sinks_module
 
 CHAPTER = "06_sinks_as_suppressors"
 #: the categories of a fitted head's vertex, in the order of the figure's legend
@@ -33,7 +33,7 @@ def _colours():
 
 
 @dataclass
-class Suppressors:
+class Suppressors(OnSinkPass):
     """What chapter 6 shows for one model. Per data set ``d`` (dicts keyed by data set):
 
     * ``aa_of[d]``: the per-head anti-alignment table (one row per (layer, head));
@@ -83,30 +83,11 @@ class Suppressors:
     verdicts: pd.Series = None  # claim -> its combined verdict
 
     # the run, for the prose and the results table
-    @property
-    def model(self) -> str:
-        return self.sinks.model
 
-    @property
-    def datasets(self) -> list[str]:
-        return self.sinks.datasets
 
-    @property
-    def first(self) -> str:
-        return self.sinks.first
 
-    @property
-    def eps(self) -> float:
-        return self.sinks.eps
 
-    @property
-    def seed(self) -> int:
-        return self.sinks.run.seed
 
-    @property
-    def boot(self) -> dict:
-        """The bootstrap arguments of every interval on the page."""
-        return dict(n_resamples=self.n_bootstrap, seed=self.seed)
 
     @property
     def parameters(self) -> dict:

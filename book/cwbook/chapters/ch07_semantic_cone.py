@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.sinks_common import SinkPass, sink_pass
+from cwbook.chapters.sinks_common import OnSinkPass, SinkPass, sink_pass
 
 CHAPTER = "07_semantic_cone"
 MEASURES = ["log_norm_ratio", "delta_cos", "drift", "cos_clean", "cos_after"]
@@ -52,7 +52,7 @@ def by_sign(triple, positive: str, negative: str) -> str:
 
 
 @dataclass
-class SemanticCone:
+class SemanticCone(OnSinkPass):
     """What chapter 7 shows for one model (the first data set, ``data``, unless keyed by data set):
 
     * ``raw``: the semantic cone analysis' raw tables; ``points``: one row per touched head output and
@@ -85,25 +85,10 @@ class SemanticCone:
     claims_display: pd.DataFrame = None
     verdict_of: dict = None
 
-    @property
-    def model(self) -> str:
-        return self.sinks.model
 
-    @property
-    def datasets(self) -> list[str]:
-        return self.sinks.datasets
 
-    @property
-    def data(self) -> str:
-        return self.sinks.first
 
-    @property
-    def seed(self) -> int:
-        return self.sinks.run.seed
 
-    @property
-    def boot(self) -> dict:
-        return dict(n_resamples=self.n_bootstrap, seed=self.seed)
 
     @property
     def first_layer(self) -> int:

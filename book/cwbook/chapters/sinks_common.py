@@ -56,6 +56,52 @@ class SinkPass:
         return self.options.eps
 
 
+class OnSinkPass:
+    """What a sink chapter's result reads from its shared pass (``self.sinks``, a :class:`SinkPass`) and its
+    ``n_bootstrap``: one home for the facts chapters 5, 6 and 7 all quote."""
+
+    sinks: SinkPass
+    n_bootstrap: int
+
+    @property
+    def model(self) -> str:
+        return self.sinks.model
+
+    @property
+    def datasets(self) -> list[str]:
+        return self.sinks.datasets
+
+    @property
+    def first(self) -> str:
+        """The data set of the figures and of the prose's numbers."""
+        return self.sinks.first
+
+    @property
+    def data(self) -> str:
+        return self.sinks.first
+
+    @property
+    def results(self) -> dict:
+        return self.sinks.results
+
+    @property
+    def eps(self) -> float:
+        return self.sinks.eps
+
+    @property
+    def seed(self) -> int:
+        return self.sinks.run.seed
+
+    @property
+    def seq_len(self) -> int:
+        return self.sinks.run.seq_len
+
+    @property
+    def boot(self) -> dict:
+        """The bootstrap arguments of every interval on the page."""
+        return dict(n_resamples=self.n_bootstrap, seed=self.seed)
+
+
 def sink_pass(model: str, run_parameters: dict | None, analyses: list[str], **analysis_options) -> SinkPass:
     """Load ``model`` and run ``analyses`` of :mod:`cwcore.sinks` on the blocks of every data set of
     ``run_parameters`` (``raw=True``, ``precompute=sinks.ANALYSES``: one shared, cached pass for chapters 5-7).
