@@ -118,10 +118,9 @@ def attribute(
     ``[batch, query, key]`` for token-level ones (ALTI, value zeroing, rollout: sum contribution weights
     over heads to compare with them, never these).
     """
-    from .core.architectures import attention_blocks
     from .core.attention import default_compute_dtype
-    from .core.decomposition import LayerDecomposition, prepare_inputs
-    from .core.inputs import InputError, check_compute_dtype, check_inputs, check_layers, unwrap_compiled
+    from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
+    from .core.inputs import InputError, check_compute_dtype, check_inputs, unwrap_compiled
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
 
@@ -166,12 +165,8 @@ def attribute(
     if "output_gradient" in chosen.needs and set(checked) - {"input_ids", "attention_mask"}:
         raise InputError(f"attribute: method {chosen.name!r} takes input_ids and attention_mask only, got also "
                          f"{', '.join(sorted(set(checked) - {'input_ids', 'attention_mask'}))}")
-    blocks = attention_blocks(model)
-    wanted = check_layers(layers, len(blocks))
-    if layers is None:  # as decompose: all the layers cwcore can decompose (asked for by number, one is refused)
-        wanted = [layer for layer in wanted if blocks[layer].unsupported is None]
-    for layer in wanted:
-        blocks[layer].refuse_if_unsupported()
+    # as decompose: all the layers cwcore can decompose (asked for by number, one is refused with its reason)
+    model, blocks, wanted, _ = select_layers(model, layers, "attribute", "attributed")
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     observed = list(range(max(wanted) + 1)) if "earlier_layers" in chosen.needs else wanted
     raw: dict[int, torch.Tensor] = {}

@@ -537,6 +537,32 @@ def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
     return {**inputs, "position_ids": positions}
 
 
+def select_layers(model: nn.Module, layers, caller: str, done: str = "decomposed"):
+    """The layers one call runs: ``(model, blocks, wanted, undecomposable)``.
+
+    ``model`` unwrapped from ``torch.compile`` and checked to hold its weights; ``layers=None``: every
+    block cwcore can decompose, the others named in one warning; a block asked for by number that cwcore
+    cannot decompose is refused with its reason, and so is a model with no such block. ``undecomposable``
+    is ``{layer: reason}``. The one entry check of :func:`decompose`, :func:`cwcore.summarize` and
+    :func:`cwcore.attribute` (``caller``; ``done``: the participle its warning uses)."""
+    model = unwrap_compiled(model)
+    check_materialised(model, caller)
+    blocks = attention_blocks(model)
+    undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}
+    wanted = check_layers(layers, len(blocks))
+    if layers is None and undecomposable:
+        wanted = [layer for layer in wanted if layer not in undecomposable]
+        warnings.warn(f"cwcore.{caller}: " + "; ".join(
+            f"layer {b.layer} ({b.name!r}, {type(b.module).__name__}) is not {done}: {b.unsupported}"
+            for b in blocks if b.layer in undecomposable), stacklevel=3)
+    for layer in wanted:
+        blocks[layer].refuse_if_unsupported()
+    if not wanted:
+        raise UnsupportedModelError(f"{type(model).__name__}: no attention layer can be {done} ("
+                                    + "; ".join(undecomposable.values()) + ")")
+    return model, blocks, wanted, undecomposable
+
+
 def decompose(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
@@ -579,22 +605,8 @@ def decompose(
     elif isinstance(layers, torch.Tensor) and layers.ndim >= 1 and not inputs:
         raise InputError("decompose(model, tensor): the second positional argument is layers; pass token ids as "
                          "decompose(model, input_ids=tensor)")
-    model = unwrap_compiled(model)
-    check_materialised(model, "decompose")
-    blocks = attention_blocks(model)
+    model, blocks, wanted, undecomposable = select_layers(model, layers, "decompose")
     num_layers = len(blocks)
-    undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}
-    wanted = check_layers(layers, num_layers)
-    if layers is None and undecomposable:
-        wanted = [layer for layer in wanted if layer not in undecomposable]
-        warnings.warn("cwcore.decompose: " + "; ".join(
-            f"layer {b.layer} ({b.name!r}, {type(b.module).__name__}) is not decomposed: {b.unsupported}"
-            for b in blocks if b.layer in undecomposable), stacklevel=2)
-    for layer in wanted:
-        blocks[layer].refuse_if_unsupported()
-    if not wanted:
-        raise UnsupportedModelError(f"{type(model).__name__}: no attention layer can be decomposed ("
-                                    + "; ".join(undecomposable.values()) + ")")
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose", truncate=truncate))
     recorded: dict[int, LayerDecomposition] = {}

@@ -28,18 +28,17 @@ model configured ``eager`` gives its outputs to float32 rounding, not bit for bi
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks
+from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import RECONSTRUCTION_TOLERANCE, AttentionSession, cwcore_attention, default_compute_dtype
-from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs
+from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
 from .geometry import split_output_projection
-from .inputs import InputError, check_compute_dtype, check_count, check_inputs, check_layers
+from .inputs import InputError, check_compute_dtype, check_count, check_inputs
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
 
@@ -533,20 +532,8 @@ def summarize(
     if not isinstance(absolute, bool):
         raise InputError(f"absolute must be True or False, got {absolute!r}")
     top_k = check_count(top_k, "top_k")
-    blocks = attention_blocks(model)
+    model, blocks, wanted, undecomposable = select_layers(model, layers, "summarize", "summarised")
     num_layers = len(blocks)
-    undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}
-    wanted = check_layers(layers, num_layers)
-    if layers is None and undecomposable:
-        wanted = [layer for layer in wanted if layer not in undecomposable]
-        warnings.warn("cwcore.summarize: " + "; ".join(
-            f"layer {b.layer} ({b.name!r}, {type(b.module).__name__}) is not summarised: {b.unsupported}"
-            for b in blocks if b.layer in undecomposable), stacklevel=2)
-    for layer in wanted:
-        blocks[layer].refuse_if_unsupported()
-    if not wanted:
-        raise UnsupportedModelError(f"{type(model).__name__}: no attention layer can be summarised ("
-                                    + "; ".join(undecomposable.values()) + ")")
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     inputs = prepare_inputs(model, check_inputs(model, inputs, caller="summarize", truncate=truncate))
     reference = inputs.get("input_ids", inputs.get("inputs_embeds"))

@@ -192,3 +192,23 @@ def test_an_encoder_decoders_padding_is_read_from_each_call_not_matched_by_lengt
                                    atol=1e-6)
     assert d[3].output_norm.isnan().sum() == (2 if pad_decoder else 0)  # the control: real decoder rows stay real
     assert d[0].output_norm[1, 6:].isnan().all()
+
+
+def test_summarize_enters_as_decompose_does_a_compiled_model_and_one_without_weights():
+    """One entry check for decompose, summarize and attribute: a torch.compile'd model is summarised as its
+    module (the same numbers), and a model whose weights are on the meta device is refused in one line."""
+    import transformers
+    from cwcore.core.inputs import InputError
+    from tiny_models import VOCAB as TINY_VOCAB, tiny_model
+
+    model = tiny_model("llama").eval()
+    ids = torch.randint(0, TINY_VOCAB, (1, 10), generator=torch.Generator().manual_seed(4))
+    plain = cwcore.summarize(model, input_ids=ids, top_k=3)
+    compiled = cwcore.summarize(torch.compile(model, backend="eager"), input_ids=ids, top_k=3)
+    for layer in plain.layers:
+        torch.testing.assert_close(compiled[layer].contribution_received, plain[layer].contribution_received,
+                                   rtol=0, atol=0)
+    with torch.device("meta"):
+        empty = transformers.AutoModelForCausalLM.from_config(model.config)
+    with pytest.raises(InputError, match="meta device"):
+        cwcore.summarize(empty, input_ids=ids)
