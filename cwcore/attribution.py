@@ -39,10 +39,12 @@ class Attribution:
     Padding follows :func:`cwcore.decompose`: rows of padded queries are NaN, padded keys score 0.
     """
 
-    def __init__(self, method: str, level: str, scores: dict[int, torch.Tensor], attention_mask: torch.Tensor):
+    def __init__(self, method: str, level: str, scores: dict[int, torch.Tensor], attention_mask: torch.Tensor,
+                 num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None):
         self.method, self.level = method, level
         self.scores = dict(sorted(scores.items()))
         self.attention_mask = attention_mask
+        self.num_blocks, self.undecomposable = num_blocks, dict(undecomposable or {})
 
     @property
     def layers(self) -> list[int]:
@@ -57,9 +59,10 @@ class Attribution:
         return torch.stack([self.scores[layer] for layer in self.layers], dim=1)
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        if layer not in self.scores:
-            raise KeyError(f"layer {layer} was not attributed (it holds layers {self.layers}); pass layers={layer}")
-        return self.scores[layer]
+        """The scores of ``layer`` (negative numbers count from the last layer, as in a decomposition)."""
+        from .core.decomposition import layer_by_number
+
+        return layer_by_number(self.scores, layer, self.num_blocks, self.undecomposable)
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.scores)
@@ -166,7 +169,7 @@ def attribute(
         raise InputError(f"attribute: method {chosen.name!r} takes input_ids and attention_mask only, got also "
                          f"{', '.join(sorted(set(checked) - {'input_ids', 'attention_mask'}))}")
     # as decompose: all the layers cwcore can decompose (asked for by number, one is refused with its reason)
-    model, blocks, wanted, _ = select_layers(model, layers, "attribute", "attributed")
+    model, blocks, wanted, undecomposable = select_layers(model, layers, "attribute", "attributed")
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     observed = list(range(max(wanted) + 1)) if "earlier_layers" in chosen.needs else wanted
     raw: dict[int, torch.Tensor] = {}
@@ -181,7 +184,9 @@ def attribute(
         with torch.inference_mode(), intervene(model, {}, attention_mask=attention_mask, compute_dtype=compute_dtype,
                                                observers={layer: [observe] for layer in observed}):
             model(**forward_inputs)
-    return _assemble(chosen.name, raw, input_ids.shape, attention_mask)
+    attribution = _assemble(chosen.name, raw, input_ids.shape, attention_mask)
+    attribution.num_blocks, attribution.undecomposable = len(blocks), undecomposable
+    return attribution
 
 
 def _assemble(name: str, raw: dict[int, torch.Tensor], shape, attention_mask: torch.Tensor) -> Attribution:

@@ -152,3 +152,17 @@ def test_a_block_cwcore_cannot_decompose_is_skipped_by_default_and_refused_when_
             cwcore.attribute(model, method="alti", layers=[0, 1], input_ids=ids)
     finally:
         forget_model(model)
+
+
+def test_layers_are_numbered_as_in_a_decomposition():
+    """``a[-1]`` is the last layer, as ``d[-1]`` is; a layer that was not attributed is refused by name."""
+    from cwcore.core.decomposition import LayerNotDecomposedError
+
+    model, ids = _model("llama"), _ids(seed=3)
+    got = cwcore.attribute(model, method="contribution", input_ids=ids)
+    assert got[-1] is got[1] and got[-2] is got[0]
+    torch.testing.assert_close(got[-1], cwcore.decompose(model, input_ids=ids)[-1].contribution("inter"),
+                               rtol=0, atol=0, equal_nan=True)
+    only = cwcore.attribute(model, method="contribution", input_ids=ids, layers=[0])
+    with pytest.raises(LayerNotDecomposedError, match="layers=1"):
+        only[1]
