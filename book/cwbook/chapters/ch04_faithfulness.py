@@ -21,7 +21,7 @@ import pandas as pd
 import cwcore
 from cwbook import findings
 from cwbook import ladder as evidence
-from cwbook.chapters.common import aopc_table
+from cwbook.chapters.common import aopc_table, SweepOptions
 from cwbook.evidence_build import ladder_cell
 from cwbook.evidence_frames import downstream_cell, downstream_ladder, per_layer_cell, sensitivity_cell
 from cwcore import faithfulness as faith
@@ -34,7 +34,7 @@ ROWS = ["data", "protocol", "importance", "range", "mode"]
 
 
 @dataclass
-class Ladder:
+class Ladder(SweepOptions):
     """The ladder of one model: ``run`` (``cwbook.ladder.ladder_evidence``'s result), its per-document
     rows ``per_seq``, ``blocks`` per data set, the ratio ``grid`` and the top of its low range
     ``low_max``; ``areas`` (AOPC) and ``ladder`` (paired steps), those of the variant cells, ``curves``;
@@ -60,12 +60,6 @@ class Ladder:
     seconds: float
     quoted: dict = field(default_factory=dict)
     quoted_md: dict = field(default_factory=dict)
-
-    @property
-    def options(self) -> dict:
-        """The library's keywords the sweeps ran with (``common`` less the book's ``cache`` switch), for a
-        reader's own :func:`cwcore.faithfulness.faithfulness_curve` call."""
-        return {k: v for k, v in self.common.items() if k != "cache"}
 
 
 def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: int, low_ratios, ratios, protocols,

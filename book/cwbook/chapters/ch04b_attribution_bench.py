@@ -18,7 +18,7 @@ import pandas as pd
 import cwcore
 from cwbook import findings
 from cwbook import ladder as evidence
-from cwbook.chapters.common import aopc_table, interval_cell
+from cwbook.chapters.common import aopc_table, interval_cell, SweepOptions
 from cwbook.evidence_frames import bench_cell
 from cwcore import faithfulness as faith
 from cwcore.data import document_blocks
@@ -34,7 +34,7 @@ def colours(metrics) -> dict:
 
 
 @dataclass
-class Bench:
+class Bench(SweepOptions):
     """The bench of one model.
 
     ``per_seq``: every (data, metric, mode, ratio, sequence) point; ``areas``: AOPC per data set, range,
@@ -59,12 +59,6 @@ class Bench:
     parameters: dict
     quoted: dict = field(default_factory=dict)
     quoted_md: dict = field(default_factory=dict)
-
-    @property
-    def options(self) -> dict:
-        """The library's keywords the sweeps ran with (``common`` less the book's ``cache`` switch), for a
-        reader's own :func:`cwcore.faithfulness.faithfulness_curve` call."""
-        return {k: v for k, v in self.common.items() if k != "cache"}
 
 
 def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_sequences: int, seq_len: int,

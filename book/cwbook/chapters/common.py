@@ -118,3 +118,15 @@ def aopc_table(areas, index: list[str], metrics, labels):
                            zip(areas["aopc_nll"], areas["aopc_nll_ci_low"], areas["aopc_nll_ci_high"])])
     table = a.pivot_table(index=index, columns="metric", values="cell", aggfunc="first", sort=False)
     return table[[m for m in metrics if m in table.columns]].rename(columns=labels).reset_index()
+
+
+class SweepOptions:
+    """Chapters 4 and 4b's results: ``options`` reads the library's keywords out of their ``common``."""
+
+    common: dict
+
+    @property
+    def options(self) -> dict:
+        """The library's keywords the sweeps ran with (``common`` less the book's ``cache`` switch), for a
+        reader's own :func:`cwcore.faithfulness.faithfulness_curve` call."""
+        return {k: v for k, v in self.common.items() if k != "cache"}
