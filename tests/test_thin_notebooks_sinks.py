@@ -104,9 +104,12 @@ def test_chapter_6_quotes_claims_rows_as_the_prose_reads_them():
     assert r.ci_text("gsm8k", "shortened", pct=True) == "50% (38% to 62%)"  # round half to even, as f-strings do
     assert r.ci_text("gsm8k", "contrast") == "not measured (no sink heads at eps=0.3)"
     assert r.ci_text("gsm8k", "absent") == "not measured"
-    assert r.verdict_of("gsm8k", "cos_semantic") == "contradicted"
-    assert r.verdict_of("gsm8k", "contrast") == "not measured: no sink heads at eps=0.3"
-    assert r.verdict_of("gsm8k", "absent") == "not measured"
+    # the rerun's own verdict, for comparisons; the page prints where its interval lies, never a verdict word
+    assert r.live_verdict("gsm8k", "cos_semantic") == "contradicted"
+    assert r.live_verdict("gsm8k", "contrast") == "not measured: no sink heads at eps=0.3"
+    assert r.verdict_of("gsm8k", "cos_semantic") == "interval on the opposite side"
+    assert r.verdict_of("gsm8k", "contrast") == "no interval (no sink heads at eps=0.3)"
+    assert r.verdict_of("gsm8k", "absent") == "no interval"
     assert [listing([]), listing(["a"]), listing(["a", "b", "c"])] == ["none", "*a*", "*a*, *b* and *c*"]
 
 

@@ -21,7 +21,8 @@ import pandas as pd
 import cwcore
 from cwbook import findings
 from cwbook import ladder as evidence
-from cwbook.chapters.common import aopc_table, SweepOptions
+from cwbook.chapters.common import (AGREEMENT_SAID, AGREEMENT_SHORT, aopc_table, rerun_agrees, rerun_direction,
+                                   rerun_label, SweepOptions)
 from cwbook.evidence_build import ladder_cell
 from cwbook.evidence_frames import downstream_cell, downstream_ladder, per_layer_cell, sensitivity_cell
 from cwcore import faithfulness as faith
@@ -31,6 +32,36 @@ from cwcore.core.architectures import decomposable_layers
 COLOURS = faith.methods.colours()  # each method's colour and display name, from the registry
 LABELS = faith.methods.display_names()
 ROWS = ["data", "protocol", "importance", "range", "mode"]
+
+
+def committed_ladder(model: str):
+    """The committed ladder of ``model`` at the evidence size (``data/results/evidence/04_faithfulness``):
+    ``(its table, its findings rows, its label)``, or ``(None, None, None)`` where none is committed. Every
+    verdict word chapter 4 prints about the ladder comes from here."""
+    committed = findings.load_results(findings.EVIDENCE_DIR, "04_faithfulness", model)
+    if committed is None:
+        return None, None, None
+    n = committed.metadata.get("parameters", {}).get("n_documents")
+    label = f"evidence (exploratory sample, {n} documents per data set)"
+    return committed.table, findings.faithfulness_findings(committed.table, model=model, profile="evidence"), label
+
+
+def agreement_cells(rows: pd.DataFrame, evidence_rows: pd.DataFrame | None) -> list[str]:
+    """One table cell per findings row of this build: ``"+0.012 [-0.003, +0.020]; too few to tell"``, the
+    rerun's estimate and interval, then whether it agrees with the verdict of the same row
+    (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (never the rerun's own verdict)."""
+    committed = {}
+    if evidence_rows is not None and len(evidence_rows):
+        keyed = evidence_rows.assign(**{k: evidence_rows[k].fillna("").astype(str) for k in findings.ROW_KEYS})
+        committed = dict(zip(map(tuple, keyed[findings.ROW_KEYS].to_numpy()), keyed["verdict"]))
+    keyed = rows.assign(**{k: rows[k].fillna("").astype(str) for k in findings.ROW_KEYS})
+    cells = []
+    for key, e, lo, hi, v in zip(map(tuple, keyed[findings.ROW_KEYS].to_numpy()), rows["estimate"], rows["ci_low"],
+                                 rows["ci_high"], rows["verdict"]):
+        agreement = AGREEMENT_SHORT[rerun_agrees(v, committed.get(key))]
+        cells.append(f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}]; {agreement}" if np.isfinite(e) else
+                     f"{rerun_direction(v)}; {agreement}")
+    return cells
 
 
 @dataclass
@@ -87,6 +118,9 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
                   cache=cache)
     quoted, quoted_md = {}, {}
     n_docs = {d: len(b) for d, b in blocks.items()}
+    evidence_table, evidence_rows, evidence_label = committed_ladder(model)
+    quoted_md["rerun_label"] = rerun_label(n_docs)
+    quoted_md["evidence_label"] = evidence_label or "no committed evidence for this model"
     quoted_md["caption"] = (f"{model}, one block of {seq_len} tokens from each of "
                             + ", ".join(f"{n_docs[d]} `{d}` documents" for d in datasets)
                             + f", ratios {', '.join(f'{r:g}' for r in grid)}, seed {seed}")
@@ -107,23 +141,36 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
     # Tables 2 and 3
     claims = findings.faithfulness_findings(ladder_table, model=model, profile=profile)
     steps = claims[claims["claim"].str.startswith("step") | (claims["claim"] == "contribution beats random")]
-    steps = steps.assign(cell=[f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}] {v}" if np.isfinite(e) else v
-                               for e, lo, hi, v in zip(steps["estimate"], steps["ci_low"], steps["ci_high"],
-                                                       steps["verdict"])])
+    steps = steps.assign(cell=agreement_cells(steps, evidence_rows))  # no rerun verdict: its agreement
     step_table = steps.pivot_table(index=ROWS, columns="claim", values="cell", aggfunc="first", sort=False)
     power = steps.groupby(ROWS, sort=False).agg(n=("n_units", "max"), mde=("mde", "median"))
     step_table = step_table.join(power).reset_index().rename(columns={"mde": "mde (median)"})
     combined = claims[claims["claim"].isin(["ordering", "cosine_gain"])]
-    verdict_table = combined.pivot_table(index=ROWS, columns="claim", values="verdict", aggfunc="first",
+    # Table 3: the evidence's verdict of each combined claim, and whether this rerun agrees with it
+    ev_verdict = {} if evidence_rows is None else dict(zip(
+        map(tuple, evidence_rows[["claim", *ROWS]].fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
+    combined = combined.assign(shown=[
+        (f"evidence {ev_verdict[key]}; rerun {AGREEMENT_SHORT[rerun_agrees(v, ev_verdict[key])]}" if key in ev_verdict
+         else f"rerun: {rerun_direction(v, claim=True)}")
+        for key, v in zip(map(tuple, combined[["claim", *ROWS]].fillna("").astype(str).to_numpy()), combined["verdict"])])
+    verdict_table = combined.pivot_table(index=ROWS, columns="claim", values="shown", aggfunc="first",
                                          sort=False).reset_index()
-    # the headline as pre-registered: each step under the protocol where it is measured, |c|, full range, both modes
+    # the headline as pre-registered: each step under the protocol where it is measured, |c|, full range, both
+    # modes; the verdict is the committed evidence's, the rerun says whether it agrees
     for mode, tag in (("comprehensiveness", "comp"), ("sufficiency", "suff")):
-        quoted_md[f"v_{tag}"] = f"**{findings.primary_ordering(ladder_table, mode, data=first).verdict}**"
-        quoted_md[f"v_gain_{tag}"] = f"**{findings.primary_cosine_gain(ladder_table, mode, data=first).verdict}**"
+        for key, judge in ((f"v_{tag}", findings.primary_ordering), (f"v_gain_{tag}", findings.primary_cosine_gain)):
+            live = judge(ladder_table, mode, data=first).verdict
+            if evidence_table is None:
+                quoted_md[key] = (f"not decided here (no committed evidence for this model; the rerun check: "
+                                  f"{rerun_direction(live, claim=True)})")
+                continue
+            committed_verdict = judge(evidence_table, mode, data=first).verdict
+            quoted_md[key] = (f"**{committed_verdict}** in the {evidence_label} (the rerun check "
+                              f"{AGREEMENT_SAID[rerun_agrees(live, committed_verdict)]})")
     ph = claims[(claims["data"] == first) & (claims["protocol"] == "per-head") & (claims["range"] == "full")
                 & (claims["claim"] == "step 2->3")]
-    quoted_md["step23"] = ("; ".join(f"{r['importance']} {r['mode']} {r['estimate']:+.3f} [{r['ci_low']:+.3f}, "
-                                     f"{r['ci_high']:+.3f}] ({r['verdict']})" for _, r in ph.iterrows())
+    quoted_md["step23"] = ("; ".join(f"{importance} {mode} {cell}" for importance, mode, cell in
+                                     zip(ph["importance"], ph["mode"], agreement_cells(ph, evidence_rows)))
                            or "not measured")
     return Ladder(run, per_seq, blocks, grid, low_max, areas, ladder_table, variant_areas, variant_ladder, curves,
                   common, claims, steps, table1, step_table, verdict_table, seconds, quoted, quoted_md)
@@ -236,18 +283,21 @@ def anatomy(lm, lad: Ladder, *, first: str, metrics, anatomy_sequences, anatomy_
             f"{best['first_token_attention_gap']:+.2f}); that the damage gap follows the shift gap across "
             + (f"documents, ρ = {best['rho']:+.2f} [{best['rho_ci_low']:+.2f}, {best['rho_ci_high']:+.2f}], "
                if np.isfinite(best["rho_ci_low"]) else "documents ")
-            + f"**{best['rho_verdict']}** ({int(best['n_units'])} documents)")
+            + f"{rerun_direction(best['rho_verdict'])} (rerun check, {int(best['n_units'])} documents, one seed, "
+            "no adjustment)")
     else:
         quoted_md["anatomy_verdict"] = "not measured (no per-head sweep at these ratios)"
     return Anatomy(n_anatomy, rungs, list(anatomy_ratios), dissected, per_doc_anatomy, explained, seconds, quoted_md)
 
 
 def anatomy_table(anat: Anatomy) -> pd.DataFrame:
-    """Table 4's columns, rounded as shown."""
-    return anat.explained[["mode", "ratio", "measure_gap", "measure_gap_ci_low", "measure_gap_ci_high",
-                           "head_norm_gap", "first_token_attention_gap", "damage_gap", "damage_gap_ci_low",
-                           "damage_gap_ci_high", "rho", "rho_ci_low", "rho_ci_high", "rho_verdict",
-                           "n_units"]].round(4)
+    """Table 4's columns, rounded as shown: a rerun check, so ρ's interval is described by where it lies
+    (``rho: rerun direction``), not by a verdict."""
+    shown = anat.explained.assign(rho_direction=[rerun_direction(v) for v in anat.explained["rho_verdict"]])
+    return shown[["mode", "ratio", "measure_gap", "measure_gap_ci_low", "measure_gap_ci_high",
+                  "head_norm_gap", "first_token_attention_gap", "damage_gap", "damage_gap_ci_low",
+                  "damage_gap_ci_high", "rho", "rho_ci_low", "rho_ci_high", "rho_direction",
+                  "n_units"]].round(4).rename(columns={"rho_direction": "rho: rerun direction"})
 
 
 def anatomy_figure(anat: Anatomy, *, first: str, model: str, n_bootstrap: int, seed: int):
@@ -385,8 +435,7 @@ def downstream(lm, tokenizer, *, tasks, metrics, task_ratios, n_examples: int, n
 
     dl = findings.faithfulness_findings(down_ladder, model=model, profile=profile)
     dl = dl[dl["claim"].str.startswith("step") | dl["claim"].isin(["contribution beats random", "ordering"])]
-    dl = dl.assign(cell=[f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}] {v}" if np.isfinite(e) else v
-                         for e, lo, hi, v in zip(dl["estimate"], dl["ci_low"], dl["ci_high"], dl["verdict"])])
+    dl = dl.assign(cell=agreement_cells(dl, committed_ladder(model)[1]))  # the rerun against the evidence's verdict
     steps = dl.pivot_table(index=["data", "mode"], columns="claim", values="cell", aggfunc="first",
                            sort=False).reset_index()
     return Downstream(down_per, down, chance, down_ladder, table, steps, seconds, quoted, quoted_md)
@@ -557,11 +606,14 @@ def sensitivity(lm, tokenizer, lad: Ladder, *, first: str, metrics, sensitivity_
             mde = step["mde"].median()
             rows.append({"variant": name, "mode": mode,
                          **{LABELS[m]: area.get((mode, m), np.nan) for m in metrics},
-                         "ordering": findings.ordering(lad_, mode).verdict, "median mde": mde,
+                         "ordering: rerun direction": rerun_direction(findings.ordering(lad_, mode).verdict,
+                                                                      claim=True), "median mde": mde,
                          "documents": ps["document"].nunique()})
     seconds = time.monotonic() - t0
     sens = pd.DataFrame(rows)
-    held = sorted({f"{r['variant']} ({r['mode']})" for _, r in sens.iterrows() if r["ordering"] == stats.HOLDS})
+    every_step = rerun_direction(stats.HOLDS, claim=True)
+    held = sorted({f"{r['variant']} ({r['mode']})" for _, r in sens.iterrows()
+                   if r["ordering: rerun direction"] == every_step})
     return Sensitivity(sens_blocks, sens, seconds, {"sensitivity_sequences": len(sens_blocks)},
                        {"sens_ratios": ", ".join(f"{r:g}" for r in sensitivity_ratios),
                         "sens_holds": ", ".join(held) if held else "none of them"})

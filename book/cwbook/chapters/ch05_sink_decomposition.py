@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.sinks_common import OnSinkPass, SinkPass, sink_pass
+from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, disagreement_opening,
+                                          nothing_to_explain, rerun_claims_table, sink_pass)
+from cwbook.chapters.common import rerun_direction
 from cwbook.notebook import tick
 
 CHAPTER = "05_sink_decomposition"
@@ -72,8 +74,9 @@ class SinkDecomposition(OnSinkPass):
     joint_table: pd.DataFrame = None
     claims_by_data: dict = None
     stacked_claims: pd.DataFrame = None
-    claims_display: pd.DataFrame = None  # Table 3 (cwcore.sinks.claims.display of the stacked claims)
-    verdict_of: dict = None  # data set -> {claim: its verdict text}
+    claims_display: pd.DataFrame = None  # Table 3: the rerun's parts beside the committed evidence's verdicts
+    verdict_of: dict = None  # data set -> {claim: the rerun's verdict text} (never printed: see rerun_direction)
+    evidence: object = None  # the committed evidence (sinks_common.Evidence), None where none is committed
 
 
 
@@ -120,12 +123,15 @@ def run(model: str, run_parameters: dict | None = None, *, sample_size: int = 50
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")
     r = SinkDecomposition(sinks=shared, sample_size=sample_size, n_bootstrap=n_bootstrap)
+    r.evidence = committed_evidence(CHAPTER, model)  # the verdicts the page prints come from here
     r.rates = shared.results[r.data]["rates"]
     r.blocks = sinks.token_blocks(shared.blocks[r.data], shared.tokenizer)  # the blocks the analyses ran on
     r.phrases.update({
         "caption": f"{model}, {len(shared.blocks[r.data])} documents of `{r.data}` ({run_.seq_len} tokens each), "
                    f"seed {run_.seed}",
         "data_list": " and ".join(f"`{d}`" for d in shared.datasets),
+        "rerun_label": r.rerun_label,
+        "evidence_label": r.evidence.label if r.evidence is not None else "no committed evidence for this model",
     })
     r.numbers.update({"eps": r.eps, "n_sequences": run_.n_sequences, "seq_len": run_.seq_len})
     _sink_heads(r)
@@ -330,26 +336,28 @@ def _claims(r: SinkDecomposition) -> None:
                                         else np.nan)
     for claim_name, tag in ((sink_claims.DECOMPOSITION, "dec"), (sink_claims.SINK_RATES, "rates"),
                             (sink_claims.TAIL_ATTENTION_ONLY, "tail_only"), (sink_claims.SINK_POSITION_CLAIM, "pos0")):
-        r.phrases[f"v_{tag}"] = "; ".join(f"on `{d}` **{v.get(claim_name, 'not measured')}**"
-                                          for d, v in r.verdict_of.items())
+        r.phrases[f"v_{tag}"] = claim_phrase(claim_name, r.stacked_claims, r.datasets, r.evidence)
     r.numbers["tail_margin"] = sink_claims.TAIL_MARGIN
     r.phrases["tail_reading"] = "; ".join(tail_reading(r, d) for d in r.claims_by_data) + "."
-    r.claims_display = sink_claims.display(r.stacked_claims)
+    r.claims_display = rerun_claims_table(r.stacked_claims, r.evidence, r.rerun_label)
 
 
 def tail_reading(r: SinkDecomposition, d: str) -> str:
-    # which terms drive the tail, by the parts above (said on the page whatever the combined verdict)
+    # which terms clear the margin in this rerun, by the parts above (where the intervals lie: no verdict word)
+    from cwcore import stats
     from cwcore.sinks import claims as sink_claims
 
     c = r.claims_by_data[d]
     verdict_ = dict(zip(c["key"], c["verdict"]))
     attention, alignment = verdict_.get("tail_alpha_share"), verdict_.get("tail_cosine_share")
-    if attention == "holds" and alignment != "holds":
-        return (f"on `{d}` **attention drives the tail**: alignment's share does not clear the margin "
-                f"{sink_claims.TAIL_MARGIN:g} ({alignment})")
-    if attention == "holds" and alignment == "holds":
-        return f"on `{d}` attention and alignment both clear the margin {sink_claims.TAIL_MARGIN:g}"
-    return f"on `{d}` attention's share is {attention} and alignment's {alignment} against the margin"
+    margin = f"{sink_claims.TAIL_MARGIN:g}"
+    if attention == stats.HOLDS and alignment != stats.HOLDS:
+        return (f"on `{d}` attention's share clears the margin {margin} and alignment's does not "
+                f"({rerun_direction(alignment)})")
+    if attention == stats.HOLDS and alignment == stats.HOLDS:
+        return f"on `{d}` attention's and alignment's shares both clear the margin {margin}"
+    return (f"on `{d}` against the margin {margin}, attention's share: {rerun_direction(attention)}; "
+            f"alignment's: {rerun_direction(alignment)}")
 
 
 def layer_type_note(frame: pd.DataFrame, key: str) -> str:
@@ -369,14 +377,12 @@ def _disagreements(r: SinkDecomposition) -> None:
                 else "no block starts with a BOS token: position 0 is the first word of each document")
     for claim_name, what in ((sink_claims.SINK_RATES, "many heads are sink heads (the book's claim)"),
                              (sink_claims.DECOMPOSITION, "sink by geometry, tail by attention and alignment")):
-        verdicts = {d: v.get(claim_name) for d, v in r.verdict_of.items()}
-        if all(v == "holds" for v in verdicts.values()):
+        # which claims to explain: those the committed evidence does not find holding (the rerun only where
+        # nothing is committed, said by where its intervals lie)
+        lines = disagreement_opening(claim_name, what, r.stacked_claims, r.datasets, r.evidence,
+                                     f"{r.rerun_label} on `{r.data}`")
+        if lines is None:
             continue
-        lines = [f"**{what}**: " + ", ".join(f"`{d}` {v}" for d, v in verdicts.items()) + "."]
-        if len(set(verdicts.values())) > 1:
-            lines.append("The data set matters: the verdicts differ between them.")
-        else:
-            lines.append("The data set is not the explanation: the verdict is the same on both.")
         c = r.claims_by_data[r.data]
         if claim_name == sink_claims.SINK_RATES:
             est = sink_claims.triple(c, "sink_eps")
@@ -403,7 +409,7 @@ def _disagreements(r: SinkDecomposition) -> None:
         lines.append(f"BOS: {bos_text}.")
         paragraphs.append(" ".join(lines))
     r.phrases["disagreements"] = ("\n\n".join(paragraphs) if paragraphs else
-                                  "Every claim of this page holds on both data sets: nothing to explain.")
+                                  nothing_to_explain(r.evidence, r.rerun_label))
 
 
 # -- figures ----------------------------------------------------------------------------------------------------------

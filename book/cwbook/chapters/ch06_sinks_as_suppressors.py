@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.sinks_common import OnSinkPass, SinkPass, sink_pass, sinks_module
+from cwbook.chapters.common import rerun_agrees, rerun_direction
+from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, rerun_claims_table,
+                                          sink_pass, sinks_module)
 
 CHAPTER = "06_sinks_as_suppressors"
 #: the categories of a fitted head's vertex, in the order of the figure's legend
@@ -79,8 +81,9 @@ class Suppressors(OnSinkPass):
     picks: pd.DataFrame = None  # the heads of Figure 4 (rows of the head fits)
     vertices_of: dict = None
     fitted: pd.DataFrame = None  # the first data set's fitted heads, with their vertex "category"
-    claims_table: object = None  # the claims as shown (cwcore.sinks.claims.display)
-    verdicts: pd.Series = None  # claim -> its combined verdict
+    claims_table: object = None  # the claims as shown: the rerun's parts beside the committed evidence's verdicts
+    verdicts: pd.Series = None  # claim -> the rerun's combined verdict (never printed: see rerun_direction)
+    evidence: object = None  # the committed evidence (sinks_common.Evidence), None where none is committed
 
     # the run, for the prose and the results table
 
@@ -135,13 +138,21 @@ class Suppressors(OnSinkPass):
     def pct_text(self, d: str, key: str) -> str:
         return self.ci_text(d, key, pct=True)
 
-    def verdict_of(self, d: str, key: str) -> str:
+    def live_verdict(self, d: str, key: str) -> str:
+        """The rerun's verdict of part ``key`` on ``d`` by the rule (for comparisons; never printed)."""
         from cwcore import stats
 
         r = self.row_of(d, key)
         if r is None:
             return "not measured"
         return f"{r['verdict']}: {r['why']}" if r["verdict"] == stats.NOT_MEASURED and r["why"] else r["verdict"]
+
+    def verdict_of(self, d: str, key: str) -> str:
+        """Where the rerun's interval of part ``key`` on ``d`` lies (no verdict word: the rerun decides nothing),
+        with the committed evidence's verdict of the same part where it is committed."""
+        said = rerun_direction(self.live_verdict(d, key))
+        committed = self.evidence.part_verdict(d, key) if self.evidence is not None else None
+        return said if committed is None else f"{said}; evidence: {committed}"
 
     def sink_head_index(self, d: str) -> pd.MultiIndex:
         """(layer, head) of the fitted heads of data set d whose sink rate exceeds eps."""
@@ -182,6 +193,7 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
     print(f"claims with intervals in {time.monotonic() - t0:.0f} s")
     r = Suppressors(sinks=shared, bins=bins, min_range=min_range, n_examples=n_examples, n_bootstrap=n_bootstrap,
                     runs=runs, claims_of=claims_of, claims=claims)
+    r.evidence = committed_evidence(CHAPTER, model)  # the verdicts the page prints come from here
     _setup(r)
     _anti_alignment(r)
     _layers(r)
@@ -210,6 +222,8 @@ def _setup(r: Suppressors) -> None:
         "sink_heads_note": sink_claims.sink_heads_sentence(len(r.sink_aa), len(aa), r.eps),
         "sink_heads_short": sink_claims.sink_heads_sentence(len(r.sink_aa), len(aa), r.eps, short=True),
         "layer_types": ", ".join(f"{n} {t}" for t, n in counts.items()) + " layers",
+        "rerun_label": r.rerun_label,
+        "evidence_label": r.evidence.label if r.evidence is not None else "no committed evidence for this model",
     })
     r.numbers.update({"eps": r.eps, "n_sequences": run.n_sequences, "seq_len": run.seq_len,
                       "n_bootstrap": r.n_bootstrap, "n_heads_total": len(aa), "n_sink_heads": len(r.sink_aa)})
@@ -332,8 +346,14 @@ def _suppression(r: Suppressors) -> None:
             rows.append({"data": d, "place": row["place"], "reading": row["reading"],
                          "share shortened (95% CI)": _pct_ci(row, "share"),
                          "typical ‖o‖ / ‖counterfactual‖": _ratio_ci(row),
-                         "queries": int(row["n"]), "verdict": r.verdict_of(d, key)})
+                         "queries": int(row["n"]), "rerun direction": rerun_direction(r.live_verdict(d, key)),
+                         "evidence": (r.evidence.part_verdict(d, key) or "not committed") if r.evidence is not None
+                         else "not committed",
+                         "rerun agrees with the evidence?": rerun_agrees(
+                             r.live_verdict(d, key), r.evidence.part_verdict(d, key) if r.evidence is not None else None)})
     r.suppression_rows = pd.DataFrame(rows)
+    if r.evidence is not None:
+        r.suppression_rows = r.suppression_rows.rename(columns={"evidence": r.evidence.label})
     # the earlier measurement's number: the renormalised counterfactual on the lowest-norm outputs (chapter 7's binning)
     r.low_ratio_of = {d: suppression.lowest_norm_ratio(r.raw_of[d]["points"], 5, **r.boot) for d in r.datasets}
     r.low_ratio_sink_of = {d: suppression.lowest_norm_ratio(r.raw_of[d]["points"], 5, heads=r.sink_head_index(d),
@@ -402,28 +422,48 @@ def listing(names) -> str:
     return "none" if not names else names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
+def evidence_verdicts(r: Suppressors, claims) -> dict:
+    """``{claim: verdict}`` of ``claims`` in the committed evidence, both data sets combined (a claim holds
+    when it holds on each, :func:`cwcore.stats.combine_all`, as the findings page reads it)."""
+    from cwcore import stats
+
+    out = {}
+    for claim in claims:
+        found = [r.evidence.claim_verdict(d, claim) for d in r.datasets]
+        out[claim] = stats.combine_all([v.split(":")[0] if v else stats.NOT_MEASURED for v in found])
+    return out
+
+
 def _verdicts(r: Suppressors) -> None:
     from cwcore import stats
     from cwcore.sinks import claims as sink_claims
 
-    r.claims_table = sink_claims.display(r.claims)
+    r.claims_table = rerun_claims_table(r.claims, r.evidence, r.rerun_label)
     r.verdicts = verdicts = sink_claims.claim_verdicts(r.claims)
-    texts = sink_claims.claim_verdict_texts(r.claims)
     slugs = {sink_claims.ANTI_ALIGNMENT: "v_anti", sink_claims.TREND: "v_trend",
              sink_claims.SUPPRESSION: "v_suppress", sink_claims.CONVEXITY: "v_convex"}
     # the other scaling of the pooled fit, and whether each vertex is observed (not only established)
     others = {sink_claims.CONVEXITY_V0: "v_convex_v0", sink_claims.OBSERVED_CLAIMS["model"]: "v_convex_obs",
               sink_claims.OBSERVED_CLAIMS["model_v0"]: "v_convex_v0_obs"}
     for claim, slug in (*slugs.items(), *others.items()):
-        r.phrases[slug] = f"**{texts.get(claim, stats.NOT_MEASURED)}**"
+        r.phrases[slug] = claim_phrase(claim, r.claims, r.datasets, r.evidence)
     primary = [c for c in verdicts.index if c in slugs]
-    other = sink_claims.claim_verdicts(r.claims[~r.claims["claim"].isin(primary)])
-    r.phrases.update({
-        "held_list": listing([c for c in primary if verdicts[c] == stats.HOLDS]),
-        "contradicted_list": listing([c for c in primary if verdicts[c] == stats.CONTRADICTED]),
-        "open_list": listing([c for c in primary if verdicts[c] in (stats.INCONCLUSIVE, stats.NOT_MEASURED)]),
-        "other_held": listing([c for c, v in other.items() if v == stats.HOLDS]),
-    })
+    other = [c for c in verdicts.index if c not in primary]
+    if r.evidence is not None:  # the lists a reader takes away: the committed evidence's verdicts
+        decided, other_decided = evidence_verdicts(r, primary), evidence_verdicts(r, other)
+        r.phrases["in_short"] = (
+            f"In short, in the {r.evidence.label}, by the rule above, of the paper's readings: holds for "
+            f"{listing([c for c in primary if decided[c] == stats.HOLDS])}; contradicted for "
+            f"{listing([c for c in primary if decided[c] == stats.CONTRADICTED])}; inconclusive (or not measured) "
+            f"for {listing([c for c in primary if decided[c] in (stats.INCONCLUSIVE, stats.NOT_MEASURED)])}. Of "
+            f"the other readings and baselines, these hold: "
+            f"{listing([c for c in other if other_decided[c] == stats.HOLDS])}.")
+    else:  # no committed evidence (another model): where the rerun's intervals lie, and no verdict
+        r.phrases["in_short"] = (
+            f"No evidence is committed for this model, so nothing is decided here. In the {r.rerun_label}, of the "
+            f"paper's readings, every part lies on the claimed side for "
+            f"{listing([c for c in primary if verdicts[c] == stats.HOLDS])}; a part lies on the opposite side for "
+            f"{listing([c for c in primary if verdicts[c] == stats.CONTRADICTED])}.")
 
 
 # -- where this model disagrees with the paper ----------------------------------------------------------------------
@@ -460,12 +500,20 @@ def _disagreements(r: Suppressors) -> None:
                   if len(g) >= 3 else np.nan for _, g in r.aa_of[d].groupby("layer")]
         within_rho[d] = float(np.nanmean(inside)) if np.isfinite(inside).any() else np.nan
     disagree = (stats.CONTRADICTED, stats.INCONCLUSIVE)  # "not measured" is no disagreement: the table says why
+    claims_ = (sink_claims.ANTI_ALIGNMENT, sink_claims.TREND, sink_claims.SUPPRESSION, sink_claims.CONVEXITY)
+    if r.evidence is not None:  # which claims disagree: the committed evidence's verdicts, not the rerun's
+        verdicts = evidence_verdicts(r, claims_)
+        label = r.evidence.label
+        said = {c: f"{label}: {v}" for c, v in verdicts.items()}
+    else:
+        label = r.rerun_label
+        said = {c: f"{label}: {rerun_direction(verdicts.get(c), claim=True)}" for c in claims_}
     pct = r.pct_text
     paragraphs = []
     if verdicts.get(sink_claims.ANTI_ALIGNMENT) in disagree:
         contrast = r.row_of(first, "contrast")
         paragraphs.append(
-            f"**Anti-alignment ({verdicts.get(sink_claims.ANTI_ALIGNMENT)}).** The median cos(ṽ₀, sᵢ) over sink heads is "
+            f"**Anti-alignment** ({said[sink_claims.ANTI_ALIGNMENT]}). The median cos(ṽ₀, sᵢ) over sink heads is "
             f"{_both(r, 'cos_semantic')}. *Layer type*: {_types_of(r, 'cos_semantic')}. *Layers*: Figure 2; the sink heads' "
             f"cosines cluster by layer, which is why the intervals resample layers and are wider than a bootstrap over "
             f"heads would make them. *Baseline*: the sink's cosine minus a random non-sink key's is "
@@ -477,7 +525,7 @@ def _disagreements(r: Suppressors) -> None:
             f"*BOS*: {_bos_text(r)}.")
     if verdicts.get(sink_claims.TREND) in disagree:
         paragraphs.append(
-            f"**Trend ({verdicts.get(sink_claims.TREND)}).** Spearman's ρ(sink rate, cos(ṽ₀, sᵢ)) over all heads is "
+            f"**Trend** ({said[sink_claims.TREND]}). Spearman's ρ(sink rate, cos(ṽ₀, sᵢ)) over all heads is "
             f"{_both(r, 'rho_semantic')}. *Layers*: over the layers (one point per layer: its heads' mean sink rate and mean "
             f"cosine) ρ is " + "; ".join(f"`{d}` {layer_rho[d][0]:.2f} ({layer_rho[d][1]:.2f} to {layer_rho[d][2]:.2f})"
                                          for d in r.datasets)
@@ -491,7 +539,7 @@ def _disagreements(r: Suppressors) -> None:
                 + "; since the norm cancels the input's length, this measures how the sink term turns the output "
                 "relative to the norm's gain, not a shorter update" if r.has_post else "the model has no post-attention norm")
         paragraphs.append(
-            f"**Suppression ({verdicts.get(sink_claims.SUPPRESSION)}, raw reading per head).** The sink term shortens "
+            f"**Suppression** (raw reading per head; {said[sink_claims.SUPPRESSION]}). The sink term shortens "
             f"{_both(r, 'shortened', pct)} of sink-head outputs. *Reading*: with the sink "
             f"renormalised away the share is {_both(r, 'shortened_renormalised@head', pct)}, "
             f"and ‖ṽ₀‖ < ‖ŝᵢ‖ (which suffices for it) in "
@@ -502,16 +550,24 @@ def _disagreements(r: Suppressors) -> None:
             f"{_both(r, 'shortened_raw@attention_output', pct)}; {post}.")
     if verdicts.get(sink_claims.CONVEXITY) in disagree:
         paragraphs.append(
-            f"**Convexity ({verdicts.get(sink_claims.CONVEXITY)}, pooled fit).** The pooled quadratic has curvature "
+            f"**Convexity** (pooled fit; {said[sink_claims.CONVEXITY]}). The pooled quadratic has curvature "
             f"c₂ = {_both(r, 'pooled_curvature')} (norms over each head's mean; vertex {_both(r, 'pooled_vertex_below_1')}) and "
             f"{_both(r, 'pooled_curvature_v0')} (norms over ‖ṽ₀‖; vertex {_both(r, 'pooled_vertex_below_1_v0')}). *Scale of the "
             f"pooled points*: the verdict depends on how the heads are put on one scale, because heads differ in output "
             f"norm, sink value norm and vertex, and their pooled cloud (Figure 5) is flatter than any one head. *Per head*: an interior minimum in "
             f"{_both(r, 'share_interior', pct)} of fitted heads, established by its interval in "
             f"{_both(r, 'share_vertex_inside', pct)}. *Layer type*: {_types_of(r, 'share_interior')}.")
+    if paragraphs:
+        paragraphs.insert(0, f"Which claims disagree is the committed evidence's verdict ({label}); the numbers "
+                             f"that can explain it are this page's, the {r.rerun_label}." if r.evidence is not None
+                          else f"No evidence is committed for this model: the claims below are those whose parts, in "
+                               f"the {label}, lie on the opposite side or straddle their threshold.")
     r.phrases["disagreements"] = ("\n\n".join(paragraphs) if paragraphs else
-                                  "No claim of the paper is contradicted or inconclusive here: there is no disagreement "
-                                  "to explain (a claim not measured says why in the table above).")
+                                  f"In the {label} no claim of the paper is contradicted or inconclusive: there is "
+                                  "no disagreement to explain (a claim not measured says why in the table above)."
+                                  if r.evidence is not None else
+                                  f"In the {label} no claim's part lies on the opposite side or straddles its "
+                                  "threshold: there is nothing to explain here.")
 
 
 # -- figures ----------------------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.sinks_common import OnSinkPass, SinkPass, sink_pass
+from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, disagreement_opening,
+                                          nothing_to_explain, part_phrase, rerun_claims_table, sink_pass)
 
 CHAPTER = "07_semantic_cone"
 MEASURES = ["log_norm_ratio", "delta_cos", "drift", "cos_clean", "cos_after"]
@@ -82,8 +83,9 @@ class SemanticCone(OnSinkPass):
     claims: pd.DataFrame = None
     claims_by_data: dict = None
     stacked_claims: pd.DataFrame = None
-    claims_display: pd.DataFrame = None
-    verdict_of: dict = None
+    claims_display: pd.DataFrame = None  # Table 1: the rerun's parts beside the committed evidence's verdicts
+    verdict_of: dict = None  # data set -> {claim: the rerun's verdict text} (never printed: see rerun_direction)
+    evidence: object = None  # the committed evidence (sinks_common.Evidence), None where none is committed
 
 
 
@@ -120,6 +122,9 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")
     r = SemanticCone(sinks=shared, quantiles=quantiles, n_bootstrap=n_bootstrap)
+    r.evidence = committed_evidence(CHAPTER, model)  # the verdicts the page prints come from here
+    r.phrases["rerun_label"] = r.rerun_label
+    r.phrases["evidence_label"] = r.evidence.label if r.evidence is not None else "no committed evidence for this model"
     data = r.data
     r.phrases["caption"] = (f"{model}, {len(shared.blocks[data])} documents of `{data}` ({run_.seq_len} tokens each), "
                             f"seed {run_.seed}")
@@ -166,9 +171,8 @@ def _outputs(r: SemanticCone) -> None:
         sink_claims.triple(claims, "dcos_sink_minus_random_direction"),
         "further from the axis than that random term would",
         "*closer to* the axis than that random term would, not further,")
-    r.phrases["v_random_direction"] = (
-        f"*{sink_claims.verdict_text(claims[claims['key'] == 'dcos_sink_minus_random_direction'])[0]}*"
-        if (claims["key"] == "dcos_sink_minus_random_direction").any() else "*not measured*")
+    first_claims = sink_claims.for_data(claims, r.data)  # keys "<data>/...", as part_phrase reads them
+    r.phrases["v_random_direction"] = f"*{part_phrase(first_claims, r.data, 'dcos_sink_minus_random_direction', r.evidence)}*"
     points = r.points
     matched = points[(points["condition"] == "sink") & (points["quantile"] == 1)]
     r.numbers["alpha0_q1"] = float(matched["alpha0_clean"].mean()) if len(matched) else np.nan
@@ -241,13 +245,13 @@ def _claims(r: SemanticCone) -> None:
         r.claims_by_data[name] = sink_claims.cone_claims(r.sinks.results[name]["raw"]["semantic_cone"], r.quantiles,
                                                          **r.boot)
     r.stacked_claims = sink_claims.stack_data(r.claims_by_data)  # part "<data>: ...", key "<data>/..."
-    r.claims_display = sink_claims.display(r.stacked_claims, digits=3)
+    r.claims_display = rerun_claims_table(r.stacked_claims, r.evidence, r.rerun_label, digits=3)
     r.verdict_of = {d: sink_claims.claim_verdict_texts(c) for d, c in r.claims_by_data.items()}
     for claim_name, tag in ((sink_claims.CONE, "v_cone"), (sink_claims.PERPLEXITY, "v_ppl"),
                             (sink_claims.DRIFT, "v_drift")):
-        r.phrases[tag] = "; ".join(f"on `{d}` **{v.get(claim_name, 'not measured')}**" for d, v in r.verdict_of.items())
-    for i, v in enumerate(sink_claims.verdict_text(r.claims)):
-        r.phrases[f"v_part{i}"] = f"*{v}*"
+        r.phrases[tag] = claim_phrase(claim_name, r.stacked_claims, r.datasets, r.evidence)
+    for i, key in enumerate(r.claims["key"]):  # the first data set's parts, in order
+        r.phrases[f"v_part{i}"] = f"*{part_phrase(r.stacked_claims, r.data, key, r.evidence)}*"
 
 
 def _disagreements(r: SemanticCone) -> None:
@@ -263,12 +267,9 @@ def _disagreements(r: SemanticCone) -> None:
     for claim_name, what in ((sink_claims.CONE, "low-norm outputs collapse into the cone"),
                              (sink_claims.PERPLEXITY, "removing the sink raises perplexity"),
                              (sink_claims.DRIFT, "noise from many weak tokens accumulates")):
-        verdicts = {d: v.get(claim_name) for d, v in r.verdict_of.items()}
-        if all(v == "holds" for v in verdicts.values()):
+        lines = disagreement_opening(claim_name, what, r.stacked_claims, r.datasets, r.evidence, r.rerun_label)
+        if lines is None:
             continue
-        lines = [f"**{what}**: " + ", ".join(f"`{d}` {v}" for d, v in verdicts.items()) + "."]
-        lines.append("The data set matters: the verdicts differ." if len(set(verdicts.values())) > 1 else
-                     "The data set is not the explanation: the verdict is the same on both.")
         c = r.claims_by_data[data]
         keys = {sink_claims.CONE: ["dcos_sink_q1", "dcos_sink_minus_control", "dcos_sink_minus_mass",
                                    "dcos_low_minus_high", "dcos_sink_minus_random_direction"],
@@ -280,7 +281,7 @@ def _disagreements(r: SemanticCone) -> None:
             if len(row):
                 row = row.iloc[0]
                 parts.append(f"{row['statistic']} {row['estimate']:+.3f} ({row['low']:+.3f} to {row['high']:+.3f}, "
-                             f"{row['verdict']})")
+                             f"{part_phrase(r.stacked_claims, data, key, r.evidence)})")
         lines.append("On `" + data + "`: " + "; ".join(parts) + ".")
         if claim_name == sink_claims.CONE:
             e = value(r.within, "delta_cos", condition="sink_renorm", quantile=1)
@@ -295,7 +296,7 @@ def _disagreements(r: SemanticCone) -> None:
         lines.append(f"BOS: {bos_text}.")
         paragraphs.append(" ".join(lines))
     r.phrases["disagreements"] = ("\n\n".join(paragraphs) if paragraphs else
-                                  "Every claim of this page holds on both data sets: nothing to explain.")
+                                  nothing_to_explain(r.evidence, r.rerun_label))
 
 
 # -- figures ----------------------------------------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Code the chapters share: the contribution maps of one sentence and the factors figure (chapters 3 and
-8), and the tables of the faithfulness chapters (4 and 4b)."""
+8), the tables of the faithfulness chapters (4 and 4b), and the labels of every chapter's rerun check (4-7):
+this build's own small-sample numbers, described by where their intervals lie, never by a verdict word."""
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 
+from cwcore import stats
 from cwcore.plotting import contribution_heatmap, layer_axis, legend_below, plain_log
 
 
@@ -130,3 +132,91 @@ class SweepOptions:
         """The library's keywords the sweeps ran with (``common`` less the book's ``cache`` switch), for a
         reader's own :func:`cwcore.faithfulness.faithfulness_curve` call."""
         return {k: v for k, v in self.common.items() if k != "cache"}
+
+
+# --- the rerun check: this build's small-sample numbers, labelled, never read as verdicts -------------------------
+#
+# A chapter's verdicts come from the committed evidence-size tables; what a default build computes itself is a
+# rerun check at its own (small) size, one seed, no multiplicity adjustment. Its intervals are described by where
+# they lie, never in the verdict vocabulary of cwcore.stats, so a reader cannot take a rerun for a verdict.
+
+#: where a rerun's interval lies, by the verdict cwcore.stats.verdict gives it (no verdict word in any)
+RERUN_DIRECTION = {stats.HOLDS: "interval on the claimed side", stats.CONTRADICTED: "interval on the opposite side",
+                   stats.INCONCLUSIVE: "interval straddles the threshold", stats.NEGLIGIBLE: "interval inside the margin",
+                   stats.NOT_MEASURED: "no interval"}
+#: the same for a claim of several parts (cwcore.stats.combine_verdicts / combine_all of the parts)
+RERUN_CLAIM_DIRECTION = {stats.HOLDS: "every part on the claimed side",
+                         stats.CONTRADICTED: "a part on the opposite side",
+                         stats.INCONCLUSIVE: "a part straddles its threshold",
+                         stats.NEGLIGIBLE: "every part inside its margin", stats.NOT_MEASURED: "no interval"}
+#: the words a rerun's text must not use unlabelled (the verdicts of cwcore.stats that decide a claim)
+VERDICT_WORDS = (stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NEGLIGIBLE)
+#: the rerun-agreement answers (column "rerun agrees with the evidence?")
+AGREES, TOO_SMALL, DIFFERS, NO_EVIDENCE = ("yes", "too few documents to tell", "no", "no committed verdict")
+
+
+#: a rerun's agreement with the evidence, as a verb phrase for the prose
+AGREEMENT_SAID = {AGREES: "agrees", TOO_SMALL: "has too few documents to tell", DIFFERS: "differs",
+                  NO_EVIDENCE: "has no committed verdict to compare with"}
+#: ... and as a short table cell
+AGREEMENT_SHORT = {AGREES: "agrees", TOO_SMALL: "too few to tell", DIFFERS: "differs", NO_EVIDENCE: "no evidence"}
+
+
+def documents_text(counts) -> str:
+    """``"6 documents per data set"`` from the documents each data set ran on (``{data: n}`` or a list of
+    counts); ``"6 and 8 documents (gsm8k, web-text)"`` where they differ."""
+    counts = dict(counts) if isinstance(counts, dict) else {i: n for i, n in enumerate(counts)}
+    sizes = sorted({int(n) for n in counts.values()})
+    if len(sizes) == 1:
+        return f"{sizes[0]} document{'s' if sizes[0] != 1 else ''} per data set"
+    return (" and ".join(str(int(n)) for n in counts.values()) + " documents ("
+            + ", ".join(str(d) for d in counts) + ")")
+
+
+def rerun_label(counts) -> str:
+    """The label every number of this build's own run carries: ``"rerun check (6 documents per data set, one
+    seed, no adjustment)"``, from the documents it really ran on (see :func:`documents_text`)."""
+    return f"rerun check ({documents_text(counts)}, one seed, no adjustment)"
+
+
+def _base(verdict) -> str:
+    # "not measured: no sink heads" -> "not measured"; anything outside the vocabulary -> not measured
+    text = str(verdict) if isinstance(verdict, str) else stats.NOT_MEASURED
+    for v in stats.VERDICTS:
+        if text == v or text.startswith(v + ":"):
+            return v
+    return stats.NOT_MEASURED
+
+
+def rerun_direction(verdict, *, claim: bool = False) -> str:
+    """Where a rerun's interval lies (:data:`RERUN_DIRECTION`), given the verdict the rule gives it; with
+    ``claim``, for a claim of several parts (:data:`RERUN_CLAIM_DIRECTION`). A "not measured: why" keeps
+    its reason."""
+    base = _base(verdict)
+    said = (RERUN_CLAIM_DIRECTION if claim else RERUN_DIRECTION)[base]
+    why = str(verdict).partition(":")[2].strip() if base == stats.NOT_MEASURED and isinstance(verdict, str) else ""
+    return f"{said} ({why})" if why else said
+
+
+def rerun_agrees(rerun_verdict, evidence_verdict) -> str:
+    """Whether a rerun agrees with the committed evidence on one part or claim: :data:`AGREES` when both give
+    the same verdict, :data:`TOO_SMALL` when the rerun's interval decides nothing (it straddles the threshold,
+    or there is none) and the evidence's does, :data:`DIFFERS` otherwise, :data:`NO_EVIDENCE` when the evidence
+    has no verdict for it (nothing committed, or not measured there)."""
+    rerun, evidence = _base(rerun_verdict), _base(evidence_verdict)
+    if evidence_verdict is None or (isinstance(evidence_verdict, float) and np.isnan(evidence_verdict)) \
+            or evidence == stats.NOT_MEASURED:
+        return NO_EVIDENCE
+    if rerun == evidence:
+        return AGREES
+    if rerun in (stats.INCONCLUSIVE, stats.NOT_MEASURED):
+        return TOO_SMALL
+    return DIFFERS
+
+
+def unlabelled_verdicts(text: str) -> list[str]:
+    """The verdict words (:data:`VERDICT_WORDS`) a rerun's ``text`` uses: what a rerun-check section must
+    not say (tests scan every rerun text and column a chapter generates with it)."""
+    import re
+
+    return [w for w in VERDICT_WORDS if re.search(rf"\b{w}\b", str(text), flags=re.I)]
