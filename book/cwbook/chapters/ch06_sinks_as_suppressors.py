@@ -512,20 +512,23 @@ def _disagreements(r: Suppressors) -> None:
     paragraphs = []
     if verdicts.get(sink_claims.ANTI_ALIGNMENT) in disagree:
         contrast = r.row_of(first, "contrast")
+        # whether the sink is less aligned than an ordinary token: the evidence's verdict where committed
+        contrast_verdict = (r.evidence.part_verdict(first, "contrast") if r.evidence is not None
+                            else contrast["verdict"] if contrast is not None else None)
         paragraphs.append(
-            f"**Anti-alignment** ({said[sink_claims.ANTI_ALIGNMENT]}). The median cos(ṽ₀, sᵢ) over sink heads is "
+            f"**Anti-alignment**, {said[sink_claims.ANTI_ALIGNMENT]}. The median cos(ṽ₀, sᵢ) over sink heads is "
             f"{_both(r, 'cos_semantic')}. *Layer type*: {_types_of(r, 'cos_semantic')}. *Layers*: Figure 2; the sink heads' "
             f"cosines cluster by layer, which is why the intervals resample layers and are wider than a bootstrap over "
             f"heads would make them. *Baseline*: the sink's cosine minus a random non-sink key's is "
             f"{_both(r, 'contrast')} ({r.verdict_of(first, 'contrast')} on `{first}`)"
             + (": the sink is less aligned with the text than an ordinary token, even where its own cosine is positive"
-               if contrast is not None and contrast["verdict"] == stats.HOLDS else
+               if contrast_verdict == stats.HOLDS else
                ": the sink is not shown to be less aligned with the text than an ordinary token")
             + f". *Centring*: with the shared direction removed the median is {_both(r, 'cos_semantic_centred')}. "
             f"*BOS*: {_bos_text(r)}.")
     if verdicts.get(sink_claims.TREND) in disagree:
         paragraphs.append(
-            f"**Trend** ({said[sink_claims.TREND]}). Spearman's ρ(sink rate, cos(ṽ₀, sᵢ)) over all heads is "
+            f"**Trend**, {said[sink_claims.TREND]}. Spearman's ρ(sink rate, cos(ṽ₀, sᵢ)) over all heads is "
             f"{_both(r, 'rho_semantic')}. *Layers*: over the layers (one point per layer: its heads' mean sink rate and mean "
             f"cosine) ρ is " + "; ".join(f"`{d}` {layer_rho[d][0]:.2f} ({layer_rho[d][1]:.2f} to {layer_rho[d][2]:.2f})"
                                          for d in r.datasets)
@@ -539,7 +542,7 @@ def _disagreements(r: Suppressors) -> None:
                 + "; since the norm cancels the input's length, this measures how the sink term turns the output "
                 "relative to the norm's gain, not a shorter update" if r.has_post else "the model has no post-attention norm")
         paragraphs.append(
-            f"**Suppression** (raw reading per head; {said[sink_claims.SUPPRESSION]}). The sink term shortens "
+            f"**Suppression** (raw reading per head), {said[sink_claims.SUPPRESSION]}. The sink term shortens "
             f"{_both(r, 'shortened', pct)} of sink-head outputs. *Reading*: with the sink "
             f"renormalised away the share is {_both(r, 'shortened_renormalised@head', pct)}, "
             f"and ‖ṽ₀‖ < ‖ŝᵢ‖ (which suffices for it) in "
@@ -550,7 +553,7 @@ def _disagreements(r: Suppressors) -> None:
             f"{_both(r, 'shortened_raw@attention_output', pct)}; {post}.")
     if verdicts.get(sink_claims.CONVEXITY) in disagree:
         paragraphs.append(
-            f"**Convexity** (pooled fit; {said[sink_claims.CONVEXITY]}). The pooled quadratic has curvature "
+            f"**Convexity** (pooled fit), {said[sink_claims.CONVEXITY]}. The pooled quadratic has curvature "
             f"c₂ = {_both(r, 'pooled_curvature')} (norms over each head's mean; vertex {_both(r, 'pooled_vertex_below_1')}) and "
             f"{_both(r, 'pooled_curvature_v0')} (norms over ‖ṽ₀‖; vertex {_both(r, 'pooled_vertex_below_1_v0')}). *Scale of the "
             f"pooled points*: the verdict depends on how the heads are put on one scale, because heads differ in output "
@@ -558,8 +561,8 @@ def _disagreements(r: Suppressors) -> None:
             f"{_both(r, 'share_interior', pct)} of fitted heads, established by its interval in "
             f"{_both(r, 'share_vertex_inside', pct)}. *Layer type*: {_types_of(r, 'share_interior')}.")
     if paragraphs:
-        paragraphs.insert(0, f"Which claims disagree is the committed evidence's verdict ({label}); the numbers "
-                             f"that can explain it are this page's, the {r.rerun_label}." if r.evidence is not None
+        paragraphs.insert(0, f"Which claims disagree is decided by the {label}; the numbers that can explain "
+                             f"it are this page's, the {r.rerun_label}." if r.evidence is not None
                           else f"No evidence is committed for this model: the claims below are those whose parts, in "
                                f"the {label}, lie on the opposite side or straddle their threshold.")
     r.phrases["disagreements"] = ("\n\n".join(paragraphs) if paragraphs else
