@@ -171,10 +171,10 @@ def _steps(verdicts, estimates=None):
 def test_chapter_4_shows_a_rerun_step_by_its_agreement_with_the_committed_step():
     from cwbook.chapters.ch04_faithfulness import agreement_cells
 
-    rerun = _steps([H, I, C, H, NM], estimates=[0.01, 0.01, 0.01, 0.01, np.nan])
-    committed = _steps([H, H, H, C])  # d4 is not committed
+    rerun = _steps([H, I, C, H, NM, H], estimates=[0.01, 0.01, 0.01, 0.01, np.nan, 0.01])
+    committed = _steps([H, H, H, C, NM])  # d5 is not committed
     cells = agreement_cells(rerun, committed)
     assert cells == ["+0.010 [-0.020, +0.030]; agrees", "+0.010 [-0.020, +0.030]; too few to tell",
                      "+0.010 [-0.020, +0.030]; differs", "+0.010 [-0.020, +0.030]; differs",
-                     "no interval; no evidence"]
+                     "no interval; not measured", "+0.010 [-0.020, +0.030]; no evidence"]
     assert not unlabelled_verdicts(" ".join(cells + agreement_cells(rerun, None)))

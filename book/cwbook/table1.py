@@ -41,8 +41,9 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
     protocol where it is measured and the ordering over those steps (:func:`cwcore.stats.combine_all`),
     in both modes and both importance signs (:data:`PRIMARY_COLUMNS`), from the committed evidence
     (``evidence_rows``: :func:`findings_csv` of the evidence folder; ``|c|`` cells Holm-decided, signed cells
-    exploratory and unadjusted); with ``live_rows`` (this build's findings), one ``rerun`` column per
-    mode and sign holding the live verdicts in the same order, and ``rerun agrees`` (of the cells
+    exploratory and unadjusted); with ``live_rows`` (this build's findings), one ``rerun agrees?`` column
+    saying, per mode and sign in the same order, whether the rerun gives the evidence's verdict (no rerun
+    verdict is printed), and ``rerun agrees`` (of the cells
     measured by both, how many give the same verdict; empty when none is)."""
     rng = evidence.PRIMARY["range"]
     models = list(models or evidence.PRIMARY["models"])
@@ -74,10 +75,14 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
                         if claim.startswith("step"):
                             chain_live[label].append(lv_v)
                 if live_rows is not None:
-                    row["rerun (|c| / signed, comprehensiveness; sufficiency)"] = \
-                        f"{live[0]} / {live[1]}; {live[2]} / {live[3]}"
+                    from cwbook.chapters.common import AGREEMENT_SHORT, rerun_agrees
+
                     ours = [row[label].split(" ")[0] if not row[label].startswith(NOT_MEASURED) else NOT_MEASURED
                             for *_, label in PRIMARY_COLUMNS]
+                    # whether the rerun gives the evidence's verdict, cell by cell (never the rerun's own verdict)
+                    said = [AGREEMENT_SHORT[rerun_agrees(lv_, ev_)] if lv_ else "" for lv_, ev_ in zip(live, ours)]
+                    row["rerun agrees? (|c| / signed, comprehensiveness; sufficiency)"] = \
+                        f"{said[0]} / {said[1]}; {said[2]} / {said[3]}"
                     both = [(a, b) for a, b in zip(ours, live) if NOT_MEASURED not in (a, b)]
                     row["rerun agrees"] = f"{sum(a == b for a, b in both)}/{len(both)}" if both else ""
                 out.append(row)

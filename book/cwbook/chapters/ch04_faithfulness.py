@@ -58,7 +58,10 @@ def agreement_cells(rows: pd.DataFrame, evidence_rows: pd.DataFrame | None) -> l
     cells = []
     for key, e, lo, hi, v in zip(map(tuple, keyed[findings.ROW_KEYS].to_numpy()), rows["estimate"], rows["ci_low"],
                                  rows["ci_high"], rows["verdict"]):
-        agreement = AGREEMENT_SHORT[rerun_agrees(v, committed.get(key))]
+        ev = committed.get(key)
+        # a step measured at neither size (identical by construction under its protocol) says so
+        agreement = (stats.NOT_MEASURED if v == stats.NOT_MEASURED and ev in (None, stats.NOT_MEASURED)
+                     else AGREEMENT_SHORT[rerun_agrees(v, ev)])
         cells.append(f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}]; {agreement}" if np.isfinite(e) else
                      f"{rerun_direction(v)}; {agreement}")
     return cells
@@ -150,7 +153,9 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
     ev_verdict = {} if evidence_rows is None else dict(zip(
         map(tuple, evidence_rows[["claim", *ROWS]].fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
     combined = combined.assign(shown=[
-        (f"evidence {ev_verdict[key]}; rerun {AGREEMENT_SHORT[rerun_agrees(v, ev_verdict[key])]}" if key in ev_verdict
+        (f"evidence {ev_verdict[key]}; rerun {AGREEMENT_SHORT[rerun_agrees(v, ev_verdict[key])]}"
+         if ev_verdict.get(key) not in (None, stats.NOT_MEASURED) else
+         f"evidence {ev_verdict[key]}; rerun: {rerun_direction(v, claim=True)}" if key in ev_verdict
          else f"rerun: {rerun_direction(v, claim=True)}")
         for key, v in zip(map(tuple, combined[["claim", *ROWS]].fillna("").astype(str).to_numpy()), combined["verdict"])])
     verdict_table = combined.pivot_table(index=ROWS, columns="claim", values="shown", aggfunc="first",

@@ -18,7 +18,8 @@ import pandas as pd
 import cwcore
 from cwbook import findings
 from cwbook import ladder as evidence
-from cwbook.chapters.common import aopc_table, interval_cell, SweepOptions
+from cwbook.chapters.common import (AGREEMENT_SHORT, RERUN_DIRECTION, aopc_table, interval_cell, rerun_agrees,
+                                   rerun_direction, rerun_label, SweepOptions)
 from cwbook.evidence_frames import bench_cell
 from cwcore import faithfulness as faith
 from cwcore.data import document_blocks
@@ -101,6 +102,19 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
                             + ", ".join(f"{n_docs[d]} `{d}` documents" for d in datasets)
                             + f", ratios {', '.join(f'{r:g}' for r in grid)}, seed {seed}")
     quoted["elapsed"] = elapsed
+    # the committed comparisons at the evidence size: every verdict word the page prints comes from them
+    committed = findings.load_results(findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, model)
+    pair_keys = ["data", "range", "mode", "lower", "higher"]
+    ev_verdict = {} if committed is None else dict(zip(
+        map(tuple, committed.table[pair_keys].astype(str).to_numpy()), committed.table["verdict"]))
+    ev_label = (None if committed is None else
+                f"evidence (exploratory sample, {committed.metadata.get('parameters', {}).get('n_documents')} "
+                "documents per data set)")
+    quoted_md["rerun_label"] = rerun_label(n_docs)
+    quoted_md["evidence_label"] = ev_label or "no committed evidence for this model"
+
+    def committed_of(r) -> str | None:
+        return ev_verdict.get(tuple(str(getattr(r, k)) for k in pair_keys))
 
     # Table 1 and the rankings the text quotes
     table1 = aopc_table(areas, ["data", "range", "mode"], metrics, LABELS)
@@ -121,8 +135,9 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     # Table 2 and the verdicts the text quotes
     comp = comparisons.assign(pair=[f"{LABELS.get(h, h)} vs {LABELS.get(l, l)}"
                                     for l, h in zip(comparisons["lower"], comparisons["higher"])])
-    comp["cell"] = [f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}] {v}"  # identical by construction: "not measured"
-                    for e, lo, hi, v in zip(comp["difference"], comp["ci_low"], comp["ci_high"], comp["verdict"])]
+    # the rerun's interval and whether it agrees with the evidence's verdict of the same pair (never its own)
+    comp["cell"] = [f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]; "
+                    f"{AGREEMENT_SHORT[rerun_agrees(r.verdict, committed_of(r))]}" for r in comp.itertuples()]
     pair_table = comp.pivot_table(index=["data", "range", "mode"], columns="pair", values="cell", aggfunc="first",
                                   sort=False)
     power = comparisons.groupby(["data", "range", "mode"], sort=False).agg(n=("n", "max"), mde=("mde", "median"))
@@ -140,33 +155,39 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     def phrase(rows, who):
         out = []
         for r in rows.itertuples():
+            said = committed_of(r)
             out.append(f"{LABELS.get(getattr(r, who), getattr(r, who))} {r.difference:+.3f} "
-                       f"[{r.ci_low:+.3f}, {r.ci_high:+.3f}] **{r.verdict}**")
+                       f"[{r.ci_low:+.3f}, {r.ci_high:+.3f}] "
+                       + (f"(evidence **{said}**, rerun {AGREEMENT_SHORT[rerun_agrees(r.verdict, said)]})" if said
+                          else f"({rerun_direction(r.verdict)})"))
         return "; ".join(out) or "none"
 
     for i, data in enumerate(datasets):
         for mode, tag in (("comprehensiveness", "comp"), ("sufficiency", "suff")):
             quoted_md[f"ref_{tag}_{i}"] = f"`{data}`: " + phrase(verdicts(data, mode, higher=reference), "lower")
             rows = verdicts(data, mode, lower="random")
-            beat = [LABELS.get(m, m) for m, v in zip(rows["higher"], rows["verdict"]) if v == "holds"]
+            # beating random: by the evidence's verdict where committed, else where the rerun's interval lies
+            beat = [LABELS.get(r.higher, r.higher) for r in rows.itertuples()
+                    if (committed_of(r) if committed is not None else r.verdict) == "holds"]
             quoted_md[f"random_{tag}_{i}"] = f"`{data}`: " + (", ".join(beat) if beat else "none")
     # where the bench disagrees with the paper's ladder (contribution above every lower rung)
     ladder_lower = [m for m in ("attention", "value_weighted", "value_weighted_output_normalized") if m in metrics]
-    against = comparisons[(comparisons["higher"] == reference) & comparisons["lower"].isin(ladder_lower)
-                          & (comparisons["verdict"] == "contradicted")]
+    decided = comparisons.assign(decided=[committed_of(r) if committed is not None else r.verdict
+                                          for r in comparisons.itertuples()])  # the evidence's, where committed
+    against = decided[(decided["higher"] == reference) & decided["lower"].isin(ladder_lower)
+                      & (decided["decided"] == "contradicted")]
     quoted_md["ladder_contradicted"] = (
         "; ".join(f"{LABELS[r.lower]} over contribution ({r.data}, {r.range}, {r.mode}, "
                   f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}])"
                   for r in against.itertuples()) or "none of the ladder's steps")
-    beaten = comparisons[(comparisons["higher"] == reference)
-                         & ~comparisons["lower"].isin(ladder_lower + ["random"])
-                         & (comparisons["verdict"] == "contradicted")]
+    beaten = decided[(decided["higher"] == reference) & ~decided["lower"].isin(ladder_lower + ["random"])
+                     & (decided["decided"] == "contradicted")]
     quoted_md["reference_beaten"] = (
         "; ".join(f"{LABELS.get(r.lower, r.lower)} ({r.data}, {r.range}, {r.mode}, "
                   f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}])"
                   for r in beaten.itertuples()) or "no method")
-    counts = comparisons["verdict"].value_counts()
-    quoted_md["verdict_counts"] = ", ".join(f"{int(counts.get(v, 0))} {v}"
+    counts = comparisons["verdict"].value_counts()  # the rerun's: said by where the intervals lie
+    quoted_md["verdict_counts"] = ", ".join(f"{int(counts.get(v, 0))} {RERUN_DIRECTION[v]}"
                                             for v in ("holds", "contradicted", "inconclusive", "not measured"))
     quoted["mde_median"] = float(comparisons["mde"].median())
     quoted["n_docs"] = int(comparisons["n"].max())

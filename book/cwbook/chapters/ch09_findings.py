@@ -47,6 +47,41 @@ class Findings:
     compared: pd.DataFrame = None
 
 
+def rerun_size(rows: pd.DataFrame) -> str:
+    """The rerun check's label from this build's findings rows: the documents its ladder ran on per data set
+    (``n_units`` of the rows counted in documents), e.g. "rerun check (4 documents per data set, one seed, no
+    adjustment)"."""
+    from cwbook.chapters.common import rerun_label
+
+    counted = rows.loc[rows.get("unit", pd.Series(dtype=str)).eq("document"), "n_units"] if len(rows) else []
+    sizes = sorted({int(n) for n in counted if pd.notna(n) and n > 0})
+    if not sizes:
+        return "rerun check (this build, one seed, no adjustment)"
+    if len(sizes) == 1:
+        return rerun_label({"": sizes[0]})
+    return f"rerun check ({sizes[0]} to {sizes[-1]} documents per data set, one seed, no adjustment)"
+
+
+def beside_evidence(rows: pd.DataFrame, evidence_rows: pd.DataFrame, label: str) -> pd.DataFrame:
+    """This build's findings ``rows`` as a labelled rerun check: their ``verdict`` column becomes ``rerun
+    direction`` (where the interval lies, no verdict word), beside the verdict of the same row
+    (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (column ``evidence``) and whether the
+    rerun agrees with it."""
+    from cwbook import findings
+    from cwbook.chapters.common import AGREEMENT_SHORT, rerun_agrees, rerun_direction
+
+    keys = [k for k in findings.ROW_KEYS if k in rows and k in evidence_rows]
+    committed = dict(zip(map(tuple, evidence_rows[keys].fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
+    found = [committed.get(k) for k in map(tuple, rows[keys].fillna("").astype(str).to_numpy())]
+    at = list(rows.columns).index("verdict")
+    out = rows.drop(columns="verdict")
+    out.insert(at, "rerun direction", [rerun_direction(v) for v in rows["verdict"]])
+    out.insert(at + 1, "evidence", [v if v is not None else "not committed" for v in found])
+    out.insert(at + 2, "rerun agrees with the evidence?",
+               [AGREEMENT_SHORT[rerun_agrees(v, e)] for v, e in zip(rows["verdict"], found)])
+    return out.rename(columns={"rerun direction": f"rerun direction ({label})"})
+
+
 def _interval(frame: pd.DataFrame) -> list[str]:
     return [f"{lo:+.3f} – {hi:+.3f}" if pd.notna(lo) else "" for lo, hi in zip(frame["ci_low"], frame["ci_high"])]
 
@@ -80,8 +115,9 @@ def _primary(r: Findings, results_dir) -> None:
         r.table1 = primary_table(evidence_rows, live_rows)
         r.phrases["table1_source"] = (
             f"the committed evidence (`{committed_dir.name}/`, 64 documents per data set), "
-            f"with this build's verdicts (profile `{profile}`, {', '.join(models)}) beside it as a rerun check "
-            "(`rerun`: |c| / signed in comprehensiveness; the same in sufficiency)")
+            f"with this build (profile `{profile}`, {', '.join(models)}) beside it as the "
+            f"{rerun_size(live_rows)} (`rerun agrees?`: whether it gives the evidence's verdict, |c| / signed in "
+            "comprehensiveness; the same in sufficiency)")
         source_rows = evidence_rows
     else:  # an evidence build, or an installed package without data/results: this build is the evidence
         r.table1 = primary_table(live_rows, None, models)
@@ -151,8 +187,33 @@ def _faithfulness_rows(r: Findings) -> None:
     sink_rows = faith[faith["measured"].str.match(r"chapter [567],", na=False)]
     r.phrases["n_sink_rows"] = f"{len(sink_rows)} rows"
     r.sink_rows = (sink_rows.assign(interval=_interval(sink_rows))
-                   [["model", "data", "claim", "source", "protocol", "verdict", "estimate", "interval", "n_units"]]
+                   [["model", "data", "claim", "source", "protocol", "variant", "mode", "importance", "range", "verdict",
+                     "estimate", "interval", "n_units"]])
+    r.phrases["rerun_label"] = rerun_size(faith)
+    if r.use_committed:  # a default build: its verdicts are a rerun check, the evidence's are the verdicts
+        from cwbook import findings
+
+        committed = findings.findings_csv(r.committed_dir, r.models, "evidence")
+        r.steps = beside_evidence(r.steps, committed, r.phrases["rerun_label"])
+        r.sink_rows = beside_evidence(r.sink_rows, committed, r.phrases["rerun_label"])
+    r.sink_rows = (r.sink_rows.drop(columns=["variant", "mode", "importance", "range"])
                    .rename(columns={"protocol": "part", "n_units": "n", "source": "claim by"}))
+
+
+def _without_verdict(text) -> str:
+    """``"+0.1 [+0.05, +0.2] holds"`` (:func:`cwbook.findings.beside`'s cell) with its verdict word replaced by
+    where the interval lies (:func:`cwbook.chapters.common.rerun_direction`)."""
+    from cwbook.chapters.common import rerun_direction
+    from cwcore import stats
+
+    if not isinstance(text, str):
+        return text
+    for v in stats.VERDICTS:
+        if text == v or text.startswith(v + ":"):
+            return rerun_direction(text)
+        if text.endswith(" " + v):
+            return f"{text[:-len(v) - 1]}: {rerun_direction(v)}"
+    return text
 
 
 def _compared(r: Findings) -> None:
@@ -183,10 +244,15 @@ def _compared(r: Findings) -> None:
             f"the {len(head)} parts of the paper's own readings (the bracketed variants are in both "
             "`findings.csv` files).")
         compared = head
+        compared[profile] = [_without_verdict(t) for t in compared[profile]]  # the rerun's interval, no verdict
+        compared = compared.rename(columns={"agree": "rerun agrees with the evidence?"})
+        compared["rerun agrees with the evidence?"] = compared["rerun agrees with the evidence?"].map(
+            {True: "yes", False: "no"})
     r.phrases["committed_table_note"] = (
         "" if compared.empty else
-        "Each part measured by both profiles: estimate [95% interval] and verdict at this page's "
-        "size and at the evidence size, the number of independent units behind each (`n`) and the smallest "
-        "effect each could detect (`mde`). `agree`: the same verdict.")
+        f"Each part measured by both profiles: estimate [95% interval] and where it lies in this page's "
+        f"{r.phrases.get('rerun_label', 'rerun check')}, estimate [95% interval] and verdict at the evidence size, "
+        "the number of independent units behind each (`n`) and the smallest effect each could detect (`mde`). "
+        "The last column: whether the rerun gives the evidence's verdict.")
     r.compared = compared.drop(columns=["mode", "importance", "range"], errors="ignore").rename(
         columns={"protocol": "part"})
