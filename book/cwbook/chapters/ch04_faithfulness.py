@@ -46,10 +46,12 @@ def committed_ladder(model: str):
     return committed.table, findings.faithfulness_findings(committed.table, model=model, profile="evidence"), label
 
 
-def agreement_cells(rows: pd.DataFrame, evidence_rows: pd.DataFrame | None) -> list[str]:
+def agreement_cells(rows: pd.DataFrame, evidence_rows: pd.DataFrame | None,
+                    template: str = "{interval}; {agreement}") -> list[str]:
     """One table cell per findings row of this build: ``"+0.012 [-0.003, +0.020]; too few to tell"``, the
     rerun's estimate and interval, then whether it agrees with the verdict of the same row
-    (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (never the rerun's own verdict)."""
+    (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (never the rerun's own verdict);
+    ``template`` lays the two out."""
     committed = {}
     if evidence_rows is not None and len(evidence_rows):
         keyed = evidence_rows.assign(**{k: evidence_rows[k].fillna("").astype(str) for k in findings.ROW_KEYS})
@@ -62,8 +64,8 @@ def agreement_cells(rows: pd.DataFrame, evidence_rows: pd.DataFrame | None) -> l
         # a step measured at neither size (identical by construction under its protocol) says so
         agreement = (stats.NOT_MEASURED if v == stats.NOT_MEASURED and ev in (None, stats.NOT_MEASURED)
                      else AGREEMENT_SHORT[rerun_agrees(v, ev)])
-        cells.append(f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}]; {agreement}" if np.isfinite(e) else
-                     f"{rerun_direction(v)}; {agreement}")
+        interval = f"{e:+.3f} [{lo:+.3f}, {hi:+.3f}]" if np.isfinite(e) else rerun_direction(v)
+        cells.append(template.format(interval=interval, agreement=agreement))
     return cells
 
 
@@ -170,12 +172,13 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
                                   f"{rerun_direction(live, claim=True)})")
                 continue
             committed_verdict = judge(evidence_table, mode, data=first).verdict
-            quoted_md[key] = (f"**{committed_verdict}** in the {evidence_label} (the rerun check "
-                              f"{AGREEMENT_SAID[rerun_agrees(live, committed_verdict)]})")
+            quoted_md[key] = (f"**{committed_verdict}** in the {evidence_label} — the rerun check "
+                              f"{AGREEMENT_SAID[rerun_agrees(live, committed_verdict)]} —")
     ph = claims[(claims["data"] == first) & (claims["protocol"] == "per-head") & (claims["range"] == "full")
                 & (claims["claim"] == "step 2->3")]
     quoted_md["step23"] = ("; ".join(f"{importance} {mode} {cell}" for importance, mode, cell in
-                                     zip(ph["importance"], ph["mode"], agreement_cells(ph, evidence_rows)))
+                                     zip(ph["importance"], ph["mode"],
+                                         agreement_cells(ph, evidence_rows, "{interval} (rerun {agreement})")))
                            or "not measured")
     return Ladder(run, per_seq, blocks, grid, low_max, areas, ladder_table, variant_areas, variant_ladder, curves,
                   common, claims, steps, table1, step_table, verdict_table, seconds, quoted, quoted_md)
@@ -286,8 +289,8 @@ def anatomy(lm, lad: Ladder, *, first: str, metrics, anatomy_sequences, anatomy_
             f"{best['measure_gap']:+.3f} [{best['measure_gap_ci_low']:+.3f}, {best['measure_gap_ci_high']:+.3f}] "
             f"against rung 2's (head norm {best['head_norm_gap']:+.2f}, first-token attention "
             f"{best['first_token_attention_gap']:+.2f}); that the damage gap follows the shift gap across "
-            + (f"documents, ρ = {best['rho']:+.2f} [{best['rho_ci_low']:+.2f}, {best['rho_ci_high']:+.2f}], "
-               if np.isfinite(best["rho_ci_low"]) else "documents ")
+            + (f"documents, ρ = {best['rho']:+.2f} [{best['rho_ci_low']:+.2f}, {best['rho_ci_high']:+.2f}]: "
+               if np.isfinite(best["rho_ci_low"]) else "documents: ")
             + f"{rerun_direction(best['rho_verdict'])} (rerun check, {int(best['n_units'])} documents, one seed, "
             "no adjustment)")
     else:
