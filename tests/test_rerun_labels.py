@@ -178,3 +178,19 @@ def test_chapter_4_shows_a_rerun_step_by_its_agreement_with_the_committed_step()
                      "+0.010 [-0.020, +0.030]; differs", "+0.010 [-0.020, +0.030]; differs",
                      "no interval; not measured", "+0.010 [-0.020, +0.030]; no evidence"]
     assert not unlabelled_verdicts(" ".join(cells + agreement_cells(rerun, None)))
+
+
+# -- chapter 9 -------------------------------------------------------------------------------------------------------
+def test_chapter_9_sets_the_rerun_beside_the_evidence_without_its_verdict():
+    from cwbook.chapters.ch09_findings import _without_verdict, beside_evidence, rerun_size
+
+    rerun = _steps([H, I, C]).assign(n_units=4, unit="document")
+    committed = _steps([H, H, H])
+    label = rerun_size(rerun)
+    assert label == "rerun check (4 documents per data set, one seed, no adjustment)"
+    shown = beside_evidence(rerun, committed, label)
+    assert "verdict" not in shown and not unlabelled_verdicts(" ".join(map(str, shown[label])))
+    assert shown["evidence"].tolist() == [H, H, H]
+    assert shown["rerun agrees with the evidence?"].tolist() == ["agrees", "too few to tell", "differs"]
+    assert _without_verdict("+0.1 [+0.05, +0.2] holds") == "+0.1 [+0.05, +0.2]: interval on the claimed side"
+    assert _without_verdict("not measured: identical") == "no interval (identical)"

@@ -172,20 +172,22 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
             quoted_md[f"random_{tag}_{i}"] = f"`{data}`: " + (", ".join(beat) if beat else "none")
     # where the bench disagrees with the paper's ladder (contribution above every lower rung)
     ladder_lower = [m for m in ("attention", "value_weighted", "value_weighted_output_normalized") if m in metrics]
-    decided = comparisons.assign(decided=[committed_of(r) if committed is not None else r.verdict
-                                          for r in comparisons.itertuples()])  # the evidence's, where committed
+    # the evidence's verdicts and numbers where committed (this rerun's otherwise, where nothing is)
+    decided = (comparisons if committed is None else committed.table).assign(
+        decided=lambda t: t["verdict"])
+    where = f" (in the {ev_label})" if committed is not None else f" (in the {quoted_md['rerun_label']})"
     against = decided[(decided["higher"] == reference) & decided["lower"].isin(ladder_lower)
                       & (decided["decided"] == "contradicted")]
     quoted_md["ladder_contradicted"] = (
         "; ".join(f"{LABELS[r.lower]} over contribution ({r.data}, {r.range}, {r.mode}, "
                   f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}])"
-                  for r in against.itertuples()) or "none of the ladder's steps")
+                  for r in against.itertuples()) or "none of the ladder's steps") + where
     beaten = decided[(decided["higher"] == reference) & ~decided["lower"].isin(ladder_lower + ["random"])
                      & (decided["decided"] == "contradicted")]
     quoted_md["reference_beaten"] = (
         "; ".join(f"{LABELS.get(r.lower, r.lower)} ({r.data}, {r.range}, {r.mode}, "
                   f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}])"
-                  for r in beaten.itertuples()) or "no method")
+                  for r in beaten.itertuples()) or "no method") + where
     counts = comparisons["verdict"].value_counts()  # the rerun's: said by where the intervals lie
     quoted_md["verdict_counts"] = ", ".join(f"{int(counts.get(v, 0))} {RERUN_DIRECTION[v]}"
                                             for v in ("holds", "contradicted", "inconclusive", "not measured"))

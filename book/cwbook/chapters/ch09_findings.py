@@ -63,8 +63,8 @@ def rerun_size(rows: pd.DataFrame) -> str:
 
 
 def beside_evidence(rows: pd.DataFrame, evidence_rows: pd.DataFrame, label: str) -> pd.DataFrame:
-    """This build's findings ``rows`` as a labelled rerun check: their ``verdict`` column becomes ``rerun
-    direction`` (where the interval lies, no verdict word), beside the verdict of the same row
+    """This build's findings ``rows`` as a labelled rerun check: their ``verdict`` column becomes one named by
+    ``label`` ("rerun check (N documents ...)") saying where the interval lies (no verdict word), beside the verdict of the same row
     (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (column ``evidence``) and whether the
     rerun agrees with it."""
     from cwbook import findings
@@ -79,7 +79,7 @@ def beside_evidence(rows: pd.DataFrame, evidence_rows: pd.DataFrame, label: str)
     out.insert(at + 1, "evidence", [v if v is not None else "not committed" for v in found])
     out.insert(at + 2, "rerun agrees with the evidence?",
                [AGREEMENT_SHORT[rerun_agrees(v, e)] for v, e in zip(rows["verdict"], found)])
-    return out.rename(columns={"rerun direction": f"rerun direction ({label})"})
+    return out.rename(columns={"rerun direction": label})  # "rerun check (N documents ...)": where it lies
 
 
 def _interval(frame: pd.DataFrame) -> list[str]:
