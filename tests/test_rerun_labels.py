@@ -88,7 +88,8 @@ def test_a_sink_chapters_table_shows_the_evidence_verdict_and_no_rerun_verdict()
     shown = rerun_claims_table(RERUN, evidence, label)
     assert not [c for c in shown.columns if unlabelled_verdicts(c)], list(shown.columns)  # headers too
     rerun_columns = [c for c in shown.columns if c.startswith("rerun")]
-    assert rerun_columns == ["rerun estimate", "rerun 95% interval", "rerun direction", "rerun agrees with the evidence?"]
+    assert rerun_columns == ["rerun estimate", "rerun 95% interval", "rerun direction",
+                             "rerun agrees with the evidence?"]
     for column in rerun_columns:
         assert not unlabelled_verdicts(" ".join(map(str, shown[column]))), column
     assert shown[evidence.label].tolist() == [H, H, H, "not committed"]

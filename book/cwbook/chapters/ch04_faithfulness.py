@@ -159,7 +159,8 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
          if ev_verdict.get(key) not in (None, stats.NOT_MEASURED) else
          f"evidence {ev_verdict[key]}; rerun: {rerun_direction(v, claim=True)}" if key in ev_verdict
          else f"rerun: {rerun_direction(v, claim=True)}")
-        for key, v in zip(map(tuple, combined[["claim", *ROWS]].fillna("").astype(str).to_numpy()), combined["verdict"])])
+        for key, v in zip(map(tuple, combined[["claim", *ROWS]].fillna("").astype(str).to_numpy()),
+                          combined["verdict"])])
     verdict_table = combined.pivot_table(index=ROWS, columns="claim", values="shown", aggfunc="first",
                                          sort=False).reset_index()
     # the headline as pre-registered: each step under the protocol where it is measured, |c|, full range, both

@@ -350,7 +350,8 @@ def _suppression(r: Suppressors) -> None:
                          "evidence": (r.evidence.part_verdict(d, key) or "not committed") if r.evidence is not None
                          else "not committed",
                          "rerun agrees with the evidence?": rerun_agrees(
-                             r.live_verdict(d, key), r.evidence.part_verdict(d, key) if r.evidence is not None else None)})
+                             r.live_verdict(d, key),
+                             r.evidence.part_verdict(d, key) if r.evidence is not None else None)})
     r.suppression_rows = pd.DataFrame(rows)
     if r.evidence is not None:
         r.suppression_rows = r.suppression_rows.rename(columns={"evidence": r.evidence.label})

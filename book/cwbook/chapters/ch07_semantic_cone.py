@@ -172,7 +172,8 @@ def _outputs(r: SemanticCone) -> None:
         "further from the axis than that random term would",
         "*closer to* the axis than that random term would, not further,")
     first_claims = sink_claims.for_data(claims, r.data)  # keys "<data>/...", as part_phrase reads them
-    r.phrases["v_random_direction"] = f"*{part_phrase(first_claims, r.data, 'dcos_sink_minus_random_direction', r.evidence)}*"
+    said = part_phrase(first_claims, r.data, "dcos_sink_minus_random_direction", r.evidence)
+    r.phrases["v_random_direction"] = f"*{said}*"
     points = r.points
     matched = points[(points["condition"] == "sink") & (points["quantile"] == 1)]
     r.numbers["alpha0_q1"] = float(matched["alpha0_clean"].mean()) if len(matched) else np.nan

@@ -64,9 +64,9 @@ def rerun_size(rows: pd.DataFrame) -> str:
 
 def beside_evidence(rows: pd.DataFrame, evidence_rows: pd.DataFrame, label: str) -> pd.DataFrame:
     """This build's findings ``rows`` as a labelled rerun check: their ``verdict`` column becomes one named by
-    ``label`` ("rerun check (N documents ...)") saying where the interval lies (no verdict word), beside the verdict of the same row
-    (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (column ``evidence``) and whether the
-    rerun agrees with it."""
+    ``label`` ("rerun check (N documents ...)") saying where the interval lies (no verdict word), beside the
+    verdict of the same row (:data:`cwbook.findings.ROW_KEYS`) in the committed ``evidence_rows`` (column
+    ``evidence``) and whether the rerun agrees with it."""
     from cwbook import findings
     from cwbook.chapters.common import AGREEMENT_SHORT, rerun_agrees, rerun_direction
 
@@ -187,8 +187,8 @@ def _faithfulness_rows(r: Findings) -> None:
     sink_rows = faith[faith["measured"].str.match(r"chapter [567],", na=False)]
     r.phrases["n_sink_rows"] = f"{len(sink_rows)} rows"
     r.sink_rows = (sink_rows.assign(interval=_interval(sink_rows))
-                   [["model", "data", "claim", "source", "protocol", "variant", "mode", "importance", "range", "verdict",
-                     "estimate", "interval", "n_units"]])
+                   [["model", "data", "claim", "source", "protocol", "variant", "mode", "importance", "range",
+                     "verdict", "estimate", "interval", "n_units"]])
     r.phrases["rerun_label"] = rerun_size(faith)
     if r.use_committed:  # a default build: its verdicts are a rerun check, the evidence's are the verdicts
         from cwbook import findings

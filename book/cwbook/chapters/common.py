@@ -142,8 +142,8 @@ class SweepOptions:
 
 #: where a rerun's interval lies, by the verdict cwcore.stats.verdict gives it (no verdict word in any)
 RERUN_DIRECTION = {stats.HOLDS: "interval on the claimed side", stats.CONTRADICTED: "interval on the opposite side",
-                   stats.INCONCLUSIVE: "interval straddles the threshold", stats.NEGLIGIBLE: "interval inside the margin",
-                   stats.NOT_MEASURED: "no interval"}
+                   stats.INCONCLUSIVE: "interval straddles the threshold",
+                   stats.NEGLIGIBLE: "interval inside the margin", stats.NOT_MEASURED: "no interval"}
 #: the same for a claim of several parts (cwcore.stats.combine_verdicts / combine_all of the parts)
 RERUN_CLAIM_DIRECTION = {stats.HOLDS: "every part on the claimed side",
                          stats.CONTRADICTED: "a part on the opposite side",
