@@ -194,7 +194,7 @@ def _code_hash(scope: tuple[str, ...]) -> str:
 def code_version(code: str | tuple | list | None = None) -> str:
     """A hash of the code that produces a result: the normalised code (:func:`normalised_source`:
     no comments, docstrings or layout) of :data:`BASE_CODE`, of ``code`` (module or subpackage names
-    such as ``"faithfulness"``, ``"sinks"``, ``"analysis"``) and of every package module they import,
+    such as ``"faithfulness"``, ``"sinks"``) and of every package module they import,
     except the exporters, command lines and book wing of :data:`NOT_PRODUCING`. Results computed by
     other code are never reused; an exporter, a figure, a docstring or a comment never invalidates them
     (:func:`code_files` lists what a key covers). ``code=None`` hashes every byte of the package."""

@@ -8,7 +8,7 @@
   interference) read blue, positive ones red, and attention (never negative) is drawn on the same
   scale as contribution weights when ``vmin``/``vmax`` are shared.
 * Per-layer figures of the model chapters (3 and 8): :func:`per_layer` picks one statistic of
-  :func:`cwcore.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
+  :func:`cwbook.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
   :func:`layer_axis` labels the layers, :func:`plain_log` and :func:`legend_below` finish the axes.
 * :func:`ladder_forest` — the ladder's steps (rows of :func:`cwbook.findings.faithfulness_findings`)
   as a forest plot: every step with its interval, in the paper's direction, coloured by verdict.
@@ -168,7 +168,7 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
 # Per-layer figures (chapters 3 and 8)
 # --------------------------------------------------------------------------------------------------
 def per_layer(summary, statistic: str, view: str, group: str = ""):
-    """The rows of one statistic of :func:`cwcore.analysis.summarize`'s table, indexed by layer.
+    """The rows of one statistic of :func:`cwbook.analysis.summarize`'s table, indexed by layer.
 
     ``summary`` has columns ``layer, statistic, view, group, mean, low, high, n``; the result is a
     DataFrame with columns ``mean, low, high`` (the mean over sequences and its interval), one row per

@@ -122,7 +122,7 @@ class PieceStore:
     """The cached pieces of one run (a :class:`cwcore.cache.ResultCache` folder).
 
     ``parameters`` are every option that changes the result; ``model`` adds :func:`model_fingerprint`;
-    ``code`` names the producing module or subpackage (``"faithfulness"``, ``"sinks"``, ``"analysis"``)
+    ``code`` names the producing module or subpackage (``"faithfulness"``, ``"sinks"``)
     whose source, with the core's, is part of the key. Nothing is read or stored outside a
     :func:`cwcore.cache.caching` block (:func:`cwcore.cache.caching_enabled`), with ``cache=False`` or under
     ``$CWCORE_NO_CACHE=1``; then the model's weights are not hashed either. ``cache_root``: the folder (default

@@ -1,4 +1,5 @@
-"""Per-layer statistics of attention and contribution weights, for the book's model chapters.
+"""Per-layer statistics of attention and contribution weights, for the book's chapters 3 and 8 (it was
+``cwcore.analysis``).
 
 Everything here reads a :class:`cwcore.core.decomposition.LayerDecomposition` (or plain tensors) and returns
 numbers per *sequence*, so that the error bars of a per-layer mean come from resampling sequences
@@ -36,8 +37,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import runs, stats
-from .core.decomposition import decompose
+from pathlib import Path
+
+from cwcore import runs, stats
+from cwcore.code_keys import normalised_source
+from cwcore.core.decomposition import decompose
 
 __all__ = [
     "VIEWS",
@@ -329,6 +333,15 @@ def factor_sample(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *
 # --------------------------------------------------------------------------------------------------
 # Many batches, cached
 # --------------------------------------------------------------------------------------------------
+def code_key(source: str | None = None) -> str:
+    """A hash of this module's normalised code (no comments, docstrings or layout), part of the key of
+    :func:`collect`'s cached pieces: an edit of a statement here computes them again."""
+    import hashlib
+
+    text = normalised_source(Path(__file__).read_text(encoding="utf-8") if source is None else source)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
             key_groups: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
             layers: Sequence[int] | None = None, kind: str = "intra", min_keys: int = 2, rank_min_keys: int = 5,
@@ -343,7 +356,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
     each batch's two tables are a cached piece of a :class:`cwcore.runs.PieceStore` (namespace
     ``layer-statistics``) whose key is made of the model's fingerprint
     (:func:`cwcore.runs.model_fingerprint`), the batch's tensors (:func:`cwcore.runs.tensor_digest`),
-    the options and the code that computes them (the core and this module), so a rerun reads them back
+    the options and the code that computes them (the core and this module, :func:`code_key`), so a rerun reads them back
     instead of running the model, inside :func:`cwcore.cache.caching` (caching is opt-in). ``progress``: ``True`` shows a
     progress bar over the batches; a callable is called with the number of sequences done after each
     batch. Returns ``(statistics, factor samples)``.
@@ -355,7 +368,8 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
     options = dict(layers=None if layers is None else sorted(layers), kind=kind, min_keys=min_keys,
                    rank_min_keys=rank_min_keys, rank_views=list(rank_views), kendall_views=list(kendall_views),
                    factor_samples=factor_samples, seed=seed)
-    store = runs.PieceStore("layer-statistics", options, model=model, code=("analysis",))
+    # the key covers the library's base code (core, statistics, run driver) and this module's own code
+    store = runs.PieceStore("layer-statistics", {**options, "book_code": code_key()}, model=model, code=())
 
     def compute(batch) -> dict[str, pd.DataFrame]:
         groups = key_groups(batch) if key_groups else None
