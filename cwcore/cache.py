@@ -548,9 +548,7 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
     return problems
 
 
-# --------------------------------------------------------------------------------------------------
 # Folder cache: a folder built once (a converted model), published atomically, checked by checksums
-# --------------------------------------------------------------------------------------------------
 CACHE_MARKER = "cwcore-cache.json"
 CACHE_FORMAT = 2  # 2: the marker lists every file with its size and checksum
 # Temporary and displaced folders older than this are left-overs of killed processes.

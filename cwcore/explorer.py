@@ -111,9 +111,7 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     return {"meta": meta, "arrays": arrays}
 
 
-# --------------------------------------------------------------------------------------------------
 # Packing the numbers
-# --------------------------------------------------------------------------------------------------
 def _pack(arrays: dict) -> tuple[list[dict], str]:
     chunks, layout, offset = [], [], 0
     for name, array in arrays.items():
@@ -484,9 +482,7 @@ new Response(stream).arrayBuffer().then(function (buf) {
 _PAGE = _PAGE.replace("__DECODE_JS__", _DECODE_JS)
 
 
-# --------------------------------------------------------------------------------------------------
 # Long documents: the summary mode's page (cwcore.summarize), no [query, key] map
-# --------------------------------------------------------------------------------------------------
 def long_explorer_data(model, tokenizer, text: str, *, layers=None, top_k: int = 5, kind: str = "inter",
                        model_name: str | None = None) -> dict:
     """Run a long ``text`` through :func:`cwcore.summarize` and gather what the long-document page shows.

@@ -164,9 +164,7 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
     return image
 
 
-# --------------------------------------------------------------------------------------------------
 # Per-layer figures (chapters 3 and 8)
-# --------------------------------------------------------------------------------------------------
 def per_layer(summary, statistic: str, view: str, group: str = ""):
     """The rows of one statistic of :func:`cwbook.analysis.summarize`'s table, indexed by layer.
 
