@@ -116,11 +116,9 @@ def packaged_model_path(name: str) -> Path:
     )
 
 
-#: Weight variants of the packaged GGUF models: name -> the 4-bit scheme of ``gguf.quants`` that
-#: re-quantises the de-quantised weights (a scheme other than the GGUF's own Q4_1 / Q4_K_M, so that
-#: the weights move by about as much as the first quantisation moved them).
-#: Measured on smollm2-135m (Q4_1 file): W_V moves by 0.090 and W_O by 0.085 of their Frobenius norm
-#: (every projection 0.085-0.090), against an estimated 0.072 and 0.067 for the first quantisation.
+#: Weight variants of the packaged GGUF models: name -> the ``gguf.quants`` 4-bit scheme re-quantising the
+#: de-quantised weights (on smollm2-135m W_V and W_O move by 0.090 and 0.085 of their Frobenius norm,
+#: against an estimated 0.072 and 0.067 for the first quantisation).
 VARIANTS: dict[str, str] = {"requantized": "Q4_0"}
 #: the weights a variant re-quantises: every linear projection of the decoder layers (attention
 #: q, k, v, o and the MLP); embeddings, norms and the LM head stay as the GGUF file gives them

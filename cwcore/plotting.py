@@ -1,20 +1,8 @@
-"""One plotting style for the book, the notebooks and ``cwcore explain``.
-
-* :func:`set_style` — seaborn theme with the colour-blind-safe ``colorblind`` palette.
-* :func:`save_figure` — write a figure next to the book's pages, atomically, as PNG and SVG (the
-  book copies every chapter's figure files into ``_build/html/figures/``, for slides).
-* :func:`diverging_cmap` / :func:`contribution_heatmap` — a [query, key] matrix drawn with a
-  diverging colour map centred at zero, so that negative contribution weights (destructive
-  interference) read blue, positive ones red, and attention (never negative) is drawn on the same
-  scale as contribution weights when ``vmin``/``vmax`` are shared.
-* Per-layer figures of the model chapters (3 and 8): :func:`per_layer` picks one statistic of
-  :func:`cwbook.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
-  :func:`layer_axis` labels the layers, :func:`plain_log` and :func:`legend_below` finish the axes.
-* :func:`ladder_forest` — the ladder's steps (rows of :func:`cwbook.findings.faithfulness_findings`)
-  as a forest plot: every step with its interval, in the paper's direction, coloured by verdict.
-
-Importing this module loads neither torch nor seaborn (they are imported where a function needs them).
-"""
+"""One plotting style for the book, the notebooks and ``cwcore explain``: :func:`set_style` (seaborn,
+colour-blind-safe), :func:`save_figure` (PNG and SVG, atomically), :func:`contribution_heatmap` (a
+[query, key] matrix on a zero-centred diverging map: negative contributions blue, positive red),
+per-layer figures (:func:`per_layer`, :func:`band`, :func:`layer_axis`) and the ladder's forest plot
+(:func:`ladder_forest`). Importing it loads neither torch nor seaborn."""
 
 from __future__ import annotations
 
@@ -65,15 +53,8 @@ FIGURE_FORMATS = ("png", "svg")  # what save_figure writes by default: a bitmap 
 
 def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence[str] = FIGURE_FORMATS,
                 dpi: int | None = None) -> Path:
-    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format (PNG and SVG by default), each atomically.
-
-    This is the one call a notebook needs for its figures: the book runner copies every file a chapter
-    writes to its ``output_dir`` into the built book (``_build/html/figures/<chapter>/[<model>/]``, with an
-    index page), so each figure is there as a slide-ready PNG and SVG. Each image is rendered in memory,
-    then written to a temporary file in ``output_dir`` and renamed into place, so a reader never sees a
-    half-written image. The SVG is reproducible: no date, and fixed ids (``svg.hashsalt``), so the same
-    figure gives the same bytes. Returns the path of the first format's file (the PNG by default).
-    """
+    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format, each atomically, and return the first path.
+    The SVG is reproducible (no date, fixed ids). The book copies a chapter's figure files into the built book."""
     import matplotlib as mpl
 
     if not name or Path(name).name != name or name.startswith("."):
@@ -100,11 +81,8 @@ def diverging_cmap() -> mcolors.Colormap:
 
 
 def centred_norm(values, vmin: float | None = None, vmax: float | None = None) -> mcolors.TwoSlopeNorm:
-    """A norm centred at 0 and symmetric: equal magnitudes get equal colour strength on both sides.
-
-    The range is ``[-m, m]`` with ``m`` the largest ``|value|`` (NaNs ignored), so a weight of -0.03
-    next to +0.9 stays faint, as it should. Pass ``vmin``/``vmax`` to share one scale between panels.
-    """
+    """A norm symmetric about 0 over ``[-m, m]``, ``m`` the largest ``|value|``, so -0.03 beside +0.9 stays
+    faint; ``vmin``/``vmax`` share one scale between panels."""
     arr = np.asarray(values, dtype=float)
     finite = arr[np.isfinite(arr)]
     largest = float(np.abs(finite).max()) if finite.size else 1.0
@@ -124,12 +102,9 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
                          key_tokens: Sequence | None = None, vmin: float | None = None,
                          vmax: float | None = None, colorbar: bool = True, annotate: bool | None = None,
                          fmt: str = ".2f", max_labels: int = 40):
-    """Draw a [query, key] weight matrix on ``ax`` with a zero-centred diverging colour map.
-
-    ``tokens`` label the rows (queries) and, unless ``key_tokens`` is given, the columns (keys).
-    NaN cells (undefined weights, masked keys) are grey. ``annotate`` writes each value in its cell
-    (default: only for matrices up to 12x12). Returns the ``AxesImage``.
-    """
+    """Draw a [query, key] weight matrix on ``ax`` with a zero-centred diverging colour map (NaN grey);
+    ``tokens`` label rows and, without ``key_tokens``, columns; ``annotate`` writes values (default up to
+    12x12). Returns the ``AxesImage``."""
     w = np.asarray(weights, dtype=float)
     if w.ndim != 2:
         raise ValueError(f"weights must be a [query, key] matrix, got shape {w.shape}")
@@ -166,21 +141,14 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
 
 # Per-layer figures (chapters 3 and 8)
 def per_layer(summary, statistic: str, view: str, group: str = ""):
-    """The rows of one statistic of :func:`cwbook.analysis.summarize`'s table, indexed by layer.
-
-    ``summary`` has columns ``layer, statistic, view, group, mean, low, high, n``; the result is a
-    DataFrame with columns ``mean, low, high`` (the mean over sequences and its interval), one row per
-    layer, for the rows with this ``statistic``, ``view`` and key ``group`` (``""``: no group).
-    """
+    """``mean, low, high`` per layer of one ``statistic``, ``view`` and key ``group`` of a per-layer summary
+    (columns ``layer, statistic, view, group, mean, low, high, n``)."""
     rows = summary[(summary["statistic"] == statistic) & (summary["view"] == view) & (summary["group"] == group)]
     return rows.set_index("layer")[["mean", "low", "high"]]
 
 
 def band(ax, frame, colour, label: str | None = None, *, alpha: float = 0.25, lw: float = 2):
-    """Draw ``frame["mean"]`` against its index as a line, and the interval ``low``-``high`` as a band.
-
-    ``frame`` is what :func:`per_layer` returns (any frame with ``mean``, ``low`` and ``high`` columns).
-    """
+    """Draw ``frame["mean"]`` against its index as a line and ``low``-``high`` as a band."""
     ax.plot(frame.index, frame["mean"], color=colour, lw=lw, label=label)
     ax.fill_between(frame.index, frame["low"], frame["high"], color=colour, alpha=alpha, lw=0)
 
@@ -260,12 +228,9 @@ def _forest_panels(rows, n_lines: int, line_height: float, pad: float):
 
 
 def ladder_forest(claims, title: str = ""):
-    """A forest plot of the ladder: one panel per (data set, mode), one line per step x protocol, one
-    marker per importance sign x ratio range, with its 95% interval. ``claims``: rows of
-    :func:`cwbook.findings.faithfulness_findings` (the step claims and ``contribution beats random`` are
-    drawn; a *not measured* step is left out). The x axis is the step in the paper's direction
-    (``estimate``, negated for sufficiency, where lower is better), symmetric-log so that the gentle
-    range and the full range read on one axis: right of zero supports the paper. Returns the figure."""
+    """A forest plot of the ladder's step claims (rows of the book's faithfulness findings): one panel per
+    (data set, mode), one line per step x protocol, one marker per importance sign x ratio range with its
+    95% interval, on a symmetric-log axis in the paper's direction (right of zero supports the paper)."""
     from matplotlib.lines import Line2D
 
     from .stats import NOT_MEASURED
@@ -297,12 +262,9 @@ def ladder_forest(claims, title: str = ""):
 
 
 def bench_forest(comparisons, title: str = "", labels: dict | None = None):
-    """A forest plot of the attribution bench's paired comparisons (chapter 4b's table, as
-    :func:`cwcore.faithfulness.ladder_comparison` writes it with ``data`` and ``range``): one panel per
-    (data set, mode), one line per pair (``higher`` vs ``lower``), one marker per ratio range, with its
-    95% interval; a pair ranked identically by construction is left out. The x axis is the difference in
-    the faithful direction (negated for sufficiency, where lower is better), symmetric-log: right of zero,
-    ``higher`` is the more faithful. ``labels``: display names of the methods. Returns the figure."""
+    """A forest plot of :func:`cwcore.faithfulness.ladder_comparison`'s pairs (with ``data`` and ``range``
+    columns), as :func:`ladder_forest` draws the ladder: right of zero, ``higher`` is the more faithful.
+    ``labels``: display names of the methods."""
     from matplotlib.lines import Line2D
 
     labels = labels or {}

@@ -361,11 +361,9 @@ def head_shares(rates: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
 #: the older reading of the tail part, kept as its own claim (the book's, not the paper's wording: see _claim_rows)
 TAIL_ATTENTION_ONLY = "tail driven by attention more than by geometry"
 
-#: The margin of "a term drives the tail": its share of var(log|c|) in the tail pairs of sink heads must
-#: lie above this, not merely above zero (a share of 0.01 is "positive" yet explains nothing). One tenth
-#: of the variance, fixed here as a convention before the evidence tables are remade; it was set after a
-#: referee had reported alignment's share on the committed evidence (0.07 to 0.12), so it is a stated
-#: rule, not a blind pre-registration. Both terms' parts use it.
+#: The margin of "a term drives the tail": its share of var(log|c|) in sink heads' tail pairs must lie above
+#: this, not merely above zero (0.01 is "positive" yet explains nothing); a stated rule, set after alignment's
+#: share on the committed evidence (0.07 to 0.12) was known, not a blind pre-registration.
 TAIL_MARGIN = 0.1
 
 
