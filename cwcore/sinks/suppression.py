@@ -44,8 +44,6 @@ post_attention_norms = architectures.post_attention_norms
 
 
 # per (sequence, layer, query): the attention output and its two counterfactuals, before and after the norm
-
-
 def _model_space(x: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     """sum_h W_O^h x^h: ``[b, h, q, d] x [h, model, d] -> [b, q, model]``."""
     return torch.einsum("bhqd,hmd->bqm", x, w_o)
