@@ -19,7 +19,7 @@ BASE_CODE = ("core", "stats.py", "runs.py", "cache.py", "data.py")
 #: list errs safely (a hand-bumped version number would not: a forgotten bump serves stale numbers).
 NOT_PRODUCING = ("cli.py", "explorer.py", "models.py", "plotting.py", "provenance.py", "tokens.py",
                  "faithfulness/__main__.py", "faithfulness/cli.py",
-                 "sinks/__main__.py", "sinks/cli.py", "sinks/claims.py", "sinks/summary.py")
+                 "sinks/__main__.py", "sinks/cli.py", "sinks/summary.py")
 _PACKAGE = Path(__file__).parent
 
 

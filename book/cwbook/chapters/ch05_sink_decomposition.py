@@ -72,7 +72,7 @@ class SinkDecomposition(OnSinkPass):
     joint_table: pd.DataFrame = None
     claims_by_data: dict = None
     stacked_claims: pd.DataFrame = None
-    claims_display: pd.DataFrame = None  # Table 3 (cwcore.sinks.claims.display of the stacked claims)
+    claims_display: pd.DataFrame = None  # Table 3 (cwbook.sink_claims.display of the stacked claims)
     verdict_of: dict = None  # data set -> {claim: its verdict text}
 
 
@@ -138,7 +138,7 @@ def run(model: str, run_parameters: dict | None = None, *, sample_size: int = 50
 
 
 def _sink_heads(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     rates, eps, blocks, tokenizer = r.rates, r.eps, r.blocks, r.sinks.tokenizer
     first = [tokenizer.decode([t]) for t in blocks.ids[:, 0].tolist()]
@@ -233,7 +233,7 @@ def _positions(r: SinkDecomposition) -> None:
 
 
 def _factors(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     dec = r.results[r.data]["decomposition"]
     r.summary = dec.summary
@@ -282,7 +282,7 @@ def _factors(r: SinkDecomposition) -> None:
 
 
 def _joint(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     rows = []
     for name in r.datasets:
@@ -305,7 +305,7 @@ def _joint(r: SinkDecomposition) -> None:
 
 
 def _claims(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     eps = r.eps
     r.claims_by_data = {}
@@ -339,7 +339,7 @@ def _claims(r: SinkDecomposition) -> None:
 
 def tail_reading(r: SinkDecomposition, d: str) -> str:
     # which terms drive the tail, by the parts above (said on the page whatever the combined verdict)
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     c = r.claims_by_data[d]
     verdict_ = dict(zip(c["key"], c["verdict"]))
@@ -360,7 +360,7 @@ def layer_type_note(frame: pd.DataFrame, key: str) -> str:
 
 
 def _disagreements(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     eps, rates, heads = r.eps, r.rates, r.heads
     paragraphs = []

@@ -79,7 +79,7 @@ class Suppressors(OnSinkPass):
     picks: pd.DataFrame = None  # the heads of Figure 4 (rows of the head fits)
     vertices_of: dict = None
     fitted: pd.DataFrame = None  # the first data set's fitted heads, with their vertex "category"
-    claims_table: object = None  # the claims as shown (cwcore.sinks.claims.display)
+    claims_table: object = None  # the claims as shown (cwbook.sink_claims.display)
     verdicts: pd.Series = None  # claim -> its combined verdict
 
     # the run, for the prose and the results table
@@ -165,7 +165,7 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
     resamples (of heads, layers or documents) for every interval. Prints how long the analyses took."""
     import time
 
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
     from cwcore.sinks.engine import REGISTRY
     from cwcore.sinks.intervals import claims_frame
 
@@ -193,7 +193,7 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
 
 
 def _setup(r: Suppressors) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     run = r.sinks.run
     r.aa_of = {d: r.runs[d]["anti_alignment"] for d in r.datasets}
@@ -218,7 +218,7 @@ def _setup(r: Suppressors) -> None:
 # -- does the sink point against the rest? ------------------------------------------------------------------------
 def _anti_alignment(r: Suppressors) -> None:
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.rho_value = stats.spearman_ci(r.aa["sink_rate"], r.aa["cos_value_mean"], **r.boot)
     r.rho_semantic = sink_claims.triple(r.claims_of[r.first], "rho_semantic")
@@ -230,7 +230,7 @@ def _anti_alignment(r: Suppressors) -> None:
 
 
 def anti_sentence(r: Suppressors, d: str) -> str:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     a = r.aa_of[d]
     sink = a[a["is_sink_head"]]
@@ -404,7 +404,7 @@ def listing(names) -> str:
 
 def _verdicts(r: Suppressors) -> None:
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.claims_table = sink_claims.display(r.claims)
     r.verdicts = verdicts = sink_claims.claim_verdicts(r.claims)
@@ -449,7 +449,7 @@ def _bos_text(r: Suppressors) -> str:
 
 def _disagreements(r: Suppressors) -> None:
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     first, verdicts, seed = r.first, r.verdicts, r.seed
     layer_rho, within_rho = {}, {}

@@ -19,7 +19,7 @@ code (e.g. ``"cos_semantic"``); :func:`triple` reads ``(estimate, low, high)`` b
 
 Each analysis module states its own claims (its registered :class:`~cwcore.sinks.engine.Analysis`
 has a ``claims`` function); this module gathers them by chapter and for :func:`all_claims`. It was
-``cwcore.sink_claims``, which still imports.
+``cwcore.sinks.claims``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from .. import stats
-from .anti_alignment import ANTI_ALIGNMENT, TREND
-from .anti_alignment import _claim_rows as _anti_alignment_rows
-from .convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION, pooled_suppression
-from .convexity import _claim_rows as _convexity_rows
-from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
-from .engine import EPS, REGISTRY
-from .intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
+from cwcore import stats
+from cwcore.sinks.anti_alignment import ANTI_ALIGNMENT, TREND
+from cwcore.sinks.anti_alignment import _claim_rows as _anti_alignment_rows
+from cwcore.sinks.convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION, pooled_suppression
+from cwcore.sinks.convexity import _claim_rows as _convexity_rows
+from cwcore.sinks.decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
+from cwcore.sinks.engine import EPS, REGISTRY
+from cwcore.sinks.intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
                         pooled_claim_rows, verdict_text)
-from .rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
-from .semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
+from cwcore.sinks.rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
+from cwcore.sinks.semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
                             perplexity_changes)
 
 __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims", "all_claims",
