@@ -1,4 +1,4 @@
-"""cwcore.analysis against naive computations: scipy's rank correlations row by row, and per-sequence
+"""cwbook.analysis against naive computations: scipy's rank correlations row by row, and per-sequence
 statistics recomputed with Python loops over the decomposition of tiny models (padding included)."""
 
 from __future__ import annotations
