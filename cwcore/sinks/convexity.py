@@ -14,7 +14,7 @@ from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
 from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
-__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "pooled_suppression", "sink_convexity", "vertex_intervals"]
+__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "sink_convexity", "vertex_intervals"]
 
 BINS = Option("bins", 10, "equal-width bins of the sink rate in the convexity curves", count("bins"))
 FIT_ON = Option("fit_on", "norm", "the convexity fits' y: the output norm or its square", choices=("norm", "squared_norm"))
@@ -311,22 +311,6 @@ def _summary(tables: dict, add) -> None:
             if len(m):
                 add("convexity", f"{name}_curvature", m["curvature"].iloc[0])
                 add("convexity", f"{name}_alpha_star", m["alpha_star"].iloc[0])
-
-
-def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
-                       seed: int = 0) -> tuple[float, float, float]:
-    """``(share, low, high)`` of sink-head queries with ``||o_i|| < ||s_i||``, bootstrap over sequences
-    (``fits``: the convexity fits; ``points``: its raw points)."""
-    rate = fits[fits["scope"] == "head"].set_index(["layer", "head"])["sink_rate"]
-    in_sink = rate.reindex(pd.MultiIndex.from_frame(points[["layer", "head"]])).to_numpy() > eps
-    with np.errstate(invalid="ignore"):
-        shortened = (points["norm"] < np.sqrt(points["s_sq"].clip(lower=0))).astype(float)
-    shortened = shortened.where(points["s_sq"] > 0)  # s_i = 0: undefined
-    if not in_sink.any():
-        return (np.nan, np.nan, np.nan)
-    chosen = points.assign(shortened=shortened)[in_sink]
-    boot = stats.cluster_bootstrap(chosen, ["shortened"], cluster="sequence", n_resamples=n_resamples, seed=seed)
-    return tuple(float(x) for x in boot.interval(0, "shortened"))
 
 
 def _layer_type_map(layers: pd.DataFrame | None) -> dict:

@@ -14,7 +14,7 @@ import pandas as pd
 from .. import stats
 
 __all__ = ["BOOK", "COLUMNS", "PAPER", "pooled_by_layer", "pooled_claim_rows", "UNMEASURED", "claim_row", "claims_frame",
-           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "verdict_text", "share_ci", "verdict"]
+           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "share_ci", "verdict"]
 
 share_ci = stats.share_ci
 verdict = stats.verdict
@@ -93,12 +93,6 @@ def claims_frame(rows: list[dict]) -> pd.DataFrame:
     frame["why"] = frame["why"].fillna("").astype(str)
     frame["source"] = frame["source"].fillna(PAPER).astype(str)
     return frame
-
-
-def verdict_text(claims: pd.DataFrame) -> list[str]:
-    """Each part's verdict as the chapters show it: "not measured: <why>" where the table says why."""
-    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
-    return [f"{v}: {w}" if v == UNMEASURED and w and w != "nan" else str(v) for v, w in zip(claims["verdict"], why)]
 
 
 # head tables -> pooled claims, resampling whole layers
