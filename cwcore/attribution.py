@@ -1,18 +1,11 @@
-"""``cwcore.attribute`` (defined here): one entry point for every registered attribution method.
+"""``cwcore.attribute``: one entry point for every registered attribution method, picked by name as in inseq::
 
-Like inseq's ``attribute``, a method is picked by its registered name::
-
-    model, tokenizer = cwcore.load_model("smollm2-135m")
-    enc = tokenizer("The cat sat on the mat", return_tensors="pt")
-    a = cwcore.attribute(model, method="alti", **enc)
+    a = cwcore.attribute(model, method="alti", **tokenizer("The cat sat on the mat", return_tensors="pt"))
     a[3]        # [batch, query, key]: ALTI of layer 3 (token-level)
     a.tensor    # [batch, layer, query, key], layers in the order of a.layers
 
-:func:`list_attribution_methods` lists the names: the geometric ladder (``attention``, ``value_weighted``,
-``value_weighted_output_normalized``, ``contribution``), ``random``, ``grad_x_input`` (head-level) and
-``alti``, ``value_zeroing``, ``rollout``, ``contribution_rollout`` (token-level), plus any method a user
-registered with :func:`cwcore.faithfulness.methods.register_method`.
-"""
+:func:`list_attribution_methods` lists the names (the ladder, ``random``, ``grad_x_input``, ``alti``,
+``value_zeroing``, ``rollout``, ``contribution_rollout`` and any registered by the user)."""
 
 from __future__ import annotations
 
@@ -29,15 +22,11 @@ _OPTIONS = {"kind": "inter", "seed": 0}
 
 
 class Attribution:
-    """The scores of one attribution method on one batch, indexed by layer number like a decomposition.
+    """The scores of one method on one batch, indexed by layer number like a decomposition.
 
-    ``a[layer]`` is ``[batch, head, query, key]`` for a head-level method (``a.level == "head"``: the
-    ladder, ``random``, ``grad_x_input``) and ``[batch, query, key]`` for a token-level one
-    (``a.level == "token"``: ALTI, value zeroing, rollout), whose scores are one number per token pair and
-    are never copied into heads. ``a.tensor`` stacks the layers: ``[batch, layer, head, query, key]`` or
-    ``[batch, layer, query, key]``, the layer axis in the order of ``a.layers``; ``a.dims`` names its axes.
-    Padding follows :func:`cwcore.decompose`: rows of padded queries are NaN, padded keys score 0.
-    """
+    ``a[layer]``: ``[batch, head, query, key]`` for a head-level method (``a.level == "head"``) or
+    ``[batch, query, key]`` for a token-level one (never copied into heads). ``a.tensor`` stacks the
+    layers (order ``a.layers``; ``a.dims`` names the axes). Padded queries' rows are NaN, padded keys 0."""
 
     def __init__(self, method: str, level: str, scores: dict[int, torch.Tensor], attention_mask: torch.Tensor,
                  num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None):
@@ -106,21 +95,13 @@ def attribute(
     compute_dtype: torch.dtype | str | None = None,
     **keywords,
 ) -> Attribution:
-    """Scores of the attribution ``method`` for every requested layer of one forward pass.
+    """Scores of the attribution ``method`` (a registered name or a callable) for every requested layer.
 
-    The model inputs come as in :func:`cwcore.decompose`: keywords (``attribute(model, method="alti",
-    **tokenizer(text, return_tensors="pt"))``) or one mapping (``attribute(model, enc, method="alti")``);
-    ``input_ids`` ``[batch, sequence]`` is required, ``attention_mask`` is optional. The method's own
-    options are keywords too (``kind="intra"`` for a kind-dependent rung of the ladder, ``seed=`` for
-    ``random``); a keyword that is neither an option of that method nor an input of the model raises.
-    ``method``: a registered name (see :func:`list_attribution_methods`) or a callable with the
-    registry's calling convention. ``layers``: a layer number, a list of them, or None for all.
-    ``compute_dtype``: the decomposition's dtype (default float64 for a float64 model, else float32).
-
-    Returns an :class:`Attribution`: ``[batch, head, query, key]`` per layer for head-level methods,
-    ``[batch, query, key]`` for token-level ones (ALTI, value zeroing, rollout: sum contribution weights
-    over heads to compare with them, never these).
-    """
+    Inputs as in :func:`cwcore.decompose` (keywords or one mapping; ``input_ids [batch, sequence]``
+    required). The method's own options are keywords too (``kind="intra"``, ``seed=``); any other keyword
+    raises. ``layers``: one, a list, or None (all). ``compute_dtype``: default float64 for a float64 model,
+    else float32. Returns an :class:`Attribution` (token-level methods: compare with contribution weights
+    summed over heads)."""
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
     from .core.inputs import InputError, check_compute_dtype, check_inputs, unwrap_compiled

@@ -1,37 +1,23 @@
 """A result cache for long runs: keyed by every parameter, written incrementally and atomically.
 
-Each run (one set of parameters) owns a folder ``<cache>/results/<namespace>/<key>``; its pieces
-(a batch of sequences, one ratio, ...) are separate parquet files, so an interrupted run resumes
-where it stopped. A piece is written to a temporary file and renamed into place, so a reader never
-sees a half-written file. The key hashes the parameters and the source code that produces the
-result: the core (``cwcore/core``), the statistics, the run driver, the cache and the data loaders,
-plus the producing module or subpackage named by ``code`` (e.g. ``"faithfulness"``). Plotting, the
-book runner and the command line are never in a key: editing a figure reuses every cached number.
+Each run (one set of parameters) owns ``<cache>/results/<namespace>/<key>``; its pieces (a batch, a
+ratio, ...) are separate parquet files, each written to a temporary file and renamed into place, so
+an interrupted run resumes. The key hashes the parameters and the producing code
+(:mod:`cwcore.code_keys`): editing a figure, the book runner or the command line reuses every number.
 
-A cache cannot silently go wrong: each piece has a checksum (``<piece>.parquet.sha256``, written
-atomically before the rename that publishes the piece) over the piece's place (namespace, key, piece
-name) and its bytes, so a piece copied with its checksum under another key or name is refused; a piece
-that fails to read or verify is
-deleted and computed again with a :class:`CacheWarning`. A cache that cannot be written (read-only,
-full disk) or read turns into an uncached run with one warning per cache folder and process. Setting
-``CWCORE_NO_CACHE=1`` switches the result cache off (nothing read, nothing written).
+A cache cannot silently go wrong: each piece has a checksum (``<piece>.parquet.sha256``, published
+before the piece) over its place (namespace, key, name) and its bytes, so a piece copied under
+another key is refused; a piece that fails to read or verify is deleted and computed again with a
+:class:`CacheWarning`. A cache that cannot be written or read turns into an uncached run with one
+warning per folder and process. Caching is opt-in (:func:`caching`); :func:`verify` checks every piece.
 
-Caching is opt-in: no function of the library takes a cache argument, and a call reads or writes the
-result cache only inside :func:`caching` (``with caching(): curve = faithfulness_curve(...)``), or in a
-process started with ``$CWCORE_CACHING=1`` (the book build sets it for its notebooks). ``$CWCORE_CACHE``
-names the folder caching uses by default; ``$CWCORE_NO_CACHE=1`` switches caching off everywhere, inside
-:func:`caching` blocks too.
-:func:`verify` checks every piece (``cwcore cache verify [--repair]``).
+The cache deletes only what it wrote: a run folder is cwcore's when its ``parameters.json`` carries
+:data:`RUN_MARKER` with the folder's own key; :func:`prune` and :func:`verify` skip every other
+folder and touch only the files the cache writes.
 
-The cache deletes only what it wrote: a run folder is cwcore's when its ``parameters.json`` carries the
-run marker (:data:`RUN_MARKER`, with the folder's own key); :func:`prune` and :func:`verify` skip every
-other folder, and inside a run folder they touch only the pieces, checksums, temporary files and
-``parameters.json`` that the cache writes. A folder of one's own tables under a cache root is left alone.
-
-The folder cache (:func:`ensure_cached_folder`) keeps what is built once and reused by every run, such
-as a converted model (``<cache>/models/<name>``): built in a temporary folder, published by a rename,
-with a marker listing every file's size and checksum (:func:`verify_cached_folder`).
-"""
+The folder cache (:func:`ensure_cached_folder`) keeps what is built once, such as a converted model
+(``<cache>/models/<name>``): built aside, renamed into place, with a marker of every file's size and
+checksum (:func:`verify_cached_folder`)."""
 
 from __future__ import annotations
 
@@ -104,10 +90,8 @@ def current_umask() -> int:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename.
-
-    The file gets the mode an ordinary ``open(path, "w")`` would give (0666 less the umask), not
-    ``mkstemp``'s private 0600."""
+    """Write ``data`` to ``path`` through a temporary file in the same folder and a rename, with the mode an
+    ordinary ``open(path, "w")`` gives (not ``mkstemp``'s 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -346,13 +330,9 @@ class ResultCache:
     >>> cache = ResultCache("faithfulness", {"model": "smollm2-135m", "ratios": [0.1, 0.2]})
     >>> frame = cache.get_or_compute("batch-0", lambda: compute_batch(0))
 
-    Each piece is checked when read (its sha256 against the checksum written with it, then parquet);
-    a damaged piece is deleted with a :class:`CacheWarning`, so it is computed again. Nothing is read or
-    written outside a :func:`caching` block (:func:`caching_enabled`, checked when the cache is made), with
-    ``enabled=False`` or under ``$CWCORE_NO_CACHE=1``. ``root`` defaults to the block's folder
-    (:func:`active_cache_root`). A cache folder that cannot be written (read-only, full) makes :meth:`put`
-    a no-op after one warning.
-    """
+    Each piece is verified when read; a damaged one is deleted with a :class:`CacheWarning`. Nothing is
+    read or written outside :func:`caching`, with ``enabled=False`` or under ``$CWCORE_NO_CACHE=1``;
+    ``root`` defaults to the block's folder. An unwritable folder makes :meth:`put` a no-op after one warning."""
 
     def __init__(self, namespace: str, parameters: dict, root: Path | None = None, enabled: bool = True,
                  code: str | tuple | list | None = None):
@@ -451,10 +431,9 @@ def result_runs(root: Path | None = None) -> pd.DataFrame:
 
 def prune(root: Path | None = None, everything: bool = False, dry_run: bool = False,
           min_age_seconds: float = 60.0) -> pd.DataFrame:
-    """Delete cached runs that no installed code can read: those computed by another version of cwcore
-    (``everything=True``: every run). Runs touched in the last ``min_age_seconds`` are kept, so a job
-    writing into the cache right now is not disturbed. Converted models (``<root>/models``) are never
-    touched. Returns the rows of :func:`result_runs` that were (``dry_run``: would be) deleted."""
+    """Delete cached runs no installed code can read (other versions of cwcore; ``everything=True``: all),
+    except those touched in the last ``min_age_seconds``; converted models are never touched. Returns the
+    rows of :func:`result_runs` deleted (``dry_run``: that would be)."""
     import shutil
     import time
 
@@ -502,14 +481,9 @@ def _remove_run(folder: Path) -> None:
 
 
 def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
-    """Check every cached piece under ``<root>/results``: its checksum, then that it reads as a table.
-
-    Returns one dict per problem: ``path``, ``problem`` (a sentence) and ``action`` (what ``repair``
-    did, or would do). ``repair=True`` deletes damaged pieces (the next run computes them again),
-    checksums without a piece and temporary files of killed writers older than an hour. Only run folders
-    the cache wrote (:func:`run_record`) are checked, and only the files the cache writes in them.
-    Converted models are checked by :func:`cwcore.models.verify_models`.
-    """
+    """Check every piece of the cache's own run folders: its checksum, then that it reads as a table. One
+    dict per problem (``path``, ``problem``, ``action``); ``repair=True`` deletes damaged pieces, orphan
+    checksums and hour-old temporary files. Converted models: :func:`cwcore.models.verify_models`."""
     base = (root or cache_root()) / "results"
     problems = []
     now = time.time()
@@ -548,9 +522,7 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
     return problems
 
 
-# --------------------------------------------------------------------------------------------------
 # Folder cache: a folder built once (a converted model), published atomically, checked by checksums
-# --------------------------------------------------------------------------------------------------
 CACHE_MARKER = "cwcore-cache.json"
 CACHE_FORMAT = 2  # 2: the marker lists every file with its size and checksum
 # Temporary and displaced folders older than this are left-overs of killed processes.
@@ -579,14 +551,10 @@ def read_cache_marker(folder: str | os.PathLike, source: dict | None = None) -> 
 
 def ensure_cached_folder(target: str | os.PathLike, source: dict,
                          build: Callable[[Path], dict | None], description: str | None = None) -> Path:
-    """Return ``target``, first building it with ``build(tmp_folder)`` unless it is complete.
-
-    A folder counts as complete when its marker names ``source`` (a JSON-able dict that
-    fingerprints what the folder is made from). Otherwise ``build`` fills a fresh temporary folder
-    next to ``target`` and may return extra marker fields; the marker is written last and the folder
-    renamed into place. A folder without a valid marker is replaced; when another process finishes
-    the same folder first, its folder is kept and ours is discarded.
-    """
+    """Return ``target``, first building it with ``build(tmp_folder)`` unless its marker names ``source`` (a
+    JSON-able fingerprint of its inputs). ``build`` fills a fresh folder beside ``target`` and may return
+    marker fields; the marker is written last and the folder renamed into place (another process's
+    finished folder wins)."""
     target = Path(target)
     marker = read_cache_marker(target, source)
     damage = None

@@ -1,10 +1,4 @@
-"""Whether results are cached now: caching is opt-in, around any call (:func:`caching`).
-
-No function of the library takes a cache argument. A cached computation (a faithfulness sweep, the sink
-analyses, the layer statistics) reads and writes the result cache (:class:`cwcore.cache.ResultCache`)
-only inside a :func:`caching` block, or in a process started with ``$CWCORE_CACHING=1``;
-``$CWCORE_NO_CACHE=1`` switches caching off everywhere. :mod:`cwcore.cache` re-exports every name here.
-"""
+"""Whether results are cached now: caching is opt-in, around any call (:func:`caching`)."""
 
 from __future__ import annotations
 
@@ -46,13 +40,10 @@ def caching(root: str | os.PathLike | None = None, *, enabled: bool = True):
         with cwcore.cache.caching("runs/cache"):  # under a folder of one's own
             ...
 
-    Inside the block every cached computation (the faithfulness sweeps, the sink analyses, the layer
-    statistics) reads each piece it finds under ``root`` and writes each piece it computes, so a rerun
-    computes nothing and an interrupted run resumes. A piece's key holds every parameter, the model's
-    every weight byte (:func:`cwcore.runs.model_fingerprint`) and the producing code
-    (:func:`code_version`). ``enabled=False`` switches caching off inside a caching block (or under
-    ``$CWCORE_CACHING``); ``$CWCORE_NO_CACHE=1`` switches it off everywhere. Blocks nest; each thread and
-    asyncio task sees its own (a :class:`contextvars.ContextVar`)."""
+    A piece's key holds every parameter, every weight byte (:func:`cwcore.runs.model_fingerprint`) and the
+    producing code (:func:`code_version`). ``enabled=False`` switches caching off inside a block;
+    ``$CWCORE_NO_CACHE=1`` everywhere; ``$CWCORE_CACHING=1`` turns it on for a process. Blocks nest; each
+    thread and asyncio task sees its own."""
     token = _CACHING.set((bool(enabled), None if root is None else Path(root).expanduser()))
     try:
         yield

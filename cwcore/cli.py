@@ -6,10 +6,8 @@
     cwcore models
     cwcore cache [prune [--all] [--dry-run] | verify [--repair]]
 
-Bad input ends with one ``cwcore: error: ...`` line on stderr and exit status 2, never a traceback;
-``--debug`` (or ``CWCORE_DEBUG=1``) shows the traceback of any error. ``--no-cache`` runs without the
-result cache (as ``CWCORE_NO_CACHE=1``).
-"""
+Bad input ends with one ``cwcore: error: ...`` line and exit status 2 (``--debug`` or
+``CWCORE_DEBUG=1``: the traceback); ``--no-cache`` runs without the result cache."""
 
 from __future__ import annotations
 
@@ -57,14 +55,9 @@ def _check_text(text) -> None:
 
 def explain(text: str, model, tokenizer, layer: int | None = None, head: int | None = None, kind: str = "inter",
             model_name: str | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS):
-    """Attention beside contribution weights for one text.
-
-    Returns ``(figure, attention [query, key], contribution [query, key], tokens)``; with ``head``
-    None the token-level views are drawn (attention averaged over heads, contributions summed).
-    Token labels come from the text at the tokenizer's offsets (:func:`cwcore.tokens.token_labels`), so
-    emoji and CJK characters show. A text of more than ``max_tokens`` tokens is refused; the figure is
-    at most :data:`MAX_FIGURE_WIDTH` inches wide (beyond about 55 tokens the labels are thinned).
-    """
+    """Attention beside contribution weights for one text: ``(figure, attention [query, key], contribution
+    [query, key], tokens)``; ``head`` None draws the token-level views. Token labels come from the text's
+    offsets (:func:`cwcore.tokens.token_labels`); more than ``max_tokens`` tokens is refused."""
     import matplotlib.pyplot as plt
 
     from .core.architectures import attention_blocks, decomposable_layers
@@ -366,14 +359,9 @@ def debug_requested(argv: list[str] | None = None) -> bool:
 
 
 def run_command(prog: str, body, debug: bool, *, user_errors: tuple = ()) -> int:
-    """The one error path of every command line (``cwcore``, ``python -m cwcore.faithfulness``,
-    ``python -m cwcore.sinks``, ``python -m cwbook``): runs ``body()`` and returns its exit status.
-
-    Bad input (a refused argument, an unknown model or data set, an unreadable or full disk) ends with
-    one ``<prog>: error: ...`` line on stderr and status 2; any other exception is a bug of cwcore:
-    one line saying so, status 1. ``debug`` re-raises instead (the full traceback). ``user_errors``
-    adds exception types the command counts as bad input.
-    """
+    """The one error path of every command line: runs ``body()`` and returns its exit status. Bad input
+    (including ``user_errors``) ends with one ``<prog>: error: ...`` line and status 2; any other
+    exception is a bug of cwcore, one line and status 1; ``debug`` re-raises."""
     restore = _terminate_as_interrupt()
     try:
         code = body()

@@ -14,20 +14,12 @@ __all__ = ["ALL_CODE", "BASE_CODE", "NOT_PRODUCING", "code_files", "code_scope",
 #: The code every cached result depends on, whatever produced it (paths relative to the package):
 #: the core, the statistics, the run driver, the cache and the data loaders.
 BASE_CODE = ("core", "stats.py", "runs.py", "cache.py", "data.py")
-#: Modules that never compute a cached number: exporters, command lines. A key covers
-#: a module unless it is named here (or lies under a folder named here), so a new module is covered
-#: until someone declares it non-producing. ``models.py`` loads the weights, which are in every key
-#: through :func:`cwcore.runs.model_fingerprint`.
-#:
-#: Why source hashing and not a version number bumped by hand: a forgotten bump would serve numbers
-#: computed by other code, silently; a hash can only err the other way (an edit that changes no
-#: number still makes new keys, costing a recomputation). The hand-kept part is this list, and it
-#: errs safely too: a module left out of it is hashed. Two checks keep it honest: every entry names
-#: a file that exists (a stale name would silently exclude a future module of that name), and a
-#: test runs the producers and checks that every module Python loaded is hashed or listed here.
+#: Modules that never compute a cached number (exporters, command lines; ``models.py``: the weights are in
+#: every key through :func:`cwcore.runs.model_fingerprint`). A module not named here is hashed, so the
+#: list errs safely (a hand-bumped version number would not: a forgotten bump serves stale numbers).
 NOT_PRODUCING = ("cli.py", "explorer.py", "models.py", "plotting.py", "provenance.py", "tokens.py",
                  "faithfulness/__main__.py", "faithfulness/cli.py",
-                 "sinks/__main__.py", "sinks/cli.py", "sinks/claims.py", "sinks/summary.py")
+                 "sinks/__main__.py", "sinks/cli.py", "sinks/summary.py")
 _PACKAGE = Path(__file__).parent
 
 
@@ -95,10 +87,7 @@ def _serialise(node) -> str:
 
 
 def normalised_source(source: str) -> str:
-    """``source``'s code without comments, docstrings or layout: what a cache key hashes.
-
-    Two sources with the same normalised form run the same statements; an edit of a comment, a
-    docstring, blank lines or line breaks keeps it."""
+    """``source``'s code without comments, docstrings or layout: what a cache key hashes."""
     return _serialise(_strip_docstrings(ast.parse(source)))
 
 
@@ -192,10 +181,7 @@ def _code_hash(scope: tuple[str, ...]) -> str:
 
 
 def code_version(code: str | tuple | list | None = None) -> str:
-    """A hash of the code that produces a result: the normalised code (:func:`normalised_source`:
-    no comments, docstrings or layout) of :data:`BASE_CODE`, of ``code`` (module or subpackage names
-    such as ``"faithfulness"``, ``"sinks"``, ``"analysis"``) and of every package module they import,
-    except the exporters, command lines and book wing of :data:`NOT_PRODUCING`. Results computed by
-    other code are never reused; an exporter, a figure, a docstring or a comment never invalidates them
-    (:func:`code_files` lists what a key covers). ``code=None`` hashes every byte of the package."""
+    """A hash of the normalised code of :data:`BASE_CODE`, of ``code`` (e.g. ``"faithfulness"``) and of every
+    package module they import, except :data:`NOT_PRODUCING`: results of other code are never reused, a
+    docstring or an exporter edit never invalidates them. ``code=None`` hashes every byte of the package."""
     return _code_hash(code_scope(code))

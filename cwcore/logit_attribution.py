@@ -1,28 +1,16 @@
 """Signed direct logit attribution per (layer, head, query, source token), computed in head space.
 
-For layer l, head h, query i and key j, the term alpha_ij v~_j (v~_j = W_O^h v_j) is added to the
-residual stream at position i. Its **direct logit attribution** toward token t is how much that term
-moves the logit of t along the direct path, the path that skips every later layer:
+The term alpha_ij v~_j (v~_j = W_O^h v_j) moves the logit of token t along the direct path by
 
-    DLA^h_ij(t) = alpha_ij <W_U[t], L_i(v~_j)> = alpha_ij (W_O^h^T e_i(t)) . v_j
+    DLA^h_ij(t) = alpha_ij <W_U[t], L_i(v~_j)> = alpha_ij (W_O^h^T e_i(t)) . v_j,
+    e_i(t) = P (g * W_U[t]) / s_i      (P the centring projection; P = I for an RMSNorm)
 
-where L_i is the *linear part* of the final norm (and, for sandwich-norm models such as Gemma 2/3,
-of the norm applied to the attention output before the residual stream) with its scale **frozen at
-the clean run's value** (the standard DLA convention): for an RMSNorm y = g (x / s_i), for a
-LayerNorm y = g (P x / s_i) + b with P the centring projection; the norm's bias b and the output
-projection's bias are constants that no (head, key) term owns. Hence
-
-    e_i(t) = P (g * W_U[t]) / s_i      (P symmetric; P = I for an RMSNorm)
-
-so the whole computation is one pull-back W_O^h^T e_i per (head, query) and one attention-sized
-product, with no model-dimension tensor per (query, key) pair. Softcapping or scaling applied to the
-logits after the unembedding is not part of the linear map: :func:`logit_attribution` checks that
-the frozen linearisation reproduces the model's own logits and raises
-:class:`~cwcore.core.architectures.UnsupportedModelError` where it does not.
-
-By default the target of query i is the next token of the text (``input_ids[:, i + 1]``) and, at
-the last position, the model's own top prediction.
-"""
+where L_i is the linear part of the final norm (and of a sandwich model's post-attention norm) with
+its scale **frozen at the clean run's value** (the standard convention; biases belong to no term).
+One pull-back per (head, query), no model-sized tensor per (query, key). :func:`logit_attribution`
+checks that the frozen linearisation reproduces the model's logits (softcapping does not) and raises
+:class:`~cwcore.core.architectures.UnsupportedModelError` where it does not. The default target of
+query i is the next token, at the last position the model's top prediction."""
 
 from __future__ import annotations
 
@@ -64,12 +52,8 @@ class FrozenNorm:
 
 def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dtype=torch.float64,
                 tolerance: float | None = None) -> FrozenNorm:
-    """Read a norm's gain, bias and centring by probing it, and fit the clean run's scales.
-
-    ``inputs``/``outputs`` ``[batch, query, model]`` are what the norm received and returned in the
-    clean run. The norm must be of the form ``g * P(x) / s(x) + b`` (RMSNorm with ``weight`` or
-    ``1 + weight``, LayerNorm); otherwise :class:`UnsupportedModelError` is raised.
-    """
+    """A norm ``g * P(x) / s(x) + b`` (RMSNorm with ``weight`` or ``1 + weight``, LayerNorm) read by probing,
+    its scales fitted on the clean run's ``inputs``/``outputs [batch, query, model]``; else :class:`UnsupportedModelError`."""
     width = inputs.shape[-1]
     if width % 2:
         raise UnsupportedModelError(f"direct logit attribution: model width {width} is odd, the norm probe needs it even")
@@ -115,12 +99,8 @@ def _unembedding(model: nn.Module) -> nn.Linear:
 
 @dataclass
 class LogitAttribution:
-    """Direct logit attribution of one forward pass.
-
-    ``by_layer[l]``: ``[batch, head, query, key]`` signed logit pushes toward ``targets[b, i]``;
-    ``decomposition`` is the pass's :class:`~cwcore.core.decomposition.Decomposition`;
-    ``final_norm`` the frozen final norm, ``post_norms[l]`` the frozen post-attention norms (if any).
-    """
+    """Direct logit attribution of one forward pass: ``by_layer[l]`` ``[batch, head, query, key]`` toward
+    ``targets[b, i]``, the pass's ``decomposition``, the frozen ``final_norm`` and ``post_norms``."""
 
     by_layer: dict[int, torch.Tensor]
     targets: torch.Tensor  # [batch, query]
@@ -138,11 +118,8 @@ class LogitAttribution:
 
 
 def direct_logit_attribution(layer, directions: torch.Tensor, post_norm: FrozenNorm | None = None) -> torch.Tensor:
-    """Head-space DLA of one :class:`~cwcore.core.decomposition.LayerDecomposition`.
-
-    ``directions`` ``[batch, query, model]``: e_i, the final norm's pull-back of the target's
-    unembedding row. Returns ``[batch, head, query, key]`` = alpha_ij (W_O^h^T e_i) . v_j.
-    """
+    """Head-space DLA ``[batch, head, query, key]`` = alpha_ij (W_O^h^T e_i) . v_j of one layer decomposition;
+    ``directions [batch, query, model]``: e_i."""
     geometry = layer.geometry
     e = directions.to(geometry.values.dtype)
     if post_norm is not None:
@@ -162,10 +139,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
                       layers: int | Iterable[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                       **inputs) -> LogitAttribution:
     """Decompose a forward pass and attribute the target logits to every (layer, head, query, key).
-
-    ``targets``: None (the next token, and the model's top prediction at the last position), one token
-    id for every position, or ``[batch, query]`` ids. ``inputs`` are those of :func:`cwcore.decompose`.
-    """
+    ``targets``: None (next token; top prediction last), one id, or ``[batch, query]`` ids."""
     if inputs.get("input_ids") is None:
         raise InputError("logit_attribution needs input_ids (the targets are token ids at their positions; "
                          "inputs_embeds alone are not enough)")

@@ -3,23 +3,15 @@
     model, tokenizer = load_model("smollm2-135m")            # packaged, works offline
     model, tokenizer = load_model("gpt2", dtype="bfloat16")  # hub id or local folder
 
-Every model comes back in ``eval()`` mode with ``attn_implementation="eager"`` (cwcore swaps in
-its own attention function that follows eager's math), or ``"sdpa"`` when asked (``load_model(name,
-attn_implementation="sdpa")``: the layers a session neither reads nor changes then run SDPA), and a
-tokenizer whose ``pad_token`` is set.
-``padding_side`` is left at the tokenizer's default (SmolLM2: right, Gemma: left); cwcore handles
-both, because it always takes the ``attention_mask``.
+Every model comes back in ``eval()`` mode with ``attn_implementation="eager"`` (cwcore's attention
+function follows eager's math; ``"sdpa"`` on request runs the layers no session touches with SDPA) and
+a tokenizer whose ``pad_token`` is set (``padding_side`` as the tokenizer has it).
 
-The two packaged decoders ship as quantised GGUF files. Transformers dequantises GGUF to float32
-on every load, which is slow, so the first load converts the model once into a plain safetensors
-folder under ``$CWCORE_CACHE/models/<name>`` (default ``~/.cache/cwcore/models/<name>``).
-The folder is built next to its final place and renamed into it, with a marker file written last,
-so an interrupted or concurrent conversion never leaves a half-written cache behind. The marker
-holds a checksum of every file (xxh3-128, about 0.2 s for SmolLM2's 538 MB); each load checks them
-once per process, and a damaged copy (truncated, or overwritten in place) is converted again with a
-:class:`cwcore.cache.CacheWarning`. A cache folder that cannot be written (read-only, full disk)
-gets the conversion in a temporary folder for this process instead, with one warning.
-"""
+The packaged decoders ship as 4-bit GGUF files, which transformers dequantises slowly on every load,
+so the first load converts each once into a safetensors folder under ``$CWCORE_CACHE/models/<name>``
+(:func:`cwcore.cache.ensure_cached_folder`: built aside, renamed into place, a marker with every file's
+xxh3-128 checksum written last and checked once per process; a damaged copy is converted again with a
+:class:`cwcore.cache.CacheWarning`; an unwritable cache gets a temporary folder for this process)."""
 
 from __future__ import annotations
 
@@ -44,27 +36,10 @@ from .cache import CACHE_FORMAT, CACHE_MARKER, ModelCacheError, _displace, ensur
 from .cache import FOLDER_ABANDONED_AFTER_SECONDS as ABANDONED_AFTER_SECONDS  # noqa: F401
 from .cache import _current_umask, read_cache_marker, verify_cached_folder  # noqa: F401
 
-__all__ = [
-    "CACHE_ENV_VAR",
-    "CACHE_MARKER",
-    "DEFAULT_MODEL",
-    "PACKAGED_MODELS",
-    "ModelCacheError",
-    "ModelNotFoundError",
-    "cache_root",
-    "ensure_cached_folder",
-    "list_models",
-    "load_model",
-    "model_cache_dir",
-    "packaged_model_path",
-    "read_cache_marker",
-    "resolve_dtype",
-    "verify_cached_folder",
-    "verify_models",
-    "VARIANTS",
-    "requantize_weights",
-    "variant_model_path",
-]
+__all__ = ["CACHE_ENV_VAR", "CACHE_MARKER", "DEFAULT_MODEL", "PACKAGED_MODELS", "ModelCacheError",
+           "ModelNotFoundError", "cache_root", "ensure_cached_folder", "list_models", "load_model",
+           "model_cache_dir", "packaged_model_path", "read_cache_marker", "resolve_dtype", "verify_cached_folder",
+           "verify_models", "VARIANTS", "requantize_weights", "variant_model_path"]
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -96,8 +71,6 @@ class ModelNotFoundError(ValueError):
 
 
 # --------------------------------------------------------------------------- public API
-
-
 def list_models() -> list[str]:
     """Return the names of the packaged models, the default first."""
     return list(PACKAGED_MODELS)
@@ -141,11 +114,9 @@ def packaged_model_path(name: str) -> Path:
     )
 
 
-#: Weight variants of the packaged GGUF models: name -> the 4-bit scheme of ``gguf.quants`` that
-#: re-quantises the de-quantised weights (a scheme other than the GGUF's own Q4_1 / Q4_K_M, so that
-#: the weights move by about as much as the first quantisation moved them).
-#: Measured on smollm2-135m (Q4_1 file): W_V moves by 0.090 and W_O by 0.085 of their Frobenius norm
-#: (every projection 0.085-0.090), against an estimated 0.072 and 0.067 for the first quantisation.
+#: Weight variants of the packaged GGUF models: name -> the ``gguf.quants`` 4-bit scheme re-quantising the
+#: de-quantised weights (on smollm2-135m W_V and W_O move by 0.090 and 0.085 of their Frobenius norm,
+#: against an estimated 0.072 and 0.067 for the first quantisation).
 VARIANTS: dict[str, str] = {"requantized": "Q4_0"}
 #: the weights a variant re-quantises: every linear projection of the decoder layers (attention
 #: q, k, v, o and the MLP); embeddings, norms and the LM head stay as the GGUF file gives them
@@ -153,14 +124,11 @@ _REQUANTIZED_MODULES = ("self_attn", "mlp")
 
 
 def requantize_weights(model, scheme: str = "Q4_0", original: str | None = None) -> dict[str, dict[str, float]]:
-    """Quantise and de-quantise, in place, every linear weight of the decoder layers' attention and
-    MLP with ``scheme`` (a type of ``gguf.quants``, blocks of 32 along the input features).
+    """Quantise and de-quantise, in place, every linear weight of the decoder layers with ``scheme`` (a
+    ``gguf.quants`` type, blocks of 32 input features).
 
-    Returns ``{projection: {"relative_change": ||W' - W||_F / ||W||_F over all layers}}`` per projection
-    name (``v_proj``, ``o_proj``, ...); with ``original`` (the GGUF's own scheme) also
-    ``"proxy_original_error"``: the same norm of ``original`` applied to W', an estimate of how far the
-    first quantisation moved the weights (W' is not on ``original``'s grid, as the full-precision
-    weights were not)."""
+    Returns ``{projection: {"relative_change": ||W' - W||_F / ||W||_F}}``; with ``original`` (the GGUF's
+    scheme) also ``"proxy_original_error"``, the same norm of ``original`` applied to W'."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, quants
@@ -228,22 +196,14 @@ ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa")
 
 def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, device: Any = None,
                variant: str | None = None, **kwargs):
-    """Load a model and its tokenizer for analysis.
+    """Load a model and its tokenizer for analysis: ``(model, tokenizer)``.
 
-    ``name`` is a packaged model (see ``PACKAGED_MODELS``), a local folder, or a Hugging Face hub
-    id. ``dtype`` is None (float32), a torch dtype or "float32"/"bfloat16"/"float16"; ``device``
-    is None (cpu) or a torch device. Extra keyword arguments (``device_map="auto"``, ``revision``,
-    ``trust_remote_code=True``, ``use_safetensors=False``, ...) go to ``from_pretrained``.
-    Packaged names take precedence over a local folder of the same name (write "./minilm-l6").
-    ``variant="requantized"`` (or the name ``"<packaged>-requantized"``) loads a packaged GGUF model
-    whose de-quantised weights were quantised once more with another 4-bit scheme (:data:`VARIANTS`,
-    :func:`requantize_weights`), converted once into the model cache like the model itself.
-
-    Returns ``(model, tokenizer)``: the model in eval mode with eager attention (``attn_implementation="sdpa"``:
-    SDPA for the layers no session reads or changes) (a causal LM, or
-    the bare encoder when the checkpoint has no LM head), the tokenizer with ``pad_token`` set.
-    Raises ``ModelNotFoundError`` when the name is found neither locally nor on the hub.
-    """
+    ``name``: a packaged model (:data:`PACKAGED_MODELS`, before a local folder of that name: write
+    "./minilm-l6"), a local folder or a hub id. ``dtype``: None (float32), a torch dtype or its name;
+    ``device``: None (cpu) or a device; other keywords (``device_map``, ``revision``, ...) go to
+    ``from_pretrained``. ``variant="requantized"`` (or ``"<packaged>-requantized"``) requantises a
+    packaged GGUF model with another 4-bit scheme (:data:`VARIANTS`). The model is a causal LM, or the
+    bare encoder without an LM head. Raises ``ModelNotFoundError`` when the name is found nowhere."""
     if "torch_dtype" in kwargs:  # the older transformers spelling
         if dtype is not None:
             raise ValueError("pass either dtype or torch_dtype, not both")
@@ -286,9 +246,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
 
 
 def verify_models(repair: bool = False) -> list[dict]:
-    """Check every converted model under :func:`model_cache_dir`: one dict per problem (``path``,
-    ``problem``, ``action``). ``repair=True`` deletes a damaged or incomplete folder and converts a
-    packaged model again; temporary folders of killed conversions (a day old) are deleted."""
+    """Check every converted model: one dict per problem (``path``, ``problem``, ``action``); ``repair=True``
+    converts a damaged one again and deletes day-old temporary folders."""
     base = model_cache_dir()
     problems = []
     now = time.time()
@@ -325,8 +284,6 @@ def verify_models(repair: bool = False) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- packaged models
-
-
 def _packaged_key(name: Any) -> str | None:
     if not isinstance(name, str):
         return None
@@ -415,11 +372,8 @@ def _convert_gguf(locate_gguf: Callable[[Path], Path], out_dir: Path) -> dict:
 
 
 def save_plain_model(model, tokenizer, out_dir: str | os.PathLike) -> None:
-    """Save a (GGUF-loaded) causal LM and its tokenizer as a plain safetensors folder.
-
-    ``save_pretrained`` refuses a GGUF-quantised model, so the weights go into a fresh model built
-    from the same config without the quantization settings; tied embeddings stay tied.
-    """
+    """Save a GGUF-loaded causal LM and its tokenizer as a safetensors folder (through a fresh model of the
+    same config without its quantisation settings; tied embeddings stay tied)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -461,8 +415,6 @@ def _load_packaged(key: str, torch_dtype, kwargs: dict, variant: str | None = No
 
 
 # --------------------------------------------------------------------------- hub and local folders
-
-
 def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 

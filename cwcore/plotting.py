@@ -1,20 +1,8 @@
-"""One plotting style for the book, the notebooks and ``cwcore explain``.
-
-* :func:`set_style` — seaborn theme with the colour-blind-safe ``colorblind`` palette.
-* :func:`save_figure` — write a figure next to the book's pages, atomically, as PNG and SVG (the
-  book copies every chapter's figure files into ``_build/html/figures/``, for slides).
-* :func:`diverging_cmap` / :func:`contribution_heatmap` — a [query, key] matrix drawn with a
-  diverging colour map centred at zero, so that negative contribution weights (destructive
-  interference) read blue, positive ones red, and attention (never negative) is drawn on the same
-  scale as contribution weights when ``vmin``/``vmax`` are shared.
-* Per-layer figures of the model chapters (3 and 8): :func:`per_layer` picks one statistic of
-  :func:`cwcore.analysis.summarize`'s table, :func:`band` draws it as a line with its interval,
-  :func:`layer_axis` labels the layers, :func:`plain_log` and :func:`legend_below` finish the axes.
-* :func:`ladder_forest` — the ladder's steps (rows of :func:`cwbook.findings.faithfulness_findings`)
-  as a forest plot: every step with its interval, in the paper's direction, coloured by verdict.
-
-Importing this module loads neither torch nor seaborn (they are imported where a function needs them).
-"""
+"""One plotting style for the book, the notebooks and ``cwcore explain``: :func:`set_style` (seaborn,
+colour-blind-safe), :func:`save_figure` (PNG and SVG, atomically), :func:`contribution_heatmap` (a
+[query, key] matrix on a zero-centred diverging map: negative contributions blue, positive red) and
+per-layer figures (:func:`per_layer`, :func:`band`, :func:`layer_axis`). Importing it loads neither
+torch nor seaborn."""
 
 from __future__ import annotations
 
@@ -65,15 +53,8 @@ FIGURE_FORMATS = ("png", "svg")  # what save_figure writes by default: a bitmap 
 
 def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence[str] = FIGURE_FORMATS,
                 dpi: int | None = None) -> Path:
-    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format (PNG and SVG by default), each atomically.
-
-    This is the one call a notebook needs for its figures: the book runner copies every file a chapter
-    writes to its ``output_dir`` into the built book (``_build/html/figures/<chapter>/[<model>/]``, with an
-    index page), so each figure is there as a slide-ready PNG and SVG. Each image is rendered in memory,
-    then written to a temporary file in ``output_dir`` and renamed into place, so a reader never sees a
-    half-written image. The SVG is reproducible: no date, and fixed ids (``svg.hashsalt``), so the same
-    figure gives the same bytes. Returns the path of the first format's file (the PNG by default).
-    """
+    """Save ``fig`` as ``output_dir/name.<fmt>`` for each format, each atomically, and return the first path.
+    The SVG is reproducible (no date, fixed ids). The book copies a chapter's figure files into the built book."""
     import matplotlib as mpl
 
     if not name or Path(name).name != name or name.startswith("."):
@@ -100,11 +81,8 @@ def diverging_cmap() -> mcolors.Colormap:
 
 
 def centred_norm(values, vmin: float | None = None, vmax: float | None = None) -> mcolors.TwoSlopeNorm:
-    """A norm centred at 0 and symmetric: equal magnitudes get equal colour strength on both sides.
-
-    The range is ``[-m, m]`` with ``m`` the largest ``|value|`` (NaNs ignored), so a weight of -0.03
-    next to +0.9 stays faint, as it should. Pass ``vmin``/``vmax`` to share one scale between panels.
-    """
+    """A norm symmetric about 0 over ``[-m, m]``, ``m`` the largest ``|value|``, so -0.03 beside +0.9 stays
+    faint; ``vmin``/``vmax`` share one scale between panels."""
     arr = np.asarray(values, dtype=float)
     finite = arr[np.isfinite(arr)]
     largest = float(np.abs(finite).max()) if finite.size else 1.0
@@ -124,12 +102,9 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
                          key_tokens: Sequence | None = None, vmin: float | None = None,
                          vmax: float | None = None, colorbar: bool = True, annotate: bool | None = None,
                          fmt: str = ".2f", max_labels: int = 40):
-    """Draw a [query, key] weight matrix on ``ax`` with a zero-centred diverging colour map.
-
-    ``tokens`` label the rows (queries) and, unless ``key_tokens`` is given, the columns (keys).
-    NaN cells (undefined weights, masked keys) are grey. ``annotate`` writes each value in its cell
-    (default: only for matrices up to 12x12). Returns the ``AxesImage``.
-    """
+    """Draw a [query, key] weight matrix on ``ax`` with a zero-centred diverging colour map (NaN grey);
+    ``tokens`` label rows and, without ``key_tokens``, columns; ``annotate`` writes values (default up to
+    12x12). Returns the ``AxesImage``."""
     w = np.asarray(weights, dtype=float)
     if w.ndim != 2:
         raise ValueError(f"weights must be a [query, key] matrix, got shape {w.shape}")
@@ -164,25 +139,16 @@ def contribution_heatmap(ax, weights, tokens: Sequence, title: str | None = None
     return image
 
 
-# --------------------------------------------------------------------------------------------------
 # Per-layer figures (chapters 3 and 8)
-# --------------------------------------------------------------------------------------------------
 def per_layer(summary, statistic: str, view: str, group: str = ""):
-    """The rows of one statistic of :func:`cwcore.analysis.summarize`'s table, indexed by layer.
-
-    ``summary`` has columns ``layer, statistic, view, group, mean, low, high, n``; the result is a
-    DataFrame with columns ``mean, low, high`` (the mean over sequences and its interval), one row per
-    layer, for the rows with this ``statistic``, ``view`` and key ``group`` (``""``: no group).
-    """
+    """``mean, low, high`` per layer of one ``statistic``, ``view`` and key ``group`` of a per-layer summary
+    (columns ``layer, statistic, view, group, mean, low, high, n``)."""
     rows = summary[(summary["statistic"] == statistic) & (summary["view"] == view) & (summary["group"] == group)]
     return rows.set_index("layer")[["mean", "low", "high"]]
 
 
 def band(ax, frame, colour, label: str | None = None, *, alpha: float = 0.25, lw: float = 2):
-    """Draw ``frame["mean"]`` against its index as a line, and the interval ``low``-``high`` as a band.
-
-    ``frame`` is what :func:`per_layer` returns (any frame with ``mean``, ``low`` and ``high`` columns).
-    """
+    """Draw ``frame["mean"]`` against its index as a line and ``low``-``high`` as a band."""
     ax.plot(frame.index, frame["mean"], color=colour, lw=lw, label=label)
     ax.fill_between(frame.index, frame["low"], frame["high"], color=colour, alpha=alpha, lw=0)
 
@@ -213,118 +179,3 @@ def legend_below(fig, ax, ncols: int = 3, fontsize: float = 9) -> None:
     """The legend of ``ax`` under the figure, where it cannot hide a curve (a constrained-layout figure)."""
     handles, labels = ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize=fontsize)
-
-
-#: verdict colours of :func:`ladder_forest` (colour-blind-safe: blue / vermilion / grey), keyed by the
-#: values of :data:`cwcore.stats.HOLDS`, ``CONTRADICTED`` and ``INCONCLUSIVE`` (literals: importing
-#: this module does not load scipy)
-VERDICT_COLOURS = {"holds": "#0072B2", "contradicted": "#D55E00", "negligible": "#009E73", "inconclusive": "#7f7f7f"}
-_STEP_LABELS = {"step 1->2": "1→2", "step 2->3": "2→3", "step 3->4": "3→4",
-                "contribution beats random": "4 vs random"}
-_VARIANTS = [("signed", "low", "o"), ("signed", "full", "s"), ("absolute", "low", "^"), ("absolute", "full", "D")]
-
-
-def _interval(ax, row, estimate: str, sign: float, y: float, marker: str) -> None:
-    """One forest line at height ``y``: ``row[estimate]`` with its 95% interval (``ci_low``, ``ci_high``),
-    times ``sign`` (the faithful direction), in the colour of the row's verdict."""
-    lo, hi = sorted((sign * row["ci_low"], sign * row["ci_high"]))
-    colour = VERDICT_COLOURS.get(row["verdict"], "black")
-    ax.plot([lo, hi], [y, y], color=colour, lw=1.4)
-    ax.plot([sign * row[estimate]], [y], marker=marker, ms=4.5, color=colour, ls="none")
-
-
-def _forest_axes(ax, labels: list[str], title: str, xlabel: str, tick_size: float | None = None) -> None:
-    """A forest panel's frame: zero line, symmetric-log x (linear within ±0.01), one labelled line per entry."""
-    ax.axvline(0, color="black", lw=0.8)
-    ax.set_xscale("symlog", linthresh=0.01)
-    ax.margins(x=0.06)  # the outermost markers inside the frame
-    ax.set_yticks(range(len(labels)), labels, fontsize=tick_size)
-    ax.set_ylim(len(labels) - 0.5, -0.5)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(xlabel, fontsize=9)
-    ax.grid(axis="y", visible=False)
-
-
-def _forest_panels(rows, n_lines: int, line_height: float, pad: float):
-    """The grid of a forest plot, one panel per (data set, mode) of ``rows``: ``(fig, panels)``, each panel
-    ``(ax, rows of that panel, data, mode, sign)``, ``sign`` -1 for sufficiency (lower is better)."""
-    import matplotlib.pyplot as plt
-
-    datas = list(dict.fromkeys(rows["data"]))
-    modes = [m for m in ("comprehensiveness", "sufficiency") if m in set(rows["mode"])]
-    fig, axes = plt.subplots(max(len(datas), 1), max(len(modes), 1), squeeze=False, constrained_layout=True,
-                             figsize=(5.2 * max(len(modes), 1), line_height * n_lines * max(len(datas), 1) + pad),
-                             sharey=True)
-    panels = [(axes[i, j], rows[(rows["data"] == data) & (rows["mode"] == mode)], data, mode,
-               -1.0 if mode == "sufficiency" else 1.0)
-              for i, data in enumerate(datas) for j, mode in enumerate(modes)]
-    return fig, panels
-
-
-def ladder_forest(claims, title: str = ""):
-    """A forest plot of the ladder: one panel per (data set, mode), one line per step x protocol, one
-    marker per importance sign x ratio range, with its 95% interval. ``claims``: rows of
-    :func:`cwbook.findings.faithfulness_findings` (the step claims and ``contribution beats random`` are
-    drawn; a *not measured* step is left out). The x axis is the step in the paper's direction
-    (``estimate``, negated for sufficiency, where lower is better), symmetric-log so that the gentle
-    range and the full range read on one axis: right of zero supports the paper. Returns the figure."""
-    from matplotlib.lines import Line2D
-
-    from .stats import NOT_MEASURED
-
-    rows = claims[claims["claim"].isin(list(_STEP_LABELS)) & claims["estimate"].notna()
-                  & (claims["verdict"] != NOT_MEASURED)]
-    if "variant" in rows:  # the main protocols' steps; a variant's are shown beside them, never on their line
-        rows = rows[rows["variant"].fillna("main") == "main"]
-    protocols = list(dict.fromkeys(rows["protocol"]))
-    lines = [(c, p) for c in _STEP_LABELS for p in protocols]
-    fig, panels = _forest_panels(rows, len(lines), line_height=0.42, pad=1.2)
-    for ax, part, data, mode, sign in panels:
-        for y, (claim, protocol) in enumerate(lines):
-            for k, (importance, rng, marker) in enumerate(_VARIANTS):
-                hit = part[(part["claim"] == claim) & (part["protocol"] == protocol)
-                           & (part["importance"] == importance) & (part["range"] == rng)]
-                if hit.empty:
-                    continue
-                _interval(ax, hit.iloc[0], "estimate", sign, y + (k - 1.5) * 0.17, marker)
-        _forest_axes(ax, [f"{_STEP_LABELS[c]} ({p})" for c, p in lines], f"{mode} ({data})",
-                     "step in the paper's direction (ΔAOPC, > 0 supports)")
-    handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
-    handles += [Line2D([], [], color="black", marker=m, ls="none", label=f"{'|c|' if imp == 'absolute' else imp}, "
-                       f"{rng} range") for imp, rng, m in _VARIANTS]
-    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=8)
-    if title:
-        fig.suptitle(title, fontweight="bold")
-    return fig
-
-
-def bench_forest(comparisons, title: str = "", labels: dict | None = None):
-    """A forest plot of the attribution bench's paired comparisons (chapter 4b's table, as
-    :func:`cwcore.faithfulness.ladder_comparison` writes it with ``data`` and ``range``): one panel per
-    (data set, mode), one line per pair (``higher`` vs ``lower``), one marker per ratio range, with its
-    95% interval; a pair ranked identically by construction is left out. The x axis is the difference in
-    the faithful direction (negated for sufficiency, where lower is better), symmetric-log: right of zero,
-    ``higher`` is the more faithful. ``labels``: display names of the methods. Returns the figure."""
-    from matplotlib.lines import Line2D
-
-    labels = labels or {}
-    rows = comparisons[~comparisons["identical"].astype(bool)] if "identical" in comparisons else comparisons
-    pairs = list(dict.fromkeys(zip(rows["higher"], rows["lower"])))
-    ranges = list(dict.fromkeys(rows["range"]))
-    markers = dict(zip(ranges, "osD^v"))
-    fig, panels = _forest_panels(rows, len(pairs), line_height=0.3, pad=1.4)
-    for ax, part, data, mode, sign in panels:
-        for y, (higher, lower) in enumerate(pairs):
-            for k, rng in enumerate(ranges):
-                hit = part[(part["higher"] == higher) & (part["lower"] == lower) & (part["range"] == rng)]
-                if hit.empty:
-                    continue
-                _interval(ax, hit.iloc[0], "difference", sign, y + (k - (len(ranges) - 1) / 2) * 0.22, markers[rng])
-        _forest_axes(ax, [f"{labels.get(h, h)} vs {labels.get(lo, lo)}" for h, lo in pairs], f"{mode} ({data})",
-                     "difference, faithful direction (ΔAOPC, > 0: first more faithful)", tick_size=8)
-    handles = [Line2D([], [], color=c, lw=1.4, label=v) for v, c in VERDICT_COLOURS.items()]
-    handles += [Line2D([], [], color="black", marker=markers[rng], ls="none", label=f"{rng} range") for rng in ranges]
-    fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
-    if title:
-        fig.suptitle(title, fontweight="bold")
-    return fig

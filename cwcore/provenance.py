@@ -1,13 +1,11 @@
-"""Names and provenance shared by the science and the book wing: a model name as a file component, and
-the git commit of a checkout (both used where committed evidence files are written)."""
+"""The command lines' outputs: a model name as a file component and the folder the tables go to."""
 
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
-__all__ = ["slug", "git", "RESULTS_FOLDER", "output_folder", "confined"]
+__all__ = ["slug", "RESULTS_FOLDER", "output_folder", "confined"]
 
 #: where the command lines write their tables unless ``--out`` says otherwise: a folder of the user's working
 #: folder, never a repository's committed tables (``data/results``)
@@ -21,14 +19,6 @@ def slug(name: str) -> str:
     if not s:
         raise ValueError(f"model name {name!r} has no letters or digits")
     return s
-
-
-def git(root: str | Path, *args: str) -> str | None:
-    """``git -C root args...``'s output, stripped, or None when git or the repository is absent."""
-    try:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def output_folder(out: str | Path, flag: str = "--out") -> Path:

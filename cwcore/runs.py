@@ -1,22 +1,15 @@
 """The run driver every experiment uses: one model identity, content-named batches, cached pieces, ranks.
 
-A long experiment is a loop over batches; each batch's results are a few DataFrames. The driver
-names each batch by its content (:func:`tensor_digest`), reads the batch's pieces back from the
-result cache when a complete set exists, computes and stores them otherwise (the parts first, a
-``.done`` marker last, each file atomically), and shows one progress bar. An interrupted run
-therefore resumes where it stopped, and a longer run over the same first batches reuses them.
+Each batch is named by its content (:func:`tensor_digest`); its pieces are read back from the result
+cache when complete, else computed and stored (the parts first, a ``.done`` marker last), so an
+interrupted run resumes and a longer run reuses the same first batches. :func:`model_fingerprint` is
+the model's identity in every cache key.
 
-:func:`model_fingerprint` is the model's identity in every cache key.
-
-**Ranks.** Every document-level sweep maps its batches through :func:`shard_map` (directly, or through
-:func:`for_each_batch`). Under a ``torch.distributed`` launcher (``torchrun --nproc-per-node N``,
-``accelerate launch``, Slurm with ``srun torchrun``: ``WORLD_SIZE > 1``) each rank computes the batches
-``rank, rank + N, ...`` and the ranks exchange their results (``all_gather_object`` over a gloo group),
-so every rank returns the complete result in the single-process order, bit for bit the same as one
-single-threaded process. With ``$CWCORE_JOBS=N`` (``python -m cwbook build --jobs N``) and no
-launcher, a sweep forks N-1 single-thread helper ranks on this machine that join the calling process in
-a gloo group on localhost: the same path. :func:`launch_info` says how the process was started.
-"""
+**Ranks.** Sweeps map their batches through :func:`shard_map`. Under a ``torch.distributed`` launcher
+(``WORLD_SIZE > 1``) rank r computes batches r, r + N, ... and the ranks exchange their results over a
+gloo group, so every rank returns the complete result, bit for bit that of one process. With
+``$CWCORE_JOBS=N`` and no launcher a sweep forks N-1 single-thread helper ranks on this machine that
+join the same path. :func:`launch_info` says how the process was started."""
 
 from __future__ import annotations
 
@@ -56,16 +49,12 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def model_fingerprint(model: nn.Module) -> str:
-    """A hash of the model: its class, configuration name and, for every parameter and buffer, its name,
-    shape, dtype and **every byte of its values** (SHA-256).
+    """SHA-256 of the model: its class, configuration name and every parameter's and buffer's name, shape,
+    dtype and **every byte of its values**.
 
-    Two models that differ in one weight (one zeroed neuron, an edited tied embedding) never share cached
-    results. Hashing reads every weight each call: measured on one core of an AMD EPYC (Zen 5), 0.33 s
-    for smollm2-135m (538 MB in float32) and 0.7 s for gemma3-270m (1072 MB), against a sweep of minutes; no result is reused from a digest kept between calls,
-    because an edit through ``param.data`` changes the values without moving the tensor's version
-    counter. Parameters and buffers that accelerate keeps on the ``meta`` device (offloaded to disk or
-    CPU) contribute their name, shape and dtype only, so an offloaded model has one stable identity.
-    """
+    Read every call (0.33 s for smollm2-135m in float32 on one core): an edit through ``param.data``
+    does not move a tensor's version counter, so no digest is kept between calls. Tensors accelerate
+    keeps on the ``meta`` device contribute name, shape and dtype only."""
     digest = hashlib.sha256()
     config = getattr(model, "config", None)
     digest.update(type(model).__name__.encode())
@@ -105,9 +94,8 @@ def tensor_digest(*values: Any) -> str:
 
 def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: str = "input_ids",
                        caller: str = "the experiment") -> torch.Tensor:
-    """Token blocks an experiment runs on, as a ``[sequence, token]`` integer tensor: at least one
-    sequence of at least one token, inside ``model``'s vocabulary and context when a model is given
-    (through :func:`cwcore.core.inputs.check_inputs`, so the sentences are the core's)."""
+    """Token blocks as a non-empty ``[sequence, token]`` integer tensor, inside ``model``'s vocabulary and
+    context when a model is given (:func:`cwcore.core.inputs.check_inputs`)."""
     if model is not None:
         return check_inputs(model, {"input_ids": input_ids}, caller=caller)["input_ids"]
     ids = torch.as_tensor(input_ids)
@@ -121,14 +109,10 @@ def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: s
 class PieceStore:
     """The cached pieces of one run (a :class:`cwcore.cache.ResultCache` folder).
 
-    ``parameters`` are every option that changes the result; ``model`` adds :func:`model_fingerprint`;
-    ``code`` names the producing module or subpackage (``"faithfulness"``, ``"sinks"``, ``"analysis"``)
-    whose source, with the core's, is part of the key. Nothing is read or stored outside a
-    :func:`cwcore.cache.caching` block (:func:`cwcore.cache.caching_enabled`), with ``cache=False`` or under
-    ``$CWCORE_NO_CACHE=1``; then the model's weights are not hashed either. ``cache_root``: the folder (default
-    the caching block's, :func:`cwcore.cache.active_cache_root`). Every piece is read through :class:`cwcore.cache.ResultCache`, which verifies its
-    checksum: a damaged part makes its batch incomplete, so the batch is computed again.
-    """
+    ``parameters``: every option that changes the result; ``model`` adds :func:`model_fingerprint`;
+    ``code``: the producing module or subpackage whose code, with the base code, is in the key. Nothing is
+    read or stored (nor the weights hashed) outside :func:`cwcore.cache.caching`, with ``cache=False`` or
+    under ``$CWCORE_NO_CACHE=1``. A damaged part makes its batch incomplete, so it is computed again."""
 
     def __init__(self, namespace: str, parameters: Mapping, *, model: nn.Module | None = None,
                  code: str | tuple | list | None = None, cache: bool = True, cache_root: str | Path | None = None):
@@ -225,9 +209,8 @@ class _ReportedBar:
 
 
 def progress(total: int | None, desc: str, unit: str = "batch", enabled: bool = True, **kwargs):
-    """A tqdm progress bar (notebook or terminal, :mod:`tqdm.auto`), or a silent stand-in; under
-    ``$CWCORE_PROGRESS_FILE`` (the book build sets it for its kernels) the main rank's bar is also written
-    there, shown or not, so that the build can show it."""
+    """A :mod:`tqdm.auto` bar, or a silent stand-in; under ``$CWCORE_PROGRESS_FILE`` the main rank's bar is
+    also written there (for the book build to show)."""
     if not is_main_rank():
         return _NoBar()
     bar = _NoBar()
@@ -249,11 +232,8 @@ def for_each_batch(
     total: int | None = None,
     show_progress: bool = True,
 ) -> Iterator[tuple[Any, dict[str, pd.DataFrame]]]:
-    """For each batch, ``(batch, frames)``: read from ``store`` under ``key(batch)`` when complete,
-    otherwise ``compute(batch)`` (a dict of DataFrames) and stored. One progress bar over the batches.
-
-    With ranks (:func:`shard_map`) each rank reads or computes its share and every rank yields every
-    batch, in order."""
+    """For each batch, ``(batch, frames)``: read from ``store`` under ``key(batch)`` when complete, else
+    ``compute(batch)`` (a dict of DataFrames) and stored; with ranks every rank yields every batch, in order."""
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)
 
@@ -284,9 +264,7 @@ def for_each_batch(
         bar.close()
 
 
-# --------------------------------------------------------------------------------------------------
 # Ranks: one sweep's batches split over the processes of a torch.distributed group
-# --------------------------------------------------------------------------------------------------
 #: ``N > 1``: sweeps run on N single-thread ranks of this machine (forked helpers) when no launcher is used
 JOBS_ENV_VAR = "CWCORE_JOBS"
 #: how long a rank waits for the others (a sweep's share can take hours): ``$CWCORE_RANK_TIMEOUT`` seconds
@@ -316,9 +294,8 @@ def local_jobs() -> int:
 
 
 def world() -> tuple[int, int] | None:
-    """``(rank, world size)`` of the torch.distributed group this process belongs to, or None when it
-    runs alone (or inside a sharded map). A launcher's environment (``WORLD_SIZE > 1``, ``RANK``,
-    ``MASTER_ADDR``, ``MASTER_PORT``) starts the group on first use: gloo on CPU, nccl for CUDA tensors."""
+    """``(rank, world size)`` of this process's torch.distributed group, or None alone (or inside a sharded
+    map). A launcher's environment starts the group on first use: gloo on CPU, nccl for CUDA tensors."""
     if _inside_shard:
         return None
     import torch.distributed as dist
@@ -425,11 +402,8 @@ def _objects_group():
 
 
 def shard_map(items: Iterable[Any], compute: Callable[[Any], Any], *, progress=None) -> list:
-    """``[compute(item) for item in items]``, split over ranks when there are any (see the module's
-    docstring): rank r computes items r, r + N, ...; every rank returns the full list, in order.
-
-    Every rank must call it with the same items (the same program on the same data). ``compute``'s
-    results travel pickled; a failure on one rank raises on every rank."""
+    """``[compute(item) for item in items]`` split over ranks: rank r computes items r, r + N, ...; every rank
+    returns the full list, in order. Every rank must call it with the same items; a failure raises on all."""
     items = list(items)
     bar = progress if progress is not None else _NoBar()
     ranks = world()

@@ -1,32 +1,17 @@
 """The project's statistics: intervals over independent units, and the one verdict vocabulary.
 
-Every chapter and the findings page use these functions, so "holds" means the same thing
-everywhere. Conventions shared by every interval function:
+Conventions of every interval function: NaN values are dropped first; with no finite value every
+number is NaN; with one value the interval is NaN (one unit has no spread). Intervals are two-sided at
+``confidence``, returned as :class:`Interval` ``(estimate, low, high)``; resampling is deterministic
+for a fixed ``seed``. The resampled unit is always the independent one (a document, a sequence, a
+layer of heads): :func:`cluster_bootstrap` pools the rows of each unit and resamples whole units,
+which :func:`scipy.stats.bootstrap` does not offer.
 
-* NaN values are dropped first; with no finite value every number is NaN; with one value the
-  estimate is that value and the interval is NaN (one unit has no spread to resample);
-* intervals are two-sided at ``confidence`` (0.95), returned as :class:`Interval`
-  ``(estimate, low, high)``, which unpacks like a 3-tuple;
-* resampling is deterministic for a fixed ``seed`` (``numpy.random.default_rng(seed)``).
-
-The resampled unit is always the independent one (a document, a sequence, an example, or a layer
-of heads): :func:`bootstrap_ci` and :func:`paired_bootstrap_ci` take one value per unit and use
-:func:`scipy.stats.bootstrap`; :func:`cluster_bootstrap` pools the many rows of each unit (queries,
-heads) and resamples whole units, which scipy does not offer.
-
-Verdicts (:func:`verdict`): a claim "the statistic is above (below) the threshold" **holds** when
-its whole interval lies strictly on the claimed side, is **contradicted** when the whole interval
-lies strictly on the other side, is **inconclusive** when the interval contains (or touches) the
-threshold, and is **not measured** when there is no interval (no data, one unit, an empty group).
-With an equivalence ``margin`` (a difference too small to matter, stated before looking), a claim is
-**negligible** when its whole interval lies inside ``threshold +- margin``: the effect, whichever its
-sign, is practically zero (checked before holds/contradicted, so a tiny but precisely measured effect
-is negligible, not "holds").
-
-Tests (:func:`sign_flip_p`, :func:`holm`): a two-sided paired permutation test over independent units
-(:func:`scipy.stats.permutation_test`, signs of the paired differences flipped), and Holm's
-step-down adjustment within a pre-registered family.
-"""
+Verdicts (:func:`verdict`): a claim "the statistic is above (below) the threshold" **holds** when its
+whole interval lies strictly on the claimed side, is **contradicted** when it lies strictly on the
+other side, **inconclusive** when it contains or touches the threshold, **not measured** without an
+interval, and **negligible** when it lies inside an equivalence ``threshold +- margin`` (checked first,
+so a tiny but precisely measured effect is negligible, not "holds")."""
 
 from __future__ import annotations
 
@@ -40,7 +25,7 @@ from scipy import integrate, stats as _scipy_stats
 
 __all__ = [
     "CONTRADICTED", "HOLDS", "INCONCLUSIVE", "MIN_CLUSTERS", "NEGLIGIBLE", "NOT_MEASURED", "VERDICTS",
-    "ClusterBootstrap", "Interval", "bootstrap_ci", "bootstrap_rows", "cluster_bootstrap", "combine_all", "combine_verdicts",
+    "ClusterBootstrap", "Interval", "bootstrap_ci", "cluster_bootstrap", "combine_all", "combine_verdicts",
     "crossed_bootstrap_ci",
     "detectable_from_interval", "holm", "mde_at_level", "sign_flip_p",
     "min_detectable_effect", "paired_bootstrap_ci", "percentile_interval", "resample_indices", "share_ci", "spearman_ci",
@@ -52,15 +37,13 @@ CONTRADICTED = "contradicted"
 INCONCLUSIVE = "inconclusive"
 NEGLIGIBLE = "negligible"
 NOT_MEASURED = "not measured"
-#: The one verdict vocabulary of the project, from strongest to weakest evidence (``negligible``: the
-#: interval lies inside the equivalence margin, see :func:`verdict`).
+#: the one verdict vocabulary of the project, from strongest to weakest evidence
 VERDICTS = (HOLDS, CONTRADICTED, NEGLIGIBLE, INCONCLUSIVE, NOT_MEASURED)
 
 _NAN = float("nan")
 
-#: the fewest whole clusters a cluster bootstrap resamples to give an interval: with fewer (e.g. the three
-#: global layers of Gemma 3 270M) the resamples take only a handful of distinct values, and a percentile
-#: interval over them can be a point ("[0.75, 0.75]") that looks decisive; it is "not measured" instead
+#: the fewest whole clusters a cluster bootstrap resamples for an interval: with fewer (Gemma 3 270M's three
+#: global layers) a percentile interval can be a point ("[0.75, 0.75]") that looks decisive
 MIN_CLUSTERS = 5
 
 
@@ -93,11 +76,7 @@ def _scipy_bootstrap(data, statistic, **options):
 
 def bootstrap_ci(values, statistic: Callable = np.mean, *, n_resamples: int = 1000, confidence: float = 0.95,
                  method: str = "percentile", seed: int = 0) -> Interval:
-    """``statistic`` of one value per independent unit, with a bootstrap interval (:func:`scipy.stats.bootstrap`).
-
-    ``statistic`` takes an array and ``axis=`` (``np.mean``, ``np.median``, ...); ``method`` is
-    ``"percentile"`` or ``"BCa"``.
-    """
+    """``statistic`` (taking ``axis=``) of one value per independent unit, with a :func:`scipy.stats.bootstrap` interval."""
     _check_confidence(confidence)
     x = _finite(values)
     if x.size == 0:
@@ -114,10 +93,7 @@ def bootstrap_ci(values, statistic: Callable = np.mean, *, n_resamples: int = 10
 
 def paired_bootstrap_ci(x, y, statistic: Callable = np.mean, *, n_resamples: int = 1000, confidence: float = 0.95,
                         method: str = "percentile", seed: int = 0) -> Interval:
-    """``statistic(x - y)`` over paired units (the same documents under two conditions), resampling pairs.
-
-    Pairs where either value is NaN are dropped. Uses :func:`scipy.stats.bootstrap` with ``paired=True``.
-    """
+    """``statistic(x - y)`` over paired units (the same documents under two conditions), resampling pairs."""
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
     if x.shape != y.shape:
@@ -147,41 +123,10 @@ def resample_indices(n_units: int, n_resamples: int = 1000, seed: int = 0) -> np
     return np.random.default_rng(seed).integers(0, n_units, size=(n_resamples, n_units))
 
 
-def bootstrap_rows(matrix, statistic: Callable = np.nanmean, *, n_resamples: int = 1000, confidence: float = 0.95,
-                   seed: int = 0, indices: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Percentile intervals for each row of ``matrix [group, unit]``, every row resampled with the same units.
-
-    Returns ``(estimate [group], low [group], high [group])``. ``statistic`` must ignore NaN (a unit
-    without a value in that row); rows with fewer than two finite units get a NaN interval.
-    ``indices`` (from :func:`resample_indices`) fixes the resamples, e.g. to share them across calls.
-    """
-    _check_confidence(confidence)
-    m = np.asarray(matrix, dtype=float)
-    if m.ndim == 1:
-        m = m[None]
-    groups, units = m.shape
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN rows
-        estimate = statistic(m, axis=1) if units else np.full(groups, _NAN)
-        if units == 0:
-            return estimate, np.full(groups, _NAN), np.full(groups, _NAN)
-        idx = resample_indices(units, n_resamples, seed) if indices is None else np.asarray(indices)
-        replicates = statistic(m[:, idx], axis=2)  # [group, resample]
-        tail = (1 - confidence) / 2
-        low, high = np.nanquantile(replicates, [tail, 1 - tail], axis=1)
-    few = np.isfinite(m).sum(1) < 2
-    low[few] = high[few] = _NAN
-    return estimate, low, high
-
-
 class ClusterBootstrap(NamedTuple):
-    """The result of :func:`cluster_bootstrap`.
-
-    ``table``: one row per group (the ``by`` keys, ``n`` rows, ``n_clusters``, each column's pooled
-    estimate with ``<column>_low`` / ``<column>_high``); ``replicates``: ``{column: [n_resamples, group]}``
-    in ``table``'s row order. The same resampled clusters serve every group and column, so two groups'
-    replicates can be subtracted for a paired interval of their difference (:meth:`contrast`).
-    """
+    """The result of :func:`cluster_bootstrap`: ``table`` (one row per group: the ``by`` keys, ``n``,
+    ``n_clusters``, each column with ``<column>_low`` / ``<column>_high``) and ``replicates``
+    ``{column: [n_resamples, group]}``; the resamples are shared, so differences of groups are paired."""
 
     table: pd.DataFrame
     replicates: dict[str, np.ndarray]
@@ -213,12 +158,9 @@ def percentile_interval(replicates: np.ndarray, confidence: float = 0.95) -> tup
 
 
 def crossed_bootstrap_ci(values, *, n_resamples: int = 1000, confidence: float = 0.95, seed: int = 0) -> Interval:
-    """Mean of ``values [units, replicates]`` (e.g. documents x seeds of a random control) with a percentile
-    interval that resamples both factors: each resample draws the units and, independently, the
-    replicates with replacement (the documents from :func:`resample_indices` with ``seed``, the
-    replicates with ``seed + 1``) and averages the crossed cells, so the spread between replicates is in
-    the interval as well as the spread between units. NaN with fewer than two units; one replicate gives
-    the units-only bootstrap."""
+    """Mean of ``values [units, replicates]`` (documents x seeds of a random control) with a percentile
+    interval resampling both factors independently (units with ``seed``, replicates with ``seed + 1``), so
+    the spread between replicates is in the interval too. NaN with fewer than two units."""
     _check_confidence(confidence)
     matrix = np.asarray(values, dtype=float)
     if matrix.ndim != 2:
@@ -237,14 +179,9 @@ def crossed_bootstrap_ci(values, *, n_resamples: int = 1000, confidence: float =
 def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: str | Sequence[str] = (), *,
                       cluster: str = "sequence", weight: str | None = None, n_resamples: int = 1000,
                       seed: int = 0, confidence: float = 0.95) -> ClusterBootstrap:
-    """Pooled means of ``columns`` per group ``by``, with intervals that resample whole clusters.
-
-    The rows of one cluster (a document's queries and heads, a layer's heads) are not independent,
-    so each resample draws the ``cluster`` values with replacement and pools the rows of every drawn
-    cluster. The estimate of a column in a group is sum(w x) / sum(w) over its rows with a finite x
-    (w = the ``weight`` column, or 1). Groups are in sorted order of ``by``. With fewer than two
-    clusters the intervals are NaN.
-    """
+    """Pooled means sum(w x) / sum(w) of ``columns`` per group ``by`` (sorted), with intervals resampling
+    whole ``cluster`` values (a document's queries, a layer's heads are not independent rows); ``w`` is
+    the ``weight`` column or 1. NaN intervals with fewer than two clusters."""
     _check_confidence(confidence)
     columns = [columns] if isinstance(columns, str) else list(columns)
     by = [by] if isinstance(by, str) else list(by)
@@ -282,10 +219,7 @@ def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: st
 
 
 def wilson_ci(successes: int, n: int, confidence: float = 0.95) -> Interval:
-    """A proportion ``successes / n`` with its Wilson score interval (:func:`scipy.stats.binomtest`).
-
-    Unlike a bootstrap, the interval does not collapse to a point when every unit agrees.
-    """
+    """A proportion ``successes / n`` with its Wilson score interval (no collapse to a point when all agree)."""
     _check_confidence(confidence)
     if n <= 0:
         return Interval(_NAN, _NAN, _NAN)
@@ -301,14 +235,9 @@ def share_ci(flags, confidence: float = 0.95) -> Interval:
 
 
 def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, confidence: float = 0.95) -> Interval:
-    """Spearman's rho of the pairs (x, y) with a percentile bootstrap interval resampling the pairs, or,
-    with ``clusters`` (one label per pair, e.g. the layer of each head), resampling whole clusters with
-    replacement and pooling their pairs (pairs of one cluster are not independent).
-
-    Pairs with a NaN are dropped; ties get average ranks (:func:`scipy.stats.spearmanr`). NaN where
-    undefined (fewer than three pairs, a constant variable; for the interval, fewer than
-    :data:`MIN_CLUSTERS` clusters).
-    """
+    """Spearman's rho of the pairs (x, y) with a percentile bootstrap over pairs, or over whole ``clusters``
+    (one label per pair, e.g. each head's layer). NaN where undefined (fewer than three pairs, a constant
+    variable; for the interval, fewer than :data:`MIN_CLUSTERS` clusters)."""
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
     ok = np.isfinite(x) & np.isfinite(y)
@@ -353,10 +282,7 @@ def _rowwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def trapezoid_mean(x, y, axis: int = -1) -> np.ndarray:
-    """The mean of the curve y(x) over [x_0, x_last]: trapezoid area / width (:func:`scipy.integrate.trapezoid`).
-
-    ``x`` ``[n]`` sorted; ``y`` ``[..., n]`` along ``axis``. A single point returns its value.
-    """
+    """The mean of the curve y(x) over [x_0, x_last]: trapezoid area / width (``y [..., n]`` along ``axis``)."""
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     if x.size == 1:
@@ -365,9 +291,8 @@ def trapezoid_mean(x, y, axis: int = -1) -> np.ndarray:
 
 
 def min_detectable_effect(sd: float, n: int, *, alpha: float = 0.05, power: float = 0.8) -> float:
-    """The smallest true mean difference a sample of ``n`` independent units with standard deviation
-    ``sd`` detects with probability ``power`` in a two-sided test at level ``alpha``:
-    (z_{1-alpha/2} + z_{power}) sd / sqrt(n). NaN with fewer than two units."""
+    """The smallest true mean difference ``n`` units with standard deviation ``sd`` detect with probability
+    ``power`` in a two-sided test at level ``alpha``: (z_{1-alpha/2} + z_power) sd / sqrt(n)."""
     if n < 2 or not np.isfinite(sd):
         return _NAN
     z = _scipy_stats.norm.ppf(1 - alpha / 2) + _scipy_stats.norm.ppf(power)
@@ -375,19 +300,15 @@ def min_detectable_effect(sd: float, n: int, *, alpha: float = 0.05, power: floa
 
 
 def mde_at_level(mde: float, alpha: float, *, from_alpha: float = 0.05, power: float = 0.8) -> float:
-    """:func:`min_detectable_effect` computed at level ``from_alpha``, restated at level ``alpha`` (the
-    same sample and power): ``mde * (z_{1-alpha/2} + z_power) / (z_{1-from_alpha/2} + z_power)``, e.g. a
-    family's Holm-adjusted level."""
+    """:func:`min_detectable_effect` at level ``from_alpha`` restated at level ``alpha`` (e.g. a Holm-adjusted level)."""
     z = _scipy_stats.norm.ppf(power)
     return float(mde * (_scipy_stats.norm.ppf(1 - alpha / 2) + z) / (_scipy_stats.norm.ppf(1 - from_alpha / 2) + z))
 
 
 def detectable_from_interval(low: float, high: float, *, confidence: float = 0.95, alpha: float = 0.05,
                              power: float = 0.8) -> float:
-    """The smallest distance from the threshold a test with this interval's precision detects with
-    probability ``power`` at level ``alpha``, for an interval whose standard error is its half-width over
-    z_{(1+confidence)/2} (a normal approximation, for intervals such as bootstraps and Wilson's that
-    carry no standard deviation): (z_{1-alpha/2} + z_{power}) * SE. NaN without an interval."""
+    """:func:`min_detectable_effect` of an interval without a standard deviation (bootstrap, Wilson): the
+    standard error is taken as its half-width over z_{(1+confidence)/2}. NaN without an interval."""
     if not (np.isfinite(low) and np.isfinite(high)):
         return _NAN
     se = (high - low) / (2 * _scipy_stats.norm.ppf((1 + confidence) / 2))
@@ -396,14 +317,7 @@ def detectable_from_interval(low: float, high: float, *, confidence: float = 0.9
 
 def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "above",
             margin: float | None = None) -> str:
-    """The verdict on "the statistic is above (``side="above"``) / below ``threshold``" from its interval.
-
-    :data:`NEGLIGIBLE` (only with a ``margin``): the whole interval lies strictly inside
-    ``(threshold - margin, threshold + margin)``; otherwise :data:`HOLDS`: the whole interval is
-    strictly on the claimed side; :data:`CONTRADICTED`: strictly on the other side;
-    :data:`INCONCLUSIVE`: it contains or touches the threshold (a zero-width interval at the threshold
-    included); :data:`NOT_MEASURED`: a bound is NaN.
-    """
+    """The verdict on "the statistic is above (``side="above"``) / below ``threshold``" from its interval (see the module)."""
     if side not in ("above", "below"):
         raise ValueError(f"side must be 'above' or 'below', not {side!r}")
     if not (np.isfinite(low) and np.isfinite(high)):
@@ -423,10 +337,8 @@ def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "abo
 
 
 def sign_flip_p(differences, *, n_resamples: int = 9999, seed: int = 0) -> float:
-    """Two-sided p-value of "the mean of the paired ``differences [units]`` is 0": a paired permutation
-    test that flips the sign of each unit's difference (:func:`scipy.stats.permutation_test`,
-    ``permutation_type="samples"``; exact when 2^n <= ``n_resamples``). NaN values are dropped; NaN with
-    fewer than two units; 1.0 when every difference is 0."""
+    """Two-sided p-value of "the mean of the paired ``differences [units]`` is 0" by flipping each unit's
+    sign (:func:`scipy.stats.permutation_test`; exact when 2^n <= ``n_resamples``); 1.0 when all are 0."""
     d = _finite(differences)
     if d.size < 2:
         return _NAN
@@ -443,10 +355,8 @@ def sign_flip_p(differences, *, n_resamples: int = 9999, seed: int = 0) -> float
 
 
 def holm(pvalues) -> np.ndarray:
-    """Holm's step-down adjusted p-values of one family ``[m]`` (same order; NaN counts as p = 1, so an
-    unmeasured member keeps the family its pre-registered size). Sorted ascending, the k-th smallest
-    (k = 1..m) becomes max over j <= k of min(1, (m - j + 1) p_(j)) (Holm 1979; the rule of
-    ``statsmodels.stats.multitest.multipletests(method="holm")``, not a dependency here)."""
+    """Holm's step-down adjusted p-values of one family ``[m]``, in the same order; NaN counts as p = 1, so an
+    unmeasured member keeps the family its registered size (statsmodels' rule, not a dependency here)."""
     p = np.asarray(pvalues, dtype=float).reshape(-1)
     p = np.where(np.isfinite(p), p, 1.0)
     m = p.size
@@ -460,18 +370,14 @@ def holm(pvalues) -> np.ndarray:
 
 
 def combine_verdicts(parts: Iterable[str]) -> str:
-    """One verdict for a claim made of several parts: :data:`NOT_MEASURED` if no part was measured;
-    :data:`CONTRADICTED` if any measured part is; :data:`HOLDS` if every measured part holds;
-    :data:`NEGLIGIBLE` if every measured part is negligible; otherwise :data:`INCONCLUSIVE`. A claim
-    that needs *every* part measured (the ladder's ordering) uses :func:`combine_all`."""
+    """One verdict of a claim's parts: not measured if none is measured, else contradicted if any is,
+    holds (negligible) if every measured part holds (is negligible), else inconclusive."""
     return _combine(list(parts), require_all=False)
 
 
 def combine_all(parts: Iterable[str]) -> str:
-    """:func:`combine_verdicts` for a claim that holds only when *every* part is measured and holds
-    (a chain such as 1 < 2 < 3 < 4): any contradicted part -> contradicted; otherwise any unmeasured
-    part -> not measured; every part holds -> holds; every part negligible -> negligible; otherwise
-    inconclusive."""
+    """:func:`combine_verdicts` for a chain that holds only when *every* part is measured and holds
+    (1 < 2 < 3 < 4): an unmeasured part makes it not measured unless another part contradicts it."""
     return _combine(list(parts), require_all=True)
 
 

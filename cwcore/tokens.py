@@ -1,7 +1,4 @@
-"""Readable token labels for display (the command line, the explorer, chapter 3's maps).
-
-Kept apart from :mod:`cwcore.data` so that no result's cache key covers it: a label never changes a number.
-"""
+"""Readable token labels for display, outside every cache key: a label never changes a number."""
 
 from __future__ import annotations
 
@@ -11,16 +8,11 @@ _CONTINUATION = "+"  # label prefix of a token that carries more bytes of the ch
 
 
 def token_labels(tokenizer, text_or_ids, *, add_special_tokens: bool = True) -> list[str]:
-    """One readable label per token, so that every character of multi-byte text (emoji, CJK) shows.
+    """One readable label per token, so multi-byte characters (emoji, CJK) show instead of ``\ufffd``.
 
-    Decoding one token at a time turns a character split over several byte-level tokens into
-    replacement characters (``\ufffd``). Given a text and a fast tokenizer, the labels are the text's
-    own characters at each token's offsets (``return_offsets_mapping=True``; the tokens are those of
-    ``tokenizer(text, add_special_tokens=add_special_tokens)``); special tokens show their name. Given
-    ids (a list, or a tensor of one sequence), or a slow tokenizer, a run of tokens is decoded
-    together until it ends on a whole character. Either way, the first token of a split character
-    shows it and the tokens that continue it show it after a ``+`` (``" 🍕", "+🍕", "+🍕"``).
-    """
+    With a text and a fast tokenizer the labels are the text's characters at the token offsets
+    (special tokens show their name); given ids or a slow tokenizer, runs of tokens are decoded together
+    until they end on a whole character. Tokens continuing a split character show it after ``+``."""
     if isinstance(text_or_ids, str):
         text = text_or_ids
         if getattr(tokenizer, "is_fast", False):

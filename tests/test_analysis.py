@@ -1,4 +1,4 @@
-"""cwcore.analysis against naive computations: scipy's rank correlations row by row, and per-sequence
+"""cwbook.analysis against naive computations: scipy's rank correlations row by row, and per-sequence
 statistics recomputed with Python loops over the decomposition of tiny models (padding included)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from scipy.stats import kendalltau, rankdata, spearmanr
 
 import cwcore
-from cwcore import analysis
+from cwbook import analysis
 from cwcore.cache import caching
 from tiny_models import VOCAB, tiny_model
 
@@ -235,3 +235,25 @@ def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, 
         analysis.collect(model, batches, factor_samples=11)
     with pytest.raises(AssertionError, match="cached"):  # outside caching(): nothing is read
         analysis.collect(model, batches, factor_samples=10)
+
+
+def test_collect_keys_cover_this_modules_code_not_its_docstrings(tmp_path, monkeypatch):
+    # the module lives in the book, outside the library's code keys: its own normalised code is in the key
+    from pathlib import Path
+
+    source = Path(analysis.__file__).read_text()
+    assert analysis.code_key() == analysis.code_key(source)
+    assert analysis.code_key(source.replace('"""Per-layer', '"""An edited docstring. Per-layer', 1)) == analysis.code_key()
+    assert analysis.code_key(source + "\n_AN_EDIT = 1\n") != analysis.code_key()
+
+    model = tiny_model("llama", seed=2)
+    batches = [{"input_ids": torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))}]
+    with caching(tmp_path):
+        first = analysis.collect(model, batches, factor_samples=4)
+    monkeypatch.setattr(analysis, "code_key", lambda source=None: "edited")
+    calls = []
+    monkeypatch.setattr(analysis, "decompose", lambda *a, **k: calls.append(1) or cwcore.decompose(*a, **k))
+    with caching(tmp_path):
+        again = analysis.collect(model, batches, factor_samples=4)
+    assert calls == [1]  # another code key: computed again, the same numbers
+    pd.testing.assert_frame_equal(again[0], first[0])

@@ -32,7 +32,7 @@ def _code_edit(path: Path) -> None:
 
 
 def test_plotting_book_and_cli_edits_keep_every_result_key(package_copy):
-    scopes = ["faithfulness", "sinks", "analysis"]
+    scopes = ["faithfulness", "sinks"]
     before = {s: cache.code_version(s) for s in scopes}
     whole = cache.code_version()
     for name in ("plotting.py", "book/__init__.py", "cli.py", "book/notebook.py", "book/findings.py",
@@ -44,9 +44,9 @@ def test_plotting_book_and_cli_edits_keep_every_result_key(package_copy):
 
 
 @pytest.mark.parametrize("edited, changes, keeps", [
-    ("core/geometry.py", ["faithfulness", "sinks", "analysis"], []),
-    ("stats.py", ["faithfulness", "sinks", "analysis"], []),
-    ("analysis.py", ["analysis"], ["faithfulness", "sinks"]),
+    ("core/geometry.py", ["faithfulness", "sinks"], []),
+    ("stats.py", ["faithfulness", "sinks"], []),
+    ("sinks/rates.py", ["sinks"], ["faithfulness"]),
 ])
 def test_producing_code_edits_invalidate_exactly_their_results(package_copy, edited, changes, keeps):
     before = {s: cache.code_version(s) for s in changes + keeps}

@@ -14,7 +14,7 @@ from cwbook import findings as F
 from cwbook.table1 import primary_table
 from cwcore import stats
 from cwbook import ladder as evidence
-from cwcore.sinks import claims as SC
+from cwbook import sink_claims as SC
 
 H, C, I, N = stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NOT_MEASURED
 G = stats.NEGLIGIBLE
@@ -101,7 +101,7 @@ def test_cosine_gain_leaves_out_a_step_identical_by_construction_and_knows_the_m
 
 
 def claims_table(parts):
-    """A claims table (cwcore.sinks.claims columns) from (claim, low, high, threshold, side) parts."""
+    """A claims table (cwbook.sink_claims columns) from (claim, low, high, threshold, side) parts."""
     rows = [{"chapter": 6, "claim": claim, "part": f"part {i}", "statistic": "s", "key": f"k{i}",
              "estimate": (low + high) / 2, "low": low, "high": high, "threshold": threshold, "side": side, "n": 10,
              "verdict": stats.verdict(low, high, threshold=threshold, side=side), "unit": "layer", "n_units": 7}

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from cwcore import analysis, runs
+from cwbook import analysis
+from cwcore import runs
 from cwcore.cache import caching
 from cwcore import faithfulness as fa
 from cwcore.faithfulness.layers import per_layer_curve

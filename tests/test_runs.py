@@ -68,9 +68,9 @@ def test_for_each_batch_computes_once_and_resumes_after_an_interruption(tmp_path
 
 def test_piece_store_keys_by_model_and_parameters(tmp_path):
     model = tiny_model("llama")
-    one = runs.PieceStore("demo", {"p": 1}, model=model, code="analysis", cache_root=tmp_path)
-    same = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama"), code="analysis", cache_root=tmp_path)
-    other = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama", seed=1), code="analysis", cache_root=tmp_path)
+    one = runs.PieceStore("demo", {"p": 1}, model=model, code="sinks", cache_root=tmp_path)
+    same = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama"), code="sinks", cache_root=tmp_path)
+    other = runs.PieceStore("demo", {"p": 1}, model=tiny_model("llama", seed=1), code="sinks", cache_root=tmp_path)
     assert one.directory == same.directory != other.directory
     assert runs.PieceStore("demo", {"p": 1}, cache=False, cache_root=tmp_path).get("anything") is None
 

@@ -44,14 +44,6 @@ def test_paired_bootstrap_resamples_pairs_not_samples():
     assert 0.4 < low < 0.5 < high < 0.6  # an unpaired interval would be ~+-1.4 wide
 
 
-def test_bootstrap_rows_share_resamples_across_rows():
-    x = np.random.default_rng(3).normal(size=(1, 40))
-    matrix = np.vstack([x, x + 1.0])
-    est, low, high = stats.bootstrap_rows(matrix)
-    np.testing.assert_allclose(est[1] - est[0], 1.0)
-    np.testing.assert_allclose([low[1] - low[0], high[1] - high[0]], [1.0, 1.0])  # same units drawn
-
-
 def test_cluster_bootstrap_pools_rows_and_resamples_clusters():
     rng = np.random.default_rng(4)
     rows = []

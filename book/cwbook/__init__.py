@@ -154,6 +154,15 @@ def slug(name: str) -> str:
         raise BookError(str(err)) from None
 
 
+def git(root: str | os.PathLike, *args: str) -> str | None:
+    """``git -C root args...``'s output, stripped, or None when git or the repository is absent (it was
+    ``cwcore.provenance.git``)."""
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def load_config(path: str | os.PathLike) -> dict:
     path = Path(path)
     if not path.is_file():

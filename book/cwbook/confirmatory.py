@@ -111,9 +111,9 @@ def ladder(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
 def sink_tables(results_by_data: Mapping[str, dict], parameters: Mapping[str, dict]) -> dict[str, pd.DataFrame]:
     """Chapters 5-7's claims tables from one pass of every sink analysis per data set
     (``results_by_data[data] = run_analyses(..., sinks.ANALYSES, raw=True)``), each stacked over the data
-    sets (:func:`cwcore.sinks.claims.stack_data`) exactly as the chapters stack theirs. ``parameters``: each
+    sets (:func:`cwbook.sink_claims.stack_data`) exactly as the chapters stack theirs. ``parameters``: each
     chapter's parameters (``n_bootstrap``, ``quantiles``) by chapter name."""
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
     from cwcore.sinks.engine import EPS, REGISTRY
     from cwcore.sinks.intervals import claims_frame
 

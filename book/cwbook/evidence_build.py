@@ -42,14 +42,13 @@ import pandas as pd
 
 import cwcore
 from cwcore import cache as cw_cache
-from cwcore import provenance
 from cwcore import runs
 from cwcore.data import document_blocks, load_dataset
 from . import ladder as evidence
 from .anatomy import LADDER
 from cwcore.faithfulness.protocol import Protocol, identical_steps
 from cwcore.faithfulness.ranking import MODES
-from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
+from . import DEFAULT_BOOK_DIR, git, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
 from .evidence_files import CommittedFileError
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, read_committed, tables as export_tables
@@ -70,7 +69,7 @@ __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUM
 #: (about 20 minutes of smollm2-135m, 45 of gemma3-270m on 2 CPU cores): what is finished can be committed
 CHECKPOINT_DOCUMENTS = 16
 CHECKPOINT_ENV_VAR = "CWCORE_EVIDENCE_CHECKPOINT"
-CODE_SCOPES = ("faithfulness", "sinks", "analysis")  # the producing code of the evidence profile's results
+CODE_SCOPES = ("faithfulness", "sinks")  # the producing code of the evidence profile's results
 
 
 def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
@@ -338,9 +337,9 @@ def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict,
     if isinstance(models, str):
         models = [m.strip() for m in models.split(",") if m.strip()]
     root = Path(cwcore.__file__).resolve().parent.parent
-    status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
+    status = git(root, "status", "--porcelain", "--", "cwcore")
     return {
-        "commit": provenance.git(root, "rev-parse", "HEAD"), "cwcore_modified": None if status is None else bool(status),
+        "commit": git(root, "rev-parse", "HEAD"), "cwcore_modified": None if status is None else bool(status),
         "profile": profile, "models": list(models) if models else None, "only": only,
         "code_hashes": {scope: cw_cache.code_version((scope,)) for scope in CODE_SCOPES},
         "cache": {"hits": tally["hits"], "misses": tally["misses"], "processes": tally["processes"]},

@@ -43,11 +43,10 @@ import pandas as pd
 
 import cwcore
 from cwcore import cache as cw_cache
-from cwcore import provenance
 from cwcore.data import document_blocks
 from . import ladder as evidence
 from . import findings
-from . import results_path, slug
+from . import git, results_path, slug
 from . import registration
 from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, content_hash, read_pair
 from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
@@ -188,11 +187,11 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     wall = time.monotonic() - t0
     used = table.attrs["parameters"]
     root = Path(cwcore.__file__).resolve().parent.parent
-    status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
+    status = git(root, "status", "--porcelain", "--", "cwcore")
     meta = {
         "what": f"per-document rows of chapter {CHAPTER}'s ladder sweeps (cwbook.ladder.ladder_sweep)"
                 " on the first documents of the profile's sample; delta_nll = nll - clean_nll (nats)",
-        "commit": provenance.git(root, "rev-parse", "HEAD"),
+        "commit": git(root, "rev-parse", "HEAD"),
         "cwcore_modified": None if status is None else bool(status),
         "profile": profile, "model": model, "data": data, "documents": int(n_documents),
         "document_ids": [int(d) for d in table.sort_values("sequence", kind="stable")["document"].unique()],
@@ -365,8 +364,8 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
     table = canonical_rows(table, ids)
     cell_rows = table[(table["protocol"] == protocol) & (table["variant"] == variant)] if len(table) else table
     root = Path(cwcore.__file__).resolve().parent.parent
-    commit, created = provenance.git(root, "rev-parse", "HEAD"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
+    commit, created = git(root, "rev-parse", "HEAD"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = git(root, "status", "--porcelain", "--", "cwcore")
     cells = dict(meta.get("cells", {}))
     cells[cell_name(protocol, variant)] = {
         "documents": int(cell_rows["document"].nunique()) if len(cell_rows) else 0,

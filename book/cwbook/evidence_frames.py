@@ -77,7 +77,7 @@ from .cached import cached_downstream_eval, cached_per_layer_curve, per_sequence
 from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
 from cwcore.faithfulness.protocol import specs as parse_specs
 from cwcore.faithfulness.summary import ladder_comparison
-from . import book_code_hash, slug
+from . import book_code_hash, git, slug
 from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, check_units, content_hash, read_pair
 
 __all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
@@ -543,9 +543,9 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
     decision["compute_s"] = round(wall, 1)
     if (exports is not None or os.environ.get(CELLS_ENV_VAR, "").strip()) and runs.is_main_rank():
         root = Path(cwcore.__file__).resolve().parent.parent
-        status = provenance.git(root, "status", "--porcelain", "--", "cwcore")
+        status = git(root, "status", "--porcelain", "--", "cwcore")
         csv, _ = write_frame(kind, table, {
-            "what": kind.what, "commit": provenance.git(root, "rev-parse", "HEAD"),
+            "what": kind.what, "commit": git(root, "rev-parse", "HEAD"),
             "cwcore_modified": None if status is None else bool(status), "profile": settings.get("profile"),
             "model": model, "data": data, "settings": settings, "samples": samples or {},
             **{f"{k}s": list(v) for k, v in wanted.items()},

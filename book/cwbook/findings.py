@@ -5,8 +5,8 @@ their tables into the book's results folder (:func:`save_results`, at the ``resu
 runner gives them, see :mod:`cwbook`), and the page reads them back (:func:`load_results`):
 
 - ``04_faithfulness``: the ladder, :func:`cwcore.faithfulness.ladder_comparison` of its first data set;
-- ``05_sink_decomposition``: claims (the columns of :mod:`cwcore.sinks.claims`): the decomposition
-  claim and the share of sink heads (:func:`cwcore.sinks.claims.rate_claims`);
+- ``05_sink_decomposition``: claims (the columns of :mod:`cwbook.sink_claims`): the decomposition
+  claim and the share of sink heads (:func:`cwbook.sink_claims.rate_claims`);
 - ``06_sinks_as_suppressors``: claims: anti-alignment, its trend, suppression, convexity;
 - ``07_semantic_cone``: claims: the semantic cone and the perplexity;
 - ``04b_attribution_bench``: the bench's paired comparisons of attribution methods (no claim of the
@@ -55,7 +55,7 @@ from . import ladder as evidence
 from .evidence_files import HASH_FIELD, CommittedFileError, content_hash, read_pair
 from cwcore.stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
                     combine_verdicts)
-from cwcore.sinks import claims as sink_claims
+from . import sink_claims
 from cwcore.sinks.engine import EPS as _EPS_OPTION
 
 _EPS = _EPS_OPTION.default  # the sink analyses' one eps (cwcore.sinks.engine.EPS)
@@ -94,7 +94,7 @@ CHAPTERS = {
     "07_semantic_cone": "claims",
 }
 
-#: the claim "many heads are sink heads" (chapter 5 writes it through :func:`cwcore.sinks.claims.rate_claims`)
+#: the claim "many heads are sink heads" (chapter 5 writes it through :func:`cwbook.sink_claims.rate_claims`)
 SINK_RATES = sink_claims.SINK_RATES
 
 # the chapters' claims behind each sink finding: a finding combines every part of those claims with
@@ -655,8 +655,8 @@ def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "liv
 
 
 def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
-    """The sink chapters' claims tables (:mod:`cwcore.sinks.claims` columns, data sets stacked with
-    :func:`cwcore.sinks.claims.stack_data`) as findings rows (:data:`FAITHFULNESS_COLUMNS`): one row per
+    """The sink chapters' claims tables (:mod:`cwbook.sink_claims` columns, data sets stacked with
+    :func:`cwbook.sink_claims.stack_data`) as findings rows (:data:`FAITHFULNESS_COLUMNS`): one row per
     claim part and data set, with the part's own verdict, estimate and interval. A claim the paper's
     wording allows to read two ways appears under both readings (e.g. "the sink suppresses the output
     norm" and its bracketed variants ``[renormalised]``, ``[per head]``, ``[sliding layers]``)."""

@@ -285,8 +285,8 @@ def sink_chapter_answer(chapter: str, model: str, *, exploratory_dir: str | Path
 
 def primary_forest(findings: pd.DataFrame, model: str, sample: str = registration.EXPLORATORY):
     """The forest plot of ``model``'s committed ladder steps on ``sample`` (main variant, every protocol,
-    sign and range; :func:`cwcore.plotting.ladder_forest`), or None when there are none."""
-    from cwcore.plotting import ladder_forest
+    sign and range; :func:`cwbook.forests.ladder_forest`), or None when there are none."""
+    from .forests import ladder_forest
 
     if not len(findings):
         return None
@@ -329,7 +329,7 @@ def plot_verdicts(grid: pd.DataFrame):
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    from cwcore.plotting import VERDICT_COLOURS
+    from .forests import VERDICT_COLOURS
 
     colours = [VERDICT_COLOURS["holds"], VERDICT_COLOURS["negligible"], VERDICT_COLOURS["inconclusive"],
                VERDICT_COLOURS["contradicted"], "#e6e6e6"]

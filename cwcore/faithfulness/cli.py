@@ -1,10 +1,7 @@
 """The command line: ``python -m cwcore.faithfulness --model smollm2-135m --data gsm8k --out my-results/``.
 
-Writes tidy CSVs per LM data set (``faithfulness_*``, ``aopc_*``, ``ladder_*``) and for the
-multiple-choice tasks (``downstream_*``, ``downstream_aopc_*``, ``downstream_ladder_*``) into ``--out``
-(default ``./cwcore-results/`` in the working folder, never a repository's committed tables); every
-argument, ``--out`` included, is checked before the model is loaded.
-"""
+Writes tidy CSVs (``faithfulness_*``, ``aopc_*``, ``ladder_*``, ``downstream_*``) into ``--out``
+(default ``./cwcore-results/``); every argument is checked before the model is loaded."""
 
 from __future__ import annotations
 

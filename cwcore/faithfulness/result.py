@@ -1,9 +1,4 @@
-"""What :func:`~cwcore.faithfulness.faithfulness_curve` returns: :class:`FaithfulnessResult`.
-
-One sweep gives two layouts of the same numbers: the per-sequence table (one row per sequence and
-point) and the curve (one row per point, averaged over sequences, with bootstrap intervals over
-documents). The result holds the first and derives the second, the AOPC summary and a figure.
-"""
+"""What :func:`~cwcore.faithfulness.faithfulness_curve` returns: :class:`FaithfulnessResult`."""
 
 from __future__ import annotations
 
@@ -20,21 +15,14 @@ class FaithfulnessResult:
     """The result of one faithfulness sweep.
 
     ``per_sequence``
-        one row per sequence and (metric, mode, ratio) point: ``sequence, nll, n_tokens, n_removed,
-        n_candidates, metric, kind, mode, ratio, clean_nll, document`` plus the protocol columns
-        (``unit, scope, scores, keep_first_token, importance, layers, variant``).
+        one row per sequence and point: ``sequence, nll, n_tokens, n_removed, n_candidates, metric,
+        kind, mode, ratio, clean_nll, document`` plus the protocol columns.
     ``table``
-        the curve, one row per point: ``metric, kind, mode, ratio, delta_ppl, ci_low, ci_high,
-        delta_nll, nll_ci_low, nll_ci_high, clean_ppl, ppl, removed_fraction, n_sequences`` plus the
-        protocol columns (:func:`~cwcore.faithfulness.summarize` of ``per_sequence``, computed on first use).
-    :meth:`summary`
-        the area over each curve with bootstrap intervals (:func:`~cwcore.faithfulness.aopc`).
-    :meth:`plot`
-        the curves, one panel per mode.
+        the curve, one row per point (:func:`~cwcore.faithfulness.summarize` of ``per_sequence``).
+    :meth:`summary` / :meth:`plot`
+        AOPC per curve (:func:`~cwcore.faithfulness.aopc`) / the curves, one panel per mode.
 
-    For one release the result also reads like the curve table it replaces: ``result["metric"]``,
-    ``len(result)`` and ``result.columns`` are the :attr:`table`'s (new code reads ``result.table``).
-    """
+    For one release ``result["metric"]``, ``len(result)`` and ``result.columns`` read :attr:`table`."""
 
     def __init__(self, per_sequence: pd.DataFrame, *, n_bootstrap: int = 1000, confidence: float = 0.95,
                  seed: int = 0):
@@ -47,10 +35,8 @@ class FaithfulnessResult:
         return summarize(self.per_sequence, n_bootstrap=self.n_bootstrap, confidence=self.confidence, seed=self.seed)
 
     def summary(self, max_ratio: float | None = None) -> pd.DataFrame:
-        """AOPC per metric and mode (``aopc_nll``, ``aopc_ppl`` with their ``*_ci_low``/``*_ci_high``
-        bootstrap intervals over documents): :func:`~cwcore.faithfulness.aopc` of :attr:`per_sequence`
-        with this sweep's ``n_bootstrap``, ``confidence`` and seed; ``max_ratio`` restricts it to the
-        ratios up to it."""
+        """:func:`~cwcore.faithfulness.aopc` of :attr:`per_sequence` with this sweep's bootstrap settings
+        (``max_ratio``: only the ratios up to it)."""
         return aopc(self.per_sequence, n_bootstrap=self.n_bootstrap, confidence=self.confidence, seed=self.seed,
                     max_ratio=max_ratio)
 

@@ -1,24 +1,11 @@
 """Summaries of the per-sequence / per-example tables: curves, AOPC and the ladder's paired tests.
 
-Intervals are percentile bootstraps over sequences (or examples) from :mod:`cwcore.stats`
-(``scipy.stats.bootstrap``, ``n_bootstrap`` resamples drawn with ``numpy.random.default_rng(seed)``).
-Every point, metric and mode of one table has the same units, so it is resampled with the same
-draws: intervals are comparable, deterministic and, for :func:`ladder_comparison`, paired.
-Verdicts use the project's one vocabulary (:func:`cwcore.stats.verdict`).
-
-Documents are the units. A per-sequence table with a ``document`` column (blocks from
-:func:`cwcore.data.document_blocks`) is first averaged over the blocks of each document, and the
-bootstrap resamples documents: a cluster bootstrap, so blocks cut from one document never count as
-independent evidence. With one block per document (the book's sampling) it is the bootstrap over
-sequences; tables without the column are treated as one document per sequence.
-
-Ratio ranges: :func:`aopc` and :func:`ladder_comparison` take ``max_ratio`` to summarise only the
-ratios up to it (the *low range*, where removal is still gentle), beside the full range.
-
-Power: every paired difference carries ``mde``, the smallest true difference its sample detects with
-80% power at the 5% level (:func:`cwcore.stats.min_detectable_effect` of the per-document standard
-deviation of the paired differences).
-"""
+Intervals are percentile bootstraps (:mod:`cwcore.stats`) with the same draws for every point, metric
+and mode of a table, so they are comparable, deterministic and, for :func:`ladder_comparison`,
+paired. Documents are the units: a table with a ``document`` column is averaged over each
+document's blocks first (a cluster bootstrap); without it each sequence is a document. ``max_ratio``
+restricts :func:`aopc` and :func:`ladder_comparison` to the low range. Every paired difference
+carries ``mde``, the smallest true difference its sample detects with 80% power at the 5% level."""
 
 from __future__ import annotations
 
@@ -64,11 +51,9 @@ def _mean_interval(values, n_bootstrap: int, confidence: float, seed: int) -> st
 
 
 def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """The summary of :func:`~cwcore.faithfulness.faithfulness_curve` from its per-sequence table.
-
-    One row per point: ``delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl,
-    ppl, removed_fraction, n_sequences`` (means over sequences, bootstrap intervals over sequences).
-    """
+    """The curve of :func:`~cwcore.faithfulness.faithfulness_curve` from its per-sequence table, one row per
+    point: ``delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl, ppl,
+    removed_fraction, n_sequences``."""
     frame = per_sequence.copy()
     frame["ppl"] = np.exp(frame["nll"])
     frame["clean_ppl"] = np.exp(frame["clean_nll"])
@@ -99,12 +84,8 @@ def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: f
 
 def summarize_downstream(per_example: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
                          seed: int = 0) -> pd.DataFrame:
-    """The summary of :func:`~cwcore.faithfulness.downstream_eval` from its per-example table.
-
-    One row per (task, point): ``delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high,
-    accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy, clean_ppl, ppl, removed_fraction,
-    n_examples`` (bootstrap over the task's examples).
-    """
+    """The summary of :func:`~cwcore.faithfulness.downstream_eval` from its per-example table, one row per
+    (task, point), with ``accuracy`` (and its interval), ``clean_accuracy`` and ``n_examples`` besides."""
     frame = _with_deltas(per_example)
     rows = []
     keys = _group_columns(frame)
@@ -164,21 +145,14 @@ def _per_unit_curves(frame: pd.DataFrame, value: str, keys: list[str]):
 
 def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
          max_ratio: float | None = None) -> pd.DataFrame:
-    """Area over the perturbation curve per metric and mode.
+    """Area over the perturbation curve per metric and mode: the trapezoid mean height of delta(r) over
+    [0, r_max] ((0, 0) prepended when ratio 0 was not run). ``aopc_nll`` (from ``delta_nll``, the primary
+    summary: it stays comparable when the model is destroyed) and ``aopc_ppl``. Comprehensiveness:
+    higher = more faithful; sufficiency: lower.
 
-    AOPC = (1 / r_max) * integral_0^{r_max} delta(r) dr by the trapezoid rule over the measured
-    ratios, with (0, 0) prepended when ratio 0 was not measured: the mean height of the curve over
-    [0, r_max], in the units of delta. Columns ``aopc_nll`` (from ``delta_nll``, the primary summary:
-    log-PPL deltas stay comparable when the model is destroyed at large ratios) and ``aopc_ppl`` (from
-    ``delta_ppl``). Comprehensiveness: higher = more faithful; sufficiency: lower = more faithful.
-
-    ``frame`` is either a summary (the ``.table`` of :func:`~cwcore.faithfulness.faithfulness_curve`'s
-    result, :func:`~cwcore.faithfulness.downstream_eval`): point estimates only, intervals NaN; or a
-    per-sequence / per-example table (the result's ``.per_sequence``, ``per_example=True``): then ``*_ci_low``/``*_ci_high`` are
-    bootstrap intervals over documents (the same resamples for every metric, so intervals are paired).
-    ``max_ratio``: only the ratios up to it (r_max is then the largest measured ratio <= max_ratio);
-    the column ``r_max`` says which range a row covers.
-    """
+    ``frame``: a summary (point estimates only, intervals NaN) or a per-sequence / per-example table
+    (then ``*_ci_low``/``*_ci_high`` are paired bootstraps over documents). ``max_ratio``: only the ratios
+    up to it (column ``r_max``)."""
     frame = _in_range(frame, max_ratio)
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio",))
@@ -274,27 +248,14 @@ def ladder_comparison(
     max_ratio: float | None = None,
     n_permutations: int | None = None,
 ) -> pd.DataFrame:
-    """Paired bootstrap differences of AOPC between metrics, per mode (and task).
+    """Paired bootstrap differences ``AOPC(higher) - AOPC(lower)`` between metrics, per mode (and task).
 
-    Default pairs: consecutive rungs of the ladder present in the table (attention ->
-    value_weighted -> value_weighted_output_normalized[_intra] -> contribution[_intra], every variant
-    of a rung against every variant of the next), attention against contribution, and each rung
-    against random. ``difference = AOPC(higher) - AOPC(lower)``; the ladder's claim is that the
-    difference is > 0 for comprehensiveness and < 0 for sufficiency. Column ``verdict``
-    (:func:`cwcore.stats.verdict` of the interval against 0 on the claimed side): ``"holds"`` /
-    ``"contradicted"`` when the interval lies entirely on the claimed / the opposite side,
-    ``"inconclusive"`` when it touches 0, ``"not measured"`` without an interval (one unit) or when
-    the protocol makes the two rungs rank identically by construction (column ``identical``,
-    :func:`~cwcore.faithfulness.protocol.same_ranking`: rungs 2 and 3 with ``kind="inter"`` in row
-    scope; the sweep then removes the same terms for both, so the difference is exactly 0).
-
-    ``max_ratio`` restricts the AOPC to the ratios up to it (column ``r_max``). Power columns:
-    ``sd`` (standard deviation of the per-document paired differences), ``mde``
-    (:func:`cwcore.stats.min_detectable_effect`: the smallest true difference this sample detects with
-    80% power in a two-sided 5% test) and ``sample_unit`` (what ``n`` counts: documents, sequences or
-    examples). With ``n_permutations``, column ``p``: the two-sided p-value of a zero mean paired
-    difference by a sign-flip permutation test over the same units (:func:`cwcore.stats.sign_flip_p`).
-    """
+    Default pairs: consecutive rungs of the ladder present (every variant of a rung against every
+    variant of the next), attention against contribution, and each rung against random. The ladder
+    claims the difference is > 0 for comprehensiveness and < 0 for sufficiency: column ``verdict``
+    (:func:`cwcore.stats.verdict` against 0), "not measured" also when the protocol makes the two rungs
+    rank identically (column ``identical``, :func:`~cwcore.faithfulness.protocol.same_ranking`).
+    Power columns ``sd``, ``mde`` and ``sample_unit``; with ``n_permutations`` a sign-flip ``p``."""
     frame = _with_deltas(_in_range(per_unit, max_ratio))
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
@@ -339,17 +300,11 @@ def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribut
                     prefix: str = "random_s", n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
                     max_ratio: float | None = None, controls: Sequence[str] | None = None,
                     n_permutations: int | None = None) -> pd.DataFrame:
-    """The random control over several seeds (metrics labelled ``<prefix><seed>``, e.g. from
-    :func:`~cwcore.faithfulness.methods.random_controls`, or the labels ``controls``), with the seed
-    spread in the interval.
-
-    Per mode (and protocol group): the AOPC of every (document, seed) cell; ``metric="random"`` rows give
-    its mean with :func:`cwcore.stats.crossed_bootstrap_ci` (documents and seeds resampled together),
-    ``seed_sd`` (the standard deviation of the seeds' mean AOPCs) and ``n_seeds``; one row per metric of
-    ``against`` gives ``difference`` = AOPC(metric) - AOPC(random) over the same crossed resamples, with
-    the ladder's verdict rule (above 0 for comprehensiveness, below for sufficiency), ``sd`` and ``mde``
-    of the per-document differences to the seeds' mean and, with ``n_permutations``, their sign-flip
-    ``p`` (documents are the independent units; the seeds are averaged within each)."""
+    """The random control over several seeds (metrics ``<prefix><seed>`` or ``controls``), the seed spread
+    in the interval: ``metric="random"`` rows give the mean AOPC with :func:`cwcore.stats.crossed_bootstrap_ci`,
+    ``seed_sd`` and ``n_seeds``; each metric of ``against`` gives ``difference`` = AOPC(metric) -
+    AOPC(random) over the same resamples with the ladder's verdict rule, ``sd``, ``mde`` and, with
+    ``n_permutations``, a sign-flip ``p`` (documents the units, seeds averaged within each)."""
     frame = _with_deltas(_in_range(per_unit, max_ratio))
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))

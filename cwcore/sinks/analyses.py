@@ -1,11 +1,7 @@
-"""The registered analyses, in order, their options (:class:`SinkOptions`) and :func:`run_analyses`
-(several analyses, one forward pass per batch).
+"""The registered analyses, in order, their options (:class:`SinkOptions`) and :func:`run_analyses`.
 
-Importing this module registers the five analyses; a new analysis is a new module
-``cwcore/sinks/<name>.py`` ending in ``register(Analysis(...))`` (with its :class:`~cwcore.sinks.engine.Option` s)
-plus its name in :data:`_MODULES`: its options join :class:`SinkOptions`, :func:`run_analyses` and the
-command line by themselves.
-"""
+A new analysis is a module ``cwcore/sinks/<name>.py`` ending in ``register(Analysis(...))`` plus its
+name in :data:`_MODULES`; its options join :class:`SinkOptions`, :func:`run_analyses` and the command line."""
 
 from __future__ import annotations
 
@@ -36,21 +32,10 @@ def run_analyses(model, tokenizer, data, analyses: Iterable[str] = ANALYSES, opt
                  raw: bool = False, precompute: Iterable[str] = (), **keywords) -> dict:
     """Several analyses sharing one clean forward pass per batch.
 
-    ``options``: a :class:`SinkOptions` (default: all defaults); ``keywords``: any of its fields, which
-    replace those of ``options`` (a name that is not a field is refused, a value out of range too).
-    Returns ``{name: result}`` with the results of :func:`sink_rates` (``rates``),
-    :func:`sink_decomposition`, :func:`sink_anti_alignment`, :func:`sink_convexity` and :func:`sink_semantic_cone`,
-    equal to what those functions return (they share the cache: calling one afterwards reads it).
-    With ``raw=True`` the result also holds ``"raw"``: ``{name: {part: DataFrame}}``, the per-point
-    material the tables are made from (e.g. for intervals over sequences with :func:`cwcore.stats.cluster_bootstrap`;
-    :func:`cone_points` bins the semantic cone's). ``raw`` is not part of the cache key.
-
-    ``precompute``: further analyses whose raw material is computed in the same forward passes and
-    cached, without building their tables (which can take longer than reading them): a later call for
-    them with the same options reads the cache. Several callers that each need some of the analyses
-    (the book's sink chapters) can pass ``precompute=ANALYSES`` so that whichever runs first does one
-    shared pass for all of them.
-    """
+    ``options``: a :class:`SinkOptions`; ``keywords`` replace its fields (unknown names and bad values
+    refused). Returns ``{name: result}``, equal to what the single functions return (they share the
+    cache). ``raw=True`` adds ``"raw"``: ``{name: {part: DataFrame}}``, the per-point material (not in
+    the key). ``precompute``: further analyses whose raw material the same passes compute and cache."""
     analyses = list(analyses)
     precompute = [a for a in dict.fromkeys(precompute) if a not in analyses]
     unknown = sorted((set(analyses) | set(precompute)) - set(REGISTRY))

@@ -168,11 +168,9 @@ def layer_profile(points: pd.DataFrame, table: pd.DataFrame, columns=("cos_seman
 
 
 def _claim_rows(anti_alignment: pd.DataFrame, n_resamples: int = 1000, seed: int = 0, eps: float = EPS.default) -> list[dict]:
-    """Medians over sink heads of the mean cosines below 0, the sink against a random non-sink key (the
-    mean over sink heads of ``contrast`` below 0) and both on centred values; intervals by the cluster
-    bootstrap over layers (heads of one layer are not independent), with one row per layer type
-    (:func:`cwcore.sinks.intervals.pooled_claim_rows`); and the trend with the sink rate over all heads
-    (Spearman rho below 0, bootstrap over heads)."""
+    """Medians over sink heads of the mean cosines below 0, the sink against a random key (``contrast``
+    below 0), both also on centred values (cluster bootstrap by layer, per layer type too), and the trend
+    with the sink rate over all heads (Spearman rho below 0, bootstrap over heads)."""
     from . import intervals
 
     table = anti_alignment.copy()
@@ -238,26 +236,17 @@ ANALYSIS = register(Analysis("anti_alignment", _AntiAlignmentCollector, _tables,
 def sink_anti_alignment(model, tokenizer, data, **options) -> pd.DataFrame:
     """Per (layer, head): does the sink's projected value point against the others?
 
-    Per sequence and head: ``cos(v~_0, v~_j)`` for every key j >= 1; ``cos(v~_0, s_i)`` for every query
-    i >= 1, with s_i = sum_{j>0} alpha_ij v~_j the head's non-sink ("semantic") output component;
-    ``cos(v~_0, m)`` with m = mean_{j>=1} v~_j the semantic mean of the sequence. Baselines, per query
-    i >= 1: ``cos(v~_k, s_i - alpha_ik v~_k)`` for one key k drawn uniformly from the non-sink keys the
-    query sees (alpha_ik > 0; column ``key``): a random non-sink key against the rest of the semantic
-    component, as the sink is against s_i, which excludes it (NaN when k is the only such key;
-    ``cos_key_literal``: against s_i itself, which contains k's own term), and both cosines on *centred*
-    values (m subtracted from every value: cos(v~_0 - m, s_i - (1 - a_i) m) and the key's likewise).
-    One row per (layer, head): ``sink_rate`` (mean alpha_i0, queries >= 1), ``is_sink_head`` (> eps),
-    ``cos_value_mean``/``_median``/``_frac_negative`` (over keys and sequences),
-    ``cos_semantic_mean``/``_median``/``_frac_negative`` (over queries and sequences; queries whose s_i is
-    zero are skipped), ``cos_semantic_weighted`` (the same mean weighted by alpha_i0 (1 - alpha_i0): the
-    queries where both components matter), ``cos_axis_mean`` (over sequences), ``sink_value_norm`` (mean
-    of ||v~_0||) and ``relative_sink_value_norm`` (||v~_0|| / median_j ||v~_j||, mean over sequences),
-    ``cos_key_mean``, ``cos_key_literal_mean``, ``cos_semantic_centred_mean``, ``cos_key_centred_mean``
-    (means over queries and sequences), ``contrast`` = ``cos_semantic_mean - cos_key_mean`` (the sink
-    against a random key; below 0: the sink is more anti-aligned than an ordinary token),
-    ``contrast_centred`` likewise on centred values, and ``layer_type`` (sliding / global).
+    Per sequence: ``cos(v~_0, v~_j)`` for keys j >= 1; ``cos(v~_0, s_i)`` for queries i >= 1, s_i =
+    sum_{j>0} alpha_ij v~_j the semantic component; ``cos(v~_0, m)``, m = mean_{j>=1} v~_j. Baseline per
+    query: ``cos(v~_k, s_i - alpha_ik v~_k)`` for one random visible non-sink key k (column ``key``;
+    ``cos_key_literal`` against s_i itself), and both on values centred by m.
 
-    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
-    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
-    """
+    Columns: ``sink_rate``, ``is_sink_head`` (> eps), ``cos_value_mean``/``_median``/``_frac_negative``,
+    ``cos_semantic_mean``/``_median``/``_frac_negative``, ``cos_semantic_weighted`` (weights alpha_i0 (1 -
+    alpha_i0)), ``cos_axis_mean``, ``sink_value_norm``, ``relative_sink_value_norm`` (over the median
+    ||v~_j||), ``cos_key_mean``, ``cos_key_literal_mean``, ``cos_semantic_centred_mean``,
+    ``cos_key_centred_mean``, ``contrast`` = ``cos_semantic_mean - cos_key_mean`` (below 0: the sink is
+    more anti-aligned than an ordinary token), ``contrast_centred`` and ``layer_type``.
+
+    Options: ``eps`` and the run options (:class:`cwcore.sinks.SinkOptions`)."""
 

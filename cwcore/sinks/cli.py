@@ -2,14 +2,9 @@
 
     python -m cwcore.sinks --model smollm2-135m --data gsm8k --num-sequences 32 --out my-results/
 
-samples one block per document (``--sampling documents``, as the book does; ``--sampling stream`` cuts
-consecutive blocks in data-set order, as the book's first sink tables were made) and writes
-``sinks_<table>_<model>_<data>.csv`` (the registered analyses' stems; ``<model>`` and ``<data>`` as file
-names: ``org/name`` and local paths become ``org-name``) plus ``sinks_summary_<model>_<data>.csv``
-(:func:`cwcore.sinks.summarize`) into ``--out`` (default ``./cwcore-results/`` in the working folder,
-never a repository's committed tables). Every argument is checked before the model is loaded, and
-``--help`` answers without importing torch.
-"""
+One block per document (``--sampling documents``; ``stream``: consecutive blocks), written as
+``sinks_<table>_<model>_<data>.csv`` plus ``sinks_summary_<model>_<data>.csv`` into ``--out``
+(default ``./cwcore-results/``). Arguments are checked before the model loads; ``--help`` needs no torch."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from ..core.architectures import attention_blocks
 from .intervals import claim_row, no_sink_heads, share_ci
 from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
-__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "pooled_suppression", "sink_convexity", "vertex_intervals"]
+__all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "sink_convexity", "vertex_intervals"]
 
 BINS = Option("bins", 10, "equal-width bins of the sink rate in the convexity curves", count("bins"))
 FIT_ON = Option("fit_on", "norm", "the convexity fits' y: the output norm or its square", choices=("norm", "squared_norm"))
@@ -40,10 +40,8 @@ class ConvexityTables(NamedTuple):
 
 
 class _ConvexityCollector(Collector):
-    """Piece ``points``: per (sequence, layer, head, query >= 1) alpha_i0, ||o^h_i|| and the inner products
-    ||v~_0||^2, ||s_i||^2, <v~_0, s_i> from which the two-vector reference is built. Piece ``block``: per
-    (sequence, layer, query >= 1) the attention output's norm and its two counterfactuals, before and after
-    the post-attention norm (:func:`cwcore.sinks.suppression.block_points`)."""
+    """Pieces ``points`` (per sequence, layer, head, query >= 1: alpha_i0, ||o^h_i||, ||v~_0||^2, ||s_i||^2,
+    <v~_0, s_i>) and ``block`` (:func:`cwcore.sinks.suppression.block_points`)."""
 
     def __init__(self, *args, seed: int = 0, **options):
         super().__init__(*args, **options)
@@ -222,15 +220,9 @@ def _solve_quadratics(moments: np.ndarray) -> np.ndarray:
 
 def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "norm", n_resamples: int = 1000,
                      seed: int = 0) -> pd.DataFrame:
-    """Where the vertex lies, with an interval: the quadratic fits of :func:`sink_convexity` refitted on
-    ``n_resamples`` resamples of whole sequences (documents), per fitted head and for the pooled rows.
-
-    One row per (scope, layer, head) of ``fits`` that was fitted: ``alpha_star`` and ``curvature`` (the
-    full-sample fit) with ``_low``/``_high`` (95% percentile intervals), ``share_interior`` (share of
-    resamples with c2 > 0 and 0 < alpha* < 1), ``vertex_inside`` (the whole alpha* interval inside (0, 1)
-    and the curvature interval above 0: an interior minimum established) and ``n_sequences``. The
-    reference curve ||a v~_0 + (1 - a) s^|| is convex by algebra; only this location is informative.
-    """
+    """The quadratic fits of :func:`sink_convexity` refitted on resampled sequences: per fitted (scope,
+    layer, head) ``alpha_star`` and ``curvature`` with ``_low``/``_high``, ``share_interior``,
+    ``vertex_inside`` (an interior minimum established by both intervals) and ``n_sequences``."""
     rows = []
     sequences, seq_index = np.unique(points["sequence"].to_numpy(), return_inverse=True)
     n_seq = len(sequences)
@@ -321,26 +313,6 @@ def _summary(tables: dict, add) -> None:
                 add("convexity", f"{name}_alpha_star", m["alpha_star"].iloc[0])
 
 
-def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
-                       seed: int = 0) -> tuple[float, float, float]:
-    """The share of sink-head queries whose output is shorter than its semantic part, ``||o_i|| < ||s_i||``,
-    pooled over sequences, with a bootstrap over sequences: ``(share, low, high)``.
-
-    ``fits``: the convexity ``fits`` table (head rows give each head's sink rate); ``points``: the
-    convexity raw points (``run_analyses(..., raw=True)["raw"]["convexity"]["points"]``).
-    """
-    rate = fits[fits["scope"] == "head"].set_index(["layer", "head"])["sink_rate"]
-    in_sink = rate.reindex(pd.MultiIndex.from_frame(points[["layer", "head"]])).to_numpy() > eps
-    with np.errstate(invalid="ignore"):
-        shortened = (points["norm"] < np.sqrt(points["s_sq"].clip(lower=0))).astype(float)
-    shortened = shortened.where(points["s_sq"] > 0)  # s_i = 0: undefined
-    if not in_sink.any():
-        return (np.nan, np.nan, np.nan)
-    chosen = points.assign(shortened=shortened)[in_sink]
-    boot = stats.cluster_bootstrap(chosen, ["shortened"], cluster="sequence", n_resamples=n_resamples, seed=seed)
-    return tuple(float(x) for x in boot.interval(0, "shortened"))
-
-
 def _layer_type_map(layers: pd.DataFrame | None) -> dict:
     if layers is None or not len(layers):
         return {}
@@ -361,12 +333,9 @@ def _pooled_rows(table: pd.DataFrame, column: str, *, claim: str, part: str, sta
 def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
                 seed: int = 0, block: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
                 fit_on: str = "norm") -> list[dict]:
-    """Suppression, both readings at every place (:func:`cwcore.sinks.suppression.suppression_claim_rows`),
-    and convexity judged by where the vertex lies: pooled over heads and queries (the paper's "across
-    heads/queries": curvature above 0, vertex above 0 and below 1, intervals from refits on resampled
-    documents, :func:`vertex_intervals`) and per head (shares of fitted heads with an interior minimum,
-    with it inside the observed range, and with it established by its interval; cluster bootstrap by
-    layer, and per layer type)."""
+    """Suppression in both readings (:func:`cwcore.sinks.suppression.suppression_claim_rows`) and convexity by
+    where the vertex lies: pooled (refits on resampled documents, :func:`vertex_intervals`) and per head
+    (shares with an interior minimum, in range, established; cluster bootstrap by layer)."""
     rows = suppression_claim_rows(fits, points, block, eps, n_resamples, seed, layer_types=_layer_type_map(layers))
     head_fits = fits[fits["scope"] == "head"]
     fitted = head_fits[head_fits["fitted"].astype(bool)].copy()
@@ -428,11 +397,9 @@ def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.defau
 
 def _direction_control(points: pd.DataFrame, fits: pd.DataFrame, fitted: pd.DataFrame, fit_on: str,
                        n_resamples: int, seed: int, unfitted: str, claim: str) -> dict:
-    """The convexity claim's direction control (registered 2026-12-05): per fitted head, whether its
-    interior minimum is established (:func:`vertex_intervals`) with the real sink value, minus whether it is
-    with the sink value replaced by a same-norm vector of random direction (:func:`random_direction_norm`),
-    averaged over the fitted heads, bootstrap over heads. A short sink value of any direction gives an
-    interior vertex; only a positive difference credits the direction."""
+    """The convexity claim's direction control: per fitted head, an established interior minimum with the
+    real sink value minus one with a same-norm value of random direction (:func:`random_direction_norm`),
+    averaged over heads; only a positive difference credits the direction."""
     key, part = "share_interior_minus_random_direction", "more interior minima than a random-direction sink value"
     text = ("share of fitted heads whose interior minimum is established, minus the same with the sink value "
             "replaced by a same-norm vector of random direction (bootstrap over heads)")
@@ -463,31 +430,18 @@ ANALYSIS = register(Analysis("convexity", _ConvexityCollector, _tables, stems=("
 def sink_convexity(model, tokenizer, data, **options) -> ConvexityTables:
     """Head output norm ||o^h_i|| as a function of the sink rate a_i = alpha^h_i0, over queries i >= 1.
 
-    Every head output is a two-vector mixture o_i = a_i v~_0 + (1 - a_i) s^_i with s^_i = s_i / (1 - a_i)
-    the normalised semantic component (a convex combination of the tail values).
+    Every output is o_i = a_i v~_0 + (1 - a_i) s^_i with s^_i = s_i / (1 - a_i).
 
-    ``fits``: per (layer, head) a least-squares quadratic y = c2 a^2 + c1 a + c0 through the points
-    (a_i, y_i), y = ||o^h_i|| (``fit_on="norm"``) or ||o^h_i||^2 (``"squared_norm"``, exactly quadratic in
-    a for a fixed pair v~_0, s^). Columns: ``sink_rate``, ``is_sink_head``, ``n``, ``alpha_q05``/``alpha_q95``
-    (the range of a the fit sees), ``curvature`` (= c2; the second derivative is 2 c2), ``linear``,
-    ``constant``, ``alpha_star`` (= -c1 / 2 c2, the vertex), ``interior_minimum`` (c2 > 0 and
-    0 < alpha_star < 1), ``minimum_in_range`` (also alpha_q05 <= alpha_star <= alpha_q95: the minimum is
-    observed, not extrapolated), ``r2``, ``two_vector_alpha_star`` (median over queries of the analytic
-    minimiser of ||a v~_0 + (1 - a) s^_i||, <s^, s^ - v~_0> / ||s^ - v~_0||^2), ``reference_alpha_star``
-    (argmin over a 201-point grid of the averaged reference curve below), ``share_sink_suppresses`` (share
-    of queries whose output is shorter than its semantic component, ||o_i|| < ||s_i||: the sink term
-    interferes destructively) and ``median_norm_over_semantic`` (median ||o_i|| / ||s_i||). Heads whose a spans less than
-    ``min_range`` (q95 - q05) are not fitted (NaN, ``fitted`` False). Two rows fit the pooled points of
-    all heads, made dimensionless: "model" divides each head's vectors by that head's mean output norm,
-    "model_v0" divides each point's vectors by its ||v~_0|| (so y = 1 at a = 1).
+    ``fits``: per (layer, head) a least-squares quadratic y = c2 a^2 + c1 a + c0 of y = ||o^h_i||
+    (``fit_on="norm"``) or its square: ``sink_rate``, ``is_sink_head``, ``n``, ``alpha_q05``/``alpha_q95``,
+    ``curvature`` (c2), ``linear``, ``constant``, ``alpha_star`` (the vertex -c1 / 2 c2),
+    ``interior_minimum``, ``minimum_in_range``, ``r2``, ``two_vector_alpha_star`` (median analytic
+    minimiser), ``reference_alpha_star``, ``share_sink_suppresses`` (share with ||o_i|| < ||s_i||) and
+    ``median_norm_over_semantic``; heads whose a spans less than ``min_range`` are not fitted. Pooled rows
+    "model" (vectors over each head's mean output norm) and "model_v0" (over each point's ||v~_0||).
 
-    ``curves``: per (scope, layer, head, bin) of a in ``bins`` equal bins on [0, 1]: ``n``, ``alpha_mean``,
-    ``norm_mean``, ``norm_median``, ``fitted`` (the quadratic at the bin centre, in the fitted y's
-    units: ||o|| or ||o||^2), and ``reference_norm``: the mean over *all* the head's queries of
-    ||c v~_0 + (1 - c) s^_i|| at the bin centre c, i.e. what the norm would be if only the sink rate
-    changed. "model" and "model_v0" rows pool the heads, normalised as in ``fits``.
+    ``curves``: per (scope, layer, head, bin of a): ``n``, ``alpha_mean``, ``norm_mean``, ``norm_median``,
+    ``fitted`` and ``reference_norm`` (mean ||c v~_0 + (1 - c) s^_i|| at the bin centre c).
 
-    Options: ``bins``, ``fit_on``, ``min_range``, ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
-    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
-    """
+    Options: ``bins``, ``fit_on``, ``min_range``, ``eps`` and the run options (:class:`cwcore.sinks.SinkOptions`)."""
 

@@ -257,9 +257,7 @@ def _summary(tables: dict, add) -> None:
                     dominates[sink_heads].mean() if sink_heads.any() else np.nan)
 
 
-# ---------------------------------------------------------------------------------------------------
 # the joint model: attention and alignment together, intervals over documents
-# ---------------------------------------------------------------------------------------------------
 
 _PAIRS = [(f, g) for i, f in enumerate(_FACTORS) for g in _FACTORS[i:]]
 _MOMENTS = ["n", *[f"sum_{f}" for f in _FACTORS], *[f"m_{f}_{g}" for f, g in _PAIRS]]
@@ -302,25 +300,14 @@ def _head_rates(stats: pd.DataFrame) -> pd.Series:
 
 def joint_shares(stats: pd.DataFrame, eps: float = EPS.default, *, n_resamples: int = 1000, seed: int = 0,
                  confidence: float = 0.95) -> pd.DataFrame:
-    """Attention and alignment as a joint model of log|c|, pooled over groups of heads, with intervals
-    from a cluster bootstrap over documents (sequences: every pair of a sequence resampled together).
+    """Attention and alignment as a joint model of log|c|, pooled per ``group`` of heads ("sink_heads",
+    "other_heads", "all"), ``layer_type`` and ``token_class``, with a cluster bootstrap over sequences.
 
-    ``stats``: the decomposition's raw ``stats`` piece (``run_analyses(..., raw=True)["raw"]
-    ["decomposition"]["stats"]``: per sequence, layer, head and token class the moment sums of the three
-    log factors). Per ``group`` ("sink_heads": sink rate > ``eps``, "other_heads", "all"), ``layer_type``
-    ("all", then each type when there are two or more) and ``token_class``:
-
-    * ``share_<factor>`` = cov(log|f|, log|c|) / var(log|c|) (summing to 1 over the three), pooled over the
-      group's pairs; ``share_alpha_cosine`` = attention's + alignment's (what the paper's "attention and
-      alignment together" explain of the variation); ``share_geometry`` = relative norm's + alignment's;
-      ``geometry_minus_alpha``;
-    * ``r2_alpha``, ``r2_cosine``: R^2 of a least-squares fit of log|c| on log alpha alone, on log|cos| alone;
-      ``r2_joint``: on both together (the joint model log|c| = b0 + b1 log alpha + b2 log|cos|);
-      ``r2_gain`` = r2_joint - max(r2_alpha, r2_cosine), what the second term adds;
-
-    each with ``<measure>_low``/``<measure>_high``; plus ``n`` pairs, ``n_heads``, ``n_sequences``. Groups
-    without pairs are left out.
-    """
+    ``stats``: the decomposition's raw ``stats`` piece. Measures, each with ``_low``/``_high``:
+    ``share_<factor>`` = cov(log|f|, log|c|) / var(log|c|), ``share_alpha_cosine`` (attention's plus
+    alignment's), ``share_geometry``, ``geometry_minus_alpha``; ``r2_alpha``, ``r2_cosine``, ``r2_joint``
+    (least squares of log|c| on log alpha, log|cos|, both) and ``r2_gain`` = r2_joint - max of the two;
+    plus ``n``, ``n_heads``, ``n_sequences``."""
     rate = _head_rates(stats)
     frame = stats.merge(rate.reset_index(), on=["layer", "head"], how="left")
     frame["group"] = np.where(frame["sink_rate"] > eps, "sink_heads", "other_heads")
@@ -357,11 +344,8 @@ def joint_shares(stats: pd.DataFrame, eps: float = EPS.default, *, n_resamples: 
 
 
 def head_shares(rates: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
-    """Per (layer, head, token class): the share of var(log|c|) of each factor, ``geometry`` (relative
-    norm + cosine) and the head's ``sink_rate``; heads with an undefined share are left out.
-
-    ``rates``: :func:`cwcore.sinks.sink_rates`' table; ``summary``: the decomposition's ``summary``.
-    """
+    """Per (layer, head, token class) each factor's share of var(log|c|), ``geometry`` and the head's
+    ``sink_rate`` (``rates``: :func:`cwcore.sinks.sink_rates`' table; ``summary``: the decomposition's)."""
     heads = (summary[summary["scope"] == "head"]
              .pivot_table(index=["layer", "head", "token_class"], columns="factor", values="share")
              .reset_index())
@@ -377,11 +361,9 @@ def head_shares(rates: pd.DataFrame, summary: pd.DataFrame) -> pd.DataFrame:
 #: the older reading of the tail part, kept as its own claim (the book's, not the paper's wording: see _claim_rows)
 TAIL_ATTENTION_ONLY = "tail driven by attention more than by geometry"
 
-#: The margin of "a term drives the tail": its share of var(log|c|) in the tail pairs of sink heads must
-#: lie above this, not merely above zero (a share of 0.01 is "positive" yet explains nothing). One tenth
-#: of the variance, fixed here as a convention before the evidence tables are remade; it was set after a
-#: referee had reported alignment's share on the committed evidence (0.07 to 0.12), so it is a stated
-#: rule, not a blind pre-registration. Both terms' parts use it.
+#: The margin of "a term drives the tail": its share of var(log|c|) in sink heads' tail pairs must lie above
+#: this, not merely above zero (0.01 is "positive" yet explains nothing); a stated rule, set after alignment's
+#: share on the committed evidence (0.07 to 0.12) was known, not a blind pre-registration.
 TAIL_MARGIN = 0.1
 
 
@@ -406,21 +388,10 @@ def _joint_triple(joint: pd.DataFrame | None, measure: str, cls: str, group: str
 
 def _claim_rows(heads: pd.DataFrame, eps: float, joint: pd.DataFrame | None = None, n_resamples: int = 1000,
                 seed: int = 0) -> list[dict]:
-    """The claim "sink driven by value geometry, tail by attention" (the paper: "for tail tokens by alpha
-    and alignment together"), in sink heads:
-
-    * sink, per head: the share of sink heads where geometry's share of var(log|c|) exceeds attention's
-      (Wilson) above 0.5; and the mean over sink heads of (geometry's - attention's share), above 0, with
-      a cluster bootstrap by layer (plus per-layer-type claims);
-    * sink, pooled (with ``joint``): geometry's minus attention's share of the pooled var(log|c|), above 0,
-      bootstrap over documents;
-    * tail, jointly (with ``joint``): attention's plus alignment's share above 0.5 (together they explain
-      most of the variation), and each of the two shares above :data:`TAIL_MARGIN` (both terms drive it,
-      each explaining at least a tenth), bootstrap over documents.
-
-    The older per-head reading "attention explains more of the tail than geometry" is the separate claim
-    :data:`TAIL_ATTENTION_ONLY`.
-    """
+    """"Sink driven by value geometry, tail by attention and alignment together", in sink heads: per head
+    (share with geometry's share above attention's, Wilson; mean difference, cluster bootstrap by layer),
+    pooled (with ``joint``), and for the tail attention's plus alignment's share above 0.5 with each above
+    :data:`TAIL_MARGIN`. The older reading is the separate claim :data:`TAIL_ATTENTION_ONLY`."""
     in_sink = heads[heads["sink_rate"] > eps]
     sink = in_sink[in_sink["token_class"] == "sink"]
     tail = in_sink[in_sink["token_class"] == "tail"]
@@ -486,32 +457,18 @@ ANALYSIS = register(Analysis("decomposition", _DecompositionCollector, _tables,
 def sink_decomposition(model, tokenizer, data, **options) -> DecompositionTables:
     """The factors of c_ij = alpha_ij * (||v~_j|| / ||o_i||) * cos(o_i, v~_j) for sink and tail tokens.
 
-    Token classes: ``sink`` = (query i >= 1, key 0); ``tail`` = (i >= 1, 1 <= j <= i); ``null`` = (i >= 1,
-    one key j drawn uniformly from 1..i per query and sequence, seeded): the null baseline of the sink's
-    factor shares (a key that is not the sink, one per query like the sink). ``kind``: "intra"
-    (o_i = the head's own output o^h_i, default) or "inter" (the layer's combined output).
+    Token classes: ``sink`` (i >= 1, key 0), ``tail`` (i >= 1, 1 <= j <= i) and ``null`` (one seeded
+    random key of 1..i per query: the sink's baseline). ``kind``: "intra" (o_i the head's output) or
+    "inter" (the layer's). As log|c| = log alpha + log rel_norm + log|cos|, the shares
+    ``cov(log|f|, log|c|) / var(log|c|)`` sum to 1 and say which factor makes c *vary*; ``mean_log`` says
+    which sets its *level*. Both are exact (float64 running sums); pairs with a zero factor are counted
+    in ``n_excluded``.
 
-    Since log|c| = log alpha + log rel_norm + log|cos| exactly, var(log|c|) splits into the factor
-    shares ``share_f = cov(log|f|, log|c|) / var(log|c|)``, which sum to 1 over the three factors; they
-    say which factor makes c *vary* (within the class, across heads, queries and sequences). ``mean_log``
-    (the mean of log|f|, summing to the mean of log|c|) says which factor sets its *level*. Both are
-    exact over every (sequence, query, key) of the class (running sums in float64); pairs with a zero
-    factor (alpha underflowing to 0, a zero cosine, a zero output norm) have no logarithm and are
-    counted in ``n_excluded``.
+    ``summary``: per ``scope`` ("head", "layer", "model", "sink_heads" / "other_heads": sink rate above /
+    at most ``eps``), ``layer``, ``head``, ``token_class`` and ``factor`` (alpha, relative_norm, cosine,
+    contribution): ``n``, ``n_excluded``, ``share``, ``mean_log``, ``mean``, ``frac_negative``, quantiles
+    ``q10`` ... ``q90`` (from a seeded sample of ``quantile_sample`` pairs per sequence, layer, head and
+    class), ``sink_rate``, ``num_heads``. ``sample``: ``sample_size`` of those pairs per class.
 
-    ``summary`` columns: ``scope`` ("head", "layer": pooled over heads, "model": pooled over all),
-    ``layer``/``head`` (NA when pooled), ``token_class``, ``factor`` (alpha, relative_norm, cosine,
-    contribution), ``n``, ``n_excluded``, ``share`` (contribution: their sum), ``mean_log``, ``mean``,
-    ``frac_negative``, ``q10``, ``q25``, ``median``, ``q75``, ``q90``, ``sink_rate`` (the head's mean
-    alpha_i0 over queries >= 1; "head" rows only) and ``num_heads`` (heads pooled in the row). Scopes
-    "sink_heads" / "other_heads" pool the heads whose sink rate is above / at most ``eps``. ``mean`` and the quantiles come
-    from a seeded sample of ``quantile_sample`` pairs per (sequence, layer, head, class) (the sink class
-    has only T-1 pairs per sequence: with the default every sink pair is kept); the same tail pairs are
-    used in all layers and heads of a sequence.
-    ``sample``: ``sample_size`` rows per token class drawn (seeded) from that sample, with columns
-    sequence, layer, head, token_class, query, key, alpha, relative_norm, cosine, contribution.
-
-    Options: ``kind``, ``eps``, ``quantile_sample``, ``sample_size``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
-    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
-    """
+    Options: ``kind``, ``eps``, ``quantile_sample``, ``sample_size``, ``seed`` and the run options (:class:`cwcore.sinks.SinkOptions`)."""
 

@@ -1,34 +1,25 @@
 """The sink analyses' engine and its extension interface: options, token blocks, one layer's state, the
 registry of analyses, the batch loop.
 
-An analysis is one :class:`Analysis` object, registered with :func:`register` by its module
-(``cwcore/sinks/<name>.py``): a *collector* that turns each layer of a clean forward pass into
-DataFrames (the batch's cached pieces), the *tables* built from all batches' pieces, the CSV stems
-of those tables, the rows it adds to :func:`cwcore.sinks.summarize`, its *claims* (rows of the
-chapters' claims tables, see :mod:`cwcore.sinks.claims`) and its :class:`Option` s (name, default,
-check, help). The options of all registered analyses, the shared ones (:data:`EPS`, :data:`SEED`) and
-the run options (:data:`RUN_OPTIONS`) make one frozen dataclass, :class:`cwcore.sinks.SinkOptions`
-(:func:`options_class`), from which :func:`cwcore.sinks.run_analyses` and ``python -m cwcore.sinks``
-take their options and defaults.
+An analysis is one :class:`Analysis`, registered with :func:`register` by its module: a *collector*
+turning each layer of a clean forward pass into DataFrames (the batch's cached pieces), the *tables*
+built from all batches' pieces, their CSV stems, its :func:`cwcore.sinks.summarize` rows, its
+*claims* and its :class:`Option` s. All options (with :data:`EPS`, :data:`SEED` and
+:data:`RUN_OPTIONS`) make one frozen dataclass, :class:`cwcore.sinks.SinkOptions` (:func:`options_class`).
 
 Writing an analysis (one new file plus its name in :data:`cwcore.sinks.analyses._MODULES`):
 
-* a :class:`Collector` subclass: ``on_layer(state)`` sees every layer's :class:`LayerState`
-  (probabilities, values, W_O^h, Gram matrices and the inner products they give), ``finish(logits)``
-  returns the batch's pieces ``{part: DataFrame}``; :func:`forward` runs further (intervened) passes;
-  :func:`grid_columns`, :func:`flat` and :func:`concat` build the pieces;
-* ``tables(parts, blocks, **options)``: the result from all batches' pieces (``blocks``: :class:`Blocks`);
-* ``register(Analysis(name, collector, tables, stems, options=..., collector_options=..., ...))`` and
-  the public function, ``@ANALYSIS.public def my_analysis(model, tokenizer, data, **options): "doc"``.
+* a :class:`Collector` subclass: ``on_layer(state)`` sees every layer's :class:`LayerState`,
+  ``finish(logits)`` returns the batch's pieces ``{part: DataFrame}``; :func:`forward` runs further
+  (intervened) passes; :func:`grid_columns`, :func:`flat` and :func:`concat` build the pieces;
+* ``tables(parts, blocks, **options)``: the result from all batches' pieces;
+* ``register(Analysis(name, collector, tables, stems, options=..., ...))`` and the public function
+  ``@ANALYSIS.public def my_analysis(model, tokenizer, data, **options): "doc"``.
 
-The forward pass uses :class:`cwcore.core.attention.AttentionSession` without subclassing it: the
-collectors are *observers* that read each layer (:class:`LayerState` built from the
-:class:`~cwcore.core.attention.LayerCall`), interventions are *transforms* (term removals by
-:func:`cwcore.core.interventions.removal`, and :func:`exclude_sink` for the ``sink_renorm``
-condition). The batch loop is :func:`cwcore.runs.for_each_batch` over one
-:class:`cwcore.runs.PieceStore` per analysis (namespace ``sinks-<name>``), so the single functions
-and :func:`cwcore.sinks.run_analyses` share the cache (inside :func:`cwcore.cache.caching`: caching is opt-in).
-"""
+Collectors are *observers* of :class:`cwcore.core.attention.AttentionSession`; interventions are its
+*transforms*. The batch loop is :func:`cwcore.runs.for_each_batch` over one
+:class:`cwcore.runs.PieceStore` per analysis, so the single functions and
+:func:`cwcore.sinks.run_analyses` share the cache."""
 
 from __future__ import annotations
 
@@ -68,16 +59,11 @@ SINK_POSITION = 0
 model_fingerprint = runs.model_fingerprint
 
 
-# ---------------------------------------------------------------------------------------------------
 # options: each declared once (its default, check and help), checked once
-# ---------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Option:
-    """One option of the sink analyses: ``name``, ``default``, ``help`` (one line, also the command line's),
-    ``check(value)`` (raises ``TypeError``/``ValueError`` naming the option; returns the value kept),
-    ``choices`` (a closed set, checked first) and ``cli`` (False: no command-line flag of its own)."""
+    """One option: ``name``, ``default``, ``help`` (one line, also the command line's), ``check(value)``
+    (raises naming the option; returns the value kept), ``choices`` and ``cli`` (False: no flag of its own)."""
 
     name: str
     default: Any
@@ -202,11 +188,7 @@ def options_class():
     return _options_class(tuple(REGISTRY))
 
 
-# ---------------------------------------------------------------------------------------------------
 # inputs
-# ---------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Blocks:
     """Token blocks ``ids [sequence, position]`` and what is known about their first token."""
@@ -269,13 +251,8 @@ TOKEN_CLASSES = ("bos", "first", "special", "newline", "punctuation", "word")
 
 
 def token_classes(ids: torch.Tensor, tokenizer) -> np.ndarray:
-    """The class of every token of ``ids [n, T]`` (a string array of the same shape).
-
-    Position 0: ``"bos"`` when it is the tokenizer's BOS token, else ``"first"`` (the first text token).
-    Later positions: ``"special"`` (the tokenizer's special tokens: BOS, EOS, padding, ...), ``"newline"``
-    (the token's text contains a line break), ``"punctuation"`` (its text, stripped, is nothing but
-    punctuation or symbols), ``"word"`` otherwise.
-    """
+    """The class of every token of ``ids [n, T]``: position 0 ``"bos"`` (the BOS token) or ``"first"``;
+    later ``"special"``, ``"newline"``, ``"punctuation"`` (only punctuation or symbols) or ``"word"``."""
     ids = torch.as_tensor(ids)
     special = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or []) if i is not None}
     bos = getattr(tokenizer, "bos_token_id", None)
@@ -303,23 +280,14 @@ def layer_types(model: nn.Module) -> dict[int, str]:
     return {block.layer: layer_type(model, block) for block in attention_blocks(model)}
 
 
-# ---------------------------------------------------------------------------------------------------
 # one layer of one forward pass, and the forward pass itself
-# ---------------------------------------------------------------------------------------------------
-
-
 class LayerState:
     """What one attention layer did in one forward pass, in the compute dtype.
 
-    ``probs`` ``[batch, head, query, key]`` (after any transform), ``values`` ``[batch, head, key, dim]``
-    (already repeated for grouped-query attention), ``w_o`` ``[head, model, dim]``, ``gram``
-    ``[head, dim, dim]`` = W_O^h^T W_O^h. Inner products of head-space vectors x, y ``[b, h, n, dim]``
-    are those of the projected vectors W_O^h x, W_O^h y.
-
-    ``sink_position`` (int): the key the analyses treat as the sink (:data:`SINK_POSITION`, 0);
-    ``layer_type``: ``"sliding"`` or ``"global"`` (:func:`layer_types`); ``learned_sink_mass``
-    ``[batch, head, query]`` or None: the softmax mass a learned sink logit (GPT-OSS ``s_aux``) absorbed.
-    """
+    ``probs [batch, head, query, key]`` (after any transform), ``values [batch, head, key, dim]``
+    (repeated for grouped-query attention), ``w_o [head, model, dim]``, ``gram [head, dim, dim]`` =
+    W_O^h^T W_O^h (head-space inner products are those of the projected vectors); ``sink_position``;
+    ``layer_type``; ``learned_sink_mass [batch, head, query]`` or None (GPT-OSS ``s_aux``)."""
 
     sink_position: int = SINK_POSITION
 
@@ -399,9 +367,8 @@ def _exclude_sink(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def exclude_sink(rows: torch.Tensor):
-    """The transform of the ``sink_renorm`` condition: in the heads ``rows [batch, head]`` (bool), for
-    queries i >= 1, alpha_i0 := 0 and the other probabilities are divided by their sum (the softmax
-    with key 0 left out)."""
+    """The ``sink_renorm`` transform: in heads ``rows [batch, head]``, for queries i >= 1, alpha_i0 := 0
+    and the row renormalised (the softmax without key 0)."""
 
     def transform(call: LayerCall) -> torch.Tensor:
         return _exclude_sink(call.probs, rows.to(call.probs.device))
@@ -417,12 +384,10 @@ def _backbone(model: nn.Module) -> nn.Module:
 
 def forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=False, compute_dtype=torch.float32,
              transforms=None):
-    """Run ``model`` on ``ids [b, T]`` through cwcore's attention; returns the logits ``[b, T, vocab]`` or None.
+    """Run ``model`` on ``ids [b, T]`` through cwcore's attention; the logits ``[b, T, vocab]`` or None.
 
-    ``on_layer(state: LayerState)`` observes every layer; ``masks`` ``{layer: bool [.., q, k]}`` remove
-    terms (no renormalisation); ``renormalise`` ``{layer: bool [b, h]}`` applies :func:`exclude_sink`;
-    ``transforms`` ``{layer: callable(LayerCall) -> probs}``: any other change of the probabilities.
-    """
+    ``on_layer(state)`` observes every layer; ``masks {layer: bool [.., q, k]}`` remove terms;
+    ``renormalise {layer: bool [b, h]}`` applies :func:`exclude_sink`; ``transforms {layer: callable}``."""
     extra = transforms
     transforms: dict[int, list] = {}
     for layer, transform in (extra or {}).items():
@@ -453,19 +418,11 @@ def forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=Fals
     return out.logits if logits else None
 
 
-# ---------------------------------------------------------------------------------------------------
 # the registry: one Analysis object per module
-# ---------------------------------------------------------------------------------------------------
-
-
 class Collector:
-    """Collects one analysis's raw material from one batch's clean forward pass.
-
-    Built as ``Collector(model, ids [b, T], start, dtype, **options)`` (``start``: index of the batch's
-    first sequence); :meth:`on_layer` sees every layer's :class:`LayerState`; :meth:`finish` gets the
-    logits ``[b, T, vocab]`` (None unless ``needs_logits``) and returns named DataFrames, the batch's
-    cache pieces.
-    """
+    """One analysis's raw material from one batch's clean pass: ``Collector(model, ids [b, T], start, dtype,
+    **options)``; :meth:`on_layer` sees each :class:`LayerState`, :meth:`finish` gets the logits (None
+    unless ``needs_logits``) and returns the batch's pieces."""
 
     needs_logits = False
 
@@ -484,16 +441,11 @@ class Collector:
 class Analysis:
     """One sink analysis, everything about it in one object.
 
-    ``collector``: a :class:`Collector` class; ``options``: the :class:`Option` s it takes (its own, and
-    shared ones such as :data:`EPS` and :data:`SEED`: one object per name across the registry);
-    ``collector_options``: the names among them its collector takes (also in the cache key);
-    ``tables(parts, blocks, **options)``: its result from the concatenated pieces ``{part: DataFrame}``
-    (it gets every analysis option and takes what it needs); ``stems``: the CSV stems of the result's tables, in the order of its
-    fields (one stem: the result is a DataFrame); ``summary(tables, add)``: adds this analysis's rows
-    to :func:`cwcore.sinks.summarize` (``tables``: ``{stem: DataFrame}``, ``add(claim, statistic,
-    value)``); ``claims(results, *, eps, quantiles, n_resamples, seed)``: its rows of the claims table
-    (see :mod:`cwcore.sinks.claims`) from :func:`cwcore.sinks.run_analyses`' results with ``raw=True``.
-    """
+    ``collector``: a :class:`Collector` class; ``options``: the :class:`Option` s it takes;
+    ``collector_options``: those its collector takes (also in the cache key); ``tables(parts, blocks,
+    **options)``: its result; ``stems``: the CSV stems of the result's tables; ``summary(tables, add)``:
+    its rows of :func:`cwcore.sinks.summarize`; ``claims(results, *, eps, quantiles, n_resamples,
+    seed)``: its claim rows from :func:`cwcore.sinks.run_analyses` (``raw=True``)."""
 
     name: str
     collector: type
@@ -510,10 +462,8 @@ class Analysis:
             raise ValueError(f"analysis {self.name!r}: collector options {missing} are not among its options")
 
     def public(self, function: Callable) -> Callable:
-        """Decorator: ``function`` (its name and docstring; its body is not run) becomes this analysis's
-        public function ``f(model, tokenizer, data, **options)``, with a signature listing its options and
-        the run options, their defaults from the :class:`Option` s: it checks them (an option this
-        analysis does not take is refused) and returns :func:`run_one`."""
+        """Decorator: ``function`` (its name and docstring) becomes this analysis's checked public function
+        ``f(model, tokenizer, data, **options)`` with a signature listing its options and the run options."""
         name = self.name
 
         @functools.wraps(function)
@@ -547,11 +497,7 @@ def register(analysis: Analysis) -> Analysis:
     return analysis
 
 
-# ---------------------------------------------------------------------------------------------------
 # the batch loop: one shared clean forward pass, one PieceStore per analysis
-# ---------------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Spec:
     """One analysis to run: its name (cache namespace ``sinks-<name>``), collector and per-batch options."""
@@ -598,12 +544,8 @@ def _batch_key(batch) -> str:
 
 def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_sequences=None, add_bos=None,
             batch_size=8, progress=True, compute_dtype=torch.float32):
-    """Compute (or, inside :func:`cwcore.cache.caching`, read from the cache) every batch's pieces of every
-    analysis in ``specs``.
-
-    The analyses whose pieces are missing for a batch share one clean forward pass. Returns
-    ``({analysis: {part: concatenated DataFrame}}, blocks)``.
-    """
+    """Every batch's pieces of every analysis in ``specs`` (read from the cache inside caching), the
+    missing ones sharing one clean pass: ``({analysis: {part: DataFrame}}, blocks)``."""
     batch_size = runs.check_batch_size(batch_size)
     num_sequences = runs.check_count(num_sequences, "num_sequences", allow_none=True)
     block_size = runs.check_count(block_size, "block_size", minimum=2)
@@ -662,11 +604,7 @@ def run_one(name: str, model, tokenizer, data, options: dict):
     return analysis.tables(parts[name], blocks, **own)
 
 
-# ---------------------------------------------------------------------------------------------------
 # small helpers shared by the collectors
-# ---------------------------------------------------------------------------------------------------
-
-
 def grid_columns(shape: tuple[int, ...], names: tuple[str, ...], offsets: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """Index columns of a C-ordered grid: ``{name: int array}``, each of length prod(shape)."""
     grids = np.meshgrid(*[np.arange(s) for s in shape], indexing="ij")

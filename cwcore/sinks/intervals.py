@@ -1,15 +1,8 @@
-"""The sink chapters' claim rows and the intervals they read, over :mod:`cwcore.stats` (the project's one
-home of resampling: every interval here is a stats function, or built from :func:`cwcore.stats.resample_indices`
-and :func:`cwcore.stats.percentile_interval`; keywords are stats' own, ``n_resamples``).
+"""The sink claims' rows and the intervals they read, all built on :mod:`cwcore.stats`.
 
-:func:`group_value` and :func:`contrast` read a :class:`cwcore.stats.ClusterBootstrap` by group keys
-instead of row numbers; :func:`pooled_by_layer` pools a head-level statistic over heads, resampling
-whole layers. :func:`share_ci`, :func:`verdict`, :func:`combine_verdicts` and :data:`UNMEASURED` *are*
-the stats objects (one verdict vocabulary).
-
-The claims tables' row (:data:`COLUMNS`, :func:`claim_row`) lives here too, so every analysis
-module can state its claims without importing :mod:`cwcore.sinks.claims`.
-"""
+:func:`group_value` and :func:`contrast` read a :class:`cwcore.stats.ClusterBootstrap` by group keys;
+:func:`pooled_by_layer` pools a head-level statistic resampling whole layers. The claims tables' row
+(:data:`COLUMNS`, :func:`claim_row`) lives here so every analysis module can state its claims."""
 
 from __future__ import annotations
 
@@ -21,7 +14,7 @@ import pandas as pd
 from .. import stats
 
 __all__ = ["BOOK", "COLUMNS", "PAPER", "pooled_by_layer", "pooled_claim_rows", "UNMEASURED", "claim_row", "claims_frame",
-           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "verdict_text", "share_ci", "verdict"]
+           "combine_verdicts", "contrast", "group_value", "no_sink_heads", "share_ci", "verdict"]
 
 share_ci = stats.share_ci
 verdict = stats.verdict
@@ -52,9 +45,7 @@ def contrast(boot: stats.ClusterBootstrap, column: str, first: Mapping, second: 
     return tuple(float(x) for x in boot.contrast(i, j, column))
 
 
-# ---------------------------------------------------------------------------------------------------
 # the claims table's row
-# ---------------------------------------------------------------------------------------------------
 
 COLUMNS = ["chapter", "claim", "part", "statistic", "key", "estimate", "low", "high", "threshold", "side", "n",
            "verdict", "why", "unit", "n_units", "source"]
@@ -80,12 +71,9 @@ def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=
               unit: str = "", n_units=np.nan, source: str = PAPER) -> dict:
     """One part of a claim: ``triple_`` = (estimate, low, high) judged by :func:`cwcore.stats.verdict`.
 
-    ``n``: the values the statistic is taken over (heads, queries); ``unit``: what the interval treats
-    as independent ("document", "layer", "head") and ``n_units`` how many of them there are (the
-    findings table's ``unit`` and ``n_units``; its power statement comes from the interval's width).
-    ``why``: what a model lacks when the part cannot be measured (e.g. :func:`no_sink_heads`); kept only
-    when the verdict is "not measured", which then says why (a generic reason if none is given).
-    ``source``: :data:`PAPER` (the claim is the paper's) or :data:`BOOK` (the book's own)."""
+    ``n``: values the statistic is over; ``unit`` / ``n_units``: what the interval treats as independent
+    and how many; ``why``: what the model lacks, kept only when "not measured"; ``source``:
+    :data:`PAPER` or :data:`BOOK` (whose claim it is)."""
     if source not in (PAPER, BOOK):
         raise ValueError(f"source must be {PAPER!r} or {BOOK!r}, not {source!r}")
     est, low, high = (float(x) for x in triple_)
@@ -107,15 +95,7 @@ def claims_frame(rows: list[dict]) -> pd.DataFrame:
     return frame
 
 
-def verdict_text(claims: pd.DataFrame) -> list[str]:
-    """Each part's verdict as the chapters show it: "not measured: <why>" where the table says why."""
-    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
-    return [f"{v}: {w}" if v == UNMEASURED and w and w != "nan" else str(v) for v, w in zip(claims["verdict"], why)]
-
-
-# ---------------------------------------------------------------------------------------------------
 # head tables -> pooled claims, resampling whole layers
-# ---------------------------------------------------------------------------------------------------
 
 _STATISTICS = {"mean": np.nanmean, "share": np.nanmean, "median": np.nanmedian}
 
@@ -147,16 +127,10 @@ def _by_layer(values: np.ndarray, layers: np.ndarray, statistic: str, n_resample
 def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean", n_resamples: int = 1000,
                     seed: int = 0, confidence: float = 0.95, layer: str = "layer",
                     layer_type: str = "layer_type") -> pd.DataFrame:
-    """A head-level statistic pooled over heads, with a 95% interval from a cluster bootstrap by layer.
-
-    ``table``: one row per head with columns ``layer`` and ``column`` (boolean for ``statistic="share"``)
-    and optionally ``layer_type``. Heads of one layer are not independent (they share the layer's input,
-    and their statistics cluster by layer), so each resample draws whole layers with replacement and
-    pools their heads. ``statistic``: "mean", "median" or "share" (share of True). Returns one row per
-    ``scope``: "all", then one per layer type when the table has two or more (columns ``scope``,
-    ``estimate``, ``low``, ``high``, ``n`` heads, ``n_layers``). Empty groups give NaNs, and so do the
-    intervals of groups with fewer than :data:`cwcore.stats.MIN_CLUSTERS` layers.
-    """
+    """A head-level statistic ("mean", "median" or "share" of ``column``) pooled over heads, with a cluster
+    bootstrap by layer (heads of a layer are not independent). Rows per ``scope`` ("all", then each
+    ``layer_type`` when there are two or more): ``estimate``, ``low``, ``high``, ``n``, ``n_layers``; NaN
+    intervals with fewer than :data:`cwcore.stats.MIN_CLUSTERS` layers."""
     if statistic not in _STATISTICS:
         raise ValueError(f"statistic must be one of {', '.join(_STATISTICS)}, not {statistic!r}")
     scopes = [("all", np.ones(len(table), bool))]
@@ -175,11 +149,8 @@ def pooled_by_layer(table: pd.DataFrame, column: str, *, statistic: str = "mean"
 def pooled_claim_rows(table: pd.DataFrame, column: str, *, chapter, claim: str, part: str, statistic_text: str,
                       key: str, threshold: float, side: str, statistic: str = "mean", why: str = "",
                       n_resamples: int = 1000, seed: int = 0, source: str = PAPER) -> list[dict]:
-    """The claim rows (:data:`COLUMNS`) of :func:`pooled_by_layer`: the pooled row is a part of ``claim``
-    (key ``key``; its statistic says "cluster bootstrap by layer"); each layer type's row is a part of the
-    separate claim ``"<claim> [<type> layers]"`` (key ``"<key>@<type>"``), so a finding that combines the
-    parts of ``claim`` takes the pooled row only. An empty ``table`` gives the pooled row, not measured,
-    with ``why``."""
+    """Claim rows of :func:`pooled_by_layer`: the pooled row is a part of ``claim``; each layer type's row a
+    part of the separate claim ``"<claim> [<type> layers]"`` (key ``"<key>@<type>"``)."""
     pooled = pooled_by_layer(table, column, statistic=statistic, n_resamples=n_resamples, seed=seed)
     rows = []
     for r in pooled.itertuples():

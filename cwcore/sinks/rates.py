@@ -132,17 +132,10 @@ def _summary(tables: dict, add) -> None:
 
 def rate_claim_rows(rates: pd.DataFrame, eps: float = EPS.default, majority: float = 0.5, n_resamples: int = 1000,
                     seed: int = 0) -> list[dict]:
-    """Chapter 5's claims on the rates table.
-
-    * "many heads are sink heads": the share of heads with sink rate > ``eps`` (Sink_eps) above
-      ``majority``, judged twice: with a Wilson interval (heads as independent units, the reading of a
-      plain Sink_eps) and with a cluster bootstrap by layer (heads of a layer resampled together); the
-      second also per layer type (separate claims "... [sliding layers]", see
-      :func:`cwcore.sinks.intervals.pooled_claim_rows`).
-    * "the sink is position 0": among the heads whose strongest key takes more than ``eps`` of their
-      attention, the share whose strongest key is position 0, above one half (Wilson), and the
-      strongest later key's mass below ``eps`` in the median head (cluster bootstrap by layer).
-    """
+    """Chapter 5's claims: "many heads are sink heads" (share of heads with sink rate > ``eps`` above
+    ``majority``, Wilson and cluster bootstrap by layer, per layer type too) and "the sink is position 0"
+    (among heads whose strongest key takes > ``eps``, share at position 0 above one half; the median
+    head's strongest later key below ``eps``)."""
     rate = rates[np.isfinite(rates["sink_rate"].to_numpy(float))]
     flags = rate.assign(sink=rate["sink_rate"] > eps)
     rows = [claim_row(5, SINK_RATES, f"more than {majority:g} of the heads are sink heads",
@@ -181,29 +174,16 @@ ANALYSIS = register(Analysis("rates", _RatesCollector, _tables, stems=("rates",)
 def sink_rates(model, tokenizer, data, **options) -> pd.DataFrame:
     """Per (layer, head): the attention the first token receives, and Gu et al.'s Sink_eps.
 
-    For head h and query i >= 1, a_i = alpha^h_i0. One row per (layer, head) with
-    ``sink_rate`` (mean of a_i over queries 1..T-1 and sequences), ``sink_rate_std`` (its standard
-    deviation over queries and sequences), ``sink_rate_sequence_std`` (standard deviation over sequences
-    of each sequence's mean), ``q10``/``median``/``q90`` of a_i, ``sink_rate_all_queries`` (mean over all
-    queries 0..T-1, Gu et al.'s convention, where a_0 = 1), ``is_sink_head`` (sink_rate > eps).
-    Model-level columns, constant over rows: ``sink_eps`` (share of all heads with sink_rate > eps),
-    ``sink_eps_all_queries`` (the same with Gu et al.'s rate), ``eps``, ``add_bos`` (True/False, NA for
-    ready-made blocks), ``first_token_is_bos`` (share of sequences; NaN without a tokenizer with a BOS),
-    ``num_sequences``, ``block_size``.
+    With a_i = alpha^h_i0 for queries i >= 1: ``sink_rate`` (mean), ``sink_rate_std``,
+    ``sink_rate_sequence_std``, ``q10``/``median``/``q90``, ``sink_rate_all_queries`` (Gu et al.'s, with
+    a_0 = 1), ``is_sink_head`` (> eps); model-level ``sink_eps`` (share of sink heads),
+    ``sink_eps_all_queries``, ``eps``, ``add_bos``, ``first_token_is_bos``, ``num_sequences``,
+    ``block_size``; ``layer_type`` and ``learned_sink_mass`` (GPT-OSS; NaN without).
 
-    Structure: ``layer_type`` ("sliding" or "global", :func:`cwcore.sinks.engine.layer_types`) and
-    ``learned_sink_mass`` (mean over queries >= 1 of the softmax mass a learned sink logit absorbs, as in
-    GPT-OSS; NaN for a model without one).
+    Where the mass goes, from m_j = mean over queries of alpha_ij: ``top_key``, ``top_key_mass``,
+    ``top_key_class``, ``top_later_key``/``top_later_mass`` (positions >= 1: a second sink), and per token
+    class (:func:`cwcore.sinks.engine.token_classes`) ``mass_<class>`` against ``uniform_<class>`` (uniform
+    causal attention); NaN without a tokenizer.
 
-    Where the mass goes (the sink found by statistics): with m_j = the mean over queries i >= 1 of
-    alpha_ij (zero for j > i; sums to 1 over j), averaged over sequences, ``top_key`` is the key position
-    with the largest m_j, ``top_key_mass`` its m_j, ``top_key_class`` its most frequent token class;
-    ``top_later_key``/``top_later_mass`` the same among positions >= 1 (a second sink). ``mass_<class>``
-    (classes of :func:`cwcore.sinks.engine.token_classes`: bos, first, special, newline, punctuation,
-    word) is the attention going to tokens of that class, ``uniform_<class>`` what a uniform causal
-    attention would give them; NaN without a tokenizer.
-
-    Options: ``eps`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
-    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
-    """
+    Options: ``eps`` and the run options (:class:`cwcore.sinks.SinkOptions`)."""
 

@@ -73,11 +73,9 @@ def _removal_order(scores: torch.Tensor) -> torch.Tensor:
 
 def mass_matched_removal(probs: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor,
                          order: torch.Tensor | None = None) -> torch.Tensor:
-    """The ``control_mass`` transform: in the selected ``rows [b, h]`` and queries i >= 1, remove non-sink
-    terms carrying the sink's attention mass alpha_i0: keys 1..i are taken in the random order of
-    ``scores [b, h, q, k]`` and their probabilities zeroed until the removed mass reaches alpha_i0 (the
-    last key only in part, so the removed mass is exactly min(alpha_i0, 1 - alpha_i0)); no renormalisation.
-    ``order``: :func:`_removal_order` of ``scores``, when it is already known (it is the same in every layer)."""
+    """The ``control_mass`` transform: in ``rows [b, h]`` and queries i >= 1, zero non-sink keys 1..i in the
+    random order of ``scores [b, h, q, k]`` (or the known ``order``) until the removed mass is exactly
+    min(alpha_i0, 1 - alpha_i0) (the last key in part); no renormalisation."""
     T = probs.shape[-1]
     q = torch.arange(T, device=probs.device)
     allowed = (q[None, :] >= 1) & (q[None, :] <= q[:, None])  # [q, k]
@@ -97,12 +95,8 @@ def _token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 class _SemanticConeCollector(Collector):
-    """Clean measurements from the shared pass; :meth:`finish` runs one intervened pass per condition.
-
-    Pieces: ``points`` (per condition, layer, sequence, head, touched query: clean and intervened norm and
-    axis cosine, drift), ``sequences`` (per sequence: summed NLL per condition, control key) and
-    ``heads`` (per layer, sequence, head: clean sink rate, whether intervened, mean clean norm).
-    """
+    """Pieces ``points`` (per condition, layer, sequence, head, touched query), ``sequences`` (summed NLL
+    per condition) and ``heads`` (clean sink rate, intervened or not, mean clean norm)."""
 
     needs_logits = True
 
@@ -139,12 +133,9 @@ class _SemanticConeCollector(Collector):
         self.weak.append(self.weak_tokens(s, axis))
 
     def random_direction_cos(self, s: LayerState, axis=None) -> torch.Tensor:
-        """The cone's control that is not inside the cone by construction: cos(s_i + r_i, m_i) ``[b, h, q]``
-        with r_i = a_i ||v~_0|| u_i, u_i = W_O^h g / ||W_O^h g|| a random direction of the head's output
-        space (g ~ N(0, I) in head space, seeded per sequence and layer): the sink's term replaced by a
-        term of the same norm pointing anywhere. Removing the sink moves o_i towards m_i by construction
-        when v~_0 is not in the cone (the axis leaves it out); against this control, only a sink term
-        that holds o_i further from the axis than a random term of its length does."""
+        """The control not inside the cone by construction: cos(s_i + r_i, m_i) ``[b, h, q]``, r_i the sink's
+        term replaced by one of the same norm along a random direction W_O^h g of the head's output space
+        (g ~ N(0, I), seeded per sequence and layer)."""
         axis, axis_gram = self.cone_axis(s) if axis is None else axis
         b, h, T, d = s.values.shape
         g = torch.stack([torch.as_tensor(np.random.default_rng([self.seed, self.start + i, 2, s.layer])
@@ -156,10 +147,8 @@ class _SemanticConeCollector(Collector):
         return (replaced * axis_gram).sum(-1) / (s.norm(replaced) * axis_norm)
 
     def weak_tokens(self, s: LayerState, axis=None) -> pd.DataFrame:
-        """The drift curve of one clean layer: for queries i >= max k, the cosine with the cone axis m_i of
-        the sum of the k weakest tail terms (smallest alpha_ij, 1 <= j <= i; ties by position), for each k
-        of :func:`weak_token_counts`, and of all tail terms (s_i); NaN where those terms' weights underflow
-        to zero."""
+        """The drift curve of one clean layer: cos(sum of the k weakest tail terms, m_i) for queries i >= max k
+        and each k of :func:`weak_token_counts`, and of all tail terms; NaN where the weights underflow."""
         b, h, T, _ = s.probs.shape
         ks = weak_token_counts(T)
         first = ks[-1]
@@ -296,14 +285,8 @@ def _head_summary(heads: pd.DataFrame, quantiles: int) -> pd.DataFrame:
 
 
 def cone_points(raw: dict[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFrame:
-    """The per-output rows of :func:`sink_semantic_cone` with their bins, for intervals over sequences.
-
-    ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
-    Returns its ``points`` (condition, layer, sequence, head, query, norm_clean, cos_clean, norm_after,
-    cos_after, drift) plus ``quantile`` (the ``within_head`` bin of ``by_quantile``), ``head_bin`` (the
-    ``across_heads`` bin), ``sink_rate`` (the head's), ``log_norm_ratio`` = log(norm_after / norm_clean)
-    and ``delta_cos`` = cos_after - cos_clean.
-    """
+    """The semantic cone's raw ``points`` with ``quantile`` (``within_head`` bin), ``head_bin``
+    (``across_heads`` bin), ``sink_rate``, ``log_norm_ratio`` and ``delta_cos``, for intervals over sequences."""
     points = raw["points"]
     summary = _head_summary(raw["heads"], quantiles)
     out = points.assign(quantile=_within_head_quantile(points, quantiles))
@@ -372,17 +355,11 @@ def _summary(tables: dict, add) -> None:
             add("semantic_cone", f"{row['condition']}_delta_log_ppl_ci_high", row["ci_high"])
 
 
-# ---------------------------------------------------------------------------------------------------
 # claims
-# ---------------------------------------------------------------------------------------------------
-
-
 class PerplexityChanges(NamedTuple):
-    """Per condition (and ``"clean"``) the perplexity; per intervention the change against clean, as
-    ``delta_log`` (mean NLL per token, nats) and ``delta_ppl``; ``sink_minus_control``: Delta log-PPL of
-    removing the sink minus that of the control (one random token); ``sink_minus_mass``: minus that of the
-    mass-matched control. Each value is ``(estimate, low, high)``, intervals by
-    a bootstrap over sequences (token-weighted means; the same resamples for every condition)."""
+    """Perplexity per condition; per intervention ``delta_log`` (nats per token) and ``delta_ppl``;
+    ``sink_minus_control`` / ``sink_minus_mass``: Delta log-PPL of the sink minus that of each control.
+    Each ``(estimate, low, high)``, a bootstrap over sequences with shared resamples."""
 
     ppl: dict
     delta_log: dict
@@ -392,10 +369,8 @@ class PerplexityChanges(NamedTuple):
 
 
 def drift_points(raw: Mapping[str, pd.DataFrame], quantiles: int = 5) -> pd.DataFrame:
-    """The drift curve's rows in long form: per (layer, sequence, head, query) of the clean pass and each
-    number ``k`` of weak tokens kept (``k = 0`` stands for all tail tokens), ``cos`` = cos(sum of the k
-    weakest tail terms, m_i), with ``quantile`` (the output's within-head bin of the clean norm ``norm_clean``, as in
-    :func:`cone_points`). ``raw``: the semantic cone's raw pieces."""
+    """The drift curve's long rows: per clean (layer, sequence, head, query) and ``k`` weak tokens kept
+    (0: all tail tokens), ``cos`` with m_i, and the output's ``quantile`` of its clean norm."""
     weak = raw["weak"]
     edges = weak.groupby(["layer", "head"])["norm_clean"].quantile(np.linspace(0, 1, quantiles + 1)[1:-1]).unstack()
     edge_rows = (edges.loc[pd.MultiIndex.from_frame(weak[["layer", "head"]])].to_numpy() if len(edges.columns)
@@ -417,10 +392,8 @@ def drift_points(raw: Mapping[str, pd.DataFrame], quantiles: int = 5) -> pd.Data
 
 def drift_curve(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_resamples: int = 1000,
                 seed: int = 0) -> stats.ClusterBootstrap:
-    """Cone alignment against the number of weak tokens kept: mean cos per (``outputs``, k) with a cluster
-    bootstrap over sequences (``outputs``: "lowest" = the lowest-norm bin, "all"); see :func:`drift_points`.
-    Also ``cos_null`` (the null: the k weakest weights on k random tail keys) and ``cos_minus_null``, from
-    the same resamples (the ``cos`` columns do not depend on them)."""
+    """Mean cos per (``outputs``: "lowest" norm bin or "all", k) with a cluster bootstrap over sequences, plus
+    ``cos_null`` (the k weakest weights on k random tail keys) and ``cos_minus_null``."""
     long = drift_points(raw, quantiles)
     both = pd.concat([long.assign(outputs="all"), long[long["quantile"] == 1].assign(outputs="lowest")],
                      ignore_index=True)
@@ -457,13 +430,9 @@ def _delta_ppl(boot: stats.ClusterBootstrap, first: int, second: int) -> tuple[f
 
 def cone_claims(raw: Mapping[str, pd.DataFrame], quantiles: int = 5, n_resamples: int = 1000,
                 seed: int = 0) -> pd.DataFrame:
-    """Chapter 7: removing the sink turns the lowest-norm outputs towards the cone axis (Delta cos > 0),
-    more than removing a random token does, and more than for the highest-norm outputs; and it raises
-    perplexity, more than the control. Every interval is a bootstrap over sequences, paired for
-    differences; each part holds when its interval is above 0.
-
-    ``raw``: the semantic cone's raw pieces (``run_analyses(..., raw=True)["raw"]["semantic_cone"]``).
-    """
+    """Chapter 7: removing the sink turns the lowest-norm outputs towards the cone axis (more than a random
+    token, more than for the highest-norm outputs) and raises perplexity (more than the control); each
+    part's bootstrap interval over sequences above 0. ``raw``: the semantic cone's raw pieces."""
     return claims_frame(_claim_rows(raw, quantiles, n_resamples, seed))
 
 
@@ -541,52 +510,29 @@ ANALYSIS = register(Analysis("semantic_cone", _SemanticConeCollector, _tables,
 
 @ANALYSIS.public
 def sink_semantic_cone(model, tokenizer, data, **options) -> SemanticConeTables:
-    """Remove the sink's value in every layer and compare head outputs and perplexity with a control.
+    """Remove the sink's value in every layer and compare head outputs and perplexity with controls.
 
-    Conditions (each one forward pass intervening in every layer at once, on queries i >= 1; query 0,
-    whose only key is the sink itself, is left alone so the sink token's own stream is only changed
-    through the layers below):
+    Conditions (one forward pass each, every layer at once, queries i >= 1):
 
-    * ``sink``: alpha_i0 := 0 without renormalising: the term alpha_i0 v~_0 is removed and the head output
-      becomes its semantic component s_i. This is "removing the sink's value vector": it is the same as
-      setting v~_0 = 0 for these queries.
-    * ``sink_renorm``: the sink is left out of the softmax: alpha_i0 := 0 and the other probabilities are
-      divided by their sum 1 - alpha_i0, so the output becomes s^_i = s_i / (1 - alpha_i0). The sink's
-      term is gone *and* its mass goes to the other tokens, whose relative weights are kept (what the
-      head would do if key 0 were masked out). It separates "the sink's vector is missing" from "the
-      output norm collapses": ``sink`` changes both, ``sink_renorm`` only the first.
-    * ``control``: one non-sink key r per sequence, uniform in 1..T-2 (seeded), gets alpha_ir := 0 for
-      all queries i > r, without renormalising (the same kind of removal as ``sink``, of a random token).
-    * ``control_mass``: the mass-matched control (:func:`mass_matched_removal`): in every query i >= 1,
-      non-sink keys in a random order (seeded per sequence, the same in every layer) lose their
-      probability until the removed mass equals alpha_i0 (at most the 1 - alpha_i0 there is), without
-      renormalising: as much attention removed as ``sink`` removes, from other tokens.
+    * ``sink``: alpha_i0 := 0 without renormalising, so the head output becomes its semantic component
+      s_i (the same as v~_0 = 0 for these queries).
+    * ``sink_renorm``: the sink left out of the softmax, s_i / (1 - alpha_i0): the sink's vector is
+      missing but the output norm does not collapse.
+    * ``control``: one random non-sink key r per sequence (seeded) gets alpha_ir := 0 for all i > r.
+    * ``control_mass``: as much attention as ``sink`` removes, from other keys
+      (:func:`mass_matched_removal`).
 
-    The raw pieces also hold ``weak`` (:func:`drift_points`, :func:`drift_curve`): on the clean pass, the
-    cosine with m_i of the sum of the k weakest tail terms, for k in :func:`weak_token_counts`.
+    ``heads``: "all", or "sink" (heads whose clean sink rate in that sequence exceeds ``threshold``; the
+    controls use the same heads). Per head and query both runs give ||o^h_i|| and cos(o^h_i, m_i), m_i =
+    mean_{1<=j<=i} v~_j the axis of the semantic cone, and the drift cos(clean, intervened). The raw
+    pieces also hold ``weak`` (:func:`drift_points`).
 
-    ``heads``: "all", or "sink": only heads whose clean sink rate in that sequence (mean alpha_i0 over
-    queries >= 1) exceeds ``threshold``; the control uses the same heads.
+    ``by_quantile``: per (binning, condition, quantile) ``n``, ``norm_clean``, ``norm_after``,
+    ``norm_ratio`` (median after/clean), ``cos_clean``, ``cos_after``, ``delta_cos``, ``drift``; binnings
+    ``within_head`` (each output by its clean norm among its head's outputs) and ``across_heads`` (heads
+    by their mean clean norm). ``heads``: the same per (condition, layer, head), plus ``sink_rate``,
+    ``selected``, ``head_norm``, ``norm_quantile_of_head``. ``ppl``: per condition ``ppl_clean``, ``ppl``,
+    ``delta_ppl``, ``delta_log_ppl`` with a normal 95% ``ci_low``/``ci_high``, ``num_sequences``.
 
-    Per head and query the clean and the intervened run give ||o^h_i|| and cos(o^h_i, m_i) with
-    m_i = mean_{1<=j<=i} v~_j, the axis of the semantic cone visible to query i (from each run's own
-    values), and the drift cos(o^h_i clean, o^h_i intervened). Measured over the queries the
-    condition touches (control: i > r) in the selected heads.
-
-    ``by_quantile``: per (binning, condition, quantile), columns ``n``, ``norm_clean``, ``norm_after``
-    (means), ``norm_ratio`` (median of after/clean), ``cos_clean``, ``cos_after``, ``delta_cos`` (means),
-    ``drift`` (mean). Two binnings into ``quantiles`` bins (1 = lowest norm): ``within_head`` bins each
-    output o^h_i by the quantile of its clean norm among its own head's outputs (low-norm *outputs*);
-    ``across_heads`` bins whole heads by their mean clean output norm among the model's heads
-    (low-norm *heads*).
-    ``heads``: the same per (condition, layer, head), plus ``sink_rate``, ``selected`` (share of
-    sequences in which the head was intervened on), ``head_norm`` (mean clean norm) and
-    ``norm_quantile_of_head`` (its rank among the model's heads, in (0, 1]).
-    ``ppl``: per condition ``ppl_clean``, ``ppl`` (exp of the mean token NLL over all sequences),
-    ``delta_ppl``, ``delta_log_ppl`` (mean over sequences of the per-sequence difference of mean NLL)
-    with a normal 95% interval ``ci_low``/``ci_high``, ``num_sequences``.
-
-    Options: ``heads``, ``threshold``, ``quantiles``, ``seed`` and the run options of :class:`cwcore.sinks.SinkOptions` (block_size, num_sequences, add_bos, batch_size,
-    progress, compute_dtype); cached only inside :func:`cwcore.cache.caching`.
-    """
+    Options: ``heads``, ``threshold``, ``quantiles``, ``seed`` and the run options (:class:`cwcore.sinks.SinkOptions`)."""
 

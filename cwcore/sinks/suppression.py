@@ -1,29 +1,17 @@
 """Does the sink shorten the output? Both readings of the paper, at every place a norm can be read (chapter 6).
 
-The head output is the sink term plus the rest, o_i = a_i v~_0 + s_i (a_i = alpha_i0, s_i = sum_{j>0}
-alpha_ij v~_j). "The sink suppresses the output norm" compares ||o_i|| with the output *without the
-sink*, which has two readings:
+With o_i = a_i v~_0 + s_i (a_i = alpha_i0), "the sink suppresses the output norm" compares ||o_i||
+with the output *without the sink*, read two ways:
 
-* **raw**: without the sink's term, s_i (the intervention of the paper's section 'Faithfulness by causal intervention': the probability is
-  zeroed, not renormalised). The sink suppresses when ||o_i|| < ||s_i||, i.e. exactly when
-  cos(v~_0, s_i) < -a_i ||v~_0|| / (2 ||s_i||): it needs anti-alignment strong enough for the term's length.
-* **renormalised**: without the sink as a key, attention renormalised over the others,
-  s^_i = s_i / (1 - a_i) (the convexity curve's end point at a = 0). Then o_i = a_i v~_0 + (1 - a_i) s^_i,
-  and ||o_i|| <= a_i ||v~_0|| + (1 - a_i) ||s^_i|| < ||s^_i|| whenever ||v~_0|| < ||s^_i||: a short sink
-  value suppresses under this reading whatever its direction.
+* **raw**: without the sink's term, s_i (zeroed, not renormalised). It suppresses exactly when
+  cos(v~_0, s_i) < -a_i ||v~_0|| / (2 ||s_i||): anti-alignment strong enough for the term's length.
+* **renormalised**: without the sink as a key, s^_i = s_i / (1 - a_i). Then ||o_i|| < ||s^_i||
+  whenever ||v~_0|| < ||s^_i||: a short sink value suppresses whatever its direction.
 
-Each reading is read at three places: per **head** (o^h_i, the paper's unit), at the **attention output**
-(the sum over heads, model space, before the output bias: the counterfactual drops, or renormalises
-away, the sink in every head at once) and, where the block has one, **after the post-attention norm**
-(Gemma 2/3, OLMo 2: the norm is applied to the attention output plus bias before the residual add; it
-acts on the sum over heads, so it has no per-head reading). A block without such a norm (Llama,
-SmolLM2: the "post_attention_layernorm" there is the MLP's pre-norm, applied after the residual add)
-gives NaN there, and the claims say "no post-attention norm".
-
-:func:`post_attention_norms` finds the norm by observation, not by name: a probe forward pass
-records each block's output-projection output and the inputs of the norm modules of its decoder
-layer; the norm that receives exactly that tensor is the post-attention norm.
-"""
+Each is read per **head**, at the **attention output** (the sum over heads, before the bias) and,
+where the block has one, **after the post-attention norm** (Gemma 2/3, OLMo 2; NaN elsewhere, "no
+post-attention norm"). :func:`post_attention_norms` finds that norm by observation: the norm module
+that receives exactly the output projection's output in a probe pass."""
 
 from __future__ import annotations
 
@@ -48,30 +36,23 @@ NO_POST_NORM = "no post-attention norm"
 _SUPPRESSION = "the sink suppresses the output norm"
 
 
-# ---------------------------------------------------------------------------------------------------
 # the post-attention norm, found by observation
-# ---------------------------------------------------------------------------------------------------
 
 
 # the one rule lives with the other model facts (cwcore.core.architectures); re-exported here
 post_attention_norms = architectures.post_attention_norms
 
 
-# ---------------------------------------------------------------------------------------------------
 # per (sequence, layer, query): the attention output and its two counterfactuals, before and after the norm
-# ---------------------------------------------------------------------------------------------------
-
-
 def _model_space(x: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
     """sum_h W_O^h x^h: ``[b, h, q, d] x [h, model, d] -> [b, q, model]``."""
     return torch.einsum("bhqd,hmd->bqm", x, w_o)
 
 
 def block_points(s, start: int, norm: nn.Module | None, bias: torch.Tensor | None, sink: int = 0) -> pd.DataFrame:
-    """One row per (sequence, query > sink) of layer ``s`` (a :class:`~cwcore.sinks.engine.LayerState`):
-    ``out``, ``raw``, ``renorm`` = ||o_i||, ||sum_h s^h_i||, ||sum_h s^h_i / (1 - a^h_i)|| (model space, no
-    bias) and ``post_out``, ``post_raw``, ``post_renorm``: the same vectors plus the output bias, through
-    the post-attention ``norm`` (NaN without one); ``alpha0``: mean over heads of a^h_i."""
+    """Per (sequence, query > sink) of layer state ``s``: ``out``, ``raw``, ``renorm`` (||o_i||, ||sum_h
+    s^h_i||, ||sum_h s^h_i / (1 - a^h_i)||, no bias), the same plus bias through the post-attention
+    ``norm`` (``post_*``, NaN without one) and ``alpha0`` (mean over heads of a^h_i)."""
     a = s.probs[..., sink]  # [b, h, q]
     tail = 1 - a
     semantic = s.semantic
@@ -161,15 +142,9 @@ def _sink_head_index(fits: pd.DataFrame, eps: float) -> pd.Index:
 def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = EPS.default,
                       by: tuple[str, ...] = (), n_resamples: int = 1000, seed: int = 0,
                       layer_types: dict | None = None) -> pd.DataFrame:
-    """Both readings at every place, pooled over the queries of the sink heads (head) or of the layers with a
-    sink head (attention output, after post-norm), with intervals resampling whole sequences.
-
-    One row per (place, reading[, by]) with ``share`` (share of queries whose output is shorter than the
-    counterfactual), ``share_low``/``share_high``, ``geo_ratio`` (exp of the mean log ||o|| / ||cf||: the
-    typical ratio, < 1 means shorter) with ``geo_ratio_low``/``_high``, ``n`` queries, ``n_sequences``
-    and ``why`` (why a place is not measured: no sink heads, no post-attention norm). ``by``: e.g.
-    ``("layer",)`` or ``("layer_type",)`` (``layer_types``: layer -> type, e.g. ``engine.layer_types(model)``).
-    """
+    """Both readings at every place, pooled over the sink heads' queries, resampling whole sequences: per
+    (place, reading[, by]) ``share`` of shortened outputs and ``geo_ratio`` (exp mean log ||o|| / ||cf||),
+    each with ``_low``/``_high``, ``n``, ``n_sequences`` and ``why`` (a place not measured)."""
     sink_heads = _sink_head_index(fits, eps)
     frames = _place_frames(points, block, sink_heads)
     rows = []
@@ -209,14 +184,9 @@ def suppression_table(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFr
 
 def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.DataFrame | None, eps: float = EPS.default,
                            n_resamples: int = 1000, seed: int = 0, layer_types: dict | None = None) -> list[dict]:
-    """Claim rows: per place and reading, the share of shortened outputs above 0.5 (bootstrap over sequences).
-
-    The raw reading at the head (key ``shortened``, the chapter's original part) is a part of the claim
-    "the sink suppresses the output norm"; the others are parts of the claims
-    ``"... [<reading>, <place>]"``, so the findings page's verdict stays the paper's reading while every
-    reading is in the table (keys ``shortened_<reading>@<place>``). ``layer_types`` (layer -> "sliding" /
-    "global"): on a model with both types, every (place, reading) is also judged per layer type, as the
-    separate claims ``"... [<reading>, <place>] [<type> layers]"`` (keys ``...@<place>@<type>``)."""
+    """Per place and reading, the share of shortened outputs above 0.5 (bootstrap over sequences). The raw
+    reading per head (key ``shortened``) is a part of "the sink suppresses the output norm"; the others
+    are separate claims ``"... [<reading>, <place>]"`` (and per layer type with ``layer_types``)."""
     table = suppression_table(fits, points, block, eps, n_resamples=n_resamples, seed=seed).assign(layer_type="all")
     if layer_types and len(set(layer_types.values())) > 1:
         by_type = suppression_table(fits, points, block, eps, by=("layer_type",), n_resamples=n_resamples, seed=seed,
@@ -244,10 +214,8 @@ def suppression_claim_rows(fits: pd.DataFrame, points: pd.DataFrame, block: pd.D
 
 def lowest_norm_ratio(points: pd.DataFrame, quantiles: int = 5, n_resamples: int = 1000, seed: int = 0,
                       heads: pd.Index | None = None) -> stats.Interval:
-    """The renormalised counterfactual on the lowest-norm outputs, as chapter 7 bins them: within each head
-    the queries whose ||o^h_i|| is in the lowest of ``quantiles`` bins; the ratio of the mean ||s^_i|| to
-    the mean ||o^h_i|| over them (> 1: the sink, renormalised away, would lengthen them), with a
-    bootstrap over sequences. ``heads``: restrict to these (layer, head) pairs (default all)."""
+    """Mean ||s^_i|| over mean ||o^h_i|| on each head's lowest-norm ``quantiles`` bin (> 1: the sink,
+    renormalised away, would lengthen them), bootstrap over sequences; ``heads``: only these pairs."""
     h = head_points(points)
     if heads is not None:
         h = h[pd.MultiIndex.from_frame(h[["layer", "head"]]).isin(heads)]

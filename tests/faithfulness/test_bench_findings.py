@@ -64,7 +64,7 @@ def test_the_bench_forest_draws_every_measured_pair_in_the_faithful_direction(sw
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cwcore.plotting import VERDICT_COLOURS, bench_forest
+    from cwbook.forests import VERDICT_COLOURS, bench_forest
 
     labels = list(dict.fromkeys(sweep["metric"]))
     pairs = fa.method_pairs(labels) + [("value_weighted", "value_weighted_output_normalized")]

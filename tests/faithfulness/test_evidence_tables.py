@@ -234,7 +234,7 @@ def test_the_forest_plot_draws_every_measured_step_in_the_papers_direction(slice
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cwcore.plotting import VERDICT_COLOURS, ladder_forest
+    from cwbook.forests import VERDICT_COLOURS, ladder_forest
 
     out, _, _ = sliced
     claims = pd.read_csv(out / "findings.csv")

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 
 from cwbook import findings
-from cwcore.sinks import claims as SC
+from cwbook import sink_claims as SC
 from test_sink_claims import decomposition_inputs, suppressor_inputs
 
 WHY = "no sink heads at eps=0.3"

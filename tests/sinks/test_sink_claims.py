@@ -1,4 +1,4 @@
-"""The sink chapters' claims tables (cwcore.sinks.claims) against independent computations.
+"""The sink chapters' claims tables (cwbook.sink_claims) against independent computations.
 
 Shares of heads are checked against scipy's Wilson interval, medians and rank correlations against
 numpy/scipy, pooled means against naive sums, and paired intervals against constructions where the
@@ -12,7 +12,7 @@ import pytest
 from scipy import stats
 
 from cwcore import stats as cstats
-from cwcore.sinks import claims as SC
+from cwbook import sink_claims as SC
 from cwcore import sinks
 from cwcore.sinks import intervals
 from sink_fixtures import FAST, planted_ids, planted_model

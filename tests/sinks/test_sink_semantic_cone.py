@@ -205,7 +205,7 @@ def test_random_direction_control_matches_a_naive_replacement_in_model_space():
 
 
 def test_random_direction_control_can_contradict_the_cone_claim():
-    from cwcore.sinks import claims as SC
+    from cwbook import sink_claims as SC
 
     # head 0 of the planted model: the sink value points exactly against the tail values, so the sink term
     # holds the output out of the cone more than a random term of its norm would ...

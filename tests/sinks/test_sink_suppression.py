@@ -8,7 +8,8 @@ import torch
 
 from cwcore import sinks, stats
 from cwcore.sinks import suppression
-from cwcore.sinks.convexity import SUPPRESSION, _claim_rows as convexity_rows, pooled_suppression
+from cwbook.sink_claims import pooled_suppression
+from cwcore.sinks.convexity import SUPPRESSION, _claim_rows as convexity_rows
 from sink_fixtures import FAST, P_TAIL, Q_SINK, V0, VT, expected_alpha, naive_run, planted_ids, planted_model, random_ids
 from tiny_models import tiny_model
 

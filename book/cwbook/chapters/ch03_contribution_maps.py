@@ -2,7 +2,7 @@
 statistics of attention and contribution weights over blocks of real text, per layer.
 
 :func:`sentence_maps` decomposes one sentence (the paper's Figure 1 on it); :func:`statistics` collects
-the per-layer statistics (:func:`cwcore.analysis.collect`, :func:`cwcore.analysis.summarize`). Each
+the per-layer statistics (:func:`cwbook.analysis.collect`, :func:`cwbook.analysis.summarize`). Each
 returns its data and ``quoted``/``quoted_md``: the numbers and texts the chapter's prose quotes, under
 their glue names. The figure functions take those results. See the paper's sections on contribution
 weights and on attention sinks.
@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 import cwcore
-from cwcore import analysis
+from cwbook import analysis
 from cwcore.data import lm_batches, lm_blocks
 from cwcore.plotting import band, layer_axis, legend_below, palette, per_layer
 from cwbook.chapters.common import FACTOR_COLUMNS, maps_head_figure, maps_layer_figure, factors_figure
@@ -180,7 +180,7 @@ def sentence_maps(lm, tokenizer, text: str, layer: int | None, head: int | None,
 class Statistics:
     """Per-layer statistics over blocks of real text: ``stats`` (per sequence), ``factors`` (sampled
     terms and their three factors), ``summary`` (means and bootstrap intervals per layer, statistic,
-    view and group: :func:`cwcore.analysis.summarize`), ``seconds`` the collection took."""
+    view and group: :func:`cwbook.analysis.summarize`), ``seconds`` the collection took."""
     blocks: dict
     stats: pd.DataFrame
     factors: pd.DataFrame

@@ -212,7 +212,7 @@ def curves_figure(lad: Ladder, datasets, protocols, metrics, model: str):
 
 def evidence_size(lad: Ladder, *, model: str, profile: str):
     """The committed ladder at the evidence size beside this page's steps: ``(note, figure or None)``."""
-    from cwcore.plotting import ladder_forest
+    from cwbook.forests import ladder_forest
 
     committed = findings.load_results(findings.EVIDENCE_DIR, "04_faithfulness", model)
     if profile == "evidence":

@@ -213,7 +213,7 @@ def save_results(results_file, bench: Bench, *, model: str, profile: str) -> Non
 def evidence_size(bench: Bench, *, model: str, profile: str):
     """The committed comparisons at the evidence size beside this page's: ``(note, figure or None)``, the
     note in markdown for the prose, the figure the paired comparisons as a forest."""
-    from cwcore.plotting import bench_forest
+    from cwbook.forests import bench_forest
 
     comparisons = bench.comparisons
     committed_bench = findings.load_results(findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, model)

@@ -144,7 +144,7 @@ def run(model: str, run_parameters: dict | None = None, *, sample_size: int = 50
 
 
 def _sink_heads(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     rates, eps, blocks, tokenizer = r.rates, r.eps, r.blocks, r.sinks.tokenizer
     first = [tokenizer.decode([t]) for t in blocks.ids[:, 0].tolist()]
@@ -239,7 +239,7 @@ def _positions(r: SinkDecomposition) -> None:
 
 
 def _factors(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     dec = r.results[r.data]["decomposition"]
     r.summary = dec.summary
@@ -288,7 +288,7 @@ def _factors(r: SinkDecomposition) -> None:
 
 
 def _joint(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     rows = []
     for name in r.datasets:
@@ -311,7 +311,7 @@ def _joint(r: SinkDecomposition) -> None:
 
 
 def _claims(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     eps = r.eps
     r.claims_by_data = {}
@@ -345,7 +345,7 @@ def _claims(r: SinkDecomposition) -> None:
 def tail_reading(r: SinkDecomposition, d: str) -> str:
     # which terms clear the margin in this rerun, by the parts above (where the intervals lie: no verdict word)
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     c = r.claims_by_data[d]
     verdict_ = dict(zip(c["key"], c["verdict"]))
@@ -368,7 +368,7 @@ def layer_type_note(frame: pd.DataFrame, key: str) -> str:
 
 
 def _disagreements(r: SinkDecomposition) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     eps, rates, heads = r.eps, r.rates, r.heads
     paragraphs = []

@@ -176,7 +176,7 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
     resamples (of heads, layers or documents) for every interval. Prints how long the analyses took."""
     import time
 
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
     from cwcore.sinks.engine import REGISTRY
     from cwcore.sinks.intervals import claims_frame
 
@@ -205,7 +205,7 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
 
 
 def _setup(r: Suppressors) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     run = r.sinks.run
     r.aa_of = {d: r.runs[d]["anti_alignment"] for d in r.datasets}
@@ -232,7 +232,7 @@ def _setup(r: Suppressors) -> None:
 # -- does the sink point against the rest? ------------------------------------------------------------------------
 def _anti_alignment(r: Suppressors) -> None:
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.rho_value = stats.spearman_ci(r.aa["sink_rate"], r.aa["cos_value_mean"], **r.boot)
     r.rho_semantic = sink_claims.triple(r.claims_of[r.first], "rho_semantic")
@@ -244,7 +244,7 @@ def _anti_alignment(r: Suppressors) -> None:
 
 
 def anti_sentence(r: Suppressors, d: str) -> str:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     a = r.aa_of[d]
     sink = a[a["is_sink_head"]]
@@ -437,7 +437,7 @@ def evidence_verdicts(r: Suppressors, claims) -> dict:
 
 def _verdicts(r: Suppressors) -> None:
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.claims_table = rerun_claims_table(r.claims, r.evidence, r.rerun_label)
     r.verdicts = verdicts = sink_claims.claim_verdicts(r.claims)
@@ -490,7 +490,7 @@ def _bos_text(r: Suppressors) -> str:
 
 def _disagreements(r: Suppressors) -> None:
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     first, verdicts, seed = r.first, r.verdicts, r.seed
     layer_rho, within_rho = {}, {}

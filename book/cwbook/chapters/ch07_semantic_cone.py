@@ -38,8 +38,8 @@ CONDITIONS = ("sink", "sink_renorm", "control", "control_mass")
 
 
 def value(boot, column: str, **where) -> tuple:
-    """(estimate, low, high) of one group of a bootstrap table (:func:`cwcore.sinks.claims.group_value`)."""
-    from cwcore.sinks import claims as sink_claims
+    """(estimate, low, high) of one group of a bootstrap table (:func:`cwbook.sink_claims.group_value`)."""
+    from cwbook import sink_claims
 
     return sink_claims.group_value(boot, column, **where)
 
@@ -61,7 +61,7 @@ class SemanticCone(OnSinkPass):
     * ``within`` / ``across`` / ``by_layer``: cluster bootstraps over sequences of the measures per
       (condition, quantile of the output norm within its head), per (condition, head's norm bin) and, for
       the lowest-norm outputs, per (condition, layer);
-    * ``changes``: the perplexity changes (:func:`cwcore.sinks.claims.perplexity_changes`);
+    * ``changes``: the perplexity changes (:func:`cwbook.sink_claims.perplexity_changes`);
       ``curve``: the weak-token drift curve, ``ks`` its k > 0;
     * ``claims`` (first data set), ``claims_by_data``, ``stacked_claims`` and ``claims_display`` (Table 1).
     """
@@ -115,7 +115,7 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
     ``quantiles`` bins of the clean output norm (bin 1: the lowest-norm outputs), ``n_bootstrap`` resamples of
     the sequences for the intervals. Prints how long the analyses took."""
     from cwcore import sinks, stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     shared = sink_pass(model, run_parameters, ["semantic_cone"], quantiles=quantiles)
     run_ = shared.run
@@ -149,7 +149,7 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
 
 
 def _outputs(r: SemanticCone) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     within, across, top, claims = r.within, r.across, r.quantiles, r.claims
     for condition in CONDITIONS:
@@ -195,7 +195,7 @@ def _layers(r: SemanticCone) -> None:
 
 
 def _perplexity(r: SemanticCone) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.changes = sink_claims.perplexity_changes(r.raw["sequences"], CONDITIONS, **r.boot)
     ppl, delta_log, delta_ppl, sink_minus_control, sink_minus_mass = r.changes
@@ -219,7 +219,7 @@ def _perplexity(r: SemanticCone) -> None:
 
 
 def _drift(r: SemanticCone) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.curve = sink_claims.drift_curve(r.raw, r.quantiles, **r.boot)
     table = r.curve.table
@@ -239,7 +239,7 @@ def _drift(r: SemanticCone) -> None:
 
 
 def _claims(r: SemanticCone) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     r.claims_by_data = {r.data: r.claims}
     for name in r.datasets[1:]:
@@ -256,7 +256,7 @@ def _claims(r: SemanticCone) -> None:
 
 
 def _disagreements(r: SemanticCone) -> None:
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     tokenizer, blocks, data = r.sinks.tokenizer, r.sinks.blocks, r.data
     delta_log = r.changes[1]

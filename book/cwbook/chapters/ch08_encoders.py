@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 import cwcore
-from cwcore import analysis
+from cwbook import analysis
 from cwcore.plotting import band, contribution_heatmap, layer_axis, legend_below, palette, per_layer
 from cwbook.chapters.common import FACTOR_COLUMNS, factors_figure, maps_head_figure, maps_layer_figure
 from cwcore.cache import caching
@@ -143,7 +143,7 @@ def key_groups(batch, special_ids: dict):
 class Statistics:
     """Per-layer statistics over documents: ``batches`` (the tokenised documents), ``key_groups`` (the
     callable that groups their keys), ``stats``, ``factors`` and ``summary`` as in chapter 3
-    (:func:`cwcore.analysis.collect`, :func:`cwcore.analysis.summarize`), ``lengths [document]`` in
+    (:func:`cwbook.analysis.collect`, :func:`cwbook.analysis.summarize`), ``lengths [document]`` in
     tokens and the ``seconds`` the collection took."""
     documents: list
     batches: list

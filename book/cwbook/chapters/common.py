@@ -65,7 +65,7 @@ def factors_figure(factors, kind: str, groups, title: str, *, band_alpha: float 
     """Median and interquartile range of the three factors of contribution weights (attention, relative
     norm, alignment) per layer, one line per key group.
 
-    ``factors``: :func:`cwcore.analysis.collect`'s sampled terms (columns ``layer``, ``group`` and the
+    ``factors``: :func:`cwbook.analysis.collect`'s sampled terms (columns ``layer``, ``group`` and the
     three factors); ``kind``: ``"intra"`` or ``"inter"`` (the output the factors are measured against);
     ``groups``: ``(group, label, colour)`` triples, those absent from ``factors`` left out.
     """

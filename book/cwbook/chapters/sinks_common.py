@@ -212,7 +212,7 @@ def committed_evidence(chapter: str, model: str, *, exploratory_dir=None, confir
 
 
 def rerun_claims_table(claims, evidence: Evidence | None, label: str, digits: int = 2):
-    """A sink chapter's claims table (data sets stacked, :func:`cwcore.sinks.claims.stack_data`) as the
+    """A sink chapter's claims table (data sets stacked, :func:`cwbook.sink_claims.stack_data`) as the
     chapter shows it: the rerun's estimate, interval and direction (no verdict word), the claimed side, the
     committed evidence's verdict of the same part and whether the rerun agrees with it (the evidence column is
     named by :attr:`Evidence.label`). ``label``: the rerun check's (:func:`rerun_label`), for the caption.
@@ -220,7 +220,7 @@ def rerun_claims_table(claims, evidence: Evidence | None, label: str, digits: in
     import pandas as pd
 
     from cwbook.findings import _part_verdict
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     rows = []
     for _, r in claims.iterrows():
@@ -246,11 +246,11 @@ def claim_verdict_of(claims, data: str, claim: str) -> str:
     """The verdict of ``claim`` on ``data`` from a stacked claims table (keys ``"<data>/<key>"``): by the
     registered rule with its controls (:data:`cwbook.registration.SINK_CLAIMS`, as
     :func:`cwbook.headline.registered_sink_verdicts` reads the committed tables) for a registered claim, else
-    by the chapter's rule over its parts (:func:`cwcore.sinks.claims.claim_verdict_texts`). So a rerun is
+    by the chapter's rule over its parts (:func:`cwbook.sink_claims.claim_verdict_texts`). So a rerun is
     compared with the evidence by the same rule."""
     from cwbook import registration
     from cwcore import stats
-    from cwcore.sinks import claims as sink_claims
+    from cwbook import sink_claims
 
     spec = next((c for c in registration.SINK_CLAIMS if c["claim"] == claim), None)
     if spec is not None:

@@ -24,11 +24,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Method:
-    """A registered ranking: ``fn(layer_decomposition=..., **context)``; ``needs`` names the extra
-    context it requires (``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``: called on
-    every layer up to the last intervened one, to build ``state``); ``cost`` documents its price;
-    ``key`` identifies its code (the cache key of its curves); ``title`` is its display name and
-    ``colour`` its colour in the book's figures (hex; empty for a user's method)."""
+    """A registered ranking ``fn(layer_decomposition=..., **context)``: ``needs`` (extra context:
+    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``), ``cost``, ``key`` (its code's
+    identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
 
     name: str
     fn: Callable = field(compare=False)
@@ -178,12 +176,10 @@ def _method_digest(fn: Callable, seen: set) -> str:
 
 
 def method_key(fn: Callable) -> str:
-    """The identity of a callable: ``<qualified name>-<hash>`` of its source (or bytecode), constants,
-    defaults, closure values, and the values of the module-level names it reads (a global threshold, a
-    helper function's code and what that reads in turn, a tensor's bytes, a model's weights). Two
-    callables share a key only if all of these match, so a curve cached for one value of a global is
-    never served after the global changes. A callable that reads an object with no stable identity
-    (whose ``repr`` is its address) raises :class:`UncacheableMetric`: its results cannot be cached."""
+    """The identity of a callable, ``<qualified name>-<hash>``: its code, constants, defaults, closure and
+    the module-level names it reads, recursively (a global threshold, a helper's code, a tensor's bytes),
+    so a curve cached for one value of a global is never served after it changes. A value with no stable
+    identity (``repr`` its address) raises :class:`UncacheableMetric`."""
     target = getattr(fn, "__func__", fn)
     code = getattr(target, "__code__", None)
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(fn).__name__)}"
@@ -224,14 +220,9 @@ def as_method(fn: Callable, label: str | None = None) -> Method:
 
 
 def precomputed(scores, label: str = "precomputed") -> Method:
-    """A :class:`Method` that reads precomputed scores (faithfulness_curve only: they index sequences).
-
-    ``scores``: ``{layer: tensor}`` with tensors ``[n_sequences, head, length, length]`` (or token-level
-    ``[n_sequences, length, length]``), or one tensor ``[layer, n_sequences, head, length, length]``
-    (``[layer, n_sequences, length, length]``) whose first index is the layer number. Row s of a tensor
-    is the s-th sequence given to :func:`faithfulness_curve`; query and key indices are token positions
-    in that sequence (padding excluded), so ``length`` must reach the longest sequence.
-    """
+    """A :class:`Method` reading precomputed scores (faithfulness_curve only): ``{layer: [n_sequences,
+    head, length, length]}`` (or token-level), or one tensor with the layer first; row s is the s-th
+    sequence, indices are token positions without padding."""
     from ...runs import tensor_digest
 
     if isinstance(scores, torch.Tensor):
@@ -407,12 +398,10 @@ def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torc
 
 def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None, keep_first_token=True,
                   kind="inter", seed=0, compute_dtype=None) -> dict[int, torch.Tensor]:
-    """``{layer: [batch, head, query, key]}`` scores of one method on one batch (a named method or a
-    callable), computed exactly as the faithfulness sweep computes them in its clean pass. Token-level
-    methods (ALTI, value zeroing, rollout) have their ``[batch, query, key]`` scores copied into every
-    head here, the layout the sweep's ranking uses: do not sum them over heads. For attributions, use
-    :func:`cwcore.attribute`, which returns them token-level.
-    ``compute_dtype``: the decomposition's dtype (default float64 for a float64 model, else float32)."""
+    """``{layer: [batch, head, query, key]}`` scores of one method on one batch, exactly as the sweep's clean
+    pass computes them (token-level methods copied into every head: do not sum over heads; for
+    attributions use :func:`cwcore.attribute`). ``compute_dtype``: default float64 for a float64 model,
+    else float32."""
     from ...core.interventions import intervene
     from ..ranking import candidate_mask, layer_windows
 

@@ -19,7 +19,7 @@ code (e.g. ``"cos_semantic"``); :func:`triple` reads ``(estimate, low, high)`` b
 
 Each analysis module states its own claims (its registered :class:`~cwcore.sinks.engine.Analysis`
 has a ``claims`` function); this module gathers them by chapter and for :func:`all_claims`. It was
-``cwcore.sink_claims``, which still imports.
+``cwcore.sinks.claims``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from typing import Mapping
 import numpy as np
 import pandas as pd
 
-from .. import stats
-from .anti_alignment import ANTI_ALIGNMENT, TREND
-from .anti_alignment import _claim_rows as _anti_alignment_rows
-from .convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION, pooled_suppression
-from .convexity import _claim_rows as _convexity_rows
-from .decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
-from .engine import EPS, REGISTRY
-from .intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
-                        pooled_claim_rows, verdict_text)
-from .rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
-from .semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
+from cwcore import stats
+from cwcore.sinks.anti_alignment import ANTI_ALIGNMENT, TREND
+from cwcore.sinks.anti_alignment import _claim_rows as _anti_alignment_rows
+from cwcore.sinks.convexity import CONVEXITY, CONVEXITY_V0, OBSERVED_CLAIMS, SUPPRESSION
+from cwcore.sinks.convexity import _claim_rows as _convexity_rows
+from cwcore.sinks.decomposition import DECOMPOSITION, TAIL_ATTENTION_ONLY, TAIL_MARGIN, decomposition_claims, head_shares, joint_shares
+from cwcore.sinks.engine import EPS, REGISTRY
+from cwcore.sinks.intervals import (BOOK, COLUMNS, PAPER, claims_frame, contrast, group_value, no_sink_heads, pooled_by_layer,
+                        pooled_claim_rows, UNMEASURED)
+from cwcore.sinks.rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
+from cwcore.sinks.semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
                             perplexity_changes)
 
 __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims", "all_claims",
@@ -49,6 +49,28 @@ __all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims"
            "PerplexityChanges", "DECOMPOSITION", "ANTI_ALIGNMENT", "TREND", "SUPPRESSION", "CONVEXITY", "CONE",
            "PERPLEXITY", "DRIFT", "CONVEXITY_V0", "OBSERVED_CLAIMS", "TAIL_MARGIN", "BOOK", "PAPER", "SINK_RATES", "SINK_POSITION_CLAIM", "TAIL_ATTENTION_ONLY", "for_data",
            "rate_claims", "joint_shares", "drift_curve", "pooled_by_layer", "pooled_claim_rows", "stack_data"]
+
+
+def verdict_text(claims: pd.DataFrame) -> list[str]:
+    """Each part's verdict as the chapters show it: "not measured: <why>" where the table says why."""
+    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
+    return [f"{v}: {w}" if v == UNMEASURED and w and w != "nan" else str(v) for v, w in zip(claims["verdict"], why)]
+
+
+def pooled_suppression(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
+                       seed: int = 0) -> tuple[float, float, float]:
+    """``(share, low, high)`` of sink-head queries with ``||o_i|| < ||s_i||``, bootstrap over sequences
+    (``fits``: the convexity fits; ``points``: its raw points)."""
+    rate = fits[fits["scope"] == "head"].set_index(["layer", "head"])["sink_rate"]
+    in_sink = rate.reindex(pd.MultiIndex.from_frame(points[["layer", "head"]])).to_numpy() > eps
+    with np.errstate(invalid="ignore"):
+        shortened = (points["norm"] < np.sqrt(points["s_sq"].clip(lower=0))).astype(float)
+    shortened = shortened.where(points["s_sq"] > 0)  # s_i = 0: undefined
+    if not in_sink.any():
+        return (np.nan, np.nan, np.nan)
+    chosen = points.assign(shortened=shortened)[in_sink]
+    boot = stats.cluster_bootstrap(chosen, ["shortened"], cluster="sequence", n_resamples=n_resamples, seed=seed)
+    return tuple(float(x) for x in boot.interval(0, "shortened"))
 
 
 def triple(claims: pd.DataFrame, key: str) -> tuple[float, float, float]:

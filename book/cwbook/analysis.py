@@ -1,32 +1,19 @@
-"""Per-layer statistics of attention and contribution weights, for the book's model chapters.
+"""Per-layer statistics of attention and contribution weights, for the book's chapters 3 and 8 (it was
+``cwcore.analysis``).
 
-Everything here reads a :class:`cwcore.core.decomposition.LayerDecomposition` (or plain tensors) and returns
-numbers per *sequence*, so that the error bars of a per-layer mean come from resampling sequences
-(:func:`summarize`, with :func:`cwcore.stats.bootstrap_ci`): rows of one sequence are not independent
-draws. :func:`collect` runs the model over many batches through :mod:`cwcore.runs` (cached pieces).
+Every statistic is one number per *sequence*, so a per-layer mean's interval resamples sequences
+(:func:`summarize`); :func:`collect` runs many batches through :mod:`cwcore.runs` (cached pieces).
+Conventions (layer l, head h, query i, key j):
 
-Conventions (for layer l, head h, query i, key j):
-
-* A key is **visible** to a query when some head gives it non-zero attention: the causal mask, a
-  sliding window and padding all hide keys (:func:`visible_keys`). Padded queries see nothing.
-* A query **counts** when it sees at least ``min_keys`` keys (:func:`counted_queries`). With the
-  default ``min_keys=2`` a decoder's query 0 is left out: its only key is itself, alpha_00 = 1
-  trivially, and it says nothing about how attention is spread.
-* **Views** of the weights of a query row:
-
-  ``intra``
-      per head: alpha^h_i. against the intra-head contribution c^h_i. (which sums to 1 over keys);
-  ``inter``
-      per head: alpha^h_i. against the inter-head contribution c^h_i. (sums to 1 over heads and keys);
-  ``token``
-      per token: attention averaged over heads against the inter-head contribution summed over heads
-      (the layer's token-level weights, which sum to 1 over keys).
-
-* **Key groups** are named boolean masks ``[batch, key]`` (e.g. the first position, or the [CLS] and
-  [SEP] tokens of an encoder); the mass a group receives is the sum of the row's weights over its keys.
-* Undefined contribution weights (an output norm of zero, reported as NaN by ``decompose``) are left
-  out of means and shares; a rank correlation of a row with an undefined weight is NaN.
-"""
+* A key is **visible** to a query when some head gives it non-zero attention (causal mask, sliding
+  window and padding hide keys); a query **counts** when it sees at least ``min_keys`` keys (the
+  default 2 leaves out a decoder's query 0, whose alpha_00 = 1 says nothing).
+* **Views** of a query row: ``intra`` (per head, alpha^h_i. against c^h_i. summing to 1 over keys),
+  ``inter`` (per head, against the inter-head weights summing to 1 over heads and keys) and ``token``
+  (attention averaged over heads against inter-head weights summed over heads).
+* **Key groups** are named boolean masks ``[batch, key]`` (the first position, [CLS] and [SEP]).
+* Undefined contribution weights (NaN from ``decompose``) are left out; a rank correlation of a row
+  with one is NaN."""
 
 from __future__ import annotations
 
@@ -36,8 +23,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from . import runs, stats
-from .core.decomposition import decompose
+from pathlib import Path
+
+from cwcore import runs, stats
+from cwcore.code_keys import normalised_source
+from cwcore.core.decomposition import decompose
 
 __all__ = [
     "VIEWS",
@@ -62,10 +52,7 @@ VIEWS = ("intra", "inter", "token")
 # Masks
 # --------------------------------------------------------------------------------------------------
 def visible_keys(attention: torch.Tensor) -> torch.Tensor:
-    """``[batch, query, key]`` bool: keys that at least one head attends to with non-zero weight.
-
-    ``attention`` is ``[batch, head, query, key]``; NaN rows (padded queries) see nothing.
-    """
+    """``[batch, query, key]`` bool: keys some head of ``attention [batch, head, query, key]`` attends to (NaN rows: none)."""
     return attention.nan_to_num(0.0).sum(1) > 0
 
 
@@ -329,25 +316,28 @@ def factor_sample(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *
 # --------------------------------------------------------------------------------------------------
 # Many batches, cached
 # --------------------------------------------------------------------------------------------------
+def code_key(source: str | None = None) -> str:
+    """A hash of this module's normalised code (no comments, docstrings or layout), part of the key of
+    :func:`collect`'s cached pieces: an edit of a statement here computes them again."""
+    import hashlib
+
+    text = normalised_source(Path(__file__).read_text(encoding="utf-8") if source is None else source)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
             key_groups: Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None,
             layers: Sequence[int] | None = None, kind: str = "intra", min_keys: int = 2, rank_min_keys: int = 5,
             rank_views: Sequence[str] = VIEWS, kendall_views: Sequence[str] = (), factor_samples: int = 256,
             seed: int = 0,
             progress: Callable[[int], None] | bool | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Decompose every batch and gather :func:`layer_statistics` and :func:`factor_sample` of each layer.
+    """Decompose every batch and gather :func:`layer_statistics` and :func:`factor_sample` of each layer:
+    ``(statistics, factor samples)``, sequences numbered across batches.
 
-    ``batches`` yields the model's inputs (e.g. :func:`cwcore.data.lm_batches`); sequences are numbered
-    0, 1, ... across batches. ``key_groups(batch)`` gives the key groups of a batch (default: the first
-    position, :func:`first_token_group`). The batches run through :func:`cwcore.runs.for_each_batch`:
-    each batch's two tables are a cached piece of a :class:`cwcore.runs.PieceStore` (namespace
-    ``layer-statistics``) whose key is made of the model's fingerprint
-    (:func:`cwcore.runs.model_fingerprint`), the batch's tensors (:func:`cwcore.runs.tensor_digest`),
-    the options and the code that computes them (the core and this module), so a rerun reads them back
-    instead of running the model, inside :func:`cwcore.cache.caching` (caching is opt-in). ``progress``: ``True`` shows a
-    progress bar over the batches; a callable is called with the number of sequences done after each
-    batch. Returns ``(statistics, factor samples)``.
-    """
+    ``key_groups(batch)``: the batch's key groups (default :func:`first_token_group`). Each batch's tables
+    are a cached piece (namespace ``layer-statistics``, inside :func:`cwcore.cache.caching`) keyed by the
+    model's fingerprint, the batch, the options and the code (the library's base code and
+    :func:`code_key`). ``progress``: True shows a bar; a callable gets the number of sequences done."""
     factor_samples = runs.check_count(factor_samples, "factor_samples", minimum=0)
     min_keys = runs.check_count(min_keys, "min_keys", minimum=0)
     rank_min_keys = runs.check_count(rank_min_keys, "rank_min_keys", minimum=0)
@@ -355,7 +345,8 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
     options = dict(layers=None if layers is None else sorted(layers), kind=kind, min_keys=min_keys,
                    rank_min_keys=rank_min_keys, rank_views=list(rank_views), kendall_views=list(kendall_views),
                    factor_samples=factor_samples, seed=seed)
-    store = runs.PieceStore("layer-statistics", options, model=model, code=("analysis",))
+    # the key covers the library's base code (core, statistics, run driver) and this module's own code
+    store = runs.PieceStore("layer-statistics", {**options, "book_code": code_key()}, model=model, code=())
 
     def compute(batch) -> dict[str, pd.DataFrame]:
         groups = key_groups(batch) if key_groups else None
@@ -395,12 +386,8 @@ bootstrap_ci = stats.bootstrap_ci
 
 def summarize(statistics: pd.DataFrame, by: Sequence[str] = ("layer", "statistic", "view", "group"),
               n_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0) -> pd.DataFrame:
-    """Per-group mean over sequences with a bootstrap CI: columns ``*by, mean, low, high, n``.
-
-    Sequences are the resampled unit (rows within a sequence are not independent); the interval is
-    :func:`cwcore.stats.bootstrap_ci` of the mean (percentile, ``n_bootstrap`` resamples, NaNs
-    dropped; a group with a single finite value has no interval: ``low`` and ``high`` are NaN).
-    """
+    """Per-group mean over sequences with a percentile bootstrap interval (:func:`cwcore.stats.bootstrap_ci`):
+    columns ``*by, mean, low, high, n``; one finite value gives no interval."""
     out = []
     for key, frame in statistics.groupby(list(by), sort=True, dropna=False):
         values = frame["value"].to_numpy(dtype=float)
