@@ -17,6 +17,7 @@ name; without it transformers would build no causal mask at all.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -102,10 +103,14 @@ def attention_forward(
             f"{block_label(module)} passes learned sink logits (s_aux) to the model's configured "
             f"{session.configured!r} attention, which ignores them, so the model's own forward leaves its sinks out; "
             "load the model with attn_implementation='eager' to decompose what its architecture computes")
-    if session is not None and session.fast_path is not None and not session.touches(module):
-        # a layer nobody reads or changes runs the model's configured implementation (SDPA)
-        return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                 softcap=softcap, **kwargs)
+    models_own = None  # this call as the model's configured function computes it, where the forward gets that
+    if session is not None and session.fast_path is not None and not session.transforms_module(module):
+        # the call's own arguments, bound now: the code below rebinds these names
+        models_own = functools.partial(session.fast_path, module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, softcap=softcap, **kwargs)
+        if not session.touches(module):
+            return models_own()  # a layer nobody reads or changes runs the model's configured implementation (SDPA)
+    call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     groups = query.shape[1] // key.shape[1]
     unrepeated = (key.shape[1], key.shape[-1], value.shape[-1])  # kv heads, key and value head dims
     key = _repeat_heads(key, groups)
@@ -120,6 +125,8 @@ def attention_forward(
         # a session that computes this layer itself, a block of queries at a time (cwcore.summarize)
         output = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal), softcap,
                                          s_aux).transpose(1, 2).contiguous()
+        if models_own is not None:
+            output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
         session.on_output(module, output)
         return output, None
     if attention_mask is None and causal and query.shape[2] > 1:
@@ -128,7 +135,6 @@ def attention_forward(
         attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
                           else session.causal_mask(q_len, k_len, query.device))
     position_bias = kwargs.get("position_bias")  # T5's relative positions: additive on the scores, like a float mask
-    call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     sink_mass = mixed = spans = None
     if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
         # alpha V in the same pass unless a transform may change alpha afterwards
@@ -167,6 +173,8 @@ def attention_forward(
     if output is None:
         output = mixed if mixed is not None and probs is computed else torch.matmul(probs, value)
     output = output.transpose(1, 2).contiguous()
+    if models_own is not None:
+        output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
     if session is not None:
         session.on_output(module, output)
     return output, probs
@@ -390,11 +398,13 @@ class AttentionSession:
         self.compute_dtype = default_compute_dtype(model) if compute_dtype is None else compute_dtype
         self.verify = verify
         self.allow_fast_path = allow_fast_path
-        self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
+        self.fast_path = None  # set by cwcore_attention: the model's SDPA function, where it is configured for it
         self.configured = None  # the model's own attention implementation, set by cwcore_attention
         self.blockwise = False  # set by cwcore_attention: recorded layers use _probs_in_chunks
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
+        # layer -> relative difference between cwcore's output and the model's own (SDPA) one it returned instead
+        self._own_differences: dict[int, float] = {}
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
         self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
@@ -556,6 +566,30 @@ class AttentionSession:
         call = self._last_call.pop(id(module), None) if self._last_call else None
         return None if call is None else call.layer_output(probs, value)
 
+    def models_own_output(self, module: nn.Module, computed: torch.Tensor, own: torch.Tensor,
+                          attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor:
+        """What an observed layer of a model configured for a fast implementation (SDPA) returns to the forward:
+        ``own`` ``[batch, query, head, dim]``, the model's own function's output for the call, so that the forward
+        is the model's whatever layers are observed. With ``verify``, cwcore's output ``computed`` (same shape, the
+        arithmetic its decomposition describes) must reproduce it on every query that sees a key, within
+        :data:`RECONSTRUCTION_TOLERANCE` (max |difference| / max |own|), or the layer is refused."""
+        if not self.verify:
+            return own
+        block = self._by_module[id(module)]
+        _, rows = self.mask_validity(attention_mask, computed.shape[0], computed.shape[1], key_length)
+        error = output_difference(computed, own, rows)
+        self._own_differences[block.layer] = error
+        allowed = max(RECONSTRUCTION_TOLERANCE.get(own.dtype, 3e-2),
+                      RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
+        if not error <= allowed:  # NaN included
+            raise UnsupportedModelError(
+                f"attention block {block.name!r}: the model's configured {self.configured!r} attention and the eager "
+                f"arithmetic cwcore decomposes give this layer different outputs (relative error {error:.3g} > "
+                f"{allowed:g} for a {own.dtype} model): the model's {self.configured} and eager attention differ, so "
+                "cwcore refuses to report a decomposition of a computation the model does not do; load the model with "
+                "attn_implementation='eager' to decompose its eager attention")
+        return own
+
     def on_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """attention_forward's output ``[batch, query, head, dim]``, kept until the projection reads it."""
         if self.verify and self.touches(module):  # a set lookup: this runs for every attention call
@@ -598,6 +632,7 @@ class AttentionSession:
             hook.remove()
         self._hooks.clear()
         self._outputs.clear()
+        self._own_differences.clear()
         self._calls.clear()
         self._last_call.clear()
         self._runs.clear()
@@ -726,10 +761,15 @@ class AttentionSession:
             # the entrywise comparison decides (and gives the refusal its exact error)
             error, rows_finite = _full_check(call, geometry, output, bias)
             if not rows_finite or error > allowed:
+                own = self._own_differences.pop(block.layer, None)
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
                     f"output projection's result (relative error {error:.3g} > {allowed:g} for a {output.dtype} model "
-                    f"decomposed in compute_dtype={self.compute_dtype}); cwcore refuses to report this decomposition")
+                    f"decomposed in compute_dtype={self.compute_dtype})"
+                    + ("" if own is None else
+                       f"; the layer's output is the model's configured {self.configured!r} attention's, from which "
+                       f"cwcore's eager arithmetic differs by {own:.3g} (relative)")
+                    + "; cwcore refuses to report this decomposition")
         return hook
 
 
@@ -749,6 +789,19 @@ def repeated_calls_reason(block: AttentionBlock, sizes: list[tuple[int, int]], t
                 f"itself, as a vision tower does with one call per image): its attention is {calls} separate maps, "
                 f"not one map over the sequence{tail}")
     return f"{head} (queries and keys per call {sizes}, for {tokens} tokens in the block's input){tail}"
+
+
+def output_difference(computed: torch.Tensor, own: torch.Tensor, rows_valid: torch.Tensor | None) -> float:
+    """max |computed - own| / max |own| over the query rows that see a key (``rows_valid`` ``[batch, query]``,
+    None: every row), both ``[batch, query, ...]``: a row that sees no key (padding) is no token, and the two
+    implementations fill it differently. NaN or inf where a compared entry is not finite."""
+    computed, own = computed.detach().float(), own.detach().float()
+    if rows_valid is not None:
+        shape = rows_valid.shape + (1,) * (own.dim() - 2)
+        keep = rows_valid.to(own.device).reshape(shape)
+        computed, own = torch.where(keep, computed, 0.0), torch.where(keep, own, 0.0)
+    scale = own.abs().max().clamp_min(torch.finfo(own.dtype).tiny)
+    return float(((computed - own).abs().max() / scale).nan_to_num(float("inf")))
 
 
 def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tensor,
@@ -771,12 +824,14 @@ FAST_IMPLEMENTATIONS = ("sdpa",)
 
 
 def _fast_path(previous: list, session: AttentionSession):
-    """The model's own attention function for untouched layers, or None (every layer runs cwcore's)."""
+    """The model's own attention function (SDPA) where it is configured for a fast implementation, else None:
+    untouched layers run it, observed layers return its output (checked against cwcore's), transformed layers
+    cwcore's. None: every layer runs cwcore's function, the model's eager arithmetic."""
     names = {p for p in previous if p is not None}
     if len(names) != 1 or not session.allow_fast_path:
         return None
     name = names.pop()
-    if name not in FAST_IMPLEMENTATIONS or len(session.layers) == len(session.blocks):
+    if name not in FAST_IMPLEMENTATIONS:
         return None
     return ALL_ATTENTION_FUNCTIONS[name]  # what the model's own forward looks up (transformers' public mapping)
 
