@@ -5,7 +5,8 @@
 
 Every model comes back in ``eval()`` mode with ``attn_implementation="eager"`` (cwcore swaps in
 its own attention function that follows eager's math), or ``"sdpa"`` when asked (``load_model(name,
-attn_implementation="sdpa")``: the layers a session neither reads nor changes then run SDPA), and a
+attn_implementation="sdpa")``: a session then keeps the model's SDPA forward, the layers it reads returning
+SDPA's output once cwcore's eager arithmetic reproduces it), and a
 tokenizer whose ``pad_token`` is set.
 ``padding_side`` is left at the tokenizer's default (SmolLM2: right, Gemma: left); cwcore handles
 both, because it always takes the ``attention_mask``.
@@ -240,7 +241,7 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     :func:`requantize_weights`), converted once into the model cache like the model itself.
 
     Returns ``(model, tokenizer)``: the model in eval mode with eager attention (``attn_implementation="sdpa"``:
-    SDPA for the layers no session reads or changes) (a causal LM, or
+    a session keeps the model's SDPA forward, except in the layers an intervention changes) (a causal LM, or
     the bare encoder when the checkpoint has no LM head), the tokenizer with ``pad_token`` set.
     Raises ``ModelNotFoundError`` when the name is found neither locally nor on the hub.
     """
@@ -254,7 +255,7 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     attention = kwargs.get("attn_implementation", "eager")
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {', '.join(map(repr, ATTENTION_IMPLEMENTATIONS))} "
-                         f"(eager: eager's exact arithmetic; sdpa: the layers nobody reads run SDPA), not {attention!r}")
+                         f"(eager: eager's exact arithmetic; sdpa: the model's SDPA forward, kept inside cwcore), not {attention!r}")
     kwargs["attn_implementation"] = attention
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")

@@ -2,9 +2,13 @@
 
 :func:`attention_forward` follows the eager implementation's arithmetic exactly (same matmul, mask
 addition and float32 softmax), so a model configured ``eager`` gives the same outputs through it. A
-model configured for SDPA, whose outputs are SDPA's and not eager's bits anyway, runs its untouched
-layers through SDPA and computes the softmax of its touched layers a block of queries at a time
-(:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
+model configured for SDPA keeps its own SDPA forward, whatever layers a session asks for: layers the
+session does not touch run SDPA; a layer it only observes computes cwcore's arithmetic for its
+decomposition and returns the model's own SDPA output for the same call to the forward, once cwcore's
+output reproduces it within :data:`RECONSTRUCTION_TOLERANCE` (a layer whose SDPA and eager attention differ
+beyond that is refused with the measured difference); a layer a transform changes returns cwcore's output
+(an intervention is meant to change the forward). There cwcore's softmax is computed a block of queries at
+a time (:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
 skipping keys that a causal mask hides from a whole block). While an
 :class:`AttentionSession` is active, each attention layer's post-softmax probabilities pass through
 the session's *transforms* (which may change them, e.g. zero terms alpha^h_ij v~^h_j without
@@ -200,7 +204,7 @@ def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
 
 def attention_mask_function(*args, **kwargs):
     """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
-    pattern) while a session runs the layers it does not touch through SDPA."""
+    pattern) while a session keeps a model's SDPA forward or computes layers itself (:func:`cwcore.summarize`)."""
     stack = _sessions()
     session = stack[-1] if stack and not outside() else None
     if session is not None and (session.fast_path is not None or session.streaming):
@@ -372,10 +376,13 @@ class AttentionSession:
     between, and the block did run through cwcore's function) and, where the layer's geometry was
     computed, that the terms plus bias reproduce the projection's output within
     :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
-    allow_fast_path: when the model is configured for SDPA, layers the session does not touch run SDPA
-    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward). A model
-    with learned sink logits configured for SDPA is refused: SDPA drops them, so its forward is not its
-    architecture's.
+    allow_fast_path: when the model is configured for SDPA, the forward stays the model's SDPA forward:
+    layers the session does not touch run SDPA, and a layer it only observes returns SDPA's output for the
+    call, which cwcore's output must reproduce within :data:`RECONSTRUCTION_TOLERANCE` (with ``verify``; else
+    the layer is refused, its SDPA and eager attention differing); transformed layers return cwcore's output.
+    False: every layer returns cwcore's eager arithmetic (a forward the model configured for SDPA does not
+    compute). A model with learned sink logits configured for SDPA is refused: SDPA drops them, so its
+    forward is not its architecture's.
     """
 
     def __init__(
@@ -818,8 +825,8 @@ def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tens
     return float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf"))), bool(rows.all())
 
 
-#: Implementations whose function takes transformers' SDPA-style masks; layers a session does not touch
-#: keep running them (the user's real alternative is an SDPA forward, not eager).
+#: Implementations whose function takes transformers' SDPA-style masks; a session keeps them as the model's
+#: forward (untouched layers run them, observed layers return their output), since that is what the model computes.
 FAST_IMPLEMENTATIONS = ("sdpa",)
 
 

@@ -20,10 +20,12 @@ are ``[head, block, keys the block can see]``, so a sliding-window layer costs w
 The summary is the exact reduction of the dense decomposition, to float32 rounding (the tests check
 1e-5 relative), with the same conventions: padded query rows are NaN and excluded from the sums, padded
 keys receive zero, NaN where an output norm is at most ``ZERO_NORM``. It is checked like the dense path:
-the block's output projection must receive exactly the attention output this computed, and sum_h W_O^h z^h_i
-plus the bias must reproduce the projection's result, or the call raises :class:`UnsupportedModelError`.
-The softmax is computed blockwise (the arithmetic of the dense path on an SDPA-configured model), so a
-model configured ``eager`` gives its outputs to float32 rounding, not bit for bit.
+the block's output projection must receive exactly the attention output the layer returned, and sum_h
+W_O^h z^h_i plus the bias must reproduce the projection's result, or the call raises
+:class:`UnsupportedModelError`. The softmax is computed blockwise (the arithmetic of the dense path on an
+SDPA-configured model). A model configured for SDPA keeps its own forward: each summarised layer returns the
+model's SDPA output for the call, which the blockwise output must reproduce within the same tolerance; a
+model configured ``eager`` gets the blockwise output, its own outputs to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import transformers
+from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cwcore
@@ -117,7 +118,19 @@ def _eager_difference(query, key, value, attention_mask, scaling, output) -> flo
     return float((eager - output.double()).abs().max() / output.double().abs().max())
 
 
-def test_an_sdpa_that_differs_from_eager_is_refused_whatever_layers_asks(monkeypatch):
+@pytest.fixture
+def bfloat16_sdpa():
+    """transformers' "sdpa" attention function replaced, for this test only, by :func:`_bfloat16_sdpa` (through the
+    public registry, the one the model and cwcore look it up in); yields the list of its recorded calls."""
+    real, calls = ALL_ATTENTION_FUNCTIONS["sdpa"], []
+    AttentionInterface.register("sdpa", _bfloat16_sdpa(calls))
+    try:
+        yield calls
+    finally:
+        AttentionInterface.register("sdpa", real)
+
+
+def test_an_sdpa_that_differs_from_eager_is_refused_whatever_layers_asks(bfloat16_sdpa):
     """A model whose configured SDPA function differs materially from its eager attention is refused with the
     measured difference, under layers=None and layers=[-1] alike (never decomposed by eager arithmetic that its
     forward does not do), and the same model loaded eager is exact."""
@@ -125,8 +138,7 @@ def test_an_sdpa_that_differs_from_eager_is_refused_whatever_layers_asks(monkeyp
     inputs = dict(input_ids=IDS)
     with torch.no_grad():
         eager = model(**inputs).logits
-    calls = []
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "sdpa", _bfloat16_sdpa(calls))
+    calls = bfloat16_sdpa
     model.config._attn_implementation = "sdpa"
     with torch.no_grad():
         own = model(**inputs).logits
