@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from .architectures import AttentionBlock, UnsupportedModelError
-from .attention import RECONSTRUCTION_TOLERANCE, AttentionSession, cwcore_attention, default_compute_dtype
+from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
 from .geometry import split_output_projection
 from .inputs import InputError, check_compute_dtype, check_count, check_inputs
@@ -293,8 +293,8 @@ class SummarySession(AttentionSession):
                 rebuilt = torch.where(valid[..., None], rebuilt, actual)
             scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
             error = float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf")))
-            allowed = max(RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2),
-                          RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
+            allowed = self.tolerance(output.dtype, block.layer)
+            self._own_differences.pop(block.layer, None)
             if not bool(rows.all()) or error > allowed:
                 self.summaries.pop(block.layer, None)
                 raise UnsupportedModelError(

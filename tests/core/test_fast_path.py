@@ -67,13 +67,16 @@ def _first_output(outputs):
     return outputs.logits if getattr(outputs, "logits", None) is not None else outputs.last_hidden_state
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2", "bert"])
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("gemma3", torch.float32),
+                                          ("gpt2", torch.float32), ("bert", torch.float32),
+                                          # SDPA's softmax is float64 there, cwcore's (eager's) float32
+                                          ("llama", torch.float64)])
 @pytest.mark.parametrize("padded", [False, True])
-def test_one_answer_per_layer_whatever_layers_asks(family, padded):
+def test_one_answer_per_layer_whatever_layers_asks(family, dtype, padded):
     """On a model configured for SDPA, an observed layer returns the model's own SDPA output to the forward (its
     decomposition checked against it), so the forward is the model's own bit for bit, and a layer's numbers do
     not depend on which other layers were asked for: the middle and the last layer of three, alone or with all."""
-    model = tiny_model(family, num_layers=3)
+    model = tiny_model(family, num_layers=3, dtype=dtype)
     model.config._attn_implementation = "sdpa"
     mask = torch.ones_like(IDS)
     if padded:
