@@ -255,7 +255,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     attention = kwargs.get("attn_implementation", "eager")
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {', '.join(map(repr, ATTENTION_IMPLEMENTATIONS))} "
-                         f"(eager: eager's exact arithmetic; sdpa: the model's SDPA forward, kept inside cwcore), not {attention!r}")
+                         f"(eager: eager's exact arithmetic; sdpa: the model's SDPA forward, kept inside cwcore), "
+                         f"not {attention!r}")
     kwargs["attn_implementation"] = attention
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")

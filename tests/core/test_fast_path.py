@@ -113,7 +113,8 @@ def _bfloat16_sdpa(calls):
 def _eager_difference(query, key, value, attention_mask, scaling, output) -> float:
     """max |eager attention - output| / max |output|, eager computed independently in float64."""
     groups = query.shape[1] // key.shape[1]
-    query, key, value = (t.double() for t in (query, key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)))
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    query, key, value = query.double(), key.double(), value.double()
     scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
     allowed = (torch.ones(scores.shape[-2:], dtype=torch.bool).tril() if attention_mask is None
                else attention_mask[..., : key.shape[-2]])
