@@ -4,8 +4,9 @@
     model, tokenizer = load_model("gpt2", dtype="bfloat16")  # hub id or local folder
 
 Every model comes back in ``eval()`` mode with ``attn_implementation="eager"`` (cwcore's attention
-function follows eager's math; ``"sdpa"`` on request runs the layers no session touches with SDPA) and
-a tokenizer whose ``pad_token`` is set (``padding_side`` as the tokenizer has it).
+function follows eager's math; ``"sdpa"`` on request: a session then keeps the model's SDPA forward, the
+layers it reads returning SDPA's output once cwcore's eager arithmetic reproduces it) and a tokenizer whose
+``pad_token`` is set (``padding_side`` as the tokenizer has it).
 
 The packaged decoders ship as 4-bit GGUF files, which transformers dequantises slowly on every load,
 so the first load converts each once into a safetensors folder under ``$CWCORE_CACHE/models/<name>``
@@ -203,7 +204,9 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     ``device``: None (cpu) or a device; other keywords (``device_map``, ``revision``, ...) go to
     ``from_pretrained``. ``variant="requantized"`` (or ``"<packaged>-requantized"``) requantises a
     packaged GGUF model with another 4-bit scheme (:data:`VARIANTS`). The model is a causal LM, or the
-    bare encoder without an LM head. Raises ``ModelNotFoundError`` when the name is found nowhere."""
+    bare encoder without an LM head, in eval mode with eager attention (``attn_implementation="sdpa"``: a
+    session keeps the model's SDPA forward, except in the layers an intervention changes). Raises
+    ``ModelNotFoundError`` when the name is found nowhere."""
     if "torch_dtype" in kwargs:  # the older transformers spelling
         if dtype is not None:
             raise ValueError("pass either dtype or torch_dtype, not both")
@@ -214,7 +217,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     attention = kwargs.get("attn_implementation", "eager")
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {', '.join(map(repr, ATTENTION_IMPLEMENTATIONS))} "
-                         f"(eager: eager's exact arithmetic; sdpa: the layers nobody reads run SDPA), not {attention!r}")
+                         f"(eager: eager's exact arithmetic; sdpa: the model's SDPA forward, kept inside cwcore), "
+                         f"not {attention!r}")
     kwargs["attn_implementation"] = attention
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")

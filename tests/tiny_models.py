@@ -25,20 +25,22 @@ FAMILIES = {
 DECODERS = [name for name in FAMILIES if name != "bert"]
 
 
-def tiny_model(family: str, seed: int = 0, dtype=torch.float32):
-    """A 2-layer, 4-head, width-64 model of ``family`` with eager attention, in eval mode."""
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32, num_layers: int = 2):
+    """A ``num_layers``-layer (2), 4-head, width-64 model of ``family`` with eager attention, in eval mode."""
     config_cls, model_cls, extra = FAMILIES[family]
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         max_position_embeddings=64,
         attn_implementation="eager",
     )
     if family == "gpt2":
-        common = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_implementation="eager")
+        common = dict(vocab_size=VOCAB, n_embd=64, n_layer=num_layers, n_head=4, n_positions=64, attn_implementation="eager")
+    if "layer_types" in extra:  # the pattern repeated over the layers
+        extra = dict(extra, layer_types=[extra["layer_types"][n % len(extra["layer_types"])] for n in range(num_layers)])
     torch.manual_seed(seed)
     model = model_cls(config_cls(**common, **extra)).eval()
     # Random init leaves biases at zero; give them values so bias handling is exercised.

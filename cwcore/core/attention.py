@@ -2,9 +2,13 @@
 
 :func:`attention_forward` follows the eager implementation's arithmetic exactly (same matmul, mask
 addition and float32 softmax), so a model configured ``eager`` gives the same outputs through it. A
-model configured for SDPA, whose outputs are SDPA's and not eager's bits anyway, runs its untouched
-layers through SDPA and computes the softmax of its touched layers a block of queries at a time
-(:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
+model configured for SDPA keeps its own SDPA forward, whatever layers a session asks for: layers the
+session does not touch run SDPA; a layer it only observes computes cwcore's arithmetic for its
+decomposition and returns the model's own SDPA output for the same call to the forward, once cwcore's
+output reproduces it within :data:`RECONSTRUCTION_TOLERANCE` (a layer whose SDPA and eager attention differ
+beyond that is refused with the measured difference); a layer a transform changes returns cwcore's output
+(an intervention is meant to change the forward). There cwcore's softmax is computed a block of queries at
+a time (:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
 skipping keys that a causal mask hides from a whole block). While an
 :class:`AttentionSession` is active, each attention layer's post-softmax probabilities pass through
 the session's *transforms* (which may change them, e.g. zero terms alpha^h_ij v~^h_j without
@@ -17,6 +21,7 @@ name; without it transformers would build no causal mask at all.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -102,10 +107,14 @@ def attention_forward(
             f"{block_label(module)} passes learned sink logits (s_aux) to the model's configured "
             f"{session.configured!r} attention, which ignores them, so the model's own forward leaves its sinks out; "
             "load the model with attn_implementation='eager' to decompose what its architecture computes")
-    if session is not None and session.fast_path is not None and not session.touches(module):
-        # a layer nobody reads or changes runs the model's configured implementation (SDPA)
-        return session.fast_path(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                 softcap=softcap, **kwargs)
+    models_own = None  # this call as the model's configured function computes it, where the forward gets that
+    if session is not None and session.fast_path is not None and not session.transforms_module(module):
+        # the call's own arguments, bound now: the code below rebinds these names
+        models_own = functools.partial(session.fast_path, module, query, key, value, attention_mask, scaling=scaling,
+                                       dropout=dropout, softcap=softcap, **kwargs)
+        if not session.touches(module):
+            return models_own()  # a layer nobody reads or changes runs the model's configured implementation (SDPA)
+    call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     groups = query.shape[1] // key.shape[1]
     unrepeated = (key.shape[1], key.shape[-1], value.shape[-1])  # kv heads, key and value head dims
     key = _repeat_heads(key, groups)
@@ -120,6 +129,8 @@ def attention_forward(
         # a session that computes this layer itself, a block of queries at a time (cwcore.summarize)
         output = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal), softcap,
                                          s_aux).transpose(1, 2).contiguous()
+        if models_own is not None:
+            output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
         session.on_output(module, output)
         return output, None
     if attention_mask is None and causal and query.shape[2] > 1:
@@ -128,7 +139,6 @@ def attention_forward(
         attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
                           else session.causal_mask(q_len, k_len, query.device))
     position_bias = kwargs.get("position_bias")  # T5's relative positions: additive on the scores, like a float mask
-    call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     sink_mass = mixed = spans = None
     if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
         # alpha V in the same pass unless a transform may change alpha afterwards
@@ -167,6 +177,8 @@ def attention_forward(
     if output is None:
         output = mixed if mixed is not None and probs is computed else torch.matmul(probs, value)
     output = output.transpose(1, 2).contiguous()
+    if models_own is not None:
+        output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
     if session is not None:
         session.on_output(module, output)
     return output, probs
@@ -192,7 +204,7 @@ def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
 
 def attention_mask_function(*args, **kwargs):
     """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
-    pattern) while a session runs the layers it does not touch through SDPA."""
+    pattern) while a session keeps a model's SDPA forward or computes layers itself (:func:`cwcore.summarize`)."""
     stack = _sessions()
     session = stack[-1] if stack and not outside() else None
     if session is not None and (session.fast_path is not None or session.streaming):
@@ -364,10 +376,13 @@ class AttentionSession:
     between, and the block did run through cwcore's function) and, where the layer's geometry was
     computed, that the terms plus bias reproduce the projection's output within
     :data:`RECONSTRUCTION_TOLERANCE`. A failed check raises :class:`UnsupportedModelError`.
-    allow_fast_path: when the model is configured for SDPA, layers the session does not touch run SDPA
-    (their outputs then differ from eager's by SDPA's rounding, as in the model's own forward). A model
-    with learned sink logits configured for SDPA is refused: SDPA drops them, so its forward is not its
-    architecture's.
+    allow_fast_path: when the model is configured for SDPA, the forward stays the model's SDPA forward:
+    layers the session does not touch run SDPA, and a layer it only observes returns SDPA's output for the
+    call, which cwcore's output must reproduce within :data:`RECONSTRUCTION_TOLERANCE` (with ``verify``; else
+    the layer is refused, its SDPA and eager attention differing); transformed layers return cwcore's output.
+    False: every layer returns cwcore's eager arithmetic (a forward the model configured for SDPA does not
+    compute). A model with learned sink logits configured for SDPA is refused: SDPA drops them, so its
+    forward is not its architecture's.
     """
 
     def __init__(
@@ -390,11 +405,13 @@ class AttentionSession:
         self.compute_dtype = default_compute_dtype(model) if compute_dtype is None else compute_dtype
         self.verify = verify
         self.allow_fast_path = allow_fast_path
-        self.fast_path = None  # set by cwcore_attention when untouched layers may run SDPA
+        self.fast_path = None  # set by cwcore_attention: the model's SDPA function, where it is configured for it
         self.configured = None  # the model's own attention implementation, set by cwcore_attention
         self.blockwise = False  # set by cwcore_attention: recorded layers use _probs_in_chunks
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
+        # layer -> relative difference between cwcore's output and the model's own (SDPA) one it returned instead
+        self._own_differences: dict[int, float] = {}
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
         self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
@@ -556,6 +573,39 @@ class AttentionSession:
         call = self._last_call.pop(id(module), None) if self._last_call else None
         return None if call is None else call.layer_output(probs, value)
 
+    def models_own_output(self, module: nn.Module, computed: torch.Tensor, own: torch.Tensor,
+                          attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor:
+        """What an observed layer of a model configured for a fast implementation (SDPA) returns to the forward:
+        ``own`` ``[batch, query, head, dim]``, the model's own function's output for the call, so that the forward
+        is the model's whatever layers are observed. With ``verify``, cwcore's output ``computed`` (same shape, the
+        arithmetic its decomposition describes) must reproduce it on every query that sees a key, within
+        :meth:`tolerance` (max |difference| / max |own|), or the layer is refused."""
+        if not self.verify:
+            return own
+        block = self._by_module[id(module)]
+        _, rows = self.mask_validity(attention_mask, computed.shape[0], computed.shape[1], key_length)
+        error = output_difference(computed, own, rows)
+        self._own_differences[block.layer] = error
+        allowed = self.tolerance(own.dtype, block.layer)
+        if not error <= allowed:  # NaN included
+            raise UnsupportedModelError(
+                f"attention block {block.name!r}: the model's configured {self.configured!r} attention and the eager "
+                f"arithmetic cwcore decomposes give this layer different outputs (relative error {error:.3g} > "
+                f"{allowed:g} for a {own.dtype} model): the model's {self.configured} and eager attention differ, so "
+                "cwcore refuses to report a decomposition of a computation the model does not do; load the model with "
+                "attn_implementation='eager' to decompose its eager attention")
+        return own
+
+    def tolerance(self, dtype: torch.dtype, layer: int) -> float:
+        """The relative error allowed between cwcore's terms and a layer's output in ``dtype``: the coarser of
+        the model's dtype and the compute dtype sets the rounding both sides can agree to; and where the layer
+        returned the model's own (SDPA) output, at least float32's, the precision of cwcore's softmax (eager's,
+        float32 even in a float64 model, whose SDPA computes it in float64: 3e-8 apart in the tests)."""
+        allowed = max(RECONSTRUCTION_TOLERANCE.get(dtype, 3e-2), RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
+        if layer in self._own_differences:
+            allowed = max(allowed, RECONSTRUCTION_TOLERANCE[torch.float32])
+        return allowed
+
     def on_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """attention_forward's output ``[batch, query, head, dim]``, kept until the projection reads it."""
         if self.verify and self.touches(module):  # a set lookup: this runs for every attention call
@@ -598,6 +648,7 @@ class AttentionSession:
             hook.remove()
         self._hooks.clear()
         self._outputs.clear()
+        self._own_differences.clear()
         self._calls.clear()
         self._last_call.clear()
         self._runs.clear()
@@ -712,9 +763,8 @@ class AttentionSession:
             output = result[0] if isinstance(result, tuple) else result
             geometry = call.geometry()
             _, bias = call.output_projection()
-            # the coarser of the model's dtype and the compute dtype sets the rounding both sides can agree to
-            allowed = max(RECONSTRUCTION_TOLERANCE.get(output.dtype, 3e-2),
-                          RECONSTRUCTION_TOLERANCE.get(self.compute_dtype, 3e-2))
+            allowed = self.tolerance(output.dtype, block.layer)
+            own = self._own_differences.pop(block.layer, None)  # read for this forward's check only
             if (geometry.output_pending and call.owns_geometry and output.dtype == geometry.mixed.dtype
                     and output.numel() == geometry.mixed.shape[0] * geometry.mixed.shape[2] * geometry.w_o.shape[1]):
                 # o_i is the projection's own result (less its bias), once its agreement with the terms is
@@ -729,7 +779,11 @@ class AttentionSession:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
                     f"output projection's result (relative error {error:.3g} > {allowed:g} for a {output.dtype} model "
-                    f"decomposed in compute_dtype={self.compute_dtype}); cwcore refuses to report this decomposition")
+                    f"decomposed in compute_dtype={self.compute_dtype})"
+                    + ("" if own is None else
+                       f"; the layer's output is the model's configured {self.configured!r} attention's, from which "
+                       f"cwcore's eager arithmetic differs by {own:.3g} (relative)")
+                    + "; cwcore refuses to report this decomposition")
         return hook
 
 
@@ -751,6 +805,20 @@ def repeated_calls_reason(block: AttentionBlock, sizes: list[tuple[int, int]], t
     return f"{head} (queries and keys per call {sizes}, for {tokens} tokens in the block's input){tail}"
 
 
+def output_difference(computed: torch.Tensor, own: torch.Tensor, rows_valid: torch.Tensor | None) -> float:
+    """max |computed - own| / max |own| over the query rows that see a key (``rows_valid`` ``[batch, query]``,
+    None: every row), both ``[batch, query, ...]``: a row that sees no key (padding) is no token, and the two
+    implementations fill it differently. NaN or inf where a compared entry is not finite."""
+    dtype = torch.promote_types(own.dtype, torch.float32)  # a float64 model's differences are below float32's rounding
+    computed, own = computed.detach().to(dtype), own.detach().to(dtype)
+    if rows_valid is not None:
+        shape = rows_valid.shape + (1,) * (own.dim() - 2)
+        keep = rows_valid.to(own.device).reshape(shape)
+        computed, own = torch.where(keep, computed, 0.0), torch.where(keep, own, 0.0)
+    scale = own.abs().max().clamp_min(torch.finfo(own.dtype).tiny)
+    return float(((computed - own).abs().max() / scale).nan_to_num(float("inf")))
+
+
 def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tensor,
                 bias: torch.Tensor | None) -> tuple[float, bool]:
     """(max |o_i + b - projection's output| / max |output|, whether every real token's row is finite)."""
@@ -765,18 +833,20 @@ def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tens
     return float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf"))), bool(rows.all())
 
 
-#: Implementations whose function takes transformers' SDPA-style masks; layers a session does not touch
-#: keep running them (the user's real alternative is an SDPA forward, not eager).
+#: Implementations whose function takes transformers' SDPA-style masks; a session keeps them as the model's
+#: forward (untouched layers run them, observed layers return their output), since that is what the model computes.
 FAST_IMPLEMENTATIONS = ("sdpa",)
 
 
 def _fast_path(previous: list, session: AttentionSession):
-    """The model's own attention function for untouched layers, or None (every layer runs cwcore's)."""
+    """The model's own attention function (SDPA) where it is configured for a fast implementation, else None:
+    untouched layers run it, observed layers return its output (checked against cwcore's), transformed layers
+    cwcore's. None: every layer runs cwcore's function, the model's eager arithmetic."""
     names = {p for p in previous if p is not None}
     if len(names) != 1 or not session.allow_fast_path:
         return None
     name = names.pop()
-    if name not in FAST_IMPLEMENTATIONS or len(session.layers) == len(session.blocks):
+    if name not in FAST_IMPLEMENTATIONS:
         return None
     return ALL_ATTENTION_FUNCTIONS[name]  # what the model's own forward looks up (transformers' public mapping)
 

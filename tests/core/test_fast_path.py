@@ -1,8 +1,13 @@
-"""Layers a session does not touch keep the model's SDPA attention; touched layers stay exact."""
+"""A model configured for SDPA keeps its SDPA forward inside a session: untouched layers run it, observed layers
+return its output (checked against the eager arithmetic cwcore decomposes), whatever layers were asked for."""
+
+import re
 
 import pytest
 import torch
 import transformers
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cwcore
 from cwcore.core.decomposition import prepare_inputs
@@ -39,26 +44,128 @@ def test_one_recorded_layer_runs_eager_the_others_sdpa(family, padded, monkeypat
     monkeypatch.undo()
     with torch.no_grad():
         sdpa_logits = model(**prepare_inputs(model, inputs)).logits
-    # the model's own SDPA forward and the decomposed one differ only by eager-vs-SDPA rounding in layer 1
-    real = mask.bool()
-    torch.testing.assert_close(d.outputs.logits[real], sdpa_logits[real], rtol=1e-4, atol=1e-5)
-    everything = cwcore.decompose(model, **inputs)  # all layers touched: eager everywhere, no fast path
-    torch.testing.assert_close(d.inter[1], everything.inter[1], rtol=1e-4, atol=1e-5, equal_nan=True)
+    # the recorded layer returned the model's own SDPA output: the forward is the model's own
+    torch.testing.assert_close(d.outputs.logits, sdpa_logits, rtol=0, atol=0)
+    everything = cwcore.decompose(model, **inputs)  # all layers observed: each returns SDPA's output too
+    torch.testing.assert_close(d[1].inter, everything[1].inter, rtol=0, atol=0, equal_nan=True)
 
 
-def test_no_fast_path_for_eager_models_and_when_every_layer_is_touched():
+def test_the_fast_path_is_the_models_own_sdpa_function_whatever_layers_are_touched():
     model = tiny_model("llama")
     session = attention.AttentionSession(model, observers={0: [lambda c: None]})
     with attention.cwcore_attention(model, session):
         assert session.fast_path is None  # configured eager: cwcore's function is eager's arithmetic
     model = _sdpa("llama")
-    session = attention.AttentionSession(model, observers=attention.every_layer(model, lambda c: None))
-    with attention.cwcore_attention(model, session):
-        assert session.fast_path is None
-    session = attention.AttentionSession(model, observers={0: [lambda c: None]})
-    with attention.cwcore_attention(model, session):
-        assert session.fast_path is not None
+    for observers in (attention.every_layer(model, lambda c: None), {0: [lambda c: None]}):
+        session = attention.AttentionSession(model, observers=observers)
+        with attention.cwcore_attention(model, session):
+            assert session.fast_path is ALL_ATTENTION_FUNCTIONS["sdpa"]
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+def _first_output(outputs):
+    return outputs.logits if getattr(outputs, "logits", None) is not None else outputs.last_hidden_state
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", torch.float32), ("gemma3", torch.float32),
+                                          ("gpt2", torch.float32), ("bert", torch.float32),
+                                          # SDPA's softmax is float64 there, cwcore's (eager's) float32
+                                          ("llama", torch.float64)])
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_answer_per_layer_whatever_layers_asks(family, dtype, padded):
+    """On a model configured for SDPA, an observed layer returns the model's own SDPA output to the forward (its
+    decomposition checked against it), so the forward is the model's own bit for bit, and a layer's numbers do
+    not depend on which other layers were asked for: the middle and the last layer of three, alone or with all."""
+    model = tiny_model(family, num_layers=3, dtype=dtype)
+    model.config._attn_implementation = "sdpa"
+    mask = torch.ones_like(IDS)
+    if padded:
+        mask[1, :3] = 0
+    inputs = dict(input_ids=IDS, attention_mask=mask)
+    with torch.no_grad():
+        own = _first_output(model(**prepare_inputs(model, inputs)))  # the model's own plain SDPA forward
+    everything = cwcore.decompose(model, **inputs)
+    assert everything.layers == [0, 1, 2]
+    torch.testing.assert_close(_first_output(everything.outputs), own, rtol=0, atol=0)
+    for layer in (1, 2):
+        alone = cwcore.decompose(model, layers=[layer], **inputs)
+        torch.testing.assert_close(_first_output(alone.outputs), own, rtol=0, atol=0)
+        for name in ("attention", "inter", "intra", "output_norm", "head_output_norm"):
+            torch.testing.assert_close(getattr(alone[layer], name), getattr(everything[layer], name), rtol=0, atol=0,
+                                       equal_nan=True, msg=lambda m: f"layer {layer} {name}: {m}")
+    summary = cwcore.summarize(model, **inputs)  # the summary mode too
+    torch.testing.assert_close(_first_output(summary.outputs), own, rtol=0, atol=0)
+
+
+def _bfloat16_sdpa(calls):
+    """transformers' SDPA function run in bfloat16 on a float32 model, as a half-precision kernel computes it: a
+    material difference from eager (about 1e-2 relative). Records each call's inputs and output."""
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def sdpa(module, query, key, value, attention_mask, **kwargs):
+        output, weights = real(module, query.bfloat16(), key.bfloat16(), value.bfloat16(), attention_mask, **kwargs)
+        output = output.to(query.dtype)
+        calls.append((query, key, value, attention_mask, kwargs.get("scaling"), output))
+        return output, weights
+    return sdpa
+
+
+def _eager_difference(query, key, value, attention_mask, scaling, output) -> float:
+    """max |eager attention - output| / max |output|, eager computed independently in float64."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    query, key, value = query.double(), key.double(), value.double()
+    scores = query @ key.transpose(2, 3) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
+    allowed = (torch.ones(scores.shape[-2:], dtype=torch.bool).tril() if attention_mask is None
+               else attention_mask[..., : key.shape[-2]])
+    eager = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ value).transpose(1, 2)
+    return float((eager - output.double()).abs().max() / output.double().abs().max())
+
+
+@pytest.fixture
+def bfloat16_sdpa():
+    """transformers' "sdpa" attention function replaced, for this test only, by :func:`_bfloat16_sdpa` (through the
+    public registry, the one the model and cwcore look it up in); yields the list of its recorded calls."""
+    real, calls = ALL_ATTENTION_FUNCTIONS["sdpa"], []
+    AttentionInterface.register("sdpa", _bfloat16_sdpa(calls))
+    try:
+        yield calls
+    finally:
+        AttentionInterface.register("sdpa", real)
+
+
+def test_an_sdpa_that_differs_from_eager_is_refused_whatever_layers_asks(bfloat16_sdpa):
+    """A model whose configured SDPA function differs materially from its eager attention is refused with the
+    measured difference, under layers=None and layers=[-1] alike (never decomposed by eager arithmetic that its
+    forward does not do), and the same model loaded eager is exact."""
+    model = tiny_model("llama", num_layers=3)
+    inputs = dict(input_ids=IDS)
+    with torch.no_grad():
+        eager = model(**inputs).logits
+    calls = bfloat16_sdpa
+    model.config._attn_implementation = "sdpa"
+    with torch.no_grad():
+        own = model(**inputs).logits
+    assert (own - eager).abs().max() > 1e-3  # the model's SDPA forward really is another computation
+    refusal = (r"'sdpa' attention and the eager arithmetic cwcore decomposes give this layer different outputs "
+               r"\(relative error ([0-9.e+-]+) > 0.0001 .*sdpa and eager attention differ.*attn_implementation='eager'")
+    for layers, refused_layer in ((None, 0), ([-1], 2)):
+        calls.clear()
+        with pytest.raises(cwcore.UnsupportedModelError, match=refusal) as raised:
+            cwcore.decompose(model, layers=layers, **inputs)
+        assert f"model.layers.{refused_layer}.self_attn" in str(raised.value)
+        measured = float(re.search(refusal, str(raised.value)).group(1))
+        assert measured == pytest.approx(_eager_difference(*calls[-1]), rel=2e-2)  # the refused call's own difference
+        assert measured > 1e-3
+    with pytest.raises(cwcore.UnsupportedModelError, match=refusal):
+        cwcore.summarize(model, **inputs)
+    with torch.no_grad():  # a refusal leaves the model as it was
+        torch.testing.assert_close(model(**inputs).logits, own, rtol=0, atol=0)
+    model.config._attn_implementation = "eager"
+    everything, last = cwcore.decompose(model, **inputs), cwcore.decompose(model, layers=[-1], **inputs)
+    torch.testing.assert_close(everything.outputs.logits, eager, rtol=0, atol=0)
+    torch.testing.assert_close(last.outputs.logits, eager, rtol=0, atol=0)
+    torch.testing.assert_close(last[2].inter, everything[2].inter, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])

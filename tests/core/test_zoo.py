@@ -162,6 +162,36 @@ def test_one_layer_of_an_sdpa_model_is_exact_against_the_eager_run(name):
         torch.testing.assert_close(_first_output(d.outputs), _first_output(eager), rtol=RTOL, atol=ATOL)
 
 
+# Exact families whose transformers class refuses set_attn_implementation("sdpa") (no SDPA support to keep)
+NO_SDPA = {"gemma2", "gpt_oss", "granite_swa"}
+
+
+@pytest.mark.parametrize("name", _params("sdpa-every-layer", EXACT))
+def test_an_sdpa_model_keeps_its_own_forward_and_one_answer_per_layer(name):
+    """Configured for SDPA, every layer observed (layers=None): each observed layer returns the model's own SDPA
+    output (its decomposition checked against it), so the forward is the model's own SDPA forward bit for bit, and
+    the last layer's numbers equal those of layers=[-1]: the same answer whatever ``layers`` asks."""
+    species, model = ZOO[name], ZOO[name].build()  # not the cached model: its attention implementation changes
+    if name in NO_SDPA:
+        with pytest.raises(ValueError, match="does not support an attention implementation through"):
+            model.set_attn_implementation("sdpa")
+        return
+    model.set_attn_implementation("sdpa")
+    inputs = _inputs(species)
+    with torch.no_grad():
+        own = _first_output(model(**inputs))
+    listed = pytest.warns(UserWarning, match="is not decomposed") if species.undecomposable else contextlib.nullcontext()
+    with listed:
+        everything = cwcore.decompose(model, **inputs)
+    torch.testing.assert_close(_first_output(everything.outputs), own, rtol=0, atol=0)
+    last = everything.layers[-1]
+    alone = cwcore.decompose(model, layers=[last], **inputs)
+    torch.testing.assert_close(_first_output(alone.outputs), own, rtol=0, atol=0)
+    for field in ("attention", "inter", "intra"):
+        torch.testing.assert_close(getattr(alone[last], field), getattr(everything[last], field), rtol=0, atol=0,
+                                   equal_nan=True, msg=lambda m: f"{field}: {m}")
+
+
 def _padded_batch(species, side):
     """Row 0: a full sequence; row 1: a 6-token sequence padded by 3 on ``side`` with the pad id."""
     ids = _inputs(species)["input_ids"]
