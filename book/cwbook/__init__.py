@@ -1,50 +1,4 @@
-"""Build the executable companion book: papermill runs the notebooks, Jupyter Book renders them.
-
-Usage::
-
-    python -m cwbook build [--profile P] [--models m1,m2] [--only CHAPTER] [--force]
-    python -m cwbook plan  [--profile P] [--models m1,m2] [--only CHAPTER]
-
-``book/run.yml`` lists the chapters (``chapters:``: a notebook name in ``notebooks/``, whether it
-runs ``once`` or ``per_model``, optionally a fixed ``models`` list; or a static page ``book/<name>.md``,
-which is not executed) and the profiles (``profiles:``: the models and the parameters each notebook
-receives). ``build``
-
-1. executes ``notebooks/<chapter>.ipynb`` for each (chapter, model) with papermill, injecting the
-   profile's parameters (only those the notebook's ``parameters`` cell declares, plus ``profile``,
-   ``model``, ``output_dir``, ``results_file`` and ``results_dir`` where declared), into
-   ``book/generated/`` through a temporary file and an atomic rename; an executed copy whose stamp
-   (hash of the source notebook, the parameters, the ``cwcore`` and ``cwbook`` sources; for a notebook that
-   declares ``results_dir``, also the result tables in it) is current, and whose ``results_file``
-   exists, is skipped;
-2. writes ``book/_toc.yml`` (a page per chapter, a sub-page per model for ``per_model`` chapters,
-   static pages where run.yml lists them);
-3. runs ``jupyter-book build -W`` into a temporary directory, copies every run's ``output_dir`` (its
-   figure files, PNG and SVG from :func:`cwcore.plotting.save_figure`) into ``html/figures/<chapter>/``
-   (``html/figures/<chapter>/<slug>/`` for per_model chapters) with an index page,
-   ``html/figures/index.html``, and, only if all that succeeds, replaces ``book/_build/html``; when no
-   input of the book changed since the last build it does nothing.
-
-Layout of ``book/generated/`` (relative to it; ``<slug>`` is the model name made URL-safe)::
-
-    <chapter>.ipynb                       once-chapters
-    figures/<chapter>/                    ... their ``output_dir``
-    <chapter>/index.md                    per_model chapters: the chapter page, linking the models
-    <chapter>/<slug>.ipynb                ... one executed copy per model
-    <chapter>/figures/<slug>/             ... its ``output_dir``
-    results/<profile>/                    ``results_dir``: the tables chapters hand to later pages
-    results/<profile>/<chapter>/<slug>.csv  ... ``results_file`` of a per_model run (a once run:
-                                          ``results/<profile>/<chapter>.csv``); see :func:`results_path`
-
-A notebook runs with its executed copy's folder as working directory, so ``output_dir``,
-``results_file`` and ``results_dir`` are relative paths. ``results_file`` is where a chapter writes
-the table that later pages read (chapters 4-7 write their claims and ladder tables there; see
-:mod:`cwbook.findings`); ``results_dir`` is the folder of all of them, for a page that reads them (the
-findings page), which is executed again whenever one of those tables changes.
-
-A failing notebook stops the build; its executed copy (with the error) is kept in
-``<build-dir>/failed/`` and the previous good copy, if any, stays in place.
-"""
+"""Build the executable companion book: papermill runs the notebooks, Jupyter Book renders them."""
 
 from __future__ import annotations
 
@@ -54,7 +8,6 @@ import hashlib
 import importlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -76,7 +29,7 @@ from cwcore import provenance as _provenance
 from .checkout import warn_if_other_checkout
 
 warn_if_other_checkout(Path(cwcore.__file__).parent)  # a clone sharing another checkout's environment runs that code
-from .figures import FIGURE_SUFFIXES, FIGURES, FigureFolder, copy_figures
+from .figures import FIGURES, FigureFolder, copy_figures
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_BOOK_DIR = REPO_ROOT / "book"
@@ -93,15 +46,9 @@ BUILD_STAMP = ".cwcore-build-stamp"
 # Warnings filtered in the kernels (appended to PYTHONWARNINGS): tqdm.auto's "IProgress not found"
 # (no ipywidgets here) would otherwise print to stderr in every page that imports transformers.
 KERNEL_WARNING_FILTERS = ("ignore:IProgress not found",)
-# Environment defaults of the kernels (a value already set in the environment wins). OpenMP threads
-# that spin while waiting make PyTorch several times slower on a CPU shared with other processes
-# (measured: a decomposition 4x slower with 2 spinning threads on 2 busy cores); passive waiting
-# costs next to nothing on an idle machine. Progress bars (tqdm's: the one-off GGUF conversion of a
-# packaged model, 30 lines of it) would be printed into the pages, where a reader has no use for them;
-# the build prints its own line per notebook. The library caches nothing unless asked
-# (cwcore.cache.caching); the book relies on its result cache, so that a rerun reads every finished piece
-# and an interrupted build resumes: its kernels cache ($CWCORE_CACHING=1; a notebook's `cache = False`
-# calls run inside caching(enabled=False)).
+# Environment defaults of the kernels (the environment wins): passive OpenMP waiting (spinning threads made a
+# decomposition 4x slower on 2 shared cores), no tqdm bars in the pages, and the result cache on, so that an
+# interrupted build resumes.
 KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1", "CWCORE_CACHING": "1"}
 
 
@@ -116,9 +63,7 @@ class BookError(RuntimeError):
     """A problem the user must fix (bad run.yml, failing notebook, failing Sphinx build)."""
 
 
-# --------------------------------------------------------------------------------------------------
-# Run configuration
-# --------------------------------------------------------------------------------------------------
+# -- Run configuration -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Chapter:
     name: str  # notebook stem in notebooks/, e.g. "02_geometry"; for a page, the stem of book/<name>.md
@@ -260,18 +205,7 @@ def plan(config: dict, *, profile: str | None = None, models: str | list[str] | 
          only: str | list[str] | None = None, notebooks_dir: Path = DEFAULT_NOTEBOOKS_DIR,
          generated_dir: Path = DEFAULT_BOOK_DIR / "generated",
          book_dir: Path | None = None) -> tuple[str, list[Chapter], list[Run]]:
-    """Resolve run.yml for a profile into the chapters of the book and the notebook runs.
-
-    Models of a per_model chapter, first that applies: the profile's ``notebooks.<chapter>.models``,
-    the chapter's own ``models`` (pinned, e.g. an encoder chapter), ``models`` given here
-    (``--models``), the profile's ``models``. Parameters of a run: the profile's ``params``, updated
-    with ``notebooks.<chapter>`` (less ``models``), plus ``profile``, ``model``, ``output_dir``,
-    ``results_file`` and ``results_dir``.
-    A once-chapter receives ``models`` (where it declares it): its ``notebooks.<chapter>.models``, else
-    ``--models``, else the profile's models (e.g. a summary over the models of the per_model chapters).
-    Page chapters have no runs; their file, ``book_dir/<name>.md`` (``book_dir`` defaults to the parent
-    of ``generated_dir``), must exist.
-    """
+    """Resolve run.yml for a profile into the chapters of the book and the notebook runs."""
     name, prof = profile_config(config, profile)
     all_chapters = read_chapters(config)
     chosen = select_chapters(all_chapters, only)
@@ -346,9 +280,7 @@ def results_digest(results_dir: Path, exclude: Path | None = None) -> str:
     return h.hexdigest()
 
 
-# --------------------------------------------------------------------------------------------------
-# Table of contents
-# --------------------------------------------------------------------------------------------------
+# -- Table of contents -------------------------------------------------------------------------------
 def notebook_title(path: Path) -> str:
     """The first '# ' heading of a notebook's markdown cells (the page title), else its name."""
     nb = json.loads(Path(path).read_text())
@@ -360,8 +292,7 @@ def notebook_title(path: Path) -> str:
     return Path(path).stem
 
 
-def toc(chapter_list: list[Chapter], runs: list[Run], generated_dir: Path, book_dir: Path,
-        root: str = "intro") -> dict:
+def toc(chapter_list: list[Chapter], runs: list[Run], generated_dir: Path, book_dir: Path, root: str = "intro") -> dict:
     """The jb-book table of contents: a page per chapter, a sub-page per model for per_model chapters;
     a static page chapter is its file ``book_dir/<name>.md``."""
 
@@ -402,9 +333,7 @@ def write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
-# --------------------------------------------------------------------------------------------------
-# Stamps: is an executed copy current?
-# --------------------------------------------------------------------------------------------------
+# -- Stamps: is an executed copy current? ------------------------------------------------------------
 def book_code_hash() -> str:
     """SHA-256 of the book's production code (every ``.py`` of this package): a chapter module's edit
     makes its notebooks stale, as an edit of cwcore does."""
@@ -461,15 +390,7 @@ def notebook_parameters(source: Path) -> set[str]:
 
 
 def injected_parameters(run: Run, declared: set[str]) -> dict:
-    """The parameters given to one run: those its notebook declares.
-
-    Profile-wide parameters a notebook does not declare are left out; a parameter set for this very
-    notebook (``notebooks.<chapter>`` in run.yml) that it does not declare is an error (a typo), and
-    so is a per_model notebook that declares no ``model``. A notebook that declares
-    :data:`RUN_PARAMETERS` (a dict) receives there every parameter of run.yml it does not declare by
-    name (not those the runner adds): the chapters that share one set of run parameters
-    (:class:`cwbook.notebook.SinkRun`) take them, and refuse a name they do not know, from it.
-    """
+    """The parameters given to one run: those its notebook declares."""
     collect = RUN_PARAMETERS in declared
     missing = sorted(k for k in run.explicit if k not in declared and not collect)
     if run.model is not None:
@@ -484,15 +405,9 @@ def injected_parameters(run: Run, declared: set[str]) -> dict:
     return given
 
 
-# --------------------------------------------------------------------------------------------------
-# Execution
-# --------------------------------------------------------------------------------------------------
+# -- Execution ---------------------------------------------------------------------------------------
 def ensure_kernel(name: str = KERNEL_NAME) -> str:
-    """Make sure Jupyter kernel ``name`` runs this interpreter; (re)install it into sys.prefix if not.
-
-    The kernel logs at ERROR level only: its start-up warnings (e.g. about unencrypted local TCP)
-    would otherwise interleave with the build's progress lines.
-    """
+    """Make sure Jupyter kernel ``name`` runs this interpreter; (re)install it into sys.prefix if not."""
     from ipykernel.kernelspec import get_kernel_dict, write_kernel_spec
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
@@ -526,9 +441,7 @@ def ensure_kernel(name: str = KERNEL_NAME) -> str:
 
 @contextlib.contextmanager
 def _kernel_environment():
-    """Environment of the kernels papermill starts (they inherit this process's). A relative
-    ``$CWCORE_CACHE`` is made absolute against this process's working folder (the user's), since each
-    kernel runs in its chapter's folder: one cache for the whole build, never one inside each chapter."""
+    """Environment of the kernels papermill starts (they inherit this process's)."""
     old = {name: os.environ.get(name) for name in ("PYTHONWARNINGS", "CWCORE_CACHE", *KERNEL_ENVIRONMENT_DEFAULTS)}
     os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [old["PYTHONWARNINGS"], *KERNEL_WARNING_FILTERS]))
     if old["CWCORE_CACHE"]:
@@ -593,11 +506,7 @@ def _progress_shown(prefix: str):
 
 
 def execute(run: Run, parameters: dict, stamp_value: str, kernel: str, failed_dir: Path) -> None:
-    """Execute ``run`` with papermill into a temporary file, then rename it onto ``run.output``.
-
-    On failure nothing at ``run.output`` changes; the failed copy is moved to ``failed_dir`` and a
-    BookError names the chapter, the model and the failing cell.
-    """
+    """Execute ``run`` with papermill into a temporary file, then rename it onto ``run.output``."""
     import nbformat
     import papermill as pm
     from papermill.exceptions import PapermillExecutionError
@@ -679,9 +588,7 @@ def _keep_failed(tmp: str, run: Run, failed_dir: Path) -> Path | None:
     return failed_dir / name
 
 
-# --------------------------------------------------------------------------------------------------
-# HTML
-# --------------------------------------------------------------------------------------------------
+# -- HTML --------------------------------------------------------------------------------------------
 def _book_inputs_hash(book_dir: Path, build_dir: Path) -> str:
     """Hash of everything the HTML is made from: the book's files and the jupyter-book version."""
     from importlib.metadata import version
@@ -712,8 +619,7 @@ def figure_folders(runs: list[Run]) -> list[FigureFolder]:
     return out
 
 
-def build_html(book_dir: Path, build_dir: Path, force: bool = False,
-               figures: list[FigureFolder] | None = None) -> Path:
+def build_html(book_dir: Path, build_dir: Path, force: bool = False, figures: list[FigureFolder] | None = None) -> Path:
     """``jupyter-book build -W`` into a temporary folder, the figure files of ``figures`` (see
     :func:`figure_folders`; None: none) copied into its ``figures/``; replace ``build_dir/html`` only
     on success."""
@@ -754,9 +660,7 @@ def build_html(book_dir: Path, build_dir: Path, force: bool = False,
     return html
 
 
-# --------------------------------------------------------------------------------------------------
-# The whole build
-# --------------------------------------------------------------------------------------------------
+# -- The whole build ---------------------------------------------------------------------------------
 def build(*, profile: str | None = None, models: str | list[str] | None = None,
           only: str | list[str] | None = None, book_dir: str | os.PathLike = DEFAULT_BOOK_DIR,
           build_dir: str | os.PathLike | None = None, notebooks_dir: str | os.PathLike = DEFAULT_NOTEBOOKS_DIR,

@@ -1,28 +1,4 @@
-"""What a ranking removes: the anatomy of a faithfulness selection, measured in the clean run.
-
-The intervention curves say *that* one metric's removal hurts the model more than another's; this
-module says *what* each removal takes away, layer by layer, before any later layer reacts. For every
-document, layer, metric, mode and ratio it ranks the layer's candidate terms exactly as the sweep does
-(:func:`cwcore.faithfulness.ranking.selection`, same unit, scope, kind, sign and candidates) and
-measures the selected terms in the clean forward:
-
-``removed_share``
-    sum of alpha^h_ij ||v~^h_j|| over the removed terms / the same over all candidates: the share of
-    the layer's value-weighted mass that the removal takes;
-``output_shift``
-    mean over the queries that have candidates of ||sum_removed alpha^h_ij v~^h_j|| / ||o_i|| (in model
-    space, summed over heads): how far the removal moves the layer's attention output, to first order;
-``head_norm``
-    mean over the removed terms of ||o^h_i|| / mean_h ||o^h_i||: below 1 when the terms come from heads
-    whose own output is short;
-``first_token_attention``
-    mean over the removed terms of alpha^h_{i,first}, the attention their head's query gives the first
-    token: the sink rate of the heads they come from.
-
-:func:`explain_step` pairs two rungs over documents and asks whether the difference in what they
-remove (``output_shift``) goes with the difference in the damage (``delta_nll`` of the sweep): the
-test of an explanation for a step of the ladder.
-"""
+"""What a ranking removes: the anatomy of a faithfulness selection, measured in the clean run."""
 
 from __future__ import annotations
 
@@ -38,7 +14,7 @@ from cwcore.core.decomposition import METRICS, decompose
 from cwcore.runs import progress as progress_bar, shard_map
 from .ladder import PROTOCOLS
 from cwcore.faithfulness.protocol import Protocol, as_protocol, modes as parse_modes, ranking_identity
-from cwcore.faithfulness.ranking import MODES, candidate_mask, layer_windows, removal_mask, selection
+from cwcore.faithfulness.ranking import candidate_mask, layer_windows, removal_mask, selection
 
 __all__ = ["MEASURES", "LADDER", "STEPS", "selection_anatomy", "layer_average", "explain_step", "explain_held_out"]
 
@@ -95,12 +71,7 @@ def selection_anatomy(model, blocks, metrics: Sequence[str] = LADDER, ratios: Se
     ``protocol`` removes (a :class:`~cwcore.faithfulness.Protocol`, or the name of a main protocol of
     :data:`cwbook.ladder.PROTOCOLS`; its fields may be replaced by keywords, e.g.
     ``importance="absolute"``), computed in float32 from the clean forward (so ``scores="live"`` is refused;
-    the protocol's ``layers`` are the layers dissected, as is ``layers`` here).
-
-    ``blocks``: a :func:`cwcore.data.document_blocks` data set (``input_ids``, ``attention_mask``,
-    ``document``); ratios ascending. Columns: ``document``, ``sequence`` (place in ``blocks``),
-    ``layer``, ``metric``, ``mode``, ``ratio``, the measures and ``n_removed`` (terms removed in the layer).
-    """
+    the protocol's ``layers`` are the layers dissected, as is ``layers`` here)."""
     name = protocol if isinstance(protocol, str) else None
     if name is not None:
         if name not in PROTOCOLS:
@@ -161,15 +132,9 @@ def explain_step(anatomy: pd.DataFrame, curves: pd.DataFrame, lower: str, higher
                  measure: str = "output_shift", n_bootstrap: int = 1000, seed: int = 0) -> pd.DataFrame:
     """Does a step's difference in damage go with its difference in what it removes?
 
-    ``anatomy``: :func:`selection_anatomy` rows (or :func:`layer_average`'s); ``curves``: the sweep's
-    per-document rows (``document``, ``metric``, ``mode``, ``ratio``, ``nll``, ``clean_nll``) of the same
-    documents, protocol and sign; metric labels may carry the sweep's kind suffix (``_intra``). Per mode
-    and ratio present in both: the paired differences ``higher - lower`` over documents of the measure
-    (``measure_gap``, its mean and 95% bootstrap interval) and of ``delta_nll`` (``damage_gap``), and
-    Spearman's rho between the two over documents with a bootstrap interval (``rho``). An explanation
-    "the step changes the damage because it changes ``measure``" predicts a rho above 0: the rule of
-    :func:`cwcore.stats.verdict` judges it (``rho_verdict``).
-    """
+    Per mode and ratio: the paired ``higher - lower`` gaps over documents of ``measure`` (``measure_gap``)
+    and of ``delta_nll`` (``damage_gap``) with bootstrap intervals, and Spearman's rho between them
+    (``rho``, judged by :func:`cwcore.stats.verdict` in ``rho_verdict``): the explanation predicts rho > 0."""
     doc = layer_average(anatomy) if "layer" in anatomy else anatomy
     cv = curves.copy()
     cv["metric"] = cv["metric"].str.replace(r"_(intra|inter)$", "", regex=True)
@@ -220,15 +185,9 @@ def explain_held_out(anatomy: pd.DataFrame, curves: pd.DataFrame, steps=STEPS, *
     documents") fitted on half of the documents and tested on the other half, for the explained step and
     its negative controls (default: all three ladder steps, 2->3 and the controls 1->2 and 3->4).
 
-    The documents are split once, at random with ``numpy.random.default_rng(seed)``, into a fit half and
-    a test half. For each step, mode and ratio: Spearman's rho over the fit half (``rho_fit``) selects the
-    cell when it is above 0 (the explanation's direction); on the test half, ``p_test`` is the one-sided
-    p-value of rho > 0 (:func:`scipy.stats.spearmanr`, ``alternative="greater"``; NaN for an unselected
-    cell). ``p_holm`` is Holm's adjustment (:func:`cwcore.stats.holm`) over *every* cell of the table
-    (unselected cells count as p = 1, so the family keeps its size: 3 steps x 2 modes x the ratios).
-    ``verdict``: holds when ``p_holm < alpha``, else inconclusive (not measured when a half has fewer
-    than three documents). The explanation is specific to its step when it holds there more often than
-    in the controls (``role``: ``explained`` / ``control``)."""
+    One random split (``default_rng(seed)``); a cell is selected when its fit-half rho is above 0 and tested
+    one-sided on the other half; ``p_holm`` over every cell (unselected ones count as p = 1); ``verdict``
+    holds when ``p_holm < alpha``, else inconclusive (not measured when a half has fewer than three documents)."""
     from scipy import stats as scipy_stats
 
     doc = layer_average(anatomy) if "layer" in anatomy else anatomy

@@ -1,13 +1,4 @@
-"""The book's calls of the library's sweeps, with the book's conventions: caching on by default.
-
-The library caches nothing unless a call runs inside :func:`cwcore.cache.caching`; the book's
-production relies on its result cache (a rerun of ``make book`` or ``make evidence`` reads every
-finished piece, an interrupted one resumes), so its calls take ``cache`` (default True) and
-``cache_dir`` (default ``$CWCORE_CACHE``) and run inside such a block. :func:`per_sequence_curve`
-also keeps the book's names of the per-sequence sweep (``per_sequence``, ``first_sequence``), which are
-among the settings of its committed frames (:func:`cwbook.evidence_frames.committed_frame` takes a frame
-only when they are equal).
-"""
+"""The book's calls of the library's sweeps, with the book's conventions: caching on by default."""
 
 from __future__ import annotations
 
@@ -21,8 +12,6 @@ from cwcore.faithfulness.downstream import downstream_eval
 from cwcore.faithfulness.layers import per_layer_curve
 from cwcore.faithfulness.lm import faithfulness_curve
 
-__all__ = ["per_sequence_curve", "cached_downstream_eval", "cached_per_layer_curve"]
-
 
 def per_sequence_curve(model, tokenizer, texts, metric: Any = None, ratios: float | Sequence[float] | None = None,
                        mode: str | Sequence[str] | None = None, *, protocol=None, n_bootstrap: int = 1000,
@@ -31,9 +20,7 @@ def per_sequence_curve(model, tokenizer, texts, metric: Any = None, ratios: floa
                        cache: bool = True, cache_dir: str | Path | None = None, progress: bool = True,
                        first_sequence: int = 0, **protocol_keywords) -> pd.DataFrame:
     """:func:`cwcore.faithfulness.faithfulness_curve` inside :func:`cwcore.cache.caching` (``cache``,
-    ``cache_dir``): its ``.per_sequence`` table (``per_sequence=False``: its ``.table``). ``first_sequence``:
-    the id of the first text (``sequence_ids=range(first_sequence, first_sequence + n)``), so that the
-    texts ``k:`` of a sample, run with ``first_sequence=k``, give that sample's rows."""
+    ``cache_dir``): its ``.per_sequence`` table (``per_sequence=False``: its ``.table``)."""
     if isinstance(first_sequence, bool) or not isinstance(first_sequence, int) or first_sequence < 0:
         raise ValueError(f"first_sequence must be a non-negative int, got {first_sequence!r}")
     ids = None

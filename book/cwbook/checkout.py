@@ -1,23 +1,10 @@
-"""Which checkout is running: a warning when ``import cwcore`` loads another checkout's code.
-
-A clone that shares another checkout's environment (its ``.venv``, an editable install pointing
-elsewhere) runs that checkout's code without saying so: edits in the clone change nothing. When the
-working folder lies inside a cwcore checkout and the imported package is the ``cwcore/`` of a
-*different* checkout, :func:`warn_if_other_checkout` says so once, naming both.
-
-It stays silent when the two are the same checkout (the normal case, CI's fresh clone with its own
-``.venv``, a git worktree run with ``PYTHONPATH`` set to it), when the working folder is not inside a
-checkout (a notebook kernel in a temporary folder, a user's project), and when the package is an
-installed wheel (it has no checkout to compare). ``CWCORE_NO_CHECKOUT_WARNING=1`` silences it.
-"""
+"""Which checkout is running: a warning when ``import cwcore`` loads another checkout's code."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from pathlib import Path
-
-__all__ = ["CheckoutWarning", "checkout_of", "warn_if_other_checkout"]
 
 SILENCE_ENV_VAR = "CWCORE_NO_CHECKOUT_WARNING"
 

@@ -1,32 +1,11 @@
 """``make confirmatory``: the confirmatory sample's evidence, computed after its registration.
 
-The confirmatory replication (``book/preregistration.md``, "Confirmatory registration") decides the
-registered tests on 64 new documents per data set (:func:`cwbook.registration.confirmatory_blocks`).
-This module computes exactly those tests, with the parameters of the ``confirmatory`` profile of
-``book/run.yml`` (the evidence profile's), into ``data/results/confirmatory``; it never executes a
-notebook (the notebooks draw the exploratory samples).
-
-``python -m cwbook.confirmatory build [--models m1,m2] [--jobs N]`` (what ``make confirmatory`` and
-``python -m cwbook build --profile confirmatory`` run) does three steps, each resumable:
-
-``ladder``
-    chapter 4's eight ladder cells (2 models x 2 data sets x the protocols ``default`` and ``per-head``,
-    both modes, both importance signs, every ratio of both grids, the random control at 3 seeds) with the
-    evidence profile's sweep (:func:`cwbook.evidence_build.ladder_cell`): each cell merges every
-    :data:`~cwbook.evidence_build.CHECKPOINT_DOCUMENTS` documents into
-    ``per_document_<model>_<data>.csv.gz`` (its JSON says ``"sample": "confirmatory"`` and lists the
-    document ids), so what is finished can be committed while it runs, and a restarted build resumes
-    from the committed rows after a 2-document check;
-``sinks``
-    chapters 5-7's one pass of the sink analyses on the same documents and their claims tables
-    (:func:`sink_tables`), written as the chapters write theirs (``<chapter>/<model>.csv``);
-``tables``
-    chapter 4's ladder tables from the exports and ``findings.csv``
-    (:func:`cwbook.evidence_export.tables`): this folder's, and the exploratory folder's with both
-    samples' rows.
-
-The sweeps split their documents over ``--jobs`` single-thread ranks (``$CWCORE_JOBS``); the results are
-the same with 1.
+``python -m cwbook.confirmatory build [--models m1,m2] [--jobs N]`` computes the registered tests on the
+confirmatory sample (:func:`cwbook.registration.confirmatory_blocks`) with the ``confirmatory`` profile's
+parameters into ``data/results/confirmatory``, never executing a notebook, in three resumable steps:
+``ladder`` (chapter 4's eight cells through :func:`cwbook.evidence_build.ladder_cell`, checkpointed into
+``per_document_<model>_<data>.csv.gz``), ``sinks`` (chapters 5-7's claims tables, :func:`sink_tables`) and
+``tables`` (:func:`cwbook.evidence_export.tables`: the ladder tables and ``findings.csv``).
 """
 
 from __future__ import annotations
@@ -41,9 +20,6 @@ from typing import Mapping, Sequence
 import pandas as pd
 
 from . import registration
-
-__all__ = ["OUT", "PROFILE", "CHAPTER", "SINK_CHAPTERS", "ladder_parameters", "ladder", "sink_tables", "sinks",
-           "tables", "status", "write_status", "build", "main"]
 
 #: the committed confirmatory evidence (beside the exploratory ``data/results/evidence``)
 OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "confirmatory"  # findings.CONFIRMATORY_DIR

@@ -1,28 +1,16 @@
 """``make evidence``: the evidence profile, resumed from the repository, then its tables and ``PROVENANCE``.
 
-:func:`build_evidence` (what ``python -m cwbook build --profile evidence [--jobs N]`` runs)
+:func:`build_evidence` (``python -m cwbook build --profile evidence [--jobs N]``)
 
-1. executes the profile's notebooks (:func:`cwbook.build`), every sweep resumable from the result
-   cache; chapter 4's ladder cells go through :func:`ladder_cell`, which takes a cell from its committed
-   per-document export (``data/results/evidence/per_document_<model>_<data>.csv.gz``) when a fresh
-   recomputation of the cell's first :data:`SLICE_DOCUMENTS` documents, without the cache, equals the
-   committed rows within :data:`ATOL` nats plus :data:`RTOL` relative (float32 rounding); otherwise it computes the whole cell. So a new machine with
-   an empty cache resumes from what is committed. While the build runs, each cell merges every
-   :data:`CHECKPOINT_DOCUMENTS` documents into its export (:func:`cwbook.evidence_export.merge_cell`),
-   and a cell the export holds in part is resumed: its documents held whole are taken, the rest computed;
-2. copies the results tables of the other per-model chapters it ran (the sink chapters 5-7) into the
-   evidence folder (:func:`copy_chapter_tables`), exports chapter 4's per-document rows of every model
-   and data set it ran (from the cache's pieces, or the committed cells it took) and remakes the evidence tables and ``findings.csv`` from the exports
-   (:func:`export_and_tables`), then ``STATUS.md``, what the profile plans against what the folder now holds
-   (:func:`cwbook.evidence_status.write_status`). The chapter's downstream tasks, per-layer interventions and
-   protocol variants (Table 8) are kept the same way, as committed frames the notebook writes or takes
-   (:mod:`cwbook.evidence_frames`: :func:`downstream_cell`, :func:`per_layer_cell`,
-   :func:`~cwbook.evidence_frames.sensitivity_cell`); the anatomy of each exported data set and its explained
-   steps are made after the exports (:func:`anatomy_evidence`);
-3. writes ``PROVENANCE`` beside them (:func:`write_provenance`, atomically): the commit, the code hashes
-   of the result keys, the result cache's hits and misses summed over every process of the build
-   (kernels and ranks, through ``$CWCORE_CACHE_TALLY``), the committed cells taken and recomputed,
-   wall time, machine, launcher and world size (:func:`cwcore.runs.launch_info`).
+1. executes the profile's notebooks; a ladder cell (:func:`ladder_cell`) is taken from its committed export
+   when its first :data:`SLICE_DOCUMENTS` documents, recomputed without the cache, equal the committed rows
+   within :data:`ATOL` nats plus :data:`RTOL` relative, else computed, merging every
+   :data:`CHECKPOINT_DOCUMENTS` documents into the export (so a new machine resumes from what is committed);
+2. copies the sink chapters' tables (:func:`copy_chapter_tables`), exports chapter 4's per-document rows,
+   remakes the evidence tables and ``findings.csv`` (:func:`export_and_tables`), the anatomy
+   (:func:`anatomy_evidence`) and ``STATUS.md``;
+3. writes ``PROVENANCE`` (:func:`write_provenance`): commit, code hashes, cache hits and misses over every
+   process, the committed cells taken and recomputed, wall time, machine and launcher.
 """
 
 from __future__ import annotations
@@ -48,9 +36,9 @@ from . import ladder as evidence
 from .anatomy import LADDER
 from cwcore.faithfulness.protocol import Protocol, identical_steps
 from cwcore.faithfulness.ranking import MODES
-from . import DEFAULT_BOOK_DIR, git, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
+from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
-from .evidence_files import CommittedFileError
+from .evidence_files import CommittedFileError, checkout, now
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, read_committed, tables as export_tables
 from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, NOT_NUMBERS, PER_LAYER, RTOL,
                               SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity, checked_how,
@@ -60,11 +48,6 @@ from .evidence_status import write_status
 from .findings import BENCH_CHAPTER
 from .parameters import run_parameters
 
-__all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "CELLS_ENV_VAR", "CHECKPOINT_DOCUMENTS", "CHECKPOINT_ENV_VAR", "ladder_cell",
-           "downstream_cell", "per_layer_cell", "anatomy_evidence",
-           "committed_cell", "committed_documents", "checkpoint_documents", "build_evidence",
-           "provenance_record", "write_provenance", "read_provenance", "provenance_lines", "copy_chapter_tables"]
-
 #: documents a ladder cell computes between two merges into its export during the evidence build
 #: (about 20 minutes of smollm2-135m, 45 of gemma3-270m on 2 CPU cores): what is finished can be committed
 CHECKPOINT_DOCUMENTS = 16
@@ -72,24 +55,10 @@ CHECKPOINT_ENV_VAR = "CWCORE_EVIDENCE_CHECKPOINT"
 CODE_SCOPES = ("faithfulness", "sinks")  # the producing code of the evidence profile's results
 
 
-def committed_cell(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
-                   *, profile: str, seq_len: int, seed: int, dtype: str, exports: str | Path | None = None,
-                   variant: str = "main") -> tuple[pd.DataFrame | None, str]:
-    """(rows, why) of one ladder cell in its committed export: the rows of ``protocol`` (its ``variant``:
-    an export older than the column holds the main protocols only), ``importances``,
-    ``metrics`` and ``ratios`` on ``documents`` (in that order of documents, the export's row order
-    otherwise), or None with the reason when the export does not hold all of them under the same
-    profile, block length, seed and dtype."""
-    rows, held, why = committed_documents(model, data, protocol, documents, metrics, ratios, importances,
-                                          profile=profile, seq_len=seq_len, seed=seed, dtype=dtype, exports=exports,
-                                          variant=variant)
-    return (rows, why) if held == len(documents) else (None, why)
-
-
 def committed_documents(model: str, data: str, protocol: str, documents: Sequence[int], metrics, ratios, importances,
                         *, profile: str, seq_len: int, seed: int, dtype: str, exports: str | Path | None = None,
                         variant: str = "main", multiple: int = 1, found=False) -> tuple[pd.DataFrame | None, int, str]:
-    """(rows, held, why): the committed rows of the cell (as :func:`committed_cell`) on its first
+    """(rows, held, why): the committed rows of one ladder cell (its ``protocol`` and ``variant``) on its first
     ``held`` ``documents``, the longest leading run of them that the export holds whole (every
     importance, metric, ratio and mode), cut to a multiple of ``multiple`` unless it is all of them
     (a checkpointed build merges whole batches); rows None and ``held`` 0 with the reason otherwise.
@@ -157,10 +126,6 @@ def _broken_identities(rows: pd.DataFrame, protocol: str, variant: str) -> str:
     return "; ".join(broken)
 
 
-def _rows_hash(rows: pd.DataFrame) -> str:
-    return evidence_export.cell_rows_hash(rows)
-
-
 def checkpoint_documents(checkpoint: int | None, batch_size: int) -> int:
     """Documents computed between two merges into the export (0: none): ``checkpoint``, or
     ``$CWCORE_EVIDENCE_CHECKPOINT`` (the evidence build sets it), rounded up to whole batches on every
@@ -185,14 +150,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     from the cell's committed rows (:func:`committed_documents`; ``model`` and ``data`` name the export)
     when ``sweep`` on the first ``slice_documents`` blocks, without the cache, gives the same rows within
     ``atol`` nats plus ``rtol`` of the committed value (:func:`cwbook.evidence_export.compare`): the documents the export holds whole are
-    taken, the rest computed (``first_sequence``: the same batches as a whole run). The committed rows come
-    without the export's ``data``, ``model`` and ``delta_nll`` columns, in the sweep's order
-    (:func:`cwbook.ladder.sweep_order`). A ``random_seeds`` keyword of more seeds than the
-    export ran completes it: only the missing seeds are computed. ``checkpoint`` (documents;
-    :func:`checkpoint_documents`): compute that many documents at a time and merge each slice into the
-    export (:func:`cwbook.evidence_export.merge_cell`), so that what is finished can be committed
-    while the build runs. ``blocks``: a :func:`cwcore.data.document_blocks` data set (its ``document``
-    column names the rows)."""
+    taken, the rest computed (``first_sequence``: the same batches as a whole run)."""
     t0 = time.monotonic()
     call = dict(protocol=protocol, importances=list(importances), seed=seed, **kwargs)
     seq_len = len(blocks[0]["input_ids"])
@@ -205,8 +163,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     every_slice = checkpoint_documents(checkpoint, batch)
     seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
     labels = [*metrics, *seeds]
-    look = dict(**same, exports=exports, variant=variant, multiple=batch,
-                found=_read_or_refused(model, data, exports))
+    look = dict(**same, exports=exports, variant=variant, multiple=batch, found=_read_or_refused(model, data, exports))
     whole, held_whole, why = committed_documents(model, data, protocol, documents, labels, ratios, importances, **look)
     base, held = whole, held_whole
     if seeds:
@@ -222,7 +179,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     if held:
         kept = whole if held_whole else base
         if held_whole == n:
-            decision["cell_sha256"] = _rows_hash(kept)
+            decision["cell_sha256"] = evidence_export.cell_rows_hash(kept)
         earlier = recorded_decision(decision) if held_whole == n else None
         if earlier is not None:  # checked (or computed) earlier in this build (the notebook's kernel): not again
             return _ordered([_plain(kept)], labels, importances, chosen.kind)
@@ -292,7 +249,7 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     else:
         out = _ordered([*map(_plain, taken), *computed], labels, importances, chosen.kind)
     if every_slice and todo:
-        decision.update(merged=True, cell_sha256=_rows_hash(out))
+        decision.update(merged=True, cell_sha256=evidence_export.cell_rows_hash(out))
     record_decision(decision)
     return out
 
@@ -316,12 +273,7 @@ def _machine() -> dict:
            "cpu": this_cpu() or platform.processor() or None, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
            "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
-    try:
-        from importlib.metadata import version
-
-        out["transformers"] = version("transformers")
-    except Exception:  # noqa: BLE001 - provenance only
-        out["transformers"] = None
+    out["transformers"] = evidence_export._version("transformers")
     return out
 
 
@@ -331,21 +283,17 @@ PROVENANCE_WHAT = ("provenance of `make evidence` (python -m cwbook build --prof
 
 def provenance_record(*, profile: str, models, only, wall_s: float, tally: dict, cells: list[dict],
                       written: Sequence[Path] = (), chapters: Sequence[str] = (), config=None) -> dict:
-    """What ``PROVENANCE`` holds (see the module's docstring), as a dict. ``models``: a list, or the command
-    line's comma-separated string; ``config``: a run configuration other than ``book/run.yml`` (recorded
-    with its content's hash, since it may change what the profile computes)."""
+    """What ``PROVENANCE`` holds (see the module's docstring), as a dict."""
     if isinstance(models, str):
         models = [m.strip() for m in models.split(",") if m.strip()]
-    root = Path(cwcore.__file__).resolve().parent.parent
-    status = git(root, "status", "--porcelain", "--", "cwcore")
     return {
-        "commit": git(root, "rev-parse", "HEAD"), "cwcore_modified": None if status is None else bool(status),
+        **checkout(),
         "profile": profile, "models": list(models) if models else None, "only": only,
         "code_hashes": {scope: cw_cache.code_version((scope,)) for scope in CODE_SCOPES},
         "cache": {"hits": tally["hits"], "misses": tally["misses"], "processes": tally["processes"]},
         "committed_cells": {"taken": [c for c in cells if c.get("decision") == "committed"],
                             "recomputed": [c for c in cells if c.get("decision") == "recomputed"]},
-        "chapters": list(chapters or []), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "chapters": list(chapters or []), "created": now(),
         "wall_s": round(float(wall_s), 1), "machine": _machine(), **{"launch": runs.launch_info()},
         "written": [Path(p).name for p in written],
         **({"config": {"path": str(config), "sha256": _file_hash(config)}} if config is not None else {}),
@@ -378,9 +326,7 @@ def read_provenance(path: str | Path) -> dict:
 
 def write_provenance(path: str | Path, record: dict) -> Path:
     """Add ``record`` (one build, its ``chapters`` listed) to ``PROVENANCE`` at ``path``, atomically (the
-    old file or the new one, never half). The chapters it built leave the earlier builds' records (a
-    record left with none is dropped) and the older plain-text lines that name only those chapters, so
-    each chapter's tables are described by the build that made them."""
+    old file or the new one, never half)."""
     path = Path(path)
     old, rebuilt = read_provenance(path), set(record.get("chapters") or [])
     builds = []
@@ -467,10 +413,7 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
                       config_path: str | Path | None = None, **_) -> list[Path]:
     """Steps 2-3 of :func:`build_evidence`'s work: the other chapters' tables copied
     (:func:`copy_chapter_tables`), every (model, data set) of chapter 4 in the build exported (:func:`cwbook.evidence_export.export`, resumed: the cache's pieces, or a committed cell
-    this build took), then :func:`cwbook.evidence_export.tables`. Returns the paths written, with
-    the committed frames of each model (:mod:`cwbook.evidence_frames`: chapter 4's downstream
-    tasks, and its per-layer interventions and protocol variants on the first data set; chapter 4b's bench
-    per data set), which the notebooks wrote or took."""
+    this build took), then :func:`cwbook.evidence_export.tables`."""
     config = config_path or DEFAULT_BOOK_DIR / "run.yml"
     _, _, planned = plan(load_config(config), profile=profile, models=models, only=only)
     written: list[Path] = copy_chapter_tables(planned, out)
@@ -499,9 +442,7 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
 
 def build_evidence(*, profile: str = "evidence", models=None, only=None, out: str | Path | None = None,
                    build: Callable | None = None, tables: Callable | None = None, **build_kwargs) -> Path:
-    """Steps 1-3 of the module's docstring; returns the path of ``PROVENANCE``. ``build`` (default
-    :func:`cwbook.build`) gets ``profile``, ``models``, ``only`` and ``build_kwargs``; ``tables``
-    (default :func:`export_and_tables`) gets ``out``. ``PROVENANCE`` is not written when a step fails."""
+    """Steps 1-3 of the module's docstring; returns the path of ``PROVENANCE``."""
     out = Path(out) if out is not None else evidence_export.DEFAULT_OUT
     build = build or book_build
     if tables is None:

@@ -1,31 +1,4 @@
-"""The committed evidence, per document, and a slice of it recomputed.
-
-The ``evidence`` profile of ``book/run.yml`` runs chapter 4's ladder sweeps for hours; the notebook
-keeps its per-document table only in the result cache. This module
-
-* :func:`per_document` calls :func:`cwbook.ladder.ladder_evidence`, the function that
-  computes notebook ``04_faithfulness``'s cells, with the parameters that notebook runs with under a
-  profile (:func:`cwbook.parameters.run_parameters`: run.yml merged as the book runner merges it)
-  on the first ``n_documents`` documents of one data set, for a subset of protocols, importance signs,
-  ratios and metrics, and returns the per-document table with ``data``, ``model`` and ``document``
-  columns. :func:`cwcore.data.document_blocks` is prefix-stable and the sweep's pieces are named by
-  batch content, so the first batch of a long run is read back from its cache;
-* :func:`export` writes that table to ``data/results/evidence/per_document_<model>_<data>.csv.gz``
-  (floats to 8 significant digits) with a ``.json`` beside it: the commit of the code that ran, the
-  profile, sizes, parameters, wall time, the cache's code hash and how many pieces were cache hits;
-* :func:`compare` lists the rows of a recomputation that do not match the committed ones
-  (``tests/faithfulness/test_evidence_slice.py`` recomputes the first two documents);
-* :func:`tables` turns the exports into chapter 4's evidence tables (the stacked ladder the notebook
-  writes, ``04_faithfulness/<model>.csv`` with its ``.json``; the downstream tasks' steps too, where
-  their committed frame is, :mod:`cwbook.evidence_frames`) and rewrites ``findings.csv`` beside
-  them, so that the findings page shows what the exports hold while the build is unfinished.
-
-It runs as a module, also under a frozen checkout of cwcore (whose code hash keys that checkout's
-cache; a checkout older than this module has it as ``cwcore/faithfulness/evidence_slice.py``)::
-
-    PYTHONPATH=/path/to/frozen CWCORE_CACHE=... python -m cwbook.evidence_export export \\
-        --profile evidence --model smollm2-135m --data gsm8k --documents 8 --protocols default --require-cached
-"""
+"""The committed evidence, per document, and a slice of it recomputed."""
 
 from __future__ import annotations
 
@@ -43,19 +16,15 @@ import pandas as pd
 
 import cwcore
 from cwcore import cache as cw_cache
-from cwcore.data import document_blocks
 from . import ladder as evidence
 from . import findings
-from . import git, results_path, slug
+from . import results_path, slug
 from . import registration
-from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, content_hash, read_pair
+from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, checkout, content_hash, gzipped_csv, now,
+                             read_present_pair)
 from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
                               downstream_ladder, read_downstream, read_frame)
 from .parameters import profile_models, run_parameters
-
-__all__ = ["CHAPTER", "KEYS", "EXACT", "FLOATS", "SIGNIFICANT_DIGITS", "LADDER_PARAMETERS", "notebook_parameters",
-           "grids_of", "weight_variant_names", "per_document",
-           "export", "keep_other_cells", "merge_cell", "canonical_rows", "cell_name", "compare", "read_committed", "paths", "tables", "DEFAULT_OUT"]
 
 CHAPTER = "04_faithfulness"
 #: the columns that name a row of the per-document table
@@ -120,19 +89,7 @@ def per_document(profile: str, model: str, data: str, n_documents: int,
     """The per-document table of chapter 4's ladder sweeps under ``profile`` on the first
     ``n_documents`` documents of ``data``: the notebook's own function,
     :func:`cwbook.ladder.ladder_evidence`, with the notebook's parameters
-    (:func:`notebook_parameters`) for this one data set, with a ``model`` column.
-
-    ``importances``, ``ratios``, ``metrics`` and ``variants`` (the variant cells, ``()``: none) default
-    to the notebook's and must be among them (a
-    ratio subset reads the same pieces: they are named by ratio; it keeps the names of the grids
-    the ratios come from, :meth:`~cwbook.ladder.RatioGrids.restrict`). ``cache``
-    defaults to the notebook's ``cache`` parameter; ``cache_dir`` to :func:`cwcore.cache.cache_root`.
-    ``loaded``: an already loaded ``(model, tokenizer)`` (it must be the notebook's ``model`` in its
-    ``dtype``). The merged notebook parameters are in ``table.attrs["parameters"]`` (with ``grids``:
-    the named grids run). ``sweep``: what runs one cell (default ``ladder_sweep``;
-    :func:`cwbook.evidence_build.ladder_cell` resumes from an export; see
-    :func:`~cwbook.ladder.ladder_evidence`).
-    """
+    (:func:`notebook_parameters`) for this one data set, with a ``model`` column."""
     p = notebook_parameters(profile, model, config)
     protocols = _subset(protocols, p["protocols"], "protocol")
     importances = _subset(importances, p["importances"], "importance")
@@ -186,13 +143,10 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
                              config=config, loaded=loaded, sweep=sweep)
     wall = time.monotonic() - t0
     used = table.attrs["parameters"]
-    root = Path(cwcore.__file__).resolve().parent.parent
-    status = git(root, "status", "--porcelain", "--", "cwcore")
     meta = {
         "what": f"per-document rows of chapter {CHAPTER}'s ladder sweeps (cwbook.ladder.ladder_sweep)"
                 " on the first documents of the profile's sample; delta_nll = nll - clean_nll (nats)",
-        "commit": git(root, "rev-parse", "HEAD"),
-        "cwcore_modified": None if status is None else bool(status),
+        **checkout(),
         "profile": profile, "model": model, "data": data, "documents": int(n_documents),
         "document_ids": [int(d) for d in table.sort_values("sequence", kind="stable")["document"].unique()],
         "protocols": list(used["protocols_run"]), "variants": list(used.get("variants") or []),
@@ -207,7 +161,7 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
                   "misses": counter.misses, "folders": sorted(counter.folders)},
         "versions": {"python": platform.python_version(), "torch": _version("torch"),
                      "transformers": _version("transformers")},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "created": now(),
     }
     csv, js = paths(model, data, out)
     found = read_committed(model, data, out)
@@ -224,10 +178,7 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
 def keep_other_cells(table: pd.DataFrame, meta: dict, committed: pd.DataFrame,
                      committed_meta: dict) -> tuple[pd.DataFrame, dict]:
     """(table, meta) of an export with the committed export's cells that this one did not run kept in it:
-    a build whose configuration asks for fewer cells (no variants, say) must not drop finished evidence.
-    A cell is a (protocol, variant); its rows are kept, after the new rows, when the committed export
-    ran the same sample (profile, block length, seed, dtype and documents); otherwise it is dropped with a
-    line saying so. ``meta``'s lists (protocols, variants, importances, metrics) and ``rows`` follow."""
+    a build whose configuration asks for fewer cells (no variants, say) must not drop finished evidence."""
     ran = set(zip(table["protocol"], table["variant"]))
     cell_of = pd.Series(list(zip(committed["protocol"], committed["variant"])), index=committed.index)
     other = committed[~cell_of.isin(ran)]
@@ -308,14 +259,12 @@ def _write(csv: Path, js: Path, table: pd.DataFrame, meta: dict) -> bool:
     written = _read_rows(csv) if csv.is_file() and js.is_file() else None  # verified by the caller's read
     if written is not None:
         table = _keep_written_differences(table, written)
-    # mtime 0: the same rows give the same bytes
-    rows = io.BytesIO()  # written whole, then renamed into place: a killed export leaves the old file
-    table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
-    digest = content_hash(rows.getvalue())
-    if written is not None and csv.read_bytes() == rows.getvalue() and _recorded_hash(js) == digest:
+    rows = gzipped_csv(table, SIGNIFICANT_DIGITS)  # written whole, then renamed: a killed export leaves the old file
+    digest = content_hash(rows)
+    if written is not None and csv.read_bytes() == rows and _recorded_hash(js) == digest:
         return False
     meta = {**meta, "rows": len(table), HASH_FIELD: digest}
-    cw_cache.atomic_write_bytes(csv, rows.getvalue())
+    cw_cache.atomic_write_bytes(csv, rows)
     cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1) + "\n").encode())
     return True
 
@@ -333,11 +282,7 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
     """Merge the per-document ``rows`` of one ladder cell (as :func:`cwbook.ladder.ladder_sweep`
     returns them, for some of its documents) into the export of ``model`` and ``data``, atomically, so
     that a long build's finished documents can be committed while it runs (the evidence build checkpoints
-    every few batches: :func:`cwbook.evidence_build.ladder_cell`). Rows with the same key replace
-    the export's; ``replace``: drop the cell's rows first (a cell being recomputed from scratch; ``rows``
-    may then be None). ``document_ids``: the whole sample's documents in order (the export's
-    ``document_ids``). The JSON's ``cells`` records, per cell, the documents held and the commit and
-    time of the last write. Returns the paths."""
+    every few batches: :func:`cwbook.evidence_build.ladder_cell`)."""
     csv, js = paths(model, data, out)
     found = read_committed(model, data, out)
     same = {"profile": profile, "seq_len": int(seq_len), "seed": int(seed), "dtype": str(dtype)}
@@ -363,9 +308,8 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
     table = pd.concat([table, fresh], ignore_index=True)
     table = canonical_rows(table, ids)
     cell_rows = table[(table["protocol"] == protocol) & (table["variant"] == variant)] if len(table) else table
-    root = Path(cwcore.__file__).resolve().parent.parent
-    commit, created = git(root, "rev-parse", "HEAD"), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    status = git(root, "status", "--porcelain", "--", "cwcore")
+    checked_out, created = checkout(), now()
+    commit = checked_out["commit"]
     cells = dict(meta.get("cells", {}))
     cells[cell_name(protocol, variant)] = {
         "documents": int(cell_rows["document"].nunique()) if len(cell_rows) else 0,
@@ -381,7 +325,7 @@ def merge_cell(model: str, data: str, rows: pd.DataFrame | None, *, protocol: st
         "variants": [v for v in dict.fromkeys(table["variant"]) if v != "main"] if len(table) else [],
         "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g", "cells": cells,
         # the last merge's checkout (each cell's own commit is in ``cells``)
-        "commit": commit, "cwcore_modified": None if status is None else bool(status), "created": created,
+        **checked_out, "created": created,
     }
     for key, value in (("importances", "importance"), ("modes", "mode")):
         meta[key] = sorted(table[value].unique().tolist()) if len(table) else []
@@ -404,19 +348,12 @@ def _version(name: str) -> str | None:
 
 
 def read_committed(model: str, data: str, out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
-    """(table, provenance) of an export, or None when both files are absent. Text columns read back as
-    the sweep wrote them (an empty ``kind`` or ``variant`` is ``""``, not NaN), so that committed rows
-    and freshly computed ones group together. Verified on every read
-    (:class:`~cwbook.evidence_files.CommittedFileError` with a one-line reason otherwise): the
-    table's bytes against the SHA-256 its JSON records, its rows, documents and each cell's documents
-    against the counts the JSON records (a cell recorded whole holds every document of the sample)."""
+    """(table, provenance) of an export, or None when both files are absent."""
     csv, js = paths(model, data, out)
-    if not (csv.is_file() and js.is_file()):
-        if csv.is_file() != js.is_file():
-            raise CommittedFileError(f"{(csv if csv.is_file() else js).name} has no "
-                                     f"{(js if csv.is_file() else csv).name} beside it (an interrupted write)")
+    found = read_present_pair(csv, js)
+    if found is None:
         return None
-    data_bytes, meta = read_pair(csv, js)
+    data_bytes, meta = found
     table = _read_rows(io.BytesIO(data_bytes))
     _check_export(table, meta, csv.name)
     _check_provenance(table, meta, csv.name, csv.parent / "PROVENANCE")
@@ -502,10 +439,7 @@ def _read_rows(csv) -> pd.DataFrame:
 # -- compare ---------------------------------------------------------------------------------------
 def compare(committed: pd.DataFrame, recomputed: pd.DataFrame, atol: float, rtol: float = 0.0) -> pd.DataFrame:
     """The rows of ``recomputed`` that do not match ``committed`` (a slice: committed rows outside
-    ``recomputed``'s keys are ignored). A row mismatches when it is missing from ``committed``, when an
-    integer column (:data:`EXACT`) differs, or when a float column (:data:`FLOATS`) differs by more
-    than ``atol + rtol * |committed|`` (or only one of the two is NaN). Returns one row per mismatching
-    key, with ``<column>_committed``, ``<column>_recomputed`` and ``problem``; empty when all match."""
+    ``recomputed``'s keys are ignored)."""
     return compare_rows(committed, recomputed, keys=KEYS, exact=EXACT, floats=FLOATS, atol=atol, rtol=rtol)
 
 
@@ -570,17 +504,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     (per protocol and ratio range, the low range ending at the top of the export's low grid; the
     profile's ``n_bootstrap`` and ``seed``), stacked with a ``data``
     column as the notebook stacks them, written by :func:`cwbook.findings.save_results` to
-    ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder). Its ``.json`` names the
-    cells the rows hold (data set x protocol, documents) and what is not in them. Where the model's
-    downstream tasks are committed (``downstream_<model>_<task>.csv.gz``, :func:`cwbook.evidence_frames.downstream_cell`),
-    their ladder steps follow, as the notebook computes them (:func:`cwbook.evidence_frames.downstream_ladder`, ``data`` = the
-    task); beside them ``out/held_out_<model>_<data>.csv``, the anatomy's held-out
-    test with its controls (:func:`cwbook.evidence_frames.anatomy_held_out`) where the anatomy frame
-    of that data set is committed (``anatomy_<model>_<data>.csv.gz``). Then ``out/findings.csv`` is rewritten by
-    :func:`cwbook.findings.findings_csv` over ``all_models`` (default: the profile's models, in its
-    order, as chapter 9 writes it), so its sink rows are those of the committed sink tables.
-    Returns the paths written. The rows carry 8 significant digits, so an interval computed here can
-    differ from the notebook's in-memory one in the 8th digit."""
+    ``out/04_faithfulness/<model>.csv`` (the layout of a book results folder)."""
     out = Path(out) if out is not None else DEFAULT_OUT
     if not out.is_dir():
         raise ValueError(f"{out} is not a folder of per-document exports (pass --out the folder that holds "
@@ -608,8 +532,7 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                 _, ladder = evidence.evidence_tables(whole_seeds(rows).drop(columns=["data", "model", "delta_nll"]),
                                                      grids=grids, n_bootstrap=p["n_bootstrap"], seed=p["seed"])
                 ladders.append(ladder.assign(data=data))
-            cells += [f"{data} x {protocol} ({_cell_documents(meta, protocol)})"
-                      for protocol in meta["protocols"]]
+            cells += [f"{data} x {protocol} ({_cell_documents(meta, protocol)})" for protocol in meta["protocols"]]
             cells += [f"{data} x default, {v} ({_cell_documents(meta, cell_name('default', v))})"
                       for v in meta.get("variants", [])]
             provenance[data] = {k: meta[k] for k in ("commit", "cwcore_modified", "created", "rows")}

@@ -1,17 +1,4 @@
-"""Committed evidence verified by its content: each committed table's JSON records the SHA-256 of its CSV.
-
-The evidence folder (``data/results/evidence``) holds pairs of files: a table (``<name>.csv.gz``) and
-its JSON (what ran, how many rows, which documents). A pair is trusted only when the table's bytes
-hash to the ``csv_sha256`` its JSON records (:func:`read_pair`): a number changed by hand, a document
-lost, or a process killed between the two writes (a new table beside the old JSON) is refused with a
-one-line reason, and the reader recomputes instead of taking the rows. The row count and the units
-(documents, examples) a table holds are checked against its JSON by the readers
-(:func:`check_rows`, :func:`check_units`).
-
-``python -m cwbook.evidence_files --record [FOLDER]`` adds the hash to the JSONs that have none
-(files written before the hash existed), leaving every table as it is; a JSON whose recorded hash does
-not match is never rewritten (that pair must be recomputed, or restored from git).
-"""
+"""Committed evidence verified by its content: each committed table's JSON records the SHA-256 of its CSV."""
 
 from __future__ import annotations
 
@@ -23,9 +10,6 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 import pandas as pd
-
-__all__ = ["HASH_FIELD", "CommittedFileError", "content_hash", "read_pair", "check_rows", "check_units",
-           "record_hashes", "committed_pairs"]
 
 #: the JSON field that holds the SHA-256 (hex) of the table's bytes as committed
 HASH_FIELD = "csv_sha256"
@@ -63,6 +47,43 @@ def read_pair(table: Path, meta_path: Path) -> tuple[bytes, dict]:
                                  "after it was written, or a write interrupted between the two files): not taken; "
                                  "restore both from git or recompute them")
     return data, meta
+
+
+def read_present_pair(table: Path, meta_path: Path) -> tuple[bytes, dict] | None:
+    """:func:`read_pair`, or None when both files are absent; one without the other is refused."""
+    if not (table.is_file() and meta_path.is_file()):
+        if table.is_file() != meta_path.is_file():
+            raise CommittedFileError(f"{(table if table.is_file() else meta_path).name} has no "
+                                     f"{(meta_path if table.is_file() else table).name} beside it (an interrupted write)")
+        return None
+    return read_pair(table, meta_path)
+
+
+def gzipped_csv(table: pd.DataFrame, significant_digits: int) -> bytes:
+    """``table`` as gzipped CSV, floats to ``significant_digits``; mtime 0, so the same rows give the same bytes."""
+    import io
+
+    rows = io.BytesIO()
+    table.to_csv(rows, index=False, float_format=f"%.{significant_digits}g", compression={"method": "gzip", "mtime": 0})
+    return rows.getvalue()
+
+
+def now() -> str:
+    """The current UTC time as the committed files record it."""
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def checkout() -> dict:
+    """``commit`` and ``cwcore_modified`` of the cwcore checkout that runs (None where git cannot tell)."""
+    import cwcore
+
+    from . import git
+
+    root = Path(cwcore.__file__).resolve().parent.parent
+    status = git(root, "status", "--porcelain", "--", "cwcore")
+    return {"commit": git(root, "rev-parse", "HEAD"), "cwcore_modified": None if status is None else bool(status)}
 
 
 def check_rows(table: pd.DataFrame, meta: dict, name: str) -> None:
@@ -112,9 +133,7 @@ def _dump(meta: Mapping) -> bytes:
 
 def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
     """Add :data:`HASH_FIELD` to each JSON of ``folder``'s pairs that has none (the table's bytes as they
-    are: nothing is recomputed, no table is touched). Returns the JSONs changed (``dry_run``: that would
-    be). A JSON whose recorded hash differs from its table is left alone (:class:`CommittedFileError`
-    lists them at the end: such a pair is not right, whatever the JSON says)."""
+    are: nothing is recomputed, no table is touched)."""
     from cwcore.cache import atomic_write_bytes
 
     changed, wrong = [], []

@@ -1,49 +1,5 @@
 """Chapter 4's other sweeps and chapter 4b's bench kept in ``data/results/evidence``, so that a new
-machine resumes from them.
-
-The evidence build runs for many sessions on possibly different machines, and the result cache does
-not travel. Chapter 4's ladder cells keep their rows in the per-document exports
-(:func:`cwbook.evidence_build.ladder_cell`); the chapter's other sweeps are kept here as
-*committed frames*: the per-unit table the sweep returns, written whole and atomically beside them.
-
-* :func:`downstream_cell` wraps :func:`cwcore.faithfulness.downstream.downstream_eval` (``per_example=True``):
-  one frame per task, ``downstream_<model>_<task>.csv.gz`` + ``.json``, one row per (task, metric, mode,
-  ratio, example), so that a finished task is kept while the next one runs (:func:`read_downstream`
-  reads them back together);
-* :func:`per_layer_cell` wraps :func:`cwcore.faithfulness.layers.per_layer_curve`:
-  ``per_layer_<model>_<data>.csv.gz`` + ``.json``, one row per (layer, metric, mode, ratio, sequence);
-* :func:`bench_cell` wraps :func:`cwbook.cached.per_sequence_curve` (the ``.per_sequence`` of faithfulness_curve) for
-  chapter 4b's attribution bench: ``bench_<model>_<data>.csv.gz`` + ``.json``, one row per (metric, mode,
-  ratio, sequence);
-* :func:`sensitivity_cell` wraps one :func:`cwbook.cached.per_sequence_curve` per
-  protocol variant for chapter 4's Table 8: ``sensitivity_<model>_<data>.csv.gz`` + ``.json``, one row per
-  (change, metric, mode, ratio, sequence), ``change`` naming the variant's one change of the default protocol;
-* :func:`anatomy_cell` keeps the layer averages of :func:`cwbook.anatomy.selection_anatomy`
-  (per-head, signed) on the evidence sample: ``anatomy_<model>_<data>.csv.gz`` + ``.json``, one row per
-  (metric, mode, ratio, document); :func:`anatomy_explained` and :func:`anatomy_held_out` pair it with a
-  per-document export (the build's step, :func:`cwbook.evidence_build.anatomy_evidence`);
-* :func:`downstream_ladder` turns the downstream frame into the ladder's steps, for the notebook and for
-  :func:`cwbook.evidence_export.tables` (which adds them to chapter 4's table and ``findings.csv``).
-
-All go through :func:`committed_frame`: the export is taken when it ran with the same settings (every
-argument that changes a number, the sample's content digest among them), holds every requested row, and a
-fresh recomputation of its first :data:`SLICE_DOCUMENTS` units (examples of each task, documents),
-without the cache, equals its rows within :data:`ATOL` nats plus :data:`RTOL` relative
-(:func:`compare_rows`); otherwise the sweep runs whole and, inside the evidence build (``$CWCORE_EVIDENCE_CELLS``
-set) or with an explicit ``exports`` folder, its frame is written on the main rank. Either way the
-returned frame is the sweep's own: its columns, dtypes (kept in the JSON) and row order. Each decision is
-recorded as the ladder cells' are (:func:`record_decision`, ``cell-<sweep>-<model>[-<data>].json``).
-A check this machine passed is remembered in the result cache (:func:`check_identity`,
-:func:`passed_check`), so a restarted build takes the same committed rows without recomputing them
-(``$CWCORE_RECHECK=1``: check again).
-
-The JSON beside each frame: ``what``, ``commit`` (and ``cwcore_modified``), ``profile``, ``model``,
-``data`` (the data set, or the task), ``settings`` (what must equal for the frame to be taken),
-``samples`` (the sha256 of the task's examples), the requested ``tasks``/``metrics``/``modes``/``ratios``,
-the units (``example_ids`` per task, or ``document_ids``), ``call`` (every keyword of the sweep, batch
-sizes included), ``columns`` and ``dtypes``, ``rows``, ``float_format``,
-``wall_s``, the result cache's code hash and ``created``.
-"""
+machine resumes from them."""
 
 from __future__ import annotations
 
@@ -63,7 +19,6 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-import cwcore
 from cwcore import cache as cw_cache
 from cwcore import provenance
 from cwcore import runs
@@ -77,22 +32,12 @@ from .cached import cached_downstream_eval, cached_per_layer_curve, per_sequence
 from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as parse_modes, ratios as parse_ratios
 from cwcore.faithfulness.protocol import specs as parse_specs
 from cwcore.faithfulness.summary import ladder_comparison
-from . import book_code_hash, git, slug
-from .evidence_files import HASH_FIELD, CommittedFileError, check_rows, check_units, content_hash, read_pair
+from . import book_code_hash, slug
+from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, check_units, checkout, content_hash,
+                             gzipped_csv, now, read_present_pair)
 
-__all__ = ["ATOL", "RTOL", "SLICE_DOCUMENTS", "SIGNIFICANT_DIGITS", "DEFAULT_OUT", "CELLS_ENV_VAR", "NOT_NUMBERS",
-           "FrameKind", "DOWNSTREAM", "PER_LAYER", "BENCH", "SENSITIVITY", "ANATOMY", "compare_rows", "frame_paths", "read_frame",
-           "write_frame", "committed_frame", "downstream_cell", "downstream_ladder", "per_layer_cell", "bench_cell",
-           "sensitivity_cell", "anatomy_cell", "anatomy_explained", "anatomy_held_out", "read_downstream", "record_decision",
-           "recorded_decision", "say", "RECHECK_ENV_VAR", "CPU_FLAGS", "cpu_description", "this_cpu", "check_identity",
-           "remembering", "passed_check", "remember_check", "slice_check", "checked_how"]
-
-#: units of a committed cell recomputed before it is taken (documents, or examples of each task), and the
-#: tolerance: ``ATOL`` nats plus ``RTOL`` of the committed value. The relative part is float32's rounding,
-#: not a looser science: an engine change that only reorders a float32 sum moved committed clean NLLs
-#: (1.5-12 nats) by up to 1.2e-6 nats (median 3e-7, measured on smollm2 GSM8K between fe0583d and
-#: 56bb7a9), and the exports keep 8 significant digits (5e-7 nats at 10 nats); a change of what is
-#: computed moves rows by far more.
+#: units of a committed cell recomputed before it is taken, and the tolerance: ``ATOL`` nats plus ``RTOL`` of
+#: the committed value (float32 rounding: reordering a float32 sum moved clean NLLs by up to 1.2e-6 nats)
 SLICE_DOCUMENTS = 2
 ATOL = 1e-6
 RTOL = 1e-6
@@ -187,10 +132,7 @@ def check_identity(what: dict, reference: pd.DataFrame, *, computed_by: Callable
     """All that a slice check's outcome depends on: ``what`` (the cell and the sweep's call), the function
     that recomputes the slice (``computed_by``), the committed rows it compares with (``reference``), the
     model's weights, the units' tokens (``units``: a digest), every byte of cwcore (the book wing too: the
-    ladder's sweep and the anatomy's rows live there), the libraries, the machine kind and the tolerance.
-    Two checks with equal identities recompute the same numbers, so the second need not run
-    (:func:`passed_check`). None (check every time) when ``computed_by`` is None or not a plain function of
-    cwcore: a closure or someone else's function has code and values that no identity here covers."""
+    ladder's sweep and the anatomy's rows live there), the libraries, the machine kind and the tolerance."""
     import torch
 
     if computed_by is None:
@@ -222,10 +164,7 @@ def _check_path(identity: dict | None) -> Path | None:
 
 def passed_check(identity: dict | None) -> dict | None:
     """The record of a slice check with this ``identity`` (:func:`check_identity`) that passed on this
-    machine (in the result cache's ``checks`` folder), or None: then the slice is recomputed. An
-    interrupted ``make evidence`` thus does not check every committed cell again when it is restarted.
-    ``$CWCORE_NO_CACHE`` or ``$CWCORE_RECHECK=1``: always None. Every rank gets rank 0's answer, so that
-    all recompute the slice together or none does."""
+    machine (in the result cache's ``checks`` folder), or None: then the slice is recomputed."""
     path = _check_path(identity)
     record = None
     if path is not None and path.is_file():
@@ -278,10 +217,7 @@ def checked_how(before: dict | None) -> str:
 def compare_rows(committed: pd.DataFrame, recomputed: pd.DataFrame, *, keys: Sequence[str], exact: Sequence[str],
                  floats: Sequence[str], atol: float, rtol: float = 0.0) -> pd.DataFrame:
     """The rows of ``recomputed`` that do not match ``committed`` (a slice: committed rows outside
-    ``recomputed``'s ``keys`` are ignored). A row mismatches when it is missing from ``committed``, when a
-    column of ``exact`` differs, or when one of ``floats`` differs by more than ``atol + rtol * |committed|``
-    (or only one of the two is NaN). Returns one row per mismatching key, with ``<column>_committed``,
-    ``<column>_recomputed`` and ``problem``; empty when all match."""
+    ``recomputed``'s ``keys`` are ignored)."""
     keys = list(keys)
     values = [c for c in (*exact, *floats) if c in recomputed.columns]
 
@@ -376,12 +312,10 @@ def write_frame(kind: FrameKind, table: pd.DataFrame, meta: dict, model: str, da
     csv, js = frame_paths(kind, model, data, out)
     meta = {**meta, "columns": list(table.columns), "dtypes": {c: str(t) for c, t in table.dtypes.items()},
             "rows": len(table), "float_format": f"%.{SIGNIFICANT_DIGITS}g"}
-    # mtime 0: the same rows give the same bytes, so a rewrite that changes nothing leaves git clean
-    rows = io.BytesIO()
-    table.to_csv(rows, index=False, float_format=f"%.{SIGNIFICANT_DIGITS}g", compression={"method": "gzip", "mtime": 0})
-    meta[HASH_FIELD] = content_hash(rows.getvalue())
+    rows = gzipped_csv(table, SIGNIFICANT_DIGITS)  # a rewrite that changes nothing leaves git clean
+    meta[HASH_FIELD] = content_hash(rows)
     csv.parent.mkdir(parents=True, exist_ok=True)
-    cw_cache.atomic_write_bytes(csv, rows.getvalue())
+    cw_cache.atomic_write_bytes(csv, rows)
     cw_cache.atomic_write_bytes(js, (json.dumps(meta, indent=1, default=_plain) + "\n").encode())
     return csv, js
 
@@ -389,17 +323,12 @@ def write_frame(kind: FrameKind, table: pd.DataFrame, meta: dict, model: str, da
 def read_frame(kind: FrameKind, model: str, data: str | None = None,
                out: str | Path | None = None) -> tuple[pd.DataFrame, dict] | None:
     """(table, meta) of a committed frame with the columns and dtypes the sweep returned (an empty text
-    is ``""``, as the sweep wrote it), or None when either file is absent. Verified on every read: the
-    table's bytes against the SHA-256 its JSON records, its row count, and every unit (each sequence of
-    the sample, each example of the task) in every group of the other keys; otherwise
-    :class:`~cwbook.evidence_files.CommittedFileError` with a one-line reason."""
+    is ``""``, as the sweep wrote it), or None when either file is absent."""
     csv, js = frame_paths(kind, model, data, out)
-    if not (csv.is_file() and js.is_file()):
-        if csv.is_file() != js.is_file():
-            raise CommittedFileError(f"{(csv if csv.is_file() else js).name} has no "
-                                     f"{(js if csv.is_file() else csv).name} beside it (an interrupted write)")
+    found = read_present_pair(csv, js)
+    if found is None:
         return None
-    data_bytes, meta = read_pair(csv, js)
+    data_bytes, meta = found
     dtypes = meta.get("dtypes", {})
     text = [c for c, t in dtypes.items() if t in ("str", "object", "string")]
     table = pd.read_csv(io.BytesIO(data_bytes), dtype={c: str for c in text}, compression="gzip")
@@ -491,12 +420,7 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
     ``settings`` on the same ``samples`` (group: digest of its units, e.g. each task's examples), holds
     every combination of ``wanted`` (column: requested values; or each of ``combinations``) and
     ``recompute_slice()`` (its first units, without the cache) equals its rows within ``atol`` nats plus ``rtol`` relative
-    (:func:`compare_rows`). A computed frame is written (:func:`write_frame`, with
-    ``meta``, ``settings`` and ``wanted``) inside the evidence build or with ``exports`` given, on the main
-    rank. The decision is recorded (:func:`record_decision`). Returns the frame in the sweep's order.
-    ``computed_by`` (the cwcore function ``recompute_slice`` calls on ``lm``, over ``slice_units`` units):
-    a check this machine passed before with the same code, model and rows is not run again
-    (:func:`passed_check`); without it the slice is recomputed every time."""
+    (:func:`compare_rows`)."""
     t0 = time.monotonic()
     label = f"{model}{' ' + data if data else ''} {kind.sweep}"
     decision = {"sweep": kind.sweep, "model": model, **({"data": data} if data else {})}
@@ -542,16 +466,13 @@ def committed_frame(kind: FrameKind, compute: Callable[[], pd.DataFrame], recomp
     wall = time.monotonic() - t0
     decision["compute_s"] = round(wall, 1)
     if (exports is not None or os.environ.get(CELLS_ENV_VAR, "").strip()) and runs.is_main_rank():
-        root = Path(cwcore.__file__).resolve().parent.parent
-        status = git(root, "status", "--porcelain", "--", "cwcore")
         csv, _ = write_frame(kind, table, {
-            "what": kind.what, "commit": git(root, "rev-parse", "HEAD"),
-            "cwcore_modified": None if status is None else bool(status), "profile": settings.get("profile"),
+            "what": kind.what, **checkout(), "profile": settings.get("profile"),
             "model": model, "data": data, "settings": settings, "samples": samples or {},
             **{f"{k}s": list(v) for k, v in wanted.items()},
             **(meta or {}), "wall_s": round(wall, 1),
             "cache": {"code_hash": cw_cache.code_version(("faithfulness",))},
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, model, data, exports)
+            "created": now()}, model, data, exports)
         decision["written"] = csv.name
         say(log, f"{label}: written to {csv.name} ({wall:.0f} s)")
     record_decision(decision)
@@ -606,12 +527,7 @@ def downstream_cell(lm, tokenizer, tasks, metric=None, ratios=None, mode=None, *
     table of the downstream tasks, ``tasks`` packaged names), task by task: each task's committed frame
     ``downstream_<model>_<task>.csv.gz`` (:func:`committed_frame`) is taken once the first ``slice_examples``
     examples of its sample, recomputed without the cache, equal it; otherwise the task is computed (and
-    written) before the next one starts. The examples of a task are the sample
-    ``load_dataset(task, limit=num_examples, seed=data_seed)``, numbered in it; the slice is that sample's
-    first examples (not a smaller ``limit``, whose sample is another subset, numbered otherwise), so its
-    rows are the whole run's rows of those examples. Each task's sample must have the same content digest
-    as the export's (the examples' contexts, continuations and gold answers, in order). Returns the tasks'
-    rows concatenated in the order of ``tasks``, as ``evaluate`` returns them."""
+    written) before the next one starts."""
     if not per_example:
         raise ValueError("downstream_cell returns the per-example table (per_example=True); summarise it with "
                          "cwcore.faithfulness.summarize_downstream")
@@ -688,9 +604,7 @@ def per_layer_cell(lm, tokenizer, blocks, metric=None, ratios=None, mode=None, *
     (:func:`cwbook.cached.cached_per_layer_curve`, the cached :func:`cwcore.faithfulness.layers.per_layer_curve`:
     the per-layer interventions' per-sequence table),
     or its committed frame ``per_layer_<model>_<data>.csv.gz`` (:func:`committed_frame`) once its first
-    ``slice_documents`` documents, recomputed without the cache, equal it. ``blocks``: a
-    :func:`cwcore.data.document_blocks` data set; its documents and the digest of its token ids are among
-    the settings (the random control hashes each sequence's place, so the sample must be the same)."""
+    ``slice_documents`` documents, recomputed without the cache, equal it."""
     return _documents_frame(PER_LAYER, curve, per_layer_curve, lm, tokenizer, blocks, metric, ratios, mode,
                             model=model, data=data, profile=profile, dtype=dtype, exports=exports,
                             slice_documents=slice_documents, atol=atol, rtol=rtol, log=log, kwargs=kwargs)

@@ -1,20 +1,4 @@
-"""What the evidence profile plans and what ``data/results/evidence`` holds of it: ``STATUS.md``.
-
-The evidence build spans many sessions and machines, so "what is left" must be read from the
-repository, not remembered. :func:`evidence_status` lists every part the profile of ``book/run.yml``
-plans (chapter 4's ladder cells, its downstream tasks, per-layer interventions, protocol variants and
-anatomy, and the tables of the other chapters that ``findings.csv`` reads) against what the committed files hold:
-
-* a ladder cell: the ``cells`` record of its per-document export
-  (:func:`cwbook.evidence_export.merge_cell`: documents held, commit, time);
-* the downstream tasks, the per-layer interventions, the protocol variants and the anatomy: their
-  committed frames (:mod:`cwbook.evidence_frames`: the examples of each task, the documents);
-* the attribution bench (chapter 4b): its committed frame of each data set (the documents);
-* chapters 5-7: the documents their committed results table ran with (``n_documents``).
-
-:func:`write_status` writes it as ``STATUS.md`` (``make evidence`` does, after the tables, so it is never
-edited by hand); ``python -m cwbook.evidence_status`` prints it, ``--write`` writes it.
-"""
+"""What the evidence profile plans and what ``data/results/evidence`` holds of it: ``STATUS.md``."""
 
 from __future__ import annotations
 
@@ -33,8 +17,6 @@ from .evidence_files import CommittedFileError
 from .evidence_frames import ANATOMY, BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths, read_frame
 from .findings import BENCH_CHAPTER, CHAPTERS
 from .parameters import run_parameters
-
-__all__ = ["STATUS_FILE", "STATUS_COLUMNS", "evidence_status", "status_markdown", "write_status"]
 
 STATUS_FILE = "STATUS.md"
 #: one row per planned part; ``held`` and ``planned`` count ``unit`` (documents, or examples of a task)
@@ -194,8 +176,7 @@ def status_markdown(table: pd.DataFrame, profile: str = "evidence") -> str:
     return "\n".join(lines)
 
 
-def write_status(out: str | Path | None = None, *, profile: str = "evidence",
-                 config: str | Path | None = None) -> Path:
+def write_status(out: str | Path | None = None, *, profile: str = "evidence", config: str | Path | None = None) -> Path:
     """Write ``out/STATUS.md`` (:func:`status_markdown` of :func:`evidence_status`) atomically; returns its path."""
     out = Path(out) if out is not None else DEFAULT_OUT
     path = out / STATUS_FILE

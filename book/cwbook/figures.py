@@ -8,8 +8,6 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FIGURES", "FIGURE_SUFFIXES", "FigureFolder", "copy_figures"]
-
 FIGURES = "figures"  # html/figures/<chapter>/[<slug>/]: the figure files of every run, for slides
 FIGURE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
 

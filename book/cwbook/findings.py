@@ -1,38 +1,4 @@
-"""The paper's claims against what the book measured: one verdict per claim and model.
-
-The findings page (chapter 9) does not compute anything itself. The chapters that judge claims write
-their tables into the book's results folder (:func:`save_results`, at the ``results_file`` the book
-runner gives them, see :mod:`cwbook`), and the page reads them back (:func:`load_results`):
-
-- ``04_faithfulness``: the ladder, :func:`cwcore.faithfulness.ladder_comparison` of its first data set;
-- ``05_sink_decomposition``: claims (the columns of :mod:`cwbook.sink_claims`): the decomposition
-  claim and the share of sink heads (:func:`cwbook.sink_claims.rate_claims`);
-- ``06_sinks_as_suppressors``: claims: anti-alignment, its trend, suppression, convexity;
-- ``07_semantic_cone``: claims: the semantic cone and the perplexity;
-- ``04b_attribution_bench``: the bench's paired comparisons of attribution methods (no claim of the
-  paper: they join the faithfulness rows of ``findings.csv``, :func:`bench_findings`);
-
-each at ``<results_dir>/<chapter>/<model>.csv`` (:func:`cwbook.results_path`), so a claim is
-judged on exactly the numbers, parameters and intervals its chapter shows. :func:`model_findings`
-turns the tables of one model into :class:`Finding` rows; a chapter whose table is missing gives
-"not measured: chapter N was not built".
-
-Verdicts
---------
-One vocabulary for the whole project, :mod:`cwcore.stats`: ``holds``, ``contradicted``,
-``negligible``, ``inconclusive``, ``not measured`` (:data:`cwcore.stats.VERDICTS`). A claim with several
-parts combines them with :func:`cwcore.stats.combine_verdicts`: all parts not measured -> not measured;
-any part contradicted -> contradicted; every measured part holds -> holds; otherwise inconclusive. The
-ladder's ordering is a chain and holds only when *every* step is measured and holds
-(:func:`cwcore.stats.combine_all`).
-
-The ladder's steps take the verdicts of chapter 4's ladder table (judged there by
-:func:`cwbook.ladder.judge`: the equivalence margin per mode, not measured where the
-protocol ranks two rungs identically), so the two tables never disagree on a row. The pre-registered
-primary family (``book/preregistration.md``, :data:`cwbook.ladder.PRIMARY`) is decided
-in :func:`findings_csv` with Holm's adjustment over the whole family (:func:`primary_decisions`); chapter 9's
-Table 1 lays that family out (:mod:`cwbook.table1`).
-"""
+"""The paper's claims against what the book measured: one verdict per claim and model."""
 
 from __future__ import annotations
 
@@ -230,9 +196,7 @@ def ordering(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Finding:
     """Rule: each consecutive pair of rungs (1-2, 2-3, 3-4) takes the ladder's verdict (its paired
     bootstrap interval of the AOPC difference against 0 on the claimed side — above for
     comprehensiveness, below for sufficiency —, negligible inside the mode's equivalence margin, not
-    measured where the protocol ranks the two rungs identically: 2-3 under ``default``). The chain holds
-    only when every step is measured and holds (:func:`cwcore.stats.combine_all`): under ``default`` it
-    is therefore not measured unless a step is contradicted; the measured text says which steps hold."""
+    measured where the protocol ranks the two rungs identically: 2-3 under ``default``)."""
     rule = ("every consecutive rung pair's verdict (paired AOPC-difference interval against 0 on the claimed "
             "side, margin per mode, identical-by-construction pairs not measured), combined by "
             "cwcore.stats.combine_all: holds only when every step is measured and holds")
@@ -317,8 +281,7 @@ def cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness") -> Findin
     return _cosine_gain(_consecutive(_judged(ladder), mode), mode)
 
 
-def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *,
-                        data: str | None = None) -> Finding:
+def primary_cosine_gain(ladder: pd.DataFrame, mode: str = "comprehensiveness", *, data: str | None = None) -> Finding:
     """:func:`cosine_gain` over the pre-registered steps, each under the protocol where it is measured
     (as :func:`primary_ordering`): the scoreboard's reading."""
     steps = [r for _, r in _primary_steps(ladder, mode, data) if r is not None]
@@ -378,15 +341,7 @@ def _step_row(r, mode: str) -> tuple[str, float, float, float, str]:
 
 def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
     """Every faithfulness claim of chapter 4's stacked ladder table, one row per claim x data set x mode x
-    protocol x importance x ratio range (:data:`FAITHFULNESS_COLUMNS`).
-
-    Claims: each consecutive step of the ladder (``step 1->2``, ``step 2->3``, ``step 3->4``: the paired
-    AOPC difference, higher minus lower rung, with its interval, ``p``, ``margin``, verdict and ``mde``,
-    the smallest difference the sample could detect), ``contribution beats random``, the combined
-    ``ordering`` (:func:`ordering`) and the ``cosine_gain`` (:func:`cosine_gain`), whose estimate is left
-    empty. A step takes the ladder's verdict (:func:`cwbook.ladder.judge`: not measured
-    where the protocol ranks its rungs identically). ``primary`` marks the pre-registered family
-    (its Holm decision is made over all models by :func:`primary_decisions`)."""
+    protocol x importance x ratio range (:data:`FAITHFULNESS_COLUMNS`)."""
     if ladder is None or ladder.empty:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     ladder = _judged(_with_defaults(ladder))
@@ -426,15 +381,11 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
 def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) -> pd.DataFrame:
     """The pre-registered decision of the primary family in a findings table (:func:`findings_csv`).
 
-    The family is :func:`cwbook.ladder.primary_family` (of ``models``, default the
-    pre-registered ones); a member without a row or without a p-value counts as p = 1, so the family
-    keeps its registered size. ``p_holm``: Holm's adjustment (:func:`cwcore.stats.holm`) of the members'
-    sign-flip ``p``. A member's verdict: not measured when its step is; negligible when its 95%
-    interval lies inside +-margin; otherwise holds (contradicted) when ``p_holm`` < ALPHA and the
-    estimate lies on the claimed (the other) side, inconclusive else, with "too small to decide" in the
-    measured text when its ``mde`` exceeds the margin. Then one derived row per model, data set and mode
-    (claim ``ordering``, protocol ``primary steps``, not itself a test): the chain of the three steps by
-    :func:`cwcore.stats.combine_all`. Other rows are returned as they are (``primary`` False)."""
+    The family (:func:`cwbook.ladder.primary_family`) keeps its registered size: a member without a row or a
+    p-value counts as p = 1. ``p_holm``: Holm's adjustment of the sign-flip ``p``. A member is negligible
+    when its interval lies inside +-margin, else holds (contradicted) when ``p_holm`` < ALPHA with the
+    estimate on the claimed (other) side, else inconclusive ("too small to decide" when ``mde`` > margin).
+    One derived ``ordering`` row per model, data set and mode chains the three steps (not itself a test)."""
     if table is None or table.empty or "primary" not in table:
         return table
     out = table.copy()
@@ -536,8 +487,7 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
                                          "profile": profile, "measured": "chapter 4 was not built"}],
                                        columns=FAITHFULNESS_COLUMNS))
         else:
-            frames.append(faithfulness_findings(got.table, model=model,
-                                                profile=got.metadata.get("profile", profile)))
+            frames.append(faithfulness_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
     ladder = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     for model in models:
         bench = load_results(results_dir, BENCH_CHAPTER, model)
@@ -657,9 +607,7 @@ def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "liv
 def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
     """The sink chapters' claims tables (:mod:`cwbook.sink_claims` columns, data sets stacked with
     :func:`cwbook.sink_claims.stack_data`) as findings rows (:data:`FAITHFULNESS_COLUMNS`): one row per
-    claim part and data set, with the part's own verdict, estimate and interval. A claim the paper's
-    wording allows to read two ways appears under both readings (e.g. "the sink suppresses the output
-    norm" and its bracketed variants ``[renormalised]``, ``[per head]``, ``[sliding layers]``)."""
+    claim part and data set, with the part's own verdict, estimate and interval."""
     if claims is None or claims.empty:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     rows = []
@@ -773,10 +721,7 @@ def save_results(results_file: str | os.PathLike | None, table: pd.DataFrame, *,
                  model: str | None = None, profile: str | None = None,
                  parameters: Mapping | None = None) -> Path | None:
     """Write a chapter's table to ``results_file`` (CSV) and its metadata beside it (``.json``), each
-    atomically, the metadata last. ``results_file`` is the path the book runner passes (``None``, a
-    notebook run by hand: nothing is written; returns None). ``parameters``: what the chapter ran with
-    (sizes, seed, data), shown by the findings page. The metadata records the SHA-256 of the table's bytes
-    (``csv_sha256``), which :func:`load_results` verifies."""
+    atomically, the metadata last."""
     if results_file is None:
         return None
     path = Path(results_file)
@@ -791,9 +736,7 @@ def save_results(results_file: str | os.PathLike | None, table: pd.DataFrame, *,
 
 def load_results(results_dir: str | os.PathLike, chapter: str, model: str | None = None) -> Results | None:
     """The table ``chapter`` wrote for ``model`` into ``results_dir`` (:func:`save_results`), or None
-    when it is missing (the chapter was not built) or unfinished (no metadata yet). A table whose bytes do
-    not hash to the ``csv_sha256`` its metadata records (edited, or torn by a kill between the two writes)
-    is refused: :class:`cwbook.evidence_files.CommittedFileError`, one line."""
+    when it is missing (the chapter was not built) or unfinished (no metadata yet)."""
     path = results_path(results_dir, chapter, model)
     meta = path.with_suffix(".json")
     if not path.is_file() or not meta.is_file():
@@ -813,15 +756,7 @@ def results_verified(results_file: str | os.PathLike) -> bool:
 
 
 def model_findings(results_dir: str | os.PathLike, model: str) -> tuple[list[Finding], dict[str, Results]]:
-    """Every finding of ``model`` from the chapters' tables in ``results_dir``, and the tables read.
-
-    The faithfulness findings are judged in both modes on chapter 4's ladder (its first data set, the
-    pre-registered headline importance and range): the ordering over the pre-registered steps, each under
-    the protocol where it is measured (:func:`primary_ordering`), and the cosine gain over the same steps
-    (:func:`primary_cosine_gain`); the sink findings by the chapters' claims (5-7); a missing table
-    makes its findings "not measured: chapter N was not built". The encoder claim is shown in chapter 8
-    and not judged here. (These are unadjusted; the pre-registered Holm decision is in :func:`findings_csv`.)
-    """
+    """Every finding of ``model`` from the chapters' tables in ``results_dir``, and the tables read."""
     read = {chapter: load_results(results_dir, chapter, model) for chapter in CHAPTERS}
     found = {k: v for k, v in read.items() if v is not None}
     out: list[Finding] = []

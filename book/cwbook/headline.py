@@ -1,16 +1,4 @@
-"""What the evidence decided, told in plain sentences, and a picture of every verdict.
-
-Chapter 9, the introduction and the README open with :func:`headline_markdown`: first what the
-confirmatory sample (registered 2026-12-05, 64 fresh documents per data set) decided, per claim and
-model, and which step drives any contradiction; then the exploratory sample's verdicts, labelled so.
-Everything is generated from the committed ``findings.csv`` (its ``sample`` column) and the committed
-sink chapters' tables, so no number in these sentences is typed by hand. ``python -m
-cwbook.headline --write`` rewrites the generated blocks of ``book/intro.md`` and ``README.md``
-(between ``<!-- headline:start -->`` and ``<!-- headline:end -->``); a test fails when they are stale.
-
-:func:`verdict_grid` and :func:`plot_verdicts` lay out every registered verdict (claim x model x data
-set, exploratory beside confirmatory) as one figure.
-"""
+"""What the evidence decided, told in plain sentences, and a picture of every verdict."""
 
 from __future__ import annotations
 
@@ -26,10 +14,7 @@ import pandas as pd
 from cwcore import stats
 from . import ladder as evidence
 from . import registration
-from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, STEPS, load_results
-
-__all__ = ["STEP_NAMES", "primary_rows", "ordering_summary", "ladder_sentences", "registered_sink_verdicts",
-           "sink_sentences", "headline_markdown", "committed_findings", "folders", "chapter4_answer", "primary_forest", "SINK_CLAIM_CHAPTER", "sink_chapter_answer", "verdict_grid", "plot_verdicts", "write_blocks", "main"]
+from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, load_results
 
 REPO = Path(__file__).resolve().parents[2]
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"

@@ -1,52 +1,5 @@
 """The book's evidence design for section 5: which protocols, ratio ranges and importance signs the
-ladder is judged under, and one call that runs them all on one sample of documents.
-
-Main protocols (:data:`PROTOCOLS`)
-----------------------------------
-``default``
-    the package defaults (ranking (head, key) pairs jointly per query row, contribution relative to
-    the combined output o_i). Rungs 2 and 3 rank identically by construction (o_i's norm is shared by
-    the heads of a query), so this protocol tests a three-rung ladder.
-``per-head``
-    the same with ``kind="intra"``: rungs 3 and 4 are normalised by each head's own output o^h_i.
-    Its normaliser differs between heads of one query, so the joint (head, key) ranking of rung 3
-    differs from rung 2 and all four rungs are distinct. It was chosen over ``scope="layer"`` because
-    it keeps the per-row removal of the default (every query loses the same share of its own terms),
-    so the two main protocols differ in one choice only.
-
-Ratio ranges (:class:`RatioGrids`: :data:`LOW_RATIOS`, :data:`PAPER_RATIOS` by default)
------------------------------------------------------------------------------------------
-The paper's grid starts at r = 0.05, where the packaged models have already lost several nats of
-log-perplexity; the low grid (0.001 to 0.05) measures where removal is still gentle. AOPC is reported
-over the low range (r up to the top of the low grid the run was given, :attr:`RatioGrids.low_max`) and
-over the full range (both grids together). The two named grids travel with the run
-(:class:`LadderRun`), so the low range is always the low grid that was run, never a constant.
-
-Chapter 4's cells (:func:`ladder_evidence`)
--------------------------------------------
-One call runs the chapter's ladder sweeps (every data set x main protocol x importance sign) on one
-sample of documents and returns a :class:`LadderRun`, whose :meth:`~LadderRun.tables` and
-:meth:`~LadderRun.curves` are the chapter's AOPC, ladder and curve tables. Notebook
-``04_faithfulness`` and the evidence export (:mod:`cwbook.evidence_export`) both call it.
-
-Importance signs
-----------------
-``signed`` ranks by the metric's value, ``absolute`` by ``|score|``. Attention, value-weighted,
-output-normalised attention and the random control are never negative, so their |score| rankings
-are their signed ones (:data:`SIGN_INVARIANT`, checked by a test against a real absolute run):
-:func:`ladder_sweep` reuses their signed rows for the absolute importance and runs only the
-contribution weights again.
-
-Pre-registered decision rule (:data:`MARGINS`, :data:`PRIMARY`; ``book/preregistration.md``)
-----------------------------------------------------------------------------------------------
-Every step of the ladder is a paired AOPC difference (higher minus lower rung, in nats of
-log-perplexity) over documents, with a 95% paired bootstrap interval and a two-sided sign-flip
-permutation p-value (:func:`judge`). Its verdict: **negligible** when the interval lies inside
-+-:data:`MARGINS` of its mode; otherwise holds / contradicted / inconclusive by the interval against 0
-on the claimed side; **not measured** when the protocol makes the two rungs the same ranking
-(:func:`identical_by_construction`), whatever the numbers say. The primary family (:func:`primary_family`)
-is decided with Holm's adjustment over the whole family (``cwbook.findings``).
-"""
+ladder is judged under, and one call that runs them all on one sample of documents."""
 
 from __future__ import annotations
 
@@ -65,13 +18,6 @@ from cwcore.faithfulness.protocol import DEFAULT_RATIOS, VARIANTS, Protocol, ide
 from cwcore.faithfulness.methods import random_controls
 from cwcore.faithfulness.summary import aopc, ladder_comparison, random_baseline
 from .cached import per_sequence_curve
-
-__all__ = ["PROTOCOLS", "PROTOCOL_NOTES", "LOW_RATIOS", "PAPER_RATIOS", "LOW_MAX", "IMPORTANCES",
-           "SIGN_INVARIANT", "RatioGrids", "ratio_grid", "ladder_sweep", "ranges", "evidence_tables",
-           "LadderRun", "ladder_evidence", "MARGINS", "ALPHA",
-           "N_PERMUTATIONS", "PRIMARY", "identical_by_construction", "judge",
-           "primary_family", "is_primary", "RANDOM_PREFIX", "random_seeds_of", "extra_seed_labels", "with_seed_spread", "VARIANT_CHANGES",
-           "variant_changes", "sweep_order"]
 
 PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
 #: the removal-unit variants a ladder run can add under the ``default`` protocol, by name
@@ -220,16 +166,7 @@ def ladder_sweep(model, tokenizer, blocks, metrics, ratios, modes=None, *, proto
                  **kwargs) -> pd.DataFrame:
     """The per-sequence table of :func:`~cwcore.faithfulness.faithfulness_curve` under one main
     ``protocol`` (a key of :data:`PROTOCOLS`) for every importance sign, stacked, with a ``protocol``
-    column. Sign-invariant metrics (:data:`SIGN_INVARIANT`) are run once and their rows reused for the
-    absolute importance (relabelled); ``kwargs`` go to :func:`cwbook.cached.per_sequence_curve` (cached
-    unless ``cache=False``; ``first_sequence``; ``protocol_change``: more
-    protocol fields, e.g. a :data:`cwcore.faithfulness.protocol.VARIANTS` entry).
-
-    ``random_seeds`` > 1 (with ``"random"`` among ``metrics``) adds the random control at the seeds after
-    the protocol's (:func:`random_seeds_of`; metrics ``random_s<seed>``,
-    :func:`~cwcore.faithfulness.methods.random_controls`): :func:`evidence_tables` then averages the
-    ``random`` rung over the seeds, with the seed spread in its intervals. ``extra_seeds_only``: only those
-    extra seeds' rows (to complete a cell computed with fewer seeds)."""
+    column."""
     change = {**PROTOCOLS[protocol], **kwargs.pop("protocol_change", {})}
     kind = change.get("kind", kwargs.get("kind", "inter"))
     extra = {}
@@ -263,10 +200,7 @@ def evidence_tables(per_sequence: pd.DataFrame, *, grids: RatioGrids | None = No
     """(AOPC, ladder) of a :func:`ladder_sweep` table (one or several protocols, stacked) over each
     ratio range of :meth:`RatioGrids.ranges` (the low range ends at the top of ``grids.low``; or at
     ``low_max`` where no grids are given; neither: the default grids'), with columns ``protocol`` and
-    ``range``. The ladder comes from :func:`~cwcore.faithfulness.ladder_comparison` (paired bootstrap
-    over documents, ``mde`` beside each interval, the sign-flip ``p``), judged by :func:`judge`
-    (``margin``, the pre-registered verdicts). ``n_permutations``: resamples of each step's sign-flip
-    p (0: no ``p`` column)."""
+    ``range``."""
     if grids is not None and low_max is not None:
         raise TypeError("give grids or low_max, not both (the low range ends at the top of grids.low)")
     if low_max is not None:
@@ -341,15 +275,7 @@ def ladder_evidence(model, tokenizer, *, datasets: Sequence[str], n_sequences: i
     """Chapter 4's ladder sweeps: for each data set, ``n_sequences`` documents of one ``seq_len``-token
     block each (:func:`cwcore.data.document_blocks`), and for each main ``protocol``, :func:`ladder_sweep`
     over ``metrics`` at both named grids (``low_ratios``, the paper's ``ratios``; see :class:`RatioGrids`)
-    for every importance sign. The keywords are the chapter's parameters, by their names in the
-    notebook's ``parameters`` cell (``random_seeds``: seeds of the random control, see
-    :func:`ladder_sweep`; ``variants``: names of :data:`VARIANT_CHANGES`, each one more cell per data set
-    under the ``default`` protocol, in :attr:`LadderRun.variant_rows`, on the models ``variant_models`` names
-    (None: every model; ``model_name`` is this model's name). ``kwargs`` (e.g. ``cache_dir``) go to
-    :func:`cwbook.cached.per_sequence_curve`. ``sweep``: what runs one cell, called with
-    :func:`ladder_sweep`'s arguments plus ``data=`` (the data set's name), e.g.
-    :func:`cwbook.evidence_build.ladder_cell`, which takes a committed cell once its first documents
-    recompute equal; default :func:`ladder_sweep`. Returns a :class:`LadderRun`."""
+    for every importance sign."""
     unknown = [v for v in variants if v not in VARIANT_CHANGES]
     if unknown:
         raise ValueError(f"unknown variants {unknown}; known: {sorted(VARIANT_CHANGES)}")
@@ -378,9 +304,7 @@ def variant_changes(main: pd.DataFrame, variant: pd.DataFrame) -> pd.DataFrame:
     """Each ladder step of the variant cells beside the same step of the main protocols (same protocol,
     data set, mode, sign and range; the removal-unit variants run under ``default``, a weights variant
     under every main protocol): ``difference`` and ``verdict`` of both, and ``changed`` where the
-    verdicts differ. ``main`` and ``variant``: ladder tables (:meth:`LadderRun.tables`,
-    :meth:`LadderRun.variant_tables`; a ``data`` column where there are several data sets; a
-    ``variant`` column in ``variant``)."""
+    verdicts differ."""
     if variant.empty:
         return pd.DataFrame()
     keys = [c for c in ("protocol", "data", "mode", "importance", "range", "lower", "higher")
@@ -403,9 +327,7 @@ def with_seed_spread(per_sequence: pd.DataFrame, areas: pd.DataFrame, ladder: pd
     the AOPC row of ``random`` and every ladder row against it take
     :func:`~cwcore.faithfulness.summary.random_baseline`'s values (documents and seeds resampled together:
     the seed spread is in the interval; ``sd``, ``mde`` and ``p`` over documents of the difference to the
-    seeds' mean), with columns ``n_seeds`` and ``seeds``. The extra seeds' own rows are dropped from both
-    tables. Without extra seeds the tables are returned as they are.
-    ``kw``: ``n_bootstrap``, ``seed``, ``confidence``, ``max_ratio``."""
+    seeds' mean), with columns ``n_seeds`` and ``seeds``."""
     extra = [m for m in dict.fromkeys(per_sequence["metric"]) if str(m).startswith(RANDOM_PREFIX)]
     areas = areas[~areas["metric"].isin(extra)].copy()
     ladder = ladder[~ladder["lower"].isin(extra) & ~ladder["higher"].isin(extra)].copy()

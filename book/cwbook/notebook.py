@@ -1,22 +1,4 @@
-"""Helpers every notebook of the book imports: numbers, phrases and tables quoted in the prose.
-
-The chapters put computed values into their Markdown with `myst_nb.glue
-<https://myst-nb.readthedocs.io/en/latest/render/glue.html>`_: a code cell calls ``note("n_heads", 9)``
-and the prose reads ``{glue:text}`n_heads```. These helpers are that glue, once for the whole book:
-
-* :func:`note` — a number (a numpy or torch scalar becomes a plain Python number);
-* :func:`note_md` — a short phrase of inline Markdown, shown with ``{glue:md}`name```;
-* :func:`note_ci` — an estimate and its interval, as ``name``, ``name_low`` and ``name_high``;
-* :func:`tick` — a token as inline code, with a visible leading space;
-* :func:`show` — a table in the book's table style;
-* :class:`SinkRun` — the run parameters chapters 5-7 share (one cached pass of the sink analyses),
-  declared once with their defaults; each of those notebooks declares ``run_parameters = {}``, which
-  the book runner fills from run.yml (:data:`cwbook.RUN_PARAMETERS`).
-
-The figure helpers (bands, per-layer axes, legends) are in :mod:`cwcore.plotting`; the tables the
-chapters hand to the findings page are written by :func:`cwbook.findings.save_results`. Importing
-this module loads neither torch nor myst_nb; ``glue`` is imported on first use.
-"""
+"""Helpers every notebook of the book imports: numbers, phrases and tables quoted in the prose."""
 
 from __future__ import annotations
 
@@ -64,12 +46,7 @@ def tick(token: str) -> str:
 
 def show(frame, precision: int = 3, *, escape: str | None = None, na_rep: str = "\u2013", index: bool = False,
          formatter=None):
-    """A pandas ``Styler`` of ``frame`` in the book's table style (the ``dataframe`` class of the theme).
-
-    ``precision`` digits for floats, ``na_rep`` for missing values, the index hidden unless ``index``;
-    ``escape="html"`` when cells contain ``<`` (e.g. the claims); ``formatter``: per-column formats, as
-    :meth:`pandas.io.formats.style.Styler.format` takes them.
-    """
+    """A pandas ``Styler`` of ``frame`` in the book's table style (the ``dataframe`` class of the theme)."""
     shown = frame.style.format(formatter, precision=precision, na_rep=na_rep, escape=escape)
     if not index:
         shown = shown.hide(axis="index")

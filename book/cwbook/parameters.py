@@ -1,13 +1,4 @@
-"""What a chapter runs with under a profile of ``book/run.yml``: the one reader of its parameters.
-
-:func:`run_parameters` resolves run.yml exactly as ``python -m cwbook build`` does
-(:func:`cwbook.plan`, then :func:`cwbook.injected_parameters`: the profile's ``params``
-updated with ``notebooks.<chapter>``, only those the notebook declares, plus ``profile``, ``model``,
-``output_dir``, ``results_file`` and ``results_dir``) over the defaults the notebook's ``parameters``
-cell declares. The defaults are read as papermill reads them (:func:`papermill.inspect_notebook`: the
-names and their literal values, nothing of the notebook is executed), so a script that reruns a
-chapter's computation (:mod:`cwbook.evidence_export`) gets what the chapter got.
-"""
+"""What a chapter runs with under a profile of ``book/run.yml``: the one reader of its parameters."""
 
 from __future__ import annotations
 
@@ -15,8 +6,6 @@ import ast
 import os
 
 from . import DEFAULT_BOOK_DIR, BookError, injected_parameters, load_config, plan, profile_config
-
-__all__ = ["declared_defaults", "run_parameters", "profile_models"]
 
 
 def declared_defaults(source: str | os.PathLike) -> dict:

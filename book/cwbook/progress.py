@@ -1,11 +1,4 @@
-"""The build's view of its kernels' progress: the sweep a notebook is running, with the time left.
-
-A notebook's kernel is a process of its own, and its sweeps' bars (:func:`cwcore.runs.progress`, the
-main rank's, counting every rank's batches) go into the page, if anywhere. The runner therefore points
-``$CWCORE_PROGRESS_FILE`` at a file of its own for each notebook; the kernel's main rank writes its
-current bar there, and :class:`Watch` shows it on the build's terminal: on one refreshed line where the
-terminal is interactive, otherwise a line every few minutes (a log, CI).
-"""
+"""The build's view of its kernels' progress: the sweep a notebook is running, with the time left."""
 
 from __future__ import annotations
 
@@ -16,8 +9,6 @@ import time
 from pathlib import Path
 
 from cwcore.runs import PROGRESS_FILE_ENV_VAR
-
-__all__ = ["PROGRESS_FILE_ENV_VAR", "Watch", "read", "describe"]
 
 
 def read(path: str | Path) -> dict | None:
@@ -56,8 +47,7 @@ class Watch:
     ``[i/n] chapter [model] executing ...``): refreshed in place on a terminal (every ``interval``
     seconds), else one line when ``log_every`` seconds have passed since the last one."""
 
-    def __init__(self, path: str | Path, prefix: str, *, stream=None, interval: float = 2.0,
-                 log_every: float = 300.0):
+    def __init__(self, path: str | Path, prefix: str, *, stream=None, interval: float = 2.0, log_every: float = 300.0):
         self.path, self.prefix = Path(path), prefix
         self.stream = stream if stream is not None else sys.stdout
         self.interval, self.log_every = interval, log_every

@@ -13,8 +13,6 @@ from . import ladder as evidence
 from cwcore.stats import NOT_MEASURED, combine_all
 from .findings import STEPS, _main
 
-__all__ = ["PRIMARY_COLUMNS", "primary_table", "side_by_side", "secondary_contradictions"]
-
 #: Table 1's columns: (mode, importance, label); the ``|c|`` columns are the pre-registered headline
 PRIMARY_COLUMNS = (("comprehensiveness", "absolute", "comprehensiveness |c| (primary)"),
                    ("comprehensiveness", "signed", "comprehensiveness signed"),
@@ -47,8 +45,7 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
     measured by both, how many give the same verdict; empty when none is)."""
     rng = evidence.PRIMARY["range"]
     models = list(models or evidence.PRIMARY["models"])
-    steps = [(claim, next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b)))
-             for claim, a, b in STEPS]
+    steps = [(claim, next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b))) for claim, a, b in STEPS]
     out = []
     for model in models:
         for data in evidence.PRIMARY["data"]:
@@ -117,8 +114,7 @@ def side_by_side(rows: pd.DataFrame, importance: str = "absolute") -> pd.DataFra
     if "sample" not in rows:
         rows = rows.assign(sample=registration.EXPLORATORY)
     seen = {tuple(c) for c in registration.SEEN_BEFORE_REGISTRATION}
-    steps = [(claim, next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b)))
-             for claim, a, b in STEPS]
+    steps = [(claim, next(p for lo, hi, p in evidence.PRIMARY["pairs"] if (lo, hi) == (a, b))) for claim, a, b in STEPS]
     out = []
     for model in evidence.PRIMARY["models"]:
         for data in evidence.PRIMARY["data"]:

@@ -1,11 +1,5 @@
 """Chapter 2, the geometry of an attention output: small worked examples in two and three dimensions and
-random heads, with their figures.
-
-An attention head's output for one query is ``o = sum_j alpha_j v_j``; the contribution weight of token
-``j`` is ``c_j = alpha_j <o, v_j> / ||o||^2 = alpha_j * (||v_j|| / ||o||) * cos(o, v_j)`` (the paper's
-section on contribution weights). Everything here is numpy in float64; the notebook quotes the numbers
-of :func:`run`'s result and draws its figures with the ``*_figure`` functions.
-"""
+random heads, with their figures."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,11 +18,8 @@ TOKEN = [COLOURS[k] for k in (2, 4, 8, 5, 9, 6, 3, 7)]  # one colour per token
 
 
 def decompose(alpha, V):
-    """The output and contribution weights of one query.
-
-    ``alpha``: attention weights ``[n]``; ``V``: value vectors ``[n, d]``. Returns ``(o [d], c [n],
-    relative norm ||v_j||/||o|| [n], cos(o, v_j) [n])``, with ``c = alpha * relative norm * cos``.
-    """
+    """The output and contribution weights of one query: ``alpha [n]``, ``V [n, d]`` -> ``(o [d], c [n],
+    ||v_j||/||o|| [n], cos(o, v_j) [n])`` with ``c = alpha * relative norm * cos``, in float64."""
     # o = sum_j alpha_j v_j;  c_j = alpha_j * ||v_j||/||o|| * cos(o, v_j)
     alpha, V = np.asarray(alpha, float), np.asarray(V, float)
     o = alpha @ V
@@ -139,10 +130,8 @@ def sum_of_arrows() -> Arrows:
     alpha = np.array([0.5, 0.3, 0.2])
     V = np.array([[2.0, 0.4], [0.6, 1.8], [-1.6, 0.5]])
     o, c, rel, cos = decompose(alpha, V)
-    table = pd.DataFrame(
-        {"attention α": alpha, "relative norm ‖v‖/‖o‖": rel,
-         "alignment cos": cos, "contribution c": c},
-        index=[f"token {j + 1}" for j in range(3)])
+    table = pd.DataFrame({"attention α": alpha, "relative norm ‖v‖/‖o‖": rel, "alignment cos": cos,
+                          "contribution c": c}, index=[f"token {j + 1}" for j in range(3)])
     table.loc["sum"] = [alpha.sum(), np.nan, np.nan, c.sum()]
     return Arrows(alpha, V, o, c, rel, cos, table)
 
@@ -207,29 +196,15 @@ def run(seed: int, n_trials: int) -> GeometryResult:
     """Every example of the chapter: the worked examples, the sink (seeded with ``seed``) and
     ``n_trials`` random heads (seeded with ``seed + 1``)."""
     shown = interference()
-    return GeometryResult(sum_of_arrows(), shown, sweep(shown.V_des), sink(seed),
-                          random_heads(seed, n_trials))
+    return GeometryResult(sum_of_arrows(), shown, sweep(shown.V_des), sink(seed), random_heads(seed, n_trials))
 
 
 # --- figures -------------------------------------------------------------------------------------------
 
 def arrow(ax, start, vec, colour, lw=2.2, ls="-", label=None, alpha=1.0):
     start, vec = np.asarray(start, float), np.asarray(vec, float)
-    ax.annotate(
-        "",
-        xy=start + vec,
-        xytext=start,
-        arrowprops=dict(
-            arrowstyle="-|>",
-            color=colour,
-            lw=lw,
-            ls=ls,
-            alpha=alpha,
-            shrinkA=0,
-            shrinkB=0,
-            mutation_scale=16,
-        ),
-    )
+    ax.annotate("", xy=start + vec, xytext=start, arrowprops=dict(arrowstyle="-|>", color=colour, lw=lw, ls=ls,
+                                                                  alpha=alpha, shrinkA=0, shrinkB=0, mutation_scale=16))
     if label:
         ax.plot([], [], color=colour, lw=lw, ls=ls, label=label)
 
@@ -250,11 +225,7 @@ def sum_of_arrows_figure(ex: Arrows):
     alpha1, V1, o1, c1 = ex.alpha, ex.V, ex.o, ex.c
     fig = plt.figure(figsize=(9, 8))
     grid = fig.add_gridspec(2, 2, height_ratios=[1.1, 1])
-    axes = [
-        fig.add_subplot(grid[0, 0]),
-        fig.add_subplot(grid[0, 1]),
-        fig.add_subplot(grid[1, :]),
-    ]
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])]
     ax = axes[0]
     for j, v in enumerate(V1):
         arrow(ax, (0, 0), v, TOKEN[j], label=f"$v_{j + 1}$")
@@ -266,9 +237,7 @@ def sum_of_arrows_figure(ex: Arrows):
     ax = axes[1]
     tip = np.zeros(2)
     for j, v in enumerate(V1):
-        arrow(
-            ax, tip, alpha1[j] * v, TOKEN[j], label=rf"$\alpha_{j + 1} v_{j + 1}$"
-        )
+        arrow(ax, tip, alpha1[j] * v, TOKEN[j], label=rf"$\alpha_{j + 1} v_{j + 1}$")
         tip = tip + alpha1[j] * v
     arrow(ax, (0, 0), o1, OUTPUT, lw=2.8, ls="--", label=r"$o=\sum_j \alpha_j v_j$")
     partial = np.cumsum(alpha1[:, None] * V1, axis=0)
@@ -292,23 +261,11 @@ def sum_of_arrows_figure(ex: Arrows):
                 mutation_scale=16,
             ),
         )
-        ax.text(
-            start + c1[j] / 2,
-            j + 0.22,
-            f"$c_{j + 1}$ = {c1[j]:+.2f}",
-            ha="center",
-            fontsize=10,
-        )
+        ax.text(start + c1[j] / 2, j + 0.22, f"$c_{j + 1}$ = {c1[j]:+.2f}", ha="center", fontsize=10)
         ax.plot([start, start], [j - 1, j], color="0.6", lw=0.8, ls=":")
         start += c1[j]
-    ax.annotate(
-        "",
-        xy=(1, 3),
-        xytext=(0, 3),
-        arrowprops=dict(
-            arrowstyle="-|>", color=OUTPUT, lw=2.8, shrinkA=0, shrinkB=0
-        ),
-    )
+    ax.annotate("", xy=(1, 3), xytext=(0, 3), arrowprops=dict(arrowstyle="-|>", color=OUTPUT, lw=2.8, shrinkA=0,
+                                                              shrinkB=0))
     ax.text(0.5, 3.22, r"$o$: total = 1", ha="center", fontsize=10)
     for x in (0, 1):
         ax.axvline(x, color="0.75", lw=0.8, zorder=0)
@@ -324,9 +281,7 @@ def sum_of_arrows_figure(ex: Arrows):
 def interference_figure(ex: Interference):
     """Constructive and destructive pairs: their arrows (top) and weights (bottom)."""
     alpha2 = ex.alpha
-    fig, axes = plt.subplots(
-        2, 2, figsize=(9, 7), gridspec_kw={"height_ratios": [1.3, 1]}
-    )
+    fig, axes = plt.subplots(2, 2, figsize=(9, 7), gridspec_kw={"height_ratios": [1.3, 1]})
     for col, (V, o, c, name) in enumerate(
         [
             (ex.V_con, ex.o_con, ex.c_con, "constructive"),
@@ -338,29 +293,16 @@ def interference_figure(ex: Interference):
             # v_j itself, faint
             arrow(ax, (0, 0), v, TOKEN[j], lw=1.2, ls=":", alpha=0.8)
         arrow(ax, (0, 0), alpha2[0] * V[0], TOKEN[0], label=r"$\alpha_1 v_1$")
-        arrow(
-            ax,
-            alpha2[0] * V[0],
-            alpha2[1] * V[1],
-            TOKEN[1],
-            label=r"$\alpha_2 v_2$",
-        )
+        arrow(ax, alpha2[0] * V[0], alpha2[1] * V[1], TOKEN[1], label=r"$\alpha_2 v_2$")
         arrow(ax, (0, 0), o, OUTPUT, lw=3, label="$o$")
         frame(ax, list(V) + [o], pad=0.2)
         ax.set_title(f"{name}: ‖o‖ = {np.linalg.norm(o):.2f}")
         ax.legend(loc="lower right", fontsize=9)
 
         ax = axes[1, col]
-        df = pd.DataFrame(
-            {
-                "token": ["token 1", "token 2"] * 2,
-                "weight": np.r_[alpha2, c],
-                "metric": ["attention α"] * 2 + ["contribution c"] * 2,
-            }
-        )
-        sns.barplot(
-            df, x="token", y="weight", hue="metric", palette=[ATTN, CONTRIB], ax=ax
-        )
+        df = pd.DataFrame({"token": ["token 1", "token 2"] * 2, "weight": np.r_[alpha2, c],
+                           "metric": ["attention α"] * 2 + ["contribution c"] * 2})
+        sns.barplot(df, x="token", y="weight", hue="metric", palette=[ATTN, CONTRIB], ax=ax)
         ax.axhline(0, color="black", lw=0.8)
         ax.axhline(1, color="0.6", lw=0.8, ls=":")
         ax.set_xlabel("")
@@ -368,14 +310,8 @@ def interference_figure(ex: Interference):
         for bar in ax.patches:
             h = bar.get_height()
             if np.isfinite(h) and bar.get_width() > 0:
-                ax.text(
-                    bar.get_x() + bar.get_width() / 2,
-                    h,
-                    f"{h:.2f}",
-                    ha="center",
-                    va="bottom" if h >= 0 else "top",
-                    fontsize=9,
-                )
+                ax.text(bar.get_x() + bar.get_width() / 2, h, f"{h:.2f}", ha="center",
+                        va="bottom" if h >= 0 else "top", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -405,18 +341,8 @@ def sink_3d_figure(ex: Sink):
     fig = plt.figure(figsize=(7.5, 6.5))
     ax = fig.add_subplot(projection="3d")
     for j, v in enumerate(V3):
-        ax.quiver(
-            0,
-            0,
-            0,
-            *v,
-            color=TOKEN[j],
-            lw=4 if j == 0 else 2,
-            arrow_length_ratio=0.08,
-        )
-        ax.text(
-            *(v * 1.1), f"{j + 1}", color=TOKEN[j], fontsize=12, fontweight="bold"
-        )
+        ax.quiver(0, 0, 0, *v, color=TOKEN[j], lw=4 if j == 0 else 2, arrow_length_ratio=0.08)
+        ax.text(*(v * 1.1), f"{j + 1}", color=TOKEN[j], fontsize=12, fontweight="bold")
     ax.quiver(0, 0, 0, *o3, color=OUTPUT, lw=4, arrow_length_ratio=0.2)
     ax.text(*(o3 * 1.35), "o", color=OUTPUT, fontsize=14, fontweight="bold")
     lo, hi = np.minimum(V3.min(0), 0) - 0.2, np.maximum(V3.max(0), 0) + 0.2
@@ -437,16 +363,9 @@ def sink_weights_figure(ex: Sink):
     """The sink example's attention and contribution weights, per token."""
     n = len(ex.alpha)
     fig, ax = plt.subplots(figsize=(8, 4))
-    df = pd.DataFrame(
-        {
-            "token": [str(j + 1) for j in range(n)] * 2,
-            "weight": np.r_[ex.alpha, ex.c],
-            "metric": ["attention α"] * n + ["contribution c"] * n,
-        }
-    )
-    sns.barplot(
-        df, x="token", y="weight", hue="metric", palette=[ATTN, CONTRIB], ax=ax
-    )
+    df = pd.DataFrame({"token": [str(j + 1) for j in range(n)] * 2, "weight": np.r_[ex.alpha, ex.c],
+                       "metric": ["attention α"] * n + ["contribution c"] * n})
+    sns.barplot(df, x="token", y="weight", hue="metric", palette=[ATTN, CONTRIB], ax=ax)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_title(f"both sum to 1, but rank differently: Kendall τ = {ex.tau:.2f}")
     ax.legend(title=None)
@@ -460,27 +379,14 @@ def random_heads_figure(ex: RandomHeads):
     n_trials = len(A)
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 4.2))
     sns.histplot(taus, bins=np.linspace(-1, 1, 30), color=CONTRIB, ax=ax0)
-    ax0.axvline(
-        np.median(taus),
-        color="black",
-        ls="--",
-        lw=1,
-        label=f"median {np.median(taus):.2f}",
-    )
+    ax0.axvline(np.median(taus), color="black", ls="--", lw=1, label=f"median {np.median(taus):.2f}")
     ax0.set_xlabel(r"Kendall $\tau$ of the rankings by $\alpha$ and by $c$")
     ax0.set_ylabel("heads")
     ax0.set_xticks([-1, -0.5, 0, 0.5, 1])
     ax0.legend()
     ax0.set_title("agreement of the two rankings, per head")
     sample = slice(0, min(n_trials, 400))
-    ax1.scatter(
-        A[sample].ravel(),
-        C[sample].ravel(),
-        s=6,
-        alpha=0.35,
-        color=ATTN,
-        edgecolor="none",
-    )
+    ax1.scatter(A[sample].ravel(), C[sample].ravel(), s=6, alpha=0.35, color=ATTN, edgecolor="none")
     ax1.plot([0, 1], [0, 1], color="0.4", ls=":", lw=1, label=r"$c = \alpha$")
     ax1.axhline(0, color="black", lw=0.8)
     ax1.set_ylim(np.quantile(C, [0.002, 0.998]))

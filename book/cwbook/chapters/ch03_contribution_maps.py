@@ -1,16 +1,6 @@
 """Chapter 3, contribution maps on real text: the maps of one sentence in one head and one layer, and
-statistics of attention and contribution weights over blocks of real text, per layer.
-
-:func:`sentence_maps` decomposes one sentence (the paper's Figure 1 on it); :func:`statistics` collects
-the per-layer statistics (:func:`cwbook.analysis.collect`, :func:`cwbook.analysis.summarize`). Each
-returns its data and ``quoted``/``quoted_md``: the numbers and texts the chapter's prose quotes, under
-their glue names. The figure functions take those results. See the paper's sections on contribution
-weights and on attention sinks.
-"""
+statistics of attention and contribution weights over blocks of real text, per layer."""
 from __future__ import annotations
-
-import time
-from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -19,76 +9,25 @@ import pandas as pd
 import cwcore
 from cwbook import analysis
 from cwcore.data import lm_batches, lm_blocks
-from cwcore.plotting import band, layer_axis, legend_below, palette, per_layer
-from cwbook.chapters.common import FACTOR_COLUMNS, maps_head_figure, maps_layer_figure, factors_figure
+from cwcore.plotting import band, layer_axis, legend_below, per_layer
+from cwbook.chapters.common import (ATTN, COLOURS, FACTOR_COLUMNS, INTER, INTRA, OTHER, VIEWS, SentenceMaps,
+                                    Statistics, collect_statistics, decompose_sentence, factors_figure,
+                                    maps_head_figure, maps_layer_figure)
 from cwbook.notebook import tick
-from cwcore.cache import caching
-from cwcore.core.architectures import decomposable_layers
 
-COLOURS = palette(10)
-ATTN, INTRA, INTER, OTHER, NEGATIVE = (COLOURS[i] for i in (0, 1, 2, 7, 3))
-#: the three views of the per-layer statistics: (view, label, colour)
-VIEWS = [("intra", "intra-head, per head", INTRA),
-         ("inter", "inter-head, per head", INTER),
-         ("token", "inter-head, per token", ATTN)]
-
-
-@dataclass
-class SentenceMaps:
-    """One sentence decomposed in every layer (``d``), and the maps of the layer and head shown.
-
-    ``alpha_map``, ``intra_map``, ``inter_map``: ``[query, key]`` of the head shown (NaN where a query
-    cannot see a key); ``token_attention`` (mean over heads) and ``token_contribution`` (inter-head, sum
-    over heads): ``[query, key]`` of the whole layer; ``row``: the last query's weights and their three
-    factors, one row per key.
-    """
-    inputs: dict
-    tokens: list
-    layers: list
-    d: object
-    layer_shown: int
-    head_shown: int
-    n_heads: int
-    alpha_map: np.ndarray
-    intra_map: np.ndarray
-    inter_map: np.ndarray
-    row: pd.DataFrame
-    query: int
-    token_attention: np.ndarray
-    token_contribution: np.ndarray
-    quoted: dict = field(default_factory=dict)
-    quoted_md: dict = field(default_factory=dict)
-
-    @property
-    def L(self):
-        """The decomposition of the layer shown."""
-        return self.d[self.layer_shown]
+NEGATIVE = COLOURS[3]
 
 
 def sentence_maps(lm, tokenizer, text: str, layer: int | None, head: int | None, rank_min_keys: int,
                   model_name: str) -> SentenceMaps:
     """Decompose ``text`` (the tokenizer's default special tokens) and pick the layer (``layer``, or the
-    middle one) and head (``head``, or the one whose attention on position 0 exceeds its intra-head
-    contribution the most) of the maps."""
-    from cwcore.tokens import token_labels
-
-    layers = decomposable_layers(lm)  # never a block cwcore numbers but cannot decompose
-    n_layers = len(layers)
-    quoted, quoted_md = {"n_layers": n_layers}, {}
-    inputs = tokenizer(text, return_tensors="pt").to(lm.device)
-    ids = inputs["input_ids"][0].tolist()
-    tokens = token_labels(tokenizer, ids)
-
-    d = cwcore.decompose(lm, **inputs)  # every layer of one forward pass
-    layer_shown = layers[(n_layers // 2 if layer is None else layer) % n_layers]
-    L = d[layer_shown]
-    n_heads = L.attention.shape[1]
-    # per head, over queries 1..n-1: attention on position 0 and its
-    # intra-head contribution
-    first_attention = L.attention[0, :, 1:, 0].mean(-1)
-    first_contribution = L.contribution("intra")[0, :, 1:, 0].mean(-1)
-    gap = first_attention - first_contribution
-    head_shown = int(gap.argmax()) if head is None else head % n_heads
+    middle one) and head (``head``, or the one whose attention on position 0, over queries 1..n-1,
+    exceeds its intra-head contribution the most) of the maps."""
+    maps = decompose_sentence(lm, tokenizer, text, layer, head, lambda L, _: (
+        L.attention[0, :, 1:, 0].mean(-1) - L.contribution("intra")[0, :, 1:, 0].mean(-1)))
+    tokens, layer_shown, head_shown, n_heads, L = (maps.tokens, maps.layer_shown, maps.head_shown, maps.n_heads, maps.L)
+    ids = maps.inputs["input_ids"][0].tolist()
+    quoted, quoted_md = {"n_layers": len(maps.layers)}, {}
 
     bos = tokenizer.bos_token_id
     if bos is not None and ids[0] == bos:
@@ -127,8 +66,7 @@ def sentence_maps(lm, tokenizer, text: str, layer: int | None, head: int | None,
 
     # queries 1..n-1: query 0 sees only itself (its weight is 1 trivially)
     rows = slice(1, None)
-    q_min, k_min = np.unravel_index(np.nanargmin(intra_map[rows]),
-                                    intra_map[rows].shape)
+    q_min, k_min = np.unravel_index(np.nanargmin(intra_map[rows]), intra_map[rows].shape)
     q_min += 1
     alpha_h, intra_h = L.attention[0, head_shown], L.contribution("intra")[0, head_shown]
     head_rho = analysis.spearman_rows(alpha_h, intra_h, visible, rank_min_keys)
@@ -171,47 +109,25 @@ def sentence_maps(lm, tokenizer, text: str, layer: int | None, head: int | None,
     quoted_md["explain_command"] = (f'`cwcore explain "{text}" --model {model_name} '
                                     f'--layer {layer_shown} --out fig.png`')
     quoted_md["explorer_command"] = f'`cwcore explain "{text}" --model {model_name} --out fig.html`'
-    return SentenceMaps(inputs, tokens, layers, d, layer_shown, head_shown, n_heads, alpha_map,
-                        intra_map, inter_map, row, q, token_attention, token_contribution, quoted,
-                        quoted_md)
-
-
-@dataclass
-class Statistics:
-    """Per-layer statistics over blocks of real text: ``stats`` (per sequence), ``factors`` (sampled
-    terms and their three factors), ``summary`` (means and bootstrap intervals per layer, statistic,
-    view and group: :func:`cwbook.analysis.summarize`), ``seconds`` the collection took."""
-    blocks: dict
-    stats: pd.DataFrame
-    factors: pd.DataFrame
-    summary: pd.DataFrame
-    seconds: float
-    n_layers: int
-    quoted: dict = field(default_factory=dict)
-    quoted_md: dict = field(default_factory=dict)
+    maps.alpha_map, maps.intra_map, maps.inter_map, maps.row, maps.query = alpha_map, intra_map, inter_map, row, q
+    maps.token_attention, maps.token_contribution, maps.quoted, maps.quoted_md = (
+        token_attention, token_contribution, quoted, quoted_md)
+    return maps
 
 
 def statistics(lm, tokenizer, *, model_name: str, data: str, n_sequences: int, seq_len: int,
                batch_size: int, kind: str, min_keys: int, rank_min_keys: int, factor_samples: int,
                n_bootstrap: int, seed: int, cache: bool) -> Statistics:
     """Collect and summarise the statistics on ``n_sequences`` blocks of ``seq_len`` tokens of ``data``."""
-    n_layers = len(decomposable_layers(lm))
-    dataset = cwcore.load_dataset(data)
-    blocks = lm_blocks(dataset, tokenizer, block_size=seq_len,
-                       num_blocks=n_sequences)
-    t0 = time.monotonic()
-    with caching(enabled=cache):  # results are cached when the run asks for it
-        stats, factors = analysis.collect(
-            lm, lm_batches(blocks, batch_size, device=lm.device), kind=kind,
-            min_keys=min_keys, rank_min_keys=rank_min_keys,
-            factor_samples=factor_samples, seed=seed)
-    summary = analysis.summarize(stats, n_bootstrap=n_bootstrap, seed=seed)
-    seconds = time.monotonic() - t0
+    blocks = lm_blocks(cwcore.load_dataset(data), tokenizer, block_size=seq_len, num_blocks=n_sequences)
+    collected = collect_statistics(lm, lm_batches(blocks, batch_size, device=lm.device), kind=kind,
+                                   min_keys=min_keys, rank_min_keys=rank_min_keys, factor_samples=factor_samples,
+                                   n_bootstrap=n_bootstrap, seed=seed, cache=cache, blocks=blocks)
+    factors, summary, n_layers = collected.factors, collected.summary, collected.n_layers
 
     quoted, quoted_md = {}, {}
     bos = tokenizer.bos_token_id
-    starts_with_bos = bos is not None and all(
-        b[0] == bos for b in blocks["input_ids"])
+    starts_with_bos = bos is not None and all(b[0] == bos for b in blocks["input_ids"])
     quoted.update(n_sequences=len(blocks), seq_len=seq_len, min_keys=min_keys)
     quoted_md["data_name"] = f"`{data}`"
     if starts_with_bos:
@@ -233,14 +149,10 @@ def statistics(lm, tokenizer, *, model_name: str, data: str, n_sequences: int, s
     quoted["factor_samples"] = factor_samples
     quoted_md["kind_name"] = f"{kind}-head"
     med = factors.groupby("group")[FACTOR_COLUMNS].median()
-    for group in ("first", "other"):
-        quoted[f"med_{group}_alpha"] = med.loc[group, "attention"]
-    for group in ("first", "other"):
-        quoted[f"med_{group}_rel"] = med.loc[group, "relative_norm"]
-    for group in ("first", "other"):
-        quoted[f"med_{group}_cos"] = med.loc[group, "cosine"]
-    shorter = (med.loc["first", "relative_norm"]
-               < med.loc["other", "relative_norm"])
+    for column, short in zip(FACTOR_COLUMNS, ("alpha", "rel", "cos")):
+        for group in ("first", "other"):
+            quoted[f"med_{group}_{short}"] = med.loc[group, column]
+    shorter = (med.loc["first", "relative_norm"] < med.loc["other", "relative_norm"])
     quoted_md["rel_cmp"] = "shorter" if shorter else "not shorter"
 
     # mass on position 0
@@ -299,7 +211,8 @@ def statistics(lm, tokenizer, *, model_name: str, data: str, n_sequences: int, s
         rho_low_hi=rho_intra.loc[low, "high"],
         rho_high=rho_intra["mean"].max(),
         rho_high_layer=int(rho_intra["mean"].idxmax()))
-    return Statistics(blocks, stats, factors, summary, seconds, n_layers, quoted, quoted_md)
+    collected.quoted, collected.quoted_md = quoted, quoted_md
+    return collected
 
 
 # --- figures -------------------------------------------------------------------------------------------
@@ -313,8 +226,7 @@ def maps_head(maps: SentenceMaps, model_name: str):
 def row_factors(maps: SentenceMaps, model_name: str):
     """Figure 2: the last query's weights and their three factors, per key (negative weights red)."""
     tokens = maps.tokens
-    fig, axes = plt.subplots(4, 1, figsize=(10, 8.6), sharex=True,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 8.6), sharex=True, constrained_layout=True)
     x = np.arange(len(tokens))
     colours = [ATTN, OTHER, OTHER, INTRA]
     for ax, (name, values), colour in zip(axes, maps.row.items(), colours):
@@ -324,8 +236,7 @@ def row_factors(maps: SentenceMaps, model_name: str):
         ax.axhline(0, color="black", lw=0.8)
         ax.set_ylabel(name, rotation=0, ha="right", va="center")
     axes[2].set_ylim(-1.05, 1.05)
-    axes[-1].set_xticks(x, [repr(t)[1:-1] for t in tokens], rotation=60, ha="right",
-                        rotation_mode="anchor")
+    axes[-1].set_xticks(x, [repr(t)[1:-1] for t in tokens], rotation=60, ha="right", rotation_mode="anchor")
     q = maps.query
     axes[0].set_title(f"{model_name} · layer {maps.layer_shown} · head {maps.head_shown} · "
                       f"query {q} ({tokens[q]!r})")
@@ -341,20 +252,16 @@ def maps_layer(maps: SentenceMaps, model_name: str):
 def factors_per_layer(stats: Statistics, kind: str, model_name: str):
     """Figure 4: the three factors per layer, for position 0 and for all other keys."""
     groups = [("first", "position 0", INTRA), ("other", "other keys", OTHER)]
-    return factors_figure(stats.factors, kind, groups,
-                          f"{model_name}: factors of {kind}-head contribution weights")
+    return factors_figure(stats.factors, kind, groups, f"{model_name}: factors of {kind}-head contribution weights")
 
 
 def first_token_mass(stats: Statistics, model_name: str):
     """Figure 5: attention and contribution mass on position 0 per layer, with intervals."""
     summary = stats.summary
     fig, ax = plt.subplots(figsize=(9, 4.4), constrained_layout=True)
-    band(ax, per_layer(summary, "mass", "attention", "first"), ATTN,
-         r"attention $\alpha_{i0}$, mean over heads")
-    band(ax, per_layer(summary, "mass", "intra", "first"), INTRA,
-         r"intra-head $c^h_{i0}$, mean over heads")
-    band(ax, per_layer(summary, "mass", "token", "first"), INTER,
-         r"inter-head $c^h_{i0}$, sum over heads")
+    band(ax, per_layer(summary, "mass", "attention", "first"), ATTN, r"attention $\alpha_{i0}$, mean over heads")
+    band(ax, per_layer(summary, "mass", "intra", "first"), INTRA, r"intra-head $c^h_{i0}$, mean over heads")
+    band(ax, per_layer(summary, "mass", "token", "first"), INTER, r"inter-head $c^h_{i0}$, sum over heads")
     ax.axhline(0, color="black", lw=0.8)
     layer_axis(ax)
     ax.set_ylabel("mass on position 0")
@@ -366,8 +273,7 @@ def first_token_mass(stats: Statistics, model_name: str):
 def negative_weights(stats: Statistics, model_name: str):
     """Figure 6: the share of negative weights (top) and their mass per row (bottom), per layer."""
     summary = stats.summary
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True,
-                                   constrained_layout=True)
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 7.5), sharex=True, constrained_layout=True)
     for view, label, colour in VIEWS:
         band(ax0, per_layer(summary, "negative_share", view), colour, label)
     for view, label, colour in [VIEWS[0], VIEWS[2]]:

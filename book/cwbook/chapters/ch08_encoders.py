@@ -1,89 +1,42 @@
 """Chapter 8, contribution weights in an encoder: the maps of one sentence in a BERT-style encoder, the
 attention and contribution mass of its special tokens over real documents, and one call on a vision
-transformer.
-
-The same decomposition as for a decoder (the paper's section on contribution weights), with the
-special tokens ``[CLS]`` and ``[SEP]`` and punctuation as key groups (the paper's section on attention
-sinks). :func:`sentence_maps`, :func:`statistics` and :func:`random_vit` return their data and
-``quoted``/``quoted_md``: the numbers and texts the prose quotes, under their glue names.
-"""
+transformer."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import partial
 
 import matplotlib.pyplot as plt
 import numpy as np
-import pandas as pd
 import torch
 
 import cwcore
 from cwbook import analysis
-from cwcore.plotting import band, contribution_heatmap, layer_axis, legend_below, palette, per_layer
-from cwbook.chapters.common import FACTOR_COLUMNS, factors_figure, maps_head_figure, maps_layer_figure
-from cwcore.cache import caching
-from cwcore.core.architectures import decomposable_layers
+from cwcore.plotting import band, contribution_heatmap, layer_axis, legend_below, per_layer
+from cwbook.chapters.common import (ATTN, COLOURS, FACTOR_COLUMNS, INTER, INTRA, OTHER, VIEWS, SentenceMaps,
+                                    Statistics, collect_statistics, decompose_sentence, factors_figure,
+                                    maps_head_figure, maps_layer_figure)
 
-COLOURS = palette(10)
-ATTN, INTRA, INTER, OTHER = (COLOURS[i] for i in (0, 1, 2, 7))
 #: the key groups of the statistics and their colours
 GROUPS = [("[CLS]", COLOURS[1]), ("[SEP]", COLOURS[4]), (". and ,", COLOURS[2]), ("other", OTHER)]
 
 
-@dataclass
-class SentenceMaps:
-    """One sentence decomposed in every layer (``d``), and the maps of the layer and head shown.
-
-    ``alpha_map``, ``intra_map``, ``inter_map``: ``[query, key]`` of the head shown (an encoder's query
-    sees every key); ``token_attention`` (mean over heads) and ``token_contribution`` (inter-head, sum
-    over heads): ``[query, key]`` of the whole layer.
-    """
-    inputs: dict
-    tokens: list
-    layers: list
-    d: object
-    layer_shown: int
-    head_shown: int
-    n_heads: int
-    alpha_map: np.ndarray
-    intra_map: np.ndarray
-    inter_map: np.ndarray
-    token_attention: np.ndarray
-    token_contribution: np.ndarray
-    quoted: dict = field(default_factory=dict)
-    quoted_md: dict = field(default_factory=dict)
-
-    @property
-    def L(self):
-        """The decomposition of the layer shown."""
-        return self.d[self.layer_shown]
+def _special(L, tokens):
+    """Per head, over all queries: attention on ``[CLS]`` and ``[SEP]``, and their intra-head contribution."""
+    special = torch.tensor([t in ("[CLS]", "[SEP]") for t in tokens])
+    contribution = L.contribution("intra")[0][..., special].sum(-1).mean(-1)
+    return special, L.attention[0][..., special].sum(-1).mean(-1), contribution
 
 
 def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | None,
                   rank_min_keys: int, model_name: str) -> SentenceMaps:
-    """Decompose ``text`` (wrapped in ``[CLS]`` ... ``[SEP]``) and pick the layer (``layer``, or the middle
-    one) and head (``head``, or the one whose attention on ``[CLS]`` and ``[SEP]`` exceeds their
-    intra-head contribution the most) of the maps."""
-    from cwcore.tokens import token_labels
-
-    layers = decomposable_layers(encoder)  # never a block cwcore numbers but cannot decompose
-    n_layers = len(layers)
-    quoted, quoted_md = {"n_layers": n_layers}, {"model_name": f"`{model_name}`"}
-    inputs = tokenizer(text, return_tensors="pt").to(encoder.device)
-    tokens = token_labels(tokenizer, inputs["input_ids"][0])
-
-    d = cwcore.decompose(encoder, **inputs)
-    layer_shown = layers[(n_layers // 2 if layer is None else layer) % n_layers]
-    L = d[layer_shown]
-    n_heads = L.attention.shape[1]
-    special = torch.tensor([t in ("[CLS]", "[SEP]") for t in tokens])
-    # per head, over all queries: attention on [CLS] and [SEP], and their
-    # intra-head contribution
-    special_attention = L.attention[0][..., special].sum(-1).mean(-1)
-    special_contribution = L.contribution("intra")[0][..., special].sum(-1).mean(-1)
-    gap = special_attention - special_contribution
-    head_shown = int(gap.argmax()) if head is None else head % n_heads
+    """Decompose ``text`` (wrapped in ``[CLS]`` ..."""
+    maps = decompose_sentence(encoder, tokenizer, text, layer, head,
+                              lambda L, tokens: _special(L, tokens)[1] - _special(L, tokens)[2])
+    tokens = maps.tokens
+    layer_shown, head_shown, n_heads, L = maps.layer_shown, maps.head_shown, maps.n_heads, maps.L
+    special, special_attention, special_contribution = _special(L, tokens)
+    quoted, quoted_md = {"n_layers": len(maps.layers)}, {"model_name": f"`{model_name}`"}
 
     if head is None:
         quoted_md["head_reason"] = (
@@ -123,14 +76,15 @@ def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | 
     quoted["layer_alpha_special"] = token_attention[:, special].sum(-1).mean()
     quoted["layer_c_special"] = token_contribution[:, special].sum(-1).mean()
     quoted_md["explorer_command"] = f'`cwcore explain "{text}" --model {model_name} --out fig.html`'
-    return SentenceMaps(inputs, tokens, layers, d, layer_shown, head_shown, n_heads, alpha_map, intra_map,
-                        inter_map, token_attention, token_contribution, quoted, quoted_md)
+    maps.alpha_map, maps.intra_map, maps.inter_map = alpha_map, intra_map, inter_map
+    maps.token_attention, maps.token_contribution, maps.quoted, maps.quoted_md = (
+        token_attention, token_contribution, quoted, quoted_md)
+    return maps
 
 
 def special_token_groups(tokenizer) -> dict:
     """The special tokens, and punctuation, as groups of keys: group name -> token ids."""
-    return {"[CLS]": [tokenizer.cls_token_id],
-            "[SEP]": [tokenizer.sep_token_id],
+    return {"[CLS]": [tokenizer.cls_token_id], "[SEP]": [tokenizer.sep_token_id],
             ". and ,": tokenizer.convert_tokens_to_ids([".", ","])}
 
 
@@ -139,47 +93,19 @@ def key_groups(batch, special_ids: dict):
     return analysis.token_groups(batch["input_ids"], special_ids)
 
 
-@dataclass
-class Statistics:
-    """Per-layer statistics over documents: ``batches`` (the tokenised documents), ``key_groups`` (the
-    callable that groups their keys), ``stats``, ``factors`` and ``summary`` as in chapter 3
-    (:func:`cwbook.analysis.collect`, :func:`cwbook.analysis.summarize`), ``lengths [document]`` in
-    tokens and the ``seconds`` the collection took."""
-    documents: list
-    batches: list
-    key_groups: object
-    stats: pd.DataFrame
-    factors: pd.DataFrame
-    summary: pd.DataFrame
-    lengths: torch.Tensor
-    seconds: float
-    n_layers: int
-    quoted: dict = field(default_factory=dict)
-    quoted_md: dict = field(default_factory=dict)
-
-
 def statistics(encoder, tokenizer, *, model_name: str, data: str, n_sequences: int, seq_len: int,
                batch_size: int, kind: str, min_keys: int, rank_min_keys: int, factor_samples: int,
                n_bootstrap: int, seed: int, cache: bool) -> Statistics:
     """Collect and summarise the statistics on ``n_sequences`` documents of ``data``, each cut to
     ``seq_len`` tokens (``[CLS]`` and ``[SEP]`` included), padded per batch."""
-    n_layers = len(decomposable_layers(encoder))
     documents = cwcore.load_dataset(data, limit=n_sequences, seed=seed)["text"]
-    batches = [tokenizer(documents[i:i + batch_size], truncation=True,
-                         max_length=seq_len, padding=True,
-                         return_tensors="pt").to(encoder.device)
-               for i in range(0, len(documents), batch_size)]
-    groups = partial(key_groups, special_ids=special_token_groups(tokenizer))
-
-    t0 = time.monotonic()
-    with caching(enabled=cache):  # results are cached when the run asks for it
-        stats, factors = analysis.collect(
-            encoder, batches, key_groups=groups, kind=kind, min_keys=min_keys,
-            rank_min_keys=rank_min_keys, factor_samples=factor_samples, seed=seed)
-    summary = analysis.summarize(stats, n_bootstrap=n_bootstrap, seed=seed)
-    lengths = torch.cat([b["attention_mask"].sum(1) for b in batches])
-    seconds = time.monotonic() - t0
-
+    batches = [tokenizer(documents[i:i + batch_size], truncation=True, max_length=seq_len, padding=True,
+                         return_tensors="pt").to(encoder.device) for i in range(0, len(documents), batch_size)]
+    collected = collect_statistics(encoder, batches, key_groups=partial(key_groups, special_ids=special_token_groups(
+        tokenizer)), kind=kind, min_keys=min_keys, rank_min_keys=rank_min_keys, factor_samples=factor_samples,
+        n_bootstrap=n_bootstrap, seed=seed, cache=cache, documents=documents, batches=batches)
+    collected.lengths = torch.cat([b["attention_mask"].sum(1) for b in batches])
+    summary, med = collected.summary, collected.factors.groupby("group")[FACTOR_COLUMNS].median()
     quoted = {"n_sequences": len(documents), "seq_len": seq_len}
     quoted_md = {"data_name": f"`{data}`",
                  "caption": f"{model_name}, {len(documents)} documents of {data} cut to "
@@ -195,7 +121,6 @@ def statistics(encoder, tokenizer, *, model_name: str, data: str, n_sequences: i
 
     quoted["factor_samples"] = factor_samples
     quoted_md["kind_name"] = f"{kind}-head"
-    med = factors.groupby("group")[FACTOR_COLUMNS].median()
     quoted.update(
         med_cls_rel=med.loc["[CLS]", "relative_norm"],
         med_other_rel=med.loc["other", "relative_norm"],
@@ -205,8 +130,8 @@ def statistics(encoder, tokenizer, *, model_name: str, data: str, n_sequences: i
         neg_token_mean=per_layer(summary, "negative_share", "token")["mean"].mean(),
         rho_intra_mean=per_layer(summary, "spearman", "intra")["mean"].mean(),
         rho_token_mean=per_layer(summary, "spearman", "token")["mean"].mean())
-    return Statistics(documents, batches, groups, stats, factors, summary, lengths, seconds, n_layers,
-                      quoted, quoted_md)
+    collected.quoted, collected.quoted_md = quoted, quoted_md
+    return collected
 
 
 @dataclass
@@ -233,9 +158,8 @@ def random_vit(seed: int) -> RandomViT:
     from transformers import ViTConfig, ViTModel
 
     torch.manual_seed(seed)
-    config = ViTConfig(image_size=32, patch_size=8, num_channels=3,
-                       hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       intermediate_size=128, attn_implementation="eager")
+    config = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, intermediate_size=128, attn_implementation="eager")
     vit = ViTModel(config, add_pooling_layer=False).eval()  # RANDOM weights
 
     # a synthetic image: a red square on a gradient
@@ -278,8 +202,7 @@ def maps_layer(maps: SentenceMaps, model_name: str):
 
 def special_token_mass(stats: Statistics, model_name: str):
     """Figure 3: attention and contribution mass of ``[CLS]``, ``[SEP]`` and punctuation per layer."""
-    fig, axes = plt.subplots(3, 1, figsize=(9, 8.5), sharex=True, sharey=True,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8.5), sharex=True, sharey=True, constrained_layout=True)
     lines = [("attention", ATTN, "attention, mean over heads"),
              ("intra", INTRA, "intra-head contribution, mean over heads"),
              ("token", INTER, "inter-head contribution, sum over heads")]
@@ -303,12 +226,8 @@ def factors_per_layer(stats: Statistics, kind: str, model_name: str):
 
 def negative_and_ranks(stats: Statistics, model_name: str):
     """Figure 5: the share of negative weights (top) and the rank agreement (bottom), per layer."""
-    views = [("intra", "intra-head, per head", INTRA),
-             ("inter", "inter-head, per head", INTER),
-             ("token", "inter-head, per token", ATTN)]
-    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 7), sharex=True,
-                                   constrained_layout=True)
-    for view, label, colour in views:
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, constrained_layout=True)
+    for view, label, colour in VIEWS:
         band(ax0, per_layer(stats.summary, "negative_share", view), colour, label)
         band(ax1, per_layer(stats.summary, "spearman", view), colour, label)
     ax0.set_ylabel("share of weights < 0")
@@ -333,8 +252,7 @@ def vit_figure(tiny: RandomViT):
     for ax, values, title in [
             (axes[1], cls_attention, "attention of [CLS] on patches"),
             (axes[2], cls_contribution, "contribution to [CLS]'s output")]:
-        contribution_heatmap(ax, values, cells, title, key_tokens=cells,
-                             annotate=True, vmin=-shared, vmax=shared)
+        contribution_heatmap(ax, values, cells, title, key_tokens=cells, annotate=True, vmin=-shared, vmax=shared)
         ax.set_xlabel("patch column")
         ax.set_ylabel("patch row")
         ax.tick_params(axis="x", labelrotation=0)

@@ -1,11 +1,5 @@
 """Chapter 9, the findings page: the tables it shows beside the committed evidence's headline (which
-:mod:`cwbook.headline` and :mod:`cwbook.table1` draw), read from the chapters' results tables.
-
-:func:`run` reads this build's tables (``results_dir``) and, where the checkout has them, the committed
-evidence tables, and returns :class:`Findings`: Table 1 of the primary claims, the scoreboard of every claim
-per model, the faithfulness and sink rows of ``findings.csv``, the comparison with the committed evidence,
-where each chapter's table came from, and the phrases the prose quotes (``phrases``, glued under those names).
-"""
+:mod:`cwbook.headline` and :mod:`cwbook.table1` draw), read from the chapters' results tables."""
 
 from __future__ import annotations
 
@@ -22,15 +16,7 @@ STEP_COLUMNS = ["model", "data", "protocol", "importance", "range", "mode", "cla
 
 @dataclass
 class Findings:
-    """The findings page's tables for ``models`` (one row per claim, part or step unless said otherwise).
-
-    * ``table1``: the primary claims' table (:func:`cwbook.table1.primary_table`), from the committed
-      evidence with this build beside it, or from this build alone;
-    * ``board`` / ``table``: the scoreboard (claims x models) and the claims' table with what was measured;
-    * ``sources``: per chapter and model, whether its table was read, at which profile and parameters;
-    * ``faith_findings``: this build's ``findings.csv``; ``steps`` / ``sink_rows``: its faithfulness and
-      chapter 5-7 rows, as shown; ``compared``: the parts both this build and the evidence measured.
-    """
+    """The findings page's tables for ``models`` (one row per claim, part or step unless said otherwise)."""
 
     models: list
     profile: str

@@ -1,22 +1,112 @@
-"""Code the chapters share: the contribution maps of one sentence and the factors figure (chapters 3 and
-8), the tables of the faithfulness chapters (4 and 4b), and the labels of every chapter's rerun check (4-7):
-this build's own small-sample numbers, described by where their intervals lie, never by a verdict word."""
+"""Code the chapters share: the sentence maps, the per-layer statistics and the factors figure (chapters 3
+and 8), the tables of the faithfulness chapters (4 and 4b), and the labels of every chapter's rerun check
+(4-7): this build's own small-sample numbers, described by where their intervals lie, never by a verdict
+word."""
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 
+import cwcore
+from cwbook import analysis
 from cwcore import stats
-from cwcore.plotting import contribution_heatmap, layer_axis, legend_below, plain_log
+from cwcore.cache import caching
+from cwcore.core.architectures import decomposable_layers
+from cwcore.plotting import contribution_heatmap, layer_axis, legend_below, palette, plain_log
+
+COLOURS = palette(10)
+ATTN, INTRA, INTER, OTHER = (COLOURS[i] for i in (0, 1, 2, 7))
+#: the three views of the per-layer statistics: (view, label, colour)
+VIEWS = [("intra", "intra-head, per head", INTRA),
+         ("inter", "inter-head, per head", INTER),
+         ("token", "inter-head, per token", ATTN)]
+
+
+@dataclass
+class SentenceMaps:
+    """One sentence decomposed in every layer (``d``), and the maps of the layer and head shown:
+    ``alpha_map``, ``intra_map``, ``inter_map`` ``[query, key]`` of the head (NaN where a query cannot see a
+    key); ``token_attention`` (mean over heads), ``token_contribution`` (inter-head, sum over heads)
+    ``[query, key]`` of the layer; chapter 3's ``row``: the last query's (``query``) weights and factors, per key."""
+    inputs: dict
+    tokens: list
+    layers: list
+    d: object
+    layer_shown: int
+    head_shown: int
+    n_heads: int
+    alpha_map: np.ndarray = None
+    intra_map: np.ndarray = None
+    inter_map: np.ndarray = None
+    token_attention: np.ndarray = None
+    token_contribution: np.ndarray = None
+    row: pd.DataFrame | None = None
+    query: int | None = None
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+    @property
+    def L(self):
+        """The decomposition of the layer shown."""
+        return self.d[self.layer_shown]
+
+
+def decompose_sentence(model, tokenizer, text: str, layer: int | None, head: int | None, gap) -> SentenceMaps:
+    """Decompose ``text`` in every layer and pick the layer (``layer``, or the middle one) and the head
+    (``head``, or the argmax of ``gap(L, tokens)``: one value per head of the layer's decomposition ``L``)."""
+    from cwcore.tokens import token_labels
+
+    layers = decomposable_layers(model)  # never a block cwcore numbers but cannot decompose
+    inputs = tokenizer(text, return_tensors="pt").to(model.device)
+    tokens = token_labels(tokenizer, inputs["input_ids"][0])
+    d = cwcore.decompose(model, **inputs)  # every layer of one forward pass
+    layer_shown = layers[(len(layers) // 2 if layer is None else layer) % len(layers)]
+    n_heads = d[layer_shown].attention.shape[1]
+    head_shown = int(gap(d[layer_shown], tokens).argmax()) if head is None else head % n_heads
+    return SentenceMaps(inputs, tokens, layers, d, layer_shown, head_shown, n_heads)
+
+
+@dataclass
+class Statistics:
+    """Per-layer statistics over real text: ``stats`` (per sequence), ``factors`` (sampled terms and their
+    three factors), ``summary`` (means and bootstrap intervals per layer, statistic, view and group:
+    :func:`cwbook.analysis.summarize`), the ``seconds`` the collection took; the sample: chapter 3's
+    ``blocks``, chapter 8's ``documents``, ``batches``, ``key_groups`` and ``lengths [document]``."""
+    stats: pd.DataFrame
+    factors: pd.DataFrame
+    summary: pd.DataFrame
+    seconds: float
+    n_layers: int
+    blocks: dict | None = None
+    documents: list | None = None
+    batches: list | None = None
+    key_groups: object = None
+    lengths: object = None
+    quoted: dict = field(default_factory=dict)
+    quoted_md: dict = field(default_factory=dict)
+
+
+def collect_statistics(model, model_inputs, *, kind: str, min_keys: int, rank_min_keys: int, factor_samples: int,
+                       n_bootstrap: int, seed: int, cache: bool, key_groups=None, **sample) -> Statistics:
+    """:func:`cwbook.analysis.collect` over the batches ``model_inputs`` and :func:`cwbook.analysis.summarize`,
+    cached when ``cache``; ``sample`` fills the :class:`Statistics` fields that describe the sample."""
+    t0 = time.monotonic()
+    with caching(enabled=cache):
+        stats, factors = analysis.collect(model, model_inputs, key_groups=key_groups, kind=kind, min_keys=min_keys,
+                                          rank_min_keys=rank_min_keys, factor_samples=factor_samples, seed=seed)
+    summary = analysis.summarize(stats, n_bootstrap=n_bootstrap, seed=seed)
+    return Statistics(stats, factors, summary, time.monotonic() - t0, len(decomposable_layers(model)),
+                      key_groups=key_groups, **sample)
 
 
 def maps_head_figure(alpha_map, intra_map, inter_map, tokens, title: str):
     """The paper's Figure 1 for one head: (a) attention, (b) intra-head contribution weights on the same
-    colour scale, (c) inter-head ones on their own scale, (d) the difference (b) - (a).
-
-    Each map is ``[query, key]`` (NaN where a query cannot see a key: drawn grey); ``tokens`` label both
-    axes; ``title`` goes above the four panels.
-    """
+    colour scale, (c) inter-head ones on their own scale, (d) the difference (b) - (a); each map
+    ``[query, key]``, NaN (grey) where a query cannot see a key."""
     fig, axes = plt.subplots(2, 2, figsize=(11, 10.5), constrained_layout=True)
     shared = np.nanmax(np.abs(np.r_[alpha_map.ravel(), intra_map.ravel()]))
     panels = [
@@ -26,8 +116,7 @@ def maps_head_figure(alpha_map, intra_map, inter_map, tokens, title: str):
         (intra_map - alpha_map, r"(d) difference (b) $-$ (a)", None),
     ]
     for ax, (weights, panel_title, scale) in zip(axes.ravel(), panels):
-        contribution_heatmap(ax, weights, tokens, panel_title,
-                             vmin=None if scale is None else -scale, vmax=scale)
+        contribution_heatmap(ax, weights, tokens, panel_title, vmin=None if scale is None else -scale, vmax=scale)
     for ax in axes.ravel():
         ax.tick_params(labelsize=9)
     for ax in axes[0]:
@@ -47,8 +136,7 @@ def maps_layer_figure(token_attention, token_contribution, tokens, title: str):
     for ax, weights, panel_title in [
             (axes[0], token_attention, "attention, mean over heads"),
             (axes[1], token_contribution, "inter-head contribution, sum")]:
-        image = contribution_heatmap(ax, weights, tokens, panel_title, vmin=-shared,
-                                     vmax=shared, colorbar=False)
+        image = contribution_heatmap(ax, weights, tokens, panel_title, vmin=-shared, vmax=shared, colorbar=False)
     fig.colorbar(image, ax=axes, fraction=0.03, pad=0.02)
     axes[1].set_ylabel("")
     for ax in axes:
@@ -63,28 +151,20 @@ FACTOR_COLUMNS = ["attention", "relative_norm", "cosine"]
 def factors_figure(factors, kind: str, groups, title: str, *, band_alpha: float = 0.25,
                    n_layers: int | None = None, ncols: int = 3):
     """Median and interquartile range of the three factors of contribution weights (attention, relative
-    norm, alignment) per layer, one line per key group.
-
-    ``factors``: :func:`cwbook.analysis.collect`'s sampled terms (columns ``layer``, ``group`` and the
-    three factors); ``kind``: ``"intra"`` or ``"inter"`` (the output the factors are measured against);
-    ``groups``: ``(group, label, colour)`` triples, those absent from ``factors`` left out.
-    """
-    quantiles = (factors.groupby(["layer", "group"])[FACTOR_COLUMNS]
-                 .quantile([0.25, 0.5, 0.75]).unstack(-1))
+    norm, alignment) per layer, one line per ``(group, label, colour)`` of ``groups`` present in ``factors``
+    (:func:`cwbook.analysis.collect`'s sampled terms); ``kind``: ``"intra"`` or ``"inter"``."""
+    quantiles = (factors.groupby(["layer", "group"])[FACTOR_COLUMNS].quantile([0.25, 0.5, 0.75]).unstack(-1))
     out = "o^h_i" if kind == "intra" else "o_i"
-    labels = [r"attention $\alpha_{ij}$",
-              rf"relative norm $\|\tilde v_j\| / \|{out}\|$",
+    labels = [r"attention $\alpha_{ij}$", rf"relative norm $\|\tilde v_j\| / \|{out}\|$",
               rf"alignment $\cos({out}, \tilde v_j)$"]
-    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True,
-                             constrained_layout=True)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 9), sharex=True, constrained_layout=True)
     present = set(quantiles.index.get_level_values("group"))
     for ax, column, label in zip(axes, FACTOR_COLUMNS, labels):
         for group, name, colour in groups:
             if group in present:
                 part = quantiles.xs(group, level="group")[column]
                 ax.plot(part.index, part[0.5], color=colour, lw=2, label=name)
-                ax.fill_between(part.index, part[0.25], part[0.75], color=colour,
-                                alpha=band_alpha, lw=0)
+                ax.fill_between(part.index, part[0.25], part[0.75], color=colour, alpha=band_alpha, lw=0)
         ax.set_ylabel(label)
     plain_log(axes[0])
     plain_log(axes[1])
