@@ -7,11 +7,20 @@ fixtures below.
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
+import torch
 
 from tiny_models import DECODERS, FAMILIES, VOCAB, tiny_model, tiny_vit  # noqa: F401  (re-exported)
+
+# One intra-op thread unless OMP_NUM_THREADS says otherwise: the tests' models are tiny, so a second thread
+# only adds synchronisation, and on a busy machine each parallel region waits for a descheduled thread
+# (measured: the zoo's exactness tests 3x the CPU time and 5x the wall time with 2 threads). The ranks of
+# cwcore.runs are single-threaded too, so this is also the setting the evidence is computed in.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 
 # --------------------------------------------------------------------------------------------------
