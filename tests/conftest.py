@@ -15,12 +15,23 @@ import torch
 
 from tiny_models import DECODERS, FAMILIES, VOCAB, tiny_model, tiny_vit  # noqa: F401  (re-exported)
 
-# One intra-op thread unless OMP_NUM_THREADS says otherwise: the tests' models are tiny, so a second thread
-# only adds synchronisation, and on a busy machine each parallel region waits for a descheduled thread
-# (measured: the zoo's exactness tests 3x the CPU time and 5x the wall time with 2 threads). The ranks of
-# cwcore.runs are single-threaded too, so this is also the setting the evidence is computed in.
+#: torch's own number of intra-op threads, kept for the `slow` tests (packaged models, whose matrix products a
+#: second thread does speed up on an idle machine)
+DEFAULT_THREADS = torch.get_num_threads()
 if "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the test modules' imports (some build a tiny model), before the first test
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """One intra-op thread for every test not marked `slow`, unless OMP_NUM_THREADS says otherwise: their models
+    are tiny, so a second thread only adds synchronisation, and on a busy machine each parallel region waits for
+    a descheduled thread (measured under load: the quick tier's CPU time 59 s against more than 200 s with 2
+    threads, the zoo's 136 tests 1.7 s against 40 s). The ranks of cwcore.runs are single-threaded too."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        threads = DEFAULT_THREADS if item.get_closest_marker("slow") else 1
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------------------------------
