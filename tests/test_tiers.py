@@ -2,11 +2,16 @@
 imported when `-m` deselects them whole."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
-import conftest
+
+@pytest.fixture
+def root_conftest(pytestconfig):
+    """tests/conftest.py as pytest loaded it (``import conftest`` may find a sub-folder's)."""
+    return pytestconfig.pluginmanager.get_plugin(str(Path(__file__).resolve().parent / "conftest.py"))
 
 
 @pytest.mark.skipif("OMP_NUM_THREADS" in os.environ, reason="OMP_NUM_THREADS sets the threads instead")
@@ -24,5 +29,6 @@ def test_a_quick_test_runs_on_one_torch_thread():
     ("not productionish", False),
     ("", False),
 ])
-def test_only_an_expression_that_deselects_every_production_test_skips_their_files(markexpr, excluded):
-    assert conftest._excludes_production(markexpr) is excluded
+def test_only_an_expression_that_deselects_every_production_test_skips_their_files(root_conftest, markexpr,
+                                                                                  excluded):
+    assert root_conftest._excludes_production(markexpr) is excluded
