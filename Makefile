@@ -38,6 +38,8 @@ check: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not browser and not book" tests
 
 # the library's own quick tier: `make check` less the tests of the book's production and of the repository
+# (about 680 tests, a minute of one core: tests/conftest.py gives the tests not marked `slow` one torch thread
+# and does not import the production's test files)
 check-library: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not browser and not book and not production" tests
 
