@@ -35,7 +35,11 @@ def main(argv=None) -> int:
     from pathlib import Path
 
     import cwcore
+    from cwbook import REPO_ROOT
     from cwbook.chapters import ch04_faithfulness as ch04
+    from cwcore.provenance import git
+
+    commit = git(REPO_ROOT, "rev-parse", "--short", "HEAD")  # the code that runs, read before it runs
 
     for name in args.models:
         t0 = time.monotonic()
@@ -47,7 +51,7 @@ def main(argv=None) -> int:
         path = None if args.out is None else Path(args.out) / ch04.in_distribution_path(name).name
         written = ch04.save_in_distribution(table, per_document, model=name, n_documents=args.documents,
                                             seq_len=args.seq_len, batch_size=args.batch_size,
-                                            n_bootstrap=args.n_bootstrap, seed=args.seed, path=path)
+                                            n_bootstrap=args.n_bootstrap, seed=args.seed, path=path, commit=commit)
         print(f"{name}: {written} ({time.monotonic() - t0:.0f} s)", flush=True)
     return 0
 

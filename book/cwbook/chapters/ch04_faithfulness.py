@@ -668,10 +668,11 @@ def in_distribution_table(per_document: pd.DataFrame, grid, *, model: str, n_boo
 
 
 def save_in_distribution(table: pd.DataFrame, per_document: pd.DataFrame, *, model: str, n_documents: int,
-                         seq_len: int, batch_size: int, n_bootstrap: int, seed: int, path=None):
+                         seq_len: int, batch_size: int, n_bootstrap: int, seed: int, path=None, commit=None):
     """Write :func:`removal_in_distribution`'s table with its provenance (``.json`` beside it: the SHA-256 of
     the table's bytes, the commit, sizes, ratios, seconds per removal) through
-    :func:`cwbook.findings.save_results`."""
+    :func:`cwbook.findings.save_results`. ``commit``: the commit of the code that ran (default: the checkout's
+    now; give the one read when the run started)."""
     from cwbook import REPO_ROOT
     from cwcore.provenance import git
 
@@ -682,7 +683,7 @@ def save_in_distribution(table: pd.DataFrame, per_document: pd.DataFrame, *, mod
                       protocol="default", importance="absolute", n_bootstrap=n_bootstrap, seed=seed,
                       documents=list(dict.fromkeys(per_document["document"].tolist())), seconds=seconds,
                       sources=sources, random_seeds=1,
-                      commit=git(REPO_ROOT, "rev-parse", "--short", "HEAD"),
+                      commit=commit or git(REPO_ROOT, "rev-parse", "--short", "HEAD"),
                       cwcore_modified=bool(git(REPO_ROOT, "status", "--porcelain", "--", "cwcore")),
                       stand_in="the head's mean value vector over the real tokens (first token of each sequence "
                       "left out) of the other documents of the sample: leave one document out")
@@ -697,7 +698,8 @@ def save_in_distribution(table: pd.DataFrame, per_document: pd.DataFrame, *, mod
 
 def committed_in_distribution(model: str):
     """``(table or None, quoted_md)``: the committed in-distribution check of ``model``, and two sentences
-    read from it (what each removal gives the headline step contribution vs random over the full range)."""
+    read from it (each step, contribution minus random and minus attention, over the full range, under each
+    removal, with its interval and verdict)."""
     path = in_distribution_path(model)
     if not path.is_file():
         return None, {"in_distribution": "not committed for this model."}
@@ -707,16 +709,17 @@ def committed_in_distribution(model: str):
 
     data, _ = read_pair(path, path.with_suffix(".json"))  # refused when the bytes are not the recorded ones
     table = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""])
-    steps = table[(table["quantity"] == "step") & (table["range"] == "full") & (table["lower"] == "random")]
-    names = {"zero": "zeroed", "mean": "replaced by the head's mean value from the other documents"}
+    steps = table[(table["quantity"] == "step") & (table["range"] == "full")]
+    names = {"zero": "zeroed", "mean": "with the mean stand-in"}
     sentences = []
-    for removal in ("zero", "mean"):
-        part = steps[steps["removal"] == removal].set_index("mode")
-        cells = [f"{mode} {r['estimate']:+.3f} nats [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] ({r['verdict']})"
-                 for mode, r in part.iterrows()]
-        sentences.append(f"With removed terms {names[removal]}, contribution minus random AOPC over the full range "
-                         f"is " + "; ".join(cells) + f" ({int(part['n_units'].max())} documents).")
-    verdicts = {r: tuple(steps[steps["removal"] == r].sort_values("mode")["verdict"]) for r in ("zero", "mean")}
-    same = "the same" if verdicts["zero"] == verdicts["mean"] else "different"
-    sentences.append(f"The two removals give {same} verdicts in the two modes.")
+    for lower in dict.fromkeys(steps["lower"]):
+        parts = []
+        for removal in ("zero", "mean"):
+            part = steps[(steps["lower"] == lower) & (steps["removal"] == removal)].set_index("mode")
+            parts.append(f"{names[removal]}, " + " and ".join(
+                f"{mode} {r['estimate']:+.3f} nats [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] ({r['verdict']})"
+                for mode, r in part.iterrows()))
+        n = int(steps.loc[steps["lower"] == lower, "n_units"].max())
+        sentences.append(f"Contribution minus {lower}, AOPC over the full range ({n} documents): " + "; ".join(parts)
+                         + ".")
     return table, {"in_distribution": " ".join(sentences)}
