@@ -12,7 +12,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -499,7 +499,7 @@ def _call_settings(function: Callable, kwargs: dict, skip: Sequence[str] = ()) -
             continue
         out[name] = kwargs.get(name, parameter.default)
     protocol = as_protocol(kwargs.get("protocol"), **{k: v for k, v in kwargs.items() if k in PROTOCOL_FIELDS})
-    out["protocol"] = asdict(protocol)
+    out["protocol"] = protocol.settings()
     return out
 
 
@@ -696,7 +696,7 @@ def anatomy_cell(lm, blocks, metrics: Sequence[str] = LADDER, ratios: Sequence[f
     metrics, modes = list(metrics), list(parse_modes(modes))
     ratios = [float(r) for r in ratios]
     settings = {**_sample_settings(blocks, profile, dtype),
-                "protocol": asdict(as_protocol(None, **evidence.PROTOCOLS[protocol])), "protocol_name": protocol}
+                "protocol": as_protocol(None, **evidence.PROTOCOLS[protocol]).settings(), "protocol_name": protocol}
     run = dict(protocol=protocol, batch_size=batch_size)
     return committed_frame(
         ANATOMY, lambda: _anatomy_rows(lm, blocks, metrics, ratios, modes, progress=progress, **run),

@@ -10,12 +10,12 @@ from .architectures import AttentionBlock, UnsupportedModelError, attention_bloc
 from .attention import AttentionSession, LayerCall, cwcore_attention, every_layer
 from .decomposition import METRICS, ZERO_NORM, Decomposition, LayerDecomposition, decompose, prepare_inputs
 from .geometry import HeadSpaceGeometry, head_space_geometry, naive_geometry, split_output_projection
-from .interventions import intervene, removal
+from .interventions import intervene, mean_values, removal, value_sums
 from .summary import LayerSummary, Summary, summarize
 
 __all__ = [
     "AttentionBlock", "AttentionSession", "Decomposition", "HeadSpaceGeometry", "LayerCall", "LayerDecomposition",
     "METRICS", "UnsupportedModelError", "ZERO_NORM", "attention_blocks", "cwcore_attention", "decompose",
     "every_layer", "head_space_geometry", "intervene", "naive_geometry", "prepare_inputs",
-    "register_output_projection", "removal", "split_output_projection", "LayerSummary", "Summary", "summarize",
+    "mean_values", "register_output_projection", "removal", "split_output_projection", "value_sums", "LayerSummary", "Summary", "summarize",
 ]

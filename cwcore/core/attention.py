@@ -176,6 +176,9 @@ def attention_forward(
     output = session.computed_output(module, probs, value) if session is not None else None
     if output is None:
         output = mixed if mixed is not None and probs is computed else torch.matmul(probs, value)
+    added = session.added_output(module) if session is not None else None
+    if added is not None:  # a transform's stand-in for the terms it removed (LayerCall.added_output)
+        output = output + added.to(output.dtype)
     output = output.transpose(1, 2).contiguous()
     if models_own is not None:
         output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
@@ -231,6 +234,9 @@ class LayerCall:
     from a mask of another sequence that happens to have the same length.
     :meth:`geometry` (cached until ``probs`` is replaced) is the layer's head-space geometry in
     ``compute_dtype``, with padded query rows NaN.
+    ``added_output`` ``[batch, head, query, dim]`` (None by default): what a transform adds to each head's
+    output ``probs @ value`` before the output projection, e.g. the stand-in values of removed terms
+    (:func:`cwcore.core.interventions.removal`); transforms add to it, never replace what an earlier one set.
     """
 
     def __init__(self, block: AttentionBlock, probs: torch.Tensor, value: torch.Tensor,
@@ -252,6 +258,7 @@ class LayerCall:
         self.compute_dtype = compute_dtype
         self._geometry: HeadSpaceGeometry | None = None
         self._mixed_is_output = False
+        self.added_output: torch.Tensor | None = None
 
     @property
     def probs(self) -> torch.Tensor:
@@ -414,6 +421,7 @@ class AttentionSession:
         self._own_differences: dict[int, float] = {}
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
         self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
+        self._added: dict[int, torch.Tensor] = {}  # module id -> LayerCall.added_output, until attention_forward adds it
         self._runs: dict[int, int] = {}  # layer -> calls in the current forward
         self._in_block: dict[int, int] = {}  # layer -> attention calls in the block's current forward
         self._call_sizes: dict[int, list] = {}  # layer -> (queries, keys) of each call in the block's current forward
@@ -514,6 +522,14 @@ class AttentionSession:
                 call.probs = new
         for observer in observers:
             observer(call)
+        if call.added_output is not None:
+            if call.geometry_computed:
+                # the terms alpha_ij v~_j no longer sum to the head output: there is no decomposition to report
+                raise UnsupportedModelError(
+                    f"layer {block.layer}: a transform added stand-in values to the head outputs and an observer "
+                    "then read the layer's decomposition, whose terms alpha_ij v~_j leave the stand-ins out; "
+                    "cwcore does not decompose a layer with stand-in values (read it before the removal)")
+            self._added[id(module)] = call.added_output
         if self.verify and call.geometry_computed:
             self._calls[block.layer] = call
         if call.geometry_computed:
@@ -567,6 +583,11 @@ class AttentionSession:
         """The layer's ``alpha @ value`` ``[batch, head, query, dim]``, for sessions that compute a layer
         themselves without a ``[batch, head, query, key]`` tensor (:class:`cwcore.core.summary.SummarySession`)."""
         raise NotImplementedError
+
+    def added_output(self, module: nn.Module) -> torch.Tensor | None:
+        """What the transforms of this attention call added to its head outputs (:attr:`LayerCall.added_output`,
+        ``[batch, head, query, dim]``), once; None where they added nothing."""
+        return self._added.pop(id(module), None) if self._added else None
 
     def computed_output(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor | None:
         """The layer's ``probs @ value`` if an observer's geometry already computed it, else None."""
@@ -651,6 +672,7 @@ class AttentionSession:
         self._own_differences.clear()
         self._calls.clear()
         self._last_call.clear()
+        self._added.clear()
         self._runs.clear()
         self._in_block.clear()
         self._call_sizes.clear()

@@ -2,6 +2,13 @@
 
 Removing a term zeroes the post-softmax probability alpha^h_ij without renormalising the row, so the
 head output loses exactly alpha^h_ij v~^h_j and nothing else changes (the paper's section 'Faithfulness by causal intervention').
+
+Zeroing moves the model off the distribution it was trained on (a head output shrinks by the removed
+mass). The in-distribution alternative replaces each removed term by a stand-in: the head's mean value
+mu_h (:func:`mean_values`, estimated on other texts) under the same weight, so head h's output before
+W_O becomes ``sum_j alpha_ij v_j - sum_{j removed} alpha_ij v_j + (sum_{j removed} alpha_ij) mu_h``
+(``removal(mask, stand_in=mu)``, ``intervene(..., stand_in={layer: mu})``). W_O is linear, so this is
+exactly alpha_ij v~_j replaced by alpha_ij mu_h W_O^h.
 """
 
 from __future__ import annotations
@@ -15,29 +22,99 @@ from torch import nn
 from .architectures import attention_blocks
 from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention, default_compute_dtype
 from .decomposition import LayerDecomposition
-from .inputs import InputError, check_attention_mask, check_compute_dtype, check_layers, check_mask
+from .inputs import InputError, InputTypeError, check_attention_mask, check_compute_dtype, check_layers, check_mask
 from .thread_state import outside
 
-__all__ = ["LayerMask", "intervene", "removal"]
+__all__ = ["LayerMask", "intervene", "mean_values", "removal", "value_sums"]
 
 # A mask for one layer: a boolean tensor broadcastable to [batch, head, query, key] (True = remove),
 # or a callable that builds one from the layer's live decomposition (see cwcore.decompose).
 LayerMask = torch.Tensor | Callable[[LayerDecomposition], torch.Tensor]
 
 
-def removal(mask: LayerMask) -> Transform:
-    """The transform that removes the terms ``mask`` selects (zeroes those probabilities, no renormalisation)."""
+def removal(mask: LayerMask, stand_in: torch.Tensor | None = None) -> Transform:
+    """The transform that removes the terms ``mask`` selects (zeroes those probabilities, no renormalisation).
+
+    ``stand_in`` (None: plain zeroing) ``[head, dim]`` or ``[batch, head, dim]``, the value vectors v of the
+    layer's heads (before W_O; after grouped-query repetition, one row per query head) that replace the
+    removed ones: the head output ``[batch, head, query, dim]`` then gains ``m_hi * stand_in[h]``, ``m_hi``
+    the probability mass removed from row i of head h (:attr:`LayerCall.added_output`). A zero stand-in
+    gives plain zeroing's outputs bit for bit.
+    """
 
     def remove(call: LayerCall) -> torch.Tensor:
         chosen = mask(LayerDecomposition.from_call(call)) if callable(mask) else mask
         probs = call.probs
         chosen = check_mask(chosen, probs.shape, call.layer).to(probs.device)
+        if stand_in is not None:  # before the zeroing, which may be in place
+            values = _check_stand_in(stand_in, call)
+            removed_mass = torch.where(chosen, probs, 0.0).sum(-1)  # [batch, head, query]
+            added = removed_mass.to(values.dtype)[..., None] * values[:, :, None, :]
+            call.added_output = added if call.added_output is None else call.added_output + added
         # zeroing leaves every other probability bit-for-bit unchanged (an empty mask changes nothing);
         # in place where nothing else holds the softmax output (a live decomposition may), saving a copy
         in_place = not (call.geometry_computed or probs.requires_grad)
         return probs.masked_fill_(chosen, 0.0) if in_place else probs.masked_fill(chosen, 0.0)
 
     return remove
+
+
+def _check_stand_in(stand_in, call: LayerCall) -> torch.Tensor:
+    """``stand_in`` as ``[batch or 1, head, dim]`` on the layer's device, or a one-line error naming its shape."""
+    values = torch.as_tensor(stand_in)
+    batch, heads, _, dim = call.value.shape
+    if not values.is_floating_point() or values.dim() not in (2, 3) or tuple(values.shape[-2:]) != (heads, dim) or (
+            values.dim() == 3 and values.shape[0] not in (1, batch)):
+        raise InputError(f"stand_in for layer {call.layer} must be floating point [head, dim] = [{heads}, {dim}] or "
+                         f"[batch, head, dim] = [{batch}, {heads}, {dim}], got {values.dtype} {tuple(values.shape)}")
+    values = values if values.dim() == 3 else values[None]
+    return values.to(call.value.device)
+
+
+def value_sums(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+               layers: Iterable[int] | None = None, skip_first_token: bool = True) -> tuple[dict, torch.Tensor]:
+    """``({layer: [batch, head, dim]}, counts [batch])``: each sequence's sum (float64) of the value vectors
+    v_j = x_j W_V^h (per query head, after grouped-query repetition, before W_O) over its real tokens, and how
+    many tokens each sum has; one forward of ``model`` on ``input_ids`` ``[batch, sequence]``.
+
+    ``skip_first_token`` leaves each sequence's first real token out: it is the attention sink, whose values
+    are atypical (the paper's section on the value geometry of attention sinks), and the faithfulness
+    protocol's default never removes it, so the terms a stand-in replaces are those of the other tokens.
+    ``layers``: default every decomposable layer.
+    """
+    from .architectures import decomposable_layers
+    from .decomposition import prepare_inputs
+
+    chosen = decomposable_layers(model) if layers is None else check_layers(layers, len(attention_blocks(model)))
+    sums: dict[int, torch.Tensor] = {}
+    valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()).cpu()
+    if skip_first_token:
+        first = valid.long().argmax(-1)  # the first real token of each row (left or right padding)
+        valid = valid.clone()
+        valid[torch.arange(valid.shape[0]), first] = False
+
+    def add(call: LayerCall) -> None:
+        kept = valid.to(call.value.device, torch.float64)  # [batch, key]
+        sums[call.layer] = torch.einsum("bk,bhkd->bhd", kept, call.value.detach().double()).cpu()
+
+    inputs = {"input_ids": input_ids} if attention_mask is None else {"input_ids": input_ids,
+                                                                      "attention_mask": attention_mask}
+    with torch.inference_mode(), intervene(model, {}, attention_mask=attention_mask,
+                                           observers={layer: [add] for layer in chosen}):
+        model(**prepare_inputs(model, inputs))
+    return sums, valid.sum(-1)
+
+
+def mean_values(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                layers: Iterable[int] | None = None, skip_first_token: bool = True) -> dict[int, torch.Tensor]:
+    """``{layer: [head, dim]}`` (float64): each head's mean value vector over every real token of the batch
+    (the first of each sequence left out with ``skip_first_token``, see :func:`value_sums`), the stand-in of
+    an in-distribution removal (:func:`removal`). Estimate it on other texts than the ones intervened on."""
+    sums, counts = value_sums(model, input_ids, attention_mask, layers=layers, skip_first_token=skip_first_token)
+    total = int(counts.sum())
+    if total == 0:
+        raise InputError("mean_values: the texts have no token to average (one token each, skipped as the first)")
+    return {layer: summed.sum(0) / total for layer, summed in sums.items()}
 
 
 def _merged(first: Mapping[int, list], second: Mapping | None) -> dict[int, list]:
@@ -58,6 +135,7 @@ def intervene(
     *,
     observers: Mapping[int, Sequence[Observer]] | None = None,
     transforms: Mapping[int, Sequence[Transform]] | None = None,
+    stand_in: Mapping[int, torch.Tensor] | None = None,
 ) -> Iterator[AttentionSession]:
     """Inside the block, every forward of ``model`` has the selected terms removed.
 
@@ -73,6 +151,9 @@ def intervene(
     layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).
     ``compute_dtype`` (float32 or float64; default the model's own for a float64 model, else float32) is
     the dtype of the recorded decompositions. A model in ``train()`` mode is refused (dropout).
+    ``stand_in`` (None: zeroing) maps each layer of ``masks`` to the value vectors ``[head, dim]`` or
+    ``[batch, head, dim]`` that replace its removed terms (an in-distribution removal: see :func:`removal` and
+    :func:`mean_values`); a layer with stand-ins cannot be recorded (its terms no longer sum to its output).
 
     An empty mask changes nothing, to the last bit, relative to the model's eager attention::
 
@@ -91,13 +172,23 @@ def intervene(
     for layer, mask in masks.items():  # wrong dtypes fail here; shapes are checked against each layer's call
         if not callable(mask):
             check_mask(mask, torch.as_tensor(mask).shape, layer)
+    if stand_in is not None:
+        if not isinstance(stand_in, Mapping):
+            raise InputTypeError(f"stand_in must map layer numbers to value vectors, got {type(stand_in).__name__}")
+        check_layers(list(stand_in), num_layers, argument="stand_in")
+        stand_in = {layer % num_layers: values for layer, values in stand_in.items()}
+        if set(stand_in) != set(masks):
+            raise InputError(f"stand_in names layers {sorted(stand_in)} but masks names {sorted(masks)}: give one "
+                             "stand-in per masked layer")
     recorded: dict[int, LayerDecomposition] = {}
 
     def keep(call: LayerCall) -> None:
         recorded[call.layer] = LayerDecomposition.from_call(call)
 
     kept = {} if record is None else {layer: [keep] for layer in check_layers(record, num_layers, argument="record")}
-    all_transforms = _merged({layer: [removal(mask)] for layer, mask in masks.items()}, transforms)
+    stand_in = stand_in or {}
+    all_transforms = _merged({layer: [removal(mask, stand_in.get(layer))] for layer, mask in masks.items()},
+                             transforms)
     all_observers = _merged(kept, observers)
     if attention_mask is not None:
         attention_mask = check_attention_mask(attention_mask, None, caller="intervene")

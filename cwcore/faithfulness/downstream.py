@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Sequence
 
 import datasets as hf_datasets
@@ -17,7 +16,7 @@ from .lm import pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .summary import summarize_downstream
-from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep
+from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
 
 __all__ = ["downstream_eval"]
 
@@ -160,7 +159,8 @@ def downstream_eval(
         rows.extend(ex_rows)
         length = max(length, max(len(r) for r in ex_rows))
     flush()
-    store = piece_store("downstream", {"task": task, "protocol": asdict(protocol)}, model)
+    store = piece_store("downstream", {"task": task, "protocol": protocol.settings(),
+                                       **sample_identity(protocol, batches)}, model)
     frames, cleans = run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
                                deduplicate, _downstream_scorer)
     table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "example")

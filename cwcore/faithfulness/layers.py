@@ -114,6 +114,9 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     if protocol.scores != "clean" or protocol.layers is not None:
         raise ValueError("per-layer interventions rank on clean scores in every layer: use scores='clean', "
                          "layers=None in the protocol (the layers argument picks where to intervene)")
+    if protocol.removal != "zero":
+        raise ValueError(f"per_layer_curve removes terms by zeroing only, not removal={protocol.removal!r}: "
+                         "use faithfulness_curve for an in-distribution removal")
     kind, seed, scope = protocol.kind, protocol.seed, protocol.scope
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
     sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length),

@@ -6,7 +6,6 @@ predicts token t+1, both real), PPL = exp(NLL); deltas are intervened minus clea
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any, Sequence
 
 import datasets
@@ -19,7 +18,7 @@ from ..core.inputs import check_layers, check_sweep_arguments, check_texts, chec
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
-from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep
+from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
 
 __all__ = ["faithfulness_curve", "pad_id", "sequence_nll"]
 
@@ -156,6 +155,9 @@ def faithfulness_curve(
         importance, seed: see :mod:`cwcore.faithfulness` for each default and why); its fields may also
         be given as keywords (``unit="token"``), which replace the protocol's
         (:func:`~cwcore.faithfulness.protocol.as_protocol`). ``seed`` also seeds the bootstrap.
+        ``removal="mean"`` (default ``"zero"``) replaces each removed term alpha_ij v~_j by alpha_ij times the
+        head's mean projected value, estimated on the call's *other* documents (leave one document out,
+        :func:`~cwcore.faithfulness.sweep.stand_ins`; one more forward per batch, at least two documents).
     batch_size
         sequences per forward. ``padding_side``: how sequences of unequal length are padded.
     deduplicate
@@ -202,12 +204,14 @@ def faithfulness_curve(
         pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side)
         for i in range(0, len(sequences), batch_size)
     ]
-    store = piece_store("faithfulness", {"protocol": asdict(protocol)}, model)
+    documents = dict(zip(ids, _documents(texts, ids)))
+    store = piece_store("faithfulness", {"protocol": protocol.settings(),
+                                         **sample_identity(protocol, batches, documents)}, model)
     frames, cleans = run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches,
-                               deduplicate, _lm_scorer)
+                               deduplicate, _lm_scorer, documents)
     table = canonical_order(pd.concat(frames, ignore_index=True), specs, modes, "sequence")
     table["clean_nll"] = table["sequence"].map(pd.concat(cleans).set_index("sequence")["nll"])
-    table["document"] = table["sequence"].map(dict(zip(ids, _documents(texts, ids))))
+    table["document"] = table["sequence"].map(documents)
     for key, value in protocol.columns().items():
         table[key] = value
     return FaithfulnessResult(table, n_bootstrap=n_bootstrap, confidence=confidence, seed=protocol.seed)

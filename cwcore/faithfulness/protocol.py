@@ -9,7 +9,7 @@ protocol needs from a model's config.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 import torch
@@ -20,6 +20,7 @@ from .ranking import MODES, SCOPES, UNITS, layer_windows, num_heads  # noqa: F40
 
 __all__ = [
     "DEFAULT_RATIOS",
+    "REMOVALS",
     "DEFAULT_METRICS",
     "LADDER",
     "KINDS",
@@ -37,6 +38,8 @@ __all__ = [
     "identical_steps",
 ]
 
+#: how a removed term leaves the head output (:attr:`Protocol.removal`)
+REMOVALS = ("zero", "mean")
 DEFAULT_RATIOS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 #: The geometric ladder (the paper's section 'The metrics compared'), least to most geometric.
 LADDER = METRICS
@@ -112,6 +115,10 @@ class Protocol:
     kind: str = "inter"
     importance: str = "signed"
     seed: int = 0
+    #: how a removed term leaves the head output: ``"zero"`` (alpha_ij zeroed, no renormalisation: the term is
+    #: gone) or ``"mean"`` (in distribution: alpha_ij v_j replaced by alpha_ij mu_h, mu_h head h's mean value
+    #: vector estimated on the *other* documents of the call, see :func:`cwcore.faithfulness.sweep.stand_ins`)
+    removal: str = "zero"
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -124,14 +131,25 @@ class Protocol:
             raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
         if self.importance not in ("signed", "absolute"):
             raise ValueError(f"importance must be 'signed' or 'absolute', not {self.importance!r}")
+        if self.removal not in REMOVALS:
+            raise ValueError(f"removal must be one of {REMOVALS}, not {self.removal!r}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted({int(l) for l in self.layers})))
+
+    def settings(self) -> dict:
+        """The fields as a dict (``dataclasses.asdict``), the identity of cached pieces and exports, without
+        ``removal`` at its default: the settings of a zeroing run are what they were before the field existed,
+        so its cached pieces and committed exports stay valid."""
+        out = asdict(self)
+        if self.removal == "zero":
+            del out["removal"]
+        return out
 
     @property
     def variant(self) -> str:
         """Which variant of the removal unit this is, against the main protocols' shared choices (unit
-        ``head_key``, scope ``row``, clean scores, first token kept, all layers; the main protocols differ
-        only in ``kind`` and the sign): ``"main"``, or the deviations joined by ``+``, named by
+        ``head_key``, scope ``row``, clean scores, first token kept, all layers, zeroing removal; the main
+        protocols differ only in ``kind`` and the sign): ``"main"``, or the deviations joined by ``+``, named by
         :data:`VARIANTS` (``"token-unit"``: the paper's token-level unit, a key removed from every head;
         ``"first-token-removable"``) or ``field=value``."""
         parts = []
@@ -152,7 +170,8 @@ class Protocol:
 
 
 #: the choices every main protocol shares (they differ in ``kind`` and ``importance`` only)
-_MAIN_CHOICES = {"unit": "head_key", "scope": "row", "scores": "clean", "keep_first_token": True, "layers": None}
+_MAIN_CHOICES = {"unit": "head_key", "scope": "row", "scores": "clean", "keep_first_token": True, "layers": None,
+                 "removal": "zero"}
 #: named variants of the removal unit (the paper's section 'Faithfulness by causal intervention': the paper masks the values of tokens)
 VARIANTS = {("unit", "token"): "token-unit", ("keep_first_token", False): "first-token-removable"}
 #: the fields of :class:`Protocol`, the only protocol keywords the entry points take

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..core.architectures import attention_blocks
 from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
-from ..core.interventions import intervene, removal
+from ..core.interventions import intervene, removal, value_sums
 from ..cache import caching_enabled
 from ..runs import PieceStore, shard_map, tensor_digest
 from ..runs import progress as progress_bar
@@ -29,7 +29,8 @@ from .methods import get_method, scoring
 from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
 from .ranking import candidate_mask, removal_mask, selection
 
-__all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store"]
+__all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store", "stand_ins",
+           "sample_identity"]
 
 
 @dataclass
@@ -86,6 +87,8 @@ class Sweep:
         self.heads = num_heads(model)
         self.nonzero = [r for r in ratios if r > 0]
         self.deduplicate = True
+        #: ``{batch index: {layer: [rows, head, dim]}}``: the stand-in values of ``removal="mean"`` (:func:`stand_ins`)
+        self.stand_ins: dict[int, dict[int, torch.Tensor]] = {}
         points = len(specs) * len(modes) * len(ratios)
         self.bar = progress_bar(total_batches * points, "faithfulness", "point", enabled=bool(progress), leave=False)
 
@@ -152,10 +155,22 @@ class Sweep:
             for layer in self.layers
         }
 
+    def _stand_in(self, batch: Batch, layer: int) -> torch.Tensor | None:
+        """The stand-in values ``[rows, head, dim]`` of ``layer``'s removed terms in ``batch`` (None: zeroing)."""
+        if self.protocol.removal == "zero":
+            return None
+        if batch.index not in self.stand_ins:
+            raise RuntimeError(f"removal={self.protocol.removal!r} needs the stand-in values of batch {batch.index}: "
+                               "run the sweep through run_sweep, which estimates them")
+        return self.stand_ins[batch.index][layer]
+
     def _forward(self, batch: Batch, masks=None, observers=None, transforms=None) -> torch.Tensor:
         inputs = prepare_inputs(self.model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
-        with torch.inference_mode(), intervene(self.model, masks or {}, attention_mask=batch.attention_mask,
-                                               observers=observers or {}, transforms=transforms or {}):
+        masks = masks or {}
+        stand_in = None if self.protocol.removal == "zero" else {layer: self._stand_in(batch, layer) for layer in masks}
+        with torch.inference_mode(), intervene(self.model, masks, attention_mask=batch.attention_mask,
+                                               observers=observers or {}, transforms=transforms or {},
+                                               stand_in=stand_in):
             out = self.model(**inputs)
         return out.logits if hasattr(out, "logits") else out[0]
 
@@ -272,7 +287,7 @@ class Sweep:
                     chosen = selection(scores, candidates[call.layer], [ratio], [mode], unit, scope)
                     removed = removed + chosen.removed[mode][:, 0]
                     mask = removal_mask(chosen.buckets[mode], 0, candidates[call.layer] if layer_scope else None)
-                    return removal(mask)(call)
+                    return removal(mask, self._stand_in(batch, call.layer))(call)
 
                 logits = self._forward(batch, transforms={layer: [live] for layer in observed})
         return scorer(logits, batch, removed)
@@ -285,13 +300,66 @@ class Sweep:
         return total
 
 
-def run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches, deduplicate, make_scorer):
+def stand_ins(model, batches: list[Batch], layers, documents: dict[int, int] | None = None, *,
+              skip_first_token: bool = True) -> dict[int, dict[int, torch.Tensor]]:
+    """``{batch index: {layer: [rows, head, dim]}}`` (float64): for each row, each head's mean value vector
+    (:func:`cwcore.core.interventions.value_sums`) over the real tokens of every *other document* of
+    ``batches`` (leave one document out), the stand-in that ``removal="mean"`` puts in place of its removed
+    terms. So no document's removed terms are replaced by an average that contains its own values.
+    ``documents`` maps each row's group id (``Batch.groups``) to its document (default: each group its own);
+    ``skip_first_token`` leaves out each sequence's first token (the faithfulness protocol's
+    ``keep_first_token``: the stand-in averages the values of the terms that may be removed). One forward
+    per batch; at least two documents are needed."""
+    documents = documents or {}
+    per_document: dict[int, dict[int, torch.Tensor]] = {}
+    counts: dict[int, int] = {}
+    rows_of: dict[int, list[int]] = {}
+    for batch in batches:
+        sums, n = value_sums(model, batch.input_ids, batch.attention_mask, layers=layers,
+                             skip_first_token=skip_first_token)
+        docs = [documents.get(int(g), int(g)) for g in batch.groups]
+        rows_of[batch.index] = docs
+        for row, doc in enumerate(docs):
+            held = per_document.setdefault(doc, {layer: 0.0 for layer in sums})
+            for layer, summed in sums.items():
+                held[layer] = held[layer] + summed[row]
+            counts[doc] = counts.get(doc, 0) + int(n[row])
+    if len(per_document) < 2:
+        raise ValueError("removal='mean' estimates each document's stand-in values on the other documents: give "
+                         f"texts of at least two documents (got {len(per_document)})")
+    total_count = sum(counts.values())
+    totals = {layer: sum(held[layer] for held in per_document.values()) for layer in layers}
+    out = {}
+    for index, docs in rows_of.items():
+        others = torch.tensor([total_count - counts[d] for d in docs], dtype=torch.float64)
+        if bool((others == 0).any()):
+            raise ValueError("removal='mean': the other documents have no token to average (one token each)")
+        out[index] = {layer: torch.stack([totals[layer] - per_document[d][layer] for d in docs]) / others[:, None, None]
+                      for layer in layers}
+    return out
+
+
+def sample_identity(protocol: Protocol, batches: list[Batch], documents: dict | None = None) -> dict:
+    """What a cached piece depends on beyond its own batch: nothing under zeroing; under ``removal="mean"``
+    the whole sample (every batch's digest, each row's document), whose other documents give the stand-ins."""
+    if protocol.removal == "zero":
+        return {}
+    text = repr(([b.digest for b in batches], sorted((documents or {}).items())))
+    return {"stand_in_sample": hashlib.sha256(text.encode()).hexdigest()[:20]}
+
+
+def run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batches, deduplicate, make_scorer,
+              documents: dict[int, int] | None = None):
     """Run every batch through one :class:`Sweep`; returns (point frames, clean frames).
 
-    ``make_scorer({batch index: candidate terms [rows]})`` builds the :data:`Scorer`.
+    ``make_scorer({batch index: candidate terms [rows]})`` builds the :data:`Scorer`. ``documents``
+    (``{group id: document}``, default each group its own) is where ``removal="mean"`` leaves one out.
     """
     sweep = Sweep(model, specs, modes, ratio_list, protocol, store, progress, len(batches))
     sweep.deduplicate = deduplicate
+    if protocol.removal != "zero":
+        sweep.stand_ins = stand_ins(model, batches, sweep.layers, documents,
+                                    skip_first_token=protocol.keep_first_token)
     scorer = make_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     frames, cleans = [], []
     try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'

@@ -20,7 +20,8 @@ def test_as_protocol_replaces_fields_and_refuses_unknown_keywords():
     assert as_protocol({"scope": "layer"}, layers=[3, 1]) == Protocol(scope="layer", layers=(1, 3))
     with pytest.raises(TypeError, match="unknown protocol keyword"):
         as_protocol(unti="token")
-    assert set(PROTOCOL_FIELDS) == {"unit", "scope", "layers", "keep_first_token", "scores", "kind", "importance", "seed"}
+    assert set(PROTOCOL_FIELDS) == {"unit", "scope", "layers", "keep_first_token", "scores", "kind", "importance", "seed",
+                                    "removal"}
 
 
 def test_variants_are_named_from_the_protocol():

@@ -10,8 +10,10 @@ faithfulness): :func:`ladder` (``cwbook.ladder.ladder_evidence`` through ``ladde
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from functools import partial
 
 import matplotlib.pyplot as plt
@@ -626,3 +628,159 @@ def sensitivity(lm, tokenizer, lad: Ladder, *, first: str, metrics, sensitivity_
     return Sensitivity(sens_blocks, sens, seconds, {"sensitivity_sequences": len(sens_blocks)},
                        {"sens_ratios": ", ".join(f"{r:g}" for r in sensitivity_ratios),
                         "sens_holds": ", ".join(held) if held else "none of them"})
+
+
+# -- removal in distribution (zeroing beside the head's mean value as the removed terms' stand-in) -----------
+#: the rankings of the in-distribution check: the headline rung, the control and the first rung
+IN_DISTRIBUTION_METRICS = ("contribution", "random", "attention")
+#: the paired steps reported beside the AOPCs: (lower, higher), difference = AOPC(higher) - AOPC(lower)
+IN_DISTRIBUTION_PAIRS = (("random", "contribution"), ("attention", "contribution"))
+IN_DISTRIBUTION_DATA = "gsm8k"
+
+
+def in_distribution_path(model: str):
+    """Where the committed table of :func:`removal_in_distribution` for ``model`` lives (``.json`` beside it)."""
+    from cwbook import slug
+    return findings.EVIDENCE_DIR.parent / f"removal_in_distribution_{slug(model)}_{IN_DISTRIBUTION_DATA}.csv"
+
+
+def committed_zero_rows(model: str, documents, metrics=IN_DISTRIBUTION_METRICS, ratios=None):
+    """The zeroing rows of the committed exploratory evidence (``per_document_<model>_gsm8k.csv.gz``: protocol
+    ``default``, importance ``absolute``, the main cell, not a variant's) for ``documents`` (the data set's
+    row numbers, in sample order), in
+    :func:`~cwcore.faithfulness.faithfulness_curve`'s per-sequence layout; None unless every (document, metric,
+    mode, ratio) row is there."""
+    from cwbook import slug
+
+    path = findings.EVIDENCE_DIR / f"per_document_{slug(model)}_{IN_DISTRIBUTION_DATA}.csv.gz"
+    if not path.is_file():
+        return None
+    rows = pd.read_csv(path)
+    rows = rows[(rows["protocol"] == "default") & (rows["importance"] == "absolute") & rows["metric"].isin(metrics)
+                & (rows["variant"] == "main") & rows["document"].isin(list(documents))]
+    if ratios is not None:
+        rows = rows[rows["ratio"].isin([float(r) for r in ratios])]
+    expected = len(documents) * len(metrics) * 2 * (rows["ratio"].nunique() if ratios is None else len(ratios))
+    if len(rows) != expected or rows.empty:
+        return None
+    # a kind-independent metric's kind is "" in the sweep's rows (the CSV reads it back as missing)
+    return rows.drop(columns=["data", "model", "protocol", "delta_nll"]).assign(kind=rows["kind"].fillna(""))
+
+
+def removal_in_distribution(lm, tokenizer, *, model: str, n_documents: int = 16, seq_len: int = 128,
+                            ratios=None, metrics=IN_DISTRIBUTION_METRICS, batch_size: int = 8,
+                            n_bootstrap: int = 2000, seed: int = 0, progress: bool = False,
+                            zero_from_evidence: bool = False):
+    """The headline ranking, the random control and attention on GSM8K with each removed term zeroed
+    (``removal="zero"``, the book's removal) and replaced by the head's mean value from the other documents
+    (``removal="mean"``, in distribution): ``(table, per_document)``. ``table``: one row per removal, range
+    (low: r <= the low grid's top; full), mode and metric with the AOPC of Delta NLL and its bootstrap interval
+    over documents, then one row per step of :data:`IN_DISTRIBUTION_PAIRS` with the paired difference,
+    its interval and verdict (:func:`cwcore.faithfulness.ladder_comparison`). The headline protocol
+    (``default``, importance ``absolute``), the ladder's ratio grid; the first ``n_documents`` documents of the
+    chapter's GSM8K sample (prefix-stable, seed ``seed``). ``zero_from_evidence``: take the zeroing rows from
+    the committed exploratory evidence (:func:`committed_zero_rows`, the same documents, protocol and
+    ranking: computed by the evidence build) where it holds them all, and compute only ``removal="mean"``;
+    ``per_document["source"]`` says where each row comes from."""
+    grid = evidence.ratio_grid() if ratios is None else sorted(float(r) for r in ratios)
+    blocks = cwcore.data.document_blocks(cwcore.load_dataset(IN_DISTRIBUTION_DATA), tokenizer, seq_len, n_documents,
+                                         seed=seed)
+    parts = []
+    for removal in ("zero", "mean"):
+        if removal == "zero" and zero_from_evidence:
+            committed = committed_zero_rows(model, blocks["document"], metrics, grid)
+            if committed is not None:
+                parts.append(committed.assign(removal=removal, seconds=0.0, source="committed evidence"))
+                continue
+        t0 = time.monotonic()
+        result = faith.faithfulness_curve(lm, tokenizer, blocks, list(metrics), grid,
+                                          protocol=evidence.PROTOCOLS["default"], importance="absolute",
+                                          removal=removal, batch_size=batch_size, max_length=seq_len,
+                                          n_bootstrap=n_bootstrap, progress=progress)
+        per_sequence = result.per_sequence
+        parts.append(per_sequence.assign(removal=removal, seconds=time.monotonic() - t0, source="computed"))
+    columns = [c for c in parts[-1].columns if c not in ("variant", "removal", "seconds", "source")]
+    per_document = pd.concat([p[columns + ["removal", "seconds", "source"]] for p in parts], ignore_index=True)
+    return in_distribution_table(per_document, grid, model=model, n_bootstrap=n_bootstrap, seed=seed), per_document
+
+
+def in_distribution_table(per_document: pd.DataFrame, grid, *, model: str, n_bootstrap: int, seed: int) -> pd.DataFrame:
+    """:func:`removal_in_distribution`'s table from its per-document rows (column ``removal``)."""
+    rows = []
+    for range_name, max_ratio in evidence.ranges(grid).items():
+        for removal, part in per_document.groupby("removal", sort=False):
+            part = part.drop(columns=["removal", "seconds", "source"])
+            area = faith.aopc(part, n_bootstrap=n_bootstrap, seed=seed, max_ratio=max_ratio)
+            rows.append(area[["mode", "metric", "aopc_nll", "aopc_nll_ci_low", "aopc_nll_ci_high", "n_documents"]]
+                        .rename(columns={"aopc_nll": "estimate", "aopc_nll_ci_low": "ci_low",
+                                         "aopc_nll_ci_high": "ci_high", "n_documents": "n_units"})
+                        .assign(removal=removal, range=range_name, quantity="aopc", lower="", higher=""))
+            steps = faith.ladder_comparison(part, pairs=list(IN_DISTRIBUTION_PAIRS), n_bootstrap=n_bootstrap,
+                                            seed=seed, max_ratio=max_ratio)
+            rows.append(steps[["mode", "lower", "higher", "difference", "ci_low", "ci_high", "verdict", "n"]]
+                        .rename(columns={"difference": "estimate", "n": "n_units"})
+                        .assign(removal=removal, range=range_name, quantity="step", metric=""))
+    table = pd.concat(rows, ignore_index=True)
+    table.insert(0, "model", model)
+    table.insert(1, "data", IN_DISTRIBUTION_DATA)
+    columns = ["model", "data", "removal", "range", "mode", "quantity", "metric", "lower", "higher", "estimate",
+               "ci_low", "ci_high", "verdict", "n_units"]
+    return table[columns]
+
+
+def save_in_distribution(table: pd.DataFrame, per_document: pd.DataFrame, *, model: str, n_documents: int,
+                         seq_len: int, batch_size: int, n_bootstrap: int, seed: int, path=None, commit=None):
+    """Write :func:`removal_in_distribution`'s table with its provenance (``.json`` beside it: the SHA-256 of
+    the table's bytes, the commit, sizes, ratios, seconds per removal) through
+    :func:`cwbook.findings.save_results`. ``commit``: the commit of the code that ran (default: the checkout's
+    now; give the one read when the run started)."""
+    from cwbook import REPO_ROOT
+    from cwcore.provenance import git
+
+    seconds = per_document.groupby("removal")["seconds"].first().round(1).to_dict()
+    sources = per_document.groupby("removal")["source"].first().to_dict()
+    parameters = dict(data=IN_DISTRIBUTION_DATA, n_documents=n_documents, seq_len=seq_len, batch_size=batch_size,
+                      ratios=sorted(per_document["ratio"].unique().tolist()), metrics=list(IN_DISTRIBUTION_METRICS),
+                      protocol="default", importance="absolute", n_bootstrap=n_bootstrap, seed=seed,
+                      documents=list(dict.fromkeys(per_document["document"].tolist())), seconds=seconds,
+                      sources=sources, random_seeds=1,
+                      commit=commit or git(REPO_ROOT, "rev-parse", "--short", "HEAD"),
+                      cwcore_modified=bool(git(REPO_ROOT, "status", "--porcelain", "--", "cwcore")),
+                      stand_in="the head's mean value vector over the real tokens (first token of each sequence "
+                      "left out) of the other documents of the sample: leave one document out")
+    path = Path(path or in_distribution_path(model))
+    rows_path = path.with_name(path.stem + "_per_document.csv.gz")
+    rows = per_document.drop(columns=["seconds"])
+    rows.to_csv(rows_path, index=False, float_format="%.8g", compression={"method": "gzip", "mtime": 0})
+    parameters["per_document_sha256"] = hashlib.sha256(rows_path.read_bytes()).hexdigest()
+    return findings.save_results(path, table, chapter="04_faithfulness", model=model, profile="in-distribution",
+                                 parameters=parameters)
+
+
+def committed_in_distribution(model: str):
+    """``(table or None, quoted_md)``: the committed in-distribution check of ``model``, and two sentences
+    read from it (each step, contribution minus random and minus attention, over the full range, under each
+    removal, with its interval and verdict)."""
+    path = in_distribution_path(model)
+    if not path.is_file():
+        return None, {"in_distribution": "not committed for this model."}
+    import io
+
+    from cwbook.evidence_files import read_pair
+
+    data, _ = read_pair(path, path.with_suffix(".json"))  # refused when the bytes are not the recorded ones
+    table = pd.read_csv(io.BytesIO(data), keep_default_na=False, na_values=[""])
+    steps = table[(table["quantity"] == "step") & (table["range"] == "full")]
+    names = {"zero": "zeroed", "mean": "with the mean stand-in"}
+    sentences = []
+    for lower in dict.fromkeys(steps["lower"]):
+        parts = []
+        for removal in ("zero", "mean"):
+            part = steps[(steps["lower"] == lower) & (steps["removal"] == removal)].set_index("mode")
+            parts.append(f"{names[removal]}, " + " and ".join(
+                f"{mode} {r['estimate']:+.3f} nats [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] ({r['verdict']})"
+                for mode, r in part.iterrows()))
+        n = int(steps.loc[steps["lower"] == lower, "n_units"].max())
+        sentences.append(f"Contribution minus {lower}, AOPC over the full range ({n} documents): " + "; ".join(parts)
+                         + ".")
+    return table, {"in_distribution": " ".join(sentences)}

@@ -1,0 +1,55 @@
+"""The committed in-distribution removal check (``python -m cwbook.in_distribution``): its table is what its
+per-document rows give (AOPC recomputed by hand: the trapezoid mean of each document's Delta NLL curve with
+(0, 0) in front, averaged over documents), and chapter 4's sentences quote the table. Skips where it is not
+committed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cwbook.chapters import ch04_faithfulness as ch04
+
+MODELS = ["smollm2-135m", "gemma3-270m"]
+
+
+def _committed(model):
+    path = ch04.in_distribution_path(model)
+    rows = path.with_name(path.stem + "_per_document.csv.gz")
+    if not path.is_file() or not rows.is_file():
+        pytest.skip(f"no committed in-distribution table for {model}")
+    return pd.read_csv(path, keep_default_na=False, na_values=[""]), pd.read_csv(rows)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_aopc_rows_are_what_the_per_document_rows_give(model):
+    table, rows = _committed(model)
+    areas = table[table["quantity"] == "aopc"]
+    assert set(areas["removal"]) == {"zero", "mean"}
+    for _, area in areas.iterrows():
+        part = rows[(rows["removal"] == area["removal"]) & (rows["metric"] == area["metric"])
+                    & (rows["mode"] == area["mode"])]
+        if area["range"] == "low":
+            part = part[part["ratio"] <= 0.05]
+        per_document = []
+        for _, doc in part.groupby("document"):
+            doc = doc.sort_values("ratio")
+            r = np.concatenate([[0.0], doc["ratio"].to_numpy()])
+            delta = np.concatenate([[0.0], (doc["nll"] - doc["clean_nll"]).to_numpy()])
+            per_document.append(np.sum((r[1:] - r[:-1]) * (delta[1:] + delta[:-1]) / 2) / r[-1])
+        assert len(per_document) == area["n_units"]
+        assert np.mean(per_document) == pytest.approx(area["estimate"], abs=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_the_chapter_quotes_the_committed_steps(model):
+    table, _ = _committed(model)
+    shown, quoted = ch04.committed_in_distribution(model)
+    pd.testing.assert_frame_equal(shown, table)
+    steps = table[(table["quantity"] == "step") & (table["range"] == "full")]
+    assert len(steps) == 2 * 2 * 2  # two steps, two removals, two modes
+    for _, step in steps.iterrows():
+        cell = (f"{step['mode']} {step['estimate']:+.3f} nats [{step['ci_low']:+.3f}, {step['ci_high']:+.3f}] "
+                f"({step['verdict']})")
+        assert cell in quoted["in_distribution"]
