@@ -8,9 +8,10 @@ One mode per process (each figure is that process's own wall time and peak resid
     python benchmarks/bench_long_context.py --model gemma3-270m --tokens 32768 --mode ratios   # both, one process each
 
 ``sdpa``: the model's forward with its attention configured ``sdpa``; ``summary``: :func:`cwcore.summarize`
-on every layer (top 8 terms per query, the last query's full rows); ``check``: the same summary compared
-with the reduction of :func:`cwcore.decompose`'s dense tensors, layer group by layer group, at a length
-the dense path holds. Each prints one JSON line: ``wall_s`` (the call alone, the model already loaded),
+on every layer (top 8 terms per query, the last query's full rows); ``check``: each layer's summary compared
+with the reduction of :func:`cwcore.decompose`'s dense tensors of the same layer on the same input (both
+record that layer alone), at a length the dense path holds; ``forward_drift`` compares the summary of every
+layer in one forward with the same references (see :func:`run_check`). Each prints one JSON line: ``wall_s`` (the call alone, the model already loaded),
 ``cpu_s`` (its process CPU time, steadier on a shared machine), ``peak_rss_gib`` (the process's peak, model
 included) and, for ``check``, ``max_relative_difference``
 (max |summary - dense| / max |dense| per tensor, the largest over tensors and layers) with the tensor it
@@ -35,6 +36,7 @@ import time
 import torch
 
 import cwcore
+from cwcore.core.summary import relative_differences
 
 GIB = 1024**3
 
@@ -46,6 +48,8 @@ def _peak_gib() -> float:
 def _setup(args):
     model, _ = cwcore.load_model(args.model)
     model.config._attn_implementation = "sdpa"
+    if args.dtype == "float64":  # the check without float32 rounding: both paths then agree to float64's
+        model = model.to(torch.float64)
     ids = torch.randint(100, model.config.vocab_size - 100, (1, args.tokens),
                         generator=torch.Generator().manual_seed(0))
     return model, ids
@@ -67,28 +71,40 @@ def run_summary(args) -> dict:
     return {"wall_s": wall, "cpu_s": time.process_time() - cpu, "layers": len(summary)}
 
 
+def _compare(summary, reference, dense, worst, where, mismatch):
+    for name, value in relative_differences(summary, reference, dense).items():
+        if name in ("top.head", "top.key"):
+            mismatch = max(mismatch, value)
+        elif value > worst or where is None:
+            worst, where = max(worst, value), f"layer {summary.layer} {name}"
+    return worst, where, mismatch
+
+
 def run_check(args) -> dict:
-    from cwcore.core.summary import dense_summary, relative_differences
+    """Each layer's summary against the dense reduction of the same layer on the same input: ``summarize`` and
+    ``decompose`` of that layer alone, the other layers running the model's SDPA in both. Then, as a diagnostic,
+    the summary of every layer in one forward against those dense layers: there each summarised layer hands its
+    own float32 arithmetic (not SDPA's bits) to the next, so deeper layers see inputs that differ by the rounding
+    accumulated above them (``forward_drift``)."""
+    from cwcore.core.summary import dense_summary
 
     model, ids = _setup(args)
     start = time.perf_counter()
-    summary = cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1)
+    together = cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1)
     wall = time.perf_counter() - start
     worst, where, mismatch = 0.0, None, 0.0
-    layers = summary.layers
-    for first in range(0, len(layers), args.group):  # the dense maps of a few layers at a time
-        group = layers[first:first + args.group]
-        dense = cwcore.decompose(model, layers=group, input_ids=ids, logits_to_keep=1)
-        for layer in group:
-            reference = dense_summary(dense[layer], top_k=args.top_k, rows=[-1])
-            for name, value in relative_differences(summary[layer], reference, dense[layer]).items():
-                if name.startswith("top.") and name in ("top.head", "top.key"):
-                    mismatch = max(mismatch, value)
-                elif value > worst or where is None:
-                    worst, where = max(worst, value), f"layer {layer} {name}"
-        del dense
-    return {"summary_wall_s": wall, "layers": len(layers), "max_relative_difference": worst, "largest_at": where,
-            "top_index_mismatch": mismatch}
+    drift, drift_at, drift_mismatch = 0.0, None, 0.0
+    for layer in together.layers:
+        alone = cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1, layers=[layer])
+        dense = cwcore.decompose(model, layers=[layer], input_ids=ids, logits_to_keep=1)
+        reference = dense_summary(dense[layer], top_k=args.top_k, rows=[-1])
+        worst, where, mismatch = _compare(alone[layer], reference, dense[layer], worst, where, mismatch)
+        drift, drift_at, drift_mismatch = _compare(together[layer], reference, dense[layer], drift, drift_at,
+                                                   drift_mismatch)
+        del dense, alone
+    return {"summary_wall_s": wall, "layers": len(together.layers), "max_relative_difference": worst,
+            "largest_at": where, "top_index_mismatch": mismatch, "forward_drift": drift, "forward_drift_at": drift_at,
+            "forward_drift_top_index_mismatch": drift_mismatch}
 
 
 def _spawn(args, mode: str) -> dict:
@@ -104,7 +120,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--mode", choices=("sdpa", "summary", "check", "ratios"), required=True)
     parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--group", type=int, default=6, help="check: dense layers held at a time (default 6)")
+    parser.add_argument("--dtype", choices=("model", "float64"), default="model",
+                        help="the model's own dtype (default), or float64 for both paths (check: rounding or not)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); on a shared machine 1 keeps the two modes comparable")
     args = parser.parse_args()
@@ -118,7 +135,7 @@ def main() -> None:
     else:
         result = {"sdpa": run_sdpa, "summary": run_summary, "check": run_check}[args.mode](args)
         result["peak_rss_gib"] = _peak_gib()
-    result = {"model": args.model, "tokens": args.tokens, "mode": args.mode, "threads": torch.get_num_threads(),
+    result = {"model": args.model, "tokens": args.tokens, "mode": args.mode, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "load_average": round(os.getloadavg()[0], 2),
               **result}
     print(json.dumps(result))
