@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import cwcore
     from cwbook import REPO_ROOT
     from cwbook.chapters import ch04_faithfulness as ch04
-    from cwcore.provenance import git
+    from cwbook import git
 
     commit = git(REPO_ROOT, "rev-parse", "--short", "HEAD")  # the code that runs, read before it runs
 

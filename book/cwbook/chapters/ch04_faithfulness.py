@@ -735,7 +735,7 @@ def save_in_distribution(table: pd.DataFrame, per_document: pd.DataFrame, *, mod
     :func:`cwbook.findings.save_results`. ``commit``: the commit of the code that ran (default: the checkout's
     now; give the one read when the run started)."""
     from cwbook import REPO_ROOT
-    from cwcore.provenance import git
+    from cwbook import git
 
     seconds = per_document.groupby("removal")["seconds"].first().round(1).to_dict()
     sources = per_document.groupby("removal")["source"].first().to_dict()
