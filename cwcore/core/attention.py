@@ -600,7 +600,7 @@ class AttentionSession:
         ``own`` ``[batch, query, head, dim]``, the model's own function's output for the call, so that the forward
         is the model's whatever layers are observed. With ``verify``, cwcore's output ``computed`` (same shape, the
         arithmetic its decomposition describes) must reproduce it on every query that sees a key, within
-        :meth:`tolerance` (max |difference| / max |own|), or the layer is refused."""
+        :meth:`tolerance` (``max(abs(computed - own)) / max(abs(own))``), or the layer is refused."""
         if not self.verify:
             return own
         block = self._by_module[id(module)]
