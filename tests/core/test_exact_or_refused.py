@@ -141,14 +141,14 @@ def test_a_wrong_output_projection_is_caught_by_the_reconstruction_check():
 
 
 def test_a_decomposition_that_does_not_add_up_is_refused(monkeypatch):
-    from cwcore.core import attention, geometry
+    from cwcore.core import geometry, layer_call
 
     def off_by_one_percent(*args):
         g = geometry.head_space_geometry(*args)
         g.output = g.output * 1.01
         return g
 
-    monkeypatch.setattr(attention, "head_space_geometry", off_by_one_percent)
+    monkeypatch.setattr(layer_call, "head_space_geometry", off_by_one_percent)
     with pytest.raises(cwcore.UnsupportedModelError, match=r"do not reproduce .*relative error 0\.0"):
         cwcore.decompose(tiny_model("qwen2"), input_ids=IDS)
 
