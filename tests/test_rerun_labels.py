@@ -37,7 +37,7 @@ def test_a_rerun_is_described_without_a_verdict_word(verdict):
     for claim in (False, True):
         said = rerun_direction(verdict, claim=claim)
         assert said and not unlabelled_verdicts(said), said
-    assert rerun_direction("not measured: no sink heads at eps=0.3") == "no interval (no sink heads at eps=0.3)"
+    assert rerun_direction("not measured: no sink heads at eps=0.3") == "not measured: no sink heads at eps=0.3"
     assert not unlabelled_verdicts(" ".join([*AGREEMENT_SAID.values(), *AGREEMENT_SHORT.values()]))
     assert len(set(common.RERUN_DIRECTION.values())) == len(stats.VERDICTS)  # each verdict its own description
 
@@ -194,4 +194,4 @@ def test_chapter_9_sets_the_rerun_beside_the_evidence_without_its_verdict():
     assert shown["evidence"].tolist() == [H, H, H]
     assert shown["rerun agrees with the evidence?"].tolist() == ["agrees", "too few to tell", "differs"]
     assert _without_verdict("+0.1 [+0.05, +0.2] holds") == "+0.1 [+0.05, +0.2]: interval on the claimed side"
-    assert _without_verdict("not measured: identical") == "no interval (identical)"
+    assert _without_verdict("not measured: identical") == "not measured: identical"

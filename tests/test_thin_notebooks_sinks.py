@@ -108,7 +108,7 @@ def test_chapter_6_quotes_claims_rows_as_the_prose_reads_them():
     assert r.live_verdict("gsm8k", "cos_semantic") == "contradicted"
     assert r.live_verdict("gsm8k", "contrast") == "not measured: no sink heads at eps=0.3"
     assert r.verdict_of("gsm8k", "cos_semantic") == "interval on the opposite side"
-    assert r.verdict_of("gsm8k", "contrast") == "no interval (no sink heads at eps=0.3)"
+    assert r.verdict_of("gsm8k", "contrast") == "not measured: no sink heads at eps=0.3"
     assert r.verdict_of("gsm8k", "absent") == "no interval"
     assert [listing([]), listing(["a"]), listing(["a", "b", "c"])] == ["none", "*a*", "*a*, *b* and *c*"]
 

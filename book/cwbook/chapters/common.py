@@ -270,12 +270,12 @@ def _base(verdict) -> str:
 
 def rerun_direction(verdict, *, claim: bool = False) -> str:
     """Where a rerun's interval lies (:data:`RERUN_DIRECTION`), given the verdict the rule gives it; with
-    ``claim``, for a claim of several parts (:data:`RERUN_CLAIM_DIRECTION`). A "not measured: why" keeps
-    its reason."""
+    ``claim``, for a claim of several parts (:data:`RERUN_CLAIM_DIRECTION`). A "not measured: why" is said as
+    it is: the reason is a fact about the run (no sink heads), not a verdict on the claim."""
     base = _base(verdict)
     said = (RERUN_CLAIM_DIRECTION if claim else RERUN_DIRECTION)[base]
     why = str(verdict).partition(":")[2].strip() if base == stats.NOT_MEASURED and isinstance(verdict, str) else ""
-    return f"{said} ({why})" if why else said
+    return f"{stats.NOT_MEASURED}: {why}" if why else said
 
 
 def rerun_agrees(rerun_verdict, evidence_verdict) -> str:
