@@ -724,8 +724,13 @@ def output_difference(computed: torch.Tensor, own: torch.Tensor, rows_valid: tor
         shape = rows_valid.shape + (1,) * (own.dim() - 2)
         keep = rows_valid.to(own.device).reshape(shape)
         computed, own = torch.where(keep, computed, 0.0), torch.where(keep, own, 0.0)
-    scale = own.abs().max().clamp_min(torch.finfo(own.dtype).tiny)
-    return float(((computed - own).abs().max() / scale).nan_to_num(float("inf")))
+    return _relative_error(computed, own)
+
+
+def _relative_error(computed: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |computed - reference| / max |reference| (inf where not finite): the one measure of both checks."""
+    scale = reference.abs().max().clamp_min(torch.finfo(reference.dtype).tiny)
+    return float(((computed - reference).abs().max() / scale).nan_to_num(float("inf")))
 
 
 def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tensor,
@@ -738,8 +743,7 @@ def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tens
     if valid is not None:
         rows = rows | ~valid  # ...but a NaN in a real token's row is an error
         rebuilt = torch.where(valid[..., None], rebuilt, actual)
-    scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
-    return float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf"))), bool(rows.all())
+    return _relative_error(rebuilt, actual), bool(rows.all())
 
 
 #: Implementations whose function takes transformers' SDPA-style masks; a session keeps them as the model's
