@@ -5,6 +5,7 @@ with the evidence (:mod:`cwbook.chapters.common`, :mod:`cwbook.chapters.sinks_co
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -30,6 +31,24 @@ def test_the_label_says_the_size_the_run_really_had():
     assert rerun_label({"gsm8k": 1}) == "rerun check (1 document per data set, one seed, no adjustment)"
     assert rerun_label({"gsm8k": 6, "web-text": 8}) == ("rerun check (6 and 8 documents (gsm8k, web-text), one seed, "
                                                         "no adjustment)")
+
+
+def test_under_the_evidence_profile_the_pages_own_numbers_are_the_evidence_build():
+    from cwbook.chapters.sinks_common import OnSinkPass, SinkPass
+
+    assert rerun_label({"gsm8k": 64, "web-text": 64}, "evidence") == (
+        "evidence build (64 documents per data set, one seed, no adjustment)")
+    assert rerun_label({"gsm8k": 2}, "smoke") == rerun_label({"gsm8k": 2}) == (
+        "rerun check (2 documents per data set, one seed, no adjustment)")
+
+    class Page(OnSinkPass):
+        pass
+
+    for profile, said in (("default", "rerun check"), ("evidence", "evidence build")):
+        page = Page()
+        page.sinks = SinkPass(model="m", run=SimpleNamespace(datasets=["gsm8k", "web-text"]), lm=None, tokenizer=None,
+                              options=None, blocks={"gsm8k": [0] * 3, "web-text": [0] * 3}, profile=profile)
+        assert page.rerun_label == f"{said} (3 documents per data set, one seed, no adjustment)"
 
 
 @pytest.mark.parametrize("verdict", [*stats.VERDICTS, "not measured: no sink heads at eps=0.3", None, float("nan")])

@@ -18,6 +18,7 @@ import yaml
 import cwcore
 from cwbook import evidence_export as es
 from cwbook.chapters import ch04_faithfulness as ch04
+from cwbook.chapters.common import unlabelled_verdicts
 from cwbook.parameters import declared_defaults, run_parameters
 from cwbook import ladder as ev
 from faith_helpers import peaked_llama, word_tokenizer
@@ -200,10 +201,14 @@ def test_variant_cells_are_the_default_protocol_with_one_field_changed_on_the_mo
     # the page's cell that says what changes (run here: the book's profiles run no variant)
     nb = json.loads(NOTEBOOK.read_text())
     source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22c")["source"])
-    assert "ch04.variant_summary(lad.ladder, lad.variant_ladder)" in source  # the page's call, run here
-    said = {"variant_summary": ch04.variant_summary(main.assign(data="docs"), varied.assign(data="docs"))[0]}
+    assert "ch04.variant_summary(lad.ladder, lad.variant_ladder, profile)" in source  # the page's call, run here
     moved = int(changes["changed"].sum())
-    assert said["variant_summary"].startswith(f"{moved} of {len(changes)} step verdicts differ")
+    evidence_build = ch04.variant_summary(main.assign(data="docs"), varied.assign(data="docs"), "evidence")[0]
+    assert evidence_build.startswith(f"{moved} of {len(changes)} step verdicts differ")
+    # any other profile's variants are its rerun check: where the intervals lie, never a verdict word
+    rerun = ch04.variant_summary(main.assign(data="docs"), varied.assign(data="docs"), "default")[0]
+    assert rerun.startswith(f"{moved} of {len(changes)} steps of this build's rerun check differ")
+    assert not unlabelled_verdicts(rerun), rerun
 
 
 def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_names_the_primary_changes(
@@ -250,14 +255,15 @@ def test_the_weights_variant_cell_runs_the_main_cells_on_the_other_weights_and_n
     assert set(changes["protocol"]) == {"default", "per-head"} and len(changes) == len(main)
     assert not changes["verdict_main"].isna().any()
     # "tiny" is not a model of the primary family: no primary step to report
-    assert said["weights_summary"].startswith("0 of 0 primary verdicts survive")
+    assert said["weights_summary"].startswith("0 of 0 primary steps of this build's rerun check survive")
     said.clear()
     # a primary model, its text file read as GSM8K: the primary steps (4 per mode, |c|, full range) are named
     loaded["smollm2-135m-requantized"] = (other, tokenizer)
     is_primary = ev.is_primary
     as_gsm8k = lambda model, data, *rest: is_primary(model, "gsm8k", *rest)  # noqa: E731
     monkeypatch.setattr(ev, "is_primary", as_gsm8k)
-    said["weights_summary"], table = ch04.weight_variants(main, **{**arguments, "model": "smollm2-135m"})
+    said["weights_summary"], table = ch04.weight_variants(main, **{**arguments, "model": "smollm2-135m",
+                                                                    "profile": "evidence"})
     shown.append(table)
     primary = changes[[as_gsm8k("smollm2-135m", r.data, r.mode, r.protocol, r.importance, r.range, r.lower, r.higher)
                        for r in changes.itertuples()]]

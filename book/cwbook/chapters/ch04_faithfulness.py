@@ -126,7 +126,7 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
     quoted, quoted_md = {}, {}
     n_docs = {d: len(b) for d, b in blocks.items()}
     evidence_table, evidence_rows, evidence_label = committed_ladder(model)
-    quoted_md["rerun_label"] = rerun_label(n_docs)
+    quoted_md["rerun_label"] = rerun_label(n_docs, profile)
     quoted_md["evidence_label"] = evidence_label or "no committed evidence for this model"
     quoted_md["caption"] = (f"{model}, one block of {seq_len} tokens from each of "
                             + ", ".join(f"{n_docs[d]} `{d}` documents" for d in datasets)
@@ -530,17 +530,26 @@ def per_layer_figure(pl: PerLayer, *, first: str, model: str):
     return fig
 
 
-def variant_summary(ladder_table, variant_ladder):
-    """How the variant cells' step verdicts differ from the main protocol's: ``(text, changes or None)``."""
+def _said(verdict, profile: str) -> str:
+    """A step's verdict as the page may print it: the verdict itself under the ``evidence`` profile (its tables
+    are the evidence), else where the rerun's interval lies (a smaller build's numbers decide nothing)."""
+    return str(verdict) if profile == "evidence" else rerun_direction(verdict)
+
+
+def variant_summary(ladder_table, variant_ladder, profile: str = "default"):
+    """How the variant cells' step verdicts differ from the main protocol's: ``(text, changes or None)``.
+    Outside the ``evidence`` profile the steps are this build's rerun check: the text then says where their
+    intervals lie, never a verdict word."""
     changes = evidence.variant_changes(ladder_table, variant_ladder)
     if changes.empty:
         return ("not run under this profile (`variants` is empty; the `evidence` profile runs "
                 "both, and `findings.csv` carries them with a `variant` column)."), None
     moved = changes[changes["changed"]]
-    return (f"{len(moved)} of {len(changes)} step verdicts differ from the main protocol's "
+    what = "step verdicts" if profile == "evidence" else "steps of this build's rerun check"
+    return (f"{len(moved)} of {len(changes)} {what} differ from the main protocol's "
             + ("(" + "; ".join(f"{r.variant}, {r.data} {r.mode} {r.importance} {r.range}, "
                                f"{LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
-                               f"{r.verdict_main} → {r.verdict}"
+                               f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}"
                                for r in moved.itertuples()) + ")." if len(moved) else "(none).")), changes.round(4)
 
 
@@ -573,10 +582,12 @@ def weight_variants(ladder_table, *, model: str, weight_variants, weight_variant
     changes = changes[[evidence.is_primary(model, r.data, r.mode, r.protocol, r.importance, r.range, r.lower, r.higher)
                        for r in changes.itertuples()]]
     moved = changes[changes["changed"]]
-    return (f"{len(changes) - len(moved)} of {len(changes)} primary verdicts survive the "
+    what = "primary verdicts" if profile == "evidence" else "primary steps of this build's rerun check"
+    return (f"{len(changes) - len(moved)} of {len(changes)} {what} survive the "
             "re-quantisation" + (" (changed: " + "; ".join(
                 f"{r.data} {r.mode}, {LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
-                f"{r.verdict_main} → {r.verdict}" for r in moved.itertuples()) + ")." if len(moved) else ".")
+                f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}" for r in moved.itertuples())
+                + ")." if len(moved) else ".")
             ), changes.round(4)
 
 

@@ -110,7 +110,7 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     ev_label = (None if committed is None else
                 f"evidence (exploratory sample, {committed.metadata.get('parameters', {}).get('n_documents')} "
                 "documents per data set)")
-    quoted_md["rerun_label"] = rerun_label(n_docs)
+    quoted_md["rerun_label"] = rerun_label(n_docs, profile)
     quoted_md["evidence_label"] = ev_label or "no committed evidence for this model"
 
     def committed_of(r) -> str | None:

@@ -112,13 +112,14 @@ class SinkDecomposition(OnSinkPass):
 
 
 def run(model: str, run_parameters: dict | None = None, *, sample_size: int = 5000,
-        n_bootstrap: int = 1000) -> SinkDecomposition:
+        n_bootstrap: int = 1000, profile: str = "default") -> SinkDecomposition:
     """Chapter 5 on ``model``: ``run_parameters`` the run chapters 5-7 share (:class:`cwbook.notebook.SinkRun`),
     ``sample_size`` (query, key) pairs per token class for the distribution plots, ``n_bootstrap`` resamples
-    (documents, layers) for the intervals. Prints how long the analyses took."""
+    (documents, layers) for the intervals, ``profile`` the run profile (it names what the page's own numbers
+    are). Prints how long the analyses took."""
     from cwcore import sinks
 
-    shared = sink_pass(model, run_parameters, ["rates", "decomposition"], sample_size=sample_size)
+    shared = sink_pass(model, run_parameters, ["rates", "decomposition"], profile=profile, sample_size=sample_size)
     run_ = shared.run
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")

@@ -168,19 +168,21 @@ class Suppressors(OnSinkPass):
 
 
 def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_range: float = 0.05,
-        n_examples: int = 4, n_bootstrap: int = 1000) -> Suppressors:
+        n_examples: int = 4, n_bootstrap: int = 1000, profile: str = "default") -> Suppressors:
     """Chapter 6 on ``model``: the analyses, the claims with their intervals, the tables and the prose's
     numbers. ``run_parameters``: the run chapters 5-7 share (:class:`cwbook.notebook.SinkRun`); ``bins``:
     equal-width bins of the sink rate for the convexity curves; ``min_range``: a head is fitted only if its sink
     rates span at least this (q95 - q05); ``n_examples``: heads in the convexity figure; ``n_bootstrap``:
-    resamples (of heads, layers or documents) for every interval. Prints how long the analyses took."""
+    resamples (of heads, layers or documents) for every interval; ``profile``: the run profile (it names what
+    the page's own numbers are). Prints how long the analyses took."""
     import time
 
     from cwbook import sink_claims
     from cwcore.sinks.engine import REGISTRY
     from cwcore.sinks.intervals import claims_frame
 
-    shared = sink_pass(model, run_parameters, ["anti_alignment", "convexity"], bins=bins, min_range=min_range)
+    shared = sink_pass(model, run_parameters, ["anti_alignment", "convexity"], profile=profile, bins=bins,
+                       min_range=min_range)
     for d in shared.datasets:
         print(f"{model}: the sink analyses of {len(shared.blocks[d])} documents ({shared.run.seq_len} tokens each) "
               f"of {d} in {shared.seconds[d]:.0f} s")

@@ -110,14 +110,15 @@ class SemanticCone(OnSinkPass):
 
 
 def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
-        n_bootstrap: int = 1000) -> SemanticCone:
+        n_bootstrap: int = 1000, profile: str = "default") -> SemanticCone:
     """Chapter 7 on ``model``: ``run_parameters`` the run chapters 5-7 share (:class:`cwbook.notebook.SinkRun`),
     ``quantiles`` bins of the clean output norm (bin 1: the lowest-norm outputs), ``n_bootstrap`` resamples of
-    the sequences for the intervals. Prints how long the analyses took."""
+    the sequences for the intervals, ``profile`` the run profile (it names what the page's own numbers are).
+    Prints how long the analyses took."""
     from cwcore import sinks, stats
     from cwbook import sink_claims
 
-    shared = sink_pass(model, run_parameters, ["semantic_cone"], quantiles=quantiles)
+    shared = sink_pass(model, run_parameters, ["semantic_cone"], profile=profile, quantiles=quantiles)
     run_ = shared.run
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")

@@ -253,10 +253,13 @@ def documents_text(counts) -> str:
             + ", ".join(str(d) for d in counts) + ")")
 
 
-def rerun_label(counts) -> str:
+def rerun_label(counts, profile: str | None = None) -> str:
     """The label every number of this build's own run carries: ``"rerun check (6 documents per data set, one
-    seed, no adjustment)"``, from the documents it really ran on (see :func:`documents_text`)."""
-    return f"rerun check ({documents_text(counts)}, one seed, no adjustment)"
+    seed, no adjustment)"``, from the documents it really ran on (see :func:`documents_text`). Under the
+    ``evidence`` profile the build's own run is the evidence build itself, not a check of it:
+    ``"evidence build (64 documents per data set, one seed, no adjustment)"``."""
+    what = "evidence build" if profile == "evidence" else "rerun check"
+    return f"{what} ({documents_text(counts)}, one seed, no adjustment)"
 
 
 def _base(verdict) -> str:

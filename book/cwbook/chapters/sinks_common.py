@@ -41,6 +41,7 @@ class SinkPass:
     blocks: dict
     results: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+    profile: str = "default"  # the run profile of book/run.yml the chapter was built with (its labels say so)
 
     @property
     def datasets(self) -> list[str]:
@@ -110,13 +111,16 @@ class OnSinkPass:
     @property
     def rerun_label(self) -> str:
         """``"rerun check (6 documents per data set, one seed, no adjustment)"``: what this page's own numbers
-        are, beside the committed evidence that decides the claims."""
-        return rerun_label(self.documents)
+        are, beside the committed evidence that decides the claims (``"evidence build (...)"`` under the
+        ``evidence`` profile, whose run is the evidence)."""
+        return rerun_label(self.documents, self.sinks.profile)
 
 
-def sink_pass(model: str, run_parameters: dict | None, analyses: list[str], **analysis_options) -> SinkPass:
+def sink_pass(model: str, run_parameters: dict | None, analyses: list[str], *, profile: str = "default",
+              **analysis_options) -> SinkPass:
     """Load ``model`` and run ``analyses`` of :mod:`cwcore.sinks` on the blocks of every data set of
     ``run_parameters`` (``raw=True``, ``precompute=sinks.ANALYSES``: one shared, cached pass for chapters 5-7).
+    ``profile``: the run profile the chapter is built with (it names what the page's own numbers are).
 
     ``analysis_options`` go to :func:`cwcore.sinks.run_analyses` (``bins``, ``min_range``, ``sample_size``, ...).
     Seeds torch with the run's seed before loading, as the chapters always have.
@@ -128,7 +132,8 @@ def sink_pass(model: str, run_parameters: dict | None, analyses: list[str], **an
     torch.manual_seed(run.seed)
     lm, tokenizer = run.load(model)
     options = run.options()  # the analyses' options, each declared once in cwcore.sinks with its default and check
-    out = SinkPass(model=model, run=run, lm=lm, tokenizer=tokenizer, options=options, blocks=run.blocks(tokenizer))
+    out = SinkPass(model=model, run=run, lm=lm, tokenizer=tokenizer, options=options, blocks=run.blocks(tokenizer),
+                   profile=profile)
     for d in out.datasets:
         t0 = time.monotonic()
         with run.caching():  # the run's ``cache`` parameter: on unless it is False
