@@ -8,7 +8,9 @@ One mode per process (each figure is that process's own wall time and peak resid
     python benchmarks/bench_long_context.py --model gemma3-270m --tokens 32768 --mode ratios   # both, one process each
 
 ``sdpa``: the model's forward with its attention configured ``sdpa``; ``summary``: :func:`cwcore.summarize`
-on every layer (top 8 terms per query, the last query's full rows); ``check``: each layer's summary compared
+on every layer (top 8 terms per query, the last query's full rows), the model configured ``sdpa`` (each layer
+then also runs the model's own SDPA call, whose output the forward keeps) or, with ``--summary-attention
+eager``, ``eager`` (the summary's blockwise output goes on to the next layer, no SDPA call); ``check``: each layer's summary compared
 with the reduction of :func:`cwcore.decompose`'s dense tensors of the same layer on the same input (both
 record that layer alone), at a length the dense path holds; ``forward_drift`` compares the summary of every
 layer in one forward with the same references (see :func:`run_check`). Each prints one JSON line: ``wall_s`` (the call alone, the model already loaded),
@@ -45,9 +47,9 @@ def _peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
 
 
-def _setup(args):
+def _setup(args, attention: str = "sdpa"):
     model, _ = cwcore.load_model(args.model)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = attention
     if args.dtype == "float64":  # the check without float32 rounding: both paths then agree to float64's
         model = model.to(torch.float64)
     ids = torch.randint(100, model.config.vocab_size - 100, (1, args.tokens),
@@ -64,7 +66,7 @@ def run_sdpa(args) -> dict:
 
 
 def run_summary(args) -> dict:
-    model, ids = _setup(args)
+    model, ids = _setup(args, args.summary_attention)
     start, cpu = time.perf_counter(), time.process_time()
     summary = cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1)
     wall = time.perf_counter() - start
@@ -109,7 +111,7 @@ def run_check(args) -> dict:
 
 def _spawn(args, mode: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--tokens", str(args.tokens),
-               "--mode", mode, "--top-k", str(args.top_k)] + (["--threads", str(args.threads)] if args.threads else [])
+               "--mode", mode, "--top-k", str(args.top_k), "--summary-attention", args.summary_attention] + (["--threads", str(args.threads)] if args.threads else [])
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -122,6 +124,10 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--dtype", choices=("model", "float64"), default="model",
                         help="the model's own dtype (default), or float64 for both paths (check: rounding or not)")
+    parser.add_argument("--summary-attention", choices=("sdpa", "eager"), default="sdpa",
+                        help="the attention the model is configured with in summary mode: sdpa (default) keeps the "
+                             "model's own SDPA output in every layer, one SDPA call per layer on top of the "
+                             "summary's; eager hands the summary's blockwise output to the next layer")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); on a shared machine 1 keeps the two modes comparable")
     args = parser.parse_args()
@@ -135,9 +141,9 @@ def main() -> None:
     else:
         result = {"sdpa": run_sdpa, "summary": run_summary, "check": run_check}[args.mode](args)
         result["peak_rss_gib"] = _peak_gib()
-    result = {"model": args.model, "tokens": args.tokens, "mode": args.mode, "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "load_average": round(os.getloadavg()[0], 2),
-              **result}
+    result = {"model": args.model, "tokens": args.tokens, "mode": args.mode, "dtype": args.dtype,
+              "summary_attention": args.summary_attention if args.mode in ("summary", "ratios") else None,
+              "threads": torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 2), **result}
     print(json.dumps(result))
 
 

@@ -44,6 +44,23 @@ def test_every_summary_equals_the_dense_reduction_in_a_padded_batch(family, kind
     assert (s[0].contribution_received[1, :, :3] == 0).all()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_blocks_of_a_few_queries_give_the_same_summary(family, monkeypatch):
+    # the block size is a speed choice only: blocks of 3 queries (4 per sequence, padded rows inside a block)
+    from cwcore.core import summary as summary_module
+
+    monkeypatch.setattr(summary_module, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(summary_module, "HEAD_ROWS", 0)
+    monkeypatch.setattr(summary_module, "MIN_BLOCK", 3)
+    spans = list(summary_module._block_spans(None, True, 0, 12, 12, 4))
+    assert [(start, stop) for start, stop, *_ in spans] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    model = tiny_model(family)
+    options = dict(top_k=5, rows=[-1, 5, 1], token_rows=[3, -2, 0])
+    s = cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, **options)
+    assert_equal_to_dense(s, cwcore.decompose(model, input_ids=IDS, attention_mask=LEFT_PADDED), LEFT_PADDED,
+                          **options)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 def test_inter_contributions_received_add_up_to_one_per_real_query(family):
     # an invariant independent of the dense path: c_ij sums to 1 over (head, key) for each query
