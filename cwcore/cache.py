@@ -434,7 +434,6 @@ def prune(root: Path | None = None, everything: bool = False, dry_run: bool = Fa
     """Delete cached runs no installed code can read (other versions of cwcore; ``everything=True``: all),
     except those touched in the last ``min_age_seconds``; converted models are never touched. Returns the
     rows of :func:`result_runs` deleted (``dry_run``: that would be)."""
-    import shutil
     import time
 
     runs = result_runs(root)
@@ -717,8 +716,6 @@ try:
     _CHECKSUM = "xxh3_128"
     _new_hash = xxhash.xxh3_128
 except ImportError:  # pragma: no cover
-    import hashlib
-
     _CHECKSUM = "sha256"
     _new_hash = hashlib.sha256
 

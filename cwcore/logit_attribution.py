@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .core.architectures import UnsupportedModelError, attention_blocks, final_norm, post_attention_norms
+from .core.architectures import UnsupportedModelError, final_norm, post_attention_norms
 from .core.decomposition import Decomposition, decompose
 from .core.inputs import InputError, check_inputs, check_targets
 
@@ -148,7 +148,6 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
         shape = check_inputs(model, {"input_ids": inputs["input_ids"]}, caller="logit_attribution")["input_ids"].shape
         targets = check_targets(targets, shape, head.weight.shape[0])
     final = _final_norm(model)
-    blocks = attention_blocks(model)
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def capture(name):

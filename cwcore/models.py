@@ -17,21 +17,17 @@ xxh3-128 checksum written last and checked once per process; a damaged copy is c
 from __future__ import annotations
 
 import copy
-import errno
 import importlib.metadata
 import importlib.util
-import json
 import os
 import shutil
-import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable
 
 from . import hub
-from .cache import CacheWarning, cache_root, current_umask
+from .cache import cache_root
 # the folder cache of converted models lives in cwcore.cache; its names stay importable from here
 from .cache import CACHE_FORMAT, CACHE_MARKER, ModelCacheError, _displace, ensure_cached_folder  # noqa: F401
 from .cache import FOLDER_ABANDONED_AFTER_SECONDS as ABANDONED_AFTER_SECONDS  # noqa: F401

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from ..provenance import RESULTS_FOLDER, confined, output_folder

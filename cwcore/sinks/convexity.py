@@ -11,7 +11,7 @@ import torch
 from .engine import EPS, SEED, Analysis, Collector, Option, concat, count, flat, grid_columns, non_negative, register
 from .. import stats
 from ..core.architectures import attention_blocks
-from .intervals import claim_row, no_sink_heads, share_ci
+from .intervals import claim_row
 from .suppression import block_points, post_attention_norms, suppression_claim_rows
 
 __all__ = ["CONVEXITY", "CONVEXITY_V0", "OBSERVED_CLAIMS", "SUPPRESSION", "ConvexityTables", "sink_convexity", "vertex_intervals"]
