@@ -27,7 +27,8 @@ class Findings:
     board: pd.DataFrame = None
     table: pd.DataFrame = None
     sources: pd.DataFrame = None
-    faith_findings: pd.DataFrame = None
+    faith_findings: pd.DataFrame = None  # findings.csv of this build's tables
+    committed_findings: pd.DataFrame = None  # ... and of the committed evidence, when the page sets them side by side
     steps: pd.DataFrame = None
     sink_rows: pd.DataFrame = None
     compared: pd.DataFrame = None
@@ -81,21 +82,23 @@ def run(models, results_dir: str | os.PathLike, profile: str, evidence_dir: str 
     committed_dir = Path(evidence_dir) if evidence_dir else findings.EVIDENCE_DIR
     use_committed = profile != "evidence" and (committed_dir / "PROVENANCE").is_file()
     r = Findings(models=list(models), profile=profile, committed_dir=committed_dir, use_committed=use_committed)
-    _primary(r, results_dir)
+    r.faith_findings = findings.findings_csv(results_dir, r.models, profile)  # read once, used by every table
+    if use_committed:
+        r.committed_findings = findings.findings_csv(committed_dir, r.models, "evidence")
+    _primary(r)
     _scoreboard(r, results_dir)
-    r.faith_findings = findings.findings_csv(results_dir, r.models, profile)
     _faithfulness_rows(r)
     _compared(r)
     return r
 
 
-def _primary(r: Findings, results_dir) -> None:
+def _primary(r: Findings) -> None:
     from cwbook import findings
     from cwbook import ladder as evidence
     from cwbook.table1 import PRIMARY_COLUMNS, primary_table
 
     models, profile, committed_dir = r.models, r.profile, r.committed_dir
-    live_rows = findings.findings_csv(results_dir, models, profile)
+    live_rows = r.faith_findings
     if r.use_committed:
         evidence_rows = findings.findings_csv(committed_dir, list(evidence.PRIMARY["models"]), "evidence")
         r.table1 = primary_table(evidence_rows, live_rows)
@@ -177,9 +180,7 @@ def _faithfulness_rows(r: Findings) -> None:
                      "verdict", "estimate", "interval", "n_units"]])
     r.phrases["rerun_label"] = rerun_size(faith)
     if r.use_committed:  # a default build: its verdicts are a rerun check, the evidence's are the verdicts
-        from cwbook import findings
-
-        committed = findings.findings_csv(r.committed_dir, r.models, "evidence")
+        committed = r.committed_findings
         r.steps = beside_evidence(r.steps, committed, r.phrases["rerun_label"])
         r.sink_rows = beside_evidence(r.sink_rows, committed, r.phrases["rerun_label"])
     r.sink_rows = (r.sink_rows.drop(columns=["variant", "mode", "importance", "range"])
@@ -218,7 +219,7 @@ def _compared(r: Findings) -> None:
                                        "does.")
         compared = pd.DataFrame()
     else:
-        committed = findings.findings_csv(committed_dir, r.models, "evidence")
+        committed = r.committed_findings
         compared = findings.beside(r.faith_findings, committed, live_name=profile, committed_name="evidence")
         compared = compared[compared["evidence"].notna()]  # what the evidence measured
         head = compared[~compared["claim"].str.contains(r"\[", regex=True)]  # the paper's own readings
