@@ -103,6 +103,11 @@ def parse_metric(metric, kind: str = "inter", label: str | None = None) -> Metri
     return MetricSpec(label or default, base, chosen, method, default if label else "")
 
 
+#: fields added to :class:`Protocol` after results were cached and exported, each with its default: the settings
+#: leave a field out at its default (a new field with a default that changes nothing goes here)
+LATER_FIELDS = {"removal": "zero"}
+
+
 @dataclass(frozen=True)
 class Protocol:
     """The choices of the paper's section 'Faithfulness by causal intervention' (see :mod:`cwcore.faithfulness` for the defaults' reasons)."""
@@ -137,12 +142,13 @@ class Protocol:
             object.__setattr__(self, "layers", tuple(sorted({int(l) for l in self.layers})))
 
     def settings(self) -> dict:
-        """The fields as a dict (``dataclasses.asdict``), the identity of cached pieces and exports, without
-        ``removal`` at its default: the settings of a zeroing run are what they were before the field existed,
-        so its cached pieces and committed exports stay valid."""
+        """The fields as a dict (``dataclasses.asdict``), the identity of cached pieces and exports, without the
+        fields of :data:`LATER_FIELDS` at their defaults: a run at those defaults has the settings it had before
+        the field existed, so its cached pieces and committed exports stay valid."""
         out = asdict(self)
-        if self.removal == "zero":
-            del out["removal"]
+        for name, default in LATER_FIELDS.items():
+            if out[name] == default:
+                del out[name]
         return out
 
     @property
