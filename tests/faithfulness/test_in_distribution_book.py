@@ -53,3 +53,36 @@ def test_the_chapter_quotes_the_committed_steps(model):
         cell = (f"{step['mode']} {step['estimate']:+.3f} nats [{step['ci_low']:+.3f}, {step['ci_high']:+.3f}] "
                 f"({step['verdict']})")
         assert cell in quoted["in_distribution"]
+
+
+def test_the_zeroing_rows_are_read_verified_from_the_committed_export(tmp_path, monkeypatch):
+    """chapter 4 takes its zeroing rows from the committed ladder export only through the verified reader: the
+    rows equal a plain read of the same file, and a copy with one changed byte is refused, never taken."""
+    import gzip
+    import shutil
+
+    from cwbook import findings
+    from cwbook.evidence_files import CommittedFileError
+
+    model = "smollm2-135m"
+    stem = f"per_document_{model}_{ch04.IN_DISTRIBUTION_DATA}"
+    csv, meta = findings.EVIDENCE_DIR / f"{stem}.csv.gz", findings.EVIDENCE_DIR / f"{stem}.json"
+    if not csv.is_file():
+        pytest.skip("no committed exploratory export")
+    plain = pd.read_csv(csv)
+    documents, ratios = sorted(plain["document"].unique())[:3], sorted(plain["ratio"].unique())[-3:]
+    got = ch04.committed_zero_rows(model, documents, ratios=ratios)
+    plain = plain[(plain["protocol"] == "default") & (plain["importance"] == "absolute") & (plain["variant"] == "main")
+                  & plain["metric"].isin(ch04.IN_DISTRIBUTION_METRICS) & plain["document"].isin(documents)
+                  & plain["ratio"].isin(ratios)]
+    assert got is not None and len(got) == len(plain) == 3 * len(ch04.IN_DISTRIBUTION_METRICS) * 2 * 3
+    np.testing.assert_array_equal(got["nll"].to_numpy(), plain["nll"].to_numpy())
+    # the same files with one changed number: the recorded SHA-256 no longer matches
+    monkeypatch.setattr(findings, "EVIDENCE_DIR", tmp_path)
+    shutil.copy(meta, tmp_path / meta.name)
+    text = gzip.decompress(csv.read_bytes()).decode()
+    first_line_end = text.index("\n", text.index("\n") + 1)
+    tampered = text[:first_line_end - 1] + ("1" if text[first_line_end - 1] != "1" else "2") + text[first_line_end:]
+    (tmp_path / csv.name).write_bytes(gzip.compress(tampered.encode()))
+    with pytest.raises(CommittedFileError, match="SHA-256"):
+        ch04.committed_zero_rows(model, documents, ratios=ratios)

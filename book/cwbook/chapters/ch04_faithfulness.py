@@ -660,13 +660,14 @@ def committed_zero_rows(model: str, documents, metrics=IN_DISTRIBUTION_METRICS, 
     ``default``, importance ``absolute``, the main cell, not a variant's) for ``documents`` (the data set's
     row numbers, in sample order), in
     :func:`~cwcore.faithfulness.faithfulness_curve`'s per-sequence layout; None unless every (document, metric,
-    mode, ratio) row is there."""
-    from cwbook import slug
+    mode, ratio) row is there. Read through :func:`cwbook.evidence_export.read_committed`: a table whose bytes do
+    not match the SHA-256 its JSON records is refused (``CommittedFileError``), never taken."""
+    from cwbook.evidence_export import read_committed
 
-    path = findings.EVIDENCE_DIR / f"per_document_{slug(model)}_{IN_DISTRIBUTION_DATA}.csv.gz"
-    if not path.is_file():
+    found = read_committed(model, IN_DISTRIBUTION_DATA, findings.EVIDENCE_DIR)
+    if found is None:
         return None
-    rows = pd.read_csv(path)
+    rows = found[0]
     rows = rows[(rows["protocol"] == "default") & (rows["importance"] == "absolute") & rows["metric"].isin(metrics)
                 & (rows["variant"] == "main") & rows["document"].isin(list(documents))]
     if ratios is not None:
