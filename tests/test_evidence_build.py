@@ -917,3 +917,34 @@ def test_a_committed_frame_check_is_remembered_for_a_cwcore_function_and_never_f
     pd.testing.assert_frame_equal(taken, written, check_exact=False, rtol=1e-7)
     _, decision, forwards = run(curve=own)
     assert decision["decision"] == "committed" and "checked_before" not in decision and forwards > 0
+
+
+# -- a trial run elsewhere never writes into this checkout's committed evidence ---------------------
+def test_findings_of_a_folder_elsewhere_pair_with_its_own_sibling_never_the_committed_evidence(tmp_path, monkeypatch):
+    """``tables(out)`` of a confirmatory folder wrote both samples' findings.csv into this checkout's
+    ``data/results/evidence`` whatever ``out`` was: a trial in a temporary folder overwrote committed evidence.
+    Now a folder pairs with its sibling only (``evidence`` beside ``confirmatory``)."""
+    from cwbook import findings, registration
+
+    committed = findings.EVIDENCE_DIR / "findings.csv"
+    before = committed.read_bytes()
+    calls = []
+    monkeypatch.setattr(findings, "findings_csv",
+                        lambda folder, models, profile: pd.DataFrame({"claim": ["x"], "profile": [profile]}))
+    monkeypatch.setattr(findings, "combined_findings", lambda exploratory, confirmatory, models: calls.append(
+        (Path(exploratory), Path(confirmatory))) or pd.DataFrame({"claim": ["both"]}))
+    trial = tmp_path / "confirmatory"
+    trial.mkdir()
+    written = ee.write_findings(trial, registration.CONFIRMATORY, {"smollm2-135m": ["gsm8k"]}, ["smollm2-135m"])
+    assert written == [trial / "findings.csv"] and calls == []  # no sibling "evidence": nothing combined
+    assert committed.read_bytes() == before
+    (tmp_path / "evidence").mkdir()
+    written = ee.write_findings(trial, registration.CONFIRMATORY, {"smollm2-135m": ["gsm8k"]}, ["smollm2-135m"])
+    assert written == [trial / "findings.csv", tmp_path / "evidence" / "findings.csv"]
+    assert calls == [(tmp_path / "evidence", trial)]
+    assert pd.read_csv(tmp_path / "evidence" / "findings.csv")["claim"].tolist() == ["both"]
+    assert committed.read_bytes() == before
+    # the committed folders still pair with each other, whichever of the two is built
+    assert ee.sample_folders(findings.CONFIRMATORY_DIR, registration.CONFIRMATORY) == (findings.EVIDENCE_DIR,
+                                                                                         findings.CONFIRMATORY_DIR)
+    assert ee.sample_folders(findings.EVIDENCE_DIR, "evidence") == (findings.EVIDENCE_DIR, findings.CONFIRMATORY_DIR)

@@ -568,22 +568,35 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
                 held_out = anatomy_held_out(frame[0], committed[data], seed=p["seed"]).assign(model=model, data=data)
                 cw_cache.write_csv(held_out, out / f"held_out_{slug(model)}_{data}.csv", index=False)
                 written.append(out / f"held_out_{slug(model)}_{data}.csv")
-    profile = meta["profile"]
+    return list(dict.fromkeys(written + write_findings(out, meta["profile"], exported, all_models)))
+
+
+def sample_folders(out: str | Path, profile: str) -> tuple[Path, Path]:
+    """``(exploratory, confirmatory)``: the two samples' evidence folders that ``out`` belongs to, ``out`` and
+    its sibling (``evidence`` and ``confirmatory`` in ``data/results``). A folder elsewhere (a trial run in a
+    temporary folder) pairs with its own sibling, never with this checkout's committed evidence."""
+    out = Path(out)
+    if profile == registration.CONFIRMATORY:
+        return out.parent / findings.EVIDENCE_DIR.name, out
+    return out, out.parent / findings.CONFIRMATORY_DIR.name
+
+
+def write_findings(out: Path, profile: str, exported, all_models: Sequence[str] | None = None) -> list[Path]:
+    """``out/findings.csv`` of ``profile``; and ``findings.csv`` of both samples (column ``sample``, each
+    primary family decided on its own sample) in the exploratory folder of :func:`sample_folders`, where
+    that folder exists and either sample has a confirmatory table. Returns the paths written."""
     if all_models is None:
         all_models = list(dict.fromkeys([*profile_models(profile), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
     cw_cache.write_csv(table, out / "findings.csv", index=False)
-    written.append(out / "findings.csv")
-    # findings.csv of the exploratory evidence holds both samples' rows (column ``sample``), each primary
-    # family decided on its own sample
-    exploratory_dir, confirmatory_dir = ((findings.EVIDENCE_DIR, out) if profile == registration.CONFIRMATORY
-                                         else (out, findings.CONFIRMATORY_DIR))
-    if profile == registration.CONFIRMATORY or any(confirmatory_dir.glob("*/*.csv")):
+    written = [out / "findings.csv"]
+    exploratory_dir, confirmatory_dir = sample_folders(out, profile)
+    if exploratory_dir.is_dir() and (profile == registration.CONFIRMATORY or any(confirmatory_dir.glob("*/*.csv"))):
         evidence_models = list(dict.fromkeys([*profile_models("evidence"), *all_models]))
         both = findings.combined_findings(exploratory_dir, confirmatory_dir, evidence_models)
         cw_cache.write_csv(both, exploratory_dir / "findings.csv", index=False)
         written.append(exploratory_dir / "findings.csv")
-    return list(dict.fromkeys(written))
+    return written
 
 
 # -- command line ----------------------------------------------------------------------------------
