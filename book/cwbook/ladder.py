@@ -23,10 +23,6 @@ PROTOCOLS = {"default": {}, "per-head": {"kind": "intra"}}
 #: the removal-unit variants a ladder run can add under the ``default`` protocol, by name
 #: (:data:`cwcore.faithfulness.protocol.VARIANTS`): the protocol fields each one changes
 VARIANT_CHANGES = {name: {field_name: value} for (field_name, value), name in VARIANTS.items()}
-PROTOCOL_NOTES = {
-    "default": "head_key units per query row, contribution relative to o_i (kind=inter): rungs 2 and 3 identical",
-    "per-head": "as default with kind=intra (normalised by each head's own output): four distinct rungs",
-}
 LOW_RATIOS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 PAPER_RATIOS = DEFAULT_RATIOS
 LOW_MAX = max(LOW_RATIOS)  # the top of the default low grid; a run's is RatioGrids.low_max
