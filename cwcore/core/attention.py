@@ -127,11 +127,14 @@ def attention_forward(
         # say False), else the module's, else SDPA's default True where the None mask is SDPA's (fast path on)
         causal = getattr(module, "is_causal", session is not None and session.fast_path is not None)
     if session is not None and session.streams(module):
-        # a session that computes this layer itself, a block of queries at a time (cwcore.summarize)
-        output = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal), softcap,
-                                         s_aux).transpose(1, 2).contiguous()
-        if models_own is not None:
-            output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
+        # a session that computes this layer itself, a block of queries at a time (cwcore.summarize); the model's
+        # own output first, which the session may adopt as z after checking it (then it is not compared again)
+        own = None if models_own is None else models_own()[0]
+        output, checked = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal),
+                                                  softcap, s_aux, own)
+        output = output.transpose(1, 2).contiguous()
+        if own is not None:
+            output = own if checked else session.models_own_output(module, output, own, call_mask, key.shape[-2])
         session.on_output(module, output)
         return output, None
     if attention_mask is None and causal and query.shape[2] > 1:
@@ -466,9 +469,13 @@ class AttentionSession:
         return False
 
     def streamed_output(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, scaling: float, causal: bool, softcap, s_aux) -> torch.Tensor:
-        """The layer's ``alpha @ value`` ``[batch, head, query, dim]``, for sessions that compute a layer
-        themselves without a ``[batch, head, query, key]`` tensor (:class:`cwcore.core.summary.SummarySession`)."""
+                        attention_mask: torch.Tensor | None, scaling: float, causal: bool, softcap, s_aux,
+                        own: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """``(output, checked)`` for sessions that compute a layer themselves without a ``[batch, head, query,
+        key]`` tensor (:class:`cwcore.core.summary.SummarySession`): the layer's ``alpha @ value`` ``[batch, head,
+        query, dim]``, or, with ``checked``, the model's own output ``own`` (``[batch, query, head, dim]``, from
+        its configured implementation, None on an eager model) as ``[batch, head, query, dim]``, adopted after
+        the session checked its own alpha against it (:meth:`refuse_own_output` otherwise)."""
         raise NotImplementedError
 
     def added_output(self, module: nn.Module) -> torch.Tensor | None:
@@ -494,15 +501,21 @@ class AttentionSession:
         _, rows = self.mask_validity(attention_mask, computed.shape[0], computed.shape[1], key_length)
         error = output_difference(computed, own, rows)
         self._own_differences[block.layer] = error
-        allowed = self.tolerance(own.dtype, block.layer)
+        self.refuse_own_output(block, error, own.dtype)
+        return own
+
+    def refuse_own_output(self, block: AttentionBlock, error: float, dtype: torch.dtype, measured: str = "") -> None:
+        """Raise :class:`UnsupportedModelError` unless ``error`` (cwcore's arithmetic against the model's own output
+        for the layer, relative to the largest entry of the own output; ``measured`` says how, if not entry by entry)
+        is within :meth:`tolerance` for a ``dtype`` model."""
+        allowed = self.tolerance(dtype, block.layer)
         if not error <= allowed:  # NaN included
             raise UnsupportedModelError(
                 f"attention block {block.name!r}: the model's configured {self.configured!r} attention and the eager "
                 f"arithmetic cwcore decomposes give this layer different outputs (relative error {error:.3g} > "
-                f"{allowed:g} for a {own.dtype} model): the model's {self.configured} and eager attention differ, so "
-                "cwcore refuses to report a decomposition of a computation the model does not do; load the model with "
-                "attn_implementation='eager' to decompose its eager attention")
-        return own
+                f"{allowed:g} for a {dtype} model{measured}): the model's {self.configured} and eager attention differ, "
+                "so cwcore refuses to report a decomposition of a computation the model does not do; load the model "
+                "with attn_implementation='eager' to decompose its eager attention")
 
     def tolerance(self, dtype: torch.dtype, layer: int) -> float:
         """The relative error allowed between cwcore's terms and a layer's output in ``dtype``: the coarser of

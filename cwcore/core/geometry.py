@@ -266,7 +266,7 @@ def naive_geometry(attention: torch.Tensor, values: torch.Tensor, w_o: torch.Ten
     )
 
 
-#: Random directions of the projected self-check (:func:`_projected_check`), fixed for reproducibility.
+#: Random directions of the projected self-check (:func:`projected_check`, and the summary's check of alpha), fixed for reproducibility.
 PROBES = 8
 _PROBE_CACHE: dict = {}
 
@@ -278,7 +278,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(tensor.sum()))
 
 
-def _probes(dim: int, dtype: torch.dtype, device) -> torch.Tensor:
+def probe_directions(dim: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``[dim, PROBES]`` standard normal directions, the same in every process (seed 0)."""
     key = (dim, dtype, str(device))
     if key not in _PROBE_CACHE:
@@ -299,7 +299,7 @@ def projected_check(geometry: HeadSpaceGeometry, output: torch.Tensor, bias: tor
     mixed, w_o = geometry.mixed, geometry.w_o
     batch, heads, queries, head_dim = mixed.shape
     actual = output.detach().reshape(batch * queries, -1)  # [n, model]
-    probes = _probes(actual.shape[-1], actual.dtype, actual.device)
+    probes = probe_directions(actual.shape[-1], actual.dtype, actual.device)
     # per head, without copying z or W_O into [query, head * head_dim] order: z^h (W_O^h^T r), summed
     rebuilt = (mixed @ (w_o.transpose(1, 2) @ probes)).sum(1).reshape(batch * queries, -1)  # [n, probes]
     if bias is not None:

@@ -24,7 +24,9 @@ the block's output projection must receive exactly the attention output the laye
 W_O^h z^h_i plus the bias must reproduce the projection's result, or the call raises
 :class:`UnsupportedModelError`. The softmax is computed blockwise (the arithmetic of the dense path on an
 SDPA-configured model). A model configured for SDPA keeps its own forward: each summarised layer returns the
-model's SDPA output for the call, which the blockwise output must reproduce within the same tolerance; a
+model's SDPA output for the call, which the blockwise arithmetic must reproduce within the same tolerance (where
+no key is padded that output is taken as z and the blockwise alpha is checked against it along random
+directions, see :func:`_summarise_layer`; otherwise the blockwise alpha @ V is compared entry by entry); a
 model configured ``eager`` gets the blockwise output, its own outputs to float32 rounding, not bit for bit.
 """
 
@@ -39,7 +41,7 @@ from torch import nn
 from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
-from .geometry import split_output_projection
+from .geometry import probe_directions, split_output_projection
 from .inputs import InputError, check_compute_dtype, check_count, check_inputs
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
@@ -308,7 +310,7 @@ class SummarySession(AttentionSession):
         return hook
 
     # -- the computation -------------------------------------------------------------------------------
-    def streamed_output(self, module, query, key, value, attention_mask, scaling, causal, softcap, s_aux):
+    def streamed_output(self, module, query, key, value, attention_mask, scaling, causal, softcap, s_aux, own=None):
         block = self._by_module[id(module)]
         record = self.count_call(block)
         if s_aux is not None:
@@ -317,13 +319,13 @@ class SummarySession(AttentionSession):
                 "compute; use cwcore.decompose for this model")
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
             raise UnsupportedModelError("cwcore.summarize computes no gradients; call it under torch.no_grad()")
-        output, summary, rebuilt = _summarise_layer(self, block, query, key, value, attention_mask, scaling, causal,
-                                                    softcap)
+        output, summary, rebuilt, adopted = _summarise_layer(self, block, query, key, value, attention_mask, scaling,
+                                                             causal, softcap, own)
         if record:
             self.summaries[block.layer] = summary
             if self.verify:
                 self._pending[block.layer] = rebuilt
-        return output
+        return output, adopted
 
     def detach(self) -> None:
         super().detach()
@@ -332,9 +334,18 @@ class SummarySession(AttentionSession):
 
 
 def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key, value, attention_mask, scaling,
-                     causal, softcap):
-    """One layer: (alpha @ value ``[batch, head, query, dim]`` in the model's dtype, its :class:`LayerSummary`,
-    o_i ``[batch, query, model]`` in the compute dtype for the check)."""
+                     causal, softcap, own=None):
+    """One layer: (its output ``[batch, head, query, dim]`` in the model's dtype, its :class:`LayerSummary`, o_i
+    ``[batch, query, model]`` in the compute dtype for the check, whether the output is ``own`` adopted).
+
+    ``own``: the model's own output for the call ``[batch, query, head, dim]`` (its SDPA's), or None. Where it is
+    in the compute dtype and no key is padded, it is adopted as z^h_i: each block computes its scores and alpha
+    but not alpha @ V, one of its three attention-sized products, and alpha is checked against ``own`` along
+    :data:`~cwcore.core.geometry.PROBES` random directions r of head space (Freivalds' test, as the dense path's
+    projected check): alpha (V r) against z r, relative to max |z|. An error e_i of a row shows as e_i r ~
+    N(0, ||e_i||^2), at least the size of its largest entry with high probability over the directions and the
+    queries: as strict as comparing entries. Otherwise the layer computes alpha @ V, which
+    :meth:`~cwcore.core.attention.AttentionSession.models_own_output` compares with ``own`` entry by entry."""
     dtype = session.compute_dtype
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
@@ -360,8 +371,14 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     keys_side = values if session.kind == "inter" else values @ gram  # <o_i, v~_j> = (W_O^T o_i)^T v_j; z^T G v
     # the model's dtype when it equals the compute dtype and nothing was masked: the layer's own alpha @ V
     own_mixed = value.dtype == dtype and keys_valid is None
-
-    output = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=value.device)
+    adopt = own is not None and own_mixed and own.dtype == dtype
+    if adopt:
+        output = own.detach().transpose(1, 2)  # [batch, head, query, dim], a view
+        probes = probe_directions(head_dim, dtype, value.device)  # [dim, probes]
+        values_probed = values @ probes  # V r [batch, head, key, probes]
+        probe_error = torch.zeros((), dtype=dtype, device=value.device)
+    else:
+        output = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=value.device)
     rebuilt = torch.empty(batch, q_len, model_dim, dtype=dtype, device=value.device)
     output_norm = torch.empty(batch, q_len, dtype=dtype, device=value.device)
     head_output_norm = torch.empty(batch, heads, q_len, dtype=dtype, device=value.device)
@@ -398,10 +415,15 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 scores.masked_fill_(~allowed, minimum)
             alpha = torch.softmax(scores, -1)
             del scores
-            torch.matmul(alpha.to(value.dtype), value[b, :, first:limit], out=output[b, :, start:stop])
             alpha_c = alpha.to(dtype)
-            mixed = (output[b, :, start:stop] if own_mixed
-                     else alpha_c @ values[b, :, first:limit])  # z^h_i [head, n, head_dim]
+            if adopt:  # z^h_i is the model's; alpha (V r) must give z r
+                mixed = output[b, :, start:stop]
+                probe_error = torch.maximum(probe_error, (alpha_c @ values_probed[b, :, first:limit]
+                                                          - mixed @ probes).abs().max())
+            else:
+                torch.matmul(alpha.to(value.dtype), value[b, :, first:limit], out=output[b, :, start:stop])
+                mixed = (output[b, :, start:stop] if own_mixed
+                         else alpha_c @ values[b, :, first:limit])  # z^h_i [head, n, head_dim]
             n = stop - start
             o = mixed.transpose(0, 1).reshape(n, heads * head_dim) @ flat_w_o.T  # o_i [n, model]
             rebuilt[b, start:stop] = o
@@ -433,7 +455,6 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 contribution_received[b, :, first:limit] += contribution[:, real].sum(1)
                 attention_received[b, :, first:limit] += alpha_c[:, real].sum(1)
             # the top (head, key) terms of each query, among those with alpha > 0
-            width = limit - first
             ranking = contribution.abs() if session.absolute else contribution
             best, heads_of, keys_of = _top_terms(ranking, k)
             query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
@@ -484,12 +505,17 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                         token_rows["contribution"][b, r] = float("nan")
                         token_rows["attention"][b, r] = float("nan")
             del alpha, alpha_c, contribution, side
+    if adopt and session.verify:
+        scale = output.abs().max().clamp_min(torch.finfo(dtype).tiny)
+        error = float((probe_error / scale).nan_to_num(float("inf")))
+        session._own_differences[block.layer] = error
+        session.refuse_own_output(block, error, own.dtype, f", measured along {probes.shape[1]} random directions")
     summary = LayerSummary(
         block.layer, block.name, session.kind, contribution_received, attention_received,
         TopTerms(top_head, top_key, top["contribution"], top["attention"], top["relative_norm"], top["cosine"]),
         session.row_positions, rows, token_positions, token_rows, value_norm, head_output_norm, output_norm,
         None if bias is None else bias.detach().to(dtype))
-    return output, summary, rebuilt
+    return output, summary, rebuilt, adopt
 
 
 def _positions(positions, length: int, argument: str) -> tuple[int, ...]:

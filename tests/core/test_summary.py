@@ -229,3 +229,72 @@ def test_summarize_enters_as_decompose_does_a_compiled_model_and_one_without_wei
         empty = transformers.AutoModelForCausalLM.from_config(model.config)
     with pytest.raises(InputError, match="meta device"):
         cwcore.summarize(empty, input_ids=ids)
+
+
+def _adoptions(monkeypatch):
+    """A list of (layer, adopted) per summarised layer call: whether the layer took the model's SDPA output as z."""
+    from cwcore.core import summary as summary_module
+
+    real, seen = summary_module._summarise_layer, []
+
+    def spy(session, block, *args):
+        result = real(session, block, *args)
+        seen.append((block.layer, result[-1]))
+        return result
+
+    monkeypatch.setattr(summary_module, "_summarise_layer", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_an_sdpa_models_own_output_is_adopted_and_the_summary_still_equals_the_dense_reduction(family, monkeypatch):
+    """Without padding, an SDPA-configured layer's z is the model's own SDPA output (no alpha @ V of its own), and
+    every summary is still the dense reduction; with a padded key the layer computes alpha @ V itself."""
+    model = _long_model(family, sliding_window=300)
+    ids = torch.randint(0, 4000, (2, 700), generator=torch.Generator().manual_seed(3))
+    seen = _adoptions(monkeypatch)
+    options = dict(top_k=8, rows=[-1, 400])
+    s = cwcore.summarize(model, input_ids=ids, **options)
+    assert seen == [(0, True), (1, True)]
+    assert_equal_to_dense(s, cwcore.decompose(model, input_ids=ids), None, **options)
+    with torch.no_grad():  # the forward is the model's own, bit for bit
+        torch.testing.assert_close(s.outputs.logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    seen.clear()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cwcore.summarize(model, input_ids=ids, attention_mask=mask, **options)
+    assert seen == [(0, False), (1, False)]  # the control: padded keys, so alpha @ V is computed and compared
+
+
+def test_an_sdpa_output_wrong_in_one_entry_is_refused_by_the_check_along_random_directions(monkeypatch):
+    """The adopted output is checked: an SDPA whose output is off by 1e-3 (relative to its largest entry) in
+    a single entry of one head, one query, one dimension is refused, with about that error measured; off by 1e-6
+    it passes (float32's tolerance is 1e-4)."""
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = _long_model("llama")
+    ids = torch.randint(0, 4000, (1, 200), generator=torch.Generator().manual_seed(5))
+    seen = _adoptions(monkeypatch)
+
+    def off_by(size):
+        def sdpa(module, query, key, value, attention_mask, **kwargs):
+            output, weights = real(module, query, key, value, attention_mask, **kwargs)
+            output = output.clone()
+            output[0, 123, 2, 7] += size * output.abs().max()  # [batch, query, head, dim]
+            return output, weights
+        return sdpa
+
+    try:
+        AttentionInterface.register("sdpa", off_by(1e-3))
+        with pytest.raises(cwcore.UnsupportedModelError,
+                           match=r"different outputs \(relative error ([0-9.e+-]+) > 0.0001 .*8 random directions") as raised:
+            cwcore.summarize(model, input_ids=ids)
+        measured = float(str(raised.value).split("relative error ")[1].split(" ")[0])
+        assert 2e-4 < measured < 1e-2 and "model.layers.0.self_attn" in str(raised.value)
+        AttentionInterface.register("sdpa", off_by(1e-6))
+        cwcore.summarize(model, input_ids=ids)
+        assert seen == [(0, True), (1, True)]
+    finally:
+        AttentionInterface.register("sdpa", real)
