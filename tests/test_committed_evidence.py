@@ -135,3 +135,40 @@ def test_tables_name_a_missing_folder_or_model_in_one_line(tmp_path):
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
         assert "Traceback" not in done.stderr
+
+
+# -- findings.csv, the anatomy's explanations and their held-out tests: verified like the exports ---------
+def test_the_plain_committed_tables_have_their_json_and_are_verified_on_read(evidence):
+    """findings.csv, explain_*.csv and held_out_*.csv were read as plain CSVs: a changed number was taken. Each
+    now has a JSON with its SHA-256 and rows; every reader goes through read_checked_csv."""
+    from cwbook import headline
+    from cwbook.evidence_files import CHECKED_TABLES, read_checked_csv
+
+    checked = [t for pattern in CHECKED_TABLES for t in COMMITTED.glob(pattern)]
+    assert len(checked) >= 9 and all(t.with_suffix(".json").is_file() for t in checked)
+    assert {t for t, _ in committed_pairs(COMMITTED)} >= set(checked)
+    findings = headline.committed_findings(evidence)
+    assert findings.equals(pd.read_csv(evidence / "findings.csv"))  # the same rows as a plain read
+    # one changed verdict: refused by the headline's reader and by chapter 4's
+    text = (evidence / "findings.csv").read_text()
+    (evidence / "findings.csv").write_text(text.replace(",holds,", ",contradicted,", 1))
+    with pytest.raises(CommittedFileError, match="does not match the SHA-256"):
+        headline.committed_findings(evidence)
+    held = next(evidence.glob("held_out_*.csv"))
+    held.with_suffix(".json").unlink()  # a table whose JSON is missing (an interrupted write) is not taken
+    with pytest.raises(CommittedFileError, match="has no .*json beside it"):
+        read_checked_csv(held)
+
+
+def test_a_checked_table_written_and_read_back_and_its_rows_checked(tmp_path):
+    from cwbook.evidence_files import read_checked_csv, write_checked_csv
+
+    table = pd.DataFrame({"claim": ["a", "b"], "estimate": [0.125, -1.5]})
+    paths = write_checked_csv(table, tmp_path / "findings.csv", "two rows")
+    assert paths == [tmp_path / "findings.csv", tmp_path / "findings.json"]
+    assert read_checked_csv(tmp_path / "findings.csv").equals(table)
+    meta = json.loads((tmp_path / "findings.json").read_text())
+    assert meta == {"what": "two rows", "rows": 2, HASH_FIELD: content_hash((tmp_path / "findings.csv").read_bytes())}
+    (tmp_path / "findings.json").write_text(json.dumps({**meta, "rows": 3}))
+    with pytest.raises(CommittedFileError, match="holds 2 rows, its JSON records 3"):
+        read_checked_csv(tmp_path / "findings.csv")

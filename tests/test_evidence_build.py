@@ -936,11 +936,12 @@ def test_findings_of_a_folder_elsewhere_pair_with_its_own_sibling_never_the_comm
     trial = tmp_path / "confirmatory"
     trial.mkdir()
     written = ee.write_findings(trial, registration.CONFIRMATORY, {"smollm2-135m": ["gsm8k"]}, ["smollm2-135m"])
-    assert written == [trial / "findings.csv"] and calls == []  # no sibling "evidence": nothing combined
+    assert written == [trial / "findings.csv", trial / "findings.json"] and calls == []  # no sibling: nothing combined
     assert committed.read_bytes() == before
     (tmp_path / "evidence").mkdir()
     written = ee.write_findings(trial, registration.CONFIRMATORY, {"smollm2-135m": ["gsm8k"]}, ["smollm2-135m"])
-    assert written == [trial / "findings.csv", tmp_path / "evidence" / "findings.csv"]
+    assert written == [trial / "findings.csv", trial / "findings.json", tmp_path / "evidence" / "findings.csv",
+                       tmp_path / "evidence" / "findings.json"]
     assert calls == [(tmp_path / "evidence", trial)]
     assert pd.read_csv(tmp_path / "evidence" / "findings.csv")["claim"].tolist() == ["both"]
     assert committed.read_bytes() == before

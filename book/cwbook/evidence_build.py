@@ -38,7 +38,7 @@ from cwcore.faithfulness.protocol import Protocol, identical_steps
 from cwcore.faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
-from .evidence_files import CommittedFileError, checkout, now
+from .evidence_files import CommittedFileError, checked_table_what, checkout, now, write_checked_csv
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, read_committed, tables as export_tables
 from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, NOT_NUMBERS, PER_LAYER, RTOL,
                               SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity, checked_how,
@@ -404,8 +404,9 @@ def anatomy_evidence(model: str, p: dict, out: Path, *, profile: str, loaded=Non
                              profile=profile, dtype=p["dtype"], batch_size=p["batch_size"], exports=out)
         explained = anatomy_explained(frame, found[0], n_bootstrap=p["n_bootstrap"], seed=p["seed"])
         path = out / f"explain_{slug(model)}_{data}.csv"
-        cw_cache.write_csv(explained.assign(model=model, data=data), path, index=False, float_format="%.8g")
-        written += [*frame_paths(ANATOMY, model, data, out), path]
+        written += [*frame_paths(ANATOMY, model, data, out),
+                    *write_checked_csv(explained.assign(model=model, data=data), path, checked_table_what(path),
+                                       float_format="%.8g")]
     return written
 
 

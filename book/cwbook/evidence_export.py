@@ -20,8 +20,8 @@ from . import ladder as evidence
 from . import findings
 from . import results_path, slug
 from . import registration
-from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, checkout, content_hash, gzipped_csv, now,
-                             read_present_pair)
+from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, checked_table_what, checkout, content_hash,
+                             gzipped_csv, now, read_present_pair, write_checked_csv)
 from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
                               downstream_ladder, read_downstream, read_frame)
 from .parameters import profile_models, run_parameters
@@ -566,8 +566,8 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
             frame = read_frame(ANATOMY, model, data, out)
             if frame is not None:
                 held_out = anatomy_held_out(frame[0], committed[data], seed=p["seed"]).assign(model=model, data=data)
-                cw_cache.write_csv(held_out, out / f"held_out_{slug(model)}_{data}.csv", index=False)
-                written.append(out / f"held_out_{slug(model)}_{data}.csv")
+                path = out / f"held_out_{slug(model)}_{data}.csv"
+                written += write_checked_csv(held_out, path, checked_table_what(path))
     return list(dict.fromkeys(written + write_findings(out, meta["profile"], exported, all_models)))
 
 
@@ -588,14 +588,12 @@ def write_findings(out: Path, profile: str, exported, all_models: Sequence[str] 
     if all_models is None:
         all_models = list(dict.fromkeys([*profile_models(profile), *exported]))
     table = findings.findings_csv(out, list(all_models), profile)
-    cw_cache.write_csv(table, out / "findings.csv", index=False)
-    written = [out / "findings.csv"]
+    written = write_checked_csv(table, out / "findings.csv", checked_table_what("findings.csv"))
     exploratory_dir, confirmatory_dir = sample_folders(out, profile)
     if exploratory_dir.is_dir() and (profile == registration.CONFIRMATORY or any(confirmatory_dir.glob("*/*.csv"))):
         evidence_models = list(dict.fromkeys([*profile_models("evidence"), *all_models]))
         both = findings.combined_findings(exploratory_dir, confirmatory_dir, evidence_models)
-        cw_cache.write_csv(both, exploratory_dir / "findings.csv", index=False)
-        written.append(exploratory_dir / "findings.csv")
+        written += write_checked_csv(both, exploratory_dir / "findings.csv", checked_table_what("findings.csv"))
     return written
 
 

@@ -59,6 +59,38 @@ def read_present_pair(table: Path, meta_path: Path) -> tuple[bytes, dict] | None
     return read_pair(table, meta_path)
 
 
+def write_checked_csv(table: pd.DataFrame, path: str | Path, what: str, **to_csv) -> list[Path]:
+    """``table`` as CSV at ``path`` (``to_csv`` as in :meth:`pandas.DataFrame.to_csv`, never the index) and
+    beside it ``<name>.json`` recording ``what`` it holds, its rows and its SHA-256 (:data:`HASH_FIELD`), each
+    written atomically, the table first: a write interrupted between the two leaves a pair that
+    :func:`read_checked_csv` refuses. Returns both paths."""
+    from cwcore.cache import atomic_write_bytes
+
+    path = Path(path)
+    data = table.to_csv(index=False, **to_csv).encode()
+    atomic_write_bytes(path, data)
+    meta_path = path.with_suffix(".json")
+    atomic_write_bytes(meta_path, _dump({"what": what, "rows": len(table), HASH_FIELD: content_hash(data)}))
+    return [path, meta_path]
+
+
+def read_checked_csv(path: str | Path, **read_csv) -> pd.DataFrame:
+    """The table :func:`write_checked_csv` wrote at ``path``, once its bytes hash to what its JSON records and
+    it has the rows recorded (:class:`CommittedFileError` otherwise, and where either file is missing)."""
+    import io
+
+    path = Path(path)
+    meta_path = path.with_suffix(".json")
+    if not meta_path.is_file():
+        raise CommittedFileError(f"{path.name} has no {meta_path.name} beside it, so its content cannot be verified: "
+                                 "recompute it, or record the hash of a table known to be right with "
+                                 "`python -m cwbook.evidence_files --record`")
+    data, meta = read_pair(path, meta_path)
+    table = pd.read_csv(io.BytesIO(data), **read_csv)
+    check_rows(table, meta, path.name)
+    return table
+
+
 def gzipped_csv(table: pd.DataFrame, significant_digits: int) -> bytes:
     """``table`` as gzipped CSV, floats to ``significant_digits``; mtime 0, so the same rows give the same bytes."""
     import io
@@ -113,9 +145,27 @@ def check_units(table: pd.DataFrame, groups: Sequence[str], unit: str, expected:
                                      if groups else f"{name} {detail}")
 
 
+#: the plain tables a committed evidence folder holds beside its exports, each with a JSON of its own
+#: (:func:`write_checked_csv`): both samples' findings, the anatomy's explanations and their held-out tests
+CHECKED_TABLES = {
+    "findings.csv": "the verdicts of both samples, one row per claim part, model and data set (findings_csv)",
+    "explain_*.csv": "the ladder's steps against the anatomy of the terms each rung removes (anatomy.explain_step)",
+    "held_out_*.csv": "the anatomy's explanation fitted on half of the documents and tested on the other half "
+                      "(anatomy.explain_held_out)",
+}
+
+
+def checked_table_what(path: str | Path) -> str:
+    """What a :data:`CHECKED_TABLES` table holds, by its name (the ``what`` of its JSON)."""
+    from fnmatch import fnmatch
+
+    return next(what for pattern, what in CHECKED_TABLES.items() if fnmatch(Path(path).name, pattern))
+
+
 def committed_pairs(folder: Path) -> list[tuple[Path, Path]]:
-    """The (table, JSON) pairs of a committed evidence folder: every ``*.csv.gz`` with a JSON beside it, and
-    the chapters' tables (``<chapter>/<model>.csv``, written by :func:`cwbook.findings.save_results`)."""
+    """The (table, JSON) pairs of a committed evidence folder: every ``*.csv.gz`` with a JSON beside it, the
+    chapters' tables (``<chapter>/<model>.csv``, written by :func:`cwbook.findings.save_results`) and the
+    :data:`CHECKED_TABLES` (a JSON missing beside one of those is recorded by ``--record``)."""
     pairs = []
     for table in sorted(Path(folder).glob("*.csv.gz")):
         meta = table.with_name(table.name[: -len(".csv.gz")] + ".json")
@@ -124,6 +174,8 @@ def committed_pairs(folder: Path) -> list[tuple[Path, Path]]:
     for table in sorted(Path(folder).glob("*/*.csv")):
         if table.with_suffix(".json").is_file():
             pairs.append((table, table.with_suffix(".json")))
+    for pattern in CHECKED_TABLES:
+        pairs += [(table, table.with_suffix(".json")) for table in sorted(Path(folder).glob(pattern))]
     return pairs
 
 
@@ -132,13 +184,17 @@ def _dump(meta: Mapping) -> bytes:
 
 
 def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
-    """Add :data:`HASH_FIELD` to each JSON of ``folder``'s pairs that has none (the table's bytes as they
-    are: nothing is recomputed, no table is touched)."""
+    """Add :data:`HASH_FIELD` to each JSON of ``folder``'s pairs that has none, and write the JSON of a
+    :data:`CHECKED_TABLES` table that has none (the table's bytes as they are: nothing is recomputed, no table
+    is touched)."""
     from cwcore.cache import atomic_write_bytes
 
     changed, wrong = [], []
     for table, meta_path in committed_pairs(Path(folder)):
-        meta = json.loads(meta_path.read_text())
+        if not meta_path.is_file():  # a checked table committed before it had a JSON
+            meta = {"what": checked_table_what(table), "rows": len(pd.read_csv(table))}
+        else:
+            meta = json.loads(meta_path.read_text())
         digest = content_hash(table.read_bytes())
         if meta.get(HASH_FIELD):
             if meta[HASH_FIELD] != digest:

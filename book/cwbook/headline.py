@@ -14,6 +14,7 @@ import pandas as pd
 from cwcore import stats
 from . import ladder as evidence
 from . import registration
+from .evidence_files import read_checked_csv
 from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, load_results
 
 REPO = Path(__file__).resolve().parents[2]
@@ -179,7 +180,7 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
     """The generated opening of chapter 9, the introduction and the README (markdown): the confirmatory
     sample's verdicts, then the exploratory sample's, labelled so."""
     if findings is None:
-        findings = pd.read_csv(Path(exploratory_dir) / "findings.csv")
+        findings = read_checked_csv(Path(exploratory_dir) / "findings.csv")
     models = list(evidence.PRIMARY["models"])
     blocks = []
     for sample, folder, title in (
@@ -205,7 +206,7 @@ def committed_findings(evidence_dir: str | Path | None = None) -> pd.DataFrame:
     if not path.is_file():
         return pd.DataFrame(columns=["claim", "model", "data", "mode", "protocol", "importance", "range", "verdict",
                                      "estimate", "ci_low", "ci_high", "variant", "primary", "sample"])
-    return pd.read_csv(path)
+    return read_checked_csv(path)
 
 
 def folders(evidence_dir: str | Path | None = None) -> dict:

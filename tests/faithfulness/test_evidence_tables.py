@@ -69,7 +69,7 @@ def naive_aopc(rows: pd.DataFrame, max_ratio: float | None, unit: str = "documen
 def test_tables_write_the_books_layout(sliced):
     out, _, written = sliced
     path = results_path(out, "04_faithfulness", MODEL)
-    assert written == [path, path.with_suffix(".json"), out / "findings.csv"]
+    assert written == [path, path.with_suffix(".json"), out / "findings.csv", out / "findings.json"]
     got = findings.load_results(out, "04_faithfulness", MODEL)
     assert got.metadata["profile"] == "evidence" and got.metadata["chapter"] == "04_faithfulness"
     params = got.metadata["parameters"]

@@ -343,10 +343,11 @@ def committed_anatomy(model: str, datasets):
     """The explanation's test at the evidence size, where committed for this model: ``(quoted_md, table or
     None)``."""
     from cwbook import slug
+    from cwbook.evidence_files import read_checked_csv
     from cwbook.evidence_frames import ANATOMY, read_frame
 
     committed_explain = {d: findings.EVIDENCE_DIR / f"explain_{slug(model)}_{d}.csv" for d in datasets}
-    committed_explain = {d: pd.read_csv(p) for d, p in committed_explain.items() if p.is_file()}
+    committed_explain = {d: read_checked_csv(p) for d, p in committed_explain.items() if p.is_file()}
     explain_notes = []
     for data, ev in committed_explain.items():
         ev23 = ev[(ev["lower"] == "value_weighted") & (ev["higher"] == "value_weighted_output_normalized")]
@@ -366,7 +367,7 @@ def committed_anatomy(model: str, datasets):
         removed = read_frame(ANATOMY, model, data)
         if not held_path.is_file() or removed is None:
             continue
-        held = pd.read_csv(held_path)
+        held = read_checked_csv(held_path)
         count = held.groupby("role")["verdict"].agg(lambda v: int((v == stats.HOLDS).sum()))
         cells = held.groupby("role").size()
         held_notes.append(f"`{data}`: fitted on {int(held['n_fit'].iloc[0])} documents, tested on "
