@@ -90,27 +90,14 @@ def sink_tables(results_by_data: Mapping[str, dict], parameters: Mapping[str, di
     sets (:func:`cwbook.sink_claims.stack_data`) exactly as the chapters stack theirs. ``parameters``: each
     chapter's parameters (``n_bootstrap``, ``quantiles``) by chapter name."""
     from cwbook import sink_claims
-    from cwcore.sinks.engine import EPS, REGISTRY
-    from cwcore.sinks.intervals import claims_frame
+    from cwcore.sinks.engine import EPS
 
-    out = {}
     seed = int(next(iter(parameters.values()))["run_parameters"].get("seed", 0))
-    eps = EPS.default
-    boot = {c: dict(n_resamples=parameters[c]["n_bootstrap"], seed=seed) for c in SINK_CHAPTERS}
-    out["05_sink_decomposition"] = sink_claims.stack_data({d: pd.concat([
-        sink_claims.rate_claims(r["rates"], eps, **boot["05_sink_decomposition"]),
-        sink_claims.decomposition_claims(r["rates"], r["decomposition"].summary, eps,
-                                         stats=r["raw"]["decomposition"]["stats"], **boot["05_sink_decomposition"]),
-    ], ignore_index=True) for d, r in results_by_data.items()})
-    out["06_sinks_as_suppressors"] = sink_claims.stack_data({d: claims_frame([
-        row for name in ("anti_alignment", "convexity") for row in REGISTRY[name].claims(
-            r, eps=eps, quantiles=5, n_resamples=parameters["06_sinks_as_suppressors"]["n_bootstrap"], seed=seed)])
-        for d, r in results_by_data.items()})
-    quantiles = parameters["07_semantic_cone"]["quantiles"]
-    out["07_semantic_cone"] = sink_claims.stack_data({
-        d: sink_claims.cone_claims(r["raw"]["semantic_cone"], quantiles, **boot["07_semantic_cone"])
-        for d, r in results_by_data.items()})
-    return out
+    options = {c: dict(n_resamples=parameters[c]["n_bootstrap"], seed=seed) for c in SINK_CHAPTERS}
+    options["07_semantic_cone"]["quantiles"] = parameters["07_semantic_cone"]["quantiles"]
+    return {chapter: sink_claims.stack_data({d: sink_claims.chapter_claims(chapter, r, EPS.default, **options[chapter])
+                                             for d, r in results_by_data.items()})
+            for chapter in SINK_CHAPTERS}
 
 
 def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,

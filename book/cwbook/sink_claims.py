@@ -42,7 +42,7 @@ from cwcore.sinks.rates import SINK_POSITION_CLAIM, SINK_RATES, rate_claim_rows
 from cwcore.sinks.semantic_cone import (CONE, DRIFT, PERPLEXITY, PerplexityChanges, cone_claims, drift_curve,
                             perplexity_changes)
 
-__all__ = ["COLUMNS", "decomposition_claims", "suppressor_claims", "cone_claims", "all_claims",
+__all__ = ["COLUMNS", "chapter_claims", "decomposition_claims", "suppressor_claims", "cone_claims", "all_claims",
            "claim_verdicts", "claim_verdict_texts", "triple", "display", "head_shares", "pooled_suppression",
            "contrast",
            "group_value", "no_sink_heads", "sink_heads_sentence", "verdict_text", "perplexity_changes",
@@ -163,6 +163,29 @@ def stack_data(tables: Mapping[str, pd.DataFrame]) -> pd.DataFrame:
     """``{data: claims table}`` as one table (:func:`for_data` of each, in order)."""
     return claims_frame([]) if not tables else pd.concat([for_data(t, d) for d, t in tables.items()],
                                                            ignore_index=True)
+
+
+def chapter_claims(chapter: str, result: Mapping, eps: float = EPS.default, *, n_resamples: int = 1000, seed: int = 0,
+                   quantiles: int = 5) -> pd.DataFrame:
+    """The claims table of one sink chapter (``"05_sink_decomposition"``, ``"06_sinks_as_suppressors"`` or
+    ``"07_semantic_cone"``) on one data set, from that data set's ``run_analyses(..., raw=True)`` result: the
+    one place the chapters and the confirmatory build (:func:`cwbook.confirmatory.sink_tables`) build it.
+    ``quantiles``: bins of the clean output norm (chapter 7's; chapter 6's anti-alignment and convexity rows
+    take 5)."""
+    boot = dict(n_resamples=n_resamples, seed=seed)
+    if chapter == "05_sink_decomposition":
+        return pd.concat([
+            rate_claims(result["rates"], eps, **boot),  # "many heads are sink heads", "the sink is position 0"
+            decomposition_claims(result["rates"], result["decomposition"].summary, eps,
+                                 stats=result["raw"]["decomposition"]["stats"], **boot),
+        ], ignore_index=True)
+    if chapter == "06_sinks_as_suppressors":
+        return claims_frame([row for name in ("anti_alignment", "convexity")
+                             for row in REGISTRY[name].claims(result, eps=eps, quantiles=quantiles, **boot)])
+    if chapter == "07_semantic_cone":
+        return cone_claims(result["raw"]["semantic_cone"], quantiles, **boot)
+    raise ValueError(f"{chapter!r} is not a sink chapter (05_sink_decomposition, 06_sinks_as_suppressors, "
+                     "07_semantic_cone)")
 
 
 def all_claims(results: Mapping, eps: float = EPS.default, quantiles: int = 5, n_resamples: int = 1000,

@@ -212,3 +212,38 @@ def test_tail_parts_need_a_share_above_the_margin_and_book_claims_are_labelled()
     rates_rows = SC.rate_claims(rates.assign(layer_type="global"), 0.3, n_resamples=100)
     assert set(rates_rows["source"]) == {"book"}
     assert list(SC.display(rates_rows)["claim by"].unique()) == ["the book"]
+
+
+def test_each_sink_chapter_builds_its_claims_in_one_place_and_the_confirmatory_build_uses_it():
+    """chapter_claims is the claims table of chapters 5-7 (the chapters and the confirmatory build both call
+    it): here against each chapter's analyses called directly, and the confirmatory tables against it."""
+    from cwcore import sinks
+    from cwcore.sinks.engine import EPS, REGISTRY
+    from cwcore.sinks.intervals import claims_frame
+    from cwbook import confirmatory, sink_claims
+    from sink_fixtures import FAST, planted_ids, planted_model
+
+    result = sinks.run_analyses(planted_model(), None, planted_ids(), list(sinks.ANALYSES), raw=True, **FAST)
+    boot = dict(n_resamples=200, seed=3)
+    expected = {
+        "05_sink_decomposition": pd.concat([
+            sink_claims.rate_claims(result["rates"], EPS.default, **boot),
+            sink_claims.decomposition_claims(result["rates"], result["decomposition"].summary, EPS.default,
+                                             stats=result["raw"]["decomposition"]["stats"], **boot)],
+            ignore_index=True),
+        "06_sinks_as_suppressors": claims_frame([row for name in ("anti_alignment", "convexity") for row in
+                                                 REGISTRY[name].claims(result, eps=EPS.default, quantiles=5, **boot)]),
+        "07_semantic_cone": sink_claims.cone_claims(result["raw"]["semantic_cone"], 3, **boot),
+    }
+    for chapter, table in expected.items():
+        built = sink_claims.chapter_claims(chapter, result, EPS.default, quantiles=3 if chapter == "07_semantic_cone"
+                                           else 5, **boot)
+        pd.testing.assert_frame_equal(built, table)
+        assert len(table) > 0 and table["verdict"].notna().all()
+    parameters = {c: {"n_bootstrap": 200, "quantiles": 3, "run_parameters": {"seed": 3}}
+                  for c in confirmatory.SINK_CHAPTERS}
+    tables = confirmatory.sink_tables({"gsm8k": result}, parameters)
+    for chapter, table in expected.items():
+        pd.testing.assert_frame_equal(tables[chapter], sink_claims.stack_data({"gsm8k": table}))
+    with pytest.raises(ValueError, match="not a sink chapter"):
+        sink_claims.chapter_claims("04_faithfulness", result)

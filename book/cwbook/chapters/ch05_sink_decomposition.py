@@ -317,12 +317,7 @@ def _claims(r: SinkDecomposition) -> None:
     eps = r.eps
     r.claims_by_data = {}
     for name in r.datasets:
-        res = r.results[name]
-        r.claims_by_data[name] = pd.concat([
-            sink_claims.rate_claims(res["rates"], eps, **r.boot),  # "many heads are sink heads", "the sink is position 0"
-            sink_claims.decomposition_claims(res["rates"], res["decomposition"].summary, eps,
-                                             stats=res["raw"]["decomposition"]["stats"], **r.boot),
-        ], ignore_index=True)
+        r.claims_by_data[name] = sink_claims.chapter_claims(CHAPTER, r.results[name], eps, **r.boot)
     claims = r.claims
     r.stacked_claims = sink_claims.stack_data(r.claims_by_data)  # part "<data>: ...", key "<data>/..."
     r.verdict_of = {d: sink_claims.claim_verdict_texts(c) for d, c in r.claims_by_data.items()}

@@ -178,8 +178,6 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
     import time
 
     from cwbook import sink_claims
-    from cwcore.sinks.engine import REGISTRY
-    from cwcore.sinks.intervals import claims_frame
 
     shared = sink_pass(model, run_parameters, ["anti_alignment", "convexity"], profile=profile, bins=bins,
                        min_range=min_range)
@@ -188,9 +186,8 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
               f"of {d} in {shared.seconds[d]:.0f} s")
     runs = shared.results
     t0 = time.monotonic()
-    claims_of = {d: claims_frame([row for name in ("anti_alignment", "convexity") for row in REGISTRY[name].claims(
-        runs[d], eps=shared.eps, quantiles=5, n_resamples=n_bootstrap, seed=shared.run.seed)])
-        for d in shared.datasets}
+    claims_of = {d: sink_claims.chapter_claims(CHAPTER, runs[d], shared.eps, n_resamples=n_bootstrap,
+                                               seed=shared.run.seed) for d in shared.datasets}
     claims = sink_claims.stack_data(claims_of)  # parts "gsm8k: ...", keys "gsm8k/..."
     print(f"claims with intervals in {time.monotonic() - t0:.0f} s")
     r = Suppressors(sinks=shared, bins=bins, min_range=min_range, n_examples=n_examples, n_bootstrap=n_bootstrap,

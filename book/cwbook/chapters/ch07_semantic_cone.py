@@ -139,7 +139,8 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
     r.numbers.update({"n_bootstrap": n_bootstrap, "quantiles": quantiles,
                       "n_seq": int(raw["sequences"]["sequence"].nunique()),
                       "n_outputs": int((points["condition"] == "sink").sum())})
-    r.claims = sink_claims.cone_claims(raw, quantiles, **r.boot)  # the findings page judges with the same table
+    # the findings page judges with the same table
+    r.claims = sink_claims.chapter_claims(CHAPTER, shared.results[data], shared.eps, quantiles=quantiles, **r.boot)
     _outputs(r)
     _layers(r)
     _perplexity(r)
@@ -244,8 +245,8 @@ def _claims(r: SemanticCone) -> None:
 
     r.claims_by_data = {r.data: r.claims}
     for name in r.datasets[1:]:
-        r.claims_by_data[name] = sink_claims.cone_claims(r.sinks.results[name]["raw"]["semantic_cone"], r.quantiles,
-                                                         **r.boot)
+        r.claims_by_data[name] = sink_claims.chapter_claims(CHAPTER, r.sinks.results[name], r.eps,
+                                                            quantiles=r.quantiles, **r.boot)
     r.stacked_claims = sink_claims.stack_data(r.claims_by_data)  # part "<data>: ...", key "<data>/..."
     r.claims_display = rerun_claims_table(r.stacked_claims, r.evidence, r.rerun_label, digits=3)
     r.verdict_of = {d: sink_claims.claim_verdict_texts(c) for d, c in r.claims_by_data.items()}
