@@ -537,6 +537,13 @@ def _said(verdict, profile: str) -> str:
     return str(verdict) if profile == "evidence" else rerun_direction(verdict)
 
 
+def _moved(moved, profile: str, cell) -> str:
+    """The steps in ``moved`` (rows of :func:`cwbook.ladder.variant_changes`) as the page lists them: ``cell(row)``
+    names the cell, then the step and its verdict on the main protocol and on the variant (:func:`_said`)."""
+    return "; ".join(f"{cell(r)}, {LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
+                     f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}" for r in moved.itertuples())
+
+
 def variant_summary(ladder_table, variant_ladder, profile: str = "default"):
     """How the variant cells' step verdicts differ from the main protocol's: ``(text, changes or None)``.
     Outside the ``evidence`` profile the steps are this build's rerun check: the text then says where their
@@ -548,10 +555,8 @@ def variant_summary(ladder_table, variant_ladder, profile: str = "default"):
     moved = changes[changes["changed"]]
     what = "step verdicts" if profile == "evidence" else "steps of this build's rerun check"
     return (f"{len(moved)} of {len(changes)} {what} differ from the main protocol's "
-            + ("(" + "; ".join(f"{r.variant}, {r.data} {r.mode} {r.importance} {r.range}, "
-                               f"{LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
-                               f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}"
-                               for r in moved.itertuples()) + ")." if len(moved) else "(none).")), changes.round(4)
+            + ("(" + _moved(moved, profile, lambda r: f"{r.variant}, {r.data} {r.mode} {r.importance} {r.range}")
+               + ")." if len(moved) else "(none).")), changes.round(4)
 
 
 def weight_variants(ladder_table, *, model: str, weight_variants, weight_variant_models, datasets,
@@ -585,11 +590,8 @@ def weight_variants(ladder_table, *, model: str, weight_variants, weight_variant
     moved = changes[changes["changed"]]
     what = "primary verdicts" if profile == "evidence" else "primary steps of this build's rerun check"
     return (f"{len(changes) - len(moved)} of {len(changes)} {what} survive the "
-            "re-quantisation" + (" (changed: " + "; ".join(
-                f"{r.data} {r.mode}, {LABELS.get(r.lower, r.lower)} → {LABELS.get(r.higher, r.higher)}: "
-                f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}" for r in moved.itertuples())
-                + ")." if len(moved) else ".")
-            ), changes.round(4)
+            "re-quantisation" + (" (changed: " + _moved(moved, profile, lambda r: f"{r.data} {r.mode}") + ")."
+                                 if len(moved) else ".")), changes.round(4)
 
 
 @dataclass
