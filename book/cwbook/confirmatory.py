@@ -106,7 +106,6 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
     """Chapters 5-7's claims tables of ``models`` on the confirmatory sample (one pass of every sink
     analysis per data set, :func:`sink_tables`), written to ``out/<chapter>/<model>.csv`` with their JSON.
     ``smoke``: as in :func:`ladder`. Returns the paths written."""
-    import cwcore
     from cwcore import sinks as sink_analyses
     from . import results_path
     from .findings import save_results
@@ -121,13 +120,17 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
         options = run.options()
         lm, tokenizer = run.load(model)
         t0 = time.monotonic()
+        results = {}
         with run.caching():
-            results = {d: sink_analyses.run_analyses(
-                lm, tokenizer, _sample(d, tokenizer, smoke), list(sink_analyses.ANALYSES), options, raw=True,
-                sample_size=parameters["05_sink_decomposition"]["sample_size"],
-                bins=parameters["06_sinks_as_suppressors"]["bins"],
-                min_range=parameters["06_sinks_as_suppressors"]["min_range"],
-                quantiles=parameters["07_semantic_cone"]["quantiles"]) for d in datasets}
+            for d in datasets:  # a line per data set: a pass takes tens of minutes
+                log(f"confirmatory  {model} sink pass on {d}: started")
+                results[d] = sink_analyses.run_analyses(
+                    lm, tokenizer, _sample(d, tokenizer, smoke), list(sink_analyses.ANALYSES), options, raw=True,
+                    sample_size=parameters["05_sink_decomposition"]["sample_size"],
+                    bins=parameters["06_sinks_as_suppressors"]["bins"],
+                    min_range=parameters["06_sinks_as_suppressors"]["min_range"],
+                    quantiles=parameters["07_semantic_cone"]["quantiles"])
+                log(f"confirmatory  {model} sink pass on {d}: {time.monotonic() - t0:.0f} s")
         n = min(len(_sample(d, tokenizer, smoke)) for d in datasets)
         for chapter, table in sink_tables(results, parameters).items():
             path = results_path(out, chapter, model)
