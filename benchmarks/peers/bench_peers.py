@@ -97,8 +97,11 @@ def tl_weights(bridge, ids, layers, head_space: bool):
 
 
 # ------------------------------------------------------------------------------------------ cwcore
-def cw_weights(model, ids, layers):
-    model.config._attn_implementation = "sdpa"
+def cw_weights(model, ids, layers, attention: str = "sdpa"):
+    """``attention``: how the model is configured; ``"sdpa"`` (the default of a loaded model) adds the model's own
+    SDPA call per decomposed layer, whose output cwcore's arithmetic must reproduce; ``"eager"`` runs the
+    arithmetic TransformerLens runs, with no SDPA call."""
+    model.config._attn_implementation = attention
     d = cwcore.decompose(model, layers=layers, input_ids=ids)
     return {l: (d[l].attention, d[l].contribution("inter")) for l in (range(len(d)) if layers is None else layers)}
 
@@ -159,10 +162,12 @@ def main() -> int:
         with torch.inference_mode():
             model(input_ids=ids)
 
+    EAGER_NAME = "cwcore.decompose, all layers, model configured eager"
     jobs = {
         "model's SDPA forward": sdpa_forward,
         "cwcore.decompose, one layer": lambda: cw_weights(model, ids, one),
         "cwcore.decompose, all layers": lambda: cw_weights(model, ids, None),
+        EAGER_NAME: lambda: cw_weights(model, ids, None, "eager"),
         "TL run_with_cache + weights as the formula reads, one layer": lambda: tl_weights(bridge, ids, one, False),
         "TL run_with_cache + weights as the formula reads, all layers": lambda: tl_weights(bridge, ids, every, False),
         "TL run_with_cache + weights in head space, one layer": lambda: tl_weights(bridge, ids, one, True),
@@ -296,6 +301,12 @@ def main() -> int:
         cpu_ratio = float("nan") if ref is None else med_cpu[name] / med_cpu[ref]
         lines.append(f"| {name} | {med[name]:.3f} | {med[name] / base:.2f}x | {fmt(vs_cw(name))} | "
                      f"{fmt(paired(name))} | {med_cpu[name]:.2f} | {fmt(cpu_ratio)} |")
+    head_space = "TL run_with_cache + weights in head space, all layers"
+    lines.append("")
+    lines.append(f"Configured eager (no SDPA call, the arithmetic TransformerLens runs), all layers: TransformerLens "
+                 f"with head-space weights takes {med[head_space] / med[EAGER_NAME]:.2f}x cwcore's time "
+                 f"({median([a / b for a, b in zip(times[head_space], times[EAGER_NAME])]):.2f}x by per-round "
+                 f"ratios, CPU {med_cpu[head_space] / med_cpu[EAGER_NAME]:.2f}x).")
     lines.append("")
     if args.no_inseq:
         for row in per_layer:
