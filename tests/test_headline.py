@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import pytest
 
 import cwbook as book
 from cwbook import findings, headline, registration, table1
@@ -116,3 +118,49 @@ def test_the_chapter_answers_name_the_deciding_part_and_what_is_not_computed(tmp
            "control is contradicted)." in answer
     assert "- *convexity*: confirmatory: not computed yet; exploratory: **holds**." in answer
     assert "cone" not in answer  # chapter 7's claims are chapter 7's
+
+
+@pytest.mark.slow
+def test_the_confirmatory_tables_step_decides_the_whole_family_once_every_cell_is_in(tmp_path):
+    """The last step of the confirmatory build, run on a complete copy of the committed confirmatory folder
+    whose missing gemma3-270m cells are stood in by smollm2-135m's rows (renamed, hashes recorded): 32
+    confirmatory primary rows, Holm over those 32 (so p_holm is Holm's step-down of their p), the combined
+    findings written to the sibling exploratory folder of the copy, never to this checkout's, and a headline
+    that reports the confirmatory sample. The control: before the step, the headline says it is not computed."""
+    import gzip
+    import hashlib
+    import json
+    import shutil
+
+    from cwbook import confirmatory
+
+    exploratory, trial = tmp_path / "evidence", tmp_path / "confirmatory"
+    shutil.copytree(findings.EVIDENCE_DIR, exploratory, ignore=shutil.ignore_patterns("0*"))
+    trial.mkdir()
+    for data in registration.CONFIRMATORY_DATA:
+        for model in registration.CONFIRMATORY_MODELS:
+            source = findings.CONFIRMATORY_DIR / f"per_document_smollm2-135m_{data}"
+            if not source.with_suffix(".json").is_file() or \
+                    json.loads(source.with_suffix(".json").read_text())["documents"] != registration.CONFIRMATORY_DOCUMENTS:
+                pytest.skip("smollm2-135m's confirmatory cells are not all committed")
+            table = gzip.decompress(source.with_suffix(".csv.gz").read_bytes()).decode()
+            data_bytes = gzip.compress(table.replace(",smollm2-135m,", f",{model},").encode(), mtime=0)
+            meta = json.loads(source.with_suffix(".json").read_text())
+            meta.update(model=model, csv_sha256=hashlib.sha256(data_bytes).hexdigest())
+            (trial / f"per_document_{model}_{data}.csv.gz").write_bytes(data_bytes)
+            (trial / f"per_document_{model}_{data}.json").write_text(json.dumps(meta, indent=1))
+    before = (findings.EVIDENCE_DIR / "findings.csv").read_bytes()
+    assert "None of the 32 registered tests has been computed" in headline.headline_markdown(
+        exploratory_dir=exploratory, confirmatory_dir=trial).split("**Exploratory sample**")[0]
+    confirmatory.tables(trial)
+    assert (findings.EVIDENCE_DIR / "findings.csv").read_bytes() == before
+    both = pd.read_csv(exploratory / "findings.csv")
+    primary = both[(both["sample"] == registration.CONFIRMATORY) & both["primary"]]
+    assert len(primary) == 32 and primary["p_holm"].notna().all()
+    p = primary["p"].to_numpy()
+    order = p.argsort()
+    holm = (p[order] * (len(p) - np.arange(len(p)))).clip(max=1)
+    holm = pd.Series(holm).cummax().to_numpy()
+    assert abs(primary["p_holm"].to_numpy()[order] - holm).max() < 1e-12
+    opening = headline.headline_markdown(both, exploratory_dir=exploratory, confirmatory_dir=trial)
+    assert "32 of the 32 registered tests are decided" in opening.split("**Exploratory sample**")[0]
