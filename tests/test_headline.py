@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 import cwbook as book
+from cwcore import stats as cstats
 from cwbook import findings, headline, registration, table1
 from cwbook import ladder as evidence
 
@@ -98,11 +99,26 @@ def test_a_missing_registered_control_leaves_the_claim_not_measured(tmp_path):
 
 
 def test_the_committed_pages_carry_the_generated_headline():
-    text = headline.headline_markdown()
-    for page in (REPO / "README.md", REPO / "book" / "intro.md"):
+    assert headline.HEADLINE_PAGES == {REPO / "book" / "intro.md": False, REPO / "README.md": True}
+    for page, compact in headline.HEADLINE_PAGES.items():
+        text = headline.headline_markdown(compact=compact)
         body = page.read_text()
         block = body[body.index(headline.START) + len(headline.START):body.index(headline.END)]
         assert block.strip() == text.strip(), f"{page.name} is stale: run python -m cwbook.headline --write"
+
+
+def test_the_readmes_compact_headline_keeps_the_confirmatory_sample_whole_and_counts_the_exploratory_one():
+    full, compact = headline.headline_markdown(), headline.headline_markdown(compact=True)
+    confirmatory = full.split("**Exploratory sample**")[0]
+    assert compact.startswith(confirmatory)  # the confirmatory sample's sentences, every one
+    exploratory = compact.split("**Exploratory sample**")[1]
+    first = full.split("**Exploratory sample**")[1].split("\n- ")[1].split("\n")[0]
+    assert f"- {first}" in exploratory and "(claim, model) pairs" in exploratory
+    verdicts = headline.registered_sink_verdicts(findings.EVIDENCE_DIR, list(evidence.PRIMARY["models"]))
+    pairs = verdicts.groupby(["claim", "model"])["verdict"].agg(cstats.combine_all)
+    assert f"of {len(pairs)} (claim, model) pairs" in exploratory and len(pairs) == 18
+    assert f"{int((pairs == cstats.CONTRADICTED).sum())} contradicted" in exploratory
+    assert len(compact) < len(full)
 
 
 def test_the_chapter_answers_name_the_deciding_part_and_what_is_not_computed(tmp_path):

@@ -175,10 +175,21 @@ def sink_sentences(verdicts: pd.DataFrame) -> list[str]:
     return lines
 
 
+def sink_tally(verdicts: pd.DataFrame) -> str:
+    """The registered sink claims in one sentence: how many (claim, model) pairs hold, are contradicted, ...
+    (both data sets combined by the registered rule), or that none is computed yet."""
+    if verdicts.empty or (verdicts["verdict"] == stats.NOT_MEASURED).all():
+        return "None of the registered sink claims has been computed on this sample yet."
+    combined = verdicts.groupby(["claim", "model"], sort=False)["verdict"].agg(stats.combine_all)
+    return (f"The {verdicts['claim'].nunique()} registered sink claims, each with its controls, over "
+            f"{verdicts['model'].nunique()} models: {_count(combined)} of {len(combined)} (claim, model) pairs.")
+
+
 def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: str | Path = EVIDENCE_DIR,
-                      confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> str:
+                      confirmatory_dir: str | Path = CONFIRMATORY_DIR, compact: bool = False) -> str:
     """The generated opening of chapter 9, the introduction and the README (markdown): the confirmatory
-    sample's verdicts, then the exploratory sample's, labelled so."""
+    sample's verdicts, then the exploratory sample's, labelled so. ``compact`` (the README's, which must stay
+    short): the exploratory sample in two counting sentences (its tests, its sink claims) and where the rest is."""
     if findings is None:
         findings = read_checked_csv(Path(exploratory_dir) / "findings.csv")
     models = list(evidence.PRIMARY["models"])
@@ -191,10 +202,14 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
              "**Exploratory sample** (64 documents per data set; 22 of its 32 tests were computed before their "
              "registration, so these verdicts generate hypotheses rather than confirm them)")):
         ladder = ladder_sentences(findings, sample)
-        sinks = sink_sentences(registered_sink_verdicts(folder, models))
+        verdicts = registered_sink_verdicts(folder, models)
+        if compact and sample == registration.EXPLORATORY:
+            blocks.append(title + ".\n\n" + "\n".join(f"- {line}" for line in [ladder[0], sink_tally(verdicts)])
+                          + "\n\nEvery claim, model and step, with its interval: the book's introduction and chapter 9.")
+            continue
         blocks.append(title + ".\n\n" + "\n".join(f"- {line}" for line in ladder)
                       + "\n- The sink claims, each judged with its registered controls:\n"
-                      + "\n".join(f"  - {line}" for line in sinks))
+                      + "\n".join(f"  - {line}" for line in sink_sentences(verdicts)))
     return "\n\n".join(blocks) + "\n"
 
 
@@ -347,18 +362,22 @@ def plot_verdicts(grid: pd.DataFrame):
 
 
 # -- generated blocks of the introduction and the README -------------------------------------------
-def write_blocks(paths: Sequence[str | Path] = (REPO / "book" / "intro.md", REPO / "README.md"),
-                 text: str | None = None) -> list[Path]:
-    """Replace the text between ``<!-- headline:start -->`` and ``<!-- headline:end -->`` of each file with
-    :func:`headline_markdown`; returns the files that changed."""
-    text = headline_markdown() if text is None else text
+#: the pages that carry the generated headline, and whether each carries the compact one
+HEADLINE_PAGES = {REPO / "book" / "intro.md": False, REPO / "README.md": True}
+
+
+def write_blocks(paths: Sequence[str | Path] | None = None, text: str | None = None) -> list[Path]:
+    """Replace the text between ``<!-- headline:start -->`` and ``<!-- headline:end -->`` of each file
+    (default :data:`HEADLINE_PAGES`) with :func:`headline_markdown` (compact where the page says so, or
+    ``text``); returns the files that changed."""
     changed = []
-    for path in map(Path, paths):
+    for path in map(Path, HEADLINE_PAGES if paths is None else paths):
+        text_here = text if text is not None else headline_markdown(compact=HEADLINE_PAGES.get(path, False))
         old = path.read_text()
         pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
         if not pattern.search(old):
             raise ValueError(f"{path.name} has no generated headline block ({START} ... {END})")
-        new = pattern.sub(lambda _: f"{START}\n{text}{END}", old)
+        new = pattern.sub(lambda _: f"{START}\n{text_here}{END}", old)
         if new != old:
             path.write_text(new)
             changed.append(path)
