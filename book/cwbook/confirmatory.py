@@ -108,12 +108,14 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
     ``smoke``: as in :func:`ladder`. Returns the paths written."""
     from cwcore import sinks as sink_analyses
     from . import results_path
+    from .evidence_files import checkout
     from .findings import save_results
     from .notebook import SinkRun
     from .parameters import run_parameters
 
     out = Path(out)
     written = []
+    code = checkout()  # the commit that computes, read before it runs (and whether cwcore was edited)
     for model in models:
         parameters = {c: run_parameters(c, PROFILE, model) for c in SINK_CHAPTERS}
         run = SinkRun.of(parameters["05_sink_decomposition"]["run_parameters"])
@@ -137,7 +139,8 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
             save_results(path, table, chapter=chapter, model=model, profile=_profile(smoke),
                          parameters=dict(data=",".join(datasets), n_documents=n, seq_len=run.seq_len, seed=run.seed,
                                          dtype=run.dtype, n_bootstrap=parameters[chapter]["n_bootstrap"],
-                                         sample=registration.EXPLORATORY if smoke else registration.CONFIRMATORY))
+                                         sample=registration.EXPLORATORY if smoke else registration.CONFIRMATORY,
+                                         **code))
             written += [path, path.with_suffix(".json")]
         log(f"confirmatory  {model} sink pass: {time.monotonic() - t0:.0f} s")
         del lm
