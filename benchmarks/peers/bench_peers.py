@@ -261,7 +261,6 @@ def main() -> int:
 
     med = {name: median(ts) for name, ts in times.items()}
     base = med["model's SDPA forward"]
-    cw_one, cw_every = med["cwcore.decompose, one layer"], med["cwcore.decompose, all layers"]
 
     def reference(name):
         if name == "model's SDPA forward":

@@ -122,18 +122,20 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
         options = run.options()
         lm, tokenizer = run.load(model)
         t0 = time.monotonic()
+        samples = {d: _sample(d, tokenizer, smoke) for d in datasets}
         results = {}
         with run.caching():
             for d in datasets:  # a line per data set: a pass takes tens of minutes
                 log(f"confirmatory  {model} sink pass on {d}: started")
+                started = time.monotonic()
                 results[d] = sink_analyses.run_analyses(
-                    lm, tokenizer, _sample(d, tokenizer, smoke), list(sink_analyses.ANALYSES), options, raw=True,
+                    lm, tokenizer, samples[d], list(sink_analyses.ANALYSES), options, raw=True,
                     sample_size=parameters["05_sink_decomposition"]["sample_size"],
                     bins=parameters["06_sinks_as_suppressors"]["bins"],
                     min_range=parameters["06_sinks_as_suppressors"]["min_range"],
                     quantiles=parameters["07_semantic_cone"]["quantiles"])
-                log(f"confirmatory  {model} sink pass on {d}: {time.monotonic() - t0:.0f} s")
-        n = min(len(_sample(d, tokenizer, smoke)) for d in datasets)
+                log(f"confirmatory  {model} sink pass on {d}: {time.monotonic() - started:.0f} s")
+        n = min(len(blocks) for blocks in samples.values())
         for chapter, table in sink_tables(results, parameters).items():
             path = results_path(out, chapter, model)
             save_results(path, table, chapter=chapter, model=model, profile=_profile(smoke),

@@ -24,6 +24,7 @@ from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, checked
                              gzipped_csv, now, read_present_pair, write_checked_csv)
 from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
                               downstream_ladder, read_downstream, read_frame)
+from .findings import sample_folders
 from .parameters import profile_models, run_parameters
 
 CHAPTER = "04_faithfulness"
@@ -571,19 +572,10 @@ def tables(out: str | Path | None = None, models: Sequence[str] | None = None,
     return list(dict.fromkeys(written + write_findings(out, meta["profile"], exported, all_models)))
 
 
-def sample_folders(out: str | Path, profile: str) -> tuple[Path, Path]:
-    """``(exploratory, confirmatory)``: the two samples' evidence folders that ``out`` belongs to, ``out`` and
-    its sibling (``evidence`` and ``confirmatory`` in ``data/results``). A folder elsewhere (a trial run in a
-    temporary folder) pairs with its own sibling, never with this checkout's committed evidence."""
-    out = Path(out)
-    if profile == registration.CONFIRMATORY:
-        return out.parent / findings.EVIDENCE_DIR.name, out
-    return out, out.parent / findings.CONFIRMATORY_DIR.name
-
-
 def write_findings(out: Path, profile: str, exported, all_models: Sequence[str] | None = None) -> list[Path]:
     """``out/findings.csv`` of ``profile``; and ``findings.csv`` of both samples (column ``sample``, each
-    primary family decided on its own sample) in the exploratory folder of :func:`sample_folders`, where
+    primary family decided on its own sample) in the exploratory folder of
+    :func:`cwbook.findings.sample_folders`, where
     that folder exists and either sample has a confirmatory table. Returns the paths written."""
     if all_models is None:
         all_models = list(dict.fromkeys([*profile_models(profile), *exported]))

@@ -31,7 +31,7 @@ __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED"
            "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain", "primary_cosine_gain",
            "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
-           "faithfulness_findings", "findings_csv", "combined_findings", "SAMPLE_FINDING_KEY", "CONFIRMATORY_DIR", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
+           "faithfulness_findings", "findings_csv", "combined_findings", "SAMPLE_FINDING_KEY", "CONFIRMATORY_DIR", "sample_folders", "BENCH_CHAPTER", "bench_findings", "claim_findings"]
 
 RUNGS = tuple(map(str, METRICS))  # the ladder, from its one home
 
@@ -575,6 +575,16 @@ def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:
 EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 #: the confirmatory sample's evidence (book/preregistration.md, "Confirmatory registration")
 CONFIRMATORY_DIR = EVIDENCE_DIR.parent / "confirmatory"
+
+
+def sample_folders(out: str | os.PathLike, profile: str = "evidence") -> tuple[Path, Path]:
+    """``(exploratory, confirmatory)``: the two samples' evidence folders that ``out`` (a folder of ``profile``)
+    belongs to, ``out`` and its sibling (``evidence`` and ``confirmatory`` in ``data/results``). A folder
+    elsewhere (a trial run in a temporary folder) pairs with its own sibling, never with this checkout's."""
+    out = Path(out)
+    if profile == registration.CONFIRMATORY:
+        return out.parent / EVIDENCE_DIR.name, out
+    return out, out.parent / CONFIRMATORY_DIR.name
 
 #: the columns that name one findings row (a claim part, or one ladder step, of one model and data set)
 ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range", "variant"]

@@ -15,7 +15,7 @@ from cwcore import stats
 from . import ladder as evidence
 from . import registration
 from .evidence_files import read_checked_csv
-from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, load_results
+from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, load_results, sample_folders
 
 REPO = Path(__file__).resolve().parents[2]
 START, END = "<!-- headline:start -->", "<!-- headline:end -->"
@@ -160,11 +160,12 @@ def sink_sentences(verdicts: pd.DataFrame) -> list[str]:
     that does not hold, the part that stops it."""
     if verdicts.empty or (verdicts["verdict"] == stats.NOT_MEASURED).all():
         return ["None of the registered sink claims has been computed on this sample yet."]
+    combined = claim_model_verdicts(verdicts)
     lines = []
     for claim, rows in verdicts.groupby("claim", sort=False):
         per_model = []
         for model, one in rows.groupby("model", sort=False):
-            both = stats.combine_all(one["verdict"])
+            both = combined[(claim, model)]
             text = f"{model} {both}"
             if both != stats.HOLDS:
                 stop = [f for f in dict.fromkeys("; ".join(one["failing"]).split("; ")) if f]
@@ -175,12 +176,18 @@ def sink_sentences(verdicts: pd.DataFrame) -> list[str]:
     return lines
 
 
+def claim_model_verdicts(verdicts: pd.DataFrame) -> pd.Series:
+    """Each (claim, model)'s verdict over both data sets by the registered rule (:func:`cwcore.stats.combine_all`),
+    from :func:`registered_sink_verdicts`."""
+    return verdicts.groupby(["claim", "model"], sort=False)["verdict"].agg(stats.combine_all)
+
+
 def sink_tally(verdicts: pd.DataFrame) -> str:
     """The registered sink claims in one sentence: how many (claim, model) pairs hold, are contradicted, ...
     (both data sets combined by the registered rule), or that none is computed yet."""
     if verdicts.empty or (verdicts["verdict"] == stats.NOT_MEASURED).all():
         return "None of the registered sink claims has been computed on this sample yet."
-    combined = verdicts.groupby(["claim", "model"], sort=False)["verdict"].agg(stats.combine_all)
+    combined = claim_model_verdicts(verdicts)
     return (f"The {verdicts['claim'].nunique()} registered sink claims, each with its controls, over "
             f"{verdicts['model'].nunique()} models: {_count(combined)} of {len(combined)} (claim, model) pairs.")
 
@@ -225,9 +232,10 @@ def committed_findings(evidence_dir: str | Path | None = None) -> pd.DataFrame:
 
 
 def folders(evidence_dir: str | Path | None = None) -> dict:
-    """``exploratory_dir`` and ``confirmatory_dir`` (its sibling ``confirmatory``) of ``evidence_dir``."""
-    exploratory = Path(evidence_dir or EVIDENCE_DIR)
-    return {"exploratory_dir": exploratory, "confirmatory_dir": exploratory.parent / "confirmatory"}
+    """``exploratory_dir`` and ``confirmatory_dir`` (its sibling, :func:`cwbook.findings.sample_folders`) of
+    ``evidence_dir``."""
+    exploratory, confirmatory = sample_folders(evidence_dir or EVIDENCE_DIR)
+    return {"exploratory_dir": exploratory, "confirmatory_dir": confirmatory}
 
 
 def chapter4_answer(findings: pd.DataFrame, model: str) -> str:
