@@ -87,6 +87,25 @@ def test_a_sink_claim_holds_only_when_its_registered_controls_hold(tmp_path):
     assert "main cos_semantic: -0.15 [-0.2, -0.1] holds" in anti["parts"].iloc[0]
 
 
+def test_a_claim_is_explained_by_the_data_set_that_decides_it(tmp_path):
+    # contradicted on one data set, inconclusive on the other: the sentence gives the contradiction and where
+    _claims(tmp_path, "m", {})
+    table = book.results_path(tmp_path, "06_sinks_as_suppressors", "m")
+    frame = pd.read_csv(table)
+    first, second = registration.CONFIRMATORY_DATA
+    control = "share_interior_minus_random_direction"
+    frame.loc[frame["key"] == f"{first}/{control}", ["low", "high"]] = (-0.1, 0.3)
+    frame.loc[frame["key"] == f"{second}/{control}", ["low", "high"]] = (-0.3, -0.2)
+    findings.save_results(table, frame, chapter="06_sinks_as_suppressors", model="m", profile="evidence")
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"])
+    convexity = verdicts[verdicts["claim"] == "convexity"].set_index("data")["verdict"]
+    assert (convexity[first], convexity[second]) == ("inconclusive", "contradicted")
+    sentence = next(line for line in headline.sink_sentences(verdicts) if line.startswith("*convexity*"))
+    assert sentence == f"*convexity*: m contradicted (the random-direction control is contradicted on {second})."
+    # both data sets agree: no data set named
+    assert headline.stopping_part(verdicts[verdicts["claim"] == "anti-alignment"], "holds") == ""
+
+
 def test_a_missing_registered_control_leaves_the_claim_not_measured(tmp_path):
     _claims(tmp_path, "m", {})
     table = book.results_path(tmp_path, "06_sinks_as_suppressors", "m")

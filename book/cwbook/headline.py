@@ -155,6 +155,21 @@ def registered_sink_verdicts(results_dir: str | Path, models: Sequence[str]) -> 
     return pd.DataFrame(out)
 
 
+def stopping_part(rows: pd.DataFrame, combined: str) -> str:
+    """The part that keeps one (claim, model) from holding, for its sentence: taken from a data set whose
+    verdict is the ``combined`` one (the decisive data set, named when the data sets disagree), so that a
+    claim contradicted on one data set and inconclusive on the other is explained by the contradiction.
+    ``rows``: that claim and model's rows of :func:`registered_sink_verdicts`; "" when the claim holds."""
+    if combined == stats.HOLDS:
+        return ""
+    decisive = rows[rows["verdict"] == combined]
+    for _, row in (decisive if len(decisive) else rows).iterrows():
+        parts = [f for f in str(row["failing"]).split("; ") if f]
+        if parts:
+            return parts[0] + (f" on {row['data']}" if 0 < len(decisive) < len(rows) else "")
+    return ""
+
+
 def sink_sentences(verdicts: pd.DataFrame) -> list[str]:
     """One sentence per registered sink claim: its verdict per model (both data sets), and for a claim
     that does not hold, the part that stops it."""
@@ -167,10 +182,9 @@ def sink_sentences(verdicts: pd.DataFrame) -> list[str]:
         for model, one in rows.groupby("model", sort=False):
             both = combined[(claim, model)]
             text = f"{model} {both}"
-            if both != stats.HOLDS:
-                stop = [f for f in dict.fromkeys("; ".join(one["failing"]).split("; ")) if f]
-                if stop:
-                    text += f" ({stop[0]})"
+            reason = stopping_part(one, both)
+            if reason:
+                text += f" ({reason})"
             per_model.append(text)
         lines.append(f"*{claim}*: " + "; ".join(per_model) + ".")
     return lines
@@ -286,8 +300,8 @@ def sink_chapter_answer(chapter: str, model: str, *, exploratory_dir: str | Path
                 said.append(f"{sample}: not computed yet")
                 continue
             both = stats.combine_all(rows["verdict"])
-            stop = [f for f in dict.fromkeys("; ".join(rows["failing"]).split("; ")) if f]
-            said.append(f"{sample}: **{both}**" + (f" ({stop[0]})" if both != stats.HOLDS and stop else ""))
+            reason = stopping_part(rows, both)
+            said.append(f"{sample}: **{both}**" + (f" ({reason})" if reason else ""))
         lines.append(f"- *{claim}*: " + "; ".join(said) + ".")
     return "\n".join(lines)
 
