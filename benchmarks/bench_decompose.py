@@ -1,6 +1,6 @@
 """Speed and memory of cwcore.decompose against a plain eager forward and the naive approach.
 
-Targets (issue "Foundation"), all measured in one run of this script on the default model:
+Targets, all measured in one run of this script on the default model:
 - decompose(all layers) at 512 tokens <= 1.5x a plain eager forward that returns attention maps;
 - one layer at 3072 tokens under 3 GiB peak memory for the whole process.
 

@@ -1,11 +1,11 @@
-"""The engine against the user's real alternative: transformers' SDPA forward (issue "Exact or refused").
+"""The engine against the user's real alternative: transformers' SDPA forward.
 
 Targets, measured in one run of this script on the default model (smollm2-135m, float32, CPU):
 - ``decompose(one layer)`` <= 1.10x the SDPA forward, at 512 and at 2048 tokens (the untouched
   layers keep running SDPA, see ``cwcore.core.attention.FAST_IMPLEMENTATIONS``);
 - ``decompose(all layers)`` <= 1.25x the eager forward with attention maps, reported against SDPA too;
 - one layer at 8192 tokens under 8 GiB peak memory and within 2x the SDPA forward;
-- (issue 28) the same layer with its ``inter`` weights read: within 8 GiB peak and 1.5x the SDPA forward;
+- the same layer with its ``inter`` weights read: within 8 GiB peak and 1.5x the SDPA forward;
   all layers with ``attention`` and ``inter`` of every layer read: <= 1.25x the SDPA forward at 512 tokens.
 The self-check (hooks on the output projections) is on in every cwcore measurement.
 

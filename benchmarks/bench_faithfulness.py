@@ -1,6 +1,6 @@
 """Speed of a full faithfulness sweep against one clean forward over the same batch.
 
-Target (issue 3): a full sweep, 5 metrics (the ladder + random) x 7 ratios x 2 modes, over 16 GSM8K
+Target: a full sweep, 5 metrics (the ladder + random) x 7 ratios x 2 modes, over 16 GSM8K
 sequences of 128 tokens on smollm2-135m takes at most 75x one clean forward of the same batch. The
 sweep is one decomposed clean pass (scores of every metric, sorted once) plus one forward per
 (metric, mode, nonzero ratio) point; rankings identical to an earlier metric's (value-weighted and its
