@@ -202,9 +202,6 @@ class LayerDecomposition:
         """A ``_norm`` broadcastable to ``[batch, head, query, key]``."""
         return norm[..., None] if kind == "intra" else norm[:, None, :, None]
 
-    def _dot(self, kind: str) -> torch.Tensor:
-        return self.geometry.intra_dot if kind == "intra" else self.geometry.inter_dot
-
     def relative_norm(self, kind: str = "inter") -> torch.Tensor:
         """||v~_j|| / ||o_i|| ``[batch, head, query, key]``."""
         return _safe_divide(self.value_norm[:, :, None, :], self._per_query(self._norm(kind), kind))
