@@ -101,7 +101,7 @@ def test_a_claim_is_explained_by_the_data_set_that_decides_it(tmp_path):
     convexity = verdicts[verdicts["claim"] == "convexity"].set_index("data")["verdict"]
     assert (convexity[first], convexity[second]) == ("inconclusive", "contradicted")
     sentence = next(line for line in headline.sink_sentences(verdicts) if line.startswith("*convexity*"))
-    assert sentence == f"*convexity*: m contradicted (the random-direction control is contradicted on {second})."
+    assert sentence == f"*convexity*: m contradicted (the random-direction control is contradicted on {headline.DATA_NAMES[second]})."
     # both data sets agree: no data set named
     assert headline.stopping_part(verdicts[verdicts["claim"] == "anti-alignment"], "holds") == ""
 

@@ -25,6 +25,8 @@ STEP_NAMES = {"step 1->2": "step 1 → 2 (attention → value-weighted)",
               "step 3->4": "step 3 → 4 (output-normalised → contribution weights)",
               "contribution beats random": "contribution weights against random"}
 _ORDER_STEPS = ("step 1->2", "step 2->3", "step 3->4")
+# the registered data sets as a reader reads them (the sentences; the verdict grid's columns shorten "web text")
+DATA_NAMES = {"gsm8k": "GSM8K", "web-text": "web text"}
 #: the registered sink claims' parts in words (their keys are the chapters' tables')
 PART_WORDS = {
     "sink_eps_by_layer": "the share of sink heads", "sink_geometry_margin_by_layer": "the sink's geometry share",
@@ -166,7 +168,7 @@ def stopping_part(rows: pd.DataFrame, combined: str) -> str:
     for _, row in (decisive if len(decisive) else rows).iterrows():
         parts = [f for f in str(row["failing"]).split("; ") if f]
         if parts:
-            return parts[0] + (f" on {row['data']}" if 0 < len(decisive) < len(rows) else "")
+            return parts[0] + (f" on {DATA_NAMES.get(row['data'], row['data'])}" if 0 < len(decisive) < len(rows) else "")
     return ""
 
 
@@ -357,7 +359,7 @@ def plot_verdicts(grid: pd.DataFrame):
     colours = [VERDICT_COLOURS["holds"], VERDICT_COLOURS["negligible"], VERDICT_COLOURS["inconclusive"],
                VERDICT_COLOURS["contradicted"], "#e6e6e6"]
     claims = list(dict.fromkeys(grid["claim"]))
-    grid = grid.assign(column=[f"{m.split('-')[0]} {'GSM8K' if d == 'gsm8k' else 'web'}"
+    grid = grid.assign(column=[f"{m.split('-')[0]} {DATA_NAMES.get(d, d).replace('web text', 'web')}"
                                + (f" {'comp' if mo == 'comprehensiveness' else 'suff'}" if mo else "")
                                for m, d, mo in zip(grid["model"], grid["data"], grid["mode"])])
     ladder_columns = list(dict.fromkeys(grid.loc[grid["mode"] != "", "column"]))
