@@ -130,6 +130,32 @@ def _primary(r: Findings) -> None:
     r.phrases["table1_counts"] = "; ".join(f"{label}: {n} of {len(measured)} steps hold" for label, n in holding.items())
 
 
+def registered_sink_findings(found: list, results_dir, model: str) -> list:
+    """``found`` (:func:`cwbook.findings.model_findings`) with its sink findings replaced by the registered sink
+    claims judged as the headline judges them (:func:`cwbook.headline.registered_sink_verdicts`: the registered
+    parts and controls only, both data sets combined), so that this page's table and its headline say one
+    thing. Findings no registered claim covers (the book's own check of the sink's position) stay."""
+    from cwbook import findings, headline, registration
+    from cwcore import stats
+
+    covered = {"sink_rates", "decomposition", "anti_alignment", "anti_alignment_trend", "suppression", "convexity",
+               "semantic_cone", "weak_token_drift"}
+    verdicts = headline.registered_sink_verdicts(results_dir, [model])
+    if verdicts.empty or not verdicts["computed"].any():
+        return found
+    kept = [f for f in found if f.claim not in covered]
+    registered = []
+    for claim in registration.SINK_CLAIMS:
+        rows = verdicts[verdicts["claim"] == claim["claim"]]
+        both = stats.combine_all(rows["verdict"])
+        measured = "; ".join(f"{d}: {v} ({parts})" for d, v, parts in zip(rows["data"], rows["verdict"], rows["parts"]))
+        registered.append(findings.Finding(
+            claim["claim"], both, measured, "the registered rule (Pre-registration): every part's and control's 95% "
+                                            "interval against its threshold, both data sets combined"))
+    encoders = [f for f in kept if f.claim == "encoders"]
+    return [f for f in kept if f.claim != "encoders"] + registered + encoders
+
+
 def _scoreboard(r: Findings, results_dir) -> None:
     from cwbook import findings
 
@@ -141,6 +167,7 @@ def _scoreboard(r: Findings, results_dir) -> None:
         held = r.use_committed and findings.load_results(r.committed_dir, "04_faithfulness", name) is not None
         verdict_dir = r.committed_dir if held else results_dir
         results[name], read = findings.model_findings(verdict_dir, name)
+        results[name] = registered_sink_findings(results[name], verdict_dir, name)
         for chapter in [*findings.CHAPTERS, findings.BENCH_CHAPTER]:
             got = read.get(chapter)
             params = got.metadata.get("parameters", {}) if got else {}
@@ -172,7 +199,6 @@ def _faithfulness_rows(r: Findings) -> None:
         ["ordering", "cosine_gain", "contribution beats random"]) | faith["measured"].str.startswith(
         "chapter 4b", na=False)]
     r.steps = steps.assign(interval=_interval(steps))[STEP_COLUMNS]
-    r.phrases["n_findings"] = f"{len(faith)} rows"
     sink_rows = faith[faith["measured"].str.match(r"chapter [567],", na=False)]
     r.phrases["n_sink_rows"] = f"{len(sink_rows)} rows"
     r.sink_rows = (sink_rows.assign(interval=_interval(sink_rows))
@@ -183,6 +209,7 @@ def _faithfulness_rows(r: Findings) -> None:
         committed = r.committed_findings
         r.steps = beside_evidence(r.steps, committed, r.phrases["rerun_label"])
         r.sink_rows = beside_evidence(r.sink_rows, committed, r.phrases["rerun_label"])
+    r.phrases["n_findings"] = f"{len(r.steps)} rows"
     r.sink_rows = (r.sink_rows.drop(columns=["variant", "mode", "importance", "range"])
                    .rename(columns={"protocol": "part", "n_units": "n", "source": "claim by"}))
 
