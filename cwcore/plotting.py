@@ -21,10 +21,20 @@ DIVERGING_NAME = "vlag"  # seaborn's blue-white-red map; perceptually balanced, 
 BAD_COLOUR = "#d9d9d9"  # cells that are undefined (NaN), e.g. keys after the query in a causal model
 
 
+def _quiet_font_fallback() -> None:
+    """Silence matplotlib's "findfont: ... Falling back to DejaVu Sans" notices: an installation without the
+    optional fonts prints some twenty per process, and the fallback is the font the style uses anyway."""
+    import logging
+
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
+
+
 def set_style(context: str = "notebook") -> None:
     """Apply the project's one plotting style (seaborn whitegrid + the ``colorblind`` palette)."""
     import matplotlib as mpl
     import seaborn as sns
+
+    _quiet_font_fallback()
 
     sns.set_theme(context=context, style="whitegrid", palette=PALETTE_NAME)
     mpl.rcParams.update(
@@ -61,6 +71,7 @@ def save_figure(fig, output_dir: str | os.PathLike, name: str, formats: Sequence
         raise ValueError(f"figure name must be a plain file name without a directory: {name!r}")
     if not formats:
         raise ValueError("at least one format is needed")
+    _quiet_font_fallback()
     paths = []
     for fmt in formats:
         fmt = fmt.lower().lstrip(".")

@@ -201,7 +201,7 @@ def test_variant_cells_are_the_default_protocol_with_one_field_changed_on_the_mo
     # the page's cell that says what changes (run here: the book's profiles run no variant)
     nb = json.loads(NOTEBOOK.read_text())
     source = "".join(next(c for c in nb["cells"] if c.get("id") == "faith22c")["source"])
-    assert "ch04.variant_summary(lad.ladder, lad.variant_ladder, profile)" in source  # the page's call, run here
+    assert "ch04.variant_summary(lad.ladder, lad.variant_ladder, profile, model=model)" in source  # run here
     moved = int(changes["changed"].sum())
     evidence_build = ch04.variant_summary(main.assign(data="docs"), varied.assign(data="docs"), "evidence")[0]
     assert evidence_build.startswith(f"{moved} of {len(changes)} step verdicts differ")
@@ -336,3 +336,27 @@ def test_the_per_layer_section_shows_the_committed_frame_when_the_profile_skips_
     # another model's frame is not this model's evidence
     glued, _ = _per_layer_section({**scope, "model": "other"}, monkeypatch, out)
     assert glued["pl_docs"] == 0 and "no per-layer frame is committed" in glued["pl_note"]
+
+
+def test_a_build_without_variants_reports_the_committed_evidence_variants_never_not_run(tmp_path):
+    """A build that ran no variant says what the committed evidence found for the model (counted against an
+    independent merge of findings.csv), and only says "not in the committed evidence" for a model without them."""
+    import pandas as pd
+
+    from cwbook import findings
+    from cwbook.evidence_files import read_checked_csv
+
+    empty = pd.DataFrame(columns=["data"])
+    rows = read_checked_csv(findings.EVIDENCE_DIR / "findings.csv")
+    rows = rows[(rows["sample"] == "exploratory") & (rows["model"] == "smollm2-135m") & rows["claim"].str.startswith("step")]
+    cell = ["data", "mode", "protocol", "importance", "range", "claim"]
+    main = rows[rows["variant"] == "main"].set_index(cell)["verdict"]
+    varied = rows[rows["variant"].isin(["token-unit", "first-token-removable"])]
+    expected = sum(main.get(tuple(r[c] for c in cell)) != r["verdict"] for _, r in varied.iterrows()
+                   if tuple(r[c] for c in cell) in main.index)
+    text, table = ch04.variant_summary(empty, empty, "default", model="smollm2-135m")
+    assert table is not None and int(table["changed"].sum()) == expected
+    assert text.startswith(f"not run by this build; in the committed evidence") and f"{expected} of {len(table)}" in text
+    text, table = ch04.variant_summary(empty, empty, "default", model="gemma3-270m")  # the evidence ran none on it
+    assert table is None and "not in the committed evidence for this model" in text
+    assert "not run under this profile" not in text

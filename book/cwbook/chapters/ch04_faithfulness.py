@@ -359,7 +359,7 @@ def committed_anatomy(model: str, datasets):
             signed = (m["measure_gap_ci_high"] < 0) if side == "below" else (m["measure_gap_ci_low"] > 0)
             held = m.loc[m["rho_verdict"] == "holds", "ratio"].tolist()
             parts.append(f"{mode}: the shift gap is {side} zero at {int(signed.sum())} of {len(m)} ratios and ρ > 0 "
-                         "holds at r = " + (", ".join(f"{r:g}" for r in held) or "none"))
+                         + (f"holds at r = {', '.join(f'{r:g}' for r in held)}" if held else "holds at no ratio"))
         explain_notes.append(f"`{data}`, {int(ev['n_units'].max())} documents; for 2→3, " + "; ".join(parts))
     held_notes, first_token_notes = [], []
     for data in committed_explain:
@@ -544,14 +544,52 @@ def _moved(moved, profile: str, cell) -> str:
                      f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}" for r in moved.itertuples())
 
 
-def variant_summary(ladder_table, variant_ladder, profile: str = "default"):
+def committed_variant_changes(model: str, variants, findings_csv=None) -> pd.DataFrame:
+    """The committed evidence's step verdicts (exploratory sample) of ``model`` under each of ``variants`` beside
+    the same step of the main cells: one row per step, ``variant, data, mode, protocol, importance, range, claim,
+    verdict_main, verdict, changed``; empty when the evidence holds none of them for this model."""
+    from cwbook.evidence_files import read_checked_csv
+    from cwbook.registration import EXPLORATORY
+
+    path = Path(findings_csv) if findings_csv is not None else findings.EVIDENCE_DIR / "findings.csv"
+    if not path.is_file():
+        return pd.DataFrame()
+    rows = read_checked_csv(path)
+    rows = rows[(rows["model"] == model) & rows["claim"].str.startswith("step")
+                & (rows.get("sample", EXPLORATORY) == EXPLORATORY)]
+    cell = ["data", "mode", "protocol", "importance", "range", "claim"]
+    main = rows[rows["variant"] == "main"][[*cell, "verdict"]]
+    other = rows[rows["variant"].isin(list(variants))][["variant", *cell, "verdict"]]
+    out = other.merge(main, on=cell, suffixes=("", "_main"))
+    return out.assign(changed=out["verdict"] != out["verdict_main"])[
+        ["variant", *cell, "verdict_main", "verdict", "changed"]].reset_index(drop=True)
+
+
+_STEP_RUNGS = {name: (lower, higher) for name, lower, higher in findings.STEPS}  # "step 1->2" -> its two rungs
+
+
+def _committed_said(changes: pd.DataFrame, what: str) -> str:
+    """The committed evidence's ``changes`` (:func:`committed_variant_changes`) in one sentence."""
+    moved = changes[changes["changed"]]
+    listed = "; ".join(f"{r.variant}, `{r.data}` {r.mode} {r.importance} {r.range}, {r.claim}: {r.verdict_main} → "
+                       f"{r.verdict}" for r in moved.itertuples())
+    return (f"not run by this build; in the committed evidence (exploratory sample, 64 documents per data set), "
+            f"{len(moved)} of {len(changes)} {what} (unadjusted) differ from the main cells' verdicts"
+            + (f" ({listed})." if len(moved) else "."))
+
+
+def variant_summary(ladder_table, variant_ladder, profile: str = "default", model: str | None = None):
     """How the variant cells' step verdicts differ from the main protocol's: ``(text, changes or None)``.
     Outside the ``evidence`` profile the steps are this build's rerun check: the text then says where their
-    intervals lie, never a verdict word."""
+    intervals lie, never a verdict word. A build that ran no variant reports the committed evidence's for
+    ``model``, where it holds them."""
     changes = evidence.variant_changes(ladder_table, variant_ladder)
     if changes.empty:
-        return ("not run under this profile (`variants` is empty; the `evidence` profile runs "
-                "both, and `findings.csv` carries them with a `variant` column)."), None
+        committed = committed_variant_changes(model, ("token-unit", "first-token-removable")) if model else None
+        if committed is not None and len(committed):
+            return _committed_said(committed, "step verdicts"), committed
+        return ("not run by this build, and not in the committed evidence for this model (the `evidence` profile "
+                "runs both on smollm2-135m; `findings.csv` carries them with a `variant` column)."), None
     moved = changes[changes["changed"]]
     what = "step verdicts" if profile == "evidence" else "steps of this build's rerun check"
     return (f"{len(moved)} of {len(changes)} {what} differ from the main protocol's "
@@ -582,8 +620,14 @@ def weight_variants(ladder_table, *, model: str, weight_variants, weight_variant
         del other_lm, other_run
         print(f"{other}: ladder sweeps in {time.monotonic() - t0:.0f} s")
     if not weight_ladders:
-        return ("not run under this profile (`weight_variants` is empty; the `evidence` profile runs "
-                "`requantized` on smollm2-135m)."), None
+        committed = committed_variant_changes(model, ("requantized",))
+        if len(committed):
+            committed = committed[[evidence.is_primary(model, r.data, r.mode, r.protocol, r.importance, r.range,
+                                                       *_STEP_RUNGS[r.claim]) for r in committed.itertuples()]]
+        if len(committed):
+            return _committed_said(committed, "primary step verdicts"), committed
+        return ("not run by this build, and not in the committed evidence for this model (the `evidence` profile "
+                "runs `requantized` on smollm2-135m)."), None
     changes = evidence.variant_changes(ladder_table, pd.concat(weight_ladders, ignore_index=True))
     changes = changes[[evidence.is_primary(model, r.data, r.mode, r.protocol, r.importance, r.range, r.lower, r.higher)
                        for r in changes.itertuples()]]

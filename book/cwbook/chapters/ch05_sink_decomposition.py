@@ -234,6 +234,9 @@ def _positions(r: SinkDecomposition) -> None:
     r.phrases["layer_types"] = ("all of its layers are global (full causal attention)" if types == ["global"] else
                                 f"it has {int((layers == 'sliding').sum())} sliding-window and "
                                 f"{int((layers == 'global').sum())} global layers")
+    r.phrases["later_sink"] = ("No later position acts as a second sink in the median head"
+                               if rates["top_later_mass"].median() <= eps else
+                               "In the median head a later position also takes more than $\\epsilon$, a second sink")
     r.phrases["stats_agree"] = ("agree with the paper's reading that the sink is position 0"
                                 if len(strong) and (strong["top_key"] == 0).mean() > 0.5 else
                                 "do not single out position 0: see the table for where the mass goes")

@@ -133,6 +133,10 @@ class Suppressors(OnSinkPass):
         if r is None or not np.isfinite(r["estimate"]):
             return "not measured" + (f" ({r['why']})" if r is not None and r["why"] else "")
         f = (lambda x: f"{100 * x:.0f}%") if pct else fmt.format
+        if not (np.isfinite(r["low"]) and np.isfinite(r["high"])):  # e.g. too few layers of a type to resample
+            units = (f": {int(r['n_units'])} {r['unit']}{'s' if int(r['n_units']) != 1 else ''}"
+                     if r.get("unit") and np.isfinite(float(r["n_units"])) else "")
+            return f"{f(r['estimate'])} (no interval{units})"
         return f"{f(r['estimate'])} ({f(r['low'])} to {f(r['high'])})"
 
     def pct_text(self, d: str, key: str) -> str:
@@ -265,9 +269,10 @@ def centred_sentence(r: Suppressors, d: str) -> str:
     if np.sign(raw_["estimate"]) == np.sign(centred["estimate"]):
         return (f" On centred values the sign stays: {r.ci_text(d, 'cos_semantic_centred')} "
                 f"(**{r.verdict_of(d, 'cos_semantic_centred')}**).")
-    return (f" **On centred values the sign reverses**: the median centred cosine is "
-            f"{r.ci_text(d, 'cos_semantic_centred')} (**{r.verdict_of(d, 'cos_semantic_centred')}**), so the raw "
-            f"cosine's sign comes from the direction the values share, not from the sink against the text.")
+    return (f" **In this rerun check, on centred values the sign reverses**: the median centred cosine is "
+            f"{r.ci_text(d, 'cos_semantic_centred')} (**{r.verdict_of(d, 'cos_semantic_centred')}**); where that "
+            f"holds, the raw cosine's sign comes from the direction the values share, not from the sink against the "
+            f"text (the registered centred-values control decides it on the committed evidence, in the answer above).")
 
 
 # -- against a random key, centred values, and the layers -----------------------------------------------------------
@@ -534,7 +539,7 @@ def _disagreements(r: Suppressors) -> None:
                                          for d in r.datasets)
             + ", and within layers (heads ranked inside their own layer, the mean of the layers' ρ) "
             + "; ".join(f"`{d}` {within_rho[d]:.2f}" for d in r.datasets)
-            + ": the sign of the trend comes from "
+            + ": in this rerun check (point estimates, no interval within layers) the sign of the trend comes mostly from "
             + ("differences between layers" if abs(within_rho[first]) < abs(layer_rho[first][0]) else "heads within layers")
             + ".")
     if verdicts.get(sink_claims.SUPPRESSION) in disagree:

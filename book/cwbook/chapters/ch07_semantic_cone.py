@@ -211,13 +211,14 @@ def _perplexity(r: SemanticCone) -> None:
     renorm_share = delta_log["sink_renorm"][0] / delta_log["sink"][0]
     r.numbers["renorm_share"] = renorm_share
     if renorm_share < 0.5:
-        r.phrases["renorm_reading"] = ("Most of the plain removal's cost therefore comes with the shrinking of the "
+        r.phrases["renorm_reading"] = ("In this rerun check (its point estimates), most of the plain removal's cost comes "
+                                       "with the shrinking of the "
                                        "outputs, whose weights then sum to 1 − αᵢ₀, rather than with the loss of the "
                                        "sink's term itself.")
     else:
-        r.phrases["renorm_reading"] = ("The cost therefore does not come from the shrinking of the outputs alone: "
-                                       "even with their weights summing to one, the outputs lack something the model "
-                                       "relies on, the sink's term αᵢ₀ṽ₀.")
+        r.phrases["renorm_reading"] = ("In this rerun check (its point estimates), the cost does not come from the "
+                                       "shrinking of the outputs alone: even with their weights summing to one, the "
+                                       "outputs lack something the model relies on, the sink's term αᵢ₀ṽ₀.")
 
 
 def _drift(r: SemanticCone) -> None:
