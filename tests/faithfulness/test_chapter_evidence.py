@@ -356,7 +356,7 @@ def test_a_build_without_variants_reports_the_committed_evidence_variants_never_
                    if tuple(r[c] for c in cell) in main.index)
     text, table = ch04.variant_summary(empty, empty, "default", model="smollm2-135m")
     assert table is not None and int(table["changed"].sum()) == expected
-    assert text.startswith(f"not run by this build; in the committed evidence") and f"{expected} of {len(table)}" in text
+    assert text.startswith("not run by this build; in the committed evidence") and f"{expected} of {len(table)}" in text
     text, table = ch04.variant_summary(empty, empty, "default", model="gemma3-270m")  # the evidence ran none on it
     assert table is None and "not in the committed evidence for this model" in text
     assert "not run under this profile" not in text
