@@ -169,7 +169,8 @@ def _scoreboard(r: Findings, results_dir) -> None:
         results[name], read = findings.model_findings(verdict_dir, name)
         results[name] = registered_sink_findings(results[name], verdict_dir, name)
         for chapter in [*findings.CHAPTERS, findings.BENCH_CHAPTER]:
-            got = read.get(chapter)
+            # the bench's table is not among the claims model_findings reads: look it up on its own
+            got = read.get(chapter) if chapter in read else findings.load_results(verdict_dir, chapter, name)
             params = got.metadata.get("parameters", {}) if got else {}
             sources.append({"chapter": chapter, "model": name,
                             "table": "read" if got else "not built",
@@ -260,8 +261,13 @@ def _compared(r: Findings) -> None:
         compared = head
         compared[profile] = [_without_verdict(t) for t in compared[profile]]  # the rerun's interval, no verdict
         compared = compared.rename(columns={"agree": "rerun agrees with the evidence?"})
-        compared["rerun agrees with the evidence?"] = compared["rerun agrees with the evidence?"].map(
-            {True: "yes", False: "no"})
+        compared["rerun agrees with the evidence?"] = [
+            ("yes" if agree else "no") if isinstance(rerun, str) and rerun else "not in this build"
+            for agree, rerun in zip(compared["rerun agrees with the evidence?"], compared[profile])]
+        for column in (f"{profile} n", "evidence n"):  # counts (documents, heads): no "3.000" after the merge
+            counts = pd.to_numeric(compared[column], errors="coerce")
+            if counts.dropna().eq(counts.dropna().round()).all():
+                compared[column] = counts.round().astype("Int64")
     r.phrases["committed_table_note"] = (
         "" if compared.empty else
         f"Each part measured by both profiles: estimate [95% interval] and where it lies in this page's "
