@@ -360,3 +360,29 @@ def test_a_build_without_variants_reports_the_committed_evidence_variants_never_
     text, table = ch04.variant_summary(empty, empty, "default", model="gemma3-270m")  # the evidence ran none on it
     assert table is None and "not in the committed evidence for this model" in text
     assert "not run under this profile" not in text
+
+
+def test_the_bench_page_answers_from_the_committed_bench(tmp_path):
+    """Chapter 4b's generated answer: per method and mode, the verdict counts of the committed bench (recounted
+    here from the table), and the methods that beat random everywhere; a model without a committed bench says so."""
+    import re
+
+    from cwbook import findings
+    from cwbook.chapters import ch04b_attribution_bench as ch04b
+
+    table = findings.load_results(findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, "gemma3-270m").table
+    text, figure = ch04b.committed_answer("gemma3-270m")
+    assert figure is not None
+    for method in ("alti", "grad_x_input", "value_zeroing"):
+        line = next(l for l in text.splitlines() if l.startswith(f"- {ch04b.LABELS[method]}:"))
+        for mode in ("comprehensiveness", "sufficiency"):
+            rows = table[(table["higher"] == "contribution") & (table["lower"] == method) & (table["mode"] == mode)]
+            said = re.search(rf"{mode}: ([^;]*) of (\d+)", line)
+            assert int(said.group(2)) == len(rows)
+            for count, verdict in re.findall(r"(\d+) (holds|contradicted|inconclusive)", said.group(1)):
+                assert int(count) == int((rows["verdict"] == verdict).sum()), (method, mode, verdict)
+    control = table[table["lower"] == "random"]
+    everywhere = sum((rows["verdict"] == "holds").all() for _, rows in control.groupby("higher"))
+    assert f"{everywhere} of {control['higher'].nunique()} beat it in every cell" in text
+    text, figure = ch04b.committed_answer("no-such-model", evidence_dir=tmp_path)
+    assert figure is None and text.startswith("no bench is committed")

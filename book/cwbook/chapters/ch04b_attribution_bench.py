@@ -210,6 +210,43 @@ def save_results(results_file, bench: Bench, *, model: str, profile: str) -> Non
                           profile=profile, parameters=bench.parameters)
 
 
+def committed_answer(model: str, evidence_dir=None):
+    """The page's answer from the committed bench (evidence size): ``(markdown, figure or None)``, the markdown
+    one bullet per method compared with contribution weights (per mode, how many of its cells, data set x
+    ratio range, hold or are contradicted) and one on the random control, the figure the paired comparisons
+    as a forest (:func:`cwbook.forests.bench_forest`)."""
+    from cwbook.forests import bench_forest
+
+    committed = findings.load_results(evidence_dir or findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, model)
+    if committed is None:
+        return ("no bench is committed for this model (`data/results/evidence/04b_attribution_bench/`): the "
+                "numbers below are this build's own, too few documents to decide"), None
+    table, ran = committed.table, committed.metadata.get("parameters", {})
+
+    def counted(rows) -> str:
+        said = [f"{int((rows['verdict'] == v).sum())} {v}" for v in ("holds", "contradicted", "inconclusive",
+                                                                      "not measured") if (rows["verdict"] == v).any()]
+        return ", ".join(said) + f" of {len(rows)}"
+
+    reference = str(ran.get("reference", "contribution"))
+    lines = [f"Committed: {ran.get('n_documents', '?')} documents per data set "
+             f"({', '.join(str(ran.get('data', '')).split(','))}), signed importance; a cell is one data set and "
+             f"ratio range, its verdict the paired AOPC difference's 95% interval, unadjusted (exploratory). "
+             f"Is {'contribution weights' if reference == 'contribution' else LABELS.get(reference, reference)} "
+             f"more faithful than ...?"]
+    against = table[(table["higher"] == reference) & (table["lower"] != "random")]
+    for method, rows in against.groupby("lower", sort=False):
+        per_mode = "; ".join(f"{mode}: {counted(part)}" for mode, part in rows.groupby("mode", sort=False))
+        lines.append(f"- {LABELS.get(method, method)}: {per_mode}")
+    control = table[table["lower"] == "random"]
+    beaten = [m for m, rows in control.groupby("higher", sort=False) if (rows["verdict"] == "holds").all()]
+    lines.append(f"- *Every method against the random ranking*: {len(beaten)} of {control['higher'].nunique()} "
+                 f"beat it in every cell" + (f" (not: {', '.join(LABELS.get(m, m) for m in sorted(set(control['higher']) - set(beaten)))})"
+                                            if len(beaten) < control["higher"].nunique() else "") + ".")
+    figure = bench_forest(table, title=f"{model}: the bench at the evidence size", labels=LABELS)
+    return "\n".join(lines), figure
+
+
 def evidence_size(bench: Bench, *, model: str, profile: str):
     """The committed comparisons at the evidence size beside this page's: ``(note, figure or None)``, the
     note in markdown for the prose, the figure the paired comparisons as a forest."""

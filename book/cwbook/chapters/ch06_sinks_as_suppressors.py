@@ -562,7 +562,7 @@ def _disagreements(r: Suppressors) -> None:
             f"c₂ = {_both(r, 'pooled_curvature')} (norms over each head's mean; vertex {_both(r, 'pooled_vertex_below_1')}) and "
             f"{_both(r, 'pooled_curvature_v0')} (norms over ‖ṽ₀‖; vertex {_both(r, 'pooled_vertex_below_1_v0')}). *Scale of the "
             f"pooled points*: the verdict depends on how the heads are put on one scale, because heads differ in output "
-            f"norm, sink value norm and vertex, and their pooled cloud (Figure 5) is flatter than any one head. *Per head*: an interior minimum in "
+            f"norm, sink value norm and vertex, which can make their pooled cloud (Figure 5) flatter than any one head. *Per head*: an interior minimum in "
             f"{_both(r, 'share_interior', pct)} of fitted heads, established by its interval in "
             f"{_both(r, 'share_vertex_inside', pct)}. *Layer type*: {_types_of(r, 'share_interior')}.")
     if paragraphs:
