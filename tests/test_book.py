@@ -218,6 +218,8 @@ def test_toc_has_a_page_per_chapter_and_a_subpage_per_model(tiny):
         ]}
     index = book.chapter_index(chapters[1], runs[1:3], name)
     assert index.startswith("# Per model\n")
+    question = book.notebook_question(runs[1].source)  # the notebook's opening paragraph, if it has one
+    assert (question in index) if question else "opens with its answer" in index
     assert "{doc}`smollm2-135m <smollm2-135m>`" in index and "{doc}`Qwen/Qwen3-8B <qwen-qwen3-8b>`" in index
 
 
@@ -735,3 +737,19 @@ def test_a_relative_cache_resolves_against_the_working_folder_once(tmp_path, mon
     with book._kernel_environment():
         assert os.environ["CWCORE_CACHE"] == str(tmp_path / "my-cache")
     assert os.environ["CWCORE_CACHE"] == "my-cache"
+
+
+def test_a_chapter_index_quotes_the_notebooks_question(tmp_path):
+    """The question is the paragraph after the title, run on into a displayed formula when its sentence does;
+    a notebook that opens with anything else gives none."""
+    def notebook(text):
+        path = tmp_path / f"nb{len(list(tmp_path.iterdir()))}.ipynb"
+        path.write_text(json.dumps({"cells": [{"cell_type": "markdown", "source": text}], "metadata": {},
+                                    "nbformat": 4, "nbformat_minor": 5}))
+        return path
+
+    whole = notebook("# T\n\nDoes it hold?\n\nMethod details.")
+    assert book.notebook_question(whole) == "Does it hold?"
+    run_on = notebook("# T\n\nIt reads sinks through\n\n$$\nc = a b\n$$\n\nand claims so.\n\nMethod.")
+    assert book.notebook_question(run_on) == "It reads sinks through\n\n$$\nc = a b\n$$\n\nand claims so."
+    assert book.notebook_question(notebook("# T\n\n## Setup\n\nx")) == ""

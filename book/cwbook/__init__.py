@@ -314,12 +314,34 @@ def toc(chapter_list: list[Chapter], runs: list[Run], generated_dir: Path, book_
     return {"format": "jb-book", "root": root, "chapters": entries}
 
 
+def notebook_question(path: Path) -> str:
+    """The paragraph right after a notebook's '# ' title (its question, by the chapters' convention), or ""."""
+    nb = json.loads(Path(path).read_text())
+    for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "markdown":
+            text = "".join(cell.get("source", ""))
+            if text.lstrip().startswith("# "):
+                paragraphs = [p.strip() for p in text.split("\n\n")[1:] if p.strip()]
+                if not paragraphs or paragraphs[0].startswith(("#", "$$", "-", "{")):
+                    return ""
+                taken = [paragraphs[0]]  # a sentence that runs on into a displayed formula is taken whole
+                for more in paragraphs[1:3]:
+                    if taken[-1].rstrip().endswith((".", "?", "!")):
+                        break
+                    taken.append(more)
+                return "\n\n".join(taken)
+    return ""
+
+
 def chapter_index(chapter: Chapter, runs: list[Run], profile: str) -> str:
-    """The page of a per_model chapter: its title and a link to each model's executed copy."""
+    """The page of a per_model chapter: its title, its question (the notebook's opening paragraph) and a link
+    to each model's executed copy, which opens with that model's answer."""
     title = notebook_title(runs[0].source)
-    lines = [f"# {title}", "",
-             f"This chapter is one notebook, `notebooks/{chapter.name}.ipynb`, executed once per model "
-             f"(profile `{profile}`):", ""]
+    question = notebook_question(runs[0].source)
+    lines = [f"# {title}", "", *([question, ""] if question else []),
+             "Each model's page opens with its answer, generated from the committed evidence where the chapter "
+             f"decides claims, then the page's own run (profile `{profile}`; one notebook, "
+             f"`notebooks/{chapter.name}.ipynb`, executed once per model):", ""]
     lines += [f"- {{doc}}`{r.model} <{r.output.stem}>`" for r in runs]
     return "\n".join(lines) + "\n"
 
