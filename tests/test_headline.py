@@ -216,3 +216,21 @@ def test_the_findings_table_and_the_headline_judge_the_sink_claims_alike():
         for claim in registration.SINK_CLAIMS:
             assert board[claim["claim"]] == said[(claim["claim"], model)], (model, claim["claim"])
         assert "sink_position" in board.index  # the book's own check, not registered, stays
+
+
+def test_a_sink_chapter_draws_the_verdicts_of_its_answer(tmp_path):
+    # Figure 0 of a sink chapter: one cell per (claim, data set) of the chapter, coloured by the answer's verdict
+    import matplotlib
+
+    matplotlib.use("Agg")
+    _claims(tmp_path, "m", {"cos_semantic_centred": (0.01, 0.05)})  # anti-alignment contradicted by its control
+    figure = headline.sink_chapter_figure("06_sinks_as_suppressors", "m", exploratory_dir=tmp_path,
+                                          confirmatory_dir=tmp_path / "none")
+    explored = figure.axes[0]
+    claims = [t.get_text() for t in explored.get_yticklabels()]
+    assert claims == [c for c, where in headline.SINK_CLAIM_CHAPTER.items() if where == "06_sinks_as_suppressors"]
+    codes = explored.images[0].get_array()
+    row = claims.index("anti-alignment")
+    assert (codes[row] == 3).all() and (codes[[i for i in range(len(claims)) if i != row]] == 0).all()
+    assert headline.sink_chapter_figure("06_sinks_as_suppressors", "other", exploratory_dir=tmp_path,
+                                        confirmatory_dir=tmp_path / "none") is None

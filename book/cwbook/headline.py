@@ -285,6 +285,22 @@ SINK_CLAIM_CHAPTER = {"many heads are sink heads": "05_sink_decomposition",
                       "noise from many weak tokens accumulates": "07_semantic_cone"}
 
 
+def sink_chapter_figure(chapter: str, model: str, *, exploratory_dir: str | Path = EVIDENCE_DIR,
+                        confirmatory_dir: str | Path = CONFIRMATORY_DIR):
+    """The verdict picture (:func:`plot_verdicts`) of the registered claims a sink chapter judges, for ``model``:
+    each data set, the exploratory sample beside the confirmatory one, with the controls (the same verdicts as
+    :func:`sink_chapter_answer`). None where neither sample has computed any of them for this model."""
+    claims = [c for c, where in SINK_CLAIM_CHAPTER.items() if where == chapter]
+    rows = []
+    for sample, folder in ((registration.EXPLORATORY, exploratory_dir), (registration.CONFIRMATORY, confirmatory_dir)):
+        verdicts = registered_sink_verdicts(folder, [model])
+        verdicts = verdicts[verdicts["claim"].isin(claims)]
+        if verdicts["computed"].any():
+            rows += [{"sample": sample, "claim": r.claim, "model": r.model, "data": r.data, "mode": "",
+                      "verdict": r.verdict} for r in verdicts.itertuples(index=False)]
+    return plot_verdicts(pd.DataFrame(rows)) if rows else None
+
+
 def sink_chapter_answer(chapter: str, model: str, *, exploratory_dir: str | Path = EVIDENCE_DIR,
                         confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> str:
     """A sink chapter's generated answer for ``model`` (markdown bullets): each registered claim the chapter
@@ -365,7 +381,8 @@ def plot_verdicts(grid: pd.DataFrame):
     ladder_columns = list(dict.fromkeys(grid.loc[grid["mode"] != "", "column"]))
     sink_columns = list(dict.fromkeys(grid.loc[grid["mode"] == "", "column"]))
     columns = ladder_columns + [c for c in sink_columns if c not in ladder_columns]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.36 * len(claims) + 2.2), sharey=True, constrained_layout=True)
+    width = 13 if len(columns) > 6 else 5 + 1.3 * len(columns)  # a chapter's few columns: a narrower figure
+    fig, axes = plt.subplots(1, 2, figsize=(width, 0.36 * len(claims) + 2.2), sharey=True, constrained_layout=True)
     for ax, sample in zip(axes, registration.SAMPLES):
         part = grid[grid["sample"] == sample]
         codes = np.full((len(claims), len(columns)), np.nan)
