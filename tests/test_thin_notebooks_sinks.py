@@ -129,6 +129,8 @@ def test_chapter_5_pools_the_decomposition_summary_by_group():
     frame = pd.DataFrame({"key": ["sink_eps", "sink_eps@global", "sink_eps@sliding"], "estimate": [0.5, 0.25, 0.75],
                           "low": [0.4, 0.125, 0.5], "high": [0.6, 0.375, 1.0]})
     assert layer_type_note(frame, "sink_eps") == "global layers 0.25 (0.12 to 0.38); sliding layers 0.75 (0.50 to 1.00)"
+    frame.loc[1, ["low", "high"]] = np.nan  # too few layers of a type to resample them: no "nan to nan"
+    assert layer_type_note(frame, "sink_eps") == "global layers 0.25 (no interval); sliding layers 0.75 (0.50 to 1.00)"
 
 
 def test_chapter_7_reads_a_difference_by_its_sign():

@@ -362,7 +362,8 @@ def tail_reading(r: SinkDecomposition, d: str) -> str:
 def layer_type_note(frame: pd.DataFrame, key: str) -> str:
     # the per-layer-type rows of a pooled part, as text
     rows = frame[frame["key"].str.startswith(key + "@")]
-    return "; ".join(f"{k.split('@')[1]} layers {e:.2f} ({lo:.2f} to {hi:.2f})"
+    return "; ".join(f"{k.split('@')[1]} layers {e:.2f} "
+                     + (f"({lo:.2f} to {hi:.2f})" if np.isfinite(lo) and np.isfinite(hi) else "(no interval)")
                      for k, e, lo, hi in zip(rows["key"], rows["estimate"], rows["low"], rows["high"]))
 
 
