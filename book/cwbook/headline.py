@@ -296,8 +296,7 @@ def sink_chapter_figure(chapter: str, model: str, *, exploratory_dir: str | Path
         verdicts = registered_sink_verdicts(folder, [model])
         verdicts = verdicts[verdicts["claim"].isin(claims)]
         if verdicts["computed"].any():
-            rows += [{"sample": sample, "claim": r.claim, "model": r.model, "data": r.data, "mode": "",
-                      "verdict": r.verdict} for r in verdicts.itertuples(index=False)]
+            rows += _sink_grid_rows(sample, verdicts)
     return plot_verdicts(pd.DataFrame(rows)) if rows else None
 
 
@@ -356,11 +355,14 @@ def verdict_grid(findings: pd.DataFrame, *, exploratory_dir: str | Path = EVIDEN
             for claim in [*_ORDER_STEPS, "contribution beats random", "ordering"]:
                 rows.append({"sample": sample, "claim": STEP_NAMES.get(claim, "ordering 1 < 2 < 3 < 4"),
                              "model": d["model"], "data": d["data"], "mode": d["mode"], "verdict": d[claim]})
-        sinks = registered_sink_verdicts(folder, models)
-        for r in sinks.itertuples(index=False):
-            rows.append({"sample": sample, "claim": r.claim, "model": r.model, "data": r.data, "mode": "",
-                         "verdict": r.verdict})
+        rows += _sink_grid_rows(sample, registered_sink_verdicts(folder, models))
     return pd.DataFrame(rows)
+
+
+def _sink_grid_rows(sample: str, verdicts: pd.DataFrame) -> list[dict]:
+    """:func:`registered_sink_verdicts` rows as rows of the verdict picture (``mode`` empty)."""
+    return [{"sample": sample, "claim": r.claim, "model": r.model, "data": r.data, "mode": "", "verdict": r.verdict}
+            for r in verdicts.itertuples(index=False)]
 
 
 def plot_verdicts(grid: pd.DataFrame):

@@ -544,17 +544,14 @@ def _moved(moved, profile: str, cell) -> str:
                      f"{_said(r.verdict_main, profile)} → {_said(r.verdict, profile)}" for r in moved.itertuples())
 
 
-def committed_variant_changes(model: str, variants, findings_csv=None) -> pd.DataFrame:
+def committed_variant_changes(model: str, variants, evidence_dir=None) -> pd.DataFrame:
     """The committed evidence's step verdicts (exploratory sample) of ``model`` under each of ``variants`` beside
     the same step of the main cells: one row per step, ``variant, data, mode, protocol, importance, range, claim,
     verdict_main, verdict, changed``; empty when the evidence holds none of them for this model."""
-    from cwbook.evidence_files import read_checked_csv
+    from cwbook.headline import committed_findings
     from cwbook.registration import EXPLORATORY
 
-    path = Path(findings_csv) if findings_csv is not None else findings.EVIDENCE_DIR / "findings.csv"
-    if not path.is_file():
-        return pd.DataFrame()
-    rows = read_checked_csv(path)
+    rows = committed_findings(evidence_dir)  # findings.csv of the evidence folder, verified; empty without one
     rows = rows[(rows["model"] == model) & rows["claim"].str.startswith("step")
                 & (rows.get("sample", EXPLORATORY) == EXPLORATORY)]
     cell = ["data", "mode", "protocol", "importance", "range", "claim"]

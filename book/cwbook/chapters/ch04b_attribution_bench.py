@@ -247,22 +247,19 @@ def committed_answer(model: str, evidence_dir=None):
     return "\n".join(lines), figure
 
 
-def evidence_size(bench: Bench, *, model: str, profile: str):
-    """The committed comparisons at the evidence size beside this page's: ``(note, figure or None)``, the
-    note in markdown for the prose, the figure the paired comparisons as a forest."""
-    from cwbook.forests import bench_forest
-
+def evidence_size(bench: Bench, *, model: str, profile: str) -> str:
+    """The committed comparisons at the evidence size beside this page's, in markdown for the prose (their
+    forest is :func:`committed_answer`'s figure)."""
     comparisons = bench.comparisons
     committed_bench = findings.load_results(findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, model)
     if profile == "evidence":
         return ("This page was built with the `evidence` profile: Table 2 *is* the evidence, "
-                "so nothing is set beside it."), None
+                "so nothing is set beside it.")
     if committed_bench is None:
         return ("No bench table is committed for this model (`data/results/evidence/"
-                "04b_attribution_bench/`), so there is no figure here."), None
+                "04b_attribution_bench/`), so there is no figure here.")
     ev = committed_bench.table
     ran = committed_bench.metadata.get("parameters", {})
-    fig = bench_forest(ev, title=f"{model}: the bench at the evidence size", labels=LABELS)
     keys = ["data", "range", "mode", "lower", "higher"]
     both = comparisons.merge(ev, on=keys, suffixes=("", "_ev"))
     decisive = ["holds", "contradicted"]
@@ -280,7 +277,7 @@ def evidence_size(bench: Bench, *, model: str, profile: str):
               f"{int((both['verdict'] == both['verdict_ev']).sum())} "
             f"get the same verdict; {len(decided)} that are inconclusive on this page are decided at the evidence "
             f"size, and {len(flipped)} decided ones change side.")
-    return note, fig
+    return note
 
 
 def curves_figure(bench: Bench, datasets, model: str):

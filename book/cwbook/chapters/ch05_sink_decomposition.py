@@ -18,7 +18,7 @@ import pandas as pd
 
 from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, disagreement_opening,
                                           nothing_to_explain, rerun_claims_table, sink_pass)
-from cwbook.chapters.common import rerun_direction
+from cwbook.chapters.common import interval_span, rerun_direction
 from cwbook.notebook import tick
 
 CHAPTER = "05_sink_decomposition"
@@ -362,8 +362,7 @@ def tail_reading(r: SinkDecomposition, d: str) -> str:
 def layer_type_note(frame: pd.DataFrame, key: str) -> str:
     # the per-layer-type rows of a pooled part, as text
     rows = frame[frame["key"].str.startswith(key + "@")]
-    return "; ".join(f"{k.split('@')[1]} layers {e:.2f} "
-                     + (f"({lo:.2f} to {hi:.2f})" if np.isfinite(lo) and np.isfinite(hi) else "(no interval)")
+    return "; ".join(f"{k.split('@')[1]} layers {e:.2f} ({interval_span(lo, hi) or 'no interval'})"
                      for k, e, lo, hi in zip(rows["key"], rows["estimate"], rows["low"], rows["high"]))
 
 

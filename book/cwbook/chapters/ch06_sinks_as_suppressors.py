@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.common import rerun_agrees, rerun_direction
+from cwbook.chapters.common import interval_span, rerun_agrees, rerun_direction
 from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, rerun_claims_table,
                                           sink_pass, sinks_module)
 
@@ -133,11 +133,12 @@ class Suppressors(OnSinkPass):
         if r is None or not np.isfinite(r["estimate"]):
             return "not measured" + (f" ({r['why']})" if r is not None and r["why"] else "")
         f = (lambda x: f"{100 * x:.0f}%") if pct else fmt.format
-        if not (np.isfinite(r["low"]) and np.isfinite(r["high"])):  # e.g. too few layers of a type to resample
+        span = interval_span(r["low"], r["high"], f)
+        if span is None:  # e.g. too few layers of a type to resample
             units = (f": {int(r['n_units'])} {r['unit']}{'s' if int(r['n_units']) != 1 else ''}"
                      if r.get("unit") and np.isfinite(float(r["n_units"])) else "")
             return f"{f(r['estimate'])} (no interval{units})"
-        return f"{f(r['estimate'])} ({f(r['low'])} to {f(r['high'])})"
+        return f"{f(r['estimate'])} ({span})"
 
     def pct_text(self, d: str, key: str) -> str:
         return self.ci_text(d, key, pct=True)

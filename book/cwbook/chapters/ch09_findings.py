@@ -136,18 +136,18 @@ def registered_sink_findings(found: list, results_dir, model: str) -> list:
     parts and controls only, both data sets combined), so that this page's table and its headline say one
     thing. Findings no registered claim covers (the book's own check of the sink's position) stay."""
     from cwbook import findings, headline, registration
-    from cwcore import stats
 
-    covered = {"sink_rates", "decomposition", "anti_alignment", "anti_alignment_trend", "suppression", "convexity",
-               "semantic_cone", "weak_token_drift"}
+    # every sink finding but the book's own position check is a registered claim's
+    covered = set(findings.CHAPTER_CLAIMS) - {"sink_position"}
     verdicts = headline.registered_sink_verdicts(results_dir, [model])
     if verdicts.empty or not verdicts["computed"].any():
         return found
+    combined = headline.claim_model_verdicts(verdicts)
     kept = [f for f in found if f.claim not in covered]
     registered = []
     for claim in registration.SINK_CLAIMS:
         rows = verdicts[verdicts["claim"] == claim["claim"]]
-        both = stats.combine_all(rows["verdict"])
+        both = combined[(claim["claim"], model)]
         measured = "; ".join(f"{d}: {v} ({parts})" for d, v, parts in zip(rows["data"], rows["verdict"], rows["parts"]))
         registered.append(findings.Finding(
             claim["claim"], both, measured, "the registered rule (Pre-registration): every part's and control's 95% "

@@ -187,6 +187,14 @@ def explorer_page(model, tokenizer, text: str, model_name: str, layer: int, head
 
 # --- the faithfulness chapters' tables (4 and 4b) -------------------------------------------------------
 
+def interval_span(low, high, fmt=lambda x: f"{x:.2f}") -> str | None:
+    """``"low to high"`` with ``fmt`` applied to each end, or None where either end is not finite (an interval
+    that could not be computed, e.g. too few layers of a type to resample): the caller says so in its words."""
+    import math
+
+    return f"{fmt(low)} to {fmt(high)}" if math.isfinite(low) and math.isfinite(high) else None
+
+
 def interval_cell(value, low, high) -> str:
     """``value [low, high]`` with three decimals: an estimate and its interval in one table cell."""
     return f"{value:.3f} [{low:.3f}, {high:.3f}]"

@@ -13,7 +13,7 @@ import importlib
 import time
 from dataclasses import dataclass, field
 
-from cwbook.chapters.common import AGREEMENT_SAID, rerun_agrees, rerun_direction, rerun_label
+from cwbook.chapters.common import AGREEMENT_SAID, interval_span, rerun_agrees, rerun_direction, rerun_label
 from cwbook.notebook import SinkRun
 
 
@@ -222,7 +222,6 @@ def rerun_claims_table(claims, evidence: Evidence | None, label: str, digits: in
     committed evidence's verdict of the same part and whether the rerun agrees with it (the evidence column is
     named by :attr:`Evidence.label`). ``label``: the rerun check's (:func:`rerun_label`), for the caption.
     ``digits``: of the interval."""
-    import numpy as np
     import pandas as pd
 
     from cwbook.findings import _part_verdict
@@ -235,8 +234,7 @@ def rerun_claims_table(claims, evidence: Evidence | None, label: str, digits: in
         committed = evidence.part_verdict(data, key) if evidence is not None else None
         rows.append({
             "claim": r["claim"], "part": r["part"], "statistic": r["statistic"], "rerun estimate": r["estimate"],
-            "rerun 95% interval": (f"{r['low']:.{digits}f} to {r['high']:.{digits}f}"
-                                   if np.isfinite(r["low"]) and np.isfinite(r["high"]) else "no interval"),
+            "rerun 95% interval": interval_span(r["low"], r["high"], lambda x: f"{x:.{digits}f}") or "no interval",
             "claimed side": f"{'<' if r['side'] == 'below' else '>'} {r['threshold']:g}",
             "rerun direction": rerun_direction(f"{live}: {r['why']}" if live == "not measured" and isinstance(
                 r.get("why"), str) and r.get("why") else live),
