@@ -32,7 +32,8 @@ from torch import nn
 from .architectures import UnsupportedModelError, attention_blocks, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
-from .inputs import InputError, check_compute_dtype, check_inputs, check_layers, check_materialised, unwrap_compiled
+from .inputs import (InputError, InputTypeError, _shown, check_compute_dtype, check_inputs, check_layers,
+                     check_materialised, unwrap_compiled)
 
 __all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
            "prepare_inputs"]
@@ -546,7 +547,11 @@ def select_layers(model: nn.Module, layers, caller: str, done: str = "decomposed
     check_materialised(model, caller)
     blocks = attention_blocks(model)
     undecomposable = {b.layer: b.unsupported for b in blocks if b.unsupported is not None}
-    wanted = check_layers(layers, len(blocks))
+    if isinstance(layers, str) and not layers.strip().lstrip("-").isdigit():  # decompose(model, "some text")
+        raise InputTypeError(f"layers must be a layer number, a list of layer numbers or None, got {_shown(layers)}; "
+                             f"text is tokenized first: cwcore.{caller}(model, **tokenizer(text, return_tensors='pt'))")
+    # an explicit empty list asks for nothing: bad input, not a model cwcore cannot decompose
+    wanted = check_layers(layers, len(blocks), allow_empty=False)
     if layers is None and undecomposable:
         wanted = [layer for layer in wanted if layer not in undecomposable]
         warnings.warn(f"cwcore.{caller}: " + "; ".join(

@@ -74,3 +74,26 @@ def test_intervention_masks_must_be_boolean_and_of_the_layer_shape(model):
     with torch.no_grad(), cwcore.intervene(model, {0: ints.bool()}):
         by_bool = model(input_ids=IDS).logits
     assert torch.equal(by_int, by_bool)
+
+
+@pytest.mark.parametrize("entry", [cwcore.decompose, cwcore.summarize])
+def test_text_where_layers_go_says_to_tokenize_it(model, entry):
+    # decompose(model, "The cat sat"): the text lands in ``layers``; the error says what to pass instead
+    with pytest.raises(TypeError, match=r"^layers must be .* got 'The cat sat'; text is tokenized first: "
+                                        r"cwcore\.\w+\(model, \*\*tokenizer\(text, return_tensors='pt'\)\)$"):
+        entry(model, "The cat sat")
+
+
+@pytest.mark.parametrize("entry", [cwcore.decompose, cwcore.summarize, cwcore.attribute])
+def test_an_empty_list_of_layers_is_bad_input_not_an_unsupported_model(model, entry):
+    # the model is decomposable; it is the request that holds no layer
+    with pytest.raises(ValueError, match=r"^layers is empty: give at least one layer number \(0\.\.1\), or None for all$"):
+        entry(model, layers=[], input_ids=IDS)
+
+
+@pytest.mark.parametrize("entry", [cwcore.decompose, cwcore.summarize, cwcore.attribute])
+def test_no_inputs_at_all_is_one_sentence_before_the_model_runs(model, entry):
+    name = entry.__name__
+    with pytest.raises(ValueError, match=rf"^{name}: no inputs: give the model's inputs as keywords, e.g. "
+                                         rf"{name}\(model, \*\*tokenizer\(text, return_tensors='pt'\)\)$"):
+        entry(model)
