@@ -140,6 +140,19 @@ def _explain_command(args) -> None:
     _check_text(args.text)
     if args.summary and out.suffix.lower() != ".html":
         raise UsageError("--summary writes the long-document page: give --out a .html file")
+    # an option the chosen page does not read is refused, not silently dropped
+    summary_only = [flag for flag, value in (("--query", args.query), ("--top-k", args.top_k)) if value is not None]
+    maps_only = [flag for flag, value in (("--head", args.head), ("--max-tokens", args.max_tokens)) if value is not None]
+    if summary_only and not args.summary:
+        one = len(summary_only) == 1
+        raise UsageError(f"{' and '.join(summary_only)} {'applies' if one else 'apply'} to the long-document page only: "
+                         f"add --summary, or leave {'it' if one else 'them'} out")
+    if maps_only and args.summary:
+        one = len(maps_only) == 1
+        raise UsageError(f"{' and '.join(maps_only)} {'does' if one else 'do'} not apply to --summary (every head's "
+                         f"terms, up to the model's context): leave {'it' if one else 'them'} out")
+    top_k = 5 if args.top_k is None else args.top_k
+    max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
@@ -148,7 +161,7 @@ def _explain_command(args) -> None:
         from .explorer import write_long_explorer
 
         try:
-            write_long_explorer(out, model, tokenizer, args.text, model_name=args.model, top_k=args.top_k,
+            write_long_explorer(out, model, tokenizer, args.text, model_name=args.model, top_k=top_k,
                                 kind=args.kind, query=args.query, layer=args.layer)
         except ValueError as error:  # a layer or query out of range, a text longer than the model's context
             raise UsageError(str(error)) from None
@@ -157,8 +170,8 @@ def _explain_command(args) -> None:
     if out.suffix.lower() == ".html":  # every layer, head and quantity in one offline page
         from .explorer import write_explorer
 
-        if len(tokenizer(args.text)["input_ids"]) > args.max_tokens:
-            raise UsageError(f"the text is longer than --max-tokens {args.max_tokens}")
+        if len(tokenizer(args.text)["input_ids"]) > max_tokens:
+            raise UsageError(f"the text is longer than --max-tokens {max_tokens}")
         try:
             write_explorer(out, model, tokenizer, args.text, model_name=args.model,
                            start={"layer": args.layer, "head": args.head, "quantity": args.kind})
@@ -167,7 +180,7 @@ def _explain_command(args) -> None:
         print(f"wrote {out} ({_size(out.stat().st_size)})")
         return
     fig, *_ = explain(args.text, model, tokenizer, layer=args.layer, head=args.head, kind=args.kind,
-                      model_name=args.model, max_tokens=args.max_tokens)
+                      model_name=args.model, max_tokens=max_tokens)
     buffer = io.BytesIO()
     import warnings
 
@@ -220,6 +233,12 @@ def _verify_command(root: Path, repair: bool) -> int:
 def _cache_command(args) -> int | None:
     from .cache import cache_root, prune, result_runs
 
+    owner = {"--repair": "verify", "--all": "prune", "--dry-run": "prune"}  # the action each flag changes
+    given = {"--repair": args.repair, "--all": args.all, "--dry-run": args.dry_run}
+    misplaced = [flag for flag, on in given.items() if on and owner[flag] != args.action]
+    if misplaced:  # e.g. `cwcore cache --all` would print the summary and delete nothing
+        raise UsageError("; ".join(f"{flag} belongs to `cwcore cache {owner[flag]}`" for flag in misplaced)
+                         + f", not to `cwcore cache {args.action}`")
     root = cache_root()
     if root.exists() and not root.is_dir():
         raise UsageError(f"the cache path {root} is a file, not a folder (set CWCORE_CACHE to a folder)")
@@ -264,15 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
                          "maps: each token's total contribution as a heat strip over the text, and the top terms of "
                          "the query you pick; no [query, key] map is computed")
     ex.add_argument("--query", type=int, default=None, help="--summary: the first query shown (default: the last token)")
-    ex.add_argument("--top-k", type=int, default=5, help="--summary: top (head, key) terms kept per query (default 5)")
+    ex.add_argument("--top-k", type=int, default=None, help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
-    ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level)")
-    ex.add_argument("--kind", default="inter", choices=["intra", "inter"])
+    ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level; not with --summary)")
+    ex.add_argument("--kind", default="inter", choices=["intra", "inter"],
+                    help="contribution weights against the layer's output (inter, default) or within one head "
+                         "(intra; a figure needs --head)")
     ex.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, .jpg), or .html for the interactive explorer "
                     "(every layer, head and quantity; --layer, --head and --kind pick the first view)")
-    ex.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                    help=f"refuse longer texts (default {DEFAULT_MAX_TOKENS})")
+    ex.add_argument("--max-tokens", type=int, default=None,
+                    help=f"refuse longer texts (default {DEFAULT_MAX_TOKENS}; not with --summary, which reads up to the "
+                         "model's context)")
     ex.set_defaults(run=_explain_command)
     models = sub.add_parser("models", help="list the packaged models", parents=[common])
     models.set_defaults(run=_models_command)

@@ -268,3 +268,32 @@ def test_sigterm_ends_a_command_through_its_clean_up():
     assert done.returncode == 143
     assert "cleaned up" in done.stdout
     assert done.stderr.strip().splitlines()[-1] == "prog: terminated"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-k", "3"], "--top-k applies to the long-document page only: add --summary, or leave it out"),
+    (["--query", "1", "--top-k", "3"],
+     "--query and --top-k apply to the long-document page only: add --summary, or leave them out"),
+    (["--summary", "--head", "1"], "--head does not apply to --summary (every head's terms, up to the model's "
+                                   "context): leave it out"),
+    (["--summary", "--max-tokens", "10"], "--max-tokens does not apply to --summary"),
+])
+def test_explain_refuses_an_option_the_chosen_page_does_not_read(local_model, tmp_path, capsys, args, message):
+    # before: `--top-k 3` without --summary drew the usual figure, exit 0, the option silently dropped
+    out = tmp_path / ("f.html" if "--summary" in args else "f.png")
+    assert main(["explain", "the cat", "--model", str(local_model), "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cwcore: error: " + message), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["cache", "--all"], "--all belongs to `cwcore cache prune`, not to `cwcore cache info`"),
+    (["cache", "verify", "--dry-run"], "--dry-run belongs to `cwcore cache prune`, not to `cwcore cache verify`"),
+    (["cache", "prune", "--repair"], "--repair belongs to `cwcore cache verify`, not to `cwcore cache prune`"),
+])
+def test_cache_refuses_a_flag_of_another_action(tmp_path, monkeypatch, capsys, args, message):
+    # before: `cwcore cache --all` printed the summary, deleted nothing and exited 0
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    assert main(args) == 2
+    assert capsys.readouterr().err.strip() == "cwcore: error: " + message
