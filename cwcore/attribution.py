@@ -51,7 +51,7 @@ class Attribution:
         """The scores of ``layer`` (negative numbers count from the last layer, as in a decomposition)."""
         from .core.decomposition import layer_by_number
 
-        return layer_by_number(self.scores, layer, self.num_blocks, self.undecomposable)
+        return layer_by_number(self.scores, layer, self.num_blocks, self.undecomposable, "attribute")
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.scores)

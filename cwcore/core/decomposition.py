@@ -321,27 +321,34 @@ class LayerNotDecomposedError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _missing_layer(layer, layers, num_blocks: int | None, undecomposable: Mapping[int, str]) -> LayerNotDecomposedError:
+#: the entry point that fills each kind of result -> the participle its messages use
+_ENTRY_DONE = {"decompose": "decomposed", "summarize": "summarized", "attribute": "attributed"}
+
+
+def _missing_layer(layer, layers, num_blocks: int | None, undecomposable: Mapping[int, str],
+                   entry: str = "decompose") -> LayerNotDecomposedError:
     held = f"it holds layers {sorted(layers)}" if layers else "it holds no layer"
     if layer in undecomposable:
         return LayerNotDecomposedError(f"layer {layer} cannot be decomposed: {undecomposable[layer]}")
     if num_blocks is not None and not (isinstance(layer, int) and -num_blocks <= layer < num_blocks):
         return LayerNotDecomposedError(f"layer {layer!r} is out of range: the model has {num_blocks} attention layers "
                                        f"(0 to {num_blocks - 1}, or -1 for the last); {held}")
-    return LayerNotDecomposedError(f"layer {layer} was not decomposed ({held}); pass layers={layer} to "
-                                   "cwcore.decompose to decompose it")
+    return LayerNotDecomposedError(f"layer {layer} was not {_ENTRY_DONE[entry]} ({held}); pass layers={layer} to "
+                                   f"cwcore.{entry}")
 
 
-def layer_by_number(held: Mapping[int, object], layer, num_blocks: int | None, undecomposable: Mapping[int, str]):
+def layer_by_number(held: Mapping[int, object], layer, num_blocks: int | None, undecomposable: Mapping[int, str],
+                    entry: str = "decompose"):
     """``held[layer]`` for a layer number (negative numbers count from the last of ``num_blocks`` attention
     layers), or :class:`LayerNotDecomposedError` saying why that layer is not held. The one lookup of
-    :class:`Decomposition` and :class:`cwcore.core.summary.Summary`."""
+    :class:`Decomposition`, :class:`cwcore.core.summary.Summary` and :class:`cwcore.attribution.Attribution`
+    (``entry``: the function that made the result, named in the message)."""
     number = layer
     if num_blocks is not None and isinstance(layer, int) and -num_blocks <= layer < 0:
         number = layer + num_blocks
     found = held.get(number) if isinstance(number, int) else None
     if found is None:
-        raise _missing_layer(number, held, num_blocks, undecomposable)
+        raise _missing_layer(number, held, num_blocks, undecomposable, entry)
     return found
 
 

@@ -136,7 +136,7 @@ class Summary(Mapping):
         return list(self.layer_summaries)
 
     def __getitem__(self, layer: int) -> LayerSummary:
-        return layer_by_number(self.layer_summaries, layer, self.num_blocks, self.undecomposable)
+        return layer_by_number(self.layer_summaries, layer, self.num_blocks, self.undecomposable, "summarize")
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.layer_summaries)

@@ -169,6 +169,19 @@ def test_asking_for_a_layer_the_decomposition_does_not_hold_is_a_clear_error():
     torch.testing.assert_close(d[-2].inter, d.inter[0], rtol=0, atol=0)
 
 
+def test_a_summary_or_attribution_without_the_layer_names_its_own_entry_point():
+    # before: both said "pass layers=1 to cwcore.decompose to decompose it"
+    model = tiny_model("llama")
+    s = cwcore.summarize(model, layers=0, input_ids=IDS)
+    with pytest.raises(KeyError, match=r"^layer 1 was not summarized \(it holds layers \[0\]\); pass layers=1 to "
+                                       r"cwcore\.summarize$"):
+        s[1]
+    a = cwcore.attribute(model, method="alti", layers=0, input_ids=IDS)
+    with pytest.raises(KeyError, match=r"^layer 1 was not attributed \(it holds layers \[0\]\); pass layers=1 to "
+                                       r"cwcore\.attribute$"):
+        a[1]
+
+
 class _KeywordAttention(nn.Module):
     """Calls the attention interface with one extra keyword (``extra`` -> ``value``)."""
 
