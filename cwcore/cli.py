@@ -300,7 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(run=_models_command)
     cache = sub.add_parser("cache", help="what the result cache holds; `prune` deletes what no code reads, "
                                          "`verify` checks every piece and converted model", parents=[common])
-    cache.add_argument("action", nargs="?", default="info", choices=["info", "prune", "verify"])
+    cache.add_argument("action", nargs="?", default="info", choices=["info", "prune", "verify"],
+                       help="info (default): size and runs per namespace; prune: delete what no code reads; verify: "
+                            "check every piece and converted model")
     cache.add_argument("--repair", action="store_true", help="verify: delete damaged pieces, convert damaged "
                                                              "models again (exit 0 when everything was repaired)")
     cache.add_argument("--all", action="store_true", help="prune: delete every cached result, current ones too")

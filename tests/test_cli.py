@@ -297,3 +297,27 @@ def test_cache_refuses_a_flag_of_another_action(tmp_path, monkeypatch, capsys, a
     monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
     assert main(args) == 2
     assert capsys.readouterr().err.strip() == "cwcore: error: " + message
+
+
+def _every_option(parser):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _every_option(sub)
+        elif not isinstance(action, argparse._HelpAction):
+            yield parser.prog, action
+
+
+def test_every_command_line_option_says_what_it_does():
+    # before: --kind of `cwcore explain`, the cache action, 17 flags of python -m cwcore.faithfulness (--metrics,
+    # --unit, --scope, ...) and 4 of python -m cwcore.sinks showed in --help with no text at all
+    from cwcore.cli import build_parser
+    from cwcore.faithfulness.cli import parser as faithfulness_parser
+    from cwcore.sinks.cli import parser as sinks_parser
+
+    silent = [f"{prog} {action.option_strings[0] if action.option_strings else action.dest}"
+              for parser in (build_parser(), faithfulness_parser(), sinks_parser())
+              for prog, action in _every_option(parser) if not action.help]
+    assert silent == []

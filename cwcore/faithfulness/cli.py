@@ -45,38 +45,57 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m cwcore.faithfulness",
         description="Faithfulness sweeps (comprehensiveness / sufficiency) written as tidy CSVs.")
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path (default %(default)s)")
     parser.add_argument("--data", nargs="+", default=["gsm8k"],
                         help="LM data sets (gsm8k, web-text, wikipedia, a path...) and/or mmlu, winogrande, boolq")
-    parser.add_argument("--num-sequences", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--num-sequences", type=int, default=32, help="LM sequences per data set (default %(default)s)")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per LM sequence (default %(default)s)")
     parser.add_argument("--sampling", default="documents", choices=("documents", "stream"),
                         help="documents: the first block of each of --num-sequences documents drawn with --seed "
                              "(cwcore.data.document_blocks); stream: consecutive blocks of the data-set stream "
                              "(cwcore.data.lm_blocks)")
     parser.add_argument("--num-examples", type=int, default=100, help="examples per multiple-choice task")
     parser.add_argument("--max-length", type=int, default=512, help="multiple choice: context tokens kept")
-    parser.add_argument("--metrics", nargs="+", default=list(CHOICES["metrics"]))
-    parser.add_argument("--ratios", nargs="+", type=float, default=list(CHOICES["ratios"]))
+    parser.add_argument("--metrics", nargs="+", default=list(CHOICES["metrics"]),
+                        help="the rankings compared: registered method names (the ladder, random, value_zeroing, rollout, "
+                             "contribution_rollout, alti, grad_x_input; suffix _intra/_inter sets the kind) (default: "
+                             f"{' '.join(CHOICES['metrics'])})")
+    parser.add_argument("--ratios", nargs="+", type=float, default=list(CHOICES["ratios"]),
+                        help="fractions of each ranking group's candidate terms removed, in [0, 1] (default: "
+                             f"{' '.join(map(str, CHOICES['ratios']))})")
     parser.add_argument("--downstream-ratios", nargs="+", type=float, default=None,
                         help="ratios for the multiple-choice tasks (default: --ratios)")
-    parser.add_argument("--modes", nargs="+", default=list(CHOICES["modes"]))
-    parser.add_argument("--unit", default="head_key", choices=CHOICES["units"])
-    parser.add_argument("--scope", default="row", choices=CHOICES["scopes"])
-    parser.add_argument("--scores", default="clean", choices=("clean", "live"))
-    parser.add_argument("--kind", default="inter", choices=CHOICES["kinds"])
-    parser.add_argument("--importance", default="signed", choices=("signed", "absolute"))
+    parser.add_argument("--modes", nargs="+", default=list(CHOICES["modes"]),
+                        help="comprehensiveness (remove the most important terms) and/or sufficiency (remove the least) "
+                             "(default: both)")
+    parser.add_argument("--unit", default="head_key", choices=CHOICES["units"],
+                        help="what is ranked as one item: head_key, a (head, key) pair ranked across heads; key, a key "
+                             "within one head; token, a key by its head-aggregated score, removed from every head "
+                             "(default %(default)s)")
+    parser.add_argument("--scope", default="row", choices=CHOICES["scopes"],
+                        help="row: one ranking per query; layer: one per sequence and layer, of the scores averaged "
+                             "over the queries (default %(default)s)")
+    parser.add_argument("--scores", default="clean", choices=("clean", "live"),
+                        help="clean: rank on the clean run; live: rank layer l on the state the removals below it "
+                             "produced, about 2.5x slower (default %(default)s)")
+    parser.add_argument("--kind", default="inter", choices=CHOICES["kinds"],
+                        help="contribution weights against the layer's combined output (inter) or the head's own "
+                             "(intra) (default %(default)s)")
+    parser.add_argument("--importance", default="signed", choices=("signed", "absolute"),
+                        help="signed: rank by the score, the most negative terms least important; absolute: by "
+                             "|score| (default %(default)s)")
     parser.add_argument("--remove-first-token", action="store_true", help="allow removing the first token (sink)")
-    parser.add_argument("--layers", nargs="+", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--n-bootstrap", type=int, default=1000)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--layers", nargs="+", type=int, default=None, help="layers whose terms are removed (default: all)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per forward pass (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the document draw, the random control and the bootstrap (default %(default)s)")
+    parser.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples per interval (default %(default)s)")
+    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32)")
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--out", default=RESULTS_FOLDER,
                         help=f"folder of the tables (default ./{RESULTS_FOLDER}/ in the working folder)")
-    parser.add_argument("--no-cache", action="store_true")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-cache", action="store_true", help="run without the result cache (or CWCORE_NO_CACHE=1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     return parser
 

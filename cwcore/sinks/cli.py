@@ -126,13 +126,15 @@ def parser() -> argparse.ArgumentParser:
                         help="documents (default): the first block of each of N documents drawn with the seed, as "
                              "the book does (cwcore.data.document_blocks); stream: consecutive blocks of the "
                              "concatenated texts in data-set order (cwcore.data.lm_blocks)")
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default")
+    parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default %(default)s)")
+    parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default",
+                        help="start every sequence with the tokenizer's BOS token: yes, no, or as the tokenizer "
+                             "itself does (default)")
     parser.add_argument("--analyses", default=",".join(ANALYSIS_NAMES),
                         help=f"comma-separated subset of {','.join(ANALYSIS_NAMES)}")
     _add_options(parser)
-    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--no-cache", action="store_true", help="run without the result cache (or CWCORE_NO_CACHE=1)")
     parser.add_argument("--out", default=DEFAULT_OUT,
                         help=f"folder of the tables (default ./{DEFAULT_OUT}/ in the working folder)")
     parser.add_argument("--raw", default=None,
