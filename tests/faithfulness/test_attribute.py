@@ -166,3 +166,21 @@ def test_layers_are_numbered_as_in_a_decomposition():
     only = cwcore.attribute(model, method="contribution", input_ids=ids, layers=[0])
     with pytest.raises(LayerNotDecomposedError, match="layers=1"):
         only[1]
+
+
+def test_methods_a_bare_encoder_cannot_support_are_refused_with_the_true_reason():
+    from cwcore.core.architectures import UnsupportedModelError
+    from tiny_models import tiny_model
+
+    bert = tiny_model("bert")  # BertModel: no LM head, W_O in BertSelfOutput outside the attention module
+    ids = torch.tensor([[5, 7, 9, 11, 13, 2]])  # every id below the hidden size (64)
+    # before: its hidden states were read as logits, and 64-dim "log-probabilities" gave plausible scores
+    with pytest.raises(UnsupportedModelError, match=r"^grad_x_input: BertModel has no language-model head \(its "
+                                                    r"output has no logits\)"):
+        cwcore.attribute(bert, method="grad_x_input", input_ids=ids)
+    # before: "did not run through cwcore's attention function", false: cwcore.decompose takes this model
+    assert cwcore.decompose(bert, input_ids=ids).layers == [0, 1]
+    with pytest.raises(UnsupportedModelError, match=r"^value_zeroing: attention block 'encoder\.layer\.0\.attention"
+                                                    r"\.self' applies its output projection outside the attention "
+                                                    r"module \(in BertAttention\)"):
+        cwcore.attribute(bert, method="value_zeroing", input_ids=ids)

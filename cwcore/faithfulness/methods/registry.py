@@ -383,7 +383,13 @@ def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torc
         with torch.inference_mode(False), torch.enable_grad():
             inputs = {k: v.clone() for k, v in inputs.items()}
             out = model(**inputs)
-            logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+            logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+            if logits is None:  # a bare encoder's first output is its hidden states, not scores over tokens
+                raise UnsupportedModelError(
+                    f"grad_x_input: {type(model).__name__} has no language-model head (its output has no logits), so "
+                    "there is no next-token log-likelihood to differentiate; load it with its head "
+                    "(e.g. AutoModelForCausalLM)")
+            logits = logits.float()
             mask = attention_mask.bool()
             valid = mask[:, :-1] & mask[:, 1:]
             logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]

@@ -48,6 +48,14 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
     """
     if block_input is None:
         raise UnsupportedModelError("value_zeroing: the decoder layer's input was not captured")
+    block = call.block
+    applies_w_o = block.output_module()
+    if applies_w_o is None or not any(sub is applies_w_o for sub in call.module.modules()):
+        # BERT-style: W_O and the residual norm sit in the parent, so the module cannot be swapped for its output
+        raise UnsupportedModelError(
+            f"value_zeroing: attention block {block.name!r} applies its output projection outside the attention "
+            f"module (in {type(block.parent).__name__}); value zeroing reruns a decoder layer around an attention "
+            "module that returns the projected output, so it cannot score this block")
     alpha, projected, bias = projected_values(call)
     b, h, q, k = alpha.shape
     hidden = block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]
