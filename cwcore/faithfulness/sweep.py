@@ -26,6 +26,7 @@ from ..cache import caching_enabled
 from ..runs import PieceStore, shard_map, tensor_digest
 from ..runs import progress as progress_bar
 from .methods import get_method, scoring
+from .methods.registry import lm_logits
 from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
 from .ranking import candidate_mask, removal_mask, selection
 
@@ -172,7 +173,7 @@ class Sweep:
                                                observers=observers or {}, transforms=transforms or {},
                                                stand_in=stand_in):
             out = self.model(**inputs)
-        return out.logits if hasattr(out, "logits") else out[0]
+        return lm_logits(self.model, out, "faithfulness", "there is no perplexity or answer score to measure")
 
     def clean_pass(self, batch: Batch, specs: list[MetricSpec], candidates):
         """Clean logits, ``{label: {layer: {mode: bucket}}}`` and ``{label: {mode: removed}}`` (terms each

@@ -269,3 +269,16 @@ def test_smollm2_comprehensiveness_beats_sufficiency():
     table = summary.set_index(["metric", "mode"])
     for metric in NON_RANDOM:
         assert table.loc[(metric, "comprehensiveness")].delta_nll > table.loc[(metric, "sufficiency")].delta_nll
+
+
+def test_a_model_without_an_lm_head_is_refused_not_scored_on_its_hidden_states():
+    from cwcore.core.architectures import UnsupportedModelError
+    from tiny_models import tiny_model
+
+    # before: BertModel's hidden states (width 64) were read as logits; with every id below 64 the
+    # cross-entropy over 64 "classes" gave a plausible perplexity and a Delta for each ratio
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(UnsupportedModelError, match=r"^faithfulness: BertModel has no language-model head \(its "
+                                                    r"output has no logits\), so there is no perplexity"):
+        fa.faithfulness_curve(tiny_model("bert"), None, ids, metric=["random"], ratios=[0.1],
+                              mode="comprehensiveness", progress=False)

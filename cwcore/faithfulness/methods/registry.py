@@ -359,6 +359,16 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
             handle.remove()
 
 
+def lm_logits(model, out, caller: str, why: str) -> torch.Tensor:
+    """The logits ``[batch, length, vocab]`` of a forward's output ``out``, or :class:`UnsupportedModelError`
+    for a model without a language-model head (``why``: what ``caller`` needs them for)."""
+    logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
+    if logits is None:  # a bare encoder's first output is its hidden states, not scores over tokens
+        raise UnsupportedModelError(f"{caller}: {type(model).__name__} has no language-model head (its output has "
+                                    f"no logits), so {why}; load it with its head (e.g. AutoModelForCausalLM)")
+    return logits
+
+
 def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torch.Tensor]:
     """``{layer: [rows, length, model]}``: the gradient of each row's summed next-token log-likelihood
     (real tokens only) with respect to each attention block's output (after its output projection and
@@ -383,13 +393,8 @@ def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torc
         with torch.inference_mode(False), torch.enable_grad():
             inputs = {k: v.clone() for k, v in inputs.items()}
             out = model(**inputs)
-            logits = out[0] if isinstance(out, tuple) else getattr(out, "logits", None)
-            if logits is None:  # a bare encoder's first output is its hidden states, not scores over tokens
-                raise UnsupportedModelError(
-                    f"grad_x_input: {type(model).__name__} has no language-model head (its output has no logits), so "
-                    "there is no next-token log-likelihood to differentiate; load it with its head "
-                    "(e.g. AutoModelForCausalLM)")
-            logits = logits.float()
+            logits = lm_logits(model, out, "grad_x_input", "there is no next-token log-likelihood to "
+                               "differentiate").float()
             mask = attention_mask.bool()
             valid = mask[:, :-1] & mask[:, 1:]
             logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
