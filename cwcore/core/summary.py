@@ -46,6 +46,10 @@ from .inputs import InputError, check_compute_dtype, check_count, check_inputs
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
 
+#: ``summarize(progress=None)`` shows a bar over the layers from this many tokens (batch x sequence) on:
+#: about 10 s of a 135M-parameter model on one CPU core
+PROGRESS_TOKENS = 2048
+
 #: The quantities of a full row ``[batch, head, row, key]`` (and of :class:`TopTerms`).
 ROW_FIELDS = ("contribution", "attention", "relative_norm", "cosine")
 
@@ -263,6 +267,7 @@ class SummarySession(AttentionSession):
         self.top_k, self.row_positions, self.token_row_positions = top_k, tuple(rows), tuple(token_rows)
         self.kind, self.absolute = kind, absolute
         self.summaries: dict[int, LayerSummary] = {}
+        self.bar = None  # a tqdm bar over the summarised layers, or None
         self._pending: dict[int, torch.Tensor] = {}  # layer -> o_i [batch, query, model], until its projection runs
 
     @property
@@ -323,6 +328,8 @@ class SummarySession(AttentionSession):
                                                              causal, softcap, own)
         if record:
             self.summaries[block.layer] = summary
+            if self.bar is not None:
+                self.bar.update(1)
             if self.verify:
                 self._pending[block.layer] = rebuilt
         return output, adopted
@@ -545,6 +552,7 @@ def summarize(
     absolute: bool = False,
     compute_dtype: torch.dtype | str | None = None,
     truncate: bool = False,
+    progress: bool | None = None,
     **inputs,
 ) -> Summary:
     """Contribution summaries of every requested layer, without a ``[head, query, key]`` tensor of the input.
@@ -558,11 +566,15 @@ def summarize(
     output o_i) or ``"intra"`` (against the head's own o^h_i). Every summary equals the reduction of
     :func:`cwcore.decompose`'s tensors to float32 rounding. Memory: the model's forward plus, per layer,
     O(query * top_k + head * key * rows), and one block of ``[head, block, key]`` while a layer runs.
+    ``progress``: a bar over the layers on stderr (None: only for inputs of at least :data:`PROGRESS_TOKENS`
+    tokens, batch times sequence).
     """
     if kind not in ("inter", "intra"):
         raise InputError(f"kind must be 'inter' or 'intra', got {kind!r}")
     if not isinstance(absolute, bool):
         raise InputError(f"absolute must be True or False, got {absolute!r}")
+    if progress is not None and not isinstance(progress, bool):
+        raise InputError(f"progress must be True, False or None, got {progress!r}")
     top_k = check_count(top_k, "top_k")
     model, blocks, wanted, undecomposable = select_layers(model, layers, "summarize", "summarised")
     num_layers = len(blocks)
@@ -577,8 +589,17 @@ def summarize(
     decoder_mask = inputs.get("decoder_attention_mask")  # the padding of an encoder-decoder's cross-attention queries
     if isinstance(decoder_mask, torch.Tensor) and decoder_mask.dim() == 2:
         session.decoder_query_valid = decoder_mask.bool()
-    with torch.inference_mode(), cwcore_attention(model, session):
-        outputs = model(**inputs)
+    if progress or (progress is None and reference.shape[0] * length >= PROGRESS_TOKENS):
+        from tqdm.auto import tqdm
+
+        session.bar = tqdm(total=len(wanted), desc=f"summarize ({reference.shape[0] * length} tokens)", unit="layer",
+                           leave=False)
+    try:
+        with torch.inference_mode(), cwcore_attention(model, session):
+            outputs = model(**inputs)
+    finally:
+        if session.bar is not None:
+            session.bar.close()
     missing = sorted(set(wanted) - set(session.summaries))
     if missing:
         raise UnsupportedModelError(

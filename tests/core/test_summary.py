@@ -298,3 +298,22 @@ def test_an_sdpa_output_wrong_in_one_entry_is_refused_by_the_check_along_random_
         assert seen == [(0, True), (1, True)]
     finally:
         AttentionInterface.register("sdpa", real)
+
+
+def test_a_long_input_shows_a_bar_over_the_layers_and_the_summary_is_unchanged(capsys, monkeypatch):
+    # before: summarize took no `progress` and showed nothing, minutes long at 32k tokens
+    from cwcore.core import summary as summary_module
+
+    model = tiny_model("llama")
+    quiet = cwcore.summarize(model, input_ids=IDS, progress=False)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(summary_module, "PROGRESS_TOKENS", IDS.numel())  # 24 tokens count as long
+    shown = cwcore.summarize(model, input_ids=IDS)
+    err = capsys.readouterr().err
+    assert "summarize (24 tokens)" in err and "/2 " in err  # a bar over the model's 2 layers
+    for layer in (0, 1):
+        assert torch.equal(shown[layer].contribution_received, quiet[layer].contribution_received)
+    cwcore.summarize(model, input_ids=IDS[:1])  # 12 tokens: below the threshold, no bar
+    assert capsys.readouterr().err == ""
+    with pytest.raises(InputError, match=r"^progress must be True, False or None, got 'yes'$"):
+        cwcore.summarize(model, input_ids=IDS, progress="yes")
