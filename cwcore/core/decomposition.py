@@ -22,6 +22,7 @@ silently huge number. Padded query rows are NaN; padded keys get zero attention 
 from __future__ import annotations
 
 import inspect
+import numbers
 import warnings
 import weakref
 from typing import Iterable, Iterator, Mapping
@@ -337,15 +338,24 @@ def _missing_layer(layer, layers, num_blocks: int | None, undecomposable: Mappin
                                    f"cwcore.{entry}")
 
 
+def _plain_layer_number(layer):
+    """An integer layer number of any kind as an ``int`` (numpy's, as a DataFrame's ``layer`` column yields, or a
+    0-d integer tensor); anything else unchanged, to be refused."""
+    if isinstance(layer, torch.Tensor) and layer.ndim == 0 and not (layer.is_floating_point() or layer.is_complex()
+                                                                     or layer.dtype == torch.bool):
+        return int(layer)
+    return int(layer) if isinstance(layer, numbers.Integral) and not isinstance(layer, bool) else layer
+
+
 def layer_by_number(held: Mapping[int, object], layer, num_blocks: int | None, undecomposable: Mapping[int, str],
                     entry: str = "decompose"):
     """``held[layer]`` for a layer number (negative numbers count from the last of ``num_blocks`` attention
     layers), or :class:`LayerNotDecomposedError` saying why that layer is not held. The one lookup of
     :class:`Decomposition`, :class:`cwcore.core.summary.Summary` and :class:`cwcore.attribution.Attribution`
     (``entry``: the function that made the result, named in the message)."""
-    number = layer
-    if num_blocks is not None and isinstance(layer, int) and -num_blocks <= layer < 0:
-        number = layer + num_blocks
+    number = _plain_layer_number(layer)
+    if num_blocks is not None and isinstance(number, int) and -num_blocks <= number < 0:
+        number = number + num_blocks
     found = held.get(number) if isinstance(number, int) else None
     if found is None:
         raise _missing_layer(number, held, num_blocks, undecomposable, entry)
@@ -361,6 +371,7 @@ class _FieldView(Mapping):
     def __getitem__(self, layer: int) -> torch.Tensor:
         if self._owner is not None:
             return getattr(self._owner[layer], self._field)
+        layer = _plain_layer_number(layer)
         if layer not in self._layers:
             raise _missing_layer(layer, self._layers, None, {})
         return getattr(self._layers[layer], self._field)

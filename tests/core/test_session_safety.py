@@ -268,3 +268,21 @@ def test_a_decomposition_is_a_snapshot_of_its_forward_pass():
     finally:
         with torch.no_grad():
             weight.copy_(saved)
+
+
+def test_a_layer_number_from_numpy_or_a_tensor_indexes_like_an_int():
+    # before: d[np.int64(1)] (what to_frame's `layer` column yields) raised "layer np.int64(1) is out of
+    # range: the model has 2 attention layers (0 to 1, ...)", a contradiction
+    import numpy as np
+
+    model = tiny_model("llama")
+    d = cwcore.decompose(model, input_ids=IDS)
+    s = cwcore.summarize(model, input_ids=IDS)
+    a = cwcore.attribute(model, method="alti", input_ids=IDS)
+    for layer in d.to_frame()["layer"].unique():  # numpy.int64
+        assert torch.equal(d[layer].contribution("inter"), d[int(layer)].contribution("inter"))
+        assert torch.equal(d.attention[layer], d.attention[int(layer)])
+        assert s[layer] is s[int(layer)] and a[layer] is a[int(layer)]
+    assert d[torch.tensor(-1)] is d[1] and d[np.int64(-2)] is d[0]
+    with pytest.raises(KeyError, match=r"^layer 1\.0 is out of range"):
+        d[1.0]  # a float is still not a layer number
