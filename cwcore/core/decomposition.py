@@ -22,7 +22,6 @@ silently huge number. Padded query rows are NaN; padded keys get zero attention 
 from __future__ import annotations
 
 import inspect
-import numbers
 import warnings
 import weakref
 from typing import Iterable, Iterator, Mapping
@@ -33,8 +32,8 @@ from torch import nn
 from .architectures import UnsupportedModelError, attention_blocks, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
-from .inputs import (InputError, InputTypeError, _shown, check_compute_dtype, check_inputs, check_layers,
-                     check_materialised, unwrap_compiled)
+from .inputs import (InputError, InputTypeError, _is_integer_number, _plain_integer, _shown, check_compute_dtype,
+                     check_inputs, check_layers, check_materialised, unwrap_compiled)
 
 __all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
            "prepare_inputs"]
@@ -338,22 +337,13 @@ def _missing_layer(layer, layers, num_blocks: int | None, undecomposable: Mappin
                                    f"cwcore.{entry}")
 
 
-def _plain_layer_number(layer):
-    """An integer layer number of any kind as an ``int`` (numpy's, as a DataFrame's ``layer`` column yields, or a
-    0-d integer tensor); anything else unchanged, to be refused."""
-    if isinstance(layer, torch.Tensor) and layer.ndim == 0 and not (layer.is_floating_point() or layer.is_complex()
-                                                                     or layer.dtype == torch.bool):
-        return int(layer)
-    return int(layer) if isinstance(layer, numbers.Integral) and not isinstance(layer, bool) else layer
-
-
 def layer_by_number(held: Mapping[int, object], layer, num_blocks: int | None, undecomposable: Mapping[int, str],
                     entry: str = "decompose"):
     """``held[layer]`` for a layer number (negative numbers count from the last of ``num_blocks`` attention
     layers), or :class:`LayerNotDecomposedError` saying why that layer is not held. The one lookup of
     :class:`Decomposition`, :class:`cwcore.core.summary.Summary` and :class:`cwcore.attribution.Attribution`
     (``entry``: the function that made the result, named in the message)."""
-    number = _plain_layer_number(layer)
+    number = _plain_integer(layer)
     if num_blocks is not None and isinstance(number, int) and -num_blocks <= number < 0:
         number = number + num_blocks
     found = held.get(number) if isinstance(number, int) else None
@@ -371,7 +361,7 @@ class _FieldView(Mapping):
     def __getitem__(self, layer: int) -> torch.Tensor:
         if self._owner is not None:
             return getattr(self._owner[layer], self._field)
-        layer = _plain_layer_number(layer)
+        layer = _plain_integer(layer)
         if layer not in self._layers:
             raise _missing_layer(layer, self._layers, None, {})
         return getattr(self._layers[layer], self._field)
@@ -460,8 +450,9 @@ class Decomposition:
             if q != k:
                 raise ValueError(f"to_frame: layer {layer} has {q} queries and {k} keys (a cache); decompose the "
                                  "whole sequence to tabulate it")
-            picked = list(range(h)) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
-            bad = [x for x in picked if not (isinstance(x, int) and 0 <= x < h)]
+            picked = list(range(h)) if heads is None else [
+                _plain_integer(x) for x in ([heads] if _is_integer_number(heads) else heads)]
+            bad = [x for x in picked if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < h)]
             if bad:
                 raise ValueError(f"to_frame: heads {bad} are out of range: layer {layer} has {h} heads (0 to {h - 1})")
             index = torch.tensor(picked, dtype=torch.long, device=ld.attention.device)

@@ -181,6 +181,19 @@ def _is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _is_integer_number(value) -> bool:
+    """An int, a numpy integer (what a DataFrame's integer column yields) or a 0-d integer tensor; not a bool."""
+    if isinstance(value, torch.Tensor):
+        return value.ndim == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _plain_integer(value):
+    """``value`` as an ``int`` if it is an integer number of any kind (:func:`_is_integer_number`), else unchanged
+    (to be refused by the caller)."""
+    return int(value) if _is_integer_number(value) else value
+
+
 def check_layers(layers, num_layers: int, *, argument: str = "layers", allow_empty: bool = True) -> list[int]:
     """``layers`` (a layer number, an iterable of them, or None for all) as a sorted list of valid layers.
 

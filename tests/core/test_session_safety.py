@@ -286,3 +286,17 @@ def test_a_layer_number_from_numpy_or_a_tensor_indexes_like_an_int():
     assert d[torch.tensor(-1)] is d[1] and d[np.int64(-2)] is d[0]
     with pytest.raises(KeyError, match=r"^layer 1\.0 is out of range"):
         d[1.0]  # a float is still not a layer number
+
+
+def test_heads_and_row_positions_from_numpy_read_as_ints():
+    # before: to_frame(heads=np.int64(1)) and summarize(rows=np.int64(2)) raised "'numpy.int64' object is not
+    # iterable", and rows=[np.int64(2)] "rows must be query positions in -6..5 ..., got np.int64(2)"
+    import numpy as np
+
+    model = tiny_model("llama")
+    d = cwcore.decompose(model, input_ids=IDS)
+    assert d.to_frame(heads=np.int64(1)).equals(d.to_frame(heads=1))
+    for rows in (np.int64(2), [np.int64(2)], torch.tensor(2)):
+        s = cwcore.summarize(model, rows=rows, input_ids=IDS)
+        assert s[0].row_positions == (2,)
+        torch.testing.assert_close(s[0].row(2), cwcore.summarize(model, rows=2, input_ids=IDS)[0].row(2), rtol=0, atol=0)
