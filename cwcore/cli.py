@@ -165,7 +165,7 @@ def _explain_command(args) -> None:
                                 kind=args.kind, query=args.query, layer=args.layer)
         except ValueError as error:  # a layer or query out of range, a text longer than the model's context
             raise UsageError(str(error)) from None
-        print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
+        print(f"wrote {out} ({_size(out.stat().st_size)})")  # a small page read "(0.0 MB)" before
         return
     if out.suffix.lower() == ".html":  # every layer, head and quantity in one offline page
         from .explorer import write_explorer

@@ -44,7 +44,11 @@ def test_cli_summary_writes_the_long_page_from_a_file(tmp_path, capsys):
     out = tmp_path / "doc.html"
     assert main(["explain", "--file", str(document), "--summary", "--model", str(folder), "--out", str(out),
                  "--top-k", "3", "--query", "-2"]) == 0
-    assert "wrote" in capsys.readouterr().out
+    from cwcore.cli import _size
+
+    # the page's size as the explorer's line gives it (before: "(0.0 MB)" for any page under 50 KB)
+    assert capsys.readouterr().out.strip() == f"wrote {out} ({_size(out.stat().st_size)})"
+    assert _size(out.stat().st_size).endswith(" KB")
     back = read_payload(out)
     n = len(back["meta"]["tokens"])
     assert back["meta"]["start"]["query"] == n - 2 and back["arrays"]["top_key"].shape == (2, n, 3)
