@@ -32,11 +32,12 @@ def run_analyses(model, tokenizer, data, analyses: Iterable[str] = ANALYSES, opt
                  raw: bool = False, precompute: Iterable[str] = (), **keywords) -> dict:
     """Several analyses sharing one clean forward pass per batch.
 
-    ``options``: a :class:`SinkOptions`; ``keywords`` replace its fields (unknown names and bad values
-    refused). Returns ``{name: result}``, equal to what the single functions return (they share the
+    ``analyses``: names of :data:`ANALYSES` (one name alone is a list of one). ``options``: a
+    :class:`SinkOptions`; ``keywords`` replace its fields (unknown names and bad values refused). Returns ``{name: result}``, equal to what the single functions return (they share the
     cache). ``raw=True`` adds ``"raw"``: ``{name: {part: DataFrame}}``, the per-point material (not in
     the key). ``precompute``: further analyses whose raw material the same passes compute and cache."""
-    analyses = list(analyses)
+    analyses = [analyses] if isinstance(analyses, str) else list(analyses)  # "rates" is one name, not five letters
+    precompute = [precompute] if isinstance(precompute, str) else precompute
     precompute = [a for a in dict.fromkeys(precompute) if a not in analyses]
     unknown = sorted((set(analyses) | set(precompute)) - set(REGISTRY))
     if unknown:

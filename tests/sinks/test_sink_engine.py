@@ -215,3 +215,13 @@ def test_the_analysis_modules_keep_their_names_and_the_functions_are_sink_prefix
         assert any(issubclass(w.category, DeprecationWarning) and f"cwcore.sinks.sink_{name}" in str(w.message)
                    for w in caught)
     assert not {n for n in sinks.__all__ if isinstance(getattr(sinks, n), types.ModuleType)} - {"suppression"}
+
+
+def test_one_analysis_named_alone_is_that_analysis_not_its_letters():
+    # before: run_analyses(..., "rates") refused "unknown analyses ['a', 'e', 'r', 's', 't']"
+    model, ids = tiny_model("llama"), random_ids(n=2)
+    alone = sinks.run_analyses(model, None, ids, "rates", **FAST)
+    listed = sinks.run_analyses(model, None, ids, ["rates"], **FAST)
+    assert list(alone) == ["rates"]
+    pd.testing.assert_frame_equal(alone["rates"], listed["rates"])
+    pd.testing.assert_frame_equal(alone["rates"], sinks.sink_rates(model, None, ids, **FAST))
