@@ -110,6 +110,10 @@ def attribute(
 
     if isinstance(method, str):
         if method not in available_methods():
+            base, _, suffix = method.rpartition("_")
+            if suffix in ("inter", "intra") and base in available_methods():  # faithfulness_curve's metric spelling
+                raise ValueError(f"attribute: unknown method {method!r}; the kind is its own keyword here: "
+                                 f"method={base!r}, kind={suffix!r}")
             raise ValueError(f"attribute: unknown method {method!r}; registered methods: {', '.join(available_methods())}")
         chosen = get_method(method)
     elif callable(method):

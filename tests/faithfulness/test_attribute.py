@@ -137,6 +137,10 @@ def test_names_and_keywords_fail_in_one_line():
         cwcore.attribute(model, {"input_ids": ids}, method="alti", attention_mask=torch.ones_like(ids))
     with pytest.raises(ValueError, match="kind must be 'inter' or 'intra'"):
         cwcore.attribute(model, method="contribution", input_ids=ids, kind="outer")
+    # faithfulness_curve's spelling "contribution_intra": before, only the list of registered names
+    with pytest.raises(ValueError, match=r"^attribute: unknown method 'contribution_intra'; the kind is its own "
+                                         r"keyword here: method='contribution', kind='intra'$"):
+        cwcore.attribute(model, method="contribution_intra", input_ids=ids)
 
 
 def test_a_block_cwcore_cannot_decompose_is_skipped_by_default_and_refused_when_asked_for():
