@@ -80,6 +80,11 @@ def _as_2d(name: str, value, caller: str) -> torch.Tensor:
         try:
             value = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError):
+            rows = value if isinstance(value, (list, tuple)) else ()
+            lengths = sorted({len(row) for row in rows if isinstance(row, (list, tuple))})
+            if len(lengths) > 1:  # a tokenizer's output for several texts without padding
+                raise InputError(f"{caller}: {name} holds sequences of unequal lengths ({lengths[0]} to {lengths[-1]} "
+                                 "tokens); pad them: tokenizer(texts, padding=True, return_tensors='pt')") from None
             raise InputTypeError(f"{caller}: {name} must be a tensor of token ids, got {type(value).__name__}") from None
     if value.ndim == 1:
         value = value[None]  # one sequence: a batch of one

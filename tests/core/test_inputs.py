@@ -97,3 +97,14 @@ def test_no_inputs_at_all_is_one_sentence_before_the_model_runs(model, entry):
     with pytest.raises(ValueError, match=rf"^{name}: no inputs: give the model's inputs as keywords, e.g. "
                                          rf"{name}\(model, \*\*tokenizer\(text, return_tensors='pt'\)\)$"):
         entry(model)
+
+
+def test_ragged_token_lists_say_to_pad_them(model):
+    # tokenizer(["The cat sat", "Hi"]) without padding: before, "input_ids must be a tensor of token ids, got
+    # list", though rectangular lists are accepted
+    with pytest.raises(ValueError, match=r"^decompose: input_ids holds sequences of unequal lengths \(2 to 3 tokens\); "
+                                         r"pad them: tokenizer\(texts, padding=True, return_tensors='pt'\)$"):
+        cwcore.decompose(model, input_ids=[[5, 6, 7], [8, 9]])
+    rectangular = cwcore.decompose(model, layers=0, input_ids=[[5, 6, 7], [8, 9, 10]])
+    assert torch.equal(rectangular.attention[0], cwcore.decompose(model, layers=0, input_ids=torch.tensor(
+        [[5, 6, 7], [8, 9, 10]])).attention[0])
