@@ -22,11 +22,27 @@ from .thread_state import outside_sessions
 
 __all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
            "UnsupportedModelError", "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window",
-           "sliding_windows", "layer_type", "final_norm", "FINAL_NORMS", "post_attention_norms"]
+           "sliding_windows", "layer_type", "final_norm", "FINAL_NORMS", "post_attention_norms", "require_causal"]
 
 
 class UnsupportedModelError(ValueError):
     """The model's attention blocks or their output projections could not be found."""
+
+
+def require_causal(probs: torch.Tensor, layer: int, caller: str, why: str,
+                   valid_queries: torch.Tensor | None = None) -> None:
+    """Refuse a layer whose queries attend to later keys (an encoder, a masked LM), measured on the
+    probabilities it applied, ``probs`` ``[batch, head, query, key]``: ``why`` says what ``caller``
+    computes that only a causal decoder defines (a next token, a tail of keys 0..i). ``valid_queries``
+    ``[batch, query]`` bool: padded queries are not read (a left-padded row whose every key is masked may
+    be given all keys by the model)."""
+    later = probs.detach().triu(1)
+    if valid_queries is not None:
+        later = later.masked_fill(~valid_queries.to(later.device)[:, None, :, None], 0.0)
+    if bool((later > 0).any()):
+        raise UnsupportedModelError(
+            f"{caller}: attention layer {layer} attends to later keys (up to {float(later.max()):.3g} of a query's "
+            f"attention lies above the diagonal), so {why}; it is defined for causal decoders only")
 
 
 # An output-projection finder takes (attention module, its parent module) and returns

@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.architectures import attention_blocks
+from ..core.architectures import UnsupportedModelError, attention_blocks, require_causal
 from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
 from ..core.interventions import intervene, removal, value_sums
 from ..cache import caching_enabled
@@ -199,7 +199,22 @@ class Sweep:
                     for mode, count in chosen.removed.items():
                         removed[spec.label][mode] += count
 
-            logits = self._forward(batch, observers={layer: [ranker] for layer in observed})
+            refused: list[UnsupportedModelError] = []
+
+            def causal(call):  # a next-token objective: a model that reads later keys has none
+                if not refused:
+                    try:
+                        require_causal(call.probs, call.layer, "faithfulness",
+                                       "there is no next-token perplexity to measure", call.valid_queries())
+                    except UnsupportedModelError as error:
+                        refused.append(error)
+
+            observers = {layer: [causal] for layer in self.layers}
+            for layer in observed:
+                observers.setdefault(layer, []).append(ranker)
+            logits = self._forward(batch, observers=observers)  # a model without logits is refused for that first
+            if refused:
+                raise refused[0]
         return logits, buckets, removed
 
     # -- one batch ---------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import runs
 from ..cache import caching_enabled
-from ..core.architectures import attention_blocks, layer_type
+from ..core.architectures import attention_blocks, layer_type, require_causal
 from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
@@ -566,6 +566,8 @@ def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_
         collectors = [spec.collector(model, ids, start, compute_dtype, **spec.options) for spec in todo]
 
         def on_layer(s: LayerState):
+            # each analysis reads key 0 as the sink and keys 1..i as query i's tail
+            require_causal(s.probs, s.layer, "sink analyses", "keys after the query would be left out of its tail")
             for collector in collectors:
                 collector.on_layer(s)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cwcore
+import cwcore.faithfulness as fa
 from cwcore.faithfulness import methods
 from test_methods import _alti_row, _decoder_layers, _eager, _ids, _model, _terms
 
@@ -100,7 +101,9 @@ def test_padding_rows_are_nan_and_padded_keys_zero_as_in_decompose():
     model, ids = _model("llama").float(), _ids(n=1, length=7, seed=5)
     padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 2, dtype=torch.long), torch.ones_like(ids)], 1)
-    for method in ("alti", "contribution"):
+    # grad_x_input: its refusal of models that attend to later keys must not read the padded queries (a
+    # left-padded row with every key masked may be given all keys)
+    for method in ("alti", "contribution", "grad_x_input"):
         alone = cwcore.attribute(model, method=method, input_ids=ids)
         batch = cwcore.attribute(model, method=method, input_ids=padded, attention_mask=mask)
         for layer in range(2):
@@ -108,6 +111,27 @@ def test_padding_rows_are_nan_and_padded_keys_zero_as_in_decompose():
             torch.testing.assert_close(real, alone[layer], rtol=1e-5, atol=1e-6)
             assert batch[layer][..., :2, :].isnan().all()
             assert (batch[layer][..., 2:, :2] == 0).all()
+
+
+def test_a_masked_language_model_is_refused_by_the_next_token_methods():
+    import transformers as tf
+
+    from cwcore.core.architectures import UnsupportedModelError
+    from tiny_models import tiny_model
+
+    torch.manual_seed(0)
+    config = tiny_model("bert").config
+    masked_lm = tf.BertForMaskedLM(config).eval()
+    ids = torch.tensor([[5, 7, 9, 11, 13, 2]])
+    # before: its masked-LM logits were read as next-token scores, a plausible attribution of nothing the model does
+    with pytest.raises(UnsupportedModelError, match=r"^grad_x_input: attention layer 0 attends to later keys"):
+        cwcore.attribute(masked_lm, method="grad_x_input", input_ids=ids)
+    with pytest.raises(UnsupportedModelError, match=r"^faithfulness: attention layer 0 attends to later keys"):
+        fa.faithfulness_curve(masked_lm, None, ids, metric=["random"], ratios=[0.1], mode="comprehensiveness",
+                              progress=False)
+    # the control: the methods that do not read a next token take it
+    torch.testing.assert_close(cwcore.attribute(masked_lm, method="contribution", input_ids=ids)[0],
+                               cwcore.decompose(masked_lm, input_ids=ids)[0].contribution("inter"))
 
 
 def test_method_scores_keeps_the_sweeps_head_copies_and_attribute_does_not():

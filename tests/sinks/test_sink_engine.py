@@ -225,3 +225,15 @@ def test_one_analysis_named_alone_is_that_analysis_not_its_letters():
     assert list(alone) == ["rates"]
     pd.testing.assert_frame_equal(alone["rates"], listed["rates"])
     pd.testing.assert_frame_equal(alone["rates"], sinks.sink_rates(model, None, ids, **FAST))
+
+
+def test_an_encoder_is_refused_not_summarised_over_part_of_its_keys():
+    # before: a bidirectional model ran, each analysis reading keys 1..i as query i's tail and silently leaving
+    # out the keys after i (half of an encoder's attention)
+    from cwcore.core.architectures import UnsupportedModelError
+
+    ids = random_ids(n=2)
+    with pytest.raises(UnsupportedModelError, match="attention layer 0 attends to later keys"):
+        sinks.sink_rates(tiny_model("bert"), None, ids, **FAST)
+    rates = sinks.sink_rates(tiny_model("llama"), None, ids, **FAST)  # the control: a decoder of the same size runs
+    assert len(rates) > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.architectures import UnsupportedModelError
+from ...core.architectures import UnsupportedModelError, require_causal
 from .registry import register_method
 
 __all__ = ["grad_x_input"]
@@ -21,6 +21,10 @@ def grad_x_input(layer_decomposition, output_gradient, **_):
     if output_gradient is None:
         raise UnsupportedModelError("grad_x_input: the attention output's gradient was not computed")
     geometry = layer_decomposition.geometry
+    valid = layer_decomposition.key_valid  # self-attention: a padded key is a padded query
+    require_causal(geometry.attention, layer_decomposition.layer, "grad_x_input",
+                   "its next-token log-likelihood (what the gradient differentiates) is not the model's objective",
+                   valid if valid is not None and valid.shape[-1] == geometry.attention.shape[-2] else None)
     g = output_gradient.to(geometry.values.dtype)
     pulled = torch.einsum("bqm,hmd->bhqd", g, geometry.w_o)
     return geometry.attention * (pulled @ geometry.values.transpose(-1, -2))
