@@ -218,6 +218,16 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     kwargs["attn_implementation"] = attention
     if device is not None and kwargs.get("device_map") is not None:
         raise ValueError("pass either device or device_map, not both")
+    if device is not None:  # before the load: torch's own error comes from deep inside .to(device), after it
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device: {error}") from None
+        available = {"cuda": torch.cuda.is_available,
+                     "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+        if device.type in available and not available[device.type]():
+            raise ValueError(f"device={str(device)!r}: this torch ({torch.__version__}) has no {device.type} device "
+                             "available; load on 'cpu', or install a torch build for that device")
     key = _packaged_key(name)
     if key is None and isinstance(name, str) and variant is None:
         for suffix in VARIANTS:

@@ -375,6 +375,16 @@ def test_conflicting_arguments_are_rejected(tmp_path):
         load_model("minilm-l6", device="cpu", device_map="auto")
     with pytest.raises(ValueError, match="'eager', 'sdpa'"):  # sdpa is one of the two (the manual's SDPA path, How it works)
         load_model("minilm-l6", attn_implementation="flex_attention")
+    with pytest.raises(ValueError, match=r"^device: "):  # torch's own words for a device it does not know
+        load_model("minilm-l6", device="cpux")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there to load on")
+def test_a_device_this_torch_lacks_is_one_sentence_before_the_load():
+    # before: torch's "Torch not compiled with CUDA enabled" AssertionError from inside .to(), after the load
+    with pytest.raises(ValueError, match=r"^device='cuda': this torch \(.*\) has no cuda device available; load on "
+                                         r"'cpu', or install a torch build for that device$"):
+        load_model("smollm2-135m", device="cuda")
 
 
 @pytest.mark.parametrize("name", ["no-such-org/no-such-model-cwcore", "smollm3-135m",

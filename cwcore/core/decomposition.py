@@ -430,7 +430,7 @@ class Decomposition:
         Columns: ``sequence`` (row of the batch), ``layer``, ``head``, ``query``, ``key`` (positions
         among the sequence's real tokens, so a padded row reads like its unpadded sequence),
         ``query_token`` and ``key_token`` (with a ``tokenizer``: its ``convert_ids_to_tokens`` of the
-        decomposed ids), ``attention`` (alpha_ij as the model applies it), ``norm_ratio``
+        decomposed ids), ``attention`` (alpha_ij as the model applies it), ``relative_norm``
         (||v~_j|| / ||o_i||), ``cosine`` (cos(o_i, v~_j)) and ``contribution`` (c_ij), the last three
         normalised by the output of ``kind`` (``"inter"``: the combined output, ``"intra"``: the head's).
         Padded queries and keys have no rows; in a causal layer (all attention above the diagonal exactly
@@ -438,7 +438,8 @@ class Decomposition:
         """
         import pandas as pd
 
-        chosen = self.layers if layers is None else ([layers] if isinstance(layers, int) else list(layers))
+        chosen = self.layers if layers is None else (
+            [_plain_integer(layers)] if _is_integer_number(layers) else [_plain_integer(x) for x in layers])
         input_ids = getattr(self, "input_ids", None)  # a decomposition pickled before it held them has none
         if tokenizer is not None and input_ids is None:
             raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
@@ -473,7 +474,7 @@ class Decomposition:
                 names = {int(t): tokenizer.convert_ids_to_tokens(int(t)) for t in ids.unique()}
                 columns["query_token"] = [names[int(t)] for t in ids[rows, query]]
                 columns["key_token"] = [names[int(t)] for t in ids[rows, key]]
-            for name, values in (("attention", attention), ("norm_ratio", ld.relative_norm(kind)),
+            for name, values in (("attention", attention), ("relative_norm", ld.relative_norm(kind)),
                                  ("cosine", ld.cosine(kind)), ("contribution", ld.contribution(kind))):
                 columns[name] = values[:, index][keep].cpu().numpy()
             frames.append(pd.DataFrame(columns))

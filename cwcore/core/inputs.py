@@ -143,6 +143,8 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
                         f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")
     inputs = dict(inputs)
     ids = inputs.get("input_ids")
+    if ids is not None and inputs.get("inputs_embeds") is not None:  # else the model's own error, many frames deep
+        raise InputError(f"{caller}: give input_ids or inputs_embeds, not both")
     if ids is not None:
         ids = _as_2d("input_ids", ids, caller)
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():

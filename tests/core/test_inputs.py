@@ -108,3 +108,24 @@ def test_ragged_token_lists_say_to_pad_them(model):
     rectangular = cwcore.decompose(model, layers=0, input_ids=[[5, 6, 7], [8, 9, 10]])
     assert torch.equal(rectangular.attention[0], cwcore.decompose(model, layers=0, input_ids=torch.tensor(
         [[5, 6, 7], [8, 9, 10]])).attention[0])
+
+
+@pytest.mark.parametrize("entry", [cwcore.decompose, cwcore.summarize, cwcore.attribute])
+def test_ids_and_embeddings_together_are_one_sentence(model, entry):
+    # before: transformers' "You must specify exactly one of input_ids or inputs_embeds", many frames deep
+    embeds = model.get_input_embeddings()(IDS)
+    with pytest.raises(ValueError, match=rf"^{entry.__name__}: give input_ids or inputs_embeds, not both$"):
+        entry(model, input_ids=IDS, inputs_embeds=embeds)
+    # the control: either alone is taken, and they decompose alike
+    torch.testing.assert_close(cwcore.decompose(model, layers=0, inputs_embeds=embeds).attention[0],
+                               cwcore.decompose(model, layers=0, input_ids=IDS).attention[0])
+
+
+def test_to_frame_takes_a_numpy_layer_number(model):
+    import numpy as np
+
+    d = cwcore.decompose(model, input_ids=IDS)
+    # before: list(np.int64(1)) raised "'numpy.int64' object is not iterable"
+    assert d.to_frame(layers=np.int64(1)).equals(d.to_frame(layers=1))
+    assert d.to_frame(layers=[np.int64(0), 1]).equals(d.to_frame(layers=[0, 1]))
+    assert set(d.to_frame(layers=1)["layer"]) == {1}

@@ -45,7 +45,7 @@ def _naive_rows(model, ids: torch.Tensor, sequence: int) -> list[dict]:
                     v, o = projected[h, j], output[i]
                     rows.append(dict(sequence=sequence, layer=l, head=h, query=i, key=j,
                                      query_token=f"tok{int(ids[i])}", key_token=f"tok{int(ids[j])}",
-                                     attention=float(alpha[h, i, j]), norm_ratio=float(v.norm() / o.norm()),
+                                     attention=float(alpha[h, i, j]), relative_norm=float(v.norm() / o.norm()),
                                      cosine=float(v @ o / (v.norm() * o.norm())),
                                      contribution=float(alpha[h, i, j] * (v @ o) / (o @ o))))
     return rows
@@ -61,7 +61,7 @@ def test_one_row_per_real_term_with_the_naive_values():
     d = cwcore.decompose(model, input_ids=padded, attention_mask=mask)
     frame = d.to_frame(tokenizer=NumberTokens())
     assert list(frame.columns) == ["sequence", "layer", "head", "query", "key", "query_token", "key_token",
-                                   "attention", "norm_ratio", "cosine", "contribution"]
+                                   "attention", "relative_norm", "cosine", "contribution"]
     expected = pd.DataFrame(_naive_rows(model, ids[0], 0) + _naive_rows(model, ids[1, 2:], 1))
     assert len(frame) == len(expected) == 2 * 4 * (28 + 15)  # causal pairs of 7 and 5 real tokens, per head and layer
     order = ["sequence", "layer", "head", "query", "key"]
@@ -69,7 +69,7 @@ def test_one_row_per_real_term_with_the_naive_values():
     expected = expected.sort_values(order).reset_index(drop=True)
     pd.testing.assert_frame_equal(frame[order + ["query_token", "key_token"]], expected[order + ["query_token", "key_token"]],
                                   check_dtype=False)
-    for column in ("attention", "norm_ratio", "cosine", "contribution"):
+    for column in ("attention", "relative_norm", "cosine", "contribution"):
         assert frame[column].notna().all(), column
         torch.testing.assert_close(torch.tensor(frame[column].to_numpy(), dtype=torch.float64),
                                    torch.tensor(expected[column].to_numpy()), rtol=2e-4, atol=2e-6, msg=column)
@@ -91,7 +91,7 @@ def test_selection_and_intra_read_the_tensors():
         assert row.attention == pytest.approx(float(ld.attention[where]), abs=1e-7)
         assert row.contribution == pytest.approx(float(ld.contribution("intra")[where]), abs=1e-7)
         assert row.cosine == pytest.approx(float(ld.cosine("intra")[where]), abs=1e-7)
-        assert row.norm_ratio == pytest.approx(float(ld.relative_norm("intra")[where]), rel=1e-6)
+        assert row.relative_norm == pytest.approx(float(ld.relative_norm("intra")[where]), rel=1e-6)
     assert len(frame) == 2 * 21
     with pytest.raises(ValueError, match=r"heads \[7\] are out of range: layer 0 has 4 heads"):
         d.to_frame(heads=7)
