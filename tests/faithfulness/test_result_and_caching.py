@@ -157,3 +157,28 @@ def test_a_layer_number_and_negative_layers_are_read_as_the_check_reads_them(pea
     got = fa.faithfulness_curve(model, None, ids[:4], layers=layers, **options).per_sequence
     want = fa.faithfulness_curve(model, None, ids[:4], layers=same, **options).per_sequence
     pd.testing.assert_frame_equal(got, want, check_exact=True)
+
+
+def test_a_metric_reading_a_value_of_the_users_module_recomputes_when_it_changes(peaked, tmp_path, monkeypatch,
+                                                                                   points):
+    """`settings.SIGN` read through an imported module of the user's own is in the key like a global of the
+    metric's module: the curve cached for SIGN = 1 is not served once SIGN = -1 (it was, before)."""
+    import importlib
+
+    (tmp_path / "fault_settings.py").write_text("SIGN = 1.0\n")
+    (tmp_path / "fault_metric.py").write_text(
+        "import fault_settings\n\n\ndef signed_attention(layer_decomposition, **context):\n"
+        "    return layer_decomposition.attention * fault_settings.SIGN\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings, metric = importlib.import_module("fault_settings"), importlib.import_module("fault_metric")
+    model, ids = peaked
+    options = dict(ratios=[0.3], batch_size=4, progress=False, n_bootstrap=10)
+    with cache.caching(tmp_path / "cache"):
+        fa.faithfulness_curve(model, None, ids[:4], {"mine": metric.signed_attention}, **options)
+        assert len(points) == 2
+        points.clear()
+        monkeypatch.setattr(settings, "SIGN", -1.0)
+        cached = fa.faithfulness_curve(model, None, ids[:4], {"mine": metric.signed_attention}, **options)
+    assert len(points) == 2  # computed again, not served
+    fresh = fa.faithfulness_curve(model, None, ids[:4], {"mine": metric.signed_attention}, **options)
+    pd.testing.assert_frame_equal(cached.per_sequence, fresh.per_sequence, check_exact=True)

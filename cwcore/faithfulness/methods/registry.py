@@ -8,6 +8,7 @@ import hashlib
 import inspect
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -129,20 +130,60 @@ def _repr_digest(value: Any, seen: set | None = None) -> str:
     return text
 
 
-def _globals_read(target) -> dict:
-    """The module-level values a function's code names (its globals and builtins are resolved as the
-    function would), the attributes it reads from them included through the values themselves."""
-    code = target.__code__
-    names, stack = set(), [code]
+#: packages whose functions a metric's identity takes by name and code only (their globals are not read)
+_LIBRARY_PACKAGES = ("cwcore", "torch", "numpy", "transformers")
+
+
+def _names_read(target) -> set:
+    """Every name a function's code reads: globals and attribute names, nested functions' included."""
+    names, stack = set(), [target.__code__]
     while stack:  # nested functions and comprehensions have code objects of their own
         current = stack.pop()
         names.update(current.co_names)
         stack.extend(c for c in current.co_consts if hasattr(c, "co_names"))
+    return names
+
+
+def _globals_read(target) -> dict:
+    """The module-level values a function's code names (its globals and builtins are resolved as the
+    function would), the attributes it reads from them included through the values themselves."""
     module_globals = getattr(target, "__globals__", {})
-    return {name: module_globals[name] for name in sorted(names) if name in module_globals}
+    return {name: module_globals[name] for name in sorted(_names_read(target)) if name in module_globals}
+
+
+def _is_users_module(module) -> bool:
+    """A module of the user's own (a file outside the standard library and the installed packages), whose
+    values a metric may read as ``module.NAME``."""
+    import sysconfig
+
+    file = getattr(module, "__file__", None)
+    if not file or module.__name__.startswith(_LIBRARY_PACKAGES):
+        return False
+    installed = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    resolved = str(Path(file).resolve())
+    return not any(resolved.startswith(str(Path(folder).resolve()) + "/") for folder in installed)
+
+
+def _module_values_read(module, names: set, seen: set) -> str:
+    """The digest of the values of a user's ``module`` that a function reads as ``module.<name>``
+    (``names``: every name its code reads); a library module is its name only."""
+    import types
+
+    if id(module) in seen or not _is_users_module(module):
+        return f"<module {module.__name__}>"
+    seen.add(id(module))
+    parts = [f"<module {module.__name__}>"]
+    for name in sorted(names):
+        if name in vars(module):
+            value = vars(module)[name]
+            parts.append(name + "=" + (_module_values_read(value, names, seen) if isinstance(value, types.ModuleType)
+                                       else _repr_digest(value, seen)))
+    return ";".join(parts)
 
 
 def _method_digest(fn: Callable, seen: set) -> str:
+    import types
+
     target = getattr(fn, "__func__", fn)
     if id(target) in seen:
         return f"<recursive {getattr(target, '__qualname__', '')}>"
@@ -166,10 +207,14 @@ def _method_digest(fn: Callable, seen: set) -> str:
             continue
         digest.update(_repr_digest(contents, seen).encode())
     module = getattr(target, "__module__", "") or ""
-    if not module.startswith(("cwcore", "torch", "numpy", "transformers")):  # a user's code: what it reads too
+    if not module.startswith(_LIBRARY_PACKAGES):  # a user's code: what it reads too
+        names = _names_read(target)
         for name, value in _globals_read(target).items():
             digest.update(name.encode())
-            digest.update(_repr_digest(value, seen).encode())
+            if isinstance(value, types.ModuleType):  # a value read through it: `settings.THRESHOLD`
+                digest.update(_module_values_read(value, names, seen).encode())
+            else:
+                digest.update(_repr_digest(value, seen).encode())
     if hasattr(fn, "__self__"):
         digest.update(_repr_digest(getattr(fn.__self__, "__dict__", fn.__self__), seen).encode())
     return digest.hexdigest()
@@ -177,7 +222,8 @@ def _method_digest(fn: Callable, seen: set) -> str:
 
 def method_key(fn: Callable) -> str:
     """The identity of a callable, ``<qualified name>-<hash>``: its code, constants, defaults, closure and
-    the module-level names it reads, recursively (a global threshold, a helper's code, a tensor's bytes),
+    the module-level names it reads, recursively (a global threshold, a helper's code, a tensor's bytes,
+    a value of the user's own module read as ``settings.THRESHOLD``),
     so a curve cached for one value of a global is never served after it changes. A value with no stable
     identity (``repr`` its address) raises :class:`UncacheableMetric`."""
     target = getattr(fn, "__func__", fn)
