@@ -28,6 +28,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -462,11 +463,20 @@ def run_record(folder: Path) -> dict | None:
     return stored
 
 
+#: the temporary files :func:`atomic_write_bytes` leaves in a run folder when killed: ``.<file>.<random>.tmp`` of
+#: a piece, a checksum or ``parameters.json`` (another ``.<name>.tmp`` is someone else's and is left alone)
+_TEMPORARY_NAME = re.compile(r"\.(?:parameters\.json|.+\.parquet(?:\.sha256)?)\.[A-Za-z0-9_]+\.tmp")
+
+
+def _cache_temporary(name: str) -> bool:
+    """Whether ``name`` is a temporary file of the cache's own atomic writes in a run folder."""
+    return _TEMPORARY_NAME.fullmatch(name) is not None
+
+
 def _written_by_cache(path: Path) -> bool:
     """A name the cache writes in a run folder: a piece, its checksum, a temporary file, ``parameters.json``."""
     name = path.name
-    return name == "parameters.json" or name.endswith((".parquet", ".parquet" + CHECKSUM_SUFFIX)) or (
-        name.startswith(".") and name.endswith(".tmp"))
+    return name == "parameters.json" or name.endswith((".parquet", ".parquet" + CHECKSUM_SUFFIX)) or _cache_temporary(name)
 
 
 def _remove_run(folder: Path) -> None:
@@ -499,7 +509,7 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
         for path in sorted(folder.iterdir()):
             if path.is_symlink() or not path.is_file():
                 continue
-            if path.name.startswith(".") and path.name.endswith(".tmp"):
+            if _cache_temporary(path.name):
                 try:
                     old = now - path.stat().st_mtime > ABANDONED_AFTER_SECONDS
                 except OSError:

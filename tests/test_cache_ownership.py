@@ -48,6 +48,26 @@ def test_prune_and_repair_leave_folders_the_cache_did_not_write(tmp_path):
     assert [p.name for p in run.directory.iterdir()] == ["notes.txt"]  # the cache's files went, not the user's
 
 
+
+def test_a_users_temporary_file_in_a_run_folder_is_left_alone(tmp_path):
+    """Only the cache's own temporary names (``.<piece>.parquet.<random>.tmp``) are a killed writer's
+    left-overs: an hour-old ``.notes.tmp`` of the user's in a run folder survives ``verify --repair`` and
+    ``prune(everything=True)`` (both deleted it before)."""
+    run = ResultCache("demo", {"a": 1}, root=tmp_path)
+    run.put("p", pd.DataFrame({"x": [1.0]}))
+    (run.directory / ".notes.tmp").write_text("mine")
+    (run.directory / ".p.parquet.k3j9x0qa.tmp").write_bytes(b"half a piece")  # a killed writer's
+    _age(run.directory, 7200)
+
+    problems = cache.verify(tmp_path, repair=True)
+    assert [(os.path.basename(p["path"]), p["action"]) for p in problems] == [(".p.parquet.k3j9x0qa.tmp", "deleted")]
+    assert sorted(p.name for p in run.directory.iterdir()) == [".notes.tmp", "p.parquet", "p.parquet.sha256",
+                                                              "parameters.json"]
+    _age(run.directory, 7200)
+    assert list(cache.prune(tmp_path, everything=True)["key"]) == [run.directory.name]
+    assert [p.name for p in run.directory.iterdir()] == [".notes.tmp"]
+    assert (run.directory / ".notes.tmp").read_text() == "mine"
+
 def test_a_piece_copied_under_another_key_is_not_served(tmp_path):
     poisoned = ResultCache("demo", {"a": 1}, root=tmp_path)
     poisoned.put("p", pd.DataFrame({"x": [666.0]}))
