@@ -170,12 +170,21 @@ def verify_piece(path: str | os.PathLike) -> str | None:
     return _check_piece(path, data)[1]
 
 
-def _discard_piece(path: Path) -> None:
+def _discard_piece(path: Path) -> str | None:
+    """Delete a piece and its checksum; why one of them could not be deleted (a read-only cache), or None."""
+    failure = None
     for file in (path, _checksum_path(path)):
-        try:
-            file.unlink(missing_ok=True)
-        except OSError:
-            pass
+        failure = _unlink(file) or failure
+    return failure
+
+
+def _unlink(path: Path) -> str | None:
+    """Delete ``path`` (gone already is fine); why it could not be, or None."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 _unwritable: dict[str, str] = {}  # cache roots this process could not write to -> why (warned once each)
@@ -373,8 +382,9 @@ class ResultCache:
             return None
         frame, problem = _check_piece(path, data)
         if problem is not None:
-            _discard_piece(path)
-            warnings.warn(f"cwcore: cached piece {path} was damaged ({problem}); deleted it, computing it again",
+            failure = _discard_piece(path)
+            done = "deleted it" if failure is None else f"could not delete it ({failure})"
+            warnings.warn(f"cwcore: cached piece {path} was damaged ({problem}); {done}, computing it again",
                           CacheWarning, stacklevel=2)
         return frame
 
@@ -500,7 +510,9 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
     def report(path: Path, problem: str, remove: bool = True):
         action = ("deleted" if repair else "would delete") if remove else "left alone"
         if repair and remove:
-            _discard_piece(path) if path.suffix == ".parquet" else path.unlink(missing_ok=True)
+            failure = _discard_piece(path) if path.suffix == ".parquet" else _unlink(path)
+            if failure is not None:  # a read-only cache: the damage stays, and is reported as unrepaired
+                action = f"could not delete: {failure}"
         problems.append({"path": str(path), "problem": problem, "action": action})
 
     for folder in sorted(base.glob("*/*")) if base.is_dir() else []:

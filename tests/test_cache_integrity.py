@@ -252,6 +252,33 @@ def test_cache_verify_reports_one_line_per_problem_and_repairs(tmp_path, monkeyp
     assert calls == [1]
 
 
+
+def test_repair_of_a_read_only_cache_says_it_could_not_delete(tmp_path, monkeypatch, capsys):
+    """A damaged piece that cannot be deleted (a read-only cache) is not reported as deleted and repaired:
+    ``verify --repair`` names the reason and exits 1, and a read says it could not delete the piece (both
+    said 'deleted' before, and the repair exited 0)."""
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    store = ResultCache("demo", {"a": 1}, root=tmp_path)
+    store.put("short", FRAME)
+    _truncate(store.directory / "short.parquet")
+    size = (store.directory / "short.parquet").stat().st_size
+    unlink = Path.unlink
+
+    def read_only(self, missing_ok=False):
+        if self.parent == store.directory:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    assert cli.main(["cache", "verify", "--repair"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == [f"{store.directory / 'short.parquet'}: its checksum does not match (truncated, overwritten, or "
+                     f"copied from another key or piece: {size} bytes) [could not delete: Read-only file system]",
+                     f"1 problem(s) under {tmp_path}, 0 repaired"]
+    with pytest.warns(CacheWarning, match=r"could not delete it \(Read-only file system\), computing it again"):
+        assert store.get("short") is None
+    assert (store.directory / "short.parquet").exists()
+
 # --------------------------------------------------------------------------------------------------
 # converted models: checksums in the marker, damage detected and converted again
 # --------------------------------------------------------------------------------------------------
