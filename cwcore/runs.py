@@ -362,6 +362,10 @@ class _Failure:
         self.error = error
 
 
+class _RankLost(RuntimeError):
+    """The exchange of results failed: another rank is gone (killed, or left without sending its share)."""
+
+
 def _gather_map(items: list, compute: Callable, rank: int, size: int, group, bar) -> list:
     import torch.distributed as dist
 
@@ -377,7 +381,10 @@ def _gather_map(items: list, compute: Callable, rank: int, size: int, group, bar
     finally:
         _inside_shard = False
     gathered: list = [None] * size
-    dist.all_gather_object(gathered, mine, group=group)
+    try:
+        dist.all_gather_object(gathered, mine, group=group)
+    except RuntimeError as err:  # gloo: "Connection closed by peer" when a rank died without a word
+        raise _RankLost(str(err)) from err
     for part in gathered:
         if isinstance(part, _Failure):
             if part.rank == rank:
@@ -474,6 +481,26 @@ def _helper(rank: int, size: int, address: str, items: list, compute: Callable) 
         os._exit(status)
 
 
+def _dead_helpers(helpers) -> list[str]:
+    """How each forked rank that is gone ended (``rank 1 of 2 was killed by SIGKILL``), waiting a little for
+    its exit status."""
+    import signal
+
+    size, dead = len(helpers) + 1, []
+    for rank, helper in enumerate(helpers, start=1):
+        helper.join(timeout=5)
+        code = helper.exitcode
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+            how = f"was killed by {name}" + (" (out of memory, or killed from outside)" if -code == signal.SIGKILL else "")
+        else:
+            how = f"exited with status {code}"
+        dead.append(f"rank {rank} of {size} {how}")
+    return dead
+
+
 def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
     """:func:`shard_map` over ``jobs`` ranks of this machine: this process is rank 0, the others are
     forked from it (they share its model and data), every rank single-threaded."""
@@ -500,6 +527,13 @@ def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
             return _gather_map(items, compute, 0, jobs, None, bar)
         finally:
             dist.destroy_process_group()
+    except _RankLost as err:
+        dead = _dead_helpers(helpers)
+        if not dead:
+            raise
+        raise RuntimeError(f"${JOBS_ENV_VAR}: {'; '.join(dead)} during the sweep, so its share of the results never "
+                           f"came back; run it again (finished cached pieces are kept), or with fewer ranks "
+                           f"(${JOBS_ENV_VAR}=1 runs in this process alone)") from err
     finally:
         torch.set_num_threads(threads)
         for helper in helpers:

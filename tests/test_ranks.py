@@ -49,6 +49,36 @@ def test_shard_map_splits_items_round_robin_over_forked_ranks_and_keeps_the_orde
         runs.shard_map(range(4), lambda i: 1 / (i % 2 - 1))  # rank 1's items divide by zero
 
 
+def test_a_forked_rank_killed_mid_sweep_is_one_clear_error(monkeypatch):
+    """A helper rank killed outright (the out-of-memory killer's SIGKILL) or leaving with an exit status ends the
+    sweep in one sentence naming the rank and how it ended (it was gloo's 'Connection closed by peer ... GLHF'),
+    and the next sweep of this process runs."""
+    import re
+    import signal
+
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    parent = os.getpid()
+
+    def killed(i):
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+    def leaves(i):
+        if os.getpid() != parent:
+            os._exit(3)
+        return i
+
+    advice = ("during the sweep, so its share of the results never came back; run it again (finished cached pieces "
+              "are kept), or with fewer ranks ($CWCORE_JOBS=1 runs in this process alone)")
+    with pytest.raises(RuntimeError) as killed_error:
+        runs.shard_map(range(4), killed)
+    assert str(killed_error.value) == ("$CWCORE_JOBS: rank 1 of 2 was killed by SIGKILL (out of memory, or killed "
+                                       f"from outside) {advice}")
+    with pytest.raises(RuntimeError, match=re.escape(f"$CWCORE_JOBS: rank 1 of 2 exited with status 3 {advice}")):
+        runs.shard_map(range(4), leaves)
+    assert runs.shard_map(range(3), lambda i: i * 10) == [0, 10, 20]
+
 def test_two_forked_ranks_give_the_single_process_faithfulness_frame(monkeypatch, one_thread):
     model, ids = tiny_model("llama"), _ids()
     alone = _curve(model, ids)
