@@ -353,6 +353,7 @@ class ResultCache:
         self.directory = self.root / "results" / namespace / parameters_key(parameters, self.code)
         self.hits = 0  # reads that found their piece (get), and those that did not
         self.misses = 0
+        self._recorded = False  # this run folder's parameters.json was found sound, or written, by this object
 
     def _path(self, piece: str) -> Path:
         return self.directory / f"{piece}.parquet"
@@ -398,11 +399,12 @@ class ResultCache:
             return
         data = frame.to_parquet(index=False)
         try:
-            if not (self.directory / "parameters.json").exists():
+            if not self._recorded and run_record(self.directory) is None:  # missing, or damaged: written again
                 text = json.dumps({RUN_MARKER: RUN_FORMAT, "key": self.directory.name,
                                    "parameters": _canonical(self.parameters), "code": code_version(self.code),
                                    "code_scope": list(self.code)}, indent=1)
                 atomic_write_bytes(self.directory / "parameters.json", text.encode())
+            self._recorded = True
             write_piece(self._path(piece), data)
         except OSError as err:  # read-only folder, full disk, ...: run on without the cache
             _mark_unwritable(self.root, err)
@@ -483,6 +485,14 @@ def _cache_temporary(name: str) -> bool:
     return _TEMPORARY_NAME.fullmatch(name) is not None
 
 
+def _damaged_run_record(folder: Path) -> bool:
+    """A folder named like a run's key (20 hex digits) whose ``parameters.json`` does not read as its run record:
+    most likely the cache's own, damaged (its files are still left alone: it may be someone else's)."""
+    record = folder / "parameters.json"
+    return (re.fullmatch(r"[0-9a-f]{20}", folder.name) is not None and not folder.is_symlink() and record.is_file()
+            and run_record(folder) is None)
+
+
 def _written_by_cache(path: Path) -> bool:
     """A name the cache writes in a run folder: a piece, its checksum, a temporary file, ``parameters.json``."""
     name = path.name
@@ -517,6 +527,10 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
 
     for folder in sorted(base.glob("*/*")) if base.is_dir() else []:
         if run_record(folder) is None:  # not a run folder the cache wrote: nothing in it is checked or deleted
+            if _damaged_run_record(folder):
+                problems.append({"path": str(folder / "parameters.json"), "problem": (
+                    "not a run record the cache can read (damaged?): the folder's pieces are not checked and it is "
+                    "never pruned; delete the folder if it is the cache's"), "action": "left alone"})
             continue
         for path in sorted(folder.iterdir()):
             if path.is_symlink() or not path.is_file():

@@ -225,8 +225,10 @@ def _verify_command(root: Path, repair: bool) -> int:
     if not problems:
         print(f"cwcore cache: {root}: every cached piece and converted model verifies")
         return 0
-    print(f"{len(problems)} problem(s) under {root}" + (f", {fixed} repaired" if repair else
-                                                       "; `cwcore cache verify --repair` repairs them"))
+    repairable = sum(p["action"] != "left alone" for p in problems)
+    print(f"{len(problems)} problem(s) under {root}" + (
+        f", {fixed} repaired" if repair else
+        "; `cwcore cache verify --repair` repairs " + ("them" if repairable == len(problems) else f"{repairable} of them")))
     return 0 if repair and fixed == len(problems) else 1
 
 

@@ -68,6 +68,33 @@ def test_a_users_temporary_file_in_a_run_folder_is_left_alone(tmp_path):
     assert [p.name for p in run.directory.iterdir()] == [".notes.tmp"]
     assert (run.directory / ".notes.tmp").read_text() == "mine"
 
+
+def test_a_run_folder_with_a_damaged_record_is_reported_and_its_next_write_restores_it(tmp_path, capsys, monkeypatch):
+    """A run folder whose parameters.json is truncated is not the cache's to delete, but verify no longer says
+    everything verifies while its pieces go unchecked (one line, left alone, exit 1), and the next piece stored
+    there writes the record again, so verify, listing and prune see the run again (before: silent for ever)."""
+    from cwcore import cli
+
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    run = ResultCache("demo", {"a": 1}, root=tmp_path)
+    run.put("p", pd.DataFrame({"x": [1.0]}))
+    record = run.directory / "parameters.json"
+    record.write_bytes(record.read_bytes()[:20])
+    files = {p.name: p.read_bytes() for p in run.directory.iterdir()}
+
+    assert cli.main(["cache", "verify", "--repair"]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"{record}: not a run record the cache can read (damaged?): the folder's pieces are not checked and it is "
+        "never pruned; delete the folder if it is the cache's [left alone]", f"1 problem(s) under {tmp_path}, 0 repaired"]
+    assert {p.name: p.read_bytes() for p in run.directory.iterdir()} == files
+    assert cache.result_runs(tmp_path).empty
+
+    again = ResultCache("demo", {"a": 1}, root=tmp_path)
+    again.put("q", pd.DataFrame({"x": [2.0]}))
+    assert cache.run_record(run.directory)["parameters"] == {"a": 1}
+    assert list(cache.result_runs(tmp_path)["pieces"]) == [2]
+    assert cli.main(["cache", "verify"]) == 0
+
 def test_a_piece_copied_under_another_key_is_not_served(tmp_path):
     poisoned = ResultCache("demo", {"a": 1}, root=tmp_path)
     poisoned.put("p", pd.DataFrame({"x": [666.0]}))
