@@ -197,9 +197,12 @@ def _warn_unreadable(root: Path, path: Path, error: OSError) -> None:
     if key in _unreadable:
         return
     _unreadable[key] = error.strerror or str(error)
+    fix = {errno.ENOTDIR: "a file stands where the cache's folder or one inside it should be: point caching() or "
+                          "$CWCORE_CACHE at a folder",
+           errno.EISDIR: f"a folder stands where the piece {path.name} should be: delete it"}.get(
+        error.errno, "fix the folder's permissions")
     warnings.warn(f"cwcore: the result cache {root} cannot be read ({error.strerror or error}: {path.name}); "
-                  f"its pieces are computed again (fix the folder's permissions, or set {NO_CACHE_ENV_VAR}=1)",
-                  CacheWarning, stacklevel=4)
+                  f"its pieces are computed again ({fix}, or set {NO_CACHE_ENV_VAR}=1)", CacheWarning, stacklevel=4)
 
 
 def _mark_unwritable(root: Path, error: OSError) -> None:

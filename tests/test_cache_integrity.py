@@ -279,6 +279,25 @@ def test_repair_of_a_read_only_cache_says_it_could_not_delete(tmp_path, monkeypa
         assert store.get("short") is None
     assert (store.directory / "short.parquet").exists()
 
+
+def test_a_file_in_place_of_the_cache_folder_is_named_as_such(tmp_path, monkeypatch):
+    """caching() pointed at a file: the run goes on uncached with one warning that says a file stands in the
+    way (it advised fixing the folder's permissions), and the result is the computed one."""
+    monkeypatch.setattr(cache, "_unreadable", {})
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")
+    compute, calls = counting()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with cache.caching(blocker):
+            for _ in range(2):
+                pd.testing.assert_frame_equal(ResultCache("demo", {"a": 1}).get_or_compute("p", compute), FRAME)
+    assert calls == [1, 1]
+    assert [str(w.message) for w in caught] == [
+        f"cwcore: the result cache {blocker} cannot be read (Not a directory: p.parquet); its pieces are computed "
+        "again (a file stands where the cache's folder or one inside it should be: point caching() or $CWCORE_CACHE "
+        "at a folder, or set CWCORE_NO_CACHE=1)"]
+
 # --------------------------------------------------------------------------------------------------
 # converted models: checksums in the marker, damage detected and converted again
 # --------------------------------------------------------------------------------------------------
