@@ -402,7 +402,8 @@ class ResultCache:
             return
         data = frame.to_parquet(index=False)
         try:
-            if not self._recorded and run_record(self.directory) is None:  # missing, or damaged: written again
+            record = self.directory / "parameters.json"
+            if not record.exists() or (not self._recorded and run_record(self.directory) is None):  # or damaged
                 text = json.dumps({RUN_MARKER: RUN_FORMAT, "key": self.directory.name,
                                    "parameters": _canonical(self.parameters), "code": code_version(self.code),
                                    "code_scope": list(self.code)}, indent=1)

@@ -94,6 +94,9 @@ def test_a_run_folder_with_a_damaged_record_is_reported_and_its_next_write_resto
     assert cache.run_record(run.directory)["parameters"] == {"a": 1}
     assert list(cache.result_runs(tmp_path)["pieces"]) == [2]
     assert cli.main(["cache", "verify"]) == 0
+    record.unlink()  # removed while the run goes on (a prune): its next piece writes the record again
+    again.put("r", pd.DataFrame({"x": [3.0]}))
+    assert cache.run_record(run.directory)["parameters"] == {"a": 1}
 
 def test_a_piece_copied_under_another_key_is_not_served(tmp_path):
     poisoned = ResultCache("demo", {"a": 1}, root=tmp_path)
