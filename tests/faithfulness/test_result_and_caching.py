@@ -182,3 +182,30 @@ def test_a_metric_reading_a_value_of_the_users_module_recomputes_when_it_changes
     assert len(points) == 2  # computed again, not served
     fresh = fa.faithfulness_curve(model, None, ids[:4], {"mine": metric.signed_attention}, **options)
     pd.testing.assert_frame_equal(cached.per_sequence, fresh.per_sequence, check_exact=True)
+
+
+def _signed_attention(layer_decomposition, sign=1.0, **context):
+    return layer_decomposition.attention * sign
+
+
+def test_partial_metrics_with_other_bound_arguments_are_not_served_each_others_curves(peaked, tmp_path, points):
+    """functools.partial(metric, sign=-1.0) after partial(metric, sign=1.0): its bound arguments are in the key
+    (both had one key, so the second was served the first's curve, reversed ranking and all)."""
+    import functools
+
+    model, ids = peaked
+    options = dict(ratios=[0.3], batch_size=4, progress=False, n_bootstrap=10)
+    with cache.caching(tmp_path):
+        fa.faithfulness_curve(model, None, ids[:4], {"m": functools.partial(_signed_attention, sign=1.0)}, **options)
+        points.clear()
+        cached = fa.faithfulness_curve(model, None, ids[:4], {"m": functools.partial(_signed_attention, sign=-1.0)},
+                                       **options)
+        assert len(points) == 2  # computed, not served
+        points.clear()
+        again = fa.faithfulness_curve(model, None, ids[:4], {"m": functools.partial(_signed_attention, sign=-1.0)},
+                                      **options)
+        assert points == []  # an equal partial is served
+    fresh = fa.faithfulness_curve(model, None, ids[:4], {"m": functools.partial(_signed_attention, sign=-1.0)},
+                                  **options)
+    for other in (cached, again):
+        pd.testing.assert_frame_equal(other.per_sequence, fresh.per_sequence, check_exact=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import re
@@ -111,6 +112,8 @@ def _repr_digest(value: Any, seen: set | None = None) -> str:
     if isinstance(value, nn.Module):  # a model read by the metric: its weights, every byte
         from ...runs import model_fingerprint
         return f"<module {type(value).__name__} {model_fingerprint(value)}>"
+    if isinstance(value, functools.partial):  # its repr is the function's address: its parts instead
+        return _partial_digest(value, seen if seen is not None else set())
     if callable(value) and hasattr(getattr(value, "__func__", value), "__code__"):
         return _method_digest(value, seen if seen is not None else set())
     if isinstance(value, (list, tuple)):
@@ -220,6 +223,14 @@ def _method_digest(fn: Callable, seen: set) -> str:
     return digest.hexdigest()
 
 
+def _partial_digest(fn: functools.partial, seen: set) -> str:
+    """A :func:`functools.partial`'s identity: its function's and every bound argument's."""
+    func = fn.func
+    inner = (_partial_digest(func, seen) if isinstance(func, functools.partial) else
+             _method_digest(func, seen) if hasattr(getattr(func, "__func__", func), "__code__") else method_key(func))
+    return f"partial({inner};{_repr_digest(list(fn.args), seen)};{_repr_digest(dict(sorted(fn.keywords.items())), seen)})"
+
+
 def method_key(fn: Callable) -> str:
     """The identity of a callable, ``<qualified name>-<hash>``: its code, constants, defaults, closure and
     the module-level names it reads, recursively (a global threshold, a helper's code, a tensor's bytes,
@@ -231,6 +242,9 @@ def method_key(fn: Callable) -> str:
     name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(fn).__name__)}"
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     digest = hashlib.sha256(name.encode())
+    if isinstance(fn, functools.partial):  # the bound arguments too (they are not in the partial's __dict__)
+        digest.update(_partial_digest(fn, set()).encode())
+        return f"{name}-{digest.hexdigest()[:16]}"
     if code is None:  # a callable object: its class's source and its attributes
         target = type(fn)
         try:
