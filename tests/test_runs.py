@@ -155,6 +155,23 @@ def test_metric_key_covers_the_globals_it_reads():
     assert method_key(_global_reading_metric) == first
 
 
+def test_metric_key_covers_the_state_of_a_callable_object_with_slots():
+    """A callable object keeping its state in __slots__ (a dataclass(slots=True)) gets another key for another
+    state (the slots were not read: Scaled(1.0) and Scaled(-1.0) had one key); an equal one keeps its key."""
+    import dataclasses
+
+    from cwcore.faithfulness.methods import method_key
+
+    @dataclasses.dataclass(slots=True)
+    class Scaled:
+        sign: float
+
+        def __call__(self, layer_decomposition, **_):
+            return layer_decomposition.attention * self.sign
+
+    assert method_key(Scaled(1.0)) != method_key(Scaled(-1.0))
+    assert method_key(Scaled(1.0)) == method_key(Scaled(1.0))
+
 def test_metric_reading_an_object_without_identity_is_not_cached():
     from cwcore.faithfulness.methods.registry import as_method
 

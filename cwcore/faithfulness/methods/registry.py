@@ -231,6 +231,17 @@ def _partial_digest(fn: functools.partial, seen: set) -> str:
     return f"partial({inner};{_repr_digest(list(fn.args), seen)};{_repr_digest(dict(sorted(fn.keywords.items())), seen)})"
 
 
+def _slot_values(obj) -> dict:
+    """The values an object keeps in ``__slots__`` (its classes' and their bases'), by name; unset ones left out."""
+    values = {}
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for slot in [slots] if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and slot not in values and hasattr(obj, slot):
+                values[slot] = getattr(obj, slot)
+    return values
+
+
 def method_key(fn: Callable) -> str:
     """The identity of a callable, ``<qualified name>-<hash>``: its code, constants, defaults, closure and
     the module-level names it reads, recursively (a global threshold, a helper's code, a tensor's bytes,
@@ -252,6 +263,9 @@ def method_key(fn: Callable) -> str:
         except (OSError, TypeError):
             digest.update(repr(vars(target)).encode())
         digest.update(_repr_digest(getattr(fn, "__dict__", {})).encode())
+        slots = _slot_values(fn)
+        if slots:  # attributes kept in __slots__ (a dataclass(slots=True)) are not in __dict__
+            digest.update(_repr_digest(slots).encode())
         call = getattr(type(fn), "__call__", None)
         if call is not None and hasattr(call, "__code__"):
             digest.update(_method_digest(call, set()).encode())
