@@ -99,7 +99,8 @@ class Sweep:
         """Pieces are named by the batch's content digest, so a longer run reuses a shorter one's batches."""
         if spec is None:
             return f"{batch.digest}-clean"
-        return f"{batch.digest}-{spec.piece_key}-{mode}-r{ratio:.6g}"
+        short = f"{ratio:.6g}"  # every digit where 6 do not give the ratio back: 0.3 and 0.3000001 are two pieces
+        return f"{batch.digest}-{spec.piece_key}-{mode}-r{short if float(short) == ratio else repr(float(ratio))}"
 
     def _get(self, piece):
         return None if self.store is None else self.store.get(piece)

@@ -209,3 +209,17 @@ def test_partial_metrics_with_other_bound_arguments_are_not_served_each_others_c
                                   **options)
     for other in (cached, again):
         pd.testing.assert_frame_equal(other.per_sequence, fresh.per_sequence, check_exact=True)
+
+
+def test_two_ratios_equal_to_six_digits_are_two_pieces(peaked, tmp_path):
+    """Ratios 2e-9 apart around 369/1224 remove 1464 and 1472 terms of these two sequences; their pieces were
+    both named r0.301471, so a cached rerun served the second ratio's rows for the first."""
+    model, ids = peaked
+    ratios = [369 / 1224 - 1e-9, 369 / 1224 + 1e-9]
+    options = dict(metric="attention", ratios=ratios, batch_size=2, progress=False, n_bootstrap=10)
+    fresh = fa.faithfulness_curve(model, None, ids[:2], **options).per_sequence
+    assert fresh.groupby("ratio")["n_removed"].sum().tolist() == [1464, 1472]
+    for _ in range(2):  # computed and stored, then read back
+        with cache.caching(tmp_path):
+            cached = fa.faithfulness_curve(model, None, ids[:2], **options).per_sequence
+    pd.testing.assert_frame_equal(cached, fresh, check_exact=True)
