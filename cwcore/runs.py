@@ -449,7 +449,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _helper(rank: int, size: int, address: str, items: list, compute: Callable) -> None:
+def _helper(rank: int, size: int, address: str, items: list, compute: Callable, joining=None) -> None:
     """A forked rank: join the group, compute its share, hand it over, leave without cleanup."""
     global _helper_rank
     import torch.distributed as dist
@@ -466,6 +466,8 @@ def _helper(rank: int, size: int, address: str, items: list, compute: Callable) 
                 bar.disable = True
         except ImportError:
             pass
+        if joining is not None:  # rank 0 waits for this before it waits for the group (a rank dead before is named)
+            joining.set()
         dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size, timeout=_timeout())
         _gather_map(items, compute, rank, size, None, _NoBar())
         dist.destroy_process_group()
@@ -481,13 +483,13 @@ def _helper(rank: int, size: int, address: str, items: list, compute: Callable) 
         os._exit(status)
 
 
-def _dead_helpers(helpers) -> list[str]:
+def _dead_helpers(helpers, size: int) -> list[str]:
     """How each forked rank that is gone ended (``rank 1 of 2 was killed by SIGKILL``), waiting a little for
-    its exit status."""
+    its exit status; ``helpers``: ``(rank, process)`` pairs."""
     import signal
 
-    size, dead = len(helpers) + 1, []
-    for rank, helper in enumerate(helpers, start=1):
+    dead = []
+    for rank, helper in helpers:
         helper.join(timeout=5)
         code = helper.exitcode
         if code is None or code == 0:
@@ -499,6 +501,21 @@ def _dead_helpers(helpers) -> list[str]:
             how = f"exited with status {code}"
         dead.append(f"rank {rank} of {size} {how}")
     return dead
+
+
+def _await_helpers(helpers, joining) -> None:
+    """Wait until every forked rank is about to join the group; one that is gone before is a one-sentence error
+    (rank 0 would wait for it in the group's rendezvous for ``$CWCORE_RANK_TIMEOUT``, a day by default)."""
+    import time
+
+    while not all(event.is_set() for event in joining):
+        gone = [(rank, helper) for rank, (helper, event) in enumerate(zip(helpers, joining), start=1)
+                if not event.is_set() and not helper.is_alive()]
+        if gone:
+            raise RuntimeError(f"${JOBS_ENV_VAR}: {'; '.join(_dead_helpers(gone, len(helpers) + 1))} before it joined "
+                               f"the sweep; run it again, or with fewer ranks (${JOBS_ENV_VAR}=1 runs in this process "
+                               "alone)")
+        time.sleep(0.01)
 
 
 def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
@@ -515,20 +532,24 @@ def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
         raise RuntimeError(f"${JOBS_ENV_VAR} cannot fork ranks inside a process group of one rank; unset it")
     address = f"tcp://127.0.0.1:{_free_port()}"
     context = multiprocessing.get_context("fork")
-    helpers = [context.Process(target=_helper, args=(rank, jobs, address, items, compute), daemon=True)
-               for rank in range(1, jobs)]
+    joining = [context.Event() for _ in range(1, jobs)]
+    helpers = [context.Process(target=_helper, args=(rank, jobs, address, items, compute, joining[rank - 1]),
+                               daemon=True) for rank in range(1, jobs)]
     for helper in helpers:
         helper.start()
     threads = torch.get_num_threads()
+    joined = False
     try:
         torch.set_num_threads(1)
+        _await_helpers(helpers, joining)
         dist.init_process_group("gloo", init_method=address, rank=0, world_size=jobs, timeout=_timeout())
+        joined = True
         try:
             return _gather_map(items, compute, 0, jobs, None, bar)
         finally:
             dist.destroy_process_group()
     except _RankLost as err:
-        dead = _dead_helpers(helpers)
+        dead = _dead_helpers(list(enumerate(helpers, start=1)), jobs)
         if not dead:
             raise
         raise RuntimeError(f"${JOBS_ENV_VAR}: {'; '.join(dead)} during the sweep, so its share of the results never "
@@ -537,6 +558,8 @@ def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
     finally:
         torch.set_num_threads(threads)
         for helper in helpers:
+            if not joined and helper.is_alive():  # it waits for a group that never forms
+                helper.kill()
             helper.join(timeout=60)
             if helper.is_alive():
                 helper.kill()

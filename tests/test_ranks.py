@@ -79,6 +79,30 @@ def test_a_forked_rank_killed_mid_sweep_is_one_clear_error(monkeypatch):
         runs.shard_map(range(4), leaves)
     assert runs.shard_map(range(3), lambda i: i * 10) == [0, 10, 20]
 
+_DIES_BEFORE_JOINING = """
+import os, sys
+from cwcore import runs
+runs._die_with_parent = lambda: os._exit(5)  # the forked rank is gone before it joins the group
+try:
+    runs.shard_map(range(4), lambda i: i)
+except RuntimeError as err:
+    print(err)
+"""
+
+
+def test_a_forked_rank_gone_before_joining_is_one_clear_error_not_a_wait_of_a_day(tmp_path):
+    """Rank 0 waited for a rank that died before joining the group for $CWCORE_RANK_TIMEOUT (a day); now it says
+    which rank and how it ended, at once (the subprocess is given 60 s: before the fix it ran out of them)."""
+    env = {**os.environ, runs.JOBS_ENV_VAR: "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-c", _DIES_BEFORE_JOINING], env=env, capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 still waited for a forked rank that was gone")
+    assert done.stdout.strip() == ("$CWCORE_JOBS: rank 1 of 2 exited with status 5 before it joined the sweep; run "
+                                   "it again, or with fewer ranks ($CWCORE_JOBS=1 runs in this process alone)"), done.stderr
+
 def test_two_forked_ranks_give_the_single_process_faithfulness_frame(monkeypatch, one_thread):
     model, ids = tiny_model("llama"), _ids()
     alone = _curve(model, ids)
