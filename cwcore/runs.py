@@ -14,6 +14,7 @@ join the same path. :func:`launch_info` says how the process was started."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import sys
@@ -48,9 +49,35 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+#: The plain values a module's attribute may hold and :func:`model_fingerprint` reads (a norm's epsilon, a softcap)
+_SETTING_TYPES = (int, float, bool, str, type(None))
+
+
+def _is_setting(value: Any) -> bool:
+    return isinstance(value, _SETTING_TYPES) or (isinstance(value, tuple) and all(isinstance(v, _SETTING_TYPES)
+                                                                                 for v in value))
+
+
+def _settings(model: nn.Module) -> str:
+    """What a forward reads besides the tensors: the configuration's public fields and every module's public
+    plain-valued attributes (``variance_epsilon``, ``scaling``, ``attn_logit_softcapping``, ...), one per line.
+    Edited in place after loading (an ablation), they change the model's output and must change its identity."""
+    lines = []
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_dict", None)):
+        fields = {key: value for key, value in config.to_dict().items() if not key.startswith("_")}
+        lines.append(json.dumps(fields, sort_keys=True, default=repr))
+    for name, module in model.named_modules():
+        for key, value in sorted(vars(module).items()):
+            if not key.startswith("_") and key != "training" and _is_setting(value):
+                lines.append(f"{name}.{key}={value!r}")
+    return "\n".join(lines)
+
+
 def model_fingerprint(model: nn.Module) -> str:
-    """SHA-256 of the model: its class, configuration name and every parameter's and buffer's name, shape,
-    dtype and **every byte of its values**.
+    """SHA-256 of the model: its class, configuration name, its settings (the configuration's fields and each
+    module's plain attributes, e.g. a norm's epsilon: :func:`_settings`; not the train/eval mode) and every
+    parameter's and buffer's name, shape, dtype and **every byte of its values**.
 
     Read every call (0.33 s for smollm2-135m in float32 on one core): an edit through ``param.data``
     does not move a tensor's version counter, so no digest is kept between calls. Tensors accelerate
@@ -59,6 +86,7 @@ def model_fingerprint(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     digest.update(type(model).__name__.encode())
     digest.update(str(getattr(config, "name_or_path", getattr(config, "_name_or_path", ""))).encode())
+    digest.update(_settings(model).encode())
     with torch.no_grad():
         tensors = [("parameter", name, t) for name, t in model.named_parameters()]
         tensors += [("buffer", name, t) for name, t in model.named_buffers()]

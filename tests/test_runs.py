@@ -207,3 +207,26 @@ def test_metric_key_covers_every_row_of_a_global_table():
     finally:
         SCALES.loc[100, "scale"] = 1.0
     assert method_key(_frame_reading_metric) == first
+
+
+def test_fingerprint_tracks_the_settings_a_forward_reads_besides_the_weights():
+    # before: a norm's epsilon edited in place (an ablation) kept the identity, so a cached curve of the
+    # unedited model was served (the helper's measurement: a fresh run differs)
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    base_a = runs.model_fingerprint(a)
+    b.model.layers[0].input_layernorm.variance_epsilon = 0.5
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.allclose(a(input_ids=ids).logits, b(input_ids=ids).logits)  # it matters to the output
+    assert runs.model_fingerprint(b) != base_a
+    gemma = tiny_model("gemma3", seed=0)
+    base = runs.model_fingerprint(gemma)
+    gemma.config.final_logit_softcapping = 3.0  # read from the configuration at every forward
+    assert runs.model_fingerprint(gemma) != base
+    # the controls: what does not change the output leaves the identity alone
+    a.train()
+    assert runs.model_fingerprint(a) == base_a
+    a.eval()
+    with torch.no_grad():
+        a(input_ids=ids)  # a forward pass changes no setting
+    assert runs.model_fingerprint(a) == base_a
