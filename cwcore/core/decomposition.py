@@ -32,7 +32,7 @@ from torch import nn
 from .architectures import UnsupportedModelError, attention_blocks, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
-from .inputs import (InputError, InputTypeError, _is_integer_number, _plain_integer, _shown, check_compute_dtype,
+from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, _shown, check_compute_dtype,
                      check_inputs, check_layers, check_materialised, unwrap_compiled)
 
 __all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
@@ -343,7 +343,7 @@ def layer_by_number(held: Mapping[int, object], layer, num_blocks: int | None, u
     layers), or :class:`LayerNotDecomposedError` saying why that layer is not held. The one lookup of
     :class:`Decomposition`, :class:`cwcore.core.summary.Summary` and :class:`cwcore.attribution.Attribution`
     (``entry``: the function that made the result, named in the message)."""
-    number = _plain_integer(layer)
+    number = plain_integer(layer)
     if num_blocks is not None and isinstance(number, int) and -num_blocks <= number < 0:
         number = number + num_blocks
     found = held.get(number) if isinstance(number, int) else None
@@ -361,7 +361,7 @@ class _FieldView(Mapping):
     def __getitem__(self, layer: int) -> torch.Tensor:
         if self._owner is not None:
             return getattr(self._owner[layer], self._field)
-        layer = _plain_integer(layer)
+        layer = plain_integer(layer)
         if layer not in self._layers:
             raise _missing_layer(layer, self._layers, None, {})
         return getattr(self._layers[layer], self._field)
@@ -439,7 +439,7 @@ class Decomposition:
         import pandas as pd
 
         chosen = self.layers if layers is None else (
-            [_plain_integer(layers)] if _is_integer_number(layers) else [_plain_integer(x) for x in layers])
+            [plain_integer(layers)] if is_integer_number(layers) else [plain_integer(x) for x in layers])
         input_ids = getattr(self, "input_ids", None)  # a decomposition pickled before it held them has none
         if tokenizer is not None and input_ids is None:
             raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
@@ -452,7 +452,7 @@ class Decomposition:
                 raise ValueError(f"to_frame: layer {layer} has {q} queries and {k} keys (a cache); decompose the "
                                  "whole sequence to tabulate it")
             picked = list(range(h)) if heads is None else [
-                _plain_integer(x) for x in ([heads] if _is_integer_number(heads) else heads)]
+                plain_integer(x) for x in ([heads] if is_integer_number(heads) else heads)]
             bad = [x for x in picked if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < h)]
             if bad:
                 raise ValueError(f"to_frame: heads {bad} are out of range: layer {layer} has {h} heads (0 to {h - 1})")

@@ -21,7 +21,7 @@ __all__ = [
     "InputError", "InputIndexError", "InputTypeError", "check_attention_mask", "check_batch_size",
     "check_compute_dtype", "check_count", "check_finite_scores", "check_fraction", "check_inputs", "check_layers",
     "check_mask", "check_not_empty", "check_ratios", "check_sweep_arguments", "check_targets", "check_texts",
-    "check_token_sequences", "context_length", "finite_scores",
+    "check_token_sequences", "context_length", "finite_scores", "is_integer_number", "plain_integer",
 ]
 
 
@@ -188,17 +188,17 @@ def _is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_integer_number(value) -> bool:
+def is_integer_number(value) -> bool:
     """An int, a numpy integer (what a DataFrame's integer column yields) or a 0-d integer tensor; not a bool."""
     if isinstance(value, torch.Tensor):
         return value.ndim == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return _is_integer(value)
 
 
-def _plain_integer(value):
-    """``value`` as an ``int`` if it is an integer number of any kind (:func:`_is_integer_number`), else unchanged
+def plain_integer(value):
+    """``value`` as an ``int`` if it is an integer number of any kind (:func:`is_integer_number`), else unchanged
     (to be refused by the caller)."""
-    return int(value) if _is_integer_number(value) else value
+    return int(value) if is_integer_number(value) else value
 
 
 def check_layers(layers, num_layers: int, *, argument: str = "layers", allow_empty: bool = True) -> list[int]:

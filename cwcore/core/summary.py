@@ -42,7 +42,7 @@ from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
 from .geometry import probe_directions, split_output_projection
-from .inputs import InputError, _is_integer_number, _plain_integer, check_compute_dtype, check_count, check_inputs
+from .inputs import InputError, is_integer_number, plain_integer, check_compute_dtype, check_count, check_inputs
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
 
@@ -528,11 +528,11 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
 def _positions(positions, length: int, argument: str) -> tuple[int, ...]:
     if positions is None:
         return ()
-    if _is_integer_number(positions):
+    if is_integer_number(positions):
         positions = [positions]
     out = []
     for position in positions:
-        position = _plain_integer(position)  # a numpy or 0-d tensor integer reads as its int
+        position = plain_integer(position)  # a numpy or 0-d tensor integer reads as its int
         if isinstance(position, bool) or not isinstance(position, int) or not -length <= position < length:
             raise InputError(f"{argument} must be query positions in -{length}..{length - 1} (the input has {length} "
                              f"tokens), got {position!r}")

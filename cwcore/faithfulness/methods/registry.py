@@ -154,17 +154,22 @@ def _globals_read(target) -> dict:
     return {name: module_globals[name] for name in sorted(_names_read(target)) if name in module_globals}
 
 
+@functools.lru_cache(maxsize=1)
+def _installed_folders() -> tuple[str, ...]:
+    """The standard library's and the installed packages' folders, resolved, each ending in ``/`` (read once)."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({str(Path(paths[key]).resolve()) + "/" for key in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
 def _is_users_module(module) -> bool:
     """A module of the user's own (a file outside the standard library and the installed packages), whose
     values a metric may read as ``module.NAME``."""
-    import sysconfig
-
     file = getattr(module, "__file__", None)
     if not file or module.__name__.startswith(_LIBRARY_PACKAGES):
         return False
-    installed = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    resolved = str(Path(file).resolve())
-    return not any(resolved.startswith(str(Path(folder).resolve()) + "/") for folder in installed)
+    return not str(Path(file).resolve()).startswith(_installed_folders())
 
 
 def _module_values_read(module, names: set, seen: set) -> str:
