@@ -40,8 +40,10 @@ def caching(root: str | os.PathLike | None = None, *, enabled: bool = True):
         with cwcore.cache.caching("runs/cache"):  # under a folder of one's own
             ...
 
-    A piece's key holds every parameter, every weight byte and the model's settings (its configuration, a
-    norm's epsilon: :func:`cwcore.runs.model_fingerprint`) and the producing code (:func:`code_version`).
+    A piece's key holds every parameter, every weight byte, the model's settings (its configuration, a
+    norm's epsilon) and the code it runs besides its classes' own (forward hooks, a replaced ``forward``:
+    :func:`cwcore.identity.model_fingerprint`; a hook marked ``cwcore_observer = True`` is left out) and the
+    producing code (:func:`code_version`).
     ``enabled=False`` switches caching off inside a block; ``$CWCORE_NO_CACHE=1`` everywhere;
     ``$CWCORE_CACHING=1`` turns it on for a process. Blocks nest; each thread and asyncio task sees its own."""
     token = _CACHING.set((bool(enabled), None if root is None else Path(root).expanduser()))

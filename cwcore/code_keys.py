@@ -15,7 +15,7 @@ __all__ = ["ALL_CODE", "BASE_CODE", "NOT_PRODUCING", "code_files", "code_scope",
 #: the core, the statistics, the run driver, the cache and the data loaders.
 BASE_CODE = ("core", "stats.py", "runs.py", "cache.py", "data.py")
 #: Modules that never compute a cached number (exporters, command lines; ``models.py``: the weights are in
-#: every key through :func:`cwcore.runs.model_fingerprint`). A module not named here is hashed, so the
+#: every key through :func:`cwcore.identity.model_fingerprint`). A module not named here is hashed, so the
 #: list errs safely (a hand-bumped version number would not: a forgotten bump serves stale numbers).
 NOT_PRODUCING = ("cli.py", "explorer.py", "models.py", "plotting.py", "provenance.py", "tokens.py",
                  "faithfulness/__main__.py", "faithfulness/cli.py",

@@ -2,8 +2,8 @@
 
 Each batch is named by its content (:func:`tensor_digest`); its pieces are read back from the result
 cache when complete, else computed and stored (the parts first, a ``.done`` marker last), so an
-interrupted run resumes and a longer run reuses the same first batches. :func:`model_fingerprint` is
-the model's identity in every cache key.
+interrupted run resumes and a longer run reuses the same first batches. :func:`model_fingerprint` (from
+:mod:`cwcore.identity`) is the model's identity in every cache key.
 
 **Ranks.** Sweeps map their batches through :func:`shard_map`. Under a ``torch.distributed`` launcher
 (``WORLD_SIZE > 1``) rank r computes batches r, r + N, ... and the ranks exchange their results over a
@@ -13,8 +13,6 @@ join the same path. :func:`launch_info` says how the process was started."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import socket
 import sys
@@ -23,101 +21,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 
 from .cache import ResultCache, caching_enabled
 from .core.inputs import InputError, InputTypeError, check_batch_size, check_count, check_inputs  # the counts: one home, the core's inputs
+from .identity import model_fingerprint, tensor_digest  # the identities: one home, cwcore.identity
 
 __all__ = ["JOBS_ENV_VAR", "PROGRESS_FILE_ENV_VAR", "PieceStore", "check_batch_size", "check_count", "check_token_blocks", "for_each_batch",
            "is_main_rank", "launch_info", "local_jobs", "model_fingerprint", "progress", "shard_map", "tensor_digest",
            "world"]
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """Every byte of ``tensor``'s values (a contiguous CPU copy where needed), as bytes, whatever its dtype
-    (bfloat16 and float8 have no numpy dtype: their bytes are read as uint8)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    if t.is_complex():
-        t = torch.view_as_real(t).reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-#: The plain values a module's attribute may hold and :func:`model_fingerprint` reads (a norm's epsilon, a softcap)
-_SETTING_TYPES = (int, float, bool, str, type(None))
-
-
-def _is_setting(value: Any) -> bool:
-    return isinstance(value, _SETTING_TYPES) or (isinstance(value, tuple) and all(isinstance(v, _SETTING_TYPES)
-                                                                                 for v in value))
-
-
-def _settings(model: nn.Module) -> str:
-    """What a forward reads besides the tensors: the configuration's public fields and every module's public
-    plain-valued attributes (``variance_epsilon``, ``scaling``, ``attn_logit_softcapping``, ...), one per line.
-    Edited in place after loading (an ablation), they change the model's output and must change its identity."""
-    lines = []
-    config = getattr(model, "config", None)
-    if callable(getattr(config, "to_dict", None)):
-        fields = {key: value for key, value in config.to_dict().items() if not key.startswith("_")}
-        lines.append(json.dumps(fields, sort_keys=True, default=repr))
-    for name, module in model.named_modules():
-        for key, value in sorted(vars(module).items()):
-            if not key.startswith("_") and key != "training" and _is_setting(value):
-                lines.append(f"{name}.{key}={value!r}")
-    return "\n".join(lines)
-
-
-def model_fingerprint(model: nn.Module) -> str:
-    """SHA-256 of the model: its class, configuration name, its settings (the configuration's fields and each
-    module's plain attributes, e.g. a norm's epsilon: :func:`_settings`; not the train/eval mode) and every
-    parameter's and buffer's name, shape, dtype and **every byte of its values**.
-
-    Read every call (0.33 s for smollm2-135m in float32 on one core): an edit through ``param.data``
-    does not move a tensor's version counter, so no digest is kept between calls. Tensors accelerate
-    keeps on the ``meta`` device contribute name, shape and dtype only."""
-    digest = hashlib.sha256()
-    config = getattr(model, "config", None)
-    digest.update(type(model).__name__.encode())
-    digest.update(str(getattr(config, "name_or_path", getattr(config, "_name_or_path", ""))).encode())
-    digest.update(_settings(model).encode())
-    with torch.no_grad():
-        tensors = [("parameter", name, t) for name, t in model.named_parameters()]
-        tensors += [("buffer", name, t) for name, t in model.named_buffers()]
-        for kind, name, tensor in tensors:
-            digest.update(f"{kind}:{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-            if tensor.device.type == "meta":
-                continue
-            digest.update(_tensor_bytes(tensor))
-    return digest.hexdigest()[:20]
-
-
-def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        return f"{tuple(t.shape)}{t.dtype}".encode() + t.numpy().tobytes()
-    if isinstance(value, np.ndarray):
-        return f"{value.shape}{value.dtype}".encode() + np.ascontiguousarray(value).tobytes()
-    return repr(value).encode()
-
-
-def tensor_digest(*values: Any) -> str:
-    """A content hash of tensors, arrays, or mappings of them (keys in sorted order), e.g. a batch."""
-    digest = hashlib.sha256()
-    for value in values:
-        if isinstance(value, Mapping):
-            for name in sorted(value):
-                digest.update(str(name).encode())
-                digest.update(_as_bytes(value[name]))
-        else:
-            digest.update(_as_bytes(value))
-    return digest.hexdigest()[:20]
 
 
 def check_token_blocks(input_ids, model: nn.Module | None = None, *, argument: str = "input_ids",

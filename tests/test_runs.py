@@ -1,5 +1,6 @@
 """The run driver: one model identity (safe with offloaded weights) and resumable cached batches."""
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -230,3 +231,114 @@ def test_fingerprint_tracks_the_settings_a_forward_reads_besides_the_weights():
     with torch.no_grad():
         a(input_ids=ids)  # a forward pass changes no setting
     assert runs.model_fingerprint(a) == base_a
+
+
+def _clean_nll(model, ids, root):
+    from cwcore import cache
+    from cwcore import faithfulness as fa
+
+    with cache.caching(root):
+        table = fa.faithfulness_curve(model, None, ids, metric=["contribution"], ratios=[0.3],
+                                      mode="comprehensiveness", batch_size=4, progress=False).per_sequence
+    return table["clean_nll"].to_numpy()
+
+
+def test_a_forward_hook_is_part_of_the_models_identity_and_a_cached_curve_is_not_served_across_it(tmp_path):
+    # before: a hook that scales one MLP's output (the usual way to ablate) kept the identity, so the cached
+    # curve of the model without it was served: clean NLL of the unhooked model for the hooked one
+    from tiny_models import VOCAB
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    base = runs.model_fingerprint(model)
+    plain = _clean_nll(model, ids, tmp_path)
+    scale = torch.tensor(0.0)
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * scale)
+    assert runs.model_fingerprint(model) != base
+    hooked = _clean_nll(model, ids, tmp_path)
+    assert not np.allclose(plain, hooked)  # computed, not served
+    first = runs.model_fingerprint(model)
+    scale.fill_(0.5)  # a value the hook reads, edited in place
+    assert runs.model_fingerprint(model) != first
+    handle.remove()
+    assert runs.model_fingerprint(model) == base  # the control: without the hook, the same identity
+    assert (_clean_nll(model, ids, tmp_path) == plain).all()
+
+
+def test_a_replaced_forward_a_users_class_and_global_hooks_are_in_the_identity():
+    model = tiny_model("llama", seed=0)
+    base = runs.model_fingerprint(model)
+    mlp = model.model.layers[1].mlp
+    original = mlp.forward
+    mlp.forward = lambda x: original(x) * 0
+    assert runs.model_fingerprint(model) != base
+    del mlp.forward
+    assert runs.model_fingerprint(model) == base
+
+    class Silent(nn.Module):
+        def forward(self, x):
+            return x * 0
+
+    act = mlp.act_fn
+    mlp.act_fn = Silent()  # no weights: only its class says what it computes
+    assert runs.model_fingerprint(model) != base
+    mlp.act_fn = act
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert runs.model_fingerprint(model) != base
+    finally:
+        handle.remove()
+    assert runs.model_fingerprint(model) == base
+
+
+def test_a_hook_that_reads_its_model_and_one_that_reads_an_unidentifiable_value():
+    from cwcore.cache import CacheWarning
+
+    model = tiny_model("llama", seed=0)
+    base = runs.model_fingerprint(model)
+    handle = model.register_forward_hook(lambda module, args, out: (model, out)[1])  # reads the model itself
+    assert runs.model_fingerprint(model) == runs.model_fingerprint(model) != base
+    handle.remove()
+    token = object()  # its repr is its address: nothing says whether it changed
+    handle = model.model.layers[0].register_forward_pre_hook(lambda module, args: (token, args)[1])
+    with pytest.warns(CacheWarning, match="not cached"):
+        first, second = runs.model_fingerprint(model), runs.model_fingerprint(model)
+    assert first != second and first.startswith("uncached-")  # never served from the cache
+    handle.remove()
+    assert runs.model_fingerprint(model) == base
+
+
+def test_a_hook_that_says_it_only_observes_is_left_out_and_a_cached_result_is_served_with_it(tmp_path):
+    from tiny_models import VOCAB
+
+    model = tiny_model("llama", seed=0)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    base = runs.model_fingerprint(model)
+    plain = _clean_nll(model, ids, tmp_path)
+    seen = []
+
+    def record(module, args, out):
+        seen.append(out.detach().clone())  # its state grows every call
+
+    handle = model.model.layers[0].mlp.register_forward_hook(record)
+    assert runs.model_fingerprint(model) != base  # unmarked, it might change the output: in the identity
+    record.cwcore_observer = True
+    assert runs.model_fingerprint(model) == base
+    assert (_clean_nll(model, ids, tmp_path) == plain).all() and not seen  # served: no forward ran
+    handle.remove()
+
+
+def test_a_method_monkeypatched_on_a_library_class_is_in_the_identity(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_model("llama", seed=0)
+    base = runs.model_fingerprint(model)
+    original = modeling_llama.LlamaMLP.forward
+
+    def halved(self, x):
+        return original(self, x) * 0.5
+
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", halved)
+    assert runs.model_fingerprint(model) != base
+    monkeypatch.undo()
+    assert runs.model_fingerprint(model) == base

@@ -45,7 +45,10 @@ def word_tokenizer():
 
 
 class ForwardCounter:
-    """Counts the model's forwards; raises after ``fail_after`` of them (a simulated interruption)."""
+    """Counts the model's forwards; raises after ``fail_after`` of them (a simulated interruption). It only
+    observes, and says so (``cwcore_observer``): its count is not part of the model's identity."""
+
+    cwcore_observer = True
 
     def __init__(self, model, fail_after: int | None = None):
         self.calls, self.fail_after = 0, fail_after

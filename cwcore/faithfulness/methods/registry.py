@@ -4,19 +4,18 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import inspect
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from ...core.architectures import UnsupportedModelError, attention_blocks
 from ...core.decomposition import LayerDecomposition, prepare_inputs
+from ...identity import UncacheableMetric, method_key  # a callable's identity: one home, cwcore.identity
 
 __all__ = [
     "Method", "register_method", "get_method", "available_methods", "method_key", "as_method",
@@ -88,195 +87,6 @@ def colours(names=None) -> dict[str, str]:
     """``{name: hex colour}`` of registered methods that have one (all, or ``names``)."""
     names = available_methods() if names is None else names
     return {n: _REGISTRY[n].colour for n in names if n in _REGISTRY and _REGISTRY[n].colour}
-
-
-class UncacheableMetric(Exception):
-    """A callable reads a value with no stable identity (an object whose ``repr`` is its address)."""
-
-
-def _repr_digest(value: Any, seen: set | None = None) -> str:
-    import types
-
-    import numpy as np
-
-    if isinstance(value, torch.Tensor):
-        from ...runs import tensor_digest
-        return tensor_digest(value.detach().cpu())
-    if isinstance(value, np.ndarray):
-        from ...runs import tensor_digest
-        return tensor_digest(value)
-    if isinstance(value, types.ModuleType):
-        return f"<module {value.__name__}>"
-    if isinstance(value, type):
-        return f"<class {value.__module__}.{value.__qualname__}>"
-    if isinstance(value, nn.Module):  # a model read by the metric: its weights, every byte
-        from ...runs import model_fingerprint
-        return f"<module {type(value).__name__} {model_fingerprint(value)}>"
-    if isinstance(value, functools.partial):  # its repr is the function's address: its parts instead
-        return _partial_digest(value, seen if seen is not None else set())
-    if callable(value) and hasattr(getattr(value, "__func__", value), "__code__"):
-        return _method_digest(value, seen if seen is not None else set())
-    if isinstance(value, (list, tuple)):
-        return type(value).__name__ + "[" + ",".join(_repr_digest(v, seen) for v in value) + "]"
-    if isinstance(value, (set, frozenset)):  # in a stable order (string hashes differ between processes)
-        return type(value).__name__ + "{" + ",".join(sorted(_repr_digest(v, seen) for v in value)) + "}"
-    if type(value).__module__.startswith("pandas") and hasattr(value, "to_numpy"):  # repr shows a few rows only
-        import pandas as pd
-
-        rows = pd.util.hash_pandas_object(value, index=True).to_numpy()
-        return f"<{type(value).__name__} {hashlib.sha256(rows.tobytes() + repr(list(getattr(value, 'columns', []))).encode()).hexdigest()}>"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{_repr_digest(k, seen)}:{_repr_digest(v, seen)}" for k, v in value.items()) + "}"
-    text = repr(value)
-    if " at 0x" in text:  # the default object repr: its address, not its state
-        raise UncacheableMetric(f"{type(value).__name__} has no stable identity ({text[:60]})")
-    return text
-
-
-#: packages whose functions a metric's identity takes by name and code only (their globals are not read)
-_LIBRARY_PACKAGES = ("cwcore", "torch", "numpy", "transformers")
-
-
-def _names_read(target) -> set:
-    """Every name a function's code reads: globals and attribute names, nested functions' included."""
-    names, stack = set(), [target.__code__]
-    while stack:  # nested functions and comprehensions have code objects of their own
-        current = stack.pop()
-        names.update(current.co_names)
-        stack.extend(c for c in current.co_consts if hasattr(c, "co_names"))
-    return names
-
-
-def _globals_read(target) -> dict:
-    """The module-level values a function's code names (its globals and builtins are resolved as the
-    function would), the attributes it reads from them included through the values themselves."""
-    module_globals = getattr(target, "__globals__", {})
-    return {name: module_globals[name] for name in sorted(_names_read(target)) if name in module_globals}
-
-
-@functools.lru_cache(maxsize=1)
-def _installed_folders() -> tuple[str, ...]:
-    """The standard library's and the installed packages' folders, resolved, each ending in ``/`` (read once)."""
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    return tuple({str(Path(paths[key]).resolve()) + "/" for key in ("stdlib", "platstdlib", "purelib", "platlib")})
-
-
-def _is_users_module(module) -> bool:
-    """A module of the user's own (a file outside the standard library and the installed packages), whose
-    values a metric may read as ``module.NAME``."""
-    file = getattr(module, "__file__", None)
-    if not file or module.__name__.startswith(_LIBRARY_PACKAGES):
-        return False
-    return not str(Path(file).resolve()).startswith(_installed_folders())
-
-
-def _module_values_read(module, names: set, seen: set) -> str:
-    """The digest of the values of a user's ``module`` that a function reads as ``module.<name>``
-    (``names``: every name its code reads); a library module is its name only."""
-    import types
-
-    if id(module) in seen or not _is_users_module(module):
-        return f"<module {module.__name__}>"
-    seen.add(id(module))
-    parts = [f"<module {module.__name__}>"]
-    for name in sorted(names):
-        if name in vars(module):
-            value = vars(module)[name]
-            parts.append(name + "=" + (_module_values_read(value, names, seen) if isinstance(value, types.ModuleType)
-                                       else _repr_digest(value, seen)))
-    return ";".join(parts)
-
-
-def _method_digest(fn: Callable, seen: set) -> str:
-    import types
-
-    target = getattr(fn, "__func__", fn)
-    if id(target) in seen:
-        return f"<recursive {getattr(target, '__qualname__', '')}>"
-    seen.add(id(target))
-    code = target.__code__
-    digest = hashlib.sha256(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}".encode())
-    try:
-        digest.update(inspect.getsource(target).encode())
-    except (OSError, TypeError):
-        pass
-    digest.update(code.co_code)
-    digest.update(repr(code.co_consts).encode())
-    digest.update(repr(code.co_names).encode())
-    for value in (target.__defaults__ or ()) + tuple((target.__kwdefaults__ or {}).items()):
-        digest.update(_repr_digest(value, seen).encode())
-    for cell in target.__closure__ or ():
-        try:
-            contents = cell.cell_contents
-        except ValueError:  # an empty cell
-            digest.update(b"<empty>")
-            continue
-        digest.update(_repr_digest(contents, seen).encode())
-    module = getattr(target, "__module__", "") or ""
-    if not module.startswith(_LIBRARY_PACKAGES):  # a user's code: what it reads too
-        names = _names_read(target)
-        for name, value in _globals_read(target).items():
-            digest.update(name.encode())
-            if isinstance(value, types.ModuleType):  # a value read through it: `settings.THRESHOLD`
-                digest.update(_module_values_read(value, names, seen).encode())
-            else:
-                digest.update(_repr_digest(value, seen).encode())
-    if hasattr(fn, "__self__"):
-        digest.update(_repr_digest(getattr(fn.__self__, "__dict__", fn.__self__), seen).encode())
-    return digest.hexdigest()
-
-
-def _partial_digest(fn: functools.partial, seen: set) -> str:
-    """A :func:`functools.partial`'s identity: its function's and every bound argument's."""
-    func = fn.func
-    inner = (_partial_digest(func, seen) if isinstance(func, functools.partial) else
-             _method_digest(func, seen) if hasattr(getattr(func, "__func__", func), "__code__") else method_key(func))
-    return f"partial({inner};{_repr_digest(list(fn.args), seen)};{_repr_digest(dict(sorted(fn.keywords.items())), seen)})"
-
-
-def _slot_values(obj) -> dict:
-    """The values an object keeps in ``__slots__`` (its classes' and their bases'), by name; unset ones left out."""
-    values = {}
-    for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in [slots] if isinstance(slots, str) else slots:
-            if slot not in ("__dict__", "__weakref__") and slot not in values and hasattr(obj, slot):
-                values[slot] = getattr(obj, slot)
-    return values
-
-
-def method_key(fn: Callable) -> str:
-    """The identity of a callable, ``<qualified name>-<hash>``: its code, constants, defaults, closure and
-    the module-level names it reads, recursively (a global threshold, a helper's code, a tensor's bytes,
-    a value of the user's own module read as ``settings.THRESHOLD``),
-    so a curve cached for one value of a global is never served after it changes. A value with no stable
-    identity (``repr`` its address) raises :class:`UncacheableMetric`."""
-    target = getattr(fn, "__func__", fn)
-    code = getattr(target, "__code__", None)
-    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', type(fn).__name__)}"
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-    digest = hashlib.sha256(name.encode())
-    if isinstance(fn, functools.partial):  # the bound arguments too (they are not in the partial's __dict__)
-        digest.update(_partial_digest(fn, set()).encode())
-        return f"{name}-{digest.hexdigest()[:16]}"
-    if code is None:  # a callable object: its class's source and its attributes
-        target = type(fn)
-        try:
-            digest.update(inspect.getsource(target).encode())
-        except (OSError, TypeError):
-            digest.update(repr(vars(target)).encode())
-        digest.update(_repr_digest(getattr(fn, "__dict__", {})).encode())
-        slots = _slot_values(fn)
-        if slots:  # attributes kept in __slots__ (a dataclass(slots=True)) are not in __dict__
-            digest.update(_repr_digest(slots).encode())
-        call = getattr(type(fn), "__call__", None)
-        if call is not None and hasattr(call, "__code__"):
-            digest.update(_method_digest(call, set()).encode())
-        return f"{name}-{digest.hexdigest()[:16]}"
-    digest.update(_method_digest(fn, set()).encode())
-    return f"{name}-{digest.hexdigest()[:16]}"
 
 
 def as_method(fn: Callable, label: str | None = None) -> Method:
