@@ -10,7 +10,7 @@ layers it reads returning SDPA's output once cwcore's eager arithmetic reproduce
 
 The packaged decoders ship as 4-bit GGUF files, which transformers dequantises slowly on every load,
 so the first load converts each once into a safetensors folder under ``$CWCORE_CACHE/models/<name>``
-(:func:`cwcore.cache.ensure_cached_folder`: built aside, renamed into place, a marker with every file's
+(:func:`cwcore.folder_cache.ensure_cached_folder`: built aside, renamed into place, a marker with every file's
 xxh3-128 checksum written last and checked once per process; a damaged copy is converted again with a
 :class:`cwcore.cache.CacheWarning`; an unwritable cache gets a temporary folder for this process)."""
 
@@ -28,10 +28,10 @@ from typing import Any, Callable
 
 from . import hub
 from .cache import cache_root
-# the folder cache of converted models lives in cwcore.cache; its names stay importable from here
-from .cache import CACHE_FORMAT, CACHE_MARKER, ModelCacheError, _displace, ensure_cached_folder  # noqa: F401
-from .cache import FOLDER_ABANDONED_AFTER_SECONDS as ABANDONED_AFTER_SECONDS  # noqa: F401
-from .cache import _current_umask, read_cache_marker, verify_cached_folder  # noqa: F401
+# the folder cache of converted models lives in cwcore.folder_cache; its names stay importable from here
+from .folder_cache import CACHE_FORMAT, CACHE_MARKER, ModelCacheError, _displace, ensure_cached_folder  # noqa: F401
+from .folder_cache import FOLDER_ABANDONED_AFTER_SECONDS as ABANDONED_AFTER_SECONDS  # noqa: F401
+from .folder_cache import _current_umask, read_cache_marker, verify_cached_folder  # noqa: F401
 
 __all__ = ["CACHE_ENV_VAR", "CACHE_MARKER", "DEFAULT_MODEL", "PACKAGED_MODELS", "ModelCacheError",
            "ModelNotFoundError", "cache_root", "ensure_cached_folder", "list_models", "load_model",

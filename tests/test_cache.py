@@ -1,3 +1,4 @@
+import gc
 import os
 from pathlib import Path
 
@@ -74,6 +75,8 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     fresh_meta.write_text(json.dumps({**json.loads(fresh_meta.read_text()), "code": "older"}))
     for run in (current, old):
         _age(run.directory, 3600)
+    for run in (current, old):
+        run.release()  # done with them: not in use
     (tmp_path / "models").mkdir()  # converted models are never touched
     (tmp_path / "models" / "weights.safetensors").write_bytes(b"w")
 
@@ -88,6 +91,7 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     assert list(gone["key"]) == [old.directory.name]
     assert not old.directory.exists() and current.directory.exists() and fresh_old.directory.exists()
     assert current.get("p0")["x"].tolist() == [1.0] and (tmp_path / "models" / "weights.safetensors").exists()
+    current.release()
     assert code_version() in (current.directory / "parameters.json").read_text()
 
     monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
@@ -98,3 +102,53 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     assert cli.main(["cache", "prune", "--all"]) == 0
     assert "deleted 1 cached run(s)" in capsys.readouterr().out  # `other` is too recent to touch
     assert not current.directory.exists() and fresh_old.directory.exists()
+
+
+def test_prune_leaves_a_run_in_use_however_long_its_piece_takes(tmp_path):
+    # before: a run whose current piece took longer than a minute looked abandoned, and prune --all deleted
+    # the pieces it had finished while it computed on
+    from cwcore.cache import IN_USE, prune
+
+    busy = ResultCache("demo", {"a": 1}, root=tmp_path)
+    busy.put("p0", pd.DataFrame({"x": [1.0]}))
+    idle = ResultCache("demo", {"a": 2}, root=tmp_path)
+    idle.put("p0", pd.DataFrame({"x": [2.0]}))
+    busy_directory, idle_directory = busy.directory, idle.directory
+    del idle  # its process is done with it
+    gc.collect()
+    for folder in (busy_directory, idle_directory):
+        _age(folder, 3600)
+    assert list(prune(tmp_path, everything=True, dry_run=True)["key"]) == [idle_directory.name]
+    gone = prune(tmp_path, everything=True)
+    assert list(gone["key"]) == [idle_directory.name] and not idle_directory.exists()  # the control
+    assert busy.get("p0")["x"].tolist() == [1.0] and (busy_directory / IN_USE).is_file()
+    del busy  # the run ends: its lock goes with it
+    gc.collect()
+    assert list(prune(tmp_path, everything=True)["key"]) == [busy_directory.name] and not busy_directory.exists()
+
+
+def test_a_run_in_use_by_another_process_is_left_alone(tmp_path):
+    import multiprocessing
+
+    from cwcore.cache import prune
+
+    context = multiprocessing.get_context("fork")
+    ready, done = context.Event(), context.Event()
+
+    def hold():
+        cache = ResultCache("demo", {"a": 1}, root=tmp_path)
+        cache.put("p0", pd.DataFrame({"x": [1.0]}))
+        ready.set()
+        done.wait(60)
+
+    child = context.Process(target=hold)
+    child.start()
+    try:
+        assert ready.wait(60)
+        folder = next((tmp_path / "results" / "demo").iterdir())
+        _age(folder, 3600)
+        assert prune(tmp_path, everything=True).empty and folder.exists()
+    finally:
+        done.set()
+        child.join(60)
+    assert list(prune(tmp_path, everything=True)["key"]) == [folder.name]  # its process ended

@@ -18,7 +18,7 @@ import torch
 
 import cwbook as book
 
-from cwcore import cache, cli, models, runs
+from cwcore import cache, cli, folder_cache, models, runs
 from cwcore.cache import CacheWarning, ResultCache, atomic_write_bytes
 
 
@@ -34,7 +34,7 @@ FRAME = pd.DataFrame({"x": [1.5, 2.5, 3.5], "name": ["a", "b", "c"]})
 def _fresh_state(monkeypatch):
     """Every test starts with no cache marked unwritable and no model marked verified."""
     monkeypatch.setattr(cache, "_unwritable", {})
-    monkeypatch.setattr(cache, "_verified", {})
+    monkeypatch.setattr(folder_cache, "_verified", {})
     monkeypatch.delenv("CWCORE_NO_CACHE", raising=False)
 
 
@@ -365,7 +365,7 @@ def _refuse_writes(monkeypatch):
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)
-    monkeypatch.setattr(cache, "_displace", refuse)
+    monkeypatch.setattr(folder_cache, "_displace", refuse)
 
 
 def test_a_damaged_model_in_a_read_only_cache_is_one_line_from_explain(tiny_packaged, monkeypatch, tmp_path, capsys):
@@ -394,7 +394,7 @@ def test_a_read_only_model_cache_converts_into_a_temporary_folder(tiny_packaged,
         return real(*args, dir=dir, **kwargs)
 
     monkeypatch.setattr(tempfile, "mkdtemp", refuse_in_cache)
-    monkeypatch.setattr(cache, "_uncached_builds", {})
+    monkeypatch.setattr(folder_cache, "_uncached_builds", {})
     with pytest.warns(CacheWarning, match="cannot be written.*temporary folder"):
         path = models.packaged_model_path("smollm2-135m")
     assert path != folder and models.verify_cached_folder(path) is None and not folder.exists()
@@ -424,9 +424,9 @@ def test_verification_is_fast_and_once_per_process(tiny_packaged, monkeypatch):
     folder, calls = tiny_packaged
     models.packaged_model_path("smollm2-135m")
     hashed = []
-    real = cache._hash_file
-    monkeypatch.setattr(cache, "_hash_file", lambda path, algorithm: hashed.append(path.name) or real(path, algorithm))
-    cache._verified.clear()
+    real = folder_cache._hash_file
+    monkeypatch.setattr(folder_cache, "_hash_file", lambda path, algorithm: hashed.append(path.name) or real(path, algorithm))
+    folder_cache._verified.clear()
     models.packaged_model_path("smollm2-135m")
     models.packaged_model_path("smollm2-135m")
     assert sorted(hashed) == sorted(json.loads((folder / models.CACHE_MARKER).read_text())["files"])

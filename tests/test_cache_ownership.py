@@ -8,7 +8,7 @@ import warnings
 import pandas as pd
 import pytest
 
-from cwcore import cache
+from cwcore import cache, folder_cache
 from cwcore.cache import CacheWarning, ResultCache
 
 
@@ -38,6 +38,7 @@ def test_prune_and_repair_leave_folders_the_cache_did_not_write(tmp_path):
     (run.directory / "notes.txt").write_text("mine")
     for folder in (tables, run.directory):
         _age(folder, 7200)
+    run.release()  # done with it: not in use
 
     problems = cache.verify(tmp_path, repair=True)
     assert not [p for p in problems if str(tables) in p["path"]]
@@ -58,11 +59,12 @@ def test_a_users_temporary_file_in_a_run_folder_is_left_alone(tmp_path):
     (run.directory / ".notes.tmp").write_text("mine")
     (run.directory / ".p.parquet.k3j9x0qa.tmp").write_bytes(b"half a piece")  # a killed writer's
     _age(run.directory, 7200)
+    run.release()  # done with it: not in use
 
     problems = cache.verify(tmp_path, repair=True)
     assert [(os.path.basename(p["path"]), p["action"]) for p in problems] == [(".p.parquet.k3j9x0qa.tmp", "deleted")]
-    assert sorted(p.name for p in run.directory.iterdir()) == [".notes.tmp", "p.parquet", "p.parquet.sha256",
-                                                              "parameters.json"]
+    assert sorted(p.name for p in run.directory.iterdir()) == [".in-use", ".notes.tmp", "p.parquet",
+                                                              "p.parquet.sha256", "parameters.json"]
     _age(run.directory, 7200)
     assert list(cache.prune(tmp_path, everything=True)["key"]) == [run.directory.name]
     assert [p.name for p in run.directory.iterdir()] == [".notes.tmp"]
@@ -149,7 +151,7 @@ def test_a_full_disk_while_converting_falls_back_to_a_temporary_folder(tmp_path)
         (folder / "model.safetensors").write_bytes(b"w" * 10)
 
     with pytest.warns(CacheWarning, match="temporary folder"):
-        got = cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
+        got = folder_cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
     assert got != tmp_path / "models" / "m" and (got / "model.safetensors").read_bytes() == b"w" * 10
     assert not (tmp_path / "models" / "m").exists() and len(calls) == 2
 
@@ -159,7 +161,7 @@ def test_a_full_disk_everywhere_is_one_line_naming_the_fix(tmp_path):
         raise SafetensorError("IoError: No space left on device")
 
     with pytest.warns(CacheWarning):
-        with pytest.raises(cache.ModelCacheError, match="no space left on the device to convert m.*CWCORE_CACHE"):
-            cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
+        with pytest.raises(folder_cache.ModelCacheError, match="no space left on the device to convert m.*CWCORE_CACHE"):
+            folder_cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
     with pytest.raises(ValueError, match="unrelated"):  # any other failure is not taken for a full disk
-        cache.ensure_cached_folder(tmp_path / "models" / "n", {"v": 1}, lambda f: (_ for _ in ()).throw(ValueError("unrelated")))
+        folder_cache.ensure_cached_folder(tmp_path / "models" / "n", {"v": 1}, lambda f: (_ for _ in ()).throw(ValueError("unrelated")))

@@ -23,6 +23,7 @@ from cwcore import cache as cw_cache
 from cwcore import provenance
 from cwcore import runs
 from cwcore.data import load_dataset
+from cwcore.folder_cache import library_versions
 from . import ladder as evidence
 from .anatomy import LADDER, MEASURES, explain_held_out, explain_step, layer_average, selection_anatomy
 from cwcore.faithfulness.downstream import downstream_eval
@@ -143,7 +144,7 @@ def check_identity(what: dict, reference: pd.DataFrame, *, computed_by: Callable
     rows = hashlib.sha256(pd.util.hash_pandas_object(reference, index=False).values.tobytes()).hexdigest()
     return {"what": what, "computed_by": f"{module}.{name}", "reference_rows": rows,
             "model": runs.model_fingerprint(lm) if lm is not None else None, "units": units,
-            "code": cw_cache.code_version(None), "book_code": book_code_hash(), "libraries": cw_cache._library_versions(),
+            "code": cw_cache.code_version(None), "book_code": book_code_hash(), "libraries": library_versions(),
             "cpu": this_cpu() or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "atol": atol, "rtol": rtol}
 
