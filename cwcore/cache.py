@@ -377,7 +377,7 @@ class ResultCache:
             return
         try:
             fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:  # being pruned right now: its pieces are going, this run computes them again
+        except OSError:  # being pruned right now (its pieces are going: computed again), or no locks here
             os.close(descriptor)
             return
         self._in_use = descriptor
@@ -516,9 +516,11 @@ def _unused(folder: Path):
     try:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:  # a process holds it
             yield False
             return
+        except OSError:  # a file system without locks (some NFS): the age rule alone decides
+            pass
         yield True
     finally:
         os.close(descriptor)

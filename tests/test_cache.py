@@ -152,3 +152,20 @@ def test_a_run_in_use_by_another_process_is_left_alone(tmp_path):
         done.set()
         child.join(60)
     assert list(prune(tmp_path, everything=True)["key"]) == [folder.name]  # its process ended
+
+
+def test_prune_on_a_file_system_without_locks_falls_back_to_the_age_rule(tmp_path, monkeypatch):
+    import errno
+
+    from cwcore import cache
+
+    run = ResultCache("demo", {"a": 1}, root=tmp_path)
+    run.put("p0", pd.DataFrame({"x": [1.0]}))
+    run.release()
+    _age(run.directory, 3600)
+
+    def no_locks(descriptor, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cache.fcntl, "flock", no_locks)
+    assert list(cache.prune(tmp_path, everything=True)["key"]) == [run.directory.name]  # not taken for "in use"
