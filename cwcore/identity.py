@@ -23,6 +23,7 @@ import inspect
 import json
 import re
 import sys
+import threading
 import types
 import uuid
 import warnings
@@ -78,8 +79,9 @@ def _settings(model: nn.Module) -> str:
 
 #: the hook tables a module's forward runs (torch keeps pre-hooks and hooks apart, per module and global)
 _FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
-#: models whose fingerprint is under way: a hook that reads its own model is not followed into it again
-_UNDER_WAY: set[int] = set()
+#: per thread, the models whose fingerprint is under way: a hook that reads its own model is not followed into
+#: it again (another thread fingerprinting the same model meanwhile computes it in full)
+_UNDER_WAY = threading.local()
 
 
 def _defining_module(fn) -> str:
@@ -173,9 +175,10 @@ def model_fingerprint(model: nn.Module) -> str:
     keeps on the ``meta`` device contribute name, shape and dtype only. A hook that reads a value with no
     stable identity gives the model a fresh identity every call, with a :class:`~cwcore.cache.CacheWarning`:
     what is computed on it is never served from the cache."""
-    if id(model) in _UNDER_WAY:  # a hook or a metric that reads the model being fingerprinted
+    under_way = _UNDER_WAY.__dict__.setdefault("models", set())
+    if id(model) in under_way:  # a hook or a metric that reads the model being fingerprinted
         return "<the model itself>"
-    _UNDER_WAY.add(id(model))
+    under_way.add(id(model))
     try:
         digest = hashlib.sha256()
         config = getattr(model, "config", None)
@@ -201,7 +204,7 @@ def model_fingerprint(model: nn.Module) -> str:
                 digest.update(_tensor_bytes(tensor))
         return digest.hexdigest()[:20]
     finally:
-        _UNDER_WAY.discard(id(model))
+        under_way.discard(id(model))
 
 
 def _as_bytes(value: Any) -> bytes:

@@ -342,3 +342,33 @@ def test_a_method_monkeypatched_on_a_library_class_is_in_the_identity(monkeypatc
     assert runs.model_fingerprint(model) != base
     monkeypatch.undo()
     assert runs.model_fingerprint(model) == base
+
+
+def test_two_threads_fingerprinting_one_model_both_get_its_full_identity():
+    import threading
+
+    model = tiny_model("llama", seed=0)
+    expected = runs.model_fingerprint(model)
+    entered, release = threading.Event(), threading.Event()
+    seen = []
+    import cwcore.identity as identity
+
+    original = identity._settings
+
+    def settings_waiting(m):
+        if threading.current_thread().name == "first":
+            entered.set()
+            release.wait(10)
+        return original(m)
+
+    identity._settings = settings_waiting  # holds the first thread's fingerprint open
+    try:
+        first = threading.Thread(target=lambda: seen.append(runs.model_fingerprint(model)), name="first")
+        first.start()
+        assert entered.wait(10)
+        seen.append(runs.model_fingerprint(model))  # while the first is under way in its own thread
+        release.set()
+        first.join(10)
+    finally:
+        identity._settings = original
+    assert seen == [expected, expected]  # before: the second got the placeholder of a model under way
