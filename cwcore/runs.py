@@ -221,6 +221,21 @@ def _timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get(RANK_TIMEOUT_ENV_VAR, _DEFAULT_RANK_TIMEOUT)))
 
 
+#: how long forked ranks wait for each other to form their group: a rank that dies while it joins is named
+#: after this, not after ``$CWCORE_RANK_TIMEOUT`` (the sweep's exchanges keep that one)
+SETUP_TIMEOUT_SECONDS = 120.0
+
+
+def _forked_group(rank: int, size: int, address: str):
+    """Form the forked ranks' group (within :data:`SETUP_TIMEOUT_SECONDS`) and return a gloo group over it whose
+    exchanges wait ``$CWCORE_RANK_TIMEOUT``."""
+    import torch.distributed as dist
+
+    setup = min(_timeout(), timedelta(seconds=SETUP_TIMEOUT_SECONDS))
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size, timeout=setup)
+    return dist.new_group(backend="gloo", timeout=_timeout())
+
+
 def local_jobs() -> int:
     """``$CWCORE_JOBS`` as an int (1 when unset): how many single-thread ranks a sweep forks here."""
     value = os.environ.get(JOBS_ENV_VAR, "").strip()
@@ -410,8 +425,8 @@ def _helper(rank: int, size: int, address: str, items: list, compute: Callable, 
             pass
         if joining is not None:  # rank 0 waits for this before it waits for the group (a rank dead before is named)
             joining.set()
-        dist.init_process_group("gloo", init_method=address, rank=rank, world_size=size, timeout=_timeout())
-        _gather_map(items, compute, rank, size, None, _NoBar())
+        group = _forked_group(rank, size, address)
+        _gather_map(items, compute, rank, size, group, _NoBar())
         dist.destroy_process_group()
         status = 0
     except BaseException:
@@ -484,10 +499,19 @@ def _forked_map(items: list, compute: Callable, jobs: int, bar) -> list:
     try:
         torch.set_num_threads(1)
         _await_helpers(helpers, joining)
-        dist.init_process_group("gloo", init_method=address, rank=0, world_size=jobs, timeout=_timeout())
+        try:
+            group = _forked_group(0, jobs, address)
+        except Exception as err:  # a rank that died while joining: named, after the set-up's timeout
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            dead = _dead_helpers(list(enumerate(helpers, start=1)), jobs)
+            if not dead:
+                raise
+            raise RuntimeError(f"${JOBS_ENV_VAR}: {'; '.join(dead)} while the ranks formed their group; run it again, "
+                               f"or with fewer ranks (${JOBS_ENV_VAR}=1 runs in this process alone)") from err
         joined = True
         try:
-            return _gather_map(items, compute, 0, jobs, None, bar)
+            return _gather_map(items, compute, 0, jobs, group, bar)
         finally:
             dist.destroy_process_group()
     except _RankLost as err:

@@ -265,3 +265,38 @@ def test_the_per_layer_sweep_moves_its_progress_bar_by_each_finished_batchs_poin
     monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
     per_layer_curve(model, None, ids, **options)
     assert [(bar.total, bar.n) for bar in counts] == [(3 * 2 * 2, 3 * 2 * 2)] * 2  # 3 batches x 4 points
+
+
+_DIES_WHILE_JOINING = """
+import os
+import torch.distributed as dist
+from cwcore import runs
+runs.SETUP_TIMEOUT_SECONDS = 3.0
+parent, real = os.getpid(), dist.init_process_group
+def init_process_group(*args, **kwargs):
+    if os.getpid() != parent:
+        os._exit(6)  # the forked rank said it joins, and is gone inside the group's set-up
+    return real(*args, **kwargs)
+dist.init_process_group = init_process_group
+try:
+    runs.shard_map(range(4), lambda i: i)
+except RuntimeError as err:
+    print(err)
+dist.init_process_group = real
+print(runs.shard_map(range(3), lambda i: i * 10))  # the next sweep of this process runs
+"""
+
+
+def test_a_forked_rank_gone_while_the_group_forms_is_named_after_the_set_up_not_a_day(tmp_path):
+    """Rank 0 waited in the group's rendezvous for $CWCORE_RANK_TIMEOUT (a day) for a rank that died after it
+    said it joins; now the set-up waits SETUP_TIMEOUT_SECONDS (3 s here) and names the rank."""
+    env = {**os.environ, runs.JOBS_ENV_VAR: "2", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run([sys.executable, "-c", _DIES_WHILE_JOINING], env=env, capture_output=True, text=True,
+                              timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail("rank 0 still waited for a forked rank that was gone")
+    assert done.stdout.strip().splitlines() == [
+        "$CWCORE_JOBS: rank 1 of 2 exited with status 6 while the ranks formed their group; run it again, or with "
+        "fewer ranks ($CWCORE_JOBS=1 runs in this process alone)", "[0, 10, 20]"], done.stderr
