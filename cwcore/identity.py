@@ -84,12 +84,17 @@ _FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 _UNDER_WAY = threading.local()
 
 
+def _unwrapped(fn):
+    """The function behind ``fn``: a partial's function, a bound method's function, else ``fn`` itself."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__func__", fn)
+
+
 def _defining_module(fn) -> str:
     """The name of the module that defines ``fn`` (a function, a bound method, a partial's function, or the
     class of a callable object)."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    target = getattr(fn, "__func__", fn)
+    target = _unwrapped(fn)
     name = getattr(target, "__module__", None)
     return name if isinstance(name, str) else type(target).__module__
 
@@ -112,10 +117,7 @@ def _code_identity(fn) -> str | None:
     if module_name.startswith("cwcore") or getattr(fn, "cwcore_observer", False):
         return None
     if _is_library_module(module_name):
-        inner = fn
-        while isinstance(inner, functools.partial):
-            inner = inner.func
-        inner = getattr(inner, "__func__", inner)
+        inner = _unwrapped(fn)
         return f"{module_name}.{getattr(inner, '__qualname__', type(inner).__qualname__)}"
     return method_key(fn)
 
@@ -296,10 +298,7 @@ def _installed_folders() -> tuple[str, ...]:
 def _is_users_module(module) -> bool:
     """A module of the user's own (a file outside the standard library and the installed packages), whose
     values a metric may read as ``module.NAME``."""
-    file = getattr(module, "__file__", None)
-    if not file or module.__name__.startswith(_LIBRARY_PACKAGES):
-        return False
-    return not str(Path(file).resolve()).startswith(_installed_folders())
+    return bool(getattr(module, "__file__", None)) and not _is_library_module(module.__name__)
 
 
 def _module_values_read(module, names: set, seen: set) -> str:

@@ -90,16 +90,21 @@ except RuntimeError as err:
 """
 
 
-def test_a_forked_rank_gone_before_joining_is_one_clear_error_not_a_wait_of_a_day(tmp_path):
-    """Rank 0 waited for a rank that died before joining the group for $CWCORE_RANK_TIMEOUT (a day); now it says
-    which rank and how it ended, at once (the subprocess is given 60 s: before the fix it ran out of them)."""
+def _run_with_two_ranks(script: str, timeout: float) -> subprocess.CompletedProcess:
+    """``script`` in a fresh interpreter with $CWCORE_JOBS=2; a failure if it runs past ``timeout`` seconds
+    (rank 0 still waiting for a forked rank that was gone)."""
     env = {**os.environ, runs.JOBS_ENV_VAR: "2", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     try:
-        done = subprocess.run([sys.executable, "-c", _DIES_BEFORE_JOINING], env=env, capture_output=True, text=True,
-                              timeout=60)
+        return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         pytest.fail("rank 0 still waited for a forked rank that was gone")
+
+
+def test_a_forked_rank_gone_before_joining_is_one_clear_error_not_a_wait_of_a_day(tmp_path):
+    """Rank 0 waited for a rank that died before joining the group for $CWCORE_RANK_TIMEOUT (a day); now it says
+    which rank and how it ended, at once (the subprocess is given 60 s: before the fix it ran out of them)."""
+    done = _run_with_two_ranks(_DIES_BEFORE_JOINING, timeout=60)
     assert done.stdout.strip() == ("$CWCORE_JOBS: rank 1 of 2 exited with status 5 before it joined the sweep; run "
                                    "it again, or with fewer ranks ($CWCORE_JOBS=1 runs in this process alone)"), done.stderr
 
@@ -290,13 +295,7 @@ print(runs.shard_map(range(3), lambda i: i * 10))  # the next sweep of this proc
 def test_a_forked_rank_gone_while_the_group_forms_is_named_after_the_set_up_not_a_day(tmp_path):
     """Rank 0 waited in the group's rendezvous for $CWCORE_RANK_TIMEOUT (a day) for a rank that died after it
     said it joins; now the set-up waits SETUP_TIMEOUT_SECONDS (3 s here) and names the rank."""
-    env = {**os.environ, runs.JOBS_ENV_VAR: "2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run([sys.executable, "-c", _DIES_WHILE_JOINING], env=env, capture_output=True, text=True,
-                              timeout=90)
-    except subprocess.TimeoutExpired:
-        pytest.fail("rank 0 still waited for a forked rank that was gone")
+    done = _run_with_two_ranks(_DIES_WHILE_JOINING, timeout=90)
     assert done.stdout.strip().splitlines() == [
         "$CWCORE_JOBS: rank 1 of 2 exited with status 6 while the ranks formed their group; run it again, or with "
         "fewer ranks ($CWCORE_JOBS=1 runs in this process alone)", "[0, 10, 20]"], done.stderr
