@@ -566,7 +566,11 @@ def summarize(
     rows of ``token_rows`` (default: the same positions). ``kind``: ``"inter"`` (c against the combined
     output o_i) or ``"intra"`` (against the head's own o^h_i). Every summary equals the reduction of
     :func:`cwcore.decompose`'s tensors to float32 rounding. Memory: the model's forward plus, per layer,
-    O(query * top_k + head * key * rows), and one block of ``[head, block, key]`` while a layer runs.
+    O(query * top_k + head * key * rows), and one block of ``[head, block, key]`` while a layer runs. Time: a
+    model configured for SDPA keeps its own attention output and the summary adds the scores and the inner
+    products <o_i, v~_j> of every allowed pair (two attention-sized products a layer); configured ``eager``, the
+    summary computes alpha V itself instead of the SDPA call (SmolLM2 135M at 8,192 tokens, one thread: 2.6x the
+    SDPA forward's time configured SDPA, 2.1x configured eager; sliding layers cost only their window).
     ``progress``: a bar over the layers on stderr (None: only for inputs of at least :data:`PROGRESS_TOKENS`
     tokens, batch times sequence).
     """
