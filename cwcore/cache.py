@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -64,7 +65,36 @@ except ImportError:  # not POSIX: no locks, prune's age rule alone protects a ru
 
 
 class CacheWarning(UserWarning):
-    """The cache was damaged or could not be written; the run goes on (recomputing, or uncached)."""
+    """The cache was damaged or could not be written, or a result cannot be cached; the run goes on
+    (recomputing, or uncached). Each points at the user's line that led to it (:func:`user_stacklevel`)."""
+
+
+def _skipped_folders() -> tuple[str, ...]:
+    """cwcore's folder, the standard library's and those of the libraries that call back into cwcore (torch
+    runs hooks and forwards, transformers its models, pandas and numpy callbacks)."""
+    import sysconfig
+
+    folders = [Path(__file__).resolve().parent, Path(sysconfig.get_paths()["stdlib"]).resolve()]
+    for name in ("torch", "transformers", "pandas", "numpy"):
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None):
+            folders.append(Path(module.__file__).resolve().parent)
+    return tuple(f"{folder}{os.sep}" for folder in folders)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` with which a warning issued by the caller of this function names the first frame
+    outside cwcore, the standard library, torch, transformers, pandas and numpy: the user's own line (a
+    notebook cell, a script), which the default filter then shows once per line. 1 (the warning's own line)
+    where every frame is inside them, as in a rank's thread or under ``python -m cwcore``."""
+    skipped = _skipped_folders()
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not (filename.startswith(skipped) or filename.startswith("<frozen ")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 def _canonical(value):
@@ -209,7 +239,8 @@ def _warn_unreadable(root: Path, path: Path, error: OSError) -> None:
            errno.EISDIR: f"a folder stands where the piece {path.name} should be: delete it"}.get(
         error.errno, "fix the folder's permissions")
     warnings.warn(f"cwcore: the result cache {root} cannot be read ({error.strerror or error}: {path.name}); "
-                  f"its pieces are computed again ({fix}, or set {NO_CACHE_ENV_VAR}=1)", CacheWarning, stacklevel=4)
+                  f"its pieces are computed again ({fix}, or set {NO_CACHE_ENV_VAR}=1)", CacheWarning,
+                  stacklevel=user_stacklevel())
 
 
 def _mark_unwritable(root: Path, error: OSError) -> None:
@@ -226,7 +257,8 @@ def _mark_unwritable(root: Path, error: OSError) -> None:
     _unwritable[key] = reason
     warnings.warn(f"cwcore: the result cache {root} cannot be written ({reason}); this run continues uncached: "
                   f"results are computed but not stored (set {NO_CACHE_ENV_VAR}=1, run outside cwcore.cache.caching() "
-                  "or pass --no-cache to run uncached without this warning)", CacheWarning, stacklevel=4)
+                  "or pass --no-cache to run uncached without this warning)", CacheWarning,
+                  stacklevel=user_stacklevel())
 
 
 class CacheTally:
@@ -424,7 +456,7 @@ class ResultCache:
             failure = _discard_piece(path)
             done = "deleted it" if failure is None else f"could not delete it ({failure})"
             warnings.warn(f"cwcore: cached piece {path} was damaged ({problem}); {done}, computing it again",
-                          CacheWarning, stacklevel=2)
+                          CacheWarning, stacklevel=user_stacklevel())
         return frame
 
     @property

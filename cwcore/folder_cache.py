@@ -23,7 +23,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from .cache import CacheWarning, current_umask
+from .cache import CacheWarning, current_umask, user_stacklevel
 
 __all__ = ["CACHE_FORMAT", "CACHE_MARKER", "FOLDER_ABANDONED_AFTER_SECONDS", "ModelCacheError", "disk_full",
            "ensure_cached_folder", "library_versions", "read_cache_marker", "verify_cached_folder"]
@@ -68,7 +68,7 @@ def ensure_cached_folder(target: str | os.PathLike, source: dict,
         if damage is None:
             return target
         warnings.warn(f"cwcore: the converted model at {target} is damaged ({damage}); converting it again",
-                      CacheWarning, stacklevel=3)
+                      CacheWarning, stacklevel=user_stacklevel())
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned_folders(target)
@@ -125,7 +125,7 @@ def _build_uncached(target: Path, source: dict, build, description, error: OSErr
         return known
     warnings.warn(f"cwcore: the model cache {target.parent} cannot be written ({error.strerror or error}); "
                   f"converting {target.name} into a temporary folder for this process only", CacheWarning,
-                  stacklevel=4)
+                  stacklevel=user_stacklevel())
     holder = Path(tempfile.mkdtemp(prefix="cwcore-model-"))
     atexit.register(shutil.rmtree, holder, True)
     tmp, final = holder / ".tmp", holder / target.name

@@ -190,11 +190,11 @@ def model_fingerprint(model: nn.Module) -> str:
         try:
             digest.update(_behaviour(model).encode())
         except UncacheableMetric as err:
-            from .cache import CacheWarning
+            from .cache import CacheWarning, user_stacklevel
 
             warnings.warn(f"cwcore: results on this model are not cached: code it runs beside its own (a hook, a "
                           f"replaced forward) reads a value whose state cwcore cannot fingerprint ({err})",
-                          CacheWarning, stacklevel=2)
+                          CacheWarning, stacklevel=user_stacklevel())
             return "uncached-" + uuid.uuid4().hex[:16]
         with torch.no_grad():
             tensors = [("parameter", name, t) for name, t in model.named_parameters()]

@@ -167,6 +167,56 @@ def test_an_unwritable_cache_runs_uncached_with_one_warning(tmp_path, monkeypatc
     assert not list(tmp_path.rglob("*.parquet"))
 
 
+def _caught(call):
+    """(the CacheWarnings ``call`` issues, the line of this file that called it)."""
+    import inspect
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_back.f_lineno
+        call()
+    return [w for w in caught if issubclass(w.category, CacheWarning)], line
+
+
+def test_a_cache_warning_names_the_users_line(tmp_path, monkeypatch):
+    compute, _ = counting()
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "replace", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, "Read-only")))
+        patched.setattr(cache, "_unwritable", {})
+        mine, line = _caught(lambda: ResultCache("demo", {"a": 1}, root=tmp_path).get_or_compute("p", compute))
+    assert len(mine) == 1 and "cannot be written" in str(mine[0].message)
+    assert (mine[0].filename, mine[0].lineno) == (__file__, line)  # not a line of cwcore/cache.py
+
+    # a damaged piece, read through the cache's own frames
+    ResultCache("demo", {"a": 2}, root=tmp_path / "sound").get_or_compute("p", compute)
+    _truncate(ResultCache("demo", {"a": 2}, root=tmp_path / "sound").directory / "p.parquet")
+    mine, line = _caught(lambda: ResultCache("demo", {"a": 2}, root=tmp_path / "sound").get_or_compute("p", compute))
+    assert len(mine) == 1 and "was damaged" in str(mine[0].message)
+    assert (mine[0].filename, mine[0].lineno) == (__file__, line)
+
+
+def test_user_stacklevel_skips_cwcore_torch_and_the_standard_library():
+    """A warning raised in cwcore, called from torch's frames (a hook, a forward) and the standard library's,
+    names the user's line; with no user frame on the stack, the warning's own line."""
+    import functools
+    import threading
+
+    scope = {}
+    exec(compile("import warnings\nfrom cwcore.cache import CacheWarning, user_stacklevel\n"
+                 "def warner():\n    warnings.warn('x', CacheWarning, stacklevel=user_stacklevel())\n",
+                 str(Path(cache.__file__).parent / "_a_warner.py"), "exec"), scope)
+    exec(compile("def through(f):\n    return f()\n", str(Path(torch.__file__).parent / "_a_caller.py"), "exec"),
+         scope)
+    mine, line = _caught(lambda: scope["through"](functools.partial(scope["warner"])))
+    assert (mine[0].filename, mine[0].lineno) == (__file__, line)
+    with warnings.catch_warnings(record=True) as caught:  # a thread's stack holds no user frame
+        warnings.simplefilter("always")
+        thread = threading.Thread(target=scope["through"], args=(scope["warner"],))
+        thread.start()
+        thread.join()
+    assert [(w.filename, w.lineno) for w in caught] == [(str(Path(cache.__file__).parent / "_a_warner.py"), 4)]
+
+
 def test_a_real_read_only_folder_runs_uncached(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()

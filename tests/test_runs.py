@@ -184,9 +184,12 @@ def test_metric_reading_an_object_without_identity_is_not_cached():
     def metric(layer_decomposition, **_):
         return layer_decomposition.attention * (holder is not None)
 
-    with pytest.warns(UserWarning, match="is not cached"):
+    from cwcore.cache import CacheWarning
+
+    with pytest.warns(CacheWarning, match="is not cached") as record:
         first = as_method(metric)
-    with pytest.warns(UserWarning, match="is not cached"):
+    assert [w.filename for w in record] == [__file__]  # the user's line, not the registry's
+    with pytest.warns(CacheWarning, match="is not cached"):
         assert as_method(metric).key != first.key
 
 
@@ -301,8 +304,9 @@ def test_a_hook_that_reads_its_model_and_one_that_reads_an_unidentifiable_value(
     handle.remove()
     token = object()  # its repr is its address: nothing says whether it changed
     handle = model.model.layers[0].register_forward_pre_hook(lambda module, args: (token, args)[1])
-    with pytest.warns(CacheWarning, match="not cached"):
+    with pytest.warns(CacheWarning, match="not cached") as record:
         first, second = runs.model_fingerprint(model), runs.model_fingerprint(model)
+    assert {w.filename for w in record} == {__file__}  # the user's line, not cwcore.identity's
     assert first != second and first.startswith("uncached-")  # never served from the cache
     handle.remove()
     assert runs.model_fingerprint(model) == base

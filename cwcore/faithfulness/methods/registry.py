@@ -99,8 +99,11 @@ def as_method(fn: Callable, label: str | None = None) -> Method:
         import uuid
         import warnings
 
+        from ...cache import CacheWarning, user_stacklevel
+
         warnings.warn(f"cwcore: metric {name!r} is not cached: it reads a value whose state cwcore cannot "
-                      f"fingerprint ({err}); its results are computed every time", stacklevel=3)
+                      f"fingerprint ({err}); its results are computed every time", CacheWarning,
+                      stacklevel=user_stacklevel())
         key = "uncached-" + uuid.uuid4().hex[:16]
     from ...core.inputs import finite_scores  # a user's NaN/inf scores are refused at the layer they appear
 
