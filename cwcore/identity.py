@@ -165,6 +165,36 @@ def _behaviour(model: nn.Module) -> str:
     return "\n".join(lines)
 
 
+def _uncached(reason: str) -> str:
+    """A fresh identity, with a warning that names ``reason``: results on the model are never served from the cache."""
+    from .cache import CacheWarning, user_stacklevel
+
+    warnings.warn(f"cwcore: results on this model are not cached: {reason}", CacheWarning, stacklevel=user_stacklevel())
+    return "uncached-" + uuid.uuid4().hex[:16]
+
+
+def _offloaded_value(model: nn.Module, name: str) -> torch.Tensor | None:
+    """The values accelerate keeps for the parameter or buffer ``name`` that sits on the ``meta`` device: the
+    ``weights_map`` of its module's hook (a dict on the CPU, or a loader reading the offload folder), else None."""
+    prefix, _, local = name.rpartition(".")
+    try:
+        module = model.get_submodule(prefix) if prefix else model
+    except AttributeError:
+        return None
+    hook = getattr(module, "_hf_hook", None)
+    for each in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # a SequentialHook's parts
+        weights = getattr(each, "weights_map", None)
+        if weights is None:
+            continue
+        try:
+            value = weights[local]
+        except (KeyError, IndexError):
+            continue
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            return value
+    return None
+
+
 def model_fingerprint(model: nn.Module) -> str:
     """SHA-256 of the model: its class, configuration name, its settings (the configuration's fields and each
     module's plain attributes, e.g. a norm's epsilon: :func:`_settings`; not the train/eval mode), the code it
@@ -173,10 +203,11 @@ def model_fingerprint(model: nn.Module) -> str:
     its values**.
 
     Read every call (0.33 s for smollm2-135m in float32 on one core): an edit through ``param.data``
-    does not move a tensor's version counter, so no digest is kept between calls. Tensors accelerate
-    keeps on the ``meta`` device contribute name, shape and dtype only. A hook that reads a value with no
-    stable identity gives the model a fresh identity every call, with a :class:`~cwcore.cache.CacheWarning`:
-    what is computed on it is never served from the cache."""
+    does not move a tensor's version counter, so no digest is kept between calls. A tensor accelerate keeps
+    on the ``meta`` device (offloaded to the CPU or to disk) is read from its hook's weights map. A model with a
+    tensor on ``meta`` whose values cwcore cannot find, or a hook that reads a value with no stable identity,
+    gets a fresh identity every call, with a :class:`~cwcore.cache.CacheWarning`: what is computed on it is
+    never served from the cache."""
     under_way = _UNDER_WAY.__dict__.setdefault("models", set())
     if id(model) in under_way:  # a hook or a metric that reads the model being fingerprinted
         return "<the model itself>"
@@ -190,19 +221,18 @@ def model_fingerprint(model: nn.Module) -> str:
         try:
             digest.update(_behaviour(model).encode())
         except UncacheableMetric as err:
-            from .cache import CacheWarning, user_stacklevel
-
-            warnings.warn(f"cwcore: results on this model are not cached: code it runs beside its own (a hook, a "
-                          f"replaced forward) reads a value whose state cwcore cannot fingerprint ({err})",
-                          CacheWarning, stacklevel=user_stacklevel())
-            return "uncached-" + uuid.uuid4().hex[:16]
+            return _uncached(f"code it runs beside its own (a hook, a replaced forward) reads a value whose state "
+                             f"cwcore cannot fingerprint ({err})")
         with torch.no_grad():
             tensors = [("parameter", name, t) for name, t in model.named_parameters()]
             tensors += [("buffer", name, t) for name, t in model.named_buffers()]
             for kind, name, tensor in tensors:
                 digest.update(f"{kind}:{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
                 if tensor.device.type == "meta":
-                    continue
+                    tensor = _offloaded_value(model, name)
+                    if tensor is None:
+                        return _uncached(f"{kind} {name} is on the meta device and no offloading hook holds its "
+                                         "values")
                 digest.update(_tensor_bytes(tensor))
         return digest.hexdigest()[:20]
     finally:

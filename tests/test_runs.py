@@ -25,18 +25,6 @@ def test_fingerprint_tracks_weights_and_names():
     assert runs.model_fingerprint(a) != runs.model_fingerprint(tiny_model("qwen2"))
 
 
-def test_fingerprint_of_offloaded_meta_weights_is_stable():
-    def offloaded():
-        with torch.device("meta"):
-            return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-
-    first, second = runs.model_fingerprint(offloaded()), runs.model_fingerprint(offloaded())
-    assert first == second
-    with torch.device("meta"):
-        other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
-    assert runs.model_fingerprint(other) != first
-
-
 def test_tensor_digest_is_content_based():
     x = torch.arange(6).reshape(2, 3)
     assert runs.tensor_digest({"a": x, "b": x + 1}) == runs.tensor_digest({"b": x + 1, "a": x.clone()})
@@ -292,6 +280,42 @@ def test_a_replaced_forward_a_users_class_and_global_hooks_are_in_the_identity()
     finally:
         handle.remove()
     assert runs.model_fingerprint(model) == base
+
+
+@pytest.mark.parametrize("where", ["cpu", "disk"])
+def test_offloaded_weights_are_read_from_accelerates_weights_map(tmp_path, where):
+    """accelerate keeps offloaded weights on the meta device and their values in its hooks' weights maps: an
+    edit there changes the model's output, so it must change the key (name and shape alone did not)."""
+    from accelerate import cpu_offload, disk_offload
+
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model = tiny_model("llama", seed=0)
+    reference = model(input_ids=ids).logits
+    if where == "cpu":
+        cpu_offload(model, execution_device=torch.device("cpu"))
+    else:
+        disk_offload(model, str(tmp_path / "offload"), execution_device=torch.device("cpu"))
+    assert model.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+    torch.testing.assert_close(model(input_ids=ids).logits, reference, rtol=0, atol=0)
+    base = runs.model_fingerprint(model)
+    assert runs.model_fingerprint(model) == base and not base.startswith("uncached-")
+    weights = model.model.layers[0].self_attn.q_proj._hf_hook.weights_map
+    if where == "cpu":  # a dict of CPU tensors: one value edited in place
+        weights["weight"][0, 0] += 1.0
+        assert not torch.equal(model(input_ids=ids).logits, reference)
+        assert runs.model_fingerprint(model) != base
+        weights["weight"][0, 0] -= 1.0
+        assert runs.model_fingerprint(model) == base
+
+
+def test_a_meta_tensor_no_hook_holds_is_never_cached():
+    from cwcore.cache import CacheWarning
+
+    model = tiny_model("llama", seed=0)
+    model.model.layers[1].mlp.up_proj.to_empty(device="meta")
+    with pytest.warns(CacheWarning, match="up_proj.weight is on the meta device") as record:
+        first, second = runs.model_fingerprint(model), runs.model_fingerprint(model)
+    assert first != second and first.startswith("uncached-") and {w.filename for w in record} == {__file__}
 
 
 def test_a_hook_that_reads_its_model_and_one_that_reads_an_unidentifiable_value():
