@@ -52,7 +52,17 @@ def test_a_contradiction_is_pinned_on_one_step_only_when_that_step_alone_decides
 def test_a_sample_without_rows_says_it_is_not_computed():
     table = _primary({})
     assert headline.ladder_sentences(table, "confirmatory") == [
-        "None of the 32 registered tests has been computed on this sample yet."]
+        "None of the 32 registered tests is decided on this sample yet."]
+    cells = [{"model": m, "data": d, "protocol": p, "documents": n}
+             for m, d, p, n in [("a", "x", "default", 64), ("a", "x", "per-head", 64), ("a", "y", "default", 17),
+                                ("a", "y", "per-head", 0)]]
+    assert headline.ladder_sentences(table, "confirmatory", cells) == [
+        "None of the 32 registered tests is decided on this sample yet: 2 of its 4 ladder cells (model x data set x "
+        "mode) hold all 64 documents and 1 more is partly computed; the tests are decided once every cell is in."]
+    assert "are partly computed" in headline.progress_clause(cells[:2] + [dict(cells[2], documents=5)] * 2)
+    assert headline.progress_clause(cells[:2]).startswith("all 2 of its ladder cells") and "tables step" in \
+        headline.progress_clause(cells[:2])
+    assert "partly" not in headline.progress_clause(cells[:2] + [dict(cells[3])])
     assert set(table1.side_by_side(table)["comp. confirmatory"].str.strip()) <= {"—", ""}
 
 
@@ -142,8 +152,9 @@ def test_the_readmes_compact_headline_keeps_the_confirmatory_sample_whole_and_co
 
 def test_the_chapter_answers_name_the_deciding_part_and_what_is_not_computed(tmp_path):
     table = _primary({("smollm2-135m", "step 2->3"): "contradicted"})
-    answer = headline.chapter4_answer(table, "smollm2-135m")
-    assert "*Confirmatory sample (registered before it was computed)*: not computed yet." in answer
+    answer = headline.chapter4_answer(table, "smollm2-135m", confirmatory_dir=tmp_path / "none")
+    assert "*Confirmatory sample (registered before it was computed)*: not decided yet (0 of its 4 ladder cells " \
+           "(model x data set x mode) hold all 64 documents; the tests are decided once every cell is in)." in answer
     assert "rests on step 2 → 3 (value-weighted → output-normalised) alone" in answer
     assert "no step contradicts it" in headline.chapter4_answer(table, "gemma3-270m")
     _claims(tmp_path / "exploratory", "m", {"cos_semantic_centred": (0.01, 0.05)})
@@ -185,8 +196,9 @@ def test_the_confirmatory_tables_step_decides_the_whole_family_once_every_cell_i
             (trial / f"per_document_{model}_{data}.csv.gz").write_bytes(data_bytes)
             (trial / f"per_document_{model}_{data}.json").write_text(json.dumps(meta, indent=1))
     before = (findings.EVIDENCE_DIR / "findings.csv").read_bytes()
-    assert "None of the 32 registered tests has been computed" in headline.headline_markdown(
-        exploratory_dir=exploratory, confirmatory_dir=trial).split("**Exploratory sample**")[0]
+    assert "None of the 32 registered tests is decided on this sample yet: all 8 of its ladder cells (model x " \
+           "data set x mode) hold all 64 documents; the tables step" in headline.headline_markdown(
+               exploratory_dir=exploratory, confirmatory_dir=trial).split("**Exploratory sample**")[0]
     confirmatory.tables(trial)
     assert (findings.EVIDENCE_DIR / "findings.csv").read_bytes() == before
     both = pd.read_csv(exploratory / "findings.csv")

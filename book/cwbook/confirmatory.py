@@ -149,28 +149,40 @@ def sinks(models: Sequence[str] = registration.CONFIRMATORY_MODELS,
     return written
 
 
+def ladder_progress(out: str | Path = OUT) -> list[dict]:
+    """Per registered ladder cell, as its committed export's metadata records it: ``model``, ``data``,
+    ``protocol``, ``documents`` (held, of :data:`~cwbook.registration.CONFIRMATORY_DOCUMENTS`) and
+    ``created`` (when it was last merged, "" for none)."""
+    import json
+
+    from .evidence_export import paths
+
+    cells_held = []
+    for model in registration.CONFIRMATORY_MODELS:
+        protocols = ladder_parameters(model)["protocols"]
+        for data in registration.CONFIRMATORY_DATA:
+            _, meta_path = paths(model, data, Path(out))
+            cells = json.loads(meta_path.read_text()).get("cells", {}) if meta_path.is_file() else {}
+            for protocol in protocols:
+                cells_held.append({"model": model, "data": data, "protocol": protocol,
+                                   "documents": int(cells.get(protocol, {}).get("documents", 0)),
+                                   "created": cells.get(protocol, {}).get("created", "")})
+    return cells_held
+
+
 def status(out: str | Path = OUT) -> str:
     """``STATUS.md`` of the confirmatory folder (markdown): per registered ladder cell the documents its
     export holds of the registered number, per model the sink chapters' tables present, and what is left."""
-    import json
-
     from . import results_path
-    from .evidence_export import paths
 
     out = Path(out)
     n = registration.CONFIRMATORY_DOCUMENTS
     rows, done, parts = [], 0, 0
-    for model in registration.CONFIRMATORY_MODELS:
-        protocols = ladder_parameters(model)["protocols"]
-        for data in registration.CONFIRMATORY_DATA:
-            _, meta_path = paths(model, data, out)
-            cells = json.loads(meta_path.read_text()).get("cells", {}) if meta_path.is_file() else {}
-            for protocol in protocols:
-                held = int(cells.get(protocol, {}).get("documents", 0))
-                when = cells.get(protocol, {}).get("created", "")
-                rows.append(f"| {model} | {data} | {protocol} | {held} of {n} | {when} |")
-                parts += 1
-                done += held == n
+    for cell in ladder_progress(out):
+        rows.append(f"| {cell['model']} | {cell['data']} | {cell['protocol']} | {cell['documents']} of {n} "
+                    f"| {cell['created']} |")
+        parts += 1
+        done += cell["documents"] == n
     sink_rows = []
     for model in registration.CONFIRMATORY_MODELS:
         present = [c for c in SINK_CHAPTERS if results_path(out, c, model).is_file()]

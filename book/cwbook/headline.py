@@ -105,14 +105,33 @@ def _model_sentence(model: str, summary: pd.DataFrame) -> str:
     return said + lead + " (" + "; ".join(parts) + ")."
 
 
-def ladder_sentences(findings: pd.DataFrame, sample: str) -> list[str]:
+def progress_clause(progress: Sequence[dict] | None) -> str:
+    """How far a sample's ladder cells are computed (``progress``: :func:`cwbook.confirmatory.ladder_progress`'s
+    rows, or a model's share of them), as a clause; "" without progress."""
+    if not progress:
+        return ""
+    n = registration.CONFIRMATORY_DOCUMENTS
+    complete = sum(cell["documents"] == n for cell in progress)
+    partly = sum(0 < cell["documents"] < n for cell in progress)
+    if complete == len(progress):
+        return (f"all {complete} of its ladder cells (model x data set x mode) hold all {n} documents; the tables "
+                "step (`python -m cwbook.confirmatory tables`) decides the tests")
+    return (f"{complete} of its {len(progress)} ladder cells (model x data set x mode) hold all {n} documents"
+            + (f" and {partly} more {'is' if partly == 1 else 'are'} partly computed" if partly else "")
+            + "; the tests are decided once every cell is in")
+
+
+def ladder_sentences(findings: pd.DataFrame, sample: str, progress: Sequence[dict] | None = None) -> list[str]:
     """The faithfulness ladder's headline on ``sample``: how many of the 32 tests are decided, the
-    ordering per model with the step that decides it, and contribution weights against random."""
+    ordering per model with the step that decides it, and contribution weights against random. ``progress``:
+    the sample's cells as :func:`cwbook.confirmatory.ladder_progress` gives them, said while none is decided."""
     rows = primary_rows(findings, sample)
     family = len(evidence.primary_family())
     measured = rows[rows["verdict"] != stats.NOT_MEASURED]
     if measured.empty:
-        return [f"None of the {family} registered tests has been computed on this sample yet."]
+        clause = progress_clause(progress)
+        return [f"None of the {family} registered tests is decided on this sample yet"
+                + (f": {clause}." if clause else ".")]
     summary = ordering_summary(rows)
     lines = [f"{len(measured)} of the {family} registered tests are decided ({_count(measured['verdict'])}; "
              f"Holm-adjusted over the family, |c|, full ratio range). The paper's ordering "
@@ -224,7 +243,8 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
             (registration.EXPLORATORY, exploratory_dir,
              "**Exploratory sample** (64 documents per data set; 22 of its 32 tests were computed before their "
              "registration, so these verdicts generate hypotheses rather than confirm them)")):
-        ladder = ladder_sentences(findings, sample)
+        ladder = ladder_sentences(findings, sample, confirmatory_progress(folder)
+                                  if sample == registration.CONFIRMATORY else None)
         verdicts = registered_sink_verdicts(folder, models)
         if compact and sample == registration.EXPLORATORY:
             blocks.append(title + ".\n\n" + "\n".join(f"- {line}" for line in [ladder[0], sink_tally(verdicts)])
@@ -254,7 +274,14 @@ def folders(evidence_dir: str | Path | None = None) -> dict:
     return {"exploratory_dir": exploratory, "confirmatory_dir": confirmatory}
 
 
-def chapter4_answer(findings: pd.DataFrame, model: str) -> str:
+def confirmatory_progress(folder: str | Path) -> list[dict]:
+    """:func:`cwbook.confirmatory.ladder_progress` of ``folder`` (no cell held where it does not exist)."""
+    from .confirmatory import ladder_progress
+
+    return ladder_progress(folder)
+
+
+def chapter4_answer(findings: pd.DataFrame, model: str, confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> str:
     """Chapter 4's generated answer for ``model`` (markdown): what each sample's registered tests say of the
     paper's ordering on this model, and which step decides it; the confirmatory sample's progress."""
     parts = []
@@ -263,7 +290,9 @@ def chapter4_answer(findings: pd.DataFrame, model: str) -> str:
         rows = primary_rows(findings, sample) if len(findings) else findings
         rows = rows[rows["model"] == model] if len(rows) else rows
         if not len(rows) or (rows["verdict"] == stats.NOT_MEASURED).all():
-            parts.append(f"*{label}*: not computed yet.")
+            clause = progress_clause([cell for cell in confirmatory_progress(confirmatory_dir) if cell["model"] == model]
+                                     if sample == registration.CONFIRMATORY else None)
+            parts.append(f"*{label}*: not decided yet" + (f" ({clause})." if clause else "."))
             continue
         summary = ordering_summary(rows)
         sentence = _model_sentence(model, summary).replace(f"**{model}**, ", "")
