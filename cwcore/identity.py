@@ -54,17 +54,36 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 #: The plain values a module's attribute may hold and :func:`model_fingerprint` reads (a norm's epsilon, a softcap)
 _SETTING_TYPES = (int, float, bool, str, type(None))
+#: private attributes that record bookkeeping, not what a forward computes (transformers' loading flag, torch's
+#: backward-hook kind): left out, so that a model's identity does not depend on how it was built
+_BOOKKEEPING = frozenset({"_is_hf_initialized", "_is_full_backward_hook"})
 
 
-def _is_setting(value: Any) -> bool:
-    return isinstance(value, _SETTING_TYPES) or (isinstance(value, tuple) and all(isinstance(v, _SETTING_TYPES)
-                                                                                 for v in value))
+def _setting_text(value: Any, containers: tuple = (tuple, list, set, frozenset, dict), depth: int = 0) -> str | None:
+    """A plain value, or a ``containers`` value of plain values (nested: an adapter's ``{"default": 2.0}``), as
+    text with sets and dicts in sorted order; None for anything else (a tensor, a module, a function)."""
+    if isinstance(value, _SETTING_TYPES):
+        return repr(value)
+    if not isinstance(value, containers) or depth > 8:
+        return None
+    parts = []
+    for item in (value.items() if isinstance(value, dict) else value):
+        texts = [_setting_text(v, containers, depth + 1) for v in (item if isinstance(value, dict) else (item,))]
+        if None in texts:
+            return None
+        parts.append(": ".join(texts))
+    if isinstance(value, (set, frozenset, dict)):
+        parts.sort()
+    return f"{type(value).__name__}[{', '.join(parts)}]"
 
 
 def _settings(model: nn.Module) -> str:
-    """What a forward reads besides the tensors: the configuration's public fields and every module's public
-    plain-valued attributes (``variance_epsilon``, ``scaling``, ``attn_logit_softcapping``, ...), one per line.
-    Edited in place after loading (an ablation), they change the model's output and must change its identity."""
+    """What a forward reads besides the tensors: the configuration's public fields and every module's
+    plain-valued attributes, one per line: public ones (``variance_epsilon``, ``scaling``, an adapter's
+    ``{"default": 2.0}``), and private plain values, tuples, lists and sets (an adapter's ``_disable_adapters``
+    and ``_active_adapter``; not private dicts, where torch keeps its hooks' ids, nor :data:`_BOOKKEEPING`).
+    Edited in place after loading (an ablation, a switched adapter), they change the model's output and must
+    change its identity."""
     lines = []
     config = getattr(model, "config", None)
     if callable(getattr(config, "to_dict", None)):
@@ -72,8 +91,12 @@ def _settings(model: nn.Module) -> str:
         lines.append(json.dumps(fields, sort_keys=True, default=repr))
     for name, module in model.named_modules():
         for key, value in sorted(vars(module).items()):
-            if not key.startswith("_") and key != "training" and _is_setting(value):
-                lines.append(f"{name}.{key}={value!r}")
+            if key == "training" or key in _BOOKKEEPING:
+                continue
+            text = _setting_text(value) if not key.startswith("_") else \
+                _setting_text(value, containers=(tuple, list, set, frozenset))
+            if text is not None:
+                lines.append(f"{name}.{key}={text}")
     return "\n".join(lines)
 
 

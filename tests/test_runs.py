@@ -308,6 +308,48 @@ def test_offloaded_weights_are_read_from_accelerates_weights_map(tmp_path, where
         assert runs.model_fingerprint(model) == base
 
 
+class _Adapter(torch.nn.Module):
+    """A LoRA-like adapter as peft keeps one: its scale per adapter in a public dict, the active adapter and the
+    switch that disables it in private attributes; a private dict that counts calls changes every forward."""
+
+    def __init__(self, base: torch.nn.Linear):
+        super().__init__()
+        self.base, self.delta = base, torch.nn.Linear(base.in_features, base.out_features, bias=False)
+        self.scaling = {"default": 2.0, "other": 0.5}
+        self._active_adapter, self._disable_adapters, self._calls = ["default"], False, {}
+
+    def forward(self, x):
+        self._calls[len(self._calls)] = True
+        out = self.base(x)
+        return out if self._disable_adapters else out + self.scaling[self._active_adapter[0]] * self.delta(x)
+
+
+def test_an_adapters_switches_and_scales_are_part_of_the_identity():
+    """Disabling an adapter, switching it or changing its scale changes the output without touching a weight:
+    each must change the key; bookkeeping (a call counter, transformers' loading flag) must not."""
+    ids = torch.tensor([[1, 2, 3, 4]])
+    model = tiny_model("llama", seed=0)
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = _Adapter(attention.q_proj)
+    adapter = attention.q_proj
+    base, logits = runs.model_fingerprint(model), model(input_ids=ids).logits
+    assert runs.model_fingerprint(model) == base  # the forward above filled the call counter: not in the key
+    model.model._is_hf_initialized = not getattr(model.model, "_is_hf_initialized", False)
+    assert runs.model_fingerprint(model) == base
+    keys = {base}
+    for change, undo in ((lambda: setattr(adapter, "_disable_adapters", True),
+                          lambda: setattr(adapter, "_disable_adapters", False)),
+                         (lambda: setattr(adapter, "_active_adapter", ["other"]),
+                          lambda: setattr(adapter, "_active_adapter", ["default"])),
+                         (lambda: adapter.scaling.update(default=1.0), lambda: adapter.scaling.update(default=2.0))):
+        change()
+        assert not torch.equal(model(input_ids=ids).logits, logits)  # the output moved
+        keys.add(runs.model_fingerprint(model))
+        undo()
+        assert runs.model_fingerprint(model) == base
+    assert len(keys) == 4  # each change its own key
+
+
 def test_a_meta_tensor_no_hook_holds_is_never_cached():
     from cwcore.cache import CacheWarning
 
