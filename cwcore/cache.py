@@ -97,6 +97,11 @@ def user_stacklevel() -> int:
     return 1
 
 
+def warn_cache(message: str) -> None:
+    """Issue ``message`` as a :class:`CacheWarning` at the user's line (:func:`user_stacklevel`)."""
+    warnings.warn(message, CacheWarning, stacklevel=user_stacklevel())
+
+
 def _canonical(value):
     if isinstance(value, dict):
         return {str(k): _canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
@@ -238,9 +243,8 @@ def _warn_unreadable(root: Path, path: Path, error: OSError) -> None:
                           "$CWCORE_CACHE at a folder",
            errno.EISDIR: f"a folder stands where the piece {path.name} should be: delete it"}.get(
         error.errno, "fix the folder's permissions")
-    warnings.warn(f"cwcore: the result cache {root} cannot be read ({error.strerror or error}: {path.name}); "
-                  f"its pieces are computed again ({fix}, or set {NO_CACHE_ENV_VAR}=1)", CacheWarning,
-                  stacklevel=user_stacklevel())
+    warn_cache(f"cwcore: the result cache {root} cannot be read ({error.strerror or error}: {path.name}); "
+               f"its pieces are computed again ({fix}, or set {NO_CACHE_ENV_VAR}=1)")
 
 
 def _mark_unwritable(root: Path, error: OSError) -> None:
@@ -255,10 +259,9 @@ def _mark_unwritable(root: Path, error: OSError) -> None:
         reason = {errno.EROFS: "read-only file system", errno.ENOSPC: "no space left on the device",
                   errno.EDQUOT: "disk quota exceeded"}.get(error.errno, reason)
     _unwritable[key] = reason
-    warnings.warn(f"cwcore: the result cache {root} cannot be written ({reason}); this run continues uncached: "
-                  f"results are computed but not stored (set {NO_CACHE_ENV_VAR}=1, run outside cwcore.cache.caching() "
-                  "or pass --no-cache to run uncached without this warning)", CacheWarning,
-                  stacklevel=user_stacklevel())
+    warn_cache(f"cwcore: the result cache {root} cannot be written ({reason}); this run continues uncached: "
+               f"results are computed but not stored (set {NO_CACHE_ENV_VAR}=1, run outside cwcore.cache.caching() "
+               "or pass --no-cache to run uncached without this warning)")
 
 
 class CacheTally:
@@ -455,8 +458,7 @@ class ResultCache:
         if problem is not None:
             failure = _discard_piece(path)
             done = "deleted it" if failure is None else f"could not delete it ({failure})"
-            warnings.warn(f"cwcore: cached piece {path} was damaged ({problem}); {done}, computing it again",
-                          CacheWarning, stacklevel=user_stacklevel())
+            warn_cache(f"cwcore: cached piece {path} was damaged ({problem}); {done}, computing it again")
         return frame
 
     @property

@@ -19,11 +19,10 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from .cache import CacheWarning, current_umask, user_stacklevel
+from .cache import current_umask, warn_cache
 
 __all__ = ["CACHE_FORMAT", "CACHE_MARKER", "FOLDER_ABANDONED_AFTER_SECONDS", "ModelCacheError", "disk_full",
            "ensure_cached_folder", "library_versions", "read_cache_marker", "verify_cached_folder"]
@@ -67,8 +66,7 @@ def ensure_cached_folder(target: str | os.PathLike, source: dict,
         damage = verify_cached_folder(target, marker)
         if damage is None:
             return target
-        warnings.warn(f"cwcore: the converted model at {target} is damaged ({damage}); converting it again",
-                      CacheWarning, stacklevel=user_stacklevel())
+        warn_cache(f"cwcore: the converted model at {target} is damaged ({damage}); converting it again")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         _remove_abandoned_folders(target)
@@ -123,9 +121,8 @@ def _build_uncached(target: Path, source: dict, build, description, error: OSErr
     known = _uncached_builds.get(str(target))
     if known is not None and read_cache_marker(known, source) is not None:
         return known
-    warnings.warn(f"cwcore: the model cache {target.parent} cannot be written ({error.strerror or error}); "
-                  f"converting {target.name} into a temporary folder for this process only", CacheWarning,
-                  stacklevel=user_stacklevel())
+    warn_cache(f"cwcore: the model cache {target.parent} cannot be written ({error.strerror or error}); "
+               f"converting {target.name} into a temporary folder for this process only")
     holder = Path(tempfile.mkdtemp(prefix="cwcore-model-"))
     atexit.register(shutil.rmtree, holder, True)
     tmp, final = holder / ".tmp", holder / target.name

@@ -26,7 +26,6 @@ import sys
 import threading
 import types
 import uuid
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -190,9 +189,9 @@ def _behaviour(model: nn.Module) -> str:
 
 def _uncached(reason: str) -> str:
     """A fresh identity, with a warning that names ``reason``: results on the model are never served from the cache."""
-    from .cache import CacheWarning, user_stacklevel
+    from .cache import warn_cache
 
-    warnings.warn(f"cwcore: results on this model are not cached: {reason}", CacheWarning, stacklevel=user_stacklevel())
+    warn_cache(f"cwcore: results on this model are not cached: {reason}")
     return "uncached-" + uuid.uuid4().hex[:16]
 
 

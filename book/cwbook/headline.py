@@ -14,6 +14,7 @@ import pandas as pd
 from cwcore import stats
 from . import ladder as evidence
 from . import registration
+from .confirmatory import ladder_progress
 from .evidence_files import read_checked_csv
 from .findings import CONFIRMATORY_DIR, EVIDENCE_DIR, load_results, sample_folders
 
@@ -243,7 +244,7 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
             (registration.EXPLORATORY, exploratory_dir,
              "**Exploratory sample** (64 documents per data set; 22 of its 32 tests were computed before their "
              "registration, so these verdicts generate hypotheses rather than confirm them)")):
-        ladder = ladder_sentences(findings, sample, confirmatory_progress(folder)
+        ladder = ladder_sentences(findings, sample, ladder_progress(folder)
                                   if sample == registration.CONFIRMATORY else None)
         verdicts = registered_sink_verdicts(folder, models)
         if compact and sample == registration.EXPLORATORY:
@@ -274,13 +275,6 @@ def folders(evidence_dir: str | Path | None = None) -> dict:
     return {"exploratory_dir": exploratory, "confirmatory_dir": confirmatory}
 
 
-def confirmatory_progress(folder: str | Path) -> list[dict]:
-    """:func:`cwbook.confirmatory.ladder_progress` of ``folder`` (no cell held where it does not exist)."""
-    from .confirmatory import ladder_progress
-
-    return ladder_progress(folder)
-
-
 def chapter4_answer(findings: pd.DataFrame, model: str, confirmatory_dir: str | Path = CONFIRMATORY_DIR) -> str:
     """Chapter 4's generated answer for ``model`` (markdown): what each sample's registered tests say of the
     paper's ordering on this model, and which step decides it; the confirmatory sample's progress."""
@@ -290,7 +284,7 @@ def chapter4_answer(findings: pd.DataFrame, model: str, confirmatory_dir: str | 
         rows = primary_rows(findings, sample) if len(findings) else findings
         rows = rows[rows["model"] == model] if len(rows) else rows
         if not len(rows) or (rows["verdict"] == stats.NOT_MEASURED).all():
-            clause = progress_clause([cell for cell in confirmatory_progress(confirmatory_dir) if cell["model"] == model]
+            clause = progress_clause([cell for cell in ladder_progress(confirmatory_dir) if cell["model"] == model]
                                      if sample == registration.CONFIRMATORY else None)
             parts.append(f"*{label}*: not decided yet" + (f" ({clause})." if clause else "."))
             continue

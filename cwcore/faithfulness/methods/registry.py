@@ -97,13 +97,11 @@ def as_method(fn: Callable, label: str | None = None) -> Method:
         key = hashlib.sha256(method_key(fn).encode()).hexdigest()[:16]
     except UncacheableMetric as err:  # a fresh key each call: its curves are never served from the cache
         import uuid
-        import warnings
 
-        from ...cache import CacheWarning, user_stacklevel
+        from ...cache import warn_cache
 
-        warnings.warn(f"cwcore: metric {name!r} is not cached: it reads a value whose state cwcore cannot "
-                      f"fingerprint ({err}); its results are computed every time", CacheWarning,
-                      stacklevel=user_stacklevel())
+        warn_cache(f"cwcore: metric {name!r} is not cached: it reads a value whose state cwcore cannot "
+                   f"fingerprint ({err}); its results are computed every time")
         key = "uncached-" + uuid.uuid4().hex[:16]
     from ...core.inputs import finite_scores  # a user's NaN/inf scores are refused at the layer they appear
 
