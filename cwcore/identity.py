@@ -1,7 +1,7 @@
 """What a cached result's key says of the objects it was computed from: a model, tensors and the user's callables.
 
 - :func:`model_fingerprint`: the model's identity. Every byte of every weight, its settings (the configuration's
-  fields, each module's plain attributes) and the code that runs beside its own classes' code: a module of the
+  fields, its attention implementation, each module's plain attributes) and the code that runs beside its own classes' code: a module of the
   user's own class, a ``forward`` replaced on one module, forward hooks and pre-hooks (the usual way to ablate or
   steer) and torch's global forward hooks, each by :func:`method_key`. Hooks and replaced forwards of cwcore's own
   code are the code version's part of the key, not the model's; those of installed packages (accelerate's device
@@ -80,7 +80,8 @@ def _settings(model: nn.Module) -> str:
     """What a forward reads besides the tensors: the configuration's public fields and every module's
     plain-valued attributes, one per line: public ones (``variance_epsilon``, ``scaling``, an adapter's
     ``{"default": 2.0}``), and private plain values, tuples, lists and sets (an adapter's ``_disable_adapters``
-    and ``_active_adapter``; not private dicts, where torch keeps its hooks' ids, nor :data:`_BOOKKEEPING`).
+    and ``_active_adapter``; not private dicts, where torch keeps its hooks' ids, nor :data:`_BOOKKEEPING`);
+    and the attention implementation each module's configuration selects (``sdpa``, ``eager``).
     Edited in place after loading (an ablation, a switched adapter), they change the model's output and must
     change its identity."""
     lines = []
@@ -89,6 +90,11 @@ def _settings(model: nn.Module) -> str:
         fields = {key: value for key, value in config.to_dict().items() if not key.startswith("_")}
         lines.append(json.dumps(fields, sort_keys=True, default=repr))
     for name, module in model.named_modules():
+        # the attention function a module's configuration selects (SDPA, eager, flex): one model under two
+        # of them rounds differently, so the two are two computations; to_dict() leaves the field out
+        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+        if isinstance(implementation, str):
+            lines.append(f"{name}.config._attn_implementation={implementation!r}")
         for key, value in sorted(vars(module).items()):
             if key == "training" or key in _BOOKKEEPING:
                 continue

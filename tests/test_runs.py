@@ -350,6 +350,22 @@ def test_an_adapters_switches_and_scales_are_part_of_the_identity():
     assert len(keys) == 4  # each change its own key
 
 
+def test_the_attention_implementation_is_part_of_the_identity():
+    """One model under SDPA and under eager attention: the same weights, two computations that round
+    differently, so two keys; switching back restores the first."""
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    model = tiny_model("llama", seed=0)
+    model.set_attn_implementation("sdpa")
+    sdpa, sdpa_logits = runs.model_fingerprint(model), model(input_ids=ids).logits
+    model.set_attn_implementation("eager")
+    eager, eager_logits = runs.model_fingerprint(model), model(input_ids=ids).logits
+    assert model.model.layers[0].self_attn.config._attn_implementation == "eager"
+    torch.testing.assert_close(eager_logits, sdpa_logits, rtol=1e-4, atol=1e-5)  # the same model ...
+    assert eager != sdpa  # ... computed another way
+    model.set_attn_implementation("sdpa")
+    assert runs.model_fingerprint(model) == sdpa
+
+
 def test_a_meta_tensor_no_hook_holds_is_never_cached():
     from cwcore.cache import CacheWarning
 
