@@ -127,6 +127,40 @@ def test_a_missing_registered_control_leaves_the_claim_not_measured(tmp_path):
     assert (verdicts.loc[verdicts["claim"] != "convexity", "verdict"] == "holds").all()
 
 
+def test_the_confirmatory_sample_is_told_beside_the_exploratory_one():
+    exploratory = _primary({("smollm2-135m", "step 2->3"): "contradicted"})
+    # nothing decided on the confirmatory sample yet: nothing to compare
+    assert headline.ladder_agreement(pd.concat([exploratory, _primary({}, "confirmatory").assign(
+        verdict="not measured")])) == ""
+    same = pd.concat([exploratory, _primary({("smollm2-135m", "step 2->3"): "contradicted"}, "confirmatory")])
+    assert headline.ladder_agreement(same) == "Beside the exploratory sample: the same verdict in 32 of the 32 tests decided on both."
+    # the control: one test moves, one is not decided on the new sample; the moved one is named, the other not counted
+    moved = _primary({("smollm2-135m", "step 2->3"): "contradicted",
+                      ("gemma3-270m", "web-text", "sufficiency", "step 3->4"): "inconclusive",
+                      ("gemma3-270m", "gsm8k", "comprehensiveness", "step 1->2"): "not measured"}, "confirmatory")
+    assert headline.ladder_agreement(pd.concat([exploratory, moved])) == (
+        "Beside the exploratory sample: the same verdict in 30 of the 31 tests decided on both; different in 1: "
+        "gemma3-270m, web text, sufficiency, step 3 → 4 (output-normalised → contribution weights): holds there, "
+        "inconclusive here.")
+
+
+def test_the_sink_claims_are_told_beside_the_exploratory_sample(tmp_path):
+    here, there = tmp_path / "here", tmp_path / "there"
+    _claims(here, "m", {"cos_semantic_centred": (0.01, 0.05)})  # anti-alignment contradicted here ...
+    _claims(there, "m", {})  # ... holds there
+    table = book.results_path(there, "06_sinks_as_suppressors", "m")
+    frame = pd.read_csv(table)  # and convexity's registered control was never computed there
+    findings.save_results(table, frame[~frame["key"].str.endswith("/share_interior_minus_random_direction")],
+                          chapter="06_sinks_as_suppressors", model="m", profile="evidence")
+    a, b = headline.registered_sink_verdicts(here, ["m"]), headline.registered_sink_verdicts(there, ["m"])
+    n = len(registration.SINK_CLAIMS)
+    assert headline.sink_agreement(a, b) == (
+        f"Beside the exploratory sample, the sink claims: the same verdict for {n - 2} of the {n - 1} (claim, model) "
+        "pairs decided on both; different for 1: *anti-alignment*, m: holds there, contradicted here; 1 more is "
+        "decided here only, the exploratory tables lacking a registered control: *convexity*, m: holds.")
+    assert headline.sink_agreement(b.assign(verdict="not measured"), b) == ""
+
+
 def test_the_committed_pages_carry_the_generated_headline():
     assert headline.HEADLINE_PAGES == {REPO / "book" / "intro.md": False, REPO / "README.md": True}
     for page, compact in headline.HEADLINE_PAGES.items():

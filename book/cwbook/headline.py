@@ -143,6 +143,58 @@ def ladder_sentences(findings: pd.DataFrame, sample: str, progress: Sequence[dic
     return lines
 
 
+def _step_place(model: str, data: str, mode: str, claim: str) -> str:
+    return f"{model}, {DATA_NAMES.get(data, data)}, {mode}, {STEP_NAMES.get(claim, claim)}"
+
+
+def ladder_agreement(findings: pd.DataFrame) -> str:
+    """The confirmatory sample's decided tests beside the exploratory sample's: the same verdict in how many
+    of the tests decided on both, and each one that differs (exploratory verdict "there", confirmatory
+    "here"); "" while the confirmatory sample decides none. Descriptive: the registered rule decides each
+    sample on its own, this counts where the two agree."""
+    keys = ["claim", "model", "data", "mode", "protocol"]
+    here = primary_rows(findings, registration.CONFIRMATORY)
+    here = here[here["verdict"] != stats.NOT_MEASURED]
+    if here.empty:
+        return ""
+    there = primary_rows(findings, registration.EXPLORATORY)
+    both = here[keys + ["verdict"]].merge(there[keys + ["verdict"]], on=keys, suffixes=("", "_there"))
+    both = both[both["verdict_there"] != stats.NOT_MEASURED]
+    differ = both[both["verdict"] != both["verdict_there"]]
+    text = (f"Beside the exploratory sample: the same verdict in {len(both) - len(differ)} of the {len(both)} "
+            "tests decided on both")
+    if differ.empty:
+        return text + "."
+    return (text + f"; different in {len(differ)}: "
+            + "; ".join(f"{_step_place(r.model, r.data, r.mode, r.claim)}: {r.verdict_there} there, {r.verdict} here"
+                        for r in differ.itertuples()) + ".")
+
+
+def sink_agreement(here: pd.DataFrame, there: pd.DataFrame) -> str:
+    """The registered sink claims, confirmatory (``here``) beside exploratory (``there``), both
+    :func:`registered_sink_verdicts`: per (claim, model), both data sets combined, the same verdict in how many
+    of the pairs decided on both, the pairs decided only here (a registered control the exploratory tables
+    lack) and each pair that differs; "" while the confirmatory sample decides none."""
+    if here.empty or (here["verdict"] == stats.NOT_MEASURED).all():
+        return ""
+    a, b = claim_model_verdicts(here), claim_model_verdicts(there) if len(there) else pd.Series(dtype=object)
+    decided = [pair for pair in a.index if a[pair] != stats.NOT_MEASURED]
+    on_both = [pair for pair in decided if b.get(pair, stats.NOT_MEASURED) != stats.NOT_MEASURED]
+    differ = [pair for pair in on_both if a[pair] != b[pair]]
+    only_here = [pair for pair in decided if pair not in on_both]
+    text = (f"Beside the exploratory sample, the sink claims: the same verdict for {len(on_both) - len(differ)} of the "
+            f"{len(on_both)} (claim, model) pairs decided on both")
+    if differ:
+        text += (f"; different for {len(differ)}: "
+                 + "; ".join(f"*{claim}*, {model}: {b[(claim, model)]} there, {a[(claim, model)]} here"
+                             for claim, model in differ))
+    if only_here:
+        text += (f"; {len(only_here)} more {'is' if len(only_here) == 1 else 'are'} decided here only, the exploratory "
+                 "tables lacking a registered control: "
+                 + "; ".join(f"*{claim}*, {model}: {a[(claim, model)]}" for claim, model in only_here))
+    return text + "."
+
+
 def registered_sink_verdicts(results_dir: str | Path, models: Sequence[str]) -> pd.DataFrame:
     """Every registered sink claim (:data:`cwbook.registration.SINK_CLAIMS`) per model and data set,
     judged by the registered rule from the sink chapters' tables in ``results_dir``: each part's verdict
@@ -236,6 +288,8 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
     if findings is None:
         findings = read_checked_csv(Path(exploratory_dir) / "findings.csv")
     models = list(evidence.PRIMARY["models"])
+    verdicts_of = {registration.CONFIRMATORY: registered_sink_verdicts(confirmatory_dir, models),
+                   registration.EXPLORATORY: registered_sink_verdicts(exploratory_dir, models)}
     blocks = []
     for sample, folder, title in (
             (registration.CONFIRMATORY, confirmatory_dir,
@@ -246,14 +300,17 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
              "registration, so these verdicts generate hypotheses rather than confirm them)")):
         ladder = ladder_sentences(findings, sample, ladder_progress(folder)
                                   if sample == registration.CONFIRMATORY else None)
-        verdicts = registered_sink_verdicts(folder, models)
+        verdicts = verdicts_of[sample]
         if compact and sample == registration.EXPLORATORY:
             blocks.append(title + ".\n\n" + "\n".join(f"- {line}" for line in [ladder[0], sink_tally(verdicts)])
                           + "\n\nEvery claim, model and step, with its interval: the book's introduction and chapter 9.")
             continue
+        agreement = [ladder_agreement(findings), sink_agreement(verdicts, verdicts_of[registration.EXPLORATORY])] \
+            if sample == registration.CONFIRMATORY else []
         blocks.append(title + ".\n\n" + "\n".join(f"- {line}" for line in ladder)
                       + "\n- The sink claims, each judged with its registered controls:\n"
-                      + "\n".join(f"  - {line}" for line in sink_sentences(verdicts)))
+                      + "\n".join(f"  - {line}" for line in sink_sentences(verdicts))
+                      + "".join(f"\n- {line}" for line in agreement if line))
     return "\n\n".join(blocks) + "\n"
 
 
