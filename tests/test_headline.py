@@ -144,6 +144,17 @@ def test_the_confirmatory_sample_is_told_beside_the_exploratory_one():
         "inconclusive here.")
 
 
+def test_the_exploratory_title_counts_what_the_findings_hold():
+    table = _primary({}).assign(unit="document", n_units=64, prospective=True)
+    table.loc[:21, "prospective"] = False
+    assert headline.exploratory_title(table) == (
+        "**Exploratory sample** (64 documents per data set; 22 of its 32 tests were computed before their "
+        "registration, so these verdicts generate hypotheses rather than confirm them)")
+    # the control: other sizes and every test computed after its registration
+    assert headline.exploratory_title(table.assign(n_units=16, prospective=True)) == \
+        "**Exploratory sample** (16 documents per data set)"
+
+
 def test_the_sink_claims_are_told_beside_the_exploratory_sample(tmp_path):
     here, there = tmp_path / "here", tmp_path / "there"
     _claims(here, "m", {"cos_semantic_centred": (0.01, 0.05)})  # anti-alignment contradicted here ...

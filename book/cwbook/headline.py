@@ -280,6 +280,20 @@ def sink_tally(verdicts: pd.DataFrame) -> str:
             f"{verdicts['model'].nunique()} models: {_count(combined)} of {len(combined)} (claim, model) pairs.")
 
 
+def exploratory_title(findings: pd.DataFrame) -> str:
+    """The exploratory block's title, its counts read from ``findings``: documents per data set (the primary
+    tests' units) and how many of its primary tests were computed before their registration (``prospective``
+    false)."""
+    rows = primary_rows(findings, registration.EXPLORATORY)
+    documents = sorted(set(rows.loc[rows["unit"] == "document", "n_units"].astype(int))) if "unit" in rows else []
+    size = (f"{documents[0]} documents per data set" if len(documents) == 1 else
+            f"{documents[0]}-{documents[-1]} documents per data set" if documents else "no test computed yet")
+    seen = int((~rows["prospective"].fillna(True).astype(bool)).sum()) if "prospective" in rows else 0
+    before = (f"; {seen} of its {len(rows)} tests were computed before their registration, so these verdicts "
+              "generate hypotheses rather than confirm them" if seen else "")
+    return f"**Exploratory sample** ({size}{before})"
+
+
 def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: str | Path = EVIDENCE_DIR,
                       confirmatory_dir: str | Path = CONFIRMATORY_DIR, compact: bool = False) -> str:
     """The generated opening of chapter 9, the introduction and the README (markdown): the confirmatory
@@ -295,9 +309,7 @@ def headline_markdown(findings: pd.DataFrame | None = None, *, exploratory_dir: 
             (registration.CONFIRMATORY, confirmatory_dir,
              f"**Confirmatory replication** (registered {registration.REGISTERED} before it was computed; "
              f"{registration.CONFIRMATORY_DOCUMENTS} new documents per data set that the exploratory analysis never saw)"),
-            (registration.EXPLORATORY, exploratory_dir,
-             "**Exploratory sample** (64 documents per data set; 22 of its 32 tests were computed before their "
-             "registration, so these verdicts generate hypotheses rather than confirm them)")):
+            (registration.EXPLORATORY, exploratory_dir, exploratory_title(findings))):
         ladder = ladder_sentences(findings, sample, ladder_progress(folder)
                                   if sample == registration.CONFIRMATORY else None)
         verdicts = verdicts_of[sample]
