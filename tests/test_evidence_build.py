@@ -919,6 +919,28 @@ def test_a_committed_frame_check_is_remembered_for_a_cwcore_function_and_never_f
     assert decision["decision"] == "committed" and "checked_before" not in decision and forwards > 0
 
 
+def test_the_confirmatory_tables_step_keeps_every_exploratory_row(tmp_path):
+    """Both samples' findings.csv is rewritten by whichever sample's tables step runs last. The confirmatory
+    step listed the exploratory sample's models by its own (the two packaged models) and dropped the 192 rows
+    of smollm2-135m's re-quantised weights, which only the exploratory folder holds. Now each folder's rows
+    cover every model it holds a chapter table for: the exploratory rows come out as committed."""
+    import shutil
+
+    from cwbook import findings, registration
+
+    exploratory, trial = tmp_path / "evidence", tmp_path / "confirmatory"
+    shutil.copytree(findings.EVIDENCE_DIR, exploratory, ignore=shutil.ignore_patterns("*.gz"))
+    shutil.copytree(findings.CONFIRMATORY_DIR, trial, ignore=shutil.ignore_patterns("*.gz"))
+    committed = pd.read_csv(findings.EVIDENCE_DIR / "findings.csv")
+    committed = committed[committed["sample"] == registration.EXPLORATORY].reset_index(drop=True)
+    assert (committed["variant"] == "requantized").sum() > 0  # the rows the old code dropped
+    ee.write_findings(trial, registration.CONFIRMATORY, {}, list(registration.CONFIRMATORY_MODELS))
+    both = pd.read_csv(exploratory / "findings.csv")
+    pd.testing.assert_frame_equal(both[both["sample"] == registration.EXPLORATORY].reset_index(drop=True), committed,
+                                  check_dtype=False)
+    assert (both["sample"] == registration.CONFIRMATORY).any()
+
+
 # -- a trial run elsewhere never writes into this checkout's committed evidence ---------------------
 def test_findings_of_a_folder_elsewhere_pair_with_its_own_sibling_never_the_committed_evidence(tmp_path, monkeypatch):
     """``tables(out)`` of a confirmatory folder wrote both samples' findings.csv into this checkout's

@@ -525,10 +525,15 @@ def _with_sample(table: pd.DataFrame, profile: str | None) -> pd.DataFrame:
 def combined_findings(exploratory_dir: str | os.PathLike, confirmatory_dir: str | os.PathLike | None,
                       models: Sequence[str], exploratory_profile: str = "evidence") -> pd.DataFrame:
     """``findings.csv`` of both samples: :func:`findings_csv` of the exploratory evidence folder, then the
-    confirmatory folder's (where it holds a table), each primary family decided on its own sample."""
-    parts = [findings_csv(exploratory_dir, models, exploratory_profile)]
+    confirmatory folder's (where it holds a table), each primary family decided on its own sample. Each
+    folder's rows cover ``models`` and every other model it holds a chapter table for (a weights variant
+    such as ``smollm2-135m-requantized``), whichever folder's build writes the file."""
+    def held(folder) -> list[str]:
+        return list(dict.fromkeys([*models, *sorted({p.stem for p in Path(folder).glob("*/*.csv")})]))
+
+    parts = [findings_csv(exploratory_dir, held(exploratory_dir), exploratory_profile)]
     if confirmatory_dir is not None and any(Path(confirmatory_dir).glob("*/*.csv")):
-        confirmatory = findings_csv(confirmatory_dir, models, registration.CONFIRMATORY)
+        confirmatory = findings_csv(confirmatory_dir, held(confirmatory_dir), registration.CONFIRMATORY)
         measured = confirmatory["measured"].fillna("")
         parts.append(confirmatory[~measured.str.endswith("was not built")])
     return pd.concat(parts, ignore_index=True)
