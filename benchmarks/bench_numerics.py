@@ -1,6 +1,6 @@
 """How fast this CPU multiplies in float32 and bfloat16, and what a model's forward achieves of it.
 
-Issue 26.5 asks whether a faster numeric path exists: a bfloat16 forward is worth trying only where the
+Is there a faster numeric path? A bfloat16 forward is worth trying only where the
 CPU multiplies bfloat16 faster than float32 (avx512_bf16/AMX), and only if the primary estimates barely
 move. This script measures the first half on one thread: a square matmul in both dtypes (GFLOP/s), then
 the forward of ``--model`` on ``--batch`` web-text documents of ``--tokens`` tokens in both dtypes

@@ -1,4 +1,4 @@
-"""Caches that cannot silently go wrong (issue 11): checksummed pieces and converted models, damaged
+"""Caches that cannot silently go wrong: checksummed pieces and converted models, damaged
 files recomputed with a warning, unwritable caches degrading to uncached runs, the user's umask, stale
 partial files, `cwcore cache verify`."""
 

@@ -140,7 +140,7 @@ def test_cli_rejects_empty_text_and_unwritable_path(local_model, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
-# issue 11: labels of multi-byte text, the figure's width, one line for every user error
+# labels of multi-byte text, the figure's width, one line for every user error
 # --------------------------------------------------------------------------------------------------
 def byte_tokenizer():
     """A byte-level BPE without merges: every UTF-8 byte is one token, so an emoji is 4 tokens."""

@@ -1,5 +1,5 @@
 """Exercise solutions against the committed evidence: a solution may check algebra, never an empirical
-outcome that depends on the data or the sample size (issue 27: exercise 4.1 once asserted that every
+outcome that depends on the data or the sample size (exercise 4.1 once asserted that every
 default 2->3 verdict was "not measured" and a gap below 1e-6, which the 64-document evidence broke,
 so chapter 4 would have failed at evidence size after hours of compute).
 

@@ -1,4 +1,4 @@
-"""Fault injection (issue 11): a smoke build of chapter 3 killed inside its notebook, one cached piece and
+"""Fault injection: a smoke build of chapter 3 killed inside its notebook, one cached piece and
 the converted model damaged, then rebuilt, gives the numbers of an undisturbed build.
 
 Chapter 3 is the cheapest chapter that uses the result cache (``analysis.collect``'s PieceStore, one

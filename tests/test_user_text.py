@@ -19,9 +19,13 @@ OWNED_ELSEWHERE: set[str] = set()
 
 def _texts():
     # the chapters' modules hold the texts the notebooks glue into their pages
+    # and what a clone holds beside them: the book's production, the benchmarks' code and logs, the evidence's
+    # provenance, the tests (but this file, whose patterns name what they forbid)
     for folder, pattern in (("cwcore", "**/*.py"), ("notebooks", "*.ipynb"), ("book", "**/*.md"),
-                            ("book/cwbook/chapters", "*.py")):
-        yield from sorted(p for p in (ROOT / folder).glob(pattern) if "_build" not in p.parts and "generated" not in p.parts)
+                            ("book/cwbook", "**/*.py"), ("benchmarks", "**/*.py"), ("benchmarks", "*.md"),
+                            ("data/results", "README.md"), ("tests", "**/*.py")):
+        yield from sorted(p for p in (ROOT / folder).glob(pattern) if "_build" not in p.parts and "generated" not in
+                          p.parts and p != Path(__file__).resolve())
     yield ROOT / "README.md"
     yield ROOT / "ARCHITECTURE.md"
 

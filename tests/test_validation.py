@@ -1,4 +1,4 @@
-"""Issue 24: one validation layer for every public entry, one error path for every command line,
+"""One validation layer for every public entry, one error path for every command line,
 atomic outputs, the cache command on odd caches, the explorer's escaping, the checkout warning.
 
 Each refusal is checked at every entry that takes the argument (an input one entry refuses is refused by

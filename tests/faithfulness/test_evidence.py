@@ -100,7 +100,7 @@ def test_both_signs_reuse_only_the_sign_invariant_rankings(peaked):
     assert not np.array_equal(c_abs, c_sig)  # contribution weights do go negative here
 
 
-@pytest.mark.slow  # one of the quick tier's slowest (issue 25)
+@pytest.mark.slow  # one of the quick tier's slowest
 def test_per_head_protocol_separates_rungs_2_and_3(peaked):
     model, ids = peaked
     kw = dict(batch_size=5, cache=False, progress=False, importances=["signed"])

@@ -14,7 +14,7 @@ from tiny_models import tiny_model
 # -- determinism, cache, batch size ----------------------------------------------------------------
 
 
-@pytest.mark.slow  # one of the quick tier's slowest (issue 25)
+@pytest.mark.slow  # one of the quick tier's slowest
 def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, monkeypatch):
     model, ids = tiny_model("llama"), random_ids(n=4)
     kwargs = dict(progress=False, batch_size=2)
@@ -115,7 +115,7 @@ def test_a_new_analysis_is_one_registered_object(monkeypatch):
     assert "toy" not in sinks.ANALYSES  # the built-in order is fixed at import; the registry is open
 
 
-# -- options: declared once, checked once, built from the registry (issue 23) ------------------------
+# -- options: declared once, checked once, built from the registry ----------------------------------
 
 
 def test_sink_options_check_eps_and_refuse_unknown_options():

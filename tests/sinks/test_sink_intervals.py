@@ -105,7 +105,7 @@ def test_pooled_by_layer_resamples_whole_layers_naively():
 
 
 def test_no_bootstrap_function_outside_stats():
-    # one home for resampling (issue 23): the sink package defines no *bootstrap* function of its own
+    # one home for resampling: the sink package defines no *bootstrap* function of its own
     import ast
     import pathlib
 

@@ -169,7 +169,7 @@ def test_weak_token_curve_matches_a_naive_sum_of_the_weakest_terms():
             assert row.loc[i, f"cos_k{k if k is not None else 'all'}"] == pytest.approx(expected, abs=1e-4)
 
 
-# -- controls that could fail (issue 27.6) ---------------------------------------------------------
+# -- controls that could fail --------------------------------------------------------------------
 
 
 def _cone_points(model, ids):
