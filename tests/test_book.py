@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import urllib.parse
 import urllib.request
@@ -325,6 +326,17 @@ def _install_kernel_after(barrier, prefix: str, name: str) -> None:
     book.sys.prefix = prefix
     barrier.wait()
     book.ensure_kernel(name)
+
+
+def test_a_half_written_kernelspec_is_installed_again(tmp_path, monkeypatch):
+    # a build that read kernel.json while another build was writing it failed with a JSONDecodeError
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "share" / "jupyter"))
+    monkeypatch.setattr(book.sys, "prefix", str(tmp_path))
+    spec = tmp_path / "share" / "jupyter" / "kernels" / "cwcore-half-written" / "kernel.json"
+    spec.parent.mkdir(parents=True)
+    spec.write_text('{"argv": ["python", "-m", "ipyk')
+    assert book.ensure_kernel("cwcore-half-written") == "cwcore-half-written"
+    assert json.loads(spec.read_text())["argv"][0] == sys.executable
 
 
 def test_builds_started_together_install_the_kernel_once_without_failing(tmp_path, monkeypatch):

@@ -441,6 +441,8 @@ def ensure_kernel(name: str = KERNEL_NAME) -> str:
             return KernelSpecManager().get_kernel_spec(name).argv
         except NoSuchKernel:
             return None
+        except ValueError:  # a kernel.json half written (another build installing it now): install it again
+            return None
 
     if current() == argv:
         return name
