@@ -89,11 +89,15 @@ def _settings(model: nn.Module) -> str:
     if callable(getattr(config, "to_dict", None)):
         fields = {key: value for key, value in config.to_dict().items() if not key.startswith("_")}
         lines.append(json.dumps(fields, sort_keys=True, default=repr))
+    configs_seen = set()
     for name, module in model.named_modules():
         # the attention function a module's configuration selects (SDPA, eager, flex): one model under two
-        # of them rounds differently, so the two are two computations; to_dict() leaves the field out
-        implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
-        if isinstance(implementation, str):
+        # of them rounds differently, so the two are two computations; to_dict() leaves the field out. Each
+        # configuration once: every layer of a model shares one
+        config = getattr(module, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if isinstance(implementation, str) and id(config) not in configs_seen:
+            configs_seen.add(id(config))
             lines.append(f"{name}.config._attn_implementation={implementation!r}")
         for key, value in sorted(vars(module).items()):
             if key == "training" or key in _BOOKKEEPING:
