@@ -131,7 +131,7 @@ def attention_forward(
         # own output first, which the session may adopt as z after checking it (then it is not compared again)
         own = None if models_own is None else models_own()[0]
         output, checked = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal),
-                                                  softcap, s_aux, own)
+                                                  softcap, s_aux, own, groups=groups)
         output = output.transpose(1, 2).contiguous()
         if own is not None:
             output = own if checked else session.models_own_output(module, output, own, call_mask, key.shape[-2])
@@ -470,12 +470,13 @@ class AttentionSession:
 
     def streamed_output(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, scaling: float, causal: bool, softcap, s_aux,
-                        own: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+                        own: torch.Tensor | None = None, groups: int = 1) -> tuple[torch.Tensor, bool]:
         """``(output, checked)`` for sessions that compute a layer themselves without a ``[batch, head, query,
         key]`` tensor (:class:`cwcore.core.summary.SummarySession`): the layer's ``alpha @ value`` ``[batch, head,
         query, dim]``, or, with ``checked``, the model's own output ``own`` (``[batch, query, head, dim]``, from
         its configured implementation, None on an eager model) as ``[batch, head, query, dim]``, adopted after
-        the session checked its own alpha against it (:meth:`refuse_own_output` otherwise)."""
+        the session checked its own alpha against it (:meth:`refuse_own_output` otherwise). ``key`` and ``value``
+        come repeated to every query head; ``groups`` query heads share each of the model's key/value heads."""
         raise NotImplementedError
 
     def added_output(self, module: nn.Module) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ model configured ``eager`` gets the blockwise output, its own outputs to float32
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -183,23 +184,25 @@ def _top_terms(ranking: torch.Tensor, k: int, plain: bool = False):
     return values, group_head.gather(1, index // GROUP), keys.reshape(n, -1).gather(1, index)
 
 
-def _canonical_order(best: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor):
-    """The top terms ``[..., k]`` ordered by ranking value, largest first, and equal values by (head, key):
-    one order whatever order ``topk`` returned them in (it is not stable)."""
+def _canonical_order(best: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The permutation ``[..., k]`` (for ``gather``) that orders the top terms by ranking value, largest first, and
+    equal values by (head, key): one order whatever order ``topk`` returned them in (it is not stable)."""
     by_position = (heads * (int(keys.max()) + 1 if keys.numel() else 1) + keys).sort(dim=-1, stable=True).indices
-    best, heads, keys = best.gather(-1, by_position), heads.gather(-1, by_position), keys.gather(-1, by_position)
-    order = best.sort(dim=-1, descending=True, stable=True).indices
-    return best.gather(-1, order), heads.gather(-1, order), keys.gather(-1, order)
+    order = best.gather(-1, by_position).sort(dim=-1, descending=True, stable=True).indices
+    return by_position.gather(-1, order)
 
 
-#: A block of queries holds about BLOCK_ELEMENTS scores ([head, block, keys it sees], 2 MiB in float32) where
-#: the keys are few (short inputs, a sliding window: the block grows, up to MAX_BLOCK queries, and its passes
-#: stay in cache), and at least HEAD_ROWS (head, query) rows (MIN_BLOCK queries at least) where the keys are
-#: many: the products [block, head_dim] x [head_dim, keys] then read each key once for enough queries. Measured
-#: on CPU, one thread, a global layer: 16 queries per block took 27.4 s at 16,384 tokens on Gemma 3 270M (4
-#: heads), 192 took 13.8 s (384: 14.1 s); SmolLM2 135M (9 heads) at 8,192 tokens, 4.4 s with 16, 3.0 s with 64-96.
+#: A block of queries is computed one key/value head (group of query heads) at a time, and a group's tensors
+#: ``[group heads, block, keys it sees]`` hold about BLOCK_ELEMENTS scores (2 MiB in float32) where the keys are
+#: few (short inputs, a sliding window: the block grows, up to MAX_BLOCK queries, and its passes stay in cache),
+#: and at least ROWS_PER_DIM x head_dim (head, query) rows (MIN_BLOCK queries at least) where the keys are many: the
+#: products [group heads x block, head_dim] x [head_dim, keys] then read each key once for enough rows. Measured
+#: on CPU, one thread, one global layer at 8,192 tokens: SmolLM2 135M (3 groups of 3 heads, head_dim 64), the
+#: layer in the model's forward, three interleaved rounds: 192 rows 2.85, 2.36, 2.39 s; 384 rows 3.16, 3.12, 2.34
+#: s; 576 rows 3.27, 2.74, 2.62 s (all 9 heads at once, 85 queries: 3.4-4.1 s). Gemma 3 270M (1 group of 4
+#: heads, head_dim 256), random inputs of its shapes: 384 rows 2.56 s, 768 rows 2.34 s, 1536 rows 2.57 s.
 BLOCK_ELEMENTS = 1 << 19
-HEAD_ROWS = 768
+ROWS_PER_DIM = 3
 MIN_BLOCK, MAX_BLOCK = 16, 512
 
 
@@ -208,18 +211,19 @@ def _upper_triangle(rows: int, columns: int, device) -> torch.Tensor:
     return torch.ones(rows, columns, dtype=torch.bool, device=device).triu_(1)
 
 
-def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, heads: int):
+def _block_spans(attention_mask, causal: bool, b: int, q_len: int, k_len: int, heads: int, head_dim: int):
     """Per query block of batch row ``b``: ``(start, stop, first, limit, allowed, additive)`` where every key outside
     ``first:limit`` is masked for every query of the block, ``allowed`` is ``[head or 1, block, limit - first]``
     bool (None: every key of the span is allowed; ``"causal"``: a plain causal pattern, query i sees keys up to i)
-    and ``additive`` the float mask's slice (or None)."""
+    and ``additive`` the float mask's slice (or None). ``heads``: the query heads computed together (one group of
+    ``head_dim``-sized heads), which size the blocks (see :data:`BLOCK_ELEMENTS`)."""
     minimum = torch.finfo(torch.float32).min
     mask = None
     if attention_mask is not None:
         mask = attention_mask.reshape((1,) * (4 - attention_mask.dim()) + tuple(attention_mask.shape))
         mask = mask[b if mask.shape[0] > 1 else 0]
     width = k_len if attention_mask is None and not causal else 1  # the keys the last block saw
-    fewest = max(MIN_BLOCK, HEAD_ROWS // max(1, heads))
+    fewest = max(MIN_BLOCK, int(ROWS_PER_DIM * head_dim) // max(1, heads))
     start = 0
     while start < q_len:
         rows = max(fewest, min(MAX_BLOCK, BLOCK_ELEMENTS // max(1, heads * width)))
@@ -315,7 +319,8 @@ class SummarySession(AttentionSession):
         return hook
 
     # -- the computation -------------------------------------------------------------------------------
-    def streamed_output(self, module, query, key, value, attention_mask, scaling, causal, softcap, s_aux, own=None):
+    def streamed_output(self, module, query, key, value, attention_mask, scaling, causal, softcap, s_aux, own=None,
+                        groups: int = 1):
         block = self._by_module[id(module)]
         record = self.count_call(block)
         if s_aux is not None:
@@ -325,7 +330,7 @@ class SummarySession(AttentionSession):
         if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
             raise UnsupportedModelError("cwcore.summarize computes no gradients; call it under torch.no_grad()")
         output, summary, rebuilt, adopted = _summarise_layer(self, block, query, key, value, attention_mask, scaling,
-                                                             causal, softcap, own)
+                                                             causal, softcap, own, groups)
         if record:
             self.summaries[block.layer] = summary
             if self.bar is not None:
@@ -341,9 +346,15 @@ class SummarySession(AttentionSession):
 
 
 def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key, value, attention_mask, scaling,
-                     causal, softcap, own=None):
+                     causal, softcap, own=None, groups: int = 1):
     """One layer: (its output ``[batch, head, query, dim]`` in the model's dtype, its :class:`LayerSummary`, o_i
     ``[batch, query, model]`` in the compute dtype for the check, whether the output is ``own`` adopted).
+
+    ``groups``: query heads per key/value head (``key`` and ``value`` come repeated, ``[batch, head, key, dim]``).
+    Each block of queries is computed one key/value head at a time: its ``groups`` query heads stacked as the
+    rows of one product with that head's keys (then values), ``[groups * block, dim] x [dim, keys]``, so each
+    key is read once for all of them and a group's ``[groups, block, keys]`` tensors stay in cache; the top
+    terms of the groups are then merged (the k largest of every group's k largest are the k largest).
 
     ``own``: the model's own output for the call ``[batch, query, head, dim]`` (its SDPA's), or None. Where it is
     in the compute dtype and no key is padded, it is adopted as z^h_i: each block computes its scores and alpha
@@ -356,11 +367,14 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     dtype = session.compute_dtype
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
+    if groups < 1 or heads % groups:
+        groups = 1
+    group_count = heads // groups
     weight, bias = block.output_projection()
     w_o = split_output_projection(weight.detach().to(dtype, copy=True), heads)  # [head, model, head_dim]
     model_dim = w_o.shape[1]
     flat_w_o = w_o.permute(1, 0, 2).reshape(model_dim, heads * head_dim)
-    gram = w_o.transpose(1, 2) @ w_o
+    gram = w_o.transpose(1, 2) @ w_o  # W_O^h^T W_O^h [head, head_dim, head_dim], symmetric
     values = value.detach().to(dtype)
     # padding from the call's own mask, never from the user's matched by length (a text as long as an image's
     # patches); self-attention without a cache: query i is key i, so a padded key is a padded query
@@ -375,14 +389,22 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     value_norm = ((values @ gram) * values).sum(-1).clamp_min(0).sqrt()  # [batch, head, key]
     if keys_valid is not None:
         value_norm = value_norm.masked_fill(~keys_valid[:, None, :], float("nan"))
-    keys_side = values if session.kind == "inter" else values @ gram  # <o_i, v~_j> = (W_O^T o_i)^T v_j; z^T G v
+    # <o_i, v~_j> = (W_O^h^T o_i)^T v_j (inter, v_j shared by a group's heads); <z_i, v~_j> = z_i^T (G^h v_j) (intra)
+    keys_side = values if session.kind == "inter" else values @ gram  # [batch, head, key, head_dim]
+    # one head of each group: the group's keys and values [batch, group, key, dim] (repeated copies otherwise)
+    group_keys = key[:, ::groups].transpose(2, 3)  # [batch, group, dim, key]
+    group_values = values[:, ::groups]
+    # a power-of-two scaling scales the queries exactly; any other is applied to the products, as eager and the
+    # dense path do (scaling the queries first rounds the scores differently, which exp turns into relative
+    # differences of alpha near 1e-5 at Gemma 3's score sizes)
+    prescaled = isinstance(scaling, float) and scaling > 0 and math.frexp(scaling)[0] == 0.5
     # the model's dtype when it equals the compute dtype and nothing was masked: the layer's own alpha @ V
     own_mixed = value.dtype == dtype and keys_valid is None
     adopt = own is not None and own_mixed and own.dtype == dtype
     if adopt:
         output = own.detach().transpose(1, 2)  # [batch, head, query, dim], a view
         probes = probe_directions(head_dim, dtype, value.device)  # [dim, probes]
-        values_probed = values @ probes  # V r [batch, head, key, probes]
+        probed_t = (group_values @ probes).transpose(2, 3).contiguous()  # (V r)^T [batch, group, probes, key]
         probe_error = torch.zeros((), dtype=dtype, device=value.device)
     else:
         output = torch.empty(batch, heads, q_len, head_dim, dtype=value.dtype, device=value.device)
@@ -401,37 +423,49 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     token_rows = {name: torch.zeros(batch, len(token_positions), k_len, dtype=dtype, device=value.device)
                   for name in ("contribution", "attention")}
     minimum = torch.finfo(torch.float32).min
-    key_t = key.transpose(2, 3)
+    nan = torch.tensor(float("nan"), dtype=dtype, device=value.device)
 
     for b in range(batch):
         valid_b = None if valid is None else valid[b]
         for start, stop, first, limit, allowed, additive in _block_spans(attention_mask, causal, b, q_len, k_len,
-                                                                         heads):
-            # scaled after the product, as eager and the dense path do: scaling the queries first rounds the scores
-            # differently, which exp turns into relative differences of alpha near 1e-5 at Gemma 3's score sizes
-            scores = torch.matmul(query[b, :, start:stop], key_t[b, :, :, first:limit]).mul_(scaling)  # [head, n, keys]
-            scores = scores.to(torch.float32)
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            if additive is not None:
-                scores += additive
-            elif isinstance(allowed, str):  # the causal triangle: keys start..stop-1 against queries start..stop-1
-                diagonal = scores[..., start - first:]
-                diagonal.masked_fill_(_upper_triangle(stop - start, diagonal.shape[-1], query.device), minimum)
-            elif allowed is not None:
-                scores.masked_fill_(~allowed, minimum)
-            alpha = torch.softmax(scores, -1)
-            del scores
-            alpha_c = alpha.to(dtype)
-            if adopt:  # z^h_i is the model's; alpha (V r) must give z r
+                                                                         groups, head_dim):
+            n, width = stop - start, limit - first
+
+            def probabilities(g: int) -> torch.Tensor:
+                """alpha of group ``g``'s heads for this block, ``[groups, n, width]`` in float32."""
+                heads_of_g = slice(g * groups, (g + 1) * groups)
+                rows_of_g = query[b, heads_of_g, start:stop].reshape(groups * n, head_dim)
+                if prescaled:  # exact: a power of two
+                    rows_of_g = rows_of_g * scaling
+                scores = (rows_of_g @ group_keys[b, g, :, first:limit]).view(groups, n, width)
+                if not prescaled:
+                    scores = scores.mul_(scaling)
+                scores = scores.to(torch.float32)
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                if additive is not None:
+                    scores += additive[heads_of_g] if additive.shape[0] > 1 else additive
+                elif isinstance(allowed, str):  # the causal triangle: keys start..stop-1 against queries start..stop-1
+                    diagonal = scores[..., start - first:]
+                    diagonal.masked_fill_(_upper_triangle(n, diagonal.shape[-1], query.device), minimum)
+                elif allowed is not None:
+                    scores.masked_fill_(~(allowed[heads_of_g] if allowed.shape[0] > 1 else allowed), minimum)
+                return torch.softmax(scores, -1)
+
+            # z^h_i of the block [head, n, head_dim]: the model's, or alpha @ V (each group's alpha kept for below)
+            kept_alpha = {}
+            if adopt:
                 mixed = output[b, :, start:stop]
-                probe_error = torch.maximum(probe_error, (alpha_c @ values_probed[b, :, first:limit]
-                                                          - mixed @ probes).abs().max())
             else:
-                torch.matmul(alpha.to(value.dtype), value[b, :, first:limit], out=output[b, :, start:stop])
-                mixed = (output[b, :, start:stop] if own_mixed
-                         else alpha_c @ values[b, :, first:limit])  # z^h_i [head, n, head_dim]
-            n = stop - start
+                mixed = torch.empty(heads, n, head_dim, dtype=dtype, device=value.device)
+                for g in range(group_count):
+                    heads_of_g = slice(g * groups, (g + 1) * groups)
+                    alpha = kept_alpha[g] = probabilities(g)
+                    flat = alpha.view(groups * n, width)
+                    output[b, heads_of_g, start:stop] = (flat.to(value.dtype) @ value[b, g * groups, first:limit]
+                                                        ).view(groups, n, head_dim)
+                    mixed[heads_of_g] = (output[b, heads_of_g, start:stop] if own_mixed
+                                         else (flat.to(dtype) @ group_values[b, g, first:limit]).view(groups, n, -1))
             o = mixed.transpose(0, 1).reshape(n, heads * head_dim) @ flat_w_o.T  # o_i [n, model]
             rebuilt[b, start:stop] = o
             o_norm = o.norm(dim=-1)  # [n]
@@ -442,11 +476,7 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
             else:
                 norm = h_norm
                 side = mixed
-            side = side / _nan_at_zero(norm * norm)[..., None]
-            scaled = torch.matmul(side, keys_side[b, :, first:limit].transpose(-1, -2))  # <o_i, v~_j>/||o_i||^2
-            # the row positions need <o_i, v~_j> where alpha is 0 too: their rows are computed below, over every key
-            contribution = scaled.mul_(alpha_c)  # c_ij, in place: one [head, block, key] tensor besides alpha
-            del scaled
+            side = side / _nan_at_zero(norm * norm)[..., None]  # so that side_i^T v_j = <o_i, v~_j> / ||o_i||^2
             real = None
             if valid_b is not None:
                 real = valid_b[start:stop]
@@ -454,64 +484,96 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 h_norm = h_norm.masked_fill(~real[None], float("nan"))
             output_norm[b, start:stop] = o_norm
             head_output_norm[b, :, start:stop] = h_norm
-            # what each key receives, from the real queries
-            if real is None:
-                contribution_received[b, :, first:limit] += contribution.sum(1)
-                attention_received[b, :, first:limit] += alpha_c.sum(1)
-            else:
-                contribution_received[b, :, first:limit] += contribution[:, real].sum(1)
-                attention_received[b, :, first:limit] += alpha_c[:, real].sum(1)
-            # the top (head, key) terms of each query, among those with alpha > 0
-            ranking = contribution.abs() if session.absolute else contribution
-            best, heads_of, keys_of = _top_terms(ranking, k)
-            query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
-            # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms: redo those queries without them
-            redo = (alpha_c[heads_of, query_of, keys_of] == 0).any(-1).nonzero()[:, 0]
-            if len(redo):
-                masked = torch.where(alpha_c[:, redo] > 0, ranking[:, redo], -torch.inf)
-                best[redo], heads_of[redo], keys_of[redo] = _top_terms(masked, k, plain=True)
+            weights = torch.ones(groups, 1, n, dtype=dtype, device=value.device)
+            candidates = []  # per group: (ranking value, head, key, c, alpha) [n, taken]
+            for g in range(group_count):
+                heads_of_g = slice(g * groups, (g + 1) * groups)
+                alpha = kept_alpha.pop(g) if g in kept_alpha else probabilities(g)
+                alpha_c = alpha.to(dtype)
+                flat = alpha_c.view(groups * n, width)
+                if adopt:  # z^h_i is the model's; alpha (V r) must give z r: [probes, rows], rows by key
+                    probed = probed_t[b, g, :, first:limit] @ flat.T
+                    expected = (mixed[heads_of_g] @ probes).reshape(groups * n, -1).T
+                    probe_error = torch.maximum(probe_error, (probed - expected).abs().max())
+                # <o_i, v~_j> / ||o_i||^2 [groups, n, width]; the row positions need it where alpha is 0 too: their
+                # rows are computed below, over every key
+                if session.kind == "inter":  # the group's heads share v_j: one product for all their rows
+                    scaled = (side[heads_of_g].reshape(groups * n, head_dim)
+                              @ group_values[b, g, first:limit].T).view(groups, n, width)
+                else:
+                    scaled = side[heads_of_g] @ keys_side[b, heads_of_g, first:limit].transpose(-1, -2)
+                contribution = scaled.mul_(alpha_c)  # c_ij, in place: one [groups, n, width] tensor besides alpha
+                del scaled
+                # what each key receives, from the real queries (a product with the row weights: one pass)
+                if real is None:
+                    contribution_received[b, heads_of_g, first:limit] += torch.bmm(weights, contribution)[:, 0]
+                    attention_received[b, heads_of_g, first:limit] += torch.bmm(weights, alpha_c)[:, 0]
+                else:
+                    contribution_received[b, heads_of_g, first:limit] += contribution[:, real].sum(1)
+                    attention_received[b, heads_of_g, first:limit] += alpha_c[:, real].sum(1)
+                # the top (head, key) terms of each query in this group, among those with alpha > 0
+                ranking = contribution.abs() if session.absolute else contribution
+                best, heads_of, keys_of = _top_terms(ranking, k)
+                query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
+                # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms: redo those queries
+                redo = (alpha_c[heads_of, query_of, keys_of] == 0).any(-1).nonzero()[:, 0]
+                if len(redo):
+                    masked = torch.where(alpha_c[:, redo] > 0, ranking[:, redo], -torch.inf)
+                    best[redo], heads_of[redo], keys_of[redo] = _top_terms(masked, k, plain=True)
+                candidates.append((best, heads_of + g * groups, keys_of + first,
+                                   contribution[heads_of, query_of, keys_of], alpha_c[heads_of, query_of, keys_of]))
+                # the full rows of chosen positions: over every key (alpha is 0 outside the span)
+                for r, position in enumerate(session.row_positions):
+                    if start <= position < stop:
+                        i = position - start
+                        row_scaled = (side[heads_of_g, i, None] @ keys_side[b, heads_of_g].transpose(-1, -2))[:, 0]
+                        row_alpha = torch.zeros(groups, k_len, dtype=dtype, device=value.device)
+                        row_alpha[:, first:limit] = alpha_c[:, i]
+                        row_norm = _nan_at_zero(norm[heads_of_g, i])[:, None]
+                        rows["attention"][b, heads_of_g, r] = row_alpha
+                        rows["contribution"][b, heads_of_g, r] = row_scaled * row_alpha
+                        rows["relative_norm"][b, heads_of_g, r] = value_norm[b, heads_of_g] / row_norm
+                        rows["cosine"][b, heads_of_g, r] = (row_scaled * row_norm
+                                                            / _nan_at_zero(value_norm[b, heads_of_g]))
+                for r, position in enumerate(token_positions):
+                    if start <= position < stop:
+                        i = position - start
+                        token_rows["contribution"][b, r, first:limit] += contribution[:, i].sum(0)
+                        token_rows["attention"][b, r, first:limit] += alpha_c[:, i].sum(0) / heads
+                del alpha, alpha_c, contribution, ranking, flat  # the next group may reuse their memory
+            # the k largest terms of the block's queries: the k largest among every group's k largest
+            best, heads_of, keys_of, c_top, a_top = (torch.cat(parts, -1) for parts in zip(*candidates))
+            if group_count > 1:
+                best, chosen = best.topk(min(k, best.shape[-1]), dim=-1)
+                heads_of, keys_of, c_top, a_top = (part.gather(-1, chosen)
+                                                   for part in (heads_of, keys_of, c_top, a_top))
             taken = best.shape[-1]
-            best, heads_of, keys_of = _canonical_order(best, heads_of, keys_of + first)
-            keys_of = keys_of - first
+            order = _canonical_order(best, heads_of, keys_of)
+            best, heads_of, keys_of, c_top, a_top = (part.gather(-1, order)
+                                                     for part in (best, heads_of, keys_of, c_top, a_top))
             kept = best != -torch.inf
             if real is not None:
                 kept &= real[:, None]
-            c_top = contribution[heads_of, query_of, keys_of]
-            a_top = alpha_c[heads_of, query_of, keys_of]
+            query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
             norm_top = norm[heads_of, query_of]
-            vn_top = value_norm[b][heads_of, keys_of + first]
-            nan = torch.tensor(float("nan"), dtype=dtype, device=value.device)
+            vn_top = value_norm[b][heads_of, keys_of]
             top["contribution"][b, start:stop, :taken] = torch.where(kept, c_top, nan)
             top["attention"][b, start:stop, :taken] = torch.where(kept, a_top, nan)
             top["relative_norm"][b, start:stop, :taken] = torch.where(kept, vn_top / _nan_at_zero(norm_top), nan)
             # cos = <o_i, v~_j> / (||o_i|| ||v~_j||) = (c_ij / alpha_ij) ||o_i|| / ||v~_j|| (alpha > 0 where kept)
             top["cosine"][b, start:stop, :taken] = torch.where(kept, c_top / a_top * norm_top / _nan_at_zero(vn_top), nan)
             top_head[b, start:stop, :taken] = torch.where(kept, heads_of, -1)
-            top_key[b, start:stop, :taken] = torch.where(kept, keys_of + first, -1)
-            # the full rows of chosen positions: over every key (alpha is 0 outside the span)
-            for r, position in enumerate(session.row_positions):
-                if start <= position < stop:
-                    i = position - start
-                    row_scaled = (side[:, i, None] @ keys_side[b].transpose(-1, -2))[:, 0]  # [head, key]
-                    row_alpha = torch.zeros(heads, k_len, dtype=dtype, device=value.device)
-                    row_alpha[:, first:limit] = alpha_c[:, i]
-                    row_norm = _nan_at_zero(norm[:, i])[:, None]
-                    rows["attention"][b, :, r] = row_alpha
-                    rows["contribution"][b, :, r] = row_scaled * row_alpha
-                    rows["relative_norm"][b, :, r] = value_norm[b] / row_norm
-                    rows["cosine"][b, :, r] = row_scaled * row_norm / _nan_at_zero(value_norm[b])
-                    if real is not None and not bool(real[i]):
+            top_key[b, start:stop, :taken] = torch.where(kept, keys_of, -1)
+            if real is not None:
+                for r, position in enumerate(session.row_positions):
+                    if start <= position < stop and not bool(real[position - start]):
                         for name in ROW_FIELDS:
                             rows[name][b, :, r] = float("nan")
-            for r, position in enumerate(token_positions):
-                if start <= position < stop:
-                    i = position - start
-                    token_rows["contribution"][b, r, first:limit] = contribution[:, i].sum(0)
-                    token_rows["attention"][b, r, first:limit] = alpha_c[:, i].mean(0)
-                    if real is not None and not bool(real[i]):
+                for r, position in enumerate(token_positions):
+                    if start <= position < stop and not bool(real[position - start]):
                         token_rows["contribution"][b, r] = float("nan")
                         token_rows["attention"][b, r] = float("nan")
-            del alpha, alpha_c, contribution, side
+            del side, mixed
     if adopt and session.verify:
         scale = output.abs().max().clamp_min(torch.finfo(dtype).tiny)
         error = float((probe_error / scale).nan_to_num(float("inf")))
@@ -632,7 +694,9 @@ def dense_summary(layer, attention_mask=None, *, top_k: int = 8, rows=(-1,), tok
     ranking = ranking.permute(0, 2, 1, 3).reshape(batch, q_len, heads * k_len)
     taken = min(top_k, heads * k_len)
     best, index = ranking.topk(taken, dim=-1)
-    best, head_of, key_of = _canonical_order(best, index // k_len, index % k_len)
+    order = _canonical_order(best, index // k_len, index % k_len)
+    best, index = best.gather(-1, order), index.gather(-1, order)
+    head_of, key_of = index // k_len, index % k_len
     kept = (best != float("-inf")) & real[..., None]
     relative, cosine = layer.relative_norm(kind), layer.cosine(kind)
     b_of = torch.arange(batch)[:, None, None]

@@ -50,9 +50,9 @@ def test_blocks_of_a_few_queries_give_the_same_summary(family, monkeypatch):
     from cwcore.core import summary as summary_module
 
     monkeypatch.setattr(summary_module, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(summary_module, "HEAD_ROWS", 0)
+    monkeypatch.setattr(summary_module, "ROWS_PER_DIM", 0)
     monkeypatch.setattr(summary_module, "MIN_BLOCK", 3)
-    spans = list(summary_module._block_spans(None, True, 0, 12, 12, 4))
+    spans = list(summary_module._block_spans(None, True, 0, 12, 12, 4, 16))
     assert [(start, stop) for start, stop, *_ in spans] == [(0, 3), (3, 6), (6, 9), (9, 12)]
     model = tiny_model(family)
     options = dict(top_k=5, rows=[-1, 5, 1], token_rows=[3, -2, 0])
@@ -317,3 +317,26 @@ def test_a_long_input_shows_a_bar_over_the_layers_and_the_summary_is_unchanged(c
     assert capsys.readouterr().err == ""
     with pytest.raises(InputError, match=r"^progress must be True, False or None, got 'yes'$"):
         cwcore.summarize(model, input_ids=IDS, progress="yes")
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_three_heads_per_key_value_head_and_a_scaling_that_is_no_power_of_two(padded, monkeypatch):
+    # the summary computes a block one key/value head at a time (its 3 query heads stacked as the rows of one
+    # product, as on SmolLM2) and merges the groups' top terms; head_dim 12 gives scaling 12^-0.5, applied to the
+    # products as the dense path does, not to the queries. Blocks of 16 queries: many blocks and groups per layer.
+    from cwcore.core import summary as summary_module
+
+    monkeypatch.setattr(summary_module, "ROWS_PER_DIM", 0)
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=4000, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+    config._attn_implementation = "sdpa"
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    assert model.model.layers[0].self_attn.scaling == 12 ** -0.5
+    ids = torch.randint(0, 4000, (2, 200), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, :21] = 0
+    options = dict(top_k=8, rows=[-1, 77], token_rows=[5, -1])
+    s = cwcore.summarize(model, input_ids=ids, attention_mask=mask, **options)
+    assert_equal_to_dense(s, cwcore.decompose(model, input_ids=ids, attention_mask=mask), mask, **options)
