@@ -21,8 +21,8 @@ __all__ = ["Attribution", "attribute", "list_attribution_methods"]
 _OPTIONS = {"kind": "inter", "seed": 0}
 
 
-class Attribution:
-    """The scores of one method on one batch, indexed by layer number like a decomposition.
+class Attribution(Mapping):
+    """The scores of one method on one batch, a mapping from layer number to scores like a decomposition.
 
     ``a[layer]``: ``[batch, head, query, key]`` for a head-level method (``a.level == "head"``) or
     ``[batch, query, key]`` for a token-level one (never copied into heads). ``a.tensor`` stacks the

@@ -117,7 +117,7 @@ def test_layer_statistics_match_loops_with_padding(padded_decomposition):
     groups.update(analysis.token_groups(ids, {"vocab 3-20": range(3, 21)}))
     group_keys = [{"first": [0], "vocab 3-20": [k for k in range(n) if 3 <= ids[b, k] <= 20]}
                   for b, n in enumerate(lengths)]
-    for layer in d:
+    for layer in d.values():
         table = analysis.layer_statistics(layer, groups, kendall_views=analysis.VIEWS, sequence_offset=10)
         assert set(table["sequence"]) == {10, 11, 12} and set(table["layer"]) == {layer.layer}
         expected = naive_statistics(layer, lengths, group_keys)

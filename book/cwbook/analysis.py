@@ -352,7 +352,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
         groups = key_groups(batch) if key_groups else None
         d = decompose(model, layers=layers, **batch)
         per_layer, samples = [], []
-        for layer in d:
+        for layer in d.values():
             if groups is None:
                 b, _, _, k = layer.attention.shape
                 groups = first_token_group(b, k)

@@ -373,8 +373,9 @@ class _FieldView(Mapping):
         return len(self._layers)
 
 
-class Decomposition:
-    """The decomposition of a forward pass: ``d[layer]`` is a :class:`LayerDecomposition` and
+class Decomposition(Mapping):
+    """The decomposition of a forward pass, a mapping from layer number to :class:`LayerDecomposition` (``d[layer]``,
+    ``for layer in d``, ``d.items()``), as a :class:`~cwcore.core.summary.Summary` and an attribution are;
     ``d.<field>[layer]`` indexes one field by layer number, e.g. ``d.attention[3]``; contribution weights
     have one spelling, ``d[3].contribution("inter")`` (``d.inter[3]`` and ``d[3].inter`` are deprecated).
 
@@ -410,8 +411,9 @@ class Decomposition:
     def __getitem__(self, layer: int) -> LayerDecomposition:
         return layer_by_number(self.layer_decompositions, layer, self.num_blocks, self.undecomposable)
 
-    def __iter__(self) -> Iterator[LayerDecomposition]:
-        return iter(self.layer_decompositions.values())
+    def __iter__(self) -> Iterator[int]:
+        """The layer numbers held, in order, as a summary and an attribution: ``for layer in d: d[layer]``."""
+        return iter(self.layer_decompositions)
 
     def __len__(self) -> int:
         return len(self.layer_decompositions)

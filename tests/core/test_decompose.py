@@ -91,7 +91,7 @@ def test_weights_sum_to_one(family):
     model = tiny_model(family)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
     d = cwcore.decompose(model, input_ids=ids)
-    for layer in d:
+    for layer in d.values():
         ones = torch.ones_like(layer.output_norm)
         torch.testing.assert_close(layer.intra.sum(-1), torch.ones_like(layer.head_output_norm), rtol=RTOL, atol=ATOL)
         torch.testing.assert_close(layer.inter.sum((1, 3)), ones, rtol=RTOL, atol=ATOL)
@@ -116,7 +116,7 @@ def test_every_field_matches_a_naive_model_space_computation(family):
     d = cwcore.decompose(model, input_ids=ids, compute_dtype=torch.float64)
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    for layer in d:
+    for layer in d.values():
         v = values[layer.layer].double().reshape(2, 7, cfg.num_key_value_heads, head_dim).transpose(1, 2)
         v = v.repeat_interleave(cfg.num_attention_heads // cfg.num_key_value_heads, dim=1)
         w_o = split_output_projection(model.model.layers[layer.layer].self_attn.o_proj.weight.double(), cfg.num_attention_heads)

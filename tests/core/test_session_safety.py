@@ -182,6 +182,21 @@ def test_a_summary_or_attribution_without_the_layer_names_its_own_entry_point():
         a[1]
 
 
+def test_a_decomposition_a_summary_and_an_attribution_are_mappings_from_layer_number():
+    # before: iterating a decomposition gave its LayerDecomposition objects, so `1 in d` was always False and
+    # `for layer in d: d[layer]` failed, while a summary and an attribution iterated layer numbers
+    model = tiny_model("llama")
+    d = cwcore.decompose(model, layers=1, input_ids=IDS)
+    s = cwcore.summarize(model, layers=1, input_ids=IDS)
+    a = cwcore.attribute(model, method="alti", layers=1, input_ids=IDS)
+    for result in (d, s, a):
+        assert list(result) == [1] == result.layers and len(result) == 1
+        assert 1 in result and -1 in result and 0 not in result and -2 not in result and "1" not in result
+        assert [layer for layer, _ in result.items()] == [1] and list(result.values()) == [result[1]]
+        assert result.get(0) is None
+    assert d[1].layer == 1 and s[1].layer == 1
+
+
 class _KeywordAttention(nn.Module):
     """Calls the attention interface with one extra keyword (``extra`` -> ``value``)."""
 
