@@ -453,7 +453,8 @@ def test_document_blocks_never_draws_an_excluded_document_and_keeps_the_others_o
     naive = [int(i) for i in np.random.default_rng(5).permutation(40)
              if int(i) not in excluded and len(texts[int(i)].split()) + 1 >= 7][:10]
     assert drawn == naive and not set(drawn) & excluded
-    plain = list(data.document_blocks(texts, tiny, block_size=8, num_documents=30, seed=5)["document"])
+    with pytest.warns(UserWarning, match=r"^only 25 documents of at least 8 tokens available, 30 requested"):
+        plain = list(data.document_blocks(texts, tiny, block_size=8, num_documents=30, seed=5)["document"])
     assert drawn == [d for d in plain if d not in excluded][:10]
 
 

@@ -173,7 +173,9 @@ def test_a_block_cwcore_cannot_decompose_is_skipped_by_default_and_refused_when_
     model, ids = _model("llama"), _ids()
     try:
         attention_blocks(model)[0].unsupported = "a reason measured elsewhere"  # as for nn.MultiheadAttention
-        got = cwcore.attribute(model, method="alti", input_ids=ids)
+        with pytest.warns(UserWarning, match=r"^cwcore\.attribute: layer 0 \('model\.layers\.0\.self_attn', "
+                                             r"LlamaAttention\) is not attributed: a reason measured elsewhere"):
+            got = cwcore.attribute(model, method="alti", input_ids=ids)
         assert got.layers == [1]
         torch.testing.assert_close(got[1], cwcore.attribute(model, method="alti", layers=1, input_ids=ids)[1])
         with pytest.raises(cwcore.UnsupportedModelError, match="a reason measured elsewhere"):
