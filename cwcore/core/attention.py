@@ -115,6 +115,12 @@ def attention_forward(
                                        dropout=dropout, softcap=softcap, **kwargs)
         if not session.touches(module):
             return models_own()  # a layer nobody reads or changes runs the model's configured implementation (SDPA)
+        if query.dtype in HALF_PRECISION:
+            # SDPA takes a half-precision model's scores, softmax and sums in float32; eager rounds the scores to the
+            # model's dtype first, which moves alpha by up to |score| x 2^-9 in bfloat16 (a large score shared by all
+            # keys, harmless to the softmax, makes that percents). The layer returns SDPA's output to the forward, so
+            # cwcore's arithmetic follows SDPA's precision: what it decomposes is what the model computed
+            query, key, value = query.float(), key.float(), value.float()
     call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     groups = query.shape[1] // key.shape[1]
     unrepeated = (key.shape[1], key.shape[-1], value.shape[-1])  # kv heads, key and value head dims
@@ -245,6 +251,8 @@ def every_layer(model: nn.Module, function, layers: Iterable[int] | None = None)
 #: Relative error allowed between cwcore's terms (plus bias) and what the output projection returned,
 #: by the model's dtype: summation order differs, and bf16/fp16 models round their own products.
 RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+#: the dtypes whose eager attention rounds its scores more coarsely than a fast implementation (SDPA) computes them
+HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

@@ -168,6 +168,59 @@ def test_an_sdpa_that_differs_from_eager_is_refused_whatever_layers_asks(bfloat1
     torch.testing.assert_close(last[2].inter, everything[2].inter, rtol=0, atol=0, equal_nan=True)
 
 
+def _shared_score_gpt2(dtype, offset: float = 32.0):
+    """A GPT-2 in ``dtype`` whose query and key biases lie along one direction per head, so that every score of a
+    query shares a term of about ``offset`` (after the 1/sqrt(head_dim) scaling): nothing to an exact softmax, but
+    eager attention rounds scores near 32 to 0.125 apart in bfloat16 before it, moving alpha by percents."""
+    model = tiny_model("gpt2", dtype=dtype)
+    direction = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+    bias = (direction / direction.norm(dim=-1, keepdim=True) * 2 * offset ** 0.5).reshape(64).to(dtype)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_attn.bias[:64] = bias  # the queries' bias
+            block.attn.c_attn.bias[64:128] = bias  # the keys'
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_under_sdpa_is_decomposed_at_sdpa_precision(dtype):
+    """SDPA computes a half-precision model's scores in float32; eager rounds them to the model's dtype first. An
+    observed layer returns SDPA's output to the forward, so cwcore's alpha is SDPA's, from float32 scores: before,
+    it was eager's and, in bfloat16 with a large score every key shares, 4.3e-2 from SDPA's output, past the
+    3e-2 tolerance, so the model was refused though its forward was plain SDPA (Gemma 3 270M in bfloat16 at
+    1,024 tokens of text measured 3.0e-2, at the edge)."""
+    model = _shared_score_gpt2(dtype)
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(4))
+    queries_and_keys = {}
+    handles = [block.attn.c_attn.register_forward_hook(
+        lambda module, args, out, i=i: queries_and_keys.__setitem__(i, out.detach()))
+        for i, block in enumerate(model.transformer.h)]
+    try:
+        d = cwcore.decompose(model, input_ids=ids)  # before: refused in bfloat16
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+    torch.testing.assert_close(d.outputs.logits, own, rtol=0, atol=0)  # the forward is the model's own SDPA
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    for layer in d:
+        q, k, _ = queries_and_keys[layer].double().split(64, dim=-1)
+        q, k = (t.unflatten(-1, (4, 16)).transpose(1, 2) for t in (q, k))  # [batch, head, position, 16]
+        exact = torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(~causal, -torch.inf), -1)
+        rounded = torch.softmax((q.to(dtype) @ k.to(dtype).transpose(-1, -2) / 4).double()
+                                .masked_fill(~causal, -torch.inf), -1)  # eager's scores, in the model's dtype
+        # the control: the two arithmetics are far apart here (in float16 less so, its rounding is finer)
+        assert (rounded - exact).abs().max() > (3e-2 if dtype == torch.bfloat16 else 3e-3)
+        torch.testing.assert_close(d[layer].attention.double(), exact, rtol=0, atol=2e-6)
+    summary = cwcore.summarize(model, input_ids=ids, rows=[-1])  # the summary computes its alpha the same way
+    torch.testing.assert_close(summary.outputs.logits, own, rtol=0, atol=0)
+    for layer in summary:
+        torch.testing.assert_close(summary[layer].row(-1, "attention"), d[layer].attention[:, :, -1],
+                                   rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, monkeypatch):
