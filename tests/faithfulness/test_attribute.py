@@ -214,3 +214,22 @@ def test_methods_a_bare_encoder_cannot_support_are_refused_with_the_true_reason(
                                                     r"\.self' applies its output projection outside the attention "
                                                     r"module \(in BertAttention\)"):
         cwcore.attribute(bert, method="value_zeroing", input_ids=ids)
+
+
+@pytest.mark.parametrize("method", cwcore.list_attribution_methods())
+def test_every_method_scores_a_bfloat16_model_under_sdpa_as_under_eager(method):
+    """A bfloat16 model configured for SDPA hands cwcore its layers' values in float32 (SDPA's precision); the
+    methods that rerun the model's own modules take them back to its dtype. Before, value zeroing failed there
+    with "expected m1 and m2 to have the same dtype". Against the same model configured eager: the scores agree
+    to bfloat16's rounding (the two differ only in how the scores before the softmax are rounded)."""
+    model = _model("llama").to(torch.bfloat16)
+    ids = _ids(seed=5)
+    model.config._attn_implementation = "eager"
+    eager = cwcore.attribute(model, method=method, input_ids=ids)
+    model.config._attn_implementation = "sdpa"
+    sdpa = cwcore.attribute(model, method=method, input_ids=ids)
+    assert sdpa.layers == eager.layers == [0, 1]
+    for layer in sdpa:
+        assert sdpa[layer].dtype == eager[layer].dtype and sdpa[layer].shape == eager[layer].shape
+        scale = float(eager[layer].float().abs().max())
+        torch.testing.assert_close(sdpa[layer].float(), eager[layer].float(), rtol=0, atol=3e-2 * scale)

@@ -11,13 +11,14 @@ CHUNK_BYTES = 64 * 2 ** 20
 
 
 def projected_values(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(alpha ``[b, h, q, k]``, v~ ``[b, h, k, model]``, bias) in the model's dtype (padding zeroed)."""
+    """(alpha ``[b, h, q, k]``, v~ ``[b, h, k, model]``, bias) in the model's dtype (padding zeroed): the output
+    projection's, since a half-precision model's SDPA layers hand cwcore their values in float32."""
     from ...core.geometry import split_output_projection
 
     weight, bias = call.output_projection()
-    dtype = call.value.dtype
+    dtype = weight.dtype
     alpha = call.probs.detach().to(dtype)
-    values = call.value.detach()
+    values = call.value.detach().to(dtype)
     valid = call.valid_keys()
     if valid is not None:
         alpha = alpha.masked_fill(~valid[:, None, :, None] | ~valid[:, None, None, :], 0.0)
