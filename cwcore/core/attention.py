@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
 from .attention_features import HANDLED_KEYWORDS, block_label, maps_exclude_the_sink, refuse_unknown_features
-from .geometry import HeadSpaceGeometry, projected_check as _projected_check
+from .geometry import HeadSpaceGeometry, all_finite, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
 __all__ = [
@@ -136,11 +136,15 @@ def attention_forward(
         # a session that computes this layer itself, a block of queries at a time (cwcore.summarize); the model's
         # own output first, which the session may adopt as z after checking it (then it is not compared again)
         own = None if models_own is None else models_own()[0]
+        if own is not None:
+            session.refuse_non_finite(module, own, call_mask, (query, key, value))  # its reason, before a comparison's
         output, checked = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal),
                                                   softcap, s_aux, own, groups=groups)
         output = output.transpose(1, 2).contiguous()
         if own is not None:
             output = own if checked else session.models_own_output(module, output, own, call_mask, key.shape[-2])
+        else:
+            session.refuse_non_finite(module, output, call_mask, (query, key, value))
         session.on_output(module, output)
         return output, None
     if attention_mask is None and causal and query.shape[2] > 1:
@@ -191,7 +195,11 @@ def attention_forward(
         output = output + added.to(output.dtype)
     output = output.transpose(1, 2).contiguous()
     if models_own is not None:
-        output = session.models_own_output(module, output, models_own()[0], call_mask, key.shape[-2])
+        own = models_own()[0]
+        session.refuse_non_finite(module, own, call_mask, (query, key, value))  # its reason, before the comparison's
+        output = session.models_own_output(module, output, own, call_mask, key.shape[-2])
+    elif session is not None and session.touches(module):
+        session.refuse_non_finite(module, output, call_mask, (query, key, value))
     if session is not None:
         session.on_output(module, output)
     return output, probs
@@ -536,6 +544,32 @@ class AttentionSession:
             allowed = max(allowed, RECONSTRUCTION_TOLERANCE[torch.float32])
         return allowed
 
+    def refuse_non_finite(self, module: nn.Module, output: torch.Tensor, attention_mask: torch.Tensor | None,
+                          inputs: Sequence[torch.Tensor]) -> None:
+        """Raise :class:`UnsupportedModelError` if the attention output this call returns to the forward
+        (``[batch, query, head, dim]``) holds NaN or inf on a query row that sees a key: its terms would be NaN,
+        and the checks after it would blame a mismatch. Says whether the call's ``inputs`` (query, key, value)
+        held NaN or inf already (an overflow upstream, as a float16 Gemma 3's residual stream) or only the output."""
+        if all_finite(output):
+            return
+        _, rows = self.mask_validity(attention_mask, output.shape[0], output.shape[1], inputs[1].shape[-2])
+        bad = ~torch.isfinite(output.detach()).flatten(2).all(-1)  # [batch, query]
+        if rows is not None:
+            bad &= rows.to(bad.device)
+        count = int(bad.sum())
+        if not count:
+            return  # padding only: rows that see no key are no tokens
+        block = self._by_module[id(module)]
+        seen = output.shape[0] * output.shape[1] if rows is None else int(rows.sum())
+        upstream = not all(all_finite(tensor) for tensor in inputs)
+        where = ("its queries, keys or values held NaN or inf already, so the forward overflowed or failed before "
+                 "this layer" if upstream else "its queries, keys and values were finite")
+        hint = (f"; a {output.dtype} model whose activations outgrow the range of its dtype computes NaN and inf: "
+                "load it in bfloat16 or float32" if output.dtype == torch.float16 else "")
+        raise UnsupportedModelError(
+            f"attention block {block.name!r}: the attention output of this layer holds NaN or inf on {count} of the "
+            f"{seen} query rows that see a key ({where}){hint}; cwcore decomposes finite computations only")
+
     def on_output(self, module: nn.Module, output: torch.Tensor) -> None:
         """attention_forward's output ``[batch, query, head, dim]``, kept until the projection reads it."""
         if self.verify and self.touches(module):  # a set lookup: this runs for every attention call
@@ -672,7 +706,9 @@ class AttentionSession:
                     f"the attention output ({None if received is None else tuple(received.shape)} vs "
                     f"{tuple(produced.shape)}); cwcore refuses to decompose it")
             expected = produced.reshape(received.shape)
-            if not torch.equal(received, expected):
+            # NaN where both hold it is the same tensor (a padded row's, which refuse_non_finite lets through)
+            if not (torch.equal(received, expected)
+                    or bool(((received == expected) | (received.isnan() & expected.isnan())).all())):
                 difference = float((received.float() - expected.float()).abs().max())
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the output projection received something other than the "

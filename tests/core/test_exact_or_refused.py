@@ -166,6 +166,29 @@ def test_reconstruction_tolerance_holds_in_bfloat16():
     assert d[0].attention.dtype == torch.float32
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_float16_forward_that_overflows_is_refused_for_that_reason(implementation):
+    """A float16 model whose residual stream outgrows 65504 (as Gemma 3's does) gives its later layers NaN or inf
+    queries. The refusal says so, naming the first such layer; before, it blamed a mismatch that was none: "the
+    output projection received something other than the attention output (max |difference| nan)" (eager: NaN is
+    not equal to itself) or "sdpa and eager attention differ (relative error inf)"."""
+    model = tiny_model("llama", dtype=torch.float16)
+    model.config._attn_implementation = implementation
+    with torch.no_grad():
+        model.model.layers[0].post_attention_layernorm.weight.fill_(6e4)  # layer 0's MLP overflows float16
+        hidden = model(input_ids=IDS, output_hidden_states=True).hidden_states
+    assert torch.isfinite(hidden[1]).all() == torch.tensor(False) and torch.isfinite(hidden[0]).all()
+    refusal = (r"^attention block 'model\.layers\.1\.self_attn': the attention output of this layer holds NaN or inf "
+               r"on 18 of the 18 query rows that see a key \(its queries, keys or values held NaN or inf already, "
+               r"so the forward overflowed or failed before this layer\); a torch\.float16 model whose activations "
+               r"outgrow the range of its dtype computes NaN and inf: load it in bfloat16 or float32; cwcore "
+               r"decomposes finite computations only$")
+    for verb in (cwcore.decompose, cwcore.summarize):
+        with pytest.raises(cwcore.UnsupportedModelError, match=refusal):
+            verb(model, input_ids=IDS)
+    assert cwcore.decompose(model, layers=0, input_ids=IDS)[0].attention.isfinite().all()  # layer 0 is finite
+
+
 @pytest.mark.parametrize("family", ["roberta", "distilbert"])
 def test_encoders_with_own_positions_or_projection_names_are_exact_when_padded(family):
     torch.manual_seed(0)
