@@ -34,8 +34,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
-from .attention_features import HANDLED_KEYWORDS, block_label, maps_exclude_the_sink, refuse_unknown_features
-from .geometry import HeadSpaceGeometry, all_finite, projected_check as _projected_check
+from .attention_features import (HANDLED_KEYWORDS, block_label, maps_exclude_the_sink, refuse_unknown_features,
+                                 repeated_calls_reason)
+from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
 __all__ = [
@@ -741,7 +742,7 @@ class AttentionSession:
                     geometry.output = adopted
                     return
             # the entrywise comparison decides (and gives the refusal its exact error)
-            error, rows_finite = _full_check(call, geometry, output, bias)
+            error, rows_finite = full_check(call, geometry, output, bias)
             if not rows_finite or error > allowed:
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "
@@ -752,56 +753,6 @@ class AttentionSession:
                        f"cwcore's eager arithmetic differs by {own:.3g} (relative)")
                     + "; cwcore refuses to report this decomposition")
         return hook
-
-
-def repeated_calls_reason(block: AttentionBlock, sizes: list[tuple[int, int]], tokens: int | None) -> str:
-    """Why a block that called the attention function more than once per forward is refused, from what was
-    measured: the (queries, keys) of each call and the number of tokens the block received."""
-    calls = len(sizes)
-    queries = [q for q, _ in sizes]
-    head = (f"attention block {block.name!r} ({type(block.module).__name__}) calls the attention function {calls} "
-            f"times per layer")
-    tail = "; cwcore decomposes one softmax map per layer call, and refuses rather than report one of them as the layer"
-    if tokens is not None and all(q == tokens for q in queries):
-        return (f"{head}, each time over all its {tokens} queries: it combines {calls} attention maps into one output "
-                f"(as differential attention does, a_1 - lambda a_2), not one{tail}")
-    if tokens is not None and sum(queries) == tokens and all(q == k for q, k in sizes):
-        return (f"{head}, once per segment of its {tokens} tokens (query sizes {queries}, each attending only within "
-                f"itself, as a vision tower does with one call per image): its attention is {calls} separate maps, "
-                f"not one map over the sequence{tail}")
-    return f"{head} (queries and keys per call {sizes}, for {tokens} tokens in the block's input){tail}"
-
-
-def output_difference(computed: torch.Tensor, own: torch.Tensor, rows_valid: torch.Tensor | None) -> float:
-    """max |computed - own| / max |own| over the query rows that see a key (``rows_valid`` ``[batch, query]``,
-    None: every row), both ``[batch, query, ...]``: a row that sees no key (padding) is no token, and the two
-    implementations fill it differently. NaN or inf where a compared entry is not finite."""
-    dtype = torch.promote_types(own.dtype, torch.float32)  # a float64 model's differences are below float32's rounding
-    computed, own = computed.detach().to(dtype), own.detach().to(dtype)
-    if rows_valid is not None:
-        shape = rows_valid.shape + (1,) * (own.dim() - 2)
-        keep = rows_valid.to(own.device).reshape(shape)
-        computed, own = torch.where(keep, computed, 0.0), torch.where(keep, own, 0.0)
-    return _relative_error(computed, own)
-
-
-def _relative_error(computed: torch.Tensor, reference: torch.Tensor) -> float:
-    """max |computed - reference| / max |reference| (inf where not finite): the one measure of both checks."""
-    scale = reference.abs().max().clamp_min(torch.finfo(reference.dtype).tiny)
-    return float(((computed - reference).abs().max() / scale).nan_to_num(float("inf")))
-
-
-def _full_check(call: LayerCall, geometry: HeadSpaceGeometry, output: torch.Tensor,
-                bias: torch.Tensor | None) -> tuple[float, bool]:
-    """(max |o_i + b - projection's output| / max |output|, whether every real token's row is finite)."""
-    rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
-    actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
-    rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
-    valid = call.valid_queries()
-    if valid is not None:
-        rows = rows | ~valid  # ...but a NaN in a real token's row is an error
-        rebuilt = torch.where(valid[..., None], rebuilt, actual)
-    return _relative_error(rebuilt, actual), bool(rows.all())
 
 
 #: Implementations whose function takes transformers' SDPA-style masks; a session keeps them as the model's

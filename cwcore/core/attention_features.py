@@ -14,9 +14,9 @@ import sys
 import torch
 from torch import nn
 
-from .architectures import UnsupportedModelError, block_name_of
+from .architectures import AttentionBlock, UnsupportedModelError, block_name_of
 
-__all__ = ["HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features"]
+__all__ = ["HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features", "repeated_calls_reason"]
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
 # not implement: refusing is better than a plausible wrong number.
@@ -119,3 +119,21 @@ def maps_exclude_the_sink(module: nn.Module, query: torch.Tensor, kv_heads: int,
                 verdict = bool((sums - 1).abs().max() < 1e-3)
         _SINK_MAPS[cls] = verdict
     return _SINK_MAPS[cls]
+
+
+def repeated_calls_reason(block: AttentionBlock, sizes: list[tuple[int, int]], tokens: int | None) -> str:
+    """Why a block that called the attention function more than once per forward is refused, from what was
+    measured: the (queries, keys) of each call and the number of tokens the block received."""
+    calls = len(sizes)
+    queries = [q for q, _ in sizes]
+    head = (f"attention block {block.name!r} ({type(block.module).__name__}) calls the attention function {calls} "
+            f"times per layer")
+    tail = "; cwcore decomposes one softmax map per layer call, and refuses rather than report one of them as the layer"
+    if tokens is not None and all(q == tokens for q in queries):
+        return (f"{head}, each time over all its {tokens} queries: it combines {calls} attention maps into one output "
+                f"(as differential attention does, a_1 - lambda a_2), not one{tail}")
+    if tokens is not None and sum(queries) == tokens and all(q == k for q, k in sizes):
+        return (f"{head}, once per segment of its {tokens} tokens (query sizes {queries}, each attending only within "
+                f"itself, as a vision tower does with one call per image): its attention is {calls} separate maps, "
+                f"not one map over the sequence{tail}")
+    return f"{head} (queries and keys per call {sizes}, for {tokens} tokens in the block's input){tail}"

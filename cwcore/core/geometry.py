@@ -311,3 +311,36 @@ def projected_check(geometry: HeadSpaceGeometry, output: torch.Tensor, bias: tor
     finite = all_finite(projected) and all_finite(rebuilt)
     adopted = actual.clone() if bias is None else actual - bias
     return error, finite, adopted.view(batch, queries, -1)
+
+
+def output_difference(computed: torch.Tensor, own: torch.Tensor, rows_valid: torch.Tensor | None) -> float:
+    """max |computed - own| / max |own| over the query rows that see a key (``rows_valid`` ``[batch, query]``,
+    None: every row), both ``[batch, query, ...]``: a row that sees no key (padding) is no token, and the two
+    implementations fill it differently. NaN or inf where a compared entry is not finite."""
+    dtype = torch.promote_types(own.dtype, torch.float32)  # a float64 model's differences are below float32's rounding
+    computed, own = computed.detach().to(dtype), own.detach().to(dtype)
+    if rows_valid is not None:
+        shape = rows_valid.shape + (1,) * (own.dim() - 2)
+        keep = rows_valid.to(own.device).reshape(shape)
+        computed, own = torch.where(keep, computed, 0.0), torch.where(keep, own, 0.0)
+    return relative_error(computed, own)
+
+
+def relative_error(computed: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |computed - reference| / max |reference| (inf where not finite): the one measure of both checks."""
+    scale = reference.abs().max().clamp_min(torch.finfo(reference.dtype).tiny)
+    return float(((computed - reference).abs().max() / scale).nan_to_num(float("inf")))
+
+
+def full_check(call, geometry: HeadSpaceGeometry, output: torch.Tensor,
+               bias: torch.Tensor | None) -> tuple[float, bool]:
+    """The entrywise self-check of a layer call (a :class:`~cwcore.core.layer_call.LayerCall`): (max |o_i + b -
+    projection's output| / max |output|, whether every real token's row is finite)."""
+    rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
+    actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
+    rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
+    valid = call.valid_queries()
+    if valid is not None:
+        rows = rows | ~valid  # ...but a NaN in a real token's row is an error
+        rebuilt = torch.where(valid[..., None], rebuilt, actual)
+    return relative_error(rebuilt, actual), bool(rows.all())
