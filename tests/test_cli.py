@@ -40,6 +40,20 @@ def run_cli(*args):
                           timeout=300)
 
 
+def test_python_dash_m_cwcore_is_the_command_line():
+    """``python -m cwcore`` runs the ``cwcore`` command (before: "No module named cwcore.__main__"), for an
+    environment whose scripts folder is not on PATH: the same output and status as ``python -m cwcore.cli``."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for args in (["models"], ["explain"]):  # a listing, and a usage error (--out is required): status 2
+        package = subprocess.run([sys.executable, "-m", "cwcore", *args], capture_output=True, text=True, env=env,
+                                 timeout=300)
+        module = run_cli(*args)
+        assert (package.returncode, package.stdout, package.stderr) == (module.returncode, module.stdout,
+                                                                         module.stderr)
+    assert package.returncode == 2 and package.stderr.startswith("usage: cwcore explain")
+    assert "smollm2-135m" in run_cli("models").stdout
+
+
 def test_explain_draws_the_decomposition():
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     fig, attention, contribution, tokens = explain("the cat sat on the mat", model, tokenizer, layer=1, head=2)
