@@ -515,13 +515,15 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 ranking = contribution.abs() if session.absolute else contribution
                 best, heads_of, keys_of = _top_terms(ranking, k)
                 query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
+                a_top = alpha_c[heads_of, query_of, keys_of]  # read once: the redo test and the candidates
                 # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms: redo those queries
-                redo = (alpha_c[heads_of, query_of, keys_of] == 0).any(-1).nonzero()[:, 0]
+                redo = (a_top == 0).any(-1).nonzero()[:, 0]
                 if len(redo):
                     masked = torch.where(alpha_c[:, redo] > 0, ranking[:, redo], -torch.inf)
                     best[redo], heads_of[redo], keys_of[redo] = _top_terms(masked, k, plain=True)
+                    a_top = alpha_c[heads_of, query_of, keys_of]
                 candidates.append((best, heads_of + g * groups, keys_of + first,
-                                   contribution[heads_of, query_of, keys_of], alpha_c[heads_of, query_of, keys_of]))
+                                   contribution[heads_of, query_of, keys_of], a_top))
                 # the full rows of chosen positions: over every key (alpha is 0 outside the span)
                 for r, position in enumerate(session.row_positions):
                     if start <= position < stop:
