@@ -33,6 +33,7 @@ model configured ``eager`` gets the blockwise output, its own outputs to float32
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Mapping, Sequence
 
@@ -606,6 +607,29 @@ def _positions(positions, length: int, argument: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _warn_padded_rows(inputs: dict, positions: Sequence[int]) -> None:
+    """Warn when a chosen row is a padded query of some sequence (its row is NaN), as a right-padded batch makes
+    the default ``rows=-1`` of every sequence shorter than the longest; an encoder-decoder's two masks apart."""
+    chosen = sorted(set(positions))
+    decoder = "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs
+    found, right_padded = [], False
+    stacks = (("attention_mask", " of the encoder" if decoder else ""), ("decoder_attention_mask", " of the decoder"))
+    for name, stack in stacks:
+        mask = inputs.get(name)
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not chosen or chosen[-1] >= mask.shape[1]:
+            continue
+        padded = mask[:, chosen] == 0  # [batch, chosen]
+        found += [f"position {p} in sequences {padded[:, i].nonzero().flatten().tolist()}{stack}"
+                  for i, p in enumerate(chosen) if bool(padded[:, i].any())]
+        right_padded |= bool((padded.any(1) & (mask[:, -1] == 0)).any())
+    if not found:
+        return
+    hint = ("; with right padding a sequence's last token is at attention_mask.sum(1) - 1: pad on the left "
+            "(tokenizer.padding_side = 'left') to make rows=-1 every sequence's last token") if right_padded else ""
+    warnings.warn(f"cwcore.summarize: chosen rows are padding ({'; '.join(found)}), so their rows are NaN{hint}",
+                  stacklevel=3)
+
+
 def summarize(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
@@ -626,8 +650,9 @@ def summarize(
     ``compute_dtype`` and ``truncate``, and the same checks and refusals; instead of the maps it keeps, per
     layer (:class:`LayerSummary`), what each key receives over all queries, the ``top_k`` (head, key) terms
     of every query (ranked by c, or by |c| with ``absolute``), the full ``[head, key]`` rows of the query
-    positions ``rows`` (negative positions count from the end: -1 is the last token) and the head-aggregated
-    rows of ``token_rows`` (default: the same positions). ``kind``: ``"inter"`` (c against the combined
+    positions ``rows`` (negative positions count from the end: -1 is the last token; a position that is padding
+    in some sequence gives that sequence a NaN row, with a warning) and the head-aggregated rows of
+    ``token_rows`` (default: the same positions). ``kind``: ``"inter"`` (c against the combined
     output o_i) or ``"intra"`` (against the head's own o^h_i). Every summary equals the reduction of
     :func:`cwcore.decompose`'s tensors to float32 rounding. Memory: the model's forward plus, per layer,
     O(query * top_k + head * key * rows), and one block of ``[head, block, key]`` while a layer runs. Time: a
@@ -653,6 +678,7 @@ def summarize(
     length = reference.shape[1]
     row_positions = _positions(rows, length, "rows")
     token_positions = row_positions if token_rows is None else _positions(token_rows, length, "token_rows")
+    _warn_padded_rows(inputs, row_positions + token_positions)
     session = SummarySession(model, wanted, top_k=top_k, rows=row_positions, token_rows=token_positions, kind=kind,
                              absolute=absolute, compute_dtype=compute_dtype)
     decoder_mask = inputs.get("decoder_attention_mask")  # the padding of an encoder-decoder's cross-attention queries

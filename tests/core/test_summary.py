@@ -6,6 +6,8 @@ terms, indexing of the rows); the summary computes the same blockwise without th
 1e-5 relative to the largest entry of each tensor (float32 sums in another order); top-k indices equal.
 """
 
+import warnings
+
 import pytest
 import torch
 import transformers as tf
@@ -34,7 +36,8 @@ def assert_equal_to_dense(summary, decomposition, mask, **options):
 def test_every_summary_equals_the_dense_reduction_in_a_padded_batch(family, kind):
     model = tiny_model(family)
     options = dict(top_k=5, rows=[-1, 5, 1], token_rows=[3, -2, 0], kind=kind)
-    s = cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, **options)
+    with pytest.warns(UserWarning, match=r"padding \(position 0 in sequences \[1\]; position 1 in sequences \[1\]\)"):
+        s = cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, **options)
     d = cwcore.decompose(model, input_ids=IDS, attention_mask=LEFT_PADDED)
     assert s.layers == d.layers == [0, 1]
     assert_equal_to_dense(s, d, LEFT_PADDED, **options)
@@ -56,7 +59,8 @@ def test_blocks_of_a_few_queries_give_the_same_summary(family, monkeypatch):
     assert [(start, stop) for start, stop, *_ in spans] == [(0, 3), (3, 6), (6, 9), (9, 12)]
     model = tiny_model(family)
     options = dict(top_k=5, rows=[-1, 5, 1], token_rows=[3, -2, 0])
-    s = cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, **options)
+    with pytest.warns(UserWarning, match="chosen rows are padding"):
+        s = cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, **options)
     assert_equal_to_dense(s, cwcore.decompose(model, input_ids=IDS, attention_mask=LEFT_PADDED), LEFT_PADDED,
                           **options)
 
@@ -131,6 +135,28 @@ def test_rows_and_token_rows_index_by_position():
     assert set(s[0].rows) == set(ROW_FIELDS)
 
 
+def test_a_chosen_row_that_is_padding_warns_and_stays_nan():
+    # right padding: the default rows=-1 is a padded query of the shorter sequence, whose row is NaN
+    model = tiny_model("llama")
+    right_padded = torch.ones_like(IDS)
+    right_padded[1, 9:] = 0
+    with pytest.warns(UserWarning, match=r"position 11 in sequences \[1\]") as caught:
+        s = cwcore.summarize(model, input_ids=IDS, attention_mask=right_padded, token_rows=[2, 10])
+    message = str(caught[0].message)
+    assert "position 10 in sequences [1]" in message and "position 2 " not in message
+    assert "padding_side = 'left'" in message  # the hint of right padding
+    assert torch.isnan(s[0].row(-1)[1]).all() and not torch.isnan(s[0].row(-1)[0]).any()
+    # the real rows are untouched: token row 2 of the padded sequence is that of the sequence alone
+    alone = cwcore.summarize(model, input_ids=IDS[1:, :9], layers=[0], rows=[8], token_rows=[2])
+    torch.testing.assert_close(s[0].token_row(2)[1, :9], alone[0].token_row(2)[0], rtol=1e-5, atol=1e-6)
+    assert torch.all(s[0].token_row(2)[1, 9:] == 0)
+    assert not torch.isnan(alone[0].row(-1)).any()
+    # left padding puts every sequence's last token at -1: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, layers=[0])
+
+
 @pytest.mark.parametrize("arguments, message", [
     (dict(rows=[12]), "rows must be query positions"),
     (dict(kind="both"), "kind must be"),
@@ -200,7 +226,11 @@ def test_an_encoder_decoders_padding_is_read_from_each_call_not_matched_by_lengt
     if pad_decoder:
         inputs["decoder_attention_mask"] = torch.ones(2, 9, dtype=torch.long)
         inputs["decoder_attention_mask"][0, 7:] = 0
-    summary, d = cwcore.summarize(model, **inputs), cwcore.decompose(model, **inputs)
+    # rows=-1 is padding of the encoder's second sequence (and of the decoder's first, when padded)
+    with pytest.warns(UserWarning, match=r"position 8 in sequences \[1\] of the encoder"
+                      + (r"; position 8 in sequences \[0\] of the decoder" if pad_decoder else r"\), so")):
+        summary = cwcore.summarize(model, **inputs)
+    d = cwcore.decompose(model, **inputs)
     assert summary.layers == d.layers == [0, 1, 2, 3, 4, 5]
     for layer in d.layers:
         expected = d[layer].output_norm
@@ -338,5 +368,10 @@ def test_three_heads_per_key_value_head_and_a_scaling_that_is_no_power_of_two(pa
     if padded:
         mask[0, :21] = 0
     options = dict(top_k=8, rows=[-1, 77], token_rows=[5, -1])
-    s = cwcore.summarize(model, input_ids=ids, attention_mask=mask, **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        s = cwcore.summarize(model, input_ids=ids, attention_mask=mask, **options)
+    # padded: token row 5 is padding of the first sequence, and only that is warned
+    assert [str(w.message).split(")")[0] for w in caught] == (
+        ["cwcore.summarize: chosen rows are padding (position 5 in sequences [0]"] if padded else [])
     assert_equal_to_dense(s, cwcore.decompose(model, input_ids=ids, attention_mask=mask), mask, **options)
