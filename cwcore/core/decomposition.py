@@ -610,6 +610,10 @@ def decompose(
     attention and zero weight. A plain ``.sum()`` over a padded batch is therefore NaN; reduce over the
     real tokens, e.g. ``d[l].contribution("inter").nansum(-1)`` or
     ``w[mask[:, None, :, None].expand_as(w).bool()].sum()`` with ``mask = enc["attention_mask"]``.
+    A left-padded batch given without ``position_ids`` runs with position ids that count its real tokens, as
+    ``generate`` does (:func:`prepare_inputs`), so each row equals its unpadded sequence; on a model with
+    absolute positions (GPT-2) that differs from ``model(**enc)``, whose positions count the padding too. Pass
+    ``position_ids`` to choose them; models that number positions themselves are never given any.
     """
     if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
         if inputs:

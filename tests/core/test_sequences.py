@@ -17,6 +17,33 @@ from zoo_models import VOCAB, bart, qwen2_vl, qwen2_vl_inputs, qwen2_vl_row
 ATOL = 1e-5
 
 
+# ---- left padding on a model with absolute positions --------------------------------------------------------
+def test_left_padding_counts_real_tokens_unless_the_caller_gives_positions():
+    """GPT-2 adds a learned embedding per position, so left padding moves every real token's position unless
+    position ids count real tokens (as ``generate`` does). Without ``position_ids`` the padded row must equal its
+    unpadded sequence; with the caller's own ``position_ids`` (here 0..n-1, counting the padding) the run must
+    be exactly ``model(**enc, position_ids=...)``: cwcore keeps what it is given. The control: the two runs
+    differ, so the test could tell them apart."""
+    from tiny_models import VOCAB as TINY_VOCAB, tiny_model
+
+    model = tiny_model("gpt2")
+    ids = torch.randint(0, TINY_VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    own = torch.arange(10).expand(2, 10)
+    with torch.no_grad():
+        alone = model(input_ids=ids[1:, 3:]).logits[0]
+        counting_padding = model(input_ids=ids, attention_mask=mask, position_ids=own).logits[1, 3:]
+    assert (alone - counting_padding).abs().max() > 1e-2  # the control
+    d = cwcore.decompose(model, input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(d.outputs.logits[1, 3:], alone, rtol=0, atol=1e-5)
+    given = cwcore.decompose(model, input_ids=ids, attention_mask=mask, position_ids=own)
+    torch.testing.assert_close(given.outputs.logits[1, 3:], counting_padding, rtol=0, atol=1e-5)
+    s = cwcore.summarize(model, input_ids=ids, attention_mask=mask, position_ids=own, layers=[1])
+    torch.testing.assert_close(s.outputs.logits[1, 3:], counting_padding, rtol=0, atol=1e-5)
+    torch.testing.assert_close(s[1].row(-1), given[1].inter[:, :, -1], rtol=1e-5, atol=1e-6)
+
+
 # ---- multimodal positions: the model's own, never cwcore's --------------------------------------------------
 def test_multimodal_positions_are_the_models_own_on_a_left_padded_batch():
     """Qwen2-VL computes ``[3, batch, sequence]`` positions for its image tokens from the mask itself; cwcore's
