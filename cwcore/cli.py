@@ -268,6 +268,17 @@ def _cache_command(args) -> int | None:
           "again: `cwcore cache prune` deletes them")
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a count of tokens or terms)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cwcore", description="Contribution weights of transformer attention.")
     common = argparse.ArgumentParser(add_help=False)  # accepted before and after the command
@@ -285,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "maps: each token's total contribution as a heat strip over the text, and the top terms of "
                          "the query you pick; no [query, key] map is computed")
     ex.add_argument("--query", type=int, default=None, help="--summary: the first query shown (default: the last token)")
-    ex.add_argument("--top-k", type=int, default=None, help="--summary: top (head, key) terms kept per query (default 5)")
+    ex.add_argument("--top-k", type=_count, default=None, help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level; not with --summary)")
@@ -294,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(intra; a figure needs --head)")
     ex.add_argument("--out", required=True, help="figure file (.png, .pdf, .svg, .jpg), or .html for the interactive explorer "
                     "(every layer, head and quantity; --layer, --head and --kind pick the first view)")
-    ex.add_argument("--max-tokens", type=int, default=None,
+    ex.add_argument("--max-tokens", type=_count, default=None,
                     help=f"refuse longer texts (default {DEFAULT_MAX_TOKENS}; not with --summary, which reads up to the "
                          "model's context)")
     ex.set_defaults(run=_explain_command)

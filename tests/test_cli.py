@@ -302,6 +302,21 @@ def test_explain_refuses_an_option_the_chosen_page_does_not_read(local_model, tm
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--max-tokens", "0"], "argument --max-tokens: must be at least 1, got 0"),
+    (["--summary", "--top-k", "-2"], "argument --top-k: must be at least 1, got -2"),
+    (["--max-tokens", "ten"], "argument --max-tokens: invalid int value: 'ten'"),
+])
+def test_explain_refuses_a_count_below_one_before_loading_the_model(tmp_path, capsys, args, message):
+    # before: --max-tokens 0 loaded the model and then said "the text has 2 tokens ... raise --max-tokens (now 0)"
+    out = tmp_path / ("f.html" if "--summary" in args else "f.png")
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "the cat", "--model", str(tmp_path / "no-such-model"), "--out", str(out), *args])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "cwcore explain: error: " + message
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
     (["cache", "--all"], "--all belongs to `cwcore cache prune`, not to `cwcore cache info`"),
     (["cache", "verify", "--dry-run"], "--dry-run belongs to `cwcore cache prune`, not to `cwcore cache verify`"),
     (["cache", "prune", "--repair"], "--repair belongs to `cwcore cache verify`, not to `cwcore cache prune`"),
