@@ -12,7 +12,7 @@ import difflib
 import inspect
 import math
 import numbers
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -93,9 +93,16 @@ def _as_2d(name: str, value, caller: str) -> torch.Tensor:
     return value
 
 
+def passed_cache(inputs: Mapping):
+    """The key/value cache a forward call passes: ``cache`` (transformers 5's name) or ``past_key_values`` (its
+    older one, still accepted), None without one."""
+    cache = inputs.get("cache")
+    return inputs.get("past_key_values") if cache is None else cache
+
+
 def _cached_length(inputs: dict) -> int:
-    """Tokens already in a ``past_key_values`` (or ``cache``) the call passes, 0 without one."""
-    cache = inputs.get("past_key_values", inputs.get("cache"))
+    """Tokens already in the key/value cache the call passes (:func:`passed_cache`), 0 without one."""
+    cache = passed_cache(inputs)
     length = getattr(cache, "get_seq_length", None)
     return int(length()) if callable(length) else 0
 

@@ -22,7 +22,8 @@ from torch import nn
 from .architectures import attention_blocks
 from .attention import AttentionSession, LayerCall, Observer, Transform, cwcore_attention, default_compute_dtype
 from .decomposition import LayerDecomposition
-from .inputs import InputError, InputTypeError, check_attention_mask, check_compute_dtype, check_layers, check_mask
+from .inputs import (InputError, InputTypeError, check_attention_mask, check_compute_dtype, check_layers, check_mask,
+                     passed_cache)
 from .thread_state import outside
 
 __all__ = ["LayerMask", "intervene", "mean_values", "removal", "value_sums"]
@@ -211,7 +212,7 @@ def _mask_fits(key_valid: torch.Tensor):
     def check(module, args, kwargs):
         if outside():
             return None  # a probe pass (e.g. finding the post-attention norms) is not the intervened forward
-        if kwargs.get("past_key_values") is not None:
+        if passed_cache(kwargs) is not None:
             return None  # the keys include the cache: the mask's length is the cache's plus the new tokens'
         tokens = kwargs.get("input_ids", args[0] if args else None)
         if tokens is None:

@@ -214,3 +214,31 @@ def test_a_compiled_model_is_intervened_as_its_eager_module():
         through_compile = compiled(input_ids=ids).logits
     assert (eager - clean).abs().max() > 1e-3  # the control: the removal moves the logits
     torch.testing.assert_close(through_compile, eager, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")  # transformers' own, for the old name
+@pytest.mark.parametrize("cache_keyword", ["cache", "past_key_values"])
+def test_a_cached_call_under_either_cache_keyword_is_intervened(cache_keyword):
+    """transformers 5 names the key/value cache ``cache`` (``past_key_values`` still accepted). intervene's
+    ``attention_mask`` then covers the cached and the new tokens, so it cannot equal the new tokens' shape; before,
+    a call passing ``cache=`` was refused ("attention_mask has shape (1, 12) but the model was called on inputs
+    (1, 4)"). The removal on the new queries must equal the same removal in one uncached run."""
+    model = tiny_model("llama")
+    heads, _ = _heads(model)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(7))
+    removed = torch.zeros(1, heads, 12, 12, dtype=torch.bool)
+    removed[..., 8:, :6] = True  # the new queries lose the first 6 keys, all of them cached
+    attention_mask = torch.ones_like(ids)
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :8], use_cache=True).cache
+        with cwcore.intervene(model, {0: removed}, attention_mask=attention_mask):
+            whole = model(input_ids=ids).logits[:, 8:]
+        with cwcore.intervene(model, {0: removed[..., 8:, :]}, attention_mask=attention_mask):
+            cached = model(input_ids=ids[:, 8:], attention_mask=attention_mask, **{cache_keyword: cache}).logits
+        clean = model(input_ids=ids).logits[:, 8:]
+    torch.testing.assert_close(cached, whole, rtol=RTOL, atol=ATOL)
+    assert (whole - clean).abs().max() > 1e-4  # the control: the removal changed the logits
+    with pytest.raises(cwcore.core.inputs.InputError, match=r"attention_mask has shape \(1, 12\) but the model was "
+                                                            r"called on inputs \(1, 4\)"):
+        with cwcore.intervene(model, {}, attention_mask=attention_mask):
+            model(input_ids=ids[:, 8:])  # no cache: the mask describes other tokens
