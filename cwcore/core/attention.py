@@ -528,9 +528,12 @@ class AttentionSession:
         is within :meth:`tolerance` for a ``dtype`` model."""
         allowed = self.tolerance(dtype, block.layer)
         if not error <= allowed:  # NaN included
+            # a half-precision layer is decomposed at SDPA's float32 precision (see cwcore_attention), not eager's
+            arithmetic = ("eager arithmetic at float32 precision (as SDPA computes a half-precision model's attention) "
+                          "that" if dtype in HALF_PRECISION else "eager arithmetic")
             raise UnsupportedModelError(
-                f"attention block {block.name!r}: the model's configured {self.configured!r} attention and the eager "
-                f"arithmetic cwcore decomposes give this layer different outputs (relative error {error:.3g} > "
+                f"attention block {block.name!r}: the model's configured {self.configured!r} attention and the "
+                f"{arithmetic} cwcore decomposes give this layer different outputs (relative error {error:.3g} > "
                 f"{allowed:g} for a {dtype} model{measured}): the model's {self.configured} and eager attention differ, "
                 "so cwcore refuses to report a decomposition of a computation the model does not do; load the model "
                 "with attn_implementation='eager' to decompose its eager attention")

@@ -221,6 +221,27 @@ def test_a_half_precision_model_under_sdpa_is_decomposed_at_sdpa_precision(dtype
                                    rtol=0, atol=2e-6)
 
 
+def test_a_half_precision_sdpa_that_differs_is_refused_naming_the_float32_arithmetic():
+    """A bfloat16 model whose configured SDPA returns 10% more than attention computes is refused, and the
+    reason names what cwcore compared it with: eager's formula at float32 precision, as SDPA computes a
+    half-precision model's attention (before, "the eager arithmetic", which rounds the scores to bfloat16)."""
+    model = _shared_score_gpt2(torch.bfloat16)
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    def larger(module, query, key, value, attention_mask, **kwargs):
+        output, weights = real(module, query, key, value, attention_mask, **kwargs)
+        return output * 1.1, weights
+
+    AttentionInterface.register("sdpa", larger)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"'sdpa' attention and the eager arithmetic at float32 "
+                           r"precision \(as SDPA computes a half-precision model's attention\) that cwcore decomposes "
+                           r"give this layer different outputs \(relative error 0.09\d* > 0.03 for a torch.bfloat16"):
+            cwcore.decompose(model, input_ids=IDS)
+    finally:
+        AttentionInterface.register("sdpa", real)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "gpt2"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, monkeypatch):
