@@ -104,7 +104,7 @@ def attribute(
     summed over heads)."""
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
-    from .core.inputs import InputError, check_compute_dtype, check_inputs, unwrap_compiled
+    from .core.inputs import InputError, check_compute_dtype, check_inputs, own_options, unwrap_compiled
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
 
@@ -140,7 +140,7 @@ def attribute(
 
     model = unwrap_compiled(model)
     try:
-        checked = check_inputs(model, keywords, caller="attribute")
+        checked = check_inputs(model, keywords, caller="attribute", options=own_options(attribute) + tuple(options))
     except TypeError as err:  # say that the method's options were looked at too
         raise type(err)(f"{err}; method {chosen.name!r} takes "
                         + (f"the options {', '.join(options)}" if options else "no options")) from None

@@ -33,7 +33,7 @@ from .architectures import UnsupportedModelError, attention_blocks, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
 from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, _shown, check_compute_dtype,
-                     check_inputs, check_layers, check_materialised, unwrap_compiled)
+                     check_inputs, check_layers, check_materialised, own_options, unwrap_compiled)
 
 __all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
            "prepare_inputs"]
@@ -626,7 +626,8 @@ def decompose(
     model, blocks, wanted, undecomposable = select_layers(model, layers, "decompose")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
-    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose", truncate=truncate))
+    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="decompose", truncate=truncate,
+                                               options=own_options(decompose)))
     recorded: dict[int, LayerDecomposition] = {}
 
     def record(call: LayerCall) -> None:

@@ -129,10 +129,19 @@ def check_materialised(model: nn.Module, caller: str = "decompose") -> None:
                      "cwcore.load_model or from_pretrained")
 
 
-def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False) -> dict:
+def own_options(function) -> tuple[str, ...]:
+    """The keyword options of one of cwcore's calls (its named parameters but the model), which an unknown keyword
+    may be a misspelling of as well as a model input."""
+    return tuple(name for name, parameter in inspect.signature(function).parameters.items()
+                 if name != "model" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL))
+
+
+def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False,
+                 options: Iterable[str] = ()) -> dict:
     """The model inputs, checked (and 1-D ``input_ids``/``attention_mask`` promoted to a batch of one).
 
-    Raises ``TypeError`` for unknown keywords (naming the closest accepted one) and non-integer ids,
+    Raises ``TypeError`` for unknown keywords (naming the closest accepted one, or the closest of the caller's
+    own ``options``, e.g. ``rows`` for ``row``) and non-integer ids,
     ``ValueError`` for ids outside the vocabulary, an empty batch, a mask whose shape differs from the
     ids', or an input longer than the model's context (``truncate=True`` keeps the first tokens instead).
     """
@@ -144,7 +153,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
     if unknown:
         hints = []
         for name in unknown:
-            close = difflib.get_close_matches(name, sorted(accepted), n=1)
+            close = difflib.get_close_matches(name, sorted(accepted | set(options)), n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
                         f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")

@@ -44,7 +44,8 @@ from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
 from .geometry import probe_directions, split_output_projection
-from .inputs import InputError, is_integer_number, plain_integer, check_compute_dtype, check_count, check_inputs
+from .inputs import (InputError, is_integer_number, plain_integer, check_compute_dtype, check_count, check_inputs,
+                     own_options)
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
 
@@ -673,7 +674,8 @@ def summarize(
     model, blocks, wanted, undecomposable = select_layers(model, layers, "summarize", "summarised")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
-    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="summarize", truncate=truncate))
+    inputs = prepare_inputs(model, check_inputs(model, inputs, caller="summarize", truncate=truncate,
+                                               options=own_options(summarize)))
     reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
     length = reference.shape[1]
     row_positions = _positions(rows, length, "rows")

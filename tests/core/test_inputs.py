@@ -19,6 +19,18 @@ def test_a_misspelled_keyword_is_a_type_error_with_a_suggestion(model):
         cwcore.decompose(model, input_ids=IDS, attention_maks=torch.ones_like(IDS))
 
 
+@pytest.mark.parametrize("call, typo, meant", [
+    ("summarize", "row", "rows"), ("summarize", "topk", "top_k"), ("decompose", "layer", "layers"),
+    ("decompose", "compute_type", "compute_dtype"), ("attribute", "metod", "method"), ("attribute", "kinds", "kind"),
+])
+def test_a_misspelled_option_of_cwcores_own_is_suggested_too(model, call, typo, meant):
+    # before: "summarize() got unexpected keyword argument(s) 'row'; LlamaForCausalLM accepts ...", no suggestion,
+    # since only the model's inputs were candidates
+    with pytest.raises(TypeError, match=rf"^{call}\(\) got unexpected keyword argument\(s\) '{typo}' \(did you mean "
+                                        rf"'{meant}'\?\)"):
+        getattr(cwcore, call)(model, input_ids=IDS, **{typo: 1})
+
+
 @pytest.mark.parametrize("ids, error, match", [
     (IDS.float(), TypeError, "integer token ids"),
     (IDS[:0], ValueError, "empty"),

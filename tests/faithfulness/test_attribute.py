@@ -155,7 +155,7 @@ def test_names_and_keywords_fail_in_one_line():
     assert "\n" not in str(err.value)
     with pytest.raises(TypeError, match="method 'alti' takes no option 'kind'"):
         cwcore.attribute(model, method="alti", input_ids=ids, kind="intra")
-    with pytest.raises(TypeError, match="unexpected keyword argument.*'layer'.*did you mean 'layers'|'layer'"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) 'layer' \(did you mean 'layers'\?\)"):
         cwcore.attribute(model, method="alti", input_ids=ids, layer=1)
     with pytest.raises(ValueError, match="give the inputs once"):
         cwcore.attribute(model, {"input_ids": ids}, method="alti", attention_mask=torch.ones_like(ids))
