@@ -24,6 +24,16 @@ _GROUP_COLUMNS = ("task", "metric", "kind", "mode", "ratio", "unit", "scope", "s
                   "importance", "layers", "variant")
 
 
+def _per_unit_table(frame, caller: str) -> pd.DataFrame:
+    """The per-sequence table a reduction reads: a DataFrame as given, or a :class:`FaithfulnessResult`'s
+    ``per_sequence`` (so ``aopc(result)`` is ``result.summary()`` with this call's settings)."""
+    table = getattr(frame, "per_sequence", frame)
+    if not isinstance(table, pd.DataFrame):
+        raise TypeError(f"{caller}: expected a faithfulness_curve result or its per_sequence DataFrame, got "
+                        f"{type(frame).__name__}")
+    return table
+
+
 def _group_columns(frame: pd.DataFrame, exclude=()) -> list[str]:
     return [c for c in _GROUP_COLUMNS if c in frame.columns and c not in exclude]
 
@@ -54,7 +64,7 @@ def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: f
     """The curve of :func:`~cwcore.faithfulness.faithfulness_curve` from its per-sequence table, one row per
     point: ``delta_ppl, ci_low, ci_high, delta_nll, nll_ci_low, nll_ci_high, clean_ppl, ppl,
     removed_fraction, n_sequences``."""
-    frame = per_sequence.copy()
+    frame = _per_unit_table(per_sequence, "summarize").copy()
     frame["ppl"] = np.exp(frame["nll"])
     frame["clean_ppl"] = np.exp(frame["clean_nll"])
     frame["delta_nll"] = frame["nll"] - frame["clean_nll"]
@@ -152,8 +162,9 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
 
     ``frame``: a summary (point estimates only, intervals NaN) or a per-sequence / per-example table
     (then ``*_ci_low``/``*_ci_high`` are paired bootstraps over documents). ``max_ratio``: only the ratios
-    up to it (column ``r_max``)."""
-    frame = _in_range(frame, max_ratio)
+    up to it (column ``r_max``). A :class:`~cwcore.faithfulness.result.FaithfulnessResult` reads as its
+    ``per_sequence``."""
+    frame = _in_range(_per_unit_table(frame, "aopc"), max_ratio)
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio",))
     rows = []
@@ -256,7 +267,7 @@ def ladder_comparison(
     (:func:`cwcore.stats.verdict` against 0), "not measured" also when the protocol makes the two rungs
     rank identically (column ``identical``, :func:`~cwcore.faithfulness.protocol.same_ranking`).
     Power columns ``sd``, ``mde`` and ``sample_unit``; with ``n_permutations`` a sign-flip ``p``."""
-    frame = _with_deltas(_in_range(per_unit, max_ratio))
+    frame = _with_deltas(_in_range(_per_unit_table(per_unit, "ladder_comparison"), max_ratio))
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
     labels = list(dict.fromkeys(frame["metric"]))
@@ -305,7 +316,7 @@ def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribut
     ``seed_sd`` and ``n_seeds``; each metric of ``against`` gives ``difference`` = AOPC(metric) -
     AOPC(random) over the same resamples with the ladder's verdict rule, ``sd``, ``mde`` and, with
     ``n_permutations``, a sign-flip ``p`` (documents the units, seeds averaged within each)."""
-    frame = _with_deltas(_in_range(per_unit, max_ratio))
+    frame = _with_deltas(_in_range(_per_unit_table(per_unit, "random_baseline"), max_ratio))
     unit = _unit_column(frame)
     keys = _group_columns(frame, exclude=("ratio", "metric", "kind"))
     rows = []

@@ -114,6 +114,15 @@ def test_the_result_summarises_and_reads_like_its_table(peaked):
     pd.testing.assert_frame_equal(result.summary(), fa.aopc(per, n_bootstrap=50), check_exact=True)
     pd.testing.assert_frame_equal(result.summary(max_ratio=0.2), fa.aopc(per, n_bootstrap=50, max_ratio=0.2),
                                   check_exact=True)
+    # the result itself reads as its per-sequence table (before: AttributeError "... has no attribute 'groupby'"),
+    # so the intervals stay bootstraps over documents; anything else is refused in one line
+    pd.testing.assert_frame_equal(fa.aopc(result, n_bootstrap=50), result.summary(), check_exact=True)
+    pd.testing.assert_frame_equal(fa.summarize(result, n_bootstrap=50), result.table, check_exact=True)
+    assert fa.aopc(result, n_bootstrap=50)["aopc_nll_ci_low"].notna().all()
+    pd.testing.assert_frame_equal(fa.ladder_comparison(result, n_bootstrap=50), fa.ladder_comparison(per, n_bootstrap=50))
+    with pytest.raises(TypeError, match=r"^aopc: expected a faithfulness_curve result or its per_sequence DataFrame, "
+                                        r"got list$"):
+        fa.aopc([1, 2])
     # for one release: column access, len and columns are the table's
     pd.testing.assert_series_equal(result["delta_nll"], result.table["delta_nll"])
     assert len(result) == len(result.table) == 3 * 2 * 2 and list(result.columns) == list(result.table.columns)
