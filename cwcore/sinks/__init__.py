@@ -1,8 +1,8 @@
 """The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), as five analyses returning tidy tables.
 
 Every analysis is ``analysis(model, tokenizer, data, **options)``: its own options and the run options
-(``block_size=128, num_sequences=None, add_bos=None, batch_size=8, progress=True,
-compute_dtype=float32``), all fields of one frozen dataclass, :class:`SinkOptions`, each declared
+(``block_size=None`` (text: blocks of 128 tokens), ``num_sequences=None, add_bos=None, batch_size=8,
+progress=True, compute_dtype=float32``), all fields of one frozen dataclass, :class:`SinkOptions`, each declared
 once with its default and check; ``help(cwcore.sinks.sink_rates)`` lists a function's options.
 
 ``data`` is text (a :class:`datasets.Dataset` with a ``text`` column or an iterable of strings, cut

@@ -132,9 +132,12 @@ EPS = Option("eps", 0.3, "sink heads: a sink rate (mean alpha_i0 over queries >=
 #: the seed of every random choice (samples, controls, bootstrap resamples)
 SEED = Option("seed", 0, "seed of every random choice", _seed)
 
+#: the block length text data is cut into when ``block_size`` is not given
+TEXT_BLOCK_SIZE = 128
 #: how the analyses run; the command line sets these with its own flags
 RUN_OPTIONS = (
-    Option("block_size", 128, "tokens per block (text data)", count("block_size", 2), cli=False),
+    Option("block_size", None, f"tokens per block of text data (None: {TEXT_BLOCK_SIZE}); token blocks keep their "
+           "own length", count("block_size", 2, allow_none=True), cli=False),
     Option("num_sequences", None, "blocks to analyse (None: all)", count("num_sequences", allow_none=True), cli=False),
     Option("add_bos", None, "prepend a BOS token to text (None: the tokenizer's default)", choices=(None, True, False),
            cli=False),
@@ -202,11 +205,13 @@ class Blocks:
 def token_blocks(
     data,
     tokenizer=None,
-    block_size: int = 128,
+    block_size: int | None = None,
     num_sequences: int | None = None,
     add_bos: bool | None = None,
 ) -> Blocks:
-    """Normalise ``data`` (text or ready blocks, see :mod:`cwcore.sinks`) to ``ids [n, block_size]``."""
+    """Normalise ``data`` (text or ready blocks, see :mod:`cwcore.sinks`) to ``ids [n, block_size]``: text is
+    cut into blocks of ``block_size`` tokens (None: :data:`TEXT_BLOCK_SIZE`); ready blocks keep their length, and
+    a ``block_size`` other than it is refused (it would be ignored)."""
     ready = None
     if isinstance(data, torch.Tensor):
         ready = data
@@ -224,6 +229,9 @@ def token_blocks(
         ids = runs.check_token_blocks(ready, argument="data", caller="sink analyses").long()  # no float ids cut
         if ids.dim() != 2:
             raise ValueError(f"token blocks must be [sequence, position], got shape {tuple(ids.shape)}")
+        if block_size is not None and block_size != ids.shape[1]:
+            raise ValueError(f"block_size={block_size} applies to text; these blocks are already tokenised, "
+                             f"{ids.shape[1]} tokens each: leave block_size out, or cut the blocks yourself")
         if num_sequences is not None:
             ids = ids[:num_sequences]
         resolved = None
@@ -233,6 +241,7 @@ def token_blocks(
         from ..data import _resolve_bos, lm_blocks
 
         resolved = _resolve_bos(tokenizer, add_bos) is not None
+        block_size = TEXT_BLOCK_SIZE if block_size is None else block_size
         blocks = lm_blocks(data, tokenizer, block_size=block_size, num_blocks=num_sequences, add_bos=add_bos)
         ids = torch.tensor(blocks["input_ids"], dtype=torch.long).reshape(len(blocks), block_size)
         if ids.shape[0] == 0:
@@ -542,13 +551,13 @@ def _batch_key(batch) -> str:
     return f"{start:06d}-{len(ids)}-{runs.tensor_digest(ids)}"
 
 
-def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=128, num_sequences=None, add_bos=None,
+def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=None, num_sequences=None, add_bos=None,
             batch_size=8, progress=True, compute_dtype=torch.float32):
     """Every batch's pieces of every analysis in ``specs`` (read from the cache inside caching), the
     missing ones sharing one clean pass: ``({analysis: {part: DataFrame}}, blocks)``."""
     batch_size = runs.check_batch_size(batch_size)
     num_sequences = runs.check_count(num_sequences, "num_sequences", allow_none=True)
-    block_size = runs.check_count(block_size, "block_size", minimum=2)
+    block_size = runs.check_count(block_size, "block_size", minimum=2, allow_none=True)
     blocks = token_blocks(check_texts(data, "sink analyses", "data"), tokenizer, block_size, num_sequences, add_bos)
     runs.check_token_blocks(blocks.ids, model, argument="data", caller="sink analyses")  # vocabulary, context
     fingerprint = model_fingerprint(model) if caching_enabled() else None  # once, not once per analysis

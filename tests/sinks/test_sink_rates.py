@@ -55,6 +55,26 @@ def test_add_bos_is_a_parameter_and_is_recorded():
         sinks.sink_rates(model, None, random_ids(), add_bos=True, **FAST)
 
 
+def test_block_size_cuts_text_and_is_refused_for_blocks_of_another_length():
+    # block_size applies to text; token blocks keep their length. Before, block_size=8 on 16-token blocks was
+    # ignored without a word (the table said block_size 16)
+    model, tokenizer = tiny_model("llama"), _word_tokenizer()
+    ids = random_ids()
+    length = ids.shape[1]
+    plain = sinks.sink_rates(model, None, ids, **FAST)
+    assert (plain["block_size"] == length).all()
+    pd.testing.assert_frame_equal(sinks.sink_rates(model, None, ids, block_size=length, **FAST), plain)
+    for wrong in (length - 1, length + 1):
+        with pytest.raises(ValueError, match=rf"^block_size={wrong} applies to text; these blocks are already "
+                                             rf"tokenised, {length} tokens each"):
+            sinks.sink_rates(model, None, ids, block_size=wrong, **FAST)
+    texts = [" ".join(f"w{(i * 7 + j) % 20}" for j in range(300)) for i in range(2)]
+    from cwcore.sinks.engine import token_blocks
+
+    assert token_blocks(texts, tokenizer).ids.shape[1] == 128  # text without block_size: blocks of 128 tokens
+    assert (sinks.sink_rates(model, tokenizer, texts, block_size=40, **FAST)["block_size"] == 40).all()
+
+
 # -- where the mass goes, layer types, learned sinks --------------------------------------------------
 
 
