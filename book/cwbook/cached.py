@@ -10,12 +10,12 @@ import pandas as pd
 from cwcore.cache import caching
 from cwcore.faithfulness.downstream import downstream_eval
 from cwcore.faithfulness.layers import per_layer_curve
-from cwcore.faithfulness.lm import faithfulness_curve
+from cwcore.faithfulness.lm import DEFAULT_MAX_LENGTH, faithfulness_curve
 
 
 def per_sequence_curve(model, tokenizer, texts, metric: Any = None, ratios: float | Sequence[float] | None = None,
                        mode: str | Sequence[str] | None = None, *, protocol=None, n_bootstrap: int = 1000,
-                       confidence: float = 0.95, batch_size: int = 16, max_length: int | None = 128,
+                       confidence: float = 0.95, batch_size: int = 16, max_length: int | None = DEFAULT_MAX_LENGTH,
                        padding_side: str = "right", per_sequence: bool = True, deduplicate: bool = True,
                        cache: bool = True, cache_dir: str | Path | None = None, progress: bool = True,
                        first_sequence: int = 0, **protocol_keywords) -> pd.DataFrame:

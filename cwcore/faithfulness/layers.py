@@ -25,7 +25,7 @@ from torch import nn
 
 from ..core.architectures import attention_blocks
 from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
-from .lm import _documents, _lm_scorer, _lm_sequences, pad_id
+from .lm import DEFAULT_MAX_LENGTH, _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .ranking import removal_mask
@@ -98,7 +98,7 @@ class _PointsOfBatches:
 
 def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None, mode=None, *,
                     layers: Iterable[int] | None = None, protocol: Protocol | None = None, batch_size: int = 16,
-                    max_length: int | None = 128, padding_side: str = "right", progress: bool = False,
+                    max_length: int | None = DEFAULT_MAX_LENGTH, padding_side: str = "right", progress: bool = False,
                     **protocol_keywords) -> pd.DataFrame:
     """Per-sequence table like :func:`~cwcore.faithfulness.faithfulness_curve` (its ``.per_sequence`` table)
     with a ``layer`` column: each row's terms were removed in that one layer only. ``layers``: which
@@ -131,7 +131,8 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
                for i in range(0, len(sequences), batch_size)]
     store = piece_store("faithfulness-per-layer", {
         **protocol.columns(), "kind": kind, "seed": seed, "layers": chosen, "metrics": [sp.label for sp in specs],
-        "modes": list(modes), "ratios": [float(r) for r in ratio_list], "max_length": max_length,
+        "modes": list(modes), "ratios": [float(r) for r in ratio_list],
+        "max_length": None if max_length is None else int(max_length),
         "padding_side": padding_side}, model)
     sweep = Sweep(model, specs, modes, ratio_list, protocol, None, progress, len(batches))
     scorer = _lm_scorer({b.index: sweep.candidate_terms(b) for b in batches})

@@ -32,22 +32,43 @@ def pad_id(tokenizer) -> int:
     return 0
 
 
+class _TextLength(int):
+    """The default ``max_length``, 128 tokens: it truncates text, and token input is taken whole. Told apart from
+    a ``max_length`` the caller gives, which a token sequence longer than it is refused for (not ignored)."""
+
+    def __repr__(self) -> str:
+        return str(int(self))
+
+
+#: ``max_length``'s default (:class:`_TextLength`): text is truncated to 128 tokens, token input taken whole
+DEFAULT_MAX_LENGTH = _TextLength(128)
+
+
 def _lm_sequences(texts, tokenizer, max_length: int | None) -> list[list[int]]:
-    """Token id lists (padding removed) from strings, a Dataset, token tensors or a dict of them."""
+    """Token id lists (padding removed) from strings, a Dataset, token tensors or a dict of them. Strings are
+    truncated to ``max_length``; token input is taken whole, and refused if longer than a ``max_length`` given."""
 
     def trimmed(ids, mask):
         return [int(i) for i, m in zip(ids, mask) if m]
 
+    def whole(sequences: list[list[int]]) -> list[list[int]]:
+        longest = max((len(s) for s in sequences), default=0)
+        if max_length is not None and max_length is not DEFAULT_MAX_LENGTH and longest > max_length:
+            raise ValueError(f"max_length={max_length} truncates text; these sequences are already tokenised, up to "
+                             f"{longest} tokens: cut them yourself, or leave max_length out")
+        return sequences
+
     if isinstance(texts, dict) and "input_ids" in texts:
         ids = torch.as_tensor(texts["input_ids"])
         mask = torch.as_tensor(texts.get("attention_mask", torch.ones_like(ids)))
-        return [trimmed(i.tolist(), m.tolist()) for i, m in zip(ids, mask)]
+        return whole([trimmed(i.tolist(), m.tolist()) for i, m in zip(ids, mask)])
     if isinstance(texts, torch.Tensor):
         ids = texts if texts.dim() == 2 else texts[None]
-        return [row.tolist() for row in ids]
+        return whole([row.tolist() for row in ids])
     if isinstance(texts, datasets.Dataset) and "input_ids" in texts.column_names:
         masks = texts["attention_mask"] if "attention_mask" in texts.column_names else None
-        return [trimmed(ids, masks[i] if masks else [1] * len(ids)) for i, ids in enumerate(texts["input_ids"])]
+        return whole([trimmed(ids, masks[i] if masks else [1] * len(ids))
+                      for i, ids in enumerate(texts["input_ids"])])
     if isinstance(texts, datasets.Dataset):
         texts = texts["text"]
     if isinstance(texts, str):
@@ -122,7 +143,7 @@ def faithfulness_curve(
     n_bootstrap: int = 1000,
     confidence: float = 0.95,
     batch_size: int = 16,
-    max_length: int | None = 128,
+    max_length: int | None = DEFAULT_MAX_LENGTH,
     padding_side: str = "right",
     deduplicate: bool = True,
     progress: bool = True,
@@ -133,9 +154,10 @@ def faithfulness_curve(
 
     texts
         a list of strings (each one sequence, tokenised with the tokenizer's special tokens and
-        truncated to ``max_length``), a :class:`datasets.Dataset` of LM blocks (``input_ids``,
+        truncated to ``max_length``, default 128, None: not truncated), a :class:`datasets.Dataset` of LM blocks (``input_ids``,
         optional ``attention_mask``; e.g. :func:`cwcore.data.lm_blocks`) or with a ``text`` column,
-        a ``[n, length]`` tensor of token ids, or a dict with ``input_ids``/``attention_mask``.
+        a ``[n, length]`` tensor of token ids, or a dict with ``input_ids``/``attention_mask``. Token input is
+        taken whole: a ``max_length`` given shorter than one of its sequences is refused (it would be ignored).
     metric
         one ranking or a list of them (default: the ladder plus ``"random"``). A ranking is a registered
         method's name (:func:`cwcore.faithfulness.methods.available_methods`: the ladder ``attention``,

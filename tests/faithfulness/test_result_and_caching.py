@@ -232,3 +232,30 @@ def test_two_ratios_equal_to_six_digits_are_two_pieces(peaked, tmp_path):
         with cache.caching(tmp_path):
             cached = fa.faithfulness_curve(model, None, ids[:2], **options).per_sequence
     pd.testing.assert_frame_equal(cached, fresh, check_exact=True)
+
+
+def test_max_length_truncates_text_and_is_refused_for_longer_token_sequences(peaked):
+    """max_length cuts text. Token input is taken whole: without max_length, with None or with one at least as
+    long the rows are the same; a max_length shorter than the sequences is refused. Before, max_length=5 on
+    sequences of ids[:, :12] was ignored without a word (n_tokens stayed 11)."""
+    from cwcore.faithfulness.layers import per_layer_curve
+    from faith_helpers import word_tokenizer
+
+    model, ids = peaked
+    ids = ids[:6, :12]
+    options = dict(metric=["contribution"], ratios=[0.2], mode="comprehensiveness", progress=False, n_bootstrap=20)
+    plain = fa.faithfulness_curve(model, None, ids, **options).per_sequence
+    assert (plain["n_tokens"] == 11).all()
+    for max_length in (None, 12, 500):
+        pd.testing.assert_frame_equal(fa.faithfulness_curve(model, None, ids, max_length=max_length, **options)
+                                      .per_sequence, plain)
+    for tokens in (ids, {"input_ids": ids}):
+        with pytest.raises(ValueError, match=r"^max_length=5 truncates text; these sequences are already tokenised, "
+                                             r"up to 12 tokens"):
+            fa.faithfulness_curve(model, None, tokens, max_length=5, **options)
+    with pytest.raises(ValueError, match="max_length=5 truncates text"):
+        per_layer_curve(model, None, ids, max_length=5, layers=[0], metric=["contribution"], ratios=[0.2])
+    # text: truncated to max_length tokens
+    tokenizer, text = word_tokenizer(), " ".join(f"w{i % 20}" for i in range(40))
+    short = fa.faithfulness_curve(model, tokenizer, [text, text], max_length=7, **options).per_sequence
+    assert (short["n_tokens"] == 6).all()
