@@ -53,6 +53,19 @@ def _check_text(text) -> None:
         raise UsageError("the text is empty")
 
 
+def _check_length(n_tokens: int, model, max_tokens: int | None) -> None:
+    """Refuse a text of ``n_tokens`` tokens longer than ``max_tokens`` (the maps' limit; None for the summary
+    page) or than the model's context, saying how long it is."""
+    if max_tokens is not None and n_tokens > max_tokens:
+        raise UsageError(f"the text has {n_tokens} tokens and the maps would have {n_tokens}x{n_tokens} cells; "
+                         f"give a shorter text, or raise --max-tokens (now {max_tokens})")
+    from .core.inputs import context_length
+
+    limit = context_length(model)
+    if limit is not None and n_tokens > limit:
+        raise UsageError(f"the text has {n_tokens} tokens but the model reads at most {limit}; give a shorter text")
+
+
 def explain(text: str, model, tokenizer, layer: int | None = None, head: int | None = None, kind: str = "inter",
             model_name: str | None = None, max_tokens: int | None = DEFAULT_MAX_TOKENS):
     """Attention beside contribution weights for one text: ``(figure, attention [query, key], contribution
@@ -82,16 +95,9 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     layer %= num_layers  # negative layers count from the end, as everywhere in cwcore
     from .tokens import token_labels
 
-    inputs = tokenizer(text, return_tensors="pt")
+    inputs = tokenizer(text, return_tensors="pt", verbose=False)
     n_tokens = int(inputs["input_ids"].shape[1])
-    if max_tokens is not None and n_tokens > max_tokens:
-        raise UsageError(f"the text has {n_tokens} tokens and the maps would have {n_tokens}x{n_tokens} cells; "
-                         f"give a shorter text, or raise --max-tokens (now {max_tokens})")
-    from .core.inputs import context_length
-
-    limit = context_length(model)
-    if limit is not None and n_tokens > limit:
-        raise UsageError(f"the text has {n_tokens} tokens but the model reads at most {limit}; give a shorter text")
+    _check_length(n_tokens, model, max_tokens)
     inputs = {k: v.to(model.device) for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     d = decompose(model, layers=[layer], **inputs)[layer]
     num_heads = d.attention.shape[1]
@@ -157,6 +163,9 @@ def _explain_command(args) -> None:
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
     model, tokenizer = load_model(args.model)  # ModelNotFoundError, ModelCacheError: one line from main()
+    # every page refuses a text longer than the model's context (and the maps' pages one longer than --max-tokens)
+    # here, in the command's words; verbose=False: not transformers' own warning about the length first
+    _check_length(len(tokenizer(args.text, verbose=False)["input_ids"]), model, None if args.summary else max_tokens)
     if args.summary:  # a long document: each key's total over the text, and the top terms of every query
         from .explorer import write_long_explorer
 
@@ -170,8 +179,6 @@ def _explain_command(args) -> None:
     if out.suffix.lower() == ".html":  # every layer, head and quantity in one offline page
         from .explorer import write_explorer
 
-        if len(tokenizer(args.text)["input_ids"]) > max_tokens:
-            raise UsageError(f"the text is longer than --max-tokens {max_tokens}")
         try:
             write_explorer(out, model, tokenizer, args.text, model_name=args.model,
                            start={"layer": args.layer, "head": args.head, "quantity": args.kind})

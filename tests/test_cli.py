@@ -229,6 +229,26 @@ def test_cli_refuses_inputs_longer_than_the_context_in_one_line(tmp_path, capsys
     assert "raise --max-tokens (now 10)" in capsys.readouterr().err
 
 
+def test_every_page_refuses_a_text_longer_than_the_context_in_the_commands_words(tmp_path):
+    """The explorer page and the long-document page as the figure: one line saying how long the text is. Before,
+    --summary printed transformers' "Token indices sequence length is longer ..." warning first, then summarize's
+    hint to pass truncate=True (no such flag), and .html said "the text is longer than --max-tokens 512"."""
+    folder = tmp_path / "short-context"
+    wide_llama(vocab=len(WORDS), positions=16).save_pretrained(folder)
+    tokenizer = tiny_tokenizer()
+    tokenizer.model_max_length = 16  # so that the tokenizer itself warns about a longer text
+    tokenizer.save_pretrained(folder)
+    text = " ".join(["the cat sat on a mat"] * 5)  # 30 tokens
+    for page, extra, message in (
+            ("f.html", ["--summary"], "the text has 30 tokens but the model reads at most 16; give a shorter text"),
+            ("f.html", [], "the text has 30 tokens but the model reads at most 16; give a shorter text"),
+            ("f.html", ["--max-tokens", "10"], "the text has 30 tokens and the maps would have 30x30 cells; give a "
+                                               "shorter text, or raise --max-tokens (now 10)")):
+        done = run_cli("explain", text, "--model", str(folder), "--out", str(tmp_path / page), *extra)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [f"cwcore: error: {message}"], done.stderr
+        assert not (tmp_path / page).exists()
+
+
 def test_user_errors_are_one_line_bugs_say_so_and_debug_shows_the_traceback(local_model, tmp_path, capsys,
                                                                               monkeypatch):
     from cwcore import cli
