@@ -215,6 +215,13 @@ def _one_error_line(capsys, prog):
     (["--modes", "both"], "mode must be"),
     (["--batch-size", "0"], "batch_size must be at least 1"),
     (["--num-sequences", "0"], "--num-sequences must be at least 1"),
+    # a flag the named data do not read (before: ignored without a word)
+    (["--data", "gsm8k", "--max-length", "40"], "--max-length applies to the multiple-choice tasks (mmlu, "
+                                                "winogrande, boolq), and --data names none: add one, or leave it out"),
+    (["--data", "boolq", "--block-size=64", "--sampl", "stream"],
+     "--block-size and --sampling apply to language-model data sets"),
+    (["--data", "web-text", "--downstream-ratios", "0.1", "--num-examples", "5"],
+     "--num-examples and --downstream-ratios apply to the multiple-choice tasks"),
 ])
 def test_faithfulness_cli_refuses_bad_input_in_one_line_before_loading(argv, message, monkeypatch, capsys, tmp_path):
     from cwcore.faithfulness import cli
@@ -222,6 +229,16 @@ def test_faithfulness_cli_refuses_bad_input_in_one_line_before_loading(argv, mes
     monkeypatch.setattr(cli.models, "load_model", _no_model)
     assert cli.main([*argv, "--out", str(tmp_path)]) == 2
     assert message in _one_error_line(capsys, "python -m cwcore.faithfulness")
+
+
+def test_faithfulness_cli_takes_each_flag_where_the_data_read_it():
+    # the control of the refusals above: with both kinds of data every flag is read, and defaults never count
+    from cwcore.faithfulness import cli
+
+    both = ["--data", "gsm8k", "boolq", "--max-length", "40", "--block-size", "64", "--num-examples", "5"]
+    assert cli._refuse_unread_flags(both, ["gsm8k", "boolq"]) is None
+    assert cli._refuse_unread_flags(["--data", "gsm8k"], ["gsm8k"]) is None
+    assert cli._refuse_unread_flags(["--data", "boolq"], ["boolq"]) is None
 
 
 def test_faithfulness_cli_layers_data_and_debug(monkeypatch, capsys, tmp_path):
@@ -285,6 +302,28 @@ def test_sinks_cli_refuses_bad_input_in_one_line_before_loading(argv, message, m
         return
     assert cli.main(["--model", "m", "--data", "d", *argv, "--out", str(tmp_path)]) == 2
     assert message in _one_error_line(capsys, "python -m cwcore.sinks")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--analyses", "rates", "--bins", "5"],
+     "--bins applies to convexity, which --analyses rates does not run: add it, or leave --bins out"),
+    (["--analyses", "rates,anti_alignment", "--cone-heads", "sink"], "--heads applies to semantic_cone"),
+    (["--analyses", "rates", "--kind", "inter"], "--kind applies to decomposition"),
+])
+def test_sinks_cli_refuses_an_option_of_analyses_it_does_not_run(argv, message, monkeypatch, capsys, tmp_path):
+    # before: `--analyses rates --bins 5` ran the rates and dropped --bins without a word
+    import cwcore.models
+    from cwcore.sinks import cli
+
+    monkeypatch.setattr(cwcore.models, "load_model", _no_model)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--model", "m", "--data", "d", *argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("python -m cwcore.sinks: error: " + message)
+    # the control: the same flag with its analysis run passes the check (and reaches the model)
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        cli._main(["--model", "m", "--data", "d", *argv[:1], argv[1] + "," + {"--bins": "convexity", "--cone-heads":
+                   "semantic_cone", "--kind": "decomposition"}[argv[2]], *argv[2:], "--out", str(tmp_path)])
 
 
 def test_sinks_cli_from_raw_without_material_is_one_line(capsys, tmp_path):

@@ -20,6 +20,7 @@ _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Val
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
 from ..provenance import confined, output_folder
+_NOT_GIVEN = object()
 ANALYSIS_NAMES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
 #: the flags of :class:`cwcore.sinks.SinkOptions`' command-line options (``name: (default, help, choices)``),
 #: declared here so that ``--help`` needs no torch; a test checks them against ``SinkOptions.OPTIONS``
@@ -177,6 +178,18 @@ def _main(argv: list[str] | None) -> int:
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
         parser_.error(f"unknown analyses: {', '.join(unknown)}")
+    # an option flag given for analyses that do not run is refused, not silently dropped (a probe parse with
+    # sentinel defaults tells the flags given apart from the defaults)
+    probe = parser()
+    probe.set_defaults(**{name: _NOT_GIVEN for name in CLI_OPTIONS})
+    given = [name for name, value in vars(probe.parse_args(argv)).items() if name in CLI_OPTIONS
+             and value is not _NOT_GIVEN]
+    takers = {name: [a for a in ANALYSES if name in {o.name for o in REGISTRY[a].options}] for name in given}
+    for name in given:
+        if not set(takers[name]) & set(wanted):
+            flag = "--" + name.replace("_", "-")
+            parser_.error(f"{flag} applies to {', '.join(takers[name])}, which --analyses {','.join(wanted)} does "
+                          f"not run: add it, or leave {flag} out")
 
     from ..data import load_dataset
     from ..models import load_model
