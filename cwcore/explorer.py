@@ -200,6 +200,9 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
     """The page (HTML) for :func:`explorer_data`'s ``data``; ``start``: the first view ``{"layer", "head"
     (None: token level), "quantity"}`` (default the middle layer, token level, inter-head weights)."""
     meta = dict(data["meta"])
+    unknown = sorted(set(start or {}) - {"layer", "head", "quantity"})
+    if unknown:  # a misspelt key would leave the page at its default view without a word
+        raise ValueError(f"start takes the keys layer, head and quantity, not {', '.join(map(repr, unknown))}")
     start = {k: (v if k == "quantity" else int(v)) for k, v in (start or {}).items() if v is not None}
     keys = [q[0] for q in QUANTITIES]
     if start.get("quantity", "inter") not in keys:

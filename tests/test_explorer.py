@@ -99,7 +99,9 @@ def test_start_view_is_checked():
     page = explorer_html(data, start={"layer": np.int64(1), "head": torch.tensor(3), "quantity": "cosine"})
     assert read_payload(page)["meta"]["start"] == {"layer": 1, "head": 3, "quantity": "cosine"}
     for start, message in (({"layer": 2}, "layer 2 out of range"), ({"head": 4}, "head 4 out of range"),
-                           ({"quantity": "nope"}, "quantity must be one of")):
+                           ({"quantity": "nope"}, "quantity must be one of"),
+                           # before: ignored, the page opened at its default view
+                           ({"layr": 1, "head": 0}, "^start takes the keys layer, head and quantity, not 'layr'$")):
         with pytest.raises(ValueError, match=message):
             explorer_html(data, start=start)
 
