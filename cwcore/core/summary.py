@@ -77,6 +77,12 @@ class TopTerms:
     cosine: torch.Tensor
 
 
+def _field(fields: Mapping[str, torch.Tensor], name: str, what: str) -> torch.Tensor:
+    if name not in fields:
+        raise InputError(f"{what} name must be one of {', '.join(map(repr, fields))}, got {name!r}")
+    return fields[name]
+
+
 class LayerSummary:
     """The summary of one attention layer (see :mod:`cwcore.core.summary`); tensors in the compute dtype.
 
@@ -107,12 +113,15 @@ class LayerSummary:
         return values if per_head else values.sum(1)
 
     def row(self, position: int, name: str = "contribution") -> torch.Tensor:
-        """The full ``[batch, head, key]`` row of one chosen query position (as given, or counted from the end)."""
-        return self.rows[name][:, :, self._index(position, self.row_positions, "row_positions")]
+        """The full ``[batch, head, key]`` row of one chosen query position (as given, or counted from the end);
+        ``name``: one of :data:`ROW_FIELDS`."""
+        return _field(self.rows, name, "row")[:, :, self._index(position, self.row_positions, "row_positions")]
 
     def token_row(self, position: int, name: str = "contribution") -> torch.Tensor:
-        """The head-aggregated ``[batch, key]`` row of one chosen query position."""
-        return self.token_rows[name][:, self._index(position, self.token_row_positions, "token_row_positions")]
+        """The head-aggregated ``[batch, key]`` row of one chosen query position; ``name``: ``"contribution"``
+        (summed over heads) or ``"attention"`` (averaged)."""
+        return _field(self.token_rows, name, "token_row")[
+            :, self._index(position, self.token_row_positions, "token_row_positions")]
 
     def _index(self, position: int, positions: Sequence[int], what: str) -> int:
         length = self.output_norm.shape[-1]

@@ -125,13 +125,19 @@ def test_rows_and_token_rows_index_by_position():
     model = tiny_model("llama")
     s = cwcore.summarize(model, input_ids=IDS, rows=[-1, 4], token_rows=[4])
     d = cwcore.decompose(model, input_ids=IDS)
-    torch.testing.assert_close(s[1].row(-1), d.inter[1][:, :, -1], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(s[1].row(4, "attention"), d.attention[1][:, :, 4], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s[1].row(-1), d[1].contribution("inter")[:, :, -1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s[1].row(4, "attention"), d[1].attention[:, :, 4], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s[1].token_row(4), d[1].token_level()[:, 4], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s[-1].token_row(4, "attention"), d[1].token_level("attention")[:, 4],
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(InputError, match="was not kept"):
         s[1].row(3)
+    # a field a row does not hold is named (before: a bare KeyError 'cosine' from token_row)
+    with pytest.raises(InputError, match=r"^token_row name must be one of 'contribution', 'attention', got 'cosine'$"):
+        s[1].token_row(4, "cosine")
+    with pytest.raises(InputError, match=r"^row name must be one of 'contribution', .*'cosine'.*, got 'alpha'$"):
+        s[1].row(-1, "alpha")
+    torch.testing.assert_close(s[1].row(-1, "cosine"), d[1].cosine("inter")[:, :, -1], rtol=1e-5, atol=1e-6)
     assert set(s[0].rows) == set(ROW_FIELDS)
 
 
