@@ -614,6 +614,8 @@ def decompose(
     ``generate`` does (:func:`prepare_inputs`), so each row equals its unpadded sequence; on a model with
     absolute positions (GPT-2) that differs from ``model(**enc)``, whose positions count the padding too. Pass
     ``position_ids`` to choose them; models that number positions themselves are never given any.
+    With a key/value cache (``cache=``) the key axis is what each layer attends to, cached and new tokens; a
+    sliding-window layer's cache keeps only its last ones, so its key ``j`` is position ``total - keys + j``.
     """
     if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
         if inputs:

@@ -158,6 +158,36 @@ def test_a_cached_call_with_the_full_length_mask_is_exact():
                          cache=cache)
 
 
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_a_sliding_window_layers_cached_keys_are_the_last_positions(family):
+    """A sliding-window layer's cache keeps only its last tokens: the decomposition of the new tokens has fewer
+    keys there, and key j is position total - keys + j (as the manual says), in a left-padded batch too; every
+    earlier key has no weight in the whole-sequence decomposition."""
+    import copy
+
+    from cwcore.core.decomposition import prepare_inputs
+
+    model = tiny_model(family)
+    ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    whole = cwcore.decompose(model, input_ids=ids, attention_mask=mask)
+    with torch.no_grad():
+        cache = model(**prepare_inputs(model, dict(input_ids=ids[:, :10], attention_mask=mask[:, :10])),
+                      use_cache=True).cache
+    d = cwcore.decompose(model, input_ids=ids[:, 10:], attention_mask=mask, cache=copy.deepcopy(cache))
+    torch.testing.assert_close(d.outputs.logits, whole.outputs.logits[:, 10:], rtol=1e-4, atol=1e-5)
+    key_counts = []
+    for layer in d.layers:
+        new = d[layer].contribution("inter")
+        keys = new.shape[-1]
+        key_counts.append(keys)
+        reference = whole[layer].contribution("inter")[:, :, 10:]
+        torch.testing.assert_close(new, reference[..., 14 - keys:], rtol=1e-4, atol=1e-6, equal_nan=True)
+        assert (reference[..., :14 - keys].nan_to_num(0) == 0).all()
+    assert min(key_counts) < 14  # the control: a sliding layer's cache really is shorter than the sequence
+
+
 def test_asking_for_a_layer_the_decomposition_does_not_hold_is_a_clear_error():
     d = cwcore.decompose(tiny_model("llama"), layers=0, input_ids=IDS)
     with pytest.raises(KeyError, match=r"^layer 1 was not decomposed \(it holds layers \[0\]\); pass layers=1"):
