@@ -303,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "maps: each token's total contribution as a heat strip over the text, and the top terms of "
                          "the query you pick; no [query, key] map is computed")
     ex.add_argument("--query", type=int, default=None, help="--summary: the first query shown (default: the last token)")
-    ex.add_argument("--top-k", type=_count, default=None, help="--summary: top (head, key) terms kept per query (default 5)")
+    ex.add_argument("--top-k", type=_count, default=None,
+                    help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level; not with --summary)")

@@ -154,8 +154,9 @@ def faithfulness_curve(
 
     texts
         a list of strings (each one sequence, tokenised with the tokenizer's special tokens and
-        truncated to ``max_length``, default 128, None: not truncated), a :class:`datasets.Dataset` of LM blocks (``input_ids``,
-        optional ``attention_mask``; e.g. :func:`cwcore.data.lm_blocks`) or with a ``text`` column,
+        truncated to ``max_length``, default 128, None: not truncated), a :class:`datasets.Dataset` of LM
+        blocks (``input_ids``, optional ``attention_mask``; e.g. :func:`cwcore.data.lm_blocks`) or with a
+        ``text`` column,
         a ``[n, length]`` tensor of token ids, or a dict with ``input_ids``/``attention_mask``. Token input is
         taken whole: a ``max_length`` given shorter than one of its sequences is refused (it would be ignored).
     metric
