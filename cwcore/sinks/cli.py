@@ -21,6 +21,8 @@ _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Val
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
 from ..provenance import confined, output_folder
 _NOT_GIVEN = object()
+#: run flags the raw material records, compared with it under --from-raw
+_RECORDED = ("block_size", "sampling", "num_sequences")
 ANALYSIS_NAMES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
 #: the flags of :class:`cwcore.sinks.SinkOptions`' command-line options (``name: (default, help, choices)``),
 #: declared here so that ``--help`` needs no torch; a test checks them against ``SinkOptions.OPTIONS``
@@ -74,6 +76,23 @@ def _save_raw(folder: Path, parts: dict, blocks, sampling: str) -> None:
         atomic_write_bytes(folder / "classes.npy", _npy(blocks.classes))
     meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling}
     atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
+
+
+def _refuse_another_run(parser_, args, given: set[str], blocks, folder: Path) -> None:
+    """--from-raw rebuilds the run the raw material records: a run flag given that describes another run (other
+    blocks, another sampling, fewer sequences) is refused rather than ignored; the same command with --from-raw
+    appended passes."""
+    recorded = json.loads((folder / "blocks.json").read_text()).get("sampling", "stream")  # older raw: stream
+    n, length = blocks.ids.shape
+    if "block_size" in given and args.block_size != length:
+        parser_.error(f"--block-size {args.block_size}, but the raw material in {folder} holds blocks of {length} "
+                      "tokens: give that run's --block-size, or leave it out")
+    if "sampling" in given and args.sampling != recorded:
+        parser_.error(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {recorded}: give "
+                      "that run's --sampling, or leave it out")
+    if "num_sequences" in given and args.num_sequences < n:  # more is the same run: fewer were available
+        parser_.error(f"--num-sequences {args.num_sequences}, but the raw material in {folder} holds {n} sequences: "
+                      "give that run's --num-sequences, or leave it out")
 
 
 def _load_raw(folder: Path, analyses: list[str]) -> tuple:
@@ -181,9 +200,9 @@ def _main(argv: list[str] | None) -> int:
     # an option flag given for analyses that do not run is refused, not silently dropped (a probe parse with
     # sentinel defaults tells the flags given apart from the defaults)
     probe = parser()
-    probe.set_defaults(**{name: _NOT_GIVEN for name in CLI_OPTIONS})
-    given = [name for name, value in vars(probe.parse_args(argv)).items() if name in CLI_OPTIONS
-             and value is not _NOT_GIVEN]
+    probe.set_defaults(**{name: _NOT_GIVEN for name in (*CLI_OPTIONS, *_RECORDED)})
+    given_flags = {name for name, value in vars(probe.parse_args(argv)).items() if value is not _NOT_GIVEN}
+    given = [name for name in CLI_OPTIONS if name in given_flags]
     takers = {name: [a for a in ANALYSES if name in {o.name for o in REGISTRY[a].options}] for name in given}
     for name in given:
         if not set(takers[name]) & set(wanted):
@@ -196,6 +215,7 @@ def _main(argv: list[str] | None) -> int:
 
     if args.from_raw:
         parts, blocks = _load_raw(raw, wanted)
+        _refuse_another_run(parser_, args, given_flags & set(_RECORDED), blocks, raw)
     else:
         torch.manual_seed(args.seed)
         model, tokenizer = load_model(args.model)

@@ -38,7 +38,7 @@ def test_results_are_deterministic_cached_and_batch_size_invariant(tmp_path, mon
     assert (sinks.model_fingerprint(model) != sinks.model_fingerprint(tiny_model("llama", seed=1)))
 
 
-def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeypatch):
+def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeypatch, capsys):
     import cwcore.data
     import cwcore.models
 
@@ -60,6 +60,22 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     assert sinks.main([*args, "--from-raw", "--out", str(tmp_path / "b")]) == 0
     for name in written:
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "a" / name), pd.read_csv(tmp_path / "b" / name))
+    # a run flag that describes another run is refused, not ignored (before: --block-size 64 rebuilt the
+    # 12-token run's tables without a word); the same command with --from-raw appended passed above
+    for flag, value, message in (("--block-size", "64", "holds blocks of 12 tokens"),
+                                 ("--sampling", "stream", "was sampled as documents"),
+                                 ("--num-sequences", "2", "holds 3 sequences")):
+        changed = list(args)
+        if flag in changed:
+            changed[changed.index(flag) + 1] = value
+        else:
+            changed += [flag, value]
+        with pytest.raises(SystemExit) as exit_:
+            sinks.main([*changed, "--from-raw", "--out", str(tmp_path / "c")])
+        assert exit_.value.code == 2, flag
+        assert message in capsys.readouterr().err, flag
+    assert sinks.main([*args, "--num-sequences", "9", "--from-raw", "--out", str(tmp_path / "d")]) == 0  # more: same
+    assert not (tmp_path / "c").exists()
 
 
 def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
