@@ -623,12 +623,18 @@ def _warn_padded_rows(inputs: dict, positions: Sequence[int]) -> None:
     chosen = sorted(set(positions))
     decoder = "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs
     found, right_padded = [], False
-    stacks = (("attention_mask", " of the encoder" if decoder else ""), ("decoder_attention_mask", " of the decoder"))
-    for name, stack in stacks:
+    stacks = (("attention_mask", "input_ids", "inputs_embeds", " of the encoder" if decoder else ""),
+              ("decoder_attention_mask", "decoder_input_ids", "decoder_inputs_embeds", " of the decoder"))
+    for name, ids_name, embeds_name, stack in stacks:
         mask = inputs.get(name)
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not chosen or chosen[-1] >= mask.shape[1]:
+        queries = inputs.get(ids_name, inputs.get(embeds_name))
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not chosen:
             continue
-        padded = mask[:, chosen] == 0  # [batch, chosen]
+        # with a key/value cache the mask covers the cached tokens too: the queries are its last columns
+        offset = mask.shape[1] - (queries.shape[1] if isinstance(queries, torch.Tensor) else mask.shape[1])
+        if offset < 0 or chosen[-1] + offset >= mask.shape[1]:
+            continue
+        padded = mask[:, [p + offset for p in chosen]] == 0  # [batch, chosen]
         found += [f"position {p} in sequences {padded[:, i].nonzero().flatten().tolist()}{stack}"
                   for i, p in enumerate(chosen) if bool(padded[:, i].any())]
         right_padded |= bool((padded.any(1) & (mask[:, -1] == 0)).any())

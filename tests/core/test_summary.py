@@ -157,6 +157,17 @@ def test_a_chosen_row_that_is_padding_warns_and_stays_nan():
     torch.testing.assert_close(s[0].token_row(2)[1, :9], alone[0].token_row(2)[0], rtol=1e-5, atol=1e-6)
     assert torch.all(s[0].token_row(2)[1, 9:] == 0)
     assert not torch.isnan(alone[0].row(-1)).any()
+    # with a key/value cache the mask covers the cached tokens too: new query 0 of the left-padded sequence is
+    # real (the mask's column 0 is not its column), so nothing is warned and its row is a number
+    from cwcore.core.decomposition import prepare_inputs
+
+    with torch.no_grad():
+        cache = model(**prepare_inputs(model, dict(input_ids=IDS[:, :8], attention_mask=LEFT_PADDED[:, :8])),
+                      use_cache=True).cache
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cached = cwcore.summarize(model, input_ids=IDS[:, 8:], attention_mask=LEFT_PADDED, cache=cache, rows=[0, -1])
+    assert not torch.isnan(cached[0].row(0)).any()
     # left padding puts every sequence's last token at -1: no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
