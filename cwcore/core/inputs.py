@@ -130,10 +130,11 @@ def check_materialised(model: nn.Module, caller: str = "decompose") -> None:
 
 
 def own_options(function) -> tuple[str, ...]:
-    """The keyword options of one of cwcore's calls (its named parameters but the model), which an unknown keyword
-    may be a misspelling of as well as a model input."""
+    """The keyword options of one of cwcore's calls (its named parameters but the model and the inputs mapping),
+    which an unknown keyword may be a misspelling of as well as a model input."""
     return tuple(name for name, parameter in inspect.signature(function).parameters.items()
-                 if name != "model" and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL))
+                 if name not in ("model", "inputs")
+                 and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL))
 
 
 def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False,

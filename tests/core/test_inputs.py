@@ -22,6 +22,7 @@ def test_a_misspelled_keyword_is_a_type_error_with_a_suggestion(model):
 @pytest.mark.parametrize("call, typo, meant", [
     ("summarize", "row", "rows"), ("summarize", "topk", "top_k"), ("decompose", "layer", "layers"),
     ("decompose", "compute_type", "compute_dtype"), ("attribute", "metod", "method"), ("attribute", "kinds", "kind"),
+    ("attribute", "input", "input_ids"),  # a model input, not attribute's inputs mapping
 ])
 def test_a_misspelled_option_of_cwcores_own_is_suggested_too(model, call, typo, meant):
     # before: "summarize() got unexpected keyword argument(s) 'row'; LlamaForCausalLM accepts ...", no suggestion,
