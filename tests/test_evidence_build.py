@@ -695,7 +695,9 @@ def test_a_committed_bench_frame_is_taken_after_its_slice_and_a_changed_one_is_r
     got, decision = run()
     assert seen == [([7, 3], False), ([7, 3, 11, 5], False)] and decision["decision"] == "recomputed"
     pd.testing.assert_frame_equal(got, plain, check_exact=True)
-    got, decision = run(max_length=10)  # another setting: not taken, no slice run
+    # another setting: not taken, no slice run (20, not a shorter 10: a max_length shorter than the 12-token
+    # blocks is refused, since it truncates text only)
+    got, decision = run(max_length=20)
     assert seen == [([7, 3, 11, 5], False)] and "max_length" in decision["reason"]
     with pytest.raises(ValueError, match="per_sequence=True"):
         ef.bench_cell(model, None, blocks, metrics, RATIOS, model="tiny", data="toy", profile="evidence",
