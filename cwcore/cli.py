@@ -163,9 +163,12 @@ def _explain_command(args) -> None:
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
     model, tokenizer = load_model(args.model)  # ModelNotFoundError, ModelCacheError: one line from main()
-    # every page refuses a text longer than the model's context (and the maps' pages one longer than --max-tokens)
-    # here, in the command's words; verbose=False: not transformers' own warning about the length first
-    _check_length(len(tokenizer(args.text, verbose=False)["input_ids"]), model, None if args.summary else max_tokens)
+    if args.summary or out.suffix.lower() == ".html":
+        # the pages refuse a text longer than the model's context (the explorer's one longer than --max-tokens)
+        # here, in the command's words, as explain() does for the figure; verbose=False: not transformers' own
+        # warning about the length first
+        _check_length(len(tokenizer(args.text, verbose=False)["input_ids"]), model,
+                      None if args.summary else max_tokens)
     if args.summary:  # a long document: each key's total over the text, and the top terms of every query
         from .explorer import write_long_explorer
 
@@ -395,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, debug: bool) -> int:
     return run_command("cwcore", lambda: args.run(args), debug)
+
+
+def given_flags(parser: argparse.ArgumentParser, argv, names) -> set[str]:
+    """Which of the flags ``names`` (their ``dest``) ``argv`` gives, told apart from their defaults by parsing
+    again with a sentinel default (abbreviations and ``--flag=value`` included); ``parser`` is a fresh one."""
+    unset = object()
+    parser.set_defaults(**{name: unset for name in names})
+    return {name for name, value in vars(parser.parse_args(argv)).items() if name in names and value is not unset}
 
 
 def debug_requested(argv: list[str] | None = None) -> bool:

@@ -29,7 +29,6 @@ _MC_TASKS = ("mmlu", "winogrande", "boolq")
 #: flags read only for language-model data sets, and only for the multiple-choice tasks
 _LM_ONLY = ("num_sequences", "block_size", "sampling")
 _MC_ONLY = ("num_examples", "max_length", "downstream_ratios")
-_NOT_GIVEN = object()
 
 
 def _slug(name: str) -> str:
@@ -106,12 +105,10 @@ def parser() -> argparse.ArgumentParser:
 
 def _refuse_unread_flags(argv: Sequence[str] | None, data: Sequence[str]) -> None:
     """A flag of the language-model sweeps with only multiple-choice tasks in ``--data`` (or the other way round)
-    is refused, not silently dropped; a probe parse with sentinel defaults tells the flags given apart."""
-    from ..cli import UsageError
+    is refused, not silently dropped."""
+    from ..cli import UsageError, given_flags
 
-    probe = parser()
-    probe.set_defaults(**{name: _NOT_GIVEN for name in _LM_ONLY + _MC_ONLY})
-    given = {name for name, value in vars(probe.parse_args(argv)).items() if value is not _NOT_GIVEN}
+    given = given_flags(parser(), argv, _LM_ONLY + _MC_ONLY)
     has_tasks = any(d in _MC_TASKS for d in data)
     has_lm = any(d not in _MC_TASKS for d in data)
     for names, present, what in ((_LM_ONLY, has_lm, "language-model data sets (gsm8k, web-text, a path, ...)"),

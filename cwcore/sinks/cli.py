@@ -20,7 +20,6 @@ _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Val
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
 from ..provenance import confined, output_folder
-_NOT_GIVEN = object()
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences")
 ANALYSIS_NAMES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
@@ -78,11 +77,10 @@ def _save_raw(folder: Path, parts: dict, blocks, sampling: str) -> None:
     atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
 
 
-def _refuse_another_run(parser_, args, given: set[str], blocks, folder: Path) -> None:
-    """--from-raw rebuilds the run the raw material records: a run flag given that describes another run (other
-    blocks, another sampling, fewer sequences) is refused rather than ignored; the same command with --from-raw
-    appended passes."""
-    recorded = json.loads((folder / "blocks.json").read_text()).get("sampling", "stream")  # older raw: stream
+def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: str, folder: Path) -> None:
+    """--from-raw rebuilds the run the raw material in ``folder`` records (``recorded``: its sampling): a run flag
+    given that describes another run (other blocks, another sampling, fewer sequences) is refused rather than
+    ignored; the same command with --from-raw appended passes."""
     n, length = blocks.ids.shape
     if "block_size" in given and args.block_size != length:
         parser_.error(f"--block-size {args.block_size}, but the raw material in {folder} holds blocks of {length} "
@@ -96,6 +94,7 @@ def _refuse_another_run(parser_, args, given: set[str], blocks, folder: Path) ->
 
 
 def _load_raw(folder: Path, analyses: list[str]) -> tuple:
+    """``(parts, blocks, sampling)`` of the raw material in ``folder``."""
     import numpy as np
     import pandas as pd
     import torch
@@ -114,7 +113,7 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple:
         if not files:
             raise FileNotFoundError(f"no raw material for {name} in {folder}")
         parts[name] = {f.name[len(name) + 1 : -len(".parquet")]: pd.read_parquet(f) for f in files}
-    return parts, blocks
+    return parts, blocks, meta.get("sampling", "stream")  # older raw material: stream
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -197,12 +196,11 @@ def _main(argv: list[str] | None) -> int:
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
         parser_.error(f"unknown analyses: {', '.join(unknown)}")
-    # an option flag given for analyses that do not run is refused, not silently dropped (a probe parse with
-    # sentinel defaults tells the flags given apart from the defaults)
-    probe = parser()
-    probe.set_defaults(**{name: _NOT_GIVEN for name in (*CLI_OPTIONS, *_RECORDED)})
-    given_flags = {name for name, value in vars(probe.parse_args(argv)).items() if value is not _NOT_GIVEN}
-    given = [name for name in CLI_OPTIONS if name in given_flags]
+    # an option flag given for analyses that do not run is refused, not silently dropped
+    from ..cli import given_flags
+
+    given_run = given_flags(parser(), argv, (*CLI_OPTIONS, *_RECORDED))
+    given = [name for name in CLI_OPTIONS if name in given_run]
     takers = {name: [a for a in ANALYSES if name in {o.name for o in REGISTRY[a].options}] for name in given}
     for name in given:
         if not set(takers[name]) & set(wanted):
@@ -214,9 +212,10 @@ def _main(argv: list[str] | None) -> int:
     from ..models import load_model
 
     if args.from_raw:
-        parts, blocks = _load_raw(raw, wanted)
-        _refuse_another_run(parser_, args, given_flags & set(_RECORDED), blocks, raw)
+        parts, blocks, sampling = _load_raw(raw, wanted)
+        _refuse_another_run(parser_, args, given_run & set(_RECORDED), blocks, sampling, raw)
     else:
+        sampling = args.sampling
         torch.manual_seed(args.seed)
         model, tokenizer = load_model(args.model)
         dataset = load_dataset(args.data)
@@ -249,8 +248,7 @@ def _main(argv: list[str] | None) -> int:
     summary.insert(0, "model", args.model)
     summary["add_bos"] = blocks.add_bos
     summary["num_sequences"] = int(blocks.ids.shape[0])
-    summary["sampling"] = (json.loads((raw / "blocks.json").read_text()).get("sampling", "stream")  # older raw: stream
-                           if args.from_raw else args.sampling)
+    summary["sampling"] = sampling
     write_csv(_round(summary), confined(out, f"sinks_summary_{suffix}.csv"), index=False)
     print(summary.to_string(index=False), file=sys.stdout)
     return 0
