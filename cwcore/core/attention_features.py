@@ -43,6 +43,8 @@ HANDLED_KEYWORDS = {
     "deterministic": "a flash-attention kernel option",
     "target_dtype": "a flash-attention kernel option",
     "layer_idx": "not read by attention",
+    "token_type_ids": "segment ids, read by the embeddings and by the mask transformers builds for the layer, never "
+                      "by an attention function (a tokenizer may return them for any model)",
     "position_bias": "an additive score bias (T5's relative positions), added to the scores before the softmax as "
                      "the model's eager attention adds it",
 }

@@ -345,3 +345,29 @@ def test_heads_and_row_positions_from_numpy_read_as_ints():
         s = cwcore.summarize(model, rows=rows, input_ids=IDS)
         assert s[0].row_positions == (2,)
         torch.testing.assert_close(s[0].row(2), cwcore.summarize(model, rows=2, input_ids=IDS)[0].row(2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_token_type_ids_a_tokenizer_returns_pass_as_the_model_ignores_them(family):
+    # before: transformers 5 hands `token_type_ids` down to the attention function, which ignores it; cwcore
+    # refused it as a keyword it does not implement, so `decompose(model, **tokenizer(text, ...))` failed for a
+    # tokenizer that returns segment ids
+    model = tiny_model(family)
+    mask = torch.ones_like(IDS)
+    mask[1, :2] = 0  # left padding, so the mask matters
+    segments = torch.ones_like(IDS)
+    with torch.no_grad():
+        plain_logits = model(input_ids=IDS, attention_mask=mask).logits
+        assert torch.equal(model(input_ids=IDS, attention_mask=mask, token_type_ids=segments).logits, plain_logits)
+    plain = cwcore.decompose(model, input_ids=IDS, attention_mask=mask)
+    with_segments = cwcore.decompose(model, input_ids=IDS, attention_mask=mask, token_type_ids=segments)
+    for layer in plain.layers:
+        torch.testing.assert_close(with_segments[layer].contribution("inter"), plain[layer].contribution("inter"),
+                                   rtol=0, atol=0, equal_nan=True)
+    summary = cwcore.summarize(model, input_ids=IDS, attention_mask=mask, token_type_ids=segments, rows=[-1])
+    torch.testing.assert_close(summary[0].token_row(-1, "contribution"), plain[0].contribution("inter")[:, :, -1].sum(1),
+                               rtol=1e-5, atol=1e-6)
+    scores = cwcore.attribute(model, {"input_ids": IDS, "attention_mask": mask, "token_type_ids": segments},
+                              method="contribution")
+    reference = cwcore.attribute(model, {"input_ids": IDS, "attention_mask": mask}, method="contribution")
+    torch.testing.assert_close(scores, reference, rtol=0, atol=0, equal_nan=True)
