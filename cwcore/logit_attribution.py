@@ -62,7 +62,11 @@ def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dt
         probe = torch.zeros(2, width, dtype=param.dtype, device=param.device)
         probe[1] = 1.0
         probe[1, 1::2] = -1.0  # alternating +-1: mean zero, mean square one, so P z = z either way
-        bias, response = norm(probe[None]).to(dtype)[0]
+        try:  # at float32 precision where the module takes float32 input (RMSNorms do): a bf16 output would
+            # round the gain
+            bias, response = norm(probe.to(torch.promote_types(param.dtype, torch.float32))[None]).to(dtype)[0]
+        except RuntimeError:  # a half-precision LayerNorm takes its own dtype only
+            bias, response = norm(probe[None]).to(dtype)[0]
     sign = probe[1].to(dtype)
     gain = (response - bias) * sign  # g / sqrt(1 + eps); the fitted scales absorb the sqrt(1 + eps)
     x, y = inputs.to(dtype), outputs.to(dtype) - bias

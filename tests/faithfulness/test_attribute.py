@@ -44,6 +44,36 @@ def test_alti_is_token_level_and_matches_loops(family):
         torch.testing.assert_close(got.tensor[:, layer], got[layer])
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_alti_of_a_bf16_model_is_its_geometry_in_float64_within_float32_rounding(family):
+    # before: ALTI ran in the model's dtype; a score is ||y_i||_1 - ||y_i - T_i(x_j)||_1, two nearly equal sums,
+    # and bf16 sums were off by up to 2.4e-2 here (17% of the largest score on a bf16 GPT-2); Gemma 3's
+    # post-attention norm is read at float32 precision too (its gain, its output)
+    model, ids = _model(family).to(torch.bfloat16), _ids(seed=2)
+    got = cwcore.attribute(model, method="alti", input_ids=ids)
+    _, values, inputs, _ = _eager(model, ids)  # the bf16 model's own values and layer inputs
+    # cwcore keeps a half-precision layer's probabilities in float32 (eager rounds them to bf16 for alpha V)
+    attentions = cwcore.decompose(model, input_ids=ids).attention
+    b, n = ids.shape
+    for layer in range(2):
+        block = _decoder_layers(model)[layer]
+        weight, bias = block.self_attn.o_proj.weight.double(), block.self_attn.o_proj.bias
+        d = values[layer].shape[-1]
+        terms = torch.zeros(b, n, n, weight.shape[0], dtype=torch.float64)  # sum_h alpha^h_ij W_O^h v^h_j
+        for h in range(attentions[layer].shape[1]):
+            projected = values[layer][:, h].double() @ weight[:, h * d:(h + 1) * d].T
+            terms += attentions[layer][:, h, :, :, None].double() * projected[:, None]
+        naive = torch.zeros(b, n, n, dtype=torch.float64)
+        for r in range(b):
+            for i in range(n):
+                with torch.no_grad():
+                    naive[r, i] = _alti_row(family, block, terms[r, i], None if bias is None else bias.double(),
+                                            inputs[layer][r, i].double(), None, i, n)
+        assert got[layer].dtype == torch.float32
+        # float32 arithmetic on the same bf16 inputs: 3.8e-7 at most here (the old bf16 sums: 2.4e-2 and 9.2e-3)
+        torch.testing.assert_close(got[layer].double(), naive, rtol=0, atol=2e-6)
+
+
 def test_value_zeroing_is_token_level_and_matches_zeroing_the_value_rows():
     model, ids = _model("llama"), _ids(n=1, length=6)
     got = cwcore.attribute(model, {"input_ids": ids}, method="value_zeroing")

@@ -121,19 +121,21 @@ def test_alti_matches_loops_over_the_residual_stream(family):
 
 
 def _alti_row(family, block, terms, bias, x, real_y, i, n):
-    """ALTI's contributions of keys 0..i to query i, by hand (terms ``[j, m]``: sum_h alpha^h_ij v~^h_j)."""
+    """ALTI's contributions of keys 0..i to query i, by hand (terms ``[j, m]``: sum_h alpha^h_ij v~^h_j), in the
+    dtype of ``terms``; ``real_y``, where given, the residual stream the model computed, checked."""
     out = torch.zeros(n, dtype=torch.float64)
     a = terms.sum(0) + (0 if bias is None else bias)
     t = terms.clone()
     if family == "gemma3":  # the post-attention RMSNorm's linear part at this row's scale
         norm = block.post_attention_layernorm
         scale = torch.sqrt((a.float() ** 2).mean() + norm.eps).double()
-        gain = 1.0 + norm.weight
+        gain = 1.0 + norm.weight.double()
         y = x + gain * a / scale
         t = gain * t / scale
     else:
         y = x + a
-    torch.testing.assert_close(y, real_y, rtol=1e-5, atol=1e-6)  # the residual stream the model computed
+    if real_y is not None:
+        torch.testing.assert_close(y, real_y, rtol=1e-5, atol=1e-6)  # the residual stream the model computed
     t[i] = t[i] + x
     c = [max(0.0, float(y.abs().sum() - (y - t[j]).abs().sum())) for j in range(i + 1)]
     out[:i + 1] = torch.tensor(c, dtype=torch.float64) / sum(c)

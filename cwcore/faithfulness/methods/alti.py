@@ -30,7 +30,10 @@ def alti(layer_decomposition, call, block_input, model, **_):
 
     if block_input is None:
         raise UnsupportedModelError("alti: the decoder layer's input was not captured")
-    alpha, projected, bias = projected_values(call)
+    # geometry in float32 at least, even for a bf16 model: ||y_i||_1 - ||y_i - T_i(x_j)||_1 is a difference of
+    # two nearly equal sums, which bf16 sums would swamp (a bf16 GPT-2's scores were 17% off)
+    alpha, projected, bias = projected_values(call, at_least=torch.float32)
+    native = call.output_projection()[0].dtype
     b, h, q, k = alpha.shape
     hidden = (block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]).to(projected.dtype)
     a = torch.einsum("bhqk,bhkm->bqm", alpha, projected)
@@ -40,11 +43,16 @@ def alti(layer_decomposition, call, block_input, model, **_):
     rows = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
     norm = post_attention_norms(model).get(call.layer)
     scale = None
+    normed = None
     if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows
-        frozen = frozen_norm(norm, a[rows][None], norm(a[rows][None]), dtype=projected.dtype)
+        try:  # the model's own norm at float32 precision where its module takes float32 input (RMSNorms do)
+            normed = norm(a)
+        except RuntimeError:  # a half-precision LayerNorm: its own dtype
+            normed = norm(a.to(native)).to(a.dtype)
+        frozen = frozen_norm(norm, a[rows][None], normed[rows][None], dtype=projected.dtype)
         scale = torch.ones(b, q, dtype=projected.dtype)
         scale[rows] = frozen.scale[0]
-    y = hidden + (a if norm is None else norm(a))
+    y = hidden + (a if normed is None else normed)
     m = y.shape[-1]
     pair = torch.ones(b, q, k, dtype=torch.bool).tril()
     if valid is not None:

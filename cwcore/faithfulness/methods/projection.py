@@ -10,13 +10,15 @@ __all__ = ["CHUNK_BYTES", "projected_values"]
 CHUNK_BYTES = 64 * 2 ** 20
 
 
-def projected_values(call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def projected_values(call, at_least: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(alpha ``[b, h, q, k]``, v~ ``[b, h, k, model]``, bias) in the model's dtype (padding zeroed): the output
-    projection's, since a half-precision model's SDPA layers hand cwcore their values in float32."""
+    projection's, since a half-precision model's SDPA layers hand cwcore their values in float32; promoted to
+    ``at_least`` where given (ALTI's geometry in float32 for a bf16 model; value zeroing runs the model's own
+    modules, in its dtype)."""
     from ...core.geometry import split_output_projection
 
     weight, bias = call.output_projection()
-    dtype = weight.dtype
+    dtype = weight.dtype if at_least is None else torch.promote_types(weight.dtype, at_least)
     alpha = call.probs.detach().to(dtype)
     values = call.value.detach().to(dtype)
     valid = call.valid_keys()
