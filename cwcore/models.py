@@ -241,6 +241,13 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
             raise ValueError(f"variant={variant!r} exists for the packaged GGUF models ({', '.join(_GGUF_SOURCES)}), "
                              f"not for {name!r}")
     if key is not None:
+        # a packaged model is a local conversion of a pip package: from_pretrained would drop a download option
+        # without a word (local_files_only holds already)
+        hub_only = sorted(k for k in _SHARED_HUB_KWARGS if k != "local_files_only" and kwargs.get(k) not in (None, False))
+        if hub_only:
+            raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to {key!r}: a "
+                             f"packaged model ({PACKAGED_MODELS[key]}), converted into {CACHE_ENV_VAR}'s folder, not "
+                             "downloaded from the hub; load a hub id to choose a revision, a token or a hub cache")
         model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
         model, tokenizer = _load_from_hub_or_folder(os.fspath(name), torch_dtype, kwargs)

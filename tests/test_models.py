@@ -379,6 +379,27 @@ def test_conflicting_arguments_are_rejected(tmp_path):
         load_model("minilm-l6", device="cpux")
 
 
+def test_hub_download_options_are_refused_for_a_packaged_model(monkeypatch):
+    # before: from_pretrained of the converted local folder dropped them without a word, so
+    # load_model("smollm2-135m", revision="v2") returned the packaged weights
+    import cwcore.models as models
+
+    loads = []
+    monkeypatch.setattr(models, "_load_packaged", lambda *args: loads.append(args) or (None, None))
+    with pytest.raises(ValueError, match=r"^revision does not apply to 'minilm-l6': a packaged model \(.*\), converted "
+                                         r"into CWCORE_CACHE's folder, not downloaded from the hub; load a hub id"):
+        load_model("minilm-l6", revision="v2")
+    with pytest.raises(ValueError, match=r"^cache_dir, token do not apply to 'smollm2-135m'"):
+        load_model("smollm2-135m", cache_dir="/tmp/hub", token="hf_x")
+    assert loads == []  # refused before anything was converted or loaded
+    # an option that holds for a local conversion passes through to from_pretrained
+    monkeypatch.setattr(models, "_load_packaged", lambda key, dtype, kwargs, variant: loads.append(dict(kwargs))
+                        or (torch.nn.Linear(1, 1), object()))
+    monkeypatch.setattr(models, "_ensure_pad_token", lambda tokenizer: None)
+    load_model("minilm-l6", local_files_only=True, revision=None)
+    assert loads == [{"local_files_only": True, "revision": None, "attn_implementation": "eager"}]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there to load on")
 def test_a_device_this_torch_lacks_is_one_sentence_before_the_load():
     # before: torch's "Torch not compiled with CUDA enabled" AssertionError from inside .to(), after the load
