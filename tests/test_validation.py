@@ -123,6 +123,22 @@ def test_float_ids_as_lists_and_float_masks_are_refused_not_cut(model, ids):
     pd.testing.assert_frame_equal(as_dict, as_tensor)
 
 
+def test_an_empty_text_is_named_as_such_not_as_float_ids(model):
+    # before: "" tokenises to no ids, torch makes [] float32, and the sweeps said "texts must hold integer token
+    # ids, got torch.float32; use tokenizer(..., return_tensors='pt')"
+    tokenizer = word_tokenizer()
+    texts = ["the cat sat on a mat", "", "the dog ran far away"]
+    message = r"every sequence of texts needs at least 2 tokens; sequence 1 has 0 \(an empty text\?\)$"
+    with pytest.raises(InputError, match=message):
+        faithfulness_curve(model, tokenizer, texts, "contribution", 0.1, **FC)
+    with pytest.raises(InputError, match=message):
+        per_layer_curve(model, tokenizer, texts, metric="contribution", ratios=0.1)
+    with pytest.raises(InputError, match="sequence 0 has 1$"):  # one token: no next-token prediction
+        faithfulness_curve(model, tokenizer, ["cat", "the cat sat"], "contribution", 0.1, **FC)
+    # the control: the two real texts give a curve
+    assert len(faithfulness_curve(model, tokenizer, [texts[0], texts[2]], "contribution", 0.1, **FC).table) == 2
+
+
 @pytest.mark.parametrize("argument, value, message", [
     ("layers", [], "layers is empty"), ("layers", [5], "out of range"), ("layers", ["a"], "layer numbers"),
     ("ratios", [], "ratios is empty"), ("ratios", 1.5, "ratios must be a number in"), ("ratios", "a", "ratios"),

@@ -341,6 +341,8 @@ def _integer_ids(values, argument: str, caller: str) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError, OverflowError):
         raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {type(values).__name__} "
                              f"{_shown(values, 40)}") from None
+    if ids.numel() == 0 and not isinstance(values, torch.Tensor):  # torch makes [] float32: no ids, not floats
+        ids = ids.long()
     if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
         raise InputTypeError(f"{caller}: {argument} must hold integer token ids, got {ids.dtype}; "
                              "use tokenizer(..., return_tensors='pt') or ids.long()")
@@ -368,9 +370,11 @@ def check_token_sequences(sequences, model: nn.Module | None = None, *, argument
         out.append([int(i) for i in ids.tolist()])
     if not out:
         raise InputError(f"{caller}: {argument} holds no sequence; give at least one")
-    shortest = min(len(s) for s in out)
-    if shortest < min_length:
-        raise InputError(f"{caller}: every sequence of {argument} needs at least {min_length} tokens, one has {shortest}")
+    shortest = min(range(len(out)), key=lambda n: len(out[n]))
+    if len(out[shortest]) < min_length:
+        raise InputError(f"{caller}: every sequence of {argument} needs at least {min_length} token"
+                         f"{'s' if min_length > 1 else ''}; sequence {shortest} has {len(out[shortest])}"
+                         + (" (an empty text?)" if not out[shortest] else ""))
     if model is not None:
         vocabulary = _vocabulary_size(model)
         low, high = min(min(s) for s in out if s), max(max(s) for s in out if s)
