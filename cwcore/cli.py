@@ -162,7 +162,7 @@ def _explain_command(args) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
-    model, tokenizer = load_model(args.model)  # ModelNotFoundError, ModelCacheError: one line from main()
+    model, tokenizer = load_model(args.model, dtype=args.dtype)  # ModelNotFoundError, ...: one line from main()
     if args.summary or out.suffix.lower() == ".html":
         # the pages refuse a text longer than the model's context (the explorer's one longer than --max-tokens)
         # here, in the command's words, as explain() does for the figure; verbose=False: not transformers' own
@@ -309,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--top-k", type=_count, default=None,
                     help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
+    ex.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32; the geometry "
+                                                  "is float32 either way)")
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level; not with --summary)")
     ex.add_argument("--kind", default="inter", choices=["intra", "inter"],

@@ -108,6 +108,23 @@ def test_cli_writes_a_png_from_a_local_model(local_model, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["fig.png"]  # no temporary file left behind
 
 
+def test_explain_loads_the_model_in_the_dtype_asked_for(local_model, tmp_path, monkeypatch, capsys):
+    # before: `cwcore explain` had no --dtype: a large model could only be loaded in float32
+    import cwcore.models
+
+    seen = []
+    load = cwcore.models.load_model
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: seen.append(k.get("dtype")) or load(*a, **k))
+    for dtype, page in ((None, "a.png"), ("bfloat16", "b.png"), ("bf16", "c.html")):
+        extra = [] if dtype is None else ["--dtype", dtype]
+        assert main(["explain", "the cat sat", "--model", str(local_model), "--out", str(tmp_path / page), *extra]) == 0
+    assert seen == [None, "bfloat16", "bf16"]
+    assert main(["explain", "the cat", "--model", str(local_model), "--out", str(tmp_path / "d.png"),
+                 "--dtype", "float8"]) == 2
+    assert "dtype must be None, a torch.dtype or one of" in capsys.readouterr().err
+    assert not (tmp_path / "d.png").exists()
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

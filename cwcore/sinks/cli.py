@@ -63,7 +63,7 @@ def _npy(array) -> bytes:
     return buffer.getvalue()
 
 
-def _save_raw(folder: Path, parts: dict, blocks, sampling: str) -> None:
+def _save_raw(folder: Path, parts: dict, blocks, sampling: str, dtype: str) -> None:
     from ..cache import atomic_write_bytes
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -73,28 +73,40 @@ def _save_raw(folder: Path, parts: dict, blocks, sampling: str) -> None:
     atomic_write_bytes(folder / "ids.npy", _npy(blocks.ids.numpy()))
     if blocks.classes is not None:
         atomic_write_bytes(folder / "classes.npy", _npy(blocks.classes))
-    meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling}
+    meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling,
+            "dtype": dtype}
     atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
 
 
-def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: str, folder: Path) -> None:
-    """--from-raw rebuilds the run the raw material in ``folder`` records (``recorded``: its sampling): a run flag
-    given that describes another run (other blocks, another sampling, fewer sequences) is refused rather than
-    ignored; the same command with --from-raw appended passes."""
+def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: dict, folder: Path) -> None:
+    """--from-raw rebuilds the run the raw material in ``folder`` records (``recorded``: its ``sampling`` and
+    ``dtype``): a run flag given that describes another run (other blocks, another sampling, fewer sequences,
+    another dtype) is refused rather than ignored; the same command with --from-raw appended passes."""
     n, length = blocks.ids.shape
+    if args.dtype is not None and _dtype_name(args.dtype) != recorded["dtype"]:
+        parser_.error(f"--dtype {args.dtype}, but the raw material in {folder} was computed in {recorded['dtype']}: "
+                      "give that run's --dtype, or leave it out")
+    sampling = recorded["sampling"]
     if "block_size" in given and args.block_size != length:
         parser_.error(f"--block-size {args.block_size}, but the raw material in {folder} holds blocks of {length} "
                       "tokens: give that run's --block-size, or leave it out")
-    if "sampling" in given and args.sampling != recorded:
-        parser_.error(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {recorded}: give "
+    if "sampling" in given and args.sampling != sampling:
+        parser_.error(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {sampling}: give "
                       "that run's --sampling, or leave it out")
     if "num_sequences" in given and args.num_sequences < n:  # more is the same run: fewer were available
         parser_.error(f"--num-sequences {args.num_sequences}, but the raw material in {folder} holds {n} sequences: "
                       "give that run's --num-sequences, or leave it out")
 
 
+def _dtype_name(dtype: str | None) -> str:
+    """The model's dtype as a name (``bfloat16`` for ``bf16``; None: ``float32``)."""
+    from ..models import resolve_dtype
+
+    return str(resolve_dtype(dtype)).removeprefix("torch.")
+
+
 def _load_raw(folder: Path, analyses: list[str]) -> tuple:
-    """``(parts, blocks, sampling)`` of the raw material in ``folder``."""
+    """``(parts, blocks, {"sampling": ..., "dtype": ...})`` of the raw material in ``folder``."""
     import numpy as np
     import pandas as pd
     import torch
@@ -113,7 +125,8 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple:
         if not files:
             raise FileNotFoundError(f"no raw material for {name} in {folder}")
         parts[name] = {f.name[len(name) + 1 : -len(".parquet")]: pd.read_parquet(f) for f in files}
-    return parts, blocks, meta.get("sampling", "stream")  # older raw material: stream
+    # older raw material: stream sampling; float32, the only dtype of the command line before --dtype
+    return parts, blocks, {"sampling": meta.get("sampling", "stream"), "dtype": meta.get("dtype", "float32")}
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +160,8 @@ def parser() -> argparse.ArgumentParser:
                              "concatenated texts in data-set order (cwcore.data.lm_blocks)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default %(default)s)")
+    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32; the "
+                                                      "geometry is float32 either way)")
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default",
                         help="start every sequence with the tokenizer's BOS token: yes, no, or as the tokenizer "
                              "itself does (default)")
@@ -212,12 +227,13 @@ def _main(argv: list[str] | None) -> int:
     from ..models import load_model
 
     if args.from_raw:
-        parts, blocks, sampling = _load_raw(raw, wanted)
-        _refuse_another_run(parser_, args, given_run & set(_RECORDED), blocks, sampling, raw)
+        parts, blocks, recorded = _load_raw(raw, wanted)
+        _refuse_another_run(parser_, args, given_run & set(_RECORDED), blocks, recorded, raw)
+        sampling, dtype = recorded["sampling"], recorded["dtype"]
     else:
-        sampling = args.sampling
+        sampling, dtype = args.sampling, _dtype_name(args.dtype)
         torch.manual_seed(args.seed)
-        model, tokenizer = load_model(args.model)
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
         dataset = load_dataset(args.data)
         add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
         if args.sampling == "documents":  # independent units: one block per document (intervals over documents)
@@ -233,7 +249,7 @@ def _main(argv: list[str] | None) -> int:
                                     block_size=args.block_size, num_sequences=args.num_sequences, add_bos=add_bos,
                                     batch_size=args.batch_size, progress=True)
         if raw is not None:
-            _save_raw(raw, parts, blocks, args.sampling)
+            _save_raw(raw, parts, blocks, args.sampling, dtype)
     tables: dict[str, pd.DataFrame] = {}
     for name in wanted:
         tables.update(REGISTRY[name].named_tables(REGISTRY[name].tables(parts[name], blocks, **options)))
@@ -249,6 +265,7 @@ def _main(argv: list[str] | None) -> int:
     summary["add_bos"] = blocks.add_bos
     summary["num_sequences"] = int(blocks.ids.shape[0])
     summary["sampling"] = sampling
+    summary["dtype"] = dtype
     write_csv(_round(summary), confined(out, f"sinks_summary_{suffix}.csv"), index=False)
     print(summary.to_string(index=False), file=sys.stdout)
     return 0

@@ -22,7 +22,7 @@ def _fake_loading(monkeypatch):
     import cwcore.data
     import cwcore.models
 
-    monkeypatch.setattr(cwcore.models, "load_model", lambda name: (tiny_model("llama"), _word_tokenizer()))
+    monkeypatch.setattr(cwcore.models, "load_model", lambda name, dtype=None: (tiny_model("llama"), _word_tokenizer()))
     monkeypatch.setattr(cwcore.data, "load_dataset", lambda name: TEXTS)
 
 
@@ -52,7 +52,7 @@ def test_the_default_folder_is_in_the_working_folder(tmp_path, monkeypatch):
 def test_an_out_that_is_a_file_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
     import cwcore.models
 
-    monkeypatch.setattr(cwcore.models, "load_model", lambda name: pytest.fail("loaded before --out was checked"))
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("loaded before --out was checked"))
     (tmp_path / "a.txt").write_text("x")
     assert cli.main(["--model", "m", "--data", "d", "--out", str(tmp_path / "a.txt")]) == 2
     assert "is a file" in capsys.readouterr().err

@@ -43,7 +43,13 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     import cwcore.models
 
     texts = [" ".join(f"w{(i * 5 + j) % 20}" for j in range(40)) for i in range(6)]
-    monkeypatch.setattr(cwcore.models, "load_model", lambda name: (tiny_model("llama"), _word_tokenizer()))
+    loaded = []
+
+    def load(name, dtype=None):  # the tiny model in the dtype asked for, as load_model does
+        loaded.append(dtype)
+        return tiny_model("llama", dtype=cwcore.models.resolve_dtype(dtype)), _word_tokenizer()
+
+    monkeypatch.setattr(cwcore.models, "load_model", load)
     monkeypatch.setattr(cwcore.data, "load_dataset", lambda name: texts)
     args = ["--model", "tiny", "--data", "words", "--num-sequences", "3", "--block-size", "12", "--batch-size", "2",
             "--add-bos", "yes", "--no-cache", "--raw", str(tmp_path / "raw")]
@@ -56,7 +62,8 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     assert rates["add_bos"].all() and (rates["first_token_is_bos"] == 1.0).all() and (rates["model"] == "tiny").all()
     summary = pd.read_csv(tmp_path / "a" / "sinks_summary_tiny_words.csv")
     assert {"sink_rate", "decomposition", "anti_alignment", "convexity", "semantic_cone"} <= set(summary["claim"])
-    monkeypatch.setattr(cwcore.models, "load_model", lambda name: pytest.fail("--from-raw must not load the model"))
+    assert loaded == [None] and (summary["dtype"] == "float32").all()
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("--from-raw must not load the model"))
     assert sinks.main([*args, "--from-raw", "--out", str(tmp_path / "b")]) == 0
     for name in written:
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "a" / name), pd.read_csv(tmp_path / "b" / name))
@@ -64,7 +71,8 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     # 12-token run's tables without a word); the same command with --from-raw appended passed above
     for flag, value, message in (("--block-size", "64", "holds blocks of 12 tokens"),
                                  ("--sampling", "stream", "was sampled as documents"),
-                                 ("--num-sequences", "2", "holds 3 sequences")):
+                                 ("--num-sequences", "2", "holds 3 sequences"),
+                                 ("--dtype", "bf16", "was computed in float32")):
         changed = list(args)
         if flag in changed:
             changed[changed.index(flag) + 1] = value
@@ -75,7 +83,18 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
         assert exit_.value.code == 2, flag
         assert message in capsys.readouterr().err, flag
     assert sinks.main([*args, "--num-sequences", "9", "--from-raw", "--out", str(tmp_path / "d")]) == 0  # more: same
+    assert sinks.main([*args, "--dtype", "fp32", "--from-raw", "--out", str(tmp_path / "d")]) == 0  # float32's alias
     assert not (tmp_path / "c").exists()
+    # --dtype reaches the model, is recorded in the summary and in the raw material for --from-raw
+    monkeypatch.setattr(cwcore.models, "load_model", load)
+    bf16 = [*args[:-1], str(tmp_path / "raw16"), "--dtype", "bfloat16"]
+    assert sinks.main([*bf16, "--analyses", "rates", "--out", str(tmp_path / "e")]) == 0
+    assert loaded[-1] == "bfloat16"
+    assert (pd.read_csv(tmp_path / "e" / "sinks_summary_tiny_words.csv")["dtype"] == "bfloat16").all()
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("--from-raw must not load the model"))
+    assert sinks.main([*bf16, "--analyses", "rates", "--from-raw", "--out", str(tmp_path / "f")]) == 0
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "e" / "sinks_summary_tiny_words.csv"),
+                                  pd.read_csv(tmp_path / "f" / "sinks_summary_tiny_words.csv"))
 
 
 def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
