@@ -324,7 +324,7 @@ def hashed_uniform(seed: int, groups: torch.Tensor, layer: int, heads: int, posi
     b, n = positions.shape
     x = _splitmix(torch.tensor(int(seed), dtype=torch.long) + _splitmix(groups.view(b, 1, 1, 1) + 1))
     x = _splitmix(x + layer + 1)
-    x = _splitmix(x + torch.arange(heads).view(1, heads, 1, 1) + 1)
+    x = _splitmix(x + torch.arange(heads, device=positions.device).view(1, heads, 1, 1) + 1)
     x = _splitmix(x + positions.long().view(b, 1, n, 1) + 1)
     x = _splitmix(x + positions.long().view(b, 1, 1, n) + 1)
     return _shift_right(x, 40).float() / float(1 << 24)

@@ -40,7 +40,7 @@ def alti(layer_decomposition, call, block_input, model, **_):
     if bias is not None:
         a = a + bias
     valid = call.valid_keys()
-    rows = torch.ones(b, q, dtype=torch.bool) if valid is None else valid
+    rows = torch.ones(b, q, dtype=torch.bool, device=alpha.device) if valid is None else valid
     norm = post_attention_norms(model).get(call.layer)
     scale = None
     normed = None
@@ -50,21 +50,21 @@ def alti(layer_decomposition, call, block_input, model, **_):
         except RuntimeError:  # a half-precision LayerNorm: its own dtype
             normed = norm(a.to(native)).to(a.dtype)
         frozen = frozen_norm(norm, a[rows][None], normed[rows][None], dtype=projected.dtype)
-        scale = torch.ones(b, q, dtype=projected.dtype)
+        scale = torch.ones(b, q, dtype=projected.dtype, device=alpha.device)
         scale[rows] = frozen.scale[0]
     y = hidden + (a if normed is None else normed)
     m = y.shape[-1]
-    pair = torch.ones(b, q, k, dtype=torch.bool).tril()
+    pair = torch.ones(b, q, k, dtype=torch.bool, device=alpha.device).tril()
     if valid is not None:
         pair = pair & valid[:, :, None] & valid[:, None, :]
-    scores = torch.zeros(b, q, k, dtype=torch.float32)
+    scores = torch.zeros(b, q, k, dtype=torch.float32, device=alpha.device)
     step = max(1, CHUNK_BYTES // (b * k * m * projected.element_size() * 2))
     for q0 in range(0, q, step):
         q1 = min(q, q0 + step)
         terms = torch.einsum("bhqk,bhkm->bqkm", alpha[:, :, q0:q1], projected)
         if scale is not None:
             terms = frozen.gain * frozen.project(terms) / scale[:, q0:q1, None, None]
-        diagonal = torch.arange(q0, q1)
+        diagonal = torch.arange(q0, q1, device=alpha.device)
         terms[:, diagonal - q0, diagonal] += hidden[:, q0:q1]
         y_part = y[:, q0:q1, None]
         distance = (y_part - terms).abs().sum(-1)

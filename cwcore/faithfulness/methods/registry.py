@@ -142,11 +142,12 @@ def precomputed(scores, label: str = "precomputed") -> Method:
         if int(positions.max()) >= t.shape[-1]:
             raise ValueError(f"precomputed scores of layer {layer} have length {t.shape[-1]}; a sequence has "
                              f"{int(positions.max()) + 1} tokens")
-        g, p = groups.long(), positions.long()
+        g, p = groups.long().cpu(), positions.long().cpu()  # the scores are kept on the CPU
         if t.dim() == 3:
-            return t[g[:, None, None], p[:, :, None], p[:, None, :]]
+            return t[g[:, None, None], p[:, :, None], p[:, None, :]].to(positions.device)
         heads = torch.arange(t.shape[1])
-        return t[g[:, None, None, None], heads[None, :, None, None], p[:, None, :, None], p[:, None, None, :]]
+        return t[g[:, None, None, None], heads[None, :, None, None], p[:, None, :, None],
+                 p[:, None, None, :]].to(positions.device)
 
     read.__name__ = label
     key = f"precomputed-{tensor_digest({str(k): v for k, v in tensors.items()})}"
@@ -172,7 +173,7 @@ class ScoreContext:
         self.model = model
         self.input_ids, self.attention_mask = input_ids, attention_mask
         self.positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        self.groups = torch.arange(input_ids.shape[0]) if groups is None else groups
+        self.groups = torch.arange(input_ids.shape[0], device=input_ids.device) if groups is None else groups
         self.candidates = candidates or {}
         self.kind, self.seed = kind, seed
         self.importance = "signed"  # the sweep applies |.| for absolute importance

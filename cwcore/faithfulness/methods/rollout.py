@@ -12,7 +12,7 @@ __all__ = ["rollout", "contribution_rollout"]
 def _rolled(state: dict, key: str, mixing: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """R^l = A^l R^(l-1) with A^l = row-normalised (0.5 mixing + 0.5 I), kept in ``state[key]``."""
     b, q, _ = mixing.shape
-    eye = torch.eye(q, dtype=torch.float64)[None]
+    eye = torch.eye(q, dtype=torch.float64, device=mixing.device)[None]
     mixing = mixing.double().nan_to_num(0.0)
     if valid is not None:
         pair = valid[:, :, None] & valid[:, None, :]

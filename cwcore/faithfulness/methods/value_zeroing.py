@@ -66,12 +66,12 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
     clean = _rest_of_block(call, block_input, hidden.reshape(1, b * q, m), original.reshape(1, b * q, m))
     clean = clean.reshape(b, q, m).double()
     if candidates is None:
-        candidates = torch.ones(b, 1, q, k, dtype=torch.bool).tril()
+        candidates = torch.ones(b, 1, q, k, dtype=torch.bool, device=alpha.device).tril()
         valid = call.valid_keys()
         if valid is not None:
             candidates = candidates & (valid[:, None, :, None] & valid[:, None, None, :])
     rows, queries, keys = candidates[:, 0].expand(b, q, k).nonzero(as_tuple=True)
-    scores = torch.zeros(b, q, k, dtype=torch.float32)
+    scores = torch.zeros(b, q, k, dtype=torch.float32, device=alpha.device)
     step = max(1, CHUNK_BYTES // (h * m * projected.element_size()))
     # a bar for the long calls (seconds per layer: ~Q^2/2 pairs through the MLP), none for short ones
     bar = progress(rows.numel(), f"value zeroing, layer {layer_decomposition.layer}", unit="pair",
