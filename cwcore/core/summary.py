@@ -44,8 +44,8 @@ from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
 from .geometry import probe_directions, split_output_projection
-from .inputs import (InputError, is_integer_number, plain_integer, check_compute_dtype, check_count, check_inputs,
-                     own_options)
+from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, check_compute_dtype, check_count,
+                     check_inputs, own_options)
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
 
@@ -605,6 +605,9 @@ def _positions(positions, length: int, argument: str) -> tuple[int, ...]:
         return ()
     if is_integer_number(positions):
         positions = [positions]
+    elif isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+        raise InputTypeError(f"{argument} must be a query position or a list of them (ints in -{length}..{length - 1}), "
+                             f"got {positions!r}")
     out = []
     for position in positions:
         position = plain_integer(position)  # a numpy or 0-d tensor integer reads as its int

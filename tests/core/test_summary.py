@@ -176,12 +176,15 @@ def test_a_chosen_row_that_is_padding_warns_and_stays_nan():
 
 @pytest.mark.parametrize("arguments, message", [
     (dict(rows=[12]), "rows must be query positions"),
+    # before: "'float' object is not iterable", with no word of rows
+    (dict(rows=1.5), r"^rows must be a query position or a list of them \(ints in -\d+\.\.\d+\), got 1.5$"),
+    (dict(rows="-1"), r"^rows must be a query position or a list of them .* got '-1'$"),
     (dict(kind="both"), "kind must be"),
     (dict(top_k=0), "top_k must be at least 1"),
     (dict(layers=[5]), "out of range|layer"),
 ])
 def test_bad_arguments_are_refused(arguments, message):
-    with pytest.raises((InputError, IndexError, ValueError), match=message):
+    with pytest.raises((InputError, IndexError, ValueError, TypeError), match=message):
         cwcore.summarize(tiny_model("llama"), input_ids=IDS, **arguments)
 
 
