@@ -77,8 +77,17 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+try:  # what pandas 3 says pandas 4 will refuse (text or bools filled into a float column, ...) fails a test here
+    from pandas.errors import Pandas4Warning  # noqa: F401
+    _PANDAS_4 = pytest.mark.filterwarnings("error::pandas.errors.Pandas4Warning")
+except ImportError:  # pandas 2, which pyproject.toml allows, has no such warning
+    _PANDAS_4 = None
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if _PANDAS_4 is not None:
+            item.add_marker(_PANDAS_4)
         if "smoke_book" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.book)
         if _is_production(item.path):

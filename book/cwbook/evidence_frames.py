@@ -335,7 +335,7 @@ def read_frame(kind: FrameKind, model: str, data: str | None = None,
     table = pd.read_csv(io.BytesIO(data_bytes), dtype={c: str for c in text}, compression="gzip")
     for column, dtype in dtypes.items():
         if column in text:
-            table[column] = table[column].fillna("")
+            table[column] = table[column].astype(object).fillna("").infer_objects()
         table[column] = table[column].astype(dtype)
     table = table[meta.get("columns", list(table.columns))]
     _check_frame(kind, table, meta, csv.name)

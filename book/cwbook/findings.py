@@ -162,11 +162,11 @@ def _pair_verdict(row, mode: str) -> str:
 def _main(rows: pd.DataFrame) -> pd.DataFrame:
     """The main protocols' rows: a variant's (``token-unit``, ``requantized``, ...) are judged beside
     them, never in their place (a table without the column holds main rows only)."""
-    return rows[rows["variant"].fillna("main") == "main"] if "variant" in rows else rows
+    return rows[rows["variant"].astype(object).fillna("main") == "main"] if "variant" in rows else rows
 
 
 def _consecutive(ladder: pd.DataFrame, mode: str) -> pd.DataFrame:
-    if "variant" in ladder and ladder["variant"].fillna("main").nunique() > 1:
+    if "variant" in ladder and ladder["variant"].astype(object).fillna("main").nunique() > 1:
         ladder = _main(ladder)  # a table of several variants: judge the main one; one variant's slice as it is
     rows = ladder[ladder["mode"] == mode] if "mode" in ladder else ladder
     keep = [rows[(rows["lower"] == a) & (rows["higher"] == b)] for a, b in zip(RUNGS, RUNGS[1:])]
@@ -374,7 +374,7 @@ def faithfulness_findings(ladder: pd.DataFrame, *, model: str, profile: str | No
             rows.append({**base, "claim": finding.claim, "verdict": finding.verdict, "n_units": n, "unit": unit,
                          "measured": finding.measured, "primary": False})
     out = pd.DataFrame(rows, columns=FAITHFULNESS_COLUMNS)
-    out["primary"] = out["primary"].fillna(False).astype(bool)
+    out["primary"] = out["primary"].astype(object).fillna(False).astype(bool)
     return out
 
 
@@ -389,7 +389,7 @@ def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) 
     if table is None or table.empty or "primary" not in table:
         return table
     out = table.copy()
-    out["primary"] = out["primary"].fillna(False).astype(bool)
+    out["primary"] = out["primary"].astype(object).fillna(False).astype(bool)
     family = evidence.primary_family(models=[m for m in (models or evidence.PRIMARY["models"])])
     claim_of = {(lo, hi): c for c, lo, hi in STEPS}
     index, pvalues = [], []
@@ -503,9 +503,10 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
     if not frames:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     table = pd.concat(frames, ignore_index=True).drop(columns=["sample", "prospective"], errors="ignore")
-    table["variant"] = table["variant"].fillna("main")
-    table["source"] = table["source"].fillna(PAPER_CLAIM)
-    table["primary"] = table["primary"].fillna(False).astype(bool)
+    # as object first: a column no frame had is all-NaN float64, which pandas 4 will not fill with text or bools
+    table["variant"] = table["variant"].astype(object).fillna("main").infer_objects()
+    table["source"] = table["source"].astype(object).fillna(PAPER_CLAIM).infer_objects()
+    table["primary"] = table["primary"].astype(object).fillna(False).astype(bool)
     return _with_sample(primary_decisions(_weights_variants(table)), profile)
 
 
@@ -534,7 +535,7 @@ def combined_findings(exploratory_dir: str | os.PathLike, confirmatory_dir: str 
     parts = [findings_csv(exploratory_dir, held(exploratory_dir), exploratory_profile)]
     if confirmatory_dir is not None and any(Path(confirmatory_dir).glob("*/*.csv")):
         confirmatory = findings_csv(confirmatory_dir, held(confirmatory_dir), registration.CONFIRMATORY)
-        measured = confirmatory["measured"].fillna("")
+        measured = confirmatory["measured"].astype(object).fillna("").infer_objects()
         parts.append(confirmatory[~measured.str.endswith("was not built")])
     return pd.concat(parts, ignore_index=True)
 
@@ -608,7 +609,7 @@ def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "liv
         for k in ROW_KEYS:
             if k not in t:  # a table written before the column existed
                 t[k] = "main" if k == "variant" else ""
-            t[k] = t[k].fillna("main" if k == "variant" else "").astype(str)
+            t[k] = t[k].astype(object).fillna("main" if k == "variant" else "").astype(str)
         text = [f"{_fmt(e)} [{_fmt(lo)}, {_fmt(hi)}] {v}" if np.isfinite(e) else str(v)
                 for e, lo, hi, v in zip(t["estimate"], t["ci_low"], t["ci_high"], t["verdict"])]
         return pd.DataFrame({**{k: t[k] for k in ROW_KEYS}, name: text, f"{name} verdict": t["verdict"],

@@ -62,7 +62,7 @@ def ladder_forest(claims, title: str = ""):
     rows = claims[claims["claim"].isin(list(_STEP_LABELS)) & claims["estimate"].notna()
                   & (claims["verdict"] != NOT_MEASURED)]
     if "variant" in rows:  # the main protocols' steps; a variant's are shown beside them, never on their line
-        rows = rows[rows["variant"].fillna("main") == "main"]
+        rows = rows[rows["variant"].astype(object).fillna("main") == "main"]
     protocols = list(dict.fromkeys(rows["protocol"]))
     lines = [(c, p) for c in _STEP_LABELS for p in protocols]
     fig, panels = _forest_panels(rows, len(lines), line_height=0.42, pad=1.2)

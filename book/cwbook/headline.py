@@ -288,7 +288,7 @@ def exploratory_title(findings: pd.DataFrame) -> str:
     documents = sorted(set(rows.loc[rows["unit"] == "document", "n_units"].astype(int))) if "unit" in rows else []
     size = (f"{documents[0]} documents per data set" if len(documents) == 1 else
             f"{documents[0]}-{documents[-1]} documents per data set" if documents else "no test computed yet")
-    seen = int((~rows["prospective"].fillna(True).astype(bool)).sum()) if "prospective" in rows else 0
+    seen = int((~rows["prospective"].astype(object).fillna(True).astype(bool)).sum()) if "prospective" in rows else 0
     before = (f"; {seen} of its {len(rows)} tests were computed before their registration, so these verdicts "
               "generate hypotheses rather than confirm them" if seen else "")
     return f"**Exploratory sample** ({size}{before})"

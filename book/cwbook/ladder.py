@@ -305,8 +305,8 @@ def variant_changes(main: pd.DataFrame, variant: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     keys = [c for c in ("protocol", "data", "mode", "importance", "range", "lower", "higher")
             if c in variant and c in main]
-    base = main.set_index(keys)[["difference", "verdict"]]
-    out = variant[[*keys, "variant", "difference", "verdict"]].join(base, on=keys, rsuffix="_main")
+    base = main.set_index(keys)[["difference", "verdict"]].add_suffix("_main")
+    out = variant[[*keys, "variant", "difference", "verdict"]].join(base, on=keys)
     out["changed"] = out["verdict"] != out["verdict_main"]
     return out.reset_index(drop=True)
 

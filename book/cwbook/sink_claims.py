@@ -53,7 +53,7 @@ __all__ = ["COLUMNS", "chapter_claims", "decomposition_claims", "suppressor_clai
 
 def verdict_text(claims: pd.DataFrame) -> list[str]:
     """Each part's verdict as the chapters show it: "not measured: <why>" where the table says why."""
-    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
+    why = claims["why"].astype(object).fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
     return [f"{v}: {w}" if v == UNMEASURED and w and w != "nan" else str(v) for v, w in zip(claims["verdict"], why)]
 
 
@@ -106,7 +106,7 @@ def claim_verdict_texts(claims: pd.DataFrame) -> pd.Series:
     """:func:`claim_verdicts` as the chapters write them: a claim "not measured" says why (its parts'
     reasons, e.g. "not measured: no sink heads at eps=0.3")."""
     verdicts = claim_verdicts(claims)
-    why = claims["why"].fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
+    why = claims["why"].astype(object).fillna("").astype(str) if "why" in claims else pd.Series("", index=claims.index)
     out = {}
     for claim, result in verdicts.items():
         reasons = [w for w in dict.fromkeys(why[claims["claim"] == claim]) if w and w != "nan"]

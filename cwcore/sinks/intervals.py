@@ -90,8 +90,8 @@ def claim_row(chapter, claim, part, statistic, key, triple_, threshold, side, n=
 def claims_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows of :func:`claim_row` as a claims table (columns :data:`COLUMNS`)."""
     frame = pd.DataFrame(rows, columns=COLUMNS)
-    frame["why"] = frame["why"].fillna("").astype(str)
-    frame["source"] = frame["source"].fillna(PAPER).astype(str)
+    frame["why"] = frame["why"].astype(object).fillna("").astype(str)
+    frame["source"] = frame["source"].astype(object).fillna(PAPER).astype(str)
     return frame
 
 

@@ -56,9 +56,9 @@ def agreement_cells(rows: pd.DataFrame, evidence_rows: pd.DataFrame | None,
     ``template`` lays the two out."""
     committed = {}
     if evidence_rows is not None and len(evidence_rows):
-        keyed = evidence_rows.assign(**{k: evidence_rows[k].fillna("").astype(str) for k in findings.ROW_KEYS})
+        keyed = evidence_rows.assign(**{k: evidence_rows[k].astype(object).fillna("").astype(str) for k in findings.ROW_KEYS})
         committed = dict(zip(map(tuple, keyed[findings.ROW_KEYS].to_numpy()), keyed["verdict"]))
-    keyed = rows.assign(**{k: rows[k].fillna("").astype(str) for k in findings.ROW_KEYS})
+    keyed = rows.assign(**{k: rows[k].astype(object).fillna("").astype(str) for k in findings.ROW_KEYS})
     cells = []
     for key, e, lo, hi, v in zip(map(tuple, keyed[findings.ROW_KEYS].to_numpy()), rows["estimate"], rows["ci_low"],
                                  rows["ci_high"], rows["verdict"]):
@@ -155,13 +155,13 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
     combined = claims[claims["claim"].isin(["ordering", "cosine_gain"])]
     # Table 3: the evidence's verdict of each combined claim, and whether this rerun agrees with it
     ev_verdict = {} if evidence_rows is None else dict(zip(
-        map(tuple, evidence_rows[["claim", *ROWS]].fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
+        map(tuple, evidence_rows[["claim", *ROWS]].astype(object).fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
     combined = combined.assign(shown=[
         (f"evidence {ev_verdict[key]}; rerun {AGREEMENT_SHORT[rerun_agrees(v, ev_verdict[key])]}"
          if ev_verdict.get(key) not in (None, stats.NOT_MEASURED) else
          f"evidence {ev_verdict[key]}; rerun: {rerun_direction(v, claim=True)}" if key in ev_verdict
          else f"rerun: {rerun_direction(v, claim=True)}")
-        for key, v in zip(map(tuple, combined[["claim", *ROWS]].fillna("").astype(str).to_numpy()),
+        for key, v in zip(map(tuple, combined[["claim", *ROWS]].astype(object).fillna("").astype(str).to_numpy()),
                           combined["verdict"])])
     verdict_table = combined.pivot_table(index=ROWS, columns="claim", values="shown", aggfunc="first",
                                          sort=False).reset_index()
@@ -720,7 +720,7 @@ def committed_zero_rows(model: str, documents, metrics=IN_DISTRIBUTION_METRICS, 
     if len(rows) != expected or rows.empty:
         return None
     # a kind-independent metric's kind is "" in the sweep's rows (the CSV reads it back as missing)
-    return rows.drop(columns=["data", "model", "protocol", "delta_nll"]).assign(kind=rows["kind"].fillna(""))
+    return rows.drop(columns=["data", "model", "protocol", "delta_nll"]).assign(kind=rows["kind"].astype(object).fillna("").infer_objects())
 
 
 def removal_in_distribution(lm, tokenizer, *, model: str, n_documents: int = 16, seq_len: int = 128,

@@ -58,8 +58,8 @@ def beside_evidence(rows: pd.DataFrame, evidence_rows: pd.DataFrame, label: str)
     from cwbook.chapters.common import AGREEMENT_SHORT, rerun_agrees, rerun_direction
 
     keys = [k for k in findings.ROW_KEYS if k in rows and k in evidence_rows]
-    committed = dict(zip(map(tuple, evidence_rows[keys].fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
-    found = [committed.get(k) for k in map(tuple, rows[keys].fillna("").astype(str).to_numpy())]
+    committed = dict(zip(map(tuple, evidence_rows[keys].astype(object).fillna("").astype(str).to_numpy()), evidence_rows["verdict"]))
+    found = [committed.get(k) for k in map(tuple, rows[keys].astype(object).fillna("").astype(str).to_numpy())]
     at = list(rows.columns).index("verdict")
     out = rows.drop(columns="verdict")
     out.insert(at, "rerun direction", [rerun_direction(v) for v in rows["verdict"]])
