@@ -243,7 +243,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     if key is not None:
         # a packaged model is a local conversion of a pip package: from_pretrained would drop a download option
         # without a word (local_files_only holds already)
-        hub_only = sorted(k for k in _SHARED_HUB_KWARGS if k != "local_files_only" and kwargs.get(k) not in (None, False))
+        hub_only = sorted(k for k in _SHARED_HUB_KWARGS
+                          if k != "local_files_only" and kwargs.get(k) not in (None, False))
         if hub_only:
             raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to {key!r}: a "
                              f"packaged model ({PACKAGED_MODELS[key]}), converted into {CACHE_ENV_VAR}'s folder, not "

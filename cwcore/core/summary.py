@@ -606,8 +606,8 @@ def _positions(positions, length: int, argument: str) -> tuple[int, ...]:
     if is_integer_number(positions):
         positions = [positions]
     elif isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
-        raise InputTypeError(f"{argument} must be a query position or a list of them (ints in -{length}..{length - 1}), "
-                             f"got {positions!r}")
+        raise InputTypeError(f"{argument} must be a query position or a list of them (ints in "
+                             f"-{length}..{length - 1}), got {positions!r}")
     out = []
     for position in positions:
         position = plain_integer(position)  # a numpy or 0-d tensor integer reads as its int

@@ -409,7 +409,8 @@ def _direction_control(points: pd.DataFrame, fits: pd.DataFrame, fitted: pd.Data
     control = vertex_intervals(points.assign(norm=random_direction_norm(points)), fits, fit_on, n_resamples, seed)
     control = control[control["scope"] == "head"][["layer", "head", "vertex_inside"]]
     paired = fitted.merge(control, on=["layer", "head"], how="left", suffixes=("", "_random"))
-    difference = (paired["vertex_inside"].astype(float) - paired["vertex_inside_random"].astype(object).fillna(False).astype(float))
+    random_inside = paired["vertex_inside_random"].astype(object).fillna(False).astype(float)
+    difference = paired["vertex_inside"].astype(float) - random_inside
     ci = stats.bootstrap_ci(difference.to_numpy(), np.mean, n_resamples=n_resamples, seed=seed)
     return claim_row(6, claim, part, text, key, (ci.estimate, ci.low, ci.high), 0.0, "above", len(paired), "",
                      unit="head", n_units=len(paired))

@@ -10,7 +10,8 @@ __all__ = ["CHUNK_BYTES", "projected_values"]
 CHUNK_BYTES = 64 * 2 ** 20
 
 
-def projected_values(call, at_least: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def projected_values(call, at_least: torch.dtype | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(alpha ``[b, h, q, k]``, v~ ``[b, h, k, model]``, bias) in the model's dtype (padding zeroed): the output
     projection's, since a half-precision model's SDPA layers hand cwcore their values in float32; promoted to
     ``at_least`` where given (ALTI's geometry in float32 for a bf16 model; value zeroing runs the model's own
