@@ -49,6 +49,12 @@ _GENERAL_KEYWORDS = {
     "past_key_values", "position_ids", "labels", "logits_to_keep", "num_items_in_batch", "cu_seq_lens_q",
     "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal", "seq_idx", "head_mask", "token_type_ids",
 }
+#: of those, the flash-attention kernel's packing keywords: accepted, never suggested for a misspelt name
+_KERNEL_KEYWORDS = {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"}
+#: what a tokenizer returns besides the model's inputs (``return_offsets_mapping=True``, ...): the model's
+#: **kwargs swallow them; cwcore names them rather than say "unexpected keyword"
+_TOKENIZER_OUTPUTS = {"offset_mapping", "special_tokens_mask", "length", "overflowing_tokens",
+                      "num_truncated_tokens", "overflow_to_sample_mapping"}
 _COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
@@ -151,10 +157,17 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
                          f"{caller}(model, **tokenizer(text, return_tensors='pt'))")
     accepted = _accepted_keywords(model)
     unknown = sorted(set(inputs) - accepted)
+    extras = [name for name in unknown if name in _TOKENIZER_OUTPUTS]
+    if extras:
+        one = len(extras) == 1
+        raise InputTypeError(f"{caller}(): {', '.join(map(repr, extras))} {'is' if one else 'are'} the tokenizer's own "
+                             f"output{'' if one else 's'}, not {'a model input' if one else 'model inputs'}: leave "
+                             f"{'it' if one else 'them'} out, e.g. {caller}(model, input_ids=enc['input_ids'], "
+                             "attention_mask=enc['attention_mask'])")
     if unknown:
         hints = []
         for name in unknown:
-            close = difflib.get_close_matches(name, sorted(accepted | set(options)), n=1)
+            close = difflib.get_close_matches(name, sorted((accepted - _KERNEL_KEYWORDS) | set(options)), n=1)
             hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
                         f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")

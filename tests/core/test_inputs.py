@@ -32,6 +32,21 @@ def test_a_misspelled_option_of_cwcores_own_is_suggested_too(model, call, typo, 
         getattr(cwcore, call)(model, input_ids=IDS, **{typo: 1})
 
 
+@pytest.mark.parametrize("call", ["decompose", "summarize", "attribute"])
+def test_a_tokenizers_extra_outputs_are_named_as_such(model, call):
+    # before: "got unexpected keyword argument(s) 'length' (did you mean 'max_length_q'?), 'offset_mapping', ...":
+    # tokenizer(text, return_offsets_mapping=True, return_length=True) outputs, which the model's **kwargs swallow
+    extras = {"offset_mapping": torch.zeros(2, 6, 2, dtype=torch.long), "length": torch.tensor([6, 6])}
+    with pytest.raises(TypeError, match=rf"^{call}\(\): 'length', 'offset_mapping' are the tokenizer's own outputs, not "
+                                        rf"model inputs: leave them out, e.g. {call}\(model, input_ids=enc\['input_ids'\]"):
+        getattr(cwcore, call)(model, input_ids=IDS, **extras)
+    with pytest.raises(TypeError, match=r"'special_tokens_mask' is the tokenizer's own output, not a model input"):
+        cwcore.decompose(model, input_ids=IDS, special_tokens_mask=torch.zeros_like(IDS))
+    # a misspelling is never answered with the flash-attention kernel's packing keywords
+    with pytest.raises(TypeError, match=r"^decompose\(\) got unexpected keyword argument\(s\) 'max_lenght';"):
+        cwcore.decompose(model, input_ids=IDS, max_lenght=3)
+
+
 @pytest.mark.parametrize("ids, error, match", [
     (IDS.float(), TypeError, "integer token ids"),
     (IDS[:0], ValueError, "empty"),
