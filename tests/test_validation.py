@@ -139,6 +139,29 @@ def test_an_empty_text_is_named_as_such_not_as_float_ids(model):
     assert len(faithfulness_curve(model, tokenizer, [texts[0], texts[2]], "contribution", 0.1, **FC).table) == 2
 
 
+def test_columns_the_sweeps_would_drop_are_refused(model, ids):
+    # before: {"input_ids", "attention_mask", "labels"} with -100 on the prompt ran, scoring every token: the
+    # sweeps read input_ids and attention_mask only
+    labels = ids.clone()
+    labels[:, :4] = -100
+    given = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    with pytest.raises(InputError, match=r"^faithfulness_curve: texts holds 'labels', which the sweep does not read: "
+                                         r"every next token of a sequence is scored \(no -100 masking\); leave it out$"):
+        faithfulness_curve(model, None, given, "contribution", 0.1, **FC)
+    with pytest.raises(InputError, match=r"^per_layer_curve: texts holds 'labels', 'position_ids'"):
+        per_layer_curve(model, None, {**given, "position_ids": torch.arange(8).repeat(2, 1)}, metric="contribution",
+                        ratios=0.1)
+    import datasets
+
+    table = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+    with pytest.raises(InputError, match="texts holds 'labels'"):
+        faithfulness_curve(model, None, table, "contribution", 0.1, **FC)
+    # the control: the columns the sweeps read, and a document column, pass and give the tensor's curve
+    kept = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "document": [0, 1]}
+    pd.testing.assert_frame_equal(faithfulness_curve(model, None, kept, "contribution", 0.1, **FC).table,
+                                  faithfulness_curve(model, None, ids, "contribution", 0.1, **FC).table)
+
+
 @pytest.mark.parametrize("argument, value, message", [
     ("layers", [], "layers is empty"), ("layers", [5], "out of range"), ("layers", ["a"], "layer numbers"),
     ("ratios", [], "ratios is empty"), ("ratios", 1.5, "ratios must be a number in"), ("ratios", "a", "ratios"),

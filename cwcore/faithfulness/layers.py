@@ -119,7 +119,8 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
                          "use faithfulness_curve for an in-distribution removal")
     kind, seed, scope = protocol.kind, protocol.seed, protocol.scope
     specs, modes, ratio_list = parse_specs(metric, kind), parse_modes(mode), parse_ratios(ratios)
-    sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length),
+    sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length,
+                                                    "per_layer_curve"),
                                       model, caller="per_layer_curve", min_length=2)
     documents = _documents(texts, list(range(len(sequences))))
     pad = pad_id(tokenizer)

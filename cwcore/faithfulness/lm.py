@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks
-from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
+from ..core.inputs import InputError, check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
@@ -44,7 +44,16 @@ class _TextLength(int):
 DEFAULT_MAX_LENGTH = _TextLength(128)
 
 
-def _lm_sequences(texts, tokenizer, max_length: int | None) -> list[list[int]]:
+#: columns beside ``input_ids`` that the sweeps would drop, though they change what a model computes or scores
+_UNREAD_COLUMNS = {
+    "labels": "every next token of a sequence is scored (no -100 masking)",
+    "position_ids": "positions count each sequence's real tokens",
+    "inputs_embeds": "the ids are embedded by the model",
+    "past_key_values": "every sequence runs whole, without a cache",
+}
+
+
+def _lm_sequences(texts, tokenizer, max_length: int | None, caller: str = "faithfulness_curve") -> list[list[int]]:
     """Token id lists (padding removed) from strings, a Dataset, token tensors or a dict of them. Strings are
     truncated to ``max_length``; token input is taken whole, and refused if longer than a ``max_length`` given."""
 
@@ -58,6 +67,12 @@ def _lm_sequences(texts, tokenizer, max_length: int | None) -> list[list[int]]:
                              f"{longest} tokens: cut them yourself, or leave max_length out")
         return sequences
 
+    columns = list(texts) if isinstance(texts, dict) else getattr(texts, "column_names", None) or []
+    unread = [name for name in _UNREAD_COLUMNS if name in columns] if "input_ids" in columns else []
+    if unread:  # only input_ids and attention_mask are read: these would change the result if they were
+        raise InputError(f"{caller}: texts holds {', '.join(map(repr, unread))}, which the sweep does not read: "
+                         f"{'; '.join(_UNREAD_COLUMNS[name] for name in unread)}; leave "
+                         f"{'it' if len(unread) == 1 else 'them'} out")
     if isinstance(texts, dict) and "input_ids" in texts:
         ids = torch.as_tensor(texts["input_ids"])
         mask = torch.as_tensor(texts.get("attention_mask", torch.ones_like(ids)))
