@@ -309,8 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--top-k", type=_count, default=None,
                     help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
-    ex.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32; the geometry "
-                                                  "is float32 either way)")
+    add_dtype_option(ex)
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level; not with --summary)")
     ex.add_argument("--kind", default="inter", choices=["intra", "inter"],
@@ -400,6 +399,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, debug: bool) -> int:
     return run_command("cwcore", lambda: args.run(args), debug)
+
+
+def add_dtype_option(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, the one spelling of the model's dtype on every command line that loads a model."""
+    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32; the "
+                                                      "geometry is float32 either way)")
 
 
 def given_flags(parser: argparse.ArgumentParser, argv, names) -> set[str]:

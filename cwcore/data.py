@@ -404,9 +404,9 @@ def load_dataset(
 
     path = Path(os.path.expanduser(name))
     if path.exists() and (path.is_dir() or path.suffix.lower() in _LOCAL_EXTENSIONS):
-        if config_name is not None and not path.is_dir():
-            raise TypeError(f"a local file has no configurations, so no second argument (got {config_name!r})")
         if config_name is not None:
+            if not path.is_dir():
+                raise TypeError(f"a local file has no configurations, so no second argument (got {config_name!r})")
             kwargs["name"] = config_name
         return _apply_limit(_load_local(path, split, **kwargs), limit, seed)
     if path.suffix.lower() in _LOCAL_EXTENSIONS:

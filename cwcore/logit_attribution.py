@@ -25,7 +25,7 @@ from .core.decomposition import Decomposition, decompose
 from .core.inputs import InputError, check_inputs, check_targets
 
 __all__ = ["FrozenNorm", "LogitAttribution", "logit_attribution", "direct_logit_attribution", "frozen_norm",
-           "naive_logit_attribution"]
+           "norm_at_float32", "naive_logit_attribution"]
 
 
 @dataclass
@@ -50,6 +50,17 @@ class FrozenNorm:
         return self.project(self.gain * direction) / self.scale[..., None]
 
 
+def norm_at_float32(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``norm(x)`` at float32 precision at least where the module takes such input whatever its weights' dtype
+    (RMSNorms do: a bf16 output would round it), else in the norm's own dtype (a half-precision LayerNorm takes
+    no other); in the dtype it was computed in."""
+    own = next(norm.parameters(), x).dtype
+    try:
+        return norm(x.to(torch.promote_types(own, torch.float32)))
+    except RuntimeError:
+        return norm(x.to(own))
+
+
 def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dtype=torch.float64,
                 tolerance: float | None = None) -> FrozenNorm:
     """A norm ``g * P(x) / s(x) + b`` (RMSNorm with ``weight`` or ``1 + weight``, LayerNorm) read by probing,
@@ -62,11 +73,7 @@ def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dt
         probe = torch.zeros(2, width, dtype=param.dtype, device=param.device)
         probe[1] = 1.0
         probe[1, 1::2] = -1.0  # alternating +-1: mean zero, mean square one, so P z = z either way
-        try:  # at float32 precision where the module takes float32 input (RMSNorms do): a bf16 output would
-            # round the gain
-            bias, response = norm(probe.to(torch.promote_types(param.dtype, torch.float32))[None]).to(dtype)[0]
-        except RuntimeError:  # a half-precision LayerNorm takes its own dtype only
-            bias, response = norm(probe[None]).to(dtype)[0]
+        bias, response = norm_at_float32(norm, probe[None]).to(dtype)[0]  # a bf16 output would round the gain
     sign = probe[1].to(dtype)
     gain = (response - bias) * sign  # g / sqrt(1 + eps); the fitted scales absorb the sqrt(1 + eps)
     x, y = inputs.to(dtype), outputs.to(dtype) - bias

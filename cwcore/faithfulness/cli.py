@@ -10,6 +10,7 @@ import re
 import sys
 from typing import Sequence
 
+from ..cli import UsageError, add_dtype_option, debug_requested, given_flags, run_command
 from ..provenance import RESULTS_FOLDER, confined, output_folder
 
 __all__ = ["main", "parser", "CHOICES"]
@@ -38,8 +39,6 @@ def _slug(name: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the sweeps named on the command line (``argv``, default ``sys.argv[1:]``); returns the exit
     status: 0, 2 for bad input (one line on stderr), 1 for a bug (``--debug``: the traceback)."""
-    from ..cli import debug_requested, run_command
-
     return run_command("python -m cwcore.faithfulness", lambda: _main(argv), debug_requested(argv))
 
 
@@ -93,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the document draw, the random control and the bootstrap (default %(default)s)")
     parser.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples per interval (default %(default)s)")
-    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32)")
+    add_dtype_option(parser)
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--out", default=RESULTS_FOLDER,
                         help=f"folder of the tables (default ./{RESULTS_FOLDER}/ in the working folder)")
@@ -106,8 +105,6 @@ def parser() -> argparse.ArgumentParser:
 def _refuse_unread_flags(argv: Sequence[str] | None, data: Sequence[str]) -> None:
     """A flag of the language-model sweeps with only multiple-choice tasks in ``--data`` (or the other way round)
     is refused, not silently dropped."""
-    from ..cli import UsageError, given_flags
-
     given = given_flags(parser(), argv, _LM_ONLY + _MC_ONLY)
     has_tasks = any(d in _MC_TASKS for d in data)
     has_lm = any(d not in _MC_TASKS for d in data)

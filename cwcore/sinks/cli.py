@@ -19,6 +19,7 @@ __all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
+from ..cli import add_dtype_option, debug_requested, given_flags, run_command
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences")
@@ -142,8 +143,6 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 def main(argv: Iterable[str] | None = None) -> int:
     """``python -m cwcore.sinks --model NAME --data NAME --num-sequences N --out DIR``; returns the exit
     status: 0, 2 for bad input (one line on stderr), 1 for a bug (``--debug``: the traceback)."""
-    from ..cli import debug_requested, run_command
-
     argv = list(argv) if argv is not None else None
     return run_command("python -m cwcore.sinks", lambda: _main(argv), debug_requested(argv))
 
@@ -160,8 +159,7 @@ def parser() -> argparse.ArgumentParser:
                              "concatenated texts in data-set order (cwcore.data.lm_blocks)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default %(default)s)")
-    parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32; the "
-                                                      "geometry is float32 either way)")
+    add_dtype_option(parser)
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default",
                         help="start every sequence with the tokenizer's BOS token: yes, no, or as the tokenizer "
                              "itself does (default)")
@@ -212,8 +210,6 @@ def _main(argv: list[str] | None) -> int:
     if unknown:
         parser_.error(f"unknown analyses: {', '.join(unknown)}")
     # an option flag given for analyses that do not run is refused, not silently dropped
-    from ..cli import given_flags
-
     given_run = given_flags(parser(), argv, (*CLI_OPTIONS, *_RECORDED))
     given = [name for name in CLI_OPTIONS if name in given_run]
     takers = {name: [a for a in ANALYSES if name in {o.name for o in REGISTRY[a].options}] for name in given}

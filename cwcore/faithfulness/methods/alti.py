@@ -26,14 +26,13 @@ def alti(layer_decomposition, call, block_input, model, **_):
     rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity.
     """
     from ...core.architectures import post_attention_norms
-    from ...logit_attribution import frozen_norm
+    from ...logit_attribution import frozen_norm, norm_at_float32
 
     if block_input is None:
         raise UnsupportedModelError("alti: the decoder layer's input was not captured")
     # geometry in float32 at least, even for a bf16 model: ||y_i||_1 - ||y_i - T_i(x_j)||_1 is a difference of
     # two nearly equal sums, which bf16 sums would swamp (a bf16 GPT-2's scores were 17% off)
     alpha, projected, bias = projected_values(call, at_least=torch.float32)
-    native = call.output_projection()[0].dtype
     b, h, q, k = alpha.shape
     hidden = (block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]).to(projected.dtype)
     a = torch.einsum("bhqk,bhkm->bqm", alpha, projected)
@@ -45,10 +44,7 @@ def alti(layer_decomposition, call, block_input, model, **_):
     scale = None
     normed = None
     if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows
-        try:  # the model's own norm at float32 precision where its module takes float32 input (RMSNorms do)
-            normed = norm(a)
-        except RuntimeError:  # a half-precision LayerNorm: its own dtype
-            normed = norm(a.to(native)).to(a.dtype)
+        normed = norm_at_float32(norm, a).to(a.dtype)  # the model's own norm
         frozen = frozen_norm(norm, a[rows][None], normed[rows][None], dtype=projected.dtype)
         scale = torch.ones(b, q, dtype=projected.dtype, device=alpha.device)
         scale[rows] = frozen.scale[0]
