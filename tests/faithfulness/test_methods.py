@@ -311,3 +311,32 @@ def test_builtin_methods_run_in_the_sweep_and_downstream(data):
     down = fa.downstream_eval(model, word_tokenizer(), mc_dataset(), metric=["rollout", "grad_x_input"],
                               ratios=[0.5], progress=False, n_bootstrap=50)
     assert set(down["metric"]) == {"rollout", "grad_x_input"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_block_input_is_the_layers_own_after_alti_finds_the_post_attention_norm(family):
+    """ALTI finds a model's post-attention norms in a probe forward, once per model. It ran that probe inside
+    the scored forward, where the block-input hooks saw it: a method after ALTI (value zeroing) was handed
+    the probe's hidden states on a model's first sweep (a wrong score where the probe's shape, [1, 4], was the
+    batch's; a shape error elsewhere). The probe now runs before the forward."""
+    seen: dict[int, torch.Tensor] = {}
+
+    @methods.register_method("test_block_input_recorder", needs=("block_input",))
+    def recorder(layer_decomposition, call, block_input, **_):
+        args, kwargs = block_input
+        seen.setdefault(call.layer, (args[0] if args else kwargs["hidden_states"]).detach().clone())
+        return layer_decomposition.attention
+
+    try:
+        for ids in (torch.tensor([[5, 9, 2, 7]]), torch.tensor([[5, 9, 2, 7, 11, 3], [8, 1, 4, 6, 2, 10]])):
+            model = tiny_model(family)  # new: ALTI has not probed it yet
+            seen.clear()
+            fa.faithfulness_curve(model, None, ids, metric=["alti", "test_block_input_recorder"], ratios=[0.5],
+                                  mode="comprehensiveness", progress=False)
+            with torch.no_grad():  # the layers' inputs, from the model's own output
+                hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+            assert sorted(seen) == [0, 1]
+            for layer, recorded in seen.items():
+                torch.testing.assert_close(recorded, hidden[layer], rtol=0, atol=1e-6)
+    finally:
+        methods._REGISTRY.pop("test_block_input_recorder")

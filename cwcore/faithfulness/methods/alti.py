@@ -11,9 +11,9 @@ from .registry import register_method
 __all__ = ["alti"]
 
 
-@register_method("alti", needs=("block_input",), cost="no extra forward; [rows, query chunk, key, model] tensors",
+@register_method("alti", needs=("block_input", "post_attention_norm"), cost="no extra forward; [rows, query chunk, key, model] tensors",
                  title="ALTI", colour="#ece133")
-def alti(layer_decomposition, call, block_input, model, **_):
+def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     """ALTI-style contributions (Ferrando et al. 2022) of one decoder layer, token-level.
 
     The residual stream after the attention sub-block is y_i = x_i + N(a_i), a_i = sum_j sum_h
@@ -23,9 +23,9 @@ def alti(layer_decomposition, call, block_input, model, **_):
     ALTI splits LayerNorm(sum_j z_j) into sum_j g * (z_j - mean z_j) / sigma; for **RMSNorm the same
     split without the mean subtraction**, g * z_j / rms(a_i), which is exact. Contribution:
     c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
-    rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity.
+    rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity
+    (``post_attention_norm`` None).
     """
-    from ...core.architectures import post_attention_norms
     from ...logit_attribution import frozen_norm, norm_at_float32
 
     if block_input is None:
@@ -40,7 +40,7 @@ def alti(layer_decomposition, call, block_input, model, **_):
         a = a + bias
     valid = call.valid_keys()
     rows = torch.ones(b, q, dtype=torch.bool, device=alpha.device) if valid is None else valid
-    norm = post_attention_norms(model).get(call.layer)
+    norm = post_attention_norm
     scale = None
     normed = None
     if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows

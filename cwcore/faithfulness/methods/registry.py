@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from ...core.architectures import UnsupportedModelError, attention_blocks
+from ...core.architectures import UnsupportedModelError, attention_blocks, post_attention_norms
 from ...core.decomposition import LayerDecomposition, prepare_inputs
 from ...identity import UncacheableMetric, method_key  # a callable's identity: one home, cwcore.identity
 
@@ -26,7 +26,7 @@ __all__ = [
 @dataclass(frozen=True)
 class Method:
     """A registered ranking ``fn(layer_decomposition=..., **context)``: ``needs`` (extra context:
-    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``), ``cost``, ``key`` (its code's
+    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``), ``cost``, ``key`` (its code's
     identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
 
     name: str
@@ -46,7 +46,7 @@ class Method:
 
 
 _REGISTRY: dict[str, Method] = {}
-_NEEDS = ("block_input", "output_gradient", "earlier_layers")
+_NEEDS = ("block_input", "output_gradient", "earlier_layers", "post_attention_norm")
 
 
 def register_method(name: str, *, needs=(), cost: str = "", kind_dependent: bool = False, title: str = "",
@@ -180,6 +180,7 @@ class ScoreContext:
         self.state: dict = {}
         self.block_inputs: dict[int, tuple] = {}
         self.gradients: dict[int, torch.Tensor] = {}
+        self.post_attention_norms: dict[int, nn.Module | None] = {}
 
     def scores(self, method: Method, layer_decomposition: LayerDecomposition, call=None, kind: str | None = None):
         """``[batch, head, query, key]`` scores of ``method`` for one layer. Token-level scores are copied
@@ -199,6 +200,8 @@ class ScoreContext:
             context["block_input"] = self.block_inputs.get(layer)
         if "output_gradient" in method.needs:
             context["output_gradient"] = self.gradients.get(layer)
+        if "post_attention_norm" in method.needs:
+            context["post_attention_norm"] = self.post_attention_norms.get(layer)
         accepted = _accepted(method.fn)
         if accepted is not None:
             context = {k: v for k, v in context.items() if k in accepted}
@@ -234,6 +237,8 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
     context = ScoreContext(model, input_ids, attention_mask, groups=groups, candidates=candidates, kind=kind,
                            seed=seed)
     needs = set().union(*[m.needs for m in methods]) if methods else set()
+    if "post_attention_norm" in needs:  # found by a probe forward: run it now, not inside the scored forward,
+        context.post_attention_norms = post_attention_norms(model)  # whose hooks (block inputs) would see it
     if "output_gradient" in needs:
         context.gradients = output_gradients(model, input_ids, attention_mask, layers)
     handles = []
