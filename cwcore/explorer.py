@@ -53,13 +53,14 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     key]``, ``output_norm [layer, query]`` and ``head_output_norm [layer, head, query]``."""
     from .core.architectures import UnsupportedModelError
     from .core.decomposition import decompose
+    from .core.inputs import input_device
     from .tokens import token_labels
     from .logit_attribution import logit_attribution
 
     if not text.strip():
         raise ValueError("the text is empty")
     encoded = tokenizer(text, return_tensors="pt")
-    device = next(model.parameters()).device
+    device = input_device(model)
     inputs = {k: v.to(device) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     dla_note = None
     try:
@@ -477,13 +478,14 @@ def long_explorer_data(model, tokenizer, text: str, *, layers=None, top_k: int =
     ``received_attention [layer, key]`` (c and alpha summed over queries and heads) and each query's
     ``top_k`` terms ``[layer, query, k]``: ``top_head``, ``top_key`` (-1 where fewer), ``top_contribution``,
     ``top_attention``, ``top_relative_norm`` and ``top_cosine``."""
+    from .core.inputs import input_device
     from .core.summary import summarize
     from .tokens import token_labels
 
     if not text.strip():
         raise ValueError("the text is empty")
     encoded = tokenizer(text, return_tensors="pt")
-    device = next(model.parameters()).device
+    device = input_device(model)
     inputs = {k: v.to(device) for k, v in encoded.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     extra = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}
     s = summarize(model, layers=layers, top_k=top_k, rows=None, kind=kind, **inputs, **extra)

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
+from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts, input_device
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
@@ -53,7 +53,7 @@ def _downstream_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
             for row, positions, targets in item["choices"]:
                 row = item["offset"] + row
                 logp = torch.log_softmax(logits[row, positions].float(), -1)
-                logps.append(float(logp.gather(-1, torch.tensor(targets)[:, None]).sum()))
+                logps.append(float(logp.gather(-1, torch.tensor(targets, device=logp.device)[:, None]).sum()))
             gold = item["gold"]
             n_gold = len(item["choices"][gold][2])
             rows = slice(item["offset"], item["offset"] + item["n_rows"])
@@ -144,7 +144,7 @@ def downstream_eval(
         nonlocal rows, meta, length
         if rows:
             groups = [item["example"] for item in meta for _ in range(item["n_rows"])]
-            batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta))
+            batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta, device=input_device(model)))
         rows, meta, length = [], [], 0
 
     prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and protocol.scope == "row"))

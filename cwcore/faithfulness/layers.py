@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks
-from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
+from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences, input_device
 from .lm import DEFAULT_MAX_LENGTH, _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
@@ -128,7 +128,8 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     n_layers = len(stack)
     chosen = check_layers(layers, n_layers, allow_empty=False)
     batches = [pad_batch(i // batch_size, sequences[i:i + batch_size],
-                         list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side)
+                         list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side,
+                         device=input_device(model))
                for i in range(0, len(sequences), batch_size)]
     store = piece_store("faithfulness-per-layer", {
         **protocol.columns(), "kind": kind, "seed": seed, "layers": chosen, "metrics": [sp.label for sp in specs],
@@ -152,7 +153,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
         finally:
             for h in handles:
                 h.remove()
-        clean = scorer(logits, batch, torch.zeros(batch.input_ids.shape[0], dtype=torch.long))
+        clean = scorer(logits, batch, batch.input_ids.new_zeros(batch.input_ids.shape[0]))
         del logits
         for layer in chosen:
             for spec in specs:

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks
-from ..core.inputs import InputError, check_layers, check_sweep_arguments, check_texts, check_token_sequences
+from ..core.inputs import (InputError, check_layers, check_sweep_arguments, check_texts, check_token_sequences,
+                           input_device)
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
@@ -98,7 +99,7 @@ def sequence_nll(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
     """Summed next-token NLL ``[rows]`` (float64) and predictions per row ``[rows]`` (long) from
     ``logits [rows, length, vocab]``, row by row for memory."""
     ids, mask = batch.input_ids, batch.attention_mask.bool()
-    sums = torch.zeros(ids.shape[0], dtype=torch.float64)
+    sums = torch.zeros(ids.shape[0], dtype=torch.float64, device=logits.device)
     counts = (mask[:, :-1] & mask[:, 1:]).sum(-1)
     for row in range(ids.shape[0]):
         valid = mask[row, :-1] & mask[row, 1:]
@@ -137,11 +138,11 @@ def _lm_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
     def score(logits, batch, removed):
         sums, counts = sequence_nll(logits, batch)
         return pd.DataFrame({
-            "sequence": batch.groups.numpy(),
-            "nll": (sums / counts.clamp_min(1)).numpy(),
-            "n_tokens": counts.numpy(),
-            "n_removed": removed.numpy(),
-            "n_candidates": candidates[batch.index].numpy(),
+            "sequence": batch.groups.cpu().numpy(),
+            "nll": (sums / counts.clamp_min(1)).cpu().numpy(),
+            "n_tokens": counts.cpu().numpy(),
+            "n_removed": removed.cpu().numpy(),
+            "n_candidates": candidates[batch.index].cpu().numpy(),
         })
     return score
 
@@ -239,7 +240,8 @@ def faithfulness_curve(
     ids = _sequence_ids(sequence_ids, len(sequences))
     pad = pad_id(tokenizer)
     batches = [
-        pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side)
+        pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side,
+                  device=input_device(model))
         for i in range(0, len(sequences), batch_size)
     ]
     documents = dict(zip(ids, _documents(texts, ids)))

@@ -55,8 +55,10 @@ class Batch:
 Scorer = Callable[[torch.Tensor, Batch, torch.Tensor], pd.DataFrame]
 
 
-def pad_batch(index, rows: list[list[int]], groups: list[int], pad: int, side: str, meta=None) -> Batch:
-    """Token id lists padded on ``side`` into one :class:`Batch` (its digest covers ``meta`` too)."""
+def pad_batch(index, rows: list[list[int]], groups: list[int], pad: int, side: str, meta=None,
+              device: torch.device | str | None = None) -> Batch:
+    """Token id lists padded on ``side`` into one :class:`Batch` (its digest covers ``meta`` too), its
+    tensors on ``device`` (the model's input device, :func:`cwcore.core.inputs.input_device`; default the CPU)."""
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
@@ -68,7 +70,7 @@ def pad_batch(index, rows: list[list[int]], groups: list[int], pad: int, side: s
     digest = tensor_digest(ids, mask, groups)
     if meta is not None:
         digest = hashlib.sha256((digest + repr(meta)).encode()).hexdigest()[:20]
-    return Batch(index, ids, mask, groups, meta, digest)
+    return Batch(index, ids.to(device), mask.to(device), groups.to(device), meta, digest)
 
 
 class Sweep:
@@ -180,7 +182,7 @@ class Sweep:
         """Clean logits, ``{label: {layer: {mode: bucket}}}`` and ``{label: {mode: removed}}`` (terms each
         ratio removes per sequence, summed over layers: ``[batch, n_ratios]``) from one observed forward."""
         buckets: dict[str, dict[int, dict[str, torch.Tensor]]] = {s.label: {} for s in specs}
-        removed = {s.label: {m: torch.zeros(batch.input_ids.shape[0], len(self.nonzero), dtype=torch.long)
+        removed = {s.label: {m: batch.input_ids.new_zeros(batch.input_ids.shape[0], len(self.nonzero))
                              for m in self.modes} for s in specs}
         unit, scope = self.protocol.unit, self.protocol.scope
         observed = self._observed(specs) if specs and self.nonzero else {}
@@ -236,7 +238,7 @@ class Sweep:
             need = [s for s in self.specs if any(k[0] == s.label for k in todo)] if self.protocol.scores == "clean" else []
             logits, buckets, removed = self.clean_pass(batch, need, candidates)
             if clean is None:
-                clean = scorer(logits, batch, torch.zeros(rows, dtype=torch.long))
+                clean = scorer(logits, batch, batch.input_ids.new_zeros(rows))
                 self._put(clean_piece, clean)
             del logits
         alias = self._aliases(buckets) if self.deduplicate else {}
@@ -288,7 +290,7 @@ class Sweep:
             logits = self._forward(batch, masks)
             removed = removed_counts[mode][:, t].clone()
         else:
-            removed = torch.zeros(rows, dtype=torch.long)
+            removed = batch.input_ids.new_zeros(rows)
             unit, scope = self.protocol.unit, self.protocol.scope
             observed = self._observed([spec])
             intervened = set(self.layers)
@@ -311,7 +313,7 @@ class Sweep:
 
     def candidate_terms(self, batch: Batch) -> torch.Tensor:
         """``[rows]`` candidate terms (head, query, key) per row, summed over the intervened layers."""
-        total = torch.zeros(batch.input_ids.shape[0], dtype=torch.long)
+        total = batch.input_ids.new_zeros(batch.input_ids.shape[0])
         for mask in self.candidates(batch).values():
             total += mask.sum((1, 2, 3)).long() * self.heads
         return total

@@ -39,7 +39,7 @@ from torch import nn
 from .. import runs
 from ..cache import caching_enabled
 from ..core.architectures import attention_blocks, layer_type, require_causal
-from ..core.inputs import check_texts
+from ..core.inputs import check_texts, input_device
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
 from ..core.geometry import head_space_geometry, split_output_projection
@@ -414,8 +414,7 @@ def forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=Fals
 
         observers = {block.layer: [observe] for block in attention_blocks(model)}
     session = AttentionSession(model, observers=observers, transforms=transforms, compute_dtype=compute_dtype)
-    device = next(model.parameters()).device
-    ids = ids.to(device)
+    ids = ids.to(input_device(model))
     network = model if logits else _backbone(model)
     training = model.training
     model.eval()
