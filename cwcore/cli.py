@@ -162,7 +162,8 @@ def _explain_command(args) -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the error line, if any, stays the only line on stderr
-    model, tokenizer = load_model(args.model, dtype=args.dtype)  # ModelNotFoundError, ...: one line from main()
+    # ModelNotFoundError, a device this torch lacks, ...: one line from main()
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     if args.summary or out.suffix.lower() == ".html":
         # the pages refuse a text longer than the model's context (the explorer's one longer than --max-tokens)
         # here, in the command's words, as explain() does for the figure; verbose=False: not transformers' own
@@ -309,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--top-k", type=_count, default=None,
                     help="--summary: top (head, key) terms kept per query (default 5)")
     ex.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path")
-    add_dtype_option(ex)
+    add_model_options(ex)
     ex.add_argument("--layer", type=int, default=None, help="attention layer (default: the middle one)")
     ex.add_argument("--head", type=int, default=None, help="one head (default: all heads, token level; not with --summary)")
     ex.add_argument("--kind", default="inter", choices=["intra", "inter"],
@@ -401,10 +402,12 @@ def _run(args, debug: bool) -> int:
     return run_command("cwcore", lambda: args.run(args), debug)
 
 
-def add_dtype_option(parser: argparse.ArgumentParser) -> None:
-    """``--dtype``, the one spelling of the model's dtype on every command line that loads a model."""
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--dtype`` and ``--device``, the one spelling of how to load the model on every command line that
+    loads one (:func:`cwcore.load_model`'s ``dtype`` and ``device``)."""
     parser.add_argument("--dtype", default=None, help="the model's dtype, e.g. bfloat16 (default float32; the "
                                                       "geometry is float32 either way)")
+    parser.add_argument("--device", default=None, help="where the model runs, e.g. cuda or cuda:1 (default cpu)")
 
 
 def given_flags(parser: argparse.ArgumentParser, argv, names) -> set[str]:

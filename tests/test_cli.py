@@ -387,3 +387,38 @@ def test_every_command_line_option_says_what_it_does():
               for parser in (build_parser(), faithfulness_parser(), sinks_parser())
               for prog, action in _every_option(parser) if not action.help]
     assert silent == []
+
+
+@pytest.mark.parametrize("command", ["explain", "faithfulness", "sinks"])
+def test_each_command_line_loads_the_model_on_the_device_asked_for(local_model, tmp_path, monkeypatch, capsys,
+                                                                   command):
+    # before: no command line had --device, so a GPU's user could not run any of them there
+    import cwcore.models
+    from cwcore.core.inputs import InputError
+    from cwcore.faithfulness.cli import main as faithfulness_main
+    from cwcore.sinks.cli import main as sinks_main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = {"explain": lambda extra: main(["explain", "the cat sat", "--model", str(local_model), "--out",
+                                          str(tmp_path / "f.png"), *extra]),
+           "faithfulness": lambda extra: faithfulness_main(["--model", str(local_model), "--data", "web-text",
+                                                            "--out", str(tmp_path / "out"), *extra]),
+           "sinks": lambda extra: sinks_main(["--model", str(local_model), "--data", "web-text", "--out",
+                                              str(tmp_path / "out"), *extra])}[command]
+    seen = []
+
+    def spy(*args, **kwargs):  # what the command asked for; stop before the run
+        seen.append(kwargs.get("device"))
+        raise InputError("stopped by the test")
+
+    load = cwcore.models.load_model
+    monkeypatch.setattr(cwcore.models, "load_model", spy)
+    assert run([]) == 2 and run(["--device", "cpu"]) == 2 and run(["--device=cuda:1"]) == 2
+    assert seen == [None, "cpu", "cuda:1"]
+    monkeypatch.setattr(cwcore.models, "load_model", load)
+    capsys.readouterr()
+    bad = ["nodevice"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in bad:  # refused in one line by load_model, before the model loads
+        assert run(["--device", device]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "error: device" in lines[0], lines

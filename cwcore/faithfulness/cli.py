@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Sequence
 
-from ..cli import UsageError, add_dtype_option, debug_requested, given_flags, run_command
+from ..cli import UsageError, add_model_options, debug_requested, given_flags, run_command
 from ..provenance import RESULTS_FOLDER, confined, output_folder
 
 __all__ = ["main", "parser", "CHOICES"]
@@ -92,7 +92,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the document draw, the random control and the bootstrap (default %(default)s)")
     parser.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap resamples per interval (default %(default)s)")
-    add_dtype_option(parser)
+    add_model_options(parser)
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--out", default=RESULTS_FOLDER,
                         help=f"folder of the tables (default ./{RESULTS_FOLDER}/ in the working folder)")
@@ -150,7 +150,7 @@ def _sweeps(args) -> int:
     out = output_folder(args.out)
 
     torch.manual_seed(args.seed)
-    model, tokenizer = models.load_model(args.model, dtype=args.dtype)
+    model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.layers is not None:
         check_layers(args.layers, len(attention_blocks(model)), argument="--layers", allow_empty=False)
     out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ __all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
-from ..cli import add_dtype_option, debug_requested, given_flags, run_command
+from ..cli import add_model_options, debug_requested, given_flags, run_command
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences")
@@ -159,7 +159,7 @@ def parser() -> argparse.ArgumentParser:
                              "concatenated texts in data-set order (cwcore.data.lm_blocks)")
     parser.add_argument("--block-size", type=int, default=128, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default %(default)s)")
-    add_dtype_option(parser)
+    add_model_options(parser)
     parser.add_argument("--add-bos", choices=("default", "yes", "no"), default="default",
                         help="start every sequence with the tokenizer's BOS token: yes, no, or as the tokenizer "
                              "itself does (default)")
@@ -229,7 +229,7 @@ def _main(argv: list[str] | None) -> int:
     else:
         sampling, dtype = args.sampling, _dtype_name(args.dtype)
         torch.manual_seed(args.seed)
-        model, tokenizer = load_model(args.model, dtype=args.dtype)
+        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
         dataset = load_dataset(args.data)
         add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
         if args.sampling == "documents":  # independent units: one block per document (intervals over documents)

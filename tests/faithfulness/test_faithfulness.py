@@ -245,7 +245,7 @@ def test_command_line_writes_tidy_csvs(peaked, tmp_path, monkeypatch):
     import cwcore.models
 
     model, _ = peaked
-    monkeypatch.setattr(cwcore.models, "load_model", lambda name, dtype=None: (model, word_tokenizer()))
+    monkeypatch.setattr(cwcore.models, "load_model", lambda name, dtype=None, device=None: (model, word_tokenizer()))
     code = fa.main(["--model", "tiny", "--data", "gsm8k", "boolq", "--num-sequences", "3", "--block-size", "12",
                     "--num-examples", "3", "--ratios", "0.5", "--metrics", "attention", "random",
                     "--n-bootstrap", "50", "--no-cache", "--no-progress", "--out", str(tmp_path)])

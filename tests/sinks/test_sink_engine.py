@@ -45,7 +45,7 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     texts = [" ".join(f"w{(i * 5 + j) % 20}" for j in range(40)) for i in range(6)]
     loaded = []
 
-    def load(name, dtype=None):  # the tiny model in the dtype asked for, as load_model does
+    def load(name, dtype=None, device=None):  # the tiny model in the dtype asked for, as load_model does
         loaded.append(dtype)
         return tiny_model("llama", dtype=cwcore.models.resolve_dtype(dtype)), _word_tokenizer()
 
