@@ -61,6 +61,9 @@ class OnDevice(torch.Tensor):
     def data_ptr(self):
         return self.elem.data_ptr()
 
+    def __format__(self, spec):  # a 0-dim tensor formats as its number, as on CUDA
+        return self.elem.__format__(spec)
+
     def tolist(self):  # CUDA copies to the host
         return self.elem.tolist()
 

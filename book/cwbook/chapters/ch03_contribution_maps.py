@@ -79,17 +79,17 @@ def sentence_maps(lm, tokenizer, text: str, layer: int | None, head: int | None,
         n_weights=int(np.isfinite(intra_map[rows]).sum()),
         min_intra=intra_map[q_min, k_min],
         max_intra=np.nanmax(intra_map[rows]),
-        head_rho=np.nanmean(head_rho.numpy()),
-        head_tau=np.nanmean(head_tau.numpy()),
+        head_rho=np.nanmean(head_rho.cpu().numpy()),
+        head_tau=np.nanmean(head_tau.cpu().numpy()),
         rank_min_keys=rank_min_keys)
     quoted_md["min_pair"] = f"key {tick(tokens[k_min])} for query {tick(tokens[q_min])}"
 
     q = len(tokens) - 1
     row = pd.DataFrame({
-        "attention α": L.attention[0, head_shown, q],
-        "relative norm ‖ṽ‖/‖oʰ‖": L.relative_norm("intra")[0, head_shown, q],
-        "alignment cos(oʰ, ṽ)": L.cosine("intra")[0, head_shown, q],
-        "contribution c": L.contribution("intra")[0, head_shown, q],
+        "attention α": L.attention[0, head_shown, q].cpu(),
+        "relative norm ‖ṽ‖/‖oʰ‖": L.relative_norm("intra")[0, head_shown, q].cpu(),
+        "alignment cos(oʰ, ṽ)": L.cosine("intra")[0, head_shown, q].cpu(),
+        "contribution c": L.contribution("intra")[0, head_shown, q].cpu(),
     }).astype(float)  # one row per key; the first three multiply to the fourth
     top = int(row["contribution c"].argmax())
     for i, column in enumerate(["alpha", "rel", "cos", "c"]):

@@ -25,7 +25,7 @@ def _special(L, tokens):
     """Per head, over all queries: attention on ``[CLS]`` and ``[SEP]``, and their intra-head contribution."""
     special = torch.tensor([t in ("[CLS]", "[SEP]") for t in tokens])
     contribution = L.contribution("intra")[0][..., special].sum(-1).mean(-1)
-    return special, L.attention[0][..., special].sum(-1).mean(-1), contribution
+    return special, L.attention[0][..., special].sum(-1).mean(-1).cpu(), contribution.cpu()
 
 
 def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | None,
@@ -48,9 +48,9 @@ def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | 
         quoted_md["head_reason"] = "the head set by the `head` parameter."
     quoted.update(layer_shown=layer_shown, head_shown=head_shown, n_heads=n_heads, n_tokens=len(tokens))
 
-    alpha_map = L.attention[0, head_shown].numpy()
-    intra_map = L.contribution("intra")[0, head_shown].numpy()
-    inter_map = L.contribution("inter")[0, head_shown].numpy()
+    alpha_map = L.attention[0, head_shown].cpu().numpy()
+    intra_map = L.contribution("intra")[0, head_shown].cpu().numpy()
+    inter_map = L.contribution("inter")[0, head_shown].cpu().numpy()
 
     cls_, sep_ = 0, len(tokens) - 1
     q_min, k_min = np.unravel_index(intra_map.argmin(), intra_map.shape)
@@ -65,14 +65,14 @@ def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | 
         n_weights=intra_map.size,
         min_intra=intra_map[q_min, k_min])
     quoted_md["min_pair"] = f"key `{tokens[k_min]}` for query `{tokens[q_min]}`"
-    every_key = torch.ones(len(tokens), dtype=torch.bool)
+    every_key = torch.ones(len(tokens), dtype=torch.bool, device=L.attention.device)
     rho = analysis.spearman_rows(L.attention[0, head_shown], L.contribution("intra")[0, head_shown],
                                  every_key, rank_min_keys)
-    quoted["head_rho"] = np.nanmean(rho.numpy())
+    quoted["head_rho"] = np.nanmean(rho.cpu().numpy())
 
     # attention: mean over heads; contribution: inter-head, sum over heads
-    token_attention = L.token_level("attention")[0].numpy()
-    token_contribution = L.token_level("contribution", "inter")[0].numpy()
+    token_attention = L.token_level("attention")[0].cpu().numpy()
+    token_contribution = L.token_level("contribution", "inter")[0].cpu().numpy()
     quoted["layer_alpha_special"] = token_attention[:, special].sum(-1).mean()
     quoted["layer_c_special"] = token_contribution[:, special].sum(-1).mean()
     quoted_md["explorer_command"] = f'`cwcore explain "{text}" --model {model_name} --out fig.html`'
