@@ -53,7 +53,7 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     key]``, ``output_norm [layer, query]`` and ``head_output_norm [layer, head, query]``."""
     from .core.architectures import UnsupportedModelError
     from .core.decomposition import decompose
-    from .core.inputs import input_device
+    from .core.architectures import input_device
     from .tokens import token_labels
     from .logit_attribution import logit_attribution
 
@@ -478,7 +478,7 @@ def long_explorer_data(model, tokenizer, text: str, *, layers=None, top_k: int =
     ``received_attention [layer, key]`` (c and alpha summed over queries and heads) and each query's
     ``top_k`` terms ``[layer, query, k]``: ``top_head``, ``top_key`` (-1 where fewer), ``top_contribution``,
     ``top_attention``, ``top_relative_norm`` and ``top_cosine``."""
-    from .core.inputs import input_device
+    from .core.architectures import input_device
     from .core.summary import summarize
     from .tokens import token_labels
 

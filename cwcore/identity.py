@@ -206,25 +206,16 @@ def _uncached(reason: str) -> str:
 
 
 def _offloaded_value(model: nn.Module, name: str) -> torch.Tensor | None:
-    """The values accelerate keeps for the parameter or buffer ``name`` that sits on the ``meta`` device: the
-    ``weights_map`` of its module's hook (a dict on the CPU, or a loader reading the offload folder), else None."""
+    """The values accelerate keeps for the parameter or buffer ``name`` that sits on the ``meta`` device
+    (:func:`cwcore.core.architectures.offloaded_value` of its module), else None."""
+    from .core.architectures import offloaded_value
+
     prefix, _, local = name.rpartition(".")
     try:
         module = model.get_submodule(prefix) if prefix else model
     except AttributeError:
         return None
-    hook = getattr(module, "_hf_hook", None)
-    for each in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # a SequentialHook's parts
-        weights = getattr(each, "weights_map", None)
-        if weights is None:
-            continue
-        try:
-            value = weights[local]
-        except (KeyError, IndexError):
-            continue
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            return value
-    return None
+    return offloaded_value(module, local)
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -20,7 +20,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from .core.architectures import UnsupportedModelError, final_norm, post_attention_norms
+from .core.architectures import (UnsupportedModelError, execution_device, final_norm, materialised,
+                                 post_attention_norms)
 from .core.decomposition import Decomposition, decompose
 from .core.inputs import InputError, check_inputs, check_targets
 
@@ -69,8 +70,8 @@ def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dt
     if width % 2:
         raise UnsupportedModelError(f"direct logit attribution: model width {width} is odd, the norm probe needs it even")
     param = next(norm.parameters(), inputs)
-    with torch.no_grad():
-        probe = torch.zeros(2, width, dtype=param.dtype, device=param.device)
+    with torch.no_grad():  # on the device the norm runs on (an offloaded norm's weights are on the meta device)
+        probe = torch.zeros(2, width, dtype=param.dtype, device=execution_device(norm) or param.device)
         probe[1] = 1.0
         probe[1, 1::2] = -1.0  # alternating +-1: mean zero, mean square one, so P z = z either way
         bias, response = norm_at_float32(norm, probe[None]).to(dtype)[0]  # a bf16 output would round the gain
@@ -178,11 +179,11 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     frozen = frozen_norm(final, *captured["final"])
     input_ids = inputs["input_ids"] if inputs["input_ids"].dim() == 2 else inputs["input_ids"][None]
     logits = getattr(d.outputs, "logits", None)
-    w_u = head.weight.detach().to(torch.float64)
+    w_u = materialised(head, "weight").detach().to(torch.float64)  # the values, where accelerate offloads it
     # the frozen linearisation must give the model's own logits (catches softcapping and logit scales)
     x, _ = captured["final"]
     lin = frozen.apply(x.to(torch.float64)) + frozen.bias
-    expected = lin @ w_u.T + (0 if head.bias is None else head.bias.detach().to(torch.float64))
+    expected = lin @ w_u.T + (0 if head.bias is None else materialised(head, "bias").detach().to(torch.float64))
     if logits is not None:
         got = logits.detach().to(torch.float64)
         error = ((got - expected).norm() / got.norm()).item()
@@ -201,7 +202,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
         ld = d[layer]
         e = directions.to(ld.geometry.values.device)
         by_layer[layer] = direct_logit_attribution(ld, e.to(dtype), post_frozen.get(layer))
-    return LogitAttribution(by_layer, targets, d, frozen, post_frozen, head.weight.detach())
+    return LogitAttribution(by_layer, targets, d, frozen, post_frozen, materialised(head, "weight").detach())
 
 
 def naive_logit_attribution(attribution: LogitAttribution, layer: int) -> torch.Tensor:

@@ -21,8 +21,9 @@ from torch import nn
 from .thread_state import outside_sessions
 
 __all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
-           "UnsupportedModelError", "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window",
-           "sliding_windows", "layer_type", "final_norm", "FINAL_NORMS", "post_attention_norms", "require_causal"]
+           "input_device", "offloaded_value", "execution_device", "materialised", "UnsupportedModelError",
+           "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window", "sliding_windows", "layer_type",
+           "final_norm", "FINAL_NORMS", "post_attention_norms", "require_causal"]
 
 
 class UnsupportedModelError(ValueError):
@@ -141,6 +142,65 @@ NO_OUTPUT_PROJECTION = (
     "output, and register that module with cwcore.register_output_projection")
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """The device a model's inputs go to, as ``model(**inputs)`` expects them: its input embeddings' (the
+    first shard of a model split with ``device_map``), else its first parameter's; the CPU for a model
+    without parameters. A model whose weights accelerate offloads (on the meta device, loaded by each module's
+    hook as it runs): the hook's execution device, else the CPU (the hooks move the inputs themselves)."""
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    weight = getattr(embeddings, "weight", None)
+    device = weight.device if isinstance(weight, torch.Tensor) else next(
+        (p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta" and any(hasattr(module, "_hf_hook") for module in model.modules()):
+        for module in (embeddings, model):
+            execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+            if execution is not None:
+                return torch.device(execution)
+        return torch.device("cpu")
+    return device
+
+
+def offloaded_value(module: nn.Module | None, name: str) -> torch.Tensor | None:
+    """The values accelerate keeps for ``module``'s parameter or buffer ``name`` while it sits on the ``meta``
+    device (offloaded to the CPU or to disk): the ``weights_map`` of the module's hook, else None."""
+    hook = getattr(module, "_hf_hook", None)
+    for each in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # a SequentialHook's parts
+        weights = getattr(each, "weights_map", None)
+        if weights is None:
+            continue
+        try:
+            value = weights[name]
+        except (KeyError, IndexError):
+            continue
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            return value
+    return None
+
+
+def execution_device(module: nn.Module | None) -> torch.device | None:
+    """Where accelerate's hook on ``module`` runs it (and loads its offloaded weights), else None."""
+    hook = getattr(module, "_hf_hook", None)
+    for each in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+        device = getattr(each, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return None
+
+
+def materialised(module: nn.Module, name: str = "weight") -> torch.Tensor:
+    """``module``'s parameter or buffer ``name``, or, where accelerate offloads it (on the meta device until
+    the module runs, with the module's hook), the values its hook keeps, on the device the module runs on;
+    refused with the reason when the hook holds none."""
+    tensor = getattr(module, name)
+    if tensor.device.type != "meta" or not hasattr(module, "_hf_hook"):  # not offloaded (a model made without
+        return tensor  # weights is refused on entry, check_materialised)
+    value = offloaded_value(module, name)
+    if value is None:
+        raise UnsupportedModelError(f"the {name} of {type(module).__name__} is on the meta device and no "
+                                    "offloading hook holds its values: load the model's weights first")
+    return value.to(device=execution_device(module) or value.device, dtype=tensor.dtype)
+
+
 @dataclass
 class AttentionBlock:
     """One attention block: its number, the module the attention interface receives, and W_O."""
@@ -154,8 +214,18 @@ class AttentionBlock:
     unsupported: str | None = None
 
     def output_projection(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(weight [model, head * head_dim], bias [model] | None)``, read live from the module."""
-        return self._find()[1]
+        """``(weight [model, head * head_dim], bias [model] | None)``, read live from the module; where
+        accelerate offloads them (on the meta device until the module runs), the values its hook keeps, on
+        the device the module runs on."""
+        weight, bias = self._find()[1]
+        if weight.device.type != "meta" and (bias is None or bias.device.type != "meta"):
+            return weight, bias
+        owner = self._owner(weight)
+        if owner is None or owner.weight is not weight or (bias is not None and owner.bias is not bias):
+            raise UnsupportedModelError(f"attention block {self.name!r}: its output projection W_O is on the meta "
+                                        "device, held by no module of the block whose offloading hook cwcore "
+                                        "could read")
+        return materialised(owner, "weight"), None if bias is None else materialised(owner, "bias")
 
     def _find(self):
         """``(finder, (weight, bias))``: the first registered finder that locates W_O."""
@@ -174,16 +244,26 @@ class AttentionBlock:
     def output_module(self) -> nn.Module | None:
         """The module that applies W_O (its forward receives the attention output), or None if the
         registered finder returned a weight no module of this block owns."""
-        weight, _ = self.output_projection()
-        pointer = weight.data_ptr()
+        return self._owner(self._find()[1][0])
+
+    def _owner(self, weight: torch.Tensor) -> nn.Module | None:
+        """The module of this block (or its parent) whose ``weight`` is that tensor, else one sharing its memory
+        (not by address alone: accelerate's offloaded weights all sit on the meta device, at address 0)."""
+        by_address = weight.device.type != "meta"
+        pointer = weight.data_ptr() if by_address else None
+        shared = None
         for root in (self.module, self.parent):
             if root is None:
                 continue
             for module in root.modules():
                 own = getattr(module, "weight", None)
-                if isinstance(own, torch.Tensor) and own.data_ptr() == pointer and module is not root:
+                if not isinstance(own, torch.Tensor) or module is root:
+                    continue
+                if own is weight:
                     return module
-        return None
+                if shared is None and by_address and own.data_ptr() == pointer:
+                    shared = module
+        return shared
 
     def output_module_name(self) -> str:
         """The output projection's path relative to the block (``"o_proj"``, ``"../output.dense"``), or ``"?"``."""
@@ -276,7 +356,7 @@ def _without_softmax(model: nn.Module, modules: list[nn.Module]) -> set[int]:
 
     try:
         parameters = inspect.signature(model.forward).parameters
-        device = next(model.parameters()).device
+        device = input_device(model)
     except (TypeError, ValueError, StopIteration):
         return set()
     if "input_ids" not in parameters:
@@ -458,7 +538,7 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
             handles.append(norm.register_forward_pre_hook(
                 lambda m, i, l=block.layer: seen_in.setdefault(l, []).append((m, i[0].detach()))))
     probe = torch.arange(4).reshape(1, 4) if ids is None else torch.as_tensor(ids)[:1, :8]
-    device = next(model.parameters()).device
+    device = input_device(model)
     training = model.training
     model.eval()
     try:

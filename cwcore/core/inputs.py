@@ -121,17 +121,6 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return original if isinstance(original, nn.Module) else model
 
 
-def input_device(model: nn.Module) -> torch.device:
-    """The device a model's inputs go to, as ``model(**inputs)`` expects them: its input embeddings' (the
-    first shard of a model split with ``device_map``), else its first parameter's; the CPU for a model
-    without parameters."""
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    weight = getattr(embeddings, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight.device
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
 def check_materialised(model: nn.Module, caller: str = "decompose") -> None:
     """Refuse a model whose weights are on the ``meta`` device without an offloading hook (made under
     ``torch.device("meta")`` or ``init_empty_weights``: no values to run); accelerate's offloaded models

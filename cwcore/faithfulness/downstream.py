@@ -10,7 +10,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts, input_device
+from ..core.architectures import input_device
+from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,

@@ -13,9 +13,8 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.architectures import attention_blocks
-from ..core.inputs import (InputError, check_layers, check_sweep_arguments, check_texts, check_token_sequences,
-                           input_device)
+from ..core.architectures import attention_blocks, input_device
+from ..core.inputs import InputError, check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult

@@ -38,8 +38,8 @@ from torch import nn
 
 from .. import runs
 from ..cache import caching_enabled
-from ..core.architectures import attention_blocks, layer_type, require_causal
-from ..core.inputs import check_texts, input_device
+from ..core.architectures import attention_blocks, input_device, layer_type, require_causal
+from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
 from ..core.geometry import head_space_geometry, split_output_projection
