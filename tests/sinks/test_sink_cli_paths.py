@@ -22,7 +22,8 @@ def _fake_loading(monkeypatch):
     import cwcore.data
     import cwcore.models
 
-    monkeypatch.setattr(cwcore.models, "load_model", lambda name, dtype=None, device=None: (tiny_model("llama"), _word_tokenizer()))
+    monkeypatch.setattr(cwcore.models, "load_model",
+                        lambda name, dtype=None, device=None: (tiny_model("llama"), _word_tokenizer()))
     monkeypatch.setattr(cwcore.data, "load_dataset", lambda name: TEXTS)
 
 

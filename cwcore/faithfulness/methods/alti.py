@@ -11,7 +11,8 @@ from .registry import register_method
 __all__ = ["alti"]
 
 
-@register_method("alti", needs=("block_input", "post_attention_norm"), cost="no extra forward; [rows, query chunk, key, model] tensors",
+@register_method("alti", needs=("block_input", "post_attention_norm"),
+                 cost="no extra forward; [rows, query chunk, key, model] tensors",
                  title="ALTI", colour="#ece133")
 def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     """ALTI-style contributions (Ferrando et al. 2022) of one decoder layer, token-level.

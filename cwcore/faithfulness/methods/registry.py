@@ -26,8 +26,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Method:
     """A registered ranking ``fn(layer_decomposition=..., **context)``: ``needs`` (extra context:
-    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``), ``cost``, ``key`` (its code's
-    identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
+    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``), ``cost``,
+    ``key`` (its code's identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
 
     name: str
     fn: Callable = field(compare=False)
