@@ -94,6 +94,18 @@ def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dt
     return best[1]
 
 
+def _frozen_on(real: torch.Tensor | None, norm: nn.Module, inputs: torch.Tensor,
+               outputs: torch.Tensor) -> FrozenNorm:
+    """:func:`frozen_norm` fitted on the ``real [batch, query]`` tokens only (a padding row may be NaN, as SDPA
+    gives a query that sees no key), its scale NaN on the others."""
+    if real is None or bool(real.all()):
+        return frozen_norm(norm, inputs, outputs)
+    fitted = frozen_norm(norm, inputs[real][None], outputs[real][None])
+    scale = torch.full(real.shape, float("nan"), dtype=fitted.scale.dtype, device=fitted.scale.device)
+    scale[real] = fitted.scale[0]
+    return FrozenNorm(fitted.gain, fitted.centred, scale, fitted.bias)
+
+
 def _final_norm(model: nn.Module) -> nn.Module:
     try:
         return final_norm(model)
@@ -151,7 +163,9 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
                       layers: int | Iterable[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                       **inputs) -> LogitAttribution:
     """Decompose a forward pass and attribute the target logits to every (layer, head, query, key).
-    ``targets``: None (next token; top prediction last), one id, or ``[batch, query]`` ids."""
+    ``targets``: None (next token; top prediction last), one id, or ``[batch, query]`` ids. With an
+    ``attention_mask``, the norms are fitted and the logits checked on the real tokens; a padding token's
+    query row is NaN."""
     if inputs.get("input_ids") is None:
         raise InputError("logit_attribution needs input_ids (the targets are token ids at their positions; "
                          "inputs_embeds alone are not enough)")
@@ -176,8 +190,11 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
         for handle in handles:
             handle.remove()
     dtype = compute_dtype if isinstance(compute_dtype, torch.dtype) else getattr(torch, compute_dtype)
-    frozen = frozen_norm(final, *captured["final"])
     input_ids = inputs["input_ids"] if inputs["input_ids"].dim() == 2 else inputs["input_ids"][None]
+    mask = inputs.get("attention_mask")  # the real tokens: the norms are fitted and the logits checked on them
+    real = None if mask is None else torch.as_tensor(mask).reshape(input_ids.shape[0], -1)[:, -input_ids.shape[1]:]
+    real = None if real is None else real.to(captured["final"][0].device).bool()
+    frozen = _frozen_on(real, final, *captured["final"])
     logits = getattr(d.outputs, "logits", None)
     w_u = materialised(head, "weight").detach().to(torch.float64)  # the values, where accelerate offloads it
     # the frozen linearisation must give the model's own logits (catches softcapping and logit scales)
@@ -186,6 +203,8 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     expected = lin @ w_u.T + (0 if head.bias is None else materialised(head, "bias").detach().to(torch.float64))
     if logits is not None:
         got = logits.detach().to(torch.float64)
+        if real is not None:
+            got, expected = got[real.to(got.device)], expected[real.to(expected.device)]
         error = ((got - expected).norm() / got.norm()).item()
         tolerance = 1e-3 if head.weight.dtype in (torch.float32, torch.float64) else 5e-2
         if not error <= tolerance:
@@ -196,7 +215,8 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
         targets = _default_targets(input_ids, logits)
     targets = targets.to(input_ids.device)
     directions = frozen.pull_back(w_u[targets.to(w_u.device)])  # [batch, query, model]
-    post_frozen = {layer: frozen_norm(post[layer], *captured[f"post{layer}"]) for layer in d.layers if layer in post}
+    post_frozen = {layer: _frozen_on(None if real is None else real.to(captured[f"post{layer}"][0].device),
+                                     post[layer], *captured[f"post{layer}"]) for layer in d.layers if layer in post}
     by_layer = {}
     for layer in d.layers:
         ld = d[layer]

@@ -95,3 +95,20 @@ def test_softcapped_logits_are_refused():
     model.config.final_logit_softcapping = 0.5
     with pytest.raises(UnsupportedModelError, match="softcapped"):
         logit_attribution(model, input_ids=_ids(batch=1))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_padded_batch_gives_each_sequence_its_own_attribution(family):
+    """Before: a left-padded Gemma 3 under SDPA was refused as "Gemma3RMSNorm is not of the form g * P(x) / s + b
+    (relative error nan)": SDPA gives NaN to a padding query that sees no key, and the norms were fitted on every
+    row. They are fitted on the real tokens; a padding query's row is NaN."""
+    model = tiny_model(family)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.tensor([[0, 0, 5, 9, 2, 7], [3, 8, 5, 9, 2, 7]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    padded = logit_attribution(model, input_ids=ids, attention_mask=mask)
+    for row, start in ((0, 2), (1, 0)):
+        alone = logit_attribution(model, input_ids=ids[row:row + 1, start:])
+        for layer in alone.by_layer:
+            torch.testing.assert_close(padded[layer][row, :, start:, start:], alone[layer][0], rtol=1e-5, atol=1e-6)
+            assert padded[layer][row, :, :start].isnan().all()
