@@ -51,9 +51,8 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
     ``attention``, ``cos_inter``, ``cos_intra`` and ``dla`` ``[layer, head, query, key]`` (unseen keys
     NaN; ``dla`` absent without an LM head, ``meta["dla_note"]`` says why), ``value_norm [layer, head,
     key]``, ``output_norm [layer, query]`` and ``head_output_norm [layer, head, query]``."""
-    from .core.architectures import UnsupportedModelError
+    from .core.architectures import UnsupportedModelError, input_device
     from .core.decomposition import decompose
-    from .core.architectures import input_device
     from .tokens import token_labels
     from .logit_attribution import logit_attribution
 
