@@ -97,7 +97,8 @@ def _lm_sequences(texts, tokenizer, max_length: int | None, caller: str = "faith
 def sequence_nll(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token NLL ``[rows]`` (float64) and predictions per row ``[rows]`` (long) from
     ``logits [rows, length, vocab]``, row by row for memory."""
-    ids, mask = batch.input_ids, batch.attention_mask.bool()
+    # on the logits' device: the last layers' where a model is split over devices
+    ids, mask = batch.input_ids.to(logits.device), batch.attention_mask.to(logits.device).bool()
     sums = torch.zeros(ids.shape[0], dtype=torch.float64, device=logits.device)
     counts = (mask[:, :-1] & mask[:, 1:]).sum(-1)
     for row in range(ids.shape[0]):

@@ -231,6 +231,7 @@ def selection(
     if len(ratios) >= NEVER:
         raise ValueError(f"at most {NEVER - 1} ratios")
     heads = scores.shape[1]
+    candidates = candidates.to(scores.device)  # a model split over devices: the layer's, not the inputs'
     unit_scores, unit_cand = _unit_scores(_aggregate_heads(scores, unit), candidates, unit, scope)
     if unit == "token":
         unit_cand = unit_cand[:, :1]
@@ -282,7 +283,7 @@ def removal_mask(bucket: torch.Tensor, ratio_index: int, candidates: torch.Tenso
     """
     mask = bucket <= ratio_index
     if candidates is not None and mask.shape[-2] == 1 and candidates.shape[-2] != 1:
-        mask = mask & candidates
+        mask = mask & candidates.to(mask.device)
     return mask
 
 

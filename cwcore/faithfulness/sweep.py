@@ -199,8 +199,8 @@ class Sweep:
                         continue
                     chosen = selection(scores, candidates[call.layer], self.nonzero, self.modes, unit, scope)
                     buckets[spec.label][call.layer] = chosen.buckets
-                    for mode, count in chosen.removed.items():
-                        removed[spec.label][mode] += count
+                    for mode, count in chosen.removed.items():  # counted on the layer's device
+                        removed[spec.label][mode] += count.to(removed[spec.label][mode].device)
 
             refused: list[UnsupportedModelError] = []
 
@@ -304,7 +304,7 @@ class Sweep:
                     if call.layer not in intervened:
                         return None
                     chosen = selection(scores, candidates[call.layer], [ratio], [mode], unit, scope)
-                    removed = removed + chosen.removed[mode][:, 0]
+                    removed = removed + chosen.removed[mode][:, 0].to(removed.device)
                     mask = removal_mask(chosen.buckets[mode], 0, candidates[call.layer] if layer_scope else None)
                     return removal(mask, self._stand_in(batch, call.layer))(call)
 

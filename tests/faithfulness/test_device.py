@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 import transformers as tf
+from torch.utils._pytree import tree_map
 
 import cwcore
 from cwcore import explorer, sinks
@@ -28,7 +29,7 @@ TEXTS = ["the cat sat on the mat and ran away", "the dog ran far so it got away"
 SWEEP = dict(ratios=[0.2, 0.5], max_length=12, progress=False, batch_size=4)
 
 
-def _model(family: str):
+def _model(family: str, tied: bool = True):
     tokenizer = word_tokenizer()
     torch.manual_seed(0)
     common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -37,13 +38,27 @@ def _model(family: str):
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_key_value_heads=2))
     else:  # a sliding layer and a sandwich norm (ALTI's post-attention norm)
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                                                         layer_types=["sliding_attention", "full_attention"]))
+                                                         layer_types=["sliding_attention", "full_attention"],
+                                                         tie_word_embeddings=tied))
     return model.eval(), tokenizer
 
 
-def _same(on_device, on_cpu):
+def _split(model, device):
+    """The model split over two devices as ``device_map`` splits it: the embeddings and layer 0 stay on the CPU,
+    layer 1, the final norm and the head go to ``device``, and a pre-hook on each moves its inputs there (as
+    accelerate's hooks do)."""
+    def move(module, args, kwargs):
+        return tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+
+    for module in (model.model.layers[1], model.model.norm, model.lm_head):
+        module.to(device)
+        module.register_forward_pre_hook(move, with_kwargs=True)
+    return model
+
+
+def _same(on_device, on_cpu, on_device_too=True):
     if isinstance(on_cpu, torch.Tensor):
-        assert isinstance(on_device, torch.Tensor) and on_device.device.type != "cpu"
+        assert isinstance(on_device, torch.Tensor) and (on_device.device.type != "cpu" or not on_device_too)
         torch.testing.assert_close(on_device.cpu(), on_cpu, rtol=1e-5, atol=1e-5, equal_nan=True)
     elif isinstance(on_cpu, pd.DataFrame):
         pd.testing.assert_frame_equal(on_device, on_cpu, check_exact=False, rtol=1e-5, atol=1e-5)
@@ -149,3 +164,34 @@ def test_the_engine_methods_and_sink_analyses_run_on_the_models_device():
         others = [found[name]] if isinstance(result, pd.DataFrame) else list(found[name])
         for table, other in zip(tables, others, strict=True):
             pd.testing.assert_frame_equal(other, table, check_exact=False, rtol=1e-5, atol=1e-5)
+
+
+SPLIT = {
+    "methods": lambda m, t: fa.faithfulness_curve(
+        m, t, TEXTS, metric=["contribution", "random", "alti", "value_zeroing", "rollout", "grad_x_input"],
+        **SWEEP).per_sequence,
+    "live, per layer": lambda m, t: fa.faithfulness_curve(m, t, TEXTS, metric=["contribution", "random"],
+                                                          scores="live", scope="layer", **SWEEP).per_sequence,
+    "mean removal": lambda m, t: fa.faithfulness_curve(m, t, TEXTS, metric=["contribution"], removal="mean",
+                                                       **SWEEP).per_sequence,
+    "per layer": SWEEPS["per layer"],
+    "downstream": SWEEPS["downstream"],
+    "attribute rollout": lambda m, t: cwcore.attribute(m, method="rollout", **dict(t(TEXTS[:2], return_tensors="pt",
+                                                                                   padding=True)))[1],
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_model_split_over_two_devices_gives_the_numbers_of_one(family):
+    """A model split over devices (``device_map``): each layer's scores live on its own device, the logits on the
+    last one. Before, the candidate masks (on the inputs' device) met a later layer's scores, rollout multiplied
+    matrices of two layers, and the NLL and the gradient method read the inputs' ids beside the last layer's
+    logits: torch's device error in each."""
+    model, tokenizer = _model(family, tied=False)  # a weight tied over the split would sit on one device
+    expected = {name: sweep(model, tokenizer) for name, sweep in SPLIT.items()}
+    with emulated_device() as device:
+        _split(model, device)
+        assert model.model.layers[0].self_attn.o_proj.weight.device.type == "cpu"
+        assert model.model.layers[1].self_attn.o_proj.weight.device == device
+        for name, sweep in SPLIT.items():
+            _same(sweep(model, tokenizer), expected[name], on_device_too=False)

@@ -291,9 +291,10 @@ def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torc
             out = model(**inputs)
             logits = lm_logits(model, out, "grad_x_input", "there is no next-token log-likelihood to "
                                "differentiate").float()
-            mask = attention_mask.bool()
+            mask = attention_mask.to(logits.device).bool()  # the last layers' device, where a model is split
             valid = mask[:, :-1] & mask[:, 1:]
-            logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, inputs["input_ids"][:, 1:, None])[..., 0]
+            targets = inputs["input_ids"][:, 1:, None].to(logits.device)
+            logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, targets)[..., 0]
             total = (logp * valid).sum()
             order = [layer for layer in layers if layer in captured]
             grads = torch.autograd.grad(total, [captured[layer] for layer in order], allow_unused=True)

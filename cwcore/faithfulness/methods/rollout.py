@@ -15,12 +15,13 @@ def _rolled(state: dict, key: str, mixing: torch.Tensor, valid: torch.Tensor | N
     eye = torch.eye(q, dtype=torch.float64, device=mixing.device)[None]
     mixing = mixing.double().nan_to_num(0.0)
     if valid is not None:
+        valid = valid.to(mixing.device)  # the layer's device, where a model is split over devices
         pair = valid[:, :, None] & valid[:, None, :]
         mixing = mixing.masked_fill(~pair, 0.0)
     a = 0.5 * mixing + 0.5 * eye
     a = a / a.sum(-1, keepdim=True).clamp_min(1e-30)
     previous = state.get(key)
-    state[key] = a if previous is None else a @ previous
+    state[key] = a if previous is None else a @ previous.to(a.device)
     return state[key].float()
 
 
