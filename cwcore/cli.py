@@ -73,7 +73,7 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     offsets (:func:`cwcore.tokens.token_labels`); more than ``max_tokens`` tokens is refused."""
     import matplotlib.pyplot as plt
 
-    from .core.architectures import attention_blocks, decomposable_layers
+    from .core.architectures import attention_blocks, decomposable_layers, input_device
     from .core.decomposition import decompose
     from .plotting import contribution_heatmap, set_style
 
@@ -98,11 +98,14 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     inputs = tokenizer(text, return_tensors="pt", verbose=False)
     n_tokens = int(inputs["input_ids"].shape[1])
     _check_length(n_tokens, model, max_tokens)
-    inputs = {k: v.to(model.device) for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
+    device = input_device(model)  # not model.device: an offloaded model's weights are on the meta device
+    inputs = {k: v.to(device) for k, v in inputs.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     d = decompose(model, layers=[layer], **inputs)[layer]
     num_heads = d.attention.shape[1]
-    if head is not None and not 0 <= head < num_heads:
-        raise UsageError(f"head {head} out of range: layer {layer} has heads 0..{num_heads - 1}")
+    if head is not None and not -num_heads <= head < num_heads:
+        raise UsageError(f"head {head} out of range: layer {layer} has heads 0..{num_heads - 1} "
+                         f"(or -{num_heads}..-1 from the end)")
+    head = None if head is None else head % num_heads  # from the end, as the layer
     if head is None:
         attention, contribution = d.token_level("attention")[0], d.token_level("contribution", kind)[0]
     else:

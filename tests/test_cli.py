@@ -90,6 +90,7 @@ def test_explain_defaults_to_the_middle_block_it_can_decompose(monkeypatch):
         (dict(layer=2), "layer 2 out of range"),
         (dict(layer=-3), "layer -3 out of range"),  # -1 and -2 count from the end of the 2 layers
         (dict(head=4), "head 4 out of range"),
+        (dict(head=-5), "head -5 out of range"),  # -1..-4 count from the end of the 4 heads
         (dict(kind="intra"), "needs --head"),
     ],
 )
@@ -97,6 +98,15 @@ def test_explain_rejects_bad_input(kwargs, message):
     args = dict(text="the cat", layer=0, head=None, kind="inter") | kwargs
     with pytest.raises(UsageError, match=message):
         explain(args.pop("text"), tiny_model("llama"), tiny_tokenizer(), **args)
+
+
+def test_explain_counts_a_negative_head_from_the_end_as_it_counts_layers():
+    # before: layer=-1 was the last layer but head=-1 was refused as out of range
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    _, last_attention, last_contribution, _ = explain("the cat sat", model, tokenizer, layer=-1, head=-1)
+    _, attention, contribution, _ = explain("the cat sat", model, tokenizer, layer=1, head=3)
+    np.testing.assert_array_equal(last_attention, attention)
+    np.testing.assert_array_equal(last_contribution, contribution)
 
 
 @pytest.mark.slow  # saves and loads a model folder, draws a figure

@@ -13,6 +13,7 @@ import transformers as tf
 import cwcore
 from cwcore import explorer, sinks
 from cwcore import faithfulness as fa
+from cwcore.cli import explain
 from cwcore.core.architectures import input_device
 from cwcore.logit_attribution import logit_attribution
 from faithfulness.faith_helpers import word_tokenizer
@@ -70,6 +71,7 @@ def test_an_offloaded_model_gives_the_numbers_of_the_model_in_memory(family, whe
         "sink rates": lambda m: sinks.sink_rates(m, tokenizer, TEXTS, block_size=8, num_sequences=4, progress=False),
         "explorer": lambda m: explorer.explorer_data(m, tokenizer, TEXTS[0])["arrays"],
         "logit attribution": lambda m: logit_attribution(m, input_ids=enc["input_ids"][2:])[1],
+        "explain's figure": lambda m: {"maps": torch.as_tensor(explain(TEXTS[0], m, tokenizer, layer=1, head=0)[2])},
     }
     in_memory = _model(family, len(tokenizer))
     expected = {name: call(in_memory) for name, call in calls.items()}

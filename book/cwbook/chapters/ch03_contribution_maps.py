@@ -8,6 +8,7 @@ import pandas as pd
 
 import cwcore
 from cwbook import analysis
+from cwcore.core.architectures import input_device
 from cwcore.data import lm_batches, lm_blocks
 from cwcore.plotting import band, layer_axis, legend_below, per_layer
 from cwbook.chapters.common import (ATTN, COLOURS, FACTOR_COLUMNS, INTER, INTRA, OTHER, VIEWS, SentenceMaps,
@@ -120,7 +121,7 @@ def statistics(lm, tokenizer, *, model_name: str, data: str, n_sequences: int, s
                n_bootstrap: int, seed: int, cache: bool) -> Statistics:
     """Collect and summarise the statistics on ``n_sequences`` blocks of ``seq_len`` tokens of ``data``."""
     blocks = lm_blocks(cwcore.load_dataset(data), tokenizer, block_size=seq_len, num_blocks=n_sequences)
-    collected = collect_statistics(lm, lm_batches(blocks, batch_size, device=lm.device), kind=kind,
+    collected = collect_statistics(lm, lm_batches(blocks, batch_size, device=input_device(lm)), kind=kind,
                                    min_keys=min_keys, rank_min_keys=rank_min_keys, factor_samples=factor_samples,
                                    n_bootstrap=n_bootstrap, seed=seed, cache=cache, blocks=blocks)
     factors, summary, n_layers = collected.factors, collected.summary, collected.n_layers

@@ -12,6 +12,7 @@ import torch
 
 import cwcore
 from cwbook import analysis
+from cwcore.core.architectures import input_device
 from cwcore.plotting import band, contribution_heatmap, layer_axis, legend_below, per_layer
 from cwbook.chapters.common import (ATTN, COLOURS, FACTOR_COLUMNS, INTER, INTRA, OTHER, VIEWS, SentenceMaps,
                                     Statistics, collect_statistics, decompose_sentence, factors_figure,
@@ -100,7 +101,7 @@ def statistics(encoder, tokenizer, *, model_name: str, data: str, n_sequences: i
     ``seq_len`` tokens (``[CLS]`` and ``[SEP]`` included), padded per batch."""
     documents = cwcore.load_dataset(data, limit=n_sequences, seed=seed)["text"]
     batches = [tokenizer(documents[i:i + batch_size], truncation=True, max_length=seq_len, padding=True,
-                         return_tensors="pt").to(encoder.device) for i in range(0, len(documents), batch_size)]
+                         return_tensors="pt").to(input_device(encoder)) for i in range(0, len(documents), batch_size)]
     collected = collect_statistics(encoder, batches, key_groups=partial(key_groups, special_ids=special_token_groups(
         tokenizer)), kind=kind, min_keys=min_keys, rank_min_keys=rank_min_keys, factor_samples=factor_samples,
         n_bootstrap=n_bootstrap, seed=seed, cache=cache, documents=documents, batches=batches)

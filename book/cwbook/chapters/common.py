@@ -15,7 +15,7 @@ import cwcore
 from cwbook import analysis
 from cwcore import stats
 from cwcore.cache import caching
-from cwcore.core.architectures import decomposable_layers
+from cwcore.core.architectures import decomposable_layers, input_device
 from cwcore.plotting import contribution_heatmap, layer_axis, legend_below, palette, plain_log
 
 COLOURS = palette(10)
@@ -61,7 +61,7 @@ def decompose_sentence(model, tokenizer, text: str, layer: int | None, head: int
     from cwcore.tokens import token_labels
 
     layers = decomposable_layers(model)  # never a block cwcore numbers but cannot decompose
-    inputs = tokenizer(text, return_tensors="pt").to(model.device)
+    inputs = tokenizer(text, return_tensors="pt").to(input_device(model))
     tokens = token_labels(tokenizer, inputs["input_ids"][0])
     d = cwcore.decompose(model, **inputs)  # every layer of one forward pass
     layer_shown = layers[(len(layers) // 2 if layer is None else layer) % len(layers)]
