@@ -152,11 +152,7 @@ def input_device(model: nn.Module) -> torch.device:
     device = weight.device if isinstance(weight, torch.Tensor) else next(
         (p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "meta" and any(hasattr(module, "_hf_hook") for module in model.modules()):
-        for module in (embeddings, model):
-            execution = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-            if execution is not None:
-                return torch.device(execution)
-        return torch.device("cpu")
+        return execution_device(embeddings) or execution_device(model) or torch.device("cpu")
     return device
 
 
