@@ -102,9 +102,12 @@ def test_explain_rejects_bad_input(kwargs, message):
 
 def test_explain_counts_a_negative_head_from_the_end_as_it_counts_layers():
     # before: layer=-1 was the last layer but head=-1 was refused as out of range
+    import matplotlib.pyplot as plt
+
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
-    _, last_attention, last_contribution, _ = explain("the cat sat", model, tokenizer, layer=-1, head=-1)
-    _, attention, contribution, _ = explain("the cat sat", model, tokenizer, layer=1, head=3)
+    last, last_attention, last_contribution, _ = explain("the cat sat", model, tokenizer, layer=-1, head=-1)
+    third, attention, contribution, _ = explain("the cat sat", model, tokenizer, layer=1, head=3)
+    plt.close(last), plt.close(third)
     np.testing.assert_array_equal(last_attention, attention)
     np.testing.assert_array_equal(last_contribution, contribution)
 

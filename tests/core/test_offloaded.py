@@ -43,6 +43,14 @@ def _offloaded(model, where: str, folder):
     return model
 
 
+def _maps(drawn) -> dict:
+    """The maps of :func:`cwcore.cli.explain`'s ``(figure, attention, contribution, tokens)``; the figure closed."""
+    import matplotlib.pyplot as plt
+
+    plt.close(drawn[0])
+    return {"attention": torch.as_tensor(drawn[1]), "contribution": torch.as_tensor(drawn[2])}
+
+
 def _same(got, expected):
     if isinstance(expected, torch.Tensor):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6, equal_nan=True)
@@ -71,7 +79,7 @@ def test_an_offloaded_model_gives_the_numbers_of_the_model_in_memory(family, whe
         "sink rates": lambda m: sinks.sink_rates(m, tokenizer, TEXTS, block_size=8, num_sequences=4, progress=False),
         "explorer": lambda m: explorer.explorer_data(m, tokenizer, TEXTS[0])["arrays"],
         "logit attribution": lambda m: logit_attribution(m, input_ids=enc["input_ids"][2:])[1],
-        "explain's figure": lambda m: {"maps": torch.as_tensor(explain(TEXTS[0], m, tokenizer, layer=1, head=0)[2])},
+        "explain's figure": lambda m: _maps(explain(TEXTS[0], m, tokenizer, layer=1, head=0)),
     }
     in_memory = _model(family, len(tokenizer))
     expected = {name: call(in_memory) for name, call in calls.items()}
