@@ -137,7 +137,7 @@ def downstream_eval(
     if any(s.method.indexes_sequences for s in specs):
         raise ValueError("precomputed scores index the sequences of faithfulness_curve; downstream_eval takes "
                          "named methods and callables")
-    pad = pad_id(tokenizer)
+    pad, device = pad_id(tokenizer), input_device(model)
     batches, rows, meta = [], [], []
     length = 0
 
@@ -145,7 +145,7 @@ def downstream_eval(
         nonlocal rows, meta, length
         if rows:
             groups = [item["example"] for item in meta for _ in range(item["n_rows"])]
-            batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta, device=input_device(model)))
+            batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta, device=device))
         rows, meta, length = [], [], 0
 
     prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and protocol.scope == "row"))

@@ -20,7 +20,6 @@ from contextlib import contextmanager
 from typing import Iterable, Sequence
 
 import pandas as pd
-import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks, input_device
@@ -127,9 +126,9 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     stack = decoder_layers(model)
     n_layers = len(stack)
     chosen = check_layers(layers, n_layers, allow_empty=False)
+    device = input_device(model)
     batches = [pad_batch(i // batch_size, sequences[i:i + batch_size],
-                         list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side,
-                         device=input_device(model))
+                         list(range(i, min(i + batch_size, len(sequences)))), pad, padding_side, device=device)
                for i in range(0, len(sequences), batch_size)]
     store = piece_store("faithfulness-per-layer", {
         **protocol.columns(), "kind": kind, "seed": seed, "layers": chosen, "metrics": [sp.label for sp in specs],

@@ -238,10 +238,9 @@ def faithfulness_curve(
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("every sequence needs at least two tokens (one next-token prediction)")
     ids = _sequence_ids(sequence_ids, len(sequences))
-    pad = pad_id(tokenizer)
+    pad, device = pad_id(tokenizer), input_device(model)
     batches = [
-        pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side,
-                  device=input_device(model))
+        pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side, device=device)
         for i in range(0, len(sequences), batch_size)
     ]
     documents = dict(zip(ids, _documents(texts, ids)))
