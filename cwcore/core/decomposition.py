@@ -528,7 +528,8 @@ def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
 
     transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts every
     real token's position. Counting only real tokens makes a padded row equal its unpadded sequence,
-    for every supported family. Models that take no ``position_ids``, models that number positions
+    for every supported family. Only left-padded rows are renumbered: a row that starts with a real token
+    keeps 0..n-1 (a hole in its mask included), the positions it gets alone. Models that take no ``position_ids``, models that number positions
     from the ids themselves (RoBERTa and its relatives) and multimodal models that compute their own
     positions from the mask in their own shape (multimodal RoPE, on inputs with images or videos) are
     left alone: cwcore never replaces a model's own positions.
@@ -540,7 +541,11 @@ def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
         return inputs
     if _computes_multimodal_positions(model, inputs):
         return inputs
-    positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    counted = (mask.long().cumsum(-1) - 1).clamp_min(0)
+    own = torch.arange(mask.shape[1], device=mask.device).expand_as(counted)
+    # only left-padded rows are renumbered: a row that starts with a real token keeps the model's own 0..n-1 (a
+    # hole in its mask included), so each row's positions are those it gets alone, whatever its neighbours
+    positions = torch.where(mask[:, :1].bool(), own, counted)
     reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if reference is not None and positions.shape[1] > reference.shape[1]:  # a cache holds the first tokens
         positions = positions[:, -reference.shape[1]:]

@@ -44,6 +44,34 @@ def test_left_padding_counts_real_tokens_unless_the_caller_gives_positions():
     torch.testing.assert_close(s[1].row(-1), given[1].inter[:, :, -1], rtol=1e-5, atol=1e-6)
 
 
+def test_a_row_with_a_hole_in_its_mask_keeps_its_numbers_beside_a_left_padded_row():
+    """A row whose first token is real but whose mask has a hole is numbered 0..n-1 alone (the model's own
+    positions: nothing is left-padded). Beside a left-padded row it must keep those positions, and so its
+    numbers: before, the whole batch was renumbered by counting real tokens, so that row's positions and every
+    one of its contributions changed with the row next to it. The control: renumbering that row (as before)
+    changes its logits, so the test can tell the two apart."""
+    from tiny_models import VOCAB as TINY_VOCAB, tiny_model
+
+    model = tiny_model("gpt2")
+    ids = torch.randint(0, TINY_VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    hole = torch.tensor([1, 1, 0, 1, 1, 1, 1, 1])
+    padded = torch.tensor([0, 0, 1, 1, 1, 1, 1, 1])
+    real = hole.bool()
+    with torch.no_grad():
+        renumbered = model(input_ids=ids[:1], attention_mask=hole[None],
+                           position_ids=(hole.cumsum(-1) - 1).clamp_min(0)[None]).logits[0, real]
+    alone = cwcore.decompose(model, input_ids=ids[:1], attention_mask=hole[None])
+    beside = cwcore.decompose(model, input_ids=ids, attention_mask=torch.stack([hole, padded]))
+    assert (alone.outputs.logits[0, real] - renumbered).abs().max() > 1e-2  # the control
+    torch.testing.assert_close(beside.outputs.logits[0, real], alone.outputs.logits[0, real], rtol=0, atol=1e-5)
+    for layer in range(len(attention_blocks(model))):
+        got, expected = beside[layer].contribution("inter")[0], alone[layer].contribution("inter")[0]
+        torch.testing.assert_close(got[:, real][:, :, real], expected[:, real][:, :, real], rtol=0, atol=1e-5)
+    with torch.no_grad():  # and the left-padded row still equals its unpadded sequence
+        unpadded = model(input_ids=ids[1:, 2:]).logits[0]
+    torch.testing.assert_close(beside.outputs.logits[1, 2:], unpadded, rtol=0, atol=1e-5)
+
+
 # ---- multimodal positions: the model's own, never cwcore's --------------------------------------------------
 def test_multimodal_positions_are_the_models_own_on_a_left_padded_batch():
     """Qwen2-VL computes ``[3, batch, sequence]`` positions for its image tokens from the mask itself; cwcore's
