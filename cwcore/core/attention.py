@@ -139,7 +139,13 @@ def attention_forward(
         own = None if models_own is None else models_own()[0]
         if own is not None:
             session.refuse_non_finite(module, own, call_mask, (query, key, value))  # its reason, before a comparison's
-        output, checked = session.streamed_output(module, query, key, value, attention_mask, scaling, bool(causal),
+        # one query is never causally masked (SDPA's rule, as below): without a mask it sees every key of the cache
+        stream_mask, stream_causal = attention_mask, bool(causal) and query.shape[2] > 1
+        if kwargs.get("position_bias") is not None:  # T5's relative positions: one additive mask with the call's
+            if stream_mask is None and stream_causal:
+                stream_mask = session.causal_mask(query.shape[2], key.shape[2], query.device)
+            stream_mask, stream_causal = _bias_mask(kwargs["position_bias"], stream_mask, key), False
+        output, checked = session.streamed_output(module, query, key, value, stream_mask, scaling, stream_causal,
                                                   softcap, s_aux, own, groups=groups)
         output = output.transpose(1, 2).contiguous()
         if own is not None:
@@ -388,13 +394,18 @@ class AttentionSession:
         self._validity[id(attention_mask)] = (attention_mask, (batch, q_len, k_len), found)
         return found
 
-    def _decoder_rows(self, batch: int, q_len: int) -> torch.Tensor | None:
-        """The validity of a cross-attention call's queries ``[batch, query]``: :attr:`decoder_query_valid` when
-        it describes exactly these queries (a generation step with a cache has other shapes: None), else None."""
-        valid = self.decoder_query_valid
-        if valid is None or tuple(valid.shape) != (batch, q_len) or bool(valid.all()):
-            return None
-        return valid
+    def call_validity(self, block: AttentionBlock, attention_mask: torch.Tensor | None, batch: int, q_len: int,
+                      k_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(keys [batch, key], queries [batch, query])`` bool of one call of ``block`` (None: all real): its keys
+        from :meth:`mask_validity`; its queries are its keys without a cache (query i is key i), the rows that see
+        some key with one (left padding), and in cross-attention (whose mask describes the encoder's keys)
+        :attr:`decoder_query_valid` where it describes exactly these queries (not a generation step's)."""
+        key_valid, rows_valid = self.mask_validity(attention_mask, batch, q_len, k_len)
+        if self._cross.get(block.layer):
+            valid = self.decoder_query_valid
+            return key_valid, (None if valid is None or tuple(valid.shape) != (batch, q_len) or bool(valid.all())
+                               else valid)
+        return key_valid, None if key_valid is None else key_valid if q_len == k_len else rows_valid
 
     def on_attention(self, module: nn.Module, probs: torch.Tensor, value: torch.Tensor,
                      learned_sink_mass: torch.Tensor | None = None, mixed: torch.Tensor | None = None,
@@ -411,15 +422,7 @@ class AttentionSession:
             return probs
         batch, heads, q_len, k_len = probs.shape
         self._refuse_unmatched_projection(block, heads, value.shape[-1])  # before any geometry is built
-        key_valid, rows_valid = self.mask_validity(attention_mask, batch, q_len, k_len)
-        if self._cross.get(block.layer):
-            query_valid = self._decoder_rows(batch, q_len)  # its mask describes the encoder's keys, not its queries
-        elif key_valid is None:
-            query_valid = None
-        elif q_len == k_len:
-            query_valid = key_valid  # self-attention without a cache: query i is key i
-        else:
-            query_valid = rows_valid  # with a cache: a padded query is one that sees no key (left padding)
+        key_valid, query_valid = self.call_validity(block, attention_mask, batch, q_len, k_len)
         call = LayerCall(block, probs, value, key_valid, self.compute_dtype, learned_sink_mass, mixed, key_spans,
                          query_valid)
         call.sink_scales_output = sink_scales_output

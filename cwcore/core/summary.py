@@ -65,7 +65,8 @@ def _nan_at_zero(norm: torch.Tensor) -> torch.Tensor:
 class TopTerms:
     """The ``k`` (head, key) terms of each query with the largest c (or |c|), best first, ``[batch, query, k]``.
 
-    Only terms with alpha > 0 compete; a query that sees fewer than ``k`` of them (the first tokens), and
+    Only terms with alpha > 0 and a number for c compete (not those of a head whose output is zero, ``intra``);
+    a query that sees fewer than ``k`` of them (the first tokens), and
     every padded query, has ``head`` and ``key`` -1 and NaN values in the slots left over.
     """
 
@@ -389,11 +390,7 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     values = value.detach().to(dtype)
     # padding from the call's own mask, never from the user's matched by length (a text as long as an image's
     # patches); self-attention without a cache: query i is key i, so a padded key is a padded query
-    keys_valid, _ = session.mask_validity(attention_mask, batch, q_len, k_len)
-    if session._cross.get(block.layer):  # an encoder's keys: the queries are the decoder's tokens
-        valid = session._decoder_rows(batch, q_len)
-    else:
-        valid = keys_valid if q_len == k_len else None
+    keys_valid, valid = session.call_validity(block, attention_mask, batch, q_len, k_len)
     session._query_validity[block.layer] = valid
     if keys_valid is not None:
         values = values.masked_fill(~keys_valid[:, None, :, None], 0.0)
@@ -527,10 +524,12 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 best, heads_of, keys_of = _top_terms(ranking, k)
                 query_of = torch.arange(n, device=best.device)[:, None].expand_as(best)
                 a_top = alpha_c[heads_of, query_of, keys_of]  # read once: the redo test and the candidates
-                # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms: redo those queries
-                redo = (a_top == 0).any(-1).nonzero()[:, 0]
+                # a term with alpha = 0 (masked) has c = 0 and ranks above negative terms, and topk ranks NaN (a head
+                # whose output is zero, intra) above every number: redo those queries without them
+                redo = ((a_top == 0) | best.isnan()).any(-1).nonzero()[:, 0]
                 if len(redo):
-                    masked = torch.where(alpha_c[:, redo] > 0, ranking[:, redo], -torch.inf)
+                    masked = ranking[:, redo]
+                    masked = masked.masked_fill(~(alpha_c[:, redo] > 0) | masked.isnan(), -torch.inf)
                     best[redo], heads_of[redo], keys_of[redo] = _top_terms(masked, k, plain=True)
                     a_top = alpha_c[heads_of, query_of, keys_of]
                 candidates.append((best, heads_of + g * groups, keys_of + first,
@@ -738,7 +737,7 @@ def dense_summary(layer, attention_mask=None, *, top_k: int = 8, rows=(-1,), tok
     keep = real[:, None, :, None]
     contribution_received = torch.where(keep, c, 0.0).sum(2)
     attention_received = torch.where(keep, alpha, 0.0).sum(2)
-    ranking = (c.abs() if absolute else c.clone()).masked_fill(alpha == 0, float("-inf"))
+    ranking = (c.abs() if absolute else c.clone()).masked_fill((alpha == 0) | c.isnan(), float("-inf"))
     ranking = ranking.permute(0, 2, 1, 3).reshape(batch, q_len, heads * k_len)
     taken = min(top_k, heads * k_len)
     best, index = ranking.topk(taken, dim=-1)

@@ -174,6 +174,112 @@ def test_a_chosen_row_that_is_padding_warns_and_stays_nan():
         cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED, layers=[0])
 
 
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_one_new_token_after_a_cache_sees_every_cached_key(family, implementation):
+    """One new token after a key/value cache, no padding: transformers passes no mask (one query may see every
+    key). Before, the summary read the missing mask as SDPA's top-left causal pattern, so the token saw key 0
+    only: every summary was wrong and, on an eager model, so was the model's own output (logits off by 0.5);
+    an SDPA model was refused with a false reason. The reference: the dense decomposition of the same call and
+    the model's full forward. The control: the new token's attention is spread over its keys, not all on key 0."""
+    import copy
+
+    model = tiny_model(family)
+    model.config._attn_implementation = implementation
+    with torch.no_grad():
+        cache = model(input_ids=IDS[:1, :11], use_cache=True).cache
+        full = model(input_ids=IDS[:1]).logits[0, -1]
+    options = dict(top_k=3, rows=[-1], token_rows=[-1])
+    s = cwcore.summarize(model, input_ids=IDS[:1, 11:], cache=copy.deepcopy(cache), **options)
+    d = cwcore.decompose(model, input_ids=IDS[:1, 11:], cache=copy.deepcopy(cache))
+    assert (d[0].attention[0, :, -1, 1:].sum(-1) > 0.5).all()  # the control: most of the mass off key 0
+    torch.testing.assert_close(s.outputs.logits[0, -1], full, rtol=0, atol=1e-5)
+    assert_equal_to_dense(s, d, None, **options)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["t5", "umt5"])
+def test_a_relative_position_bias_enters_the_summary_as_it_enters_the_model(family, implementation):
+    """T5 and UMT5 add a relative position bias to the scores (``position_bias``). Before, the summary left it
+    out: its alpha, totals and top terms were those of another model (totals off by 0.1 on a tiny T5), the
+    model's own output under the summary changed (0.2), and an SDPA-configured T5 was refused with a false
+    reason. The reference: each layer's dense reduction (encoder, decoder and cross attention, a padded encoder
+    batch) and the model's forward without cwcore."""
+    from zoo_models import relative_bias_model
+
+    model = relative_bias_model(family)
+    model.config._attn_implementation = implementation
+    generator = torch.Generator().manual_seed(1)
+    # distinct tokens: a token repeated at two distances of one bucket ties exactly, and a tie at the k-th term
+    # may enter either way
+    ids = torch.stack([torch.randperm(VOCAB - 3, generator=generator)[:9] + 3 for _ in range(2)])
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:], ids[1, 6:] = 0, 0
+    decoder_ids = torch.randint(3, VOCAB, (2, 9), generator=generator)
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids)
+    with torch.no_grad():
+        plain = model(**inputs).last_hidden_state
+    options = dict(top_k=3, rows=[-1, 2], token_rows=[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the encoder's padded last row is asked for
+        s = cwcore.summarize(model, **inputs, **options)
+    d = cwcore.decompose(model, **inputs)
+    torch.testing.assert_close(s.outputs.last_hidden_state, plain, rtol=0, atol=1e-5)
+    assert s.layers == d.layers == list(range(6))
+    for layer in s.layers:
+        query_mask = mask if layer < 2 else None  # the encoder's queries are padded; the decoder's are not
+        reference = dense_summary(d[layer], query_mask, **options)
+        differences = relative_differences(s[layer], reference, d[layer])
+        wrong = {name: value for name, value in differences.items() if value > RELATIVE}
+        assert not wrong, f"layer {layer}: {wrong}"
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_new_tokens_that_are_padding_after_a_cache_are_padded_rows_not_a_refusal(implementation):
+    """A key/value cache, then new tokens of which the first two are still left padding in one sequence (its
+    padding is longer than the cache). Those queries see no key: padded rows, NaN by the convention, as in the
+    dense decomposition. Before, the summary took them for real rows and refused the whole call ("the terms ...
+    do not reproduce the output projection's result"). The reference: the dense reduction of the same call."""
+    import copy
+
+    from cwcore.core.decomposition import prepare_inputs
+
+    model = tiny_model("llama")
+    model.config._attn_implementation = implementation
+    mask = torch.ones_like(IDS)
+    mask[1, :10] = 0
+    with torch.no_grad():
+        cache = model(**prepare_inputs(model, dict(input_ids=IDS[:, :8], attention_mask=mask[:, :8])),
+                      use_cache=True).cache
+    options = dict(top_k=3, rows=[0, -1], token_rows=[-1])
+    with pytest.warns(UserWarning, match="padding"):  # row 0 of the second sequence is asked for
+        s = cwcore.summarize(model, input_ids=IDS[:, 8:], attention_mask=mask, cache=copy.deepcopy(cache), **options)
+    d = cwcore.decompose(model, input_ids=IDS[:, 8:], attention_mask=mask, cache=copy.deepcopy(cache))
+    assert torch.isnan(s[0].output_norm[1, :2]).all() and not torch.isnan(s[0].output_norm[1, 2:]).any()
+    assert_equal_to_dense(s, d, mask[:, 8:], **options)
+
+
+@pytest.mark.parametrize("kind", ["intra", "inter"])
+def test_the_top_terms_skip_a_silent_heads_nan_terms(kind):
+    """A head whose output is zero (here: its key/value head's values zeroed) has no c within the head (NaN, intra).
+    torch.topk ranks NaN above every number, so before, those NaN terms filled the top terms of nearly every query
+    and the largest real terms were not reported. The reference: the largest finite c of the dense decomposition.
+    The control: the silent head's intra c is NaN, so the test can tell the two apart."""
+    model = tiny_model("llama")  # 4 heads on 2 key/value heads
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight[:16].zero_()  # key/value head 0: query heads 0 and 1 silent
+    s = cwcore.summarize(model, layers=[1], input_ids=IDS[:1], top_k=4, kind=kind)
+    d = cwcore.decompose(model, layers=[1], input_ids=IDS[:1])
+    c = d[1].contribution(kind)[0]  # [head, query, key]
+    assert c[:2].isnan().all() == (kind == "intra")  # the control
+    expected = c.nan_to_num(nan=-torch.inf).masked_fill(d[1].attention[0] == 0, -torch.inf)
+    expected = expected.transpose(0, 1).flatten(1).topk(4, dim=-1).values  # [query, 4]
+    got = s[1].top.contribution[0]
+    torch.testing.assert_close(got[4:], expected[4:].to(got.dtype), rtol=1e-5, atol=1e-6)  # 4 terms from query 3 on
+    assert not got[4:].isnan().any()
+    assert_equal_to_dense(s, d, None, top_k=4, kind=kind)
+
+
 @pytest.mark.parametrize("arguments, message", [
     (dict(rows=[12]), "rows must be query positions"),
     # before: "'float' object is not iterable", with no word of rows
