@@ -244,6 +244,12 @@ def test_methods_a_bare_encoder_cannot_support_are_refused_with_the_true_reason(
                                                     r"\.self' applies its output projection outside the attention "
                                                     r"module \(in BertAttention\)"):
         cwcore.attribute(bert, method="value_zeroing", input_ids=ids)
+    # before: ALTI kept keys 0..i only and read the residual as a decoder's, x_i + a_i, where BERT computes
+    # LayerNorm(x_i + a_i): every later key got 0 (on the packaged MiniLM, 2.3 of a layer's attention mass)
+    assert bool(cwcore.decompose(bert, input_ids=ids).attention[0].triu(1).sum() > 0.1)  # the control
+    with pytest.raises(UnsupportedModelError, match=r"^alti: attention layer 0 attends to later keys .* defined for "
+                                                    r"causal decoders only"):
+        cwcore.attribute(bert, method="alti", input_ids=ids)
 
 
 @pytest.mark.parametrize("method", cwcore.list_attribution_methods())

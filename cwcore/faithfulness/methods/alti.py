@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.architectures import UnsupportedModelError
+from ...core.architectures import UnsupportedModelError, require_causal
 from .projection import CHUNK_BYTES, projected_values
 from .registry import register_method
 
@@ -25,7 +25,8 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     split without the mean subtraction**, g * z_j / rms(a_i), which is exact. Contribution:
     c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
     rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity
-    (``post_attention_norm`` None).
+    (``post_attention_norm`` None). Decoders only: a layer that attends to later keys (an encoder such as
+    BERT, which adds the residual inside its post-attention LayerNorm, y_i = LN(x_i + a_i)) is refused.
     """
     from ...logit_attribution import frozen_norm, norm_at_float32
 
@@ -33,6 +34,8 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
         raise UnsupportedModelError("alti: the decoder layer's input was not captured")
     # geometry in float32 at least, even for a bf16 model: ||y_i||_1 - ||y_i - T_i(x_j)||_1 is a difference of
     # two nearly equal sums, which bf16 sums would swamp (a bf16 GPT-2's scores were 17% off)
+    require_causal(call.probs, call.layer, "alti", "its transformed vectors (written for a decoder's residual "
+                   "x_i + N(a_i)) and its pairs (keys 0..i) do not describe the layer", call.valid_queries())
     alpha, projected, bias = projected_values(call, at_least=torch.float32)
     b, h, q, k = alpha.shape
     hidden = (block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]).to(projected.dtype)
