@@ -152,10 +152,15 @@ def direct_logit_attribution(layer, directions: torch.Tensor, post_norm: FrozenN
     return geometry.attention * (pulled @ geometry.values.transpose(-1, -2))
 
 
-def _default_targets(input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    targets = torch.empty_like(input_ids)
-    targets[:, :-1] = input_ids[:, 1:]
-    targets[:, -1] = logits[:, -1].argmax(-1)
+def _default_targets(input_ids: torch.Tensor, logits: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, query]``: the next token, and the top prediction at each sequence's last real token (``real``
+    ``[batch, query]`` bool or None: the last column; right padding puts it earlier)."""
+    targets = input_ids.roll(-1, dims=1)  # the last column's is replaced below, or a padding row's (NaN rows)
+    length = input_ids.shape[1]
+    last = (torch.full((input_ids.shape[0],), length - 1, device=input_ids.device) if real is None
+            else length - 1 - real.to(input_ids.device).flip(-1).int().argmax(-1))
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    targets[rows, last] = logits.to(input_ids.device)[rows, last].argmax(-1)
     return targets
 
 
@@ -163,7 +168,8 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
                       layers: int | Iterable[int] | None = None, compute_dtype: torch.dtype = torch.float32,
                       **inputs) -> LogitAttribution:
     """Decompose a forward pass and attribute the target logits to every (layer, head, query, key).
-    ``targets``: None (next token; top prediction last), one id, or ``[batch, query]`` ids. With an
+    ``targets``: None (next token; the top prediction at each sequence's last real token), one id, or
+    ``[batch, query]`` ids. With an
     ``attention_mask``, the norms are fitted and the logits checked on the real tokens; a padding token's
     query row is NaN."""
     if inputs.get("input_ids") is None:
@@ -212,7 +218,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
                 f"direct logit attribution: {type(model).__name__}'s logits are not the unembedding of the final "
                 f"norm's output (relative error {error:.2g}); softcapped or scaled logits are not supported")
     if targets is None:
-        targets = _default_targets(input_ids, logits)
+        targets = _default_targets(input_ids, logits, real)
     targets = targets.to(input_ids.device)
     directions = frozen.pull_back(w_u[targets.to(w_u.device)])  # [batch, query, model]
     post_frozen = {layer: _frozen_on(None if real is None else real.to(captured[f"post{layer}"][0].device),

@@ -112,3 +112,21 @@ def test_a_padded_batch_gives_each_sequence_its_own_attribution(family):
         for layer in alone.by_layer:
             torch.testing.assert_close(padded[layer][row, :, start:, start:], alone[layer][0], rtol=1e-5, atol=1e-6)
             assert padded[layer][row, :, :start].isnan().all()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_right_padded_sequence_targets_its_own_top_prediction_at_its_last_token(family):
+    """The default targets are the next tokens and, at a sequence's last token, the model's top prediction. Before,
+    a right-padded sequence's last real token took the padding id as its target (the top prediction went to the
+    last column, a padding token's), and its row of every layer was another logit's attribution (0.1 off). The
+    reference: each sequence alone, whose last column is its last token."""
+    model = tiny_model(family)
+    ids = torch.tensor([[5, 9, 2, 7, 0, 0], [3, 8, 5, 9, 2, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    padded = logit_attribution(model, input_ids=ids, attention_mask=mask)
+    for row, length in ((0, 4), (1, 6)):
+        alone = logit_attribution(model, input_ids=ids[row:row + 1, :length])
+        assert torch.equal(padded.targets[row, :length], alone.targets[0])
+        for layer in alone.by_layer:
+            torch.testing.assert_close(padded[layer][row, :, :length, :length], alone[layer][0], rtol=1e-5, atol=1e-6)
+    assert padded.targets[0, 3] != 0  # the control: the pad id (0) is not the model's top prediction there
