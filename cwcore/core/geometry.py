@@ -337,10 +337,17 @@ def full_check(call, geometry: HeadSpaceGeometry, output: torch.Tensor,
     """The entrywise self-check of a layer call (a :class:`~cwcore.core.layer_call.LayerCall`): (max |o_i + b -
     projection's output| / max |output|, whether every real token's row is finite)."""
     rebuilt = geometry.output if bias is None else geometry.output + bias.detach().to(geometry.output.dtype)
+    return rebuilt_error(rebuilt, output, call.valid_queries())
+
+
+def rebuilt_error(rebuilt: torch.Tensor, output: torch.Tensor, valid: torch.Tensor | None) -> tuple[float, bool]:
+    """(max |rebuilt - output| / max |output| over the real rows, whether every real row of ``rebuilt`` is
+    finite): ``rebuilt`` ``[batch, query, model]`` is sum_h W_O^h z^h_i plus the bias, ``output`` the output
+    projection's result, ``valid`` ``[batch, query]`` the real queries (None: all). Padded rows are NaN by
+    design and no token: compared as zeros (the model may leave them NaN: float64 eager, left padding)."""
     actual = output.detach().to(rebuilt.dtype).reshape(rebuilt.shape)
-    rows = torch.isfinite(rebuilt).all(-1)  # padded queries are NaN by design
-    valid = call.valid_queries()
+    rows = torch.isfinite(rebuilt).all(-1)
     if valid is not None:
         rows = rows | ~valid  # ...but a NaN in a real token's row is an error
-        rebuilt = torch.where(valid[..., None], rebuilt, actual)
+        rebuilt, actual = torch.where(valid[..., None], rebuilt, 0.0), torch.where(valid[..., None], actual, 0.0)
     return relative_error(rebuilt, actual), bool(rows.all())

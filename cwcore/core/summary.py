@@ -43,7 +43,7 @@ from torch import nn
 from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
-from .geometry import probe_directions, split_output_projection
+from .geometry import probe_directions, rebuilt_error, split_output_projection
 from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, check_compute_dtype, check_count,
                      check_inputs, own_options)
 
@@ -312,17 +312,10 @@ class SummarySession(AttentionSession):
             _, bias = block.output_projection()
             if bias is not None:
                 rebuilt = rebuilt + bias.detach().to(rebuilt.dtype)
-            actual = output.to(rebuilt.dtype).reshape(rebuilt.shape)
-            rows = torch.isfinite(rebuilt).all(-1)
-            valid = self._query_validity.pop(block.layer, None)
-            if valid is not None:  # padded queries are NaN by design
-                rows = rows | ~valid
-                rebuilt = torch.where(valid[..., None], rebuilt, actual)
-            scale = actual.abs().max().clamp_min(torch.finfo(actual.dtype).tiny)
-            error = float(((rebuilt - actual).abs().max() / scale).nan_to_num(float("inf")))
+            error, rows_finite = rebuilt_error(rebuilt, output, self._query_validity.pop(block.layer, None))
             allowed = self.tolerance(output.dtype, block.layer)
             self._own_differences.pop(block.layer, None)
-            if not bool(rows.all()) or error > allowed:
+            if not rows_finite or error > allowed:
                 self.summaries.pop(block.layer, None)
                 raise UnsupportedModelError(
                     f"attention block {block.name!r}: the terms alpha_ij v~_j plus the bias do not reproduce the "

@@ -137,6 +137,30 @@ def test_a_float64_model_is_decomposed_in_float64_by_default():
     torch.testing.assert_close(single.inter[1].double(), d.inter[1], rtol=1e-4, atol=1e-5)
 
 
+def test_a_float64_eager_layer_that_leaves_its_padded_rows_nan_is_decomposed_on_its_real_rows():
+    """transformers' eager attention in float64 leaves a left-padded row that sees no key NaN; the next layer
+    reads that NaN through the masked keys (0 x NaN), so the model's own logits of that sequence are NaN from
+    layer 1 on. Layer 0 is exact on its real rows and must be decomposed: before, its padded rows were compared
+    as NaN against NaN and the call refused as "relative error inf". Layer 1 is refused with its true reason
+    (the model's own NaN). The reference: the sequence alone."""
+    from cwcore.core.architectures import UnsupportedModelError
+    from cwcore.core.decomposition import prepare_inputs
+
+    model = tiny_model("llama", dtype=torch.float64)  # eager
+    mask = torch.ones_like(IDS)
+    mask[1, :2] = 0
+    with torch.no_grad():
+        own = model(**prepare_inputs(model, dict(input_ids=IDS, attention_mask=mask)))
+    assert own.logits[1, 2:].isnan().any()  # the control: the model's own forward fails from layer 1 on
+    d = cwcore.decompose(model, input_ids=IDS, attention_mask=mask, layers=[0])
+    alone = cwcore.decompose(model, input_ids=IDS[1:, 2:], layers=[0])
+    torch.testing.assert_close(d[0].inter[1, :, 2:, 2:], alone[0].inter[0], rtol=0, atol=1e-12)
+    summary = cwcore.summarize(model, input_ids=IDS, attention_mask=mask, layers=[0], rows=[-1])  # its check too
+    torch.testing.assert_close(summary[0].row(-1)[1, :, 2:], alone[0].inter[0, :, -1], rtol=0, atol=1e-12)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.1\.self_attn.*holds NaN or inf"):
+        cwcore.decompose(model, input_ids=IDS, attention_mask=mask)
+
+
 def test_a_cached_call_with_the_full_length_mask_is_exact():
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(2))
