@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .engine import EPS, Analysis, Collector, concat, flat, grid_columns, register
+from .engine import EPS, SEED, Analysis, Collector, concat, flat, grid_columns, register
 from .. import stats
 from .intervals import claim_row, no_sink_heads, too_few_layers
 
@@ -22,9 +22,9 @@ class _AntiAlignmentCollector(Collector):
     cos(v~_0, s_p) (query p), the baseline and centred cosines of query p (see :func:`sink_anti_alignment`),
     and per-sequence constants. Piece ``layers``: each layer's type (sliding / global)."""
 
-    def __init__(self, *args, **options):
+    def __init__(self, *args, seed, **options):
         super().__init__(*args, **options)
-        self.rows, self.layers = [], []
+        self.rows, self.layers, self.seed = [], [], seed
 
     def on_layer(self, s):
         v = s.values  # [b, h, k, d]
@@ -39,12 +39,14 @@ class _AntiAlignmentCollector(Collector):
         cos_axis = s.sink_inner(axis)[..., 0] / (norms[..., p] * s.norm(axis)[..., 0])  # [b, h]
         tail_median = norms[..., p + 1 :].median(-1).values
         # the baseline: for query i a random non-sink key k it can see (alpha_ik > 0, uniformly), against
-        # the rest of s_i
-        generator = torch.Generator().manual_seed(1_000_003 * int(s.layer) + int(self.start))
-        visible = (s.probs[..., p + 1 :] > 0).reshape(-1, T - 1 - p).float().cpu()
-        alone = (visible.sum(-1) < 2).reshape(b, h, T).to(v.device)  # k is the only tail key: no rest (NaN)
-        visible[visible.sum(-1) == 0, 0] = 1.0  # queries up to the sink: no tail key (their rows are dropped)
-        key = (p + 1 + torch.multinomial(visible, 1, generator=generator)[:, 0]).reshape(b, h, T).to(v.device)
+        # the rest of s_i; drawn per sequence (numpy's default_rng([seed, sequence, 4, layer])), so the draw
+        # does not depend on batch_size: the visible key with the largest of uniform draws, one per key
+        visible = (s.probs[..., p + 1 :] > 0).cpu().numpy()  # [b, h, q, tail key]
+        alone = torch.as_tensor(visible.sum(-1) < 2).to(v.device)  # k is the only tail key: no rest (NaN)
+        draws = np.stack([np.random.default_rng([self.seed, self.start + i, 4, int(s.layer)]).random(visible.shape[1:])
+                          for i in range(b)])
+        # queries up to the sink see no tail key: key p + 1 (their rows are dropped)
+        key = torch.as_tensor(p + 1 + np.where(visible, draws, -1.0).argmax(-1)).to(v.device)  # [b, h, q]
         v_key = v.gather(2, key[..., None].expand(-1, -1, -1, d))  # [b, h, q, d]
         a_key = s.probs.gather(-1, key[..., None])[..., 0]  # [b, h, q]
         rest = semantic - a_key[..., None] * v_key  # s_i without key k's own term
@@ -229,7 +231,7 @@ def _claims(results, *, n_resamples: int, seed: int, eps: float = EPS.default, *
 
 
 ANALYSIS = register(Analysis("anti_alignment", _AntiAlignmentCollector, _tables, stems=("anti_alignment",),
-                             summary=_summary, claims=_claims, options=(EPS,)))
+                             collector_options=("seed",), summary=_summary, claims=_claims, options=(EPS, SEED)))
 
 
 @ANALYSIS.public
@@ -239,7 +241,8 @@ def sink_anti_alignment(model, tokenizer, data, **options) -> pd.DataFrame:
     Per sequence: ``cos(v~_0, v~_j)`` for keys j >= 1; ``cos(v~_0, s_i)`` for queries i >= 1, s_i =
     sum_{j>0} alpha_ij v~_j the semantic component; ``cos(v~_0, m)``, m = mean_{j>=1} v~_j. Baseline per
     query: ``cos(v~_k, s_i - alpha_ik v~_k)`` for one random visible non-sink key k (column ``key``;
-    ``cos_key_literal`` against s_i itself), and both on values centred by m.
+    ``cos_key_literal`` against s_i itself), and both on values centred by m. The key is drawn per sequence
+    and layer from ``seed``, whatever the batch.
 
     Columns: ``sink_rate``, ``is_sink_head`` (> eps), ``cos_value_mean``/``_median``/``_frac_negative``,
     ``cos_semantic_mean``/``_median``/``_frac_negative``, ``cos_semantic_weighted`` (weights alpha_i0 (1 -

@@ -140,7 +140,9 @@ def _decomposition_tables(parts: dict, sample_size: int, seed: int, eps: float) 
     stats_ = _with_contribution_sums(parts["stats"]).drop(columns=["sequence", "layer_type"], errors="ignore")
     stats_ = stats_.drop(columns=[c for c in stats_.columns if c.startswith("m_")])
     summary = _decomposition_summary(stats_, parts["sample"], eps)
-    sample = parts["sample"]
+    # the draw reads the rows in one order whatever the batches were (they join per batch, then per layer)
+    sample = parts["sample"].sort_values(["sequence", "layer", "head", "token_class", "query", "key"], kind="stable",
+                                         ignore_index=True)
     rng = np.random.default_rng(seed)
     drawn = []
     for cls in ("sink", "tail"):
