@@ -146,7 +146,7 @@ def intervene(
     returns such a mask. ``record`` lists layers whose decomposition *after* the removal is kept in
     ``session.recorded``. Their padding is read from each attention call's own mask (built from the
     ``attention_mask`` the model is called with); ``attention_mask`` (``[batch, key]``) given here is checked
-    against the inputs of every forward; pass ``cwcore.core.decomposition.prepare_inputs(model, inputs)`` to the model when batches
+    against the inputs and the mask of every forward (the same mask must reach the model); pass ``cwcore.core.decomposition.prepare_inputs(model, inputs)`` to the model when batches
     are left-padded.
     ``transforms`` run after the removal and ``observers`` (see :mod:`cwcore.core.attention`) see each
     layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).
@@ -207,7 +207,8 @@ def intervene(
 
 def _mask_fits(key_valid: torch.Tensor):
     """A forward pre-hook refusing a forward whose tokens ``[batch, sequence]`` differ from intervene's
-    ``attention_mask`` (a mask that describes other tokens would be ignored, silently)."""
+    ``attention_mask``, or whose own mask is missing or another (a mask that describes other tokens, or none
+    the forward reads, would be ignored, silently)."""
 
     def check(module, args, kwargs):
         if outside():
@@ -220,6 +221,15 @@ def _mask_fits(key_valid: torch.Tensor):
         if isinstance(tokens, torch.Tensor) and tokens.ndim >= 2 and tuple(tokens.shape[:2]) != tuple(key_valid.shape):
             raise InputError(f"intervene: attention_mask has shape {tuple(key_valid.shape)} but the model was called "
                              f"on inputs {tuple(tokens.shape[:2])} [batch, sequence]; they must match")
+        # padding is read from each call's own mask: a mask given here and not to the forward would be ignored
+        called = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if called is None and not bool(key_valid.all()):  # an all-ones mask says no more than no mask
+            raise InputError("intervene: attention_mask was given here but the model was called without one, so it "
+                             "would be ignored (padding is read from each forward's own mask): pass it to the model")
+        if (isinstance(called, torch.Tensor) and called.dim() == 2
+                and not torch.equal(called.bool(), key_valid.to(called.device))):
+            raise InputError("intervene: the model was called with another attention_mask than the one given here; "
+                             "they must be the same")
         return None
 
     return check

@@ -242,3 +242,27 @@ def test_a_cached_call_under_either_cache_keyword_is_intervened(cache_keyword):
                                                             r"called on inputs \(1, 4\)"):
         with cwcore.intervene(model, {}, attention_mask=attention_mask):
             model(input_ids=ids[:, 8:])  # no cache: the mask describes other tokens
+
+
+def test_a_padding_mask_given_to_intervene_must_reach_the_forward():
+    """Padding is read from each forward's own mask. Before, intervene's ``attention_mask`` was only compared with
+    the inputs' shape: a forward called without it, or with another mask of the same shape, ran unpadded (a
+    padded row's logits 0.2 off) without a word. The control: the padded run differs from the unpadded one."""
+    from cwcore.core.decomposition import prepare_inputs
+    from cwcore.core.inputs import InputError
+
+    model = tiny_model("llama")
+    heads, _ = _heads(model)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
+    removed = torch.zeros(2, heads, 7, 7, dtype=torch.bool)
+    removed[..., 5] = True
+    with torch.no_grad(), cwcore.intervene(model, {0: removed}, attention_mask=padding):
+        padded = model(**prepare_inputs(model, dict(input_ids=ids, attention_mask=padding))).logits
+        with pytest.raises(InputError, match="called without one, so it would be ignored"):
+            model(input_ids=ids)
+        with pytest.raises(InputError, match="called with another attention_mask"):
+            model(input_ids=ids, attention_mask=padding.flip(0))
+    with torch.no_grad(), cwcore.intervene(model, {0: removed}):
+        unpadded = model(input_ids=ids).logits
+    assert (padded[1, 3:] - unpadded[1, 3:]).abs().max() > 1e-3  # the control
