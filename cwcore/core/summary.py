@@ -66,8 +66,9 @@ class TopTerms:
     """The ``k`` (head, key) terms of each query with the largest c (or |c|), best first, ``[batch, query, k]``.
 
     Only terms with alpha > 0 and a number for c compete (not those of a head whose output is zero, ``intra``);
-    a query that sees fewer than ``k`` of them (the first tokens), and
-    every padded query, has ``head`` and ``key`` -1 and NaN values in the slots left over.
+    where terms tie exactly at the k-th value (a token repeated at two distances of one relative-position bucket)
+    which of them enter is ``torch.topk``'s choice. A query that sees fewer than ``k`` of them (the first
+    tokens), and every padded query, has ``head`` and ``key`` -1 and NaN values in the slots left over.
     """
 
     head: torch.Tensor
