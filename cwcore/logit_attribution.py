@@ -26,7 +26,7 @@ from .core.decomposition import Decomposition, decompose
 from .core.inputs import InputError, check_inputs, check_targets
 
 __all__ = ["FrozenNorm", "LogitAttribution", "logit_attribution", "direct_logit_attribution", "frozen_norm",
-           "norm_at_float32", "naive_logit_attribution"]
+           "frozen_norm_on", "norm_at_float32", "naive_logit_attribution"]
 
 
 @dataclass
@@ -94,13 +94,13 @@ def frozen_norm(norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor, dt
     return best[1]
 
 
-def _frozen_on(real: torch.Tensor | None, norm: nn.Module, inputs: torch.Tensor,
-               outputs: torch.Tensor) -> FrozenNorm:
+def frozen_norm_on(real: torch.Tensor | None, norm: nn.Module, inputs: torch.Tensor, outputs: torch.Tensor,
+                   dtype=torch.float64) -> FrozenNorm:
     """:func:`frozen_norm` fitted on the ``real [batch, query]`` tokens only (a padding row may be NaN, as SDPA
     gives a query that sees no key), its scale NaN on the others."""
     if real is None or bool(real.all()):
-        return frozen_norm(norm, inputs, outputs)
-    fitted = frozen_norm(norm, inputs[real][None], outputs[real][None])
+        return frozen_norm(norm, inputs, outputs, dtype=dtype)
+    fitted = frozen_norm(norm, inputs[real][None], outputs[real][None], dtype=dtype)
     scale = torch.full(real.shape, float("nan"), dtype=fitted.scale.dtype, device=fitted.scale.device)
     scale[real] = fitted.scale[0]
     return FrozenNorm(fitted.gain, fitted.centred, scale, fitted.bias)
@@ -200,7 +200,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     mask = inputs.get("attention_mask")  # the real tokens: the norms are fitted and the logits checked on them
     real = None if mask is None else torch.as_tensor(mask).reshape(input_ids.shape[0], -1)[:, -input_ids.shape[1]:]
     real = None if real is None else real.to(captured["final"][0].device).bool()
-    frozen = _frozen_on(real, final, *captured["final"])
+    frozen = frozen_norm_on(real, final, *captured["final"])
     logits = getattr(d.outputs, "logits", None)
     w_u = materialised(head, "weight").detach().to(torch.float64)  # the values, where accelerate offloads it
     # the frozen linearisation must give the model's own logits (catches softcapping and logit scales)
@@ -221,7 +221,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
         targets = _default_targets(input_ids, logits, real)
     targets = targets.to(input_ids.device)
     directions = frozen.pull_back(w_u[targets.to(w_u.device)])  # [batch, query, model]
-    post_frozen = {layer: _frozen_on(None if real is None else real.to(captured[f"post{layer}"][0].device),
+    post_frozen = {layer: frozen_norm_on(None if real is None else real.to(captured[f"post{layer}"][0].device),
                                      post[layer], *captured[f"post{layer}"]) for layer in d.layers if layer in post}
     by_layer = {}
     for layer in d.layers:

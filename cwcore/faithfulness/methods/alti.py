@@ -28,7 +28,7 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     (``post_attention_norm`` None). Decoders only: a layer that attends to later keys (an encoder such as
     BERT, which adds the residual inside its post-attention LayerNorm, y_i = LN(x_i + a_i)) is refused.
     """
-    from ...logit_attribution import frozen_norm, norm_at_float32
+    from ...logit_attribution import frozen_norm_on, norm_at_float32
 
     if block_input is None:
         raise UnsupportedModelError("alti: the decoder layer's input was not captured")
@@ -43,15 +43,13 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     if bias is not None:
         a = a + bias
     valid = call.valid_keys()
-    rows = torch.ones(b, q, dtype=torch.bool, device=alpha.device) if valid is None else valid
     norm = post_attention_norm
     scale = None
     normed = None
     if norm is not None:  # the norm's linear part at this run's statistics, fitted on the real rows
         normed = norm_at_float32(norm, a).to(a.dtype)  # the model's own norm
-        frozen = frozen_norm(norm, a[rows][None], normed[rows][None], dtype=projected.dtype)
-        scale = torch.ones(b, q, dtype=projected.dtype, device=alpha.device)
-        scale[rows] = frozen.scale[0]
+        frozen = frozen_norm_on(valid, norm, a, normed, dtype=projected.dtype)
+        scale = frozen.scale  # [batch, query], NaN on padded rows (their scores are set to 0 below)
     y = hidden + (a if normed is None else normed)
     m = y.shape[-1]
     pair = torch.ones(b, q, k, dtype=torch.bool, device=alpha.device).tril()
