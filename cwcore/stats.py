@@ -181,7 +181,7 @@ def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: st
                       seed: int = 0, confidence: float = 0.95) -> ClusterBootstrap:
     """Pooled means sum(w x) / sum(w) of ``columns`` per group ``by`` (sorted), with intervals resampling
     whole ``cluster`` values (a document's queries, a layer's heads are not independent rows); ``w`` is
-    the ``weight`` column or 1. NaN intervals with fewer than two clusters."""
+    the ``weight`` column or 1. NaN intervals where a group's values of a column lie in fewer than two clusters."""
     _check_confidence(confidence)
     columns = [columns] if isinstance(columns, str) else list(columns)
     by = [by] if isinstance(by, str) else list(by)
@@ -212,9 +212,11 @@ def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: st
         with np.errstate(invalid="ignore", divide="ignore"):
             table[column] = sums.sum(1) / counts.sum(1)
             replicates[column] = (draws @ sums.T) / (draws @ counts.T)
-        table[f"{column}_low"], table[f"{column}_high"] = percentile_interval(replicates[column], confidence)
-        if n_clusters < 2:
-            table[f"{column}_low"] = table[f"{column}_high"] = np.nan
+        low, high = percentile_interval(replicates[column], confidence)
+        # each group's own clusters holding a value of the column: one cluster resamples to a point interval,
+        # which would read as decisive
+        few = (counts != 0).sum(1) < 2
+        table[f"{column}_low"], table[f"{column}_high"] = np.where(few, np.nan, low), np.where(few, np.nan, high)
     return ClusterBootstrap(table, replicates, confidence)
 
 

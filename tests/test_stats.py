@@ -195,3 +195,18 @@ def test_mde_at_level_restates_the_detectable_effect_at_another_level():
     restated = S.mde_at_level(S.min_detectable_effect(0.3, 64), 0.05 / 32, from_alpha=0.05)
     assert restated == pytest.approx(direct, rel=1e-12) and restated > S.min_detectable_effect(0.3, 64)
     assert S.mde_at_level(0.1, 0.05, from_alpha=0.05) == pytest.approx(0.1)
+
+
+def test_a_group_whose_values_lie_in_one_cluster_has_no_interval():
+    """cluster_bootstrap resamples whole clusters; a group (or a column of it) whose values all come from one
+    cluster resamples to one value. Before, such a group got the point interval [x, x] whenever the table as a
+    whole had two clusters, and ``verdict`` read it as decisive ("holds"). The control: a group spread over
+    five clusters keeps an interval of positive width."""
+    points = pd.DataFrame({"sequence": [0, 0, 1, 2, 3, 4, 5], "group": ["a", "a", "b", "b", "b", "b", "b"],
+                           "x": [0.1, 0.3, 1.0, 2.0, 0.5, 1.5, 0.7], "y": [1.0, 2.0, 1.0] + [np.nan] * 4})
+    table = stats.cluster_bootstrap(points, ["x", "y"], by="group", seed=0).table.set_index("group")
+    assert np.isnan(table.loc["a", "x_low"]) and np.isnan(table.loc["a", "x_high"])
+    assert table.loc["a", "x"] == pytest.approx(0.2)
+    assert np.isnan(table.loc["b", "y_low"])  # b's y is a number in one cluster only (sequence 1)
+    assert table.loc["b", "x_low"] < table.loc["b", "x"] < table.loc["b", "x_high"]  # the control
+    assert stats.verdict(table.loc["a", "x_low"], table.loc["a", "x_high"]) != stats.HOLDS
