@@ -6,7 +6,8 @@ value-weighted attention, and signed direct logit attribution for models with an
 a cell shows the token pair and its factors.
 
 The page needs no network (its own JavaScript; a Content-Security-Policy forbids every request). It
-stores per (layer, head, query, key) alpha and the DLA in float16 (relative error <= 2^-11) and the
+stores per (layer, head, query, key) alpha and the DLA in float16 (relative error <= 2^-11; absolute <= 2^-25
+below float16's normal range, 2^-14) and the
 cosines as round(127 cos) in int8 (absolute error <= 1/254), norms in float32; every other quantity
 is a product of these computed in the page, with the error :func:`tolerance` states. The arrays are
 zlib-compressed and base64-encoded (float16 split into byte planes), inflated by ``DecompressionStream``."""
@@ -157,14 +158,15 @@ def tolerance(arrays: dict, quantity: str, layer: int, head: int, query: int, ke
     norm = float(arrays["head_output_norm"][layer, head, query] if quantity == "intra"
                  else arrays["output_norm"][layer, query])
     f16, i8 = 2.0 ** -11, 1 / 254
+    tiny = 2.0 ** -25  # float16's spacing is absolute below its normal range (2^-14): a tiny alpha's error
     if quantity in ("attention", "value_weighted"):
-        return 2 * f16 * a * (vn if quantity == "value_weighted" else 1) + 1e-7
+        return 2 * (f16 * a + tiny) * (vn if quantity == "value_weighted" else 1) + 1e-7
     if quantity == "cosine":
         return i8 + 1e-7
     if quantity in ("inter", "intra"):
-        return a * vn / norm * (i8 + 2 * f16) + 1e-7
+        return (a * (i8 + 2 * f16) + 2 * tiny) * vn / norm + 1e-7
     if quantity == "dla":
-        return 2 * f16 * abs(float(arrays["dla"][layer, head, query, key])) + 1e-7
+        return 2 * (f16 * abs(float(arrays["dla"][layer, head, query, key])) + tiny) + 1e-7
     return 1e-5 * vn / norm + 1e-7  # relative norm: float32
 
 
@@ -211,8 +213,14 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
         start["layer"] += meta["layers"]
     if not 0 <= start.get("layer", 0) < meta["layers"]:
         raise ValueError(f"layer {start['layer']} out of range: the model has layers 0..{meta['layers'] - 1}")
+    if -meta["heads"] <= start.get("head", 0) < 0:  # and negative heads, as explain() counts them
+        start["head"] += meta["heads"]
     if not 0 <= start.get("head", 0) < meta["heads"]:
         raise ValueError(f"head {start['head']} out of range: the layers have heads 0..{meta['heads'] - 1}")
+    per_head = {k for k, _, _, each_head in QUANTITIES if each_head}
+    if start.get("quantity") in per_head and "head" not in start:  # the page would show another quantity
+        raise ValueError(f"quantity {start['quantity']!r} is one head's: give a head (token level shows "
+                         f"{', '.join(k for k, *_ in QUANTITIES if k not in per_head)})")
     meta["start"] = start
     layout, payload = _pack(data["arrays"])
     meta["layout"] = layout
@@ -518,11 +526,14 @@ def _forward_parameters(model) -> set:
 def long_explorer_html(data: dict, title: str | None = None, query: int | None = None, layer: int | None = None) -> str:
     """The long-document page for ``data`` from :func:`long_explorer_data`: each key's total as a heat strip over
     the whole text and as the text's background, and the top contributors of the picked query (click a token;
-    ``query`` picks the first, default the last token; ``layer`` the first layer shown, default the middle one)."""
+    ``query`` picks the first, default the last token; ``layer`` the first layer shown, default the middle one;
+    negative: from the end of the layers the page holds)."""
     meta = dict(data["meta"])
     n = len(meta["tokens"])
     if query is not None and not -n <= int(query) < n:
         raise ValueError(f"query {query} out of range: the text has tokens 0..{n - 1}")
+    if layer is not None and -len(meta["layers"]) <= int(layer) < 0:  # from the end of the layers it holds
+        layer = meta["layers"][int(layer)]
     if layer is not None and int(layer) not in meta["layers"]:
         raise ValueError(f"layer {layer} was not summarised: the page holds layers {meta['layers']}")
     meta["start"] = {"query": (int(query) % n) if query is not None else n - 1,

@@ -98,7 +98,12 @@ def test_start_view_is_checked():
     data = explorer_data(tiny_model("llama"), tiny_tokenizer(), "the cat")
     page = explorer_html(data, start={"layer": np.int64(1), "head": torch.tensor(3), "quantity": "cosine"})
     assert read_payload(page)["meta"]["start"] == {"layer": 1, "head": 3, "quantity": "cosine"}
+    # a negative head counts from the end, as explain() counts it (it was refused as out of range)
+    assert read_payload(explorer_html(data, start={"layer": -1, "head": -1}))["meta"]["start"] == {"layer": 1, "head": 3}
     for start, message in (({"layer": 2}, "layer 2 out of range"), ({"head": 4}, "head 4 out of range"),
+                           ({"head": -5}, "head -5 out of range"),
+                           # before: the page showed inter-head weights instead, without a word
+                           ({"quantity": "intra"}, "quantity 'intra' is one head's: give a head"),
                            ({"quantity": "nope"}, "quantity must be one of"),
                            # before: ignored, the page opened at its default view
                            ({"layr": 1, "head": 0}, "^start takes the keys layer, head and quantity, not 'layr'$")):
@@ -254,3 +259,19 @@ def test_default_model_over_64_tokens_is_a_few_megabytes_and_opens(tmp_path):
     stored = read_payload(path)["arrays"]
     assert abs(report["results"][0]["shown"]["values"]["inter"] - d[29].inter[0, 8, 63, 4].item()) <= \
         tolerance(stored, "inter", 29, 8, 63, 4)
+
+
+def test_the_tolerance_covers_an_alpha_below_float16s_normal_range():
+    """float16 keeps a relative error of 2^-11 only down to 2^-14; below it the error is absolute (up to 2^-25),
+    so an alpha of 1.27e-6 is stored 1.8% off. Before, the stated tolerance (relative only) did not cover the
+    value-weighted cell of such an alpha (3.7e-7 off on SmolLM2, 1.2e-7 allowed). The control: the stored
+    value is further off than 2^-11 relative."""
+    from cwcore.explorer import tolerance
+
+    true = 1.2749e-06
+    stored = np.float16(true)
+    arrays = {"attention": np.full((1, 1, 1, 1), stored), "value_norm": np.full((1, 1, 1), 30.0, np.float32),
+              "output_norm": np.ones((1, 1), np.float32), "head_output_norm": np.ones((1, 1, 1), np.float32)}
+    assert abs(float(stored) - true) > 2 ** -11 * true  # the control
+    for quantity, scale in (("attention", 1.0), ("value_weighted", 30.0)):
+        assert abs(float(stored) - true) * scale <= tolerance(arrays, quantity, 0, 0, 0, 0)

@@ -14,7 +14,10 @@ from tiny_models import tiny_model
 
 def test_the_long_page_carries_the_summary_within_its_precision():
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
-    page = long_explorer_html(long_explorer_data(model, tokenizer, TEXT, top_k=4, model_name="tiny"), query=3)
+    data = long_explorer_data(model, tokenizer, TEXT, top_k=4, model_name="tiny")
+    page = long_explorer_html(data, query=3)
+    # a negative layer counts from the end of the page's layers (it was refused as "not summarised")
+    assert read_payload(long_explorer_html(data, layer=-1))["meta"]["start"]["layer"] == len(data["meta"]["layers"]) - 1
     back = read_payload(page)
     ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
     s = cwcore.summarize(model, input_ids=ids, top_k=4, rows=None)
