@@ -596,17 +596,21 @@ def _damaged_run_record(folder: Path) -> bool:
 
 
 def _written_by_cache(path: Path) -> bool:
-    """A name the cache writes in a run folder: a piece, its checksum, a temporary file, ``parameters.json``,
-    the :data:`IN_USE` lock file."""
+    """A name the cache writes in a run folder: a piece with its checksum (the cache writes the checksum first,
+    so a piece without one is not its), a checksum, a temporary file, ``parameters.json``, the :data:`IN_USE`
+    lock file."""
     name = path.name
-    return name in ("parameters.json", IN_USE) or name.endswith((".parquet", ".parquet" + CHECKSUM_SUFFIX)) or _cache_temporary(name)
+    if name.endswith(".parquet"):
+        return _checksum_path(path).exists()
+    return name in ("parameters.json", IN_USE) or name.endswith(".parquet" + CHECKSUM_SUFFIX) or _cache_temporary(name)
 
 
 def _remove_run(folder: Path) -> None:
     """Delete the cache's files of one run folder, then the folder if nothing else is left in it."""
-    for path in folder.iterdir():
-        if path.is_file() and not path.is_symlink() and _written_by_cache(path) and path.name != "parameters.json":
-            path.unlink(missing_ok=True)
+    ours = [path for path in folder.iterdir()  # chosen before any is deleted: a piece is the cache's by its checksum
+            if path.is_file() and not path.is_symlink() and _written_by_cache(path) and path.name != "parameters.json"]
+    for path in ours:
+        path.unlink(missing_ok=True)
     (folder / "parameters.json").unlink(missing_ok=True)  # last: a half-removed run is still marked as ours
     with contextlib.suppress(OSError):  # a file the cache did not write is in it: left alone
         folder.rmdir()
@@ -645,6 +649,9 @@ def verify(root: Path | None = None, repair: bool = False) -> list[dict]:
                     continue
                 if old:
                     report(path, "a temporary file left by a killed writer")
+            elif path.suffix == ".parquet" and not _written_by_cache(path):
+                problems.append({"path": str(path), "problem": "no checksum file: not a piece the cache wrote (it "
+                                 "writes the checksum first)", "action": "left alone"})
             elif path.suffix == ".parquet":
                 problem = verify_piece(path)
                 if problem is not None:

@@ -296,7 +296,7 @@ def _repr_digest(value: Any, seen: set | None = None) -> str:
     if isinstance(value, types.ModuleType):
         return f"<module {value.__name__}>"
     if isinstance(value, type):
-        return f"<class {value.__module__}.{value.__qualname__}>"
+        return _class_digest(value, seen if seen is not None else set())
     if isinstance(value, nn.Module):  # a model read by the metric: its weights, every byte
         return f"<module {type(value).__name__} {model_fingerprint(value)}>"
     if isinstance(value, functools.partial):  # its repr is the function's address: its parts instead
@@ -320,6 +320,32 @@ def _repr_digest(value: Any, seen: set | None = None) -> str:
 
 #: packages whose functions a metric's identity takes by name and code only (their globals are not read)
 _LIBRARY_PACKAGES = ("cwcore", "torch", "numpy", "transformers")
+
+
+def _class_digest(cls: type, seen: set) -> str:
+    """A class's identity: its name and, for a user's class, what its own classes (the library's and builtins'
+    left out) hold: every attribute's value and every method's code, so a setting read as ``Settings.SCALE``
+    or through ``self`` (an ablation's or a steering hook's gain) is in the key."""
+    name = f"<class {cls.__module__}.{cls.__qualname__}"
+
+    def users(klass) -> bool:
+        module = getattr(klass, "__module__", "") or ""
+        return klass is not object and module != "builtins" and not module.startswith(_LIBRARY_PACKAGES)
+
+    if not users(cls) or id(cls) in seen:
+        return name + ">"
+    seen.add(id(cls))
+    parts = []
+    for klass in filter(users, cls.__mro__):
+        for key, value in sorted(vars(klass).items()):
+            if key.startswith("__") and key.endswith("__"):
+                continue
+            inner = getattr(value, "__func__", getattr(value, "fget", value))
+            code = getattr(inner, "__code__", None)
+            shown = (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code is not None
+                     else _repr_digest(value, seen))
+            parts.append(f"{klass.__qualname__}.{key}={shown}")
+    return f"{name} {';'.join(parts)}>"
 
 
 def _names_read(target) -> set:
@@ -402,7 +428,10 @@ def _method_digest(fn: Callable, seen: set) -> str:
             else:
                 digest.update(_repr_digest(value, seen).encode())
     if hasattr(fn, "__self__"):
-        digest.update(_repr_digest(getattr(fn.__self__, "__dict__", fn.__self__), seen).encode())
+        owner = fn.__self__
+        digest.update(_repr_digest(getattr(owner, "__dict__", owner), seen).encode())
+        if not isinstance(owner, (type, types.ModuleType)):  # what it reads through self from its class
+            digest.update(_class_digest(type(owner), seen).encode())
     return digest.hexdigest()
 
 

@@ -20,6 +20,7 @@ import copy
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import time
 import warnings
@@ -263,6 +264,11 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     return model, tokenizer
 
 
+#: the temporary and displaced folders a conversion leaves when killed (folder_cache's tempfile.mkdtemp and
+#: _displace names): ``.<name>.tmp-<random>``, ``.<name>.old-<12 hex digits>``
+_LEFT_OVER = re.compile(r"\..+\.(tmp-[A-Za-z0-9_]{8}|old-[0-9a-f]{12})")
+
+
 def verify_models(repair: bool = False) -> list[dict]:
     """Check every converted model: one dict per problem (``path``, ``problem``, ``action``); ``repair=True``
     converts a damaged one again and deletes day-old temporary folders."""
@@ -275,7 +281,7 @@ def verify_models(repair: bool = False) -> list[dict]:
                 old = now - path.stat().st_mtime > ABANDONED_AFTER_SECONDS
             except OSError:
                 continue
-            if old and (".tmp-" in path.name or ".old-" in path.name):
+            if old and _LEFT_OVER.fullmatch(path.name):  # only the names the conversion gives its own
                 action = "would delete"
                 if repair:
                     shutil.rmtree(path, ignore_errors=True)
@@ -286,6 +292,9 @@ def verify_models(repair: bool = False) -> list[dict]:
             continue
         problem = verify_cached_folder(path)
         if problem is None:
+            continue
+        if path.name not in _GGUF_SOURCES and not (path / CACHE_MARKER).exists():  # no folder cwcore wrote
+            problems.append({"path": str(path), "problem": f"not cwcore's (no {CACHE_MARKER})", "action": "left alone"})
             continue
         action = "would convert again" if path.name in _GGUF_SOURCES else "would delete"
         if repair:

@@ -165,3 +165,42 @@ def test_a_full_disk_everywhere_is_one_line_naming_the_fix(tmp_path):
             folder_cache.ensure_cached_folder(tmp_path / "models" / "m", {"v": 1}, build)
     with pytest.raises(ValueError, match="unrelated"):  # any other failure is not taken for a full disk
         folder_cache.ensure_cached_folder(tmp_path / "models" / "n", {"v": 1}, lambda f: (_ for _ in ()).throw(ValueError("unrelated")))
+
+
+def test_verify_leaves_a_users_model_folder_and_a_piece_without_checksum_alone(tmp_path, monkeypatch):
+    """``cwcore cache verify --repair`` deleted a folder under ``models/`` that has no ``cwcore-cache.json``
+    (the user's own weights), an old ``.my-notes.tmp-keep`` folder (its test for a killed conversion was
+    ``".tmp-" in name``), and a run folder's ``mydata.parquet`` that has no checksum (the cache writes the
+    checksum first, so such a file is never its); ``prune`` deleted the parquet too. The control: a damaged
+    model folder the cache wrote, and a killed conversion's temporary folder, are still deleted."""
+    from cwcore import models
+
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    base = models.model_cache_dir()
+    mine = base / "my-own-model"
+    mine.mkdir(parents=True)
+    (mine / "weights.bin").write_bytes(b"mine")
+    notes = base / ".my-notes.tmp-keep"
+    notes.mkdir()
+    damaged = base / "converted-model"
+    damaged.mkdir()
+    (damaged / folder_cache.CACHE_MARKER).write_text("{not json")
+    killed = base / ".converted-model.tmp-k3j9x0qa"
+    killed.mkdir()
+    for folder in (notes, killed):
+        _age(folder, 3 * 86400)
+    problems = {os.path.basename(p["path"]): p["action"] for p in models.verify_models(repair=True)}
+    assert problems == {"my-own-model": "left alone", "converted-model": "deleted",
+                        ".converted-model.tmp-k3j9x0qa": "deleted"}
+    assert (mine / "weights.bin").read_bytes() == b"mine" and notes.is_dir()
+    assert not damaged.exists() and not killed.exists()
+
+    run = ResultCache("demo", {"a": 1}, root=tmp_path)
+    run.put("p", pd.DataFrame({"x": [1.0]}))
+    pd.DataFrame({"y": [2]}).to_parquet(run.directory / "mydata.parquet")
+    _age(run.directory, 7200)
+    run.release()
+    actions = {os.path.basename(p["path"]): p["action"] for p in cache.verify(tmp_path, repair=True)}
+    assert actions == {"mydata.parquet": "left alone"}
+    assert list(cache.prune(tmp_path, everything=True)["key"]) == [run.directory.name]
+    assert [p.name for p in run.directory.iterdir()] == ["mydata.parquet"]

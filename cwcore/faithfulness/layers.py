@@ -132,6 +132,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
                for i in range(0, len(sequences), batch_size)]
     store = piece_store("faithfulness-per-layer", {
         **protocol.columns(), "kind": kind, "seed": seed, "layers": chosen, "metrics": [sp.label for sp in specs],
+        "metric_keys": [sp.piece_key for sp in specs],  # what each metric is, not only its label
         "modes": list(modes), "ratios": [float(r) for r in ratio_list],
         "max_length": None if max_length is None else int(max_length),
         "padding_side": padding_side}, model)

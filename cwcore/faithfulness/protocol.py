@@ -94,13 +94,18 @@ def parse_metric(metric, kind: str = "inter", label: str | None = None) -> Metri
     if base not in _methods.available_methods() or (suffix and metric in _methods.available_methods()):
         base, suffix = metric, None
     method = _methods.get_method(base)
+    code = _methods.code_identity(method)  # a user's registered function: its code and what it reads
+
+    def spec(shown: str, chosen: str, key: str) -> MetricSpec:
+        return MetricSpec(shown, base, chosen, method, f"{key or shown}-{code}" if code else key)
+
     if not method.kind_dependent:
         if suffix:
             raise ValueError(f"metric {base!r} has no intra/inter kind")
-        return MetricSpec(label or base, base, "", method, base if label else "")
+        return spec(label or base, "", base if label else "")
     chosen = suffix or kind
     default = base if chosen == kind else f"{base}_{chosen}"
-    return MetricSpec(label or default, base, chosen, method, default if label else "")
+    return spec(label or default, chosen, default if label else "")
 
 
 #: fields added to :class:`Protocol` after results were cached and exported, each with its default: the settings

@@ -259,3 +259,74 @@ def test_max_length_truncates_text_and_is_refused_for_longer_token_sequences(pea
     tokenizer, text = word_tokenizer(), " ".join(f"w{i % 20}" for i in range(40))
     short = fa.faithfulness_curve(model, tokenizer, [text, text], max_length=7, **options).per_sequence
     assert (short["n_tokens"] == 6).all()
+
+
+def test_a_registered_methods_code_is_in_the_key(peaked, tmp_path, monkeypatch):
+    """A method the user registers by name in a module of their own, run cached, then edited (its sign flipped)
+    and run again: before, its pieces were named by the name alone, so the edited method was served the old
+    curve. cwcore's own methods are covered by the package's code hash; a user's are keyed by their code and
+    what they read. The reference: the same call outside the cache."""
+    import importlib
+
+    from cwcore.faithfulness.methods import _REGISTRY
+
+    source = ("from cwcore.faithfulness import register_method\n\n\n@register_method('audit_user_method')\n"
+              "def audit_user_method(layer_decomposition, **context):\n    return SIGN * layer_decomposition.attention\n")
+    (tmp_path / "user_methods.py").write_text("SIGN = 1.0\n" + source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, ids = peaked
+    options = dict(ratios=[0.3], batch_size=4, progress=False, n_bootstrap=10)
+    try:
+        module = importlib.import_module("user_methods")
+        with cache.caching(tmp_path / "cache"):
+            first = fa.faithfulness_curve(model, None, ids[:4], "audit_user_method", **options)
+            (tmp_path / "user_methods.py").write_text("SIGN = -1.0\n" + source)
+            importlib.reload(module)
+            cached = fa.faithfulness_curve(model, None, ids[:4], "audit_user_method", **options)
+        fresh = fa.faithfulness_curve(model, None, ids[:4], "audit_user_method", **options)
+    finally:
+        _REGISTRY.pop("audit_user_method", None)
+    assert not first.per_sequence["nll"].equals(fresh.per_sequence["nll"])  # the control: the edit matters
+    pd.testing.assert_frame_equal(cached.per_sequence, fresh.per_sequence, check_exact=True)
+
+
+class _Settings:
+    SIGN = 1.0
+
+    def signed(self, layer_decomposition, **context):
+        return layer_decomposition.attention * self.SIGN
+
+
+def _by_class_attribute(layer_decomposition, **context):
+    return layer_decomposition.attention * _Settings.SIGN
+
+
+@pytest.mark.parametrize("metric", [_by_class_attribute, _Settings().signed], ids=["class attribute", "self"])
+def test_a_class_attribute_a_metric_reads_is_in_the_key(peaked, tmp_path, monkeypatch, metric):
+    """A metric reading a setting kept on a class (``Settings.SIGN``, or through ``self``): before, a class was
+    keyed by its name only, so the curve cached for SIGN = 1 was served for SIGN = -1 (a steering hook reading
+    its gain from a class was served the unsteered run the same way)."""
+    model, ids = peaked
+    options = dict(ratios=[0.3], batch_size=4, progress=False, n_bootstrap=10)
+    with cache.caching(tmp_path / "cache"):
+        first = fa.faithfulness_curve(model, None, ids[:4], {"mine": metric}, **options)
+        monkeypatch.setattr(_Settings, "SIGN", -1.0)
+        cached = fa.faithfulness_curve(model, None, ids[:4], {"mine": metric}, **options)
+    fresh = fa.faithfulness_curve(model, None, ids[:4], {"mine": metric}, **options)
+    assert not first.per_sequence["nll"].equals(fresh.per_sequence["nll"])  # the control
+    pd.testing.assert_frame_equal(cached.per_sequence, fresh.per_sequence, check_exact=True)
+
+
+def test_per_layer_curves_key_a_metric_by_what_it_is_not_its_label(peaked, tmp_path):
+    """per_layer_curve with ``{"x": "attention"}`` cached, then ``{"x": "contribution"}``: before, its key held
+    the label only, so the second call was served the attention curve."""
+    from cwcore.faithfulness.layers import per_layer_curve
+
+    model, ids = peaked
+    options = dict(ratios=[0.3], mode="comprehensiveness", batch_size=4, layers=[0])
+    with cache.caching(tmp_path / "cache"):
+        first = per_layer_curve(model, None, ids[:4], {"x": "attention"}, **options)
+        cached = per_layer_curve(model, None, ids[:4], {"x": "contribution"}, **options)
+    fresh = per_layer_curve(model, None, ids[:4], {"x": "contribution"}, **options)
+    assert not first["nll"].equals(fresh["nll"])  # the control
+    pd.testing.assert_frame_equal(cached, fresh, check_exact=True)

@@ -24,7 +24,8 @@ Zuidema 2020), ``contribution_rollout`` and ``alti`` (Ferrando et al. 2022) no e
 from __future__ import annotations
 
 from .registry import (  # noqa: F401  (the public interface, and _REGISTRY for tests that clean up)
-    _REGISTRY, Method, ScoreContext, as_method, available_methods, colours, display_names, get_method, method_key,
+    _REGISTRY, Method, ScoreContext, as_method, available_methods, code_identity, colours, display_names, get_method,
+    method_key,
     method_scores, output_gradients, precomputed, register_method, scoring,
 )
 from . import ladder, value_zeroing, rollout, alti, gradient  # noqa: E402,F401  (each registers its methods)
@@ -32,7 +33,7 @@ from .ladder import random, random_controls  # noqa: F401
 from .projection import CHUNK_BYTES  # noqa: F401
 
 __all__ = [
-    "Method", "register_method", "get_method", "available_methods", "method_key", "as_method",
+    "Method", "register_method", "get_method", "available_methods", "method_key", "as_method", "code_identity",
     "precomputed", "ScoreContext", "scoring", "method_scores", "output_gradients", "display_names", "colours",
     "BUILT_IN",
 ]

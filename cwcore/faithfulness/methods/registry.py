@@ -18,7 +18,7 @@ from ...core.decomposition import LayerDecomposition, prepare_inputs
 from ...identity import UncacheableMetric, method_key  # a callable's identity: one home, cwcore.identity
 
 __all__ = [
-    "Method", "register_method", "get_method", "available_methods", "method_key", "as_method",
+    "Method", "register_method", "get_method", "available_methods", "method_key", "as_method", "code_identity",
     "precomputed", "ScoreContext", "scoring", "method_scores", "output_gradients", "display_names", "colours",
 ]
 
@@ -64,6 +64,17 @@ def register_method(name: str, *, needs=(), cost: str = "", kind_dependent: bool
         return fn
 
     return add
+
+
+def code_identity(method: Method) -> str:
+    """What a registered method's code adds to its cache keys: nothing for cwcore's own (the package's code
+    hash covers them), else :func:`method_key` of the user's function, read at each call (its globals may
+    change); a fresh key when that function reads a value cwcore cannot fingerprint (never served from the
+    cache)."""
+    module = getattr(getattr(method.fn, "__wrapped__", method.fn), "__module__", "") or ""
+    if module == "cwcore" or module.startswith("cwcore."):
+        return ""
+    return as_method(method.fn, method.name).key
 
 
 def get_method(name: str) -> Method:
