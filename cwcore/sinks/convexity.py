@@ -162,6 +162,9 @@ def _convexity_tables(points: pd.DataFrame, bins: int, fit_on: str, min_range: f
         reference, at_centres = curve[: len(grid)], curve[len(grid):]
         with np.errstate(divide="ignore", invalid="ignore"):
             to_semantic = norm / np.sqrt(np.clip(s_sq, 0, None))  # ||o_i|| / ||s_i|| (scale-free)
+        # a query that does not see the sink (alpha_i0 = 0: a sliding window) has o_i = s_i: 1, not the rounding
+        # of two norms computed apart, which said "shortened" for half of them
+        to_semantic = np.where(a == 0, 1.0, to_semantic)
         fits.append({"scope": scope, "layer": layer, "head": head, "sink_rate": a.mean(), **fit,
                      "share_sink_suppresses": float(np.mean(to_semantic[np.isfinite(to_semantic)] < 1)),
                      "median_norm_over_semantic": float(np.nanmedian(to_semantic)),

@@ -365,10 +365,14 @@ class LayerState:
         return LayerDecomposition(self.layer, head_space_geometry(self.probs, self.values, self.w_o))
 
 
-def _exclude_sink(probs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Softmax without key 0 for queries >= 1 of the selected ``rows [batch, head]``."""
+def _exclude_sink(probs: torch.Tensor, rows: torch.Tensor, learned: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax without key 0 for queries >= 1 of the selected ``rows [batch, head]``: alpha_ij / (1 - alpha_i0).
+    ``learned [batch, head, query]``: the mass a learned sink logit takes from ``probs`` (GPT-OSS), which stays
+    in the softmax (the tail's sum is 1 - alpha_i0 less it)."""
     tail = probs[..., 1:]
     total = tail.sum(-1, keepdim=True)
+    if learned is not None:
+        total = total + learned[..., None].to(total.dtype)
     renormalised = torch.cat([torch.zeros_like(probs[..., :1]), torch.where(total > 0, tail / total, tail)], -1)
     queries = torch.arange(probs.shape[-2], device=probs.device) >= 1
     selected = rows.bool()[:, :, None, None] & queries[None, None, :, None]
@@ -380,7 +384,9 @@ def exclude_sink(rows: torch.Tensor):
     and the row renormalised (the softmax without key 0)."""
 
     def transform(call: LayerCall) -> torch.Tensor:
-        return _exclude_sink(call.probs, rows.to(call.probs.device))
+        # a learned sink that only scales the output (Granite SWA) is not in probs, which sum to one over the keys
+        learned = None if call.sink_scales_output else call.learned_sink_mass
+        return _exclude_sink(call.probs, rows.to(call.probs.device), learned)
 
     return transform
 

@@ -86,6 +86,9 @@ def head_points(points: pd.DataFrame) -> pd.DataFrame:
     ``raw`` = ||s_i||, ``renorm`` = ||s_i|| / (1 - a_i) = ||s^_i|| and ``out`` = ||o_i||."""
     s = np.sqrt(points["s_sq"].clip(lower=0).to_numpy(float))
     alpha = points["alpha0"].to_numpy(float) if "alpha0" in points else np.full(len(points), np.nan)
+    # a query that does not see the sink (alpha_i0 = 0: a sliding window) has o_i = s_i exactly, not the
+    # rounding of two norms computed apart (which read as shortened for half of them)
+    s = np.where(alpha == 0, points["norm"].to_numpy(float), s)
     tail = 1 - alpha
     with np.errstate(divide="ignore", invalid="ignore"):
         renorm = np.where(tail > 1e-6, s / tail, np.nan)

@@ -228,3 +228,33 @@ def test_the_direction_control_credits_the_direction_only_when_a_random_one_does
     rows = pd.DataFrame(_claim_rows(fits, points, 0.3, 200, 0)).set_index("key")
     assert rows.loc["share_interior_minus_random_direction", "estimate"] == pytest.approx(0.0)
     assert rows.loc["share_interior_minus_random_direction", "verdict"] != "holds"
+
+
+def test_a_query_that_does_not_see_the_sink_is_not_counted_as_shortened():
+    """In a sliding layer a query past the window does not see key 0 (alpha_i0 = 0), so its output is its
+    sink-free part exactly. Before, ||o_i|| and ||s_i|| were computed apart and compared, so float rounding
+    called half of those queries shortened (a layer's share 0.36-0.55 where it is 0.06-0.15). The reference:
+    the flags from the dense decomposition in float64, a query that does not see the sink not shortened. The
+    control: the layer has such queries."""
+    import torch
+
+    import cwcore
+    from cwcore.sinks.suppression import head_points
+
+    model, ids = tiny_model("gemma3"), random_ids(n=3, length=12, seed=1)  # layer 0 slides over 4 keys
+    d = cwcore.decompose(model, input_ids=ids)[0]
+    alpha, values, w_o = d.attention.double(), d.geometry.values.double(), d.geometry.w_o.double()
+    mixed = alpha @ values  # [b, h, q, d]
+    semantic = mixed - alpha[..., :1] * values[:, :, None, 0]
+    norm = [torch.einsum("bhqd,hmd->bhqm", x, w_o).norm(dim=-1) for x in (mixed, semantic)]
+    unseen = alpha[..., 0] == 0
+    assert int(unseen[:, :, 1:].sum()) > 20  # the control
+    expected = ((norm[0] < norm[1]) & ~unseen)[:, :, 1:].double().mean((0, 2)).numpy()
+    fits, _ = sinks.sink_convexity(model, None, ids, min_range=0.01, **FAST)
+    got = fits[(fits["scope"] == "head") & (fits["layer"] == 0)].sort_values("head")["share_sink_suppresses"]
+    np.testing.assert_allclose(got.to_numpy(), expected, atol=1e-12)
+    from cwcore.sinks import engine
+
+    parts, _ = engine.collect(model, None, ids, [engine.REGISTRY["convexity"].spec({"seed": 0})], progress=False)
+    points = head_points(parts["convexity"]["points"])
+    assert (points.loc[points["alpha0"] == 0, "raw"] == points.loc[points["alpha0"] == 0, "out"]).all()

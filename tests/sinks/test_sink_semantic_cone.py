@@ -252,3 +252,27 @@ def test_weak_token_null_matches_a_naive_sum_on_random_keys():
     at = long[(long["layer"] == layer) & (long["sequence"] == seq) & (long["head"] == head) & (long["k"] == first)]
     np.testing.assert_allclose(at["cos_minus_null"], at["cos"] - at["cos_null"], equal_nan=True)
     assert np.isnan(long.loc[long["k"] == 0, "cos_null"]).all()  # all tail tokens: no null
+
+
+def test_leaving_the_sink_out_keeps_a_learned_sinks_mass_in_the_softmax():
+    """``sink_renorm`` is the softmax without key 0: alpha_ij / (1 - alpha_i0). With a learned sink logit
+    (GPT-OSS) the keys' probabilities sum to 1 - learned mass, and before, the tail was divided by its own sum,
+    which also dropped what the learned sink absorbs (layer outputs 0.1 off on a tiny GPT-OSS). A learned sink
+    that only scales the output (Granite SWA: probabilities that sum to one over the keys) keeps the tail's sum."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cwcore.sinks.engine import exclude_sink
+
+    probs = torch.tensor([[[[1.0, 0.0, 0.0], [0.3, 0.2, 0.1], [0.1, 0.3, 0.2]]]])  # [b, h, q, k]
+    learned = 1 - probs.sum(-1)  # [b, h, q]: 0, 0.4, 0.4
+    transform = exclude_sink(torch.ones(1, 1))
+    got = transform(SimpleNamespace(probs=probs, learned_sink_mass=learned, sink_scales_output=False))
+    expected = probs.clone()
+    expected[..., 1:, 0] = 0
+    expected[..., 1:, 1:] = probs[..., 1:, 1:] / (1 - probs[..., 1:, :1])
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got[..., 1:, 1:].sum(-1), torch.ones(1, 1, 2))  # the learned sink keeps its share
+    scaled = transform(SimpleNamespace(probs=probs, learned_sink_mass=learned, sink_scales_output=True))
+    torch.testing.assert_close(scaled[..., 1:, 1:].sum(-1), torch.ones(1, 1, 2))
