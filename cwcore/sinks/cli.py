@@ -9,6 +9,7 @@ One block per document (``--sampling documents``; ``stream``: consecutive blocks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -197,6 +198,7 @@ def _main(argv: list[str] | None) -> int:
 
     from ..cache import write_csv
     from .analyses import ANALYSES, REGISTRY, SinkOptions
+    from .engine import refuse_unread
     from .engine import collect
     from .summary import summarize
 
@@ -218,10 +220,16 @@ def _main(argv: list[str] | None) -> int:
             flag = "--" + name.replace("_", "-")
             parser_.error(f"{flag} applies to {', '.join(takers[name])}, which --analyses {','.join(wanted)} does "
                           f"not run: add it, or leave {flag} out")
+    for name in wanted:  # and one its settings leave unread (--threshold without --heads sink)
+        try:
+            refuse_unread(REGISTRY[name], given, options, flags=True)
+        except ValueError as error:
+            parser_.error(str(error))
 
     from ..data import load_dataset
     from ..models import load_model
 
+    applied_bos = None  # documents: the blocks come tokenised, with the BOS the command line asked for
     if args.from_raw:
         parts, blocks, recorded = _load_raw(raw, wanted)
         _refuse_another_run(parser_, args, given_run & set(_RECORDED), blocks, recorded, raw)
@@ -235,8 +243,11 @@ def _main(argv: list[str] | None) -> int:
         if args.sampling == "documents":  # independent units: one block per document (intervals over documents)
             from ..data import document_blocks
 
+            from ..data import _resolve_bos
+
             dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
                                       add_bos=add_bos)
+            applied_bos = _resolve_bos(tokenizer, add_bos) is not None  # what the summary records
             add_bos = None  # applied: the blocks are tokenised
         from ..cache import caching
 
@@ -244,6 +255,8 @@ def _main(argv: list[str] | None) -> int:
             parts, blocks = collect(model, tokenizer, dataset, [REGISTRY[a].spec(options) for a in wanted],
                                     block_size=args.block_size, num_sequences=args.num_sequences, add_bos=add_bos,
                                     batch_size=args.batch_size, progress=True)
+        if blocks.add_bos is None and applied_bos is not None:  # the tables, the summary and the raw record say so
+            blocks = dataclasses.replace(blocks, add_bos=applied_bos)
         if raw is not None:
             _save_raw(raw, parts, blocks, args.sampling, dtype)
     tables: dict[str, pd.DataFrame] = {}

@@ -29,7 +29,7 @@ import inspect
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -47,8 +47,8 @@ from ..core.interventions import removal
 
 __all__ = ["Analysis", "Blocks", "Collector", "EPS", "LayerState", "Option", "REGISTRY", "RUN_OPTIONS", "SEED",
            "SINK_POSITION", "Spec", "collect", "concat", "exclude_sink", "flat", "forward", "grid_columns",
-           "layer_types", "model_fingerprint", "options_class", "register", "run_one", "token_blocks",
-           "token_classes"]
+           "layer_types", "model_fingerprint", "options_class", "refuse_unread", "register", "run_one",
+           "token_blocks", "token_classes"]
 
 #: The key position every analysis treats as the sink: position 0, the paper's reading. Whether the
 #: attention statistics agree (which positions take the mass) is measured by :mod:`cwcore.sinks.rates`
@@ -63,7 +63,9 @@ model_fingerprint = runs.model_fingerprint
 @dataclass(frozen=True)
 class Option:
     """One option: ``name``, ``default``, ``help`` (one line, also the command line's), ``check(value)``
-    (raises naming the option; returns the value kept), ``choices`` and ``cli`` (False: no flag of its own)."""
+    (raises naming the option; returns the value kept), ``choices``, ``cli`` (False: no flag of its own) and
+    ``read_when`` ``(option, value)``: the only setting under which it is read (given otherwise, it is refused,
+    :func:`refuse_unread`)."""
 
     name: str
     default: Any
@@ -71,6 +73,7 @@ class Option:
     check: Callable[[Any], Any] | None = None
     choices: tuple | None = None
     cli: bool = True
+    read_when: tuple[str, Any] | None = None
 
     def validate(self, value):
         """``value`` checked (and normalised, e.g. an int eps to float); refused with one sentence."""
@@ -605,6 +608,21 @@ def collect(model, tokenizer, data, specs: list["Spec"], *, block_size=None, num
     return joined, blocks
 
 
+def refuse_unread(analysis: "Analysis", given: Iterable[str], resolved: Mapping[str, Any],
+                  flags: bool = False) -> None:
+    """Refuse an option ``given`` that ``analysis`` would not read with the ``resolved`` options (its
+    :attr:`Option.read_when`), e.g. a threshold for heads='all'; ``flags``: name them as command-line flags."""
+    def shown(name: str) -> str:
+        return "--" + name.replace("_", "-") if flags else name
+
+    for option in analysis.options:
+        if option.name in given and option.read_when is not None:
+            other, value = option.read_when
+            if resolved.get(other) != value:
+                raise ValueError(f"{shown(option.name)} is read only with {shown(other)} {value!r} (not "
+                                 f"{resolved.get(other)!r}): give both, or leave {shown(option.name)} out")
+
+
 def run_one(name: str, model, tokenizer, data, options: dict):
     """The result of one registered analysis (what its public function returns) for ``options``: its own
     options and the run options, checked by ``SinkOptions`` (:func:`options_class`); any other is refused."""
@@ -616,6 +634,7 @@ def run_one(name: str, model, tokenizer, data, options: dict):
                         f"{', '.join(o.name for o in analysis.options)} and {', '.join(_RUN)}")
     checked = options_class()(**options)
     own = checked.analysis_options(name)
+    refuse_unread(analysis, options, own)
     parts, blocks = collect(model, tokenizer, data, [analysis.spec(own)], **checked.run_options())
     return analysis.tables(parts[name], blocks, **own)
 

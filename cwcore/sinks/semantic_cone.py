@@ -20,7 +20,7 @@ __all__ = ["CONDITIONS", "CONE", "DRIFT", "PERPLEXITY", "drift_curve", "drift_po
 HEADS = Option("heads", "all", "semantic-cone interventions in all heads, or only in sink heads (rate above threshold)",
                choices=("all", "sink"))
 THRESHOLD = Option("threshold", 0.3, "heads='sink': a head's sink rate in the sequence above this",
-                   unit_interval("threshold"))
+                   unit_interval("threshold"), read_when=("heads", "sink"))
 QUANTILES = Option("quantiles", 5, "bins of the clean output norm (bin 1: the lowest-norm outputs)", count("quantiles"))
 
 #: the claims chapter 7 judges

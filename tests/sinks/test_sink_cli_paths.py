@@ -105,3 +105,17 @@ def test_the_faithfulness_help_answers_without_torch_and_its_flags_agree():
     assert done.returncode == 0 and "--num-sequences" in done.stdout
     imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "pandas" not in imported
+
+
+def test_a_threshold_that_heads_all_would_not_read_is_refused(tmp_path, capsys):
+    """The semantic cone reads ``threshold`` only with ``heads="sink"``. Before, ``--threshold 0.05`` (and
+    ``sink_semantic_cone(threshold=0.05)``) with the default heads "all" ran and wrote the tables of the
+    default, byte for byte, without a word."""
+    from cwcore import sinks
+
+    with pytest.raises(SystemExit):
+        sinks.main(["--model", "tiny", "--data", "gsm8k", "--analyses", "semantic_cone", "--threshold", "0.05",
+                    "--out", str(tmp_path)])
+    assert "--threshold is read only with --heads 'sink'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="threshold is read only with heads 'sink'"):
+        sinks.sink_semantic_cone(None, None, None, threshold=0.05)

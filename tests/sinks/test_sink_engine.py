@@ -79,10 +79,13 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
              "semantic_cone", "semantic_cone-heads", "semantic_cone-ppl", "summary"]
     assert written == sorted(f"sinks_{s}_tiny_words.csv" for s in stems)
     rates = pd.read_csv(tmp_path / "a" / "sinks_rates_tiny_words.csv")
-    assert rates["add_bos"].all() and (rates["first_token_is_bos"] == 1.0).all() and (rates["model"] == "tiny").all()
+    # documents sampling, --add-bos yes: recorded as True (before: blank, in the rates table and the summary)
+    assert rates["add_bos"].eq(True).all() and (rates["first_token_is_bos"] == 1.0).all()
+    assert (rates["model"] == "tiny").all()
     summary = pd.read_csv(tmp_path / "a" / "sinks_summary_tiny_words.csv")
     assert {"sink_rate", "decomposition", "anti_alignment", "convexity", "semantic_cone"} <= set(summary["claim"])
     assert loaded == [None] and (summary["dtype"] == "float32").all()
+    assert summary["add_bos"].eq(True).all()
     monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("--from-raw must not load the model"))
     assert sinks.main([*args, "--from-raw", "--out", str(tmp_path / "b")]) == 0
     for name in written:
