@@ -385,3 +385,18 @@ def test_the_committed_findings_have_one_row_per_key():
     assert len(table) and not table.duplicated(F.SAMPLE_FINDING_KEY).any()
     for _, one in table.groupby("sample"):
         assert not one.duplicated(F.FINDING_KEY).any()
+
+
+def test_the_bench_rows_follow_the_registered_margin_rule():
+    """The pre-registration judges the attribution bench's secondary rows by the ladder's interval and margin rule
+    (unadjusted). Before, they kept the comparison's margin-free verdict: an interval inside +-0.01 nats read
+    *inconclusive* (two committed gemma3-270m rows) where the rule says *negligible*. The control: an interval
+    above the margin holds."""
+    comparisons = pd.DataFrame({"lower": ["rollout", "attention"], "higher": ["contribution", "contribution"],
+                                "mode": ["sufficiency", "comprehensiveness"], "difference": [0.0005, 0.2],
+                                "ci_low": [-0.0051, 0.15], "ci_high": [0.0064, 0.25], "n": [64, 64],
+                                "verdict": ["inconclusive", "holds"]})
+    rows = F.bench_findings(comparisons, model="m").set_index("claim")
+    assert rows.loc["contribution beats rollout", "verdict"] == stats.NEGLIGIBLE
+    assert rows.loc["contribution beats rollout", "margin"] == 0.01
+    assert rows.loc["contribution beats attention", "verdict"] == stats.HOLDS  # the control

@@ -454,20 +454,22 @@ BENCH_CHAPTER = "04b_attribution_bench"
 def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
     """The attribution bench's paired comparisons (:func:`cwcore.faithfulness.ladder_comparison` with
     :func:`cwcore.faithfulness.method_pairs`, stacked over data sets and ratio ranges) as findings rows
-    (:data:`FAITHFULNESS_COLUMNS`): claim ``"<higher> beats <lower>"``, judged by the comparison's own
-    verdict (its paired 95% interval against 0 on the mode's side: above for comprehensiveness, below
-    for sufficiency); two methods that ranked identically (difference and interval exactly 0) are *not
-    measured*, as the ladder's identical rungs."""
+    (:data:`FAITHFULNESS_COLUMNS`): claim ``"<higher> beats <lower>"``, its paired 95% interval against 0 on
+    the mode's side (above for comprehensiveness, below for sufficiency); two methods that ranked identically
+    (difference and interval exactly 0) are *not measured*, as the ladder's identical rungs. Judged by the ladder's rule (:func:`cwbook.ladder.judge`):
+    negligible where the interval lies inside the mode's margin."""
     if comparisons is None or comparisons.empty:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     rows = []
-    for _, r in comparisons.iterrows():
+    # the registered rule of the secondary rows: the ladder's interval and margin (negligible inside +-margin)
+    for _, r in _judged(comparisons).iterrows():
         verdict, est, low, high, shown = _step_row(r, r["mode"])
         rows.append({"claim": f"{r['higher']} beats {r['lower']}", "model": model, "data": r.get("data", ""),
                      "mode": r["mode"], "protocol": r.get("protocol", "default"),
                      "importance": r.get("importance", "signed"), "range": r.get("range", "full"),
                      "verdict": verdict, "estimate": est, "ci_low": low, "ci_high": high, "n_units": int(r["n"]),
                      "unit": r.get("sample_unit", "sequence"), "mde": float(r.get("mde", np.nan)),
+                     "margin": float(r.get("margin", np.nan)),
                      "profile": profile, "variant": r.get("variant", "main"), "primary": False,
                      "source": BOOK_CLAIM, "measured": f"chapter 4b, {r['lower']}->{r['higher']}: {_fmt(est)} [{_fmt(low)}, {_fmt(high)}] "
                                  f"{shown}"})
