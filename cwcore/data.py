@@ -330,6 +330,8 @@ def _read_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
         raise ValueError(f"a local file has a single split 'train', not '{split}'")
     builder = _LOCAL_EXTENSIONS[path.suffix.lower()]
     if builder == "text":
+        if kwargs:  # read whole, one document per file or blank-line block: an argument would be dropped
+            raise TypeError(f"{path} is a text file, read whole: it takes no extra arguments {sorted(kwargs)}")
         return _read_txt(path)
     return datasets.load_dataset(builder, data_files=str(path), split="train", **kwargs)
 

@@ -252,6 +252,12 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
                              "downloaded from the hub; load a hub id to choose a revision, a token or a hub cache")
         model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
+        hub_only = sorted(k for k in _SHARED_HUB_KWARGS  # a subfolder of a local folder is read
+                          if k not in ("local_files_only", "subfolder") and kwargs.get(k) not in (None, False))
+        if hub_only and os.path.isdir(os.fspath(name)):  # from_pretrained reads a folder as it is, dropping them
+            raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to the local "
+                             f"folder {os.fspath(name)!r}, which is read as it is; load a hub id to choose a revision, "
+                             "a token or a hub cache")
         model, tokenizer = _load_from_hub_or_folder(os.fspath(name), torch_dtype, kwargs)
     if torch_dtype == torch.float16 and str(model.config.model_type).startswith("gemma3"):
         warnings.warn("Gemma 3's residual stream grows past the float16 range (about 1e5 > 65504 "

@@ -501,6 +501,11 @@ def test_the_second_argument_is_a_hub_configuration_as_in_datasets(tmp_path, mon
     txt.write_text("one\n\ntwo\n", encoding="utf-8")
     with pytest.raises(TypeError, match="a local file has no configurations"):
         load_dataset(str(txt), "plain")
+    # a text file is read whole: before, streaming=True or a misspelt keyword was dropped without a word
+    with pytest.raises(TypeError, match=r"corpus.txt is a text file, read whole: it takes no extra arguments "
+                                        r"\['no_such_option', 'streaming'\]"):
+        load_dataset(str(txt), streaming=True, no_such_option=1)
+    assert load_dataset(str(txt))["text"] == ["one", "two"]
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"text": ["x", "y"]}).save_to_disk(str(saved))
     assert load_dataset(str(saved))["text"] == ["x", "y"]

@@ -400,6 +400,24 @@ def test_hub_download_options_are_refused_for_a_packaged_model(monkeypatch):
     assert loads == [{"local_files_only": True, "revision": None, "attn_implementation": "eager"}]
 
 
+def test_hub_download_options_are_refused_for_a_local_folder(tmp_path, monkeypatch):
+    """A local folder is read as it is: before, revision, token, cache_dir and force_download were passed to
+    from_pretrained, which drops them for a folder, so load_model(folder, revision="v2") loaded the folder."""
+    import cwcore.models as models
+
+    loads = []
+    monkeypatch.setattr(models, "_load_from_hub_or_folder", lambda *args: loads.append(args) or (None, None))
+    with pytest.raises(ValueError, match=r"^force_download, revision do not apply to the local folder .* which is "
+                                         r"read as it is"):
+        load_model(str(tmp_path), revision="v2", force_download=True)
+    assert loads == []
+    monkeypatch.setattr(models, "_load_from_hub_or_folder",  # the control: a hub id passes them on
+                        lambda name, dtype, kwargs: loads.append(dict(kwargs)) or (torch.nn.Linear(1, 1), object()))
+    monkeypatch.setattr(models, "_ensure_pad_token", lambda tokenizer: None)
+    load_model("someone/some-model", revision="v2")
+    assert loads and loads[0]["revision"] == "v2"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there to load on")
 def test_a_device_this_torch_lacks_is_one_sentence_before_the_load():
     # before: torch's "Torch not compiled with CUDA enabled" AssertionError from inside .to(), after the load

@@ -209,7 +209,9 @@ def attention_forward(
         session.refuse_non_finite(module, output, call_mask, (query, key, value))
     if session is not None:
         session.on_output(module, output)
-    return output, probs
+    # the model's own call returns no map where it is configured for SDPA: nor does this one, so the forward's
+    # outputs (its `attentions`, by layer) are the model's
+    return output, None if models_own is not None else probs
 
 
 def _bias_mask(position_bias: torch.Tensor, attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:

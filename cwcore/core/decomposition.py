@@ -447,7 +447,8 @@ class Decomposition(Mapping):
             raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
                              "so it has no tokens to name")
         frames = []
-        for layer in chosen:
+        # negative numbers count from the end, as self[layer] reads them: each layer once, under its own number
+        for layer in dict.fromkeys(self[number].layer for number in chosen):
             ld = self[layer]
             b, h, q, k = ld.attention.shape
             if q != k:

@@ -297,3 +297,18 @@ def test_a_call_with_more_keys_than_queries_is_exact_against_eager(cache_kind, l
     torch.testing.assert_close(d.outputs.logits, eager.logits, rtol=0, atol=1e-5)
     for layer in d.layers:
         torch.testing.assert_close(d.attention[layer], eager.attentions[layer], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_the_outputs_of_an_sdpa_model_asked_for_its_attentions_are_the_models_own(layers):
+    """An SDPA model returns no attention maps (``output_attentions=True`` gives ``()``). Before, the layers cwcore
+    observed returned theirs and the others none, so ``d.outputs.attentions`` held only the observed layers'
+    maps, its index 0 layer 1's with ``layers=[1]``. The control: an eager model returns every layer's map."""
+    model = _sdpa("llama")
+    with torch.no_grad():
+        own = model(input_ids=IDS, output_attentions=True)
+    d = cwcore.decompose(model, input_ids=IDS, output_attentions=True, layers=layers)
+    assert tuple(own.attentions or ()) == () and tuple(d.outputs.attentions or ()) == ()
+    torch.testing.assert_close(d.outputs.logits, own.logits, rtol=0, atol=1e-5)
+    eager = tiny_model("llama")
+    assert len(cwcore.decompose(eager, input_ids=IDS, output_attentions=True, layers=layers).outputs.attentions) == 2

@@ -157,3 +157,7 @@ def test_to_frame_takes_a_numpy_layer_number(model):
     assert d.to_frame(layers=np.int64(1)).equals(d.to_frame(layers=1))
     assert d.to_frame(layers=[np.int64(0), 1]).equals(d.to_frame(layers=[0, 1]))
     assert set(d.to_frame(layers=1)["layer"]) == {1}
+    # a negative number counts from the end, as d[-1] does: before, its rows were labelled -1, and [1, -1] gave
+    # layer 1's terms twice
+    assert d.to_frame(layers=-1).equals(d.to_frame(layers=1))
+    assert d.to_frame(layers=[1, -1]).equals(d.to_frame(layers=1))
