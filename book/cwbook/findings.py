@@ -451,6 +451,15 @@ def primary_decisions(table: pd.DataFrame, models: Sequence[str] | None = None) 
 BENCH_CHAPTER = "04b_attribution_bench"
 
 
+def judged_bench(comparisons: pd.DataFrame) -> pd.DataFrame:
+    """The bench's comparisons with the verdicts findings.csv gives them (:func:`bench_findings`): the registered
+    interval and margin rule (:func:`cwbook.ladder.judge`), not measured where two methods ranked identically."""
+    judged = _judged(comparisons)
+    if judged is None or judged.empty:
+        return judged
+    return judged.assign(verdict=[_step_row(r, r["mode"])[0] for _, r in judged.iterrows()])
+
+
 def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:
     """The attribution bench's paired comparisons (:func:`cwcore.faithfulness.ladder_comparison` with
     :func:`cwcore.faithfulness.method_pairs`, stacked over data sets and ratio ranges) as findings rows

@@ -92,7 +92,9 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
             comparisons.append(faith.ladder_comparison(part, pairs=pairs, **kw).assign(data=data, range=rng,
                                                                                        protocol="default"))
         curves.append(faith.summarize(part, n_bootstrap=n_bootstrap, seed=seed).assign(data=data))
-    areas, comparisons = pd.concat(areas, ignore_index=True), pd.concat(comparisons, ignore_index=True)
+    areas = pd.concat(areas, ignore_index=True)
+    # the registered rule of these secondary rows, as findings.csv judges them: negligible inside the margin
+    comparisons = findings.judged_bench(pd.concat(comparisons, ignore_index=True))
     curves = pd.concat(curves, ignore_index=True)
     elapsed = time.monotonic() - t0
 
@@ -105,8 +107,9 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     # the committed comparisons at the evidence size: every verdict word the page prints comes from them
     committed = findings.load_results(findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, model)
     pair_keys = ["data", "range", "mode", "lower", "higher"]
+    judged = None if committed is None else findings.judged_bench(committed.table)  # as findings.csv judges them
     ev_verdict = {} if committed is None else dict(zip(
-        map(tuple, committed.table[pair_keys].astype(str).to_numpy()), committed.table["verdict"]))
+        map(tuple, judged[pair_keys].astype(str).to_numpy()), judged["verdict"]))
     ev_label = (None if committed is None else
                 f"evidence (exploratory sample, {committed.metadata.get('parameters', {}).get('n_documents')} "
                 "documents per data set)")
@@ -221,17 +224,20 @@ def committed_answer(model: str, evidence_dir=None):
     if committed is None:
         return ("no bench is committed for this model (`data/results/evidence/04b_attribution_bench/`): the "
                 "numbers below are this build's own, too few documents to decide"), None
-    table, ran = committed.table, committed.metadata.get("parameters", {})
+    # judged by the registered rule of these secondary rows, as findings.csv judges them (negligible inside the margin)
+    table, ran = findings.judged_bench(committed.table), committed.metadata.get("parameters", {})
 
     def counted(rows) -> str:
-        said = [f"{int((rows['verdict'] == v).sum())} {v}" for v in ("holds", "contradicted", "inconclusive",
-                                                                      "not measured") if (rows["verdict"] == v).any()]
+        said = [f"{int((rows['verdict'] == v).sum())} {v}" for v in ("holds", "contradicted", "negligible",
+                                                                      "inconclusive", "not measured")
+                if (rows["verdict"] == v).any()]
         return ", ".join(said) + f" of {len(rows)}"
 
     reference = str(ran.get("reference", "contribution"))
     lines = [f"Committed: {ran.get('n_documents', '?')} documents per data set "
              f"({', '.join(str(ran.get('data', '')).split(','))}), signed importance; a cell is one data set and "
-             f"ratio range, its verdict the paired AOPC difference's 95% interval, unadjusted (exploratory). "
+             f"ratio range, its verdict the paired AOPC difference's 95% interval against 0 and the 0.01-nat margin, "
+             f"unadjusted (exploratory). "
              f"Is {'contribution weights' if reference == 'contribution' else LABELS.get(reference, reference)} "
              f"more faithful than ...?"]
     against = table[(table["higher"] == reference) & (table["lower"] != "random")]
