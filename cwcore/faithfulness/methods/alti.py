@@ -36,7 +36,7 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     # two nearly equal sums, which bf16 sums would swamp (a bf16 GPT-2's scores were 17% off)
     require_causal(call.probs, call.layer, "alti", "its transformed vectors (written for a decoder's residual "
                    "x_i + N(a_i)) and its pairs (keys 0..i) do not describe the layer", call.valid_queries())
-    alpha, projected, bias = projected_values(call, at_least=torch.float32)
+    alpha, projected, bias = projected_values(call, at_least=torch.promote_types(torch.float32, call.compute_dtype))
     b, h, q, k = alpha.shape
     hidden = (block_input[0][0] if block_input[0] else block_input[1]["hidden_states"]).to(projected.dtype)
     a = torch.einsum("bhqk,bhkm->bqm", alpha, projected)
@@ -55,7 +55,7 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     pair = torch.ones(b, q, k, dtype=torch.bool, device=alpha.device).tril()
     if valid is not None:
         pair = pair & valid[:, :, None] & valid[:, None, :]
-    scores = torch.zeros(b, q, k, dtype=torch.float32, device=alpha.device)
+    scores = torch.zeros(b, q, k, dtype=projected.dtype, device=alpha.device)  # float32, or compute_dtype float64
     step = max(1, CHUNK_BYTES // (b * k * m * projected.element_size() * 2))
     for q0 in range(0, q, step):
         q1 = min(q, q0 + step)
@@ -67,5 +67,5 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
         y_part = y[:, q0:q1, None]
         distance = (y_part - terms).abs().sum(-1)
         c = (y_part.abs().sum(-1) - distance).clamp_min(0).masked_fill(~pair[:, q0:q1], 0.0)
-        scores[:, q0:q1] = (c / c.sum(-1, keepdim=True).clamp_min(1e-30)).float()
+        scores[:, q0:q1] = c / c.sum(-1, keepdim=True).clamp_min(1e-30)
     return scores

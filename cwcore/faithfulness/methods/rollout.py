@@ -12,6 +12,7 @@ __all__ = ["rollout", "contribution_rollout"]
 def _rolled(state: dict, key: str, mixing: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """R^l = A^l R^(l-1) with A^l = row-normalised (0.5 mixing + 0.5 I), kept in ``state[key]``."""
     b, q, _ = mixing.shape
+    dtype = mixing.dtype
     eye = torch.eye(q, dtype=torch.float64, device=mixing.device)[None]
     mixing = mixing.double().nan_to_num(0.0)
     if valid is not None:
@@ -22,7 +23,7 @@ def _rolled(state: dict, key: str, mixing: torch.Tensor, valid: torch.Tensor | N
     a = a / a.sum(-1, keepdim=True).clamp_min(1e-30)
     previous = state.get(key)
     state[key] = a if previous is None else a @ previous.to(a.device)
-    return state[key].float()
+    return state[key].to(torch.promote_types(dtype, torch.float32))  # the decomposition's dtype (compute_dtype)
 
 
 @register_method("rollout", needs=("earlier_layers",), cost="no extra forward", title="rollout",

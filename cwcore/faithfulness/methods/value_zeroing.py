@@ -71,7 +71,8 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
         if valid is not None:
             candidates = candidates & (valid[:, None, :, None] & valid[:, None, None, :])
     rows, queries, keys = candidates[:, 0].expand(b, q, k).nonzero(as_tuple=True)
-    scores = torch.zeros(b, q, k, dtype=torch.float32, device=alpha.device)
+    # the distances in compute_dtype (float32, or float64 asked for); the reruns are the model's own, in its dtype
+    scores = torch.zeros(b, q, k, dtype=torch.promote_types(torch.float32, call.compute_dtype), device=alpha.device)
     step = max(1, CHUNK_BYTES // (h * m * projected.element_size()))
     # a bar for the long calls (seconds per layer: ~Q^2/2 pairs through the MLP), none for short ones
     bar = progress(rows.numel(), f"value zeroing, layer {layer_decomposition.layer}", unit="pair",
@@ -81,7 +82,7 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
             r, i, j = rows[start:start + step], queries[start:start + step], keys[start:start + step]
             delta = torch.einsum("ph,phm->pm", alpha[r, :, i, j], projected[r, :, j])
             altered = _rest_of_block(call, block_input, hidden[r, i][None], (original[r, i] - delta)[None])[0].double()
-            scores[r, i, j] = (1 - torch.nn.functional.cosine_similarity(clean[r, i], altered, dim=-1)).float()
+            scores[r, i, j] = (1 - torch.nn.functional.cosine_similarity(clean[r, i], altered, dim=-1)).to(scores.dtype)
             bar.update(int(r.numel()))
     finally:
         bar.close()
