@@ -101,8 +101,8 @@ def attribute(
     required). The method's own options are keywords too (``kind="intra"``, ``seed=``); any other keyword
     raises. ``layers``: one, a list, or None (all). ``compute_dtype``: default float64 for a float64 model,
     else float32; every method's geometry and scores are in it (value zeroing's reruns are the model's own
-    forward, in its dtype; the random control's scores are a seeded hash, float32). Returns an :class:`Attribution` (token-level methods: compare with contribution weights
-    summed over heads)."""
+    forward, in its dtype; the random control's scores are a seeded hash, float32). Returns an
+    :class:`Attribution` (token-level methods: compare with contribution weights summed over heads)."""
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
     from .core.inputs import InputError, check_compute_dtype, check_inputs, own_options, unwrap_compiled

@@ -328,9 +328,11 @@ def _class_digest(cls: type, seen: set) -> str:
     or through ``self`` (an ablation's or a steering hook's gain) is in the key."""
     name = f"<class {cls.__module__}.{cls.__qualname__}"
 
-    def users(klass) -> bool:
+    def users(klass) -> bool:  # not the library's, nor an installed package's (accelerate's hooks, peft's layers)
         module = getattr(klass, "__module__", "") or ""
-        return klass is not object and module != "builtins" and not module.startswith(_LIBRARY_PACKAGES)
+        where = str(getattr(sys.modules.get(module), "__file__", "") or "")
+        return (klass is not object and module != "builtins" and not module.startswith(_LIBRARY_PACKAGES)
+                and "site-packages" not in where and "dist-packages" not in where)
 
     if not users(cls) or id(cls) in seen:
         return name + ">"

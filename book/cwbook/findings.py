@@ -465,8 +465,8 @@ def bench_findings(comparisons: pd.DataFrame, *, model: str, profile: str | None
     :func:`cwcore.faithfulness.method_pairs`, stacked over data sets and ratio ranges) as findings rows
     (:data:`FAITHFULNESS_COLUMNS`): claim ``"<higher> beats <lower>"``, its paired 95% interval against 0 on
     the mode's side (above for comprehensiveness, below for sufficiency); two methods that ranked identically
-    (difference and interval exactly 0) are *not measured*, as the ladder's identical rungs. Judged by the ladder's rule (:func:`cwbook.ladder.judge`):
-    negligible where the interval lies inside the mode's margin."""
+    (difference and interval exactly 0) are *not measured*, as the ladder's identical rungs. Judged by the
+    ladder's rule (:func:`cwbook.ladder.judge`): negligible where the interval lies inside the mode's margin."""
     if comparisons is None or comparisons.empty:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
     rows = []

@@ -530,10 +530,10 @@ def prepare_inputs(model: nn.Module, inputs: dict) -> dict:
     transformers numbers positions 0..n-1 regardless of padding; with left padding that shifts every
     real token's position. Counting only real tokens makes a padded row equal its unpadded sequence,
     for every supported family. Only left-padded rows are renumbered: a row that starts with a real token
-    keeps 0..n-1 (a hole in its mask included), the positions it gets alone. Models that take no ``position_ids``, models that number positions
-    from the ids themselves (RoBERTa and its relatives) and multimodal models that compute their own
-    positions from the mask in their own shape (multimodal RoPE, on inputs with images or videos) are
-    left alone: cwcore never replaces a model's own positions.
+    keeps 0..n-1 (a hole in its mask included), the positions it gets alone. Models that take no
+    ``position_ids``, models that number positions from the ids themselves (RoBERTa and its relatives) and
+    multimodal models that compute their own positions from the mask in their own shape (multimodal RoPE, on
+    inputs with images or videos) are left alone: cwcore never replaces a model's own positions.
     """
     mask = inputs.get("attention_mask")
     if mask is None or "position_ids" in inputs or bool(mask[:, 0].all()):

@@ -146,8 +146,8 @@ def intervene(
     returns such a mask. ``record`` lists layers whose decomposition *after* the removal is kept in
     ``session.recorded``. Their padding is read from each attention call's own mask (built from the
     ``attention_mask`` the model is called with); ``attention_mask`` (``[batch, key]``) given here is checked
-    against the inputs and the mask of every forward (the same mask must reach the model); pass ``cwcore.core.decomposition.prepare_inputs(model, inputs)`` to the model when batches
-    are left-padded.
+    against the inputs and the mask of every forward (the same mask must reach the model); pass
+    ``cwcore.core.decomposition.prepare_inputs(model, inputs)`` to the model when batches are left-padded.
     ``transforms`` run after the removal and ``observers`` (see :mod:`cwcore.core.attention`) see each
     layer last, e.g. to read the clean run's decomposition without removing anything (``masks={}``).
     ``compute_dtype`` (float32 or float64; default the model's own for a float64 model, else float32) is
