@@ -244,16 +244,14 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     if key is not None:
         # a packaged model is a local conversion of a pip package: from_pretrained would drop a download option
         # without a word (local_files_only holds already)
-        hub_only = sorted(k for k in _SHARED_HUB_KWARGS
-                          if k != "local_files_only" and kwargs.get(k) not in (None, False))
+        hub_only = _download_options(kwargs, keep=())
         if hub_only:
             raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to {key!r}: a "
                              f"packaged model ({PACKAGED_MODELS[key]}), converted into {CACHE_ENV_VAR}'s folder, not "
                              "downloaded from the hub; load a hub id to choose a revision, a token or a hub cache")
         model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
-        hub_only = sorted(k for k in _SHARED_HUB_KWARGS  # a subfolder of a local folder is read
-                          if k not in ("local_files_only", "subfolder") and kwargs.get(k) not in (None, False))
+        hub_only = _download_options(kwargs, keep=("subfolder",))  # a subfolder of a local folder is read
         if hub_only and os.path.isdir(os.fspath(name)):  # from_pretrained reads a folder as it is, dropping them
             raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to the local "
                              f"folder {os.fspath(name)!r}, which is read as it is; load a hub id to choose a revision, "
@@ -273,6 +271,12 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
 #: the temporary and displaced folders a conversion leaves when killed (folder_cache's tempfile.mkdtemp and
 #: _displace names): ``.<name>.tmp-<random>``, ``.<name>.old-<12 hex digits>``
 _LEFT_OVER = re.compile(r"\..+\.(tmp-[A-Za-z0-9_]{8}|old-[0-9a-f]{12})")
+
+
+def _download_options(kwargs: dict, keep: tuple[str, ...]) -> list[str]:
+    """The hub download options given in ``kwargs`` (not ``local_files_only``, nor those in ``keep``)."""
+    return sorted(k for k in _SHARED_HUB_KWARGS
+                  if k != "local_files_only" and k not in keep and kwargs.get(k) not in (None, False))
 
 
 def verify_models(repair: bool = False) -> list[dict]:
