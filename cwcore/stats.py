@@ -1,6 +1,7 @@
 """The project's statistics: intervals over independent units, and the one verdict vocabulary.
 
-Conventions of every interval function: NaN values are dropped first; with no finite value every
+Conventions of every interval function: NaN values are dropped first (infinite ones too, with a
+``RuntimeWarning`` that counts them: a mean over them is not finite); with no finite value every
 number is NaN; with one value the interval is NaN (one unit has no spread). Intervals are two-sided at
 ``confidence``, returned as :class:`Interval` ``(estimate, low, high)``; resampling is deterministic
 for a fixed ``seed``. The resampled unit is always the independent one (a document, a sequence, a
@@ -57,7 +58,18 @@ class Interval(NamedTuple):
 
 def _finite(values) -> np.ndarray:
     x = np.asarray(values, dtype=float).reshape(-1)
-    return x[np.isfinite(x)]
+    ok = np.isfinite(x)
+    _warn_infinite(x, ok)
+    return x[ok]
+
+
+def _warn_infinite(x: np.ndarray, kept: np.ndarray) -> None:
+    """Say how many infinite values (an overflowed perplexity, say) ``kept`` leaves out: dropped without a
+    word they would shrink the sample and pull the statistic towards the finite values."""
+    infinite = int(np.isinf(x[~kept]).sum())
+    if infinite:
+        warnings.warn(f"{infinite} infinite value(s) of {x.size} left out: the statistic and its interval cover "
+                      "the finite values only", RuntimeWarning, stacklevel=3)
 
 
 def _check_confidence(confidence: float) -> None:
@@ -99,6 +111,7 @@ def paired_bootstrap_ci(x, y, statistic: Callable = np.mean, *, n_resamples: int
     if x.shape != y.shape:
         raise ValueError(f"paired samples need equal lengths, got {x.size} and {y.size}")
     ok = np.isfinite(x) & np.isfinite(y)
+    _warn_infinite(np.concatenate([x, y]), np.concatenate([ok, ok]))
     x, y = x[ok], y[ok]
     if x.size == 0:
         return Interval(_NAN, _NAN, _NAN)
@@ -185,6 +198,11 @@ def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: st
     _check_confidence(confidence)
     columns = [columns] if isinstance(columns, str) else list(columns)
     by = [by] if isinstance(by, str) else list(by)
+    for key in [*by, cluster]:  # groupby would drop such rows and leave them a group code of -1
+        missing = int(points[key].isna().sum())
+        if missing:
+            raise ValueError(f"cluster_bootstrap: column {key!r} has {missing} missing value(s); a row must name "
+                             "its group and its cluster (fill or drop them first)")
     clusters, cluster_index = np.unique(points[cluster].to_numpy(), return_inverse=True)
     if by:
         grouped = points.groupby(by, sort=True, observed=True)
@@ -206,6 +224,7 @@ def cluster_bootstrap(points: pd.DataFrame, columns: str | Sequence[str], by: st
     for column in columns:
         x = points[column].to_numpy(float)
         ok = np.isfinite(x) & np.isfinite(w_all)
+        _warn_infinite(np.concatenate([x, w_all]), np.concatenate([ok, ok]))
         size = groups * n_clusters
         sums = np.bincount(cell[ok], weights=(w_all * x)[ok], minlength=size).reshape(groups, n_clusters)
         counts = np.bincount(cell[ok], weights=w_all[ok], minlength=size).reshape(groups, n_clusters)
@@ -231,8 +250,15 @@ def wilson_ci(successes: int, n: int, confidence: float = 0.95) -> Interval:
 
 
 def share_ci(flags, confidence: float = 0.95) -> Interval:
-    """The share of true ``flags`` (NaN/None dropped) with its Wilson interval (:func:`wilson_ci`)."""
-    f = pd.Series(flags, dtype="object").dropna().astype(bool).to_numpy()
+    """The share of true ``flags`` (booleans or 0/1; NaN/None dropped) with its Wilson interval
+    (:func:`wilson_ci`). Any other value (the string ``"False"``, a 2) is refused: ``bool`` would count it true."""
+    f = pd.Series(flags, dtype="object").dropna().to_numpy()
+    odd = [] if np.asarray(flags).dtype == bool else [
+        flag for flag in f if isinstance(flag, (str, bytes)) or flag not in (0, 1)]  # True == 1, False == 0
+    if odd:
+        raise ValueError(f"share_ci: flags must be booleans (or 0/1), got {odd[0]!r}"
+                         + (f" and {len(odd) - 1} more" if len(odd) > 1 else ""))
+    f = f.astype(bool)
     return wilson_ci(int(f.sum()), len(f), confidence)
 
 
@@ -243,6 +269,7 @@ def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, 
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
     ok = np.isfinite(x) & np.isfinite(y)
+    _warn_infinite(np.concatenate([x, y]), np.concatenate([ok, ok]))
     labels = None if clusters is None else np.asarray(clusters).reshape(-1)[ok]
     x, y = x[ok], y[ok]
     if len(x) < 3 or np.all(x == x[0]) or np.all(y == y[0]):

@@ -1,6 +1,7 @@
 """cwcore.stats against independent computations (closed forms, scipy directly, brute force)."""
 
 import math
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -210,3 +211,42 @@ def test_a_group_whose_values_lie_in_one_cluster_has_no_interval():
     assert np.isnan(table.loc["b", "y_low"])  # b's y is a number in one cluster only (sequence 1)
     assert table.loc["b", "x_low"] < table.loc["b", "x"] < table.loc["b", "x_high"]  # the control
     assert stats.verdict(table.loc["a", "x_low"], table.loc["a", "x_high"]) != stats.HOLDS
+
+
+def test_infinite_values_are_left_out_with_a_warning_that_counts_them():
+    """An overflowed value (a perplexity of inf) is not dropped without a word: the interval covers the finite
+    values only, and the warning says how many were left out."""
+    values = [1.0, 2.0, 3.0, np.inf, 4.0]
+    with pytest.warns(RuntimeWarning, match="1 infinite value"):
+        got = stats.bootstrap_ci(values, seed=0)
+    assert got.estimate == pytest.approx(2.5)
+    with pytest.warns(RuntimeWarning, match="2 infinite value"):
+        stats.paired_bootstrap_ci([1.0, np.inf, 2.0, 3.0], [0.0, 1.0, -np.inf, 1.0])
+    with pytest.warns(RuntimeWarning, match="infinite"):
+        stats.sign_flip_p([1.0, -np.inf, 2.0])
+    frame = pd.DataFrame({"v": [1.0, np.inf, 2.0, 3.0], "sequence": [0, 1, 2, 3]})
+    with pytest.warns(RuntimeWarning, match="1 infinite value"):
+        table = stats.cluster_bootstrap(frame, "v").table
+    assert table["v"].iloc[0] == pytest.approx(2.0)
+    with warnings.catch_warnings():  # NaN alone is the documented "missing", dropped quietly
+        warnings.simplefilter("error")
+        assert stats.bootstrap_ci([1.0, np.nan, 3.0]).estimate == pytest.approx(2.0)
+
+
+def test_share_ci_refuses_flags_that_are_not_booleans():
+    """bool("False") is True: a column of strings would have been counted as all true."""
+    with pytest.raises(ValueError, match="booleans.*'True' and 1 more"):
+        stats.share_ci(["True", "False"])
+    with pytest.raises(ValueError, match="booleans.*2"):
+        stats.share_ci([0, 1, 2])
+    assert stats.share_ci(np.array([1, 0, 0, 1])) == stats.wilson_ci(2, 4)
+    assert stats.share_ci(pd.Series([True, False, None, False])) == stats.wilson_ci(1, 3)
+
+
+def test_cluster_bootstrap_refuses_a_missing_group_or_cluster_key():
+    frame = pd.DataFrame({"v": [1.0, 2.0, 3.0], "g": ["a", None, "a"], "sequence": [0, 1, 2]})
+    with pytest.raises(ValueError, match="column 'g' has 1 missing"):
+        stats.cluster_bootstrap(frame, "v", by="g")
+    frame = pd.DataFrame({"v": [1.0, 2.0, 3.0], "sequence": [0.0, np.nan, 1.0]})
+    with pytest.raises(ValueError, match="column 'sequence' has 1 missing"):
+        stats.cluster_bootstrap(frame, "v")
