@@ -29,7 +29,7 @@ class _AntiAlignmentCollector(Collector):
     def on_layer(self, s):
         v = s.values  # [b, h, k, d]
         b, h, T, d = v.shape
-        p = getattr(s, "sink_position", 0)
+        p = s.sink_position
         norms = s.value_norm  # [b, h, k]
         sink_value = v[:, :, p : p + 1]  # [b, h, 1, d]
         semantic = s.semantic  # [b, h, q, d]

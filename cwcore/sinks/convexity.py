@@ -52,7 +52,7 @@ class _ConvexityCollector(Collector):
 
     def on_layer(self, s):
         b, h, T, _ = s.probs.shape
-        p = getattr(s, "sink_position", 0)
+        p = s.sink_position
         cols = grid_columns((b, h, T - 1), ("sequence", "head", "query"), {"sequence": self.start, "query": 1})
         self.rows.append(pd.DataFrame({
             "layer": np.full(b * h * (T - 1), s.layer, np.int32), **cols,

@@ -52,7 +52,8 @@ __all__ = ["Analysis", "Blocks", "Collector", "EPS", "LayerState", "Option", "RE
 
 #: The key position every analysis treats as the sink: position 0, the paper's reading. Whether the
 #: attention statistics agree (which positions take the mass) is measured by :mod:`cwcore.sinks.rates`
-#: (its ``positions`` table), not assumed; :attr:`LayerState.sink_position` carries it to the collectors.
+#: (its ``positions`` table), not assumed. Fixed, not an option: the decomposition, the semantic cone, the
+#: rates' query ranges and convexity are written for the first key.
 SINK_POSITION = 0
 
 #: The one model fingerprint of the project (cache identity of the weights).
@@ -301,7 +302,10 @@ class LayerState:
     W_O^h^T W_O^h (head-space inner products are those of the projected vectors); ``sink_position``;
     ``layer_type``; ``learned_sink_mass [batch, head, query]`` or None (GPT-OSS ``s_aux``)."""
 
-    sink_position: int = SINK_POSITION
+    @property
+    def sink_position(self) -> int:
+        """The sink's key, :data:`SINK_POSITION` (read-only: every analysis is written for the first key)."""
+        return SINK_POSITION
 
     def __init__(self, layer: int, probs: torch.Tensor, values: torch.Tensor, weight: torch.Tensor, dtype,
                  layer_type: str = "global", learned_sink_mass: torch.Tensor | None = None):

@@ -295,3 +295,15 @@ def test_an_encoder_is_refused_not_summarised_over_part_of_its_keys():
         sinks.sink_rates(tiny_model("bert"), None, ids, **FAST)
     rates = sinks.sink_rates(tiny_model("llama"), None, ids, **FAST)  # the control: a decoder of the same size runs
     assert len(rates) > 0
+
+
+def test_the_sink_position_is_fixed_not_an_option():
+    """Every analysis is written for key 0 (the semantic part, the decomposition, the rates' query ranges): a
+    LayerState told another sink position gave wrong numbers, so the position is read-only."""
+    import torch
+
+    state = engine.LayerState(0, torch.full((1, 2, 3, 3), 1 / 3), torch.randn(1, 2, 3, 4), torch.randn(8, 8),
+                              torch.float64)
+    assert state.sink_position == engine.SINK_POSITION == 0
+    with pytest.raises(AttributeError):
+        state.sink_position = 2
