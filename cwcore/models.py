@@ -56,6 +56,7 @@ _DTYPES_BY_NAME = {
     "float32": "float32", "fp32": "float32", "float": "float32",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
+    "float64": "float64", "fp64": "float64", "double": "float64",  # torch.float64 itself was accepted
 }
 # Keyword arguments of from_pretrained that also apply to the tokenizer of a hub model.
 _SHARED_HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "force_download",
@@ -224,6 +225,9 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"device: {error}") from None
+        if device.type == "meta":  # .to("meta") would drop every weight; decompose refuses such a model later
+            raise ValueError("device='meta' holds shapes, not weights: a decomposition needs the model's numbers; "
+                             "load on 'cpu' or a GPU (device_map='auto' offloads what does not fit)")
         available = {"cuda": torch.cuda.is_available,
                      "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
         if device.type in available and not available[device.type]():

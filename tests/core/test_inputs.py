@@ -161,3 +161,15 @@ def test_to_frame_takes_a_numpy_layer_number(model):
     # layer 1's terms twice
     assert d.to_frame(layers=-1).equals(d.to_frame(layers=1))
     assert d.to_frame(layers=[1, -1]).equals(d.to_frame(layers=1))
+
+
+def test_truncate_keeps_the_first_tokens_of_every_per_token_input_labels_included():
+    """truncate=True cuts input_ids, the mask and a causal LM's labels alike. Before, labels kept their length
+    and the model's loss failed with a shape error; nothing tested truncate at all."""
+    gpt2 = tiny_model("gpt2")  # built for 64 positions
+    ids = torch.randint(0, VOCAB, (1, 70), generator=torch.Generator().manual_seed(1))
+    got = cwcore.decompose(gpt2, input_ids=ids, labels=ids, truncate=True)
+    expected = cwcore.decompose(gpt2, input_ids=ids[:, :64])
+    torch.testing.assert_close(got[1].contribution("inter"), expected[1].contribution("inter"), rtol=0, atol=0)
+    with pytest.raises(cwcore.core.inputs.InputError, match="70 tokens but GPT2LMHeadModel was built for at most 64"):
+        cwcore.decompose(gpt2, input_ids=ids)

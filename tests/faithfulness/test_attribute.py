@@ -289,3 +289,18 @@ def test_a_float64_compute_dtype_reaches_every_method(method):
         assert wide[layer].dtype == torch.float64 and single[layer].dtype == torch.float32
         assert not torch.equal(wide[layer], single[layer].double())  # the control
         torch.testing.assert_close(wide[layer], reference[layer], rtol=0, atol=2e-7, equal_nan=True)
+
+
+@pytest.mark.parametrize("method", ["contribution", "alti", "value_zeroing"])
+def test_a_key_value_cache_is_refused_before_the_forward(method):
+    """The scores index input_ids' tokens against themselves: a cache's earlier keys have no place in them.
+    Before: each method failed after the whole forward, with its own shape error."""
+    model = _model("llama")
+    ids = _ids(seed=2)[:1]
+    with torch.no_grad():
+        past = model(input_ids=ids[:, :-1], use_cache=True).past_key_values
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    with pytest.raises(cwcore.core.inputs.InputError, match=r"^attribute: a key/value cache holds \d+ earlier"):
+        cwcore.attribute(model, method=method, input_ids=ids[:, -1:], past_key_values=past)
+    assert not calls
