@@ -93,13 +93,30 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
         "model": str(name),
         "text": text,
         "tokens": labels,
-        "layers": len(d.layers),
+        "layers": len(d.layers),  # the page's layer axis: positions; their numbers, as everywhere in cwcore:
+        "layer_numbers": list(d.layers),
+        "num_blocks": d.num_blocks,
+        "undecomposable": {str(layer): why for layer, why in d.undecomposable.items()},
         "heads": int(arrays["attention"].shape[1]),
         "dla_note": dla_note,
         "targets": None if attribution is None else [_target_label(tokenizer, t)
                                                      for t in attribution.targets[0].tolist()],
     }
     return {"meta": meta, "arrays": arrays}
+
+
+def _page_layer(meta: dict, layer, entry: str) -> int:
+    """The position on the page's layer axis of the layer numbered ``layer`` (negative: from the model's last
+    attention layer, as everywhere in cwcore); a layer the page lacks is refused with the reason."""
+    from .core.decomposition import LayerNotDecomposedError, layer_by_number
+
+    numbers = meta["layer_numbers"]
+    undecomposable = {int(number): why for number, why in (meta.get("undecomposable") or {}).items()}
+    try:
+        return layer_by_number({number: i for i, number in enumerate(numbers)}, layer, meta.get("num_blocks"),
+                               undecomposable, entry)
+    except LayerNotDecomposedError as error:
+        raise ValueError(str(error)) from None
 
 
 # Packing the numbers
@@ -209,10 +226,8 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
     keys = [q[0] for q in QUANTITIES]
     if start.get("quantity", "inter") not in keys:
         raise ValueError(f"quantity must be one of {', '.join(keys)}, not {start['quantity']!r}")
-    if -meta["layers"] <= start.get("layer", 0) < 0:  # negative layers count from the end, as everywhere
-        start["layer"] += meta["layers"]
-    if not 0 <= start.get("layer", 0) < meta["layers"]:
-        raise ValueError(f"layer {start['layer']} out of range: the model has layers 0..{meta['layers'] - 1}")
+    if "layer" in start:
+        start["layer"] = _page_layer(meta, start["layer"], "decompose")
     if -meta["heads"] <= start.get("head", 0) < 0:  # and negative heads, as explain() counts them
         start["head"] += meta["heads"]
     if not 0 <= start.get("head", 0) < meta["heads"]:
@@ -410,12 +425,13 @@ function describe(i, j) {
   else rows.push(["Σₕ inter-head cᵢⱼ", c.inter]);
   rows.push([per ? "α‖ṽⱼ‖" : "Σₕ α‖ṽⱼ‖", c.value_weighted]);
   if (A.dla) rows.push([(per ? "DLA" : "Σₕ DLA") + " → " + JSON.stringify(meta.targets[i]), c.dla]);
-  var head = "layer " + state.layer + (per ? " · head " + state.head : " · all heads");
+  var head = "layer " + meta.layer_numbers[state.layer] + (per ? " · head " + state.head : " · all heads");
   var h = "<b>" + esc(label(tok[i])) + "</b> (query " + i + ") ← <b>" + esc(label(tok[j])) + "</b> (key " + j + ")<br>" + head + "<table>";
   rows.forEach(function (r) { h += "<tr><td>" + esc(r[0]) + "</td><td class='v'>" + fmt(r[1]) + "</td></tr>"; });
   tip.innerHTML = h + "</table>";
   var exact = {}; Object.keys(c).forEach(function (k) { exact[k] = c[k] === undefined || isNaN(c[k]) ? null : c[k]; });
-  tip.dataset.values = JSON.stringify({layer: state.layer, head: state.head, query: i, key: j, values: exact});
+  tip.dataset.values = JSON.stringify({layer: meta.layer_numbers[state.layer], head: state.head, query: i, key: j,
+                                      values: exact});
 }
 function esc(s) { return String(s).replace(/[&<>"]/g, function (m) { return {"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[m]; }); }
 canvas.addEventListener("mousemove", function (ev) {
@@ -433,8 +449,10 @@ function controls() {
   document.getElementById("cw-title").textContent = "cwcore explorer · " + meta.model;
   document.getElementById("cw-text").textContent = N + " tokens: " + meta.text;
   var layer = document.getElementById("cw-layer"), out = document.getElementById("cw-layer-out");
-  layer.max = L - 1; layer.value = state.layer; out.textContent = state.layer + " / " + (L - 1);
-  layer.addEventListener("input", function () { state.layer = +layer.value; out.textContent = state.layer + " / " + (L - 1); update(); });
+  var last = meta.layer_numbers[L - 1];  // the slider runs over the positions of the layers the page holds
+  function shown() { out.textContent = meta.layer_numbers[state.layer] + " / " + last; }
+  layer.max = L - 1; layer.value = state.layer; shown();
+  layer.addEventListener("input", function () { state.layer = +layer.value; shown(); update(); });
   var head = document.getElementById("cw-head");
   head.add(new Option("all heads (token level)", "-1"));
   for (var h = 0; h < H; h++) head.add(new Option("head " + h, String(h)));
@@ -455,6 +473,9 @@ function controls() {
   note += A.dla ? "DLA: the logit push of the term α_ij ṽ_j toward the query's next token (the model's top prediction at the " +
     "last position) along the direct path, later layers skipped, final norm's scale frozen at this run's value."
     : "No DLA view: " + (meta.dla_note || "the model has no language-model head") + ".";
+  Object.keys(meta.undecomposable || {}).forEach(function (l) {
+    note += " Layer " + l + " is not shown: " + meta.undecomposable[l].replace(/\.$/, "") + ".";
+  });
   document.getElementById("cw-note").textContent = note;
 }
 function update() {
@@ -512,8 +533,9 @@ def long_explorer_data(model, tokenizer, text: str, *, layers=None, top_k: int =
     if len(labels) != len(ids):
         labels = token_labels(tokenizer, ids)
     name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
-    meta = {"model": str(name), "tokens": labels, "layers": s.layers, "kind": kind, "top_k": top_k,
-            "heads": int(s[s.layers[0]].contribution_received.shape[1])}
+    meta = {"model": str(name), "tokens": labels, "layers": s.layers, "layer_numbers": s.layers, "kind": kind,
+            "top_k": top_k, "heads": int(s[s.layers[0]].contribution_received.shape[1]), "num_blocks": s.num_blocks,
+            "undecomposable": {str(layer): why for layer, why in s.undecomposable.items()}}
     return {"meta": meta, "arrays": arrays}
 
 
@@ -527,17 +549,13 @@ def long_explorer_html(data: dict, title: str | None = None, query: int | None =
     """The long-document page for ``data`` from :func:`long_explorer_data`: each key's total as a heat strip over
     the whole text and as the text's background, and the top contributors of the picked query (click a token;
     ``query`` picks the first, default the last token; ``layer`` the first layer shown, default the middle one;
-    negative: from the end of the layers the page holds)."""
+    negative: from the model's last attention layer, as everywhere in cwcore)."""
     meta = dict(data["meta"])
     n = len(meta["tokens"])
     if query is not None and not -n <= int(query) < n:
         raise ValueError(f"query {query} out of range: the text has tokens 0..{n - 1}")
-    if layer is not None and -len(meta["layers"]) <= int(layer) < 0:  # from the end of the layers it holds
-        layer = meta["layers"][int(layer)]
-    if layer is not None and int(layer) not in meta["layers"]:
-        raise ValueError(f"layer {layer} was not summarised: the page holds layers {meta['layers']}")
     meta["start"] = {"query": (int(query) % n) if query is not None else n - 1,
-                     "layer": meta["layers"].index(int(layer)) if layer is not None else len(meta["layers"]) // 2}
+                     "layer": _page_layer(meta, layer, "summarize") if layer is not None else len(meta["layers"]) // 2}
     layout, payload = _pack(data["arrays"])
     meta["layout"] = layout
     meta["colours"] = _colour_scales()
@@ -607,7 +625,10 @@ var spans = [], textBox = document.getElementById("cw-text");
 function build() {
   document.getElementById("cw-title").textContent = "cwcore long-document explorer · " + meta.model;
   document.getElementById("cw-sub").textContent = N + " tokens, " + meta.layers.length + " layers, " + meta.heads +
-    " heads; " + meta.kind + "-head contribution weights. Click a token (or the strip) to pick the query.";
+    " heads; " + meta.kind + "-head contribution weights. Click a token (or the strip) to pick the query." +
+    Object.keys(meta.undecomposable || {}).map(function (l) {
+      return " Layer " + l + " is not shown: " + meta.undecomposable[l].replace(/\.$/, "") + ".";
+    }).join("");
   var select = document.getElementById("cw-layer");
   meta.layers.forEach(function (l, i) { var o = document.createElement("option"); o.value = i; o.textContent = l; select.appendChild(o); });
   var frag = document.createDocumentFragment();
@@ -655,7 +676,10 @@ function update() {
     var sup = s.querySelector("sup"); if (sup) s.removeChild(sup);
     if (marks[j]) { sup = document.createElement("sup"); sup.textContent = marks[j].join(","); s.appendChild(sup); }
   }
-  var rows = ["<tr><th>rank</th><th>head</th><th>key</th><th class='tok'>token</th><th>c</th><th>α</th><th>‖ṽⱼ‖/‖oᵢ‖</th><th>cos</th></tr>"];
+  // intra-head terms are measured against the head's own output o_i^h, inter-head ones against the layer's o_i
+  var o = meta.kind === "intra" ? "oᵢʰ" : "oᵢ";
+  var rows = ["<tr><th>rank</th><th>head</th><th>key</th><th class='tok'>token</th><th>c</th><th>α</th><th>‖ṽⱼ‖/‖" + o +
+              "‖</th><th>cos(" + o + ", ṽⱼ)</th></tr>"];
   for (var k = 0; k < K; k++) {
     var key2 = A.top_key[base + k]; if (key2 < 0) continue;
     var tok = document.createElement("span"); tok.textContent = JSON.stringify(meta.tokens[key2]);

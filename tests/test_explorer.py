@@ -100,7 +100,7 @@ def test_start_view_is_checked():
     assert read_payload(page)["meta"]["start"] == {"layer": 1, "head": 3, "quantity": "cosine"}
     # a negative head counts from the end, as explain() counts it (it was refused as out of range)
     assert read_payload(explorer_html(data, start={"layer": -1, "head": -1}))["meta"]["start"] == {"layer": 1, "head": 3}
-    for start, message in (({"layer": 2}, "layer 2 out of range"), ({"head": 4}, "head 4 out of range"),
+    for start, message in (({"layer": 2}, "layer 2 is out of range"), ({"head": 4}, "head 4 out of range"),
                            ({"head": -5}, "head -5 out of range"),
                            # before: the page showed inter-head weights instead, without a word
                            ({"quantity": "intra"}, "quantity 'intra' is one head's: give a head"),
@@ -124,7 +124,7 @@ def test_cli_html_writes_the_explorer(tmp_path, capsys):
     assert back["meta"]["start"] == {"layer": 1, "quantity": "inter"} and back["arrays"]["attention"].shape[:2] == (2, 4)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fig.html", "model"]  # written atomically
     assert main(["explain", "the cat", "--model", str(folder), "--layer", "5", "--out", str(out)]) == 2
-    assert "layer 5 out of range" in capsys.readouterr().err
+    assert "layer 5 is out of range" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------------

@@ -60,3 +60,39 @@ def test_cli_summary_writes_the_long_page_from_a_file(tmp_path, capsys):
     assert "--summary writes the long-document page" in capsys.readouterr().err
     assert main(["explain", "the cat", "--file", str(document), "--model", str(folder), "--out", str(out)]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_both_pages_number_layers_as_cwcore_does_when_a_middle_layer_is_not_decomposed():
+    """The pages' layer axis holds the decomposable layers only. Before, the explorer page labelled them by
+    position: with layer 1 of 0..2 undecomposable, "layer 1" showed layer 2's numbers, layer 2 was refused as
+    out of range, and -2 meant another layer on the long page than everywhere else."""
+    import pytest
+    from cwcore.core.architectures import attention_blocks, forget_model
+    from cwcore.explorer import explorer_data, explorer_html
+
+    model, tokenizer = tiny_model("llama", num_layers=3), tiny_tokenizer()
+    try:
+        attention_blocks(model)[1].unsupported = "a reason measured elsewhere"
+        with pytest.warns(UserWarning, match="layer 1"):
+            data = explorer_data(model, tokenizer, TEXT)
+        assert data["meta"]["layer_numbers"] == [0, 2] and data["meta"]["undecomposable"] == {
+            "1": "a reason measured elsewhere"}
+        ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+        with pytest.warns(UserWarning):
+            d = cwcore.decompose(model, input_ids=ids)
+        page = read_payload(explorer_html(data, start={"layer": 2}))
+        position = page["meta"]["start"]["layer"]
+        np.testing.assert_allclose(np.nan_to_num(page["arrays"]["attention"][position]), d[2].attention[0].numpy(),
+                                   rtol=2e-3, atol=1e-6)
+        assert read_payload(explorer_html(data, start={"layer": -1}))["meta"]["start"]["layer"] == position
+        for layer in (1, -2):  # -2 is layer 1 here, as d[-2] is
+            with pytest.raises(ValueError, match="^layer 1 cannot be decomposed: a reason measured elsewhere$"):
+                explorer_html(data, start={"layer": layer})
+        with pytest.warns(UserWarning):
+            long = long_explorer_data(model, tokenizer, TEXT, top_k=2)
+        assert long["meta"]["layers"] == [0, 2]
+        assert read_payload(long_explorer_html(long, layer=-1))["meta"]["start"]["layer"] == 1  # layer 2
+        with pytest.raises(ValueError, match="^layer 1 cannot be decomposed"):
+            long_explorer_html(long, layer=-2)
+    finally:
+        forget_model(model)
