@@ -215,8 +215,8 @@ class LayerDecomposition:
 
     def contribution(self, kind: str = "inter") -> torch.Tensor:
         """c_ij = alpha_ij <o_i, v~_j> / ||o_i||^2 ``[batch, head, query, key]``."""
-        norm = self._norm(kind)
-        return self.geometry.weighted_dot(kind, _nan_at_zero(norm * norm))
+        norm = _nan_at_zero(self._norm(kind))  # the norm against ZERO_NORM, not its square (NaN below 1e-6)
+        return self.geometry.weighted_dot(kind, norm * norm)
 
     def metric(self, name: str, kind: str = "inter") -> torch.Tensor:
         """One rung of the geometric ladder (:data:`METRICS`), ``[batch, head, query, key]``.

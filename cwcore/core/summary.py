@@ -478,7 +478,7 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
             else:
                 norm = h_norm
                 side = mixed
-            side = side / _nan_at_zero(norm * norm)[..., None]  # so that side_i^T v_j = <o_i, v~_j> / ||o_i||^2
+            side = side / _nan_at_zero(norm).square()[..., None]  # so that side_i^T v_j = <o_i, v~_j> / ||o_i||^2
             real = None
             if valid_b is not None:
                 real = valid_b[start:stop]

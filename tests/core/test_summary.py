@@ -501,3 +501,21 @@ def test_three_heads_per_key_value_head_and_a_scaling_that_is_no_power_of_two(pa
     assert [str(w.message).split(")")[0] for w in caught] == (
         ["cwcore.summarize: chosen rows are padding (position 5 in sequences [0]"] if padded else [])
     assert_equal_to_dense(s, cwcore.decompose(model, input_ids=ids, attention_mask=mask), mask, **options)
+
+
+@pytest.mark.parametrize("kind", ["inter", "intra"])
+def test_a_small_but_nonzero_output_keeps_its_contributions(kind):
+    """NaN where ||o_i|| <= ZERO_NORM (1e-12), as documented. Before, ||o_i||^2 was compared with it, so outputs
+    below 1e-6 (the last layer's W_O scaled by 1e-7, which leaves c unchanged) made every c NaN, in decompose
+    and in summarize, while the relative norm and the cosine stayed finite."""
+    model = tiny_model("llama")
+    before = cwcore.decompose(model, input_ids=IDS)[1].contribution(kind)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.o_proj.weight.mul_(1e-7)
+    d = cwcore.decompose(model, input_ids=IDS)
+    assert 1e-12 < d[1].output_norm.max() < 1e-6
+    torch.testing.assert_close(d[1].contribution(kind), before, rtol=1e-4, atol=1e-6, equal_nan=True)
+    s = cwcore.summarize(model, input_ids=IDS, top_k=5, rows=[-1], kind=kind)
+    assert_equal_to_dense(s, d, torch.ones_like(IDS), top_k=5, rows=[-1], kind=kind)
+    kept = s[1].top.head >= 0  # the first query has 4 terms for 5 places
+    assert torch.isfinite(s[1].top.cosine[kept]).all() and torch.isfinite(s[1].contribution_received).all()
