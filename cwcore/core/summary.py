@@ -442,9 +442,9 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 scores = (rows_of_g @ group_keys[b, g, :, first:limit]).view(groups, n, width)
                 if not prescaled:
                     scores = scores.mul_(scaling)
-                scores = scores.to(torch.float32)
-                if softcap is not None:
+                if softcap is not None:  # in the scores' dtype, as the eager forward caps them (bf16 rounds here)
                     scores = torch.tanh(scores / softcap) * softcap
+                scores = scores.to(torch.float32)
                 if additive is not None:
                     scores += additive[heads_of_g] if additive.shape[0] > 1 else additive
                 elif isinstance(allowed, str):  # the causal triangle: keys start..stop-1 against queries start..stop-1

@@ -519,3 +519,27 @@ def test_a_small_but_nonzero_output_keeps_its_contributions(kind):
     assert_equal_to_dense(s, d, torch.ones_like(IDS), top_k=5, rows=[-1], kind=kind)
     kept = s[1].top.head >= 0  # the first query has 4 terms for 5 places
     assert torch.isfinite(s[1].top.cosine[kept]).all() and torch.isfinite(s[1].contribution_received).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_softcapped_scores_of_a_half_precision_model_are_capped_in_its_dtype_as_the_model_caps_them(dtype):
+    """Gemma 2 caps its attention scores (tanh(s / cap) cap). The eager forward, and decompose with it, caps the
+    bf16/fp16 scores; the summary cast them to float32 first: its alpha was not the model's (rows off by 2e-3 in
+    bf16) and the logits it returned differed from the model's own by 6e-3."""
+    config = tf.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                             attn_logit_softcapping=50.0, sliding_window=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = tf.Gemma2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # scores of a few units, where the cap bends them
+            layer.self_attn.q_proj.weight.mul_(12)
+            layer.self_attn.k_proj.weight.mul_(12)
+    model = model.to(dtype)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    options = dict(top_k=5, rows=[-1, 5])
+    s = cwcore.summarize(model, layers=0, input_ids=ids, **options)
+    assert_equal_to_dense(s, cwcore.decompose(model, layers=0, input_ids=ids), torch.ones_like(ids), **options)
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+    torch.testing.assert_close(s.outputs.logits, own, rtol=0, atol=0)
