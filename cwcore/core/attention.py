@@ -96,6 +96,11 @@ def attention_forward(
 
     query ``[batch, head, query, dim]``, key/value ``[batch, kv_head, key, dim]``.
     Returns (output ``[batch, query, head, dim]``, probabilities ``[batch, head, query, key]``).
+    A half-precision model configured for SDPA: SDPA takes the scores, softmax and sums in float32, eager rounds
+    the scores to the model's dtype first (alpha moves by up to |score| x 2^-9 in bfloat16), so cwcore follows
+    SDPA: what it decomposes is what the model computed. SDPA's kernel still rounds where cwcore's float32 sums do
+    not (1 unit in the last place of about a fifth of the entries), so a layer a transform changes returns the
+    model's own output plus the change: an empty change is the clean forward to the last bit.
     Learned sink logits (``s_aux``, one per head, as in GPT-OSS) join the softmax's normaliser as an
     extra column that is then dropped, exactly as the model's eager attention does: alpha excludes
     them, and the mass they absorb is :attr:`LayerCall.learned_sink_mass`.
@@ -110,17 +115,19 @@ def attention_forward(
             f"{session.configured!r} attention, which ignores them, so the model's own forward leaves its sinks out; "
             "load the model with attn_implementation='eager' to decompose what its architecture computes")
     models_own = None  # this call as the model's configured function computes it, where the forward gets that
-    if session is not None and session.fast_path is not None and not session.transforms_module(module):
+    changed_own = None  # the same, for a half-precision layer a transform changes: its output plus the change
+    model_dtype = query.dtype
+    if session is not None and session.fast_path is not None:
         # the call's own arguments, bound now: the code below rebinds these names
-        models_own = functools.partial(session.fast_path, module, query, key, value, attention_mask, scaling=scaling,
-                                       dropout=dropout, softcap=softcap, **kwargs)
-        if not session.touches(module):
-            return models_own()  # a layer nobody reads or changes runs the model's configured implementation (SDPA)
-        if query.dtype in HALF_PRECISION:
-            # SDPA takes a half-precision model's scores, softmax and sums in float32; eager rounds the scores to the
-            # model's dtype first, which moves alpha by up to |score| x 2^-9 in bfloat16 (a large score shared by all
-            # keys, harmless to the softmax, makes that percents). The layer returns SDPA's output to the forward, so
-            # cwcore's arithmetic follows SDPA's precision: what it decomposes is what the model computed
+        own_call = functools.partial(session.fast_path, module, query, key, value, attention_mask, scaling=scaling,
+                                     dropout=dropout, softcap=softcap, **kwargs)
+        if not session.transforms_module(module):
+            models_own = own_call
+            if not session.touches(module):
+                return models_own()  # a layer nobody reads or changes runs the model's configured implementation
+        elif query.dtype in HALF_PRECISION:
+            changed_own = own_call
+        if query.dtype in HALF_PRECISION:  # SDPA's precision (see the docstring)
             query, key, value = query.float(), key.float(), value.float()
     call_mask = attention_mask  # the mask the model built: padding is read from it, not from the bias
     groups = query.shape[1] // key.shape[1]
@@ -188,7 +195,7 @@ def attention_forward(
             del combined
         else:
             probs = nn.functional.softmax(probs, dim=-1, dtype=torch.float32)
-    computed = probs
+    computed = probs if changed_own is None else probs.clone()  # a transform may change probs in place
     if session is not None:
         sink_scales_output = s_aux is not None and maps_exclude_the_sink(module, query, *unrepeated, s_aux)
         probs = session.on_attention(module, probs, value, sink_mass, mixed, spans, call_mask, sink_scales_output)
@@ -201,35 +208,22 @@ def attention_forward(
     if added is not None:  # a transform's stand-in for the terms it removed (LayerCall.added_output)
         output = output + added.to(output.dtype)
     output = output.transpose(1, 2).contiguous()
+    if changed_own is not None:  # the model's own output plus the change (docstring)
+        change = torch.matmul(probs - computed.to(probs.dtype), value)
+        change = change if added is None else change + added.to(change.dtype)
+        output = changed_own()[0].to(change.dtype) + change.transpose(1, 2)
     if models_own is not None:
         own = models_own()[0]
         session.refuse_non_finite(module, own, call_mask, (query, key, value))  # its reason, before the comparison's
         output = session.models_own_output(module, output, own, call_mask, key.shape[-2])
     elif session is not None and session.touches(module):
         session.refuse_non_finite(module, output, call_mask, (query, key, value))
+    output = output.to(model_dtype)  # what the output projection receives
     if session is not None:
         session.on_output(module, output)
     # the model's own call returns no map where it is configured for SDPA: nor does this one, so the forward's
     # outputs (its `attentions`, by layer) are the model's
-    return output, None if models_own is not None else probs
-
-
-def _bias_mask(position_bias: torch.Tensor, attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
-    """An additive score bias ``[batch or 1, head, query, key]`` and the call's mask as one additive float mask,
-    as transformers' SDPA function combines them (the blockwise softmax of a model configured for SDPA)."""
-    bias = position_bias[..., : key.shape[-2]]
-    if attention_mask is None:
-        return bias
-    if attention_mask.dtype == torch.bool:
-        return torch.where(attention_mask, bias, max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min))
-    return bias + attention_mask[..., : key.shape[-2]]
-
-
-def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
-    """``[query, key]`` bool, True where a query may see a key: query i sees keys 0..i, SDPA's ``is_causal``
-    alignment (top-left). transformers omits the mask with more keys than queries only where that is meant
-    (a prefill into an empty static cache: the later keys are empty slots)."""
-    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()
+    return output, None if models_own is not None else probs.to(model_dtype)
 
 
 def attention_mask_function(*args, **kwargs):
@@ -246,8 +240,8 @@ AttentionInterface.register(ATTENTION_NAME, attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
 
 
-from .blockwise import (CHUNK_ELEMENTS, MIN_QUERY_BLOCK, QUERY_BLOCK, _block_rows,  # noqa: E402,F401 - one home
-                        _chunkable, _mask_plan, _probs_in_chunks)
+from .blockwise import (CHUNK_ELEMENTS, MIN_QUERY_BLOCK, QUERY_BLOCK, _bias_mask, _block_rows,  # noqa: E402,F401
+                        _causal_mask, _chunkable, _mask_plan, _probs_in_chunks)
 
 
 def _per_layer(mapping, num_layers: int, what: str) -> dict[int, list]:

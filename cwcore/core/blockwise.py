@@ -115,3 +115,21 @@ def _probs_in_chunks(query: torch.Tensor, key: torch.Tensor, attention_mask: tor
             if mixed is not None:
                 torch.matmul(inside, value[b, :, first:limit], out=mixed[b, :, start:stop])
     return probs, mixed, spans
+
+
+def _bias_mask(position_bias: torch.Tensor, attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """An additive score bias ``[batch or 1, head, query, key]`` and the call's mask as one additive float mask,
+    as transformers' SDPA function combines them (the blockwise softmax of a model configured for SDPA)."""
+    bias = position_bias[..., : key.shape[-2]]
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:
+        return torch.where(attention_mask, bias, max(torch.finfo(key.dtype).min, torch.finfo(bias.dtype).min))
+    return bias + attention_mask[..., : key.shape[-2]]
+
+
+def _causal_mask(q_len: int, k_len: int, device) -> torch.Tensor:
+    """``[query, key]`` bool, True where a query may see a key: query i sees keys 0..i, SDPA's ``is_causal``
+    alignment (top-left). transformers omits the mask with more keys than queries only where that is meant
+    (a prefill into an empty static cache: the later keys are empty slots)."""
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril()

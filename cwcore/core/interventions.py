@@ -156,7 +156,8 @@ def intervene(
     ``[batch, head, dim]`` that replace its removed terms (an in-distribution removal: see :func:`removal` and
     :func:`mean_values`); a layer with stand-ins cannot be recorded (its terms no longer sum to its output).
 
-    An empty mask changes nothing, to the last bit, relative to the model's eager attention::
+    An empty mask changes nothing, to the last bit, relative to the model's eager attention and to a
+    half-precision model's SDPA forward (a float32 SDPA forward: to float32 rounding, about 1e-7)::
 
         with cwcore.intervene(model, {3: mask}):
             logits = model(**inputs).logits

@@ -221,6 +221,42 @@ def test_a_half_precision_model_under_sdpa_is_decomposed_at_sdpa_precision(dtype
                                    rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_intervention_on_a_half_precision_sdpa_model_changes_only_what_it_removes(dtype):
+    """A layer an intervention changes ran eager's arithmetic (scores rounded to bf16) while the clean forward ran
+    SDPA's: removing nothing moved 90% of layer 0's outputs (by up to 10 units in the last place) and the logits
+    by 4e-3, more than removing the 1% smallest terms did. Now an empty mask is the clean forward to the last bit,
+    and a removal moves the head outputs by the removed terms alpha_ij v_j (in float32) only."""
+    model = _shared_score_gpt2(dtype)
+    ids = torch.randint(0, VOCAB, (2, 64), generator=torch.Generator().manual_seed(4))
+    seen = {}
+    model.transformer.h[0].attn.c_proj.register_forward_hook(
+        lambda module, args, out: seen.setdefault("z", []).append(args[0].detach().clone()))
+    model.transformer.h[0].attn.c_attn.register_forward_hook(
+        lambda module, args, out: seen.setdefault("qkv", out.detach().clone()))
+    with torch.no_grad():
+        clean = model(input_ids=ids).logits
+        with cwcore.intervene(model, {0: torch.zeros(1, 1, 1, 1, dtype=torch.bool),
+                                      1: torch.zeros(1, 1, 1, 1, dtype=torch.bool)}):
+            empty = model(input_ids=ids).logits
+    torch.testing.assert_close(empty, clean, rtol=0, atol=0)
+    mask = torch.zeros(1, 4, 64, 64, dtype=torch.bool)
+    mask[0, 1, 10:, 3] = True  # head 1 drops key 3 for the queries from 10 on
+    d = cwcore.decompose(model, layers=[0], input_ids=ids)
+    with torch.no_grad(), cwcore.intervene(model, {0: mask}):
+        model(input_ids=ids)
+    clean_z, removed_z = seen["z"][0].float(), seen["z"][-1].float()  # [batch, query, model] before W_O
+    moved = (removed_z - clean_z).unflatten(-1, (4, 16))  # [batch, query, head, dim]
+    assert moved[:, :, [0, 2, 3]].abs().max() == 0 and moved[:, :10].abs().max() == 0  # nothing else moved
+    value_3 = seen["qkv"][:, 3, 128:].float().unflatten(-1, (4, 16))[:, 1]  # [batch, dim]: head 1's v_3
+    expected = -d[0].attention[:, 1, 10:, 3, None] * value_3[:, None]  # [batch, query, dim]: - alpha_i3 v_3
+    # the changed output is rounded to the model's dtype once: half a unit in the last place of each entry
+    half_unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    bound = half_unit * removed_z.unflatten(-1, (4, 16))[:, 10:, 1].abs() + 1e-6
+    assert ((moved[:, 10:, 1] - expected).abs() <= bound).all()
+    assert (expected.abs() > 4 * bound).float().mean() > 0.5  # the control: most removals lie far above it
+
+
 def test_a_half_precision_sdpa_that_differs_is_refused_naming_the_float32_arithmetic():
     """A bfloat16 model whose configured SDPA returns 10% more than attention computes is refused, and the
     reason names what cwcore compared it with: eager's formula at float32 precision, as SDPA computes a
