@@ -391,9 +391,9 @@ def exclude_sink(rows: torch.Tensor):
     and the row renormalised (the softmax without key 0)."""
 
     def transform(call: LayerCall) -> torch.Tensor:
-        # a learned sink that only scales the output (Granite SWA) is not in probs, which sum to one over the keys
-        learned = None if call.sink_scales_output else call.learned_sink_mass
-        return _exclude_sink(call.probs, rows.to(call.probs.device), learned)
+        # probs are the softmax over keys and learned sink with the sink's column dropped, whether the model's own
+        # maps are those (GPT-OSS) or sum to one and scale the output (Granite SWA): the same arithmetic
+        return _exclude_sink(call.probs, rows.to(call.probs.device), call.learned_sink_mass)
 
     return transform
 

@@ -257,8 +257,7 @@ def test_weak_token_null_matches_a_naive_sum_on_random_keys():
 def test_leaving_the_sink_out_keeps_a_learned_sinks_mass_in_the_softmax():
     """``sink_renorm`` is the softmax without key 0: alpha_ij / (1 - alpha_i0). With a learned sink logit
     (GPT-OSS) the keys' probabilities sum to 1 - learned mass, and before, the tail was divided by its own sum,
-    which also dropped what the learned sink absorbs (layer outputs 0.1 off on a tiny GPT-OSS). A learned sink
-    that only scales the output (Granite SWA: probabilities that sum to one over the keys) keeps the tail's sum."""
+    which also dropped what the learned sink absorbs (layer outputs 0.1 off on a tiny GPT-OSS)."""
     from types import SimpleNamespace
 
     import torch
@@ -274,5 +273,28 @@ def test_leaving_the_sink_out_keeps_a_learned_sinks_mass_in_the_softmax():
     expected[..., 1:, 1:] = probs[..., 1:, 1:] / (1 - probs[..., 1:, :1])
     torch.testing.assert_close(got, expected)
     assert not torch.allclose(got[..., 1:, 1:].sum(-1), torch.ones(1, 1, 2))  # the learned sink keeps its share
-    scaled = transform(SimpleNamespace(probs=probs, learned_sink_mass=learned, sink_scales_output=True))
-    torch.testing.assert_close(scaled[..., 1:, 1:].sum(-1), torch.ones(1, 1, 2))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "granite_swa"])
+def test_leaving_the_sink_out_of_a_real_learned_sink_model_divides_by_one_less_alpha_0(name):
+    """On the models themselves: the probabilities a transform sees are the softmax over keys and learned sink
+    with the sink's column dropped, for GPT-OSS and for Granite SWA alike (whose own maps sum to one and scale
+    the output: the same arithmetic). Before, Granite's tail was divided by its own sum, which dropped the learned
+    sink's mass (its semantic part's norm_after came out 37% too large)."""
+    import torch
+
+    from cwcore.sinks import engine
+    from zoo_models import zoo_model
+
+    model = zoo_model(name)
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    engine.forward(model, ids, on_layer=lambda s: seen.setdefault("clean", s.probs) if s.layer == 0 else None)
+    engine.forward(model, ids, renormalise={0: torch.ones(2, seen["clean"].shape[1])},
+                   on_layer=lambda s: seen.setdefault("renorm", s.probs) if s.layer == 0 else None)
+    clean, renorm = seen["clean"], seen["renorm"]
+    learned = 1 - clean.sum(-1)
+    assert learned[..., 1:].min() > 0.01  # the control: a learned sink that takes mass
+    expected = clean[..., 1:, 1:] / (1 - clean[..., 1:, :1])
+    torch.testing.assert_close(renorm[..., 1:, 1:], expected, rtol=1e-5, atol=1e-7)
+    assert (renorm[..., 1:, 0] == 0).all()
