@@ -221,11 +221,23 @@ def _solve_quadratics(moments: np.ndarray) -> np.ndarray:
     return out
 
 
+def _group_centre_scale(a: np.ndarray, code: np.ndarray, groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per group ``[groups]``: the mean and the standard deviation (1 where it is 0 or undefined) of ``a``."""
+    n = np.bincount(code, minlength=groups).astype(float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        centre = np.bincount(code, weights=a, minlength=groups) / n
+        spread = np.sqrt(np.bincount(code, weights=(a - centre[code]) ** 2, minlength=groups) / n)
+    return np.nan_to_num(centre), np.where(np.isfinite(spread) & (spread > 0), spread, 1.0)
+
+
 def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "norm", n_resamples: int = 1000,
                      seed: int = 0) -> pd.DataFrame:
     """The quadratic fits of :func:`sink_convexity` refitted on resampled sequences: per fitted (scope,
     layer, head) ``alpha_star`` and ``curvature`` with ``_low``/``_high``, ``share_interior``,
-    ``vertex_inside`` (an interior minimum established by both intervals) and ``n_sequences``."""
+    ``vertex_inside`` (an interior minimum established by both intervals) and ``n_sequences``. ``fit_on``: as
+    the fits were made (their ``fit_on`` column), ``"norm"`` or ``"squared_norm"``."""
+    if fit_on not in FIT_ON.choices:  # anything but "norm" read as the square before
+        raise ValueError(f"fit_on must be one of {', '.join(map(repr, FIT_ON.choices))}, not {fit_on!r}")
     rows = []
     sequences, seq_index = np.unique(points["sequence"].to_numpy(), return_inverse=True)
     n_seq = len(sequences)
@@ -249,22 +261,28 @@ def vertex_intervals(points: pd.DataFrame, fits: pd.DataFrame, fit_on: str = "no
         ok = (code >= 0) & np.isfinite(a) & np.isfinite(y)
         g = len(labels)
         cell = code[ok] * n_seq + seq_index[ok]
-        terms = [a[ok] ** k for k in range(5)] + [y[ok] * a[ok] ** k for k in range(3)]
+        # each group's sink rates centred and scaled by the whole sample's (fixed over the resamples): raw powers of
+        # rates that span 0.03 make normal equations too ill-conditioned to solve, however good the fit
+        centre, scale = _group_centre_scale(a[ok], code[ok], g)
+        u = (a[ok] - centre[code[ok]]) / scale[code[ok]]
+        terms = [u**k for k in range(5)] + [y[ok] * u**k for k in range(3)]
         moments = np.stack([np.bincount(cell, weights=t, minlength=g * n_seq) for t in terms], -1).reshape(g, n_seq, 8)
-        full = _solve_quadratics(moments.sum(1))  # [g, 3]
-        reps = _solve_quadratics(np.einsum("rs,gsk->rgk", counts, moments))  # [R, g, 3]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            star, rep_star = -full[:, 1] / (2 * full[:, 0]), -reps[..., 1] / (2 * reps[..., 0])
+        full = _solve_quadratics(moments.sum(1))  # [g, 3] in u
+        reps = _solve_quadratics(np.einsum("rs,gsk->rgk", counts, moments))  # [R, g, 3] in u
+        with np.errstate(divide="ignore", invalid="ignore"):  # back to a: c2 = c2' / s^2, a* = m - c1' s / (2 c2')
+            star = centre - full[:, 1] * scale / (2 * full[:, 0])
+            rep_star = centre - reps[..., 1] * scale / (2 * reps[..., 0])
+        full_c2, rep_c2 = full[:, 0] / scale**2, reps[..., 0] / scale**2
         star_lo, star_hi = stats.percentile_interval(rep_star)
-        c2_lo, c2_hi = stats.percentile_interval(reps[..., 0])
-        interior = np.where(np.isfinite(rep_star), (reps[..., 0] > 0) & (rep_star > 0) & (rep_star < 1), np.nan)
+        c2_lo, c2_hi = stats.percentile_interval(rep_c2)
+        interior = np.where(np.isfinite(rep_star), (rep_c2 > 0) & (rep_star > 0) & (rep_star < 1), np.nan)
         share = np.nanmean(interior, 0) if len(interior) else np.full(g, np.nan)
         per_group_seq = (moments[..., 0] > 0).sum(1)
         for k, (layer, head) in enumerate(labels):
             few = per_group_seq[k] < 2
             lo_hi = (np.nan, np.nan, np.nan, np.nan) if few else (star_lo[k], star_hi[k], c2_lo[k], c2_hi[k])
             rows.append({"scope": scope, "layer": layer, "head": head, "alpha_star": star[k],
-                         "alpha_star_low": lo_hi[0], "alpha_star_high": lo_hi[1], "curvature": full[k, 0],
+                         "alpha_star_low": lo_hi[0], "alpha_star_high": lo_hi[1], "curvature": full_c2[k],
                          "curvature_low": lo_hi[2], "curvature_high": lo_hi[3], "share_interior": share[k],
                          "vertex_inside": bool(lo_hi[2] > 0 and lo_hi[0] > 0 and lo_hi[1] < 1),
                          "n_sequences": int(per_group_seq[k])})
@@ -335,10 +353,11 @@ def _pooled_rows(table: pd.DataFrame, column: str, *, claim: str, part: str, sta
 
 def _claim_rows(fits: pd.DataFrame, points: pd.DataFrame, eps: float = EPS.default, n_resamples: int = 1000,
                 seed: int = 0, block: pd.DataFrame | None = None, layers: pd.DataFrame | None = None,
-                fit_on: str = "norm") -> list[dict]:
+                fit_on: str | None = None) -> list[dict]:
     """Suppression in both readings (:func:`cwcore.sinks.suppression.suppression_claim_rows`) and convexity by
     where the vertex lies: pooled (refits on resampled documents, :func:`vertex_intervals`) and per head
     (shares with an interior minimum, in range, established; cluster bootstrap by layer)."""
+    fit_on = _fitted_on(fits) if fit_on is None else fit_on
     rows = suppression_claim_rows(fits, points, block, eps, n_resamples, seed, layer_types=_layer_type_map(layers))
     head_fits = fits[fits["scope"] == "head"]
     fitted = head_fits[head_fits["fitted"].astype(bool)].copy()
@@ -419,10 +438,18 @@ def _direction_control(points: pd.DataFrame, fits: pd.DataFrame, fitted: pd.Data
                      unit="head", n_units=len(paired))
 
 
-def _claims(results, *, eps: float, n_resamples: int, seed: int, fit_on: str = "norm", **_) -> list[dict]:
-    raw = results["raw"]["convexity"]
-    return _claim_rows(results["convexity"].fits, raw["points"], eps, n_resamples, seed, raw.get("block"),
-                       raw.get("layers"), fit_on)
+def _claims(results, *, eps: float, n_resamples: int, seed: int, **_) -> list[dict]:
+    raw, fits = results["raw"]["convexity"], results["convexity"].fits
+    return _claim_rows(fits, raw["points"], eps, n_resamples, seed, raw.get("block"), raw.get("layers"))
+
+
+def _fitted_on(fits: pd.DataFrame) -> str:
+    """The ``fit_on`` the fits were made with (their column; "norm" for a table without it). The claims refit
+    on resampled documents: refitted on another y, their vertices were not the fits'."""
+    used = fits["fit_on"].dropna().unique() if "fit_on" in fits else []
+    if len(used) > 1:
+        raise ValueError(f"the fits mix fit_on values {sorted(used)}: refit them with one")
+    return str(used[0]) if len(used) else FIT_ON.default
 
 
 ANALYSIS = register(Analysis("convexity", _ConvexityCollector, _tables, stems=("convexity", "convexity-curves"),

@@ -90,6 +90,52 @@ def test_vertex_intervals_refit_equals_polyfit_and_resamples_whole_sequences():
     assert head.loc[(layer, h), "alpha_star_high"] == pytest.approx(high, rel=1e-5, abs=1e-7)
 
 
+def _narrow_points(low=0.50, high=0.53, vertex=0.515, curvature=50.0):
+    """One head whose sink rates span ``high - low``: norms on a planted parabola, 8 sequences of 100 queries."""
+    rng = np.random.default_rng(0)
+    parts = []
+    for sequence in range(8):
+        a = rng.uniform(low, high, 100)
+        parts.append(pd.DataFrame({"layer": 0, "head": 0, "sequence": sequence, "query": np.arange(1, 101),
+                                   "alpha0": a, "norm": 1 + curvature * (a - vertex) ** 2 + rng.normal(0, 1e-4, 100),
+                                   "v0_sq": 1.0, "s_sq": 1.0, "v0_s": 0.0}))
+    return pd.concat(parts, ignore_index=True)
+
+
+def test_a_vertex_of_sink_rates_that_span_little_is_refitted_not_called_singular():
+    """The refits solved normal equations in raw powers of the sink rate: rates spanning 0.03 made them look
+    singular (|det| <= 1e-12 n^3) and every vertex NaN, though np.polyfit finds the planted one to 1e-5."""
+    from cwcore.sinks.convexity import _convexity_tables
+
+    points = _narrow_points()
+    fits = _convexity_tables(points, 10, "norm", 0.02, 0.3).fits
+    vertices = vertex_intervals(points, fits, n_resamples=200, seed=0)
+    c2, c1, _ = np.polyfit(points["alpha0"], points["norm"], 2)
+    for _, row in vertices.iterrows():
+        if row["scope"] == "model":  # the pooled fit divides each head's norms by their mean
+            continue
+        assert row["alpha_star"] == pytest.approx(-c1 / (2 * c2), abs=1e-6)
+        assert row["curvature"] == pytest.approx(c2, rel=1e-6)
+        assert row["alpha_star_low"] < 0.515 < row["alpha_star_high"] and row["vertex_inside"]
+
+
+def test_the_claims_refit_with_the_fits_own_fit_on_and_a_misspelt_one_is_refused():
+    """The registered claims refitted y = ||o|| whatever fit_on the run used (the pooled curvature 1.12 where the
+    fits, on the squared norm, said 2.83); vertex_intervals read any other spelling as the square."""
+    from cwcore.sinks.convexity import _claims
+
+    model, ids = tiny_model("gemma3"), random_ids(n=6, length=16)
+    out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, fit_on="squared_norm", **FAST)
+    fits = out["convexity"].fits
+    rows = pd.DataFrame(_claims(out, eps=0.3, n_resamples=50, seed=0)).set_index("key")
+    pooled = fits[fits["scope"] == "model"].iloc[0]
+    assert rows.loc["pooled_curvature", "estimate"] == pytest.approx(pooled["curvature"], rel=1e-6)
+    on_norm = vertex_intervals(out["raw"]["convexity"]["points"], fits, "norm", 50, 0)
+    assert on_norm[on_norm["scope"] == "model"]["curvature"].iloc[0] != pytest.approx(pooled["curvature"], rel=1e-2)
+    with pytest.raises(ValueError, match="fit_on must be one of 'norm', 'squared_norm', not 'Norm'"):
+        vertex_intervals(out["raw"]["convexity"]["points"], fits, "Norm")
+
+
 def test_planted_vertex_is_established_and_pooled_claims_judge_the_vertex():
     model, ids = planted_model(), planted_ids(n=4)
     vt, v0 = np.array(VT), np.array(V0)
