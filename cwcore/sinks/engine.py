@@ -219,6 +219,15 @@ def token_blocks(
     ready = None
     if isinstance(data, torch.Tensor):
         ready = data
+    elif isinstance(data, Mapping):  # a tokenizer's output: before, its keys were tokenised as text
+        other = sorted(set(data) - {"input_ids", "attention_mask"})
+        if "input_ids" not in data or other:
+            raise ValueError("a mapping of token blocks holds input_ids (and an all-ones attention_mask) only, got "
+                             f"{', '.join(map(repr, sorted(data)))}; text goes in as a string or a list of strings")
+        mask = data.get("attention_mask")
+        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+            raise ValueError("sink analyses need unpadded blocks: the attention mask has zeros")
+        ready = torch.as_tensor(data["input_ids"])
     elif hasattr(data, "column_names") and "input_ids" in data.column_names:
         if "attention_mask" in data.column_names and not all(all(m) for m in data["attention_mask"]):
             raise ValueError("sink analyses need unpadded blocks: the attention mask has zeros")

@@ -307,3 +307,25 @@ def test_the_sink_position_is_fixed_not_an_option():
     assert state.sink_position == engine.SINK_POSITION == 0
     with pytest.raises(AttributeError):
         state.sink_position = 2
+
+
+def test_a_tokenizers_output_is_read_as_token_blocks_not_tokenised_as_text():
+    """A BatchEncoding (or a dict) of input_ids was tokenised as text made of its keys ("input_ids",
+    "attention_mask"), and analysed without a word. Now its ids are the blocks; padding and other keys are
+    refused."""
+    import torch
+    from transformers import BatchEncoding
+
+    model, ids = tiny_model("llama"), random_ids(n=3)
+    expected = sinks.sink_rates(model, None, ids, progress=False)
+    encoded = BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    pd.testing.assert_frame_equal(sinks.sink_rates(model, None, encoded, progress=False), expected)
+    pd.testing.assert_frame_equal(sinks.sink_rates(model, None, {"input_ids": ids.tolist()}, progress=False),
+                                  expected)
+    padded = torch.ones_like(ids)
+    padded[0, :2] = 0
+    with pytest.raises(ValueError, match="need unpadded blocks"):
+        sinks.sink_rates(model, None, {"input_ids": ids, "attention_mask": padded}, progress=False)
+    with pytest.raises(ValueError, match="input_ids \\(and an all-ones attention_mask\\) only, got 'input_ids', "
+                                         "'token_type_ids'"):
+        sinks.sink_rates(model, None, {"input_ids": ids, "token_type_ids": ids * 0}, progress=False)
