@@ -400,3 +400,23 @@ def test_the_bench_rows_follow_the_registered_margin_rule():
     assert rows.loc["contribution beats rollout", "verdict"] == stats.NEGLIGIBLE
     assert rows.loc["contribution beats rollout", "margin"] == 0.01
     assert rows.loc["contribution beats attention", "verdict"] == stats.HOLDS  # the control
+
+
+def test_the_findings_page_reads_the_committed_requantised_rows(tmp_path):
+    """Chapter 9 read the committed findings of the named models only, so the re-quantised weights' rows
+    (their own folder, smollm2-135m-requantized) were missing: the page said the confound was "stated, not
+    tested" although the committed findings.csv holds its verdicts, and it counted 648 rows where it holds 1368."""
+    from cwbook.chapters import ch09_findings
+
+    r = ch09_findings.run(["smollm2-135m", "gemma3-270m"], tmp_path, "small")
+    committed = pd.read_csv(F.EVIDENCE_DIR / "findings.csv")
+    exploratory = committed[committed["sample"] == "exploratory"]
+    assert len(r.committed_findings) == len(exploratory)
+    requantized = exploratory[(exploratory["variant"] == "requantized") & exploratory["claim"].str.startswith("step")]
+    main = exploratory[exploratory["primary"].astype(bool)]
+    keys = ["model", "data", "mode", "protocol", "importance", "range", "claim"]
+    pairs = requantized.merge(main, on=keys, suffixes=("", "_main"))
+    same = int((pairs["verdict"] == pairs["verdict_main"]).sum())
+    assert len(pairs) > 0
+    assert r.phrases["requantized_status"].startswith(f"of the {len(pairs)} primary steps it ran, {same} keep their "
+                                                      "verdict on the re-quantised weights")

@@ -27,7 +27,7 @@ from cwcore.sinks.engine import EPS as _EPS_OPTION
 _EPS = _EPS_OPTION.default  # the sink analyses' one eps (cwcore.sinks.engine.EPS)
 
 __all__ = ["HOLDS", "CONTRADICTED", "NEGLIGIBLE", "INCONCLUSIVE", "NOT_MEASURED", "VERDICTS", "primary_decisions",
-           "primary_ordering", "STEPS", "RUNGS", "CLAIMS",
+           "primary_ordering", "STEPS", "RUNGS", "CLAIMS", "held_models",
            "CHAPTERS", "CHAPTER_CLAIMS", "EVIDENCE_DIR", "ROW_KEYS", "beside", "SINK_RATES", "Finding", "Results", "ordering", "cosine_gain", "primary_cosine_gain",
            "from_claims", "sink_findings", "findings_table", "scoreboard", "verdict_counts",
            "save_results", "load_results", "model_findings", "not_built", "FAITHFULNESS_COLUMNS", "headline_ladder",
@@ -534,18 +534,21 @@ def _with_sample(table: pd.DataFrame, profile: str | None) -> pd.DataFrame:
     return table
 
 
+def held_models(folder: str | os.PathLike, models: Sequence[str]) -> list[str]:
+    """``models`` and every other model ``folder`` holds a chapter table for (a weights variant such as
+    ``smollm2-135m-requantized``): the models whose rows its ``findings.csv`` holds."""
+    return list(dict.fromkeys([*models, *sorted({p.stem for p in Path(folder).glob("*/*.csv")})]))
+
+
 def combined_findings(exploratory_dir: str | os.PathLike, confirmatory_dir: str | os.PathLike | None,
                       models: Sequence[str], exploratory_profile: str = "evidence") -> pd.DataFrame:
     """``findings.csv`` of both samples: :func:`findings_csv` of the exploratory evidence folder, then the
     confirmatory folder's (where it holds a table), each primary family decided on its own sample. Each
     folder's rows cover ``models`` and every other model it holds a chapter table for (a weights variant
     such as ``smollm2-135m-requantized``), whichever folder's build writes the file."""
-    def held(folder) -> list[str]:
-        return list(dict.fromkeys([*models, *sorted({p.stem for p in Path(folder).glob("*/*.csv")})]))
-
-    parts = [findings_csv(exploratory_dir, held(exploratory_dir), exploratory_profile)]
+    parts = [findings_csv(exploratory_dir, held_models(exploratory_dir, models), exploratory_profile)]
     if confirmatory_dir is not None and any(Path(confirmatory_dir).glob("*/*.csv")):
-        confirmatory = findings_csv(confirmatory_dir, held(confirmatory_dir), registration.CONFIRMATORY)
+        confirmatory = findings_csv(confirmatory_dir, held_models(confirmatory_dir, models), registration.CONFIRMATORY)
         measured = confirmatory["measured"].astype(object).fillna("").infer_objects()
         parts.append(confirmatory[~measured.str.endswith("was not built")])
     return pd.concat(parts, ignore_index=True)

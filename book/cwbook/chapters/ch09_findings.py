@@ -82,9 +82,12 @@ def run(models, results_dir: str | os.PathLike, profile: str, evidence_dir: str 
     committed_dir = Path(evidence_dir) if evidence_dir else findings.EVIDENCE_DIR
     use_committed = profile != "evidence" and (committed_dir / "PROVENANCE").is_file()
     r = Findings(models=list(models), profile=profile, committed_dir=committed_dir, use_committed=use_committed)
-    r.faith_findings = findings.findings_csv(results_dir, r.models, profile)  # read once, used by every table
+    # read once, used by every table; the evidence's with the weights variants it holds (the re-quantised rows)
+    live_models = findings.held_models(results_dir, r.models) if profile == "evidence" else r.models
+    r.faith_findings = findings.findings_csv(results_dir, live_models, profile)
     if use_committed:
-        r.committed_findings = findings.findings_csv(committed_dir, r.models, "evidence")
+        r.committed_findings = findings.findings_csv(committed_dir, findings.held_models(committed_dir, r.models),
+                                                     "evidence")
     _primary(r)
     _scoreboard(r, results_dir)
     _faithfulness_rows(r)
@@ -100,7 +103,8 @@ def _primary(r: Findings) -> None:
     models, profile, committed_dir = r.models, r.profile, r.committed_dir
     live_rows = r.faith_findings
     if r.use_committed:
-        evidence_rows = findings.findings_csv(committed_dir, list(evidence.PRIMARY["models"]), "evidence")
+        evidence_rows = findings.findings_csv(
+            committed_dir, findings.held_models(committed_dir, list(evidence.PRIMARY["models"])), "evidence")
         r.table1 = primary_table(evidence_rows, live_rows)
         r.phrases["table1_source"] = (
             f"the committed evidence (`{committed_dir.name}/`, 64 documents per data set), "
