@@ -80,3 +80,21 @@ def test_the_bench_forest_draws_every_measured_pair_in_the_faithful_direction(sw
     assert sorted(points) == sorted(expected)
     assert len(fig.axes) == 2  # one data set x two modes
     plt.close(fig)
+
+
+def test_the_bench_page_counts_the_committed_verdicts_by_the_margin_rule():
+    """Chapter 4b's note on the committed comparisons counted their stored verdicts, which predate the registered
+    0.01 margin: gemma3-270m's read "8 inconclusive" where findings.csv and the same page's answers say 5
+    inconclusive and 3 negligible."""
+    from types import SimpleNamespace
+
+    from cwbook.chapters.ch04b_attribution_bench import evidence_size
+
+    committed = findings.load_results(findings.EVIDENCE_DIR, findings.BENCH_CHAPTER, "gemma3-270m")
+    judged = findings.judged_bench(committed.table)
+    counts = judged["verdict"].value_counts()
+    assert counts.get("negligible", 0) > 0  # the control: the margin rule moves some of these verdicts
+    note = evidence_size(SimpleNamespace(comparisons=judged), model="gemma3-270m", profile="small")
+    said = ", ".join(f"{int(counts.get(v, 0))} {v}" for v in ("holds", "contradicted", "negligible", "inconclusive",
+                                                               "not measured"))
+    assert said in note

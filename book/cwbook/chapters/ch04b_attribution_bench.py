@@ -176,7 +176,7 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     # where the bench disagrees with the paper's ladder (contribution above every lower rung)
     ladder_lower = [m for m in ("attention", "value_weighted", "value_weighted_output_normalized") if m in metrics]
     # the evidence's verdicts and numbers where committed (this rerun's otherwise, where nothing is)
-    decided = (comparisons if committed is None else committed.table).assign(
+    decided = (comparisons if committed is None else judged).assign(  # both by the margin rule
         decided=lambda t: t["verdict"])
     where = f" (in the {ev_label})" if committed is not None else f" (in the {quoted_md['rerun_label']})"
     against = decided[(decided["higher"] == reference) & decided["lower"].isin(ladder_lower)
@@ -193,7 +193,8 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
                   for r in beaten.itertuples()) or "no method") + where
     counts = comparisons["verdict"].value_counts()  # the rerun's: said by where the intervals lie
     quoted_md["verdict_counts"] = ", ".join(f"{int(counts.get(v, 0))} {RERUN_DIRECTION[v]}"
-                                            for v in ("holds", "contradicted", "inconclusive", "not measured"))
+                                            for v in ("holds", "contradicted", "negligible", "inconclusive",
+                                                      "not measured"))
     quoted["mde_median"] = float(comparisons["mde"].median())
     quoted["n_docs"] = int(comparisons["n"].max())
 
@@ -264,7 +265,7 @@ def evidence_size(bench: Bench, *, model: str, profile: str) -> str:
     if committed_bench is None:
         return ("No bench table is committed for this model (`data/results/evidence/"
                 "04b_attribution_bench/`), so there is no figure here.")
-    ev = committed_bench.table
+    ev = findings.judged_bench(committed_bench.table)  # by the registered margin rule, as findings.csv judges them
     ran = committed_bench.metadata.get("parameters", {})
     keys = ["data", "range", "mode", "lower", "higher"]
     both = comparisons.merge(ev, on=keys, suffixes=("", "_ev"))
@@ -277,8 +278,8 @@ def evidence_size(bench: Bench, *, model: str, profile: str) -> str:
             + ", ".join(f"`{d}`" for d in str(ran.get("data", "")).split(",") if d)
             + f", blocks of {ran.get('seq_len', '?')} tokens, ratios "
               f"{', '.join(f'{r:g}' for r in ran.get('ratios', []))}: "
-            + ", ".join(f"{int(counts.get(v, 0))} {v}" for v in ("holds", "contradicted", "inconclusive",
-                                                                  "not measured"))
+            + ", ".join(f"{int(counts.get(v, 0))} {v}" for v in ("holds", "contradicted", "negligible",
+                                                                  "inconclusive", "not measured"))
             + f". Of the {len(both)} comparisons made at both sizes, "
               f"{int((both['verdict'] == both['verdict_ev']).sum())} "
             f"get the same verdict; {len(decided)} that are inconclusive on this page are decided at the evidence "
