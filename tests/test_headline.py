@@ -52,13 +52,13 @@ def test_a_contradiction_is_pinned_on_one_step_only_when_that_step_alone_decides
 def test_a_sample_without_rows_says_it_is_not_computed():
     table = _primary({})
     assert headline.ladder_sentences(table, "confirmatory") == [
-        "None of the 32 registered tests is decided on this sample yet."]
+        "None of the 32 registered tests is judged on this sample yet."]
     cells = [{"model": m, "data": d, "protocol": p, "documents": n}
              for m, d, p, n in [("a", "x", "default", 64), ("a", "x", "per-head", 64), ("a", "y", "default", 17),
                                 ("a", "y", "per-head", 0)]]
     assert headline.ladder_sentences(table, "confirmatory", cells) == [
-        "None of the 32 registered tests is decided on this sample yet: 2 of its 4 ladder cells (model x data set x "
-        "mode) hold all 64 documents and 1 more is partly computed; the tests are decided once every cell is in."]
+        "None of the 32 registered tests is judged on this sample yet: 2 of its 4 ladder cells (model x data set x "
+        "mode) hold all 64 documents and 1 more is partly computed; the tests are judged once every cell is in."]
     assert "are partly computed" in headline.progress_clause(cells[:2] + [dict(cells[2], documents=5)] * 2)
     assert headline.progress_clause(cells[:2]).startswith("all 2 of its ladder cells") and "tables step" in \
         headline.progress_clause(cells[:2])
@@ -133,13 +133,13 @@ def test_the_confirmatory_sample_is_told_beside_the_exploratory_one():
     assert headline.ladder_agreement(pd.concat([exploratory, _primary({}, "confirmatory").assign(
         verdict="not measured")])) == ""
     same = pd.concat([exploratory, _primary({("smollm2-135m", "step 2->3"): "contradicted"}, "confirmatory")])
-    assert headline.ladder_agreement(same) == "Beside the exploratory sample: the same verdict in 32 of the 32 tests decided on both."
+    assert headline.ladder_agreement(same) == "Beside the exploratory sample: the same verdict in 32 of the 32 tests judged on both."
     # the control: one test moves, one is not decided on the new sample; the moved one is named, the other not counted
     moved = _primary({("smollm2-135m", "step 2->3"): "contradicted",
                       ("gemma3-270m", "web-text", "sufficiency", "step 3->4"): "inconclusive",
                       ("gemma3-270m", "gsm8k", "comprehensiveness", "step 1->2"): "not measured"}, "confirmatory")
     assert headline.ladder_agreement(pd.concat([exploratory, moved])) == (
-        "Beside the exploratory sample: the same verdict in 30 of the 31 tests decided on both; different in 1: "
+        "Beside the exploratory sample: the same verdict in 30 of the 31 tests judged on both; different in 1: "
         "gemma3-270m, web text, sufficiency, step 3 → 4 (output-normalised → contribution weights): holds there, "
         "inconclusive here.")
 
@@ -167,8 +167,8 @@ def test_the_sink_claims_are_told_beside_the_exploratory_sample(tmp_path):
     n = len(registration.SINK_CLAIMS)
     assert headline.sink_agreement(a, b) == (
         f"Beside the exploratory sample, the sink claims: the same verdict for {n - 2} of the {n - 1} (claim, model) "
-        "pairs decided on both; different for 1: *anti-alignment*, m: holds there, contradicted here; 1 more is "
-        "decided here only, the exploratory tables lacking a registered control: *convexity*, m: holds.")
+        "pairs judged on both; different for 1: *anti-alignment*, m: holds there, contradicted here; 1 more is "
+        "judged here only, the exploratory tables lacking a registered control: *convexity*, m: holds.")
     assert headline.sink_agreement(b.assign(verdict="not measured"), b) == ""
 
 
@@ -198,8 +198,8 @@ def test_the_readmes_compact_headline_keeps_the_confirmatory_sample_whole_and_co
 def test_the_chapter_answers_name_the_deciding_part_and_what_is_not_computed(tmp_path):
     table = _primary({("smollm2-135m", "step 2->3"): "contradicted"})
     answer = headline.chapter4_answer(table, "smollm2-135m", confirmatory_dir=tmp_path / "none")
-    assert "*Confirmatory sample (registered before it was computed)*: not decided yet (0 of its 4 ladder cells " \
-           "(model x data set x mode) hold all 64 documents; the tests are decided once every cell is in)." in answer
+    assert "*Confirmatory sample (registered before it was computed)*: not judged yet (0 of its 4 ladder cells " \
+           "(model x data set x mode) hold all 64 documents; the tests are judged once every cell is in)." in answer
     assert "rests on step 2 → 3 (value-weighted → output-normalised) alone" in answer
     assert "no step contradicts it" in headline.chapter4_answer(table, "gemma3-270m")
     _claims(tmp_path / "exploratory", "m", {"cos_semantic_centred": (0.01, 0.05)})
@@ -243,7 +243,7 @@ def test_the_confirmatory_tables_step_decides_the_whole_family_once_every_cell_i
     before = (findings.EVIDENCE_DIR / "findings.csv").read_bytes()
     committed = headline.committed_findings(exploratory)  # the findings before this trial's tables step:
     committed = committed[committed["sample"] == registration.EXPLORATORY]  # the exploratory sample's rows
-    assert "None of the 32 registered tests is decided on this sample yet: all 8 of its ladder cells (model x " \
+    assert "None of the 32 registered tests is judged on this sample yet: all 8 of its ladder cells (model x " \
            "data set x mode) hold all 64 documents; the tables step" in headline.headline_markdown(
                committed, exploratory_dir=exploratory, confirmatory_dir=trial).split("**Exploratory sample**")[0]
     confirmatory.tables(trial)
@@ -257,7 +257,7 @@ def test_the_confirmatory_tables_step_decides_the_whole_family_once_every_cell_i
     holm = pd.Series(holm).cummax().to_numpy()
     assert abs(primary["p_holm"].to_numpy()[order] - holm).max() < 1e-12
     opening = headline.headline_markdown(both, exploratory_dir=exploratory, confirmatory_dir=trial)
-    assert "32 of the 32 registered tests are decided" in opening.split("**Exploratory sample**")[0]
+    assert "32 of the 32 registered tests are judged" in opening.split("**Exploratory sample**")[0]
 
 
 def test_the_findings_table_and_the_headline_judge_the_sink_claims_alike():

@@ -116,25 +116,26 @@ def progress_clause(progress: Sequence[dict] | None) -> str:
     partly = sum(0 < cell["documents"] < n for cell in progress)
     if complete == len(progress):
         return (f"all {complete} of its ladder cells (model x data set x mode) hold all {n} documents; the tables "
-                "step (`python -m cwbook.confirmatory tables`) decides the tests")
+                "step (`python -m cwbook.confirmatory tables`) judges the tests")
     return (f"{complete} of its {len(progress)} ladder cells (model x data set x mode) hold all {n} documents"
             + (f" and {partly} more {'is' if partly == 1 else 'are'} partly computed" if partly else "")
-            + "; the tests are decided once every cell is in")
+            + "; the tests are judged once every cell is in")
 
 
 def ladder_sentences(findings: pd.DataFrame, sample: str, progress: Sequence[dict] | None = None) -> list[str]:
-    """The faithfulness ladder's headline on ``sample``: how many of the 32 tests are decided, the
+    """The faithfulness ladder's headline on ``sample``: how many of the 32 tests are judged (an inconclusive
+    verdict is a judgement, not a decision: each verdict is counted by name), the
     ordering per model with the step that decides it, and contribution weights against random. ``progress``:
-    the sample's cells as :func:`cwbook.confirmatory.ladder_progress` gives them, said while none is decided."""
+    the sample's cells as :func:`cwbook.confirmatory.ladder_progress` gives them, said while none is judged."""
     rows = primary_rows(findings, sample)
     family = len(evidence.primary_family())
     measured = rows[rows["verdict"] != stats.NOT_MEASURED]
     if measured.empty:
         clause = progress_clause(progress)
-        return [f"None of the {family} registered tests is decided on this sample yet"
+        return [f"None of the {family} registered tests is judged on this sample yet"
                 + (f": {clause}." if clause else ".")]
     summary = ordering_summary(rows)
-    lines = [f"{len(measured)} of the {family} registered tests are decided ({_count(measured['verdict'])}; "
+    lines = [f"{len(measured)} of the {family} registered tests are judged ({_count(measured['verdict'])}; "
              f"Holm-adjusted over the family, |c|, full ratio range). The paper's ordering "
              f"1 < 2 < 3 < 4 over its {len(summary)} cells (model x data set x mode): {_tally(summary['ordering'])}."]
     lines += [_model_sentence(model, summary) for model in dict.fromkeys(summary["model"])]
@@ -148,9 +149,9 @@ def _step_place(model: str, data: str, mode: str, claim: str) -> str:
 
 
 def ladder_agreement(findings: pd.DataFrame) -> str:
-    """The confirmatory sample's decided tests beside the exploratory sample's: the same verdict in how many
-    of the tests decided on both, and each one that differs (exploratory verdict "there", confirmatory
-    "here"); "" while the confirmatory sample decides none. Descriptive: the registered rule decides each
+    """The confirmatory sample's judged tests beside the exploratory sample's: the same verdict in how many
+    of the tests judged on both, and each one that differs (exploratory verdict "there", confirmatory
+    "here"); "" while the confirmatory sample judges none. Descriptive: the registered rule decides each
     sample on its own, this counts where the two agree."""
     keys = ["claim", "model", "data", "mode", "protocol"]
     here = primary_rows(findings, registration.CONFIRMATORY)
@@ -162,7 +163,7 @@ def ladder_agreement(findings: pd.DataFrame) -> str:
     both = both[both["verdict_there"] != stats.NOT_MEASURED]
     differ = both[both["verdict"] != both["verdict_there"]]
     text = (f"Beside the exploratory sample: the same verdict in {len(both) - len(differ)} of the {len(both)} "
-            "tests decided on both")
+            "tests judged on both")
     if differ.empty:
         return text + "."
     return (text + f"; different in {len(differ)}: "
@@ -173,23 +174,23 @@ def ladder_agreement(findings: pd.DataFrame) -> str:
 def sink_agreement(here: pd.DataFrame, there: pd.DataFrame) -> str:
     """The registered sink claims, confirmatory (``here``) beside exploratory (``there``), both
     :func:`registered_sink_verdicts`: per (claim, model), both data sets combined, the same verdict in how many
-    of the pairs decided on both, the pairs decided only here (a registered control the exploratory tables
-    lack) and each pair that differs; "" while the confirmatory sample decides none."""
+    of the pairs judged on both, the pairs judged only here (a registered control the exploratory tables
+    lack) and each pair that differs; "" while the confirmatory sample judges none."""
     if here.empty or (here["verdict"] == stats.NOT_MEASURED).all():
         return ""
     a, b = claim_model_verdicts(here), claim_model_verdicts(there) if len(there) else pd.Series(dtype=object)
-    decided = [pair for pair in a.index if a[pair] != stats.NOT_MEASURED]
-    on_both = [pair for pair in decided if b.get(pair, stats.NOT_MEASURED) != stats.NOT_MEASURED]
+    judged = [pair for pair in a.index if a[pair] != stats.NOT_MEASURED]
+    on_both = [pair for pair in judged if b.get(pair, stats.NOT_MEASURED) != stats.NOT_MEASURED]
     differ = [pair for pair in on_both if a[pair] != b[pair]]
-    only_here = [pair for pair in decided if pair not in on_both]
+    only_here = [pair for pair in judged if pair not in on_both]
     text = (f"Beside the exploratory sample, the sink claims: the same verdict for {len(on_both) - len(differ)} of the "
-            f"{len(on_both)} (claim, model) pairs decided on both")
+            f"{len(on_both)} (claim, model) pairs judged on both")
     if differ:
         text += (f"; different for {len(differ)}: "
                  + "; ".join(f"*{claim}*, {model}: {b[(claim, model)]} there, {a[(claim, model)]} here"
                              for claim, model in differ))
     if only_here:
-        text += (f"; {len(only_here)} more {'is' if len(only_here) == 1 else 'are'} decided here only, the exploratory "
+        text += (f"; {len(only_here)} more {'is' if len(only_here) == 1 else 'are'} judged here only, the exploratory "
                  "tables lacking a registered control: "
                  + "; ".join(f"*{claim}*, {model}: {a[(claim, model)]}" for claim, model in only_here))
     return text + "."
@@ -355,7 +356,7 @@ def chapter4_answer(findings: pd.DataFrame, model: str, confirmatory_dir: str | 
         if not len(rows) or (rows["verdict"] == stats.NOT_MEASURED).all():
             clause = progress_clause([cell for cell in ladder_progress(confirmatory_dir) if cell["model"] == model]
                                      if sample == registration.CONFIRMATORY else None)
-            parts.append(f"*{label}*: not decided yet" + (f" ({clause})." if clause else "."))
+            parts.append(f"*{label}*: not judged yet" + (f" ({clause})." if clause else "."))
             continue
         summary = ordering_summary(rows)
         sentence = _model_sentence(model, summary).replace(f"**{model}**, ", "")
