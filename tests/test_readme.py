@@ -97,8 +97,14 @@ def test_readme_python_examples_run_and_print_what_their_comments_say(tmp_path):
         found = next((i for i in range(position, len(printed)) if printed[i].startswith(prefix)), None)
         assert found is not None, f"no printed line after line {position} starts with {prefix!r}:\n{run.stdout}"
         position = found + 1
-    for metric in ("attention", "contribution", "alti", "random"):  # the faithfulness table
-        assert any(line.split()[1:2] == [metric] for line in printed if line.split()), run.stdout
+    # the faithfulness table, and the prose's quote of it: within 0.05% (float32 sums in another thread order)
+    quoted = re.search(r"It printed Δ perplexity ([\d.]+) \(attention\), ([\d.]+) \(contribution\), ([\d.]+) "
+                       r"\(ALTI\) and ([\d.]+) \(random\)", " ".join(README.read_text().split()))
+    assert quoted, "the README no longer quotes the faithfulness table's numbers"
+    for metric, said in zip(("attention", "contribution", "alti", "random"), quoted.groups()):
+        rows = [line.split() for line in printed if line.split()[1:2] == [metric]]
+        assert rows, run.stdout
+        assert float(rows[0][3]) == pytest.approx(float(said), rel=5e-4, abs=0.05), (metric, rows[0], said)
 
 
 @pytest.mark.slow

@@ -424,7 +424,10 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     token_positions = session.token_row_positions
     token_rows = {name: torch.zeros(batch, len(token_positions), k_len, dtype=dtype, device=value.device)
                   for name in ("contribution", "attention")}
-    minimum = torch.finfo(torch.float32).min
+    # the masks' fill: an eager model's own, as its float32 softmax reads it (-inf from a float64 model: a query that
+    # sees no key is NaN there, as it is in decompose, which refuses what reaches the real rows)
+    minimum = torch.finfo(torch.float32).min if own is not None else float(torch.finfo(query.dtype).min)
+    minimum = float(torch.tensor(minimum, dtype=torch.float64).to(torch.float32))
     nan = torch.tensor(float("nan"), dtype=dtype, device=value.device)
 
     for b in range(batch):

@@ -543,3 +543,25 @@ def test_softcapped_scores_of_a_half_precision_model_are_capped_in_its_dtype_as_
     with torch.no_grad():
         own = model(input_ids=ids).logits
     torch.testing.assert_close(s.outputs.logits, own, rtol=0, atol=0)
+
+
+def test_a_float64_eager_model_that_turns_padding_into_nan_is_refused_as_decompose_refuses_it():
+    """transformers' eager attention adds float64's minimum as its mask and takes the softmax in float32, where it
+    is -inf: a left-padded row that sees no key is NaN, and the NaN reaches the real tokens through the next
+    layer's values (the model's own logits are NaN). decompose refuses that; summarize filled the mask with
+    float32's minimum and returned finite summaries and logits the model never computed."""
+    from cwcore.core.decomposition import prepare_inputs
+
+    model = tiny_model("llama", dtype=torch.float64)
+    with torch.no_grad():
+        own = model(**prepare_inputs(model, dict(input_ids=IDS, attention_mask=LEFT_PADDED))).logits
+    assert own[1, 3:].isnan().any()  # the model's own forward
+    with pytest.raises(cwcore.UnsupportedModelError) as dense:
+        cwcore.decompose(model, input_ids=IDS, attention_mask=LEFT_PADDED)
+    with pytest.raises(cwcore.UnsupportedModelError) as streamed:
+        cwcore.summarize(model, input_ids=IDS, attention_mask=LEFT_PADDED)
+    assert str(streamed.value) == str(dense.value)
+    assert "holds NaN or inf" in str(streamed.value)
+    # the control: in float32 the rows that see no key stay finite, in the model and in the summary
+    s = cwcore.summarize(tiny_model("llama"), input_ids=IDS, attention_mask=LEFT_PADDED)
+    assert torch.isfinite(s.outputs.logits[1, 3:]).all()
