@@ -304,3 +304,37 @@ def test_a_key_value_cache_is_refused_before_the_forward(method):
     with pytest.raises(cwcore.core.inputs.InputError, match=r"^attribute: a key/value cache holds \d+ earlier"):
         cwcore.attribute(model, method=method, input_ids=ids[:, -1:], past_key_values=past)
     assert not calls
+
+
+def test_value_zeroing_scores_every_key_of_an_encoder_layer():
+    """An encoder's query attends to later keys too; value zeroing scored keys 0..i only and gave every later
+    key 0. The reference zeroes v_j (every head) and reruns the whole block (DistilBERT)."""
+    from zoo_models import zoo_model
+
+    model = zoo_model("distilbert")
+    ids = torch.randint(2, 97, (1, 7), generator=torch.Generator().manual_seed(1))
+    got = cwcore.attribute(model, method="value_zeroing", layers=0, input_ids=ids)[0][0].double()
+    block = model.transformer.layer[0]
+    captured = {}
+    handle = block.register_forward_pre_hook(lambda m, args, kw: captured.update(args=args, kw=kw), with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+
+    def run(zeroed=None):
+        def zero(module, args, out):
+            if zeroed is None:
+                return out
+            out = out.clone()
+            out[:, zeroed] = 0.0
+            return out
+        hook = block.attention.v_lin.register_forward_hook(zero)
+        with torch.no_grad():
+            out = block(*captured["args"], **captured["kw"])
+        hook.remove()
+        return (out[0] if isinstance(out, tuple) else out)[0].double()
+
+    clean = run()
+    expected = torch.stack([1 - torch.nn.functional.cosine_similarity(clean, run(j), dim=-1) for j in range(7)], -1)
+    assert expected.triu(1).max() > 1e-6  # the control: later keys matter in an encoder
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=3e-7)

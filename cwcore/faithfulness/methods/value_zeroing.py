@@ -66,7 +66,15 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
     clean = _rest_of_block(call, block_input, hidden.reshape(1, b * q, m), original.reshape(1, b * q, m))
     clean = clean.reshape(b, q, m).double()
     if candidates is None:
-        candidates = torch.ones(b, 1, q, k, dtype=torch.bool, device=alpha.device).tril()
+        # every pair a query attends to: keys 0..i in a causal layer, every key in an encoder's (it kept only keys
+        # 0..i there, and scored each later key 0)
+        candidates = torch.ones(b, 1, q, k, dtype=torch.bool, device=alpha.device)
+        later = call.probs.detach().triu(1)
+        valid_queries = call.valid_queries()  # a padded row may be given every key: not read
+        if valid_queries is not None:
+            later = later.masked_fill(~valid_queries[:, None, :, None], 0.0)
+        if not bool((later > 0).any()):
+            candidates = candidates.tril()
         valid = call.valid_keys()
         if valid is not None:
             candidates = candidates & (valid[:, None, :, None] & valid[:, None, None, :])
