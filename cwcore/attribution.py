@@ -108,6 +108,7 @@ def attribute(
     from .core.inputs import InputError, cached_length, check_compute_dtype, check_inputs, own_options, unwrap_compiled
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
+    from .faithfulness.methods.registry import refuse_encoder_decoder
 
     if isinstance(method, str):
         if method not in available_methods():
@@ -140,6 +141,7 @@ def attribute(
         raise ValueError(f"attribute: kind must be 'inter' or 'intra', not {options['kind']!r}")
 
     model = unwrap_compiled(model)
+    refuse_encoder_decoder(model)
     try:
         checked = check_inputs(model, keywords, caller="attribute", options=own_options(attribute) + tuple(options))
     except TypeError as err:  # say that the method's options were looked at too

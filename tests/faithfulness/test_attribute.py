@@ -338,3 +338,18 @@ def test_value_zeroing_scores_every_key_of_an_encoder_layer():
     expected = torch.stack([1 - torch.nn.functional.cosine_similarity(clean, run(j), dim=-1) for j in range(7)], -1)
     assert expected.triu(1).max() > 1e-6  # the control: later keys matter in an encoder
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=3e-7)
+
+
+@pytest.mark.parametrize("method", ["contribution", "rollout", "value_zeroing", "grad_x_input"])
+def test_an_encoder_decoder_is_refused_by_the_attribution_methods(method):
+    """The methods score one stack over input_ids and their mask: on BART the encoder's mask made real decoder
+    rows NaN, rollout multiplied the encoder's layers into the decoder's, grad_x_input differentiated the token
+    after the decoder's target, and value zeroing failed inside torch. decompose reads the model as it is."""
+    from zoo_models import bart
+
+    model = bart()
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), decoder_input_ids=ids.flip(-1))
+    with pytest.raises(cwcore.UnsupportedModelError, match="is an encoder-decoder: the attribution methods score"):
+        cwcore.attribute(model, method=method, **inputs)
+    assert cwcore.decompose(model, **inputs).layers  # the control: the model itself is decomposed

@@ -240,11 +240,23 @@ def _parent(model: nn.Module, layer: int) -> nn.Module:
     return block.parent
 
 
+def refuse_encoder_decoder(model) -> None:
+    """The methods score one stack of layers over ``input_ids`` and their mask: an encoder-decoder's decoder
+    queries, its own mask and cross-attention's encoder keys are not those (its real rows read as padding,
+    rollout chained the two stacks, gradients were taken for the token after the decoder's target)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder: the attribution methods score one stack of layers over "
+            "input_ids and their attention mask, which are the encoder's here, not the decoder's queries or its own "
+            "mask; cwcore.decompose and cwcore.intervene decompose and change its three kinds of attention")
+
+
 @contextlib.contextmanager
 def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, candidates=None, kind="inter",
             seed=0) -> Iterator[ScoreContext]:
     """A :class:`ScoreContext` for one forward: computes the gradients and installs the block-input
     hooks the ``methods`` need (removed on exit)."""
+    refuse_encoder_decoder(model)
     context = ScoreContext(model, input_ids, attention_mask, groups=groups, candidates=candidates, kind=kind,
                            seed=seed)
     needs = set().union(*[m.needs for m in methods]) if methods else set()
