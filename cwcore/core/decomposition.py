@@ -395,8 +395,10 @@ class Decomposition(Mapping):
 
     def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None,
                  num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None,
-                 input_ids: torch.Tensor | None = None):
+                 input_ids: torch.Tensor | None = None, encoder_decoder: bool = False):
         self.layer_decompositions = dict(sorted(layers.items()))
+        #: whether the model is an encoder-decoder (its decoder and cross-attention layers are not over input_ids)
+        self.encoder_decoder = encoder_decoder
         self.outputs = outputs
         self.attention_mask = attention_mask
         #: ``[batch, sequence]`` the token ids decomposed (None when the model was given embeddings)
@@ -443,6 +445,10 @@ class Decomposition(Mapping):
         chosen = self.layers if layers is None else (
             [plain_integer(layers)] if is_integer_number(layers) else [plain_integer(x) for x in layers])
         input_ids = getattr(self, "input_ids", None)  # a decomposition pickled before it held them has none
+        if getattr(self, "encoder_decoder", False):  # the rows would be read with the encoder's mask and tokens
+            raise ValueError("to_frame: this decomposition is of an encoder-decoder, whose decoder and cross-attention "
+                             "layers have other queries, keys and padding than input_ids and its attention mask; "
+                             "read its layers as tensors (d[layer].contribution(), [batch, head, query, key])")
         if tokenizer is not None and input_ids is None:
             raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
                              "so it has no tokens to name")
@@ -653,4 +659,5 @@ def decompose(
             f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
             "forward pass, so cwcore could not decompose them")
     return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
-                         undecomposable=undecomposable, input_ids=inputs.get("input_ids"))
+                         undecomposable=undecomposable, input_ids=inputs.get("input_ids"),
+                         encoder_decoder=bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)))

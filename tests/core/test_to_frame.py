@@ -102,3 +102,18 @@ def test_an_encoder_keeps_every_pair_of_real_tokens():
     ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
     frame = cwcore.decompose(model, input_ids=ids).to_frame(layers=[0])
     assert len(frame) == 4 * 25  # bidirectional: future keys are terms too
+
+
+def test_an_encoder_decoder_is_refused_rather_than_read_with_the_encoders_mask_and_tokens():
+    """BART: the decoder's self-attention and cross-attention rows were kept or dropped by the encoder's mask
+    (84 rows of a decoder layer where there are 180) and named by the encoder's tokens."""
+    from zoo_models import bart
+
+    model = bart()
+    ids = torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    d = cwcore.decompose(model, input_ids=ids, attention_mask=mask, decoder_input_ids=ids.flip(-1))
+    assert d.encoder_decoder and not cwcore.decompose(tiny_model("llama"), input_ids=ids).encoder_decoder
+    with pytest.raises(ValueError, match="^to_frame: this decomposition is of an encoder-decoder"):
+        d.to_frame()

@@ -20,6 +20,7 @@ from ...identity import UncacheableMetric, method_key  # a callable's identity: 
 __all__ = [
     "Method", "register_method", "get_method", "available_methods", "method_key", "as_method", "code_identity",
     "precomputed", "ScoreContext", "scoring", "method_scores", "output_gradients", "display_names", "colours",
+    "refuse_encoder_decoder",
 ]
 
 
