@@ -20,6 +20,7 @@ from torch import nn
 __all__ = [
     "InputError", "InputIndexError", "InputTypeError", "cached_length", "check_attention_mask", "check_batch_size",
     "check_compute_dtype", "check_count", "check_finite_scores", "check_fraction", "check_inputs", "check_layers",
+    "query_positions", "query_positions_as_given",
     "check_mask", "check_not_empty", "check_ratios", "check_sweep_arguments", "check_targets", "check_texts",
     "check_token_sequences", "context_length", "finite_scores", "is_integer_number", "plain_integer",
 ]
@@ -531,3 +532,33 @@ def check_sweep_arguments(model: nn.Module, *, caller: str, metric=None, ratios=
     check_fraction(confidence, "confidence", open_low=True, open_high=True)
     if padding_side not in ("left", "right"):
         raise InputError(f"padding_side must be 'left' or 'right', got {_shown(padding_side)}")
+
+
+def query_positions_as_given(positions, argument: str) -> tuple[int, ...]:
+    """``positions`` (one or a list, None: none) as a tuple of ints as given, negative ones counting from the end."""
+    if positions is None:
+        return ()
+    if is_integer_number(positions):
+        positions = [positions]
+    elif isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
+        raise InputTypeError(f"{argument} must be a query position or a list of them (ints), got {positions!r}")
+    out = []
+    for position in positions:
+        position = plain_integer(position)  # a numpy or 0-d tensor integer reads as its int
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise InputTypeError(f"{argument} must be query positions (ints), got {position!r}")
+        out.append(position)
+    return tuple(out)
+
+
+def query_positions(positions, length: int, argument: str, what: str = "the input has {length} tokens") -> tuple[int, ...]:
+    """``positions`` (as :func:`query_positions_as_given` reads them) among ``length`` queries, each once, from the end if negative."""
+    out = []
+    for position in query_positions_as_given(positions, argument):
+        if not -length <= position < length:
+            raise InputError(f"{argument} must be query positions in -{length}..{length - 1} "
+                             f"({what.format(length=length)}), got {position!r}")
+        wanted = position + length if position < 0 else position
+        if wanted not in out:
+            out.append(wanted)
+    return tuple(out)

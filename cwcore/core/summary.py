@@ -44,8 +44,8 @@ from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
 from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
 from .geometry import probe_directions, rebuilt_error, split_output_projection
-from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, check_compute_dtype, check_count,
-                     check_inputs, own_options)
+from .inputs import (InputError, check_compute_dtype, check_count, check_inputs, own_options, query_positions,
+                     query_positions_as_given)
 
 __all__ = ["LayerSummary", "Summary", "SummarySession", "TopTerms", "summarize", "ROW_FIELDS"]
 
@@ -373,6 +373,10 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     dtype = session.compute_dtype
     batch, heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
+    # the chosen rows among this layer's own queries (a decoder's, a cross-attention's: not the encoder's tokens)
+    what = f"layer {block.layer} has {{length}} queries"
+    row_positions = query_positions(session.row_positions, q_len, "rows", what)
+    token_positions = query_positions(session.token_row_positions, q_len, "token_rows", what)
     if groups < 1 or heads % groups:
         groups = 1
     group_count = heads // groups
@@ -419,9 +423,8 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     top = {name: torch.full((batch, q_len, k), float("nan"), dtype=dtype, device=value.device) for name in ROW_FIELDS}
     top_head = torch.full((batch, q_len, k), -1, dtype=torch.long, device=value.device)
     top_key = torch.full_like(top_head, -1)
-    rows = {name: torch.zeros(batch, heads, len(session.row_positions), k_len, dtype=dtype, device=value.device)
+    rows = {name: torch.zeros(batch, heads, len(row_positions), k_len, dtype=dtype, device=value.device)
             for name in ROW_FIELDS}
-    token_positions = session.token_row_positions
     token_rows = {name: torch.zeros(batch, len(token_positions), k_len, dtype=dtype, device=value.device)
                   for name in ("contribution", "attention")}
     # the masks' fill: an eager model's own, as its float32 softmax reads it (-inf from a float64 model: a query that
@@ -532,7 +535,7 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
                 candidates.append((best, heads_of + g * groups, keys_of + first,
                                    contribution[heads_of, query_of, keys_of], a_top))
                 # the full rows of chosen positions: over every key (alpha is 0 outside the span)
-                for r, position in enumerate(session.row_positions):
+                for r, position in enumerate(row_positions):
                     if start <= position < stop:
                         i = position - start
                         row_scaled = (side[heads_of_g, i, None] @ keys_side[b, heads_of_g].transpose(-1, -2))[:, 0]
@@ -574,7 +577,7 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
             top_head[b, start:stop, :taken] = torch.where(kept, heads_of, -1)
             top_key[b, start:stop, :taken] = torch.where(kept, keys_of, -1)
             if real is not None:
-                for r, position in enumerate(session.row_positions):
+                for r, position in enumerate(row_positions):
                     if start <= position < stop and not bool(real[position - start]):
                         for name in ROW_FIELDS:
                             rows[name][b, :, r] = float("nan")
@@ -591,35 +594,14 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     summary = LayerSummary(
         block.layer, block.name, session.kind, contribution_received, attention_received,
         TopTerms(top_head, top_key, top["contribution"], top["attention"], top["relative_norm"], top["cosine"]),
-        session.row_positions, rows, token_positions, token_rows, value_norm, head_output_norm, output_norm,
+        row_positions, rows, token_positions, token_rows, value_norm, head_output_norm, output_norm,
         None if bias is None else bias.detach().to(dtype))
     return output, summary, rebuilt, adopt
-
-
-def _positions(positions, length: int, argument: str) -> tuple[int, ...]:
-    if positions is None:
-        return ()
-    if is_integer_number(positions):
-        positions = [positions]
-    elif isinstance(positions, (str, bytes)) or not isinstance(positions, Iterable):
-        raise InputTypeError(f"{argument} must be a query position or a list of them (ints in "
-                             f"-{length}..{length - 1}), got {positions!r}")
-    out = []
-    for position in positions:
-        position = plain_integer(position)  # a numpy or 0-d tensor integer reads as its int
-        if isinstance(position, bool) or not isinstance(position, int) or not -length <= position < length:
-            raise InputError(f"{argument} must be query positions in -{length}..{length - 1} (the input has {length} "
-                             f"tokens), got {position!r}")
-        wanted = position + length if position < 0 else position
-        if wanted not in out:
-            out.append(wanted)
-    return tuple(out)
 
 
 def _warn_padded_rows(inputs: dict, positions: Sequence[int]) -> None:
     """Warn when a chosen row is a padded query of some sequence (its row is NaN), as a right-padded batch makes
     the default ``rows=-1`` of every sequence shorter than the longest; an encoder-decoder's two masks apart."""
-    chosen = sorted(set(positions))
     decoder = "decoder_input_ids" in inputs or "decoder_inputs_embeds" in inputs
     found, right_padded = [], False
     stacks = (("attention_mask", "input_ids", "inputs_embeds", " of the encoder" if decoder else ""),
@@ -627,10 +609,14 @@ def _warn_padded_rows(inputs: dict, positions: Sequence[int]) -> None:
     for name, ids_name, embeds_name, stack in stacks:
         mask = inputs.get(name)
         queries = inputs.get(ids_name, inputs.get(embeds_name))
-        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not chosen:
+        if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not positions:
+            continue
+        length = queries.shape[1] if isinstance(queries, torch.Tensor) else mask.shape[1]
+        chosen = sorted({p + length if p < 0 else p for p in positions if -length <= p < length})
+        if not chosen:
             continue
         # with a key/value cache the mask covers the cached tokens too: the queries are its last columns
-        offset = mask.shape[1] - (queries.shape[1] if isinstance(queries, torch.Tensor) else mask.shape[1])
+        offset = mask.shape[1] - length
         if offset < 0 or chosen[-1] + offset >= mask.shape[1]:
             continue
         padded = mask[:, [p + offset for p in chosen]] == 0  # [batch, chosen]
@@ -665,7 +651,8 @@ def summarize(
     ``compute_dtype`` and ``truncate``, and the same checks and refusals; instead of the maps it keeps, per
     layer (:class:`LayerSummary`), what each key receives over all queries, the ``top_k`` (head, key) terms
     of every query (ranked by c, or by |c| with ``absolute``), the full ``[head, key]`` rows of the query
-    positions ``rows`` (negative positions count from the end: -1 is the last token; a position that is padding
+    positions ``rows`` among each layer's own queries (an encoder-decoder's decoder and cross-attention layers:
+    the decoder's tokens; negative positions count from the end: -1 is the last token; a position that is padding
     in some sequence gives that sequence a NaN row, with a warning) and the head-aggregated rows of
     ``token_rows`` (default: the same positions). ``kind``: ``"inter"`` (c against the combined
     output o_i) or ``"intra"`` (against the head's own o^h_i). Every summary equals the reduction of
@@ -690,21 +677,27 @@ def summarize(
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     inputs = prepare_inputs(model, check_inputs(model, inputs, caller="summarize", truncate=truncate,
                                                options=own_options(summarize)))
-    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))
-    length = reference.shape[1]
-    row_positions = _positions(rows, length, "rows")
-    token_positions = row_positions if token_rows is None else _positions(token_rows, length, "token_rows")
+    reference = inputs.get("input_ids", inputs.get("inputs_embeds"))  # None for pixels or audio features
+    encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    # positions as given: each layer reads them against its own queries (a decoder's are not input_ids'); checked
+    # here against the input where every layer's queries are its tokens
+    row_positions = query_positions_as_given(rows, "rows")
+    token_positions = row_positions if token_rows is None else query_positions_as_given(token_rows, "token_rows")
+    if reference is not None and not encoder_decoder:
+        query_positions(row_positions, reference.shape[1], "rows")
+        query_positions(token_positions, reference.shape[1], "token_rows")
     _warn_padded_rows(inputs, row_positions + token_positions)
     session = SummarySession(model, wanted, top_k=top_k, rows=row_positions, token_rows=token_positions, kind=kind,
                              absolute=absolute, compute_dtype=compute_dtype)
     decoder_mask = inputs.get("decoder_attention_mask")  # the padding of an encoder-decoder's cross-attention queries
     if isinstance(decoder_mask, torch.Tensor) and decoder_mask.dim() == 2:
         session.decoder_query_valid = decoder_mask.bool()
-    if progress or (progress is None and reference.shape[0] * length >= PROGRESS_TOKENS):
+    tokens = None if reference is None else reference.shape[0] * reference.shape[1]
+    if progress or (progress is None and tokens is not None and tokens >= PROGRESS_TOKENS):
         from tqdm.auto import tqdm
 
-        session.bar = tqdm(total=len(wanted), desc=f"summarize ({reference.shape[0] * length} tokens)", unit="layer",
-                           leave=False)
+        session.bar = tqdm(total=len(wanted), desc="summarize" + (f" ({tokens} tokens)" if tokens else ""),
+                           unit="layer", leave=False)
     try:
         with torch.inference_mode(), cwcore_attention(model, session):
             outputs = model(**inputs)
@@ -758,8 +751,8 @@ def dense_summary(layer, attention_mask=None, *, top_k: int = 8, rows=(-1,), tok
         return out
 
     top = TopTerms(indices(head_of), indices(key_of), gathered(c), gathered(alpha), gathered(relative), gathered(cosine))
-    row_positions = _positions(rows, q_len, "rows")
-    token_positions = row_positions if token_rows is None else _positions(token_rows, q_len, "token_rows")
+    row_positions = query_positions(rows, q_len, "rows")
+    token_positions = row_positions if token_rows is None else query_positions(token_rows, q_len, "token_rows")
     full = {"contribution": c, "attention": alpha, "relative_norm": relative, "cosine": cosine}
     row_values = {name: values[:, :, list(row_positions)] for name, values in full.items()}
     for name in ROW_FIELDS:  # padded query rows are NaN throughout, as in the summary
