@@ -515,7 +515,8 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
     add (Gemma 2/3's ``post_attention_layernorm``), found by observation, not by name (Llama's
     ``post_attention_layernorm`` is the MLP's pre-norm, applied after the residual add): in a probe forward
     pass on ``ids [1, n]`` (default ``[[0, 1, 2, 3]]``), the candidate norm whose input equals the output
-    projection's output. The probe runs outside any active cwcore session. Cached on the model."""
+    projection's output. The probe runs outside any active cwcore session. Cached on the model, with
+    :func:`residual_norms` (the same probe)."""
     cached = model_facts(model).get("post_norms")
     if cached is not None:
         return cached
@@ -523,11 +524,25 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
     blocks = [b for b in attention_blocks(model) if b.unsupported is None]
     seen_out: dict[int, torch.Tensor] = {}
     seen_in: dict[int, list[tuple[nn.Module, torch.Tensor]]] = {}
+    layer_in: dict[int, torch.Tensor] = {}  # the decoder layer's input h (the residual) and the attention's x
+    attention_in: dict[int, torch.Tensor] = {}
+
+    def first_input(store, layer):
+        def hook(module, args, kwargs):
+            value = args[0] if args else kwargs.get("hidden_states")
+            if isinstance(value, torch.Tensor):
+                store.setdefault(layer, value.detach())
+        return hook
+
     handles = []
     for block in blocks:
         out = block.output_module()
         if out is None:
             continue
+        if block.parent is not None:
+            handles.append(block.parent.register_forward_pre_hook(first_input(layer_in, block.layer), with_kwargs=True))
+            handles.append(block.module.register_forward_pre_hook(first_input(attention_in, block.layer),
+                                                                  with_kwargs=True))
         handles.append(out.register_forward_hook(
             lambda m, i, o, l=block.layer: seen_out.setdefault(l, (o[0] if isinstance(o, tuple) else o).detach())))
         for norm in _candidate_norms(block):
@@ -545,12 +560,27 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
         for h in handles:
             h.remove()
     found: dict[int, nn.Module | None] = {}
+    residual: dict[int, nn.Module | None] = {}
     for block in blocks:
-        out = seen_out.get(block.layer)
-        found[block.layer] = None
+        out, h, x = seen_out.get(block.layer), layer_in.get(block.layer), attention_in.get(block.layer)
+        found[block.layer] = residual[block.layer] = None
         for module, inp in seen_in.get(block.layer, []):
             if out is not None and inp.shape == out.shape and torch.equal(inp, out):
                 found[block.layer] = module
                 break
-    model_facts(model)["post_norms"] = found
+        # post-LN: the attention reads the residual h itself (no norm before it), and a norm reads h + its output
+        if out is not None and h is not None and x is not None and x.shape == h.shape and torch.equal(x, h):
+            for module, inp in seen_in.get(block.layer, []):
+                if inp.shape == out.shape and torch.allclose(inp, h + out, rtol=1e-5, atol=1e-6):
+                    residual[block.layer] = module
+                    break
+    model_facts(model)["post_norms"], model_facts(model)["residual_norms"] = found, residual
     return found
+
+
+def residual_norms(model: nn.Module) -> dict[int, nn.Module | None]:
+    """``{layer: module or None}``: the norm a post-LN layer (BERT, BART, OPT-350m) applies to the residual and
+    the attention output together, y_i = LN(x_i + a_i), found in :func:`post_attention_norms`' probe (the
+    attention reads the layer's input itself, and a norm reads that input plus the output projection's output)."""
+    post_attention_norms(model)
+    return model_facts(model)["residual_norms"]

@@ -249,8 +249,8 @@ def test_methods_a_bare_encoder_cannot_support_are_refused_with_the_true_reason(
     # before: ALTI kept keys 0..i only and read the residual as a decoder's, x_i + a_i, where BERT computes
     # LayerNorm(x_i + a_i): every later key got 0 (on the packaged MiniLM, 2.3 of a layer's attention mass)
     assert bool(cwcore.decompose(bert, input_ids=ids).attention[0].triu(1).sum() > 0.1)  # the control
-    with pytest.raises(UnsupportedModelError, match=r"^alti: attention layer 0 attends to later keys .* defined for "
-                                                    r"causal decoders only"):
+    with pytest.raises(UnsupportedModelError, match=r"^alti: attention layer 0 is post-LN: its residual enters a norm "
+                                                    r"with the attention output, y_i = LN\(x_i \+ a_i\)"):
         cwcore.attribute(bert, method="alti", input_ids=ids)
 
 
@@ -353,3 +353,25 @@ def test_an_encoder_decoder_is_refused_by_the_attribution_methods(method):
     with pytest.raises(cwcore.UnsupportedModelError, match="is an encoder-decoder: the attribution methods score"):
         cwcore.attribute(model, method=method, **inputs)
     assert cwcore.decompose(model, **inputs).layers  # the control: the model itself is decomposed
+
+
+@pytest.mark.parametrize("post_ln", [True, False])
+def test_alti_refuses_a_post_ln_decoder_found_by_the_probe(post_ln):
+    """OPT-350m's layers (do_layer_norm_before=False) add the residual inside their LayerNorm, y_i = LN(x_i + a_i):
+    ALTI, written for y_i = x_i + N(a_i), scored them without a word (only encoders were refused). The control:
+    the same architecture with its norms before the attention is scored."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.OPTConfig(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=not post_ln,
+                          attn_implementation="eager")
+    model = tf.OPTForCausalLM(config).eval()
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(0))
+    if post_ln:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"^alti: attention layer 0 is post-LN: its residual "
+                                                               r"enters a norm with the attention output"):
+            cwcore.attribute(model, method="alti", input_ids=ids)
+    else:
+        scores = cwcore.attribute(model, method="alti", input_ids=ids)
+        torch.testing.assert_close(scores[0].sum(-1), torch.ones(1, 7))

@@ -14,7 +14,7 @@ __all__ = ["alti"]
 @register_method("alti", needs=("block_input", "post_attention_norm"),
                  cost="no extra forward; [rows, query chunk, key, model] tensors",
                  title="ALTI", colour="#ece133")
-def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
+def alti(layer_decomposition, call, block_input, post_attention_norm=None, model=None, **_):
     """ALTI-style contributions (Ferrando et al. 2022) of one decoder layer, token-level.
 
     The residual stream after the attention sub-block is y_i = x_i + N(a_i), a_i = sum_j sum_h
@@ -25,13 +25,21 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, **_):
     split without the mean subtraction**, g * z_j / rms(a_i), which is exact. Contribution:
     c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
     rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity
-    (``post_attention_norm`` None). Decoders only: a layer that attends to later keys (an encoder such as
-    BERT, which adds the residual inside its post-attention LayerNorm, y_i = LN(x_i + a_i)) is refused.
+    (``post_attention_norm`` None). Refused: a post-LN layer, which adds the residual inside its LayerNorm,
+    y_i = LN(x_i + a_i) (BERT, BART, OPT-350m: found by a probe forward,
+    :func:`cwcore.core.architectures.residual_norms`), and a layer that attends to later keys (an encoder).
     """
+    from ...core.architectures import residual_norms
     from ...logit_attribution import frozen_norm_on, norm_at_float32
 
     if block_input is None:
         raise UnsupportedModelError("alti: the decoder layer's input was not captured")
+    residual = None if model is None else residual_norms(model).get(call.layer)
+    if residual is not None:  # before: scored as x_i + a_i, up to 0.06 off the layer's own stream on BART
+        raise UnsupportedModelError(
+            f"alti: attention layer {call.layer} is post-LN: its residual enters a norm with the attention output, "
+            f"y_i = LN(x_i + a_i) ({type(residual).__name__}, found in a probe forward), and this ALTI is written "
+            "for y_i = x_i + N(a_i), the pre-norm and sandwich-norm layers")
     # geometry in float32 at least, even for a bf16 model: ||y_i||_1 - ||y_i - T_i(x_j)||_1 is a difference of
     # two nearly equal sums, which bf16 sums would swamp (a bf16 GPT-2's scores were 17% off)
     require_causal(call.probs, call.layer, "alti", "its transformed vectors (written for a decoder's residual "
