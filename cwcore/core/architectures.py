@@ -377,10 +377,12 @@ def _without_softmax(model: nn.Module, modules: list[nn.Module]) -> set[int]:
 
 
 def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
-    """The model's softmax attention blocks in forward order, numbered from 0.
+    """The model's softmax attention blocks, numbered from 0 in the order the model registers its modules (the
+    forward order of the usual layouts; an encoder-decoder's encoder layers first, then each decoder layer's
+    self-attention and cross-attention as its module lists them).
 
-    A block is the innermost module whose class name ends in ``Attention`` (cross-attention excluded) and
-    that computes softmax attention: its code calls transformers' attention interface, or, probed in a
+    A block is the innermost module whose class name ends in ``Attention`` (a class named ``...Cross...`` is
+    not one: BERT's decoder cross-attention is refused in its wrapper) and that computes softmax attention: its code calls transformers' attention interface, or, probed in a
     4-token forward pass, it computes a softmax (a block with its own attention code is numbered, and
     refused when it runs); one that runs without any softmax (linear attention in a hybrid) is not numbered;
     a registered finder locates its output projection (the last finder takes the block's last linear
