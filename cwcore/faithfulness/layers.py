@@ -137,8 +137,12 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
         "max_length": None if max_length is None else int(max_length),
         "padding_side": padding_side}, model)
     sweep = Sweep(model, specs, modes, ratio_list, protocol, None, progress, len(batches))
-    scorer = _lm_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     layer_scope = scope == "layer"
+
+    def layer_scorer(batch, candidates, layer):
+        """Rows of ``layer``'s interventions: its own candidate terms (each row removes terms in that layer only;
+        the sum over the layers made ``n_removed / n_candidates`` the layer count times too small)."""
+        return _lm_scorer({batch.index: candidates[layer].sum((1, 2, 3)).long() * sweep.heads})
 
     def one(batch) -> pd.DataFrame:
         """Every (layer, metric, mode, ratio) row of one batch, read from the store or computed."""
@@ -153,9 +157,11 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
         finally:
             for h in handles:
                 h.remove()
-        clean = scorer(logits, batch, batch.input_ids.new_zeros(batch.input_ids.shape[0]))
+        nothing = batch.input_ids.new_zeros(batch.input_ids.shape[0])
+        cleans = {layer: layer_scorer(batch, candidates, layer)(logits, batch, nothing) for layer in chosen}
         del logits
         for layer in chosen:
+            clean, scorer = cleans[layer], layer_scorer(batch, candidates, layer)
             for spec in specs:
                 for m in modes:
                     for ratio in ratio_list:

@@ -48,7 +48,8 @@ def test_per_layer_rows_equal_full_forwards_on_one_layer(peaked):
         full = fa.faithfulness_curve(model, None, ids, ["attention", "contribution", "random"], [0.2, 0.5],
                                      layers=[layer], progress=False, **kw).per_sequence
         mine = table[table.layer == layer].reset_index(drop=True)
-        for column in ("sequence", "metric", "mode", "ratio", "nll", "clean_nll", "n_removed"):
+        # n_candidates too: each row removes terms of one layer (it counted every layer's, twice too many here)
+        for column in ("sequence", "metric", "mode", "ratio", "nll", "clean_nll", "n_removed", "n_candidates"):
             pd.testing.assert_series_equal(mine[column], full[column], check_dtype=False)
     areas = pl.per_layer_aopc(table, n_bootstrap=100)
     assert set(areas["layer"]) == {0, 1} and (areas["n_documents"] == len(ids)).all()
