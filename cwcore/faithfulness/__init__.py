@@ -38,7 +38,8 @@ candidates
     causal keys, real tokens, inside the sliding window, first token excluded; ties keep index order,
     NaN scores count as least important.
 ``ratios``
-    fractions of each group's candidates, k(r) = floor(r n + 1/2); ratio 0 is not run (its delta is 0).
+    fractions of each group's candidates, k(r) = floor(r n + 1/2) (r n in float64: a decimal half such as
+    0.7 x 45 may round down); ratio 0 is not run (its delta is 0).
 
 Statistics: per sequence NLL (mean over its next-token predictions) and PPL = exp(NLL); deltas are
 intervened minus clean per sequence. Intervals are percentile bootstraps over documents (blocks of

@@ -23,7 +23,8 @@ scope
     see them, the selected units then being removed for every query.
 group
     the set of units ranked together (a row, or a whole layer of a sequence). In each group, with n
-    candidate units, the fraction r removes k(r) = floor(r * n + 1/2) of them: the first k in the
+    candidate units, the fraction r removes k(r) = floor(r * n + 1/2) of them (r * n in float64, see
+    :func:`removal_counts`): the first k in the
     descending order for comprehensiveness, the last k for sufficiency.
 ties and NaN
     the order is a stable descending sort of the scores, so ties keep the units' index order
@@ -140,7 +141,9 @@ def descending_ranks(scores: torch.Tensor, candidates: torch.Tensor) -> tuple[to
 
 
 def removal_counts(counts: torch.Tensor, ratio: float) -> torch.Tensor:
-    """k(r) = floor(r * n + 1/2): how many of n candidate units the fraction r removes."""
+    """k(r) = floor(r * n + 1/2): how many of n candidate units the fraction r removes, with r * n a float64
+    product: where it is a half in decimal but not in binary it rounds as the binary number does (0.7 x 45 =
+    31.499999999999996 gives 31, not 32). Kept so: every committed table was counted this way."""
     return torch.floor(counts.double() * float(ratio) + 0.5).to(counts.dtype)
 
 

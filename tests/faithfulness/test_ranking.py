@@ -111,3 +111,14 @@ def test_sliding_windows_come_from_the_config():
     assert layer_windows(tiny_model("mistral"), 2) == [4, 4]
     assert layer_windows(tiny_model("gemma3"), 2) == [4, None]
     assert layer_windows(tiny_model("qwen2"), 2) == [None, None]
+
+
+def test_removal_counts_round_the_float64_product_as_documented():
+    """k(r) = floor(r n + 1/2) with r n in float64: 0.7 x 45 is 31.499999999999996 there, so 31 (the committed
+    tables were counted so); an exact binary half rounds up."""
+    import torch
+    from cwcore.faithfulness.ranking import removal_counts
+
+    counts = torch.tensor([45, 405, 10, 3])
+    assert removal_counts(counts, 0.7).tolist() == [31, 284, 7, 2]  # 0.7 x 405 is 283.5 in float64 too
+    assert removal_counts(torch.tensor([5]), 0.5).tolist() == [3]  # 2.5: a half in binary too
