@@ -282,3 +282,24 @@ def test_a_model_without_an_lm_head_is_refused_not_scored_on_its_hidden_states()
                                                     r"output has no logits\), so there is no perplexity"):
         fa.faithfulness_curve(tiny_model("bert"), None, ids, metric=["random"], ratios=[0.1],
                               mode="comprehensiveness", progress=False)
+
+
+def test_a_callable_metric_reads_the_protocols_kind(peaked, tmp_path):
+    """A callable that reads its context's ``kind`` was always told "inter" by the sweep, whatever the protocol's
+    kind (method_scores told it the right one): under kind="intra" it ranked as contribution inter."""
+    import torch
+
+    from cwcore.cache import caching
+
+    model, ids = peaked
+    ids = torch.as_tensor(ids)[:5, :7]
+
+    def by_kind(layer_decomposition, kind, **_):
+        return layer_decomposition.contribution(kind)
+
+    kw = dict(ratios=[0.3], mode="comprehensiveness", batch_size=5, progress=False)
+    for kind in ("intra", "inter"):
+        with caching(tmp_path):  # the pieces of the two kinds apart
+            got = fa.faithfulness_curve(model, None, ids, metric=by_kind, kind=kind, **kw).per_sequence
+        named = fa.faithfulness_curve(model, None, ids, metric="contribution", kind=kind, **kw).per_sequence
+        pd.testing.assert_series_equal(got["nll"], named["nll"])
