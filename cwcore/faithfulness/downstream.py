@@ -14,7 +14,7 @@ from ..core.architectures import input_device
 from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
-from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
+from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .summary import summarize_downstream
 from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
@@ -101,9 +101,10 @@ def downstream_eval(
     Each (context, continuation) pair is one sequence (contexts cut from the left to ``max_length``);
     **interventions apply to every query of prompt + continuation**, ranked on its own clean scores.
     Per example the gold continuation's NLL is its summed token NLL over its length; the prediction is
-    the choice with the highest total log-likelihood. With ``collapse`` and ``scope="row"``, choices
-    sharing one context that are single tokens (MMLU letters, BoolQ yes/no) are scored from one row's last
-    logits: identical results, as causal attention hides the answer from its own prediction. Examples are
+    the choice with the highest total log-likelihood. With ``collapse``, ``scope="row"`` and ``removal="zero"``,
+    choices sharing one context that are single tokens (MMLU letters, BoolQ yes/no) are scored from one row's
+    last logits: identical results, as causal attention hides the answer from its own prediction (a mean
+    stand-in, estimated over the other examples' rows, would change with them: it is not collapsed). Examples are
     packed into batches of at most ``batch_size`` rows with ``rows * length^2 <= max_batch_pairs``.
 
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
@@ -117,7 +118,7 @@ def downstream_eval(
     check_count(max_length, "max_length", minimum=2, allow_none=True)
     check_texts(check_not_empty(dataset, "dataset", "a task name, a list of them or a multiple-choice Dataset"),
                 "downstream_eval", "dataset")
-    protocol = as_protocol(protocol, **protocol_keywords)
+    protocol = model_protocol(model, protocol, **protocol_keywords)  # a layer number, negative ones
     check_sweep_arguments(model, caller="downstream_eval", layers=protocol.layers)  # a protocol object's layers too
     if isinstance(dataset, (list, tuple)):
         frames = [downstream_eval(model, tokenizer, d, metric, ratios, mode, task=None, num_examples=num_examples,
@@ -148,7 +149,9 @@ def downstream_eval(
             batches.append(pad_batch(len(batches), rows, groups, pad, "right", meta, device=device))
         rows, meta, length = [], [], 0
 
-    prepared = [(index, *_example_rows(example, tokenizer, max_length, collapse and protocol.scope == "row"))
+    # a mean stand-in is estimated over the other examples' rows, which collapsing would change: not collapsed
+    collapsed = collapse and protocol.scope == "row" and protocol.removal == "zero"
+    prepared = [(index, *_example_rows(example, tokenizer, max_length, collapsed))
                 for index, example in enumerate(dataset)]
     # pack examples of similar length together (less padding); results do not depend on the packing
     prepared.sort(key=lambda item: max(len(r) for r in item[1]))

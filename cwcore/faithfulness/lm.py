@@ -13,9 +13,9 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.architectures import attention_blocks, input_device
-from ..core.inputs import InputError, check_layers, check_sweep_arguments, check_texts, check_token_sequences
-from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
+from ..core.architectures import input_device
+from ..core.inputs import InputError, check_sweep_arguments, check_texts, check_token_sequences
+from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
 from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
@@ -226,9 +226,7 @@ def faithfulness_curve(
     check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
                           confidence=confidence, padding_side=padding_side)
-    if protocol_keywords.get("layers") is not None:  # a layer number or negative ones, as the check reads them
-        protocol_keywords["layers"] = check_layers(protocol_keywords["layers"], len(attention_blocks(model)))
-    protocol = as_protocol(protocol, **protocol_keywords)
+    protocol = model_protocol(model, protocol, **protocol_keywords)  # a layer number, negative ones
     check_sweep_arguments(model, caller="faithfulness_curve", layers=protocol.layers)  # a protocol object's layers too
     specs, modes, ratio_list = parse_specs(metric, protocol.kind), parse_modes(mode), parse_ratios(ratios)
     if padding_side not in ("left", "right"):

@@ -231,6 +231,21 @@ def as_protocol(protocol: "Protocol | Mapping | None" = None, **keywords) -> Pro
     return replace(base, **keywords) if keywords else base
 
 
+def model_protocol(model, protocol=None, **keywords) -> Protocol:
+    """:func:`as_protocol` with its ``layers`` read against ``model`` as every entry point reads layers (one
+    number, or negative ones counting from the last), whether given as a keyword or in a protocol object."""
+    from ..core.architectures import attention_blocks
+    from ..core.inputs import check_layers
+
+    count = len(attention_blocks(model))
+    if keywords.get("layers") is not None:
+        keywords["layers"] = check_layers(keywords["layers"], count)
+    protocol = as_protocol(protocol, **keywords)
+    if protocol.layers is not None:
+        protocol = replace(protocol, layers=tuple(check_layers(list(protocol.layers), count)))
+    return protocol
+
+
 # -- rankings identical by construction ------------------------------------------------------------
 def _constant_within_group(kind: str, unit: str, scope: str) -> bool:
     """Whether the output norm of ``kind`` is one number within every group the protocol ranks together:

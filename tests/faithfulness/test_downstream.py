@@ -38,3 +38,43 @@ def test_downstream_clean_accuracy_and_collapse(peaked):
     zero = summary[summary.ratio == 0]
     assert (zero.delta_ppl == 0).all() and (zero.accuracy == zero.clean_accuracy).all()
     assert (summary.n_examples == 5).all()
+
+
+def test_collapse_gives_identical_results_under_mean_removal_too():
+    """Collapsing shared-context single-token choices into one row changed which rows the mean stand-in of
+    removal="mean" averages over: the gold NLL moved by up to 1 nat. Mean removal is now never collapsed."""
+    import numpy as np
+
+    from cwcore import faithfulness as fa
+    from faith_helpers import mc_dataset, peaked_llama, word_tokenizer
+
+    tokenizer, model, data = word_tokenizer(), peaked_llama(0).double(), mc_dataset()
+    for removal in ("zero", "mean"):
+        out = [fa.downstream_eval(model, tokenizer, data, "contribution", [0.5], "comprehensiveness", per_example=True,
+                                  collapse=collapse, removal=removal, progress=False).sort_values("example")
+               for collapse in (True, False)]
+        np.testing.assert_allclose(out[0]["nll"].to_numpy(), out[1]["nll"].to_numpy(), rtol=1e-9, atol=1e-9)
+
+
+def test_downstream_reads_layers_as_the_other_entry_points_do():
+    """layers=[-1] raised an IndexError and layers=1 a TypeError in downstream_eval, and a Protocol's negative
+    layers failed in faithfulness_curve too, where the keyword read them as layer 1."""
+    import numpy as np
+
+    from cwcore import faithfulness as fa
+    from faith_helpers import mc_dataset, peaked_llama, word_tokenizer
+
+    tokenizer, model, data = word_tokenizer(), peaked_llama(0), mc_dataset()
+    kw = dict(per_example=True, progress=False)
+    expected = fa.downstream_eval(model, tokenizer, data, "contribution", [0.5], "comprehensiveness", layers=[1], **kw)
+    for layers in ([-1], 1, -1):
+        got = fa.downstream_eval(model, tokenizer, data, "contribution", [0.5], "comprehensiveness", layers=layers, **kw)
+        np.testing.assert_array_equal(got["nll"].to_numpy(), expected["nll"].to_numpy())
+    other = fa.downstream_eval(model, tokenizer, data, "contribution", [0.5], "comprehensiveness", layers=[0], **kw)
+    assert not np.array_equal(other["nll"].to_numpy(), expected["nll"].to_numpy())  # the control
+    texts = [" ".join(["a", "b", "c", "d", "e", "f"])] * 2
+    by_object = fa.faithfulness_curve(model, tokenizer, texts, "contribution", [0.5], "comprehensiveness",
+                                      protocol=fa.Protocol(layers=(-1,)), progress=False).per_sequence
+    by_keyword = fa.faithfulness_curve(model, tokenizer, texts, "contribution", [0.5], "comprehensiveness",
+                                       layers=[1], progress=False).per_sequence
+    np.testing.assert_array_equal(by_object["nll"].to_numpy(), by_keyword["nll"].to_numpy())
