@@ -23,7 +23,7 @@ from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: nev
 from ..cli import add_model_options, debug_requested, given_flags, run_command
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
-_RECORDED = ("block_size", "sampling", "num_sequences")
+_RECORDED = ("block_size", "sampling", "num_sequences", "add_bos")
 ANALYSIS_NAMES = ("rates", "decomposition", "anti_alignment", "convexity", "semantic_cone")
 #: the flags of :class:`cwcore.sinks.SinkOptions`' command-line options (``name: (default, help, choices)``),
 #: declared here so that ``--help`` needs no torch; a test checks them against ``SinkOptions.OPTIONS``
@@ -65,26 +65,49 @@ def _npy(array) -> bytes:
     return buffer.getvalue()
 
 
-def _save_raw(folder: Path, parts: dict, blocks, sampling: str, dtype: str) -> None:
-    from ..cache import atomic_write_bytes
+def _save_raw(folder: Path, parts: dict, blocks, sampling: str, dtype: str, run: dict) -> None:
+    """The raw material of one run, in place of any earlier run's: written into a new folder that then replaces
+    ``folder`` whole, so a killed run leaves the earlier material (or none), never a mixture of the two.
+    ``run``: the analyses and the options that shaped the material, which --from-raw holds to."""
+    import shutil
+    import tempfile
 
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, frames in parts.items():  # every file atomically: a full disk leaves no partial file
-        for part, frame in frames.items():
-            atomic_write_bytes(folder / f"{name}.{part}.parquet", frame.to_parquet(index=False))
-    atomic_write_bytes(folder / "ids.npy", _npy(blocks.ids.numpy()))
-    if blocks.classes is not None:
-        atomic_write_bytes(folder / "classes.npy", _npy(blocks.classes))
-    meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling,
-            "dtype": dtype}
-    atomic_write_bytes(folder / "blocks.json", json.dumps(meta).encode())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        for name, frames in parts.items():
+            for part, frame in frames.items():
+                (new / f"{name}.{part}.parquet").write_bytes(frame.to_parquet(index=False))
+        (new / "ids.npy").write_bytes(_npy(blocks.ids.numpy()))
+        if blocks.classes is not None:
+            (new / "classes.npy").write_bytes(_npy(blocks.classes))
+        meta = {"add_bos": blocks.add_bos, "first_token_is_bos": blocks.first_token_is_bos, "sampling": sampling,
+                "dtype": dtype, "run": run}
+        (new / "blocks.json").write_text(json.dumps(meta))
+        old = folder.with_name(f".{folder.name}.old-{new.name[-8:]}")
+        if folder.exists():
+            folder.rename(old)
+        new.rename(folder)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(new, ignore_errors=True)  # gone already unless the run failed before the swap
 
 
 def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: dict, folder: Path) -> None:
-    """--from-raw rebuilds the run the raw material in ``folder`` records (``recorded``: its ``sampling`` and
-    ``dtype``): a run flag given that describes another run (other blocks, another sampling, fewer sequences,
-    another dtype) is refused rather than ignored; the same command with --from-raw appended passes."""
+    """--from-raw rebuilds the run the raw material in ``folder`` records (``recorded``: its ``sampling``,
+    ``dtype`` and ``run``): a flag given that describes another run (other blocks, another sampling, fewer
+    sequences, another dtype, BOS or collector option, an analysis it did not run) is refused rather than
+    ignored; the same command with --from-raw appended passes."""
     n, length = blocks.ids.shape
+    run = recorded.get("run") or {}
+    for name, value in run.get("options", {}).items():
+        if name in given and getattr(args, name) != value:
+            flag = "--" + name.replace("_", "-")
+            parser_.error(f"{flag} {getattr(args, name)}, but the raw material in {folder} was collected with "
+                          f"{flag} {value}: give that run's {flag}, or leave it out")
+    if "add_bos" in given and "add_bos" in run and args.add_bos != run["add_bos"]:
+        parser_.error(f"--add-bos {args.add_bos}, but the raw material in {folder} was made with --add-bos "
+                      f"{run['add_bos']}: give that run's --add-bos, or leave it out")
     if args.dtype is not None and _dtype_name(args.dtype) != recorded["dtype"]:
         parser_.error(f"--dtype {args.dtype}, but the raw material in {folder} was computed in {recorded['dtype']}: "
                       "give that run's --dtype, or leave it out")
@@ -95,6 +118,10 @@ def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: dict, 
     if "sampling" in given and args.sampling != sampling:
         parser_.error(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {sampling}: give "
                       "that run's --sampling, or leave it out")
+    asked = run.get("num_sequences")  # what that run asked for (older material: at least the sequences it holds)
+    if "num_sequences" in given and asked is not None and args.num_sequences != asked:
+        parser_.error(f"--num-sequences {args.num_sequences}, but the raw material in {folder} was made with "
+                      f"--num-sequences {asked}: give that run's --num-sequences, or leave it out")
     if "num_sequences" in given and args.num_sequences < n:  # more is the same run: fewer were available
         parser_.error(f"--num-sequences {args.num_sequences}, but the raw material in {folder} holds {n} sequences: "
                       "give that run's --num-sequences, or leave it out")
@@ -121,6 +148,10 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple:
     classes = np.load(folder / "classes.npy") if (folder / "classes.npy").is_file() else None
     blocks = Blocks(torch.from_numpy(np.load(folder / "ids.npy")), meta["add_bos"], meta["first_token_is_bos"],
                      classes)
+    ran = (meta.get("run") or {}).get("analyses")
+    if ran is not None and set(analyses) - set(ran):
+        raise FileNotFoundError(f"--from-raw: the raw material in {folder} holds {', '.join(ran)}, not "
+                                f"{', '.join(sorted(set(analyses) - set(ran)))}: rerun them with --raw")
     parts = {}
     for name in analyses:
         files = sorted(folder.glob(f"{name}.*.parquet"))
@@ -128,7 +159,8 @@ def _load_raw(folder: Path, analyses: list[str]) -> tuple:
             raise FileNotFoundError(f"no raw material for {name} in {folder}")
         parts[name] = {f.name[len(name) + 1 : -len(".parquet")]: pd.read_parquet(f) for f in files}
     # older raw material: stream sampling; float32, the only dtype of the command line before --dtype
-    return parts, blocks, {"sampling": meta.get("sampling", "stream"), "dtype": meta.get("dtype", "float32")}
+    return parts, blocks, {"sampling": meta.get("sampling", "stream"), "dtype": meta.get("dtype", "float32"),
+                           "run": meta.get("run")}
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +240,8 @@ def _main(argv: list[str] | None) -> int:
         parser_.error(str(error))
     options = {name: getattr(checked, name) for name, o in SinkOptions.OPTIONS.items() if o.cli}
     wanted = [a.strip() for a in args.analyses.split(",") if a.strip()]
+    if not wanted:  # before: nothing ran, and a summary of a header only was written
+        parser_.error(f"--analyses names none: give one or more of {','.join(ANALYSIS_NAMES)}")
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
         parser_.error(f"unknown analyses: {', '.join(unknown)}")
@@ -216,6 +250,8 @@ def _main(argv: list[str] | None) -> int:
     given = [name for name in CLI_OPTIONS if name in given_run]
     takers = {name: [a for a in ANALYSES if name in {o.name for o in REGISTRY[a].options}] for name in given}
     for name in given:
+        if name == "seed" and args.sampling == "documents":  # it draws the documents every analysis reads
+            continue
         if not set(takers[name]) & set(wanted):
             flag = "--" + name.replace("_", "-")
             parser_.error(f"{flag} applies to {', '.join(takers[name])}, which --analyses {','.join(wanted)} does "
@@ -232,8 +268,9 @@ def _main(argv: list[str] | None) -> int:
     applied_bos = None  # documents: the blocks come tokenised, with the BOS the command line asked for
     if args.from_raw:
         parts, blocks, recorded = _load_raw(raw, wanted)
-        _refuse_another_run(parser_, args, given_run & set(_RECORDED), blocks, recorded, raw)
+        _refuse_another_run(parser_, args, given_run & {*_RECORDED, *CLI_OPTIONS}, blocks, recorded, raw)
         sampling, dtype = recorded["sampling"], recorded["dtype"]
+        options.update((recorded.get("run") or {}).get("options", {}))  # what the material was collected with
     else:
         sampling, dtype = args.sampling, _dtype_name(args.dtype)
         torch.manual_seed(args.seed)
@@ -258,7 +295,10 @@ def _main(argv: list[str] | None) -> int:
         if blocks.add_bos is None and applied_bos is not None:  # the tables, the summary and the raw record say so
             blocks = dataclasses.replace(blocks, add_bos=applied_bos)
         if raw is not None:
-            _save_raw(raw, parts, blocks, args.sampling, dtype)
+            collected = {name: options[name] for a in wanted for name in ("seed", *REGISTRY[a].collector_options)}
+            _save_raw(raw, parts, blocks, args.sampling, dtype,
+                      {"analyses": wanted, "options": collected, "add_bos": args.add_bos,
+                       "num_sequences": args.num_sequences})
     tables: dict[str, pd.DataFrame] = {}
     for name in wanted:
         tables.update(REGISTRY[name].named_tables(REGISTRY[name].tables(parts[name], blocks, **options)))

@@ -92,10 +92,16 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "a" / name), pd.read_csv(tmp_path / "b" / name))
     # a run flag that describes another run is refused, not ignored (before: --block-size 64 rebuilt the
     # 12-token run's tables without a word); the same command with --from-raw appended passed above
+    # (before: --kind, --quantile-sample, --heads, --seed, --add-bos and a larger --num-sequences were ignored)
     for flag, value, message in (("--block-size", "64", "holds blocks of 12 tokens"),
                                  ("--sampling", "stream", "was sampled as documents"),
-                                 ("--num-sequences", "2", "holds 3 sequences"),
-                                 ("--dtype", "bf16", "was computed in float32")):
+                                 ("--num-sequences", "2", "was made with --num-sequences 3"),
+                                 ("--num-sequences", "9", "was made with --num-sequences 3"),
+                                 ("--dtype", "bf16", "was computed in float32"),
+                                 ("--kind", "inter", "was collected with --kind intra"),
+                                 ("--quantile-sample", "8", "was collected with --quantile-sample 128"),
+                                 ("--seed", "5", "was collected with --seed 0"),
+                                 ("--add-bos", "no", "was made with --add-bos yes")):
         changed = list(args)
         if flag in changed:
             changed[changed.index(flag) + 1] = value
@@ -105,7 +111,6 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
             sinks.main([*changed, "--from-raw", "--out", str(tmp_path / "c")])
         assert exit_.value.code == 2, flag
         assert message in capsys.readouterr().err, flag
-    assert sinks.main([*args, "--num-sequences", "9", "--from-raw", "--out", str(tmp_path / "d")]) == 0  # more: same
     assert sinks.main([*args, "--dtype", "fp32", "--from-raw", "--out", str(tmp_path / "d")]) == 0  # float32's alias
     assert not (tmp_path / "c").exists()
     # --dtype reaches the model, is recorded in the summary and in the raw material for --from-raw
@@ -118,6 +123,22 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     assert sinks.main([*bf16, "--analyses", "rates", "--from-raw", "--out", str(tmp_path / "f")]) == 0
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "e" / "sinks_summary_tiny_words.csv"),
                                   pd.read_csv(tmp_path / "f" / "sinks_summary_tiny_words.csv"))
+    # a later run into the same folder replaces the material whole: the earlier run's other analyses are gone, not
+    # rebuilt beside the later run's blocks (before: a mixture, labelled with the later run's settings)
+    monkeypatch.setattr(cwcore.models, "load_model", load)
+    assert sinks.main([*args, "--analyses", "rates", "--out", str(tmp_path / "g")]) == 0
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("--from-raw must not load the model"))
+    from cwcore.sinks.cli import _load_raw
+
+    with pytest.raises(FileNotFoundError, match="holds rates, not anti_alignment, convexity"):
+        _load_raw(tmp_path / "raw" / "tiny_words", ["rates", "anti_alignment", "convexity"])
+    assert sorted(p.name for p in (tmp_path / "raw").iterdir()) == ["tiny_words"]  # nothing left beside it
+    # --seed draws the documents every analysis reads (it was refused with rates alone); no analysis is refused
+    monkeypatch.setattr(cwcore.models, "load_model", load)
+    assert sinks.main([*args, "--analyses", "rates", "--seed", "5", "--out", str(tmp_path / "h")]) == 0
+    with pytest.raises(SystemExit):
+        sinks.main([*args, "--analyses", " , ", "--out", str(tmp_path / "i")])
+    assert "--analyses names none" in capsys.readouterr().err
 
 
 def test_precompute_fills_the_cache_for_later_calls(tmp_path, monkeypatch):
