@@ -15,6 +15,7 @@ import argparse
 import io
 import os
 import sys
+import time
 from pathlib import Path
 
 __all__ = ["main", "explain", "run_command", "debug_requested", "UsageError"]
@@ -266,6 +267,13 @@ def _cache_command(args) -> int | None:
         gone = prune(root, everything=args.all, dry_run=args.dry_run)
         verb = "would delete" if args.dry_run else "deleted"
         print(f"{verb} {len(gone)} cached run(s), {_size(gone['bytes'].sum())}, under {root / 'results'}")
+        # the runs prune spares, said (before: "deleted 0" right after a run, without a word of why)
+        runs = result_runs(root)
+        candidates = runs if args.all else runs[~runs["current"].astype(bool)]
+        recent = int((candidates["modified"] >= time.time() - 60).sum())
+        if recent:
+            print(f"spared {recent} run(s) written in the last minute (a process may still be writing them): "
+                  "prune again later to delete them")
         return
     runs = result_runs(root)
     print(f"cwcore cache: {root}")
@@ -334,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "check every piece and converted model")
     cache.add_argument("--repair", action="store_true", help="verify: delete damaged pieces, convert damaged "
                                                              "models again (exit 0 when everything was repaired)")
-    cache.add_argument("--all", action="store_true", help="prune: delete every cached result, current ones too")
+    cache.add_argument("--all", action="store_true", help="prune: delete every cached result, current ones too "
+                       "(runs written in the last minute or in use by a process are spared, and said)")
     cache.add_argument("--dry-run", action="store_true", help="prune: only say what would be deleted")
     cache.set_defaults(run=_cache_command)
     return parser
@@ -424,7 +433,9 @@ def given_flags(parser: argparse.ArgumentParser, argv, names) -> set[str]:
 def debug_requested(argv: list[str] | None = None) -> bool:
     """Whether ``--debug`` is on the command line (``argv``, default ``sys.argv``) or ``CWCORE_DEBUG`` is set."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    return "--debug" in argv or os.environ.get("CWCORE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+    # argparse takes an abbreviation ("--debu"): so does this check, made before parsing
+    return (any(a.startswith("--deb") and "--debug".startswith(a) for a in argv)
+            or os.environ.get("CWCORE_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"))
 
 
 def run_command(prog: str, body, debug: bool, *, user_errors: tuple = ()) -> int:

@@ -375,6 +375,15 @@ def _apply_limit(ds: datasets.Dataset, limit: int | None, seed: int | None) -> d
     return ds.select(np.sort(picked).tolist())
 
 
+def missing_local_file(name: str) -> bool:
+    """Whether ``name`` names a local data file (.txt, .jsonl, .json, .csv, .parquet) that does not exist: what
+    :func:`load_dataset` refuses, checkable before a model loads (a packaged name is never one)."""
+    if name in PACKAGED_DATASETS:
+        return False
+    path = Path(os.path.expanduser(name))
+    return path.suffix.lower() in _LOCAL_EXTENSIONS and not path.exists()
+
+
 def load_dataset(
     name: str,
     config_name: str | None = None,
@@ -412,6 +421,8 @@ def load_dataset(
             raise TypeError(f"packaged data set '{name}' takes no extra arguments: {sorted(kwargs)}")
         return _apply_limit(_load_packaged(name, split), limit, seed)
 
+    if missing_local_file(name):
+        raise FileNotFoundError(f"no such file: {name}")
     path = Path(os.path.expanduser(name))
     if path.exists() and (path.is_dir() or path.suffix.lower() in _LOCAL_EXTENSIONS):
         if config_name is not None:
@@ -419,8 +430,6 @@ def load_dataset(
                 raise TypeError(f"a local file has no configurations, so no second argument (got {config_name!r})")
             kwargs["name"] = config_name
         return _apply_limit(_load_local(path, split, **kwargs), limit, seed)
-    if path.suffix.lower() in _LOCAL_EXTENSIONS:
-        raise FileNotFoundError(f"no such file: {name}")
     if path.is_file():
         raise ValueError(f"unsupported file type '{path.suffix}' for {name}; use one of {', '.join(_LOCAL_EXTENSIONS)}")
 

@@ -13,6 +13,8 @@ join the same path. :func:`launch_info` says how the process was started."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import socket
 import sys
@@ -150,13 +152,29 @@ class _ReportedBar:
         self._bar.set_postfix_str(text)
 
 
+#: False inside :func:`bars_off`: a caller asked for no progress, so the bars of what it calls stay silent too
+_BARS = contextvars.ContextVar("cwcore_bars", default=True)
+
+
+@contextlib.contextmanager
+def bars_off(off: bool = True):
+    """Inside the block no :func:`progress` bar is drawn (``off``; a sweep called with ``progress=False``
+    silences the bars of the methods it runs, such as value zeroing's)."""
+    token = _BARS.set(False) if off else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _BARS.reset(token)
+
+
 def progress(total: int | None, desc: str, unit: str = "batch", enabled: bool = True, **kwargs):
-    """A :mod:`tqdm.auto` bar, or a silent stand-in; under ``$CWCORE_PROGRESS_FILE`` the main rank's bar is
-    also written there (for the book build to show)."""
+    """A :mod:`tqdm.auto` bar, or a silent stand-in (``enabled`` False, or inside :func:`bars_off`); under
+    ``$CWCORE_PROGRESS_FILE`` the main rank's bar is also written there (for the book build to show)."""
     if not is_main_rank():
         return _NoBar()
     bar = _NoBar()
-    if enabled:
+    if enabled and _BARS.get():
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc=desc, unit=unit, **kwargs)

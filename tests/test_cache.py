@@ -100,7 +100,9 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     assert "demo" in out and "1 runs (1 current)" in out
     _age(current.directory, 3600)
     assert cli.main(["cache", "prune", "--all"]) == 0
-    assert "deleted 1 cached run(s)" in capsys.readouterr().out  # `other` is too recent to touch
+    out = capsys.readouterr().out
+    assert "deleted 1 cached run(s)" in out  # `other` is too recent to touch, and that is said
+    assert "spared 1 run(s) written in the last minute" in out
     assert not current.directory.exists() and fresh_old.directory.exists()
 
 

@@ -120,6 +120,16 @@ def _refuse_unread_flags(argv: Sequence[str] | None, data: Sequence[str]) -> Non
 def _main(argv: Sequence[str] | None) -> int:
     args = parser().parse_args(argv)
     _refuse_unread_flags(argv, args.data)
+    from ..data import missing_local_file
+    from .protocol import specs as parse_specs
+
+    missing = [name for name in args.data if name not in _MC_TASKS and missing_local_file(name)]
+    if missing:  # before the model loads (it was found missing after)
+        raise UsageError(f"--data {missing[0]}: no such file")
+    kinds = [spec.kind for spec in parse_specs(args.metrics, args.kind)]
+    if "kind" in given_flags(parser(), argv, ("kind",)) and not any(kinds):
+        raise UsageError("--kind applies to the metrics with a kind (value_weighted_output_normalized, contribution), "
+                         "and --metrics names none: add one, or leave --kind out")
     from ..cache import caching
 
     with caching(enabled=not args.no_cache):  # the command line caches its pieces unless --no-cache

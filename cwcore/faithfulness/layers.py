@@ -29,7 +29,7 @@ from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as pa
                        specs as parse_specs)
 from .ranking import removal_mask
 from .summary import aopc
-from ..runs import shard_map
+from ..runs import bars_off, shard_map
 from .sweep import Sweep, canonical_order, pad_batch, piece_store
 
 __all__ = ["decoder_layers", "skip_to", "per_layer_curve", "per_layer_aopc", "forward_equivalents"]
@@ -185,7 +185,8 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
 
     try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
         points = _PointsOfBatches(sweep.bar, len(specs) * len(modes) * len(ratio_list))
-        frames = shard_map(batches, one, progress=points)
+        with bars_off(not progress):  # the methods' bars too
+            frames = shard_map(batches, one, progress=points)
     finally:
         sweep.close()
     table = pd.concat(frames, ignore_index=True)

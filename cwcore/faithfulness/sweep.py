@@ -24,7 +24,7 @@ from ..core.decomposition import METRICS, LayerDecomposition, prepare_inputs
 from ..core.interventions import intervene, removal, value_sums
 from ..cache import caching_enabled
 from ..runs import PieceStore, shard_map, tensor_digest
-from ..runs import progress as progress_bar
+from ..runs import bars_off, progress as progress_bar
 from .methods import get_method, scoring
 from .methods.registry import lm_logits
 from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
@@ -382,9 +382,10 @@ def run_sweep(model, specs, modes, ratio_list, protocol, store, progress, batche
     scorer = make_scorer({b.index: sweep.candidate_terms(b) for b in batches})
     frames, cleans = [], []
     try:  # split over ranks when there are any (cwcore.runs.shard_map); the order stays the batches'
-        for clean, points in shard_map(batches, lambda batch: sweep.run(batch, scorer)):
-            cleans.append(clean)
-            frames.extend(points)
+        with bars_off(not progress):  # progress=False silences the methods' bars too (value zeroing's)
+            for clean, points in shard_map(batches, lambda batch: sweep.run(batch, scorer)):
+                cleans.append(clean)
+                frames.extend(points)
     finally:
         sweep.close()
     return frames, cleans

@@ -262,8 +262,11 @@ def _main(argv: list[str] | None) -> int:
         except ValueError as error:
             parser_.error(str(error))
 
-    from ..data import load_dataset
+    from ..data import load_dataset, missing_local_file
     from ..models import load_model
+
+    if not args.from_raw and missing_local_file(args.data):  # before the model loads (it was found after)
+        parser_.error(f"--data {args.data}: no such file")
 
     applied_bos = None  # documents: the blocks come tokenised, with the BOS the command line asked for
     if args.from_raw:

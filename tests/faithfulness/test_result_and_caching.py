@@ -330,3 +330,20 @@ def test_per_layer_curves_key_a_metric_by_what_it_is_not_its_label(peaked, tmp_p
     fresh = per_layer_curve(model, None, ids[:4], {"x": "contribution"}, **options)
     assert not first["nll"].equals(fresh["nll"])  # the control
     pd.testing.assert_frame_equal(cached, fresh, check_exact=True)
+
+
+def test_progress_false_silences_the_bars_of_the_methods_a_sweep_runs(peaked, capsys, monkeypatch):
+    """``progress=False`` (the command line's --no-progress) still drew value zeroing's per-layer bars."""
+    import torch
+
+    from cwcore.faithfulness.methods import value_zeroing
+
+    model, ids = peaked
+    monkeypatch.setattr(value_zeroing, "PROGRESS_PAIRS", 1)  # a bar for every layer, however short
+    ids = torch.as_tensor(ids)[:2, :8]
+    fa.faithfulness_curve(model, None, ids, metric="value_zeroing", ratios=[0.5], mode="comprehensiveness",
+                          batch_size=2, progress=False)
+    assert "value zeroing" not in capsys.readouterr().err
+    fa.faithfulness_curve(model, None, ids, metric="value_zeroing", ratios=[0.5], mode="comprehensiveness",
+                          batch_size=2, progress=True)
+    assert "value zeroing" in capsys.readouterr().err  # the control: with progress, they are drawn

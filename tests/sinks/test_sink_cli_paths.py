@@ -25,6 +25,7 @@ def _fake_loading(monkeypatch):
     monkeypatch.setattr(cwcore.models, "load_model",
                         lambda name, dtype=None, device=None: (tiny_model("llama"), _word_tokenizer()))
     monkeypatch.setattr(cwcore.data, "load_dataset", lambda name: TEXTS)
+    monkeypatch.setattr(cwcore.data, "missing_local_file", lambda name: False)  # the data are the texts above
 
 
 ARGS = ["--num-sequences", "2", "--block-size", "12", "--batch-size", "2", "--no-cache", "--analyses", "rates"]
@@ -119,3 +120,23 @@ def test_a_threshold_that_heads_all_would_not_read_is_refused(tmp_path, capsys):
     assert "--threshold is read only with --heads 'sink'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="threshold is read only with heads 'sink'"):
         sinks.sink_semantic_cone(None, None, None, threshold=0.05)
+
+
+def test_a_missing_data_file_and_an_unread_kind_are_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """Both command lines found a missing --data file only after loading the model; the faithfulness one ran
+    with --kind although no metric it was given reads a kind; an abbreviated --debug showed no traceback."""
+    import cwcore.models
+    from cwcore.cli import debug_requested
+    from cwcore.faithfulness.cli import main as faithfulness_main
+
+    monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("loaded before the check"))
+    missing = str(tmp_path / "nothing.txt")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--model", "tiny", "--data", missing, "--out", str(tmp_path / "a")])
+    assert exit_.value.code == 2 and f"--data {missing}: no such file" in capsys.readouterr().err
+    assert faithfulness_main(["--model", "tiny", "--data", missing, "--out", str(tmp_path / "b")]) == 2
+    assert f"--data {missing}: no such file" in capsys.readouterr().err
+    assert faithfulness_main(["--model", "tiny", "--metrics", "attention", "random", "--kind", "intra",
+                              "--out", str(tmp_path / "c")]) == 2
+    assert "--kind applies to the metrics with a kind" in capsys.readouterr().err
+    assert debug_requested(["--model", "x", "--debu"]) and not debug_requested(["--model", "x"])
