@@ -337,6 +337,11 @@ class _Failure:
         self.error = error
 
 
+def _work_signature(items: list) -> tuple:
+    """What one map's items are, comparable across ranks: each item's digest where it has one, else its type."""
+    return tuple(str(getattr(item, "digest", None) or type(item).__name__) for item in items)
+
+
 class _RankLost(RuntimeError):
     """The exchange of results failed: another rank is gone (killed, or left without sending its share)."""
 
@@ -346,6 +351,7 @@ def _gather_map(items: list, compute: Callable, rank: int, size: int, group, bar
 
     global _inside_shard
     _inside_shard = True
+    work = _work_signature(items)
     mine: dict[int, Any] | _Failure = {}
     try:
         for i in range(rank, len(items), size):
@@ -357,9 +363,17 @@ def _gather_map(items: list, compute: Callable, rank: int, size: int, group, bar
         _inside_shard = False
     gathered: list = [None] * size
     try:
-        dist.all_gather_object(gathered, mine, group=group)
+        dist.all_gather_object(gathered, (work, mine), group=group)
     except RuntimeError as err:  # gloo: "Connection closed by peer" when a rank died without a word
         raise _RankLost(str(err)) from err
+    works = [part[0] for part in gathered]
+    if any(other != work for other in works):  # before: the shares of two different maps merged without a word
+        raise RuntimeError(
+            "the ranks mapped different work in one exchange (" + "; ".join(
+                f"rank {r}: {len(w)} items" for r, w in enumerate(works)) + "): every rank must call shard_map with "
+            "the same items, so a choice made on one rank only (a file read before another rank wrote it) must be "
+            "made once and shared")
+    gathered = [part[1] for part in gathered]
     for part in gathered:
         if isinstance(part, _Failure):
             if part.rank == rank:
@@ -378,8 +392,8 @@ def _objects_group():
 
     if dist.get_backend() == "gloo":
         return None
-    if _object_group is None:
-        _object_group = dist.new_group(backend="gloo")
+    if _object_group is None:  # with the exchanges' timeout (torch's default for a new group is 30 minutes)
+        _object_group = dist.new_group(backend="gloo", timeout=_timeout())
     return _object_group
 
 

@@ -299,3 +299,51 @@ def test_a_forked_rank_gone_while_the_group_forms_is_named_after_the_set_up_not_
     assert done.stdout.strip().splitlines() == [
         "$CWCORE_JOBS: rank 1 of 2 exited with status 6 while the ranks formed their group; run it again, or with "
         "fewer ranks ($CWCORE_JOBS=1 runs in this process alone)", "[0, 10, 20]"], done.stderr
+
+
+_DIVERGED = """
+import sys
+import torch.distributed as dist
+from cwcore import runs
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+items = list(range(4)) if rank == 0 else list(range(2))  # as a rank that took another branch of a book cell
+try:
+    print("returned", runs.shard_map(items, lambda i: i * 10))
+except RuntimeError as err:
+    print(err)
+"""
+
+
+@pytest.mark.slow  # starts two processes that import torch
+def test_ranks_that_map_different_items_are_refused_not_merged(tmp_path):
+    """Under torchrun, a book cell whose ranks decided differently (a committed export read on one rank before
+    the other wrote it) paired the exchanges of two different maps: rank 0 returned another sweep's rows with
+    success. Now every rank raises, naming what each mapped."""
+    script = tmp_path / "diverged.py"
+    script.write_text(_DIVERGED)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    env.pop(runs.JOBS_ENV_VAR, None)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert "returned" not in done.stdout, done.stdout + done.stderr  # the two ranks' prints may interleave
+    assert done.stdout.count("the ranks mapped different work in one exchange (rank 0: 4 items; rank 1: 2 items)") == 2
+
+
+def test_mean_removal_splits_its_stand_in_pass_over_the_ranks_and_gives_the_same_frame(monkeypatch, one_thread):
+    """removal="mean" first sums every batch's values for the stand-ins: each rank ran that pass over all the
+    batches (20 forwards for 15 on 2 ranks of 5 documents); it is shared out now, with the same numbers."""
+    from cwcore.faithfulness import sweep as sweep_module
+
+    model, ids = tiny_model("llama"), _ids(rows=5)
+    options = dict(metric=["contribution"], ratios=[0.5], mode="comprehensiveness", batch_size=1, progress=False,
+                   removal="mean")
+    alone = fa.faithfulness_curve(model, None, ids, **options).per_sequence
+    calls = []
+    real = sweep_module.value_sums
+    monkeypatch.setattr(sweep_module, "value_sums", lambda *a, **k: calls.append(os.getpid()) or real(*a, **k))
+    monkeypatch.setenv(runs.JOBS_ENV_VAR, "2")
+    shared = fa.faithfulness_curve(model, None, ids, **options).per_sequence
+    pd.testing.assert_frame_equal(alone, shared, check_exact=True)
+    assert len(calls) == 3  # this process (rank 0) summed batches 0, 2 and 4 itself, the forked rank 1 and 3

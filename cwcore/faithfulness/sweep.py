@@ -333,9 +333,10 @@ def stand_ins(model, batches: list[Batch], layers, documents: dict[int, int] | N
     per_document: dict[int, dict[int, torch.Tensor]] = {}
     counts: dict[int, int] = {}
     rows_of: dict[int, list[int]] = {}
-    for batch in batches:
-        sums, n = value_sums(model, batch.input_ids, batch.attention_mask, layers=layers,
-                             skip_first_token=skip_first_token)
+    # one forward per batch, split over the ranks as the sweep's own batches are (every rank ran them all before)
+    summed = shard_map(batches, lambda batch: value_sums(model, batch.input_ids, batch.attention_mask, layers=layers,
+                                                         skip_first_token=skip_first_token))
+    for batch, (sums, n) in zip(batches, summed):
         docs = [documents.get(int(g), int(g)) for g in batch.groups]
         rows_of[batch.index] = docs
         for row, doc in enumerate(docs):
