@@ -97,7 +97,7 @@ def attention_forward(
     query ``[batch, head, query, dim]``, key/value ``[batch, kv_head, key, dim]``.
     Returns (output ``[batch, query, head, dim]``, probabilities ``[batch, head, query, key]``).
     A half-precision model configured for SDPA: SDPA takes the scores, softmax and sums in float32, eager rounds
-    the scores to the model's dtype first (alpha moves by up to |score| x 2^-9 in bfloat16), so cwcore follows
+    the scores to the model's dtype first (alpha moves by up to ``|score| x 2^-9`` in bfloat16), so cwcore follows
     SDPA: what it decomposes is what the model computed. SDPA's kernel still rounds where cwcore's float32 sums do
     not (1 unit in the last place of about a fifth of the entries), so a layer a transform changes returns the
     model's own output plus the change: an empty change is the clean forward to the last bit.

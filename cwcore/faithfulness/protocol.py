@@ -84,9 +84,9 @@ def parse_metric(metric, kind: str = "inter", label: str | None = None) -> Metri
     if isinstance(metric, (torch.Tensor, Mapping)):
         method = _methods.precomputed(metric, label or "precomputed")
         return MetricSpec(method.name, "precomputed", "", method, method.key)
-    if callable(metric):  # it reads the protocol's kind from its context (before: always "inter")
+    if callable(metric):  # it reads the protocol's kind from its context (the sweep's kind; before: always "inter")
         method = _methods.as_method(metric, label)
-        return MetricSpec(method.name, "callable", kind, method,
+        return MetricSpec(method.name, "callable", "", method,
                           method.key if kind == "inter" else f"{method.key}-{kind}")
     if not isinstance(metric, str):
         raise TypeError(f"a metric is a name, a callable or precomputed scores, not {type(metric).__name__}")

@@ -120,7 +120,7 @@ class Sweep:
         construction under this protocol (:func:`~cwcore.faithfulness.protocol.ranking_identity`: rung 3
         is rung 2 divided by a norm constant within each ranked group), so that identical rankings tie
         exactly alike."""
-        kind = spec.kind or "inter"
+        kind = spec.kind or self.protocol.kind  # a kind-less metric's context says the protocol's (a callable's)
         if spec.name in METRICS and spec.method is get_method(spec.name):
             rung, identity_kind = ranking_identity(spec.name, kind, self.protocol.unit, self.protocol.scope)
             if rung != spec.name:
