@@ -405,7 +405,7 @@ def test_the_bench_rows_follow_the_registered_margin_rule():
 def test_the_findings_page_reads_the_committed_requantised_rows(tmp_path):
     """Chapter 9 read the committed findings of the named models only, so the re-quantised weights' rows
     (their own folder, smollm2-135m-requantized) were missing: the page said the confound was "stated, not
-    tested" although the committed findings.csv holds its verdicts, and it counted 648 rows where it holds 1368."""
+    tested" although the committed findings.csv holds its verdicts, and it counted 1176 rows of both models where it holds 1368."""
     from cwbook.chapters import ch09_findings
 
     r = ch09_findings.run(["smollm2-135m", "gemma3-270m"], tmp_path, "small")
