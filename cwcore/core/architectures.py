@@ -30,6 +30,15 @@ class UnsupportedModelError(ValueError):
     """The model's attention blocks or their output projections could not be found."""
 
 
+def later_attention(probs: torch.Tensor, valid_queries: torch.Tensor | None = None) -> torch.Tensor:
+    """``probs`` ``[batch, head, query, key]`` above the diagonal (what queries give later keys), padded queries
+    ``valid_queries`` ``[batch, query]`` left out (a row that sees no key may be given every key)."""
+    later = probs.detach().triu(1)
+    if valid_queries is not None:
+        later = later.masked_fill(~valid_queries.to(later.device)[:, None, :, None], 0.0)
+    return later
+
+
 def require_causal(probs: torch.Tensor, layer: int, caller: str, why: str,
                    valid_queries: torch.Tensor | None = None) -> None:
     """Refuse a layer whose queries attend to later keys (an encoder, a masked LM), measured on the
@@ -37,9 +46,7 @@ def require_causal(probs: torch.Tensor, layer: int, caller: str, why: str,
     computes that only a causal decoder defines (a next token, a tail of keys 0..i). ``valid_queries``
     ``[batch, query]`` bool: padded queries are not read (a left-padded row whose every key is masked may
     be given all keys by the model)."""
-    later = probs.detach().triu(1)
-    if valid_queries is not None:
-        later = later.masked_fill(~valid_queries.to(later.device)[:, None, :, None], 0.0)
+    later = later_attention(probs, valid_queries)
     if bool((later > 0).any()):
         raise UnsupportedModelError(
             f"{caller}: attention layer {layer} attends to later keys (up to {float(later.max()):.3g} of a query's "

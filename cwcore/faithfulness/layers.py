@@ -158,10 +158,11 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
             for h in handles:
                 h.remove()
         nothing = batch.input_ids.new_zeros(batch.input_ids.shape[0])
-        cleans = {layer: layer_scorer(batch, candidates, layer)(logits, batch, nothing) for layer in chosen}
+        scorers = {layer: layer_scorer(batch, candidates, layer) for layer in chosen}
+        cleans = {layer: scorers[layer](logits, batch, nothing) for layer in chosen}
         del logits
         for layer in chosen:
-            clean, scorer = cleans[layer], layer_scorer(batch, candidates, layer)
+            clean, scorer = cleans[layer], scorers[layer]
             for spec in specs:
                 for m in modes:
                     for ratio in ratio_list:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core.architectures import UnsupportedModelError
+from ...core.architectures import UnsupportedModelError, later_attention
 from ...runs import progress
 from .projection import CHUNK_BYTES, projected_values
 from .registry import register_method
@@ -69,11 +69,7 @@ def value_zeroing(layer_decomposition, call, block_input, candidates=None, **_):
         # every pair a query attends to: keys 0..i in a causal layer, every key in an encoder's (it kept only keys
         # 0..i there, and scored each later key 0)
         candidates = torch.ones(b, 1, q, k, dtype=torch.bool, device=alpha.device)
-        later = call.probs.detach().triu(1)
-        valid_queries = call.valid_queries()  # a padded row may be given every key: not read
-        if valid_queries is not None:
-            later = later.masked_fill(~valid_queries[:, None, :, None], 0.0)
-        if not bool((later > 0).any()):
+        if not bool((later_attention(call.probs, call.valid_queries()) > 0).any()):
             candidates = candidates.tril()
         valid = call.valid_keys()
         if valid is not None:
