@@ -20,8 +20,9 @@ from torch import nn
 
 from .thread_state import outside_sessions
 
-__all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "register_output_projection",
-           "input_device", "offloaded_value", "execution_device", "materialised", "UnsupportedModelError",
+__all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "has_cross_attention",
+           "register_output_projection", "input_device", "offloaded_value", "execution_device", "materialised",
+           "UnsupportedModelError",
            "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window", "sliding_windows", "layer_type",
            "final_norm", "FINAL_NORMS", "post_attention_norms", "require_causal"]
 
@@ -299,8 +300,16 @@ def decomposable_layers(model: nn.Module) -> list[int]:
 
 
 def _is_attention_module(module: nn.Module) -> bool:
-    name = type(module).__name__
-    return name.endswith("Attention") and "Cross" not in name
+    return type(module).__name__.endswith("Attention")
+
+
+def has_cross_attention(model: nn.Module) -> bool:
+    """Whether some block's keys are not the input's tokens: an encoder-decoder, a decoder configured with
+    ``add_cross_attention`` (BERT-style ``encoder_hidden_states``), or a block class named ``...Cross...``."""
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or getattr(text_config(model), "add_cross_attention", False):
+        return True
+    return any("Cross" in type(block.module).__name__ for block in attention_blocks(model))
 
 
 #: Names by which a block's code calls transformers' attention interface (a softmax attention block).
@@ -388,8 +397,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
     forward order of the usual layouts; an encoder-decoder's encoder layers first, then each decoder layer's
     self-attention and cross-attention as its module lists them).
 
-    A block is the innermost module whose class name ends in ``Attention`` (a class named ``...Cross...`` is
-    not one: BERT's decoder cross-attention is refused in its wrapper) and that computes softmax attention: its code calls transformers' attention interface, or, probed in a
+    A block is the innermost module whose class name ends in ``Attention`` (cross-attention included: BERT's
+    ``BertCrossAttention`` is numbered after its layer's self-attention) and that computes softmax attention: its
+    code calls transformers' attention interface, or, probed in a
     4-token forward pass, it computes a softmax (a block with its own attention code is numbered, and
     refused when it runs); one that runs without any softmax (linear attention in a hybrid) is not numbered;
     a registered finder locates its output projection (the last finder takes the block's last linear

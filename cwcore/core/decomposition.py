@@ -29,7 +29,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from .architectures import UnsupportedModelError, attention_blocks, model_facts
+from .architectures import UnsupportedModelError, attention_blocks, has_cross_attention, model_facts
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
 from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, _shown, check_compute_dtype,
@@ -395,10 +395,11 @@ class Decomposition(Mapping):
 
     def __init__(self, layers: dict[int, LayerDecomposition], outputs=None, attention_mask=None,
                  num_blocks: int | None = None, undecomposable: Mapping[int, str] | None = None,
-                 input_ids: torch.Tensor | None = None, encoder_decoder: bool = False):
+                 input_ids: torch.Tensor | None = None, cross_attention: bool = False):
         self.layer_decompositions = dict(sorted(layers.items()))
-        #: whether the model is an encoder-decoder (its decoder and cross-attention layers are not over input_ids)
-        self.encoder_decoder = encoder_decoder
+        #: whether some layer's keys (or queries) are not input_ids': an encoder-decoder's decoder and
+        #: cross-attention, a BERT-style decoder's cross-attention to ``encoder_hidden_states``
+        self.cross_attention = cross_attention
         self.outputs = outputs
         self.attention_mask = attention_mask
         #: ``[batch, sequence]`` the token ids decomposed (None when the model was given embeddings)
@@ -445,10 +446,12 @@ class Decomposition(Mapping):
         chosen = self.layers if layers is None else (
             [plain_integer(layers)] if is_integer_number(layers) else [plain_integer(x) for x in layers])
         input_ids = getattr(self, "input_ids", None)  # a decomposition pickled before it held them has none
-        if getattr(self, "encoder_decoder", False):  # the rows would be read with the encoder's mask and tokens
-            raise ValueError("to_frame: this decomposition is of an encoder-decoder, whose decoder and cross-attention "
-                             "layers have other queries, keys and padding than input_ids and its attention mask; "
-                             "read its layers as tensors (d[layer].contribution(), [batch, head, query, key])")
+        # the rows would be read with input_ids' mask and tokens (an older pickle names the flag encoder_decoder)
+        if getattr(self, "cross_attention", getattr(self, "encoder_decoder", False)):
+            raise ValueError("to_frame: this decomposition is of a model with cross-attention (an encoder-decoder, or "
+                             "a decoder reading encoder_hidden_states), whose layers have other queries, keys and "
+                             "padding than input_ids and its attention mask; read its layers as tensors "
+                             "(d[layer].contribution(), [batch, head, query, key])")
         if tokenizer is not None and input_ids is None:
             raise ValueError("to_frame: this decomposition holds no input_ids (the model was given embeddings), "
                              "so it has no tokens to name")
@@ -660,4 +663,4 @@ def decompose(
             "forward pass, so cwcore could not decompose them")
     return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
                          undecomposable=undecomposable, input_ids=inputs.get("input_ids"),
-                         encoder_decoder=bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)))
+                         cross_attention=has_cross_attention(model))

@@ -5,6 +5,7 @@ so ``layers=None`` decomposes every softmax layer of the hybrid exactly.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import cwcore
@@ -49,3 +50,45 @@ def test_a_block_with_its_own_softmax_code_keeps_its_number_and_is_refused_when_
         for handle in probe.handles:
             handle.remove()
     assert probe.softmax == {id(b.module) for b in blocks}
+
+
+def test_a_bert_decoders_cross_attention_is_numbered_and_decomposed_exactly():
+    """BertCrossAttention was excluded by its class name: its BertAttention wrapper was numbered instead and
+    refused as having no output projection (it has one, output.dense). It is a softmax block like the others:
+    queries from the decoder, keys and values from ``encoder_hidden_states``."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, is_decoder=True, add_cross_attention=True)
+    model = BertLMHeadModel(config).eval()
+    blocks = attention_blocks(model)
+    assert [b.name for b in blocks] == [f"bert.encoder.layer.{i}.{kind}.self" for i in (0, 1)
+                                        for kind in ("attention", "crossattention")]
+    assert all(b.unsupported is None for b in blocks)
+    ids, encoder = IDS[:1, :6], torch.randn(1, 5, 32, generator=torch.Generator().manual_seed(3))
+    seen = {}
+    cross = model.bert.encoder.layer[1].crossattention
+    cross.register_forward_hook(lambda m, args, kwargs, out: seen.update(x=args[0] if args else
+                                                                        kwargs["hidden_states"]), with_kwargs=True)
+    d = cwcore.decompose(model, input_ids=ids, encoder_hidden_states=encoder)
+    assert d.layers == [0, 1, 2, 3] and d.cross_attention
+    # the naive cross-attention of layer 3 in float64, from the block's own input
+    att = cross.self
+    x, e = seen["x"][0].double(), encoder[0].double()
+    heads, size = 4, 8
+    q = (x @ att.query.weight.double().T + att.query.bias.double()).view(6, heads, size).transpose(0, 1)
+    k = (e @ att.key.weight.double().T + att.key.bias.double()).view(5, heads, size).transpose(0, 1)
+    v = (e @ att.value.weight.double().T + att.value.bias.double()).view(5, heads, size).transpose(0, 1)
+    alpha = torch.softmax(q @ k.transpose(1, 2) / size ** 0.5, dim=-1)  # [head, query, key]
+    w_o = cross.output.dense.weight.double().view(32, heads, size)  # [model, head, head_dim]
+    projected = torch.einsum("hjd,mhd->hjm", v, w_o)  # [head, key, model]: v~_j = v_j W_O^h
+    terms = alpha[..., None] * projected[:, None]  # [head, query, key, model]
+    output = terms.sum((0, 2))  # [query, model], the output projection's input times W_O, no bias
+    expected = torch.einsum("hqkm,qm->hqk", terms, output) / (output * output).sum(-1)[None, :, None]
+    torch.testing.assert_close(d[3].attention[0].double(), alpha, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(d[3].contribution("inter")[0].double(), expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="^to_frame: this decomposition is of a model with cross-attention"):
+        d.to_frame()  # its keys are encoder states: input_ids' tokens would name them
+    with pytest.raises(cwcore.UnsupportedModelError, match="has cross-attention layers, whose keys are encoder"):
+        cwcore.attribute(model, method="rollout", input_ids=ids, encoder_hidden_states=encoder)

@@ -114,6 +114,6 @@ def test_an_encoder_decoder_is_refused_rather_than_read_with_the_encoders_mask_a
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0
     d = cwcore.decompose(model, input_ids=ids, attention_mask=mask, decoder_input_ids=ids.flip(-1))
-    assert d.encoder_decoder and not cwcore.decompose(tiny_model("llama"), input_ids=ids).encoder_decoder
-    with pytest.raises(ValueError, match="^to_frame: this decomposition is of an encoder-decoder"):
+    assert d.cross_attention and not cwcore.decompose(tiny_model("llama"), input_ids=ids).cross_attention
+    with pytest.raises(ValueError, match="^to_frame: this decomposition is of a model with cross-attention"):
         d.to_frame()

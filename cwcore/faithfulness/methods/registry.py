@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from ...core.architectures import UnsupportedModelError, attention_blocks, post_attention_norms
+from ...core.architectures import UnsupportedModelError, attention_blocks, has_cross_attention, post_attention_norms
 from ...core.decomposition import LayerDecomposition, prepare_inputs
 from ...identity import UncacheableMetric, method_key  # a callable's identity: one home, cwcore.identity
 
@@ -244,7 +244,13 @@ def _parent(model: nn.Module, layer: int) -> nn.Module:
 def refuse_encoder_decoder(model) -> None:
     """The methods score one stack of layers over ``input_ids`` and their mask: an encoder-decoder's decoder
     queries, its own mask and cross-attention's encoder keys are not those (its real rows read as padding,
-    rollout chained the two stacks, gradients were taken for the token after the decoder's target)."""
+    rollout chained the two stacks, gradients were taken for the token after the decoder's target); a decoder's
+    cross-attention to ``encoder_hidden_states`` has keys that are not input_ids' either."""
+    if has_cross_attention(model) and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has cross-attention layers, whose keys are encoder states, not input_ids: the "
+            "attribution methods score one stack of self-attention over input_ids and their attention mask; "
+            "cwcore.decompose and cwcore.intervene decompose and change its cross-attention")
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{type(model).__name__} is an encoder-decoder: the attribution methods score one stack of layers over "
