@@ -592,6 +592,24 @@ def select_layers(model: nn.Module, layers, caller: str, done: str = "decomposed
     return model, blocks, wanted, undecomposable
 
 
+def layers_not_run(blocks, wanted, done: Iterable[int], layers, caller: str,
+                   participle: str = "decomposed") -> dict[int, str]:
+    """``{layer: reason}`` for the ``wanted`` blocks that never ran in the forward (every block that ran was
+    checked by the session's hooks). Asked for by number, they are refused; with ``layers=None`` (every layer
+    of this forward) they are named in one warning: a cross-attention block given no encoder states, an
+    image model's cross-attention given no image, is not part of the computation."""
+    missing = sorted(set(wanted) - set(done))
+    if not missing:
+        return {}
+    names = ", ".join(blocks[layer].name for layer in missing)
+    if layers is not None or not set(done):
+        raise UnsupportedModelError(f"attention layers {missing} ({names}) did not run in the forward pass, so "
+                                    f"cwcore could not {caller} them")
+    warnings.warn(f"cwcore.{caller}: attention layers {missing} ({names}) did not run in this forward pass (e.g. "
+                  f"cross-attention given no encoder states), so they are not {participle}", stacklevel=3)
+    return {layer: "it did not run in this forward pass" for layer in missing}
+
+
 def decompose(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
@@ -656,11 +674,7 @@ def decompose(
         session.decoder_query_valid = decoder_mask.bool()
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
-    missing = sorted(set(wanted) - set(recorded))
-    if missing:  # every block that ran was checked by the session's hooks; one that never ran is not silent
-        raise UnsupportedModelError(
-            f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
-            "forward pass, so cwcore could not decompose them")
+    undecomposable = {**undecomposable, **layers_not_run(blocks, wanted, recorded, layers, "decompose")}
     return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
                          undecomposable=undecomposable, input_ids=inputs.get("input_ids"),
                          cross_attention=has_cross_attention(model))

@@ -42,7 +42,7 @@ from torch import nn
 
 from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
-from .decomposition import ZERO_NORM, layer_by_number, prepare_inputs, select_layers
+from .decomposition import ZERO_NORM, layer_by_number, layers_not_run, prepare_inputs, select_layers
 from .geometry import probe_directions, rebuilt_error, split_output_projection
 from .inputs import (InputError, check_compute_dtype, check_count, check_inputs, own_options, query_positions,
                      query_positions_as_given)
@@ -704,11 +704,8 @@ def summarize(
     finally:
         if session.bar is not None:
             session.bar.close()
-    missing = sorted(set(wanted) - set(session.summaries))
-    if missing:
-        raise UnsupportedModelError(
-            f"attention layers {missing} ({', '.join(blocks[layer].name for layer in missing)}) did not run in the "
-            "forward pass, so cwcore could not summarise them")
+    undecomposable = {**undecomposable,
+                      **layers_not_run(blocks, wanted, session.summaries, layers, "summarize", "summarised")}
     return Summary(session.summaries, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
                    undecomposable=undecomposable)
 

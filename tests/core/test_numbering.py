@@ -92,3 +92,26 @@ def test_a_bert_decoders_cross_attention_is_numbered_and_decomposed_exactly():
         d.to_frame()  # its keys are encoder states: input_ids' tokens would name them
     with pytest.raises(cwcore.UnsupportedModelError, match="has cross-attention layers, whose keys are encoder"):
         cwcore.attribute(model, method="rollout", input_ids=ids, encoder_hidden_states=encoder)
+
+
+def test_cross_attention_given_no_encoder_states_did_not_run_named_by_layers_none_refused_by_number():
+    """Without encoder_hidden_states BERT's decoder skips its cross-attention: every layer of that forward is
+    decomposed with the two that did not run named in a warning and in ``undecomposable``; asked for by number,
+    a layer that did not run is refused."""
+    from transformers import BertConfig, BertLMHeadModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, is_decoder=True, add_cross_attention=True)
+    model = BertLMHeadModel(config).eval()
+    ids = IDS[:1, :6]
+    for call in (cwcore.decompose, cwcore.summarize):
+        with pytest.warns(UserWarning, match=r"attention layers \[1, 3\] .* did not run in this forward pass"):
+            result = call(model, input_ids=ids)
+        assert result.layers == [0, 2] and sorted(result.undecomposable) == [1, 3]
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"attention layers \[3\] .* did not run in the"):
+            call(model, layers=[2, 3], input_ids=ids)
+    with pytest.warns(UserWarning, match="did not run"):
+        d = cwcore.decompose(model, input_ids=ids)
+    with pytest.raises(KeyError, match="layer 3 cannot be decomposed: it did not run in this forward pass"):
+        d[3]  # noqa: B018, the lookup is the test
