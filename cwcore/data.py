@@ -674,7 +674,7 @@ def choice_batches(
             room = max_length - len(head) - len(k_ids)
             if room < 0:
                 raise ValueError(f"continuation {i} alone needs {len(head) + len(k_ids)} > max_length={max_length} tokens")
-            c_ids = c_ids[len(c_ids) - room :] if room else []
+            c_ids = c_ids[max(len(c_ids) - room, 0) :] if room else []  # the context's last ``room`` tokens
         prefix = head + list(c_ids)
         if not prefix:
             raise ValueError(f"choice {i} has nothing (context or BOS) before its continuation to condition on")

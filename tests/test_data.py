@@ -391,6 +391,18 @@ def test_choice_batches_tiny(tiny):
     assert cut["input_ids"][0].tolist() == [tiny.bos_token_id, *_ids(tiny, "the mat .")]
     with pytest.raises(ValueError):
         choice_batches(ex, tiny, max_length=3)
+    # a context that fits keeps every token, whatever the room to spare: with room between its length and twice
+    # it, a negative slice start kept only room - length tokens (10 of the book's 100 MMLU prompts per model)
+    context = " ".join(["the cat sat on the mat"] * 3)
+    whole = choice_batches({"contexts": [context], "continuations": [" ran"], "gold": 0}, tiny)
+    length = int(whole["attention_mask"].sum())
+    for max_length in range(length, 2 * length + 2):
+        kept = choice_batches({"contexts": [context], "continuations": [" ran"], "gold": 0}, tiny,
+                              max_length=max_length)
+        assert kept["input_ids"][0].tolist() == whole["input_ids"][0].tolist(), max_length
+    shorter = choice_batches({"contexts": [context], "continuations": [" ran"], "gold": 0}, tiny,
+                             max_length=length - 2)
+    assert shorter["input_ids"][0].tolist() == whole["input_ids"][0, :1].tolist() + whole["input_ids"][0, 3:].tolist()
 
 
 @pytest.mark.parametrize("name", MC_TASKS)
