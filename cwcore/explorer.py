@@ -99,6 +99,7 @@ def explorer_data(model, tokenizer, text: str, *, targets=None, model_name: str 
         "undecomposable": {str(layer): why for layer, why in d.undecomposable.items()},
         "heads": int(arrays["attention"].shape[1]),
         "dla_note": dla_note,
+        "targets_given": targets is not None,  # the note names the default target (next token) only without them
         "targets": None if attribution is None else [_target_label(tokenizer, t)
                                                      for t in attribution.targets[0].tolist()],
     }
@@ -223,9 +224,11 @@ def explorer_html(data: dict, title: str | None = None, start: dict | None = Non
     if unknown:  # a misspelt key would leave the page at its default view without a word
         raise ValueError(f"start takes the keys layer, head and quantity, not {', '.join(map(repr, unknown))}")
     start = {k: (v if k == "quantity" else int(v)) for k, v in (start or {}).items() if v is not None}
-    keys = [q[0] for q in QUANTITIES]
+    keys = [q[0] for q in QUANTITIES if q[0] != "dla" or "dla" in data["arrays"]]  # the page's own quantities
     if start.get("quantity", "inter") not in keys:
-        raise ValueError(f"quantity must be one of {', '.join(keys)}, not {start['quantity']!r}")
+        absent = (f" (this page has no DLA: {meta.get('dla_note') or 'the model has no language-model head'})"
+                  if start["quantity"] == "dla" else "")
+        raise ValueError(f"quantity must be one of {', '.join(keys)}, not {start['quantity']!r}{absent}")
     if "layer" in start:
         start["layer"] = _page_layer(meta, start["layer"], "decompose")
     if -meta["heads"] <= start.get("head", 0) < 0:  # and negative heads, as explain() counts them
@@ -470,8 +473,9 @@ function controls() {
   var note = "Grey: keys the query cannot see. Signed quantities (c, cosine, DLA) use a diverging scale centred at zero; " +
     "the others run from zero (white). Relative norm, cosine and intra-head weights are per head; the token-level view " +
     "averages attention over heads and sums the rest. o_i is the layer's output without the output projection's bias. ";
-  note += A.dla ? "DLA: the logit push of the term α_ij ṽ_j toward the query's next token (the model's top prediction at the " +
-    "last position) along the direct path, later layers skipped, final norm's scale frozen at this run's value."
+  note += A.dla ? "DLA: the logit push of the term α_ij ṽ_j toward " + (meta.targets_given ? "the query's target token " +
+    "(given; the tooltip names it)" : "the query's next token (the model's top prediction at the last position)") +
+    " along the direct path, later layers skipped, final norm's scale frozen at this run's value."
     : "No DLA view: " + (meta.dla_note || "the model has no language-model head") + ".";
   Object.keys(meta.undecomposable || {}).forEach(function (l) {
     note += " Layer " + l + " is not shown: " + meta.undecomposable[l].replace(/\.$/, "") + ".";

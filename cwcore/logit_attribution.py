@@ -15,13 +15,13 @@ query i is the next token, at the last position the model's top prediction."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 from torch import nn
 
-from .core.architectures import (UnsupportedModelError, execution_device, final_norm, materialised,
-                                 post_attention_norms)
+from .core.architectures import (UnsupportedModelError, execution_device, final_norm, has_cross_attention,
+                                 materialised, post_attention_norms, residual_multiplier, text_config)
 from .core.decomposition import Decomposition, decompose
 from .core.inputs import InputError, check_inputs, check_targets
 
@@ -132,20 +132,23 @@ class LogitAttribution:
     final_norm: FrozenNorm
     post_norms: dict[int, FrozenNorm]
     unembedding: torch.Tensor  # [vocab, model]
+    residual_multiplier: float = 1.0  # the factor on the attention output's way into the residual stream
 
     def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.by_layer[layer]
+        """``[batch, head, query, key]`` of ``layer`` (negative numbers count from the model's last block)."""
+        return self.by_layer[self.decomposition[layer].layer]
 
     def token_level(self, layer: int) -> torch.Tensor:
         """``[batch, query, key]``: summed over heads."""
-        return self.by_layer[layer].sum(1)
+        return self[layer].sum(1)
 
 
-def direct_logit_attribution(layer, directions: torch.Tensor, post_norm: FrozenNorm | None = None) -> torch.Tensor:
-    """Head-space DLA ``[batch, head, query, key]`` = alpha_ij (W_O^h^T e_i) . v_j of one layer decomposition;
-    ``directions [batch, query, model]``: e_i."""
+def direct_logit_attribution(layer, directions: torch.Tensor, post_norm: FrozenNorm | None = None,
+                             multiplier: float = 1.0) -> torch.Tensor:
+    """Head-space DLA ``[batch, head, query, key]`` = m alpha_ij (W_O^h^T e_i) . v_j of one layer decomposition;
+    ``directions [batch, query, model]``: e_i; ``multiplier`` m: the residual multiplier (Granite's)."""
     geometry = layer.geometry
-    e = directions.to(geometry.values.dtype)
+    e = directions.to(geometry.values.dtype) * multiplier
     if post_norm is not None:
         e = post_norm.pull_back(e.to(post_norm.gain.dtype)).to(e.dtype)
     pulled = torch.einsum("bqm,hmd->bhqd", e, geometry.w_o)  # W_O^h^T e_i
@@ -172,10 +175,27 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     ``[batch, query]`` ids. With an
     ``attention_mask``, the norms are fitted and the logits checked on the real tokens; a padding token's
     query row is NaN."""
+    if isinstance(targets, Mapping):  # logit_attribution(model, tokenizer(text)): the inputs given as targets
+        raise InputError("logit_attribution(model, inputs): the second positional argument is targets; pass the "
+                         "tokenizer's output as keywords, logit_attribution(model, **inputs)")
     if inputs.get("input_ids") is None:
         raise InputError("logit_attribution needs input_ids (the targets are token ids at their positions; "
                          "inputs_embeds alone are not enough)")
+    for keyword, why in (("return_dict", "the logits are read from the model's output by name, to check the "
+                          "attribution against them"),
+                         ("logits_to_keep", "every position's logits are attributed and checked")):
+        if keyword in inputs:
+            raise InputError(f"logit_attribution: leave {keyword} out ({why})")
+    if has_cross_attention(model):  # the norms are probed and the targets built over one stack's input_ids
+        raise UnsupportedModelError(f"direct logit attribution: {type(model).__name__} has cross-attention (an "
+                                    "encoder-decoder): the decoder's logits are not over input_ids")
+    softcap = getattr(text_config(model), "final_logit_softcapping", None)
+    if softcap:  # tanh is no linear map: the check below catches it only where the logits are large
+        raise UnsupportedModelError(f"direct logit attribution: {type(model).__name__} softcaps its logits "
+                                    f"(final_logit_softcapping={softcap}), which is not linear in the residual")
     head = _unembedding(model)
+    if inputs.pop("truncate", False):  # decompose would cut the ids; the targets and the mask are read here
+        inputs = check_inputs(model, inputs, caller="logit_attribution", truncate=True)
     if targets is not None:  # checked before the forward: one id per position, inside the vocabulary
         shape = check_inputs(model, {"input_ids": inputs["input_ids"]}, caller="logit_attribution")["input_ids"].shape
         targets = check_targets(targets, shape, head.weight.shape[0])
@@ -205,13 +225,18 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     w_u = materialised(head, "weight").detach().to(torch.float64)  # the values, where accelerate offloads it
     # the frozen linearisation must give the model's own logits (catches softcapping and logit scales)
     x, _ = captured["final"]
+    if x.shape[-1] != w_u.shape[-1]:  # OPT's project_out: a linear map between the final norm and the head
+        raise UnsupportedModelError(f"direct logit attribution: {type(model).__name__}'s final norm gives width "
+                                    f"{x.shape[-1]}, its unembedding reads {w_u.shape[-1]}: a map between them "
+                                    "is not supported")
     lin = frozen.apply(x.to(torch.float64)) + frozen.bias
     expected = lin @ w_u.T + (0 if head.bias is None else materialised(head, "bias").detach().to(torch.float64))
     if logits is not None:
         got = logits.detach().to(torch.float64)
         if real is not None:
             got, expected = got[real.to(got.device)], expected[real.to(expected.device)]
-        error = ((got - expected).norm() / got.norm()).item()
+        # per position: a scale or cap that bends only the large logits is not averaged away by the small ones
+        error = ((got - expected).norm(dim=-1) / got.norm(dim=-1).clamp_min(1e-30)).max().item()
         tolerance = 1e-3 if head.weight.dtype in (torch.float32, torch.float64) else 5e-2
         if not error <= tolerance:
             raise UnsupportedModelError(
@@ -223,12 +248,14 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     directions = frozen.pull_back(w_u[targets.to(w_u.device)])  # [batch, query, model]
     post_frozen = {layer: frozen_norm_on(None if real is None else real.to(captured[f"post{layer}"][0].device),
                                      post[layer], *captured[f"post{layer}"]) for layer in d.layers if layer in post}
+    multiplier = residual_multiplier(model)
     by_layer = {}
     for layer in d.layers:
         ld = d[layer]
         e = directions.to(ld.geometry.values.device)
-        by_layer[layer] = direct_logit_attribution(ld, e.to(dtype), post_frozen.get(layer))
-    return LogitAttribution(by_layer, targets, d, frozen, post_frozen, materialised(head, "weight").detach())
+        by_layer[layer] = direct_logit_attribution(ld, e.to(dtype), post_frozen.get(layer), multiplier)
+    return LogitAttribution(by_layer, targets, d, frozen, post_frozen, materialised(head, "weight").detach(),
+                            multiplier)
 
 
 def naive_logit_attribution(attribution: LogitAttribution, layer: int) -> torch.Tensor:
@@ -241,7 +268,7 @@ def naive_logit_attribution(attribution: LogitAttribution, layer: int) -> torch.
     terms = terms.permute(0, 2, 1, 3, 4)  # [b, q, h, k, m] so the norms' [b, q] scales broadcast
     if layer in attribution.post_norms:
         terms = attribution.post_norms[layer].apply(terms)
-    normed = attribution.final_norm.apply(terms)
+    normed = attribution.final_norm.apply(terms * attribution.residual_multiplier)
     w_u = attribution.unembedding.to(dtype)[attribution.targets]  # [b, q, m]
     logits = torch.einsum("bqhkm,bqm->bqhk", normed, w_u)
     return logits.permute(0, 2, 1, 3)

@@ -92,6 +92,17 @@ def test_encoders_get_every_view_but_dla():
     np.testing.assert_allclose(derived["inter"][1], d[1].inter[0].numpy(), rtol=1e-2, atol=2e-3)
     page = explorer_html(explorer_data(model, tokenizer, "the cat sat"))
     assert '"key": "dla"' not in page
+    # a page without DLA opening at the DLA view showed only a script error in the browser
+    with pytest.raises(ValueError, match="not 'dla' \\(this page has no DLA: direct logit attribution needs an "
+                                         "unembedding"):
+        explorer_html(explorer_data(model, tokenizer, "the cat sat"), start={"quantity": "dla"})
+
+
+def test_the_dla_note_names_the_default_target_only_when_no_targets_were_given():
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    assert read_payload(explorer_html(explorer_data(model, tokenizer, "the cat sat")))["meta"]["targets_given"] is False
+    given = read_payload(explorer_html(explorer_data(model, tokenizer, "the cat sat", targets=5)))["meta"]
+    assert given["targets_given"] is True and len(set(given["targets"])) == 1
 
 
 def test_start_view_is_checked():

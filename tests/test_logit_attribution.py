@@ -93,7 +93,11 @@ def test_encoders_without_a_language_model_head_are_refused():
 def test_softcapped_logits_are_refused():
     model = tiny_model("gemma3")
     model.config.final_logit_softcapping = 0.5
-    with pytest.raises(UnsupportedModelError, match="softcapped"):
+    with pytest.raises(UnsupportedModelError, match="softcaps its logits"):
+        logit_attribution(model, input_ids=_ids(batch=1))
+    model.config.final_logit_softcapping = None  # a cap the config does not name: the measured check finds it
+    model.lm_head.register_forward_hook(lambda module, args, out: 0.5 * torch.tanh(out / 0.5))
+    with pytest.raises(UnsupportedModelError, match="softcapped or scaled logits"):
         logit_attribution(model, input_ids=_ids(batch=1))
 
 
@@ -130,3 +134,74 @@ def test_a_right_padded_sequence_targets_its_own_top_prediction_at_its_last_toke
         for layer in alone.by_layer:
             torch.testing.assert_close(padded[layer][row, :, :length, :length], alone[layer][0], rtol=1e-5, atol=1e-6)
     assert padded.targets[0, 3] != 0  # the control: the pad id (0) is not the model's top prediction there
+
+
+def test_granites_residual_multiplier_scales_the_direct_effect():
+    """Granite adds m * attn(h) to the residual: the direct effect of the last block's output o_i (hooked from the
+    model, no head split) through the frozen final norm is m <W_U[t], L(o_i)>; DLA came out 1/m times too large."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GraniteConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              attn_implementation="eager", residual_multiplier=0.25, logits_scaling=1.0,
+                              embedding_multiplier=1.0, attention_multiplier=0.3)
+    model = tf.GraniteForCausalLM(config).eval()
+    ids = _ids(0, batch=1, length=8)
+    att = logit_attribution(model, input_ids=ids, compute_dtype=torch.float64)
+    seen = {}
+    hooks = [model.model.layers[1].self_attn.o_proj.register_forward_hook(
+                 lambda m, a, o: seen.__setitem__("o", o.detach().double())),
+             model.model.norm.register_forward_hook(lambda m, a, o: seen.__setitem__("x", a[0].detach().double()))]
+    with torch.no_grad():
+        model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    norm = model.model.norm
+    rms = (seen["x"].pow(2).mean(-1, keepdim=True) + norm.variance_epsilon).sqrt()
+    direct = 0.25 * seen["o"] * norm.weight.detach().double() / rms  # [batch, query, model]
+    expected = (direct[0] * model.lm_head.weight.detach().double()[att.targets[0]]).sum(-1)
+    torch.testing.assert_close(att.token_level(1)[0].sum(-1).double(), expected, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(att[1].double(), naive_logit_attribution(att, 1), rtol=1e-9, atol=1e-12)
+    assert att[-1] is att[1] and torch.equal(att.token_level(-2), att.token_level(0))  # numbers from the end
+
+
+def test_return_dict_logits_to_keep_an_encoding_as_targets_and_softcaps_are_refused_not_unchecked():
+    """return_dict=False hid the logits and skipped the check (a Cohere's scaled logits attributed 16x);
+    logits_to_keep=1 was refused as 'scaled logits'; a small softcapped logit passed the global check."""
+    model, ids = tiny_model("llama"), _ids(batch=1)
+    with pytest.raises(ValueError, match="leave return_dict out"):
+        logit_attribution(model, targets=5, input_ids=ids, return_dict=False)
+    with pytest.raises(ValueError, match="leave logits_to_keep out"):
+        logit_attribution(model, input_ids=ids, logits_to_keep=1)
+    with pytest.raises(ValueError, match="the second positional argument is targets"):
+        logit_attribution(model, {"input_ids": ids})
+    gemma = tiny_model("gemma3")
+    gemma.config.final_logit_softcapping = 1e4  # far above these logits: the check alone would pass it
+    with pytest.raises(UnsupportedModelError, match="softcaps its logits"):
+        logit_attribution(gemma, input_ids=ids)
+
+
+def test_truncate_cuts_the_ids_the_targets_are_read_from():
+    model = tiny_model("llama")
+    limit = model.config.max_position_embeddings
+    ids = torch.randint(0, VOCAB, (1, limit + 6), generator=torch.Generator().manual_seed(4))
+    att = logit_attribution(model, input_ids=ids, truncate=True)
+    alone = logit_attribution(model, input_ids=ids[:, :limit])
+    assert torch.equal(att.targets, alone.targets) and att.targets.shape == (1, limit)
+    torch.testing.assert_close(att[1], alone[1], rtol=0, atol=0)
+
+
+def test_an_encoder_decoder_and_a_projection_after_the_final_norm_are_refused_with_their_reason():
+    """T5 failed inside transformers (the norm probe ran without decoder inputs); OPT's project_out failed in a
+    matrix product."""
+    import transformers as tf
+    from zoo_models import bart
+
+    ids = _ids(batch=1)
+    with pytest.raises(UnsupportedModelError, match="has cross-attention"):
+        logit_attribution(bart(), input_ids=ids, decoder_input_ids=ids)
+    config = tf.OPTConfig(vocab_size=VOCAB, hidden_size=64, word_embed_proj_dim=32, num_hidden_layers=2,
+                          ffn_dim=96, num_attention_heads=4, max_position_embeddings=64)
+    with pytest.raises(UnsupportedModelError, match="final norm gives width 64, its unembedding reads 32"):
+        logit_attribution(tf.OPTForCausalLM(config).eval(), input_ids=ids)

@@ -22,8 +22,8 @@ from .thread_state import outside_sessions
 
 __all__ = ["AttentionBlock", "attention_blocks", "decomposable_layers", "has_cross_attention",
            "register_output_projection", "input_device", "offloaded_value", "execution_device", "materialised",
-           "UnsupportedModelError",
-           "UNSUPPORTED_MODULES", "text_config", "attention_heads", "sliding_window", "sliding_windows", "layer_type",
+           "UnsupportedModelError", "UNSUPPORTED_MODULES", "text_config", "residual_multiplier", "attention_heads",
+           "sliding_window", "sliding_windows", "layer_type",
            "final_norm", "FINAL_NORMS", "post_attention_norms", "require_causal"]
 
 
@@ -461,6 +461,12 @@ def text_config(model: nn.Module):
     """The config that describes the language (or only) tower: ``config.get_text_config()`` where it exists."""
     config = getattr(model, "config", None)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def residual_multiplier(model: nn.Module) -> float:
+    """The factor by which each block's attention output is added to the residual stream: Granite's
+    ``residual_multiplier`` (``h = h + m * attn(h)``), 1.0 for the usual layouts."""
+    return float(getattr(text_config(model), "residual_multiplier", None) or 1.0)
 
 
 def attention_heads(model: nn.Module) -> int:
