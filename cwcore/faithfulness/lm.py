@@ -6,6 +6,7 @@ predicts token t+1, both real), PPL = exp(NLL); deltas are intervened minus clea
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Sequence
 
 import datasets
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from ..core.architectures import input_device
-from ..core.inputs import InputError, check_sweep_arguments, check_texts, check_token_sequences
+from ..core.inputs import InputError, check_count, check_sweep_arguments, check_texts, check_token_sequences
 from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
@@ -56,6 +57,9 @@ _UNREAD_COLUMNS = {
 def _lm_sequences(texts, tokenizer, max_length: int | None, caller: str = "faithfulness_curve") -> list[list[int]]:
     """Token id lists (padding removed) from strings, a Dataset, token tensors or a dict of them. Strings are
     truncated to ``max_length``; token input is taken whole, and refused if longer than a ``max_length`` given."""
+
+    if max_length is not None and max_length is not DEFAULT_MAX_LENGTH:  # 0 meant "no truncation", -3 overflowed
+        check_count(max_length, "max_length", minimum=2)
 
     def trimmed(ids, mask):
         return [int(i) for i, m in zip(ids, mask) if m]
@@ -111,11 +115,19 @@ def sequence_nll(logits: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torc
 def _documents(texts, ids: list[int]) -> list[int]:
     """The document of each sequence: the ``document`` column of a Dataset of blocks
     (:func:`cwcore.data.document_blocks`), else each sequence its own document (its id)."""
+    given = None
     if isinstance(texts, datasets.Dataset) and "document" in texts.column_names:
-        return [int(d) for d in texts["document"]]
-    if isinstance(texts, dict) and "document" in texts:
-        return [int(d) for d in texts["document"]]
-    return list(ids)
+        given = list(texts["document"])
+    elif isinstance(texts, dict) and "document" in texts:
+        given = list(texts["document"])
+    if given is None:
+        return list(ids)
+    if len(given) != len(ids):  # zip would leave sequences without a document: NaN units, dropped by the summaries
+        raise ValueError(f"'document' holds {len(given)} values for {len(ids)} sequences: give one per sequence")
+    if any(isinstance(d, bool) or not (isinstance(d, numbers.Integral) or isinstance(d, float) and d.is_integer())
+           for d in given):
+        raise ValueError(f"'document' must hold integer document ids, got {given[:8]}")
+    return [int(d) for d in given]
 
 
 def _sequence_ids(sequence_ids, n: int) -> list[int]:

@@ -144,10 +144,22 @@ def _in_range(frame: pd.DataFrame, max_ratio: float | None) -> pd.DataFrame:
 
 def _per_unit_curves(frame: pd.DataFrame, value: str, keys: list[str]):
     """{group key: (ratios [r], units [n], matrix [n, r])} from a per-sequence/per-example table
-    (rows of one document averaged: the unit is the document when the table has the column)."""
+    (rows of one document averaged: the unit is the document when the table has the column). A table with a
+    unit missing at some ratio, a sequence twice at one ratio or a unit without an id is refused: the curve
+    would drop or double-count it while the counts still name it."""
     unit = _unit_column(frame)
+    row_unit = "sequence" if "sequence" in frame else unit
     out = {}
     for key, group in frame.groupby(keys, sort=False, dropna=False):
+        if group[unit].isna().any():
+            raise ValueError(f"{int(group[unit].isna().sum())} rows have no {unit}: every row needs its {unit} id")
+        if group.duplicated([row_unit, "ratio"]).any():
+            raise ValueError(f"a {row_unit} appears twice at one ratio (of {dict(zip(keys, key))}): each point "
+                             f"needs each {row_unit} once")
+        cells = group.groupby([unit, "ratio"]).size()
+        if len(cells) != group[unit].nunique() * group["ratio"].nunique():
+            raise ValueError(f"not every {unit} was measured at every ratio (of {dict(zip(keys, key))}): "
+                             f"{len(cells)} of {group[unit].nunique()} x {group['ratio'].nunique()} points")
         pivot = group.pivot_table(index=unit, columns="ratio", values=value, aggfunc="mean").sort_index()
         out[key] = (pivot.columns.to_numpy(dtype=np.float64), pivot.index.to_numpy(), pivot.to_numpy())
     return out
@@ -182,21 +194,19 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
             rows.append(row)
         return pd.DataFrame(rows)
     frame = _with_deltas(frame)
-    for value, name in (("delta_nll", "aopc_nll"), ("delta_ppl", "aopc_ppl")):
-        for key, (r, units, matrix) in _per_unit_curves(frame, value, keys).items():
-            area = _mean_interval(curve_mean(r, matrix), n_bootstrap, confidence, seed)
-            rows.append({**dict(zip(keys, key)), "statistic": name, "value": area.estimate, "low": area.low,
-                         "high": area.high, "n_ratios": len(r), "n": len(units)})
-    long = pd.DataFrame(rows)
-    wide = long.pivot_table(index=keys + ["n_ratios", "n"], columns="statistic", values=["value", "low", "high"],
-                            sort=False)
-    out = pd.DataFrame(index=wide.index)
-    for name in ("aopc_nll", "aopc_ppl"):  # one unit has no interval: pivot_table drops its all-NaN columns
-        out[name] = wide[("value", name)]
-        out[f"{name}_ci_low"] = wide.get(("low", name), np.nan)
-        out[f"{name}_ci_high"] = wide.get(("high", name), np.nan)
-    out = out.reset_index()
-    out["r_max"] = float(frame["ratio"].max())
+    # one row per group, built directly: a pivot of the long table dropped groups with a NaN key (kind "" read
+    # back from a CSV)
+    curves = {name: _per_unit_curves(frame, value, keys)
+              for value, name in (("delta_nll", "aopc_nll"), ("delta_ppl", "aopc_ppl"))}
+    for key, (r, units, _) in curves["aopc_nll"].items():
+        row = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
+        row.update({"n_ratios": len(r), "n": len(units)})
+        for name, found in curves.items():
+            area = _mean_interval(curve_mean(found[key][0], found[key][2]), n_bootstrap, confidence, seed)
+            row.update({name: area.estimate, f"{name}_ci_low": area.low, f"{name}_ci_high": area.high})
+        row["r_max"] = float(r[-1])
+        rows.append(row)
+    out = pd.DataFrame(rows)
     out = out.rename(columns={"n": {"sequence": "n_sequences", "document": "n_documents"}.get(unit, "n_examples")})
     if unit == "document":
         out.insert(list(out.columns).index("n_documents"), "n_sequences", int(frame["sequence"].nunique()))
@@ -206,8 +216,8 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
 def _default_pairs(labels: Sequence[str]) -> list[tuple[str, str]]:
     """Consecutive rungs present (every variant of a rung against every variant of the next present
     one), attention against each contribution variant, and random against every rung."""
-    rungs = [[m for m in labels if m == base or m.startswith(base + "_")] for base in LADDER]
-    rungs[1] = [m for m in rungs[1] if m not in rungs[2]]  # "value_weighted_..." prefixes rung 3 names
+    # a rung's variants are its _inter/_intra: "contribution_rollout" is another method, not a contribution
+    rungs = [[m for m in labels if _rung(m) == base] for base in LADDER]
     present = [rung for rung in rungs if rung]  # a missing rung: compare its neighbours directly
     pairs = [(a, b) for lower, higher in zip(present, present[1:]) for a in lower for b in higher]
     if rungs[2] or rungs[1]:
@@ -273,13 +283,17 @@ def ladder_comparison(
     labels = list(dict.fromkeys(frame["metric"]))
     if pairs is None:
         pairs = _default_pairs(labels)
+    else:
+        absent = sorted({m for pair in pairs for m in pair} - set(labels))
+        if absent:  # a typo returned an empty table
+            raise ValueError(f"pairs name metrics the table does not hold: {absent}; it holds {labels}")
     rows = []
     for key, group in frame.groupby(keys, sort=False, dropna=False):
         curves = {m: _per_unit_curves(g, value, ["metric"]) for m, g in group.groupby("metric")}
-        per = {}
+        per, grids = {}, {}
         for metric, found in curves.items():
             (r, units, matrix), = found.values()
-            per[metric] = (units, curve_mean(r, matrix))
+            per[metric], grids[metric] = (units, curve_mean(r, matrix)), r
         group_columns = dict(zip(keys, key))
         mode = group_columns.get("mode")
         side = "above" if mode == "comprehensiveness" else "below"
@@ -290,18 +304,24 @@ def ladder_comparison(
             units_b, b = per[higher]
             if not np.array_equal(units, units_b):
                 raise ValueError("metrics were measured on different sequences")
+            if not np.array_equal(grids[lower], grids[higher]):  # two areas over different ranges
+                raise ValueError(f"{lower!r} and {higher!r} were measured at different ratios "
+                                 f"({grids[lower].tolist()} and {grids[higher].tolist()}): pass max_ratio, or "
+                                 "measure both on one grid")
             difference = stats.paired_bootstrap_ci(b, a, np.mean, n_resamples=n_bootstrap, confidence=confidence,
                                                    seed=seed)
             sd = float(np.std(b - a, ddof=1)) if len(units) > 1 else np.nan
             identical = _identical_by_construction(group, group_columns, lower, higher)
-            verdict = stats.NOT_MEASURED if identical else \
+            # below MIN_CLUSTERS documents the percentile interval covers far less than its level (a null
+            # difference "holds" in 26% of samples of 2 documents): no verdict
+            verdict = stats.NOT_MEASURED if identical or len(units) < stats.MIN_CLUSTERS else \
                 stats.verdict(difference.low, difference.high, threshold=0.0, side=side)
             rows.append({**group_columns, "lower": lower, "higher": higher, "value": value,
                          "aopc_lower": float(a.mean()), "aopc_higher": float(b.mean()),
                          "difference": difference.estimate, "ci_low": difference.low, "ci_high": difference.high,
                          "verdict": verdict, "identical": identical,
                          "n": len(units), "sample_unit": unit, "sd": sd,
-                         "mde": stats.min_detectable_effect(sd, len(units)), "r_max": float(frame["ratio"].max())})
+                         "mde": stats.min_detectable_effect(sd, len(units)), "r_max": float(grids[higher][-1])})
             if n_permutations:
                 rows[-1]["p"] = stats.sign_flip_p(b - a, n_resamples=n_permutations, seed=seed)
     return pd.DataFrame(rows)
@@ -349,7 +369,8 @@ def random_baseline(per_unit: pd.DataFrame, against: Sequence[str] = ("contribut
             rows.append({**base, "metric": metric, "aopc": float(areas[metric].mean()), "difference": d.estimate,
                          "ci_low": d.low, "ci_high": d.high, "sd": sd,
                          "mde": stats.min_detectable_effect(sd, len(per_doc)),
-                         "verdict": stats.verdict(d.low, d.high, threshold=0.0, side=side), **common})
+                         "verdict": stats.NOT_MEASURED if len(per_doc) < stats.MIN_CLUSTERS else
+                         stats.verdict(d.low, d.high, threshold=0.0, side=side), **common})
             if n_permutations:
                 rows[-1]["p"] = stats.sign_flip_p(per_doc, n_resamples=n_permutations, seed=seed)
     return pd.DataFrame(rows)

@@ -303,3 +303,22 @@ def test_a_callable_metric_reads_the_protocols_kind(peaked, tmp_path):
             got = fa.faithfulness_curve(model, None, ids, metric=by_kind, kind=kind, **kw).per_sequence
         named = fa.faithfulness_curve(model, None, ids, metric="contribution", kind=kind, **kw).per_sequence
         pd.testing.assert_series_equal(got["nll"], named["nll"])
+
+
+def test_a_document_column_of_the_wrong_length_and_a_bad_max_length_are_refused_before_any_forward(peaked):
+    """document=[0, 0, 1] for 6 sequences left 3 sequences without a document: the summaries dropped them while
+    n_sequences still counted 6. max_length=0 meant no truncation, -3 overflowed inside the tokenizer."""
+    model, ids = peaked
+    kwargs = dict(metric=["random"], ratios=[0.3], progress=False)
+    for documents in ([0, 0, 1], [0, 0, 1, 1, 2, 2, 3], [0, 0, 1, 1, 2, None]):
+        counter = ForwardCounter(model)
+        try:
+            with pytest.raises(ValueError, match="'document'"):
+                fa.faithfulness_curve(model, None, {"input_ids": ids[:6], "document": documents}, **kwargs)
+        finally:
+            counter.remove()
+        assert counter.calls == 0
+    tokenizer = word_tokenizer()
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises((ValueError, TypeError), match="max_length must be"):
+            fa.faithfulness_curve(model, tokenizer, ["the cat sat on the mat"], max_length=bad, **kwargs)

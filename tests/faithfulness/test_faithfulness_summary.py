@@ -110,3 +110,56 @@ def test_a_significant_reversal_is_contradicted_and_one_unit_is_not_measured():
         assert ladder.difference.item() == pytest.approx((np.mean(high) - np.mean(low)) / 2)
     single = fa.ladder_comparison(_synthetic({"attention": low[:1], "contribution": high[:1]}), pairs=pairs)
     assert single.verdict.item() == stats.NOT_MEASURED
+
+
+def test_fewer_documents_than_min_clusters_give_no_verdict_however_wide_apart():
+    """With 2-4 documents the percentile interval covers far less than 95%: a null difference 'held' in 26% of
+    2-document samples. Below MIN_CLUSTERS units the ladder gives no verdict; at MIN_CLUSTERS it does."""
+    from cwcore import stats
+
+    pairs = [("attention", "contribution")]
+    for n, expected in ((stats.MIN_CLUSTERS - 1, stats.NOT_MEASURED), (stats.MIN_CLUSTERS, stats.HOLDS)):
+        table = _synthetic({"attention": [0.0 + 0.01 * i for i in range(n)],
+                            "contribution": [5.0 + 0.01 * i for i in range(n)]})
+        assert fa.ladder_comparison(table, pairs=pairs).verdict.item() == expected
+
+
+def test_aopc_keeps_a_group_whose_key_is_nan_as_a_csv_round_trip_gives_it(tmp_path):
+    """kind "" written to CSV reads back as NaN: aopc's pivot dropped those groups (2 of 6 rows left)."""
+    table = pd.concat([_synthetic({"attention": [1.0, 2.0, 3.0], "contribution": [2.0, 3.0, 5.0]}),
+                       _synthetic({"contribution": [1.0, 1.0, 4.0]}).assign(kind="inter")])
+    table.to_csv(tmp_path / "t.csv", index=False)
+    read = pd.read_csv(tmp_path / "t.csv")
+    assert read["kind"].isna().sum() == 6
+    area = fa.aopc(read, n_bootstrap=50)
+    assert len(area) == 3
+    expected = {("attention", None): 1.0, ("contribution", None): 10 / 6, ("contribution", "inter"): 1.0}
+    for _, row in area.iterrows():
+        kind = None if pd.isna(row["kind"]) else row["kind"]
+        assert row.aopc_nll == pytest.approx(expected[(row.metric, kind)])
+
+
+def test_an_incomplete_or_doubled_table_is_refused_not_averaged_over_what_is_there():
+    table = _synthetic({"attention": [1.0, 2.0, 3.0], "contribution": [2.0, 3.0, 5.0]})
+    two_ratios = pd.concat([table, table.assign(ratio=0.5, nll=table.nll - 0.5)], ignore_index=True)
+    with pytest.raises(ValueError, match="not every sequence was measured at every ratio"):
+        fa.aopc(two_ratios.drop(index=1))  # sequence 1 of attention lost at ratio 1.0
+    with pytest.raises(ValueError, match="a sequence appears twice at one ratio"):
+        fa.aopc(pd.concat([table, table.iloc[:1]]))
+    with pytest.raises(ValueError, match="rows have no document"):
+        fa.aopc(table.assign(document=[0, 0, np.nan, 1, 1, 1]))
+    uneven = pd.concat([two_ratios, table[table.metric == "contribution"].assign(ratio=0.8)], ignore_index=True)
+    with pytest.raises(ValueError, match="measured at different ratios"):
+        fa.ladder_comparison(uneven, pairs=[("attention", "contribution")])
+    with pytest.raises(ValueError, match="pairs name metrics the table does not hold: \\['contribtion'\\]"):
+        fa.ladder_comparison(table, pairs=[("attention", "contribtion")])
+
+
+def test_contribution_rollout_is_a_method_not_a_variant_of_the_contribution_rung():
+    from cwcore.faithfulness.summary import _default_pairs
+
+    pairs = _default_pairs(["attention", "value_weighted", "contribution", "contribution_rollout",
+                            "contribution_intra", "random"])
+    assert ("value_weighted", "contribution_rollout") not in pairs
+    assert ("value_weighted", "contribution") in pairs and ("value_weighted", "contribution_intra") in pairs
+    assert ("random", "contribution_rollout") not in pairs
