@@ -17,6 +17,7 @@ computed on it is never served from the cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -95,12 +96,20 @@ def _settings(model: nn.Module) -> str:
         # of them rounds differently, so the two are two computations; to_dict() leaves the field out. Each
         # configuration once: every layer of a model shares one
         config = getattr(module, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        if isinstance(implementation, str) and id(config) not in configs_seen:
+        if config is not None and id(config) not in configs_seen:
             configs_seen.add(id(config))
-            lines.append(f"{name}.config._attn_implementation={implementation!r}")
+            # attention's and the experts' (an MoE's grouped_mm or eager): every *_implementation choice
+            for field in sorted(dir(config)) if hasattr(config, "to_dict") else ():
+                if field.endswith("_implementation") and not field.startswith("__"):
+                    implementation = getattr(config, field, None)
+                    if isinstance(implementation, str):
+                        lines.append(f"{name}.config.{field}={implementation!r}")
         for key, value in sorted(vars(module).items()):
             if key == "training" or key in _BOOKKEEPING:
+                continue
+            if isinstance(value, torch.Tensor):  # a tensor kept as a plain attribute (a steering vector)
+                lines.append(f"{name}.{key}=<tensor {tuple(value.shape)} {value.dtype}" +
+                             ("" if value.device.type == "meta" else " " + tensor_digest(value)) + ">")
                 continue
             text = _setting_text(value) if not key.startswith("_") else \
                 _setting_text(value, containers=(tuple, list, set, frozenset))
@@ -133,25 +142,47 @@ def _defining_module(fn) -> str:
 
 def _is_library_module(name: str) -> bool:
     """cwcore, torch, numpy, transformers, or a module that lies in an installed package's folder."""
-    if name.startswith(_LIBRARY_PACKAGES):
+    if _in_packages(name):
         return True
     file = getattr(sys.modules.get(name), "__file__", None)
     return bool(file) and str(Path(file).resolve()).startswith(_installed_folders())
 
 
-def _code_identity(fn) -> str | None:
+def _in_packages(name: str, packages: tuple[str, ...] | None = None) -> bool:
+    """Whether module ``name`` is one of ``packages`` (default :data:`_LIBRARY_PACKAGES`) or inside one: a user's
+    ``cwcore_hooks.py`` or ``torch_metrics.py`` is not (a bare prefix test took them for library code)."""
+    return any(name == p or name.startswith(p + ".") for p in (packages or _LIBRARY_PACKAGES))
+
+
+def _code_identity(fn, members: frozenset = frozenset()) -> str | None:
     """What a model's identity says of code it runs besides its classes' own (a hook, a replaced ``forward``):
     None for cwcore's own (its code version is in every key) and for a hook marked ``cwcore_observer = True``
     (its owner's promise that it only observes: a recorder, a counter, whose state changes every call), the
     qualified name for an installed package's (accelerate's device hooks), else :func:`method_key` (the
-    user's code and everything it reads)."""
+    user's code and everything it reads). A library function's bound state counts: a partial's arguments, a
+    bound method's owner (a module of the model, ``members`` its ids, by name; another, by its fingerprint)."""
     module_name = _defining_module(fn)
-    if module_name.startswith("cwcore") or getattr(fn, "cwcore_observer", False):
+    if _in_packages(module_name, ("cwcore",)) or getattr(fn, "cwcore_observer", False):
         return None
     if _is_library_module(module_name):
         inner = _unwrapped(fn)
-        return f"{module_name}.{getattr(inner, '__qualname__', type(inner).__qualname__)}"
+        name = f"{module_name}.{getattr(inner, '__qualname__', type(inner).__qualname__)}"
+        bound = []
+        while isinstance(fn, functools.partial):  # leaky_relu at slope 0.01 and at -5 are two computations
+            bound.append(_bound_digest(list(fn.args) + sorted(fn.keywords.items()), members))
+            fn = fn.func
+        owner = getattr(fn, "__self__", None)
+        if owner is not None and not isinstance(owner, (type, types.ModuleType)):  # another module's forward
+            bound.append(_bound_digest([owner], members))
+        return name + "".join(f"[{b}]" for b in bound)
     return method_key(fn)
+
+
+def _bound_digest(values: list, members: frozenset) -> str:
+    """The digest of a library callable's bound values: a module of the model by its class (its weights are in
+    the fingerprint already, and accelerate binds each module to its own forward), anything else by value."""
+    return ",".join(f"<member {type(v).__name__}>" if isinstance(v, nn.Module) and id(v) in members
+                    else _repr_digest(v, set()) for v in values)
 
 
 def _class_identity(cls: type) -> str:
@@ -165,9 +196,19 @@ def _class_identity(cls: type) -> str:
             continue
         library = _is_library_module(base.__module__)
         for name, value in sorted(vars(base).items()):
-            if inspect.isfunction(value) and not (library and _is_library_module(value.__module__ or "")):
-                if not getattr(value, "cwcore_observer", False):
-                    parts.append(f"{base.__qualname__}.{name}={method_key(value)}")
+            # a static or class method, a property: the function inside
+            inner = (value.__func__ if isinstance(value, (staticmethod, classmethod)) else
+                     value.fget if isinstance(value, property) else value)
+            if inspect.isfunction(inner) and not (library and _is_library_module(inner.__module__ or "")):
+                if not getattr(inner, "cwcore_observer", False):
+                    parts.append(f"{base.__qualname__}.{name}={method_key(inner)}")
+            elif not library and not (name.startswith("__") and name.endswith("__")) and not inspect.isfunction(inner):
+                # a user's class attribute (a gain read as self.GAIN): its value
+                text = _setting_text(value)
+                if text is None and isinstance(value, (torch.Tensor, np.ndarray)):
+                    text = _repr_digest(value)
+                if text is not None:
+                    parts.append(f"{base.__qualname__}.{name}={text}")
     return ";".join(parts)
 
 
@@ -179,19 +220,20 @@ def _behaviour(model: nn.Module) -> str:
 
     lines, tables = [], [("<global>", kind, getattr(torch_module, "_global" + kind, {})) for kind in _FORWARD_HOOKS]
     classes: dict[type, str] = {}
+    members = frozenset(id(module) for module in model.modules())
     for name, module in model.named_modules():
         if type(module) not in classes:
             classes[type(module)] = _class_identity(type(module))
         lines.append(f"{name}:{classes[type(module)]}")
         for key, value in sorted(vars(module).items()):
             if not key.startswith("_") and callable(value) and not isinstance(value, (nn.Module, type)):
-                identity = _code_identity(value)
+                identity = _code_identity(value, members)
                 if identity is not None:
                     lines.append(f"{name}.{key}={identity}")
         tables += [(name, kind, getattr(module, kind, {})) for kind in _FORWARD_HOOKS]
     for name, kind, table in tables:
         for hook in list(table.values()):
-            identity = _code_identity(hook)
+            identity = _code_identity(hook, members)
             if identity is not None:
                 lines.append(f"{name}{kind}={identity}")
     return "\n".join(lines)
@@ -263,9 +305,8 @@ def model_fingerprint(model: nn.Module) -> str:
 
 
 def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, torch.Tensor):
-        t = value.detach().cpu().contiguous()
-        return f"{tuple(t.shape)}{t.dtype}".encode() + t.numpy().tobytes()
+    if isinstance(value, torch.Tensor):  # bfloat16 too, as bytes (it has no numpy dtype)
+        return f"{tuple(value.shape)}{value.dtype}".encode() + bytes(_tensor_bytes(value))
     if isinstance(value, np.ndarray):
         return f"{value.shape}{value.dtype}".encode() + np.ascontiguousarray(value).tobytes()
     return repr(value).encode()
@@ -312,9 +353,14 @@ def _repr_digest(value: Any, seen: set | None = None) -> str:
         return f"<{type(value).__name__} {hashlib.sha256(rows.tobytes() + repr(list(getattr(value, 'columns', []))).encode()).hexdigest()}>"
     if isinstance(value, dict):
         return "{" + ",".join(f"{_repr_digest(k, seen)}:{_repr_digest(v, seen)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value):  # field by field: its repr elides a large tensor's values with "..."
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return f"{type(value).__qualname__}(" + _repr_digest(fields, seen) + ")"
     text = repr(value)
     if " at 0x" in text:  # the default object repr: its address, not its state
         raise UncacheableMetric(f"{type(value).__name__} has no stable identity ({text[:60]})")
+    if "..." in text and not isinstance(value, (str, bytes)):  # a summary, not the values (a large array's repr)
+        raise UncacheableMetric(f"{type(value).__name__}'s repr elides its values ({text[:60]})")
     return text
 
 
@@ -331,7 +377,7 @@ def _class_digest(cls: type, seen: set) -> str:
     def users(klass) -> bool:  # not the library's, nor an installed package's (accelerate's hooks, peft's layers)
         module = getattr(klass, "__module__", "") or ""
         where = str(getattr(sys.modules.get(module), "__file__", "") or "")
-        return (klass is not object and module != "builtins" and not module.startswith(_LIBRARY_PACKAGES)
+        return (klass is not object and module != "builtins" and not _in_packages(module)
                 and "site-packages" not in where and "dist-packages" not in where)
 
     if not users(cls) or id(cls) in seen:
@@ -344,10 +390,16 @@ def _class_digest(cls: type, seen: set) -> str:
                 continue
             inner = getattr(value, "__func__", getattr(value, "fget", value))
             code = getattr(inner, "__code__", None)
-            shown = (hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code is not None
-                     else _repr_digest(value, seen))
+            shown = _code_digest(code)[:16] if code is not None else _repr_digest(value, seen)
             parts.append(f"{klass.__qualname__}.{key}={shown}")
     return f"{name} {';'.join(parts)}>"
+
+
+def _code_digest(code) -> str:
+    """A code object's identity by content: its bytecode, names and constants, nested code objects (a lambda, a
+    comprehension) by their own content; their repr holds an address, new in every process."""
+    consts = [_code_digest(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts]
+    return hashlib.sha256(code.co_code + repr(code.co_names).encode() + repr(consts).encode()).hexdigest()
 
 
 def _names_read(target) -> set:
@@ -408,9 +460,7 @@ def _method_digest(fn: Callable, seen: set) -> str:
         digest.update(inspect.getsource(target).encode())
     except (OSError, TypeError):
         pass
-    digest.update(code.co_code)
-    digest.update(repr(code.co_consts).encode())
-    digest.update(repr(code.co_names).encode())
+    digest.update(_code_digest(code).encode())
     for value in (target.__defaults__ or ()) + tuple((target.__kwdefaults__ or {}).items()):
         digest.update(_repr_digest(value, seen).encode())
     for cell in target.__closure__ or ():
@@ -421,8 +471,12 @@ def _method_digest(fn: Callable, seen: set) -> str:
             continue
         digest.update(_repr_digest(contents, seen).encode())
     module = getattr(target, "__module__", "") or ""
-    if not module.startswith(_LIBRARY_PACKAGES):  # a user's code: what it reads too
+    if not _in_packages(module):  # a user's code: what it reads too
         names = _names_read(target)
+        for name in sorted(names - set(getattr(target, "__globals__", {}))):  # `import settings` inside the function
+            imported = sys.modules.get(name)
+            if isinstance(imported, types.ModuleType) and _is_users_module(imported):
+                digest.update(_module_values_read(imported, names, seen).encode())
         for name, value in _globals_read(target).items():
             digest.update(name.encode())
             if isinstance(value, types.ModuleType):  # a value read through it: `settings.THRESHOLD`

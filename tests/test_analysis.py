@@ -236,6 +236,12 @@ def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, 
     with pytest.raises(AssertionError, match="cached"):  # outside caching(): nothing is read
         analysis.collect(model, batches, factor_samples=10)
 
+    def odd(batch):  # chapter 8 passes its own groups: they were left out of the key, the default's served
+        return {"odd": torch.zeros_like(batch["input_ids"], dtype=torch.bool)}
+
+    with pytest.raises(AssertionError, match="cached"), caching(tmp_path):
+        analysis.collect(model, batches, factor_samples=10, key_groups=odd)
+
 
 def test_collect_keys_cover_this_modules_code_not_its_docstrings(tmp_path, monkeypatch):
     # the module lives in the book, outside the library's code keys: its own normalised code is in the key

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from cwcore import runs, stats
 from cwcore.code_keys import normalised_source
+from cwcore.identity import method_key
 from cwcore.core.decomposition import decompose
 
 __all__ = [
@@ -346,6 +347,9 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
                    rank_min_keys=rank_min_keys, rank_views=list(rank_views), kendall_views=list(kendall_views),
                    factor_samples=factor_samples, seed=seed)
     # the key covers the library's base code (core, statistics, run driver) and this module's own code
+    # a caller's key groups (chapter 8's) group other keys: their code and what it reads (None: the default)
+    if key_groups is not None:
+        options["key_groups"] = method_key(key_groups)
     store = runs.PieceStore("layer-statistics", {**options, "book_code": code_key()}, model=model, code=())
 
     def compute(batch) -> dict[str, pd.DataFrame]:
