@@ -22,6 +22,7 @@ import gzip
 import html
 import importlib.util
 import json
+import numbers
 import os
 import re
 import warnings
@@ -275,7 +276,7 @@ def _load_packaged(name: str, split: str | None) -> datasets.Dataset:
 # local files and the hub
 def _read_txt(path: Path) -> datasets.Dataset:
     # one document per blank-line-separated block; the lines of a block are kept with their "\n"
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no text (the csv and json readers drop it)
     blocks = [b.strip() for b in re.split(r"\n[ \t\r\f\v]*\n", text.replace("\r\n", "\n"))]
     return datasets.Dataset.from_dict({"text": [b for b in blocks if b]}, features=datasets.Features({"text": _STR}))
 
@@ -472,14 +473,19 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
 def _block_layout(tokenizer, block_size, add_bos: bool | None, count: int | None,
                   count_name: str) -> tuple[int, int | None, int, list[int]]:
     """(block_size, BOS id or None, body: stream tokens per block, EOS tail appended to each document) of
-    :func:`lm_blocks` and :func:`document_blocks`; a bad ``block_size`` or ``count`` raises."""
-    block_size = int(block_size)
+    :func:`lm_blocks` and :func:`document_blocks`; a bad ``block_size``, ``count`` or ``add_bos`` raises (16.9
+    was cut to 16, True read as 1, 'no' as yes)."""
+    from .core.inputs import check_count
+
+    block_size = check_count(block_size, "block_size")
+    if count is not None:
+        count = check_count(count, count_name, minimum=0)
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise TypeError(f"add_bos must be True, False or None (the tokenizer's own habit), got {add_bos!r}")
     bos = _resolve_bos(tokenizer, add_bos)
     body = block_size - (1 if bos is not None else 0)
     if body < 1:
         raise ValueError(f"block_size={block_size} leaves no room for text after the BOS token")
-    if count is not None and count < 0:
-        raise ValueError(f"{count_name} must be >= 0 or None, got {count}")
     eos = getattr(tokenizer, "eos_token_id", None)
     return block_size, bos, body, ([int(eos)] if eos is not None else [])
 
@@ -550,6 +556,9 @@ def document_blocks(
     smaller one's list. ``exclude``: row indices never drawn (a held-out sample). Returns ``input_ids``,
     ``attention_mask`` and ``document`` (the row index in ``dataset``), in the order drawn."""
     block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_documents, "num_documents")
+    _refuse_container(dataset)
+    if seed is None or isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise TypeError(f"seed must be a non-negative int (the draw is numpy.random.default_rng(seed)), got {seed!r}")
     if isinstance(dataset, datasets.Dataset):
         if text_column not in dataset.column_names:
             raise ValueError(f"the data set has no column '{text_column}' (columns: {', '.join(dataset.column_names)})")
@@ -563,7 +572,11 @@ def document_blocks(
 
         def texts_of(index):
             return [items[i][text_column] if isinstance(items[i], Mapping) else items[i] for i in index]
-    excluded = {int(i) for i in exclude}
+    excluded = set()
+    for i in exclude:  # a row index of the data set: -1 or 1.5 were read as something else, 999 ignored
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
+            raise ValueError(f"exclude holds row indices 0..{n - 1} of the data set, got {i!r}")
+        excluded.add(int(i))
     order = np.random.default_rng(seed).permutation(n)
     if excluded:
         order = order[~np.isin(order, sorted(excluded))]
@@ -592,15 +605,27 @@ def document_blocks(
     return _blocks_dataset(blocks, block_size, document=documents)
 
 
+def _refuse_container(dataset) -> None:
+    """A string, a mapping, a ``DatasetDict`` or a DataFrame is not a sequence of documents: iterating one gives
+    its characters, keys or column names, which were taken for the documents."""
+    if isinstance(dataset, str):
+        raise TypeError("pass a data set or a list of strings, not a single string")
+    if isinstance(dataset, datasets.DatasetDict):
+        raise TypeError(f"pass one split of the DatasetDict, e.g. dataset[{next(iter(dataset), 'train')!r}], "
+                        "not the dictionary of splits")
+    if isinstance(dataset, Mapping) or type(dataset).__name__ == "DataFrame":
+        raise TypeError(f"pass a datasets.Dataset or a list of strings, not a {type(dataset).__name__} (its keys "
+                        "would be read as documents): e.g. datasets.Dataset.from_dict(...) or .from_pandas(...)")
+
+
 def _text_batches(dataset, text_column: str, batch: int = 256) -> Iterator[list[str]]:
+    _refuse_container(dataset)
     if isinstance(dataset, datasets.Dataset):
         if text_column not in dataset.column_names:
             raise ValueError(f"the data set has no column '{text_column}' (columns: {', '.join(dataset.column_names)})")
         for i in range(0, len(dataset), batch):
             yield list(dataset[i : i + batch][text_column])
         return
-    if isinstance(dataset, str):
-        raise TypeError("pass a data set or a list of strings, not a single string")
     chunk: list[str] = []
     for item in dataset:
         chunk.append(item[text_column] if isinstance(item, Mapping) else item)

@@ -486,8 +486,21 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
             raise
         raise ModelNotFoundError(_not_found_message(name, hub_problem)) from err
     model_class = AutoModelForCausalLM if _has_lm_head(config) else AutoModel
-    model = model_class.from_pretrained(name, config=config, dtype=torch_dtype,
-                                        trust_remote_code=trust_remote_code, **{"attn_implementation": "eager", **kwargs})
+    if getattr(config, "is_encoder_decoder", False):  # BART's decoder alone as a causal LM: encoder dropped
+        from transformers import AutoModelForSeq2SeqLM
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+        model_class = AutoModelForSeq2SeqLM if config.model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES \
+            else AutoModel
+    model, loading = model_class.from_pretrained(name, config=config, dtype=torch_dtype,
+                                                 trust_remote_code=trust_remote_code, output_loading_info=True,
+                                                 **{"attn_implementation": "eager", **kwargs})
+    missing = sorted(loading.get("missing_keys") or ())
+    if missing:  # transformers initialises them at random and only logs it: two loads would differ
+        raise ModelNotFoundError(
+            f"{name}: {len(missing)} weights of {type(model).__name__} are not in the checkpoint "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); they would be random: load the model "
+            "yourself with the class its checkpoint was saved from and pass it to cwcore")
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     return model, tokenizer
 

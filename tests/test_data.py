@@ -8,6 +8,7 @@ import math
 import os
 
 import datasets
+import numpy as np
 import pytest
 import torch
 
@@ -536,3 +537,34 @@ def test_the_second_argument_is_a_hub_configuration_as_in_datasets(tmp_path, mon
         load_dataset(str(saved), "plain")
     assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"}),
                      (("imdb", None), {"split": "test", "revision": "main"})]  # local data never reached the hub
+
+
+def test_block_builders_refuse_containers_bad_counts_seeds_and_exclusions(tiny):
+    """Each of these ran: a DatasetDict became one block 'train</s>', a dict one block 'text</s>', a string 11
+    one-character documents; block_size 16.9 made 16-token blocks, add_bos='no' added BOS, exclude=[-1] still drew
+    the last row, seed=None drew a new sample every call."""
+    texts = [" ".join(["the cat sat on the mat"] * 4)] * 6
+    table = datasets.Dataset.from_dict({"text": texts})
+    for bad in (datasets.DatasetDict({"train": table}), {"text": texts}, table.to_pandas(), "hello world"):
+        for build in (lm_blocks, data.document_blocks):
+            with pytest.raises(TypeError, match="pass"):
+                build(bad, tiny, block_size=8)
+    for kwargs, error, message in ((dict(block_size=16.9), TypeError, "block_size must be an integer"),
+                                   (dict(block_size=True), TypeError, "block_size must be an integer"),
+                                   (dict(add_bos="no"), TypeError, "add_bos must be True, False or None"),
+                                   (dict(num_documents=2.5), TypeError, "num_documents must be an integer"),
+                                   (dict(exclude=[-1]), ValueError, "exclude holds row indices 0..5"),
+                                   (dict(exclude=[1.5]), ValueError, "exclude holds row indices"),
+                                   (dict(exclude=[999]), ValueError, "exclude holds row indices"),
+                                   (dict(seed=None), TypeError, "seed must be a non-negative int")):
+        with pytest.raises(error, match=message):
+            data.document_blocks(table, tiny, **{"block_size": 8, **kwargs})
+    with pytest.raises(TypeError, match="num_blocks must be an integer"):
+        lm_blocks(table, tiny, block_size=8, num_blocks=2.5)
+    assert 5 not in data.document_blocks(table, tiny, block_size=8, exclude=np.array([5]))["document"]
+
+
+def test_a_text_file_with_a_byte_order_mark_reads_without_it(tmp_path):
+    path = tmp_path / "docs.txt"
+    path.write_bytes("\ufeffHello world.\n\nSecond one.\n".encode("utf-8"))
+    assert load_dataset(str(path))["text"] == ["Hello world.", "Second one."]

@@ -351,6 +351,31 @@ def test_local_encoder_folder_loads_without_lm_head(tmp_path):
     assert model.config._attn_implementation == "eager"
 
 
+def test_an_encoder_decoder_folder_loads_whole_and_a_checkpoint_missing_weights_is_refused(tmp_path):
+    """A saved BartForConditionalGeneration loaded as BartForCausalLM: the encoder dropped, the decoder's
+    embeddings and head random (two loads differed), with only a log line."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=16, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    saved = BartForConditionalGeneration(config).eval()
+    saved.save_pretrained(tmp_path / "bart")
+    tiny_tokenizer(with_pad=True).save_pretrained(tmp_path / "bart")
+    model, _ = load_model(tmp_path / "bart")
+    assert type(model).__name__ == "BartForConditionalGeneration"
+    reference = saved.state_dict()
+    assert set(model.state_dict()) == set(reference)
+    assert all(torch.equal(value, reference[key]) for key, value in model.state_dict().items())
+    llama = tiny_llama()
+    llama.save_pretrained(tmp_path / "lossy", state_dict={k: v for k, v in llama.state_dict().items()
+                                                          if k != "model.norm.weight"})
+    tiny_tokenizer(with_pad=True).save_pretrained(tmp_path / "lossy")
+    with pytest.raises(ValueError, match="1 weights of LlamaForCausalLM are not in the checkpoint "
+                                         "\\(model.norm.weight\\); they would be random"):
+        load_model(tmp_path / "lossy")
+
+
 def test_loader_defaults_are_safe(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
