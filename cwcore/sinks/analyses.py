@@ -9,7 +9,7 @@ import dataclasses
 import importlib
 from typing import Iterable
 
-from .engine import REGISTRY, collect, options_class
+from .engine import REGISTRY, collect, options_class, refuse_unread
 
 # importing the analysis modules registers them, in this order (the order of ANALYSES, of the CSVs,
 # of the summary rows and of the claims); by name (the functions are cwcore.sinks.sink_<analysis>,
@@ -47,7 +47,15 @@ def run_analyses(model, tokenizer, data, analyses: Iterable[str] = ANALYSES, opt
     if wrong:
         raise TypeError(f"run_analyses takes no option {', '.join(map(repr, wrong))}; the options are "
                         f"{', '.join(sorted(fields))}")
+    # an option none of the chosen analyses reads is refused, as each single function refuses it (kind= for the
+    # anti-alignment alone ran without a word)
+    read = {o.name for a in analyses + precompute for o in REGISTRY[a].options} | set(SinkOptions().run_options())
+    unread = sorted(set(keywords) - read)
+    if unread:
+        raise TypeError(f"no analysis of {analyses + precompute} reads {', '.join(map(repr, unread))}")
     checked = dataclasses.replace(options, **keywords) if options is not None else SinkOptions(**keywords)
+    for name in analyses + precompute:  # a threshold with heads='all' ...
+        refuse_unread(REGISTRY[name], keywords, checked.analysis_options(name))
     every = {name: getattr(checked, name) for name in fields if name not in checked.run_options()}
     parts, blocks = collect(model, tokenizer, data, [REGISTRY[a].spec(every) for a in analyses + precompute],
                             **checked.run_options())

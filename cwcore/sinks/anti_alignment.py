@@ -37,7 +37,7 @@ class _AntiAlignmentCollector(Collector):
         cos_vs = s.sink_inner(semantic) / (norms[..., p : p + 1] * s.semantic_norm)
         axis = v[:, :, p + 1 :].mean(2, keepdim=True)
         cos_axis = s.sink_inner(axis)[..., 0] / (norms[..., p] * s.norm(axis)[..., 0])  # [b, h]
-        tail_median = norms[..., p + 1 :].median(-1).values
+        tail_median = norms[..., p + 1 :].quantile(0.5, dim=-1)  # torch's median() is the lower middle value
         # the baseline: for query i a random non-sink key k it can see (alpha_ik > 0, uniformly), against
         # the rest of s_i; drawn per sequence (numpy's default_rng([seed, sequence, 4, layer])), so the draw
         # does not depend on batch_size: the visible key with the largest of uniform draws, one per key

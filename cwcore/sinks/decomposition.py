@@ -247,6 +247,9 @@ def _summary(tables: dict, add) -> None:
                         add("decomposition", f"{prefix}{cls}_{factor}_mean_log", row["mean_log"].iloc[0])
                         if factor != "contribution":
                             add("decomposition", f"{prefix}{cls}_{factor}_share", row["share"].iloc[0])
+        # the sink heads are the run's (rate above its eps): the sink_heads rows count them, the highest rates
+        pooled_sink = d.loc[d["scope"] == "sink_heads", "num_heads"]
+        n_sink_heads = int(pooled_sink.iloc[0]) if len(pooled_sink) else 0
         for cls in ("sink", "tail"):  # per head: do relative norm and cosine together explain more than alpha?
             heads = d[(d["scope"] == "head") & (d["token_class"] == cls)]
             shares = heads.pivot_table(index=["layer", "head"], columns="factor", values="share")
@@ -254,7 +257,8 @@ def _summary(tables: dict, add) -> None:
             if len(shares):
                 dominates = (shares["relative_norm"] + shares["cosine"]) > shares["alpha"]
                 add("decomposition", f"{cls}_share_of_heads_geometry_dominates", dominates.mean())
-                sink_heads = rate.reindex(dominates.index) > 0.3
+                # (a fixed 0.3 ignored eps: with eps=0.15 every head was a sink head, and these rows were NaN)
+                sink_heads = rate.reindex(dominates.index).rank(ascending=False, method="first") <= n_sink_heads
                 add("decomposition", f"sink_heads_{cls}_share_of_heads_geometry_dominates",
                     dominates[sink_heads].mean() if sink_heads.any() else np.nan)
 

@@ -126,9 +126,11 @@ def _seed(value):
 
 
 def _dtype(value):
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise TypeError(f"compute_dtype must be a floating torch.dtype, got {value!r}")
-    return value
+    """float32 or float64 (or their names), the geometry's dtypes: bfloat16 failed after the forward and float16
+    computed the geometry in half precision."""
+    from ..core.inputs import check_compute_dtype
+
+    return check_compute_dtype(value)
 
 
 #: sink heads: sink rate above eps (Sink_eps of Gu et al. 2025); the one definition of its default

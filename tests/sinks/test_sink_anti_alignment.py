@@ -5,6 +5,7 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from cwcore import sinks, stats
 from sink_fixtures import (FAST, P_TAIL, Q_SINK, V0, VT, cos as _cos, expected_alpha, naive_run, planted_ids,
@@ -45,6 +46,19 @@ def test_anti_alignment_matches_naive_cosines():
         np.testing.assert_allclose(table.loc[l, "cos_axis_mean"], _cos(v0, axis)[..., 0].mean(0), atol=1e-5)
         ratio = v0[..., 0, :].norm(dim=-1) / v[:, :, 1:].norm(dim=-1).median(-1).values
         np.testing.assert_allclose(table.loc[l, "relative_sink_value_norm"], ratio.mean(0), rtol=1e-4)
+
+
+def test_the_relative_sink_value_norm_divides_by_the_median_of_an_even_tail():
+    """torch's median() is the lower of the two middle values: with an even number of tail keys (an odd block)
+    the ratio was up to 11% too high. The reference is numpy's median, the mean of the two."""
+    model = tiny_model("llama", seed=3)
+    ids = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(5))  # 6 tail keys
+    table = sinks.sink_anti_alignment(model, None, ids, **FAST).set_index(["layer", "head"])
+    reference, _ = naive_run(model, ids)
+    for l, ref in enumerate(reference):
+        norms = ref["values"].norm(dim=-1).double().numpy()  # [b, h, k]
+        expected = (norms[:, :, 0] / np.median(norms[:, :, 1:], axis=-1)).mean(0)
+        np.testing.assert_allclose(table.loc[l, "relative_sink_value_norm"], expected, rtol=1e-5)
 
 
 # -- baselines: a random non-sink key, centred values; structure by layer --------------------------

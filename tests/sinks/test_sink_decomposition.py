@@ -165,3 +165,23 @@ def test_the_null_baseline_part_is_the_sink_margin_minus_the_random_keys(monkeyp
                          for h in heads])
     part = [r for r in D._claim_rows(same, eps=0.3) if r["key"] == "sink_geometry_minus_null"][0]
     assert part["estimate"] == pytest.approx(0.0, abs=1e-12) and part["verdict"] != "holds"
+
+
+def test_the_summary_reads_the_runs_sink_heads_not_a_fixed_rate():
+    """sink_heads_*_share_of_heads_geometry_dominates took the heads with rate > 0.3 whatever eps the run used:
+    with eps=0.15 every head of this model is a sink head and both rows were NaN."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(0, 97, (4, 12), generator=torch.Generator().manual_seed(7))
+    for eps in (0.15, 0.3):
+        summary, _ = sinks.sink_decomposition(model, None, ids, eps=eps, progress=False)
+        got = sinks.summarize({"decomposition": summary}).set_index("statistic")["value"]
+        heads = summary[summary.scope == "head"]
+        rate = heads.groupby(["layer", "head"])["sink_rate"].first()
+        for cls in ("sink", "tail"):
+            shares = heads[heads.token_class == cls].pivot_table(index=["layer", "head"], columns="factor",
+                                                                  values="share")
+            dominates = (shares["relative_norm"] + shares["cosine"]) > shares["alpha"]
+            chosen = rate.reindex(dominates.index) > eps
+            expected = dominates[chosen].mean() if chosen.any() else np.nan
+            np.testing.assert_equal(got[f"sink_heads_{cls}_share_of_heads_geometry_dominates"], expected)
+    assert (rate > 0.15).all() and not (rate > 0.3).all()  # the control: the two runs choose different heads

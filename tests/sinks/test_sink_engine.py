@@ -3,6 +3,7 @@
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from cwcore import sinks
 from cwcore.cache import caching
@@ -350,3 +351,18 @@ def test_a_tokenizers_output_is_read_as_token_blocks_not_tokenised_as_text():
     with pytest.raises(ValueError, match="input_ids \\(and an all-ones attention_mask\\) only, got 'input_ids', "
                                          "'token_type_ids'"):
         sinks.sink_rates(model, None, {"input_ids": ids, "token_type_ids": ids * 0}, progress=False)
+
+
+def test_run_analyses_refuses_what_none_of_its_analyses_reads_and_a_half_geometry():
+    """run_analyses(['anti_alignment'], kind='inter') ran as without kind (sink_anti_alignment refuses it); a
+    threshold with heads='all' too. compute_dtype=bfloat16 failed after the forward, float16 ran in half."""
+    model, ids = tiny_model("llama"), random_ids()
+    for analyses, keywords, message in ((["anti_alignment"], dict(kind="inter"), "reads 'kind'"),
+                                        (["rates"], dict(quantile_sample=5, bins=3), "reads 'bins', 'quantile_sample'"),
+                                        (["semantic_cone"], dict(heads="all", threshold=0.2),
+                                         "threshold is read only with heads")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            sinks.run_analyses(model, None, ids, analyses, **FAST, **keywords)
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="compute_dtype must be torch.float32 or torch.float64"):
+            sinks.sink_rates(model, None, ids, compute_dtype=dtype, **FAST)
