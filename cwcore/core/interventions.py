@@ -86,6 +86,8 @@ def value_sums(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.
     from .architectures import decomposable_layers
     from .decomposition import prepare_inputs
 
+    if not isinstance(skip_first_token, bool):  # "no" is truthy: the opposite stand-in
+        raise InputTypeError(f"skip_first_token must be True or False, not {skip_first_token!r}")
     chosen = decomposable_layers(model) if layers is None else check_layers(layers, len(attention_blocks(model)))
     sums: dict[int, torch.Tensor] = {}
     valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()).cpu()
@@ -167,10 +169,11 @@ def intervene(
     if not isinstance(masks, Mapping):
         raise TypeError(f"masks must map layer numbers to masks, got {type(masks).__name__}")
     check_layers(list(masks), num_layers, argument="masks")
-    if any(isinstance(layer, int) and layer < 0 for layer in masks):  # -1 is the last layer, as in check_layers
-        if len({layer % num_layers for layer in masks}) < len(masks):
-            raise InputError("masks names one layer twice (a negative number and its positive twin)")
-        masks = {layer % num_layers: mask for layer, mask in masks.items()}
+    # plain ints, -1 the last layer, as check_layers reads them (a numpy or 0-d tensor key reached the session
+    # as itself: "out of range", or the block "does not call the attention interface")
+    if len({int(layer) % num_layers for layer in masks}) < len(masks):
+        raise InputError("masks names one layer twice (a negative number and its positive twin)")
+    masks = {int(layer) % num_layers: mask for layer, mask in masks.items()}
     for layer, mask in masks.items():  # wrong dtypes fail here; shapes are checked against each layer's call
         if not callable(mask):
             check_mask(mask, torch.as_tensor(mask).shape, layer)
@@ -178,7 +181,7 @@ def intervene(
         if not isinstance(stand_in, Mapping):
             raise InputTypeError(f"stand_in must map layer numbers to value vectors, got {type(stand_in).__name__}")
         check_layers(list(stand_in), num_layers, argument="stand_in")
-        stand_in = {layer % num_layers: values for layer, values in stand_in.items()}
+        stand_in = {int(layer) % num_layers: values for layer, values in stand_in.items()}
         if set(stand_in) != set(masks):
             raise InputError(f"stand_in names layers {sorted(stand_in)} but masks names {sorted(masks)}: give one "
                              "stand-in per masked layer")

@@ -104,7 +104,8 @@ def downstream_eval(
     the choice with the highest total log-likelihood. With ``collapse``, ``scope="row"`` and ``removal="zero"``,
     choices sharing one context that are single tokens (MMLU letters, BoolQ yes/no) are scored from one row's
     last logits: identical results, as causal attention hides the answer from its own prediction (a mean
-    stand-in, estimated over the other examples' rows, would change with them: it is not collapsed). Examples are
+    stand-in, estimated over the other examples' rows, would change with them, and a gradient method's scores
+    with the answer in the row: neither is collapsed). Examples are
     packed into batches of at most ``batch_size`` rows with ``rows * length^2 <= max_batch_pairs``.
 
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
@@ -150,7 +151,10 @@ def downstream_eval(
         rows, meta, length = [], [], 0
 
     # a mean stand-in is estimated over the other examples' rows, which collapsing would change: not collapsed
-    collapsed = collapse and protocol.scope == "row" and protocol.removal == "zero"
+    # nor one whose scores take the gradient of the row's log-likelihood (grad_x_input): a collapsed row holds no
+    # answer, each uncollapsed row its own, so the two scores differ
+    collapsed = collapse and protocol.scope == "row" and protocol.removal == "zero" and \
+        not any("output_gradient" in spec.method.needs for spec in specs)
     prepared = [(index, *_example_rows(example, tokenizer, max_length, collapsed))
                 for index, example in enumerate(dataset)]
     # pack examples of similar length together (less padding); results do not depend on the packing

@@ -8,6 +8,7 @@ protocol needs from a model's config.
 
 from __future__ import annotations
 
+import numbers
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
@@ -15,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from ..core.decomposition import METRICS
+from ..core.inputs import InputTypeError, is_integer_number
 from . import methods as _methods
 from .ranking import MODES, SCOPES, UNITS, layer_windows, num_heads  # noqa: F401  (re-exported)
 
@@ -144,8 +146,16 @@ class Protocol:
             raise ValueError(f"importance must be 'signed' or 'absolute', not {self.importance!r}")
         if self.removal not in REMOVALS:
             raise ValueError(f"removal must be one of {REMOVALS}, not {self.removal!r}")
+        if not isinstance(self.keep_first_token, bool):  # "False" is truthy: the opposite protocol ran
+            raise TypeError(f"keep_first_token must be True or False, not {self.keep_first_token!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2 ** 63:
+            raise TypeError(f"seed must be an int in 0 .. 2**63 - 1, not {self.seed!r}")
         if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(sorted({int(l) for l in self.layers})))
+            layers = [self.layers] if isinstance(self.layers, (int, str, float)) else list(self.layers)
+            if any(not is_integer_number(layer) for layer in layers):  # 1.5, "1" and True were cut to ints
+                raise InputTypeError(f"layers must hold layer numbers (int), got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(sorted({int(layer) for layer in layers})))
+        object.__setattr__(self, "seed", int(self.seed))
 
     def settings(self) -> dict:
         """The fields as a dict (``dataclasses.asdict``), the identity of cached pieces and exports, without the

@@ -5,6 +5,7 @@ input of the output projection must be exactly sum_j alpha_ij (1 - m_ij) v_j wit
 model's own eager attention maps and v from a hook on the value projection.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -266,3 +267,23 @@ def test_a_padding_mask_given_to_intervene_must_reach_the_forward():
     with torch.no_grad(), cwcore.intervene(model, {0: removed}):
         unpadded = model(input_ids=ids).logits
     assert (padded[1, 3:] - unpadded[1, 3:]).abs().max() > 1e-3  # the control
+
+
+def test_mask_keys_of_any_integer_type_name_their_layer():
+    """np.int64(-1) and torch.tensor(-1) were "out of range" and torch.tensor(1) blamed the block; the same
+    layer under a plain int is the reference. skip_first_token="no" ran the skipping stand-in."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(1, 4, 6, 6, dtype=torch.bool)
+    mask[..., 1] = True
+    with cwcore.intervene(model, {1: mask}):
+        expected = model(input_ids=ids).logits
+    for key in (np.int64(1), np.int64(-1), torch.tensor(1), torch.tensor(-1), -1):
+        with cwcore.intervene(model, {key: mask}):
+            torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="names one layer twice"):
+        cwcore.intervene(model, {torch.tensor(-1): mask, 1: mask}).__enter__()
+    from cwcore.core.interventions import mean_values
+
+    with pytest.raises(TypeError, match="skip_first_token must be True or False"):
+        mean_values(model, ids, skip_first_token="no")

@@ -77,3 +77,19 @@ def test_the_anatomy_takes_a_protocol_object(peaked):
     assert set(token["variant"]) == {"token-unit"} and not np.allclose(token["head_norm"], by_name["head_norm"])
     with pytest.raises(ValueError, match="clean run"):
         anatomy.selection_anatomy(model, blocks, ["attention"], [0.2], scores="live", progress=False)
+
+
+def test_a_protocol_refuses_non_bool_first_token_non_int_seeds_and_layers():
+    """keep_first_token="False" ran the True protocol under a False label; seed=1.7 ran seed 1 and failed when the
+    table was read; Protocol(layers=(1.5,)) ran layer 1 where the keyword refuses it."""
+    for value in ("False", None, 1):
+        with pytest.raises(TypeError, match="keep_first_token must be True or False"):
+            Protocol(keep_first_token=value)
+    for value in (1.7, True, -3, None, 2 ** 63):
+        with pytest.raises(TypeError, match="seed must be an int"):
+            Protocol(seed=value)
+    for value in ((1.5,), ("1",), (True,)):
+        with pytest.raises(TypeError, match="layers must hold layer numbers"):
+            Protocol(layers=value)
+    assert Protocol(layers=(np.int64(1), 0), seed=np.int64(3)) == Protocol(layers=(0, 1), seed=3)
+    assert type(Protocol(seed=np.int64(3)).seed) is int
