@@ -172,3 +172,48 @@ def test_a_checked_table_written_and_read_back_and_its_rows_checked(tmp_path):
     (tmp_path / "findings.json").write_text(json.dumps({**meta, "rows": 3}))
     with pytest.raises(CommittedFileError, match="holds 2 rows, its JSON records 3"):
         read_checked_csv(tmp_path / "findings.csv")
+
+
+def _rehash(csv: Path, js: Path) -> None:
+    meta = json.loads(js.read_text())
+    js.write_text(json.dumps({**meta, "rows": len(pd.read_csv(csv)), HASH_FIELD: content_hash(csv.read_bytes())}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    # every row of one metric at one ratio: the counts per present combination held, four verdicts flipped
+    (lambda t: t[~((t.protocol == "default") & (t.metric == "contribution") & (t.ratio == 0.05))],
+     "cell default lacks documents in 4 of its importance x metric x mode x ratio combinations"),
+    (lambda t: pd.concat([t, t.iloc[:1].assign(nll=t.nll.iloc[0] + 5)]), "cell \\S+ holds a .* twice"),
+    (lambda t: t[~((t.protocol == "default") & (t.metric == "random_s2") & (t.document == t.document.iloc[0]))],
+     "seed random_s2 covers other documents"),
+])
+def test_an_export_missing_a_combination_doubled_or_with_a_holed_seed_is_refused(evidence, damage, message):
+    csv, js = ee.paths(MODEL, DATA, evidence)
+    _rewrite(csv, damage)
+    _rehash(csv, js)
+    (evidence / "PROVENANCE").unlink()  # as in the confirmatory folder: the counts alone must catch it
+    with pytest.raises(CommittedFileError, match=message):
+        ee.read_committed(MODEL, DATA, evidence)
+
+
+def test_a_half_pair_is_refused_by_the_tables_and_the_verifier_and_a_lost_chapter_is_not_measured(tmp_path, capsys):
+    """A per-document JSON without its table dropped the data set from chapter 4's table (the primary family
+    went from 32 to 24 tests); a chapter's lost table left its claims out of findings.csv; the verifier
+    printed 'all verified' and exited 0 for both."""
+    from cwbook import evidence_files, findings
+
+    out = tmp_path / "evidence"
+    shutil.copytree(COMMITTED, out)
+    ee.paths("gemma3-270m", "web-text", out)[0].unlink()
+    with pytest.raises(CommittedFileError, match="per_document_gemma3-270m_web-text.json has no"):
+        ee.tables(out, ["gemma3-270m"])
+    assert evidence_files.main([str(out)]) == 1
+    assert "per_document_gemma3-270m_web-text.json (its table is missing)" in capsys.readouterr().out
+    chapter = out / "05_sink_decomposition" / "gemma3-270m.csv"
+    chapter.unlink()
+    with pytest.raises(CommittedFileError, match="gemma3-270m.json has no gemma3-270m.csv beside it"):
+        findings.load_results(out, "05_sink_decomposition", "gemma3-270m")
+    chapter.with_suffix(".json").unlink()  # both gone: the chapter was not built, and its claims say so
+    table = findings.findings_csv(out, ["gemma3-270m"], "evidence")
+    lost = table[table["measured"].astype(str).str.contains("chapter 5 was not built")]
+    assert len(lost) and set(lost["verdict"]) == {"not measured"}

@@ -110,9 +110,13 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
     _pair(frame_paths(BENCH, model, bench["datasets"][0], out)[1], _units(bench["n_sequences"]), {
         "document_ids": list(range(bench["n_sequences"])), "commit": "e" * 40, "created": "t3"})
     # chapter 5's table ran at 8 documents
-    (out / "05_sink_decomposition").mkdir()
-    (out / "05_sink_decomposition" / f"{model}.json").write_text(json.dumps({"parameters": {"n_documents": 8,
-                                                                                             "data": "gsm8k"}}))
+    from cwbook.findings import save_results
+
+    save_results(out / "05_sink_decomposition" / f"{model}.csv", pd.DataFrame({"claim": ["x"]}),
+                 chapter="05_sink_decomposition", model=model, parameters={"n_documents": 8, "data": "gsm8k"})
+    # chapter 6's JSON without its table: it was read as done from the JSON alone
+    (out / "06_sinks_as_suppressors").mkdir()
+    (out / "06_sinks_as_suppressors" / f"{model}.json").write_text(json.dumps({"parameters": {"n_documents": 64}}))
     table = es.evidence_status(out)
     rows = {(r.part, r.model, r.data, r.cell): r for r in table.itertuples()}
     assert rows[("ladder", model, data, "default")].state == "done"
@@ -133,6 +137,8 @@ def test_partial_cells_frames_chapters_and_damaged_files_are_reported_as_such(tm
         [(0, bench["n_sequences"], "not started", "")] * (len(bench["datasets"]) - 1)
     chapter = rows[("05_sink_decomposition", model, "gsm8k", "")]
     assert (chapter.held, chapter.planned, chapter.state) == (8, _profile()["params"]["n_sequences"], "in progress")
+    lost = rows[("06_sinks_as_suppressors", model, "", "")]
+    assert lost.state.startswith("unreadable (") and "has no" in lost.state and lost.held == 0
     page = es.status_markdown(table)
     done = int((table["state"] == "done").sum())
     assert f"**{done} of {len(table)} parts done**" in page

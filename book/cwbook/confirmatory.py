@@ -153,20 +153,22 @@ def ladder_progress(out: str | Path = OUT) -> list[dict]:
     """Per registered ladder cell, as its committed export's metadata records it: ``model``, ``data``,
     ``protocol``, ``documents`` (held, of :data:`~cwbook.registration.CONFIRMATORY_DOCUMENTS`) and
     ``created`` (when it was last merged, "" for none)."""
-    import json
-
-    from .evidence_export import paths
+    from .evidence_export import read_committed
+    from .evidence_files import CommittedFileError
 
     cells_held = []
     for model in registration.CONFIRMATORY_MODELS:
         protocols = ladder_parameters(model)["protocols"]
         for data in registration.CONFIRMATORY_DATA:
-            _, meta_path = paths(model, data, Path(out))
-            cells = json.loads(meta_path.read_text()).get("cells", {}) if meta_path.is_file() else {}
+            try:  # through the verifying reader: a changed or lost table holds nothing (it counted as done)
+                found = read_committed(model, data, Path(out))
+                cells, why = ({} if found is None else found[1].get("cells", {})), ""
+            except CommittedFileError as err:
+                cells, why = {}, f"unreadable: {err}"
             for protocol in protocols:
                 cells_held.append({"model": model, "data": data, "protocol": protocol,
                                    "documents": int(cells.get(protocol, {}).get("documents", 0)),
-                                   "created": cells.get(protocol, {}).get("created", "")})
+                                   "created": why or cells.get(protocol, {}).get("created", "")})
     return cells_held
 
 
@@ -184,8 +186,10 @@ def status(out: str | Path = OUT) -> str:
         parts += 1
         done += cell["documents"] == n
     sink_rows = []
-    for model in registration.CONFIRMATORY_MODELS:
-        present = [c for c in SINK_CHAPTERS if results_path(out, c, model).is_file()]
+    from .findings import results_verified
+
+    for model in registration.CONFIRMATORY_MODELS:  # a table whose pair verifies, not one merely present
+        present = [c for c in SINK_CHAPTERS if results_verified(results_path(out, c, model))]
         sink_rows.append(f"| {model} | {len(present)} of {len(SINK_CHAPTERS)} | {', '.join(present) or 'none'} |")
         parts += 1
         done += len(present) == len(SINK_CHAPTERS)

@@ -418,13 +418,28 @@ def _check_export(table: pd.DataFrame, meta: dict, name: str) -> None:
         if len(documents) != recorded or (ids and documents != set(ids[:recorded])):
             raise CommittedFileError(f"{name}: cell {cell} holds {len(documents)} documents, its JSON records "
                                      f"{recorded} (the first {recorded} of the sample)")
+        if rows.duplicated(["importance", "metric", "mode", "ratio", "document"]).any():  # averaged in twice
+            raise CommittedFileError(f"{name}: cell {cell} holds a (importance, metric, mode, ratio, document) twice")
         seeded = rows["metric"].astype(str).str.startswith(evidence.RANDOM_PREFIX)
         per_combination = rows[~seeded].groupby(["importance", "metric", "mode", "ratio"])["document"].nunique()
+        # every combination the JSON names, not only those present: a metric lost at one ratio moved verdicts
+        metrics = [m for m in record.get("metrics", meta.get("metrics", [])) if not m.startswith(evidence.RANDOM_PREFIX)]
+        expected = pd.MultiIndex.from_product([meta.get("importances", sorted(set(rows["importance"]))), metrics,
+                                               meta.get("modes", sorted(set(rows["mode"]))),
+                                               [float(r) for r in meta.get("ratios", sorted(set(rows["ratio"])))]],
+                                              names=["importance", "metric", "mode", "ratio"])
+        per_combination = per_combination.reindex(expected, fill_value=0) if recorded else per_combination
         if len(per_combination) and (per_combination != recorded).any():
             short = per_combination[per_combination != recorded]
             raise CommittedFileError(f"{name}: cell {cell} lacks documents in {len(short)} of its importance x metric "
                                      f"x mode x ratio combinations (e.g. {short.index[0]}: {int(short.iloc[0])} of "
                                      f"{recorded})")
+        for metric, part in rows[seeded].groupby("metric"):  # a seed being completed covers the first documents
+            held = part.groupby(["importance", "mode", "ratio"])["document"].apply(frozenset)
+            first = frozenset(ids[:len(held.iloc[0])]) if ids else held.iloc[0]
+            if len(held) != len(expected) // max(len(metrics), 1) or any(h != first for h in held):
+                raise CommittedFileError(f"{name}: cell {cell}'s seed {metric} covers other documents at different "
+                                         "points, or not the first of the sample: not a checkpoint a build leaves")
 
 
 def _read_rows(csv) -> pd.DataFrame:
@@ -450,8 +465,10 @@ def _exports(out: Path) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for js in sorted(out.glob("per_document_*.json")):
         meta = json.loads(js.read_text())
-        if paths(meta["model"], meta["data"], out)[0].is_file():
-            found.setdefault(meta["model"], []).append(meta["data"])
+        if not paths(meta["model"], meta["data"], out)[0].is_file():  # a data set would vanish from the tables
+            raise CommittedFileError(f"{js.name} has no {paths(meta['model'], meta['data'], out)[0].name} beside "
+                                     "it: restore it from git or recompute the cells")
+        found.setdefault(meta["model"], []).append(meta["data"])
     return found
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import sys
 from pathlib import Path
@@ -179,6 +180,24 @@ def committed_pairs(folder: Path) -> list[tuple[Path, Path]]:
     return pairs
 
 
+def half_pairs(folder: Path) -> list[str]:
+    """The files of ``folder`` whose other half is missing: a JSON without its table (``.csv.gz`` at the top,
+    ``.csv`` in a chapter's folder), an export or a chapter's table without its JSON; each as "name (why)"."""
+    folder, missing = Path(folder), []
+    for meta in sorted(folder.glob("*.json")) + sorted(folder.glob("*/*.json")):
+        stem = meta.name[: -len(".json")]
+        tables = [meta.with_name(stem + ".csv.gz"), meta.with_name(stem + ".csv")]
+        if not any(t.is_file() for t in tables):
+            missing.append(f"{meta.name} (its table is missing)")
+    for table in sorted(folder.glob("*.csv.gz")):
+        if not table.with_name(table.name[: -len(".csv.gz")] + ".json").is_file():
+            missing.append(f"{table.name} (its JSON is missing)")
+    for table in sorted(folder.glob("*/*.csv")):
+        if not table.with_suffix(".json").is_file():
+            missing.append(f"{table.parent.name}/{table.name} (its JSON is missing)")
+    return missing
+
+
 def _dump(meta: Mapping) -> bytes:
     return (json.dumps(meta, indent=1) + "\n").encode()
 
@@ -229,11 +248,19 @@ def main(argv=None) -> int:
         bad = 0
         for table, meta_path in committed_pairs(folder):
             try:
-                read_pair(table, meta_path)
-            except CommittedFileError as err:
+                data, meta = read_pair(table, meta_path)
+                if "rows" in meta:  # a JSON recording other rows than its table holds
+                    rows = len(pd.read_csv(io.BytesIO(data), compression="gzip" if table.suffix == ".gz" else None))
+                    if rows != int(meta["rows"]):
+                        raise CommittedFileError(f"holds {rows} rows, its JSON records {meta['rows']}")
+            except (CommittedFileError, OSError) as err:
                 bad += 1
                 print(f"{table.name}: {err}")
-        print(f"{len(committed_pairs(folder)) - bad} of {len(committed_pairs(folder))} committed tables verified")
+        for name in half_pairs(folder):  # a lost table or JSON: not a verified pair, not silently left out
+            bad += 1
+            print(f"{name}")
+        total = len(committed_pairs(folder)) + len(half_pairs(folder))
+        print(f"{total - bad} of {total} committed tables verified")
         return 1 if bad else 0
     except CommittedFileError as err:
         print(f"error: {err}", file=sys.stderr)

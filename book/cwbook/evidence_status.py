@@ -124,7 +124,15 @@ def _bench_rows(out: Path, model: str, profile: str, config) -> list[dict]:
 def _chapter_row(out: Path, run) -> dict:
     """A chapter other than 4 whose table ``findings.csv`` reads: the documents its committed table ran
     with against the profile's."""
-    meta = _json(results_path(out, run.chapter.name, run.model).with_suffix(".json")) or {}
+    from .findings import load_results
+
+    # read through the verifying reader: a lost or changed table is not work done
+    path = results_path(out, run.chapter.name, run.model)
+    found = _verified(lambda: (lambda r: None if r is None else (r.table, r.metadata))(
+        load_results(out, run.chapter.name, run.model)), path.with_suffix(".json"))
+    meta = found or {}
+    if not found and path.is_file() != path.with_suffix(".json").is_file():  # a table without its JSON
+        meta = {UNREADABLE: f"{path.name} has no {path.with_suffix('.json').name} beside it"}
     ran = meta.get("parameters", {})
     held = int(ran.get("n_documents", ran.get("n_sequences", 0)) or 0)
     planned = int(run.parameters.get("n_sequences", 0))

@@ -510,6 +510,14 @@ def findings_csv(results_dir: str | os.PathLike, models: Sequence[str], profile:
             got = load_results(results_dir, chapter, model) if kind == "claims" else None
             if got is not None:
                 frames.append(claim_findings(got.table, model=model, profile=got.metadata.get("profile", profile)))
+            elif kind == "claims" and not _weights_variant(model):  # its claims are not measured, and say so
+                # (they were left out: 34 rows lost); a weights variant runs the ladder only
+                claims = [claim for key, source in _SOURCE.items() if source == chapter
+                          for claim in CHAPTER_CLAIMS.get(key, ())]
+                frames.append(pd.DataFrame([{"claim": claim, "model": model, "verdict": NOT_MEASURED,
+                                             "profile": profile,
+                                             "measured": f"chapter {_chapter_number(chapter)} was not built"}
+                                            for claim in dict.fromkeys(claims)], columns=FAITHFULNESS_COLUMNS))
     frames = [f for f in frames if not f.empty]
     if not frames:
         return pd.DataFrame(columns=FAITHFULNESS_COLUMNS)
@@ -572,6 +580,13 @@ def _not_in(rows: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         return pd.MultiIndex.from_frame(frame.astype(str))
 
     return rows[~keys(rows).isin(keys(measured))]
+
+
+def _weights_variant(model: str) -> bool:
+    """Whether ``model`` names a packaged model's weights variant (``smollm2-135m-requantized``)."""
+    from cwcore.models import VARIANTS as WEIGHTS_VARIANTS
+
+    return any(str(model).endswith(f"-{name}") for name in WEIGHTS_VARIANTS)
 
 
 def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:
@@ -769,6 +784,9 @@ def load_results(results_dir: str | os.PathLike, chapter: str, model: str | None
     when it is missing (the chapter was not built) or unfinished (no metadata yet)."""
     path = results_path(results_dir, chapter, model)
     meta = path.with_suffix(".json")
+    if meta.is_file() and not path.is_file():  # the table is written first: its loss is no interrupted write
+        raise CommittedFileError(f"{meta.name} has no {path.name} beside it: restore it from git or rebuild the "
+                                 "chapter")
     if not path.is_file() or not meta.is_file():
         return None
     data, metadata = read_pair(path, meta)
