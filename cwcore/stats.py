@@ -349,11 +349,15 @@ def verdict(low: float, high: float, *, threshold: float = 0.0, side: str = "abo
     """The verdict on "the statistic is above (``side="above"``) / below ``threshold``" from its interval (see the module)."""
     if side not in ("above", "below"):
         raise ValueError(f"side must be 'above' or 'below', not {side!r}")
+    if not np.isfinite(threshold):  # every comparison with NaN is False: it read "inconclusive"
+        raise ValueError(f"threshold must be a finite number, got {threshold}")
+    if margin is not None and not (np.isfinite(margin) and margin > 0):  # inf was ignored, as was NaN
+        raise ValueError(f"an equivalence margin must be a positive finite number (or None), got {margin}")
     if not (np.isfinite(low) and np.isfinite(high)):
         return NOT_MEASURED
-    if margin is not None and np.isfinite(margin):
-        if margin <= 0:
-            raise ValueError(f"an equivalence margin must be positive, got {margin}")
+    if low > high:  # a swapped interval "held"
+        raise ValueError(f"the interval's low end {low} is above its high end {high}")
+    if margin is not None:
         if threshold - margin < low and high < threshold + margin:
             return NEGLIGIBLE
     if side == "below":

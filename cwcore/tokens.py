@@ -36,7 +36,7 @@ def _labels_from_offsets(tokenizer, text: str, ids, offsets) -> list[str]:
             labels.append(tokenizer.convert_ids_to_tokens(int(token)) if token in special
                           else tokenizer.decode([int(token)]))
         elif start < covered:  # more bytes of a character an earlier token began
-            labels.append(_CONTINUATION + text[start:end].strip())
+            labels.append(_CONTINUATION + (text[start:end].strip() or text[start:end]))  # NBSP stays itself
         else:
             labels.append(text[start:end])
         covered = max(covered, end)
@@ -48,9 +48,12 @@ def _labels_from_ids(tokenizer, ids: list[int]) -> list[str]:
     start = 0
     for i in range(len(ids)):
         piece = tokenizer.decode(ids[start:i + 1])
-        if piece.endswith("\ufffd") and i + 1 < len(ids) and i - start < 3:  # a UTF-8 character has <= 4 bytes
+        # an unfinished UTF-8 character (<= 4 bytes) decodes as U+FFFD until its last byte: the next token's bytes
+        # join it (decoding the two together differs from decoding each); a U+FFFD of the text itself is whole
+        if piece.endswith("\ufffd") and i + 1 < len(ids) and i - start < 3 and \
+                tokenizer.decode(ids[start:i + 2]) != piece + tokenizer.decode(ids[i + 1:i + 2]):
             continue
         labels.append(piece)
-        labels += [_CONTINUATION + piece.strip()] * (i - start)
+        labels += [_CONTINUATION + (piece.strip() or piece)] * (i - start)
         start = i + 1
     return labels

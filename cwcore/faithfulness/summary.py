@@ -208,7 +208,7 @@ def aopc(frame: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
         rows.append(row)
     out = pd.DataFrame(rows)
     out = out.rename(columns={"n": {"sequence": "n_sequences", "document": "n_documents"}.get(unit, "n_examples")})
-    if unit == "document":
+    if unit == "document" and "sequence" in frame:  # a per-document table has no sequences to count
         out.insert(list(out.columns).index("n_documents"), "n_sequences", int(frame["sequence"].nunique()))
     return out
 

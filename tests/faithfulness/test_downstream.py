@@ -80,3 +80,20 @@ def test_downstream_reads_layers_as_the_other_entry_points_do():
     by_keyword = fa.faithfulness_curve(model, tokenizer, texts, "contribution", [0.5], "comprehensiveness",
                                        layers=[1], progress=False).per_sequence
     np.testing.assert_array_equal(by_object["nll"].to_numpy(), by_keyword["nll"].to_numpy())
+
+
+def test_a_list_of_datasets_is_one_task_each_named_by_task():
+    """Each Dataset of a list was labelled "task": their example ids overlapped, so the AOPC counted 5 examples
+    of 8 and the clean accuracy averaged 5."""
+    from cwcore import faithfulness as fa
+    from faith_helpers import mc_dataset, peaked_llama, word_tokenizer
+
+    tokenizer, model, data = word_tokenizer(), peaked_llama(0), mc_dataset()
+    parts = [data.select(range(3)), data.select(range(3, len(data)))]
+    kw = dict(per_example=True, progress=False)
+    with pytest.raises(ValueError, match="one distinct task name each"):
+        fa.downstream_eval(model, tokenizer, parts, "random", [0.5], "comprehensiveness", **kw)
+    table = fa.downstream_eval(model, tokenizer, parts, "random", [0.5], "comprehensiveness", task=["a", "b"], **kw)
+    assert table.groupby("task")["example"].nunique().to_dict() == {"a": 3, "b": len(data) - 3}
+    summary = fa.summarize_downstream(table)
+    assert summary.set_index("task")["n_examples"].to_dict() == {"a": 3, "b": len(data) - 3}

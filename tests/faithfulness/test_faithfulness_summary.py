@@ -163,3 +163,10 @@ def test_contribution_rollout_is_a_method_not_a_variant_of_the_contribution_rung
     assert ("value_weighted", "contribution_rollout") not in pairs
     assert ("value_weighted", "contribution") in pairs and ("value_weighted", "contribution_intra") in pairs
     assert ("random", "contribution_rollout") not in pairs
+
+
+def test_aopc_reads_a_per_document_table_without_sequences():
+    """aopc raised KeyError: 'sequence' on a per-document table that ladder_comparison accepts."""
+    table = _synthetic({"attention": [1.0, 2.0, 4.0]}).rename(columns={"sequence": "document"})
+    area = fa.aopc(table, n_bootstrap=50)
+    assert area.n_documents.item() == 3 and area.aopc_nll.item() == pytest.approx(7 / 6)
