@@ -324,6 +324,10 @@ def _read_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
                 given = sorted("config_name" if key == "name" else key for key in kwargs)
                 raise TypeError(f"{path} is a save_to_disk folder, read whole: it takes no extra arguments {given}")
             ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.Dataset) and split not in (None, "train"):  # it was read whole regardless
+                raise ValueError(f"{path} holds one Dataset, no split {split!r}: leave split out")
+            if isinstance(ds, datasets.DatasetDict) and split is not None and split not in ds:
+                raise ValueError(f"{path} has the split(s) {', '.join(ds)}, not {split!r}")
         else:
             ds = datasets.load_dataset(str(path), split=split, **kwargs)
         return _pick_split(ds, split, str(path))

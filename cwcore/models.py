@@ -485,6 +485,12 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
         if type(err).__name__ != "HFValidationError":
             raise
         raise ModelNotFoundError(_not_found_message(name, hub_problem)) from err
+    try:  # before the weights: a folder without tokenizer files failed after the load, in five lines
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+    except (OSError, ValueError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(f"{name}: no tokenizer could be loaded from it ({first[:200]}); a model folder "
+                                 "holds the tokenizer's files too, as tokenizer.save_pretrained writes them") from err
     model_class = AutoModelForCausalLM if _has_lm_head(config) else AutoModel
     if getattr(config, "is_encoder_decoder", False):  # BART's decoder alone as a causal LM: encoder dropped
         from transformers import AutoModelForSeq2SeqLM
@@ -501,7 +507,6 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
             f"{name}: {len(missing)} weights of {type(model).__name__} are not in the checkpoint "
             f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); they would be random: load the model "
             "yourself with the class its checkpoint was saved from and pass it to cwcore")
-    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     return model, tokenizer
 
 

@@ -535,6 +535,13 @@ def test_the_second_argument_is_a_hub_configuration_as_in_datasets(tmp_path, mon
     with pytest.raises(TypeError, match=r"save_to_disk folder, read whole: it takes no extra arguments "
                                         r"\['config_name'\]"):
         load_dataset(str(saved), "plain")
+    # one saved Dataset has no splits: split='test' returned all its rows; a DatasetDict names its own
+    with pytest.raises(ValueError, match="holds one Dataset, no split 'test'"):
+        load_dataset(str(saved), split="test")
+    both = tmp_path / "both"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"]})}).save_to_disk(str(both))
+    with pytest.raises(ValueError, match="has the split\\(s\\) train, not 'nonsense'"):
+        load_dataset(str(both), split="nonsense")
     assert calls == [(("wikitext", "wikitext-2-raw-v1"), {"split": "test"}),
                      (("imdb", None), {"split": "test", "revision": "main"})]  # local data never reached the hub
 

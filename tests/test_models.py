@@ -605,3 +605,16 @@ def test_a_model_loaded_with_sdpa_decomposes_as_its_eager_load(tmp_path):
                                    rtol=1e-4, atol=1e-5, equal_nan=True)
     with pytest.raises(ValueError, match="attn_implementation must be one of 'eager', 'sdpa'"):
         models.load_model(str(folder), attn_implementation="flash_attention_2")
+
+
+def test_a_folder_without_tokenizer_files_is_refused_in_one_sentence_before_the_weights_load(tmp_path, monkeypatch):
+    tiny_llama().save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded first")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(ValueError, match="no tokenizer could be loaded from it") as caught:
+        load_model(tmp_path)
+    assert "\n" not in str(caught.value)

@@ -204,6 +204,11 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
         else:
             inputs["attention_mask"] = check_attention_mask(mask, reference.shape[:2], caller=caller)
     limit = context_length(model)
+    cached = cached_length(inputs) if reference is not None else 0
+    if reference is not None and limit is not None and cached and cached + reference.shape[1] > limit:
+        # the cached tokens take positions too (60 cached + 10 new failed inside the embedding, 19 frames deep)
+        raise InputError(f"{caller}: {cached} cached and {reference.shape[1]} new tokens make "
+                         f"{cached + reference.shape[1]}, but {type(model).__name__} was built for at most {limit}")
     if reference is not None and limit is not None and reference.shape[1] > limit:
         if not truncate:
             raise InputError(f"{caller}: the input has {reference.shape[1]} tokens but {type(model).__name__} was built "

@@ -173,3 +173,19 @@ def test_truncate_keeps_the_first_tokens_of_every_per_token_input_labels_include
     torch.testing.assert_close(got[1].contribution("inter"), expected[1].contribution("inter"), rtol=0, atol=0)
     with pytest.raises(cwcore.core.inputs.InputError, match="70 tokens but GPT2LMHeadModel was built for at most 64"):
         cwcore.decompose(gpt2, input_ids=ids)
+
+
+def test_cached_and_new_tokens_beyond_the_context_are_refused_in_one_sentence():
+    """60 cached + 10 new tokens on a 64-position GPT-2 failed inside the position embedding; the same 70 tokens
+    without a cache were refused."""
+    from transformers import DynamicCache
+
+    model = tiny_model("gpt2")
+    limit = model.config.n_positions
+    ids = torch.randint(0, VOCAB, (1, limit - 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True).past_key_values
+    new = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=f"{limit - 4} cached and 10 new tokens make {limit + 6}, but GPT2LMHeadModel "
+                                         f"was built for at most {limit}"):
+        cwcore.decompose(model, input_ids=new, past_key_values=cache)
