@@ -333,6 +333,8 @@ def _read_local(path: Path, split: str | None, **kwargs) -> datasets.Dataset:
         return _pick_split(ds, split, str(path))
     if split not in (None, "train"):
         raise ValueError(f"a local file has a single split 'train', not '{split}'")
+    if path.stat().st_size == 0:  # each builder failed in its own way (StopIteration, ArrowInvalid, ...)
+        raise ValueError(f"{path} is empty: it holds no documents")
     builder = _LOCAL_EXTENSIONS[path.suffix.lower()]
     if builder == "text":
         if kwargs:  # read whole, one document per file or blank-line block: an argument would be dropped
@@ -575,7 +577,7 @@ def document_blocks(
         n = len(items)
 
         def texts_of(index):
-            return [items[i][text_column] if isinstance(items[i], Mapping) else items[i] for i in index]
+            return [_text_of(items[i], text_column) for i in index]
     excluded = set()
     for i in exclude:  # a row index of the data set: -1 or 1.5 were read as something else, 999 ignored
         if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < n:
@@ -609,6 +611,16 @@ def document_blocks(
     return _blocks_dataset(blocks, block_size, document=documents)
 
 
+def _text_of(item, text_column: str):
+    """A record's text (a string is its own), or one sentence naming the missing field (a bare KeyError)."""
+    if not isinstance(item, Mapping):
+        return item
+    if text_column not in item:
+        raise ValueError(f"a record has no field '{text_column}' (it has {', '.join(map(str, item))}): pass "
+                         "text_column=...")
+    return item[text_column]
+
+
 def _refuse_container(dataset) -> None:
     """A string, a mapping, a ``DatasetDict`` or a DataFrame is not a sequence of documents: iterating one gives
     its characters, keys or column names, which were taken for the documents."""
@@ -632,7 +644,7 @@ def _text_batches(dataset, text_column: str, batch: int = 256) -> Iterator[list[
         return
     chunk: list[str] = []
     for item in dataset:
-        chunk.append(item[text_column] if isinstance(item, Mapping) else item)
+        chunk.append(_text_of(item, text_column))
         if len(chunk) == batch:
             yield chunk
             chunk = []

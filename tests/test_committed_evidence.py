@@ -217,3 +217,17 @@ def test_a_half_pair_is_refused_by_the_tables_and_the_verifier_and_a_lost_chapte
     table = findings.findings_csv(out, ["gemma3-270m"], "evidence")
     lost = table[table["measured"].astype(str).str.contains("chapter 5 was not built")]
     assert len(lost) and set(lost["verdict"]) == {"not measured"}
+
+
+def test_a_frames_json_that_would_change_its_values_or_drop_a_column_is_refused(evidence):
+    """dtypes.nll = "int64" read 7.078 as 7 and was accepted; columns without clean_correct dropped it."""
+    csv, js = ef.frame_paths(ef.DOWNSTREAM, MODEL, "mmlu", evidence)
+    meta = json.loads(js.read_text())
+    js.write_text(json.dumps({**meta, "dtypes": {**meta["dtypes"], "nll": "int64"}}))
+    with pytest.raises(CommittedFileError, match="records column nll as int64, which would change its values"):
+        ef.read_frame(ef.DOWNSTREAM, MODEL, "mmlu", evidence)
+    js.write_text(json.dumps({**meta, "columns": [c for c in meta["columns"] if c != "clean_correct"]}))
+    with pytest.raises(CommittedFileError, match="are not the ones its JSON records"):
+        ef.read_frame(ef.DOWNSTREAM, MODEL, "mmlu", evidence)
+    js.write_text(json.dumps(meta))
+    assert ef.read_frame(ef.DOWNSTREAM, MODEL, "mmlu", evidence)[0]["nll"].dtype == "float64"  # the control

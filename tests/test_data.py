@@ -575,3 +575,16 @@ def test_a_text_file_with_a_byte_order_mark_reads_without_it(tmp_path):
     path = tmp_path / "docs.txt"
     path.write_bytes("\ufeffHello world.\n\nSecond one.\n".encode("utf-8"))
     assert load_dataset(str(path))["text"] == ["Hello world.", "Second one."]
+
+
+def test_a_record_without_the_text_field_and_an_empty_file_are_refused_in_one_sentence(tiny, tmp_path):
+    records = [{"body": "the cat sat on the mat " * 4}] * 3
+    for build in (lm_blocks, data.document_blocks):
+        with pytest.raises(ValueError, match="a record has no field 'text' \\(it has body\\)"):
+            build(records, tiny, block_size=8)
+    assert len(lm_blocks(records, tiny, block_size=8, text_column="body")) > 0
+    for suffix in (".jsonl", ".csv", ".txt"):
+        path = tmp_path / f"empty{suffix}"
+        path.write_text("")
+        with pytest.raises(ValueError, match="is empty: it holds no documents"):
+            load_dataset(str(path))

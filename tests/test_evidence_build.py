@@ -251,6 +251,22 @@ def test_a_perturbed_or_incomplete_committed_cell_is_recomputed(cell, tmp_path, 
     pd.testing.assert_frame_equal(got, rows)
 
 
+def test_a_refused_export_is_refused_before_any_document_is_computed(cell, tmp_path, monkeypatch):
+    """A torn pair (a kill between merge_cell's two writes) was taken for "computing the cell": 16 documents
+    were swept, then the first merge into the same export was refused, on every rerun."""
+    from cwbook.evidence_files import CommittedFileError
+
+    model, blocks, rows = cell
+    _commit(rows, tmp_path / "out")
+    csv, _ = ee.paths("tiny", "toy", tmp_path / "out")
+    table = pd.read_csv(csv)
+    table.loc[0, "nll"] += 1.0
+    table.to_csv(csv, index=False, float_format="%.8g", compression={"method": "gzip", "mtime": 0})
+    with pytest.raises(CommittedFileError, match="none can be merged into it: restore it from git"):
+        _run(model, blocks, tmp_path / "out", tmp_path, monkeypatch)
+    assert not (tmp_path / "cells").exists() or not list((tmp_path / "cells").iterdir())
+
+
 def test_the_evidence_profile_builds_through_build_evidence(monkeypatch):
     import cwbook as book
 

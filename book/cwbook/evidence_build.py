@@ -163,7 +163,11 @@ def ladder_cell(lm, tokenizer, blocks, metrics, ratios, *, model: str, data: str
     every_slice = checkpoint_documents(checkpoint, batch)
     seeds = evidence.extra_seed_labels(metrics, seed, kwargs.get("random_seeds", 1))
     labels = [*metrics, *seeds]
-    look = dict(**same, exports=exports, variant=variant, multiple=batch, found=_read_or_refused(model, data, exports))
+    found = _read_or_refused(model, data, exports)
+    if isinstance(found, CommittedFileError):  # every merge into it would be refused after the work (16 documents)
+        raise CommittedFileError(f"{found}; the cells of {model} {data} share that export, so none can be merged "
+                                 "into it: restore it from git (or move both files aside), then run again")
+    look = dict(**same, exports=exports, variant=variant, multiple=batch, found=found)
     whole, held_whole, why = committed_documents(model, data, protocol, documents, labels, ratios, importances, **look)
     base, held = whole, held_whole
     if seeds:

@@ -333,10 +333,23 @@ def read_frame(kind: FrameKind, model: str, data: str | None = None,
     dtypes = meta.get("dtypes", {})
     text = [c for c, t in dtypes.items() if t in ("str", "object", "string")]
     table = pd.read_csv(io.BytesIO(data_bytes), dtype={c: str for c in text}, compression="gzip")
+    if set(meta.get("columns", table.columns)) != set(table.columns) or set(dtypes) - set(table.columns):
+        raise CommittedFileError(f"{csv.name}: its columns {sorted(table.columns)} are not the ones its JSON records "
+                                 f"({sorted(meta.get('columns', []))})")  # a column dropped without a word
     for column, dtype in dtypes.items():
         if column in text:
             table[column] = table[column].astype(object).fillna("").infer_objects()
-        table[column] = table[column].astype(dtype)
+            continue
+        try:
+            cast = table[column].astype(dtype)
+        except (TypeError, ValueError) as err:
+            raise CommittedFileError(f"{csv.name}: column {column} is not {dtype} ({err})") from None
+        numeric = pd.api.types.is_numeric_dtype(table[column]) and pd.api.types.is_numeric_dtype(cast)
+        if numeric and not np.array_equal(cast.to_numpy(np.float64), table[column].to_numpy(np.float64),
+                                          equal_nan=True):  # nll recorded as int64 read 7.078 as 7
+            raise CommittedFileError(f"{csv.name}: its JSON records column {column} as {dtype}, which would change "
+                                     "its values")
+        table[column] = cast
     table = table[meta.get("columns", list(table.columns))]
     _check_frame(kind, table, meta, csv.name)
     return table, meta
