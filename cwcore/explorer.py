@@ -473,8 +473,9 @@ function controls() {
   var note = "Grey: keys the query cannot see. Signed quantities (c, cosine, DLA) use a diverging scale centred at zero; " +
     "the others run from zero (white). Relative norm, cosine and intra-head weights are per head; the token-level view " +
     "averages attention over heads and sums the rest. o_i is the layer's output without the output projection's bias. ";
-  note += A.dla ? "DLA: the logit push of the term α_ij ṽ_j toward " + (meta.targets_given ? "the query's target token " +
-    "(given; the tooltip names it)" : "the query's next token (the model's top prediction at the last position)") +
+  note += A.dla ? "DLA: the logit push of the term α_ij ṽ_j toward " + (meta.targets_given ?
+    "the query's target token (given; the tooltip names it)" :
+    "the query's next token (the model's top prediction at the last position)") +
     " along the direct path, later layers skipped, final norm's scale frozen at this run's value."
     : "No DLA view: " + (meta.dla_note || "the model has no language-model head") + ".";
   Object.keys(meta.undecomposable || {}).forEach(function (l) {

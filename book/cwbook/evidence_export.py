@@ -423,7 +423,8 @@ def _check_export(table: pd.DataFrame, meta: dict, name: str) -> None:
         seeded = rows["metric"].astype(str).str.startswith(evidence.RANDOM_PREFIX)
         per_combination = rows[~seeded].groupby(["importance", "metric", "mode", "ratio"])["document"].nunique()
         # every combination the JSON names, not only those present: a metric lost at one ratio moved verdicts
-        metrics = [m for m in record.get("metrics", meta.get("metrics", [])) if not m.startswith(evidence.RANDOM_PREFIX)]
+        metrics = [m for m in record.get("metrics", meta.get("metrics", []))
+                   if not m.startswith(evidence.RANDOM_PREFIX)]
         expected = pd.MultiIndex.from_product([meta.get("importances", sorted(set(rows["importance"]))), metrics,
                                                meta.get("modes", sorted(set(rows["mode"]))),
                                                [float(r) for r in meta.get("ratios", sorted(set(rows["ratio"])))]],
