@@ -989,3 +989,19 @@ def test_findings_of_a_folder_elsewhere_pair_with_its_own_sibling_never_the_comm
     assert ee.sample_folders(findings.CONFIRMATORY_DIR, registration.CONFIRMATORY) == (findings.EVIDENCE_DIR,
                                                                                          findings.CONFIRMATORY_DIR)
     assert ee.sample_folders(findings.EVIDENCE_DIR, "evidence") == (findings.EVIDENCE_DIR, findings.CONFIRMATORY_DIR)
+
+
+def test_an_export_that_would_lose_committed_cells_or_their_documents_is_refused(cell, tmp_path):
+    """The README's hand command (--documents 8) replaced a 64-document cell with 8 and dropped the other cells
+    of the sample; --ratios 0.05 kept 1 of 12 ratios; each wrote a pair its own reader refused, or worse."""
+    _, _, rows = cell
+    table = rows.assign(data="toy", model="tiny", delta_nll=rows["nll"] - rows["clean_nll"])
+    committed = pd.concat([table.assign(variant="token-unit"), table], ignore_index=True)
+    sample = {"profile": "evidence", "seq_len": 12, "seed": 0, "dtype": "float32", "document_ids": [7, 3, 11, 5]}
+    assert ee.lost_by_replacing(table, dict(sample), committed, dict(sample)) == []  # the same run: nothing lost
+    fewer = table[table["document"].isin([7, 3])]
+    assert ee.lost_by_replacing(fewer, {**sample, "document_ids": [7, 3]}, committed, dict(sample)) == [
+        "cell default holds 2 documents the run lacks", "cells default/token-unit ran with another document_ids"]
+    narrower = table[table["ratio"] == RATIOS[0]]
+    assert ee.lost_by_replacing(narrower, dict(sample), committed, dict(sample)) == [
+        "cell default holds 1 ratios the run lacks"]

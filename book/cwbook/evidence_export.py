@@ -167,6 +167,10 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     csv, js = paths(model, data, out)
     found = read_committed(model, data, out)
     if found is not None:
+        lost = lost_by_replacing(table, meta, *found)
+        if lost:  # the README's hand command dropped 3 of 4 finished cells and left a pair its reader refused
+            raise ValueError(f"{model} {data}: writing this run to {csv.parent} would lose committed evidence "
+                             f"({'; '.join(lost)}); write it to another --out folder")
         if found[1].get("cells"):  # the cells merged while the build ran keep their commit
             meta["cells"] = found[1]["cells"]
         table, meta = keep_other_cells(table, meta, *found)
@@ -174,6 +178,30 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     if not _write(csv, js, table, meta):
         print(f"{model} {data}: the export holds these rows already: left as it is")
     return csv, js
+
+
+def lost_by_replacing(table: pd.DataFrame, meta: dict, committed: pd.DataFrame, committed_meta: dict) -> list[str]:
+    """What writing ``table`` over the ``committed`` export would lose, one phrase each: a cell the run
+    replaces with fewer documents, ratios, metrics or importances than it holds, and the other cells when the
+    run's sample differs (:func:`keep_other_cells` would drop them)."""
+    lost = []
+    cells_of = {name: rows for name, rows in committed.groupby(
+        [cell_name(p, v) for p, v in zip(committed["protocol"], committed["variant"])])}
+    for name, rows in table.groupby([cell_name(p, v) for p, v in zip(table["protocol"], table["variant"])]):
+        held = cells_of.get(name)
+        if held is None:
+            continue
+        for column in ("document", "ratio", "metric", "importance"):
+            missing = set(held[column]) - set(rows[column])
+            if missing:
+                lost.append(f"cell {name} holds {len(missing)} {column}s the run lacks")
+    ran = {cell_name(p, v) for p, v in zip(table["protocol"], table["variant"])}
+    others = sorted(set(cells_of) - ran)
+    differ = [k for k in ("profile", "seq_len", "seed", "dtype", "document_ids")
+              if committed_meta.get(k) != meta.get(k)]
+    if others and differ:
+        lost.append(f"cells {', '.join(others)} ran with another {', '.join(differ)}")
+    return lost
 
 
 def keep_other_cells(table: pd.DataFrame, meta: dict, committed: pd.DataFrame,
