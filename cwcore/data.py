@@ -363,9 +363,11 @@ def _unknown(name: str, why: str) -> ValueError:
 # public loader
 def _check_limit(limit, seed) -> None:
     """Refuse a bad ``limit`` or ``seed`` in one sentence, before any loading."""
+    from .core.inputs import is_seed
+
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 0):
         raise ValueError(f"limit must be a non-negative integer or None, got {limit!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+    if seed is not None and not is_seed(seed):
         raise ValueError(f"seed must be a non-negative integer or None (the first rows), got {seed!r}")
 
 
@@ -563,7 +565,9 @@ def document_blocks(
     ``attention_mask`` and ``document`` (the row index in ``dataset``), in the order drawn."""
     block_size, bos, body, tail = _block_layout(tokenizer, block_size, add_bos, num_documents, "num_documents")
     _refuse_container(dataset)
-    if seed is None or isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+    from .core.inputs import is_seed
+
+    if not is_seed(seed):
         raise TypeError(f"seed must be a non-negative int (the draw is numpy.random.default_rng(seed)), got {seed!r}")
     if isinstance(dataset, datasets.Dataset):
         if text_column not in dataset.column_names:

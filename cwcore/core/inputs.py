@@ -227,6 +227,12 @@ def _is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_seed(value) -> bool:
+    """A random seed: a non-negative int (or numpy integer), not a bool. The one rule; each caller says in its
+    own sentence what the seed draws."""
+    return _is_integer(value) and value >= 0
+
+
 def is_integer_number(value) -> bool:
     """An int, a numpy integer (what a DataFrame's integer column yields) or a 0-d integer tensor; not a bool."""
     if isinstance(value, torch.Tensor):

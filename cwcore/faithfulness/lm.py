@@ -6,7 +6,6 @@ predicts token t+1, both real), PPL = exp(NLL); deltas are intervened minus clea
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Sequence
 
 import datasets
@@ -15,7 +14,8 @@ import torch
 from torch import nn
 
 from ..core.architectures import input_device
-from ..core.inputs import InputError, check_count, check_sweep_arguments, check_texts, check_token_sequences
+from ..core.inputs import (InputError, check_count, check_sweep_arguments, check_texts, check_token_sequences,
+                           is_integer_number)
 from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .result import FaithfulnessResult
@@ -124,8 +124,7 @@ def _documents(texts, ids: list[int]) -> list[int]:
         return list(ids)
     if len(given) != len(ids):  # zip would leave sequences without a document: NaN units, dropped by the summaries
         raise ValueError(f"'document' holds {len(given)} values for {len(ids)} sequences: give one per sequence")
-    if any(isinstance(d, bool) or not (isinstance(d, numbers.Integral) or isinstance(d, float) and d.is_integer())
-           for d in given):
+    if any(not (is_integer_number(d) or isinstance(d, float) and d.is_integer()) for d in given):
         raise ValueError(f"'document' must hold integer document ids, got {given[:8]}")
     return [int(d) for d in given]
 

@@ -8,7 +8,6 @@ protocol needs from a model's config.
 
 from __future__ import annotations
 
-import numbers
 import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
@@ -16,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from ..core.decomposition import METRICS
-from ..core.inputs import InputTypeError, is_integer_number
+from ..core.inputs import InputTypeError, is_integer_number, is_seed
 from . import methods as _methods
 from .ranking import MODES, SCOPES, UNITS, layer_windows, num_heads  # noqa: F401  (re-exported)
 
@@ -148,7 +147,7 @@ class Protocol:
             raise ValueError(f"removal must be one of {REMOVALS}, not {self.removal!r}")
         if not isinstance(self.keep_first_token, bool):  # "False" is truthy: the opposite protocol ran
             raise TypeError(f"keep_first_token must be True or False, not {self.keep_first_token!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not 0 <= self.seed < 2 ** 63:
+        if not is_seed(self.seed) or self.seed >= 2 ** 63:
             raise TypeError(f"seed must be an int in 0 .. 2**63 - 1, not {self.seed!r}")
         if self.layers is not None:
             layers = [self.layers] if isinstance(self.layers, (int, str, float)) else list(self.layers)

@@ -120,7 +120,9 @@ def count(name: str, minimum: int = 1, allow_none: bool = False) -> Callable[[An
 
 
 def _seed(value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    from ..core.inputs import is_seed
+
+    if not is_seed(value):
         raise TypeError(f"seed must be a non-negative integer, got {value!r}")
     return int(value)
 
