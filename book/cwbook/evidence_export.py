@@ -180,6 +180,10 @@ def export(profile: str, model: str, data: str, n_documents: int, protocols: Seq
     return csv, js
 
 
+#: what two exports of one (model, data) must share for their cells to stand in one file
+SAME_SAMPLE = ("profile", "seq_len", "seed", "dtype", "document_ids")
+
+
 def lost_by_replacing(table: pd.DataFrame, meta: dict, committed: pd.DataFrame, committed_meta: dict) -> list[str]:
     """What writing ``table`` over the ``committed`` export would lose, one phrase each: a cell the run
     replaces with fewer documents, ratios, metrics or importances than it holds, and the other cells when the
@@ -197,8 +201,7 @@ def lost_by_replacing(table: pd.DataFrame, meta: dict, committed: pd.DataFrame, 
                 lost.append(f"cell {name} holds {len(missing)} {column}s the run lacks")
     ran = {cell_name(p, v) for p, v in zip(table["protocol"], table["variant"])}
     others = sorted(set(cells_of) - ran)
-    differ = [k for k in ("profile", "seq_len", "seed", "dtype", "document_ids")
-              if committed_meta.get(k) != meta.get(k)]
+    differ = [k for k in SAME_SAMPLE if committed_meta.get(k) != meta.get(k)]
     if others and differ:
         lost.append(f"cells {', '.join(others)} ran with another {', '.join(differ)}")
     return lost
@@ -214,8 +217,7 @@ def keep_other_cells(table: pd.DataFrame, meta: dict, committed: pd.DataFrame,
     if other.empty:
         return table, meta
     names = sorted({cell_name(p, v) for p, v in zip(other["protocol"], other["variant"])})
-    same = ("profile", "seq_len", "seed", "dtype", "document_ids")
-    differ = [k for k in same if committed_meta.get(k) != meta.get(k)]
+    differ = [k for k in SAME_SAMPLE if committed_meta.get(k) != meta.get(k)]
     if differ:
         print(f"{meta['model']} {meta['data']}: the committed cells {', '.join(names)} ran with another "
               f"{', '.join(differ)}: not kept in the new export")
