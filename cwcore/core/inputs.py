@@ -286,9 +286,14 @@ def check_compute_dtype(compute_dtype) -> torch.dtype:
 
 def check_mask(mask, shape: Iterable[int], layer: int) -> torch.Tensor:
     """An intervention mask for ``layer``: boolean (or 0/1 integers), broadcastable to ``shape`` = its
-    ``[batch, head, query, key]``."""
+    ``[batch, head, query, key]``. A 3-D mask must lead with 1: ``[n, query, key]`` could mean a batch or the
+    heads (broadcasting reads heads, so a batch as large as the head count would be taken silently)."""
     shape = tuple(shape)
     mask = torch.as_tensor(mask)
+    if mask.dim() == 3 and mask.shape[0] != 1:
+        raise InputError(f"masks[{layer}] has shape {tuple(mask.shape)}: a 3-D mask is ambiguous ([batch, query, key] "
+                         "or [head, query, key]); give it 4-D, mask[:, None] for one per sequence or mask[None] for "
+                         "one per head")
     if mask.dtype != torch.bool:
         if mask.dtype.is_floating_point or mask.is_complex():
             raise InputTypeError(f"masks[{layer}] must be boolean (True = remove) or 0/1 integers, got {mask.dtype}")

@@ -287,3 +287,28 @@ def test_mask_keys_of_any_integer_type_name_their_layer():
 
     with pytest.raises(TypeError, match="skip_first_token must be True or False"):
         mean_values(model, ids, skip_first_token="no")
+
+
+def test_a_three_dimensional_mask_is_refused_as_ambiguous():
+    """``[n, query, key]`` broadcast as ``[head, query, key]``: a per-sequence mask of a batch as large as the
+    head count (4 here) removed each sequence's terms from the wrong head, silently. The 4-D spellings decide."""
+    model = tiny_model("llama")
+    heads, _ = _heads(model)
+    ids = _ids(batch=heads, length=6)
+    per_sequence = torch.zeros(heads, 6, 6, dtype=torch.bool)
+    for row in range(heads):
+        per_sequence[row, :, row + 1] = True  # sequence b loses key b + 1 in every head
+    with pytest.raises(ValueError, match="3-D mask is ambiguous"):
+        cwcore.intervene(model, {0: per_sequence}).__enter__()
+    with pytest.raises(ValueError, match="3-D mask is ambiguous"), cwcore.intervene(model, {0: lambda _: per_sequence}):
+        model(input_ids=ids)
+    with torch.no_grad(), cwcore.intervene(model, {0: per_sequence[:, None]}):
+        batched = model(input_ids=ids).logits
+    for row in range(heads):  # the reference: each sequence alone with its own 2-D mask
+        with torch.no_grad(), cwcore.intervene(model, {0: per_sequence[row]}):
+            alone = model(input_ids=ids[row:row + 1]).logits
+        torch.testing.assert_close(batched[row:row + 1], alone, rtol=RTOL, atol=ATOL)
+    with torch.no_grad(), cwcore.intervene(model, {0: per_sequence[:1]}):  # a leading 1 stays unambiguous
+        one = model(input_ids=ids).logits
+    with torch.no_grad(), cwcore.intervene(model, {0: per_sequence[0]}):
+        torch.testing.assert_close(model(input_ids=ids).logits, one, rtol=0, atol=0)
