@@ -87,6 +87,9 @@ def resolve_dtype(dtype: Any = None):
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in {getattr(torch, name) for name in _DTYPES_BY_NAME.values()}:  # float8, integers: failed late
+            raise ValueError(f"dtype {dtype} cannot hold a model for analysis: use one of float32, bfloat16, float16 "
+                             "or float64")
         return dtype
     if isinstance(dtype, str):
         key = dtype.strip().lower().removeprefix("torch.")
@@ -198,9 +201,10 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
     """Load a model and its tokenizer for analysis: ``(model, tokenizer)``.
 
     ``name``: a packaged model (:data:`PACKAGED_MODELS`, before a local folder of that name: write
-    "./minilm-l6"), a local folder or a hub id. ``dtype``: None (float32), a torch dtype or its name;
-    ``device``: None (cpu) or a device; other keywords (``device_map``, ``revision``, ...) go to
-    ``from_pretrained``. ``variant="requantized"`` (or ``"<packaged>-requantized"``) requantises a
+    "./minilm-l6"), a local folder (``~`` expanded) or a hub id. ``dtype``: None (float32), float32, bfloat16,
+    float16 or float64, as a torch dtype or its name; ``device``: None (cpu) or a device; other keywords
+    (``device_map``, ``revision``, ``config``, config overrides such as ``num_hidden_layers=1``, ...) go to
+    ``from_pretrained``, which reads them as transformers does. ``variant="requantized"`` (or ``"<packaged>-requantized"``) requantises a
     packaged GGUF model with another 4-bit scheme (:data:`VARIANTS`). The model is a causal LM, or the
     bare encoder without an LM head, in eval mode with eager attention (``attn_implementation="sdpa"``: a
     session keeps the model's SDPA forward, except in the layers an intervention changes). Raises
@@ -229,7 +233,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
             raise ValueError("device='meta' holds shapes, not weights: a decomposition needs the model's numbers; "
                              "load on 'cpu' or a GPU (device_map='auto' offloads what does not fit)")
         available = {"cuda": torch.cuda.is_available,
-                     "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+                     "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+                     "xpu": lambda: getattr(torch, "xpu", None) is not None and torch.xpu.is_available()}
         if device.type in available and not available[device.type]():
             raise ValueError(f"device={str(device)!r}: this torch ({torch.__version__}) has no {device.type} device "
                              "available; load on 'cpu', or install a torch build for that device")
@@ -256,11 +261,14 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
         model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
         hub_only = _download_options(kwargs, keep=("subfolder",))  # a subfolder of a local folder is read
-        if hub_only and os.path.isdir(os.fspath(name)):  # from_pretrained reads a folder as it is, dropping them
+        if hub_only and os.path.isdir(os.path.expanduser(os.fspath(name))):  # from_pretrained reads a folder as it is, dropping them
             raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to the local "
                              f"folder {os.fspath(name)!r}, which is read as it is; load a hub id to choose a revision, "
                              "a token or a hub cache")
-        model, tokenizer = _load_from_hub_or_folder(os.fspath(name), torch_dtype, kwargs)
+        path = os.fspath(name)
+        # "~/folder" is a path (no hub id starts with "~"): from_pretrained would look it up on the hub
+        model, tokenizer = _load_from_hub_or_folder(os.path.expanduser(path) if path.startswith("~") else path,
+                                                    torch_dtype, kwargs)
     if torch_dtype == torch.float16 and str(model.config.model_type).startswith("gemma3"):
         warnings.warn("Gemma 3's residual stream grows past the float16 range (about 1e5 > 65504 "
                       "in gemma3-270m) and its outputs become NaN; use bfloat16 or float32",
@@ -457,10 +465,14 @@ def _load_packaged(key: str, torch_dtype, kwargs: dict, variant: str | None = No
 
 # --------------------------------------------------------------------------- hub and local folders
 def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
     kwargs = dict(kwargs)
     trust_remote_code = bool(kwargs.pop("trust_remote_code", False))
+    user_config = kwargs.pop("config", None)
+    if user_config is not None and not isinstance(user_config, PretrainedConfig):
+        raise TypeError(f"config must be a transformers PretrainedConfig (AutoConfig.from_pretrained(...)), "
+                        f"not {type(user_config).__name__}")
     kwargs.setdefault("use_safetensors", True)
     hub_problem = None
     if os.path.isdir(name) and not kwargs.get("subfolder") and not os.path.isfile(os.path.join(name, "config.json")):
@@ -478,7 +490,7 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
             hub_problem = "the hub is not reachable"
     shared = {k: kwargs[k] for k in _SHARED_HUB_KWARGS if k in kwargs}
     try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+        config = user_config or AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
     except OSError as err:
         raise ModelNotFoundError(_not_found_message(name, hub_problem)) from err
     except ValueError as err:  # huggingface_hub's HFValidationError: not a valid repo id
@@ -498,8 +510,11 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
 
         model_class = AutoModelForSeq2SeqLM if config.model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES \
             else AutoModel
-    model, loading = model_class.from_pretrained(name, config=config, dtype=torch_dtype,
-                                                 trust_remote_code=trust_remote_code, output_loading_info=True,
+    # without the user's config, from_pretrained reads it again and applies overrides such as num_hidden_layers=1
+    # (as transformers does); given our config, it passed them to the model's __init__, which refused them
+    model, loading = model_class.from_pretrained(name, dtype=torch_dtype, trust_remote_code=trust_remote_code,
+                                                 output_loading_info=True,
+                                                 **({} if user_config is None else {"config": user_config}),
                                                  **{"attn_implementation": "eager", **kwargs})
     missing = sorted(loading.get("missing_keys") or ())
     if missing:  # transformers initialises them at random and only logs it: two loads would differ

@@ -114,8 +114,9 @@ def test_dtype_names_resolve(given, expected):
     assert resolve_dtype(given) is expected
 
 
-@pytest.mark.parametrize("bad", ["float8", "int", 32, "auto"])
+@pytest.mark.parametrize("bad", ["float8", "int", 32, "auto", torch.float8_e4m3fn, torch.int64, torch.complex64])
 def test_unknown_dtype_is_rejected(bad):
+    # a torch.dtype object passed as it was: float8 failed deep in the load ("couldn't find storage object")
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype(bad)
 
@@ -450,6 +451,45 @@ def test_a_device_this_torch_lacks_is_one_sentence_before_the_load():
     with pytest.raises(ValueError, match=r"^device='cuda': this torch \(.*\) has no cuda device available; load on "
                                          r"'cpu', or install a torch build for that device$"):
         load_model("smollm2-135m", device="cuda")
+
+
+@pytest.mark.skipif(getattr(torch, "xpu", None) is not None and torch.xpu.is_available(), reason="an XPU is there")
+def test_an_xpu_this_torch_lacks_is_one_sentence_before_the_load(monkeypatch):
+    # before: "Torch not compiled with XPU enabled" from .to(), after the whole load
+    import cwcore.models as models
+
+    monkeypatch.setattr(models, "_load_packaged", lambda *args: pytest.fail("loaded before the device was checked"))
+    with pytest.raises(ValueError, match=r"^device='xpu': this torch \(.*\) has no xpu device available"):
+        load_model("smollm2-135m", device="xpu")
+
+
+def test_a_folder_loads_as_transformers_loads_it_with_config_overrides_a_config_and_a_tilde(tmp_path, monkeypatch):
+    """``num_hidden_layers=1`` reached the model's __init__ (refused: "unexpected keyword argument") and
+    ``config=`` was passed twice ("multiple values"); ``~/folder`` was looked up on the hub. The reference is
+    transformers' own from_pretrained with the same arguments."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "tiny"
+    tiny_llama(tie=False).save_pretrained(folder)
+    tiny_tokenizer(with_pad=True).save_pretrained(folder)
+    ids = [3, 4, 5, 6, 7]
+    reference = AutoModelForCausalLM.from_pretrained(folder, num_hidden_layers=1, attn_implementation="eager").eval()
+    assert reference.config.num_hidden_layers == 1
+    model, _ = load_model(str(folder), num_hidden_layers=1)
+    assert model.config.num_hidden_layers == 1 and len(model.model.layers) == 1
+    torch.testing.assert_close(logits(model, ids), logits(reference, ids), rtol=0, atol=0)
+    config = AutoConfig.from_pretrained(folder)
+    config.num_hidden_layers = 1
+    model, _ = load_model(str(folder), config=config)
+    assert len(model.model.layers) == 1
+    torch.testing.assert_close(logits(model, ids), logits(reference, ids), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="^config must be a transformers PretrainedConfig"):
+        load_model(str(folder), config={"num_hidden_layers": 1})
+    monkeypatch.setenv("HOME", str(tmp_path))
+    whole, _ = load_model("~/tiny")
+    assert len(whole.model.layers) == 2
+    torch.testing.assert_close(logits(whole, ids), logits(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), ids),
+                               rtol=0, atol=0)
 
 
 def test_the_meta_device_is_refused_before_the_load():
