@@ -394,7 +394,7 @@ def missing_local_file(name: str) -> bool:
 
 
 def load_dataset(
-    name: str,
+    name: str | os.PathLike,
     config_name: str | None = None,
     *,
     split: str | None = None,
@@ -416,8 +416,10 @@ def load_dataset(
     files have none. ``limit``: at most ``limit`` rows; with ``seed`` the first ``limit`` of a seeded
     permutation, in their original order (a smaller limit gives a subset of a larger one), else the first
     ``limit`` rows."""
+    if isinstance(name, os.PathLike):  # a pathlib.Path, as datasets' own loaders take it
+        name = os.fspath(name)
     if not isinstance(name, str) or not name:
-        raise TypeError(f"name must be a non-empty string, got {name!r}")
+        raise TypeError(f"name must be a non-empty string or a path, got {name!r}")
     _check_limit(limit, seed)
     if config_name is not None and not isinstance(config_name, str):
         raise TypeError(f"config_name must be a string (a hub data set's configuration), got {config_name!r}")

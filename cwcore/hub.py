@@ -1,8 +1,8 @@
 """Whether the Hugging Face hub may and can be used: one answer for models and data sets alike.
 
 :func:`offline` reads ``HF_HUB_OFFLINE``, ``TRANSFORMERS_OFFLINE`` and ``HF_DATASETS_OFFLINE`` when
-asked; :func:`reachable` opens one TCP connection to the endpoint with a timeout (remembered a minute;
-skipped behind a proxy)."""
+asked; :func:`reachable` opens one TCP connection to the endpoint, or to the proxy the environment names
+for it (``HTTPS_PROXY``, ``NO_PROXY``, ... as urllib reads them), with a timeout (remembered a minute)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import os
 import socket
 import threading
 import time
+import urllib.request
 from urllib.parse import urlparse
 
 __all__ = ["OFFLINE_VARIABLES", "endpoint", "offline", "reachable", "usable"]
 
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
 _TRUE = {"1", "ON", "YES", "TRUE"}
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 _REMEMBER_SECONDS = 60.0
 _remembered: dict[str, tuple[float, bool]] = {}
 
@@ -42,17 +42,28 @@ def endpoint() -> str:
         return "https://huggingface.co"
 
 
-def reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub endpoint opens within ``timeout`` seconds."""
-    if any(os.environ.get(v) for v in _PROXY_VARIABLES):
-        return True
-    url = endpoint()
-    remembered = _remembered.get(url)
-    if remembered is not None and time.monotonic() - remembered[0] < _REMEMBER_SECONDS:
-        return remembered[1]
+def _first_hop(url: str) -> tuple[str, int]:
+    """``(host, port)`` a request for ``url`` connects to first: the proxy the environment names for its
+    scheme unless ``NO_PROXY`` bypasses the host, else the host itself."""
     parsed = urlparse(url)
     host = parsed.hostname or "huggingface.co"
     port = parsed.port or (80 if parsed.scheme == "http" else 443)
+    proxy = urllib.request.getproxies().get(parsed.scheme or "https") or urllib.request.getproxies().get("all")
+    if proxy and not urllib.request.proxy_bypass(host):
+        proxied = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+        if proxied.hostname:
+            return proxied.hostname, proxied.port or (443 if proxied.scheme == "https" else 80)
+    return host, port
+
+
+def reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub endpoint, or to the proxy that carries it, opens within ``timeout``
+    seconds (a dead proxy made transformers and datasets retry for about 25 s, then say "not found")."""
+    url = endpoint()
+    host, port = _first_hop(url)
+    remembered = _remembered.get(f"{url} {host}:{port}")
+    if remembered is not None and time.monotonic() - remembered[0] < _REMEMBER_SECONDS:
+        return remembered[1]
     ok: list[bool] = []
 
     def probe():  # in a thread: getaddrinfo has no timeout of its own
@@ -65,7 +76,7 @@ def reachable(timeout: float = 3.0) -> bool:
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
     thread.join(timeout + 0.5)
-    _remembered[url] = (time.monotonic(), bool(ok))
+    _remembered[f"{url} {host}:{port}"] = (time.monotonic(), bool(ok))
     return bool(ok)
 
 

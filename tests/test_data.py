@@ -266,6 +266,7 @@ def test_local_txt_and_jsonl(tmp_path):
     ds = load_dataset(str(txt))
     assert ds["text"] == ["first doc line one\nline two", "second doc", "third doc"]
     assert load_dataset(str(txt), limit=2, seed=None)["text"] == ds["text"][:2]
+    assert load_dataset(txt)["text"] == ds["text"]  # a pathlib.Path, as datasets takes it (it was refused)
 
     jl = tmp_path / "rows.jsonl"
     jl.write_text("".join(json.dumps({"text": f"doc {i}", "k": i}) + "\n" for i in range(5)), encoding="utf-8")
@@ -274,9 +275,55 @@ def test_local_txt_and_jsonl(tmp_path):
 
     with pytest.raises(FileNotFoundError):
         load_dataset(str(tmp_path / "missing.txt"))
+    with pytest.raises(FileNotFoundError):
+        load_dataset(tmp_path / "missing.txt")
     (tmp_path / "notes.md").write_text("x", encoding="utf-8")
     with pytest.raises(ValueError, match="unsupported"):
         load_dataset(str(tmp_path / "notes.md"))
+
+
+def test_a_dead_proxy_makes_the_hub_unreachable_at_once(monkeypatch):
+    """Behind ``HTTPS_PROXY`` the probe was skipped: a dead proxy cost about 25 s of datasets' retries, then
+    "not found on the Hugging Face hub". The probe now connects where a request would: the proxy, or the hub
+    itself where ``NO_PROXY`` bypasses it (a listening socket here stands for a live hub or proxy)."""
+    import socket
+    import time
+
+    from cwcore import hub
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(4)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, not listening: a connection is refused
+    live, dead = listening.getsockname()[1], closed.getsockname()[1]
+    try:
+        monkeypatch.setattr(hub, "_remembered", {})
+        for name in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setattr(hub, "endpoint", lambda: f"https://hub.example:{live}")
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{dead}")
+        assert hub._first_hop(hub.endpoint()) == ("127.0.0.1", dead)
+        assert hub.reachable(timeout=1.0) is False
+        monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{live}")  # no scheme, as people write it
+        assert hub.reachable(timeout=1.0) is True
+        monkeypatch.setattr(hub, "endpoint", lambda: f"http://127.0.0.1:{live}")  # NO_PROXY: straight to the hub
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead}")
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        assert hub._first_hop(hub.endpoint()) == ("127.0.0.1", live) and hub.reachable(timeout=1.0) is True
+        monkeypatch.delenv("NO_PROXY")
+        assert hub.reachable(timeout=1.0) is False
+
+        monkeypatch.setattr(hub, "endpoint", lambda: "https://huggingface.co")
+        monkeypatch.setattr(hub, "offline", lambda: False)
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{dead}")
+        started = time.monotonic()
+        with pytest.raises(ValueError, match="the Hugging Face hub is unreachable"):
+            load_dataset("someorg/someset")
+        assert time.monotonic() - started < 10
+    finally:
+        listening.close()
+        closed.close()
 
 
 # ---------------------------------------------------------------------------------------------
