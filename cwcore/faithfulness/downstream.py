@@ -111,7 +111,8 @@ def downstream_eval(
 
     Returns one row per (task, metric, mode, ratio): ``delta_ppl, ci_low, ci_high, delta_nll,
     nll_ci_low, nll_ci_high, accuracy, accuracy_ci_low, accuracy_ci_high, clean_accuracy, clean_ppl,
-    ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples)."""
+    ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples; accuracy's interval is
+    Wilson's score interval)."""
     refuse_removed("downstream_eval", protocol_keywords, ("cache", "cache_dir"))
     check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,

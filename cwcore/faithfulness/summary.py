@@ -95,7 +95,8 @@ def summarize(per_sequence: pd.DataFrame, n_bootstrap: int = 1000, confidence: f
 def summarize_downstream(per_example: pd.DataFrame, n_bootstrap: int = 1000, confidence: float = 0.95,
                          seed: int = 0) -> pd.DataFrame:
     """The summary of :func:`~cwcore.faithfulness.downstream_eval` from its per-example table, one row per
-    (task, point), with ``accuracy`` (and its interval), ``clean_accuracy`` and ``n_examples`` besides."""
+    (task, point), with ``accuracy`` (and its Wilson score interval), ``clean_accuracy`` and ``n_examples``
+    besides; the other intervals are percentile bootstraps over examples."""
     frame = _with_deltas(per_example)
     rows = []
     keys = _group_columns(frame)
@@ -106,7 +107,8 @@ def summarize_downstream(per_example: pd.DataFrame, n_bootstrap: int = 1000, con
             group = group.sort_values("example")
             d_ppl = _mean_interval(group["delta_ppl"].to_numpy(), n_bootstrap, confidence, seed)
             d_nll = _mean_interval(group["delta_nll"].to_numpy(), n_bootstrap, confidence, seed)
-            acc = _mean_interval(group["correct"].to_numpy(float), n_bootstrap, confidence, seed)
+            # a proportion: Wilson's interval (the bootstrap's collapsed to [0, 0] when every example was wrong)
+            acc = stats.share_ci(group["correct"].to_numpy(), confidence)
             rows.append({
                 **dict(zip(keys, key)),
                 "delta_ppl": d_ppl.estimate, "ci_low": d_ppl.low, "ci_high": d_ppl.high,

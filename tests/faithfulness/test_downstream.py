@@ -97,3 +97,31 @@ def test_a_list_of_datasets_is_one_task_each_named_by_task():
     assert table.groupby("task")["example"].nunique().to_dict() == {"a": 3, "b": len(data) - 3}
     summary = fa.summarize_downstream(table)
     assert summary.set_index("task")["n_examples"].to_dict() == {"a": 3, "b": len(data) - 3}
+
+
+def test_the_accuracy_interval_is_wilsons_and_never_collapses():
+    """The percentile bootstrap of 0/1 outcomes gave [0, 0] when every example was wrong (and [1, 1] when every one
+    was right); the reference is Wilson's score interval written out by hand."""
+    import math
+
+    import pandas as pd
+
+    from cwcore import faithfulness as fa
+
+    def wilson(k, n, z=1.959963984540054):
+        centre, half = (k + z * z / 2) / (n + z * z), z * math.sqrt(k * (n - k) / n + z * z / 4) / (n + z * z)
+        return centre - half, centre + half
+
+    rows = []
+    for example in range(20):
+        for ratio, correct in ((0.0, example < 7), (0.5, False)):
+            rows.append({"task": "t", "example": example, "metric": "m", "mode": "comprehensiveness", "ratio": ratio,
+                         "nll": 1.0 + ratio, "clean_nll": 1.0, "correct": correct, "clean_correct": example < 7,
+                         "n_removed": 0, "n_candidates": 10, "n_tokens": 1})
+    summary = fa.summarize_downstream(pd.DataFrame(rows), n_bootstrap=200).set_index("ratio")
+    for ratio, k in ((0.0, 7), (0.5, 0)):
+        low, high = wilson(k, 20)
+        assert summary.loc[ratio, "accuracy"] == k / 20
+        assert summary.loc[ratio, "accuracy_ci_low"] == pytest.approx(max(low, 0.0), abs=1e-12)
+        assert summary.loc[ratio, "accuracy_ci_high"] == pytest.approx(high, abs=1e-12)
+    assert summary.loc[0.5, "accuracy_ci_high"] > 0.15  # about 0.16: twenty wrong answers do not prove 0
