@@ -265,7 +265,8 @@ def share_ci(flags, confidence: float = 0.95) -> Interval:
 def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, confidence: float = 0.95) -> Interval:
     """Spearman's rho of the pairs (x, y) with a percentile bootstrap over pairs, or over whole ``clusters``
     (one label per pair, e.g. each head's layer). NaN where undefined (fewer than three pairs, a constant
-    variable; for the interval, fewer than :data:`MIN_CLUSTERS` clusters)."""
+    variable; for the interval, fewer than :data:`MIN_CLUSTERS` clusters). Resamples in which a variable is
+    constant (rho undefined: few pairs with ties) are left out of the interval, with or without clusters."""
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
     ok = np.isfinite(x) & np.isfinite(y)
@@ -299,7 +300,14 @@ def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, 
 
     result = _scipy_bootstrap((x, y), rho, paired=True, n_resamples=n_resamples, confidence_level=confidence,
                                     method="percentile", rng=np.random.default_rng(seed), vectorized=True, axis=-1)
-    return Interval(estimate, float(result.confidence_interval.low), float(result.confidence_interval.high))
+    low, high = result.confidence_interval
+    if not (np.isfinite(low) and np.isfinite(high)):  # a tied small sample: some resamples are constant, rho NaN
+        replicates = np.asarray(result.bootstrap_distribution, dtype=float)
+        replicates = replicates[np.isfinite(replicates)]  # left out, as the cluster path above leaves them out
+        if not len(replicates):
+            return Interval(estimate, _NAN, _NAN)
+        low, high = (float(bound[0]) for bound in percentile_interval(replicates[:, None], confidence))
+    return Interval(estimate, float(low), float(high))
 
 
 def _rowwise_spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -86,6 +86,31 @@ def test_spearman_matches_scipy():
     assert np.isnan(stats.spearman_ci([1, 2], [2, 1]).estimate)
 
 
+def test_spearman_of_a_small_tied_sample_leaves_constant_resamples_out_as_the_cluster_path_does():
+    """Five pairs with ties: a few resamples hold one y value, rho is undefined there, and the interval was
+    (nan, nan) beside a finite estimate. The reference: scipy's own bootstrap of scipy's spearmanr, the same
+    draws, with those resamples dropped; a sample without such resamples keeps scipy's interval exactly."""
+    x, y = np.array([1, 2, 3, 4, 5.0]), np.array([1, 1, 1, 2, 3.0])
+
+    def rho(a, b):
+        with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return sps.spearmanr(a, b).statistic
+
+    reference = sps.bootstrap((x, y), rho, paired=True, vectorized=False, n_resamples=500, method="percentile",
+                              rng=np.random.default_rng(2))
+    assert not np.isfinite(reference.confidence_interval.low)  # the case: scipy's interval is NaN
+    distribution = reference.bootstrap_distribution[np.isfinite(reference.bootstrap_distribution)]
+    got = stats.spearman_ci(x, y, n_resamples=500, seed=2)
+    assert got.estimate == pytest.approx(sps.spearmanr(x, y).statistic)
+    assert (got.low, got.high) == pytest.approx(tuple(np.percentile(distribution, [2.5, 97.5])), abs=1e-12)
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=40), rng.normal(size=40)
+    plain = sps.bootstrap((a, b), rho, paired=True, vectorized=False, n_resamples=300, method="percentile",
+                          rng=np.random.default_rng(4)).confidence_interval
+    assert tuple(stats.spearman_ci(a, b, n_resamples=300, seed=4))[1:] == pytest.approx(tuple(plain), abs=1e-12)
+
+
 def test_trapezoid_mean_and_min_detectable_effect():
     assert stats.trapezoid_mean([0.0, 0.5, 1.0], [0.0, 1.0, 0.0]) == pytest.approx(0.5)
     assert stats.trapezoid_mean([0.1, 0.3], [[1.0, 3.0]]) == pytest.approx([2.0])
