@@ -7,8 +7,9 @@ once with its default and check; ``help(cwcore.sinks.sink_rates)`` lists a funct
 
 ``data`` is text (a :class:`datasets.Dataset` with a ``text`` column or an iterable of strings, cut
 into blocks by :func:`cwcore.data.lm_blocks`, BOS prepended as ``add_bos`` says) or ready unpadded
-token blocks (a ``[sequence, position]`` tensor, rows with ``input_ids``, or a tokenizer's output with
-``input_ids`` and an all-ones ``attention_mask``; ``tokenizer`` may be None).
+token blocks (a ``[sequence, position]`` tensor, numpy array or list of equal-length id lists, rows with
+``input_ids``, or a tokenizer's output with ``input_ids`` and an all-ones ``attention_mask``; ``tokenizer``
+may be None).
 
 Conventions shared by all analyses:
 

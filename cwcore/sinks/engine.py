@@ -221,8 +221,19 @@ def token_blocks(
     cut into blocks of ``block_size`` tokens (None: :data:`TEXT_BLOCK_SIZE`); ready blocks keep their length, and
     a ``block_size`` other than it is refused (it would be ignored)."""
     ready = None
+    if isinstance(data, np.ndarray) and data.dtype.kind in "US":  # an array of texts
+        data = data.tolist()
     if isinstance(data, torch.Tensor):
         ready = data
+    elif isinstance(data, np.ndarray) or (  # ids as numpy, or as a list of lists: they were read as text
+            isinstance(data, (list, tuple)) and data
+            and all(isinstance(row, (list, tuple, np.ndarray, torch.Tensor)) for row in data)):
+        lengths = {len(row) for row in data}
+        if len(lengths) > 1:
+            raise ValueError(f"token blocks must all have one length, got lengths {sorted(lengths)}; text goes in "
+                             "as a string or a list of strings")
+        ready = torch.as_tensor(np.asarray([np.asarray(row) for row in data]) if not isinstance(data, np.ndarray)
+                                else data)
     elif isinstance(data, Mapping):  # a tokenizer's output: before, its keys were tokenised as text
         other = sorted(set(data) - {"input_ids", "attention_mask"})
         if "input_ids" not in data or other:

@@ -353,6 +353,21 @@ def test_a_tokenizers_output_is_read_as_token_blocks_not_tokenised_as_text():
         sinks.sink_rates(model, None, {"input_ids": ids, "token_type_ids": ids * 0}, progress=False)
 
 
+def test_ids_as_numpy_or_a_list_of_lists_are_token_blocks():
+    """A numpy array or a list of lists of ids was read as text: "text data needs a tokenizer" without one, and
+    with one each row was tokenised as text. The reference is the same ids as a tensor; ragged rows are refused."""
+    import numpy as np
+
+    model, ids = tiny_model("llama"), random_ids(n=3)
+    expected = sinks.sink_rates(model, None, ids, progress=False)
+    for given in (ids.numpy(), ids.numpy().astype(np.int32), ids.tolist(), [row for row in ids.numpy()]):
+        pd.testing.assert_frame_equal(sinks.sink_rates(model, None, given, progress=False), expected)
+    with pytest.raises(ValueError, match=r"token blocks must all have one length, got lengths \[3, 4\]"):
+        sinks.sink_rates(model, None, [[1, 2, 3, 4], [1, 2, 3]], progress=False)
+    with pytest.raises(TypeError, match="must hold integer token ids"):
+        sinks.sink_rates(model, None, ids.numpy().astype(float), progress=False)
+
+
 def test_run_analyses_refuses_what_none_of_its_analyses_reads_and_a_half_geometry():
     """run_analyses(['anti_alignment'], kind='inter') ran as without kind (sink_anti_alignment refuses it); a
     threshold with heads='all' too. compute_dtype=bfloat16 failed after the forward, float16 ran in half."""
