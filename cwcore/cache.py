@@ -113,6 +113,24 @@ def _canonical(value):
     return str(value)  # torch dtypes, paths, ...
 
 
+#: what a model or metric cwcore cannot fingerprint gets instead of a key (:func:`never_cached_identity`)
+_NEVER_CACHED = re.compile(r"uncached-[0-9a-f]{16}")
+
+
+def never_cached_identity() -> str:
+    """An identity no later call repeats, for a model or metric whose state cwcore cannot fingerprint: a run
+    whose parameters hold one reads and writes no piece (each would be stored under a key never asked again)."""
+    import uuid
+
+    return "uncached-" + uuid.uuid4().hex[:16]
+
+
+def never_cached(parameters: dict) -> bool:
+    """Whether ``parameters`` hold a :func:`never_cached_identity` (a piece whose name holds one is skipped
+    alone: a run's other pieces, e.g. the clean scores beside a metric's, stay cached)."""
+    return bool(_NEVER_CACHED.search(json.dumps(_canonical(parameters), sort_keys=True)))
+
+
 def parameters_key(parameters: dict, code: str | tuple | list | None = None) -> str:
     """A stable hash of the parameters together with :func:`code_version` of ``code``."""
     version = code_version() if code is None else code_version(code)
@@ -392,7 +410,8 @@ class ResultCache:
     def __init__(self, namespace: str, parameters: dict, root: Path | None = None, enabled: bool = True,
                  code: str | tuple | list | None = None):
         self.parameters = parameters
-        self.enabled = bool(enabled) and caching_enabled()
+        # a model or metric without a stable identity: its pieces would pile up under keys never asked again
+        self.enabled = bool(enabled) and caching_enabled() and not never_cached(parameters)
         self.code = code_scope(code)
         self.root = Path(root) if root is not None else active_cache_root()
         self.directory = self.root / "results" / namespace / parameters_key(parameters, self.code)
@@ -443,7 +462,7 @@ class ResultCache:
         return frame
 
     def _read(self, piece: str) -> pd.DataFrame | None:
-        if not self.enabled:
+        if not self.enabled or _NEVER_CACHED.search(piece):
             return None
         path = self._path(piece)
         try:
@@ -467,7 +486,7 @@ class ResultCache:
         return str(self.root) not in _unwritable
 
     def put(self, piece: str, frame: pd.DataFrame) -> None:
-        if not self.enabled or not self.writable:
+        if not self.enabled or not self.writable or _NEVER_CACHED.search(piece):  # a key no later call asks for
             return
         data = frame.to_parquet(index=False)
         try:

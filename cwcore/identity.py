@@ -26,7 +26,6 @@ import re
 import sys
 import threading
 import types
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -241,10 +240,10 @@ def _behaviour(model: nn.Module) -> str:
 
 def _uncached(reason: str) -> str:
     """A fresh identity, with a warning that names ``reason``: results on the model are never served from the cache."""
-    from .cache import warn_cache
+    from .cache import never_cached_identity, warn_cache
 
     warn_cache(f"cwcore: results on this model are not cached: {reason}")
-    return "uncached-" + uuid.uuid4().hex[:16]
+    return never_cached_identity()
 
 
 def _offloaded_value(model: nn.Module, name: str) -> torch.Tensor | None:

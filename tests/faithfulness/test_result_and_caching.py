@@ -347,3 +347,47 @@ def test_progress_false_silences_the_bars_of_the_methods_a_sweep_runs(peaked, ca
     fa.faithfulness_curve(model, None, ids, metric="value_zeroing", ratios=[0.5], mode="comprehensiveness",
                           batch_size=2, progress=True)
     assert "value zeroing" in capsys.readouterr().err  # the control: with progress, they are drawn
+
+
+def test_a_metric_or_model_without_a_stable_identity_writes_no_piece(peaked, tmp_path, points):
+    """Such a metric (or model) gets a fresh key every call, so it is never served: it still wrote every piece
+    under that key, a cache that grew with pieces no call could read. Now it reads and writes nothing; the
+    control, the same metric with an identity, writes its pieces."""
+    import warnings
+
+    from cwcore.cache import CacheWarning
+
+    class Opaque:  # its repr is its address: nothing says whether it changed
+        pass
+
+    holder = Opaque()
+
+    def opaque(layer_decomposition, **_):
+        return layer_decomposition.attention * (holder is not None)
+
+    def plain(layer_decomposition, **_):
+        return layer_decomposition.attention
+
+    model, ids = peaked
+    options = dict(ratios=[0.3], batch_size=4, progress=False, n_bootstrap=10)
+    root = tmp_path / "cache"
+    with cache.caching(root), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CacheWarning)
+        for _ in range(2):
+            unkeyed = fa.faithfulness_curve(model, None, ids[:4], {"mine": opaque}, **options)
+    pieces = [name for name in _files(root) if name.endswith(".parquet")]
+    assert len(points) == 4 and pieces and all(name.endswith("-clean.parquet") for name in pieces)  # read again
+    with cache.caching(root):
+        keyed = fa.faithfulness_curve(model, None, ids[:4], {"mine": plain}, **options)
+    assert len([name for name in _files(root) if name.endswith(".parquet")]) == len(pieces) + 2
+    pd.testing.assert_frame_equal(unkeyed.per_sequence, keyed.per_sequence, check_exact=True)
+    other = tmp_path / "model"  # a model whose hook reads such a value: no piece of the run at all
+    handle = model.model.layers[0].register_forward_pre_hook(lambda module, args: (holder, args)[1])
+    try:
+        with cache.caching(other), warnings.catch_warnings():
+            warnings.simplefilter("ignore", CacheWarning)
+            hooked = fa.faithfulness_curve(model, None, ids[:4], {"mine": plain}, **options)
+    finally:
+        handle.remove()
+    assert not [name for name in _files(other) if name.endswith(".parquet")] if other.exists() else True
+    pd.testing.assert_frame_equal(hooked.per_sequence, keyed.per_sequence, check_exact=True)

@@ -107,14 +107,12 @@ def as_method(fn: Callable, label: str | None = None) -> Method:
     name = "lambda" if name == "<lambda>" else name
     try:
         key = hashlib.sha256(method_key(fn).encode()).hexdigest()[:16]
-    except UncacheableMetric as err:  # a fresh key each call: its curves are never served from the cache
-        import uuid
-
-        from ...cache import warn_cache
+    except UncacheableMetric as err:  # a fresh key each call: its curves are neither stored nor served
+        from ...cache import never_cached_identity, warn_cache
 
         warn_cache(f"cwcore: metric {name!r} is not cached: it reads a value whose state cwcore cannot "
                    f"fingerprint ({err}); its results are computed every time")
-        key = "uncached-" + uuid.uuid4().hex[:16]
+        key = never_cached_identity()
     from ...core.inputs import finite_scores  # a user's NaN/inf scores are refused at the layer they appear
 
     return Method(name, finite_scores(fn), frozenset(getattr(fn, "cwcore_needs", ())), "",
