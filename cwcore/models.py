@@ -200,15 +200,15 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
                variant: str | None = None, **kwargs):
     """Load a model and its tokenizer for analysis: ``(model, tokenizer)``.
 
-    ``name``: a packaged model (:data:`PACKAGED_MODELS`, before a local folder of that name: write
-    "./minilm-l6"), a local folder (``~`` expanded) or a hub id. ``dtype``: None (float32), float32, bfloat16,
-    float16 or float64, as a torch dtype or its name; ``device``: None (cpu) or a device; other keywords
-    (``device_map``, ``revision``, ``config``, config overrides such as ``num_hidden_layers=1``, ...) go to
-    ``from_pretrained``, which reads them as transformers does. ``variant="requantized"`` (or ``"<packaged>-requantized"``) requantises a
-    packaged GGUF model with another 4-bit scheme (:data:`VARIANTS`). The model is a causal LM, or the
-    bare encoder without an LM head, in eval mode with eager attention (``attn_implementation="sdpa"``: a
-    session keeps the model's SDPA forward, except in the layers an intervention changes). Raises
-    ``ModelNotFoundError`` when the name is found nowhere."""
+    ``name``: a packaged model (:data:`PACKAGED_MODELS`, before a local folder of that name: write "./minilm-l6"), a
+    local folder (``~`` expanded) or a hub id. ``dtype``: None (float32), float32, bfloat16, float16 or float64, as
+    a torch dtype or its name; ``device``: None (cpu) or a device; other keywords (``device_map``, ``revision``,
+    ``config``, config overrides such as ``num_hidden_layers=1``, ...) go to ``from_pretrained``, which reads them
+    as transformers does. ``variant="requantized"`` (or ``"<packaged>-requantized"``) requantises a packaged GGUF
+    model with another 4-bit scheme (:data:`VARIANTS`). The model is a causal LM, or the bare encoder without an LM
+    head, in eval mode with eager attention (``attn_implementation="sdpa"``: a session keeps the model's SDPA
+    forward, except in the layers an intervention changes). Raises ``ModelNotFoundError`` when the name is found
+    nowhere."""
     if "torch_dtype" in kwargs:  # the older transformers spelling
         if dtype is not None:
             raise ValueError("pass either dtype or torch_dtype, not both")
@@ -233,7 +233,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
             raise ValueError("device='meta' holds shapes, not weights: a decomposition needs the model's numbers; "
                              "load on 'cpu' or a GPU (device_map='auto' offloads what does not fit)")
         available = {"cuda": torch.cuda.is_available,
-                     "mps": lambda: getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available(),
+                     "mps": lambda: getattr(torch.backends, "mps", None) is not None and
+                     torch.backends.mps.is_available(),
                      "xpu": lambda: getattr(torch, "xpu", None) is not None and torch.xpu.is_available()}
         if device.type in available and not available[device.type]():
             raise ValueError(f"device={str(device)!r}: this torch ({torch.__version__}) has no {device.type} device "
@@ -261,7 +262,8 @@ def load_model(name: str | os.PathLike = DEFAULT_MODEL, dtype: Any = None, devic
         model, tokenizer = _load_packaged(key, torch_dtype, kwargs, variant)
     else:
         hub_only = _download_options(kwargs, keep=("subfolder",))  # a subfolder of a local folder is read
-        if hub_only and os.path.isdir(os.path.expanduser(os.fspath(name))):  # from_pretrained reads a folder as it is, dropping them
+        # from_pretrained reads a folder as it is, dropping them
+        if hub_only and os.path.isdir(os.path.expanduser(os.fspath(name))):
             raise ValueError(f"{', '.join(hub_only)} {'does' if len(hub_only) == 1 else 'do'} not apply to the local "
                              f"folder {os.fspath(name)!r}, which is read as it is; load a hub id to choose a revision, "
                              "a token or a hub cache")
@@ -490,7 +492,8 @@ def _load_from_hub_or_folder(name: str, torch_dtype, kwargs: dict):
             hub_problem = "the hub is not reachable"
     shared = {k: kwargs[k] for k in _SHARED_HUB_KWARGS if k in kwargs}
     try:
-        config = user_config or AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, **shared)
+        config = user_config if user_config is not None else AutoConfig.from_pretrained(
+            name, trust_remote_code=trust_remote_code, **shared)
     except OSError as err:
         raise ModelNotFoundError(_not_found_message(name, hub_problem)) from err
     except ValueError as err:  # huggingface_hub's HFValidationError: not a valid repo id

@@ -488,8 +488,8 @@ def test_a_folder_loads_as_transformers_loads_it_with_config_overrides_a_config_
     monkeypatch.setenv("HOME", str(tmp_path))
     whole, _ = load_model("~/tiny")
     assert len(whole.model.layers) == 2
-    torch.testing.assert_close(logits(whole, ids), logits(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), ids),
-                               rtol=0, atol=0)
+    eager = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    torch.testing.assert_close(logits(whole, ids), logits(eager, ids), rtol=0, atol=0)
 
 
 def test_the_meta_device_is_refused_before_the_load():

@@ -228,7 +228,7 @@ def token_blocks(
     elif isinstance(data, np.ndarray) or (  # ids as numpy, or as a list of lists: they were read as text
             isinstance(data, (list, tuple)) and data
             and all(isinstance(row, (list, tuple, np.ndarray, torch.Tensor)) for row in data)):
-        lengths = {len(row) for row in data}
+        lengths = set() if isinstance(data, np.ndarray) else {len(row) for row in data}
         if len(lengths) > 1:
             raise ValueError(f"token blocks must all have one length, got lengths {sorted(lengths)}; text goes in "
                              "as a string or a list of strings")
