@@ -27,6 +27,7 @@ from ..core.inputs import check_layers, check_sweep_arguments, check_texts, chec
 from .lm import DEFAULT_MAX_LENGTH, _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
+from .methods.registry import check_precomputed_fit
 from .ranking import removal_mask
 from .summary import aopc
 from ..runs import bars_off, shard_map
@@ -121,6 +122,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     sequences = check_token_sequences(_lm_sequences(check_texts(texts, "per_layer_curve"), tokenizer, max_length,
                                                     "per_layer_curve"),
                                       model, caller="per_layer_curve", min_length=2)
+    check_precomputed_fit(specs, sequences, len(attention_blocks(model)))
     documents = _documents(texts, list(range(len(sequences))))
     pad = pad_id(tokenizer)
     stack = decoder_layers(model)

@@ -13,11 +13,12 @@ import pandas as pd
 import torch
 from torch import nn
 
-from ..core.architectures import input_device
+from ..core.architectures import attention_blocks, input_device
 from ..core.inputs import (InputError, check_count, check_sweep_arguments, check_texts, check_token_sequences,
                            is_integer_number)
 from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
+from .methods.registry import check_precomputed_fit
 from .result import FaithfulnessResult
 from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
 
@@ -246,6 +247,7 @@ def faithfulness_curve(
                                       model, caller="faithfulness_curve", min_length=2)
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("every sequence needs at least two tokens (one next-token prediction)")
+    check_precomputed_fit(specs, sequences, len(attention_blocks(model)))
     ids = _sequence_ids(sequence_ids, len(sequences))
     pad, device = pad_id(tokenizer), input_device(model)
     batches = [

@@ -249,9 +249,16 @@ def test_bad_metrics_fail_in_one_line(data):
         ("no_such_method", ValueError, "unknown metric"),
         ("value_zeroing_intra", ValueError, "no intra/inter"),
         (torch.zeros(2, 3), ValueError, "precomputed scores"),
-        ({0: torch.zeros(3, 4, 12, 12), 1: torch.zeros(3, 4, 12, 12)}, ValueError, "cover 3 sequences"),
+        ({0: torch.zeros(3, 4, 12, 12), 1: torch.zeros(3, 4, 12, 12)}, ValueError, "hold 3 sequences for 8 texts"),
         ({0: torch.zeros(8, 4, 12, 12)}, ValueError, "no layer 1"),
-        ({0: torch.zeros(8, 4, 5, 5), 1: torch.zeros(8, 4, 5, 5)}, ValueError, "length 5"),
+        ({0: torch.zeros(8, 4, 5, 5), 1: torch.zeros(8, 4, 5, 5)}, ValueError, "are 5 positions long"),
+        # scores that did not fit were taken: a layer the model lacks, a ninth sequence, rows of a padded batch
+        (torch.zeros(3, 8, 4, 12, 12), ValueError, r"name layers \[2\], which the model does not have"),
+        ({0: torch.zeros(8, 4, 12, 12), 1: torch.zeros(8, 4, 12, 12), 5: torch.zeros(8, 4, 12, 12)}, ValueError,
+         r"name layers \[5\]"),
+        ({0: torch.zeros(9, 4, 12, 12), 1: torch.zeros(9, 4, 12, 12)}, ValueError, "hold 9 sequences for 8 texts"),
+        ({0: torch.zeros(8, 4, 15, 15), 1: torch.zeros(8, 4, 15, 15)}, ValueError,
+         "are 15 positions long, the longest sequence 12 tokens"),
         ({0: torch.zeros(8, 3, 12, 12), 1: torch.zeros(8, 3, 12, 12)}, ValueError, "returned shape"),
         (3, TypeError, "a metric is a name"),
     ]

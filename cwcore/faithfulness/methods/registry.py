@@ -8,7 +8,7 @@ import hashlib
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -159,9 +159,36 @@ def precomputed(scores, label: str = "precomputed") -> Method:
         return t[g[:, None, None, None], heads[None, :, None, None], p[:, None, :, None],
                  p[:, None, None, :]].to(positions.device)
 
+    def fits(lengths: Sequence[int], num_layers: int) -> None:
+        """Refuse scores that do not fit the texts (``lengths``: each sequence's tokens) and the model: a layer
+        it does not have, another number of sequences, rows longer than the longest sequence (e.g. a padded
+        batch's). Taken silently, they gave another curve (a three-layer stack on two layers: +238 instead of
+        -136 perplexity)."""
+        foreign = sorted(layer for layer in tensors if not 0 <= layer < num_layers)
+        if foreign:
+            raise ValueError(f"precomputed scores name layers {foreign}, which the model does not have (its "
+                             f"{num_layers} attention layers are 0 to {num_layers - 1})")
+        longest = max(lengths)
+        for layer, t in sorted(tensors.items()):
+            if t.shape[0] != len(lengths):
+                raise ValueError(f"precomputed scores of layer {layer} hold {t.shape[0]} sequences for "
+                                 f"{len(lengths)} texts (row s is the s-th sequence)")
+            if t.shape[-1] != longest:
+                raise ValueError(f"precomputed scores of layer {layer} are {t.shape[-1]} positions long, the longest "
+                                 f"sequence {longest} tokens (indices are token positions without padding)")
+
     read.__name__ = label
+    read.fits = fits
     key = f"precomputed-{tensor_digest({str(k): v for k, v in tensors.items()})}"
     return Method(label, read, frozenset(), "no extra forward", key, indexes_sequences=True)
+
+
+def check_precomputed_fit(specs, sequences: Sequence[Sequence[int]], num_layers: int) -> None:
+    """Every precomputed metric of ``specs`` fits ``sequences`` (token ids, no padding) and a model of
+    ``num_layers`` attention layers (see :func:`precomputed`)."""
+    for spec in specs:
+        if spec.method.indexes_sequences:
+            spec.method.fn.fits([len(sequence) for sequence in sequences], num_layers)
 
 
 # -- the per-forward context ------------------------------------------------------------------------
