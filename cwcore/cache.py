@@ -540,18 +540,23 @@ def prune(root: Path | None = None, everything: bool = False, dry_run: bool = Fa
     """Delete cached runs no installed code can read (other versions of cwcore; ``everything=True``: all),
     except those touched in the last ``min_age_seconds`` and those a process is using (it holds the run's
     :data:`IN_USE` lock, however long its current piece takes); converted models are never touched. Returns
-    the rows of :func:`result_runs` deleted (``dry_run``: that would be)."""
+    the rows of :func:`result_runs` deleted (``dry_run``: that would be); ``.attrs["in_use"]`` counts the runs
+    spared because a process holds them."""
     runs = result_runs(root)
     doomed = runs if everything else runs[~runs["current"].astype(bool)]  # (an empty column is object-typed)
     doomed = doomed[doomed["modified"] < time.time() - min_age_seconds]
-    removed = []
+    removed, in_use = [], 0
     for index, path in doomed["path"].items():
         with _unused(Path(path)) as unused:
             if unused:
                 removed.append(index)
                 if not dry_run:
                     _remove_run(Path(path))
-    return doomed.loc[removed].reset_index(drop=True)
+            else:
+                in_use += 1
+    gone = doomed.loc[removed].reset_index(drop=True)
+    gone.attrs["in_use"] = in_use
+    return gone
 
 
 @contextlib.contextmanager

@@ -274,6 +274,9 @@ def _cache_command(args) -> int | None:
         if recent:
             print(f"spared {recent} run(s) written in the last minute (a process may still be writing them): "
                   "prune again later to delete them")
+        if gone.attrs.get("in_use"):  # before: spared without a word
+            print(f"spared {gone.attrs['in_use']} run(s) a running process is using (it holds the run's lock): "
+                  "prune again when it has finished")
         return
     runs = result_runs(root)
     print(f"cwcore cache: {root}")

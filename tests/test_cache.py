@@ -106,9 +106,10 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     assert not current.directory.exists() and fresh_old.directory.exists()
 
 
-def test_prune_leaves_a_run_in_use_however_long_its_piece_takes(tmp_path):
+def test_prune_leaves_a_run_in_use_however_long_its_piece_takes(tmp_path, monkeypatch, capsys):
     # before: a run whose current piece took longer than a minute looked abandoned, and prune --all deleted
     # the pieces it had finished while it computed on
+    from cwcore import cli
     from cwcore.cache import IN_USE, prune
 
     busy = ResultCache("demo", {"a": 1}, root=tmp_path)
@@ -124,6 +125,11 @@ def test_prune_leaves_a_run_in_use_however_long_its_piece_takes(tmp_path):
     gone = prune(tmp_path, everything=True)
     assert list(gone["key"]) == [idle_directory.name] and not idle_directory.exists()  # the control
     assert busy.get("p0")["x"].tolist() == [1.0] and (busy_directory / IN_USE).is_file()
+    assert gone.attrs["in_use"] == 1  # spared, and said: `cwcore cache prune` printed only "deleted 0"
+    monkeypatch.setenv("CWCORE_CACHE", str(tmp_path))
+    assert cli.main(["cache", "prune", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 0 cached run(s)" in out and "spared 1 run(s) a running process is using" in out
     del busy  # the run ends: its lock goes with it
     gc.collect()
     assert list(prune(tmp_path, everything=True)["key"]) == [busy_directory.name] and not busy_directory.exists()
