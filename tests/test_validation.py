@@ -327,18 +327,13 @@ def test_a_full_disk_leaves_no_partial_table(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "0"], "batch_size must be at least 1"),
     (["--block-size", "1"], "--block-size must be at least 2"),
-    (["--analyses", "rates,nope"], None),  # argparse's own usage error, also status 2
+    (["--analyses", "rates,nope"], "unknown analyses: nope"),  # it printed argparse's usage first
 ])
 def test_sinks_cli_refuses_bad_input_in_one_line_before_loading(argv, message, monkeypatch, capsys, tmp_path):
     import cwcore.models
     from cwcore.sinks import cli
 
     monkeypatch.setattr(cwcore.models, "load_model", _no_model)
-    if message is None:
-        with pytest.raises(SystemExit) as exit_:
-            cli.main(["--model", "m", "--data", "d", *argv, "--out", str(tmp_path)])
-        assert exit_.value.code == 2
-        return
     assert cli.main(["--model", "m", "--data", "d", *argv, "--out", str(tmp_path)]) == 2
     assert message in _one_error_line(capsys, "python -m cwcore.sinks")
 
@@ -355,10 +350,8 @@ def test_sinks_cli_refuses_an_option_of_analyses_it_does_not_run(argv, message, 
     from cwcore.sinks import cli
 
     monkeypatch.setattr(cwcore.models, "load_model", _no_model)
-    with pytest.raises(SystemExit) as exit_:
-        cli.main(["--model", "m", "--data", "d", *argv, "--out", str(tmp_path)])
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("python -m cwcore.sinks: error: " + message)
+    assert cli.main(["--model", "m", "--data", "d", *argv, "--out", str(tmp_path)]) == 2
+    assert _one_error_line(capsys, "python -m cwcore.sinks").startswith("python -m cwcore.sinks: error: " + message)
     # the control: the same flag with its analysis run passes the check (and reaches the model)
     with pytest.raises(AssertionError, match="the model was loaded"):
         cli._main(["--model", "m", "--data", "d", *argv[:1], argv[1] + "," + {"--bins": "convexity", "--cone-heads":

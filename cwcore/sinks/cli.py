@@ -20,7 +20,7 @@ __all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
-from ..cli import add_model_options, debug_requested, given_flags, run_command
+from ..cli import UsageError, add_model_options, debug_requested, given_flags, run_command
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences", "add_bos")
@@ -93,7 +93,7 @@ def _save_raw(folder: Path, parts: dict, blocks, sampling: str, dtype: str, run:
         shutil.rmtree(new, ignore_errors=True)  # gone already unless the run failed before the swap
 
 
-def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: dict, folder: Path) -> None:
+def _refuse_another_run(args, given: set[str], blocks, recorded: dict, folder: Path) -> None:
     """--from-raw rebuilds the run the raw material in ``folder`` records (``recorded``: its ``sampling``,
     ``dtype`` and ``run``): a flag given that describes another run (other blocks, another sampling, fewer
     sequences, another dtype, BOS or collector option, an analysis it did not run) is refused rather than
@@ -103,27 +103,27 @@ def _refuse_another_run(parser_, args, given: set[str], blocks, recorded: dict, 
     for name, value in run.get("options", {}).items():
         if name in given and getattr(args, name) != value:
             flag = "--" + name.replace("_", "-")
-            parser_.error(f"{flag} {getattr(args, name)}, but the raw material in {folder} was collected with "
+            raise UsageError(f"{flag} {getattr(args, name)}, but the raw material in {folder} was collected with "
                           f"{flag} {value}: give that run's {flag}, or leave it out")
     if "add_bos" in given and "add_bos" in run and args.add_bos != run["add_bos"]:
-        parser_.error(f"--add-bos {args.add_bos}, but the raw material in {folder} was made with --add-bos "
+        raise UsageError(f"--add-bos {args.add_bos}, but the raw material in {folder} was made with --add-bos "
                       f"{run['add_bos']}: give that run's --add-bos, or leave it out")
     if args.dtype is not None and _dtype_name(args.dtype) != recorded["dtype"]:
-        parser_.error(f"--dtype {args.dtype}, but the raw material in {folder} was computed in {recorded['dtype']}: "
+        raise UsageError(f"--dtype {args.dtype}, but the raw material in {folder} was computed in {recorded['dtype']}: "
                       "give that run's --dtype, or leave it out")
     sampling = recorded["sampling"]
     if "block_size" in given and args.block_size != length:
-        parser_.error(f"--block-size {args.block_size}, but the raw material in {folder} holds blocks of {length} "
+        raise UsageError(f"--block-size {args.block_size}, but the raw material in {folder} holds blocks of {length} "
                       "tokens: give that run's --block-size, or leave it out")
     if "sampling" in given and args.sampling != sampling:
-        parser_.error(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {sampling}: give "
+        raise UsageError(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {sampling}: give "
                       "that run's --sampling, or leave it out")
     asked = run.get("num_sequences")  # what that run asked for (older material: at least the sequences it holds)
     if "num_sequences" in given and asked is not None and args.num_sequences != asked:
-        parser_.error(f"--num-sequences {args.num_sequences}, but the raw material in {folder} was made with "
+        raise UsageError(f"--num-sequences {args.num_sequences}, but the raw material in {folder} was made with "
                       f"--num-sequences {asked}: give that run's --num-sequences, or leave it out")
     if "num_sequences" in given and args.num_sequences < n:  # more is the same run: fewer were available
-        parser_.error(f"--num-sequences {args.num_sequences}, but the raw material in {folder} holds {n} sequences: "
+        raise UsageError(f"--num-sequences {args.num_sequences}, but the raw material in {folder} holds {n} sequences: "
                       "give that run's --num-sequences, or leave it out")
 
 
@@ -224,7 +224,7 @@ def _main(argv: list[str] | None) -> int:
     if raw is not None and raw.exists() and not raw.is_dir():
         raise ValueError(f"--raw {args.raw}: {raw} is a file")
     if args.from_raw and raw is None:
-        parser_.error("--from-raw needs --raw")
+        raise UsageError("--from-raw needs --raw")
     import pandas as pd
     import torch
 
@@ -237,14 +237,14 @@ def _main(argv: list[str] | None) -> int:
     try:  # the analyses' options, checked by SinkOptions (an eps of 1.5 is refused here, with its reason)
         checked = SinkOptions(**{name: getattr(args, name) for name, o in SinkOptions.OPTIONS.items() if o.cli})
     except (TypeError, ValueError) as error:
-        parser_.error(str(error))
+        raise UsageError(str(error))
     options = {name: getattr(checked, name) for name, o in SinkOptions.OPTIONS.items() if o.cli}
     wanted = [a.strip() for a in args.analyses.split(",") if a.strip()]
     if not wanted:  # before: nothing ran, and a summary of a header only was written
-        parser_.error(f"--analyses names none: give one or more of {','.join(ANALYSIS_NAMES)}")
+        raise UsageError(f"--analyses names none: give one or more of {','.join(ANALYSIS_NAMES)}")
     unknown = sorted(set(wanted) - set(ANALYSES))
     if unknown:
-        parser_.error(f"unknown analyses: {', '.join(unknown)}")
+        raise UsageError(f"unknown analyses: {', '.join(unknown)}")
     # an option flag given for analyses that do not run is refused, not silently dropped
     given_run = given_flags(parser(), argv, (*CLI_OPTIONS, *_RECORDED))
     given = [name for name in CLI_OPTIONS if name in given_run]
@@ -254,24 +254,24 @@ def _main(argv: list[str] | None) -> int:
             continue
         if not set(takers[name]) & set(wanted):
             flag = "--" + name.replace("_", "-")
-            parser_.error(f"{flag} applies to {', '.join(takers[name])}, which --analyses {','.join(wanted)} does "
+            raise UsageError(f"{flag} applies to {', '.join(takers[name])}, which --analyses {','.join(wanted)} does "
                           f"not run: add it, or leave {flag} out")
     for name in wanted:  # and one its settings leave unread (--threshold without --heads sink)
         try:
             refuse_unread(REGISTRY[name], given, options, flags=True)
         except ValueError as error:
-            parser_.error(str(error))
+            raise UsageError(str(error))
 
     from ..data import load_dataset, missing_local_file
     from ..models import load_model
 
     if not args.from_raw and missing_local_file(args.data):  # before the model loads (it was found after)
-        parser_.error(f"--data {args.data}: no such file")
+        raise UsageError(f"--data {args.data}: no such file")
 
     applied_bos = None  # documents: the blocks come tokenised, with the BOS the command line asked for
     if args.from_raw:
         parts, blocks, recorded = _load_raw(raw, wanted)
-        _refuse_another_run(parser_, args, given_run & {*_RECORDED, *CLI_OPTIONS}, blocks, recorded, raw)
+        _refuse_another_run(args, given_run & {*_RECORDED, *CLI_OPTIONS}, blocks, recorded, raw)
         sampling, dtype = recorded["sampling"], recorded["dtype"]
         options.update((recorded.get("run") or {}).get("options", {}))  # what the material was collected with
     else:
