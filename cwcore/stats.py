@@ -265,8 +265,9 @@ def share_ci(flags, confidence: float = 0.95) -> Interval:
 def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, confidence: float = 0.95) -> Interval:
     """Spearman's rho of the pairs (x, y) with a percentile bootstrap over pairs, or over whole ``clusters``
     (one label per pair, e.g. each head's layer). NaN where undefined (fewer than three pairs, a constant
-    variable; for the interval, fewer than :data:`MIN_CLUSTERS` clusters). Resamples in which a variable is
-    constant (rho undefined: few pairs with ties) are left out of the interval, with or without clusters."""
+    variable; for the interval, fewer than :data:`MIN_CLUSTERS` clusters, or pairs without clusters). Resamples
+    in which a variable is constant (rho undefined: few pairs with ties) are left out of the interval, with or
+    without clusters."""
     _check_confidence(confidence)
     x, y = np.asarray(x, dtype=float).reshape(-1), np.asarray(y, dtype=float).reshape(-1)
     ok = np.isfinite(x) & np.isfinite(y)
@@ -292,6 +293,9 @@ def spearman_ci(x, y, *, clusters=None, n_resamples: int = 1000, seed: int = 0, 
             return Interval(estimate, _NAN, _NAN)
         low, high = percentile_interval(replicates[:, None], confidence)
         return Interval(estimate, float(low[0]), float(high[0]))
+
+    if len(x) < MIN_CLUSTERS:  # as for clusters: four pairs' percentile interval is no evidence either way
+        return Interval(estimate, _NAN, _NAN)
 
     def rho(a, b, axis=-1):
         with warnings.catch_warnings():

@@ -109,6 +109,9 @@ def test_spearman_of_a_small_tied_sample_leaves_constant_resamples_out_as_the_cl
     plain = sps.bootstrap((a, b), rho, paired=True, vectorized=False, n_resamples=300, method="percentile",
                           rng=np.random.default_rng(4)).confidence_interval
     assert tuple(stats.spearman_ci(a, b, n_resamples=300, seed=4))[1:] == pytest.approx(tuple(plain), abs=1e-12)
+    four = stats.spearman_ci(x[:4], y[:4] + np.arange(4), n_resamples=500, seed=2)  # below MIN_CLUSTERS pairs
+    assert four.estimate == pytest.approx(sps.spearmanr(x[:4], y[:4] + np.arange(4)).statistic)
+    assert np.isnan(four.low) and np.isnan(four.high)
 
 
 def test_trapezoid_mean_and_min_detectable_effect():
