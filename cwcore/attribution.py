@@ -165,30 +165,34 @@ def attribute(
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     observed = list(range(max(wanted) + 1)) if "earlier_layers" in chosen.needs else wanted
     raw: dict[int, torch.Tensor] = {}
+    heads: dict[int, int] = {}  # each layer's query heads: a one-head layer's scores stay head-level
     with scoring(model, [chosen], input_ids, attention_mask, layers=wanted, kind=options.get("kind", "inter"),
                  seed=options.get("seed", 0)) as context:
         def observe(call):
             values = context.raw_scores(chosen, LayerDecomposition.from_call(call), call)
             if call.layer in wanted:
                 raw[call.layer] = values.detach().clone()
+                heads[call.layer] = call.probs.shape[1]
 
         forward_inputs = prepare_inputs(model, checked)
         with torch.inference_mode(), intervene(model, {}, attention_mask=attention_mask, compute_dtype=compute_dtype,
                                                observers={layer: [observe] for layer in observed}):
             model(**forward_inputs)
-    attribution = _assemble(chosen.name, raw, input_ids.shape, attention_mask)
+    attribution = _assemble(chosen.name, raw, input_ids.shape, attention_mask, heads)
     attribution.num_blocks, attribution.undecomposable = len(blocks), undecomposable
     return attribution
 
 
-def _assemble(name: str, raw: dict[int, torch.Tensor], shape, attention_mask: torch.Tensor) -> Attribution:
-    """Check each layer's shape, squeeze a one-head axis to token level, apply the padding convention."""
+def _assemble(name: str, raw: dict[int, torch.Tensor], shape, attention_mask: torch.Tensor,
+              heads: dict[int, int]) -> Attribution:
+    """Check each layer's shape, squeeze a one-head axis to token level where the layer has several heads
+    (``heads``: each layer's), apply the padding convention."""
     b, n = shape
     levels, scores = set(), {}
     for layer, values in raw.items():
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"attribute: method {name!r} returned {type(values).__name__} at layer {layer}, not a tensor")
-        if values.dim() == 4 and values.shape[1] == 1:
+        if values.dim() == 4 and values.shape[1] == 1 and heads.get(layer, 0) != 1:  # a one-head model's heads
             values = values[:, 0]
         if values.dim() == 3 and tuple(values.shape) == (b, n, n):
             levels.add("token")

@@ -78,7 +78,13 @@ def explain(text: str, model, tokenizer, layer: int | None = None, head: int | N
     from .core.decomposition import decompose
     from .plotting import contribution_heatmap, set_style
 
+    from .core.inputs import is_integer_number, plain_integer
+
     _check_text(text)
+    for name, value in (("layer", layer), ("head", head)):  # from Python: True was layer 1, 1.5 an IndexError
+        if value is not None and not is_integer_number(value):
+            raise UsageError(f"{name} must be an integer (or None), not {value!r}")
+    layer, head = plain_integer(layer), plain_integer(head)
     if kind not in ("intra", "inter"):
         raise UsageError(f"--kind must be intra or inter, not {kind!r}")
     if kind == "intra" and head is None:

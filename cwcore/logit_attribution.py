@@ -23,7 +23,8 @@ from torch import nn
 from .core.architectures import (UnsupportedModelError, execution_device, final_norm, has_cross_attention,
                                  materialised, post_attention_norms, residual_multiplier, text_config)
 from .core.decomposition import Decomposition, decompose
-from .core.inputs import InputError, check_inputs, check_targets
+from .core.attention import default_compute_dtype
+from .core.inputs import InputError, InputTypeError, check_compute_dtype, check_inputs, check_targets
 
 __all__ = ["FrozenNorm", "LogitAttribution", "logit_attribution", "direct_logit_attribution", "frozen_norm",
            "frozen_norm_on", "norm_at_float32", "naive_logit_attribution"]
@@ -168,13 +169,15 @@ def _default_targets(input_ids: torch.Tensor, logits: torch.Tensor, real: torch.
 
 
 def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = None,
-                      layers: int | Iterable[int] | None = None, compute_dtype: torch.dtype = torch.float32,
+                      layers: int | Iterable[int] | None = None, compute_dtype: torch.dtype | None = None,
                       **inputs) -> LogitAttribution:
     """Decompose a forward pass and attribute the target logits to every (layer, head, query, key).
     ``targets``: None (next token; the top prediction at each sequence's last real token), one id, or
     ``[batch, query]`` ids. With an
     ``attention_mask``, the norms are fitted and the logits checked on the real tokens; a padding token's
-    query row is NaN."""
+    query row is NaN. ``compute_dtype``: float32 or float64 (None: the model's own for a float64 model, else
+    float32, as :func:`~cwcore.decompose`); ``truncate=True`` keeps the first tokens of an input longer than the
+    model's context (refused otherwise)."""
     if isinstance(targets, Mapping):  # logit_attribution(model, tokenizer(text)): the inputs given as targets
         raise InputError("logit_attribution(model, inputs): the second positional argument is targets; pass the "
                          "tokenizer's output as keywords, logit_attribution(model, **inputs)")
@@ -194,8 +197,12 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
         raise UnsupportedModelError(f"direct logit attribution: {type(model).__name__} softcaps its logits "
                                     f"(final_logit_softcapping={softcap}), which is not linear in the residual")
     head = _unembedding(model)
-    if inputs.pop("truncate", False):  # decompose would cut the ids; the targets and the mask are read here
-        inputs = check_inputs(model, inputs, caller="logit_attribution", truncate=True)
+    truncate = inputs.pop("truncate", False)
+    if not isinstance(truncate, bool):  # "no" is truthy: it cut the input
+        raise InputTypeError(f"logit_attribution: truncate must be True or False, not {truncate!r}")
+    # here, not in decompose: it would cut the ids the targets and the mask are read from (and name itself)
+    inputs = check_inputs(model, inputs, caller="logit_attribution", truncate=truncate)
+    compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     if targets is not None:  # checked before the forward: one id per position, inside the vocabulary
         shape = check_inputs(model, {"input_ids": inputs["input_ids"]}, caller="logit_attribution")["input_ids"].shape
         targets = check_targets(targets, shape, head.weight.shape[0])
@@ -215,7 +222,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     finally:
         for handle in handles:
             handle.remove()
-    dtype = compute_dtype if isinstance(compute_dtype, torch.dtype) else getattr(torch, compute_dtype)
+    dtype = compute_dtype
     input_ids = inputs["input_ids"] if inputs["input_ids"].dim() == 2 else inputs["input_ids"][None]
     mask = inputs.get("attention_mask")  # the real tokens: the norms are fitted and the logits checked on them
     real = None if mask is None else torch.as_tensor(mask).reshape(input_ids.shape[0], -1)[:, -input_ids.shape[1]:]

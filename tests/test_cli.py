@@ -92,6 +92,10 @@ def test_explain_defaults_to_the_middle_block_it_can_decompose(monkeypatch):
         (dict(head=4), "head 4 out of range"),
         (dict(head=-5), "head -5 out of range"),  # -1..-4 count from the end of the 4 heads
         (dict(kind="intra"), "needs --head"),
+        # called from Python: True drew layer 1, 1.5 failed in torch's indexing
+        (dict(layer=True), "layer must be an integer"),
+        (dict(head=1.5), "head must be an integer"),
+        (dict(layer="1"), "layer must be an integer"),
     ],
 )
 def test_explain_rejects_bad_input(kwargs, message):

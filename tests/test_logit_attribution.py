@@ -192,6 +192,20 @@ def test_truncate_cuts_the_ids_the_targets_are_read_from():
     torch.testing.assert_close(att[1], alone[1], rtol=0, atol=0)
 
 
+def test_a_float64_model_is_attributed_in_float64_as_decompose_does():
+    """logit_attribution computed a float64 model in float32 (3e-7 from its own precision); decompose,
+    summarize, attribute and intervene default to the model's own float64."""
+    model = tiny_model("llama").double()
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    default, float64 = logit_attribution(model, input_ids=ids), logit_attribution(model, input_ids=ids,
+                                                                                   compute_dtype=torch.float64)
+    assert default[1].dtype == torch.float64
+    torch.testing.assert_close(default[1], float64[1], rtol=0, atol=0)
+    assert logit_attribution(tiny_model("llama"), input_ids=ids)[1].dtype == torch.float32  # the control
+    with pytest.raises(ValueError, match="compute_dtype must be torch.float32 or torch.float64"):
+        logit_attribution(model, input_ids=ids, compute_dtype=torch.float16)
+
+
 def test_an_encoder_decoder_and_a_projection_after_the_final_norm_are_refused_with_their_reason():
     """T5 failed inside transformers (the norm probe ran without decoder inputs); OPT's project_out failed in a
     matrix product."""

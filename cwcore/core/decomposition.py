@@ -222,8 +222,11 @@ class LayerDecomposition:
         """One rung of the geometric ladder (:data:`METRICS`), ``[batch, head, query, key]``.
 
         ``kind`` picks the output that normalises: the head's own (``intra``) or the combined one
-        (``inter``); it does not affect ``attention`` and ``value_weighted``.
+        (``inter``); it does not affect ``attention`` and ``value_weighted``, but is checked for them too (a
+        typo such as ``"intre"`` passed without a word there).
         """
+        if kind not in ("intra", "inter"):
+            raise ValueError(f"kind must be 'intra' or 'inter', not {kind!r}")
         if name == "attention":
             return self.attention
         if name == "value_weighted":
@@ -439,7 +442,8 @@ class Decomposition(Mapping):
         (||v~_j|| / ||o_i||), ``cosine`` (cos(o_i, v~_j)) and ``contribution`` (c_ij), the last three
         normalised by the output of ``kind`` (``"inter"``: the combined output, ``"intra"``: the head's).
         Padded queries and keys have no rows; in a causal layer (all attention above the diagonal exactly
-        zero) neither do the future keys. ``layers``/``heads``: a number, a list, or None for all.
+        zero) neither do the future keys. ``layers``/``heads``: a number, a list (each once; negative numbers
+        count from the end), or None for all.
         """
         import pandas as pd
 
@@ -465,9 +469,12 @@ class Decomposition(Mapping):
                                  "whole sequence to tabulate it")
             picked = list(range(h)) if heads is None else [
                 plain_integer(x) for x in ([heads] if is_integer_number(heads) else heads)]
-            bad = [x for x in picked if not (isinstance(x, int) and not isinstance(x, bool) and 0 <= x < h)]
+            bad = [x for x in picked if not (isinstance(x, int) and not isinstance(x, bool) and -h <= x < h)]
             if bad:
-                raise ValueError(f"to_frame: heads {bad} are out of range: layer {layer} has {h} heads (0 to {h - 1})")
+                raise ValueError(f"to_frame: heads {bad} are out of range: layer {layer} has {h} heads (0 to {h - 1}, "
+                                 "or -1 for the last)")
+            # negative heads count from the end, as layers do; each head once (heads=[0, 0] doubled every row)
+            picked = list(dict.fromkeys(x % h for x in picked))
             index = torch.tensor(picked, dtype=torch.long, device=ld.attention.device)
             valid = self._valid_tokens(ld, b, k)
             pairs = valid[:, :, None] & valid[:, None, :]
@@ -610,6 +617,20 @@ def layers_not_run(blocks, wanted, done: Iterable[int], layers, caller: str,
     return {layer: "it did not run in this forward pass" for layer in missing}
 
 
+def positional_inputs(layers, inputs: dict, caller: str) -> tuple:
+    """``(layers, inputs)`` of ``caller(model, enc)``: the tokenizer's output given as the second positional
+    argument (the ``layers`` slot) is the inputs, with every layer; a tensor there is refused in one sentence."""
+    if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
+        if inputs:
+            raise InputError(f"{caller}: give the inputs once, either as one mapping ({caller}(model, enc)) or "
+                             f"as keywords ({caller}(model, **enc))")
+        return None, dict(layers)
+    if isinstance(layers, torch.Tensor) and layers.ndim >= 1 and not inputs:
+        raise InputError(f"{caller}(model, tensor): the second positional argument is layers; pass token ids as "
+                         f"{caller}(model, input_ids=tensor)")
+    return layers, inputs
+
+
 def decompose(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
@@ -650,14 +671,7 @@ def decompose(
     With a key/value cache (``cache=``) the key axis is what each layer attends to, cached and new tokens; a
     sliding-window layer's cache keeps only its last ones, so its key ``j`` is position ``total - keys + j``.
     """
-    if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
-        if inputs:
-            raise InputError("decompose: give the inputs once, either as one mapping (decompose(model, enc)) or "
-                             "as keywords (decompose(model, **enc))")
-        layers, inputs = None, dict(layers)
-    elif isinstance(layers, torch.Tensor) and layers.ndim >= 1 and not inputs:
-        raise InputError("decompose(model, tensor): the second positional argument is layers; pass token ids as "
-                         "decompose(model, input_ids=tensor)")
+    layers, inputs = positional_inputs(layers, inputs, "decompose")
     model, blocks, wanted, undecomposable = select_layers(model, layers, "decompose")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)

@@ -153,6 +153,8 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
     ``ValueError`` for ids outside the vocabulary, an empty batch, a mask whose shape differs from the
     ids', or an input longer than the model's context (``truncate=True`` keeps the first tokens instead).
     """
+    if not isinstance(truncate, bool):  # "no" is truthy: it cut the input
+        raise InputTypeError(f"{caller}: truncate must be True or False, not {truncate!r}")
     if not inputs:  # else the model's own error, many frames deep
         raise InputError(f"{caller}: no inputs: give the model's inputs as keywords, e.g. "
                          f"{caller}(model, **tokenizer(text, return_tensors='pt'))")

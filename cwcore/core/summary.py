@@ -42,7 +42,8 @@ from torch import nn
 
 from .architectures import AttentionBlock, UnsupportedModelError
 from .attention import AttentionSession, cwcore_attention, default_compute_dtype
-from .decomposition import ZERO_NORM, layer_by_number, layers_not_run, prepare_inputs, select_layers
+from .decomposition import (ZERO_NORM, layer_by_number, layers_not_run, positional_inputs, prepare_inputs,
+                            select_layers)
 from .geometry import probe_directions, rebuilt_error, split_output_projection
 from .inputs import (InputError, check_compute_dtype, check_count, check_inputs, own_options, query_positions,
                      query_positions_as_given)
@@ -672,6 +673,7 @@ def summarize(
     if progress is not None and not isinstance(progress, bool):
         raise InputError(f"progress must be True, False or None, got {progress!r}")
     top_k = check_count(top_k, "top_k")
+    layers, inputs = positional_inputs(layers, inputs, "summarize")  # summarize(model, enc), as decompose takes it
     model, blocks, wanted, undecomposable = select_layers(model, layers, "summarize", "summarised")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)

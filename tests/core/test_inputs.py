@@ -173,6 +173,16 @@ def test_truncate_keeps_the_first_tokens_of_every_per_token_input_labels_include
     torch.testing.assert_close(got[1].contribution("inter"), expected[1].contribution("inter"), rtol=0, atol=0)
     with pytest.raises(cwcore.core.inputs.InputError, match="70 tokens but GPT2LMHeadModel was built for at most 64"):
         cwcore.decompose(gpt2, input_ids=ids)
+    # "no" is truthy: decompose, summarize and logit_attribution kept 64 of the 70 tokens without a word
+    from cwcore.core.summary import summarize
+    from cwcore.logit_attribution import logit_attribution
+
+    for call in (cwcore.decompose, summarize, logit_attribution):
+        for given in ("no", "False", 1):
+            with pytest.raises(TypeError, match=r"truncate must be True or False, not "):
+                call(gpt2, input_ids=ids, truncate=given)
+    with pytest.raises(cwcore.core.inputs.InputError, match="^logit_attribution: .*70 tokens"):  # it named decompose
+        logit_attribution(gpt2, input_ids=ids)
 
 
 def test_cached_and_new_tokens_beyond_the_context_are_refused_in_one_sentence():

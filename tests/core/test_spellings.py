@@ -62,3 +62,16 @@ def test_the_layer_indexed_alias_warns_when_read_first(d, monkeypatch):
     with pytest.warns(DeprecationWarning, match=r'd\.inter is deprecated: use d\[layer\]\.contribution\("inter"\)'):
         view = d.inter
     torch.testing.assert_close(view[1], d[1].contribution("inter"))
+
+
+def test_a_kind_that_is_neither_is_refused_for_every_rung(d):
+    """``kind`` does not change attention and value_weighted, but a typo passed there without a word
+    (``metric("attention", "intre")``, ``token_level("attention", "bogus")``) while the other rungs refused it."""
+    ld = d[0]
+    for name in decomposition.METRICS:
+        with pytest.raises(ValueError, match="kind must be 'intra' or 'inter', not 'intre'"):
+            ld.metric(name, "intre")
+        with pytest.raises(ValueError, match="kind must be 'intra' or 'inter'"):
+            ld.token_level(name, "bogus")
+    torch.testing.assert_close(ld.metric("attention", "intra"), ld.attention)  # the control: both kinds read
+    torch.testing.assert_close(ld.token_level("attention", "inter"), ld.attention.mean(1))

@@ -294,6 +294,20 @@ def test_bad_arguments_are_refused(arguments, message):
         cwcore.summarize(tiny_model("llama"), input_ids=IDS, **arguments)
 
 
+def test_the_tokenizers_output_as_one_argument_is_the_inputs_as_for_decompose():
+    """summarize takes "the same inputs" as decompose, which reads decompose(model, enc); summarize(model, enc)
+    refused it: "layers must hold layer numbers (int), got 'input_ids'"."""
+    model = tiny_model("llama")
+    enc = {"input_ids": IDS[:1], "attention_mask": torch.ones_like(IDS[:1])}
+    given, keywords = cwcore.summarize(model, enc, top_k=3), cwcore.summarize(model, top_k=3, **enc)
+    assert list(given) == list(keywords) == [0, 1]
+    torch.testing.assert_close(given[1].top.contribution, keywords[1].top.contribution, rtol=0, atol=0)
+    with pytest.raises(InputError, match=r"^summarize: give the inputs once"):
+        cwcore.summarize(model, enc, input_ids=IDS[:1])
+    with pytest.raises(InputError, match=r"^summarize\(model, tensor\): the second positional argument is layers"):
+        cwcore.summarize(model, IDS[:1])
+
+
 def test_a_summary_that_does_not_add_up_is_refused():
     model = tiny_model("qwen2")
     projection = model.model.layers[1].self_attn.o_proj

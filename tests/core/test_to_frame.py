@@ -95,6 +95,13 @@ def test_selection_and_intra_read_the_tensors():
     assert len(frame) == 2 * 21
     with pytest.raises(ValueError, match=r"heads \[7\] are out of range: layer 0 has 4 heads"):
         d.to_frame(heads=7)
+    # a head named twice gave every row twice (a query's contributions summed to twice theirs); -1 was refused
+    once = d.to_frame(layers=1, heads=[3])
+    pd.testing.assert_frame_equal(d.to_frame(layers=1, heads=[3, 3]), once)
+    pd.testing.assert_frame_equal(d.to_frame(layers=1, heads=-1), once)
+    pd.testing.assert_frame_equal(d.to_frame(layers=1, heads=[0, -4]), d.to_frame(layers=1, heads=0))
+    with pytest.raises(ValueError, match=r"heads \[-5\] are out of range"):
+        d.to_frame(heads=-5)
 
 
 def test_an_encoder_keeps_every_pair_of_real_tokens():

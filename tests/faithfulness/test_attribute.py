@@ -126,6 +126,24 @@ def test_head_level_methods_match_the_eager_maps_and_the_terms(kind):
         torch.testing.assert_close(contribution[layer].double(), naive, rtol=1e-5, atol=1e-8)
 
 
+def test_a_one_head_model_keeps_its_head_axis_and_a_token_level_method_stays_token_level():
+    """On a one-head model a head-level method's [batch, 1, query, key] was squeezed to token level (level
+    "token", [batch, query, key]) against the docstring; the reference is decompose's own tensor."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64,
+                            attn_implementation="eager")
+    model = tf.LlamaForCausalLM(config).eval()
+    ids = torch.randint(1, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    got = cwcore.attribute(model, method="contribution", input_ids=ids)
+    assert got.level == "head" and tuple(got[0].shape) == (2, 1, 5, 5)
+    torch.testing.assert_close(got[0], cwcore.decompose(model, input_ids=ids)[0].contribution(), rtol=0, atol=0)
+    rollout = cwcore.attribute(model, method="rollout", input_ids=ids)  # the control: token level as before
+    assert rollout.level == "token" and tuple(rollout[1].shape) == (2, 5, 5)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: ALTI's post-attention norm fitted on real rows
 def test_padding_rows_are_nan_and_padded_keys_zero_as_in_decompose(family):
     # float32: a left-padded float64 eager Llama leaves NaN in its own outputs from layer 1 on, which is refused
