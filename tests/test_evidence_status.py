@@ -192,3 +192,18 @@ def test_a_changed_or_torn_pair_is_not_work_done(tmp_path, damage):
 def test_a_mistyped_out_folder_fails(tmp_path, capsys):
     assert es.main(["--out", str(tmp_path / "evidnce")]) == 2
     assert "no such folder" in capsys.readouterr().err
+
+
+def test_exports_are_judged_only_by_the_profile_they_were_made_under(tmp_path, capsys):
+    """``--profile smoke --write`` replaced the committed STATUS.md with "16 of 16 parts done" (the smoke plan,
+    judged from the evidence profile's files), ``--profile confirmatory`` with "24 of 24"."""
+    out = tmp_path / "evidence"
+    shutil.copytree(COMMITTED, out, ignore=shutil.ignore_patterns("*.csv.gz", "*.csv"))
+    before = (out / es.STATUS_FILE).read_bytes()
+    for profile in ("smoke", "confirmatory"):
+        assert es.main(["--out", str(out), "--profile", profile, "--write"]) == 2
+        assert f"made under profile evidence, not '{profile}'" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="made under profile evidence"):
+            es.write_status(out, profile=profile)
+    assert (out / es.STATUS_FILE).read_bytes() == before
+    assert es.main(["--out", str(out), "--profile", "evidence"]) == 0  # the control: its own profile

@@ -136,7 +136,8 @@ def test_the_registration_commit_predates_every_confirmatory_export():
         assert _git("merge-base", "--is-ancestor", registered_commit, commit) is not None, path.name
 
 
-def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_reads_the_sample(tmp_path):
+def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_reads_the_sample(tmp_path,
+                                                                                                 monkeypatch):
     """``--profile confirmatory`` runs the confirmatory build (the notebooks draw the exploratory samples);
     a smoke run must go elsewhere than the committed folder and its files never read as confirmatory."""
     import cwbook as book
@@ -145,8 +146,22 @@ def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_r
     assert book.PROFILE_BUILDS[registration.CONFIRMATORY] is confirmatory.build
     with pytest.raises(SystemExit):
         confirmatory.main(["sinks", "--smoke", "2"])  # into the committed folder: refused before any work
-    with pytest.raises(ValueError, match="ladder, sinks and tables"):
+    from cwcore.cli import UsageError
+
+    with pytest.raises(UsageError, match="ladder, sinks and tables"):  # one line, status 2 (a ValueError: 1)
         confirmatory.build(only="ladder,figures")
+    # through python -m cwbook build: an unregistered model was written into the committed folder, and the
+    # notebook build's options (--config, --force, ...) were swallowed; each is refused before any work
+    def no_work(*args, **kwargs):
+        raise AssertionError("a step ran")
+
+    for step in ("ladder", "sinks", "tables", "write_status"):
+        monkeypatch.setattr(confirmatory, step, no_work)
+    with pytest.raises(UsageError, match="not registered: tiny-qwen2"):
+        confirmatory.build(models="tiny-qwen2")
+    with pytest.raises(UsageError, match=r"^--config, --force: the confirmatory build executes no notebook"):
+        confirmatory.build(config_path=tmp_path / "run.yml", force=True)
+    assert book.main(["build", "--profile", "confirmatory", "--models", "tiny-qwen2"]) == 2
     assert registration.sample_of(confirmatory._profile(2)) == registration.EXPLORATORY
     assert registration.sample_of(confirmatory._profile(None)) == registration.CONFIRMATORY
 

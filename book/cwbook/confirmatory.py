@@ -219,16 +219,35 @@ def tables(out: str | Path = OUT) -> list[Path]:
     return evidence_export.tables(out)
 
 
-def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = OUT, **_) -> list[Path]:
+def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = OUT, config_path=None,
+          force: bool = False, html: bool = True, build_dir=None, book_dir=None, notebooks_dir=None) -> list[Path]:
     """The three steps of the module's docstring in order (``only``: a subset of "ladder", "sinks",
-    "tables"); what ``python -m cwbook build --profile confirmatory`` runs."""
+    "tables"); what ``python -m cwbook build --profile confirmatory`` runs. It executes no notebook and builds
+    no HTML, on the registered models only: a notebook build's options, or another model, are refused (an
+    unregistered model was written into the committed folder, and ``--config`` ran the registered sizes)."""
+    from cwcore.cli import UsageError
+
+    from . import DEFAULT_BOOK_DIR, DEFAULT_NOTEBOOKS_DIR
+
+    given = {"--config": config_path is not None, "--force": force, "--no-html": not html,
+             "--build-dir": build_dir is not None,
+             "--book-dir": book_dir is not None and Path(book_dir) != DEFAULT_BOOK_DIR,
+             "--notebooks-dir": notebooks_dir is not None and Path(notebooks_dir) != DEFAULT_NOTEBOOKS_DIR}
+    if any(given.values()):
+        raise UsageError(f"{', '.join(flag for flag, on in given.items() if on)}: the confirmatory build executes no "
+                         "notebook and reads its sizes from the registration (python -m cwbook.confirmatory)")
     if isinstance(models, str):
         models = [m for m in models.split(",") if m]
     models = list(models or registration.CONFIRMATORY_MODELS)
+    unregistered = [m for m in models if m not in registration.CONFIRMATORY_MODELS]
+    if unregistered:
+        raise UsageError(f"not registered: {', '.join(unregistered)} (the confirmatory models are "
+                         f"{', '.join(registration.CONFIRMATORY_MODELS)})")
     steps = ["ladder", "sinks", "tables"] if not only else [s.strip() for s in str(only).split(",") if s.strip()]
     unknown = sorted(set(steps) - {"ladder", "sinks", "tables"})
     if unknown:
-        raise ValueError(f"unknown steps {unknown}: the confirmatory build has ladder, sinks and tables")
+        raise UsageError(f"unknown steps {unknown}: the confirmatory build has ladder, sinks and tables "
+                         "(python -m cwbook.confirmatory ladder|sinks|tables runs one)")
     written = []
     if "ladder" in steps:
         written += ladder(models, out=out)

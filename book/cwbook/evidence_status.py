@@ -184,8 +184,21 @@ def status_markdown(table: pd.DataFrame, profile: str = "evidence") -> str:
     return "\n".join(lines)
 
 
+def check_folder_profile(out: str | Path | None, profile: str) -> None:
+    """Refuse to judge ``out``'s exports by another profile than the one they were made under (their JSONs'
+    ``profile``): ``--profile smoke --write`` replaced the committed STATUS.md with "16 of 16 parts done"."""
+    out = Path(out) if out is not None else DEFAULT_OUT
+    made = sorted({str(meta["profile"]) for meta in map(_json, sorted(out.glob("*.json")))
+                   if isinstance(meta, dict) and meta.get("profile")})
+    if made and made != [profile]:
+        raise ValueError(f"the exports in {out} were made under profile {', '.join(made)}, not {profile!r}: their "
+                         f"status is judged by the plan of their own profile (--profile {made[0]})")
+
+
 def write_status(out: str | Path | None = None, *, profile: str = "evidence", config: str | Path | None = None) -> Path:
-    """Write ``out/STATUS.md`` (:func:`status_markdown` of :func:`evidence_status`) atomically; returns its path."""
+    """Write ``out/STATUS.md`` (:func:`status_markdown` of :func:`evidence_status`) atomically; returns its path.
+    A folder whose exports were made under another profile is refused (:func:`check_folder_profile`)."""
+    check_folder_profile(out, profile)
     out = Path(out) if out is not None else DEFAULT_OUT
     path = out / STATUS_FILE
     cw_cache.atomic_write_bytes(path, status_markdown(evidence_status(out, profile=profile, config=config),
@@ -201,6 +214,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.out is not None and not Path(args.out).is_dir():
         print(f"error: --out {args.out}: no such folder of committed evidence (default {DEFAULT_OUT})", file=sys.stderr)
+        return 2
+    try:
+        check_folder_profile(args.out, args.profile)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if args.write:
         print(f"wrote {write_status(args.out, profile=args.profile)}")

@@ -71,7 +71,10 @@ def test_the_zeroing_rows_are_read_verified_from_the_committed_export(tmp_path, 
         pytest.skip("no committed exploratory export")
     plain = pd.read_csv(csv)
     documents, ratios = sorted(plain["document"].unique())[:3], sorted(plain["ratio"].unique())[-3:]
-    got = ch04.committed_zero_rows(model, documents, ratios=ratios)
+    got = ch04.committed_zero_rows(model, documents, ratios=ratios, seq_len=128, dtype="float32")
+    # another block length or dtype is another input: --seq-len 160 took the 128-token rows beside its own
+    assert ch04.committed_zero_rows(model, documents, ratios=ratios, seq_len=160, dtype="float32") is None
+    assert ch04.committed_zero_rows(model, documents, ratios=ratios, seq_len=128, dtype="bfloat16") is None
     plain = plain[(plain["protocol"] == "default") & (plain["importance"] == "absolute") & (plain["variant"] == "main")
                   & plain["metric"].isin(ch04.IN_DISTRIBUTION_METRICS) & plain["document"].isin(documents)
                   & plain["ratio"].isin(ratios)]
@@ -85,4 +88,4 @@ def test_the_zeroing_rows_are_read_verified_from_the_committed_export(tmp_path, 
     tampered = text[:first_line_end - 1] + ("1" if text[first_line_end - 1] != "1" else "2") + text[first_line_end:]
     (tmp_path / csv.name).write_bytes(gzip.compress(tampered.encode()))
     with pytest.raises(CommittedFileError, match="SHA-256"):
-        ch04.committed_zero_rows(model, documents, ratios=ratios)
+        ch04.committed_zero_rows(model, documents, ratios=ratios, seq_len=128, dtype="float32")

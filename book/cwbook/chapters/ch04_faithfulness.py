@@ -699,18 +699,20 @@ def in_distribution_path(model: str):
     return findings.EVIDENCE_DIR.parent / f"removal_in_distribution_{slug(model)}_{IN_DISTRIBUTION_DATA}.csv"
 
 
-def committed_zero_rows(model: str, documents, metrics=IN_DISTRIBUTION_METRICS, ratios=None):
+def committed_zero_rows(model: str, documents, metrics=IN_DISTRIBUTION_METRICS, ratios=None, *, seq_len: int,
+                        dtype: str):
     """The zeroing rows of the committed exploratory evidence (``per_document_<model>_gsm8k.csv.gz``: protocol
     ``default``, importance ``absolute``, the main cell, not a variant's) for ``documents`` (the data set's
     row numbers, in sample order), in
-    :func:`~cwcore.faithfulness.faithfulness_curve`'s per-sequence layout; None unless every (document, metric,
-    mode, ratio) row is there. Read through :func:`cwbook.evidence_export.read_committed`: a table whose bytes do
+    :func:`~cwcore.faithfulness.faithfulness_curve`'s per-sequence layout; None unless the export ran on blocks
+    of ``seq_len`` tokens in ``dtype`` (its JSON's ``seq_len``, ``dtype``: other blocks are other inputs) and every
+    (document, metric, mode, ratio) row is there. Read through :func:`cwbook.evidence_export.read_committed`: a table whose bytes do
     not match the SHA-256 its JSON records is refused (``CommittedFileError``), never taken."""
     from cwbook.evidence_export import read_committed
 
     found = read_committed(model, IN_DISTRIBUTION_DATA, findings.EVIDENCE_DIR)
-    if found is None:
-        return None
+    if found is None or found[1].get("seq_len") != seq_len or found[1].get("dtype") != dtype:
+        return None  # before, 128-token rows were taken beside a --seq-len 160 run's mean removal
     rows = found[0]
     rows = rows[(rows["protocol"] == "default") & (rows["importance"] == "absolute") & rows["metric"].isin(metrics)
                 & (rows["variant"] == "main") & rows["document"].isin(list(documents))]
@@ -744,7 +746,8 @@ def removal_in_distribution(lm, tokenizer, *, model: str, n_documents: int = 16,
     parts = []
     for removal in ("zero", "mean"):
         if removal == "zero" and zero_from_evidence:
-            committed = committed_zero_rows(model, blocks["document"], metrics, grid)
+            dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+            committed = committed_zero_rows(model, blocks["document"], metrics, grid, seq_len=seq_len, dtype=dtype)
             if committed is not None:
                 parts.append(committed.assign(removal=removal, seconds=0.0, source="committed evidence"))
                 continue
