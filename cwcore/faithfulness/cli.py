@@ -126,10 +126,13 @@ def _main(argv: Sequence[str] | None) -> int:
     missing = [name for name in args.data if name not in _MC_TASKS and missing_local_file(name)]
     if missing:  # before the model loads (it was found missing after)
         raise UsageError(f"--data {missing[0]}: no such file")
-    kinds = [spec.kind for spec in parse_specs(args.metrics, args.kind)]
-    if "kind" in given_flags(parser(), argv, ("kind",)) and not any(kinds):
-        raise UsageError("--kind applies to the metrics with a kind (value_weighted_output_normalized, contribution), "
-                         "and --metrics names none: add one, or leave --kind out")
+    # a metric reads --kind when its kind follows the default: it has one, and its name does not fix it
+    # (contribution_inter ran the same tables whatever --kind said)
+    reads_kind = [inter.kind != intra.kind for inter, intra in zip(parse_specs(args.metrics, "inter"),
+                                                                    parse_specs(args.metrics, "intra"))]
+    if "kind" in given_flags(parser(), argv, ("kind",)) and not any(reads_kind):
+        raise UsageError("--kind applies to the metrics with a kind (value_weighted_output_normalized, contribution) "
+                         "named without _inter or _intra, and --metrics names none: add one, or leave --kind out")
     from ..cache import caching
 
     with caching(enabled=not args.no_cache):  # the command line caches its pieces unless --no-cache

@@ -225,6 +225,12 @@ def _main(argv: list[str] | None) -> int:
         raise ValueError(f"--raw {args.raw}: {raw} is a file")
     if args.from_raw and raw is None:
         raise UsageError("--from-raw needs --raw")
+    if args.from_raw:  # no model runs: these were read by nothing (--device cuda passed on a CPU-only torch)
+        unread = sorted(given_flags(parser(), argv, ("device", "batch_size", "no_cache")))
+        if unread:
+            raise UsageError(f"{', '.join('--' + name.replace('_', '-') for name in unread)} "
+                             f"{'applies' if len(unread) == 1 else 'apply'} to running the model, which --from-raw "
+                             "does not: leave it out")
     import pandas as pd
     import torch
 

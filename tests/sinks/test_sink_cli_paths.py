@@ -142,4 +142,8 @@ def test_a_missing_data_file_and_an_unread_kind_are_refused_before_the_model_loa
     assert faithfulness_main(["--model", "tiny", "--metrics", "attention", "random", "--kind", "intra",
                               "--out", str(tmp_path / "c")]) == 2
     assert "--kind applies to the metrics with a kind" in capsys.readouterr().err
+    # a metric whose name fixes its kind does not read --kind: the tables were those of a run without it
+    assert faithfulness_main(["--model", "tiny", "--metrics", "contribution_inter", "random", "--kind", "intra",
+                              "--out", str(tmp_path / "d")]) == 2
+    assert "named without _inter or _intra" in capsys.readouterr().err
     assert debug_requested(["--model", "x", "--debu"]) and not debug_requested(["--model", "x"])

@@ -72,9 +72,10 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
 
     monkeypatch.setattr(cwcore.models, "load_model", load)
     monkeypatch.setattr(cwcore.data, "load_dataset", lambda name: texts)
-    args = ["--model", "tiny", "--data", "words", "--num-sequences", "3", "--block-size", "12", "--batch-size", "2",
-            "--add-bos", "yes", "--no-cache", "--raw", str(tmp_path / "raw")]
-    assert sinks.main([*args, "--out", str(tmp_path / "a")]) == 0
+    args = ["--model", "tiny", "--data", "words", "--num-sequences", "3", "--block-size", "12",
+            "--add-bos", "yes", "--raw", str(tmp_path / "raw")]
+    running = ["--batch-size", "2", "--no-cache"]  # flags of running the model: refused with --from-raw (below)
+    assert sinks.main([*args, *running, "--out", str(tmp_path / "a")]) == 0
     written = sorted(p.name for p in (tmp_path / "a").iterdir())
     stems = ["anti_alignment", "convexity", "convexity-curves", "decomposition", "decomposition-sample", "rates",
              "semantic_cone", "semantic_cone-heads", "semantic_cone-ppl", "summary"]
@@ -91,6 +92,10 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     assert sinks.main([*args, "--from-raw", "--out", str(tmp_path / "b")]) == 0
     for name in written:
         pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "a" / name), pd.read_csv(tmp_path / "b" / name))
+    # nothing runs the model: --device cuda passed on a CPU-only torch, --batch-size and --no-cache read by nothing
+    for extra, flags in ((running, "--batch-size, --no-cache apply"), (["--device", "cuda"], "--device applies")):
+        assert sinks.main([*args, *extra, "--from-raw", "--out", str(tmp_path / "b2")]) == 2
+        assert f"{flags} to running the model, which --from-raw does not" in capsys.readouterr().err
     # a run flag that describes another run is refused, not ignored (before: --block-size 64 rebuilt the
     # 12-token run's tables without a word); the same command with --from-raw appended passed above
     # (before: --kind, --quantile-sample, --heads, --seed, --add-bos and a larger --num-sequences were ignored)
@@ -108,16 +113,15 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
             changed[changed.index(flag) + 1] = value
         else:
             changed += [flag, value]
-        with pytest.raises(SystemExit) as exit_:
-            sinks.main([*changed, "--from-raw", "--out", str(tmp_path / "c")])
-        assert exit_.value.code == 2, flag
-        assert message in capsys.readouterr().err, flag
+        assert sinks.main([*changed, "--from-raw", "--out", str(tmp_path / "c")]) == 2, flag  # one line
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, flag
     assert sinks.main([*args, "--dtype", "fp32", "--from-raw", "--out", str(tmp_path / "d")]) == 0  # float32's alias
     assert not (tmp_path / "c").exists()
     # --dtype reaches the model, is recorded in the summary and in the raw material for --from-raw
     monkeypatch.setattr(cwcore.models, "load_model", load)
     bf16 = [*args[:-1], str(tmp_path / "raw16"), "--dtype", "bfloat16"]
-    assert sinks.main([*bf16, "--analyses", "rates", "--out", str(tmp_path / "e")]) == 0
+    assert sinks.main([*bf16, *running, "--analyses", "rates", "--out", str(tmp_path / "e")]) == 0
     assert loaded[-1] == "bfloat16"
     assert (pd.read_csv(tmp_path / "e" / "sinks_summary_tiny_words.csv")["dtype"] == "bfloat16").all()
     monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("--from-raw must not load the model"))
@@ -127,7 +131,7 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     # a later run into the same folder replaces the material whole: the earlier run's other analyses are gone, not
     # rebuilt beside the later run's blocks (before: a mixture, labelled with the later run's settings)
     monkeypatch.setattr(cwcore.models, "load_model", load)
-    assert sinks.main([*args, "--analyses", "rates", "--out", str(tmp_path / "g")]) == 0
+    assert sinks.main([*args, *running, "--analyses", "rates", "--out", str(tmp_path / "g")]) == 0
     monkeypatch.setattr(cwcore.models, "load_model", lambda *a, **k: pytest.fail("--from-raw must not load the model"))
     from cwcore.sinks.cli import _load_raw
 
@@ -137,8 +141,7 @@ def test_command_line_writes_tables_and_rebuilds_them_from_raw(tmp_path, monkeyp
     # --seed draws the documents every analysis reads (it was refused with rates alone); no analysis is refused
     monkeypatch.setattr(cwcore.models, "load_model", load)
     assert sinks.main([*args, "--analyses", "rates", "--seed", "5", "--out", str(tmp_path / "h")]) == 0
-    with pytest.raises(SystemExit):
-        sinks.main([*args, "--analyses", " , ", "--out", str(tmp_path / "i")])
+    assert sinks.main([*args, "--analyses", " , ", "--out", str(tmp_path / "i")]) == 2
     assert "--analyses names none" in capsys.readouterr().err
 
 
@@ -232,8 +235,7 @@ def test_command_line_options_come_from_the_registry(capsys):
     for name, option in sinks.SinkOptions.OPTIONS.items():  # the run options have the CLI's own flags
         if option.cli:
             assert f"--{name.replace('_', '-')}" in text and option.help[:20] in " ".join(text.split()), name
-    with pytest.raises(SystemExit):
-        sinks.main(["--model", "m", "--data", "d", "--eps", "1.5"])
+    assert sinks.main(["--model", "m", "--data", "d", "--eps", "1.5"]) == 2
     assert "eps must be a finite number in (0, 1)" in capsys.readouterr().err
 
 
