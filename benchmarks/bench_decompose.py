@@ -23,8 +23,8 @@ import time
 import torch
 
 import cwcore
-from cwcore.architectures import attention_blocks
-from cwcore.geometry import naive_geometry, split_output_projection
+from cwcore.core.architectures import attention_blocks
+from cwcore.core.geometry import naive_geometry, split_output_projection
 
 GIB = 1024**3
 
