@@ -231,3 +231,14 @@ def test_a_frames_json_that_would_change_its_values_or_drop_a_column_is_refused(
         ef.read_frame(ef.DOWNSTREAM, MODEL, "mmlu", evidence)
     js.write_text(json.dumps(meta))
     assert ef.read_frame(ef.DOWNSTREAM, MODEL, "mmlu", evidence)[0]["nll"].dtype == "float64"  # the control
+
+
+def test_the_export_command_line_answers_bad_input_in_one_line(tmp_path, capsys):
+    """``export --profile nope`` ended in a BookError traceback (status 1); ``check --profile`` was accepted and
+    ignored (check recomputes with the profile its export records): it is no option of check any more."""
+    assert ee.main(["export", "--profile", "nope", "--documents", "1", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: profile 'nope' is not in run.yml") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        ee.main(["check", "--profile", "nope"])
+    assert "unrecognized arguments: --profile nope" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import cwcore
 from cwcore import cache as cw_cache
 from . import ladder as evidence
 from . import findings
-from . import results_path, slug
+from . import BookError, results_path, slug
 from . import registration
 from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, checked_table_what, checkout, content_hash,
                              gzipped_csv, now, read_present_pair, write_checked_csv)
@@ -644,7 +644,8 @@ def _arguments(argv=None):
     for name, text in (("export", "write per_document_<model>_<data>.csv.gz/.json"),
                        ("check", "recompute a slice without the cache and compare it with the export")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--profile", default="evidence")
+        if name == "export":  # check recomputes with the profile its export records
+            p.add_argument("--profile", default="evidence")
         p.add_argument("--model", default="smollm2-135m")
         p.add_argument("--data", default="gsm8k")
         p.add_argument("--documents", type=int, default=8 if name == "export" else 2)
@@ -669,8 +670,9 @@ def main(argv=None) -> int:
     args = _arguments(argv)
     try:
         return _main(args)
-    except (ValueError, OSError) as err:  # CommittedFileError is a ValueError: one line, not a traceback
-        print(f"error: {err}", file=sys.stderr)
+    # CommittedFileError is a ValueError, --require-cached's a LookupError, a profile not in run.yml a BookError
+    except (ValueError, OSError, LookupError, BookError) as err:  # one line, not a traceback
+        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
 
 
