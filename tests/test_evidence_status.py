@@ -207,3 +207,14 @@ def test_exports_are_judged_only_by_the_profile_they_were_made_under(tmp_path, c
             es.write_status(out, profile=profile)
     assert (out / es.STATUS_FILE).read_bytes() == before
     assert es.main(["--out", str(out), "--profile", "evidence"]) == 0  # the control: its own profile
+
+
+def test_a_profile_run_yml_lacks_and_a_mistyped_confirmatory_folder_are_one_line(tmp_path, capsys):
+    """``--profile nope`` ended in a BookError traceback; ``python -m cwbook.confirmatory status --out <typo>``
+    created the folder and wrote "0 of 10 parts done" into it."""
+    from cwbook import confirmatory
+
+    assert es.main(["--profile", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: profile 'nope' is not in run.yml")
+    assert confirmatory.main(["status", "--out", str(tmp_path / "confirmatroy")]) == 2
+    assert "no such folder" in capsys.readouterr().err and not (tmp_path / "confirmatroy").exists()

@@ -382,6 +382,24 @@ def test_book_runner_reports_a_bad_run_yml_in_one_line(content, message, tmp_pat
         assert "at line 2, column 3" in line  # where the mistake is
 
 
+def test_a_parameter_no_notebook_declares_is_bad_input_for_plan_and_build(tmp_path, capsys):
+    """A typo under notebooks: ended as "book build FAILED" with status 1 (plan too); it is bad input, one line,
+    status 2, before anything runs."""
+    import shutil
+
+    import cwbook as book
+
+    shutil.copy(book.DEFAULT_BOOK_DIR / "run.yml", tmp_path / "run.yml")
+    text = (tmp_path / "run.yml").read_text()
+    (tmp_path / "run.yml").write_text(text.replace("02_geometry:\n        n_trials: 5000",
+                                                   "02_geometry:\n        n_trails: 5000", 1))
+    assert "n_trails" in (tmp_path / "run.yml").read_text()
+    for command in (["plan"], ["build", "--no-html", "--only", "02"]):
+        assert book.main([*command, "--profile", "default", "--config", str(tmp_path / "run.yml")]) == 2
+        assert "does not declare ['n_trails']" in _one_error_line(capsys, "python -m cwbook")
+    assert book.main(["plan", "--profile", "default"]) == 0  # the control: the committed run.yml
+
+
 def test_run_command_separates_bad_input_from_bugs(capsys):
     from cwcore.cli import run_command
 

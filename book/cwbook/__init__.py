@@ -768,8 +768,10 @@ def _main(argv: list[str] | None) -> int:
                                 "over N single-thread ranks (cwcore.runs); results are the same as with 1")
     args = parser.parse_args(argv)
     if getattr(args, "jobs", None) is not None:
-        if args.jobs < 1:
-            parser.error(f"--jobs must be at least 1, got {args.jobs}")
+        if args.jobs < 1:  # one line, as every bad input (parser.error printed the usage first)
+            from cwcore.cli import UsageError
+
+            raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
         from cwcore.runs import JOBS_ENV_VAR
 
         os.environ[JOBS_ENV_VAR] = str(args.jobs)  # the kernels inherit it
@@ -778,6 +780,8 @@ def _main(argv: list[str] | None) -> int:
         name, chosen, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
                                   notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
                                   book_dir=args.book_dir)
+        for run in runs:  # a parameter a notebook does not declare: bad input (it ended as "book build FAILED")
+            injected_parameters(run, notebook_parameters(run.source))
     except BookError as err:
         print(f"python -m cwbook: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2

@@ -296,6 +296,10 @@ def main(argv=None) -> int:
     smoke = getattr(args, "smoke", None)
     if smoke is not None and Path(args.out).resolve() == OUT.resolve():
         parser.error("--smoke writes exploratory documents: give --out another folder than the committed evidence")
+    if args.command in ("status", "tables") and not Path(args.out).is_dir():  # a typo wrote "0 of 10 parts done"
+        print(f"python -m cwbook.confirmatory: error: --out {args.out}: no such folder of confirmatory exports",
+              file=sys.stderr)
+        return 2
     if getattr(args, "jobs", None) is not None:
         os.environ["CWCORE_JOBS"] = str(args.jobs)
     if args.command == "build":
