@@ -104,27 +104,27 @@ def _refuse_another_run(args, given: set[str], blocks, recorded: dict, folder: P
         if name in given and getattr(args, name) != value:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} {getattr(args, name)}, but the raw material in {folder} was collected with "
-                          f"{flag} {value}: give that run's {flag}, or leave it out")
+                             f"{flag} {value}: give that run's {flag}, or leave it out")
     if "add_bos" in given and "add_bos" in run and args.add_bos != run["add_bos"]:
         raise UsageError(f"--add-bos {args.add_bos}, but the raw material in {folder} was made with --add-bos "
-                      f"{run['add_bos']}: give that run's --add-bos, or leave it out")
+                         f"{run['add_bos']}: give that run's --add-bos, or leave it out")
     if args.dtype is not None and _dtype_name(args.dtype) != recorded["dtype"]:
         raise UsageError(f"--dtype {args.dtype}, but the raw material in {folder} was computed in {recorded['dtype']}: "
-                      "give that run's --dtype, or leave it out")
+                         "give that run's --dtype, or leave it out")
     sampling = recorded["sampling"]
     if "block_size" in given and args.block_size != length:
         raise UsageError(f"--block-size {args.block_size}, but the raw material in {folder} holds blocks of {length} "
-                      "tokens: give that run's --block-size, or leave it out")
+                         "tokens: give that run's --block-size, or leave it out")
     if "sampling" in given and args.sampling != sampling:
-        raise UsageError(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {sampling}: give "
-                      "that run's --sampling, or leave it out")
+        raise UsageError(f"--sampling {args.sampling}, but the raw material in {folder} was sampled as {sampling}: "
+                         "give that run's --sampling, or leave it out")
     asked = run.get("num_sequences")  # what that run asked for (older material: at least the sequences it holds)
     if "num_sequences" in given and asked is not None and args.num_sequences != asked:
         raise UsageError(f"--num-sequences {args.num_sequences}, but the raw material in {folder} was made with "
-                      f"--num-sequences {asked}: give that run's --num-sequences, or leave it out")
+                         f"--num-sequences {asked}: give that run's --num-sequences, or leave it out")
     if "num_sequences" in given and args.num_sequences < n:  # more is the same run: fewer were available
         raise UsageError(f"--num-sequences {args.num_sequences}, but the raw material in {folder} holds {n} sequences: "
-                      "give that run's --num-sequences, or leave it out")
+                         "give that run's --num-sequences, or leave it out")
 
 
 def _dtype_name(dtype: str | None) -> str:
@@ -261,7 +261,7 @@ def _main(argv: list[str] | None) -> int:
         if not set(takers[name]) & set(wanted):
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{flag} applies to {', '.join(takers[name])}, which --analyses {','.join(wanted)} does "
-                          f"not run: add it, or leave {flag} out")
+                             f"not run: add it, or leave {flag} out")
     for name in wanted:  # and one its settings leave unread (--threshold without --heads sink)
         try:
             refuse_unread(REGISTRY[name], given, options, flags=True)

@@ -706,8 +706,8 @@ def committed_zero_rows(model: str, documents, metrics=IN_DISTRIBUTION_METRICS, 
     row numbers, in sample order), in
     :func:`~cwcore.faithfulness.faithfulness_curve`'s per-sequence layout; None unless the export ran on blocks
     of ``seq_len`` tokens in ``dtype`` (its JSON's ``seq_len``, ``dtype``: other blocks are other inputs) and every
-    (document, metric, mode, ratio) row is there. Read through :func:`cwbook.evidence_export.read_committed`: a table whose bytes do
-    not match the SHA-256 its JSON records is refused (``CommittedFileError``), never taken."""
+    (document, metric, mode, ratio) row is there. Read through :func:`cwbook.evidence_export.read_committed`: a
+    table whose bytes do not match the SHA-256 its JSON records is refused (``CommittedFileError``), never taken."""
     from cwbook.evidence_export import read_committed
 
     found = read_committed(model, IN_DISTRIBUTION_DATA, findings.EVIDENCE_DIR)
