@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import sys as _sys
 
-if _sys.argv[:1] == ["-m"] and {"-h", "--help"} & set(_sys.argv[1:]):
+_asked = getattr(_sys, "orig_argv", [])  # the module after -m: this package, not one below it (a gone one)
+if _sys.argv[:1] == ["-m"] and {"-h", "--help"} & set(_sys.argv[1:]) and "-m" in _asked[:-1] and \
+        _asked[_asked.index("-m") + 1] in (__name__, f"{__name__}.__main__"):
     # ``python -m cwcore.sinks --help`` imports this package first: answer without importing torch
     from .cli import parser as _parser
 

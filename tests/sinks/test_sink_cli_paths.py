@@ -94,6 +94,15 @@ def test_the_faithfulness_command_line_shares_the_rules(tmp_path, monkeypatch, c
         [f"{kind}_org_x_toy.csv" for kind in ("aopc", "faithfulness", "ladder")]
 
 
+@pytest.mark.parametrize("module", ["cwcore.faithfulness.anatomy", "cwcore.sinks.claims"])
+def test_a_module_that_is_gone_does_not_answer_with_its_packages_help(module):
+    """``python -m cwcore.faithfulness.anatomy --help`` (a module moved to the book) printed the faithfulness
+    command's help with status 0: the package's fast help answered for any module below it."""
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and f"No module named {module}" in done.stderr and "usage" not in done.stdout
+
+
 def test_the_faithfulness_help_answers_without_torch_and_its_flags_agree():
     from cwcore.faithfulness import cli as fcli
     from cwcore.faithfulness.protocol import DEFAULT_METRICS, DEFAULT_RATIOS, KINDS
