@@ -17,6 +17,16 @@ import time
 
 
 def main(argv=None) -> int:
+    """The command line; 0 when done, 2 for bad input (one line, before any model loads), 1 for a bug."""
+    from cwcore.cli import debug_requested, run_command
+
+    from cwbook import BookError
+
+    return run_command("python -m cwbook.in_distribution", lambda: _main(argv), debug_requested(argv),
+                       user_errors=(BookError,))
+
+
+def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwbook.in_distribution", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
     parser.add_argument("--documents", type=int, default=16, help="GSM8K documents per model (default 16)")
@@ -30,7 +40,18 @@ def main(argv=None) -> int:
                         help="take the zeroing rows from the committed exploratory evidence (same documents, protocol "
                              "and rankings) and compute only the mean stand-in")
     parser.add_argument("--out", default=None, help="a folder for the tables instead of data/results")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     args = parser.parse_args(argv)
+    # before the first model loads (--documents 0 and --ratios 2 failed after it, in a traceback)
+    from cwcore.core.inputs import check_count
+    from cwcore.faithfulness.protocol import ratios as parse_ratios
+
+    check_count(args.documents, "--documents")
+    check_count(args.seq_len, "--seq-len", minimum=2)
+    check_count(args.batch_size, "--batch-size")
+    check_count(args.n_bootstrap, "--n-bootstrap")
+    if args.ratios is not None:
+        parse_ratios(args.ratios)
 
     from pathlib import Path
 

@@ -89,3 +89,18 @@ def test_the_zeroing_rows_are_read_verified_from_the_committed_export(tmp_path, 
     (tmp_path / csv.name).write_bytes(gzip.compress(tampered.encode()))
     with pytest.raises(CommittedFileError, match="SHA-256"):
         ch04.committed_zero_rows(model, documents, ratios=ratios, seq_len=128, dtype="float32")
+
+
+@pytest.mark.parametrize("argv, message", [(["--documents", "0"], "--documents must be at least 1"),
+                                           (["--ratios", "2"], "ratios must lie in [0, 1]"),
+                                           (["--seq-len", "1"], "--seq-len must be at least 2")])
+def test_the_command_line_refuses_bad_sizes_in_one_line_before_a_model_loads(argv, message, monkeypatch, capsys):
+    """They failed after the first model loaded, in a traceback (the module had no error path of its own)."""
+    import cwcore
+
+    from cwbook import in_distribution
+
+    monkeypatch.setattr(cwcore, "load_model", lambda *a, **k: pytest.fail("a model loaded before the check"))
+    assert in_distribution.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m cwbook.in_distribution: error: ") and message in err and err.count("\n") == 1
