@@ -144,8 +144,9 @@ def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_r
     from cwbook import confirmatory
 
     assert book.PROFILE_BUILDS[registration.CONFIRMATORY] is confirmatory.build
-    with pytest.raises(SystemExit):
-        confirmatory.main(["sinks", "--smoke", "2"])  # into the committed folder: refused before any work
+    assert confirmatory.main(["sinks", "--smoke", "2"]) == 2  # into the committed folder: refused before any work
+    for argv in (["ladder", "--smoke", "0", "--out", str(tmp_path)], ["ladder", "--jobs", "0"]):
+        assert confirmatory.main(argv) == 2  # before any model loads (a traceback after it)
     from cwcore.cli import UsageError
 
     with pytest.raises(UsageError, match="ladder, sinks and tables"):  # one line, status 2 (a ValueError: 1)

@@ -268,6 +268,18 @@ _register_profile_build()
 
 
 def main(argv=None) -> int:
+    """The command line; 0 when done, 2 for bad input (one line, before any work), 1 for a bug."""
+    from cwcore.cli import debug_requested, run_command
+
+    from . import BookError
+
+    return run_command("python -m cwbook.confirmatory", lambda: _main(argv), debug_requested(argv),
+                       user_errors=(BookError,))
+
+
+def _main(argv=None) -> int:
+    from cwcore.cli import UsageError
+
     parser = argparse.ArgumentParser(prog="python -m cwbook.confirmatory", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {"build": "every step below, in order", "ladder": "compute (or resume) the ladder cells",
@@ -285,21 +297,24 @@ def main(argv=None) -> int:
                            help="N exploratory documents instead of the registered sample: a check of the code path "
                                 "that looks at no confirmatory document (needs --out elsewhere)")
         p.add_argument("--out", default=str(OUT))
+        p.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     args = parser.parse_args(argv)
     models = [m for m in getattr(args, "models", "").split(",") if m]
     datasets = [d for d in getattr(args, "data", ",".join(registration.CONFIRMATORY_DATA)).split(",") if d]
     unknown = [m for m in models if m not in registration.CONFIRMATORY_MODELS] + \
               [d for d in datasets if d not in registration.CONFIRMATORY_DATA]
     if unknown:
-        parser.error(f"not registered: {', '.join(unknown)} (registered models "
+        raise UsageError(f"not registered: {', '.join(unknown)} (registered models "
                      f"{', '.join(registration.CONFIRMATORY_MODELS)}, data {', '.join(registration.CONFIRMATORY_DATA)})")
     smoke = getattr(args, "smoke", None)
     if smoke is not None and Path(args.out).resolve() == OUT.resolve():
-        parser.error("--smoke writes exploratory documents: give --out another folder than the committed evidence")
+        raise UsageError("--smoke writes exploratory documents: give --out another folder than the committed "
+                         "evidence")
+    for flag, value in (("--smoke", smoke), ("--jobs", getattr(args, "jobs", None))):
+        if value is not None and value < 1:  # before any model loads (they failed after it, in a traceback)
+            raise UsageError(f"{flag} must be at least 1, got {value}")
     if args.command in ("status", "tables") and not Path(args.out).is_dir():  # a typo wrote "0 of 10 parts done"
-        print(f"python -m cwbook.confirmatory: error: --out {args.out}: no such folder of confirmatory exports",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"--out {args.out}: no such folder of confirmatory exports")
     if getattr(args, "jobs", None) is not None:
         os.environ["CWCORE_JOBS"] = str(args.jobs)
     if args.command == "build":
