@@ -209,6 +209,9 @@ def test_a_half_pair_is_refused_by_the_tables_and_the_verifier_and_a_lost_chapte
         ee.tables(out, ["gemma3-270m"])
     assert evidence_files.main([str(out)]) == 1
     assert "per_document_gemma3-270m_web-text.json (its table is missing)" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()  # a mistyped folder: it verified "0 of 0 committed tables", status 0
+    assert evidence_files.main([str(tmp_path / "empty")]) == 2
+    assert "holds no committed table" in capsys.readouterr().err
     chapter = out / "05_sink_decomposition" / "gemma3-270m.csv"
     chapter.unlink()
     with pytest.raises(CommittedFileError, match="gemma3-270m.json has no gemma3-270m.csv beside it"):

@@ -260,6 +260,10 @@ def main(argv=None) -> int:
             bad += 1
             print(f"{name}")
         total = len(committed_pairs(folder)) + len(half_pairs(folder))
+        if not total:  # a mistyped folder verified "0 of 0", status 0
+            print(f"error: {folder} holds no committed table (a table beside its JSON): is it the right folder?",
+                  file=sys.stderr)
+            return 2
         print(f"{total - bad} of {total} committed tables verified")
         return 1 if bad else 0
     except CommittedFileError as err:
