@@ -48,7 +48,8 @@ def _first_hop(url: str) -> tuple[str, int]:
     parsed = urlparse(url)
     host = parsed.hostname or "huggingface.co"
     port = parsed.port or (80 if parsed.scheme == "http" else 443)
-    proxy = urllib.request.getproxies().get(parsed.scheme or "https") or urllib.request.getproxies().get("all")
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parsed.scheme or "https") or proxies.get("all")
     if proxy and not urllib.request.proxy_bypass(host):
         proxied = urlparse(proxy if "://" in proxy else f"http://{proxy}")
         if proxied.hostname:

@@ -204,8 +204,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     inputs = check_inputs(model, inputs, caller="logit_attribution", truncate=truncate)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)
     if targets is not None:  # checked before the forward: one id per position, inside the vocabulary
-        shape = check_inputs(model, {"input_ids": inputs["input_ids"]}, caller="logit_attribution")["input_ids"].shape
-        targets = check_targets(targets, shape, head.weight.shape[0])
+        targets = check_targets(targets, inputs["input_ids"].shape, head.weight.shape[0])
     final = _final_norm(model)
     captured: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -222,8 +221,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     finally:
         for handle in handles:
             handle.remove()
-    dtype = compute_dtype
-    input_ids = inputs["input_ids"] if inputs["input_ids"].dim() == 2 else inputs["input_ids"][None]
+    input_ids = inputs["input_ids"]  # [batch, query]: check_inputs promoted one sequence to a batch
     mask = inputs.get("attention_mask")  # the real tokens: the norms are fitted and the logits checked on them
     real = None if mask is None else torch.as_tensor(mask).reshape(input_ids.shape[0], -1)[:, -input_ids.shape[1]:]
     real = None if real is None else real.to(captured["final"][0].device).bool()
@@ -260,7 +258,7 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     for layer in d.layers:
         ld = d[layer]
         e = directions.to(ld.geometry.values.device)
-        by_layer[layer] = direct_logit_attribution(ld, e.to(dtype), post_frozen.get(layer), multiplier)
+        by_layer[layer] = direct_logit_attribution(ld, e.to(compute_dtype), post_frozen.get(layer), multiplier)
     return LogitAttribution(by_layer, targets, d, frozen, post_frozen, materialised(head, "weight").detach(),
                             multiplier)
 

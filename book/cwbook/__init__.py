@@ -780,8 +780,9 @@ def _main(argv: list[str] | None) -> int:
         name, chosen, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
                                   notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
                                   book_dir=args.book_dir)
+        declared = {source: notebook_parameters(source) for source in {run.source for run in runs}}  # each once
         for run in runs:  # a parameter a notebook does not declare: bad input (it ended as "book build FAILED")
-            injected_parameters(run, notebook_parameters(run.source))
+            injected_parameters(run, declared[run.source])
     except BookError as err:
         print(f"python -m cwbook: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
@@ -791,7 +792,7 @@ def _main(argv: list[str] | None) -> int:
                 if chapter.is_page:
                     print(f"{chapter.name:<44} -> {chapter.name}.md  (page, not executed)")
                 for run in (r for r in runs if r.chapter == chapter):
-                    params = injected_parameters(run, notebook_parameters(run.source))
+                    params = injected_parameters(run, declared[run.source])
                     print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
             return 0
         if name in PROFILE_MODULES:

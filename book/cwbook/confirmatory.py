@@ -219,6 +219,19 @@ def tables(out: str | Path = OUT) -> list[Path]:
     return evidence_export.tables(out)
 
 
+def refuse_unregistered(models: Sequence[str], datasets: Sequence[str] = ()) -> None:
+    """One line (status 2) naming every model or data set the registration does not hold: the confirmatory
+    folder holds the registered ones only."""
+    from cwcore.cli import UsageError
+
+    unknown = [m for m in models if m not in registration.CONFIRMATORY_MODELS] + \
+              [d for d in datasets if d not in registration.CONFIRMATORY_DATA]
+    if unknown:
+        raise UsageError(f"not registered: {', '.join(unknown)} (registered models "
+                         f"{', '.join(registration.CONFIRMATORY_MODELS)}, "
+                         f"data {', '.join(registration.CONFIRMATORY_DATA)})")
+
+
 def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = OUT, config_path=None,
           force: bool = False, html: bool = True, build_dir=None, book_dir=None, notebooks_dir=None) -> list[Path]:
     """The three steps of the module's docstring in order (``only``: a subset of "ladder", "sinks",
@@ -239,10 +252,7 @@ def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = O
     if isinstance(models, str):
         models = [m for m in models.split(",") if m]
     models = list(models or registration.CONFIRMATORY_MODELS)
-    unregistered = [m for m in models if m not in registration.CONFIRMATORY_MODELS]
-    if unregistered:
-        raise UsageError(f"not registered: {', '.join(unregistered)} (the confirmatory models are "
-                         f"{', '.join(registration.CONFIRMATORY_MODELS)})")
+    refuse_unregistered(models)
     steps = ["ladder", "sinks", "tables"] if not only else [s.strip() for s in str(only).split(",") if s.strip()]
     unknown = sorted(set(steps) - {"ladder", "sinks", "tables"})
     if unknown:
@@ -301,11 +311,7 @@ def _main(argv=None) -> int:
     args = parser.parse_args(argv)
     models = [m for m in getattr(args, "models", "").split(",") if m]
     datasets = [d for d in getattr(args, "data", ",".join(registration.CONFIRMATORY_DATA)).split(",") if d]
-    unknown = [m for m in models if m not in registration.CONFIRMATORY_MODELS] + \
-              [d for d in datasets if d not in registration.CONFIRMATORY_DATA]
-    if unknown:
-        raise UsageError(f"not registered: {', '.join(unknown)} (registered models "
-                     f"{', '.join(registration.CONFIRMATORY_MODELS)}, data {', '.join(registration.CONFIRMATORY_DATA)})")
+    refuse_unregistered(models, datasets)
     smoke = getattr(args, "smoke", None)
     if smoke is not None and Path(args.out).resolve() == OUT.resolve():
         raise UsageError("--smoke writes exploratory documents: give --out another folder than the committed "

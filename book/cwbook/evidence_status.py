@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from cwcore import cache as cw_cache
-from . import DEFAULT_BOOK_DIR, BookError, load_config, plan, results_path
+from . import DEFAULT_BOOK_DIR, BookError, load_config, plan, profile_config, results_path
 from .evidence_export import (CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, read_committed,
                               weight_variant_names)
 from .evidence_files import CommittedFileError
@@ -216,9 +216,7 @@ def main(argv=None) -> int:
         print(f"error: --out {args.out}: no such folder of committed evidence (default {DEFAULT_OUT})", file=sys.stderr)
         return 2
     try:  # a profile run.yml has (one it lacks ended in a traceback), and the folder's own
-        profiles = sorted(load_config(DEFAULT_BOOK_DIR / "run.yml").get("profiles", {}))
-        if args.profile not in profiles:
-            raise ValueError(f"profile {args.profile!r} is not in run.yml; known profiles: {', '.join(profiles)}")
+        profile_config(load_config(DEFAULT_BOOK_DIR / "run.yml"), args.profile)
         check_folder_profile(args.out, args.profile)
     except (ValueError, BookError) as error:
         print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
