@@ -68,7 +68,7 @@ def tiny(tmp_path):
     nbdir = tmp_path / "notebooks"
     write_notebook(nbdir / "01_once.ipynb", 'seed = 0\nprofile = "x"\noutput_dir = "."\nn_trials = 1',
                    "print('once', seed, n_trials, profile)")
-    write_notebook(nbdir / "02_models.ipynb", 'model = "m"\nseed = 0\nn_sequences = 1',
+    write_notebook(nbdir / "02_models.ipynb", 'model = "m"\nseed = 0\nn_sequences = 1\ndevice = "cpu"',
                    "print('model', model, seed, n_sequences)", title="Per model")
     write_notebook(nbdir / "03_encoder.ipynb", 'model = "m"', "print(model)", title="Encoders")
     bookdir = tmp_path / "book"

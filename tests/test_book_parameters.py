@@ -64,3 +64,34 @@ def test_run_parameters_are_the_runners_over_the_notebooks_defaults():
     assert profile_models("default", config=config) == ["smollm2-135m", "gemma3-270m"]
     with pytest.raises(book.BookError, match="does not run"):
         run_parameters("04_faithfulness", "default", None, config=config)
+
+
+def test_plan_refuses_a_profile_parameter_no_chapter_takes_and_one_chapters_5_7_would_refuse(tmp_path, capsys):
+    """A typo in a profile's ``params`` was left out of every notebook without a word (chapters 2-4 and 8
+    ran without it; 5-7 failed only when executed): ``plan`` and ``build`` refuse it before anything runs."""
+    import yaml
+
+    config = book.load_config(REPO / "book" / "run.yml")
+    config["profiles"]["smoke"]["params"]["n_sequence"] = 2  # meant: n_sequences
+    path = tmp_path / "run.yml"
+    path.write_text(yaml.safe_dump(config))
+    for only in ("04_faithfulness", "08"):  # neither chapter collects run_parameters
+        assert book.main(["plan", "--profile", "smoke", "--config", str(path), "--only", only]) == 2
+        err = capsys.readouterr().err
+        assert "params ['n_sequence'] are declared by no chapter" in err and "did you mean 'n_sequences'" in err
+    # a name chapters 5-7 would refuse, set for one of them alone
+    config["profiles"]["smoke"]["params"].pop("n_sequence")
+    config["profiles"]["smoke"]["notebooks"]["05_sink_decomposition"] = {"n_sequnces": 2}
+    path.write_text(yaml.safe_dump(config))
+    assert book.main(["plan", "--profile", "smoke", "--config", str(path), "--only", "05"]) == 2
+    assert "run parameters ['n_sequnces'] are not among those of chapters 5-7" in capsys.readouterr().err
+    # a name only the collectors take (SinkRun's cache) and the real run.yml pass
+    config["profiles"]["smoke"]["notebooks"]["05_sink_decomposition"] = {"cache": False}
+    config["profiles"]["smoke"]["params"]["sink_options"] = {}
+    path.write_text(yaml.safe_dump(config))
+    assert book.main(["plan", "--profile", "smoke", "--config", str(path), "--only", "05"]) == 0
+    for profile in ("smoke", "default", "evidence", "confirmatory"):
+        assert book.main(["plan", "--profile", profile]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # plan builds nothing: it takes no --build-dir
+        book.main(["plan", "--build-dir", str(tmp_path)])

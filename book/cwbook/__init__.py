@@ -427,6 +427,46 @@ def injected_parameters(run: Run, declared: set[str]) -> dict:
     return given
 
 
+def check_collected_parameters(run: Run, collected: dict) -> None:
+    """Refuse what a ``run_parameters`` notebook (chapters 5-7, whose one reader is
+    :class:`cwbook.notebook.SinkRun`) would refuse when executed: a name that is not a field."""
+    from .notebook import SinkRun
+
+    try:
+        SinkRun.of(collected)
+    except TypeError as err:
+        raise BookError(f"{run.label}: {err}") from None
+
+
+def refuse_untaken_parameters(config: dict, profile: str, notebooks_dir: Path, book_dir: Path) -> None:
+    """Refuse a name of the profile's ``params`` that no chapter of run.yml takes (declared by name, or a
+    field of :class:`cwbook.notebook.SinkRun` where a notebook collects ``run_parameters``): a typo there
+    was left out of every notebook without a word."""
+    from dataclasses import fields
+
+    from .notebook import SinkRun
+
+    name, prof = profile_config(config, profile)
+    offered = set(prof.get("params") or {}) - set(RUNNER_PARAMETERS)
+    if not offered:
+        return
+    _, _, runs = plan(config, profile=name, notebooks_dir=notebooks_dir, generated_dir=book_dir / "generated",
+                      book_dir=book_dir)
+    taken: set[str] = set()
+    for source in {run.source for run in runs}:
+        taken |= notebook_parameters(source)
+    if RUN_PARAMETERS in taken:
+        taken |= {f.name for f in fields(SinkRun)}
+    untaken = sorted(offered - taken)
+    if untaken:
+        import difflib
+
+        close = {u: difflib.get_close_matches(u, taken, n=1) for u in untaken}
+        hints = "; ".join(f"{u!r}: did you mean {c[0]!r}?" for u, c in close.items() if c)
+        raise BookError(f"run.yml profile {name}: params {untaken} are declared by no chapter's 'parameters' "
+                        f"cell{' (' + hints + ')' if hints else ''}")
+
+
 # -- Execution ---------------------------------------------------------------------------------------
 def ensure_kernel(name: str = KERNEL_NAME) -> str:
     """Make sure Jupyter kernel ``name`` runs this interpreter; (re)install it into sys.prefix if not."""
@@ -755,12 +795,12 @@ def _main(argv: list[str] | None) -> int:
                                         "without a fixed model list)")
         p.add_argument("--only", help="comma-separated chapters (names or unique prefixes, e.g. 02)")
         p.add_argument("--book-dir", default=os.environ.get("CWCORE_BOOK_DIR", DEFAULT_BOOK_DIR), type=Path)
-        p.add_argument("--build-dir", default=os.environ.get("CWCORE_BOOK_BUILD_DIR"), type=Path,
-                       help="where html/ goes (default: <book-dir>/_build)")
         p.add_argument("--notebooks-dir", default=DEFAULT_NOTEBOOKS_DIR, type=Path)
         p.add_argument("--config", type=Path, help="run configuration (default: <book-dir>/run.yml)")
         p.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
-        if cmd == "build":
+        if cmd == "build":  # plan executes and builds nothing: it takes none of these
+            p.add_argument("--build-dir", default=os.environ.get("CWCORE_BOOK_BUILD_DIR"), type=Path,
+                           help="where html/ goes (default: <book-dir>/_build)")
             p.add_argument("--force", action="store_true", help="execute every notebook and rebuild the HTML")
             p.add_argument("--no-html", action="store_true", help="execute the notebooks only")
             p.add_argument("--jobs", type=int, default=None,
@@ -782,7 +822,10 @@ def _main(argv: list[str] | None) -> int:
                                   book_dir=args.book_dir)
         declared = {source: notebook_parameters(source) for source in {run.source for run in runs}}  # each once
         for run in runs:  # a parameter a notebook does not declare: bad input (it ended as "book build FAILED")
-            injected_parameters(run, declared[run.source])
+            given = injected_parameters(run, declared[run.source])
+            if RUN_PARAMETERS in given:
+                check_collected_parameters(run, given[RUN_PARAMETERS])
+        refuse_untaken_parameters(config, name, args.notebooks_dir, args.book_dir)
     except BookError as err:
         print(f"python -m cwbook: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
