@@ -163,8 +163,45 @@ def test_the_confirmatory_build_never_runs_the_notebooks_and_a_smoke_run_never_r
     with pytest.raises(UsageError, match=r"^--config, --force: the confirmatory build executes no notebook"):
         confirmatory.build(config_path=tmp_path / "run.yml", force=True)
     assert book.main(["build", "--profile", "confirmatory", "--models", "tiny-qwen2"]) == 2
+    # --only names the build's steps (a chapter passed the up-front check, then failed as an unknown step;
+    # a step failed the check); here it reaches the build, which runs that step alone
+    ran = []
+    monkeypatch.setattr(confirmatory, "sinks", lambda models, out: ran.append(("sinks", list(models))) or [])
+    monkeypatch.setattr(confirmatory, "write_status", lambda out: ran.append("status") or tmp_path)
+    assert book.main(["build", "--profile", "confirmatory", "--only", "sinks", "--models", "gemma3-270m"]) == 0
+    assert ran == [("sinks", ["gemma3-270m"]), "status"]
+    assert book.main(["build", "--profile", "confirmatory", "--only", "04_faithfulness"]) == 2
     assert registration.sample_of(confirmatory._profile(2)) == registration.EXPLORATORY
     assert registration.sample_of(confirmatory._profile(None)) == registration.CONFIRMATORY
+
+
+def test_plan_of_the_confirmatory_profile_lists_what_its_build_computes(capsys):
+    """``plan --profile confirmatory`` listed eleven notebook runs the confirmatory build never executes; it
+    prints the build's ladder cells and sink passes with the parameters they run with."""
+    import json
+
+    import cwbook as book
+    from cwbook import confirmatory
+    from cwbook.parameters import run_parameters
+
+    assert book.main(["plan", "--profile", "confirmatory"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "executes no notebook" in lines[0] and not any(".ipynb" in line for line in lines)
+    ladder = [line for line in lines if line.startswith("ladder")]
+    cells = [(m, d) for m in registration.CONFIRMATORY_MODELS for d in registration.CONFIRMATORY_DATA]
+    assert len(ladder) == len(cells)
+    for line, (model, data) in zip(ladder, cells):
+        assert f"{model} on {data}" in line
+        shown = json.loads(line[line.index("{"):])
+        p = confirmatory.ladder_parameters(model)
+        assert shown["ratios"] == p["ratios"] and shown["n_bootstrap"] == p["n_bootstrap"] == 2000
+    sinks = [line for line in lines if line.startswith("sinks")]
+    assert len(sinks) == len(registration.CONFIRMATORY_MODELS)
+    shared = run_parameters("05_sink_decomposition", "confirmatory", "gemma3-270m")["run_parameters"]
+    assert json.loads(sinks[1][sinks[1].index("{"):]) == shared
+    assert book.main(["plan", "--profile", "confirmatory", "--only", "tables"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == ["tables"]
+    assert book.main(["plan", "--profile", "confirmatory", "--only", "02"]) == 2  # a chapter: not a step
 
 
 @pytest.mark.slow

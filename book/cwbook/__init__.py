@@ -54,6 +54,9 @@ KERNEL_ENVIRONMENT_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "TQDM_DISABLE": "1"
 
 #: profile -> what ``build`` runs for it instead of :func:`build` (``evidence``: cwbook.evidence_build)
 PROFILE_BUILDS: dict = {}
+#: profile -> what ``plan`` prints for it instead of its notebook runs, for a build that executes none
+#: (``confirmatory``); its ``--only`` names the build's own steps, not chapters
+PROFILE_PLANS: dict = {}
 #: profile -> the module that registers its build in :data:`PROFILE_BUILDS`, imported only when that profile
 #: is built (they load torch: ``python -m cwbook --help`` and ``plan`` stay quick)
 PROFILE_MODULES = {"evidence": "cwbook.evidence_build", "confirmatory": "cwbook.confirmatory"}
@@ -817,7 +820,12 @@ def _main(argv: list[str] | None) -> int:
         os.environ[JOBS_ENV_VAR] = str(args.jobs)  # the kernels inherit it
     try:  # the configuration, the profile and the chapters first: a mistake there is bad input (status 2)
         config = load_config(args.config or args.book_dir / "run.yml")
-        name, chosen, runs = plan(config, profile=args.profile, models=args.models, only=args.only,
+        name = profile_config(config, args.profile)[0]
+        if name in PROFILE_MODULES:
+            importlib.import_module(PROFILE_MODULES[name])  # registers the profile's own build (and plan)
+        own_plan = PROFILE_PLANS.get(name)
+        name, chosen, runs = plan(config, profile=args.profile, models=args.models,
+                                  only=None if own_plan else args.only,
                                   notebooks_dir=args.notebooks_dir, generated_dir=args.book_dir / "generated",
                                   book_dir=args.book_dir)
         declared = {source: notebook_parameters(source) for source in {run.source for run in runs}}  # each once
@@ -830,6 +838,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"python -m cwbook: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2
     try:
+        if own_plan is not None and args.command == "plan":
+            print("\n".join(own_plan(models=args.models, only=args.only)))
+            return 0
         if args.command == "plan":
             for chapter in chosen:
                 if chapter.is_page:
@@ -838,8 +849,6 @@ def _main(argv: list[str] | None) -> int:
                     params = injected_parameters(run, declared[run.source])
                     print(f"{run.label:<44} -> {os.path.relpath(run.output, args.book_dir)}  {json.dumps(params)}")
             return 0
-        if name in PROFILE_MODULES:
-            importlib.import_module(PROFILE_MODULES[name])  # registers the profile's own build
         PROFILE_BUILDS.get(name, build)(profile=name, models=args.models, only=args.only, book_dir=args.book_dir,
               build_dir=args.build_dir, notebooks_dir=args.notebooks_dir, config_path=args.config,
               force=args.force, html=not args.no_html)

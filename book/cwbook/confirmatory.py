@@ -249,15 +249,7 @@ def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = O
     if any(given.values()):
         raise UsageError(f"{', '.join(flag for flag, on in given.items() if on)}: the confirmatory build executes no "
                          "notebook and reads its sizes from the registration (python -m cwbook.confirmatory)")
-    if isinstance(models, str):
-        models = [m for m in models.split(",") if m]
-    models = list(models or registration.CONFIRMATORY_MODELS)
-    refuse_unregistered(models)
-    steps = ["ladder", "sinks", "tables"] if not only else [s.strip() for s in str(only).split(",") if s.strip()]
-    unknown = sorted(set(steps) - {"ladder", "sinks", "tables"})
-    if unknown:
-        raise UsageError(f"unknown steps {unknown}: the confirmatory build has ladder, sinks and tables "
-                         "(python -m cwbook.confirmatory ladder|sinks|tables runs one)")
+    models, steps = _models_and_steps(models, only)
     written = []
     if "ladder" in steps:
         written += ladder(models, out=out)
@@ -268,10 +260,57 @@ def build(*, profile: str = PROFILE, models=None, only=None, out: str | Path = O
     return written + [write_status(out)]
 
 
+STEPS = ("ladder", "sinks", "tables")
+
+
+def _models_and_steps(models, only) -> tuple[list[str], list[str]]:
+    """The registered models (default: all) and steps (``only``: some of :data:`STEPS`) of a build."""
+    from cwcore.cli import UsageError
+
+    if isinstance(models, str):
+        models = [m for m in models.split(",") if m]
+    models = list(models or registration.CONFIRMATORY_MODELS)
+    refuse_unregistered(models)
+    steps = list(STEPS) if not only else [s.strip() for s in str(only).split(",") if s.strip()]
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        raise UsageError(f"unknown steps {unknown}: the confirmatory build has ladder, sinks and tables "
+                         "(python -m cwbook.confirmatory ladder|sinks|tables runs one)")
+    return models, steps
+
+
+def plan(*, models=None, only=None, out: str | Path = OUT) -> list[str]:
+    """What :func:`build` computes, a line per ladder cell and sink pass with its parameters, executing
+    nothing: what ``python -m cwbook plan --profile confirmatory`` prints (the profile runs no notebook)."""
+    import json
+
+    from . import results_path
+    from .evidence_export import paths
+    from .parameters import run_parameters
+
+    models, steps = _models_and_steps(models, only)
+    out = Path(out)
+    lines = [f"the confirmatory build (python -m cwbook.confirmatory build) executes no notebook; it writes {out}"]
+    for model in models if "ladder" in steps else ():
+        p = ladder_parameters(model)
+        shown = {k: p[k] for k in ("protocols", "metrics", "importances", "low_ratios", "ratios", "seq_len",
+                                   "random_seeds", "n_bootstrap", "seed", "dtype")}
+        for data in registration.CONFIRMATORY_DATA:
+            lines.append(f"ladder  {model} on {data:<10} -> {paths(model, data, out)[0].name}  {json.dumps(shown)}")
+    for model in models if "sinks" in steps else ():
+        shared = run_parameters(SINK_CHAPTERS[0], PROFILE, model)["run_parameters"]
+        written = ", ".join(str(results_path(out, c, model).relative_to(out)) for c in SINK_CHAPTERS)
+        lines.append(f"sinks   {model} on {','.join(registration.CONFIRMATORY_DATA)} -> {written}  {json.dumps(shared)}")
+    if "tables" in steps:
+        lines.append("tables  the ladder tables and findings.csv from the exports above")
+    return lines
+
+
 def _register_profile_build() -> None:
-    from . import PROFILE_BUILDS
+    from . import PROFILE_BUILDS, PROFILE_PLANS
 
     PROFILE_BUILDS[PROFILE] = build
+    PROFILE_PLANS[PROFILE] = plan
 
 
 _register_profile_build()
