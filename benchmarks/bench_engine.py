@@ -2,7 +2,7 @@
 
 Targets, measured in one run of this script on the default model (smollm2-135m, float32, CPU):
 - ``decompose(one layer)`` <= 1.10x the SDPA forward, at 512 and at 2048 tokens (the untouched
-  layers keep running SDPA, see ``cwcore.core.attention.FAST_IMPLEMENTATIONS``);
+  layers keep running SDPA, see ``cwcore.core.attention_features.FAST_IMPLEMENTATIONS``);
 - ``decompose(all layers)`` <= 1.25x the eager forward with attention maps, reported against SDPA too;
 - one layer at 8192 tokens under 8 GiB peak memory and within 2x the SDPA forward;
 - the same layer with its ``inter`` weights read: within 8 GiB peak and 1.5x the SDPA forward;

@@ -58,3 +58,11 @@ def tiny_vit(seed: int = 0):
         num_attention_heads=4, intermediate_size=96, attn_implementation="eager",
     )
     return tf.ViTModel(config, add_pooling_layer=False).eval()
+
+
+def as_transformers_kernel(function):
+    """``function`` (a stand-in for transformers' SDPA attention function) marked as transformers' own, as a
+    kernel of other hardware would be (a half-precision GPU kernel whose output differs from eager's): cwcore
+    refuses an attention function a user re-registered, and checks transformers' own against its arithmetic."""
+    function.__module__ = "transformers.integrations.sdpa_attention"
+    return function

@@ -34,8 +34,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
-from .attention_features import (HANDLED_KEYWORDS, block_label, maps_exclude_the_sink, refuse_unknown_features,
-                                 repeated_calls_reason)
+from .attention_features import (FAST_IMPLEMENTATIONS, HANDLED_KEYWORDS, block_label, maps_exclude_the_sink,
+                                 refuse_unknown_features, refuse_unverified_implementation, repeated_calls_reason)
 from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
@@ -757,11 +757,6 @@ class AttentionSession:
         return hook
 
 
-#: Implementations whose function takes transformers' SDPA-style masks; a session keeps them as the model's
-#: forward (untouched layers run them, observed layers return their output), since that is what the model computes.
-FAST_IMPLEMENTATIONS = ("sdpa",)
-
-
 def _fast_path(previous: list, session: AttentionSession):
     """The model's own attention function (SDPA) where it is configured for a fast implementation, else None:
     untouched layers run it, observed layers return its output (checked against cwcore's), transformed layers
@@ -822,6 +817,11 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
                 raise
         previous = [c._attn_implementation_internal if hasattr(c, "_attn_implementation_internal") else c._attn_implementation for c in configs]
         if session is not None:
+            try:
+                refuse_unverified_implementation(previous, type(session.model).__name__, session._by_module.values())
+            except BaseException:
+                session.detach()
+                raise
             session.fast_path = _fast_path(previous, session)
             # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
             # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)

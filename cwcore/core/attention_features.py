@@ -10,13 +10,17 @@ keyword a family passes is one entry here.
 from __future__ import annotations
 
 import sys
+from typing import Iterable
 
 import torch
 from torch import nn
 
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
 from .architectures import AttentionBlock, UnsupportedModelError, block_name_of
 
-__all__ = ["HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features", "repeated_calls_reason"]
+__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features",
+           "refuse_unverified_implementation", "repeated_calls_reason"]
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
 # not implement: refusing is better than a plausible wrong number.
@@ -139,3 +143,47 @@ def repeated_calls_reason(block: AttentionBlock, sizes: list[tuple[int, int]], t
                 f"itself, as a vision tower does with one call per image): its attention is {calls} separate maps, "
                 f"not one map over the sequence{tail}")
     return f"{head} (queries and keys per call {sizes}, for {tokens} tokens in the block's input){tail}"
+
+
+#: Implementations whose function takes transformers' SDPA-style masks; a session keeps them as the model's
+#: forward (untouched layers run them, observed layers return their output), since that is what the model computes.
+FAST_IMPLEMENTATIONS = ("sdpa",)
+
+#: Implementations a session accepts: eager (whose arithmetic cwcore's function follows) and those of
+#: :data:`FAST_IMPLEMENTATIONS` (whose own output an observed layer is checked against). "cwcore": a nested session.
+VERIFIED_IMPLEMENTATIONS = ("eager", *FAST_IMPLEMENTATIONS, "cwcore")
+
+
+def _transformers_own(function) -> bool:
+    return getattr(function, "__module__", "").startswith("transformers.")
+
+
+def refuse_unverified_implementation(previous: Iterable[str | None], model_name: str,
+                                     blocks: Iterable[AttentionBlock]) -> None:
+    """Refuse a model whose attention function cwcore would replace by eager arithmetic without a check: one
+    configured for another implementation (a function registered with ``AttentionInterface``, flex attention,
+    flash attention), SDPA re-registered by the user, or a family whose module-level eager function is replaced."""
+    for name in {p for p in previous if p is not None}:
+        if name not in VERIFIED_IMPLEMENTATIONS:
+            raise UnsupportedModelError(
+                f"{model_name} is configured for {name!r} attention, which cwcore would replace by "
+                "eager arithmetic without a check (it follows transformers' eager attention and checks itself against "
+                "SDPA's output only); load the model with attn_implementation='eager' or 'sdpa' (or call "
+                "model.set_attn_implementation('sdpa'))")
+        if name in FAST_IMPLEMENTATIONS and not _transformers_own(ALL_ATTENTION_FUNCTIONS[name]):
+            function = ALL_ATTENTION_FUNCTIONS[name]
+            raise UnsupportedModelError(
+                f"the {name!r} attention function is replaced by {getattr(function, '__qualname__', function)!r} "
+                f"(module {getattr(function, '__module__', None)!r}), which cwcore cannot follow: it checks itself "
+                "against transformers' own SDPA function only; restore that function, or load the model with "
+                "attn_implementation='eager'")
+        if name == "eager":
+            for block in blocks:
+                home = sys.modules.get(type(block.module).__module__)
+                function = getattr(home, "eager_attention_forward", None)
+                if function is not None and function.__module__ != home.__name__ and not _transformers_own(function):
+                    raise UnsupportedModelError(
+                        f"{home.__name__}.eager_attention_forward is replaced by {function.__qualname__!r} (module "
+                        f"{function.__module__!r}): the model computes that function, and cwcore would replace it "
+                        "by transformers' eager arithmetic; restore transformers' function, or load the model with "
+                        "attn_implementation='sdpa'")

@@ -12,7 +12,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 import cwcore
 from cwcore.core.decomposition import prepare_inputs
 from cwcore.core import attention
-from tiny_models import VOCAB, tiny_model
+from tiny_models import VOCAB, as_transformers_kernel, tiny_model
 
 IDS = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(1))
 
@@ -107,7 +107,7 @@ def _bfloat16_sdpa(calls):
         output = output.to(query.dtype)
         calls.append((query, key, value, attention_mask, kwargs.get("scaling"), output))
         return output, weights
-    return sdpa
+    return as_transformers_kernel(sdpa)
 
 
 def _eager_difference(query, key, value, attention_mask, scaling, output) -> float:
@@ -268,7 +268,7 @@ def test_a_half_precision_sdpa_that_differs_is_refused_naming_the_float32_arithm
         output, weights = real(module, query, key, value, attention_mask, **kwargs)
         return output * 1.1, weights
 
-    AttentionInterface.register("sdpa", larger)
+    AttentionInterface.register("sdpa", as_transformers_kernel(larger))
     try:
         with pytest.raises(cwcore.UnsupportedModelError, match=r"'sdpa' attention and the eager arithmetic at float32 "
                            r"precision \(as SDPA computes a half-precision model's attention\) that cwcore decomposes "
@@ -348,3 +348,67 @@ def test_the_outputs_of_an_sdpa_model_asked_for_its_attentions_are_the_models_ow
     torch.testing.assert_close(d.outputs.logits, own.logits, rtol=0, atol=1e-5)
     eager = tiny_model("llama")
     assert len(cwcore.decompose(eager, input_ids=IDS, output_attentions=True, layers=layers).outputs.attentions) == 2
+
+
+def _softmax_one(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention with an implicit zero logit in the softmax (rows sum to less than 1): what a researcher's
+    modified attention computes."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(2, 3) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., : key.shape[-2]]
+    scores = torch.cat([scores, torch.zeros_like(scores[..., :1])], -1)
+    weights = torch.softmax(scores, -1, dtype=torch.float32)[..., :-1].to(query.dtype)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+def test_an_attention_function_cwcore_cannot_check_is_refused_not_replaced_by_eager(monkeypatch):
+    """A function registered with AttentionInterface, SDPA re-registered, or a family's eager function patched:
+    cwcore replaced each by eager arithmetic without a check (logits 0.2 relative from the model's own, an empty
+    intervention changed them). Each is refused, and the model is left as it was."""
+    from transformers.models.llama import modeling_llama
+
+    model = tiny_model("llama")
+    inputs = dict(input_ids=IDS)
+    with torch.no_grad():
+        eager = model(**inputs).logits
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "softmax_one", _softmax_one)
+    monkeypatch.setitem(transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, "softmax_one",
+                        transformers.masking_utils.eager_mask)
+    model.config._attn_implementation = "softmax_one"
+    with torch.no_grad():
+        own = model(**inputs).logits
+    assert (own - eager).abs().max() / eager.abs().max() > 1e-2  # the model really computes something else
+    refusal = r"configured for 'softmax_one' attention, which cwcore would replace by eager arithmetic"
+    calls = (lambda: cwcore.decompose(model, **inputs), lambda: cwcore.summarize(model, **inputs),
+             lambda: cwcore.attribute(model, inputs, method="contribution"),
+             lambda: cwcore.intervene(model, {0: torch.zeros(2, 4, 11, 11, dtype=torch.bool)}).__enter__())
+    for call in calls:
+        with pytest.raises(cwcore.UnsupportedModelError, match=refusal):
+            call()
+        assert model.config._attn_implementation == "softmax_one"
+        with torch.no_grad():
+            torch.testing.assert_close(model(**inputs).logits, own, rtol=0, atol=0)
+
+    model.config._attn_implementation = "sdpa"
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register("sdpa", _softmax_one)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"the 'sdpa' attention function is replaced by "
+                                                               r"'_softmax_one' \(module '[\w.]*test_fast_path'\)"):
+            cwcore.decompose(model, **inputs)
+    finally:
+        AttentionInterface.register("sdpa", real)
+    # control: transformers' own SDPA is decomposed exactly
+    torch.testing.assert_close(cwcore.decompose(model, **inputs).outputs.logits, eager, rtol=1e-5, atol=1e-5)
+
+    model.config._attn_implementation = "eager"
+    monkeypatch.setattr(modeling_llama, "eager_attention_forward", _softmax_one)
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, own, rtol=0, atol=0)  # the model computes the patch
+    with pytest.raises(cwcore.UnsupportedModelError, match=r"modeling_llama.eager_attention_forward is replaced by "
+                                                           r"'_softmax_one'"):
+        cwcore.decompose(model, **inputs)
+    monkeypatch.undo()
+    torch.testing.assert_close(cwcore.decompose(model, **inputs).outputs.logits, eager, rtol=0, atol=0)
