@@ -47,7 +47,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
-from ..core.architectures import attention_heads, sliding_windows
+from ..core.architectures import UnsupportedModelError, attention_heads, sliding_windows
 
 __all__ = [
     "UNITS",
@@ -105,6 +105,28 @@ def candidate_mask(
         first = valid.long().argmax(-1)  # first real position of each sequence
         pairs = pairs & (idx[None, None, :] != first[:, None, None])
     return pairs[:, None]
+
+
+def require_window(probs: torch.Tensor, layer: int, window: int | None,
+                   valid_queries: torch.Tensor | None = None) -> None:
+    """Refuse a layer that attends beyond the sliding ``window`` cwcore reads for it (its candidates leave those
+    keys out), measured on the probabilities it applied, ``probs`` ``[batch, head, query, key]`` of a
+    self-attention call: a config's ``sliding_window`` that the family never applies (a Llama config carrying
+    Mistral's key) would rank and remove terms of a window the model does not have."""
+    q, k = probs.shape[-2:]
+    if window is None or q != k or q <= window:
+        return
+    idx = torch.arange(q, device=probs.device)
+    beyond = (idx[:, None] - idx[None, :]) >= window  # [query, key]
+    reached = probs.detach().masked_fill(~beyond, 0)
+    if valid_queries is not None:
+        reached = reached.masked_fill(~valid_queries.to(probs.device)[:, None, :, None], 0)
+    if bool((reached > 0).any()):
+        raise UnsupportedModelError(
+            f"faithfulness: attention layer {layer} attends to keys {window} or more tokens back (up to "
+            f"{float(reached.sum(-1).max()):.3g} of a query's attention), beyond the sliding window of {window} "
+            "tokens that cwcore reads from the model's config: the model does not apply that window (a stray "
+            "`sliding_window` in its config?), so its candidate terms would not be the ones the layer mixes")
 
 
 def _grouped(scores: torch.Tensor, unit: str) -> tuple[torch.Tensor, tuple]:

@@ -28,7 +28,7 @@ from ..runs import bars_off, progress as progress_bar
 from .methods import get_method, scoring
 from .methods.registry import lm_logits
 from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
-from .ranking import candidate_mask, removal_mask, selection
+from .ranking import candidate_mask, removal_mask, require_window, selection
 
 __all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store", "stand_ins",
            "sample_identity"]
@@ -209,6 +209,7 @@ class Sweep:
                     try:
                         require_causal(call.probs, call.layer, "faithfulness",
                                        "there is no next-token perplexity to measure", call.valid_queries())
+                        require_window(call.probs, call.layer, self.windows[call.layer], call.valid_queries())
                     except UnsupportedModelError as error:
                         refused.append(error)
 

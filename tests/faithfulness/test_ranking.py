@@ -113,6 +113,32 @@ def test_sliding_windows_come_from_the_config():
     assert layer_windows(tiny_model("qwen2"), 2) == [None, None]
 
 
+def test_a_config_window_the_model_does_not_apply_is_refused_and_a_real_one_is_taken():
+    """A Llama config carrying ``sliding_window`` (the family never reads it): cwcore ranked and removed terms of a
+    window of 2 that the model does not have (delta ppl 0.25 became -0.46). Measured on the applied
+    probabilities, it is refused; Mistral's window, which its mask applies, is taken (control)."""
+    import cwcore
+    from cwcore.faithfulness import faithfulness_curve
+    from cwcore.faithfulness.methods import method_scores
+
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    stray = tiny_model("llama")
+    stray.config.sliding_window = 2
+    with torch.no_grad():  # the model is the plain Llama: every earlier key is read
+        torch.testing.assert_close(stray(input_ids=ids).logits, tiny_model("llama")(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+    refusal = r"attention layer 0 attends to keys 2 or more tokens back .* beyond the sliding window of 2 tokens"
+    with pytest.raises(cwcore.UnsupportedModelError, match=refusal):
+        faithfulness_curve(stray, None, ids, metric=["contribution"], ratios=[0.2], n_bootstrap=10, progress=False)
+    with pytest.raises(cwcore.UnsupportedModelError, match=refusal):
+        method_scores(stray, "contribution", ids)
+    mistral = tiny_model("mistral")
+    assert layer_windows(mistral, 2) == [4, 4]
+    curve = faithfulness_curve(mistral, None, ids, metric=["contribution"], ratios=[0.2], n_bootstrap=10,
+                               progress=False)
+    assert curve.table["delta_ppl"].notna().all()
+
+
 def test_removal_counts_round_the_float64_product_as_documented():
     """k(r) = floor(r n + 1/2) with r n in float64: 0.7 x 45 is 31.499999999999996 there, so 31 (the committed
     tables were counted so); an exact binary half rounds up."""

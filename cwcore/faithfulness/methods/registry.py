@@ -366,7 +366,7 @@ def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None,
     attributions use :func:`cwcore.attribute`). ``compute_dtype``: default float64 for a float64 model,
     else float32."""
     from ...core.interventions import intervene
-    from ..ranking import candidate_mask, layer_windows
+    from ..ranking import candidate_mask, layer_windows, require_window
 
     method = get_method(metric) if isinstance(metric, str) else as_method(metric)
     if compute_dtype is None:
@@ -384,6 +384,7 @@ def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None,
     with scoring(model, [method], input_ids, attention_mask, layers=layers, candidates=candidates, kind=kind,
                  seed=seed) as context:
         def observe(call):
+            require_window(call.probs, call.layer, windows[call.layer], call.valid_queries())
             decomposition = LayerDecomposition.from_call(call)
             scores = context.scores(method, decomposition, call)
             if call.layer in candidates:
