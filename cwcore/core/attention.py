@@ -207,7 +207,11 @@ def attention_forward(
     added = session.added_output(module) if session is not None else None
     if added is not None:  # a transform's stand-in for the terms it removed (LayerCall.added_output)
         output = output + added.to(output.dtype)
-    output = output.transpose(1, 2).contiguous()
+    output = output.transpose(1, 2)
+    # a copy even where the transpose is one already (one query, one head): the output projection's input must
+    # not share storage with the geometry a session keeps, or an in-place edit of it (a head ablation by a
+    # pre-hook) would change both sides of the self-check alike
+    output = output.clone(memory_format=torch.contiguous_format) if output.is_contiguous() else output.contiguous()
     if changed_own is not None:  # the model's own output plus the change (docstring)
         change = torch.matmul(probs - computed.to(probs.dtype), value)
         change = change if added is None else change + added.to(change.dtype)

@@ -140,7 +140,8 @@ class LayerDecomposition:
     def from_call(cls, call: LayerCall) -> "LayerDecomposition":
         """The decomposition of the layer an observer or transform sees (see :class:`~cwcore.core.attention.LayerCall`)."""
         _, bias = call.output_projection()
-        bias = None if bias is None else bias.detach().to(call.compute_dtype)
+        # a copy, as W_O is: the result must not change when the user edits the live bias afterwards
+        bias = None if bias is None else bias.detach().to(call.compute_dtype, copy=True)
         scale = None
         if getattr(call, "sink_scales_output", False) and call.learned_sink_mass is not None:
             scale = (1 - call.learned_sink_mass.detach()).to(call.compute_dtype)

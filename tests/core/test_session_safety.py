@@ -339,6 +339,42 @@ def test_a_decomposition_is_a_snapshot_of_its_forward_pass():
             weight.copy_(saved)
 
 
+def test_the_output_bias_of_a_decomposition_is_a_copy():
+    """``output_bias`` shared the live bias: zeroing it after decompose changed the stored decomposition."""
+    model = tiny_model("gpt2")
+    bias = model.transformer.h[1].attn.c_proj.bias
+    d, saved = cwcore.decompose(model, input_ids=IDS), bias.detach().clone()
+    try:
+        with torch.no_grad():
+            bias.zero_()
+        torch.testing.assert_close(d[1].output_bias, saved, rtol=0, atol=0)
+        assert bool(saved.abs().max() > 0)
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+
+
+@pytest.mark.parametrize("length", [1, 7])
+def test_an_in_place_head_ablation_of_the_projections_input_is_refused_whatever_the_length(length):
+    """A pre-hook that zeroes head 0's slice of o_proj's input in place: with one query the input shared storage with
+    cwcore's stored mixed values, so both sides of the self-check changed alike and the inter weights summed to
+    0.96 instead of 1 without a word (seven queries were refused)."""
+    model = tiny_model("llama")
+
+    def ablate(module, args):
+        args[0][..., :16] = 0.0  # head 0 of 4 (head_dim 16), in place
+
+    handle = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(ablate)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"model.layers.1.self_attn.*do not reproduce the "
+                                                               r"output projection's result"):
+            cwcore.decompose(model, input_ids=IDS[:, :length])
+    finally:
+        handle.remove()
+    d = cwcore.decompose(model, input_ids=IDS[:, :length])  # control: without the ablation, exact
+    torch.testing.assert_close(d[1].inter.sum((1, 3)), torch.ones(2, length), rtol=1e-5, atol=1e-5)
+
+
 def test_a_layer_number_from_numpy_or_a_tensor_indexes_like_an_int():
     # before: d[np.int64(1)] (what to_frame's `layer` column yields) raised "layer np.int64(1) is out of
     # range: the model has 2 attention layers (0 to 1, ...)", a contradiction
