@@ -11,9 +11,10 @@ The other facts the packages need about a model have their one home (and one rul
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -360,6 +361,19 @@ class _SoftmaxProbe(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval() mode inside the block, each module's own training flag restored after it (``model.train(
+    flag)`` would set every submodule to the top module's flag)."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
 def _without_softmax(model: nn.Module, modules: list[nn.Module]) -> set[int]:
     """The ids of the ``modules`` that, in a probe forward pass on 4 tokens, ran without computing any softmax or
     SDPA (linear attention, state-space mixers named "...Attention"): not softmax attention blocks. Empty when the
@@ -378,15 +392,12 @@ def _without_softmax(model: nn.Module, modules: list[nn.Module]) -> set[int]:
     if "decoder_input_ids" in parameters:
         inputs["decoder_input_ids"] = ids
     probe = _SoftmaxProbe(modules)
-    training = model.training
-    model.eval()
     try:
-        with torch.inference_mode(), outside_sessions(), probe:
+        with torch.inference_mode(), outside_sessions(), evaluating(model), probe:
             model(**inputs)
     except Exception:  # a model the probe cannot run keeps every block numbered (never dropped on a guess)
         return set()
     finally:
-        model.train(training)
         for handle in probe.handles:
             handle.remove()
     return {id(m) for m in modules if id(m) in probe.ran and id(m) not in probe.softmax}
@@ -575,13 +586,10 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
                 lambda m, i, l=block.layer: seen_in.setdefault(l, []).append((m, i[0].detach()))))
     probe = torch.arange(4).reshape(1, 4) if ids is None else torch.as_tensor(ids)[:1, :8]
     device = input_device(model)
-    training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode(), outside_sessions():  # the probe must not be seen by a session around it
+    try:  # the probe must not be seen by a session around it
+        with torch.inference_mode(), outside_sessions(), evaluating(model):
             model(input_ids=probe.to(device), attention_mask=torch.ones_like(probe).to(device))
     finally:
-        model.train(training)
         for h in handles:
             h.remove()
     found: dict[int, nn.Module | None] = {}

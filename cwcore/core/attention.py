@@ -35,7 +35,8 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
 from .attention_features import (FAST_IMPLEMENTATIONS, HANDLED_KEYWORDS, block_label, maps_exclude_the_sink,
-                                 refuse_unknown_features, refuse_unverified_implementation, repeated_calls_reason)
+                                 refuse_training, refuse_unknown_features, refuse_unverified_implementation,
+                                 repeated_calls_reason)
 from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
@@ -278,10 +279,6 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 def default_compute_dtype(model: nn.Module) -> torch.dtype:
     """float64 for a float64 model (its own precision), float32 for every other dtype."""
     return torch.float64 if model_dtype(model) == torch.float64 else torch.float32
-
-
-def _training_modules(model: nn.Module) -> list[str]:
-    return [name or type(model).__name__ for name, module in model.named_modules() if module.training]
 
 
 class AttentionSession:
@@ -800,12 +797,7 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
     is refused: dropout would make the forward differ from the model's computation at every call.
     """
     if session is not None:
-        training = _training_modules(model)
-        if training:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} is in train() mode ({len(training)} modules, e.g. {training[0]!r}): its "
-                "dropout changes every forward pass, so a decomposition or an intervention would describe a random "
-                "perturbation rather than the model's computation; call model.eval() first")
+        refuse_training(model)
     if session is None:
         with contextlib.suppress(UnsupportedModelError):
             attention_blocks(model)  # names the blocks, for the refusals attention_forward may raise

@@ -19,8 +19,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .architectures import AttentionBlock, UnsupportedModelError, block_name_of
 
-__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_unknown_features",
-           "refuse_unverified_implementation", "repeated_calls_reason"]
+__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_training",
+           "refuse_unknown_features", "refuse_unverified_implementation", "repeated_calls_reason"]
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
 # not implement: refusing is better than a plausible wrong number.
@@ -187,3 +187,18 @@ def refuse_unverified_implementation(previous: Iterable[str | None], model_name:
                         f"{function.__module__!r}): the model computes that function, and cwcore would replace it "
                         "by transformers' eager arithmetic; restore transformers' function, or load the model with "
                         "attn_implementation='sdpa'")
+
+
+def refuse_training(model: nn.Module) -> None:
+    """Refuse a model with a module in ``train()`` mode, naming the reason it really has: dropout where it has any
+    (every forward pass a random perturbation of the model's computation), else train-time behaviour in general."""
+    training = [name or type(model).__name__ for name, module in model.named_modules() if module.training]
+    if not training:
+        return
+    dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules()) or getattr(
+        getattr(model, "config", None), "attention_dropout", 0)
+    why = ("its dropout changes every forward pass, so a decomposition or an intervention would describe a random "
+           "perturbation rather than the model's computation" if dropout else "a module may compute otherwise in "
+           "training (dropout, batch statistics), and cwcore decomposes the model's inference computation")
+    raise UnsupportedModelError(f"{type(model).__name__} is in train() mode ({len(training)} modules, e.g. "
+                                f"{training[0]!r}): {why}; call model.eval() first")

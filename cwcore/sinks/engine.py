@@ -38,7 +38,7 @@ from torch import nn
 
 from .. import runs
 from ..cache import caching_enabled
-from ..core.architectures import attention_blocks, input_device, layer_type, require_causal
+from ..core.architectures import attention_blocks, evaluating, input_device, layer_type, require_causal
 from ..core.inputs import check_texts
 from ..core.attention import AttentionSession, LayerCall, cwcore_attention
 from ..core.decomposition import LayerDecomposition
@@ -453,13 +453,8 @@ def forward(model, ids, on_layer=None, masks=None, renormalise=None, logits=Fals
     session = AttentionSession(model, observers=observers, transforms=transforms, compute_dtype=compute_dtype)
     ids = ids.to(input_device(model))
     network = model if logits else _backbone(model)
-    training = model.training
-    model.eval()
-    try:
-        with torch.inference_mode(), cwcore_attention(model, session):
-            out = network(input_ids=ids, attention_mask=torch.ones_like(ids))
-    finally:
-        model.train(training)
+    with evaluating(model), torch.inference_mode(), cwcore_attention(model, session):
+        out = network(input_ids=ids, attention_mask=torch.ones_like(ids))
     return out.logits if logits else None
 
 

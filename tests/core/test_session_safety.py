@@ -111,14 +111,48 @@ def test_a_model_in_train_mode_is_refused_saying_why():
     model = tiny_model("llama")
     model.train()
     try:
-        with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode.*dropout.*call model\.eval\(\)"):
+        # a Llama has no dropout: the reason is train-time behaviour in general (it blamed dropout it does not have)
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode.*: a module may compute otherwise in "
+                                                               r"training .*call model\.eval\(\)"):
             cwcore.decompose(model, input_ids=IDS)
+        model.config.attention_dropout = 0.1
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode.*: its dropout changes every forward"):
+            cwcore.decompose(model, input_ids=IDS)
+        model.config.attention_dropout = 0.0
         with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode"):
             with cwcore.intervene(model, {0: torch.zeros((), dtype=torch.bool)}):
                 pass
         assert model.training and model.config._attn_implementation == "eager"  # left as it was
     finally:
         model.eval()
+
+
+def test_probe_passes_keep_each_modules_own_training_flag():
+    """The probe passes set model.eval() and then model.train(flag): every submodule took the top module's flag, so a
+    module the user left in train() came back in eval() (and a decomposition refused before was then taken), and a
+    module set to eval() in a training model came back in train()."""
+    from cwcore.core.architectures import post_attention_norms
+    from cwcore.sinks import SinkOptions, run_analyses
+
+    def flags(model):
+        return {name: module.training for name, module in model.named_modules()}
+
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.train()  # one module left in train() in an eval() model
+    before = flags(model)
+    for call in (lambda: cwcore.attribute(model, {"input_ids": IDS}, method="alti"),
+                 lambda: cwcore.decompose(model, input_ids=IDS)):
+        with pytest.raises(cwcore.UnsupportedModelError,
+                           match=r"train\(\) mode \(5 modules, e.g. 'model.layers.0.mlp'\)"):
+            call()
+        assert flags(model) == before
+    run_analyses(model, None, IDS, ["rates"], SinkOptions(block_size=7, batch_size=2, progress=False))
+    assert flags(model) == before  # the sink analyses run in eval() and give every flag back
+    model.train()
+    model.model.layers[1].self_attn.o_proj.eval()
+    before = flags(model)
+    post_attention_norms(model)
+    assert flags(model) == before
 
 
 def test_a_float64_model_is_decomposed_in_float64_by_default():
