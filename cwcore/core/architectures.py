@@ -489,6 +489,17 @@ def attention_heads(model: nn.Module) -> int:
     return int(heads)
 
 
+def block_heads(model: nn.Module) -> dict[int, int]:
+    """``{layer: query heads}``: each block's output projection's input width over the block's ``head_dim``, so that
+    pruned heads and a config edited after loading count as the layer computes; else the config's count."""
+    fallback, out = attention_heads(model), {}
+    for block in attention_blocks(model):
+        head_dim = getattr(block.module, "head_dim", None)
+        width = block._find()[1][0].shape[-1] if isinstance(head_dim, int) and head_dim > 0 else None
+        out[block.layer] = width // head_dim if width and width % head_dim == 0 else fallback
+    return out
+
+
 def sliding_window(model: nn.Module, block: AttentionBlock) -> int | None:
     """The block's sliding window in tokens (None: full attention).
 

@@ -144,7 +144,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     def layer_scorer(batch, candidates, layer):
         """Rows of ``layer``'s interventions: its own candidate terms (each row removes terms in that layer only;
         the sum over the layers made ``n_removed / n_candidates`` the layer count times too small)."""
-        return _lm_scorer({batch.index: candidates[layer].sum((1, 2, 3)).long() * sweep.heads})
+        return _lm_scorer({batch.index: candidates[layer].sum((1, 2, 3)).long() * sweep.heads[layer]})
 
     def one(batch) -> pd.DataFrame:
         """Every (layer, metric, mode, ratio) row of one batch, read from the store or computed."""
@@ -175,7 +175,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
                             bucket = buckets[spec.label][layer][m]
                             mask = removal_mask(bucket, t, candidates[layer] if layer_scope else None)
                             # a mask shared by the heads ([b, 1, q, k]) removes the term from each head
-                            removed = mask.flatten(1).sum(-1).long() * (sweep.heads // mask.shape[1])
+                            removed = mask.flatten(1).sum(-1).long() * (sweep.heads[layer] // mask.shape[1])
                             with skip_to(stack, layer, outputs):
                                 logits = sweep._forward(batch, {layer: mask})
                             frame = scorer(logits, batch, removed)

@@ -47,7 +47,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
-from ..core.architectures import UnsupportedModelError, attention_heads, sliding_windows
+from ..core.architectures import UnsupportedModelError, attention_heads, block_heads, sliding_windows
 
 __all__ = [
     "UNITS",
@@ -61,6 +61,7 @@ __all__ = [
     "selection",
     "Selection",
     "hashed_uniform",
+    "layer_heads",
     "layer_windows",
     "num_heads",
 ]
@@ -366,3 +367,9 @@ def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
 def num_heads(model: nn.Module) -> int:
     """Query heads per attention layer (:func:`cwcore.core.architectures.attention_heads`)."""
     return attention_heads(model)
+
+
+def layer_heads(model: nn.Module, num_layers: int) -> list[int]:
+    """Each layer's query heads as it computes them (:func:`cwcore.core.architectures.block_heads`)."""
+    heads = block_heads(model)
+    return [heads[layer] for layer in range(num_layers)]

@@ -27,8 +27,8 @@ from ..runs import PieceStore, shard_map, tensor_digest
 from ..runs import bars_off, progress as progress_bar
 from .methods import get_method, scoring
 from .methods.registry import lm_logits
-from .protocol import MetricSpec, Protocol, layer_windows, num_heads, ranking_identity
-from .ranking import candidate_mask, removal_mask, require_window, selection
+from .protocol import MetricSpec, Protocol, layer_windows, ranking_identity
+from .ranking import candidate_mask, layer_heads, removal_mask, require_window, selection
 
 __all__ = ["Batch", "Scorer", "Sweep", "pad_batch", "run_sweep", "canonical_order", "piece_store", "stand_ins",
            "sample_identity"]
@@ -87,7 +87,7 @@ class Sweep:
                 raise IndexError(f"layer {layer} out of range: the model has {self.num_layers} attention layers")
         self.layers = list(layers)
         self.windows = layer_windows(model, self.num_layers)
-        self.heads = num_heads(model)
+        self.heads = layer_heads(model, self.num_layers)  # as each layer computes them (pruned heads)
         self.nonzero = [r for r in ratios if r > 0]
         self.deduplicate = True
         #: ``{batch index: {layer: [rows, head, dim]}}``: the stand-in values of ``removal="mean"`` (:func:`stand_ins`)
@@ -210,6 +210,10 @@ class Sweep:
                         require_causal(call.probs, call.layer, "faithfulness",
                                        "there is no next-token perplexity to measure", call.valid_queries())
                         require_window(call.probs, call.layer, self.windows[call.layer], call.valid_queries())
+                        if call.probs.shape[1] != self.heads[call.layer]:  # the removed fractions count them
+                            raise UnsupportedModelError(
+                                f"faithfulness: attention layer {call.layer} computes {call.probs.shape[1]} heads, "
+                                f"where its output projection's width says {self.heads[call.layer]}")
                     except UnsupportedModelError as error:
                         refused.append(error)
 
@@ -315,8 +319,8 @@ class Sweep:
     def candidate_terms(self, batch: Batch) -> torch.Tensor:
         """``[rows]`` candidate terms (head, query, key) per row, summed over the intervened layers."""
         total = batch.input_ids.new_zeros(batch.input_ids.shape[0])
-        for mask in self.candidates(batch).values():
-            total += mask.sum((1, 2, 3)).long() * self.heads
+        for layer, mask in self.candidates(batch).items():
+            total += mask.sum((1, 2, 3)).long() * self.heads[layer]
         return total
 
 

@@ -139,6 +139,41 @@ def test_a_config_window_the_model_does_not_apply_is_refused_and_a_real_one_is_t
     assert curve.table["delta_ppl"].notna().all()
 
 
+def test_removed_fractions_count_the_heads_each_layer_computes():
+    """removed_fraction divided by candidates x the config's head count: 0.875 at ratio 1 with one head of layer 1
+    pruned, 0.5 after config.num_attention_heads was edited to 8. At ratio 1 every candidate term is removed."""
+    from torch import nn
+    from cwcore.core.architectures import block_heads
+    from cwcore.faithfulness import faithfulness_curve
+
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def at_one(model):
+        table = faithfulness_curve(model, None, ids, metric=["contribution"], ratios=[1.0], n_bootstrap=10,
+                                   progress=False).table
+        return float(table.loc[table["ratio"] == 1.0, "removed_fraction"].iloc[0])
+
+    edited = tiny_model("llama")
+    edited.config.num_attention_heads = 8  # after loading: the layers still compute 4 heads
+    assert block_heads(edited) == {0: 4, 1: 4} and at_one(edited) == 1.0
+    pruned = tiny_model("llama")
+    attention = pruned.model.layers[1].self_attn
+    # query heads 0 and 1 of 4 and their key-value head (2 query heads per key-value head; head_dim 16)
+    keep, keep_kv = torch.arange(32), torch.arange(16)
+
+    def sliced(linear, rows=None, cols=None):
+        weight = linear.weight.data if rows is None else linear.weight.data[rows]
+        weight = weight if cols is None else weight[:, cols]
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        new.weight.data = weight.clone()
+        return new.eval()
+
+    attention.q_proj = sliced(attention.q_proj, rows=keep)
+    attention.k_proj, attention.v_proj = sliced(attention.k_proj, rows=keep_kv), sliced(attention.v_proj, rows=keep_kv)
+    attention.o_proj = sliced(attention.o_proj, cols=keep)
+    assert block_heads(pruned) == {0: 4, 1: 2} and at_one(pruned) == 1.0
+
+
 def test_removal_counts_round_the_float64_product_as_documented():
     """k(r) = floor(r n + 1/2) with r n in float64: 0.7 x 45 is 31.499999999999996 there, so 31 (the committed
     tables were counted so); an exact binary half rounds up."""
