@@ -59,9 +59,13 @@ _TOKENIZER_OUTPUTS = {"offset_mapping", "special_tokens_mask", "length", "overfl
 _COMPUTE_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-def _accepted_keywords(model: nn.Module) -> set[str]:
+def _accepted_keywords(model: nn.Module) -> set[str] | None:
+    """The keywords ``model.forward`` accepts; None where it names none and passes ``**kwargs`` on (a wrapper such
+    as PeftModel or DataParallel): then the wrapped model's own error speaks for a wrong keyword."""
     parameters = inspect.signature(model.forward).parameters
     named = {n for n, p in parameters.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and n != "self"}
+    if not named and any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return None
     return named | _GENERAL_KEYWORDS
 
 
@@ -159,7 +163,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
         raise InputError(f"{caller}: no inputs: give the model's inputs as keywords, e.g. "
                          f"{caller}(model, **tokenizer(text, return_tensors='pt'))")
     accepted = _accepted_keywords(model)
-    unknown = sorted(set(inputs) - accepted)
+    unknown = [] if accepted is None else sorted(set(inputs) - accepted)
     extras = [name for name in unknown if name in _TOKENIZER_OUTPUTS]
     if extras:
         one = len(extras) == 1

@@ -199,3 +199,26 @@ def test_cached_and_new_tokens_beyond_the_context_are_refused_in_one_sentence():
     with pytest.raises(ValueError, match=f"{limit - 4} cached and 10 new tokens make {limit + 6}, but GPT2LMHeadModel "
                                          f"was built for at most {limit}"):
         cwcore.decompose(model, input_ids=new, past_key_values=cache)
+
+
+def test_a_wrapper_passing_keywords_on_is_decomposed_and_the_wrapped_models_error_speaks():
+    """A wrapper whose forward takes only ``**kwargs`` (PeftModel, DataParallel) was refused: "unexpected keyword
+    argument 'input_ids'; ... accepts " and an empty list. The wrapped model is decomposed exactly."""
+    from torch import nn
+    from tiny_models import VOCAB, tiny_model
+
+    class PassingOn(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    model = tiny_model("llama")
+    wrapped = PassingOn(model).eval()
+    d, alone = cwcore.decompose(wrapped, input_ids=ids), cwcore.decompose(model, input_ids=ids)
+    torch.testing.assert_close(d[1].inter, alone[1].inter, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="input_ids"):  # the wrapped model's own error (cwcore cannot tell here)
+        cwcore.decompose(wrapped, input_idz=ids)
