@@ -164,6 +164,10 @@ def test_granites_residual_multiplier_scales_the_direct_effect():
     torch.testing.assert_close(att.token_level(1)[0].sum(-1).double(), expected, rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(att[1].double(), naive_logit_attribution(att, 1), rtol=1e-9, atol=1e-12)
     assert att[-1] is att[1] and torch.equal(att.token_level(-2), att.token_level(0))  # numbers from the end
+    # the factor the layers apply, not the config's: an edit after loading doubled the attribution (no refusal)
+    model.config.residual_multiplier = 0.5
+    edited = logit_attribution(model, input_ids=ids, compute_dtype=torch.float64)
+    torch.testing.assert_close(edited.token_level(1)[0].sum(-1).double(), expected, rtol=1e-6, atol=1e-9)
 
 
 def test_return_dict_logits_to_keep_an_encoding_as_targets_and_softcaps_are_refused_not_unchecked():

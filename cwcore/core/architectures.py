@@ -476,8 +476,14 @@ def text_config(model: nn.Module):
 
 def residual_multiplier(model: nn.Module) -> float:
     """The factor by which each block's attention output is added to the residual stream: Granite's
-    ``residual_multiplier`` (``h = h + m * attn(h)``), 1.0 for the usual layouts."""
-    return float(getattr(text_config(model), "residual_multiplier", None) or 1.0)
+    ``residual_multiplier`` (``h = h + m * attn(h)``), 1.0 for the usual layouts. Read from the decoder layers,
+    which apply it (a config edited after loading does not change them); layers that disagree are refused."""
+    found = {float(m) for m in (getattr(b.parent, "residual_multiplier", None) for b in attention_blocks(model))
+             if isinstance(m, (int, float)) and not isinstance(m, bool)}
+    if len(found) > 1:
+        raise UnsupportedModelError(f"the decoder layers apply different residual multipliers {sorted(found)}: "
+                                    "cwcore attributes with one")
+    return found.pop() if found else float(getattr(text_config(model), "residual_multiplier", None) or 1.0)
 
 
 def attention_heads(model: nn.Module) -> int:
