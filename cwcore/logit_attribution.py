@@ -257,6 +257,8 @@ def logit_attribution(model: nn.Module, targets: int | torch.Tensor | None = Non
     by_layer = {}
     for layer in d.layers:
         ld = d[layer]
+        if ld.changed_output is not None:  # the terms add up to the projection's output, not to what enters h
+            raise UnsupportedModelError(f"direct logit attribution: {ld.changed_output}")
         e = directions.to(ld.geometry.values.device)
         by_layer[layer] = direct_logit_attribution(ld, e.to(compute_dtype), post_frozen.get(layer), multiplier)
     return LogitAttribution(by_layer, targets, d, frozen, post_frozen, materialised(head, "weight").detach(),

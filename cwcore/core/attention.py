@@ -32,11 +32,11 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from .thread_state import LOCAL as _LOCAL, outside, outside_sessions
+from .thread_state import LOCAL as _LOCAL, SWITCHED as _SWITCHED, attention_configs, holding, outside, outside_sessions
 from .architectures import AttentionBlock, UnsupportedModelError, attention_blocks, decomposable_layers
-from .attention_features import (FAST_IMPLEMENTATIONS, HANDLED_KEYWORDS, block_label, maps_exclude_the_sink,
-                                 refuse_training, refuse_unknown_features, refuse_unverified_implementation,
-                                 repeated_calls_reason)
+from .attention_features import (FAST_IMPLEMENTATIONS, HANDLED_KEYWORDS, block_label, changed_output, fast_path,
+                                 maps_exclude_the_sink, refuse_nested, refuse_training, refuse_unknown_features,
+                                 refuse_unverified_implementation, repeated_calls_reason)
 from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
@@ -51,10 +51,6 @@ ATTENTION_NAME = "cwcore"
 #: encoder's, an image's); a call that receives one attends to that sequence, not to its own queries.
 CROSS_INPUTS = ("key_value_states", "encoder_hidden_states", "cross_attention_states", "encoder_outputs")
 
-# Sessions are per thread (two threads decomposing two models do not see each other's session); a model's
-# attention implementation is switched under a per-config lock, so two threads on one model serialise.
-_LOCKS: dict[int, threading.RLock] = {}
-_LOCKS_GUARD = threading.Lock()
 
 
 def _sessions() -> list["AttentionSession"]:
@@ -107,6 +103,11 @@ def attention_forward(
     them, and the mass they absorb is :attr:`LayerCall.learned_sink_mass`.
     """
     session = _session_for(module)
+    own = None if session is not None else _SWITCHED.get(id(getattr(module, "config", None)))
+    if own in FAST_IMPLEMENTATIONS:  # a forward no session sees (another thread's): the model's own function
+        extra = {k: v for k, v in (("softcap", softcap), ("s_aux", s_aux)) if v is not None}
+        return ALL_ATTENTION_FUNCTIONS[own](module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                            **extra, **kwargs)
     refuse_unknown_features(module, kwargs, has_sink_logits=s_aux is not None)
     if s_aux is not None and session is not None and session.configured in FAST_IMPLEMENTATIONS:
         # transformers' SDPA function silently drops sink logits: the model's own forward leaves them out, so no
@@ -226,9 +227,10 @@ def attention_forward(
     output = output.to(model_dtype)  # what the output projection receives
     if session is not None:
         session.on_output(module, output)
-    # the model's own call returns no map where it is configured for SDPA: nor does this one, so the forward's
-    # outputs (its `attentions`, by layer) are the model's
-    return output, None if models_own is not None else probs.to(model_dtype)
+    # the model's own call returns no map where it is configured for SDPA: nor does this one (a layer a transform
+    # changes included: `attentions` held those layers' maps alone, attentions[0] another layer's), so the forward's
+    # outputs are the model's
+    return output, None if session is not None and session.fast_path is not None else probs.to(model_dtype)
 
 
 def attention_mask_function(*args, **kwargs):
@@ -338,6 +340,9 @@ class AttentionSession:
         self._block_tokens: dict[int, int | None] = {}  # layer -> tokens of the block's input in its current forward
         self._early: dict[int, bool] = {}  # layer -> its projection ran before its attention did
         self._depth: dict[int, int] = {}  # layer -> how many calls of the block are running (re-entrant)
+        self._running: set[int] = set()  # ids of the model and backbone whose forward pass is running
+        self._projected: dict[int, torch.Tensor] = {}  # layer -> its projection's result in the current forward
+        self.changed_outputs: dict[int, str] = {}  # layer -> why its block returned another tensor (changed_output)
         self._hooks: list = []
         self.mask_plans: dict = {}  # the blockwise softmax's analysis of each mask (see _probs_in_chunks)
         self._causal_masks: dict = {}
@@ -580,9 +585,14 @@ class AttentionSession:
             self._outputs[self._by_module[id(module)].layer] = output
 
     # -- verification: hooks on the output projections of the touched layers --------------------------
+    def _elsewhere(self) -> bool:
+        """A forward pass this session does not see: a probe (:func:`outside_sessions`), or another thread's."""
+        return outside() or threading.get_ident() != self._thread
+
     def attach(self) -> None:
         """Install the hooks (done by :func:`cwcore_attention`): which sequence each touched block attends to,
-        and the verification hooks."""
+        and the verification hooks. They see this thread's forward passes only."""
+        self._thread = threading.get_ident()
         for layer in sorted(self.layers):
             block = self.blocks[layer]
             self._hooks.append(block.module.register_forward_pre_hook(self._note_sequence(block), with_kwargs=True))
@@ -595,8 +605,8 @@ class AttentionSession:
         if isinstance(base, nn.Module):
             entries[id(base)] = base
         for entry in entries.values():
-            self._hooks.append(entry.register_forward_pre_hook(lambda module, args: None if outside()
-                                                               else self._runs.clear()))
+            self._hooks.append(entry.register_forward_pre_hook(self._forward_starts))
+            self._hooks.append(entry.register_forward_hook(self._forward_ends, always_call=True))
         for layer in sorted(self.layers):
             block = self.blocks[layer]
             projection = block.output_module()
@@ -626,10 +636,32 @@ class AttentionSession:
         self._block_tokens.clear()
         self._early.clear()
         self._depth.clear()
+        self._running.clear()
+        self._projected.clear()
         self.mask_plans.clear()
         self._causal_masks.clear()
         self._validity.clear()
         self._cross.clear()
+
+    def _forward_starts(self, module: nn.Module, args) -> None:
+        """A forward pass of the model (or its backbone) starts: its per-forward state afresh, also after a pass
+        that failed half-way; a pass started inside another (a hook calling the model) is refused."""
+        if self._elsewhere():
+            return
+        if id(module) in self._running:
+            raise UnsupportedModelError(
+                f"a forward pass of {type(module).__name__} started inside another of its forward passes (a hook that "
+                "calls the model?): cwcore's session would mix the two passes; run the inner pass outside the cwcore "
+                "call")
+        if not self._running:
+            for state in (self._runs, self._in_block, self._call_sizes, self._block_tokens, self._early, self._depth,
+                          self._last_call, self._added, self._projected):
+                state.clear()
+        self._running.add(id(module))
+
+    def _forward_ends(self, module: nn.Module, args, output) -> None:
+        if not self._elsewhere():
+            self._running.discard(id(module))
 
     def _note_sequence(self, block: AttentionBlock):
         """Whether this call of the block attends to another sequence (an encoder's states, an image's):
@@ -640,7 +672,7 @@ class AttentionSession:
             signature = None
 
         def hook(module, args, kwargs):
-            if outside():
+            if self._elsewhere():
                 return
             bound = dict(kwargs)
             if signature is not None and args:
@@ -651,7 +683,7 @@ class AttentionSession:
 
     def _enter_block(self, block: AttentionBlock):
         def hook(module, args, kwargs):
-            if outside():
+            if self._elsewhere():
                 return
             self._depth[block.layer] = depth = self._depth.get(block.layer, 0) + 1
             if depth == 1:  # a call of the block from inside its own forward (an observer's) is not judged
@@ -669,7 +701,7 @@ class AttentionSession:
 
     def _leave_block(self, block: AttentionBlock, projection_inside: bool):
         def hook(module, args, result):
-            if outside():
+            if self._elsewhere():
                 return
             self._depth[block.layer] = depth = self._depth.get(block.layer, 1) - 1
             if depth > 0:
@@ -687,11 +719,14 @@ class AttentionSession:
                     f"attention block {block.name!r}: `{block.output_module_name()}`, which cwcore took as its output "
                     f"projection W_O ({block.projection_source()}), did not receive the attention output; register the "
                     "module that applies W_O with cwcore.register_output_projection")
+            why = changed_output(block, result, self._projected.pop(block.layer, None))
+            if why is not None:
+                self.changed_outputs[block.layer] = why
         return hook
 
     def _check_input(self, block: AttentionBlock):
         def hook(projection, args):
-            if outside():
+            if self._elsewhere():
                 return
             self._refuse_repeated_calls(block)
             received = args[0] if args else None
@@ -726,12 +761,13 @@ class AttentionSession:
 
     def _check_output(self, block: AttentionBlock):
         def hook(projection, args, result):
-            if outside():
+            if self._elsewhere():
                 return
             call = self._calls.pop(block.layer, None)
             if call is None:
                 return
             output = result[0] if isinstance(result, tuple) else result
+            self._projected[block.layer] = output  # compared with what the block returns (_leave_block)
             geometry = call.geometry()
             _, bias = call.output_projection()
             allowed = self.tolerance(output.dtype, block.layer)
@@ -758,35 +794,6 @@ class AttentionSession:
         return hook
 
 
-def _fast_path(previous: list, session: AttentionSession):
-    """The model's own attention function (SDPA) where it is configured for a fast implementation, else None:
-    untouched layers run it, observed layers return its output (checked against cwcore's), transformed layers
-    cwcore's. None: every layer runs cwcore's function, the model's eager arithmetic."""
-    names = {p for p in previous if p is not None}
-    if len(names) != 1 or not session.allow_fast_path:
-        return None
-    name = names.pop()
-    if name not in FAST_IMPLEMENTATIONS:
-        return None
-    return ALL_ATTENTION_FUNCTIONS[name]  # what the model's own forward looks up (transformers' public mapping)
-
-
-def _configs(model: nn.Module) -> list:
-    seen, configs = set(), []
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
-            seen.add(id(config))
-            configs.append(config)
-    return configs
-
-
-def _config_locks(configs: list) -> list[threading.RLock]:
-    """One re-entrant lock per config object, in a fixed order (so two threads never wait on each other)."""
-    with _LOCKS_GUARD:
-        return [_LOCKS.setdefault(id(config), threading.RLock()) for config in sorted(configs, key=id)]
-
-
 @contextlib.contextmanager
 def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) -> Iterator[AttentionSession | None]:
     """Route the model's attention through :func:`attention_forward` (and ``session``) inside the block.
@@ -798,13 +805,12 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
     """
     if session is not None:
         refuse_training(model)
+        refuse_nested(type(model).__name__, [set(s._by_module) & set(session._by_module) for s in _sessions()])
     if session is None:
         with contextlib.suppress(UnsupportedModelError):
             attention_blocks(model)  # names the blocks, for the refusals attention_forward may raise
-    configs = _configs(model)
-    with contextlib.ExitStack() as held:
-        for lock in _config_locks(configs):
-            held.enter_context(lock)
+    configs = attention_configs(model)
+    with holding(model):
         if session is not None:
             try:
                 session.attach()  # first: a model it refuses is left untouched
@@ -818,15 +824,17 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
             except BaseException:
                 session.detach()
                 raise
-            session.fast_path = _fast_path(previous, session)
+            session.fast_path = fast_path(previous) if session.allow_fast_path else None
             # a model configured for SDPA does not compute eager's exact bits anyway: its recorded layers
             # may use the blockwise arithmetic (same values to float32 rounding, less memory, less work)
             names = {p for p in previous if p is not None}
             session.configured = next(iter(names)) if len(names) == 1 else None
             session.blockwise = session.configured in FAST_IMPLEMENTATIONS
         stack = _sessions()
+        switched = [id(c) for c, p in zip(configs, previous) if id(c) not in _SWITCHED]  # the outermost block's
         try:
-            for config in configs:
+            for config, value in zip(configs, previous):
+                _SWITCHED.setdefault(id(config), value)
                 config._attn_implementation_internal = ATTENTION_NAME
             if session is not None:
                 stack.append(session)
@@ -838,3 +846,5 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
                 session.detach()
             for config, value in zip(configs, previous):
                 config._attn_implementation_internal = value
+            for key in switched:
+                _SWITCHED.pop(key, None)

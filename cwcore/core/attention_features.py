@@ -19,8 +19,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .architectures import AttentionBlock, UnsupportedModelError, block_name_of
 
-__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "maps_exclude_the_sink", "refuse_training",
-           "refuse_unknown_features", "refuse_unverified_implementation", "repeated_calls_reason"]
+__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "fast_path", "maps_exclude_the_sink",
+           "changed_output", "refuse_nested", "refuse_training", "refuse_unknown_features", "refuse_unverified_implementation",
+           "repeated_calls_reason"]
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
 # not implement: refusing is better than a plausible wrong number.
@@ -202,3 +203,42 @@ def refuse_training(model: nn.Module) -> None:
            "training (dropout, batch statistics), and cwcore decomposes the model's inference computation")
     raise UnsupportedModelError(f"{type(model).__name__} is in train() mode ({len(training)} modules, e.g. "
                                 f"{training[0]!r}): {why}; call model.eval() first")
+
+
+def fast_path(previous: Iterable[str | None]):
+    """The model's own attention function (SDPA) where its configs name one fast implementation, else None:
+    untouched layers run it, observed layers return its output (checked against cwcore's), transformed layers
+    cwcore's. None: every layer runs cwcore's function, the model's eager arithmetic."""
+    names = {p for p in previous if p is not None}
+    if len(names) != 1 or not names <= set(FAST_IMPLEMENTATIONS):
+        return None
+    return ALL_ATTENTION_FUNCTIONS[names.pop()]  # what the model's own forward looks up (transformers' public mapping)
+
+
+def refuse_nested(model_name: str, shared_blocks: Iterable[set]) -> None:
+    """Refuse a session on blocks that one of this thread's active sessions holds (``shared_blocks``: the blocks
+    each active session shares with the new one): its hooks and counts would mix with the other's."""
+    if any(shared_blocks):
+        raise UnsupportedModelError(
+            f"a cwcore call on {model_name} inside another on the same model (decompose inside an intervene block, "
+            "say): one session per model at a time; inside intervene, read the intervened layers with its observers=")
+
+
+def changed_output(block: AttentionBlock, result, projected: torch.Tensor | None) -> str | None:
+    """Why the block's result is not its output projection's result ``projected`` (a hook on the block, a step after
+    W_O such as ALBERT's residual and norm), measured; None where it is. A decomposition of the projection's output
+    is exact either way, but what the block adds to the residual stream is then another vector (the direct logit
+    attribution refuses such a layer)."""
+    returned = result[0] if isinstance(result, tuple) else result
+    if projected is None or returned is projected or not isinstance(returned, torch.Tensor):
+        return None
+    if returned.numel() == projected.numel():
+        returned = returned.reshape(projected.shape)
+        if torch.equal(returned, projected):
+            return None
+        difference = float((returned.float() - projected.float()).norm() / projected.float().norm().clamp_min(1e-30))
+        measured = f"relative difference {difference:.3g}"
+    else:
+        measured = f"shape {tuple(returned.shape)} against {tuple(projected.shape)}"
+    return (f"{block_label(block.module)} returns another tensor than its output projection's result ({measured}): a "
+            "step after W_O (a hook on the block?) changes what the block adds to the residual stream")

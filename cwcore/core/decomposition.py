@@ -116,6 +116,10 @@ def _deprecated(name: str, replacement: str, where: str = "d[layer]", stacklevel
 class LayerDecomposition:
     """The decomposition of one attention layer. All tensors are in the compute dtype."""
 
+    #: why the block returned another tensor than its output projection's result (a hook on the block, a step after
+    #: W_O), else None: the decomposition of the projection's output holds, the block's residual update is another
+    changed_output: str | None = None
+
     def __init__(
         self,
         layer: int,
@@ -689,6 +693,9 @@ def decompose(
         session.decoder_query_valid = decoder_mask.bool()
     with torch.inference_mode(), cwcore_attention(model, session):
         outputs = model(**inputs)
+        for layer, why in session.changed_outputs.items():
+            if layer in recorded:
+                recorded[layer].changed_output = why
     undecomposable = {**undecomposable, **layers_not_run(blocks, wanted, recorded, layers, "decompose")}
     return Decomposition(recorded, outputs, inputs.get("attention_mask"), num_blocks=num_layers,
                          undecomposable=undecomposable, input_ids=inputs.get("input_ids"),

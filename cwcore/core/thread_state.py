@@ -1,12 +1,14 @@
-"""Per-thread state of cwcore's attention sessions, apart from the session code so that the
-architecture facts (whose probe passes must stay invisible to an active session) can use it without an
-import cycle."""
+"""Per-thread state of cwcore's attention sessions, and the per-model locks that serialise threads on one model,
+apart from the session code so that the architecture facts (whose probe passes must stay invisible to an active
+session) and the faithfulness sweeps can use them without an import cycle."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
 from typing import Iterator
+
+from torch import nn
 
 # Sessions are per thread: two threads decomposing two models do not see each other's session.
 LOCAL = threading.local()
@@ -27,3 +29,36 @@ def outside_sessions() -> Iterator[None]:
 def outside() -> bool:
     """Whether this thread is inside :func:`outside_sessions`."""
     return getattr(LOCAL, "outside", False)
+
+
+# A model's attention implementation is switched under a lock per config object, so that two threads on one model
+# serialise (the implementation is a setting of the model, not of the thread).
+_LOCKS: dict[int, threading.RLock] = {}
+_LOCKS_GUARD = threading.Lock()
+#: id(config) -> the implementation it had before a session switched it to cwcore's (for forwards no session sees)
+SWITCHED: dict[int, str | None] = {}
+
+
+def attention_configs(model: nn.Module) -> list:
+    """The config objects of ``model`` that hold an attention implementation (a composite model has several)."""
+    seen, configs = set(), []
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and id(config) not in seen and hasattr(config, "_attn_implementation"):
+            seen.add(id(config))
+            configs.append(config)
+    return configs
+
+
+@contextlib.contextmanager
+def holding(model: nn.Module) -> Iterator[None]:
+    """Hold ``model``'s locks inside the block (re-entrant; taken in one fixed order): what a cwcore call that runs
+    the model with hooks or patched layers of its own must do, so that another thread's session on the same model
+    waits instead of seeing them."""
+    with _LOCKS_GUARD:
+        configs = sorted(attention_configs(model), key=id)
+        locks = [_LOCKS.setdefault(id(config), threading.RLock()) for config in configs]
+    with contextlib.ExitStack() as held:
+        for lock in locks:
+            held.enter_context(lock)
+        yield

@@ -23,6 +23,7 @@ import pandas as pd
 from torch import nn
 
 from ..core.architectures import attention_blocks, input_device
+from ..core.thread_state import holding
 from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
 from .lm import DEFAULT_MAX_LENGTH, _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
@@ -151,6 +152,12 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
         stored = None if store is None else store.get_group(f"{batch.digest}-per-layer")
         if stored is not None:
             return stored["rows"]
+        # the recording hooks and the frozen layers are the model's for the whole batch: another thread's cwcore
+        # call on the same model waits (it saw them: wrong numbers, layers reported missing)
+        with holding(model):
+            return computed(batch)
+
+    def computed(batch) -> pd.DataFrame:
         frames = []
         candidates = sweep.candidates(batch)
         outputs, handles = _record_outputs(stack)

@@ -348,6 +348,11 @@ def test_the_outputs_of_an_sdpa_model_asked_for_its_attentions_are_the_models_ow
     torch.testing.assert_close(d.outputs.logits, own.logits, rtol=0, atol=1e-5)
     eager = tiny_model("llama")
     assert len(cwcore.decompose(eager, input_ids=IDS, output_attentions=True, layers=layers).outputs.attentions) == 2
+    # under an intervention too: the changed layer returned its map alone (attentions[0] was layer 1's)
+    mask = torch.zeros(2, 4, 11, 11, dtype=torch.bool)
+    mask[..., 2:, 1] = True
+    with cwcore.intervene(model, {1: mask}), torch.no_grad():
+        assert tuple(model(input_ids=IDS, output_attentions=True).attentions or ()) == ()
 
 
 def _softmax_one(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -107,6 +107,142 @@ def test_two_threads_on_one_model_serialise_and_restore_its_implementation():
         model.config._attn_implementation = "eager"
 
 
+def test_a_plain_forward_in_another_thread_during_a_session_is_the_models_own():
+    """While one thread holds a session on an SDPA model, another thread's plain forward of that model ran cwcore's
+    eager arithmetic (bf16 logits 0.18 from the model's own SDPA) or was refused by the session's hooks."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for parameter in model.parameters():  # large scores, as in trained models: eager and SDPA differ in bf16
+            parameter.mul_(4.0)
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        eager = model(input_ids=ids).logits.float()
+        model.config._attn_implementation = "sdpa"
+        own = model(input_ids=ids).logits.float()
+    assert (own - eager).abs().max() > 1e-2  # the control: the two implementations differ here
+    for layers in ({}, {0: torch.zeros(1, 1, 16, 16, dtype=torch.bool)}):
+        with cwcore.intervene(model, layers), torch.no_grad():
+            thread, box = _run(lambda: model(input_ids=ids).logits.float())
+            thread.join(30)
+        assert "error" not in box, box.get("error")
+        torch.testing.assert_close(box["result"], own, rtol=0, atol=0)
+
+
+def test_a_per_layer_curve_and_an_attribution_hold_the_model_against_other_threads():
+    """per_layer_curve's frozen layers and recording hooks, and grad_x_input's capture hooks, were installed outside
+    the model's lock: a decomposition in another thread saw them (19 of 150 wrong, layers reported missing) and they
+    saw its forwards. Each thread's results equal its single-thread ones."""
+    from cwcore.faithfulness.layers import per_layer_curve
+
+    model = tiny_model("llama", num_layers=4)
+    generator = torch.Generator().manual_seed(1)
+    texts, other = (torch.randint(3, VOCAB, (4, 10), generator=generator) for _ in range(2))
+    options = dict(metric="contribution", ratios=[0.5], mode="comprehensiveness", batch_size=4)
+    reference, table = cwcore.decompose(model, input_ids=other), per_layer_curve(model, None, texts, **options)
+    gradients = cwcore.attribute(model, {"input_ids": texts}, method="grad_x_input")
+    stop, results = threading.Event(), {"A": [], "B": []}
+
+    def a():
+        while not stop.is_set():
+            results["A"].append(per_layer_curve(model, None, texts, **options)["nll"].to_numpy())
+            results["A"].append(cwcore.attribute(model, {"input_ids": texts}, method="grad_x_input"))
+
+    def b():
+        try:
+            for _ in range(60):
+                results["B"].append(cwcore.decompose(model, input_ids=other))
+        finally:
+            stop.set()
+
+    threads = [threading.Thread(target=a, daemon=True), threading.Thread(target=b, daemon=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert len(results["B"]) == 60 and results["A"]
+    for d in results["B"]:
+        assert d.layers == reference.layers
+        for layer in d.layers:
+            torch.testing.assert_close(d[layer].inter, reference[layer].inter, rtol=0, atol=0, equal_nan=True)
+    for got in results["A"]:
+        if isinstance(got, type(gradients)):
+            for layer in gradients.layers:
+                torch.testing.assert_close(got[layer], gradients[layer], rtol=0, atol=0, equal_nan=True)
+        else:
+            assert (got == table["nll"].to_numpy()).all()
+
+
+def test_a_forward_that_failed_inside_an_intervene_block_leaves_the_next_one_exact():
+    """Inside one intervene block, a batch refused half-way (its length does not fit the mask) left the block's
+    per-forward counts behind: the next, valid batch was refused as "differential attention"."""
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(3, VOCAB, (1, n), generator=generator) for n in (8, 9, 8)]
+    mask = torch.zeros(1, 4, 8, 8, dtype=torch.bool)
+    mask[..., 2:, 0] = True
+    model = tiny_model("llama")
+    with torch.no_grad():
+        with cwcore.intervene(model, {0: mask}):
+            expected = model(input_ids=batches[2]).logits
+        with cwcore.intervene(model, {0: mask}):
+            model(input_ids=batches[0])
+            with pytest.raises(ValueError, match="does not broadcast"):  # cwcore.core.inputs.InputError
+                model(input_ids=batches[1])
+            torch.testing.assert_close(model(input_ids=batches[2]).logits, expected, rtol=0, atol=0)
+
+
+def test_a_forward_started_inside_a_forward_and_a_session_inside_a_session_are_refused_saying_why():
+    """A user hook calling the model during decompose: the decomposition of the inner input came back with the outer
+    logits (0.11 off, no word). A decomposition inside an intervene block on the same model: refused as "does not
+    call transformers' attention interface", which is false."""
+    model = tiny_model("llama")
+    other = IDS.flip(-1)
+
+    def nested(module, args, output):
+        model(input_ids=other)
+
+    handle = model.model.layers[1].register_forward_hook(nested)
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"a forward pass of LlamaForCausalLM started inside "
+                                                               r"another of its forward passes"):
+            cwcore.decompose(model, input_ids=IDS)
+    finally:
+        handle.remove()
+    with cwcore.intervene(model, {}):
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"inside another on the same model .* observers="):
+            cwcore.decompose(model, input_ids=IDS)
+    reference = cwcore.decompose(model, input_ids=IDS)  # control: alone, exact
+    with torch.no_grad():
+        torch.testing.assert_close(reference.outputs.logits, model(input_ids=IDS).logits, rtol=0, atol=0)
+
+
+def test_a_block_whose_result_is_not_its_projections_is_named_and_refused_by_the_logit_attribution():
+    """A hook on the attention block that doubles its output: the direct logit attribution took the projection's
+    output as what enters the residual stream (half the model's direct effect; 98% off in a Gemma 3)."""
+    from cwcore.logit_attribution import logit_attribution
+
+    model = tiny_model("llama")
+    block = model.model.layers[1].self_attn
+
+    def doubled(module, args, output):
+        return (output[0] * 2,) + tuple(output[1:])
+
+    handle = block.register_forward_hook(doubled)
+    try:
+        refusal = r"'model.layers.1.self_attn' \(LlamaAttention\) returns another tensor than its output projection's"
+        d = cwcore.decompose(model, input_ids=IDS)  # exact for the projection's output; the layer says what differs
+        assert d[0].changed_output is None and "result (relative difference 1)" in d[1].changed_output
+        with pytest.raises(cwcore.UnsupportedModelError, match="direct logit attribution: .*" + refusal):
+            logit_attribution(model, input_ids=IDS)
+    finally:
+        handle.remove()
+    handle = block.register_forward_hook(lambda module, args, output: (output[0].clone(),) + tuple(output[1:]))
+    try:  # control: a hook that returns an equal copy changes nothing
+        torch.testing.assert_close(logit_attribution(model, input_ids=IDS)[1],
+                                   logit_attribution(tiny_model("llama"), input_ids=IDS)[1], rtol=0, atol=0)
+    finally:
+        handle.remove()
+
+
 def test_a_model_in_train_mode_is_refused_saying_why():
     model = tiny_model("llama")
     model.train()

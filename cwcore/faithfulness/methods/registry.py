@@ -15,6 +15,7 @@ from torch import nn
 
 from ...core.architectures import UnsupportedModelError, attention_blocks, has_cross_attention, post_attention_norms
 from ...core.decomposition import LayerDecomposition, prepare_inputs
+from ...core.thread_state import holding
 from ...identity import UncacheableMetric, method_key  # a callable's identity: one home, cwcore.identity
 
 __all__ = [
@@ -324,6 +325,11 @@ def output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torc
     """``{layer: [rows, length, model]}``: the gradient of each row's summed next-token log-likelihood
     (real tokens only) with respect to each attention block's output (after its output projection and
     bias). One forward and one backward, outside inference mode; parameter gradients are not computed."""
+    with holding(model):  # the capture hooks are the model's: another thread's cwcore call waits
+        return _output_gradients(model, input_ids, attention_mask, layers)
+
+
+def _output_gradients(model, input_ids, attention_mask, layers) -> dict[int, torch.Tensor]:
     blocks = attention_blocks(model)
     captured: dict[int, torch.Tensor] = {}
     handles = []
