@@ -111,6 +111,14 @@ def _own_projection(module, parent):
         layer = getattr(module, name, None)
         if layer is not None and (found := _linear(layer)) is not None:
             return found
+        if isinstance(layer, nn.Module) and any(_linear(m) is not None for m in layer.modules()):
+            # a wrapper of the projection (a LoRA adapter, a quantisation wrapper): its effective W_O is not one
+            # weight to read, and guessing another linear child of the block (v_proj) would name the wrong module
+            raise UnsupportedModelError(
+                f"`{name}` of {type(module).__name__} is a {type(layer).__name__} wrapping a linear layer (a LoRA "
+                "adapter, a quantisation wrapper?): cwcore cannot read its effective W_O; merge the adapter "
+                "(peft: model.merge_and_unload()) or register a finder that returns its weight with "
+                "cwcore.register_output_projection")
     return None
 
 
@@ -448,8 +456,9 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
         else:
             try:
                 block.output_projection()
-            except UnsupportedModelError:
-                block.unsupported = NO_OUTPUT_PROJECTION
+            except UnsupportedModelError as error:  # a finder's own reason where it gave one (a wrapped o_proj)
+                generic = str(error).startswith("no output projection found")
+                block.unsupported = NO_OUTPUT_PROJECTION if generic else str(error)
                 skipped.append(block.name)
         blocks.append(block)
         _BLOCK_NAMES[module] = block.name  # for refusals raised without a session

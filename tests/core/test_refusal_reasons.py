@@ -144,3 +144,32 @@ def test_a_module_shared_across_layers_is_refused_for_its_repeated_runs():
     with pytest.raises(cwcore.UnsupportedModelError, match=rf"ran {runs} times in one forward pass: its weights are "
                                                            "shared across layers"):
         cwcore.decompose(model, input_ids=ids)
+
+
+def test_a_wrapped_output_projection_is_named_not_replaced_by_a_guess():
+    """An o_proj wrapped by a LoRA-style adapter: cwcore took v_proj (another linear child) as W_O and refused with
+    "no registered name matched"; value zeroing and ALTI crashed with a bare RuntimeError on its shape."""
+    import cwcore
+    from torch import nn
+    from tiny_models import VOCAB, tiny_model
+
+    class Adapter(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer, self.A = base, nn.Linear(base.in_features, 2, bias=False)
+            self.B = nn.Linear(2, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base_layer(x) + self.B(self.A(x))
+
+    model = tiny_model("llama")
+    attention = model.model.layers[1].self_attn
+    attention.o_proj = Adapter(attention.o_proj).eval()
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    reason = r"`o_proj` of LlamaAttention is a Adapter wrapping a linear layer .*merge_and_unload"
+    with pytest.raises(cwcore.UnsupportedModelError, match=reason):
+        cwcore.decompose(model, input_ids=ids, layers=[1])
+    for method in ("value_zeroing", "alti"):
+        with pytest.warns(UserWarning):
+            scores = cwcore.attribute(model, {"input_ids": ids}, method=method)
+        assert scores.layers == [0] and re.search(reason, scores.undecomposable[1])
