@@ -649,11 +649,11 @@ class AttentionSession:
         if self._elsewhere():
             return
         if id(module) in self._running:
-            raise UnsupportedModelError(
-                f"a forward pass of {type(module).__name__} started inside another of its forward passes (a hook that "
-                "calls the model?): cwcore's session would mix the two passes; run the inner pass outside the cwcore "
-                "call")
+            raise UnsupportedModelError(f"a forward pass of {type(module).__name__} started inside another of its "
+                                        "forward passes (a hook that calls the model?): cwcore's session would mix the "
+                                        "two passes; run the inner pass outside the cwcore call")
         if not self._running:
+            refuse_training(self.model)  # model.train() inside an intervene block: the reason, not a failed check
             for state in (self._runs, self._in_block, self._call_sizes, self._block_tokens, self._early, self._depth,
                           self._last_call, self._added, self._projected):
                 state.clear()

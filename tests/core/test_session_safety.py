@@ -255,6 +255,12 @@ def test_a_model_in_train_mode_is_refused_saying_why():
         with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode.*: its dropout changes every forward"):
             cwcore.decompose(model, input_ids=IDS)
         model.config.attention_dropout = 0.0
+        model.eval()
+        with cwcore.intervene(model, {}), torch.no_grad():  # train() inside the block: the reason, not a failed check
+            model.train()
+            with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode"):
+                model(input_ids=IDS)
+        model.train()
         with pytest.raises(cwcore.UnsupportedModelError, match=r"train\(\) mode"):
             with cwcore.intervene(model, {0: torch.zeros((), dtype=torch.bool)}):
                 pass
