@@ -133,7 +133,8 @@ def test_tables_name_a_missing_folder_or_model_in_one_line(tmp_path):
         done = subprocess.run([sys.executable, "-m", "cwbook.evidence_export", *argv], capture_output=True,
                               text=True, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 2, done.stderr
-        assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith("python -m cwbook.evidence_export: error: ") and done.stderr.count("\n") == 1, \
+            done.stderr
         assert "Traceback" not in done.stderr
 
 
@@ -236,12 +237,28 @@ def test_a_frames_json_that_would_change_its_values_or_drop_a_column_is_refused(
     assert ef.read_frame(ef.DOWNSTREAM, MODEL, "mmlu", evidence)[0]["nll"].dtype == "float64"  # the control
 
 
-def test_the_export_command_line_answers_bad_input_in_one_line(tmp_path, capsys):
+def test_the_export_command_line_answers_bad_input_in_one_line(tmp_path, capsys, monkeypatch):
     """``export --profile nope`` ended in a BookError traceback (status 1); ``check --profile`` was accepted and
     ignored (check recomputes with the profile its export records): it is no option of check any more."""
     assert ee.main(["export", "--profile", "nope", "--documents", "1", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: profile 'nope' is not in run.yml") and err.count("\n") == 1
+    assert err.startswith("python -m cwbook.evidence_export: error: profile 'nope' is not in run.yml")
+    assert err.count("\n") == 1
     with pytest.raises(SystemExit):
         ee.main(["check", "--profile", "nope"])
     assert "unrecognized arguments: --profile nope" in capsys.readouterr().err
+    # the one error path of the command lines (cwcore.cli.run_command): a bug is one line and status 1, an
+    # interrupt status 130, --debug the traceback (they each kept their own, and an interrupt was a traceback)
+    def bug(args):
+        raise RuntimeError("a bug")
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    for body, status, line in ((bug, 1, "internal error RuntimeError: a bug"), (interrupted, 130, "interrupted")):
+        monkeypatch.setattr(ee, "_main", body)
+        assert ee.main(["tables", "--out", str(tmp_path)]) == status
+        assert line in capsys.readouterr().err
+    monkeypatch.setattr(ee, "_main", bug)
+    with pytest.raises(RuntimeError, match="a bug"):
+        ee.main(["tables", "--out", str(tmp_path), "--debug"])

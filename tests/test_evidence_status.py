@@ -215,6 +215,7 @@ def test_a_profile_run_yml_lacks_and_a_mistyped_confirmatory_folder_are_one_line
     from cwbook import confirmatory
 
     assert es.main(["--profile", "nope"]) == 2
-    assert capsys.readouterr().err.startswith("error: profile 'nope' is not in run.yml")
+    err = capsys.readouterr().err
+    assert err.startswith("python -m cwbook.evidence_status: error: profile 'nope' is not in run.yml")
     assert confirmatory.main(["status", "--out", str(tmp_path / "confirmatroy")]) == 2
     assert "no such folder" in capsys.readouterr().err and not (tmp_path / "confirmatroy").exists()

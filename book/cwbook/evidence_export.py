@@ -655,6 +655,7 @@ def _arguments(argv=None):
                        help="default: the notebook's grid (export), 0.05 (check)")
         p.add_argument("--metrics", nargs="+", default=None)
         p.add_argument("--out", default=None, help=f"folder of the files (default {DEFAULT_OUT})")
+        p.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
         if name == "export":
             p.add_argument("--require-cached", action="store_true",
                            help="fail, computing nothing, unless every piece is in the result cache")
@@ -663,17 +664,19 @@ def _arguments(argv=None):
     p = sub.add_parser("tables", help="chapter 4's evidence tables and findings.csv from the exports")
     p.add_argument("--out", default=None, help=f"folder of the exports and tables (default {DEFAULT_OUT})")
     p.add_argument("--models", nargs="+", default=None, help="default: every model with an export")
+    p.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    """The command line: 0 when done; 2 for bad input or a damaged export (one line); 1 for a bug; 130 when
+    interrupted (``cwcore.cli.run_command``, the one error path of the command lines)."""
+    from cwcore.cli import debug_requested, run_command
+
     args = _arguments(argv)
-    try:
-        return _main(args)
     # CommittedFileError is a ValueError, --require-cached's a LookupError, a profile not in run.yml a BookError
-    except (ValueError, OSError, LookupError, BookError) as err:  # one line, not a traceback
-        print(f"error: {' '.join(str(err).split())}", file=sys.stderr)
-        return 2
+    return run_command("python -m cwbook.evidence_export", lambda: _main(args), debug_requested(argv),
+                       user_errors=(ValueError, LookupError, BookError))
 
 
 def _main(args) -> int:

@@ -236,11 +236,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cwbook.evidence_files", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", default=str(DEFAULT_OUT), help=f"default {DEFAULT_OUT}")
     parser.add_argument("--record", action="store_true", help=f"add {HASH_FIELD} to the JSONs that have none")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     args = parser.parse_args(argv)
+    from cwcore.cli import debug_requested, run_command
+
+    # a damaged table is the verification's finding (status 1, a line per table), not bad input
+    return run_command("python -m cwbook.evidence_files", lambda: _main(args), debug_requested(argv))
+
+
+def _main(args) -> int:
+    from cwcore.cli import UsageError
+
     folder = Path(args.folder)
     if not folder.is_dir():
-        print(f"error: {folder} is not a folder of committed evidence", file=sys.stderr)
-        return 2
+        raise UsageError(f"{folder} is not a folder of committed evidence")
     try:
         if args.record:
             for path in record_hashes(folder):
@@ -261,9 +270,7 @@ def main(argv=None) -> int:
             print(f"{name}")
         total = len(committed_pairs(folder)) + len(half_pairs(folder))
         if not total:  # a mistyped folder verified "0 of 0", status 0
-            print(f"error: {folder} holds no committed table (a table beside its JSON): is it the right folder?",
-                  file=sys.stderr)
-            return 2
+            raise UsageError(f"{folder} holds no committed table (a table beside its JSON): is it the right folder?")
         print(f"{total - bad} of {total} committed tables verified")
         return 1 if bad else 0
     except CommittedFileError as err:

@@ -211,16 +211,22 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help=f"folder of the committed evidence (default {DEFAULT_OUT})")
     parser.add_argument("--profile", default="evidence")
     parser.add_argument("--write", action="store_true", help=f"write {STATUS_FILE} there instead of printing it")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     args = parser.parse_args(argv)
+    from cwcore.cli import debug_requested, run_command
+
+    return run_command("python -m cwbook.evidence_status", lambda: _main(args), debug_requested(argv),
+                       user_errors=(ValueError, BookError))
+
+
+def _main(args) -> int:
+    from cwcore.cli import UsageError
+
     if args.out is not None and not Path(args.out).is_dir():
-        print(f"error: --out {args.out}: no such folder of committed evidence (default {DEFAULT_OUT})", file=sys.stderr)
-        return 2
-    try:  # a profile run.yml has (one it lacks ended in a traceback), and the folder's own
-        profile_config(load_config(DEFAULT_BOOK_DIR / "run.yml"), args.profile)
-        check_folder_profile(args.out, args.profile)
-    except (ValueError, BookError) as error:
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--out {args.out}: no such folder of committed evidence (default {DEFAULT_OUT})")
+    # a profile run.yml has (one it lacks ended in a traceback), and the folder's own
+    profile_config(load_config(DEFAULT_BOOK_DIR / "run.yml"), args.profile)
+    check_folder_profile(args.out, args.profile)
     if args.write:
         print(f"wrote {write_status(args.out, profile=args.profile)}")
     else:
