@@ -40,6 +40,8 @@ class Method:
     indexes_sequences: bool = False  # precomputed scores: rows are the sequences of faithfulness_curve
     title: str = ""
     colour: str = ""
+    #: ``fits(lengths, num_layers)`` of precomputed scores: refuses texts and a model they do not fit (else None)
+    fits: Callable | None = field(default=None, compare=False)
 
     @property
     def display_name(self) -> str:
@@ -179,17 +181,16 @@ def precomputed(scores, label: str = "precomputed") -> Method:
                                  f"sequence {longest} tokens (indices are token positions without padding)")
 
     read.__name__ = label
-    read.fits = fits
     key = f"precomputed-{tensor_digest({str(k): v for k, v in tensors.items()})}"
-    return Method(label, read, frozenset(), "no extra forward", key, indexes_sequences=True)
+    return Method(label, read, frozenset(), "no extra forward", key, indexes_sequences=True, fits=fits)
 
 
 def check_precomputed_fit(specs, sequences: Sequence[Sequence[int]], num_layers: int) -> None:
     """Every precomputed metric of ``specs`` fits ``sequences`` (token ids, no padding) and a model of
     ``num_layers`` attention layers (see :func:`precomputed`)."""
     for spec in specs:
-        if spec.method.indexes_sequences:
-            spec.method.fn.fits([len(sequence) for sequence in sequences], num_layers)
+        if spec.method.fits is not None:
+            spec.method.fits([len(sequence) for sequence in sequences], num_layers)
 
 
 # -- the per-forward context ------------------------------------------------------------------------
