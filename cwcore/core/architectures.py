@@ -462,6 +462,15 @@ def attention_blocks(model: nn.Module) -> list[AttentionBlock]:
                 skipped.append(block.name)
         blocks.append(block)
         _BLOCK_NAMES[module] = block.name  # for refusals raised without a session
+    owners: dict[int, AttentionBlock] = {}
+    for block in (b for b in blocks if b.unsupported is None):
+        owner = block.output_module()
+        first = owners.setdefault(id(owner), block) if owner is not None else block
+        if first is not block:  # one module object as two blocks' W_O: each block's checks would see the other's calls
+            first.unsupported = block.unsupported = (
+                f"blocks {first.name!r} and {block.name!r} share one output projection module "
+                f"`{block.output_module_name()}` (the same object): the checks of one would see the other's calls, "
+                "so cwcore cannot verify either; give each block its own module")
     if len(skipped) == len(blocks):  # no attention module, or none whose W_O is found
         found = f" (attention modules without one: {', '.join(skipped[:3])})" if skipped else ""
         raise UnsupportedModelError(

@@ -173,3 +173,18 @@ def test_a_wrapped_output_projection_is_named_not_replaced_by_a_guess():
         with pytest.warns(UserWarning):
             scores = cwcore.attribute(model, {"input_ids": ids}, method=method)
         assert scores.layers == [0] and re.search(reason, scores.undecomposable[1])
+
+
+def test_a_shared_output_projection_is_refused_for_what_it_is():
+    """One o_proj module used by two layers was refused as "does not call transformers' attention interface", which
+    is false (the hooks of one block fired on the other's calls of the shared module)."""
+    import cwcore
+    from tiny_models import VOCAB, tiny_model
+
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.o_proj = model.model.layers[0].self_attn.o_proj
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    for layers in (None, [0], [1]):
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"'model.layers.0.self_attn' and "
+                                                               r"'model.layers.1.self_attn' share one output projection"):
+            cwcore.decompose(model, input_ids=ids, layers=layers)
