@@ -401,7 +401,7 @@ def _without_softmax(model: nn.Module, modules: list[nn.Module]) -> set[int]:
         inputs["decoder_input_ids"] = ids
     probe = _SoftmaxProbe(modules)
     try:
-        with torch.inference_mode(), outside_sessions(), evaluating(model), probe:
+        with torch.inference_mode(), outside_sessions(model), evaluating(model), probe:
             model(**inputs)
     except Exception:  # a model the probe cannot run keeps every block numbered (never dropped on a guess)
         return set()
@@ -622,7 +622,7 @@ def post_attention_norms(model: nn.Module, ids: torch.Tensor | None = None) -> d
     probe = torch.arange(4).reshape(1, 4) if ids is None else torch.as_tensor(ids)[:1, :8]
     device = input_device(model)
     try:  # the probe must not be seen by a session around it
-        with torch.inference_mode(), outside_sessions(), evaluating(model):
+        with torch.inference_mode(), outside_sessions(model), evaluating(model):
             model(input_ids=probe.to(device), attention_mask=torch.ones_like(probe).to(device))
     finally:
         for h in handles:

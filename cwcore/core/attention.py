@@ -63,7 +63,7 @@ def _sessions() -> list["AttentionSession"]:
 
 def _session_for(module: nn.Module) -> "AttentionSession | None":
     """The innermost of this thread's sessions that numbers ``module``, else the innermost one, else None."""
-    if outside():
+    if outside(module):
         return None
     stack = _sessions()
     for session in reversed(stack):
@@ -237,7 +237,7 @@ def attention_mask_function(*args, **kwargs):
     """The mask for cwcore's attention: eager's float mask, or SDPA's (boolean, or None for a plain causal
     pattern) while a session keeps a model's SDPA forward or computes layers itself (:func:`cwcore.summarize`)."""
     stack = _sessions()
-    session = stack[-1] if stack and not outside() else None
+    session = stack[-1] if stack and not outside(stack[-1].blocks[0].module) else None
     if session is not None and (session.fast_path is not None or session.streaming):
         return sdpa_mask(*args, **kwargs)
     return eager_mask(*args, **kwargs)
@@ -587,7 +587,7 @@ class AttentionSession:
     # -- verification: hooks on the output projections of the touched layers --------------------------
     def _elsewhere(self) -> bool:
         """A forward pass this session does not see: a probe (:func:`outside_sessions`), or another thread's."""
-        return outside() or threading.get_ident() != self._thread
+        return outside(self.blocks[0].module) or threading.get_ident() != self._thread
 
     def attach(self) -> None:
         """Install the hooks (done by :func:`cwcore_attention`): which sequence each touched block attends to,

@@ -215,7 +215,7 @@ def _mask_fits(key_valid: torch.Tensor):
     the forward reads, would be ignored, silently)."""
 
     def check(module, args, kwargs):
-        if outside():
+        if outside(module):
             return None  # a probe pass (e.g. finding the post-attention norms) is not the intervened forward
         if passed_cache(kwargs) is not None:
             return None  # the keys include the cache: the mask's length is the cache's plus the new tokens'

@@ -15,20 +15,23 @@ LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def outside_sessions() -> Iterator[None]:
-    """Inside the block, this thread's forward passes are invisible to its active sessions (their hooks and
-    attention points do nothing; attention is plain eager): for a probe pass run from inside a session."""
-    previous = getattr(LOCAL, "outside", False)
-    LOCAL.outside = True
+def outside_sessions(model: nn.Module | None = None) -> Iterator[None]:
+    """Inside the block, this thread's forward passes of ``model`` (None: of every model) are invisible to its active
+    sessions (their hooks and attention points do nothing; attention is the model's own): for a probe pass run from
+    inside a session. Another model's session, started meanwhile (by a user's hook), sees its own passes."""
+    previous = getattr(LOCAL, "outside", frozenset())
+    LOCAL.outside = None if model is None or previous is None else previous | {id(m) for m in model.modules()}
     try:
         yield
     finally:
         LOCAL.outside = previous
 
 
-def outside() -> bool:
-    """Whether this thread is inside :func:`outside_sessions`."""
-    return getattr(LOCAL, "outside", False)
+def outside(module: nn.Module | None = None) -> bool:
+    """Whether this thread's forward passes through ``module`` are inside :func:`outside_sessions` (of its model, or
+    of every model; ``module`` None: of every model only)."""
+    current = getattr(LOCAL, "outside", frozenset())
+    return current is None or (module is not None and id(module) in current)
 
 
 # A model's attention implementation is switched under a lock per config object, so that two threads on one model

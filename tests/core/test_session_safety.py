@@ -607,3 +607,23 @@ def test_token_type_ids_a_tokenizer_returns_pass_as_the_model_ignores_them(famil
                               method="contribution")
     reference = cwcore.attribute(model, {"input_ids": IDS, "attention_mask": mask}, method="contribution")
     torch.testing.assert_close(scores, reference, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_probe_pass_of_one_model_hides_it_from_its_sessions_only():
+    """A user's hook on model A that decomposes model B: during attribute(A, method="alti") the hook first fired in
+    the probe pass of A, which hid every model's forward passes from every session of the thread, so decompose(B)
+    was refused ("did not run in the forward pass"). The probe hides A's passes only."""
+    from cwcore.core.architectures import attention_blocks
+
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    a, b = tiny_model("llama"), tiny_model("gpt2", seed=3)
+    alone, got = cwcore.decompose(b, input_ids=ids), []
+    handle = attention_blocks(a)[1].module.register_forward_hook(
+        lambda *args: got.append(cwcore.decompose(b, input_ids=ids)))
+    try:
+        cwcore.attribute(a, {"input_ids": ids}, method="alti")
+    finally:
+        handle.remove()
+    assert got and all(d.layers == [0, 1] for d in got)
+    for d in got:
+        torch.testing.assert_close(d[1].inter, alone[1].inter, rtol=0, atol=0)
