@@ -243,6 +243,26 @@ def test_collect_numbers_sequences_across_batches_and_reads_the_cache(tmp_path, 
         analysis.collect(model, batches, factor_samples=10, key_groups=odd)
 
 
+def test_the_factor_sample_is_the_same_whatever_the_batches():
+    """The sample was seeded by a sequence's index in its batch: at batch_size=1 every sequence drew the same
+    (head, query, key) positions, and chapters 3 and 8's quoted medians moved with batch_size (1.80, 2.01, 2.06)."""
+    model = tiny_model("llama", seed=2)
+    ids = torch.randint(3, VOCAB, (4, 12), generator=torch.Generator().manual_seed(9))
+    ones = torch.ones_like(ids)
+
+    def factors(size):
+        batches = [{"input_ids": ids[start:start + size], "attention_mask": ones[start:start + size]}
+                   for start in range(0, 4, size)]
+        sample = analysis.collect(model, batches, factor_samples=6)[1]
+        return sample.sort_values(["sequence", "layer", "group", "head", "query", "key"]).reset_index(drop=True)
+
+    one, two, four = factors(1), factors(2), factors(4)
+    pd.testing.assert_frame_equal(one, four)
+    pd.testing.assert_frame_equal(two, four)
+    drawn = [tuple(map(tuple, f[["head", "query", "key"]].to_numpy())) for _, f in one.groupby("sequence")]
+    assert len(set(drawn)) == 4  # each sequence draws its own positions
+
+
 def test_collect_keys_cover_this_modules_code_not_its_docstrings(tmp_path, monkeypatch):
     # the module lives in the book, outside the library's code keys: its own normalised code is in the key
     from pathlib import Path

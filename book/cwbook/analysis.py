@@ -268,16 +268,28 @@ def layer_statistics(layer, key_groups: Mapping[str, torch.Tensor] | None = None
     return pd.DataFrame.from_records(records, columns=["sequence", "layer", "statistic", "view", "group", "value"])
 
 
+def sequence_key(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+    """A 32-bit key of one sequence's real tokens (``[seq]`` ids, padding left out): what seeds its factor sample,
+    so the draw is the same whatever batch, position or padding the sequence came with (it was the sequence's
+    index in its batch: at batch_size=1 every sequence drew the same positions, and the medians moved with it)."""
+    import zlib
+
+    ids = input_ids if attention_mask is None else input_ids[attention_mask.bool()]
+    return zlib.crc32(np.ascontiguousarray(ids.detach().cpu().numpy().astype(np.int64)).tobytes())
+
+
 def factor_sample(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *, kind: str = "intra",
-                  per_group: int = 256, min_keys: int = 2, seed: int = 0, sequence_offset: int = 0) -> pd.DataFrame:
+                  per_group: int = 256, min_keys: int = 2, seed: int = 0, sequence_offset: int = 0,
+                  sequence_keys: Sequence[int] | None = None) -> pd.DataFrame:
     """A random sample of (head, query, key) terms with their three factors, stratified by key group.
 
     For each sequence and each group (the key groups, then ``other`` for the remaining keys) at most
     ``per_group`` visible terms of counted queries are drawn uniformly without replacement
-    (``numpy.random.default_rng([seed, layer, sequence])``). Columns: ``sequence, layer, group,
-    head, query, key, attention, relative_norm, cosine, contribution`` (the factors of ``kind``).
-    Terms with an undefined factor (zero output norm) are not drawn.
-    """
+    (``numpy.random.default_rng([seed, layer, sequence key])``; a sequence's key is ``sequence_keys[b]``, e.g.
+    :func:`sequence_key` of its tokens, so that the draw does not depend on the batch it came in; default
+    ``sequence_offset + b``). Columns: ``sequence, layer, group, head, query, key, attention, relative_norm,
+    cosine, contribution`` (the factors of ``kind``). Terms with an undefined factor (zero output norm) are not
+    drawn."""
     attention = layer.attention
     batch, heads, queries, keys = attention.shape
     visible = visible_keys(attention)
@@ -294,7 +306,8 @@ def factor_sample(layer, key_groups: Mapping[str, torch.Tensor] | None = None, *
     masks.append(("other", ~taken))
     frames = []
     for b in range(batch):
-        rng = np.random.default_rng([seed, layer.layer, sequence_offset + b])
+        rng = np.random.default_rng([seed, layer.layer, sequence_offset + b if sequence_keys is None
+                                     else int(sequence_keys[b])])
         for name, mask in masks:
             candidates = (defined[b] & mask[b][None, None, :]).nonzero()  # [n, 3]: head, query, key
             if candidates.shape[0] == 0:
@@ -354,6 +367,8 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
 
     def compute(batch) -> dict[str, pd.DataFrame]:
         groups = key_groups(batch) if key_groups else None
+        keys = [sequence_key(ids, mask) for ids, mask in
+                zip(batch["input_ids"], batch.get("attention_mask", torch.ones_like(batch["input_ids"])))]
         d = decompose(model, layers=layers, **batch)
         per_layer, samples = [], []
         for layer in d.values():
@@ -363,7 +378,7 @@ def collect(model, batches: Iterable[Mapping[str, torch.Tensor]], *,
             per_layer.append(layer_statistics(layer, groups, min_keys=min_keys, rank_min_keys=rank_min_keys,
                                               rank_views=rank_views, kendall_views=kendall_views))
             samples.append(factor_sample(layer, groups, kind=kind, per_group=factor_samples,
-                                         min_keys=min_keys, seed=seed))
+                                         min_keys=min_keys, seed=seed, sequence_keys=keys))
         del d
         return {"stats": pd.concat(per_layer, ignore_index=True), "factors": pd.concat(samples, ignore_index=True)}
 
