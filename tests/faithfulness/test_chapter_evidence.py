@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 import cwcore
@@ -92,6 +93,15 @@ def test_the_exporter_and_the_notebook_compute_the_same_frames(setup, monkeypatc
     pd.testing.assert_frame_equal(ladder, page.ladder.drop(columns="data"))
     pd.testing.assert_frame_equal(areas, page.areas.drop(columns="data"))
     assert page.low_max == 0.2 and set(page.areas["range"]) == {"low", "full"}
+    # the quoted clean perplexity is the data set's, exp(mean NLL) over its documents' blocks (it was the mean of
+    # the documents' perplexities), computed here from the model's own logits
+    nll = []
+    for block in page.blocks[str(data)]:
+        ids = torch.as_tensor(block["input_ids"] if isinstance(block, dict) else block).reshape(1, -1)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.double()
+        nll.append(float(torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])))
+    assert page.quoted["clean_ppl"] == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-5)
 
 
 def _naive_low_aopc(per_sequence: pd.DataFrame, low_max: float) -> pd.Series:
