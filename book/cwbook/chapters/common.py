@@ -60,12 +60,19 @@ def decompose_sentence(model, tokenizer, text: str, layer: int | None, head: int
     (``head``, or the argmax of ``gap(L, tokens)``: one value per head of the layer's decomposition ``L``)."""
     from cwcore.tokens import token_labels
 
+    from cwcore.cli import UsageError
+
     layers = decomposable_layers(model)  # never a block cwcore numbers but cannot decompose
+    if layer is not None and not -len(layers) <= layer < len(layers):  # it wrapped around: layer 5 of 3 showed 2
+        raise UsageError(f"layer={layer}: the model has {len(layers)} decomposable layers (-{len(layers)} to "
+                         f"{len(layers) - 1}, negative from the end)")
     inputs = tokenizer(text, return_tensors="pt").to(input_device(model))
     tokens = token_labels(tokenizer, inputs["input_ids"][0])
     d = cwcore.decompose(model, **inputs)  # every layer of one forward pass
-    layer_shown = layers[(len(layers) // 2 if layer is None else layer) % len(layers)]
+    layer_shown = layers[len(layers) // 2 if layer is None else layer]
     n_heads = d[layer_shown].attention.shape[1]
+    if head is not None and not -n_heads <= head < n_heads:
+        raise UsageError(f"head={head}: layer {layer_shown} has {n_heads} heads (-{n_heads} to {n_heads - 1})")
     head_shown = int(gap(d[layer_shown], tokens).argmax()) if head is None else head % n_heads
     return SentenceMaps(inputs, tokens, layers, d, layer_shown, head_shown, n_heads)
 
