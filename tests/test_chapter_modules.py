@@ -28,3 +28,33 @@ def test_a_layer_or_head_out_of_range_is_refused_not_wrapped():
             ch03.sentence_maps(model, tokenizer, TEXT, layer, head, 5, "tiny")
     maps = ch03.sentence_maps(model, tokenizer, TEXT, -1, -1, 5, "tiny")  # from the end, as Python counts
     assert (maps.layer_shown, maps.head_shown) == (layers - 1, 3)
+
+
+def test_the_bench_names_its_reference_and_quotes_every_data_set(tmp_path):
+    """Chapter 4b's prose said "over contribution" for any `reference` (with reference="alti" the numbers were
+    alti's), and quoted `rank_comp_0` and `_1` by number: one data set left two names unglued (the book build
+    fails), a third data set was computed and never shown. Every name the notebook quotes is glued here."""
+    import json
+    import re
+
+    import numpy as np
+    from cwbook.chapters import ch04b_attribution_bench as ch04b
+
+    rng = np.random.default_rng(0)
+    words = "the a cat dog sat on mat and ran away is was one two three it far so".split()
+    data = tmp_path / "docs.txt"
+    data.write_text("\n\n".join(" ".join(rng.choice(words, 14)) for _ in range(3)) + "\n")
+    bench = ch04b.run(peaked_llama(), word_tokenizer(), model="tiny", datasets=[str(data)],
+                      metrics=["attention", "contribution", "alti", "random"], reference="alti", n_sequences=3,
+                      seq_len=10, batch_size=2, low_ratios=[0.1], ratios=[0.5], n_bootstrap=20, seed=0, cache=False,
+                      profile="tiny", dtype="float32")
+    source = Path(__file__).resolve().parents[1] / "notebooks" / "04b_attribution_bench.ipynb"
+    notebook = json.loads(source.read_text())
+    prose = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    quoted = set(re.findall(r"\{glue:(?:md|text)\}`([a-z0-9_]+)", prose))
+    code = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code")
+    glued_by_the_notebook = set(re.findall(r"note(?:_md)?\(\"([a-z0-9_]+)\"", code))  # its own cells' notes
+    assert quoted - set(bench.quoted_md) - set(bench.quoted) - glued_by_the_notebook == set()
+    assert bench.quoted_md["reference_name"] == ch04b.LABELS["alti"]
+    assert "over contribution" not in bench.quoted_md["ladder_contradicted"]
+    assert bench.quoted_md["rank_comp"].startswith(f"`{data}`: ")

@@ -181,8 +181,14 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     where = f" (in the {ev_label})" if committed is not None else f" (in the {quoted_md['rerun_label']})"
     against = decided[(decided["higher"] == reference) & decided["lower"].isin(ladder_lower)
                       & (decided["decided"] == "contradicted")]
+    name = LABELS.get(reference, reference)
+    quoted_md["reference_name"] = name  # the prose names the reference it was run with (not always contribution)
+    # one phrase per list over every data set (the prose quoted the first two by number: one data set left two keys
+    # unglued, which fails the book build, and a third was computed and never shown)
+    for key in ("rank_comp", "rank_suff", "ref_comp", "ref_suff", "random_comp", "random_suff"):
+        quoted_md[key] = "; ".join(quoted_md[f"{key}_{i}"] for i in range(len(datasets)))
     quoted_md["ladder_contradicted"] = (
-        "; ".join(f"{LABELS[r.lower]} over contribution ({r.data}, {r.range}, {r.mode}, "
+        "; ".join(f"{LABELS[r.lower]} over {name} ({r.data}, {r.range}, {r.mode}, "
                   f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}])"
                   for r in against.itertuples()) or "none of the ladder's steps") + where
     beaten = decided[(decided["higher"] == reference) & ~decided["lower"].isin(ladder_lower + ["random"])
