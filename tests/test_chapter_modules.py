@@ -58,3 +58,35 @@ def test_the_bench_names_its_reference_and_quotes_every_data_set(tmp_path):
     assert bench.quoted_md["reference_name"] == ch04b.LABELS["alti"]
     assert "over contribution" not in bench.quoted_md["ladder_contradicted"]
     assert bench.quoted_md["rank_comp"].startswith(f"`{data}`: ")
+
+
+def test_the_findings_page_sets_this_builds_rows_beside_the_evidence_only_where_both_have_them():
+    """A rerun of one model: the note said "1368 of them have a row here too" where 110 had (an outer merge
+    filtered on one side), the compared table carried every other committed model, answered "no" where the steps
+    table said "too few to tell", and Table 1 said "too few to tell" for models this build never ran."""
+    from cwbook import findings
+    from cwbook.chapters import ch09_findings as ch09
+    from cwbook.chapters.common import TOO_SMALL
+    from cwbook.table1 import primary_table
+
+    committed_dir = findings.EVIDENCE_DIR
+    committed = findings.findings_csv(committed_dir, findings.held_variants(committed_dir, ["smollm2-135m"]),
+                                      "evidence")
+    assert set(committed["model"]) <= {"smollm2-135m", "smollm2-135m-requantized"}
+    measured = committed[~committed["verdict"].astype(str).str.startswith("not measured")]
+    live = measured[(measured["claim"] == "step 3->4") & (measured["variant"] == "main")].copy()
+    live["verdict"] = "inconclusive"  # a small rerun whose intervals decide nothing
+    r = ch09.Findings(models=["smollm2-135m"], profile="audit", committed_dir=committed_dir, use_committed=True,
+                      faith_findings=live, committed_findings=committed)
+    ch09._compared(r)
+    note = r.phrases["committed_note"]
+    assert f"hold {len(measured)} measured findings rows of this build's models (smollm2-135m" in note
+    assert f"; {len(live)} of them have a row here too, and on 0 of those" in note
+    answers = r.compared.loc[r.compared["claim"] == "step 3->4", "rerun agrees with the evidence?"]
+    assert (answers == TOO_SMALL).sum() > 0 and set(answers) <= {TOO_SMALL, "not in this build"}
+    shown = r.compared[r.compared["claim"] == "step 3->4"]
+    assert shown["part"].str.contains("comprehensiveness|sufficiency").all()  # the mode tells rows apart
+    table = primary_table(measured, live)  # gemma3-270m is in Table 1 but not in this build
+    gemma = table[table["model"] == "gemma3-270m"]
+    assert len(gemma) and set(gemma["rerun agrees? (|c| / signed, comprehensiveness; sufficiency)"]) == \
+        {"not in this build"}

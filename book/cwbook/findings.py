@@ -548,6 +548,12 @@ def held_models(folder: str | os.PathLike, models: Sequence[str]) -> list[str]:
     return list(dict.fromkeys([*models, *sorted({p.stem for p in Path(folder).glob("*/*.csv")})]))
 
 
+def held_variants(folder: str | os.PathLike, models: Sequence[str]) -> list[str]:
+    """``models`` and the weights variants of them that ``folder`` holds (``<model>-<variant>``), no other model:
+    the rows a build of ``models`` can be set beside."""
+    return [m for m in held_models(folder, models) if any(m == n or m.startswith(f"{n}-") for n in models)]
+
+
 def combined_findings(exploratory_dir: str | os.PathLike, confirmatory_dir: str | os.PathLike | None,
                       models: Sequence[str], exploratory_profile: str = "evidence") -> pd.DataFrame:
     """``findings.csv`` of both samples: :func:`findings_csv` of the exploratory evidence folder, then the
@@ -626,11 +632,12 @@ ROW_KEYS = ["claim", "model", "data", "mode", "protocol", "importance", "range",
 
 
 def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "live",
-           committed_name: str = "evidence") -> pd.DataFrame:
+           committed_name: str = "evidence", verdicts: bool = False) -> pd.DataFrame:
     """Two findings tables (:func:`findings_csv`) side by side, row by row (:data:`ROW_KEYS`): for each
-    of the two, ``<name>`` (estimate [low, high] verdict, as text), ``<name> n`` and ``<name> mde``;
-    ``agree`` is True where both give the same verdict. Rows present in one table only are kept (the
-    other side empty), so a claim measured at one size and not the other shows as such."""
+    of the two, ``<name>`` (estimate [low, high] verdict, as text), ``<name> n`` and ``<name> mde``
+    (and ``<name> verdict`` with ``verdicts``); ``agree`` is True where both give the same verdict. Rows present
+    in one table only are kept (the other side empty), so a claim measured at one size and not the other shows
+    as such."""
     def side(table: pd.DataFrame, name: str) -> pd.DataFrame:
         if table is None or table.empty:
             return pd.DataFrame(columns=[*ROW_KEYS, name, f"{name} verdict", f"{name} n", f"{name} mde"])
@@ -646,7 +653,7 @@ def beside(live: pd.DataFrame, committed: pd.DataFrame, *, live_name: str = "liv
 
     out = side(live, live_name).merge(side(committed, committed_name), on=ROW_KEYS, how="outer", sort=False)
     out["agree"] = out[f"{live_name} verdict"] == out[f"{committed_name} verdict"]
-    return out.drop(columns=[f"{live_name} verdict", f"{committed_name} verdict"])
+    return out if verdicts else out.drop(columns=[f"{live_name} verdict", f"{committed_name} verdict"])
 
 
 def claim_findings(claims: pd.DataFrame, *, model: str, profile: str | None = None) -> pd.DataFrame:

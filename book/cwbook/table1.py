@@ -51,6 +51,7 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
         for data in evidence.PRIMARY["data"]:
             ev = evidence_rows[(evidence_rows["model"] == model) & (evidence_rows["data"] == data)]
             lv = None if live_rows is None else live_rows[(live_rows["model"] == model) & (live_rows["data"] == data)]
+            rerun = lv is not None and not lv.empty  # a model this build did not run: no rerun to agree or not
             chain = {label: [] for *_, label in PRIMARY_COLUMNS}
             chain_live = {label: [] for *_, label in PRIMARY_COLUMNS}
             for claim, protocol in [*steps, ("ordering", "every step where measured")]:
@@ -79,8 +80,8 @@ def primary_table(evidence_rows: pd.DataFrame, live_rows: pd.DataFrame | None = 
                     # whether the rerun gives the evidence's verdict, cell by cell (never the rerun's own verdict)
                     said = [AGREEMENT_SHORT[rerun_agrees(lv_, ev_)] if lv_ else "" for lv_, ev_ in zip(live, ours)]
                     row["rerun agrees? (|c| / signed, comprehensiveness; sufficiency)"] = \
-                        f"{said[0]} / {said[1]}; {said[2]} / {said[3]}"
-                    both = [(a, b) for a, b in zip(ours, live) if NOT_MEASURED not in (a, b)]
+                        f"{said[0]} / {said[1]}; {said[2]} / {said[3]}" if rerun else "not in this build"
+                    both = [(a, b) for a, b in zip(ours, live) if NOT_MEASURED not in (a, b)] if rerun else []
                     row["rerun agrees"] = f"{sum(a == b for a, b in both)}/{len(both)}" if both else ""
                 out.append(row)
     return pd.DataFrame(out)

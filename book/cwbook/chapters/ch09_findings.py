@@ -86,7 +86,9 @@ def run(models, results_dir: str | os.PathLike, profile: str, evidence_dir: str 
     live_models = findings.held_models(results_dir, r.models) if profile == "evidence" else r.models
     r.faith_findings = findings.findings_csv(results_dir, live_models, profile)
     if use_committed:
-        r.committed_findings = findings.findings_csv(committed_dir, findings.held_models(committed_dir, r.models),
+        # the named models and their weights variants only: every other committed model's rows were set beside
+        # a build that never ran it (804 SmolLM2 rows beside a rerun on the user's own model)
+        r.committed_findings = findings.findings_csv(committed_dir, findings.held_variants(committed_dir, r.models),
                                                      "evidence")
     _primary(r)
     _scoreboard(r, results_dir)
@@ -237,7 +239,9 @@ def _without_verdict(text) -> str:
 
 def _compared(r: Findings) -> None:
     from cwbook import findings
+    from cwbook.chapters.common import AGREES, rerun_agrees
     from cwbook.evidence_build import provenance_lines
+    from cwcore.stats import NOT_MEASURED
 
     committed_dir, profile = r.committed_dir, r.profile
     provenance = committed_dir / "PROVENANCE"
@@ -251,23 +255,33 @@ def _compared(r: Findings) -> None:
                                        "does.")
         compared = pd.DataFrame()
     else:
-        committed = r.committed_findings
-        compared = findings.beside(r.faith_findings, committed, live_name=profile, committed_name="evidence")
-        compared = compared[compared["evidence"].notna()]  # what the evidence measured
-        head = compared[~compared["claim"].str.contains(r"\[", regex=True)]  # the paper's own readings
+        compared = findings.beside(r.faith_findings, r.committed_findings, live_name=profile, committed_name="evidence",
+                                   verdicts=True)
+        measured = compared["evidence verdict"].map(lambda v: isinstance(v, str) and not v.startswith(NOT_MEASURED))
+        compared = compared.loc[measured.astype(bool)]  # what the evidence measured
+        both = compared.loc[compared[profile].map(lambda t: isinstance(t, str) and bool(t)).astype(bool)]  # here too
+        agreeing = sum(rerun_agrees(a, b) == AGREES
+                       for a, b in zip(both[f"{profile} verdict"], both["evidence verdict"]))
+        head = compared[~compared["claim"].str.contains(r"\[", regex=True)].copy()  # the paper's own readings
         lines = "; ".join(provenance_lines(provenance))  # each build: its chapters, commit, time, machine
         r.phrases["committed_note"] = (
-            f"The committed tables (`{committed_dir.name}/`: {lines}) hold "
-            f"{len(committed)} findings rows; {len(compared)} of them have a row here too, and on "
-            f"{int(compared['agree'].sum())} of those the two profiles give the same verdict. The table shows "
+            f"The committed tables (`{committed_dir.name}/`: {lines}) hold {len(compared)} measured findings rows "
+            f"of this build's models ({', '.join(sorted(set(compared['model']))) or 'none of them'}); "
+            f"{len(both)} of them have a row here too, and on "
+            f"{agreeing} of those the rerun gives the evidence's verdict. The table shows "
             f"the {len(head)} parts of the paper's own readings (the bracketed variants are in both "
             "`findings.csv` files).")
         compared = head
         compared[profile] = [_without_verdict(t) for t in compared[profile]]  # the rerun's interval, no verdict
-        compared = compared.rename(columns={"agree": "rerun agrees with the evidence?"})
+        # the steps table's answer (rerun_agrees: an interval that decides nothing is "too few to tell", not "no")
         compared["rerun agrees with the evidence?"] = [
-            ("yes" if agree else "no") if isinstance(rerun, str) and rerun else "not in this build"
-            for agree, rerun in zip(compared["rerun agrees with the evidence?"], compared[profile])]
+            rerun_agrees(a, b) if isinstance(rerun, str) and rerun else "not in this build"
+            for a, b, rerun in zip(compared[f"{profile} verdict"], compared["evidence verdict"], compared[profile])]
+        # mode, importance and range tell the rows apart: one "part" column (1,104 of 1,224 rows looked doubled)
+        compared["protocol"] = [", ".join(str(v) for v in values if isinstance(v, str) and v)
+                                for values in zip(compared["protocol"], compared["mode"], compared["importance"],
+                                                  compared["range"])]
+        compared = compared.drop(columns=["agree", f"{profile} verdict", "evidence verdict"])
         for column in (f"{profile} n", "evidence n"):  # counts (documents, heads): no "3.000" after the merge
             counts = pd.to_numeric(compared[column], errors="coerce")
             if counts.dropna().eq(counts.dropna().round()).all():
