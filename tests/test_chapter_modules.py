@@ -90,3 +90,28 @@ def test_the_findings_page_sets_this_builds_rows_beside_the_evidence_only_where_
     gemma = table[table["model"] == "gemma3-270m"]
     assert len(gemma) and set(gemma["rerun agrees? (|c| / signed, comprehensiveness; sufficiency)"]) == \
         {"not in this build"}
+
+
+@pytest.mark.parametrize("plain, renormalised, reading", [
+    (-0.0005, 0.0004, "does not raise the perplexity"),  # removing the sink lowers it: no cost to split
+    (0.0, 0.0, "does not raise the perplexity"),  # nothing changes (it divided by zero)
+    (0.2, 0.05, "That is 25% of the plain removal's change. In this rerun check (its point estimates), most of"),
+    (0.2, 0.15, "That is 75% of the plain removal's change. In this rerun check (its point estimates), the cost"),
+])
+def test_chapter_7_splits_a_cost_only_where_removing_the_sink_has_one(monkeypatch, plain, renormalised, reading):
+    """Where removing the sink lowered perplexity, chapter 7 still printed "-87% of the plain removal's -0.00 ...
+    most of the plain removal's cost comes with the shrinking of the outputs"; a zero change raised
+    ZeroDivisionError."""
+    import math
+    from types import SimpleNamespace
+
+    from cwbook import sink_claims
+    from cwbook.chapters import ch07_semantic_cone as ch07
+
+    changes = {c: (0.0, 0.0, 0.0) for c in ("clean", *ch07.CONDITIONS)}
+    changes.update(sink=(plain, plain, plain), sink_renorm=(renormalised, renormalised, renormalised))
+    monkeypatch.setattr(sink_claims, "perplexity_changes", lambda *a, **k: (changes, changes, changes, 0, 0))
+    r = SimpleNamespace(raw={"sequences": None}, boot={}, intervals={}, numbers={}, phrases={})
+    ch07._perplexity(r)
+    assert reading in r.phrases["renorm_reading"]
+    assert math.isnan(r.numbers["renorm_share"]) == (plain <= 0)

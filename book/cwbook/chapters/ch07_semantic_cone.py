@@ -208,15 +208,24 @@ def _perplexity(r: SemanticCone) -> None:
         r.intervals[f"dlog_{c}"] = delta_log[c]
     r.intervals["dlog_sink_minus_control"] = sink_minus_control
     r.intervals["dlog_sink_minus_mass"] = sink_minus_mass
-    renorm_share = delta_log["sink_renorm"][0] / delta_log["sink"][0]
+    plain = float(delta_log["sink"][0])
+    # a share of a cost needs a cost: where removing the sink does not raise perplexity (or changes nothing), the
+    # reading said "most of the plain removal's cost ..." of a negative or zero change (or divided by zero)
+    renorm_share = float(delta_log["sink_renorm"][0]) / plain if np.isfinite(plain) and plain > 0 else float("nan")
     r.numbers["renorm_share"] = renorm_share
-    if renorm_share < 0.5:
-        r.phrases["renorm_reading"] = ("In this rerun check (its point estimates), most of the plain removal's cost comes "
+    if not np.isfinite(renorm_share):
+        r.phrases["renorm_reading"] = (f"In this rerun check (its point estimates), removing the sink does not raise "
+                                       f"the perplexity (Δlog PPL {plain:+.4f}), so there is no cost to split between "
+                                       "the shrinking of the outputs and the loss of the sink's term.")
+    elif renorm_share < 0.5:
+        r.phrases["renorm_reading"] = (f"That is {renorm_share:.0%} of the plain removal's change. "
+                                       "In this rerun check (its point estimates), most of the plain removal's cost comes "
                                        "with the shrinking of the "
                                        "outputs, whose weights then sum to 1 − αᵢ₀, rather than with the loss of the "
                                        "sink's term itself.")
     else:
-        r.phrases["renorm_reading"] = ("In this rerun check (its point estimates), the cost does not come from the "
+        r.phrases["renorm_reading"] = (f"That is {renorm_share:.0%} of the plain removal's change. "
+                                       "In this rerun check (its point estimates), the cost does not come from the "
                                        "shrinking of the outputs alone: even with their weights summing to one, the "
                                        "outputs lack something the model relies on, the sink's term αᵢ₀ṽ₀.")
 
