@@ -115,3 +115,16 @@ def test_chapter_7_splits_a_cost_only_where_removing_the_sink_has_one(monkeypatc
     ch07._perplexity(r)
     assert reading in r.phrases["renorm_reading"]
     assert math.isnan(r.numbers["renorm_share"]) == (plain <= 0)
+
+
+@pytest.mark.parametrize("importances, protocols", [(["absolute"], ["default"]), (["signed"], ["per-head"])])
+def test_chapter_4_refuses_a_ladder_without_what_its_page_quotes(importances, protocols):
+    """importances=["absolute"] failed deep in pandas ("No objects to concatenate"); protocols=["per-head"] quoted
+    NaN for every "default protocol, signed" area. Refused in one line before any sweep."""
+    from cwbook.chapters import ch04_faithfulness as ch04
+
+    with pytest.raises(UsageError, match="keep 'signed' among the importances|keep 'default' among the protocols"):
+        ch04.ladder(None, None, model="tiny", datasets=["gsm8k"], n_sequences=2, seq_len=8, low_ratios=[0.1],
+                    ratios=[0.5], protocols=protocols, importances=importances, metrics=["contribution", "random"],
+                    random_seeds=1, variants=[], variant_models=None, n_bootstrap=10, seed=0, batch_size=2,
+                    cache=False, profile="tiny", dtype="float32")

@@ -105,6 +105,14 @@ def ladder(lm, tokenizer, *, model: str, datasets, n_sequences: int, seq_len: in
            batch_size: int, cache: bool, profile: str, dtype: str) -> Ladder:
     """The chapter's sweeps and tables: one function of the package (the evidence export calls it too,
     with the parameters this page runs with under a profile)."""
+    from cwcore.cli import UsageError
+
+    # the page's curves and quoted AOPCs are the default protocol's under signed importance: without them it
+    # failed deep in pandas ("No objects to concatenate") or quoted NaN for every AOPC
+    for name, values, needed in (("importances", importances, "signed"), ("protocols", protocols, "default")):
+        if needed not in list(values):
+            raise UsageError(f"{name}={list(values)}: chapter 4's curves and quoted areas are the default protocol's "
+                             f"under signed importance; keep {needed!r} among the {name} (others are added beside it)")
     t0 = time.monotonic()
     run = evidence.ladder_evidence(lm, tokenizer, datasets=datasets, n_sequences=n_sequences, seq_len=seq_len,
                                    low_ratios=low_ratios, ratios=ratios, protocols=protocols, importances=importances,
