@@ -128,3 +128,15 @@ def test_chapter_4_refuses_a_ladder_without_what_its_page_quotes(importances, pr
                     ratios=[0.5], protocols=protocols, importances=importances, metrics=["contribution", "random"],
                     random_seeds=1, variants=[], variant_models=None, n_bootstrap=10, seed=0, batch_size=2,
                     cache=False, profile="tiny", dtype="float32")
+
+
+def test_chapter_4s_anatomy_refuses_ratios_off_the_ladders_grid():
+    """anatomy_ratios [0.01, 0.05] on a ladder at [0.05, 0.5]: Table 4 kept 0.05 alone while Figure 2 showed 0.01."""
+    from types import SimpleNamespace
+
+    from cwbook.chapters import ch04_faithfulness as ch04
+
+    ladder = SimpleNamespace(blocks={}, per_seq=None, grid=[0.05, 0.5])
+    with pytest.raises(UsageError, match=r"anatomy_ratios \[0.01\] are not on the ladder's grid \[0.05, 0.5\]"):
+        ch04.anatomy(None, ladder, first="gsm8k", metrics=["contribution"], anatomy_sequences=2,
+                     anatomy_ratios=[0.01, 0.05], batch_size=2, n_bootstrap=10, seed=0)

@@ -273,8 +273,15 @@ def anatomy(lm, lad: Ladder, *, first: str, metrics, anatomy_sequences, anatomy_
             n_bootstrap: int, seed: int) -> Anatomy:
     """Dissect the removals of the ladder's rungs and test the explanation of the 2->3 step."""
     from cwbook import anatomy as dissect
+    from cwcore.cli import UsageError
 
     blocks, per_seq = lad.blocks, lad.per_seq
+    # the explanation is tested against the ladder's own rows: a ratio off its grid was dropped from Table 4 while
+    # Figure 2 still showed it
+    off_grid = [r for r in anatomy_ratios if not any(abs(float(r) - float(g)) < 1e-12 for g in lad.grid)]
+    if off_grid:
+        raise UsageError(f"anatomy_ratios {off_grid} are not on the ladder's grid {lad.grid}: the anatomy's "
+                         "explanation is tested against the ladder's rows at the same ratios")
     t0 = time.monotonic()
     n_anatomy = len(blocks[first]) if anatomy_sequences is None else min(anatomy_sequences, len(blocks[first]))
     rungs = [m for m in dissect.LADDER if m in metrics]
