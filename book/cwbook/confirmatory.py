@@ -300,7 +300,8 @@ def plan(*, models=None, only=None, out: str | Path = OUT) -> list[str]:
     for model in models if "sinks" in steps else ():
         shared = run_parameters(SINK_CHAPTERS[0], PROFILE, model)["run_parameters"]
         written = ", ".join(str(results_path(out, c, model).relative_to(out)) for c in SINK_CHAPTERS)
-        lines.append(f"sinks   {model} on {','.join(registration.CONFIRMATORY_DATA)} -> {written}  {json.dumps(shared)}")
+        data = ",".join(registration.CONFIRMATORY_DATA)
+        lines.append(f"sinks   {model} on {data} -> {written}  {json.dumps(shared)}")
     if "tables" in steps:
         lines.append("tables  the ladder tables and findings.csv from the exports above")
     return lines

@@ -52,7 +52,6 @@ ATTENTION_NAME = "cwcore"
 CROSS_INPUTS = ("key_value_states", "encoder_hidden_states", "cross_attention_states", "encoder_outputs")
 
 
-
 def _sessions() -> list["AttentionSession"]:
     """This thread's active sessions, innermost last."""
     stack = getattr(_LOCAL, "sessions", None)

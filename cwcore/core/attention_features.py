@@ -19,9 +19,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .architectures import AttentionBlock, UnsupportedModelError, block_name_of
 
-__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "fast_path", "maps_exclude_the_sink",
-           "changed_output", "refuse_nested", "refuse_training", "refuse_unknown_features", "refuse_unverified_implementation",
-           "repeated_calls_reason"]
+__all__ = ["FAST_IMPLEMENTATIONS", "HANDLED_KEYWORDS", "block_label", "changed_output", "fast_path",
+           "maps_exclude_the_sink", "refuse_nested", "refuse_training", "refuse_unknown_features",
+           "refuse_unverified_implementation", "repeated_calls_reason"]
 
 # Attributes of an attention module that change what attention computes and that attention_forward does
 # not implement: refusing is better than a plausible wrong number.

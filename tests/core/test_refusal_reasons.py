@@ -185,6 +185,6 @@ def test_a_shared_output_projection_is_refused_for_what_it_is():
     model.model.layers[1].self_attn.o_proj = model.model.layers[0].self_attn.o_proj
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
     for layers in (None, [0], [1]):
-        with pytest.raises(cwcore.UnsupportedModelError, match=r"'model.layers.0.self_attn' and "
-                                                               r"'model.layers.1.self_attn' share one output projection"):
+        shared = r"'model.layers.0.self_attn' and 'model.layers.1.self_attn' share one output projection"
+        with pytest.raises(cwcore.UnsupportedModelError, match=shared):
             cwcore.decompose(model, input_ids=ids, layers=layers)

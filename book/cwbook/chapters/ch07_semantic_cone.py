@@ -219,8 +219,8 @@ def _perplexity(r: SemanticCone) -> None:
                                        "the shrinking of the outputs and the loss of the sink's term.")
     elif renorm_share < 0.5:
         r.phrases["renorm_reading"] = (f"That is {renorm_share:.0%} of the plain removal's change. "
-                                       "In this rerun check (its point estimates), most of the plain removal's cost comes "
-                                       "with the shrinking of the "
+                                       "In this rerun check (its point estimates), most of the plain removal's cost "
+                                       "comes with the shrinking of the "
                                        "outputs, whose weights then sum to 1 − αᵢ₀, rather than with the loss of the "
                                        "sink's term itself.")
     else:
