@@ -140,3 +140,17 @@ def test_chapter_4s_anatomy_refuses_ratios_off_the_ladders_grid():
     with pytest.raises(UsageError, match=r"anatomy_ratios \[0.01\] are not on the ladder's grid \[0.05, 0.5\]"):
         ch04.anatomy(None, ladder, first="gsm8k", metrics=["contribution"], anatomy_sequences=2,
                      anatomy_ratios=[0.01, 0.05], batch_size=2, n_bootstrap=10, seed=0)
+
+
+def test_a_sink_chapter_sets_no_evidence_of_another_threshold_beside_its_rerun():
+    """A rerun at eps=0.9 was compared with the evidence at eps=0.3: "holds ... in the evidence; the rerun check
+    differs", with no word that the thresholds differ."""
+    from cwbook.chapters.sinks_common import committed_evidence, no_evidence_label
+    from cwcore.sinks.engine import EPS
+
+    chapter, model = "05_sink_decomposition", "smollm2-135m"
+    assert committed_evidence(chapter, model, eps=EPS.default) is not None  # the control: the committed threshold
+    assert committed_evidence(chapter, model, eps=0.9) is None
+    assert no_evidence_label(chapter, model, 0.9) == (f"committed evidence at eps={EPS.default:g}, not compared with "
+                                                     "this rerun at eps=0.9")
+    assert no_evidence_label(chapter, "no-such-model", 0.9) == "no committed evidence for this model"

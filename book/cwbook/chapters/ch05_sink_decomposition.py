@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, disagreement_opening,
-                                          nothing_to_explain, rerun_claims_table, sink_pass)
+                                          no_evidence_label, nothing_to_explain, rerun_claims_table, sink_pass)
 from cwbook.chapters.common import interval_span, rerun_direction
 from cwbook.notebook import tick
 
@@ -124,7 +124,7 @@ def run(model: str, run_parameters: dict | None = None, *, sample_size: int = 50
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")
     r = SinkDecomposition(sinks=shared, sample_size=sample_size, n_bootstrap=n_bootstrap)
-    r.evidence = committed_evidence(CHAPTER, model)  # the verdicts the page prints come from here
+    r.evidence = committed_evidence(CHAPTER, model, eps=shared.eps)  # the verdicts the page prints come from here
     r.rates = shared.results[r.data]["rates"]
     r.blocks = sinks.token_blocks(shared.blocks[r.data], shared.tokenizer)  # the blocks the analyses ran on
     r.phrases.update({
@@ -132,7 +132,8 @@ def run(model: str, run_parameters: dict | None = None, *, sample_size: int = 50
                    f"seed {run_.seed}",
         "data_list": " and ".join(f"`{d}`" for d in shared.datasets),
         "rerun_label": r.rerun_label,
-        "evidence_label": r.evidence.label if r.evidence is not None else "no committed evidence for this model",
+        "evidence_label": (r.evidence.label if r.evidence is not None
+                           else no_evidence_label(CHAPTER, model, shared.eps)),
     })
     r.numbers.update({"eps": r.eps, "n_sequences": run_.n_sequences, "seq_len": run_.seq_len})
     _sink_heads(r)

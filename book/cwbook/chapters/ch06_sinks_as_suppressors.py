@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 
 from cwbook.chapters.common import interval_span, rerun_agrees, rerun_direction
-from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, rerun_claims_table,
-                                          sink_pass, sinks_module)
+from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, no_evidence_label,
+                                          rerun_claims_table, sink_pass, sinks_module)
 
 CHAPTER = "06_sinks_as_suppressors"
 #: the categories of a fitted head's vertex, in the order of the figure's legend
@@ -197,7 +197,7 @@ def run(model: str, run_parameters: dict | None = None, *, bins: int = 10, min_r
     print(f"claims with intervals in {time.monotonic() - t0:.0f} s")
     r = Suppressors(sinks=shared, bins=bins, min_range=min_range, n_examples=n_examples, n_bootstrap=n_bootstrap,
                     runs=runs, claims_of=claims_of, claims=claims)
-    r.evidence = committed_evidence(CHAPTER, model)  # the verdicts the page prints come from here
+    r.evidence = committed_evidence(CHAPTER, model, eps=shared.eps)  # the verdicts the page prints come from here
     _setup(r)
     _anti_alignment(r)
     _layers(r)
@@ -227,7 +227,8 @@ def _setup(r: Suppressors) -> None:
         "sink_heads_short": sink_claims.sink_heads_sentence(len(r.sink_aa), len(aa), r.eps, short=True),
         "layer_types": ", ".join(f"{n} {t}" for t, n in counts.items()) + " layers",
         "rerun_label": r.rerun_label,
-        "evidence_label": r.evidence.label if r.evidence is not None else "no committed evidence for this model",
+        "evidence_label": (r.evidence.label if r.evidence is not None
+                           else no_evidence_label(CHAPTER, r.model, r.eps)),
     })
     r.numbers.update({"eps": r.eps, "n_sequences": run.n_sequences, "seq_len": run.seq_len,
                       "n_bootstrap": r.n_bootstrap, "n_heads_total": len(aa), "n_sink_heads": len(r.sink_aa)})

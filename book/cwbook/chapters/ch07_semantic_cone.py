@@ -18,7 +18,8 @@ import numpy as np
 import pandas as pd
 
 from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, disagreement_opening,
-                                          nothing_to_explain, part_phrase, rerun_claims_table, sink_pass)
+                                          no_evidence_label, nothing_to_explain, part_phrase, rerun_claims_table,
+                                          sink_pass)
 
 CHAPTER = "07_semantic_cone"
 MEASURES = ["log_norm_ratio", "delta_cos", "drift", "cos_clean", "cos_after"]
@@ -123,9 +124,10 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")
     r = SemanticCone(sinks=shared, quantiles=quantiles, n_bootstrap=n_bootstrap)
-    r.evidence = committed_evidence(CHAPTER, model)  # the verdicts the page prints come from here
+    r.evidence = committed_evidence(CHAPTER, model, eps=shared.eps)  # the verdicts the page prints come from here
     r.phrases["rerun_label"] = r.rerun_label
-    r.phrases["evidence_label"] = r.evidence.label if r.evidence is not None else "no committed evidence for this model"
+    r.phrases["evidence_label"] = (r.evidence.label if r.evidence is not None
+                                   else no_evidence_label(CHAPTER, model, shared.eps))
     data = r.data
     r.phrases["caption"] = (f"{model}, {len(shared.blocks[data])} documents of `{data}` ({run_.seq_len} tokens each), "
                             f"seed {run_.seed}")

@@ -199,21 +199,55 @@ class Evidence:
         return f"**{v}** on `{data}`" + (f" ({why})" if why else "")
 
 
-def committed_evidence(chapter: str, model: str, *, exploratory_dir=None, confirmatory_dir=None) -> Evidence | None:
-    """The committed :class:`Evidence` of ``chapter`` for ``model``: the confirmatory sample's table where it
-    is committed, else the exploratory one's; None where neither is (another model, an installed package)."""
-    from cwbook import findings, headline, registration
+def _committed(chapter: str, model: str, exploratory_dir=None, confirmatory_dir=None):
+    """(sample, folder, loaded results) of the committed table of ``chapter`` for ``model``, or None."""
+    from cwbook import findings, registration
 
     for sample, folder in ((registration.CONFIRMATORY, confirmatory_dir or findings.CONFIRMATORY_DIR),
                            (registration.EXPLORATORY, exploratory_dir or findings.EVIDENCE_DIR)):
         got = findings.load_results(folder, chapter, model)
-        if got is None:
-            continue
-        parameters = got.metadata.get("parameters", {})
-        n = parameters.get("n_documents", parameters.get("n_sequences"))
-        return Evidence(sample, int(n) if n is not None else 0, got.table,
-                        headline.registered_sink_verdicts(folder, [model]))
+        if got is not None:
+            return sample, folder, got
     return None
+
+
+def _other_eps(got, eps: float | None) -> float | None:
+    """The committed table's sink threshold where it is not ``eps`` (None: the same). A table that records none
+    (the confirmatory build's) ran at the default, the registered threshold."""
+    from cwcore.sinks.engine import EPS
+
+    committed = got.metadata.get("parameters", {}).get("eps", EPS.default)
+    if eps is None or abs(float(committed) - float(eps)) <= 1e-12:
+        return None
+    return float(committed)
+
+
+def committed_evidence(chapter: str, model: str, *, eps: float | None = None, exploratory_dir=None,
+                       confirmatory_dir=None) -> Evidence | None:
+    """The committed :class:`Evidence` of ``chapter`` for ``model``: the confirmatory sample's table where it
+    is committed, else the exploratory one's; None where neither is (another model, an installed package), or
+    where it was computed at another sink threshold than this rerun's ``eps`` (its verdicts answer another
+    question: a rerun at eps=0.9 read "holds in the evidence; the rerun check differs")."""
+    from cwbook import headline
+
+    found = _committed(chapter, model, exploratory_dir, confirmatory_dir)
+    if found is None or _other_eps(found[2], eps) is not None:
+        return None
+    sample, folder, got = found
+    parameters = got.metadata.get("parameters", {})
+    n = parameters.get("n_documents", parameters.get("n_sequences"))
+    return Evidence(sample, int(n) if n is not None else 0, got.table,
+                    headline.registered_sink_verdicts(folder, [model]))
+
+
+def no_evidence_label(chapter: str, model: str, eps: float | None = None) -> str:
+    """What a sink chapter says where :func:`committed_evidence` gives none: no table for the model, or one
+    computed at another sink threshold (not compared)."""
+    found = _committed(chapter, model)
+    other = None if found is None else _other_eps(found[2], eps)
+    if other is None:
+        return "no committed evidence for this model"
+    return f"committed evidence at eps={other:g}, not compared with this rerun at eps={float(eps):g}"
 
 
 def rerun_claims_table(claims, evidence: Evidence | None, label: str, digits: int = 2):
@@ -275,7 +309,7 @@ def claim_phrase(claim: str, rerun_claims, datasets, evidence: Evidence | None) 
     Without committed evidence, only where the rerun's intervals lie (no verdict word)."""
     live = {d: claim_verdict_of(rerun_claims, d, claim) for d in datasets}
     if evidence is None:
-        return ("no committed evidence for this model; the rerun check: "
+        return ("no committed evidence for this model at this rerun's settings; the rerun check: "
                 + "; ".join(f"on `{d}` {rerun_direction(v, claim=True)}" for d, v in live.items()))
     said = {d: evidence.claim_verdict(d, claim) for d in live}
     verdicts = " and ".join(evidence.claim_text(d, claim) for d in live)
