@@ -154,3 +154,25 @@ def test_a_sink_chapter_sets_no_evidence_of_another_threshold_beside_its_rerun()
     assert no_evidence_label(chapter, model, 0.9) == (f"committed evidence at eps={EPS.default:g}, not compared with "
                                                      "this rerun at eps=0.9")
     assert no_evidence_label(chapter, "no-such-model", 0.9) == "no committed evidence for this model"
+
+
+def test_chapter_7_refuses_a_pass_that_intervened_on_no_head(tmp_path):
+    """A model without sink heads run with sink_options heads="sink" stopped on "cannot convert float NaN to
+    integer" (the first layer of an empty table). One line, naming the options."""
+    import torch
+    import transformers as tf
+
+    from cwbook.chapters import ch07_semantic_cone as ch07
+    from cwcore.models import packaged_model_path
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(packaged_model_path("smollm2-135m"))
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    run = dict(datasets=["gsm8k"], n_sequences=2, seq_len=16, batch_size=2, cache=False, sink_options={"heads": "sink"})
+    refusal = r"no head output was intervened on in `gsm8k` \(sink_options \{'heads': 'sink'\}"
+    with pytest.raises(UsageError, match=refusal):
+        ch07.run(str(tmp_path / "tiny"), run, n_bootstrap=20, profile="tiny")

@@ -134,6 +134,12 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
     r.numbers.update({"eps": shared.eps, "n_sequences": run_.n_sequences, "seq_len": run_.seq_len})
     r.raw = raw = shared.results[data]["raw"]["semantic_cone"]
     r.points = points = sinks.cone_points(raw, quantiles)  # one row per touched head output and condition
+    if points.empty:  # every table below is of the touched heads' outputs (it stopped on a NaN layer number)
+        from cwcore.cli import UsageError
+
+        raise UsageError(f"{model}: no head output was intervened on in `{data}` (sink_options "
+                         f"{dict(run_.sink_options)}, eps={shared.eps:g}: no head selected, e.g. heads='sink' on a "
+                         "model without sink heads), so chapter 7 has no cone to show")
     r.within = stats.cluster_bootstrap(points, MEASURES, ["condition", "quantile"], **r.boot)
     r.across = stats.cluster_bootstrap(points, MEASURES, ["condition", "head_bin"], **r.boot)
     lowest = points[points["quantile"] == 1]
