@@ -441,10 +441,12 @@ def check_collected_parameters(run: Run, collected: dict) -> None:
         raise BookError(f"{run.label}: {err}") from None
 
 
-def refuse_untaken_parameters(config: dict, profile: str, notebooks_dir: Path, book_dir: Path) -> None:
+def refuse_untaken_parameters(config: dict, profile: str, notebooks_dir: Path, book_dir: Path,
+                              declared: dict | None = None) -> None:
     """Refuse a name of the profile's ``params`` that no chapter of run.yml takes (declared by name, or a
     field of :class:`cwbook.notebook.SinkRun` where a notebook collects ``run_parameters``): a typo there
-    was left out of every notebook without a word."""
+    was left out of every notebook without a word. ``declared``: ``{notebook: its parameter names}`` already
+    read (:func:`notebook_parameters`); the other chapters' notebooks are read here."""
     from dataclasses import fields
 
     from .notebook import SinkRun
@@ -456,8 +458,9 @@ def refuse_untaken_parameters(config: dict, profile: str, notebooks_dir: Path, b
     _, _, runs = plan(config, profile=name, notebooks_dir=notebooks_dir, generated_dir=book_dir / "generated",
                       book_dir=book_dir)
     taken: set[str] = set()
+    declared = declared or {}
     for source in {run.source for run in runs}:
-        taken |= notebook_parameters(source)
+        taken |= declared[source] if source in declared else notebook_parameters(source)
     if RUN_PARAMETERS in taken:
         taken |= {f.name for f in fields(SinkRun)}
     untaken = sorted(offered - taken)
@@ -833,7 +836,7 @@ def _main(argv: list[str] | None) -> int:
             given = injected_parameters(run, declared[run.source])
             if RUN_PARAMETERS in given:
                 check_collected_parameters(run, given[RUN_PARAMETERS])
-        refuse_untaken_parameters(config, name, args.notebooks_dir, args.book_dir)
+        refuse_untaken_parameters(config, name, args.notebooks_dir, args.book_dir, declared)
     except BookError as err:
         print(f"python -m cwbook: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
         return 2

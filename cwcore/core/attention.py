@@ -809,7 +809,7 @@ def cwcore_attention(model: nn.Module, session: AttentionSession | None = None) 
         with contextlib.suppress(UnsupportedModelError):
             attention_blocks(model)  # names the blocks, for the refusals attention_forward may raise
     configs = attention_configs(model)
-    with holding(model):
+    with holding(model, configs):
         if session is not None:
             try:
                 session.attach()  # first: a model it refuses is left untouched

@@ -54,14 +54,15 @@ def attention_configs(model: nn.Module) -> list:
 
 
 @contextlib.contextmanager
-def holding(model: nn.Module) -> Iterator[None]:
+def holding(model: nn.Module, configs: list | None = None) -> Iterator[None]:
     """Hold ``model``'s locks inside the block (re-entrant; taken in one fixed order): what a cwcore call that runs
     the model with hooks or patched layers of its own must do, so that another thread's session on the same model
     waits instead of seeing them. A model's locks are taken in one fixed order, so one call never deadlocks another;
     calls nested crosswise (a hook in thread 1's call on A calling B while thread 2's call on B calls A) wait on each
-    other forever, as any two locks taken in opposite orders do: nest cwcore calls in one thread only."""
+    other forever, as any two locks taken in opposite orders do: nest cwcore calls in one thread only. ``configs``:
+    the model's :func:`attention_configs`, where the caller has them already."""
     with _LOCKS_GUARD:
-        configs = sorted(attention_configs(model), key=id)
+        configs = sorted(attention_configs(model) if configs is None else configs, key=id)
         locks = [_LOCKS.setdefault(id(config), threading.RLock()) for config in configs]
     with contextlib.ExitStack() as held:
         for lock in locks:

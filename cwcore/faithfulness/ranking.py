@@ -117,9 +117,7 @@ def require_window(probs: torch.Tensor, layer: int, window: int | None,
     q, k = probs.shape[-2:]
     if window is None or q != k or q <= window:
         return
-    idx = torch.arange(q, device=probs.device)
-    beyond = (idx[:, None] - idx[None, :]) >= window  # [query, key]
-    reached = probs.detach().masked_fill(~beyond, 0)
+    reached = probs.detach().tril(-window)  # the keys window or more tokens back (as later_attention's triu)
     if valid_queries is not None:
         reached = reached.masked_fill(~valid_queries.to(probs.device)[:, None, :, None], 0)
     if bool((reached > 0).any()):
