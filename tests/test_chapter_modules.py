@@ -3,6 +3,7 @@ honoured or refused in one line, never wrapped or ignored."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -176,3 +177,85 @@ def test_chapter_7_refuses_a_pass_that_intervened_on_no_head(tmp_path):
     refusal = r"no head output was intervened on in `gsm8k` \(sink_options \{'heads': 'sink'\}"
     with pytest.raises(UsageError, match=refusal):
         ch07.run(str(tmp_path / "tiny"), run, n_bootstrap=20, profile="tiny")
+
+
+def _roberta_style():
+    """A tiny RoBERTa-style encoder (random weights, eager attention) and its word-level tokenizer, whose
+    classifier and separator tokens are spelled ``<s>`` and ``</s>``."""
+    import torch
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    words = "the a cat dog sat on mat and ran away trophy did not fit in suitcase because it was too big . ,".split()
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>"] + words)}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    word_level.post_processor = processors.TemplateProcessing(single="<s> $A </s>",
+                                                              special_tokens=[("<s>", 1), ("</s>", 2)])
+    tokenizer = tf.PreTrainedTokenizerFast(tokenizer_object=word_level, bos_token="<s>", eos_token="</s>",
+                                           cls_token="<s>", sep_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    torch.manual_seed(0)
+    config = tf.RobertaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                              num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
+                              attn_implementation="eager")
+    return tf.RobertaModel(config, add_pooling_layer=False).eval(), tokenizer
+
+
+def test_chapter_8_finds_the_special_tokens_by_their_ids_whatever_their_spelling():
+    """Chapter 8 matched the strings "[CLS]" and "[SEP]": on a RoBERTa-style encoder (``<s>`` ... ``</s>``) it quoted
+    0.0 attention on them where the head shown gave them 0.125, and picked its head on a gap of 0 everywhere."""
+    import torch
+
+    from cwbook.chapters import ch08_encoders as ch08
+
+    model, tokenizer = _roberta_style()
+    text = "the trophy did not fit in the suitcase because it was too big ."
+    maps = ch08.sentence_maps(model, tokenizer, text, None, None, 5, "tiny-roberta")
+    assert maps.tokens[0] == "<s>" and maps.tokens[-1] == "</s>"
+    with torch.no_grad():  # the model's own eager attention, [batch, head, query, key] per layer
+        attentions = model(**tokenizer(text, return_tensors="pt"), output_attentions=True).attentions
+    probs = attentions[maps.layer_shown][0].double()
+    on_special = probs[..., [0, -1]].sum(-1).mean(-1)  # per head, over all queries
+    assert abs(float(maps.quoted["alpha_special"]) - float(on_special[maps.head_shown])) < 1e-5
+    assert float(on_special[maps.head_shown]) > 0.05  # the control: the old code quoted 0.0 here
+    assert abs(float(maps.quoted["layer_alpha_special"]) - float(on_special.mean())) < 1e-5
+    assert "`<s>` and `</s>`" in maps.quoted_md["head_reason"]
+
+
+def test_chapters_3_and_8_refuse_the_other_kind_of_model_with_the_measured_reason():
+    """Chapter 3 (causal decoders: grey cells above the diagonal, "query 0 sees only itself") ran on an encoder,
+    and chapter 8 (encoders: "no cell is grey") on a decoder, quoting 0 attention on keys a query cannot see."""
+    from cwbook.chapters import ch08_encoders as ch08
+
+    encoder, encoder_tokenizer = _roberta_style()
+    decoder, decoder_tokenizer = peaked_llama(), word_tokenizer()
+    with pytest.raises(UsageError, match=r"chapter 3 is written for causal decoders: layer \d of this model attends "
+                                         r"to later keys \(up to 0\.\d+"):
+        ch03.sentence_maps(encoder, encoder_tokenizer, "the cat sat on the mat", None, None, 5, "tiny")
+    with pytest.raises(UsageError, match="chapter 8 is written for encoders: no query of this model attends"):
+        ch08.sentence_maps(decoder, decoder_tokenizer, TEXT, None, None, 5, "tiny")
+    # the controls: each chapter's own kind passes
+    assert ch03.sentence_maps(decoder, decoder_tokenizer, TEXT, None, None, 5, "tiny").n_heads == 4
+    assert ch08.sentence_maps(encoder, encoder_tokenizer, "the cat sat on the mat", None, None, 5, "tiny").n_heads == 4
+
+
+@pytest.mark.parametrize("change, refusal", [
+    ({"n_sequences": 1}, r"1 sequence\(s\): the per-layer intervals are bootstraps over sequences and need at least 2"),
+    ({"factor_samples": 0}, "factor_samples must be at least 1, got 0"),
+    ({"n_bootstrap": 0}, "n_bootstrap must be at least 1, got 0"),
+    ({"min_keys": 17}, r"min_keys=17: no query of a 16-token sequence sees that many keys"),
+    ({"rank_min_keys": 17}, r"rank_min_keys=17: no query of a 16-token sequence sees that many keys"),
+])
+def test_chapter_3s_statistics_refuse_sizes_that_leave_a_quoted_number_without_data(change, refusal):
+    """These sizes stopped deep in pandas or scipy ("KeyError 'first'", "Encountered all NA values"), or, with one
+    sequence, quoted every interval as "nan to nan"."""
+    parameters = dict(model_name="tiny", data="gsm8k", n_sequences=2, seq_len=16, batch_size=2, kind="intra",
+                      min_keys=2, rank_min_keys=5, factor_samples=8, n_bootstrap=20, seed=0, cache=False)
+    model, tokenizer = peaked_llama(), word_tokenizer()
+    with pytest.raises(Exception, match=refusal):
+        ch03.statistics(model, tokenizer, **{**parameters, **change})
+    with pytest.raises(UsageError, match="is 1 token"):
+        ch03.sentence_maps(model, tokenizer, "", None, None, 5, "tiny")  # only the tokenizer's <s>
+    if change == {"n_sequences": 1}:  # the control: the smallest sizes allowed give finite intervals
+        got = ch03.statistics(model, tokenizer, **parameters).quoted
+        assert all(math.isfinite(got[name]) for name in ("peak_token_low", "peak_token_high"))

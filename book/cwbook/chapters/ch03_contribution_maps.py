@@ -25,7 +25,7 @@ def sentence_maps(lm, tokenizer, text: str, layer: int | None, head: int | None,
     middle one) and head (``head``, or the one whose attention on position 0, over queries 1..n-1,
     exceeds its intra-head contribution the most) of the maps."""
     maps = decompose_sentence(lm, tokenizer, text, layer, head, lambda L, _: (
-        L.attention[0, :, 1:, 0].mean(-1) - L.contribution("intra")[0, :, 1:, 0].mean(-1)))
+        L.attention[0, :, 1:, 0].mean(-1) - L.contribution("intra")[0, :, 1:, 0].mean(-1)), chapter="chapter 3")
     tokens, layer_shown, head_shown, n_heads, L = (maps.tokens, maps.layer_shown, maps.head_shown, maps.n_heads, maps.L)
     ids = maps.inputs["input_ids"][0].tolist()
     quoted, quoted_md = {"n_layers": len(maps.layers)}, {}
@@ -121,7 +121,8 @@ def statistics(lm, tokenizer, *, model_name: str, data: str, n_sequences: int, s
                n_bootstrap: int, seed: int, cache: bool) -> Statistics:
     """Collect and summarise the statistics on ``n_sequences`` blocks of ``seq_len`` tokens of ``data``."""
     blocks = lm_blocks(cwcore.load_dataset(data), tokenizer, block_size=seq_len, num_blocks=n_sequences)
-    collected = collect_statistics(lm, lm_batches(blocks, batch_size, device=input_device(lm)), kind=kind,
+    collected = collect_statistics(lm, lm_batches(blocks, batch_size, device=input_device(lm)), chapter="chapter 3",
+                                   seq_len=seq_len, kind=kind,
                                    min_keys=min_keys, rank_min_keys=rank_min_keys, factor_samples=factor_samples,
                                    n_bootstrap=n_bootstrap, seed=seed, cache=cache, blocks=blocks)
     factors, summary, n_layers = collected.factors, collected.summary, collected.n_layers

@@ -22,27 +22,34 @@ from cwbook.chapters.common import (ATTN, COLOURS, FACTOR_COLUMNS, INTER, INTRA,
 GROUPS = [("[CLS]", COLOURS[1]), ("[SEP]", COLOURS[4]), (". and ,", COLOURS[2]), ("other", OTHER)]
 
 
-def _special(L, tokens):
-    """Per head, over all queries: attention on ``[CLS]`` and ``[SEP]``, and their intra-head contribution."""
-    special = torch.tensor([t in ("[CLS]", "[SEP]") for t in tokens])
+def _special(L, special):
+    """Per head, over all queries: attention on the keys ``special`` ``[key]`` bool (the tokenizer's classifier
+    and separator tokens), and their intra-head contribution."""
     contribution = L.contribution("intra")[0][..., special].sum(-1).mean(-1)
-    return special, L.attention[0][..., special].sum(-1).mean(-1).cpu(), contribution.cpu()
+    return L.attention[0][..., special].sum(-1).mean(-1).cpu(), contribution.cpu()
 
 
 def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | None,
                   rank_min_keys: int, model_name: str) -> SentenceMaps:
-    """Decompose ``text`` (wrapped in ``[CLS]`` ..."""
+    """Decompose ``text`` (wrapped in the tokenizer's classifier and separator tokens: ``[CLS]`` ... ``[SEP]`` in
+    BERT, ``<s>`` ... ``</s>`` in RoBERTa, found by their ids whatever their spelling) in every layer, and pick the
+    layer (``layer``, or the middle one) and head (``head``, or the one whose attention on those tokens exceeds
+    their intra-head contribution the most) of the maps."""
+    ids = tokenizer(text)["input_ids"]
+    marks = {tokenizer.cls_token_id, tokenizer.sep_token_id} - {None}
+    special = torch.tensor([i in marks for i in ids])
     maps = decompose_sentence(encoder, tokenizer, text, layer, head,
-                              lambda L, tokens: _special(L, tokens)[1] - _special(L, tokens)[2])
+                              lambda L, _: _special(L, special)[0] - _special(L, special)[1], chapter="chapter 8")
     tokens = maps.tokens
     layer_shown, head_shown, n_heads, L = maps.layer_shown, maps.head_shown, maps.n_heads, maps.L
-    special, special_attention, special_contribution = _special(L, tokens)
+    special_attention, special_contribution = _special(L, special)
     quoted, quoted_md = {"n_layers": len(maps.layers)}, {"model_name": f"`{model_name}`"}
+    names = " and ".join(f"`{t}`" for t in dict.fromkeys(tokenizer.convert_ids_to_tokens(sorted(marks))))
 
     if head is None:
         quoted_md["head_reason"] = (
             "the head of this layer in which the attention "
-            "on `[CLS]` and `[SEP]` exceeds their intra-head contribution the "
+            f"on {names or 'the special tokens'} exceeds their intra-head contribution the "
             "most. The code picks it to show the effect; the statistics "
             "further down say how typical it is.")
     else:
@@ -103,8 +110,9 @@ def statistics(encoder, tokenizer, *, model_name: str, data: str, n_sequences: i
     batches = [tokenizer(documents[i:i + batch_size], truncation=True, max_length=seq_len, padding=True,
                          return_tensors="pt").to(input_device(encoder)) for i in range(0, len(documents), batch_size)]
     collected = collect_statistics(encoder, batches, key_groups=partial(key_groups, special_ids=special_token_groups(
-        tokenizer)), kind=kind, min_keys=min_keys, rank_min_keys=rank_min_keys, factor_samples=factor_samples,
-        n_bootstrap=n_bootstrap, seed=seed, cache=cache, documents=documents, batches=batches)
+        tokenizer)), chapter="chapter 8", seq_len=seq_len, kind=kind, min_keys=min_keys, rank_min_keys=rank_min_keys,
+        factor_samples=factor_samples, n_bootstrap=n_bootstrap, seed=seed, cache=cache, documents=documents,
+        batches=batches)
     collected.lengths = torch.cat([b["attention_mask"].sum(1) for b in batches])
     summary, med = collected.summary, collected.factors.groupby("group")[FACTOR_COLUMNS].median()
     quoted = {"n_sequences": len(documents), "seq_len": seq_len}

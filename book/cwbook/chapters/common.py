@@ -55,9 +55,35 @@ class SentenceMaps:
         return self.d[self.layer_shown]
 
 
-def decompose_sentence(model, tokenizer, text: str, layer: int | None, head: int | None, gap) -> SentenceMaps:
+#: the attention each chapter of sentence maps is written for: chapter 3 reads each query's keys 0..i, chapter 8
+#: an encoder's keys on both sides of the query
+CAUSAL = {"chapter 3": True, "chapter 8": False}
+
+
+def require_attention_kind(d, chapter: str) -> None:
+    """Refuse a decomposition ``d`` whose attention is not the kind ``chapter`` (a key of :data:`CAUSAL`) is
+    written for, measured on the probabilities the model applied (``[batch, head, query, key]`` per layer): its
+    prose, grey cells and first-token statistics would describe another kind of model."""
+    from cwcore.cli import UsageError
+    from cwcore.core.architectures import later_attention
+
+    later = {layer: float(later_attention(d[layer].attention.nan_to_num(0.0)).max()) for layer in d.layers}
+    attends_later = max(later.values(), default=0.0) > 0
+    if CAUSAL[chapter] and attends_later:
+        layer = max(later, key=later.get)
+        raise UsageError(f"{chapter} is written for causal decoders: layer {layer} of this model attends to later keys "
+                         f"(up to {later[layer]:.3g} of a query's attention lies above the diagonal); chapter 8 "
+                         "treats encoders")
+    if not CAUSAL[chapter] and not attends_later:
+        raise UsageError(f"{chapter} is written for encoders: no query of this model attends to a later key in any "
+                         "of its layers (a causal decoder); chapter 3 treats decoders")
+
+
+def decompose_sentence(model, tokenizer, text: str, layer: int | None, head: int | None, gap, *,
+                       chapter: str) -> SentenceMaps:
     """Decompose ``text`` in every layer and pick the layer (``layer``, or the middle one) and the head
-    (``head``, or the argmax of ``gap(L, tokens)``: one value per head of the layer's decomposition ``L``)."""
+    (``head``, or the argmax of ``gap(L, tokens)``: one value per head of the layer's decomposition ``L``).
+    ``chapter``: ``"chapter 3"`` or ``"chapter 8"``, whose kind of model (:data:`CAUSAL`) is required."""
     from cwcore.tokens import token_labels
 
     from cwcore.cli import UsageError
@@ -67,8 +93,11 @@ def decompose_sentence(model, tokenizer, text: str, layer: int | None, head: int
         raise UsageError(f"layer={layer}: the model has {len(layers)} decomposable layers (-{len(layers)} to "
                          f"{len(layers) - 1}, negative from the end)")
     inputs = tokenizer(text, return_tensors="pt").to(input_device(model))
+    if inputs["input_ids"].shape[-1] < 2:  # a map of one token has no pair to compare, its argmin no element
+        raise UsageError(f"text={text!r} is {inputs['input_ids'].shape[-1]} token(s) long: the maps need at least 2")
     tokens = token_labels(tokenizer, inputs["input_ids"][0])
     d = cwcore.decompose(model, **inputs)  # every layer of one forward pass
+    require_attention_kind(d, chapter)
     layer_shown = layers[len(layers) // 2 if layer is None else layer]
     n_heads = d[layer_shown].attention.shape[1]
     if head is not None and not -n_heads <= head < n_heads:
@@ -97,10 +126,30 @@ class Statistics:
     quoted_md: dict = field(default_factory=dict)
 
 
-def collect_statistics(model, model_inputs, *, kind: str, min_keys: int, rank_min_keys: int, factor_samples: int,
-                       n_bootstrap: int, seed: int, cache: bool, key_groups=None, **sample) -> Statistics:
-    """:func:`cwbook.analysis.collect` over the batches ``model_inputs`` and :func:`cwbook.analysis.summarize`,
-    cached when ``cache``; ``sample`` fills the :class:`Statistics` fields that describe the sample."""
+def collect_statistics(model, model_inputs, *, chapter: str, seq_len: int, kind: str, min_keys: int,
+                       rank_min_keys: int, factor_samples: int, n_bootstrap: int, seed: int, cache: bool,
+                       key_groups=None, **sample) -> Statistics:
+    """:func:`cwbook.analysis.collect` over the batches ``model_inputs`` (sequences of at most ``seq_len`` tokens)
+    and :func:`cwbook.analysis.summarize`, cached when ``cache``; ``sample`` fills the :class:`Statistics` fields
+    that describe the sample. Sizes that leave a quoted number without data are refused in one line, and so is a
+    model of the other kind than ``chapter``'s (:func:`require_attention_kind`, on the first sequence)."""
+    from cwcore.cli import UsageError
+    from cwcore.core.inputs import check_count
+
+    model_inputs = list(model_inputs)
+    n_sequences = sum(len(batch["input_ids"]) for batch in model_inputs)
+    if n_sequences < 2:  # one sequence printed "nan to nan" as every interval
+        raise UsageError(f"{n_sequences} sequence(s): the per-layer intervals are bootstraps over sequences and "
+                         "need at least 2 (n_sequences)")
+    check_count(n_bootstrap, "n_bootstrap")
+    check_count(factor_samples, "factor_samples")  # the factor medians and their figure read the sampled terms
+    check_count(seq_len, "seq_len", minimum=2)
+    for name, value in (("min_keys", min_keys), ("rank_min_keys", rank_min_keys)):
+        if check_count(value, name, minimum=0) > seq_len:
+            raise UsageError(f"{name}={value}: no query of a {seq_len}-token sequence sees that many keys "
+                             f"(seq_len={seq_len}), so its statistics would have no rows")
+    first = {name: value[:1] for name, value in model_inputs[0].items()}
+    require_attention_kind(cwcore.decompose(model, layers=decomposable_layers(model), **first), chapter)
     t0 = time.monotonic()
     with caching(enabled=cache):
         stats, factors = analysis.collect(model, model_inputs, key_groups=key_groups, kind=kind, min_keys=min_keys,
