@@ -37,6 +37,8 @@ from .architectures import AttentionBlock, UnsupportedModelError, attention_bloc
 from .attention_features import (FAST_IMPLEMENTATIONS, HANDLED_KEYWORDS, block_label, changed_output, fast_path,
                                  maps_exclude_the_sink, refuse_nested, refuse_training, refuse_unknown_features,
                                  refuse_unverified_implementation, repeated_calls_reason)
+from .blockwise import (CHUNK_ELEMENTS, MIN_QUERY_BLOCK, QUERY_BLOCK, _bias_mask, _block_rows,  # noqa: F401
+                        _causal_mask, _chunkable, _mask_plan, _probs_in_chunks, adoptable_own_output, adopted_own_output)
 from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
@@ -168,13 +170,16 @@ def attention_forward(
         attention_mask = (_causal_mask(q_len, k_len, query.device) if session is None
                           else session.causal_mask(q_len, k_len, query.device))
     position_bias = kwargs.get("position_bias")  # T5's relative positions: additive on the scores, like a float mask
-    sink_mass = mixed = spans = None
+    sink_mass = mixed = spans = adopted = None
     if session is not None and session.blockwise and _chunkable(query, key, softcap, s_aux):
-        # alpha V in the same pass unless a transform may change alpha afterwards
+        # alpha V in the same pass unless a transform may change alpha afterwards, or the model's own output is
+        # adopted as alpha V once checked (blockwise.adopted_own_output; the forward gets a copy, see below)
+        adopted = adoptable_own_output(session, models_own, model_dtype, call_mask, query.shape, key.shape[2])
         scores_mask = attention_mask if position_bias is None else _bias_mask(position_bias, attention_mask, key)
-        probs, mixed, spans = _probs_in_chunks(query, key, scores_mask, scaling,
-                                               None if session.transforms_module(module) else value,
-                                               session.mask_plans)
+        probs, mixed, spans = _probs_in_chunks(query, key, scores_mask, scaling, None if session.transforms_module(
+            module) or adopted is not None else value, session.mask_plans)
+        if adopted is not None:
+            mixed = adopted_own_output(session, module, probs, value, adopted, call_mask, (query, key, value))
     else:
         probs = torch.matmul(query, key.transpose(2, 3)) * scaling  # scores; one name so they are freed early
         if softcap is not None:
@@ -217,7 +222,7 @@ def attention_forward(
         change = torch.matmul(probs - computed.to(probs.dtype), value)
         change = change if added is None else change + added.to(change.dtype)
         output = changed_own()[0].to(change.dtype) + change.transpose(1, 2)
-    if models_own is not None:
+    if models_own is not None and adopted is None:
         own = models_own()[0]
         session.refuse_non_finite(module, own, call_mask, (query, key, value))  # its reason, before the comparison's
         output = session.models_own_output(module, output, own, call_mask, key.shape[-2])
@@ -244,10 +249,6 @@ def attention_mask_function(*args, **kwargs):
 
 AttentionInterface.register(ATTENTION_NAME, attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, attention_mask_function)
-
-
-from .blockwise import (CHUNK_ELEMENTS, MIN_QUERY_BLOCK, QUERY_BLOCK, _bias_mask, _block_rows,  # noqa: E402,F401
-                        _causal_mask, _chunkable, _mask_plan, _probs_in_chunks)
 
 
 def _per_layer(mapping, num_layers: int, what: str) -> dict[int, list]:

@@ -117,6 +117,47 @@ def _probs_in_chunks(query: torch.Tensor, key: torch.Tensor, attention_mask: tor
     return probs, mixed, spans
 
 
+def adoptable_own_output(session, models_own, model_dtype: torch.dtype, attention_mask, query_shape, k_len: int):
+    """The model's own output of an observed layer (``models_own()``'s ``[batch, query, head, dim]``, or None where
+    the session computes the layer itself) where :func:`adopted_own_output` may adopt it: a float32 model decomposed
+    in float32, no key padded (a padded key's value is masked in the geometry, which then differs from the layer's);
+    else None."""
+    if models_own is None or not model_dtype == session.compute_dtype == torch.float32:
+        return None
+    if session.mask_validity(attention_mask, query_shape[0], query_shape[2], k_len)[0] is not None:
+        return None
+    return models_own()[0]
+
+
+def adopted_own_output(session, module, probs: torch.Tensor, value: torch.Tensor, own: torch.Tensor, attention_mask,
+                       inputs) -> torch.Tensor:
+    """The model's own output ``own`` ``[batch, query, head, dim]`` (its SDPA's, for a layer a session only observes)
+    as the layer's alpha @ V ``[batch, head, query, dim]`` (a view), checked instead of computed: ``probs``
+    ``[batch, head, query, key]`` (float32) against it along :data:`~cwcore.core.geometry.PROBES` random directions r
+    of head space (Freivalds' test, as :func:`cwcore.summarize` and the output projection's check): alpha (V r)
+    against z r, relative to max |z|. An error e_i of a row shows as e_i r ~ N(0, ||e_i||^2), at least the size of
+    its largest entry with high probability over the directions and the queries: as strict as comparing entries,
+    without the attention-sized product alpha @ V; a difference beyond the tolerance is measured again entry by
+    entry (:meth:`~cwcore.core.attention.AttentionSession.models_own_output`), which decides. ``value`` ``[batch,
+    head, key, dim]``; ``inputs``: the call's query, key and value, for the reason of a non-finite output. ``own``:
+    from :func:`adoptable_own_output`."""
+    from .geometry import probe_directions
+
+    session.refuse_non_finite(module, own, attention_mask, inputs)  # its reason, before a comparison's
+    mixed = own.detach().transpose(1, 2)
+    if session.verify:
+        layer = session._by_module[id(module)].layer
+        probes = probe_directions(value.shape[-1], value.dtype, value.device)  # [dim, probes]
+        difference = (probs @ (value @ probes) - mixed @ probes).abs().max()
+        session._own_differences[layer] = float((difference / mixed.abs().max().clamp_min(
+            torch.finfo(mixed.dtype).tiny)).nan_to_num(float("inf")))
+        if not session._own_differences[layer] <= session.tolerance(own.dtype, layer):  # NaN included
+            # the entrywise comparison decides (a sum along r can exceed the largest entry's error), and gives a
+            # refusal its exact error
+            session.models_own_output(module, (probs @ value).transpose(1, 2), own, attention_mask, value.shape[-2])
+    return mixed
+
+
 def _bias_mask(position_bias: torch.Tensor, attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
     """An additive score bias ``[batch or 1, head, query, key]`` and the call's mask as one additive float mask,
     as transformers' SDPA function combines them (the blockwise softmax of a model configured for SDPA)."""

@@ -206,9 +206,10 @@ class HeadSpaceGeometry:
         for b, blocks in enumerate(self.key_spans):
             for start, stop, first, limit in blocks:
                 target = out[b, :, start:stop]  # [head, block, key]
-                inside = target[..., first:limit]
-                torch.matmul(side[b, :, start:stop], keys_t[b, :, :, first:limit], out=inside)
-                inside.mul_(self.attention[b, :, start:stop, first:limit])
+                # the product into a fresh block, then alpha times it into the strided target in one pass: a
+                # product written straight into a strided view ran at a third of the speed, then was copied
+                product = torch.matmul(side[b, :, start:stop], keys_t[b, :, :, first:limit])
+                torch.mul(product, self.attention[b, :, start:stop, first:limit], out=target[..., first:limit])
                 target[..., :first] = 0.0
                 target[..., limit:] = 0.0
         return out

@@ -417,3 +417,42 @@ def test_an_attention_function_cwcore_cannot_check_is_refused_not_replaced_by_ea
         cwcore.decompose(model, **inputs)
     monkeypatch.undo()
     torch.testing.assert_close(cwcore.decompose(model, **inputs).outputs.logits, eager, rtol=0, atol=0)
+
+
+def test_an_observed_layer_adopts_the_sdpa_output_checked_along_random_directions(monkeypatch):
+    """An observed float32 layer of an SDPA model no longer computes alpha @ V to compare with the model's own output:
+    it checks alpha against that output along random directions (alpha (V r) against z r) and adopts it as z. The
+    check is as strict as the entrywise one: an output off by 1e-3 of its largest entry in one entry is refused with
+    the entrywise error measured again (about 1e-3); off by 1e-6 it passes, and z is the model's output."""
+    real = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = _sdpa("llama")
+    adoptions = []
+    original = attention.adopted_own_output
+    monkeypatch.setattr(attention, "adopted_own_output", lambda *a: adoptions.append(a[1]) or original(*a))
+    own_outputs = {}
+
+    def off_by(size):
+        def sdpa(module, query, key, value, attention_mask, **kwargs):
+            output, weights = real(module, query, key, value, attention_mask, **kwargs)
+            output = output.clone()
+            output[1, 7, 2, 5] += size * output.abs().max()  # [batch, query, head, dim]
+            own_outputs[module] = output
+            return output, weights
+        return as_transformers_kernel(sdpa)
+
+    try:
+        AttentionInterface.register("sdpa", off_by(1e-3))
+        refusal = r"different outputs \(relative error ([0-9.e+-]+) > 0.0001 for a torch.float32 model\)"
+        with pytest.raises(cwcore.UnsupportedModelError, match=refusal) as raised:
+            cwcore.decompose(model, input_ids=IDS)
+        assert 9e-4 < float(re.search(refusal, str(raised.value)).group(1)) < 1.1e-3  # entrywise: the entry's error
+        AttentionInterface.register("sdpa", off_by(1e-6))
+        adoptions.clear()
+        d = cwcore.decompose(model, input_ids=IDS)
+    finally:
+        AttentionInterface.register("sdpa", real)
+    blocks = [model.model.layers[i].self_attn for i in range(len(d))]
+    assert adoptions == blocks  # every layer adopted its own output
+    for layer, block in enumerate(blocks):
+        mixed = d[layer].geometry.mixed  # [batch, head, query, dim]: z, the model's own output
+        torch.testing.assert_close(mixed, own_outputs[block].transpose(1, 2), rtol=0, atol=0)
