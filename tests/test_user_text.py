@@ -24,8 +24,10 @@ def _texts():
     for folder, pattern in (("cwcore", "**/*.py"), ("notebooks", "*.ipynb"), ("book", "**/*.md"),
                             ("book/cwbook", "**/*.py"), ("benchmarks", "**/*.py"), ("benchmarks", "*.md"),
                             ("data/results", "README.md"), ("tests", "**/*.py")):
+        # never an environment's installed packages (`make peers` builds benchmarks/peers/.venv): not the project's
         yield from sorted(p for p in (ROOT / folder).glob(pattern) if "_build" not in p.parts and "generated" not in
-                          p.parts and p != Path(__file__).resolve())
+                          p.parts and p != Path(__file__).resolve()
+                          and not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
     yield ROOT / "README.md"
     yield ROOT / "ARCHITECTURE.md"
 
