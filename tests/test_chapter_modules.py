@@ -259,3 +259,25 @@ def test_chapter_3s_statistics_refuse_sizes_that_leave_a_quoted_number_without_d
     if change == {"n_sequences": 1}:  # the control: the smallest sizes allowed give finite intervals
         got = ch03.statistics(model, tokenizer, **parameters).quoted
         assert all(math.isfinite(got[name]) for name in ("peak_token_low", "peak_token_high"))
+
+
+def test_chapter_7_names_its_lowest_bin_and_compares_evidence_only_at_the_same_bins():
+    """With quantiles=4 the numbers were the lowest quarter's while the page said "lowest-norm fifth" four times, and
+    the rerun's lowest-bin claims were set beside the evidence's lowest fifth as if they were the same part."""
+    import json
+
+    from cwbook.chapters import ch07_semantic_cone as ch07
+    from cwbook.chapters.sinks_common import committed_evidence, no_evidence_label
+    from cwcore.sinks.engine import EPS
+
+    assert [ch07.bin_name(q) for q in (4, 5, 10, 20)] == ["quarter", "fifth", "tenth", "1/20"]
+    chapter, model = "07_semantic_cone", "smollm2-135m"
+    assert committed_evidence(chapter, model, eps=EPS.default, quantiles=5) is not None  # the control: registered bins
+    assert committed_evidence(chapter, model, eps=EPS.default, quantiles=10) is None
+    assert no_evidence_label(chapter, model, EPS.default, 10) == ("committed evidence at quantiles=5, not compared "
+                                                                  "with this rerun at quantiles=10")
+    assert no_evidence_label(chapter, model, 0.9, 10) == (f"committed evidence at eps={EPS.default:g}, quantiles=5, "
+                                                          "not compared with this rerun at eps=0.9, quantiles=10")
+    notebook = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "07_semantic_cone.ipynb").read_text())
+    prose = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    assert "fifth" not in prose and prose.count("{glue:md}`bin`") == 4

@@ -361,7 +361,8 @@ def _suppression(r: Suppressors) -> None:
     r.suppression_rows = pd.DataFrame(rows)
     if r.evidence is not None:
         r.suppression_rows = r.suppression_rows.rename(columns={"evidence": r.evidence.label})
-    # the earlier measurement's number: the renormalised counterfactual on the lowest-norm outputs (chapter 7's binning)
+    # the earlier measurement's number: the renormalised counterfactual on the lowest-norm outputs (chapter 7's
+    # default 5 bins)
     r.low_ratio_of = {d: suppression.lowest_norm_ratio(r.raw_of[d]["points"], 5, **r.boot) for d in r.datasets}
     r.low_ratio_sink_of = {d: suppression.lowest_norm_ratio(r.raw_of[d]["points"], 5, heads=r.sink_head_index(d),
                                                             **r.boot) for d in r.datasets}

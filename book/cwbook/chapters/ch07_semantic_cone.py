@@ -110,6 +110,16 @@ class SemanticCone(OnSinkPass):
         return value(self.curve, "cos", outputs=outputs, k=k)
 
 
+#: the share of a head's outputs one of ``quantiles`` bins holds, in words ("the lowest-norm fifth")
+BIN_NAMES = {2: "half", 3: "third", 4: "quarter", 5: "fifth", 6: "sixth", 7: "seventh", 8: "eighth", 9: "ninth",
+             10: "tenth"}
+
+
+def bin_name(quantiles: int) -> str:
+    """The share one of ``quantiles`` equal-count bins holds, for the prose: 5 -> "fifth", 20 -> "1/20"."""
+    return BIN_NAMES.get(int(quantiles), f"1/{int(quantiles)}")
+
+
 def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
         n_bootstrap: int = 1000, profile: str = "default") -> SemanticCone:
     """Chapter 7 on ``model``: ``run_parameters`` the run chapters 5-7 share (:class:`cwbook.notebook.SinkRun`),
@@ -124,10 +134,12 @@ def run(model: str, run_parameters: dict | None = None, *, quantiles: int = 5,
     print(f"{model}: the sink analyses of {run_.n_sequences} documents ({run_.seq_len} tokens) of each of "
           f"{', '.join(shared.datasets)} in {sum(shared.seconds.values()):.0f} s")
     r = SemanticCone(sinks=shared, quantiles=quantiles, n_bootstrap=n_bootstrap)
-    r.evidence = committed_evidence(CHAPTER, model, eps=shared.eps)  # the verdicts the page prints come from here
+    # the verdicts the page prints come from here (the registered lowest bin is a fifth: 5 quantiles)
+    r.evidence = committed_evidence(CHAPTER, model, eps=shared.eps, quantiles=quantiles)
     r.phrases["rerun_label"] = r.rerun_label
     r.phrases["evidence_label"] = (r.evidence.label if r.evidence is not None
-                                   else no_evidence_label(CHAPTER, model, shared.eps))
+                                   else no_evidence_label(CHAPTER, model, shared.eps, quantiles))
+    r.phrases["bin"] = bin_name(quantiles)
     data = r.data
     r.phrases["caption"] = (f"{model}, {len(shared.blocks[data])} documents of `{data}` ({run_.seq_len} tokens each), "
                             f"seed {run_.seed}")
@@ -420,7 +432,8 @@ def drift_figure(r: SemanticCone):
 
     colours, table, ks = palette(10), r.curve.table, r.ks
     fig, ax = plt.subplots(figsize=(8.5, 4.4), constrained_layout=True)
-    for outputs, colour, label in (("lowest", colours[1], "lowest-norm fifth of each head's outputs"),
+    lowest = f"lowest-norm {bin_name(r.quantiles)} of each head's outputs"
+    for outputs, colour, label in (("lowest", colours[1], lowest),
                                    ("all", colours[0], "all outputs")):
         rows = table[(table["outputs"] == outputs) & (table["k"] > 0)].sort_values("k")
         if len(rows):

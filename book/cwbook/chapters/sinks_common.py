@@ -211,27 +211,29 @@ def _committed(chapter: str, model: str, exploratory_dir=None, confirmatory_dir=
     return None
 
 
-def _other_eps(got, eps: float | None) -> float | None:
-    """The committed table's sink threshold where it is not ``eps`` (None: the same). A table that records none
-    (the confirmatory build's) ran at the default, the registered threshold."""
+def _other_settings(got, **settings) -> dict:
+    """The committed table's settings that differ from this rerun's ``settings`` (``eps=0.9``, ``quantiles=10``;
+    None: not given), as ``{name: (committed, rerun)}``. A table that records a setting not (the confirmatory
+    build's) ran at its default, the registered one: eps :data:`cwcore.sinks.engine.EPS`, 5 quantiles."""
     from cwcore.sinks.engine import EPS
 
-    committed = got.metadata.get("parameters", {}).get("eps", EPS.default)
-    if eps is None or abs(float(committed) - float(eps)) <= 1e-12:
-        return None
-    return float(committed)
+    defaults = {"eps": EPS.default, "quantiles": 5}
+    recorded = got.metadata.get("parameters", {})
+    return {name: (float(recorded.get(name, defaults[name])), float(value)) for name, value in settings.items()
+            if value is not None and abs(float(recorded.get(name, defaults[name])) - float(value)) > 1e-12}
 
 
-def committed_evidence(chapter: str, model: str, *, eps: float | None = None, exploratory_dir=None,
-                       confirmatory_dir=None) -> Evidence | None:
+def committed_evidence(chapter: str, model: str, *, eps: float | None = None, quantiles: int | None = None,
+                       exploratory_dir=None, confirmatory_dir=None) -> Evidence | None:
     """The committed :class:`Evidence` of ``chapter`` for ``model``: the confirmatory sample's table where it
     is committed, else the exploratory one's; None where neither is (another model, an installed package), or
-    where it was computed at another sink threshold than this rerun's ``eps`` (its verdicts answer another
-    question: a rerun at eps=0.9 read "holds in the evidence; the rerun check differs")."""
+    where it was computed at another sink threshold than this rerun's ``eps``, or (chapter 7) with another number
+    of output-norm bins than its ``quantiles``: its verdicts answer another question (a rerun at eps=0.9 read
+    "holds in the evidence; the rerun check differs")."""
     from cwbook import headline
 
     found = _committed(chapter, model, exploratory_dir, confirmatory_dir)
-    if found is None or _other_eps(found[2], eps) is not None:
+    if found is None or _other_settings(found[2], eps=eps, quantiles=quantiles):
         return None
     sample, folder, got = found
     parameters = got.metadata.get("parameters", {})
@@ -240,14 +242,15 @@ def committed_evidence(chapter: str, model: str, *, eps: float | None = None, ex
                     headline.registered_sink_verdicts(folder, [model]))
 
 
-def no_evidence_label(chapter: str, model: str, eps: float | None = None) -> str:
+def no_evidence_label(chapter: str, model: str, eps: float | None = None, quantiles: int | None = None) -> str:
     """What a sink chapter says where :func:`committed_evidence` gives none: no table for the model, or one
-    computed at another sink threshold (not compared)."""
+    computed at another sink threshold or number of bins (not compared)."""
     found = _committed(chapter, model)
-    other = None if found is None else _other_eps(found[2], eps)
-    if other is None:
+    other = {} if found is None else _other_settings(found[2], eps=eps, quantiles=quantiles)
+    if not other:
         return "no committed evidence for this model"
-    return f"committed evidence at eps={other:g}, not compared with this rerun at eps={float(eps):g}"
+    return (f"committed evidence at {', '.join(f'{name}={committed:g}' for name, (committed, _) in other.items())}, "
+            f"not compared with this rerun at {', '.join(f'{name}={rerun:g}' for name, (_, rerun) in other.items())}")
 
 
 def rerun_claims_table(claims, evidence: Evidence | None, label: str, digits: int = 2):
