@@ -281,3 +281,45 @@ def test_chapter_7_names_its_lowest_bin_and_compares_evidence_only_at_the_same_b
     notebook = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "07_semantic_cone.ipynb").read_text())
     prose = "".join("".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
     assert "fifth" not in prose and prose.count("{glue:md}`bin`") == 4
+
+
+def test_sink_chapters_count_the_documents_they_ran_on_and_the_data_sets_they_have(monkeypatch):
+    """A 2-document local file run with n_sequences=5 saved n_documents=5 for the findings page and captioned "5
+    documents" beside a rerun label of 2; one data set read "the verdict is the same on both" and "holds on both data
+    sets"."""
+    from types import SimpleNamespace
+
+    from cwbook.chapters import ch05_sink_decomposition as ch05, ch07_semantic_cone as ch07
+    from cwbook.chapters.sinks_common import SinkPass, nothing_to_explain
+    from cwbook.notebook import SinkRun
+
+    run = SinkRun.of({"datasets": ["two-docs", "gsm8k"], "n_sequences": 5})
+    shared = SinkPass("tiny", run, None, None, SimpleNamespace(eps=0.3), blocks={"two-docs": [0, 1], "gsm8k": [0] * 5})
+    assert ch05.SinkDecomposition(sinks=shared, sample_size=8, n_bootstrap=10).parameters["n_documents"] == 2
+    assert ch07.SemanticCone(sinks=shared, quantiles=5, n_bootstrap=10).parameters["n_documents"] == 2
+    assert nothing_to_explain(None, "rerun check", ["gsm8k"]) == (
+        "In the rerun check every claim's parts lie on the claimed side on its data set: nothing to explain.")
+    assert "on both data sets" in nothing_to_explain(None, "rerun check", ["gsm8k", "web-text"])  # the control
+    from cwbook.chapters import sinks_common
+    from cwbook.chapters.sinks_common import disagreement_opening
+
+    monkeypatch.setattr(sinks_common, "claim_verdict_of", lambda *args: "contradicted")  # the rerun's, not read here
+    evidence = SimpleNamespace(label="evidence", claim_verdict=lambda d, c: "contradicted",
+                               claim_text=lambda d, c: f"**contradicted** on `{d}`")
+    one = disagreement_opening("claim", "The claim", None, ["gsm8k"], evidence, "rerun check")
+    two = disagreement_opening("claim", "The claim", None, ["gsm8k", "web-text"], evidence, "rerun check")
+    assert not any("same on" in line for line in one)
+    assert "The data set is not the explanation: the verdict is the same on both." in two  # the control
+
+
+def test_chapter_2_says_what_the_sink_does_at_the_seed_it_ran():
+    """At seed 27 the sink has cos +0.265 and c +0.394, but the page said it "points against it ... It does not build
+    the output, it shrinks it" (seed 27 is the only such seed in 0-299); n_trials=0 gave NaN shares."""
+    from cwbook.chapters import ch02_geometry as ch02
+    from cwcore.core.inputs import InputError
+
+    turned, drawn = ch02.sink(27), ch02.sink(0)
+    assert turned.cos[0] > 0 and turned.c[0] > 0 and "points with it" in ch02.sink_reading(turned)
+    assert drawn.cos[0] < 0 and drawn.c[0] < 0 and "it shrinks it" in ch02.sink_reading(drawn)  # the control
+    with pytest.raises(InputError, match="n_trials must be at least 1, got 0"):
+        ch02.random_heads(0, 0)

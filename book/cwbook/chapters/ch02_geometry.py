@@ -177,9 +177,22 @@ def sink(seed: int) -> Sink:
     return Sink(alpha, V, o, c, rel, cos, tau, table)
 
 
+def sink_reading(s: Sink) -> str:
+    """What the sink's vector does to the output at this seed, for the prose: against it (negative cosine and
+    contribution, the case the example is drawn to show) or, at a seed where the noise turns it, with it."""
+    numbers = rf"($\cos =$ {s.cos[0]:.2f}): its contribution weight is {s.c[0]:.2f}."
+    if s.cos[0] < 0 and s.c[0] < 0:
+        return f"points against it {numbers} It does not build the output, it shrinks it."
+    return (f"at this seed points with it {numbers} The noise added to every vector turned it: here the sink "
+            "builds the output too (at seed 0 it points against the output and shrinks it).")
+
+
 def random_heads(seed: int, n_trials: int, common_scale: float = 0.5) -> RandomHeads:
     """Random heads: value vectors share a weak common direction (``common_scale``) and have log-normal
     lengths; attention is Dirichlet(1). Seeded with ``seed + 1``."""
+    from cwcore.core.inputs import check_count
+
+    check_count(n_trials, "n_trials")  # 0 trials gave NaN shares and a numpy error in the sums' check
     rng = np.random.default_rng(seed + 1)
     n, d = 8, 16
     common = common_scale * rng.normal(size=(n_trials, 1, d))

@@ -429,7 +429,9 @@ class Downstream:
 
 def downstream(lm, tokenizer, *, tasks, metrics, task_ratios, n_examples: int, n_bootstrap: int, seed: int,
                batch_size: int, cache: bool, model: str, profile: str, dtype: str) -> Downstream:
-    """The same interventions (default protocol, signed) on multiple-choice prompts."""
+    """The same interventions (default protocol, signed) on multiple-choice prompts, ``4 * batch_size`` prompts per
+    forward pass (they are a few dozen tokens, the ladder's documents ``seq_len``); the numbers do not depend on
+    the batch beyond float rounding (each prompt is scored alone, its padding excluded)."""
     t0 = time.monotonic()
     # faith.downstream_eval(..., per_example=True), taken from data/results/evidence once 2 examples per task
     # recompute equal
@@ -477,7 +479,9 @@ def save_results(results_file, lad: Ladder, down: Downstream, *, model: str, pro
     ``results_file``, where the findings page reads it."""
     ladder_all = pd.concat([lad.ladder, lad.variant_ladder, down.ladder], ignore_index=True)
     findings.save_results(results_file, ladder_all, chapter="04_faithfulness", model=model, profile=profile,
-                          parameters=dict(data=",".join(datasets), tasks=",".join(tasks), n_documents=n_sequences,
+                          # the documents each data set really gave (a short local file gives fewer than asked for)
+                          parameters=dict(data=",".join(datasets), tasks=",".join(tasks),
+                                          n_documents=min(len(lad.blocks[d]) for d in datasets),
                                           n_examples=n_examples, seq_len=seq_len, ratios=lad.grid,
                                           task_ratios=task_ratios, protocols=protocols, n_bootstrap=n_bootstrap,
                                           seed=seed, dtype=dtype))

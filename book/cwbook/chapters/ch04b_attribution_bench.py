@@ -207,7 +207,9 @@ def run(lm, tokenizer, *, model: str, datasets, metrics, reference: str, n_seque
     costs = pd.DataFrame([{"method": name, "needs": ", ".join(sorted(methods.get_method(name).needs)) or "-",
                            "cost per batch": methods.get_method(name).cost or "no extra forward"}
                           for name in metrics])
-    parameters = dict(data=",".join(datasets), n_documents=n_sequences, seq_len=seq_len, ratios=grid,
+    # the documents each data set really gave (a short local file gives fewer than asked for)
+    parameters = dict(data=",".join(datasets), n_documents=min(len(blocks[d]) for d in datasets), seq_len=seq_len,
+                      ratios=grid,
                       metrics=",".join(metrics), reference=reference, n_bootstrap=n_bootstrap, seed=seed,
                       dtype=dtype)
     return Bench(list(metrics), blocks, grids, common, per_seq, areas, comparisons, curves, table1, pair_table,

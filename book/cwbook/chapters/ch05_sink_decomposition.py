@@ -95,8 +95,8 @@ class SinkDecomposition(OnSinkPass):
     def parameters(self) -> dict:
         """The parameters written with the claims table for the findings page."""
         run = self.sinks.run
-        return dict(data=",".join(self.datasets), n_documents=run.n_sequences, seq_len=run.seq_len, eps=self.eps,
-                    seed=run.seed, dtype=run.dtype, n_bootstrap=self.n_bootstrap)
+        return dict(data=",".join(self.datasets), n_documents=min(self.documents.values()), seq_len=run.seq_len,
+                    eps=self.eps, seed=run.seed, dtype=run.dtype, n_bootstrap=self.n_bootstrap)
 
     def pooled(self, scope: str, cls: str, factor: str, column: str) -> float:
         """One number of the decomposition summary pooled over a group of heads (NaN if absent)."""
@@ -409,7 +409,7 @@ def _disagreements(r: SinkDecomposition) -> None:
         lines.append(f"BOS: {bos_text}.")
         paragraphs.append(" ".join(lines))
     r.phrases["disagreements"] = ("\n\n".join(paragraphs) if paragraphs else
-                                  nothing_to_explain(r.evidence, r.rerun_label))
+                                  nothing_to_explain(r.evidence, r.rerun_label, r.datasets))
 
 
 # -- figures ----------------------------------------------------------------------------------------------------------

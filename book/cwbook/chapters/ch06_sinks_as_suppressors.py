@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from cwbook.chapters.common import interval_span, rerun_agrees, rerun_direction
+from cwbook.chapters.common import documents_text, interval_span, rerun_agrees, rerun_direction
 from cwbook.chapters.sinks_common import (OnSinkPass, SinkPass, claim_phrase, committed_evidence, no_evidence_label,
                                           rerun_claims_table, sink_pass, sinks_module)
 
@@ -96,7 +96,7 @@ class Suppressors(OnSinkPass):
     def parameters(self) -> dict:
         """The parameters written with the claims table for the findings page."""
         run = self.sinks.run
-        return dict(data=self.datasets, n_sequences=run.n_sequences, seq_len=run.seq_len, eps=self.eps,
+        return dict(data=self.datasets, n_sequences=min(self.documents.values()), seq_len=run.seq_len, eps=self.eps,
                     bins=self.bins, min_range=self.min_range, n_bootstrap=self.n_bootstrap, seed=run.seed,
                     dtype=run.dtype)
 
@@ -221,7 +221,8 @@ def _setup(r: Suppressors) -> None:
     names = " and ".join(f"`{d}`" for d in r.datasets)
     counts = pd.Series(r.layer_type_of).value_counts()
     r.phrases.update({
-        "caption": f"{r.model}, {run.n_sequences} documents of {run.seq_len} tokens from each of {names}, seed {run.seed}",
+        "caption": (f"{r.model}, {documents_text(r.documents)} ({run.seq_len} tokens each) from {names}, "
+                    f"seed {run.seed}"),
         "first": f"`{r.first}`",
         "sink_heads_note": sink_claims.sink_heads_sentence(len(r.sink_aa), len(aa), r.eps),
         "sink_heads_short": sink_claims.sink_heads_sentence(len(r.sink_aa), len(aa), r.eps, short=True),

@@ -101,7 +101,7 @@ class SemanticCone(OnSinkPass):
     def parameters(self) -> dict:
         """The parameters written with the claims table for the findings page."""
         run = self.sinks.run
-        return dict(data=",".join(self.datasets), n_documents=run.n_sequences, seq_len=run.seq_len,
+        return dict(data=",".join(self.datasets), n_documents=min(self.documents.values()), seq_len=run.seq_len,
                     quantiles=self.quantiles, n_bootstrap=self.n_bootstrap, seed=run.seed, dtype=run.dtype)
 
     def value_k(self, outputs: str, k: int) -> tuple:
@@ -329,7 +329,7 @@ def _disagreements(r: SemanticCone) -> None:
         lines.append(f"BOS: {bos_text}.")
         paragraphs.append(" ".join(lines))
     r.phrases["disagreements"] = ("\n\n".join(paragraphs) if paragraphs else
-                                  nothing_to_explain(r.evidence, r.rerun_label))
+                                  nothing_to_explain(r.evidence, r.rerun_label, r.datasets))
 
 
 # -- figures ----------------------------------------------------------------------------------------------------------

@@ -356,14 +356,20 @@ def disagreement_opening(claim: str, what: str, rerun_claims, datasets, evidence
     lines = [f"**{what}**, {evidence.label}: " + ", ".join(evidence.claim_text(d, claim) for d in datasets) + "."]
     if len(set(verdicts.values())) > 1:
         lines.append("The data set matters: the verdicts differ between them.")
-    elif set(verdicts.values()) != {stats.NOT_MEASURED}:
-        lines.append("The data set is not the explanation: the verdict is the same on both.")
+    elif set(verdicts.values()) != {stats.NOT_MEASURED} and len(verdicts) > 1:
+        lines.append("The data set is not the explanation: the verdict is the same on "
+                     + ("both." if len(verdicts) == 2 else f"all {len(verdicts)}."))
     lines.append(f"The numbers that can explain it, from the {label}:")
     return lines
 
 
-def nothing_to_explain(evidence: Evidence | None, label: str) -> str:
-    """A sink chapter's disagreement section when every claim holds on every data set."""
+def _on_every(count: int) -> str:
+    return "on its data set" if count == 1 else "on both data sets" if count == 2 else f"on all {count} data sets"
+
+
+def nothing_to_explain(evidence: Evidence | None, label: str, datasets) -> str:
+    """A sink chapter's disagreement section when every claim holds on every data set of ``datasets``."""
     if evidence is not None:
-        return f"Every claim of this page holds on both data sets in the {evidence.label}: nothing to explain."
-    return f"In the {label} every claim's parts lie on the claimed side on both data sets: nothing to explain."
+        return f"Every claim of this page holds {_on_every(len(datasets))} in the {evidence.label}: nothing to explain."
+    return (f"In the {label} every claim's parts lie on the claimed side {_on_every(len(datasets))}: nothing to "
+            "explain.")
