@@ -323,3 +323,20 @@ def test_chapter_2_says_what_the_sink_does_at_the_seed_it_ran():
     assert drawn.cos[0] < 0 and drawn.c[0] < 0 and "it shrinks it" in ch02.sink_reading(drawn)  # the control
     with pytest.raises(InputError, match="n_trials must be at least 1, got 0"):
         ch02.random_heads(0, 0)
+
+
+def test_the_committed_evidence_size_is_read_from_its_tables(tmp_path):
+    """Chapters 4 and 9 typed "64 documents per data set" for the committed evidence; the size is now read from the
+    tables' metadata, so another evidence size is said as it is."""
+    import json
+
+    from cwbook import findings
+
+    assert findings.documents_per_data_set(findings.EVIDENCE_DIR) == "64 documents per data set"  # what is committed
+    for chapter, model, parameters in (("04_faithfulness", "a", {"n_documents": 16}),
+                                       ("06_sinks_as_suppressors", "a", {"n_sequences": 32})):
+        (tmp_path / chapter).mkdir()
+        (tmp_path / chapter / f"{model}.json").write_text(json.dumps({"parameters": parameters}))
+    assert findings.documents_per_data_set(tmp_path) == "16 to 32 documents per data set"
+    assert findings.documents_per_data_set(tmp_path, "04_faithfulness", "a*") == "16 documents per data set"
+    assert findings.documents_per_data_set(tmp_path / "none") == "no committed table here"

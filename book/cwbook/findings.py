@@ -618,6 +618,23 @@ EVIDENCE_DIR = Path(__file__).resolve().parents[2] / "data" / "results" / "evide
 CONFIRMATORY_DIR = EVIDENCE_DIR.parent / "confirmatory"
 
 
+def documents_per_data_set(results_dir: str | os.PathLike, chapter: str = "*", model: str = "*") -> str:
+    """``"64 documents per data set"``: what the tables committed in ``results_dir`` (``chapter``'s, ``model``'s:
+    glob patterns) record in their metadata (``n_documents``, or chapter 6's ``n_sequences``); ``"16 to 64
+    documents per data set"`` where they differ; ``"no committed table here"`` where none records a count (an
+    installed package)."""
+    counts = set()
+    for meta in Path(results_dir).glob(f"{chapter}/{model}.json"):
+        parameters = json.loads(meta.read_text()).get("parameters", {})
+        n = parameters.get("n_documents", parameters.get("n_sequences"))
+        if n is not None:
+            counts.add(int(n))
+    if not counts:
+        return "no committed table here"
+    shown = str(min(counts)) if len(counts) == 1 else f"{min(counts)} to {max(counts)}"
+    return f"{shown} documents per data set"
+
+
 def sample_folders(out: str | os.PathLike, profile: str = "evidence") -> tuple[Path, Path]:
     """``(exploratory, confirmatory)``: the two samples' evidence folders that ``out`` (a folder of ``profile``)
     belongs to, ``out`` and its sibling (``evidence`` and ``confirmatory`` in ``data/results``). A folder

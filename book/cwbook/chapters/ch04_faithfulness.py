@@ -586,12 +586,13 @@ def committed_variant_changes(model: str, variants, evidence_dir=None) -> pd.Dat
 _STEP_RUNGS = {name: (lower, higher) for name, lower, higher in findings.STEPS}  # "step 1->2" -> its two rungs
 
 
-def _committed_said(changes: pd.DataFrame, what: str) -> str:
-    """The committed evidence's ``changes`` (:func:`committed_variant_changes`) in one sentence."""
+def _committed_said(changes: pd.DataFrame, what: str, model: str) -> str:
+    """The committed evidence's ``changes`` (:func:`committed_variant_changes` of ``model``) in one sentence."""
     moved = changes[changes["changed"]]
     listed = "; ".join(f"{r.variant}, `{r.data}` {r.mode} {r.importance} {r.range}, {r.claim}: {r.verdict_main} → "
                        f"{r.verdict}" for r in moved.itertuples())
-    return (f"not run by this build; in the committed evidence (exploratory sample, 64 documents per data set), "
+    size = findings.documents_per_data_set(findings.EVIDENCE_DIR, "04_faithfulness", f"{model}*")  # its variants too
+    return (f"not run by this build; in the committed evidence (exploratory sample, {size}), "
             f"{len(moved)} of {len(changes)} {what} (unadjusted) differ from the main cells' verdicts"
             + (f" ({listed})." if len(moved) else "."))
 
@@ -605,7 +606,7 @@ def variant_summary(ladder_table, variant_ladder, profile: str = "default", mode
     if changes.empty:
         committed = committed_variant_changes(model, ("token-unit", "first-token-removable")) if model else None
         if committed is not None and len(committed):
-            return _committed_said(committed, "step verdicts"), committed
+            return _committed_said(committed, "step verdicts", model), committed
         return ("not run by this build, and not in the committed evidence for this model (the `evidence` profile "
                 "runs both on smollm2-135m; `findings.csv` carries them with a `variant` column)."), None
     moved = changes[changes["changed"]]
@@ -643,7 +644,7 @@ def weight_variants(ladder_table, *, model: str, weight_variants, weight_variant
             committed = committed[[evidence.is_primary(model, r.data, r.mode, r.protocol, r.importance, r.range,
                                                        *_STEP_RUNGS[r.claim]) for r in committed.itertuples()]]
         if len(committed):
-            return _committed_said(committed, "primary step verdicts"), committed
+            return _committed_said(committed, "primary step verdicts", model), committed
         return ("not run by this build, and not in the committed evidence for this model (the `evidence` profile "
                 "runs `requantized` on smollm2-135m)."), None
     changes = evidence.variant_changes(ladder_table, pd.concat(weight_ladders, ignore_index=True))

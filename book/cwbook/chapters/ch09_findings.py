@@ -109,7 +109,7 @@ def _primary(r: Findings) -> None:
             committed_dir, findings.held_models(committed_dir, list(evidence.PRIMARY["models"])), "evidence")
         r.table1 = primary_table(evidence_rows, live_rows)
         r.phrases["table1_source"] = (
-            f"the committed evidence (`{committed_dir.name}/`, 64 documents per data set), "
+            f"the committed evidence (`{committed_dir.name}/`, {findings.documents_per_data_set(committed_dir)}), "
             f"with this build (profile `{profile}`, {', '.join(models)}) beside it as the "
             f"{rerun_size(live_rows)} (`rerun agrees?`: whether it gives the evidence's verdict, |c| / signed in "
             "comprehensiveness; the same in sufficiency)")
@@ -194,7 +194,8 @@ def _scoreboard(r: Findings, results_dir) -> None:
     r.phrases["counts"] = "; ".join(counted(name) for name in r.models)
     built = sorted({s["chapter"].split("_")[0] for s in sources if s["table"] == "read"})
     r.phrases["caption"] = (f"{', '.join(r.models)}; "
-                            + ("the committed evidence, 64 documents per data set, for the models it holds"
+                            + (f"the committed evidence, {findings.documents_per_data_set(r.committed_dir)}, for the "
+                               "models it holds"
                                if r.use_committed else f"profile `{r.profile}`")
                             + "; tables of chapter(s) "
                             f"{', '.join(c.lstrip('0') for c in built) if built else 'none'}")
