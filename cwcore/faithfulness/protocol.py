@@ -2,7 +2,7 @@
 
 :class:`Protocol` holds the choices (unit, scope, layers, first token, clean or live scores, kind,
 importance, seed; the package docstring gives each default's reason); :func:`parse_metric` turns
-a metric name into a :class:`MetricSpec`; :func:`layer_windows` and :func:`num_heads` read what the
+a metric name into a :class:`MetricSpec`; :func:`layer_windows` and :func:`layer_heads` read what the
 protocol needs from a model's config.
 """
 
@@ -17,7 +17,7 @@ import torch
 from ..core.decomposition import METRICS
 from ..core.inputs import InputTypeError, is_integer_number, is_seed
 from . import methods as _methods
-from .ranking import MODES, SCOPES, UNITS, layer_windows, num_heads  # noqa: F401  (re-exported)
+from .ranking import MODES, SCOPES, UNITS, layer_heads, layer_windows  # noqa: F401  (re-exported)
 
 __all__ = [
     "DEFAULT_RATIOS",
@@ -33,7 +33,7 @@ __all__ = [
     "refuse_removed",
     "VARIANTS",
     "layer_windows",
-    "num_heads",
+    "layer_heads",
     "ranking_identity",
     "same_ranking",
     "identical_steps",

@@ -47,7 +47,7 @@ from typing import NamedTuple, Sequence
 import torch
 from torch import nn
 
-from ..core.architectures import UnsupportedModelError, attention_heads, block_heads, sliding_windows
+from ..core.architectures import UnsupportedModelError, block_heads, sliding_windows
 
 __all__ = [
     "UNITS",
@@ -63,7 +63,6 @@ __all__ = [
     "hashed_uniform",
     "layer_heads",
     "layer_windows",
-    "num_heads",
 ]
 
 UNITS = ("head_key", "key", "token")
@@ -360,11 +359,6 @@ def layer_windows(model: nn.Module, num_layers: int) -> list[int | None]:
     """Each layer's sliding window (None = full attention), by :func:`cwcore.core.architectures.sliding_window`."""
     windows = sliding_windows(model)
     return [windows.get(layer) for layer in range(num_layers)]
-
-
-def num_heads(model: nn.Module) -> int:
-    """Query heads per attention layer (:func:`cwcore.core.architectures.attention_heads`)."""
-    return attention_heads(model)
 
 
 def layer_heads(model: nn.Module, num_layers: int) -> list[int]:
