@@ -37,8 +37,8 @@ from .architectures import AttentionBlock, UnsupportedModelError, attention_bloc
 from .attention_features import (FAST_IMPLEMENTATIONS, HANDLED_KEYWORDS, block_label, changed_output, fast_path,
                                  maps_exclude_the_sink, refuse_nested, refuse_training, refuse_unknown_features,
                                  refuse_unverified_implementation, repeated_calls_reason)
-from .blockwise import (CHUNK_ELEMENTS, MIN_QUERY_BLOCK, QUERY_BLOCK, _bias_mask, _block_rows,  # noqa: F401
-                        _causal_mask, _chunkable, _mask_plan, _probs_in_chunks, adoptable_own_output, adopted_own_output)
+from .blockwise import (_bias_mask, _causal_mask, _chunkable, _probs_in_chunks, adoptable_own_output,
+                        adopted_own_output)
 from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 

@@ -285,7 +285,12 @@ def test_blockwise_probabilities_of_an_sdpa_model_equal_eager(family, padded, mo
     row of a block masks are skipped); blocks of 3 queries here, so causal, padded and sliding-window
     blocks all occur. Against the same model configured eager (eager's own arithmetic): probabilities to
     float32 rounding, exact zeros where eager has them, and every output within the self-check's tolerance."""
-    monkeypatch.setattr(attention, "QUERY_BLOCK", 3)
+    from cwcore.core import blockwise
+
+    # the module that reads it: the name attention.py re-exports is a copy, patching it changed no block (one block
+    # of 64 queries covered the 11 tokens, so no causal, padded or sliding-window block occurred)
+    monkeypatch.setattr(blockwise, "QUERY_BLOCK", 3)
+    assert blockwise._block_rows(4, 11) == 3
     mask = torch.ones_like(IDS)
     if padded:
         mask[1, :4] = 0
