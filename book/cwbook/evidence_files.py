@@ -228,7 +228,8 @@ def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
     return changed
 
 
-#: the committed evidence of this checkout (as :data:`cwbook.evidence_frames.DEFAULT_OUT`)
+#: the committed evidence of this checkout (data/results/evidence), absent in an installed package: the one
+#: definition, which cwbook.findings (``EVIDENCE_DIR``) and cwbook.evidence_frames (``DEFAULT_OUT``) name
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 
 

@@ -34,6 +34,7 @@ from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as 
 from cwcore.faithfulness.protocol import specs as parse_specs
 from cwcore.faithfulness.summary import ladder_comparison
 from . import book_code_hash, slug
+from . import evidence_files as _evidence_files
 from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, check_units, checkout, content_hash,
                              gzipped_csv, now, read_present_pair)
 
@@ -44,7 +45,7 @@ ATOL = 1e-6
 RTOL = 1e-6
 SIGNIFICANT_DIGITS = 8
 #: where the committed evidence lives in this checkout
-DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
+DEFAULT_OUT = _evidence_files.DEFAULT_OUT
 #: a folder where each committed cell's decision is recorded (the evidence build sets it)
 CELLS_ENV_VAR = "CWCORE_EVIDENCE_CELLS"
 #: keywords of a sweep that change no number of its rows beyond float rounding (which the slice check
