@@ -10,7 +10,8 @@ import pandas as pd
 import torch
 
 from .. import stats
-from .engine import SEED, Analysis, Collector, LayerState, Option, concat, count, flat, forward, grid_columns, register, unit_interval
+from . import engine
+from .engine import SEED, Analysis, Collector, LayerState, Option, concat, count, flat, grid_columns, register, unit_interval
 from .intervals import claim_row, claims_frame, contrast, group_value
 
 __all__ = ["CONDITIONS", "CONE", "DRIFT", "PERPLEXITY", "drift_curve", "drift_points", "mass_matched_removal",
@@ -223,10 +224,11 @@ class _SemanticConeCollector(Collector):
                 m["drift"] = s.inner(c.mixed, s.mixed) / (c.output_norm * s.output_norm)
                 after[s.layer] = m
 
-            logits = forward(self.model, ids, on_layer, masks=masks[condition],
-                              renormalise=selected if condition == "sink_renorm" else None, logits=True,
-                              compute_dtype=self.dtype,
-                              transforms=mass_transforms if condition == "control_mass" else None)
+            # engine.forward read at call time: the engine's one forward pass, which a test may replace
+            logits = engine.forward(self.model, ids, on_layer, masks=masks[condition],
+                                     renormalise=selected if condition == "sink_renorm" else None, logits=True,
+                                     compute_dtype=self.dtype,
+                                     transforms=mass_transforms if condition == "control_mass" else None)
             sequences[f"nll_{condition}"] = flat(_token_nll(logits, ids).sum(-1))
             del logits
             for layer, m in sorted(after.items()):

@@ -493,10 +493,14 @@ def test_a_long_input_shows_a_bar_over_the_layers_and_the_summary_is_unchanged(c
 def test_three_heads_per_key_value_head_and_a_scaling_that_is_no_power_of_two(padded, monkeypatch):
     # the summary computes a block one key/value head at a time (its 3 query heads stacked as the rows of one
     # product, as on SmolLM2) and merges the groups' top terms; head_dim 12 gives scaling 12^-0.5, applied to the
-    # products as the dense path does, not to the queries. Blocks of 16 queries: many blocks and groups per layer.
+    # products as the dense path does, not to the queries. Blocks of 16 queries (MIN_BLOCK): many blocks and groups
+    # per layer (BLOCK_ELEMENTS at its default gave one block of all 200 queries, so no merge across blocks was seen)
     from cwcore.core import summary as summary_module
 
     monkeypatch.setattr(summary_module, "ROWS_PER_DIM", 0)
+    monkeypatch.setattr(summary_module, "BLOCK_ELEMENTS", 1)
+    spans = [(start, stop) for start, stop, *_ in summary_module._block_spans(None, True, 0, 200, 200, 3, 12)]
+    assert spans[:2] == [(0, 16), (16, 32)] and len(spans) == 13
     torch.manual_seed(0)
     config = tf.LlamaConfig(vocab_size=4000, hidden_size=72, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
