@@ -88,8 +88,10 @@ def test_cosine_gain_leaves_out_a_step_identical_by_construction_and_knows_the_m
     # under default, 2->3 is 0 [0, 0] by construction: comparing against it is a test that cannot fail
     lad = ladder([(-0.4, -0.5, -0.3), (0.0, 0.0, 0.0), (0.0, -0.05, 0.05)]).assign(protocol="default")
     found = F.cosine_gain(lad)
-    assert found.verdict == H and "2->3" not in found.measured.split("identical")[0].split(",")[-1]
-    assert "value_weighted->value_weighted_output_normalized not measured" in found.measured
+    assert found.verdict == H  # (a check of "2->3" here could not fail: steps are named by their rungs)
+    # the 2->3 step is named as not measured, with no interval after it
+    assert "value_weighted->value_weighted_output_normalized not measured (identical ranking by construction)," \
+        in found.measured
     # the same numbers under per-head (2->3 measured there) overlap the zero step: inconclusive
     assert F.cosine_gain(lad.assign(protocol="per-head")).verdict == I
     # every step compared inside the mode's registered margin: negligible, never "contradicted" by noise

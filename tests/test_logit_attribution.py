@@ -63,6 +63,40 @@ def test_dla_sums_to_the_frozen_direct_effect_of_the_block_output():
     torch.testing.assert_close(att.token_level(1)[0].sum(-1).double(), expected, rtol=1e-4, atol=1e-5)
 
 
+def test_gemma3s_frozen_sandwich_norm_matches_the_models_own_norms():
+    """The frozen post-attention (sandwich) norm, independent of cwcore's own norm objects: the naive reference above
+    reads att.post_norms, so a wrong frozen gain or RMS there passed it (doubling every post-norm scale did). Here
+    o_i is hooked from the model, both RMS are taken from the clean run by hand, and Gemma's gains are 1 + weight."""
+    model = tiny_model("gemma3")
+    ids = _ids(3, batch=1, length=6)
+    layer = model.model.layers[1]
+    with torch.no_grad():  # gains that are not all ones
+        layer.post_attention_layernorm.weight.normal_(0.0, 0.5)
+        model.model.norm.weight.normal_(0.0, 0.5)
+    post_attention_norms(model)  # its probe pass (once per model, cached) before the hooks below
+    seen = {}
+
+    def keep(name, which):
+        def hook(module, args, out):
+            seen.setdefault(name, (out if which == "out" else args[0]).detach())  # the first call: the clean run
+        return hook
+
+    handles = [layer.self_attn.o_proj.register_forward_hook(keep("o", "out")),  # no bias: the block output o_i
+               model.model.norm.register_forward_hook(keep("x", "in"))]
+    att = logit_attribution(model, layers=[1], input_ids=ids)
+    for h in handles:
+        h.remove()
+
+    def frozen(norm, x, rms_of):
+        rms = (rms_of.double().pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()  # the clean run's RMS, frozen
+        return (1.0 + norm.weight.double()) * x / rms
+
+    o = seen["o"].double()
+    direct = frozen(model.model.norm, frozen(layer.post_attention_layernorm, o, o), seen["x"])
+    expected = (direct[0] * model.lm_head.weight.double()[att.targets[0]]).sum(-1)  # [query]
+    torch.testing.assert_close(att.token_level(1)[0].sum(-1).double(), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_chosen_target_and_layernorm_centring():
     model = tiny_model("gpt2")
     ids = _ids(2, batch=1, length=5)

@@ -31,11 +31,17 @@ def test_skipped_forward_is_bit_identical_on_an_empty_mask(peaked):
     full = sweep._forward(batch)
     for h in handles:
         h.remove()
+    computed = []  # the layers whose attention really ran: a skip_to that skipped nothing gave the same output
+    hooks = [layer.self_attn.register_forward_hook(lambda *_, i=i: computed.append(i)) for i, layer in enumerate(stack)]
     for start in range(len(stack) + 1):
         empty = torch.zeros(4, 1, ids.shape[1], ids.shape[1], dtype=torch.bool)
+        computed.clear()
         with pl.skip_to(stack, start, outputs):
             skipped = sweep._forward(batch, {min(start, len(stack) - 1): empty})
         assert torch.equal(skipped, full)
+        assert computed == list(range(start, len(stack))), (start, computed)  # layers before start never ran
+    for h in hooks:
+        h.remove()
     assert "forward" not in stack[0].__dict__  # restored
 
 
