@@ -319,8 +319,9 @@ def test_chapter_2_says_what_the_sink_does_at_the_seed_it_ran():
     from cwcore.core.inputs import InputError
 
     turned, drawn = ch02.sink(27), ch02.sink(0)
-    assert turned.cos[0] > 0 and turned.c[0] > 0 and "points with it" in ch02.sink_reading(turned)
-    assert drawn.cos[0] < 0 and drawn.c[0] < 0 and "it shrinks it" in ch02.sink_reading(drawn)  # the control
+    assert turned.cos[0] > 0 and turned.c[0] > 0 and "points with it" in ch02.sink_reading(turned)["sink_direction"]
+    drawn_reading = ch02.sink_reading(drawn)
+    assert drawn.cos[0] < 0 and drawn.c[0] < 0 and "it shrinks it" in drawn_reading["sink_effect"]  # the control
     with pytest.raises(InputError, match="n_trials must be at least 1, got 0"):
         ch02.random_heads(0, 0)
 

@@ -177,14 +177,16 @@ def sink(seed: int) -> Sink:
     return Sink(alpha, V, o, c, rel, cos, tau, table)
 
 
-def sink_reading(s: Sink) -> str:
-    """What the sink's vector does to the output at this seed, for the prose: against it (negative cosine and
-    contribution, the case the example is drawn to show) or, at a seed where the noise turns it, with it."""
-    numbers = rf"($\cos =$ {s.cos[0]:.2f}): its contribution weight is {s.c[0]:.2f}."
+def sink_reading(s: Sink) -> dict[str, str]:
+    """What the sink's vector does to the output at this seed, as the prose's two phrases (plain words: the cosine
+    and the weight stay in the page's own text): ``sink_direction`` and ``sink_effect``. Against the output
+    (negative cosine and contribution, the case the example is drawn to show) or, at a seed where the noise
+    turns it, with it."""
     if s.cos[0] < 0 and s.c[0] < 0:
-        return f"points against it {numbers} It does not build the output, it shrinks it."
-    return (f"at this seed points with it {numbers} The noise added to every vector turned it: here the sink "
-            "builds the output too (at seed 0 it points against the output and shrinks it).")
+        return {"sink_direction": "points against it", "sink_effect": "It does not build the output, it shrinks it."}
+    return {"sink_direction": "at this seed points with it",
+            "sink_effect": ("The noise added to every vector turned it: here the sink builds the output too (at seed 0 "
+                            "it points against the output and shrinks it).")}
 
 
 def random_heads(seed: int, n_trials: int, common_scale: float = 0.5) -> RandomHeads:
