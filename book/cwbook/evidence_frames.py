@@ -34,9 +34,8 @@ from cwcore.faithfulness.protocol import PROTOCOL_FIELDS, as_protocol, modes as 
 from cwcore.faithfulness.protocol import specs as parse_specs
 from cwcore.faithfulness.summary import ladder_comparison
 from . import book_code_hash, slug
-from . import evidence_files as _evidence_files
-from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, check_units, checkout, content_hash,
-                             gzipped_csv, now, read_present_pair)
+from .evidence_files import (DEFAULT_OUT, HASH_FIELD, CommittedFileError, check_rows, check_units, checkout,
+                             content_hash, gzipped_csv, now, read_present_pair)
 
 #: units of a committed cell recomputed before it is taken, and the tolerance: ``ATOL`` nats plus ``RTOL`` of
 #: the committed value (float32 rounding: reordering a float32 sum moved clean NLLs by up to 1.2e-6 nats)
@@ -44,8 +43,6 @@ SLICE_DOCUMENTS = 2
 ATOL = 1e-6
 RTOL = 1e-6
 SIGNIFICANT_DIGITS = 8
-#: where the committed evidence lives in this checkout
-DEFAULT_OUT = _evidence_files.DEFAULT_OUT
 #: a folder where each committed cell's decision is recorded (the evidence build sets it)
 CELLS_ENV_VAR = "CWCORE_EVIDENCE_CELLS"
 #: keywords of a sweep that change no number of its rows beyond float rounding (which the slice check

@@ -18,8 +18,7 @@ from cwcore.core.decomposition import METRICS
 from . import registration, results_path
 from cwcore.cache import atomic_write_bytes
 from . import ladder as evidence
-from . import evidence_files as _evidence_files
-from .evidence_files import HASH_FIELD, CommittedFileError, content_hash, read_pair
+from .evidence_files import DEFAULT_OUT, HASH_FIELD, CommittedFileError, content_hash, read_pair
 from cwcore.stats import (CONTRADICTED, HOLDS, INCONCLUSIVE, NEGLIGIBLE, NOT_MEASURED, VERDICTS, combine_all,
                     combine_verdicts)
 from . import sink_claims
@@ -614,7 +613,7 @@ def _weights_variants(table: pd.DataFrame) -> pd.DataFrame:
 
 #: the committed evidence tables of this checkout (data/results/evidence: the chapters' tables of the
 #: ``evidence`` profile, laid out as a results folder, with PROVENANCE); absent in an installed package
-EVIDENCE_DIR = _evidence_files.DEFAULT_OUT
+EVIDENCE_DIR = DEFAULT_OUT
 #: the confirmatory sample's evidence (book/preregistration.md, "Confirmatory registration")
 CONFIRMATORY_DIR = EVIDENCE_DIR.parent / "confirmatory"
 

@@ -35,11 +35,11 @@ def sentence_maps(encoder, tokenizer, text: str, layer: int | None, head: int | 
     BERT, ``<s>`` ... ``</s>`` in RoBERTa, found by their ids whatever their spelling) in every layer, and pick the
     layer (``layer``, or the middle one) and head (``head``, or the one whose attention on those tokens exceeds
     their intra-head contribution the most) of the maps."""
-    ids = tokenizer(text)["input_ids"]
-    marks = {tokenizer.cls_token_id, tokenizer.sep_token_id} - {None}
-    special = torch.tensor([i in marks for i in ids])
+    groups = special_token_groups(tokenizer)  # the statistics' groups: the same ids
+    marks = {i for name in ("[CLS]", "[SEP]") for i in groups[name]} - {None}
+    special = torch.tensor([i in marks for i in tokenizer(text)["input_ids"]])
     maps = decompose_sentence(encoder, tokenizer, text, layer, head,
-                              lambda L, _: _special(L, special)[0] - _special(L, special)[1], chapter="chapter 8")
+                              lambda L, _: torch.sub(*_special(L, special)), chapter="chapter 8")
     tokens = maps.tokens
     layer_shown, head_shown, n_heads, L = maps.layer_shown, maps.head_shown, maps.n_heads, maps.L
     special_attention, special_contribution = _special(L, special)

@@ -219,8 +219,9 @@ def _other_settings(got, **settings) -> dict:
 
     defaults = {"eps": EPS.default, "quantiles": 5}
     recorded = got.metadata.get("parameters", {})
-    return {name: (float(recorded.get(name, defaults[name])), float(value)) for name, value in settings.items()
-            if value is not None and abs(float(recorded.get(name, defaults[name])) - float(value)) > 1e-12}
+    committed = {name: float(recorded.get(name, defaults[name])) for name in settings}
+    return {name: (committed[name], float(value)) for name, value in settings.items()
+            if value is not None and abs(committed[name] - float(value)) > 1e-12}
 
 
 def committed_evidence(chapter: str, model: str, *, eps: float | None = None, quantiles: int | None = None,
