@@ -1,21 +1,19 @@
 """One attention function for measurement and intervention, plugged in through transformers' interface.
 
-:func:`attention_forward` follows the eager implementation's arithmetic exactly (same matmul, mask
-addition and float32 softmax), so a model configured ``eager`` gives the same outputs through it. A
-model configured for SDPA keeps its own SDPA forward, whatever layers a session asks for: layers the
-session does not touch run SDPA; a layer it only observes computes cwcore's arithmetic for its
-decomposition and returns the model's own SDPA output for the same call to the forward, once cwcore's
-output reproduces it within :data:`RECONSTRUCTION_TOLERANCE` (a layer whose SDPA and eager attention differ
-beyond that is refused with the measured difference); a layer a transform changes returns cwcore's output
-(an intervention is meant to change the forward). There cwcore's softmax is computed a block of queries at
-a time (:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
-skipping keys that a causal mask hides from a whole block). While an
-:class:`AttentionSession` is active, each attention layer's post-softmax probabilities pass through
-the session's *transforms* (which may change them, e.g. zero terms alpha^h_ij v~^h_j without
-renormalising) and are then shown to its *observers* (which read them, e.g. to record the layer's
-decomposition or collect sink statistics). Measurement, intervention and the sink analyses all plug
-in there; nobody subclasses the session. The matching mask function is registered under the same
-name; without it transformers would build no causal mask at all.
+:func:`attention_forward` follows the eager implementation's arithmetic exactly (same matmul, mask addition and
+float32 softmax), so a model configured ``eager`` gives the same outputs through it. A model configured for SDPA keeps
+its own SDPA forward, whatever layers a session asks for: layers the session does not touch run SDPA; a layer it only
+observes computes cwcore's arithmetic for its decomposition and returns the model's own SDPA output for the same call
+to the forward, once cwcore's output reproduces it within :data:`RECONSTRUCTION_TOLERANCE` (a layer whose SDPA and
+eager attention differ beyond that is refused with the measured difference); a layer a transform changes returns
+cwcore's output (an intervention is meant to change the forward). There cwcore's softmax is computed a block of
+queries at a time (:func:`_probs_in_chunks`: the same values to float32 rounding, without attention-sized temporaries,
+skipping keys that a causal mask hides from a whole block). While an :class:`AttentionSession` is active, each
+attention layer's post-softmax probabilities pass through the session's *transforms* (which may change them, e.g. zero
+terms alpha^h_ij v~^h_j without renormalising) and are then shown to its *observers* (which read them, e.g. to record
+the layer's decomposition or collect sink statistics). Measurement, intervention and the sink analyses all plug in
+there; nobody subclasses the session. The matching mask function is registered under the same name; without it
+transformers would build no causal mask at all.
 """
 
 from __future__ import annotations
@@ -42,10 +40,8 @@ from .blockwise import (_bias_mask, _causal_mask, _chunkable, _probs_in_chunks, 
 from .geometry import all_finite, full_check, output_difference, projected_check as _projected_check
 from .layer_call import LayerCall, Observer, Transform
 
-__all__ = [
-    "ATTENTION_NAME", "RECONSTRUCTION_TOLERANCE", "AttentionSession", "attention_forward",
-    "cwcore_attention", "every_layer", "default_compute_dtype", "outside_sessions", "HANDLED_KEYWORDS",
-]
+__all__ = ["ATTENTION_NAME", "RECONSTRUCTION_TOLERANCE", "AttentionSession", "attention_forward", "cwcore_attention",
+           "every_layer", "default_compute_dtype", "outside_sessions", "HANDLED_KEYWORDS"]
 
 ATTENTION_NAME = "cwcore"
 
@@ -329,8 +325,7 @@ class AttentionSession:
         self.blockwise = False  # set by cwcore_attention: recorded layers use _probs_in_chunks
         self._touched_modules = {id(self.blocks[layer].module) for layer in self.layers}
         self._outputs: dict[int, torch.Tensor] = {}  # layer -> what attention_forward returned
-        # layer -> relative difference between cwcore's output and the model's own (SDPA) one it returned instead
-        self._own_differences: dict[int, float] = {}
+        self._own_differences: dict[int, float] = {}  # layer -> cwcore's output against the model's own it returned
         self._calls: dict[int, LayerCall] = {}  # layer -> the call whose geometry was computed
         self._last_call: dict[int, LayerCall] = {}  # module id -> its call, until attention_forward's alpha @ V
         self._added: dict[int, torch.Tensor] = {}  # module id -> LayerCall.added_output, until attention_forward adds it
@@ -522,17 +517,21 @@ class AttentionSession:
             return own
         block = self._by_module[id(module)]
         _, rows = self.mask_validity(attention_mask, computed.shape[0], computed.shape[1], key_length)
-        error = output_difference(computed, own, rows)
-        self._own_differences[block.layer] = error
-        self.refuse_own_output(block, error, own.dtype)
+        self.refuse_own_output(block, output_difference(computed, own, rows), own.dtype)
         return own
 
+    def own_output_agrees(self, module: nn.Module, error: float, dtype: torch.dtype) -> bool:
+        """Whether ``error`` (cwcore's output against the model's own for ``module``'s layer, relative to its largest
+        entry) is within :meth:`tolerance` (False for NaN); recorded, so this forward's checks allow float32's."""
+        layer = self._by_module[id(module)].layer
+        self._own_differences[layer] = error
+        return error <= self.tolerance(dtype, layer)
+
     def refuse_own_output(self, block: AttentionBlock, error: float, dtype: torch.dtype, measured: str = "") -> None:
-        """Raise :class:`UnsupportedModelError` unless ``error`` (cwcore's arithmetic against the model's own output
-        for the layer, relative to the largest entry of the own output; ``measured`` says how, if not entry by entry)
-        is within :meth:`tolerance` for a ``dtype`` model."""
-        allowed = self.tolerance(dtype, block.layer)
-        if not error <= allowed:  # NaN included
+        """Raise :class:`UnsupportedModelError` unless :meth:`own_output_agrees` (``measured``: how ``error`` was
+        measured, if not entry by entry)."""
+        if not self.own_output_agrees(block.module, error, dtype):
+            allowed = self.tolerance(dtype, block.layer)
             # a half-precision layer is decomposed at SDPA's float32 precision (see cwcore_attention), not eager's
             arithmetic = ("eager arithmetic at float32 precision (as SDPA computes a half-precision model's attention) "
                           "that" if dtype in HALF_PRECISION else "eager arithmetic")

@@ -146,12 +146,11 @@ def adopted_own_output(session, module, probs: torch.Tensor, value: torch.Tensor
     session.refuse_non_finite(module, own, attention_mask, inputs)  # its reason, before a comparison's
     mixed = own.detach().transpose(1, 2)
     if session.verify:
-        layer = session._by_module[id(module)].layer
         probes = probe_directions(value.shape[-1], value.dtype, value.device)  # [dim, probes]
         difference = (probs @ (value @ probes) - mixed @ probes).abs().max()
-        session._own_differences[layer] = float((difference / mixed.abs().max().clamp_min(
-            torch.finfo(mixed.dtype).tiny)).nan_to_num(float("inf")))
-        if not session._own_differences[layer] <= session.tolerance(own.dtype, layer):  # NaN included
+        scale = mixed.abs().max().clamp_min(torch.finfo(mixed.dtype).tiny)
+        error = float((difference / scale).nan_to_num(float("inf")))
+        if not session.own_output_agrees(module, error, own.dtype):
             # the entrywise comparison decides (a sum along r can exceed the largest entry's error), and gives a
             # refusal its exact error
             session.models_own_output(module, (probs @ value).transpose(1, 2), own, attention_mask, value.shape[-2])

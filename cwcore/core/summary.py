@@ -590,7 +590,6 @@ def _summarise_layer(session: SummarySession, block: AttentionBlock, query, key,
     if adopt and session.verify:
         scale = output.abs().max().clamp_min(torch.finfo(dtype).tiny)
         error = float((probe_error / scale).nan_to_num(float("inf")))
-        session._own_differences[block.layer] = error
         session.refuse_own_output(block, error, own.dtype, f", measured along {probes.shape[1]} random directions")
     summary = LayerSummary(
         block.layer, block.name, session.kind, contribution_received, attention_received,
