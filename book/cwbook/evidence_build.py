@@ -38,7 +38,7 @@ from cwcore.faithfulness.protocol import Protocol, identical_steps
 from cwcore.faithfulness.ranking import MODES
 from . import DEFAULT_BOOK_DIR, slug, PROFILE_BUILDS, build as book_build, load_config, plan, results_path
 from . import evidence_export
-from .evidence_files import CommittedFileError, checked_table_what, checkout, now, write_checked_csv
+from .evidence_files import DEFAULT_OUT, CommittedFileError, checked_table_what, checkout, now, write_checked_csv
 from .evidence_export import CHAPTER, compare, export, notebook_parameters, read_committed, tables as export_tables
 from .evidence_frames import (ANATOMY, ATOL, BENCH, CELLS_ENV_VAR, DOWNSTREAM, NOT_NUMBERS, PER_LAYER, RTOL,
                               SENSITIVITY, SLICE_DOCUMENTS, anatomy_cell, anatomy_explained, check_identity, checked_how,
@@ -448,7 +448,7 @@ def export_and_tables(out: Path, *, profile: str = "evidence", models=None, only
 def build_evidence(*, profile: str = "evidence", models=None, only=None, out: str | Path | None = None,
                    build: Callable | None = None, tables: Callable | None = None, **build_kwargs) -> Path:
     """Steps 1-3 of the module's docstring; returns the path of ``PROVENANCE``."""
-    out = Path(out) if out is not None else evidence_export.DEFAULT_OUT
+    out = Path(out) if out is not None else DEFAULT_OUT
     build = build or book_build
     if tables is None:
         def tables(folder):

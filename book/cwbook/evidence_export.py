@@ -20,10 +20,10 @@ from . import ladder as evidence
 from . import findings
 from . import BookError, results_path, slug
 from . import registration
-from .evidence_files import (HASH_FIELD, CommittedFileError, check_rows, checked_table_what, checkout, content_hash,
-                             gzipped_csv, now, read_present_pair, write_checked_csv)
-from .evidence_frames import (ANATOMY, DEFAULT_OUT, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows,
-                              downstream_ladder, read_downstream, read_frame)
+from .evidence_files import (DEFAULT_OUT, HASH_FIELD, CommittedFileError, check_rows, checked_table_what, checkout,
+                             content_hash, gzipped_csv, now, read_present_pair, write_checked_csv)
+from .evidence_frames import (ANATOMY, SIGNIFICANT_DIGITS, anatomy_held_out, compare_rows, downstream_ladder,
+                              read_downstream, read_frame)
 from .findings import sample_folders
 from .parameters import profile_models, run_parameters
 

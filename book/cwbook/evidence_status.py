@@ -11,9 +11,8 @@ import pandas as pd
 
 from cwcore import cache as cw_cache
 from . import DEFAULT_BOOK_DIR, BookError, load_config, plan, profile_config, results_path
-from .evidence_export import (CHAPTER, DEFAULT_OUT, cell_name, notebook_parameters, paths, read_committed,
-                              weight_variant_names)
-from .evidence_files import CommittedFileError
+from .evidence_export import CHAPTER, cell_name, notebook_parameters, paths, read_committed, weight_variant_names
+from .evidence_files import DEFAULT_OUT, CommittedFileError
 from .evidence_frames import ANATOMY, BENCH, DOWNSTREAM, PER_LAYER, SENSITIVITY, frame_paths, read_frame
 from .findings import BENCH_CHAPTER, CHAPTERS
 from .parameters import run_parameters

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import pandas as pd
@@ -32,6 +33,13 @@ class Findings:
     steps: pd.DataFrame = None
     sink_rows: pd.DataFrame = None
     compared: pd.DataFrame = None
+
+    @cached_property
+    def evidence_size(self) -> str:
+        """"64 documents per data set": what the committed evidence's tables record (read once per page)."""
+        from cwbook import findings
+
+        return findings.documents_per_data_set(self.committed_dir)
 
 
 def rerun_size(rows: pd.DataFrame) -> str:
@@ -109,7 +117,7 @@ def _primary(r: Findings) -> None:
             committed_dir, findings.held_models(committed_dir, list(evidence.PRIMARY["models"])), "evidence")
         r.table1 = primary_table(evidence_rows, live_rows)
         r.phrases["table1_source"] = (
-            f"the committed evidence (`{committed_dir.name}/`, {findings.documents_per_data_set(committed_dir)}), "
+            f"the committed evidence (`{committed_dir.name}/`, {r.evidence_size}), "
             f"with this build (profile `{profile}`, {', '.join(models)}) beside it as the "
             f"{rerun_size(live_rows)} (`rerun agrees?`: whether it gives the evidence's verdict, |c| / signed in "
             "comprehensiveness; the same in sufficiency)")
@@ -194,7 +202,7 @@ def _scoreboard(r: Findings, results_dir) -> None:
     r.phrases["counts"] = "; ".join(counted(name) for name in r.models)
     built = sorted({s["chapter"].split("_")[0] for s in sources if s["table"] == "read"})
     r.phrases["caption"] = (f"{', '.join(r.models)}; "
-                            + (f"the committed evidence, {findings.documents_per_data_set(r.committed_dir)}, for the "
+                            + (f"the committed evidence, {r.evidence_size}, for the "
                                "models it holds"
                                if r.use_committed else f"profile `{r.profile}`")
                             + "; tables of chapter(s) "
