@@ -261,6 +261,40 @@ def test_chapter_3s_statistics_refuse_sizes_that_leave_a_quoted_number_without_d
         assert all(math.isfinite(got[name]) for name in ("peak_token_low", "peak_token_high"))
 
 
+def test_the_statistics_decide_the_models_kind_on_a_few_real_tokens_of_the_first_sequence():
+    """The kind check decomposed the whole first sequence in every layer, a forward more than the statistics need: now
+    the first real tokens of it, unpadded (left or right padding), with every per-token input cut alike; and it still
+    refuses the other kind of model in chapters 3 and 8."""
+    import torch
+
+    from cwbook.chapters import ch08_encoders as ch08
+    from cwbook.chapters.common import KIND_PROBE_TOKENS, _kind_probe
+
+    ids = torch.arange(1, 61).reshape(2, 30)
+    left = torch.ones_like(ids)
+    left[0, :6] = 0  # the first row is left-padded: its real tokens are ids 7..30
+    probe = _kind_probe({"input_ids": ids, "attention_mask": left, "token_type_ids": ids % 2})
+    assert probe["input_ids"].tolist() == [list(range(7, 7 + KIND_PROBE_TOKENS))]
+    assert probe["attention_mask"].tolist() == [[1] * KIND_PROBE_TOKENS]
+    assert probe["token_type_ids"].tolist() == [[i % 2 for i in range(7, 7 + KIND_PROBE_TOKENS)]]
+    right = torch.ones_like(ids)
+    right[0, 10:] = 0  # right padding: 10 real tokens, all of them
+    assert _kind_probe({"input_ids": ids, "attention_mask": right})["input_ids"].tolist() == [list(range(1, 11))]
+    assert _kind_probe({"input_ids": ids})["input_ids"].tolist() == [list(range(1, 1 + KIND_PROBE_TOKENS))]
+
+    sizes = dict(model_name="tiny", data="gsm8k", n_sequences=2, seq_len=24, batch_size=2, kind="intra", min_keys=2,
+                 rank_min_keys=5, factor_samples=8, n_bootstrap=20, seed=0, cache=False)
+    encoder, encoder_tokenizer = _roberta_style()
+    decoder, decoder_tokenizer = peaked_llama(), word_tokenizer()
+    with pytest.raises(UsageError, match="chapter 3 is written for causal decoders"):
+        ch03.statistics(encoder, encoder_tokenizer, **sizes)
+    with pytest.raises(UsageError, match="chapter 8 is written for encoders"):
+        ch08.statistics(decoder, decoder_tokenizer, **sizes)
+    # the control: each chapter's own kind of model gets its statistics
+    assert len(ch03.statistics(decoder, decoder_tokenizer, **sizes).summary)
+    assert len(ch08.statistics(encoder, encoder_tokenizer, **sizes).summary)
+
+
 def test_chapter_7_names_its_lowest_bin_and_compares_evidence_only_at_the_same_bins():
     """With quantiles=4 the numbers were the lowest quarter's while the page said "lowest-norm fifth" four times, and
     the rerun's lowest-bin claims were set beside the evidence's lowest fifth as if they were the same part."""

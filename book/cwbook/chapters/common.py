@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import torch
 
 import cwcore
 from cwbook import analysis
@@ -126,13 +127,29 @@ class Statistics:
     quoted_md: dict = field(default_factory=dict)
 
 
+#: the tokens of the first sequence whose attention decides the model's kind (:func:`require_attention_kind`):
+#: any query of an encoder attends to later keys, so a few tokens decide it at a fraction of a sequence's forward
+KIND_PROBE_TOKENS = 16
+
+
+def _kind_probe(batch: dict) -> dict:
+    """The first :data:`KIND_PROBE_TOKENS` real tokens of ``batch``'s first sequence, unpadded (``[1, tokens]`` for
+    every per-token input: ids, token types, the mask), where the kind check runs."""
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    real = torch.arange(ids.shape[1], device=ids.device) if mask is None else mask[0].nonzero()[:, 0]
+    real = real[:KIND_PROBE_TOKENS]
+    return {name: value[:1, real] if torch.is_tensor(value) and value.shape[:2] == ids.shape[:2] else value[:1]
+            for name, value in batch.items()}
+
+
 def collect_statistics(model, model_inputs, *, chapter: str, seq_len: int, kind: str, min_keys: int,
                        rank_min_keys: int, factor_samples: int, n_bootstrap: int, seed: int, cache: bool,
                        key_groups=None, **sample) -> Statistics:
     """:func:`cwbook.analysis.collect` over the batches ``model_inputs`` (sequences of at most ``seq_len`` tokens)
     and :func:`cwbook.analysis.summarize`, cached when ``cache``; ``sample`` fills the :class:`Statistics` fields
     that describe the sample. Sizes that leave a quoted number without data are refused in one line, and so is a
-    model of the other kind than ``chapter``'s (:func:`require_attention_kind`, on the first sequence)."""
+    model of the other kind than ``chapter``'s (:func:`require_attention_kind`, on :func:`_kind_probe`'s tokens)."""
     from cwcore.cli import UsageError
     from cwcore.core.inputs import check_count
 
@@ -148,8 +165,8 @@ def collect_statistics(model, model_inputs, *, chapter: str, seq_len: int, kind:
         if check_count(value, name, minimum=0) > seq_len:
             raise UsageError(f"{name}={value}: no query of a {seq_len}-token sequence sees that many keys "
                              f"(seq_len={seq_len}), so its statistics would have no rows")
-    first = {name: value[:1] for name, value in model_inputs[0].items()}
-    require_attention_kind(cwcore.decompose(model, layers=decomposable_layers(model), **first), chapter)
+    require_attention_kind(cwcore.decompose(model, layers=decomposable_layers(model), **_kind_probe(model_inputs[0])),
+                           chapter)
     t0 = time.monotonic()
     with caching(enabled=cache):
         stats, factors = analysis.collect(model, model_inputs, key_groups=key_groups, kind=kind, min_keys=min_keys,
