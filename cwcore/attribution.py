@@ -17,8 +17,9 @@ from torch import nn
 
 __all__ = ["Attribution", "attribute", "list_attribution_methods"]
 
-#: options a method may declare by naming them in its signature (besides the model inputs)
-_OPTIONS = {"kind": "inter", "seed": 0}
+#: options a method may declare by naming them in its signature (besides the model inputs); ``sequence_ids`` for a
+#: method that reads ``groups`` (the random control hashes each row's sequence number)
+_OPTIONS = {"kind": "inter", "seed": 0, "sequence_ids": None}
 
 
 class Attribution(Mapping):
@@ -83,6 +84,8 @@ def _method_options(method) -> dict:
         options["kind"] = _OPTIONS["kind"]
     if "seed" in parameters:
         options["seed"] = parameters["seed"].default if parameters["seed"].default is not inspect._empty else 0
+    if "groups" in parameters:
+        options["sequence_ids"] = None
     return options
 
 
@@ -93,22 +96,28 @@ def attribute(
     method: str | Callable = "contribution",
     layers: int | Iterable[int] | None = None,
     compute_dtype: torch.dtype | str | None = None,
+    truncate: bool = False,
     **keywords,
 ) -> Attribution:
     """Scores of the attribution ``method`` (a registered name or a callable) for every requested layer.
 
-    Inputs as in :func:`cwcore.decompose` (keywords or one mapping; ``input_ids [batch, sequence]``
-    required). The method's own options are keywords too (``kind="intra"``, ``seed=``); any other keyword
-    raises. ``layers``: one, a list, or None (all). ``compute_dtype``: default float64 for a float64 model,
-    else float32; every method's geometry and scores are in it (value zeroing's reruns are the model's own
-    forward, in its dtype; the random control's scores are a seeded hash, float32). Returns an
-    :class:`Attribution` (token-level methods: compare with contribution weights summed over heads)."""
+    Inputs as in :func:`cwcore.decompose` (keywords or one mapping; ``input_ids [batch, sequence]`` required). The
+    method's own options are keywords too (``kind="intra"``, ``seed=``; ``sequence_ids=``, one distinct int per row,
+    for a method that hashes each row's sequence number, such as ``random``: by default the row numbers, so the same
+    sentence in another row gets other random scores); any other keyword raises. ``layers``: one, a list, or None
+    (all); ``truncate=True`` keeps the first tokens of an input longer than the model's context (else refused).
+    ``compute_dtype``: default float64 for a float64 model, else float32; every method's geometry and scores are in
+    it (value zeroing's reruns are the model's own forward, in its dtype; the random control's scores are a seeded
+    hash, float32). Returns an :class:`Attribution` (token-level methods: compare with contribution weights summed
+    over heads)."""
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
-    from .core.inputs import InputError, cached_length, check_compute_dtype, check_inputs, own_options, unwrap_compiled
+    from .core.inputs import (InputError, cached_length, check_compute_dtype, check_inputs, check_sequence_ids,
+                              own_options, unwrap_compiled)
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
     from .faithfulness.methods.registry import refuse_encoder_decoder
+    from .core.architectures import UnsupportedModelError
 
     if isinstance(method, str):
         if method not in available_methods():
@@ -143,7 +152,8 @@ def attribute(
     model = unwrap_compiled(model)
     refuse_encoder_decoder(model)
     try:
-        checked = check_inputs(model, keywords, caller="attribute", options=own_options(attribute) + tuple(options))
+        checked = check_inputs(model, keywords, caller="attribute", truncate=truncate,
+                               options=own_options(attribute) + tuple(options))
     except TypeError as err:  # say that the method's options were looked at too
         raise type(err)(f"{err}; method {chosen.name!r} takes "
                         + (f"the options {', '.join(options)}" if options else "no options")) from None
@@ -158,6 +168,11 @@ def attribute(
                          "scores could not index (they are [batch, query, key] over input_ids); pass the whole "
                          "sequence as input_ids, or use cwcore.summarize, which reads a cache")
     if "output_gradient" in chosen.needs and set(checked) - {"input_ids", "attention_mask"}:
+        head = getattr(model, "get_output_embeddings", None)
+        if callable(head) and head() is None:  # the true reason first: removing an input would not help
+            raise UnsupportedModelError(f"attribute: method {chosen.name!r} differentiates the next-token "
+                                        f"log-likelihood, and {type(model).__name__} has no language-model head; "
+                                        "load it with its head (e.g. AutoModelForCausalLM)")
         raise InputError(f"attribute: method {chosen.name!r} takes input_ids and attention_mask only, got also "
                          f"{', '.join(sorted(set(checked) - {'input_ids', 'attention_mask'}))}")
     # as decompose: all the layers cwcore can decompose (asked for by number, one is refused with its reason)
@@ -166,8 +181,12 @@ def attribute(
     observed = list(range(max(wanted) + 1)) if "earlier_layers" in chosen.needs else wanted
     raw: dict[int, torch.Tensor] = {}
     heads: dict[int, int] = {}  # each layer's query heads: a one-head layer's scores stay head-level
+    groups = None
+    if "sequence_ids" in options:
+        groups = torch.tensor(check_sequence_ids(options["sequence_ids"], input_ids.shape[0], "row"),
+                              device=input_ids.device)
     with scoring(model, [chosen], input_ids, attention_mask, layers=wanted, kind=options.get("kind", "inter"),
-                 seed=options.get("seed", 0)) as context:
+                 seed=options.get("seed", 0), groups=groups) as context:
         def observe(call):
             values = context.raw_scores(chosen, LayerDecomposition.from_call(call), call)
             if call.layer in wanted:

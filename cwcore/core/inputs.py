@@ -19,7 +19,7 @@ from torch import nn
 
 __all__ = [
     "InputError", "InputIndexError", "InputTypeError", "cached_length", "check_attention_mask", "check_batch_size",
-    "check_compute_dtype", "check_count", "check_finite_scores", "check_fraction", "check_inputs", "check_layers",
+    "check_compute_dtype", "check_count", "check_finite_scores", "check_sequence_ids", "check_fraction", "check_inputs", "check_layers",
     "query_positions", "query_positions_as_given",
     "check_mask", "check_not_empty", "check_ratios", "check_sweep_arguments", "check_targets", "check_texts",
     "check_token_sequences", "context_length", "finite_scores", "is_integer_number", "plain_integer",
@@ -331,6 +331,24 @@ def check_count(value, argument: str, *, minimum: int = 1, allow_none: bool = Fa
     if value < minimum:
         raise InputError(f"{argument} must be at least {minimum}, got {value}")
     return int(value)
+
+
+def check_sequence_ids(sequence_ids, n: int, what: str = "text") -> list[int]:
+    """``sequence_ids`` (None: ``0 .. n-1``) as ``n`` distinct non-negative ints, one per ``what``: the numbers
+    that seed a sequence's random control, whatever its row in a batch."""
+    if sequence_ids is None:
+        return list(range(n))
+    if isinstance(sequence_ids, (str, bytes)) or not hasattr(sequence_ids, "__iter__"):
+        raise InputTypeError(f"sequence_ids must be a sequence of ints, one per {what}, not "
+                             f"{type(sequence_ids).__name__}")
+    ids = list(sequence_ids.tolist() if hasattr(sequence_ids, "tolist") else sequence_ids)
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise InputError(f"sequence_ids must be non-negative ints, got {ids[:8]}{' ...' if len(ids) > 8 else ''}")
+    if len(ids) != n:
+        raise InputError(f"sequence_ids has {len(ids)} ids for {n} sequences: give one id per {what}")
+    if len(set(ids)) != n:
+        raise InputError(f"sequence_ids must be distinct: each identifies one {what}")
+    return ids
 
 
 def check_batch_size(batch_size) -> int:

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from ..core.architectures import attention_blocks, input_device
-from ..core.inputs import (InputError, check_count, check_sweep_arguments, check_texts, check_token_sequences,
-                           is_integer_number)
+from ..core.inputs import (InputError, check_count, check_sequence_ids, check_sweep_arguments, check_texts,
+                           check_token_sequences, is_integer_number)
 from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
                        specs as parse_specs)
 from .methods.registry import check_precomputed_fit
@@ -130,22 +130,6 @@ def _documents(texts, ids: list[int]) -> list[int]:
     return [int(d) for d in given]
 
 
-def _sequence_ids(sequence_ids, n: int) -> list[int]:
-    """``sequence_ids`` (None: ``0 .. n-1``) as ``n`` distinct non-negative ints."""
-    if sequence_ids is None:
-        return list(range(n))
-    if isinstance(sequence_ids, (str, bytes)) or not hasattr(sequence_ids, "__iter__"):
-        raise TypeError(f"sequence_ids must be a sequence of ints, one per text, not {type(sequence_ids).__name__}")
-    ids = list(sequence_ids.tolist() if hasattr(sequence_ids, "tolist") else sequence_ids)
-    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"sequence_ids must be non-negative ints, got {ids[:8]}{' ...' if len(ids) > 8 else ''}")
-    if len(ids) != n:
-        raise ValueError(f"sequence_ids has {len(ids)} ids for {n} sequences: give one id per text")
-    if len(set(ids)) != n:
-        raise ValueError("sequence_ids must be distinct: each identifies one text")
-    return ids
-
-
 def _lm_scorer(candidates: dict[int, torch.Tensor]) -> Scorer:
     def score(logits, batch, removed):
         sums, counts = sequence_nll(logits, batch)
@@ -248,7 +232,7 @@ def faithfulness_curve(
     if not sequences or any(len(s) < 2 for s in sequences):
         raise ValueError("every sequence needs at least two tokens (one next-token prediction)")
     check_precomputed_fit(specs, sequences, len(attention_blocks(model)))
-    ids = _sequence_ids(sequence_ids, len(sequences))
+    ids = check_sequence_ids(sequence_ids, len(sequences))
     pad, device = pad_id(tokenizer), input_device(model)
     batches = [
         pad_batch(i // batch_size, sequences[i:i + batch_size], ids[i:i + batch_size], pad, padding_side, device=device)

@@ -12,6 +12,7 @@ import cwcore
 import cwcore.faithfulness as fa
 from cwcore.faithfulness import methods
 from test_methods import _alti_row, _decoder_layers, _eager, _ids, _model, _terms
+from tiny_models import VOCAB
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
@@ -393,3 +394,75 @@ def test_alti_refuses_a_post_ln_decoder_found_by_the_probe(post_ln):
     else:
         scores = cwcore.attribute(model, method="alti", input_ids=ids)
         torch.testing.assert_close(scores[0].sum(-1), torch.ones(1, 7))
+
+
+def test_alti_refuses_a_layer_whose_block_output_a_hook_changes_and_the_sweep_does_too():
+    """A forward hook that doubled an attention block's output left ALTI's scores bit for bit those of the unhooked
+    model: it builds y_i = x_i + a_i from the output projection's result, while the model's residual received 2 a_i.
+    The controls: the same layer unhooked is scored, and a method that does not model the residual update
+    (contribution weights, a decomposition of the projection's output) still scores the hooked model."""
+    model, ids = _model("llama"), _ids(n=1, length=7)
+    unhooked = cwcore.attribute(model, method="alti", input_ids=ids)
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda module, args, out: (out[0] * 2, *out[1:]))
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"^alti models what attention layer 1 adds to the "
+                           r"residual stream as its output projection's result, but .* \(relative difference 1\)"):
+            cwcore.attribute(model, method="alti", input_ids=ids)
+        with pytest.raises(cwcore.UnsupportedModelError, match="alti models what attention layer 1 adds"):
+            fa.faithfulness_curve(model, None, ids, metric=["alti"], ratios=[0.5], mode="comprehensiveness",
+                                  n_bootstrap=2, progress=False)
+        assert cwcore.attribute(model, method="contribution", input_ids=ids).layers == [0, 1]
+        torch.testing.assert_close(cwcore.attribute(model, method="alti", input_ids=ids, layers=0)[0], unhooked[0])
+    finally:
+        handle.remove()
+    torch.testing.assert_close(cwcore.attribute(model, method="alti", input_ids=ids)[1], unhooked[1])
+
+
+def test_the_random_control_scores_a_sentence_by_its_sequence_id_whatever_its_row_and_padding():
+    """attribute(method="random") hashed each row's number: the same sentence got other scores in row 1 than alone
+    (0.86 relative), and nothing could say which sequence a row was. ``sequence_ids`` names them, as in
+    faithfulness_curve; the reference is the documented hash of (seed, sequence, layer, head, query, key) over the
+    real positions, computed here for the sentence alone."""
+    from cwcore.faithfulness.ranking import hashed_uniform
+
+    model, ids = _model("llama").float(), _ids(n=2, length=7, seed=5)
+    padded = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids[1:]], 1)  # row 1: sentence 1, left-padded
+    batch = torch.cat([torch.cat([ids[:1], ids[:1, :2]], 1), padded])
+    mask = torch.cat([torch.ones(1, 9, dtype=torch.long), torch.cat([torch.zeros(1, 2), torch.ones(1, 7)], 1).long()])
+    got = cwcore.attribute(model, method="random", input_ids=batch, attention_mask=mask, sequence_ids=[10, 11], seed=3)
+    alone = cwcore.attribute(model, method="random", input_ids=ids[1:], sequence_ids=[11], seed=3)
+    positions = torch.arange(7)[None]
+    for layer in range(2):
+        expected = hashed_uniform(3, torch.tensor([11]), layer, 4, positions)
+        torch.testing.assert_close(alone[layer], expected, rtol=0, atol=0)
+        torch.testing.assert_close(got[layer][1:, :, 2:, 2:], expected, rtol=0, atol=0)
+    # the control: by default the rows are the sequence numbers, so row 1 is sequence 1, not the sentence alone's 0
+    default = cwcore.attribute(model, method="random", input_ids=batch, attention_mask=mask, seed=3)
+    assert not torch.equal(default[0][1:, :, 2:, 2:], cwcore.attribute(model, method="random", input_ids=ids[1:],
+                                                                       seed=3)[0])
+    with pytest.raises(TypeError, match="method 'alti' takes no option 'sequence_ids'"):
+        cwcore.attribute(model, method="alti", input_ids=ids, sequence_ids=[0, 1])
+    with pytest.raises(ValueError, match="sequence_ids has 1 ids for 2 sequences: give one id per row"):
+        cwcore.attribute(model, method="random", input_ids=ids, sequence_ids=[0])
+
+
+def test_attribute_truncates_as_decompose_does_and_names_the_missing_head_before_an_input():
+    """attribute refused an input longer than the model's context with "... or pass truncate=True", then refused
+    truncate=True as an unknown keyword; and grad_x_input on a bare encoder blamed its token_type_ids, whose
+    removal only led to the true reason, the missing language-model head."""
+    from cwcore.core.architectures import UnsupportedModelError
+    from tiny_models import tiny_model
+
+    model = _model("llama").float()
+    limit = model.config.max_position_embeddings
+    ids = torch.randint(0, VOCAB, (1, limit + 3), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"the input has {limit + 3} tokens .* or pass truncate=True"):
+        cwcore.attribute(model, method="contribution", input_ids=ids)
+    cut = cwcore.attribute(model, method="contribution", input_ids=ids, truncate=True)
+    torch.testing.assert_close(cut[1], cwcore.attribute(model, method="contribution", input_ids=ids[:, :limit])[1])
+    assert cut[1].shape == (1, 4, limit, limit)
+    bert = tiny_model("bert")
+    enc = dict(input_ids=torch.tensor([[5, 7, 9, 2]]), token_type_ids=torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(UnsupportedModelError, match="differentiates the next-token log-likelihood, and BertModel has "
+                                                    "no language-model head"):
+        cwcore.attribute(bert, method="grad_x_input", **enc)

@@ -11,7 +11,7 @@ from .registry import register_method
 __all__ = ["alti"]
 
 
-@register_method("alti", needs=("block_input", "post_attention_norm"),
+@register_method("alti", needs=("block_input", "post_attention_norm", "block_output"),
                  cost="no extra forward; [rows, query chunk, key, model] tensors",
                  title="ALTI", colour="#ece133")
 def alti(layer_decomposition, call, block_input, post_attention_norm=None, model=None, **_):
@@ -27,7 +27,9 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, model
     rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity
     (``post_attention_norm`` None). Refused: a post-LN layer, which adds the residual inside its LayerNorm,
     y_i = LN(x_i + a_i) (BERT, BART, OPT-350m: found by a probe forward,
-    :func:`cwcore.core.architectures.residual_norms`), and a layer that attends to later keys (an encoder).
+    :func:`cwcore.core.architectures.residual_norms`), a layer that attends to later keys (an encoder), and, after
+    the forward, a layer whose block returns another tensor than its output projection's result (a hook on the
+    block): y_i is then not x_i + N(a_i).
     """
     from ...core.architectures import residual_norms
     from ...logit_attribution import frozen_norm_on, norm_at_float32

@@ -28,7 +28,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Method:
     """A registered ranking ``fn(layer_decomposition=..., **context)``: ``needs`` (extra context:
-    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``), ``cost``,
+    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``, ``"block_output"``),
+    ``cost``,
     ``key`` (its code's identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
 
     name: str
@@ -50,7 +51,10 @@ class Method:
 
 
 _REGISTRY: dict[str, Method] = {}
-_NEEDS = ("block_input", "output_gradient", "earlier_layers", "post_attention_norm")
+#: ``"block_output"``: the method models what the attention block adds to the residual stream as its output
+#: projection's result (ALTI): a layer whose block returns another tensor (a hook on the block, a step after W_O) is
+#: refused after the forward, with the measured difference
+_NEEDS = ("block_input", "output_gradient", "earlier_layers", "post_attention_norm", "block_output")
 
 
 def register_method(name: str, *, needs=(), cost: str = "", kind_dependent: bool = False, title: str = "",
@@ -305,11 +309,43 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
                 context.block_inputs[layer] = (args, kwargs)
                 return None
             handles.append(_parent(model, layer).register_forward_pre_hook(capture, with_kwargs=True))
+    changed: dict[int, str] = {}  # layer -> why its block returned another tensor than its projection's result
+    if "block_output" in needs:
+        handles += _watch_block_outputs(model, layers, changed)
     try:
         yield context
     finally:
         for handle in handles:
             handle.remove()
+    if changed:
+        layer, why = min(changed.items())
+        users = ", ".join(m.name for m in methods if "block_output" in m.needs)
+        raise UnsupportedModelError(f"{users} models what attention layer {layer} adds to the residual stream as its "
+                                    f"output projection's result, but {why}")
+
+
+def _watch_block_outputs(model, layers, changed: dict) -> list:
+    """Hooks that record in ``changed`` (layer -> why) each of ``layers`` whose attention block returns another
+    tensor than its output projection's result (:func:`~cwcore.core.attention_features.changed_output`)."""
+    from ...core.attention_features import changed_output
+
+    handles, blocks = [], attention_blocks(model)
+    for layer in layers:
+        block, projected = blocks[layer], {}
+        projection = block.output_module()
+        if projection is None:  # the session refuses such a block with its reason
+            continue
+
+        def keep(module, args, result, projected=projected):
+            projected["result"] = result[0] if isinstance(result, tuple) else result
+
+        def compare(module, args, result, block=block, projected=projected):
+            why = changed_output(block, result, projected.pop("result", None))
+            if why is not None:
+                changed.setdefault(block.layer, why)
+
+        handles += [projection.register_forward_hook(keep), block.module.register_forward_hook(compare)]
+    return handles
 
 
 def lm_logits(model, out, caller: str, why: str) -> torch.Tensor:
