@@ -623,13 +623,21 @@ def layers_not_run(blocks, wanted, done: Iterable[int], layers, caller: str,
 
 
 def positional_inputs(layers, inputs: dict, caller: str) -> tuple:
-    """``(layers, inputs)`` of ``caller(model, enc)``: the tokenizer's output given as the second positional
-    argument (the ``layers`` slot) is the inputs, with every layer; a tensor there is refused in one sentence."""
+    """``(layers, inputs)`` of ``caller(model, ...)``, whose second positional argument (positional only) holds the
+    layers or the inputs as one mapping: ``caller(model, enc)`` is ``caller(model, **enc)`` with every layer, and
+    ``caller(model, enc, layers=[2])`` chooses them (``layers=`` arrives among ``inputs``); a tensor there, or the
+    layers given twice, is refused in one sentence."""
+    chosen = inputs.pop("layers") if "layers" in inputs else None
     if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
         if inputs:
             raise InputError(f"{caller}: give the inputs once, either as one mapping ({caller}(model, enc)) or "
                              f"as keywords ({caller}(model, **enc))")
-        return None, dict(layers)
+        return chosen, dict(layers)
+    if chosen is not None:
+        if layers is not None:
+            raise InputError(f"{caller}: layers given twice, as the second positional argument ({layers!r}) and as "
+                             f"layers={chosen!r}; give one")
+        layers = chosen
     if isinstance(layers, torch.Tensor) and layers.ndim >= 1 and not inputs:
         raise InputError(f"{caller}(model, tensor): the second positional argument is layers; pass token ids as "
                          f"{caller}(model, input_ids=tensor)")
@@ -639,6 +647,7 @@ def positional_inputs(layers, inputs: dict, caller: str) -> tuple:
 def decompose(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
+    /,
     compute_dtype: torch.dtype | None = None,
     truncate: bool = False,
     **inputs,
@@ -662,7 +671,8 @@ def decompose(
     decomposed through the module it wraps (the same weights, run eagerly).
 
     The inputs may also come as one mapping in place of ``layers``: ``decompose(model, enc)`` with ``enc``
-    a tokenizer's ``BatchEncoding`` or a dict is ``decompose(model, **enc)``.
+    a tokenizer's ``BatchEncoding`` or a dict is ``decompose(model, **enc)``, and ``decompose(model, enc,
+    layers=[2])`` chooses the layers.
 
     **Padding.** Rows of padded queries are NaN in every ``[batch, head, query, key]`` quantity (attention,
     contribution weights, cosines): a padded position has no output to decompose. Padded keys get zero

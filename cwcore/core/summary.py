@@ -634,6 +634,7 @@ def _warn_padded_rows(inputs: dict, positions: Sequence[int]) -> None:
 def summarize(
     model: nn.Module,
     layers: int | Iterable[int] | None = None,
+    /,
     *,
     top_k: int = 8,
     rows: int | Sequence[int] | None = (-1,),

@@ -222,3 +222,23 @@ def test_a_wrapper_passing_keywords_on_is_decomposed_and_the_wrapped_models_erro
     torch.testing.assert_close(d[1].inter, alone[1].inter, rtol=0, atol=0)
     with pytest.raises(ValueError, match="input_ids"):  # the wrapped model's own error (cwcore cannot tell here)
         cwcore.decompose(wrapped, input_idz=ids)
+
+
+def test_the_inputs_as_one_mapping_take_layers_by_keyword(model):
+    """decompose(model, enc) is decompose(model, **enc), but decompose(model, enc, layers=[1]) failed with Python's
+    "got multiple values for argument 'layers'" (the mapping sits in the layers slot): the layers could not be chosen
+    in that form. The reference: the keyword form's layer."""
+    from cwcore.core.inputs import InputError
+
+    enc = {"input_ids": IDS, "attention_mask": torch.ones_like(IDS)}
+    want = cwcore.decompose(model, layers=[1], **enc)
+    for got in (cwcore.decompose(model, enc, layers=[1]), cwcore.decompose(model, [1], **enc)):
+        assert got.layers == [1]
+        torch.testing.assert_close(got[1].contribution("inter"), want[1].contribution("inter"))
+    assert cwcore.decompose(model, enc).layers == [0, 1]  # the control: the mapping alone takes every layer
+    summary = cwcore.summarize(model, enc, layers=0, top_k=2)
+    assert summary.layers == [0]
+    torch.testing.assert_close(summary[0].top.head, cwcore.summarize(model, layers=0, top_k=2, **enc)[0].top.head)
+    with pytest.raises(InputError, match=r"^decompose: layers given twice, as the second positional argument \(\[0\]\) "
+                                         r"and as layers=\[1\]; give one$"):
+        cwcore.decompose(model, [0], layers=[1], **enc)
