@@ -222,6 +222,27 @@ def test_zero_output_norm_gives_nan_not_inf():
     assert not d.inter[0].isinf().any()
 
 
+def test_a_tiny_nonzero_output_norm_below_the_documented_zero_gives_nan_in_every_divided_view():
+    """The test above zeroes W_O exactly, so 0/0 is NaN by IEEE arithmetic with or without the guard. Here head 0's
+    W_O is scaled by 1e-14: its output norm is nonzero but below the documented zero (1e-12, written here), so only
+    the guard turns the views divided by it into NaN (unguarded they are finite: the intra weights are scale-free)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[:, :16] *= 1e-14
+    d = cwcore.decompose(model, input_ids=torch.tensor([[5, 6, 7]]))
+    layer = d[0]
+    norm = layer.head_output_norm[0, 0]
+    assert (norm > 0).all() and (norm <= 1e-12).all()  # the case reaches the window between 0 and the documented zero
+    assert (layer.head_output_norm[0, 1:] > 1e-3).all()  # the other heads are ordinary
+    for name, view in [("contribution", layer.contribution("intra")), ("relative_norm", layer.relative_norm("intra")),
+                       ("cosine", layer.cosine("intra")),
+                       ("value_weighted_output_normalized", layer.value_weighted_output_normalized("intra"))]:
+        assert view[0, 0].isnan().all(), name
+        assert view[0, 1:].isfinite().all(), name
+    # the combined output still has the other heads: inter weights are finite and sum to one per query
+    torch.testing.assert_close(layer.contribution("inter").sum((1, 3)), torch.ones(1, 3), rtol=RTOL, atol=ATOL)
+
+
 def test_vision_transformer():
     model = tiny_vit()
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(8))
