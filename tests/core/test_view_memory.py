@@ -113,9 +113,14 @@ def test_the_decomposition_keeps_no_view_alive_but_returns_the_one_the_caller_ho
 @pytest.mark.parametrize("padded", [False, True])
 def test_views_match_a_naive_model_space_computation(padded):
     """Every view from the head-space geometry against the same formula on naive model-space sums
-    (float64), including a zero output (NaN weights) and, with padding, NaN rows and zero keys."""
+    (float64), including a zero output (NaN weights) and, with padding, NaN rows and zero keys.
+
+    The zero output was exactly 0, so 0/0 gave NaN with or without the library's guard; it is now a tiny nonzero
+    output below the documented zero (1e-12, written here), and the reference applies that one threshold to the
+    norm itself (it used norm**2 > 1e-12 for the contribution, which disagrees for 1e-12 < norm < 1e-6)."""
+    zero = 1e-12  # the documented ZERO_NORM: norms at or below it count as zero
     alpha, values, w_o = _random_layer(torch.float64, batch=2, heads=3, queries=9, head_dim=4, model_dim=7, seed=1)
-    values[0, 1] = 0.0  # head 1 of batch 0 contributes nothing: ||o^h_i|| = 0, intra weights NaN
+    values[0, 1] *= 1e-14  # head 1 of batch 0 contributes almost nothing: 0 < ||o^h_i|| <= zero, intra weights NaN
     if padded:
         alpha[1, :, :2] = float("nan")  # two padded queries
         alpha[1, :, :, :2] = 0.0
@@ -131,12 +136,14 @@ def test_views_match_a_naive_model_space_computation(padded):
         dot = (o * projected[:, :, None]).sum(-1)  # <o_i, v~_j> [b, h, q, k]
         norm = o.norm(dim=-1)
         vnorm = projected.norm(dim=-1)[:, :, None, :]
+        if kind == "intra":  # the tiny head reaches the window between 0 and the documented zero, the others do not
+            assert (norm[0, 1] > 0).all() and (norm[0, 1] <= zero).all() and (norm[0, 0] > 1e-3).all()
         nan = torch.tensor(float("nan"), dtype=torch.float64)
         expected = {
-            "contribution": alpha * torch.where(norm**2 > 1e-12, dot / norm**2, nan),
-            "cosine": torch.where((norm > 1e-12) & (vnorm > 1e-12), dot / (norm * vnorm), nan),
-            "relative_norm": torch.where(norm > 1e-12, vnorm / norm, nan),
-            "value_weighted_output_normalized": torch.where(norm > 1e-12, alpha * vnorm / norm, nan),
+            "contribution": alpha * torch.where(norm > zero, dot / norm**2, nan),
+            "cosine": torch.where((norm > zero) & (vnorm > zero), dot / (norm * vnorm), nan),
+            "relative_norm": torch.where(norm > zero, vnorm / norm, nan),
+            "value_weighted_output_normalized": torch.where(norm > zero, alpha * vnorm / norm, nan),
         }
         if padded:
             for value in expected.values():
