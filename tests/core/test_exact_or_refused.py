@@ -119,7 +119,10 @@ def test_a_block_that_bypasses_the_attention_interface_is_refused_not_empty():
         cwcore.decompose(_OwnModel().eval(), input_ids=torch.tensor([[1, 2, 3]]))
 
 
-def test_a_wrong_output_projection_is_caught_by_the_reconstruction_check():
+def test_a_finder_returning_a_weight_no_module_of_the_block_owns_is_refused_as_not_a_module_of_the_block():
+    """A finder that returns a bare weight of another layer is refused structurally, before any forward: no module
+    of the block owns it, so cwcore could not check it. (This test was named for the reconstruction check, which
+    it never reached; the next test is the reconstruction check's.)"""
     model = tiny_model("llama")
 
     def wrong(module, parent):  # W_O of the *other* layer: plausible shapes, wrong numbers
@@ -138,6 +141,60 @@ def test_a_wrong_output_projection_is_caught_by_the_reconstruction_check():
     finally:
         architectures._FINDERS[:] = finders
         architectures.forget_model(model)
+
+
+def _decompose_with_finder(model, finder):
+    finders = list(architectures._FINDERS)
+    architectures.forget_model(model)
+    cwcore.register_output_projection(finder)
+    try:
+        return cwcore.decompose(model, input_ids=IDS)
+    finally:
+        architectures._FINDERS[:] = finders
+        architectures.forget_model(model)
+
+
+@pytest.mark.parametrize("wrong", ["transposed", "applied_otherwise"])
+def test_a_wrong_output_projection_of_a_real_linear_module_is_caught_by_the_reconstruction_check(wrong):
+    """W_O read from the block's own o_proj (an nn.Linear that runs in the forward, so every structural check
+    passes) but with the wrong numbers: its weight transposed (a finder with the Conv1D convention mixed up; the
+    view shares o_proj's memory, so o_proj is found as its module), or o_proj applying other numbers than the
+    weight it holds when cwcore reads it. Only the reconstruction check (terms plus bias against o_proj's result)
+    can see this. The control: the same finder returning the weight as it is decomposes, and equals the default."""
+    model = tiny_model("llama")
+    blocks = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+
+    def finder(transpose):
+        def find(module, parent):
+            if module not in blocks:
+                return None
+            return (module.o_proj.weight.t() if transpose else module.o_proj.weight), None
+        return find
+
+    right = _decompose_with_finder(model, finder(False))  # the control: the finder's scaffolding itself is fine
+    default = cwcore.decompose(model, input_ids=IDS)
+    for layer in default.layers:
+        torch.testing.assert_close(right[layer].contribution("inter"), default[layer].contribution("inter"),
+                                   rtol=0, atol=0, equal_nan=True)
+    handles = []
+    if wrong == "applied_otherwise":  # o_proj applies its weight with the input columns reversed, then restores it
+        for block in blocks:
+            held = {}
+
+            def swap(module, args, held=held):
+                held["weight"] = module.weight
+                module.weight = nn.Parameter(module.weight.detach().flip(1), requires_grad=False)
+
+            def restore(module, args, output, held=held):
+                module.weight = held.pop("weight")
+
+            handles += [block.o_proj.register_forward_pre_hook(swap), block.o_proj.register_forward_hook(restore)]
+    try:
+        with pytest.raises(cwcore.UnsupportedModelError, match=r"do not reproduce the output projection's result"):
+            _decompose_with_finder(model, finder(wrong == "transposed"))
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def test_a_decomposition_that_does_not_add_up_is_refused(monkeypatch):
