@@ -13,6 +13,9 @@ from tiny_models import tiny_model
 
 
 def test_the_long_page_carries_the_summary_within_its_precision():
+    """received_attention (alpha summed over queries and heads, one of the page's two heat strips) was never
+    compared, so a page whose attention strip showed the contribution totals passed. It is now compared with
+    the decomposition's own alpha, summed here (independent of the summary's streaming code)."""
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     data = long_explorer_data(model, tokenizer, TEXT, top_k=4, model_name="tiny")
     page = long_explorer_html(data, query=3)
@@ -23,8 +26,12 @@ def test_the_long_page_carries_the_summary_within_its_precision():
     s = cwcore.summarize(model, input_ids=ids, top_k=4, rows=None)
     arrays = back["arrays"]
     assert back["meta"]["layers"] == [0, 1] and back["meta"]["start"] == {"query": 3, "layer": 1}
+    d = cwcore.decompose(model, input_ids=ids)
     for index, layer in enumerate(s.layers):
         expected = s[layer]
+        # float32 sums of 4 heads x 12 queries in another order: rtol 1e-5
+        np.testing.assert_allclose(arrays["received_attention"][index], d[layer].attention[0].sum((0, 1)).numpy(),
+                                   rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(arrays["received"][index], expected.received()[0].numpy())
         np.testing.assert_array_equal(arrays["top_key"][index], expected.top.key[0].numpy())
         np.testing.assert_array_equal(arrays["top_head"][index], expected.top.head[0].numpy())
