@@ -31,18 +31,25 @@ def _run(target, *args):
     return thread, box
 
 
-def test_two_threads_on_two_models_interleaved_are_both_exact():
+def test_two_threads_on_two_models_interleaved_are_both_exact_and_each_sees_only_its_own_session():
     """Thread A is stopped inside its layer 0 while thread B starts its own decomposition and stops inside its
-    layer 0; A then finishes while B's session is active (a shared session list gave A B's session)."""
+    layer 0; A then finishes while B's session is active (a shared session list gave A B's session). The numbers
+    alone did not guard that: with a process-wide session list, the session that numbers the module is still
+    found, so both stayed exact. So each thread also records its active sessions while the other's is active:
+    its own only."""
+    from cwcore.core.attention import _sessions
+
     first, second = tiny_model("llama"), tiny_model("qwen2")
     expected = {id(first): cwcore.decompose(first, input_ids=IDS), id(second): cwcore.decompose(second, input_ids=IDS)}
     a_inside, b_inside, a_done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}  # thread name -> (its active sessions while the other's session is active, its own session)
 
     def decompose_a():
         def pause(call):
             if call.layer == 0:
                 a_inside.set()
                 assert b_inside.wait(30)
+                seen["a"] = (list(_sessions()), session)  # B is paused inside its session now
         recorded = {}
         session = AttentionSession(first, observers=every_layer(first, lambda c: (
             pause(c), recorded.__setitem__(c.layer, c.probs.clone()))))
@@ -56,6 +63,7 @@ def test_two_threads_on_two_models_interleaved_are_both_exact():
 
         def pause(call):
             if call.layer == 0:
+                seen["b"] = (list(_sessions()), session)  # A is paused inside its session now
                 b_inside.set()
                 assert a_done.wait(30)
         recorded = {}
@@ -67,6 +75,10 @@ def test_two_threads_on_two_models_interleaved_are_both_exact():
 
     (ta, a), (tb, b) = _run(decompose_a), _run(decompose_b)
     ta.join(60), tb.join(60)
+    for name in ("a", "b"):
+        active, own = seen[name]
+        assert len(active) == 1 and active[0] is own, (name, active)
+    assert seen["a"][1] is not seen["b"][1]  # the control: two sessions, each thread saw its own
     for model, box in ((first, a), (second, b)):
         assert "error" not in box, box.get("error")
         logits, recorded = box["result"]
