@@ -79,11 +79,16 @@ def test_a_model_without_weights_is_refused_in_one_line():
         cwcore.decompose(empty, input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
-def test_padded_query_rows_are_nan_and_a_nan_safe_sum_equals_the_unpadded_sequence(model):
+def test_padded_query_rows_are_nan_and_the_real_rows_equal_the_unpadded_sequence_term_by_term(model):
+    """The NaN-safe sum of the padded row equalled the unpadded sequence's sum, but both are the number of real
+    queries (inter weights sum to one per query), so weights moved to other keys (the key axis reversed) passed.
+    The real block is now compared entry by entry with the unpadded sequence, and the padded keys weigh zero."""
     inputs = _inputs()
     d = cwcore.decompose(model, **inputs)
     weights = d[0].contribution("inter")  # [batch, head, query, key]
     assert torch.isnan(weights[1, :, :2]).all() and not torch.isnan(weights[0]).any()
     assert torch.isnan(weights.sum())
     alone = cwcore.decompose(model, input_ids=inputs["input_ids"][1:, 2:])[0].contribution("inter")
+    torch.testing.assert_close(weights[1, :, 2:, 2:], alone[0], rtol=1e-5, atol=1e-6)
+    assert (weights[1, :, 2:, :2] == 0).all()  # the padded keys: real queries give them exactly zero weight
     torch.testing.assert_close(weights[1:].nansum(), alone.sum(), rtol=1e-5, atol=1e-5)
