@@ -668,7 +668,10 @@ def decompose(
     model's context is refused unless ``truncate=True``, which keeps its first tokens.
     The model runs as usual (same outputs as its eager attention); the geometry is computed in
     ``compute_dtype`` (float32 or float64) whatever the model's dtype. A ``torch.compile``'d model is
-    decomposed through the module it wraps (the same weights, run eagerly).
+    decomposed through the module it wraps (the same weights, run eagerly). A layer whose block returns another
+    tensor than its output projection's result (a hook on the block, a step after W_O) is still the exact
+    decomposition of the projection's output; ``d[l].changed_output`` then says so, with the measured difference,
+    and the methods that model the block's residual update (ALTI, the direct logit attribution) refuse it.
 
     The inputs may also come as one mapping in place of ``layers``: ``decompose(model, enc)`` with ``enc``
     a tokenizer's ``BatchEncoding`` or a dict is ``decompose(model, **enc)``, and ``decompose(model, enc,
