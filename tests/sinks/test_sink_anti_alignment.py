@@ -31,6 +31,8 @@ def test_anti_alignment_recovers_the_planted_cosines():
 
 
 def test_anti_alignment_matches_naive_cosines():
+    """Also ``cos_semantic_weighted``, which no test read (an unweighted mean passed): its reference weighs
+    the naive cos(v~_0, s_i) by alpha_i0 (1 - alpha_i0) from the eager maps."""
     model, ids = tiny_model("llama"), random_ids()
     table = sinks.sink_anti_alignment(model, None, ids, batch_size=2, **FAST).set_index(["layer", "head"])
     reference, _ = naive_run(model, ids)
@@ -43,6 +45,10 @@ def test_anti_alignment_matches_naive_cosines():
         axis = v[:, :, 1:].mean(2, keepdim=True)
         np.testing.assert_allclose(table.loc[l, "cos_value_mean"], cos_v.mean((0, 2)), atol=1e-5)
         np.testing.assert_allclose(table.loc[l, "cos_semantic_mean"], cos_s.mean((0, 2)), atol=1e-5)
+        w = a[:, :, 1:, 0] * (1 - a[:, :, 1:, 0])  # the documented weights alpha_i0 (1 - alpha_i0)
+        weighted = (w * cos_s).sum((0, 2)) / w.sum((0, 2))
+        assert not np.allclose(weighted, cos_s.mean((0, 2)), atol=1e-3)  # the control: the weights matter here
+        np.testing.assert_allclose(table.loc[l, "cos_semantic_weighted"], weighted, atol=1e-5)
         np.testing.assert_allclose(table.loc[l, "cos_axis_mean"], _cos(v0, axis)[..., 0].mean(0), atol=1e-5)
         ratio = v0[..., 0, :].norm(dim=-1) / v[:, :, 1:].norm(dim=-1).median(-1).values
         np.testing.assert_allclose(table.loc[l, "relative_sink_value_norm"], ratio.mean(0), rtol=1e-4)
@@ -101,6 +107,34 @@ def test_random_key_baseline_and_centred_cosines_match_naive_model_space_values(
     heads = table.set_index(["layer", "head"])
     np.testing.assert_allclose(heads["contrast"], heads["cos_semantic_mean"] - heads["cos_key_mean"], atol=1e-12)
     assert list(table.drop_duplicates("layer")["layer_type"]) == ["sliding", "global"]
+
+
+def test_random_key_is_the_documented_seeded_uniform_draw_over_the_visible_keys():
+    """The test above read the chosen ``key`` from the table and checked the cosines for that key, so any rule
+    that picks a visible key passed (always key 1; a draw that ignored ``seed``). The reference re-draws the
+    key as documented: per sequence and layer ``default_rng([seed, sequence, 4, layer]).random((heads, T, T - 1))``,
+    the visible tail key with the largest draw, visibility from the model's own eager attention maps. The
+    controls: later queries get more than one key, and two seeds pick different keys."""
+    model, ids = tiny_model("gemma3"), random_ids(n=3, length=12)  # sliding window 4 in layer 0
+    reference, _ = naive_run(model, ids)
+    keys = {}
+    for seed in (0, 1):
+        raw = sinks.run_analyses(model, None, ids, ["anti_alignment"], raw=True, seed=seed, **FAST)["raw"]
+        points = raw["anti_alignment"]["points"]
+        keys[seed] = points.sort_values(["layer", "sequence", "head", "position"])["key"].to_numpy()
+        for l, ref in enumerate(reference):
+            visible = (ref["attention"][..., 1:] > 0).numpy()  # [b, h, q, tail key]
+            b, h, T, _ = visible.shape
+            for seq in range(b):
+                draws = np.random.default_rng([seed, seq, 4, l]).random((h, T, T - 1))
+                expected = 1 + np.where(visible[seq], draws, -1.0).argmax(-1)[:, 1:]  # [h, queries 1..T-1]
+                mine = points[(points["layer"] == l) & (points["sequence"] == seq)]
+                got = mine.pivot(index="head", columns="position", values="key").sort_index().to_numpy()
+                np.testing.assert_array_equal(got, expected, err_msg=f"seed {seed}, layer {l}, sequence {seq}")
+        late = points[points["position"] >= 3]
+        assert (late.groupby(["layer", "sequence", "head"])["key"].nunique() > 1).all()  # the draw varies by query
+    # the seed changes the draw: equal keys only by chance (probability 1 / visible keys; 0.72 differ here)
+    assert np.mean(keys[0] != keys[1]) > 0.3
 
 
 def test_planted_baseline_separates_the_sink_from_an_ordinary_key():
