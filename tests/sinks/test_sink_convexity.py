@@ -65,6 +65,9 @@ def test_convexity_points_match_naive_head_output_norms():
 
 
 def test_vertex_intervals_refit_equals_polyfit_and_resamples_whole_sequences():
+    """The pooled rows were compared only between the fits and the refit, both library code, so a scale changed
+    in both places passed. Now both are also checked against np.polyfit on the scale as documented, written
+    here: "model" divides each head's norms by their mean, "model_v0" each point's norm by sqrt(v0_sq)."""
     model, ids = tiny_model("gemma3"), random_ids(n=5, length=10)
     out = sinks.run_analyses(model, None, ids, ["convexity"], raw=True, min_range=0.0, **FAST)
     fits, points = out["convexity"].fits, out["raw"]["convexity"]["points"]
@@ -75,6 +78,19 @@ def test_vertex_intervals_refit_equals_polyfit_and_resamples_whole_sequences():
     np.testing.assert_allclose(head["curvature"], heads.loc[head.index, "curvature"], rtol=1e-6)
     pooled = vertices[vertices["scope"] == "model"].iloc[0]
     assert pooled["alpha_star"] == pytest.approx(fits[fits["scope"] == "model"]["alpha_star"].iloc[0], rel=1e-6)
+    # the pooled rows against the naive reference (see the docstring)
+    by_head = points.groupby(["layer", "head"])["norm"].transform("mean")
+    for scope, y in (("model", points["norm"] / by_head), ("model_v0", points["norm"] / np.sqrt(points["v0_sq"]))):
+        c2, c1, _ = np.polyfit(points["alpha0"], y, 2)
+        row = fits[fits["scope"] == scope].iloc[0]
+        refit = vertices[vertices["scope"] == scope].iloc[0]
+        for got in (row, refit):
+            assert got["curvature"] == pytest.approx(c2, rel=1e-5), scope
+            assert got["alpha_star"] == pytest.approx(-c1 / (2 * c2), rel=1e-5), scope
+    # the control: another reasonable scale (each head's largest norm) gives another pooled fit
+    by_max = points.groupby(["layer", "head"])["norm"].transform("max")
+    c2_max, _, _ = np.polyfit(points["alpha0"], points["norm"] / by_max, 2)
+    assert c2_max != pytest.approx(fits[fits["scope"] == "model"]["curvature"].iloc[0], rel=1e-2)
     # one bootstrap replicate by hand: the same resampled sequences, the rows of each drawn sequence repeated
     from cwcore import stats
     draw = stats.resample_indices(5, 100, 0)
@@ -189,6 +205,56 @@ def test_a_concave_pooled_fit_has_no_minimum_to_locate():
     assert rows.loc["pooled_curvature", "claim"] == CONVEXITY
 
 
+def test_a_concave_head_has_no_established_interior_minimum_though_its_vertex_lies_inside():
+    """``vertex_inside`` is "an interior minimum established by both intervals": alpha*'s inside (0, 1) and the
+    curvature's above 0. Every test read it on convex heads, so the curvature condition could be dropped. Here
+    each head's norms lie on a concave parabola with its vertex (a maximum) at 0.5: alpha*'s interval lies in
+    (0, 1) (the control: that condition alone says inside), the curvature's below 0, so no head is inside."""
+    from cwcore.sinks.convexity import _claim_rows, _convexity_tables
+
+    rng = np.random.default_rng(0)
+    n = 600
+    a = rng.uniform(0, 0.95, n)
+    points = pd.DataFrame({"layer": rng.integers(0, 3, n), "head": rng.integers(0, 2, n),
+                           "sequence": rng.integers(0, 6, n), "query": np.arange(n), "alpha0": a,
+                           "norm": 2 - (a - 0.5) ** 2 + rng.normal(0, 0.01, n),
+                           "v0_sq": np.ones(n), "s_sq": np.ones(n), "v0_s": np.zeros(n)})
+    fits = _convexity_tables(points, 10, "norm", 0.05, 0.3).fits
+    heads = vertex_intervals(points, fits, n_resamples=200, seed=0)
+    heads = heads[heads["scope"] == "head"].set_index(["layer", "head"])
+    assert len(heads) == 6
+    for (layer, head), g in points.groupby(["layer", "head"]):
+        c2, c1, _ = np.polyfit(g["alpha0"], g["norm"], 2)
+        assert c2 < 0 and heads.loc[(layer, head), "curvature"] == pytest.approx(c2, rel=1e-6)
+    assert (heads["alpha_star_low"] > 0).all() and (heads["alpha_star_high"] < 1).all()  # the control
+    assert (heads["curvature_high"] < 0).all()
+    assert not heads["vertex_inside"].any()
+    assert (heads["share_interior"] == 0).all()
+    rows = pd.DataFrame(_claim_rows(fits, points, 0.3, 200, 0)).set_index("key")
+    assert rows.loc["share_vertex_inside", "estimate"] == pytest.approx(0.0)
+    assert rows.loc["share_interior", "estimate"] == pytest.approx(0.0)
+
+
+def test_a_group_seen_in_one_sequence_has_no_interval_over_sequences():
+    """The intervals resample whole sequences: a group seen in one sequence has no interval (NaN) and no
+    established vertex, though every resample refits the same points (a zero-width interval). No test had one."""
+    points = _narrow_points()
+    one = points[points["sequence"] == 0]
+    from cwcore.sinks.convexity import _convexity_tables
+
+    fits = _convexity_tables(one, 10, "norm", 0.02, 0.3).fits
+    vertices = vertex_intervals(one, fits, n_resamples=50, seed=0).set_index("scope")
+    c2, c1, _ = np.polyfit(one["alpha0"], one["norm"], 2)
+    assert vertices.loc["head", "alpha_star"] == pytest.approx(-c1 / (2 * c2), abs=1e-6)  # the fit itself is made
+    assert (vertices["n_sequences"] == 1).all()
+    for column in ("alpha_star_low", "alpha_star_high", "curvature_low", "curvature_high"):
+        assert vertices[column].isna().all(), column
+    assert not vertices["vertex_inside"].any()
+    # the control: two sequences give a finite interval
+    two = vertex_intervals(points[points["sequence"] < 2], fits, n_resamples=50, seed=0).set_index("scope")
+    assert np.isfinite(two.loc["head", ["alpha_star_low", "alpha_star_high"]].astype(float)).all()
+
+
 def test_an_extrapolated_vertex_is_established_but_not_observed():
     from cwcore.sinks.convexity import CONVEXITY, OBSERVED_CLAIMS, _claim_rows, _convexity_tables
     rng = np.random.default_rng(0)
@@ -210,6 +276,20 @@ def test_an_extrapolated_vertex_is_established_but_not_observed():
     assert low["threshold"] == pytest.approx(model["alpha_q05"])
     assert high["estimate"] == rows.loc["pooled_vertex_below_1", "estimate"]
     assert (rows.loc[rows["claim"] == CONVEXITY, "source"] == "paper").all()
+    # per head: every head's vertex is interior but outside its observed rates [q05, q95]. The range condition of
+    # minimum_in_range was only ever asserted True, on a head whose vertex lay inside its range. The reference:
+    # np.polyfit and np.quantile per head, written here
+    heads = fits[fits["scope"] == "head"].set_index(["layer", "head"])
+    for (layer, head), g in points.groupby(["layer", "head"]):
+        c2, c1, _ = np.polyfit(g["alpha0"], g["norm"], 2)
+        star = -c1 / (2 * c2)
+        q05, q95 = np.quantile(g["alpha0"], [0.05, 0.95])
+        assert heads.loc[(layer, head), "alpha_star"] == pytest.approx(star, rel=1e-6)
+        assert c2 > 0 and 0 < star < 1 and not q05 <= star <= q95  # interior, not observed
+        assert bool(heads.loc[(layer, head), "interior_minimum"])
+        assert not bool(heads.loc[(layer, head), "minimum_in_range"]), (layer, head)
+    assert rows.loc["share_interior", "estimate"] == pytest.approx(1.0)
+    assert rows.loc["share_in_range", "estimate"] == pytest.approx(0.0)
 
 
 # -- the direction control (registered with the confirmatory sample) -----------------------------
