@@ -168,3 +168,42 @@ def test_suppression_per_layer_type_equals_the_share_over_that_types_layers():
     llama = pd.DataFrame(convexity_rows(llama_fits, llama_raw["points"], eps, 200, 0, llama_raw["block"],
                                         llama_raw["layers"]))
     assert not llama["key"].str.contains("@global|@sliding").any()
+
+
+def test_suppression_beyond_the_head_reads_only_the_layers_that_hold_a_sink_head():
+    """The rows at the attention output and after the post-norm are "outputs of layers with a sink head", but
+    every test made every layer hold one (eps below every rate, or one layer), so dropping the layer filter
+    passed. Here eps is the highest sink rate of the sliding layer (a sink rate must lie above eps): only the
+    global layer holds sink heads. The reference: the shares over that layer's block rows alone; the control:
+    the shares over both layers differ."""
+    model, ids = tiny_model("gemma3"), random_ids(n=4, length=12)
+    fits, raw = _run(model, ids, min_range=0.0)
+    heads = fits[fits["scope"] == "head"]
+    eps = float(heads.loc[heads["layer"] == 0, "sink_rate"].max())
+    assert (heads.loc[heads["layer"] == 1, "sink_rate"] > eps).all()  # layer 1: every head a sink head
+    rows = pd.DataFrame(convexity_rows(fits, raw["points"], eps, 200, 0, raw["block"], raw["layers"])).set_index("key")
+    block = raw["block"]
+    mine = block[block["layer"] == 1]
+    for place, prefix in (("attention_output", ""), ("after_post-norm", "post_")):
+        for reading, cf in (("raw", "raw"), ("renormalised", "renorm")):
+            expected = np.mean(mine[f"{prefix}out"] < mine[f"{prefix}{cf}"])
+            everywhere = np.mean(block[f"{prefix}out"] < block[f"{prefix}{cf}"])
+            assert abs(expected - everywhere) > 0.02  # the control: the filter changes the share
+            key = f"shortened_{reading}@{place}"
+            assert rows.loc[key, "estimate"] == pytest.approx(expected, abs=1e-12), key
+            assert rows.loc[key, "n"] == len(mine)
+    # the head row: the sink heads' own queries, all in layer 1
+    points = raw["points"][raw["points"]["layer"] == 1]
+    assert rows.loc["shortened", "estimate"] == pytest.approx(np.mean(points["norm"] < np.sqrt(points["s_sq"])))
+
+
+def test_a_query_with_all_its_attention_on_the_sink_has_no_renormalised_reading():
+    """s^_i = s_i / (1 - a_i) is undefined where all attention is on the sink; head_points leaves it NaN where
+    1 - a_i is 1e-6 or less (as the convexity fits' usable points), so the query counts in no renormalised
+    share. No test had such a query: dividing anyway passed. The control: a query just inside is renormalised."""
+    points = pd.DataFrame({"layer": 0, "head": 0, "sequence": [0, 1, 2], "alpha0": [1 - 1e-9, 1 - 1e-5, 0.5],
+                           "norm": 1.0, "s_sq": [1e-18, 1e-10, 0.25], "v0_sq": 1.0})
+    heads = suppression.head_points(points)
+    assert np.isnan(heads["renorm"].iloc[0])
+    np.testing.assert_allclose(heads["renorm"].iloc[1:], [1e-5 / 1e-5, 0.5 / 0.5], rtol=1e-6)
+    np.testing.assert_allclose(heads["raw"], np.sqrt(points["s_sq"]), rtol=1e-12)
