@@ -3,6 +3,7 @@ measured part. The same inputs as test_sink_claims, with every sink rate pushed 
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from cwbook import findings
 from cwbook import sink_claims as SC
@@ -79,22 +80,42 @@ def test_claim_verdict_texts_give_the_reason_of_an_unmeasured_claim():
 
 
 def test_a_degenerate_interval_is_nan_without_a_warning_on_the_page():
+    """The test's four pairs are fewer than stats.MIN_CLUSTERS, so spearman_ci returned before the bootstrap
+    whose warnings it claimed to silence, and its estimate was compared with a second call of itself. Now: the
+    four pairs have no interval by that rule, and seven tied pairs reach the bootstrap, where a third of the
+    resamples hold x constant (rho undefined): scipy's own percentile interval is NaN there (the control),
+    spearman_ci leaves those resamples out, as documented, without a warning. The estimates are scipy's
+    spearmanr, computed here."""
     import warnings
 
-    from cwcore import sinks, stats
+    from scipy import stats as scipy_stats
+
+    from cwcore import stats
 
     x, y = np.array([0.1, 0.1, 0.2, 0.1]), np.array([1.0, 2.0, 3.0, 4.0])  # four heads, three alike
-    with warnings.catch_warnings():  # scipy warns on this sample (degenerate resamples); stats keeps it quiet
-        warnings.simplefilter("error")
-        expected = stats.spearman_ci(x, y, n_resamples=100, seed=0)
+    assert len(x) < stats.MIN_CLUSTERS
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = stats.spearman_ci(x, y, n_resamples=100, seed=0)
-    assert np.isnan(got.low) and np.isnan(got.high) and got.estimate == expected.estimate
+    assert np.isnan(got.low) and np.isnan(got.high)
+    assert got.estimate == pytest.approx(scipy_stats.spearmanr(x, y).statistic, abs=1e-12)
     from cwcore.sinks.intervals import claim_row
 
     row = claim_row(6, "c", "p", "s", "k", got, 0.0, "below", 4)
     assert row["verdict"] == "not measured" and row["why"] == "too few values for an interval (n=4)"
+    # seven pairs, six alike: a resample misses the odd x with probability (6/7)^7 = 0.34
+    x, y = np.array([0.1] * 6 + [0.2]), np.arange(1.0, 8.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = scipy_stats.bootstrap((x, y), lambda a, b: scipy_stats.spearmanr(a, b).statistic, paired=True,
+                                      vectorized=False, n_resamples=200, method="percentile",
+                                      rng=np.random.default_rng(0)).confidence_interval
+    assert np.isnan(plain.low) or np.isnan(plain.high)  # the control: the constant resamples poison scipy's interval
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = stats.spearman_ci(x, y, n_resamples=200, seed=0)
+    assert got.estimate == pytest.approx(scipy_stats.spearmanr(x, y).statistic, abs=1e-12)
+    assert np.isfinite(got.low) and np.isfinite(got.high) and -1 <= got.low <= got.high <= 1
 
 
 def test_a_model_without_sink_heads_runs_every_claim_of_chapters_5_and_7():
