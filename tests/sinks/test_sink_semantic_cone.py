@@ -16,8 +16,12 @@ from tiny_models import VOCAB, tiny_model
 
 
 def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
+    """The control's rows were checked only by bounds a run that removes nothing also meets (cos_after < 0.99
+    and abs(delta_cos) below half the sink's). Now its head 1 is checked against the planted output of
+    removing key r: a_i v0 + (1 - a_i - 1 / (E + i)) vt for queries i > r (r read from the raw sequences)."""
     model, ids = planted_model(), planted_ids()
-    tables = sinks.sink_semantic_cone(model, None, ids, **FAST)
+    result = sinks.run_analyses(model, None, ids, ["semantic_cone"], raw=True, **FAST)
+    tables = result["semantic_cone"]
     heads = tables.heads.set_index(["condition", "head"])
     # head 1: removing the sink leaves (1 - a) vt, exactly on the cone's axis; before, the angle is planted
     assert heads.loc[("sink", 1), "cos_after"] == pytest.approx(1.0, abs=1e-5)
@@ -27,6 +31,21 @@ def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
     # the control removes one tail token: the output keeps its sink component
     assert heads.loc[("control", 1), "cos_after"] < 0.99
     assert abs(heads.loc[("control", 1), "delta_cos"]) < 0.5 * heads.loc[("sink", 1), "delta_cos"]
+    # ... and it does remove key r: every tail value is vt (the cone's axis), alpha_ir = 1 / (E + i)
+    v0, vt = np.array(V0), np.array(VT)
+    after, before = [], []
+    for r in result["raw"]["semantic_cone"]["sequences"]["control_key"]:
+        i = np.arange(r + 1, T)
+        a = E / (E + i)
+        after.append(np.outer(a, v0) + np.outer(1 - a - 1 / (E + i), vt))
+        before.append(np.outer(a, v0) + np.outer(1 - a, vt))
+    after, before = np.concatenate(after), np.concatenate(before)
+    cos_vt = after @ vt / (np.linalg.norm(after, axis=1) * np.linalg.norm(vt))
+    assert heads.loc[("control", 1), "norm_after"] == pytest.approx(np.linalg.norm(after, axis=1).mean(), rel=1e-5)
+    assert heads.loc[("control", 1), "cos_after"] == pytest.approx(cos_vt.mean(), abs=1e-5)
+    delta = cos_vt.mean() - (before @ vt / (np.linalg.norm(before, axis=1) * np.linalg.norm(vt))).mean()
+    assert delta < -1e-3  # the control: removing key r turns the output off the axis (a no-op would give 0)
+    assert heads.loc[("control", 1), "delta_cos"] == pytest.approx(delta, abs=1e-5)
     a = expected_alpha()
     # head 0: the norm after removing the sink term is (1 - a) P for every query
     assert heads.loc[("sink", 0), "norm_after"] == pytest.approx(np.mean((1 - a) * P_TAIL), rel=1e-5)
@@ -46,8 +65,12 @@ def test_semantic_cone_collapses_into_the_cone_and_differs_from_the_control():
 
 
 def test_semantic_cone_matches_naive_interventions():
+    """The control was checked only through its count of touched queries (bookkeeping, not the intervention):
+    a control run that removed nothing passed. Now its outputs and perplexity are compared with a naive run of
+    the model that removes key r of each sequence for queries i > r (r read from the raw sequences)."""
     model, ids = tiny_model("llama"), random_ids()
-    tables = sinks.sink_semantic_cone(model, None, ids, batch_size=2, **FAST)
+    result = sinks.run_analyses(model, None, ids, ["semantic_cone"], raw=True, batch_size=2, **FAST)
+    tables = result["semantic_cone"]
     clean, clean_logits = naive_run(model, ids)
     b, n = ids.shape
     mask = torch.zeros(b, 4, n, n, dtype=torch.bool)
@@ -75,9 +98,29 @@ def test_semantic_cone_matches_naive_interventions():
     a, o, v = clean[0]["attention"], clean[0]["outputs"], clean[0]["values"]
     s_hat = (o - a[..., :1] * v[:, :, :1]) / (1 - a[..., :1])
     np.testing.assert_allclose(renorm.loc[0, "norm_after"], s_hat[:, :, 1:].norm(dim=-1).mean((0, 2)), rtol=1e-4)
-    # the control's seeded key, removed for later queries only
-    control = tables.heads[tables.heads["condition"] == "control"]
-    assert (control["n"] < heads["n"].to_numpy()).all()
+    # the control's seeded key r, removed for later queries only
+    keys = result["raw"]["semantic_cone"]["sequences"].sort_values("sequence")["control_key"].to_numpy()
+    removed = torch.zeros(b, 4, n, n, dtype=torch.bool)
+    for seq, r in enumerate(keys):
+        removed[seq, :, r + 1:, r] = True
+    after, after_logits = naive_run(model, ids, masks={0: removed, 1: removed})
+    control = tables.heads[tables.heads["condition"] == "control"].set_index(["layer", "head"])
+    touched = torch.arange(n)[None, :] > torch.tensor(keys)[:, None]  # [b, q]
+    assert (control["n"] == int(touched.sum())).all()
+    for l in range(2):
+        norm = after[l]["outputs"].norm(dim=-1)  # [b, h, q]
+        v = after[l]["values"][:, :, 1:]
+        axis = v.cumsum(2) / torch.arange(1, n, dtype=v.dtype)[None, None, :, None]
+        cos = _cos(after[l]["outputs"][:, :, 1:], axis)  # [b, h, q - 1]
+        for h in range(4):
+            expected_norm = norm[:, h][touched].mean()
+            expected_cos = cos[:, h][touched[:, 1:]].mean()
+            assert control.loc[(l, h), "norm_after"] == pytest.approx(float(expected_norm), rel=1e-4), (l, h)
+            assert control.loc[(l, h), "cos_after"] == pytest.approx(float(expected_cos), abs=1e-5), (l, h)
+        assert not np.allclose(control.loc[l, "norm_after"], control.loc[l, "norm_clean"], rtol=1e-4)  # it acts
+    row = tables.ppl.set_index("condition").loc["control"]
+    assert row["ppl"] == pytest.approx(ppl(after_logits), rel=1e-5)
+    assert row["ppl"] != pytest.approx(row["ppl_clean"], rel=1e-6)
 
 
 def test_sink_heads_scope_only_touches_heads_above_the_threshold():
