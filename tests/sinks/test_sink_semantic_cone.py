@@ -123,6 +123,54 @@ def test_semantic_cone_matches_naive_interventions():
     assert row["ppl"] != pytest.approx(row["ppl_clean"], rel=1e-6)
 
 
+def _remove_sink_mass(p, order):
+    """Naive: walk the keys in ``order``, zeroing their attention until alpha_i0 of mass (or all the tail's) is gone."""
+    kept, left = p.astype(float).copy(), float(p[0])
+    for j in order:
+        take = min(left, kept[j])
+        kept[j] -= take
+        left -= take
+    return kept
+
+
+def test_the_controls_draw_their_key_and_removal_order_from_the_seed():
+    """The controls' randomness was never checked: a control key fixed at 1 and a mass-matched control that
+    removes keys in index order passed (test_mass_matched_removal... walks given scores, not the drawn ones).
+    The references re-draw the registered streams here: the key r = default_rng([seed, sequence]).integers(1,
+    T - 1); the removal priorities default_rng([seed, sequence, 1]).random((heads, T, T)), walked naively over
+    the eager attention map of layer 0 (nothing upstream changed there) to give the expected output norms.
+    The controls: the keys vary over sequences and seeds, and removing in index order gives other norms."""
+    model, ids = tiny_model("llama"), random_ids(n=4, length=12)
+    b, n = ids.shape
+    clean, _ = naive_run(model, ids)
+    probs, values = clean[0]["attention"], clean[0]["values"]  # [b, h, q, k], [b, h, k, m]
+    heads_n = probs.shape[1]
+    keys = {}
+    for seed in (0, 1):
+        raw = sinks.run_analyses(model, None, ids, ["semantic_cone"], raw=True, batch_size=2, seed=seed,
+                                 **FAST)["raw"]["semantic_cone"]
+        keys[seed] = raw["sequences"].sort_values("sequence")["control_key"].to_numpy()
+        expected = [np.random.default_rng([seed, s]).integers(1, n - 1) for s in range(b)]
+        np.testing.assert_array_equal(keys[seed], expected)
+        assert ((keys[seed] >= 1) & (keys[seed] <= n - 2)).all()  # a non-sink key with a later query
+        mass = raw["points"][(raw["points"]["condition"] == "control_mass") & (raw["points"]["layer"] == 0)]
+        got = mass.set_index(["sequence", "head", "query"])["norm_after"]
+        in_order = []  # abs(difference) from removing keys 1..i in index order
+        for seq in range(b):
+            scores = np.random.default_rng([seed, seq, 1]).random((heads_n, n, n))
+            for h in range(heads_n):
+                v = values[seq, h].numpy()
+                for i in range(1, n):
+                    p = probs[seq, h, i].numpy()
+                    drawn = sorted(range(1, i + 1), key=scores[h, i].__getitem__)
+                    norm = np.linalg.norm(_remove_sink_mass(p, drawn) @ v)
+                    assert got.loc[(seq, h, i)] == pytest.approx(norm, rel=1e-4, abs=1e-6), (seed, seq, h, i)
+                    by_index = np.linalg.norm(_remove_sink_mass(p, range(1, i + 1)) @ v)
+                    in_order.append(abs(got.loc[(seq, h, i)] - by_index))
+        assert max(in_order) > 1e-3  # the control: the order of removal matters here
+    assert len(set(keys[0]) | set(keys[1])) > 1 and (keys[0] != keys[1]).any()
+
+
 def test_sink_heads_scope_only_touches_heads_above_the_threshold():
     model, ids = tiny_model("llama"), random_ids()
     reference, _ = naive_run(model, ids)
