@@ -183,3 +183,46 @@ def test_removal_counts_round_the_float64_product_as_documented():
     counts = torch.tensor([45, 405, 10, 3])
     assert removal_counts(counts, 0.7).tolist() == [31, 284, 7, 2]  # 0.7 x 405 is 283.5 in float64 too
     assert removal_counts(torch.tensor([5]), 0.5).tolist() == [3]  # 2.5: a half in binary too
+
+
+def test_the_random_controls_hashed_scores_depend_on_every_documented_input():
+    """The random control ranks by hashed_uniform, "a hash of (seed, group id, layer, head, query, key)", but no
+    test called it: with layer and head dropped from the hash every head got the same scores (with
+    unit="head_key" the control then removed the same positions in every head) and every test passed. The
+    checks: changing any one input changes almost every score; the same group and positions give the same
+    scores whatever the batch and padding; the scores lie on the 2^-24 grid in [0, 1) and are uniform there
+    (Kolmogorov-Smirnov against U(0, 1))."""
+    from scipy import stats
+
+    from cwcore.faithfulness.ranking import hashed_uniform
+
+    n, heads = 24, 4
+    positions = torch.arange(n).expand(2, n)
+    groups = torch.tensor([3, 7])
+    base = hashed_uniform(0, groups, 1, heads, positions)  # [2, heads, n, n]
+    assert base.shape == (2, heads, n, n) and base.dtype == torch.float32
+
+    def share_equal(a, b):
+        return float((a == b).double().mean())
+
+    assert share_equal(base, hashed_uniform(0, groups, 1, heads, positions)) == 1.0  # deterministic
+    for name, other in (("seed", hashed_uniform(1, groups, 1, heads, positions)),
+                        ("group", hashed_uniform(0, groups + 1, 1, heads, positions)),
+                        ("layer", hashed_uniform(0, groups, 2, heads, positions))):
+        assert share_equal(base, other) < 0.01, name  # equal by chance: about 2^-24 each
+    for h in range(1, heads):
+        assert share_equal(base[:, 0], base[:, h]) < 0.01, h  # the head enters the hash
+    assert share_equal(base[0], base[1]) < 0.01  # two groups
+    assert share_equal(base[:, :, 1:, :], base[:, :, :-1, :]) < 0.01  # the query position
+    assert share_equal(base[..., 1:], base[..., :-1]) < 0.01  # the key position
+    # the same group at the same positions: the same scores, in another batch and with left padding
+    alone = hashed_uniform(0, groups[1:], 1, heads, positions[1:])
+    assert torch.equal(alone, base[1:])
+    padded = hashed_uniform(0, groups, 1, heads, torch.cat([torch.zeros(2, 3, dtype=torch.long), positions], 1))
+    assert torch.equal(padded[..., 3:, 3:], base)
+    # on the grid k / 2^24 in [0, 1), and uniform
+    values = base.double().reshape(-1)
+    assert values.min() >= 0 and values.max() < 1
+    assert torch.equal(values * 2**24, (values * 2**24).round())
+    assert stats.kstest(values.numpy(), "uniform").pvalue > 1e-3
+    assert 0.45 < float(values.mean()) < 0.55 and len(values) == 2 * heads * n * n
