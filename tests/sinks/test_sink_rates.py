@@ -28,6 +28,8 @@ def test_sink_rates_recover_the_planted_rate_and_sink_eps():
 
 
 def test_sink_rates_match_eager_attention_maps():
+    """Also the quantiles q10 / median / q90 over queries >= 1 (numpy's linear quantile): q10 and q90 were
+    read by no test."""
     model, ids = tiny_model("llama"), random_ids()
     table = sinks.sink_rates(model, None, ids, batch_size=2, **FAST).set_index(["layer", "head"])
     reference, _ = naive_run(model, ids)
@@ -35,6 +37,9 @@ def test_sink_rates_match_eager_attention_maps():
         a0 = ref["attention"][:, :, :, 0]
         np.testing.assert_allclose(table.loc[l, "sink_rate"], a0[:, :, 1:].mean((0, 2)).numpy(), atol=1e-6)
         np.testing.assert_allclose(table.loc[l, "sink_rate_all_queries"], a0.mean((0, 2)).numpy(), atol=1e-6)
+        later = a0[:, :, 1:].permute(1, 0, 2).reshape(4, -1).numpy()  # [head, sequence x query]
+        for column, q in (("q10", 0.1), ("median", 0.5), ("q90", 0.9)):
+            np.testing.assert_allclose(table.loc[l, column], np.quantile(later, q, axis=1), atol=1e-6)
         np.testing.assert_allclose(table.loc[l, "sink_rate_std"], a0[:, :, 1:].permute(1, 0, 2).reshape(4, -1).std(1, unbiased=False).numpy(), atol=1e-6)
     rates = table["sink_rate"]
     assert table["sink_eps"].iloc[0] == pytest.approx(float((rates > 0.3).mean()))
@@ -102,12 +107,15 @@ def test_key_masses_and_token_classes_match_eager_attention_maps():
                 assert row[f"mass_{c}"] == pytest.approx(expected, abs=1e-5), c
                 total += row[f"mass_{c}"]
             assert total == pytest.approx(1.0, abs=1e-5)
-    # the uniform baseline: query i gives 1/(i+1) to each of its keys
+    # the uniform baseline: query i >= 1 gives 1/(i+1) to each of its keys, for every class (only "special"
+    # was checked, so key 0's baseline, which only "bos" holds, could count query 0 too)
     uniform = np.zeros((2, n))
     for i in range(1, n):
         uniform[:, : i + 1] += 1 / (i + 1) / (n - 1)
-    expected = np.mean([uniform[s][classes[s] == "special"].sum() for s in range(2)])
-    assert table["uniform_special"].iloc[0] == pytest.approx(expected)
+    for c in TOKEN_CLASSES:
+        expected = np.mean([uniform[s][classes[s] == c].sum() for s in range(2)])
+        assert table[f"uniform_{c}"].iloc[0] == pytest.approx(expected), c
+    assert sum(table[f"uniform_{c}"].iloc[0] for c in TOKEN_CLASSES) == pytest.approx(1.0)
     assert (table["layer_type"] == "global").all() and table["learned_sink_mass"].isna().all()
 
 
