@@ -12,13 +12,14 @@ Bad input ends with one ``cwcore: error: ...`` line and exit status 2 (``--debug
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import sys
 import time
 from pathlib import Path
 
-__all__ = ["main", "explain", "run_command", "debug_requested", "UsageError"]
+__all__ = ["main", "explain", "run_command", "debug_requested", "UsageError", "ArgumentParser"]
 
 _FORMATS = {".png", ".pdf", ".svg", ".jpg", ".jpeg", ".html"}  # .html: the interactive explorer (cwcore.explorer)
 #: the widest figure `cwcore explain` draws (inches, both panels); longer texts get thinned labels
@@ -299,6 +300,23 @@ def _cache_command(args) -> int | None:
           "again: `cwcore cache prune` deletes them")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose own errors (a value of the wrong type, an unknown flag, a misspelt command, a
+    missing argument) end as every other bad input does: one ``<command>: error: ...`` line, exit status 2, no
+    usage block. ``command`` is the prefix (default ``prog``); a subcommand's parser inherits its parent's."""
+
+    def __init__(self, *args, command: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.command = command or self.prog
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", functools.partial(type(self), command=self.command))
+        return super().add_subparsers(**kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.command}: error: {' '.join(str(message).split())}\n")
+
+
 def _count(text: str) -> int:
     """An argparse type: a whole number of at least 1 (a count of tokens or terms)."""
     try:
@@ -311,7 +329,7 @@ def _count(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cwcore", description="Contribution weights of transformer attention.")
+    parser = ArgumentParser(prog="cwcore", description="Contribution weights of transformer attention.")
     common = argparse.ArgumentParser(add_help=False)  # accepted before and after the command
     for p, default in ((parser, False), (common, argparse.SUPPRESS)):
         p.add_argument("--debug", action="store_true", default=default,

@@ -50,7 +50,8 @@ def test_python_dash_m_cwcore_is_the_command_line():
         module = run_cli(*args)
         assert (package.returncode, package.stdout, package.stderr) == (module.returncode, module.stdout,
                                                                          module.stderr)
-    assert package.returncode == 2 and package.stderr.startswith("usage: cwcore explain")
+    assert package.returncode == 2
+    assert package.stderr == "cwcore: error: the following arguments are required: --out\n"
     assert "smollm2-135m" in run_cli("models").stdout
 
 
@@ -380,8 +381,48 @@ def test_explain_refuses_a_count_below_one_before_loading_the_model(tmp_path, ca
     with pytest.raises(SystemExit) as exit_:
         main(["explain", "the cat", "--model", str(tmp_path / "no-such-model"), "--out", str(out), *args])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == "cwcore explain: error: " + message
+    assert capsys.readouterr().err.strip().splitlines() == ["cwcore: error: " + message]  # one line, no usage
     assert not out.exists()
+
+
+def _faithfulness_main(argv):
+    from cwcore.faithfulness.cli import main as faithfulness_main
+
+    return faithfulness_main(argv)
+
+
+def _sinks_main(argv):
+    from cwcore.sinks.cli import main as sinks_main
+
+    return sinks_main(argv)
+
+
+@pytest.mark.parametrize("run, args, line", [
+    (main, ["explain", "x", "--out", "f.png", "--summary", "--top-k", "-3"],
+     "cwcore: error: argument --top-k: must be at least 1, got -3"),
+    (main, ["explain", "x", "--out", "f.png", "--max-tokens", "-1"],
+     "cwcore: error: argument --max-tokens: must be at least 1, got -1"),
+    (main, ["explain", "x", "--out", "f.png", "--layer", "five"],
+     "cwcore: error: argument --layer: invalid int value: 'five'"),
+    (main, ["explain", "x", "--out", "f.png", "--modle", "m"], "cwcore: error: unrecognized arguments: --modle m"),
+    (main, ["explian", "x"],
+     "cwcore: error: argument command: invalid choice: 'explian' (choose from 'explain', 'models', 'cache')"),
+    (main, ["cache", "purge"],
+     "cwcore: error: argument action: invalid choice: 'purge' (choose from 'info', 'prune', 'verify')"),
+    (_faithfulness_main, ["--block-size", "ten"],
+     "python -m cwcore.faithfulness: error: argument --block-size: invalid int value: 'ten'"),
+    (_faithfulness_main, ["--modle", "m"], "python -m cwcore.faithfulness: error: unrecognized arguments: --modle m"),
+    (_sinks_main, ["--model", "m", "--data", "d", "--num-sequences", "x"],
+     "python -m cwcore.sinks: error: argument --num-sequences: invalid int value: 'x'"),
+    (_sinks_main, ["--model", "m"], "python -m cwcore.sinks: error: the following arguments are required: --data"),
+])
+def test_argparse_errors_are_one_line_of_every_command_line(capsys, run, args, line):
+    # before: argparse's usage block (up to 30 lines) above a "cwcore explain: error: ..." line
+    with pytest.raises(SystemExit) as exit_:
+        run(args)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [line] and captured.out == ""
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Sequence
 
-from ..cli import UsageError, add_model_options, debug_requested, given_flags, run_command
+from ..cli import ArgumentParser, UsageError, add_model_options, debug_requested, given_flags, run_command
 from ..provenance import RESULTS_FOLDER, confined, output_folder
 
 __all__ = ["main", "parser", "CHOICES"]
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (standard library only: ``--help`` answers at once)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m cwcore.faithfulness",
         description="Faithfulness sweeps (comprehensiveness / sufficiency) written as tidy CSVs.")
     parser.add_argument("--model", default="smollm2-135m", help="packaged name, hub id or local path (default %(default)s)")

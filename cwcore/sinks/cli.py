@@ -20,7 +20,7 @@ __all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
-from ..cli import UsageError, add_model_options, debug_requested, given_flags, run_command
+from ..cli import ArgumentParser, UsageError, add_model_options, debug_requested, given_flags, run_command
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences", "add_bos")
@@ -182,7 +182,7 @@ def main(argv: Iterable[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command line's parser (standard library only: ``--help`` answers at once)."""
-    parser = argparse.ArgumentParser(prog="python -m cwcore.sinks", description=_DESCRIPTION)
+    parser = ArgumentParser(prog="python -m cwcore.sinks", description=_DESCRIPTION)
     parser.add_argument("--model", required=True, help="a name cwcore.models.load_model knows, e.g. smollm2-135m")
     parser.add_argument("--data", required=True, help="a data set cwcore.data.load_dataset knows, e.g. gsm8k, web-text")
     parser.add_argument("--num-sequences", type=int, default=32, help="documents (or stream blocks) to analyse")
