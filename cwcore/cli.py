@@ -147,7 +147,9 @@ def _explain_command(args) -> None:
     from .models import load_model
 
     out = _check_output_path(args.out)
-    if (args.text is None) == (args.file is None):
+    if args.text is None and args.file is None:
+        raise UsageError("no text: give the text, or --file with a UTF-8 text file")
+    if args.text is not None and args.file is not None:
         raise UsageError("give the text, or --file with a UTF-8 text file, not both")
     if args.file is not None:
         try:

@@ -172,6 +172,18 @@ def test_cli_process_exits_without_traceback(local_model, tmp_path):
         assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    ([], "no text: give the text, or --file with a UTF-8 text file"),
+    (["the cat", "--file", "t.txt"], "give the text, or --file with a UTF-8 text file, not both"),  # as before
+])
+def test_explain_says_the_text_is_missing_or_given_twice(tmp_path, capsys, args, message):
+    # before: "give the text, or --file with a UTF-8 text file, not both" when neither was given
+    out = tmp_path / "f.png"
+    assert main(["explain", *args, "--model", str(tmp_path / "no-such-model"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == ["cwcore: error: " + message]
+    assert not out.exists()
+
+
 def test_cli_rejects_empty_text_and_unwritable_path(local_model, tmp_path):
     assert main(["explain", "", "--model", str(local_model), "--out", str(tmp_path / "f.png")]) == 2
     locked = tmp_path / "locked"
