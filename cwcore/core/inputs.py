@@ -184,11 +184,11 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
         raise InputError(f"{caller}: give input_ids or inputs_embeds, not both")
     if ids is not None:
         ids = _as_2d("input_ids", ids, caller)
+        if ids.numel() == 0:  # first: torch makes [] float32, and no ids is the reason, not their type
+            raise InputError(f"{caller}: input_ids is empty (shape {tuple(ids.shape)}): give at least one token")
         if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_complex():
             raise InputTypeError(f"{caller}: input_ids must be integer token ids, got {ids.dtype}; "
                             "use tokenizer(..., return_tensors='pt') or ids.long()")
-        if ids.numel() == 0:
-            raise InputError(f"{caller}: input_ids is empty (shape {tuple(ids.shape)}): give at least one token")
         vocabulary = _vocabulary_size(model)
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or (vocabulary is not None and high >= vocabulary):

@@ -1,5 +1,7 @@
 """Bad input at the core's boundary fails at once, in one sentence that names the argument."""
 
+import re
+
 import pytest
 import torch
 
@@ -56,6 +58,15 @@ def test_a_tokenizers_extra_outputs_are_named_as_such(model, call):
 def test_bad_ids(model, ids, error, match):
     with pytest.raises(error, match=match):
         cwcore.decompose(model, input_ids=ids)
+
+
+@pytest.mark.parametrize("call", ["decompose", "summarize", "attribute"])
+@pytest.mark.parametrize("ids, shape", [([], (1, 0)), ([[]], (1, 0))])
+def test_empty_ids_are_said_to_be_empty(model, call, ids, shape):
+    # before: "input_ids must be integer token ids, got torch.float32" (torch makes [] float32)
+    with pytest.raises(ValueError, match=rf"^{call}: input_ids is empty \(shape {re.escape(str(shape))}\): "
+                                         "give at least one token$"):
+        getattr(cwcore, call)(model, input_ids=ids)
 
 
 def test_one_sequence_is_a_batch_of_one(model):
