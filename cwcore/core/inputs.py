@@ -148,6 +148,12 @@ def own_options(function) -> tuple[str, ...]:
                  and parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL))
 
 
+def did_you_mean(name: str, candidates: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the candidate closest to a misspelt keyword ``name``, or ``""``."""
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False,
                  options: Iterable[str] = ()) -> dict:
     """The model inputs, checked (and 1-D ``input_ids``/``attention_mask`` promoted to a batch of one).
@@ -172,10 +178,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
                              f"{'it' if one else 'them'} out, e.g. {caller}(model, input_ids=enc['input_ids'], "
                              "attention_mask=enc['attention_mask'])")
     if unknown:
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, sorted((accepted - _KERNEL_KEYWORDS) | set(options)), n=1)
-            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        hints = [f"{name!r}" + did_you_mean(name, (accepted - _KERNEL_KEYWORDS) | set(options)) for name in unknown]
         raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
                         f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")
     inputs = dict(inputs)

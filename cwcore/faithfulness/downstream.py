@@ -11,11 +11,11 @@ import torch
 from torch import nn
 
 from ..core.architectures import input_device
-from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts
+from ..core.inputs import check_count, check_not_empty, check_sweep_arguments, check_texts, own_options
 from ..data import choice_batches, load_dataset
 from .lm import pad_id
 from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
-                       specs as parse_specs)
+                       refuse_unknown, specs as parse_specs)
 from .summary import summarize_downstream
 from .sweep import Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
 
@@ -114,6 +114,7 @@ def downstream_eval(
     ppl, removed_fraction, n_examples`` + protocol columns (bootstrap over examples; accuracy's interval is
     Wilson's score interval)."""
     refuse_removed("downstream_eval", protocol_keywords, ("cache", "cache_dir"))
+    refuse_unknown("downstream_eval", protocol_keywords, own_options(downstream_eval))
     check_sweep_arguments(model, caller="downstream_eval", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
                           confidence=confidence)

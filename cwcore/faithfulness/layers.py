@@ -24,10 +24,10 @@ from torch import nn
 
 from ..core.architectures import attention_blocks, input_device
 from ..core.thread_state import holding
-from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences
+from ..core.inputs import check_layers, check_sweep_arguments, check_texts, check_token_sequences, own_options
 from .lm import DEFAULT_MAX_LENGTH, _documents, _lm_scorer, _lm_sequences, pad_id
 from .protocol import (Protocol, as_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
-                       specs as parse_specs)
+                       refuse_unknown, specs as parse_specs)
 from .methods.registry import check_precomputed_fit
 from .ranking import removal_mask
 from .summary import aopc
@@ -109,6 +109,7 @@ def per_layer_curve(model: nn.Module, tokenizer, texts, metric=None, ratios=None
     ``protocol`` (or its fields as keywords, as in ``faithfulness_curve``): clean scores and all layers
     ranked (``layers`` here picks where to intervene), so ``scores="live"`` or ``protocol.layers`` are refused."""
     refuse_removed("per_layer_curve", protocol_keywords, ("cache", "cache_dir"))
+    refuse_unknown("per_layer_curve", protocol_keywords, own_options(per_layer_curve))
     check_sweep_arguments(model, caller="per_layer_curve", metric=metric, ratios=ratios, mode=mode, layers=layers,
                           batch_size=batch_size, padding_side=padding_side)
     protocol = as_protocol(protocol, **protocol_keywords)

@@ -15,9 +15,9 @@ from torch import nn
 
 from ..core.architectures import attention_blocks, input_device
 from ..core.inputs import (InputError, check_count, check_sequence_ids, check_sweep_arguments, check_texts,
-                           check_token_sequences, is_integer_number)
+                           check_token_sequences, is_integer_number, own_options)
 from .protocol import (Protocol, model_protocol, modes as parse_modes, ratios as parse_ratios, refuse_removed,
-                       specs as parse_specs)
+                       refuse_unknown, specs as parse_specs)
 from .methods.registry import check_precomputed_fit
 from .result import FaithfulnessResult
 from .sweep import Batch, Scorer, canonical_order, pad_batch, piece_store, run_sweep, sample_identity
@@ -219,6 +219,7 @@ def faithfulness_curve(
     the AOPC with intervals; ``.plot()``.
     """
     refuse_removed("faithfulness_curve", protocol_keywords)
+    refuse_unknown("faithfulness_curve", protocol_keywords, own_options(faithfulness_curve))
     check_sweep_arguments(model, caller="faithfulness_curve", metric=metric, ratios=ratios, mode=mode,
                           layers=protocol_keywords.get("layers"), batch_size=batch_size, n_bootstrap=n_bootstrap,
                           confidence=confidence, padding_side=padding_side)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from ..core.decomposition import METRICS
-from ..core.inputs import InputTypeError, is_integer_number, is_seed
+from ..core.inputs import InputTypeError, did_you_mean, is_integer_number, is_seed
 from . import methods as _methods
 from .ranking import MODES, SCOPES, UNITS, layer_heads, layer_windows  # noqa: F401  (re-exported)
 
@@ -214,6 +214,17 @@ def refuse_removed(caller: str, keywords: Mapping, names=tuple(REMOVED_KEYWORDS)
     for name in keywords:
         if name in names:
             raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}: {REMOVED_KEYWORDS[name]}")
+
+
+def refuse_unknown(caller: str, keywords: Mapping, options) -> None:
+    """Raise a one-line :class:`TypeError` for a keyword of ``keywords`` that is no protocol field, suggesting
+    the closest of the caller's own ``options`` (its parameter names) and the protocol's fields: ``ratio``
+    gets "did you mean 'ratios'?"."""
+    unknown = sorted(set(keywords) - set(PROTOCOL_FIELDS))
+    if unknown:
+        hints = ", ".join(f"{name!r}" + did_you_mean(name, [*options, *PROTOCOL_FIELDS]) for name in unknown)
+        raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {hints}; it takes {', '.join(options)} "
+                             f"and the protocol's fields {', '.join(PROTOCOL_FIELDS)}")
 
 
 def _column_value(name: str, value):

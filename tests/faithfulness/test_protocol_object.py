@@ -24,6 +24,23 @@ def test_as_protocol_replaces_fields_and_refuses_unknown_keywords():
                                     "removal"}
 
 
+@pytest.mark.parametrize("entry", ["faithfulness_curve", "per_layer_curve", "downstream_eval"])
+@pytest.mark.parametrize("typo, meant", [("ratio", "ratios"), ("modes", "mode"), ("max_len", "max_length"),
+                                         ("unti", "unit")])
+def test_a_misspelt_keyword_of_the_entry_point_or_the_protocol_is_suggested(peaked, entry, typo, meant):
+    # before: "unknown protocol keyword(s) ['ratio']; a protocol has [...]", no suggestion and a list without ratios
+    from cwcore.faithfulness.downstream import downstream_eval
+    from cwcore.faithfulness.layers import per_layer_curve
+
+    call = {"faithfulness_curve": fa.faithfulness_curve, "per_layer_curve": per_layer_curve,
+            "downstream_eval": downstream_eval}[entry]
+    model, ids = peaked
+    with pytest.raises(TypeError, match=rf"^{entry}\(\) got unexpected keyword argument\(s\) '{typo}' "
+                                        rf"\(did you mean '{meant}'\?\); it takes .*\bratios, mode\b.* and the "
+                                        r"protocol's fields unit, scope, layers"):
+        call(model, None, ids, "attention", **{typo: 1}, progress=False)
+
+
 def test_variants_are_named_from_the_protocol():
     assert Protocol().variant == Protocol(kind="intra", importance="absolute").variant == "main"
     assert Protocol(unit="token").variant == "token-unit"
@@ -42,7 +59,7 @@ def test_the_object_and_the_keywords_give_the_same_rows(peaked):
     # keywords replace the object's fields
     mixed = fa.faithfulness_curve(model, None, ids, metrics, ratios, protocol=Protocol(kind="intra"), unit="token", **KW).per_sequence
     pd.testing.assert_frame_equal(mixed, by_object)
-    with pytest.raises(TypeError, match="unknown protocol keyword"):
+    with pytest.raises(TypeError, match=r"got unexpected keyword argument\(s\) 'knd' \(did you mean 'kind'\?\)"):
         fa.faithfulness_curve(model, None, ids, metrics, ratios, knd="intra", **KW).per_sequence
     # the variant rides through the summaries
     assert set(fa.aopc(by_object, n_bootstrap=20)["variant"]) == {"token-unit"}
