@@ -459,6 +459,33 @@ def given_flags(parser: argparse.ArgumentParser, argv, names) -> set[str]:
     return {name for name, value in vars(parser.parse_args(argv)).items() if name in names and value is not unset}
 
 
+def check_block_size(block_size: int, model) -> None:
+    """Refuse a ``--block-size`` longer than the model's context, in the command line's words."""
+    from .core.inputs import context_length
+
+    limit = context_length(model)
+    if limit is not None and block_size > limit:
+        raise UsageError(f"--block-size {block_size} is longer than the model's context ({limit} tokens): "
+                         f"give at most {limit}")
+
+
+def sampled_blocks(make, block_size: int, data: str, documents: bool):
+    """The blocks ``make()`` returns (:func:`cwcore.data.document_blocks` when ``documents``, else
+    :func:`cwcore.data.lm_blocks`); none at all is refused in one line naming ``--block-size``, without the
+    data module's warning about the shortfall (a partial one is still warned about)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        blocks = make()
+    if len(blocks) == 0:
+        where = f"no document of {data} is" if documents else f"{data} holds fewer than"
+        raise UsageError(f"--block-size {block_size}: {where} {block_size} tokens long; give a smaller --block-size")
+    for warning in caught:
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return blocks
+
+
 def debug_requested(argv: list[str] | None = None) -> bool:
     """Whether ``--debug`` is on the command line (``argv``, default ``sys.argv``) or ``CWCORE_DEBUG`` is set."""
     argv = sys.argv[1:] if argv is None else list(argv)

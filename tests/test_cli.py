@@ -473,6 +473,43 @@ def test_every_command_line_option_says_what_it_does():
     assert silent == []
 
 
+@pytest.fixture
+def no_loading_bar():
+    """transformers' "Loading weights" bar off for the test, as before it after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    yield
+    if was:
+        hf_logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("command", ["faithfulness", "sinks"])
+def test_a_block_size_no_document_or_context_holds_is_refused_naming_it(local_model, tmp_path, capsys, command,
+                                                                        no_loading_bar):
+    # before: a 2-line UserWarning ("only 0 documents of at least 100 tokens available") and then "texts holds no
+    # sequence" (faithfulness) or "data holds no sequence" (sinks); the model's context was never named
+    from cwcore.faithfulness.cli import main as faithfulness_main
+    from cwcore.sinks.cli import main as sinks_main
+
+    texts = tmp_path / "short.txt"
+    texts.write_text("the cat sat on the mat\n\nthe dog ran far away\n", encoding="utf-8")
+    run = {"faithfulness": lambda extra: faithfulness_main(["--model", str(local_model), "--num-sequences", "2",
+                                                            "--out", str(tmp_path / "out"), *extra]),
+           "sinks": lambda extra: sinks_main(["--model", str(local_model), "--num-sequences", "2", "--out",
+                                              str(tmp_path / "out"), *extra])}[command]
+    prog = f"python -m cwcore.{command}: error: "
+    for extra, line in (
+            (["--data", "web-text", "--block-size", "100"],
+             "--block-size 100 is longer than the model's context (64 tokens): give at most 64"),
+            (["--data", str(texts), "--block-size", "32"],
+             f"--block-size 32: no document of {texts} is 32 tokens long; give a smaller --block-size")):
+        assert run(extra) == 2
+        assert capsys.readouterr().err.splitlines() == [prog + line]
+    assert not list(tmp_path.glob("out/*"))
+
+
 @pytest.mark.parametrize("command", ["explain", "faithfulness", "sinks"])
 def test_each_command_line_loads_the_model_on_the_device_asked_for(local_model, tmp_path, monkeypatch, capsys,
                                                                    command):

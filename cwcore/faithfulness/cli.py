@@ -10,7 +10,8 @@ import re
 import sys
 from typing import Sequence
 
-from ..cli import ArgumentParser, UsageError, add_model_options, debug_requested, given_flags, run_command
+from ..cli import (ArgumentParser, UsageError, add_model_options, check_block_size, debug_requested, given_flags,
+                   run_command, sampled_blocks)
 from ..provenance import RESULTS_FOLDER, confined, output_folder
 
 __all__ = ["main", "parser", "CHOICES"]
@@ -176,10 +177,13 @@ def _sweeps(args) -> int:
     tasks = [d for d in args.data if d in _MC_TASKS]
     for name in [d for d in args.data if d not in _MC_TASKS]:
         texts = data.load_dataset(name, seed=args.seed)
+        check_block_size(args.block_size, model)  # after the data set's name is checked
         if args.sampling == "documents":
-            blocks = data.document_blocks(texts, tokenizer, args.block_size, args.num_sequences, seed=args.seed)
+            blocks = sampled_blocks(lambda: data.document_blocks(texts, tokenizer, args.block_size, args.num_sequences,
+                                                                 seed=args.seed), args.block_size, name, True)
         else:
-            blocks = data.lm_blocks(texts, tokenizer, block_size=args.block_size, num_blocks=args.num_sequences)
+            blocks = sampled_blocks(lambda: data.lm_blocks(texts, tokenizer, block_size=args.block_size,
+                                                           num_blocks=args.num_sequences), args.block_size, name, False)
         per_seq = faithfulness_curve(model, tokenizer, blocks, args.metrics, args.ratios, args.modes,
                                      batch_size=args.batch_size, max_length=None, **protocol).per_sequence
         curve = summarize(per_seq, n_bootstrap=args.n_bootstrap, seed=args.seed)

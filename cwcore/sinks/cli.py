@@ -20,7 +20,8 @@ __all__ = ["main", "DEFAULT_OUT", "CLI_OPTIONS"]
 _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Value geometry of attention sinks'), "
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
-from ..cli import ArgumentParser, UsageError, add_model_options, debug_requested, given_flags, run_command
+from ..cli import (ArgumentParser, UsageError, add_model_options, check_block_size, debug_requested, given_flags,
+                   run_command, sampled_blocks)
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences", "add_bos")
@@ -285,14 +286,16 @@ def _main(argv: list[str] | None) -> int:
         torch.manual_seed(args.seed)
         model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
         dataset = load_dataset(args.data)
+        check_block_size(args.block_size, model)  # after the data set's name is checked
         add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
         if args.sampling == "documents":  # independent units: one block per document (intervals over documents)
             from ..data import document_blocks
 
             from ..data import _resolve_bos
 
-            dataset = document_blocks(dataset, tokenizer, args.block_size, args.num_sequences, seed=args.seed,
-                                      add_bos=add_bos)
+            dataset = sampled_blocks(lambda: document_blocks(dataset, tokenizer, args.block_size, args.num_sequences,
+                                                             seed=args.seed, add_bos=add_bos), args.block_size,
+                                     args.data, True)
             applied_bos = _resolve_bos(tokenizer, add_bos) is not None  # what the summary records
             add_bos = None  # applied: the blocks are tokenised
         from ..cache import caching
