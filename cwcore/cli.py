@@ -12,10 +12,12 @@ Bad input ends with one ``cwcore: error: ...`` line and exit status 2 (``--debug
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import io
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,7 +42,28 @@ def _check_output_path(out: str) -> Path:
         raise UsageError(f"cannot write {out}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"cannot write {out}: permission denied")
+    if path.is_dir():
+        raise UsageError(f"cannot write {out}: it is a folder")
+    try:  # a folder the access check passes may still take no new file (/proc, a read-only mount)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:
+        raise UsageError(f"cannot write {out}: cannot create a file in {parent} ({error.strerror or error})") from None
+    os.close(fd)
+    os.unlink(probe)
     return path
+
+
+@contextlib.contextmanager
+def _writing(out: Path, only_writes: bool = False):
+    """An ``OSError`` writing ``out`` (or its temporary file beside it) as one line naming ``out``; ``only_writes``:
+    the block does nothing else, so any ``OSError`` is one (a full disk's has no file name)."""
+    try:
+        yield
+    except OSError as error:
+        beside = error.filename is not None and Path(error.filename).parent == out.parent
+        if not (only_writes or beside):
+            raise
+        raise UsageError(f"cannot write {out}: {error.strerror or error}") from None
 
 
 def _check_text(text) -> None:
@@ -187,8 +210,9 @@ def _explain_command(args) -> None:
         from .explorer import write_long_explorer
 
         try:
-            write_long_explorer(out, model, tokenizer, args.text, model_name=args.model, top_k=top_k,
-                                kind=args.kind, query=args.query, layer=args.layer)
+            with _writing(out):
+                write_long_explorer(out, model, tokenizer, args.text, model_name=args.model, top_k=top_k,
+                                    kind=args.kind, query=args.query, layer=args.layer)
         except ValueError as error:  # a layer or query out of range, a text longer than the model's context
             raise UsageError(str(error)) from None
         print(f"wrote {out} ({_size(out.stat().st_size)})")  # a small page read "(0.0 MB)" before
@@ -197,8 +221,9 @@ def _explain_command(args) -> None:
         from .explorer import write_explorer
 
         try:
-            write_explorer(out, model, tokenizer, args.text, model_name=args.model,
-                           start={"layer": args.layer, "head": args.head, "quantity": args.kind})
+            with _writing(out):
+                write_explorer(out, model, tokenizer, args.text, model_name=args.model,
+                               start={"layer": args.layer, "head": args.head, "quantity": args.kind})
         except ValueError as error:  # a layer or head out of range, a model cwcore refuses
             raise UsageError(str(error)) from None
         print(f"wrote {out} ({_size(out.stat().st_size)})")
@@ -215,7 +240,8 @@ def _explain_command(args) -> None:
 
     missing = sorted({chr(int(m.group(1))) for w in caught if "missing from font" in str(w.message)
                       for m in [re.match(r"Glyph (\d+)", str(w.message))] if m})
-    atomic_write_bytes(out, buffer.getvalue())
+    with _writing(out, only_writes=True):
+        atomic_write_bytes(out, buffer.getvalue())
     print(f"wrote {out}")
     if missing:  # the labels hold the characters; the installed fonts cannot draw them
         print(f"cwcore: note: no installed font draws {', '.join(missing)}; they show as boxes in {out.name} "

@@ -200,6 +200,51 @@ def test_cli_rejects_empty_text_and_unwritable_path(local_model, tmp_path):
         locked.chmod(0o700)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+@pytest.mark.parametrize("name", ["f.png", "f.html"])
+def test_explain_refuses_a_folder_that_takes_no_file_before_loading_the_model(tmp_path, capsys, name):
+    # before: (as root, who passes the access check) the model loaded, the page was computed, and then
+    # "cwcore: error: No such file or directory: /proc/.f.png.x8mxnss_.tmp", a file the user never named
+    out = f"/proc/{name}"
+    assert main(["explain", "the cat", "--model", str(tmp_path / "no-such-model"), "--out", out]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cwcore: error: cannot write {out}: "), lines
+    assert ".tmp" not in lines[0]
+
+
+def test_explain_names_the_users_file_when_writing_it_fails(local_model, tmp_path, capsys, monkeypatch):
+    # the folder takes files, then the disk fills up while the figure is written
+    import errno
+
+    from cwcore import cache
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "f.png"
+    main(["explain", "the cat", "--model", str(local_model), "--out", str(out)])  # the model converted, cached
+    capsys.readouterr()
+    monkeypatch.setattr(cache.os, "fsync", full)
+    out.unlink()
+    assert main(["explain", "the cat", "--model", str(local_model), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"cwcore: error: cannot write {out}: No space left on device"]
+    assert list(tmp_path.iterdir()) == []  # no temporary file left
+    monkeypatch.undo()
+
+    def refused(src, dst):  # the explorer's page: the rename into place fails (an error naming the temporary file)
+        raise PermissionError(errno.EACCES, "Permission denied", str(src), None, str(dst))
+
+    monkeypatch.setattr(cache.os, "replace", refused)
+    page = tmp_path / "f.html"
+    assert main(["explain", "the cat", "--model", str(local_model), "--out", str(page)]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"cwcore: error: cannot write {page}: Permission denied"]
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "d.png").mkdir()
+    assert main(["explain", "the cat", "--model", str(tmp_path / "no-such-model"), "--out",
+                 str(tmp_path / "d.png")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"cwcore: error: cannot write {tmp_path / 'd.png'}: it is a folder"]
+
+
 # --------------------------------------------------------------------------------------------------
 # labels of multi-byte text, the figure's width, one line for every user error
 # --------------------------------------------------------------------------------------------------
