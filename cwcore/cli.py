@@ -485,6 +485,22 @@ def given_flags(parser: argparse.ArgumentParser, argv, names) -> set[str]:
     return {name for name, value in vars(parser.parse_args(argv)).items() if name in names and value is not unset}
 
 
+@contextlib.contextmanager
+def loading_bar(shown: bool):
+    """transformers' own progress bars ("Loading weights") hidden inside the block unless ``shown`` (a command
+    line's ``--no-progress``), as they were after it."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if not shown:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not shown:
+            hf_logging.enable_progress_bar()
+
+
 def check_block_size(block_size: int, model) -> None:
     """Refuse a ``--block-size`` longer than the model's context, in the command line's words."""
     from .core.inputs import context_length

@@ -555,6 +555,36 @@ def test_a_block_size_no_document_or_context_holds_is_refused_naming_it(local_mo
     assert not list(tmp_path.glob("out/*"))
 
 
+@pytest.mark.parametrize("command", ["faithfulness", "sinks"])
+def test_no_progress_hides_the_loading_bar_too(local_model, tmp_path, capsys, monkeypatch, command):
+    # before: --no-progress (faithfulness; sinks had no such flag) left transformers' "Loading weights" bar on stderr
+    import cwcore.models
+    from cwcore.core.inputs import InputError
+    from cwcore.faithfulness.cli import main as faithfulness_main
+    from cwcore.sinks.cli import main as sinks_main
+    from transformers.utils import logging as hf_logging
+
+    run = {"faithfulness": faithfulness_main, "sinks": sinks_main}[command]
+    load = cwcore.models.load_model
+
+    def load_then_stop(*args, **kwargs):
+        load(*args, **kwargs)
+        raise InputError("stopped by the test")
+
+    monkeypatch.setattr(cwcore.models, "load_model", load_then_stop)
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()  # as in a fresh process (cwcore explain, run in-process above, turns it off)
+    try:
+        for extra, shown in (([], True), (["--no-progress"], False)):
+            assert run(["--model", str(local_model), "--data", "web-text", "--out", str(tmp_path / "out"), *extra]) == 2
+            err = capsys.readouterr().err
+            assert ("Loading weights" in err) is shown, err
+            assert err.splitlines()[-1] == f"python -m cwcore.{command}: error: stopped by the test"
+            assert hf_logging.is_progress_bar_enabled()  # as it was: the next caller's bars are not turned off
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
 @pytest.mark.parametrize("command", ["explain", "faithfulness", "sinks"])
 def test_each_command_line_loads_the_model_on_the_device_asked_for(local_model, tmp_path, monkeypatch, capsys,
                                                                    command):

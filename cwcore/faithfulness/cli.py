@@ -11,7 +11,7 @@ import sys
 from typing import Sequence
 
 from ..cli import (ArgumentParser, UsageError, add_model_options, check_block_size, debug_requested, given_flags,
-                   run_command, sampled_blocks)
+                   loading_bar, run_command, sampled_blocks)
 from ..provenance import RESULTS_FOLDER, confined, output_folder
 
 __all__ = ["main", "parser", "CHOICES"]
@@ -164,7 +164,8 @@ def _sweeps(args) -> int:
     out = output_folder(args.out)
 
     torch.manual_seed(args.seed)
-    model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
+    with loading_bar(not args.no_progress):
+        model, tokenizer = models.load_model(args.model, dtype=args.dtype, device=args.device)
     if args.layers is not None:
         check_layers(args.layers, len(attention_blocks(model)), argument="--layers", allow_empty=False)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ _DESCRIPTION = ("The value geometry of attention sinks (the paper's section 'Val
                 "as five analyses returning tidy tables.")
 from ..provenance import RESULTS_FOLDER as DEFAULT_OUT  # ./cwcore-results/: never a repository's committed data
 from ..cli import (ArgumentParser, UsageError, add_model_options, check_block_size, debug_requested, given_flags,
-                   run_command, sampled_blocks)
+                   loading_bar, run_command, sampled_blocks)
 from ..provenance import confined, output_folder
 #: run flags the raw material records, compared with it under --from-raw
 _RECORDED = ("block_size", "sampling", "num_sequences", "add_bos")
@@ -207,6 +207,7 @@ def parser() -> argparse.ArgumentParser:
                         help="also keep the raw per-batch material under RAW/<model>_<data>/ (parquet), independent "
                              "of the code version, so the tables can be rebuilt with --from-raw")
     parser.add_argument("--from-raw", action="store_true", help="rebuild the tables from --raw without running the model")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--debug", action="store_true", help="show the traceback of any error (or CWCORE_DEBUG=1)")
     return parser
 
@@ -284,7 +285,8 @@ def _main(argv: list[str] | None) -> int:
     else:
         sampling, dtype = args.sampling, _dtype_name(args.dtype)
         torch.manual_seed(args.seed)
-        model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+        with loading_bar(not args.no_progress):
+            model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
         dataset = load_dataset(args.data)
         check_block_size(args.block_size, model)  # after the data set's name is checked
         add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
@@ -303,7 +305,7 @@ def _main(argv: list[str] | None) -> int:
         with caching(enabled=not args.no_cache):  # the command line caches its pieces unless --no-cache
             parts, blocks = collect(model, tokenizer, dataset, [REGISTRY[a].spec(options) for a in wanted],
                                     block_size=args.block_size, num_sequences=args.num_sequences, add_bos=add_bos,
-                                    batch_size=args.batch_size, progress=True)
+                                    batch_size=args.batch_size, progress=not args.no_progress)
         if blocks.add_bos is None and applied_bos is not None:  # the tables, the summary and the raw record say so
             blocks = dataclasses.replace(blocks, add_bos=applied_bos)
         if raw is not None:
