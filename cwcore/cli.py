@@ -40,10 +40,10 @@ def _check_output_path(out: str) -> Path:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise UsageError(f"cannot write {out}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"cannot write {out}: permission denied")
     if path.is_dir():
         raise UsageError(f"cannot write {out}: it is a folder")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"cannot write {out}: permission denied")
     try:  # a folder the access check passes may still take no new file (/proc, a read-only mount)
         fd, probe = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as error:
@@ -517,14 +517,19 @@ def sampled_blocks(make, block_size: int, data: str, documents: bool):
     data module's warning about the shortfall (a partial one is still warned about)."""
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        blocks = make()
+    blocks = None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            blocks = make()
+    finally:  # the data module's warnings are kept (a partial shortfall), unless no block at all is refused below
+        if blocks is None or len(blocks):
+            for warning in caught:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if len(blocks) == 0:
-        where = f"no document of {data} is" if documents else f"{data} holds fewer than"
-        raise UsageError(f"--block-size {block_size}: {where} {block_size} tokens long; give a smaller --block-size")
-    for warning in caught:
-        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+        what = (f"no document of {data} is {block_size} tokens long" if documents
+                else f"{data} holds fewer than {block_size} tokens in all")
+        raise UsageError(f"--block-size {block_size}: {what}; give a smaller --block-size")
     return blocks
 
 

@@ -229,7 +229,7 @@ def record_hashes(folder: str | Path, *, dry_run: bool = False) -> list[Path]:
 
 
 #: the committed evidence of this checkout (data/results/evidence), absent in an installed package: the one
-#: definition, which cwbook.findings (``EVIDENCE_DIR``) and cwbook.evidence_frames (``DEFAULT_OUT``) name
+#: definition, which the evidence modules import from here (cwbook.findings names it ``EVIDENCE_DIR``)
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "data" / "results" / "evidence"
 
 

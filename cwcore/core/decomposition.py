@@ -622,17 +622,24 @@ def layers_not_run(blocks, wanted, done: Iterable[int], layers, caller: str,
     return {layer: "it did not run in this forward pass" for layer in missing}
 
 
-def positional_inputs(layers, inputs: dict, caller: str) -> tuple:
-    """``(layers, inputs)`` of ``caller(model, ...)``, whose second positional argument (positional only) holds the
-    layers or the inputs as one mapping: ``caller(model, enc)`` is ``caller(model, **enc)`` with every layer, and
-    ``caller(model, enc, layers=[2])`` chooses them (``layers=`` arrives among ``inputs``); a tensor there, or the
-    layers given twice, is refused in one sentence."""
+def positional_inputs(model, layers, inputs: dict, caller: str) -> tuple:
+    """``(model, layers, inputs)`` of ``caller(model, ...)``, whose first two parameters are positional only so that
+    the second may hold the layers or the inputs as one mapping: ``caller(model, enc)`` is ``caller(model, **enc)``
+    with every layer, and ``caller(model, enc, layers=[2])`` chooses them; ``model=`` and ``layers=`` given by keyword
+    arrive among ``inputs`` and are taken from there (``layers=enc``, a mapping, is the inputs, as it always was). A
+    tensor in the layers' slot, or the layers given twice, is refused in one sentence."""
+    if model is None and "model" in inputs:
+        model = inputs.pop("model")
+    if model is None:
+        raise InputTypeError(f"{caller}() needs the model: {caller}(model, **inputs)")
     chosen = inputs.pop("layers") if "layers" in inputs else None
+    if isinstance(chosen, Mapping) and not isinstance(chosen, (str, bytes)) and layers is None:
+        layers, chosen = chosen, None  # decompose(model, layers=enc)
     if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
         if inputs:
             raise InputError(f"{caller}: give the inputs once, either as one mapping ({caller}(model, enc)) or "
                              f"as keywords ({caller}(model, **enc))")
-        return chosen, dict(layers)
+        return model, chosen, dict(layers)
     if chosen is not None:
         if layers is not None:
             raise InputError(f"{caller}: layers given twice, as the second positional argument ({layers!r}) and as "
@@ -641,11 +648,11 @@ def positional_inputs(layers, inputs: dict, caller: str) -> tuple:
     if isinstance(layers, torch.Tensor) and layers.ndim >= 1 and not inputs:
         raise InputError(f"{caller}(model, tensor): the second positional argument is layers; pass token ids as "
                          f"{caller}(model, input_ids=tensor)")
-    return layers, inputs
+    return model, layers, inputs
 
 
 def decompose(
-    model: nn.Module,
+    model: nn.Module | None = None,
     layers: int | Iterable[int] | None = None,
     /,
     compute_dtype: torch.dtype | None = None,
@@ -689,7 +696,7 @@ def decompose(
     With a key/value cache (``cache=``) the key axis is what each layer attends to, cached and new tokens; a
     sliding-window layer's cache keeps only its last ones, so its key ``j`` is position ``total - keys + j``.
     """
-    layers, inputs = positional_inputs(layers, inputs, "decompose")
+    model, layers, inputs = positional_inputs(model, layers, inputs, "decompose")
     model, blocks, wanted, undecomposable = select_layers(model, layers, "decompose")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)

@@ -19,10 +19,11 @@ from torch import nn
 
 __all__ = [
     "InputError", "InputIndexError", "InputTypeError", "cached_length", "check_attention_mask", "check_batch_size",
-    "check_compute_dtype", "check_count", "check_finite_scores", "check_sequence_ids", "check_fraction", "check_inputs", "check_layers",
+    "check_compute_dtype", "check_count", "check_finite_scores", "check_fraction", "check_inputs", "check_layers",
     "query_positions", "query_positions_as_given",
-    "check_mask", "check_not_empty", "check_ratios", "check_sweep_arguments", "check_targets", "check_texts",
-    "check_token_sequences", "context_length", "finite_scores", "is_integer_number", "plain_integer",
+    "check_mask", "check_not_empty", "check_ratios", "check_sequence_ids", "check_sweep_arguments", "check_targets",
+    "check_texts", "check_token_sequences", "context_length", "did_you_mean", "finite_scores", "is_integer_number",
+    "plain_integer",
 ]
 
 

@@ -632,7 +632,7 @@ def _warn_padded_rows(inputs: dict, positions: Sequence[int]) -> None:
 
 
 def summarize(
-    model: nn.Module,
+    model: nn.Module | None = None,
     layers: int | Iterable[int] | None = None,
     /,
     *,
@@ -673,7 +673,7 @@ def summarize(
     if progress is not None and not isinstance(progress, bool):
         raise InputError(f"progress must be True, False or None, got {progress!r}")
     top_k = check_count(top_k, "top_k")
-    layers, inputs = positional_inputs(layers, inputs, "summarize")  # summarize(model, enc), as decompose takes it
+    model, layers, inputs = positional_inputs(model, layers, inputs, "summarize")  # summarize(model, enc) too
     model, blocks, wanted, undecomposable = select_layers(model, layers, "summarize", "summarised")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)

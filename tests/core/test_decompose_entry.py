@@ -58,18 +58,20 @@ def test_a_compiled_model_is_decomposed_eagerly_under_its_modules_own_block_name
         return graph.forward
 
     torch._dynamo.reset()  # no graph cached by an earlier test is reused without reaching the backend
-    compiled = torch.compile(model, backend=counting)
-    ids = _inputs()["input_ids"]
-    got = cwcore.decompose(compiled, input_ids=ids)
-    dynamo_graphs = len(graphs)
-    want = cwcore.decompose(model, input_ids=ids)
-    assert [got[layer].block_name for layer in got.layers] == [want[layer].block_name for layer in want.layers]
-    assert got[0].block_name == "model.layers.0.self_attn"
-    assert dynamo_graphs == 0, f"dynamo compiled {dynamo_graphs} graphs while decomposing"
-    with torch.no_grad():
-        compiled(input_ids=ids)
-    assert len(graphs) > 0  # the control: the compiled forward does go through the counting backend
-    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=counting)
+        ids = _inputs()["input_ids"]
+        got = cwcore.decompose(compiled, input_ids=ids)
+        dynamo_graphs = len(graphs)
+        want = cwcore.decompose(model, input_ids=ids)
+        assert [got[layer].block_name for layer in got.layers] == [want[layer].block_name for layer in want.layers]
+        assert got[0].block_name == "model.layers.0.self_attn"
+        assert dynamo_graphs == 0, f"dynamo compiled {dynamo_graphs} graphs while decomposing"
+        with torch.no_grad():
+            compiled(input_ids=ids)
+        assert len(graphs) > 0  # the control: the compiled forward does go through the counting backend
+    finally:
+        torch._dynamo.reset()
 
 
 def test_a_model_without_weights_is_refused_in_one_line():

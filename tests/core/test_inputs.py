@@ -253,3 +253,8 @@ def test_the_inputs_as_one_mapping_take_layers_by_keyword(model):
     with pytest.raises(InputError, match=r"^decompose: layers given twice, as the second positional argument \(\[0\]\) "
                                          r"and as layers=\[1\]; give one$"):
         cwcore.decompose(model, [0], layers=[1], **enc)
+    # the model by keyword, and the mapping by the layers' keyword, as before the slot was positional-only
+    by_keyword = cwcore.decompose(model=model, layers=[1], **enc)
+    torch.testing.assert_close(by_keyword[1].contribution("inter"), want[1].contribution("inter"))
+    assert cwcore.decompose(model, layers=enc).layers == [0, 1]
+    assert cwcore.summarize(model=model, layers=0, top_k=2, **enc).layers == [0]

@@ -75,6 +75,8 @@ def test_two_threads_on_two_models_interleaved_are_both_exact_and_each_sees_only
 
     (ta, a), (tb, b) = _run(decompose_a), _run(decompose_b)
     ta.join(60), tb.join(60)
+    for box in (a, b):  # a thread's own error first, not a KeyError of what it did not get to record
+        assert "error" not in box, box.get("error")
     for name in ("a", "b"):
         active, own = seen[name]
         assert len(active) == 1 and active[0] is own, (name, active)

@@ -466,3 +466,30 @@ def test_attribute_truncates_as_decompose_does_and_names_the_missing_head_before
     with pytest.raises(UnsupportedModelError, match="differentiates the next-token log-likelihood, and BertModel has "
                                                     "no language-model head"):
         cwcore.attribute(bert, method="grad_x_input", **enc)
+
+
+def test_the_block_output_watch_reads_only_its_own_threads_forwards():
+    """The watch behind ALTI's block-output refusal hooked the shared model and read every thread's forwards: another
+    thread's hooked forward made this call's layer look changed (and could hide a real change). Here a forward with
+    the block's output doubled, run in another thread, leaves the watch empty; the control: the same forward in the
+    watching thread is recorded."""
+    import threading
+
+    from cwcore.faithfulness.methods.registry import _watch_block_outputs
+
+    model, ids = _model("llama"), _ids(n=1, length=5)
+    changed, handles = {}, []
+    doubling = model.model.layers[0].self_attn.register_forward_hook(lambda module, args, out: (out[0] * 2, *out[1:]))
+    try:
+        _watch_block_outputs(model, [0, 1], changed, handles)
+        other = threading.Thread(target=lambda: model(input_ids=ids))
+        with torch.no_grad():
+            other.start()
+            other.join()
+            assert changed == {}
+            model(input_ids=ids)
+        assert list(changed) == [0] and "relative difference 1" in changed[0]
+    finally:
+        doubling.remove()
+        for handle in handles:
+            handle.remove()

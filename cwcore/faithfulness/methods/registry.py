@@ -27,10 +27,9 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Method:
-    """A registered ranking ``fn(layer_decomposition=..., **context)``: ``needs`` (extra context:
-    ``"block_input"``, ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``, ``"block_output"``),
-    ``cost``,
-    ``key`` (its code's identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
+    """A registered ranking ``fn(layer_decomposition=..., **context)``: ``needs`` (extra context: ``"block_input"``,
+    ``"output_gradient"``, ``"earlier_layers"``, ``"post_attention_norm"``, ``"block_output"``), ``cost``, ``key``
+    (its code's identity in cache keys), ``title`` and ``colour`` (the book's figures)."""
 
     name: str
     fn: Callable = field(compare=False)
@@ -303,16 +302,16 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
     if "output_gradient" in needs:
         context.gradients = output_gradients(model, input_ids, attention_mask, layers)
     handles = []
-    if "block_input" in needs:
-        for layer in layers:
-            def capture(module, args, kwargs, layer=layer):
-                context.block_inputs[layer] = (args, kwargs)
-                return None
-            handles.append(_parent(model, layer).register_forward_pre_hook(capture, with_kwargs=True))
     changed: dict[int, str] = {}  # layer -> why its block returned another tensor than its projection's result
-    if "block_output" in needs:
-        handles += _watch_block_outputs(model, layers, changed)
-    try:
+    try:  # every hook inside: one registration that fails removes those before it
+        if "block_input" in needs:
+            for layer in layers:
+                def capture(module, args, kwargs, layer=layer):
+                    context.block_inputs[layer] = (args, kwargs)
+                    return None
+                handles.append(_parent(model, layer).register_forward_pre_hook(capture, with_kwargs=True))
+        if "block_output" in needs:
+            _watch_block_outputs(model, layers, changed, handles)
         yield context
     finally:
         for handle in handles:
@@ -324,28 +323,40 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
                                     f"output projection's result, but {why}")
 
 
-def _watch_block_outputs(model, layers, changed: dict) -> list:
-    """Hooks that record in ``changed`` (layer -> why) each of ``layers`` whose attention block returns another
-    tensor than its output projection's result (:func:`~cwcore.core.attention_features.changed_output`)."""
+def _watch_block_outputs(model, layers, changed: dict, handles: list) -> None:
+    """Hooks (appended to ``handles``) that record in ``changed`` (layer -> why) each of ``layers`` whose attention
+    block returns another tensor than its output projection's result in this thread's forwards
+    (:func:`~cwcore.core.attention_features.changed_output`). A block whose projection runs outside it (BERT's
+    ``output.dense`` in the parent) is not watched: its result is not the block's to return."""
+    import threading
+
     from ...core.attention_features import changed_output
 
-    handles, blocks = [], attention_blocks(model)
+    thread = threading.get_ident()  # another thread's forwards of the same model are not this call's
     for layer in layers:
-        block, projected = blocks[layer], {}
+        block, projected = attention_blocks(model)[layer], {}
         projection = block.output_module()
-        if projection is None:  # the session refuses such a block with its reason
+        if projection is None or not any(m is projection for m in block.module.modules()):
             continue
 
+        def start(module, args, projected=projected):
+            if threading.get_ident() == thread:
+                projected.clear()  # a forward's own projection result only, never an earlier one's
+
         def keep(module, args, result, projected=projected):
-            projected["result"] = result[0] if isinstance(result, tuple) else result
+            if threading.get_ident() == thread:
+                projected["result"] = result[0] if isinstance(result, tuple) else result
 
         def compare(module, args, result, block=block, projected=projected):
+            if threading.get_ident() != thread:
+                return
             why = changed_output(block, result, projected.pop("result", None))
             if why is not None:
                 changed.setdefault(block.layer, why)
 
-        handles += [projection.register_forward_hook(keep), block.module.register_forward_hook(compare)]
-    return handles
+        handles.append(block.module.register_forward_pre_hook(start))
+        handles.append(projection.register_forward_hook(keep))
+        handles.append(block.module.register_forward_hook(compare))
 
 
 def lm_logits(model, out, caller: str, why: str) -> torch.Tensor:
