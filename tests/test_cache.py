@@ -75,8 +75,10 @@ def test_prune_deletes_runs_of_other_code_versions_only(tmp_path, capsys, monkey
     fresh_meta.write_text(json.dumps({**json.loads(fresh_meta.read_text()), "code": "older"}))
     for run in (current, old):
         _age(run.directory, 3600)
-    for run in (current, old):
+    for run in (current, old, fresh_old):
         run.release()  # done with them: not in use
+    # before, `fresh_old` kept its lock, so it was spared as "in use" and the age rule was never what spared it;
+    # released, only its age (written just now) can keep it
     (tmp_path / "models").mkdir()  # converted models are never touched
     (tmp_path / "models" / "weights.safetensors").write_bytes(b"w")
 
@@ -176,4 +178,9 @@ def test_prune_on_a_file_system_without_locks_falls_back_to_the_age_rule(tmp_pat
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(cache.fcntl, "flock", no_locks)
+    # before, only an old run was offered: nothing showed that the age rule is what spares a fresh one here
+    fresh = ResultCache("demo", {"a": 2}, root=tmp_path)
+    fresh.put("p0", pd.DataFrame({"x": [2.0]}))
+    fresh.release()  # its lock could not protect it anyway: flock fails
     assert list(cache.prune(tmp_path, everything=True)["key"]) == [run.directory.name]  # not taken for "in use"
+    assert not run.directory.exists() and fresh.directory.exists() and fresh.get("p0")["x"].tolist() == [2.0]
