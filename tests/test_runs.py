@@ -306,6 +306,17 @@ def test_offloaded_weights_are_read_from_accelerates_weights_map(tmp_path, where
         assert runs.model_fingerprint(model) != base
         weights["weight"][0, 0] -= 1.0
         assert runs.model_fingerprint(model) == base
+    else:  # memory-mapped values cannot be edited in place: the same model with one value changed, offloaded
+        # before, this branch only checked that the key was stable, which name and shape alone also give
+        same, edited = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+        with torch.no_grad():
+            edited.model.layers[0].self_attn.q_proj.weight[0, 0] += 1.0
+        for other, folder in ((same, "same"), (edited, "edited")):
+            disk_offload(other, str(tmp_path / folder), execution_device=torch.device("cpu"))
+        assert edited.model.layers[0].self_attn.q_proj.weight.device.type == "meta"
+        assert not torch.equal(edited(input_ids=ids).logits, reference)
+        assert runs.model_fingerprint(same) == base  # another folder, the same values: the same key
+        assert runs.model_fingerprint(edited) != base
 
 
 class _Adapter(torch.nn.Module):
