@@ -35,18 +35,27 @@ def test_prune_and_repair_leave_folders_the_cache_did_not_write(tmp_path):
         (tables / name).write_bytes(data)
     run = ResultCache("demo", {"a": 1}, root=tmp_path)
     run.put("p", pd.DataFrame({"x": [1.0]}))
+    # a user's backup of the run under another name: the cache's marker inside, but the key of another folder
+    # (before, only a folder without the marker was offered, so the key half of the ownership rule went unchecked);
+    # its piece edited since, so verify --repair would delete it if it took the copy for a run of its own
+    backup = run.directory.parent / "my-backup"
+    shutil.copytree(run.directory, backup, ignore=shutil.ignore_patterns(".in-use"))
+    pd.DataFrame({"x": [5.0]}).to_parquet(backup / "p.parquet")
+    kept = {p.name: p.read_bytes() for p in backup.iterdir()}
     (run.directory / "notes.txt").write_text("mine")
-    for folder in (tables, run.directory):
+    for folder in (tables, run.directory, backup):
         _age(folder, 7200)
     run.release()  # done with it: not in use
 
     problems = cache.verify(tmp_path, repair=True)
-    assert not [p for p in problems if str(tables) in p["path"]]
+    assert not [p for p in problems if str(tables) in p["path"] or str(backup) in p["path"]]
+    assert {p.name: p.read_bytes() for p in backup.iterdir()} == kept
     gone = cache.prune(tmp_path, everything=True)
     assert list(gone["key"]) == [run.directory.name]
     assert sorted(p.name for p in tables.iterdir()) == sorted(files)
     assert all((tables / n).read_bytes() == d for n, d in files.items())
     assert [p.name for p in run.directory.iterdir()] == ["notes.txt"]  # the cache's files went, not the user's
+    assert {p.name: p.read_bytes() for p in backup.iterdir()} == kept
 
 
 
