@@ -94,6 +94,21 @@ def test_the_anatomy_takes_a_protocol_object(peaked):
     assert set(token["variant"]) == {"token-unit"} and not np.allclose(token["head_norm"], by_name["head_norm"])
     with pytest.raises(ValueError, match="clean run"):
         anatomy.selection_anatomy(model, blocks, ["attention"], [0.2], scores="live", progress=False)
+    # before, the object equalled the name it was compared with and the control and the refusal came as keywords,
+    # so an anatomy that ignored the object (always per-head) passed: here they ride inside the object
+    token_object = anatomy.selection_anatomy(model, blocks, ["attention"], [0.2],
+                                             protocol=Protocol(kind="intra", unit="token"), progress=False)
+    assert set(token_object["variant"]) == {"token-unit"}
+    np.testing.assert_array_equal(token_object[measures].to_numpy(), token[measures].to_numpy())
+    with pytest.raises(ValueError, match="clean run"):
+        anatomy.selection_anatomy(model, blocks, ["attention"], [0.2], protocol=Protocol(scores="live"),
+                                  progress=False)
+    # the default protocol, by name and as an object, is not per-head on a metric whose ranking depends on the kind
+    default_name, default_object, per_head = (
+        anatomy.selection_anatomy(model, blocks, ["contribution"], [0.2], protocol=p, progress=False)
+        for p in ("default", Protocol(), "per-head"))
+    np.testing.assert_array_equal(default_name[measures].to_numpy(), default_object[measures].to_numpy())
+    assert not np.allclose(default_object[measures].to_numpy(), per_head[measures].to_numpy())
 
 
 def test_a_protocol_refuses_non_bool_first_token_non_int_seeds_and_layers():
