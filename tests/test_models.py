@@ -445,9 +445,14 @@ def test_hub_download_options_are_refused_for_a_local_folder(tmp_path, monkeypat
     assert loads and loads[0]["revision"] == "v2"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there to load on")
-def test_a_device_this_torch_lacks_is_one_sentence_before_the_load():
+def test_a_device_this_torch_lacks_is_one_sentence_before_the_load(monkeypatch):
     # before: torch's "Torch not compiled with CUDA enabled" AssertionError from inside .to(), after the load
+    # (the test let the load run, so a check made after it passed too, and it was skipped where CUDA is there:
+    # now loading fails the test and CUDA is made absent everywhere)
+    import cwcore.models as models
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "_load_packaged", lambda *args: pytest.fail("loaded before the device was checked"))
     with pytest.raises(ValueError, match=r"^device='cuda': this torch \(.*\) has no cuda device available; load on "
                                          r"'cpu', or install a torch build for that device$"):
         load_model("smollm2-135m", device="cuda")
@@ -492,8 +497,12 @@ def test_a_folder_loads_as_transformers_loads_it_with_config_overrides_a_config_
     torch.testing.assert_close(logits(whole, ids), logits(eager, ids), rtol=0, atol=0)
 
 
-def test_the_meta_device_is_refused_before_the_load():
+def test_the_meta_device_is_refused_before_the_load(monkeypatch):
     # before: accepted, the weights dropped by .to("meta"), and decompose refused the model later
+    # (the test let the load run, so a refusal made after it passed too: now loading fails the test)
+    import cwcore.models as models
+
+    monkeypatch.setattr(models, "_load_packaged", lambda *args: pytest.fail("loaded before the device was checked"))
     with pytest.raises(ValueError, match=r"^device='meta' holds shapes, not weights"):
         load_model("smollm2-135m", device="meta")
 
