@@ -554,9 +554,8 @@ def test_a_block_size_no_document_or_context_holds_is_refused_naming_it(local_mo
              "--block-size 100 is longer than the model's context (64 tokens): give at most 64"),
             (["--data", str(texts), "--block-size", "32"],
              f"--block-size 32: no document of {texts} is 32 tokens long; give a smaller --block-size"),
-            *([(["--data", str(texts), "--block-size", "32", "--sampling", "stream"],
-                f"--block-size 32: {texts} holds fewer than 32 tokens in all; give a smaller --block-size")]
-              if command == "faithfulness" else [])):
+            (["--data", str(texts), "--block-size", "32", "--sampling", "stream"],
+             f"--block-size 32: {texts} holds fewer than 32 tokens in all; give a smaller --block-size")):
         assert run(extra) == 2
         assert capsys.readouterr().err.splitlines() == [prog + line]
     assert not list(tmp_path.glob("out/*"))
@@ -625,3 +624,27 @@ def test_each_command_line_loads_the_model_on_the_device_asked_for(local_model, 
         assert run(["--device", device]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and "error: device" in lines[0], lines
+
+
+def test_the_sinks_stream_blocks_cut_by_the_command_line_are_the_librarys(local_model, tmp_path):
+    """The sinks command line cuts the stream blocks itself now (so that texts shorter than one block are refused in
+    one line naming --block-size, as the documents mode and the faithfulness command do): its rates must still be
+    the library's on the texts themselves, which the analyses cut into the same consecutive blocks."""
+    import pandas as pd
+
+    import cwcore
+    from cwcore import sinks
+    from cwcore.sinks.cli import main as sinks_main
+
+    texts = tmp_path / "long.txt"
+    texts.write_text("the cat sat on the mat and the dog ran far away\n\n" * 20, encoding="utf-8")
+    out = tmp_path / "out"
+    assert sinks_main(["--model", str(local_model), "--data", str(texts), "--sampling", "stream", "--block-size", "16",
+                       "--num-sequences", "3", "--analyses", "rates", "--no-cache", "--no-progress",
+                       "--out", str(out)]) == 0
+    got = pd.read_csv(next(out.glob("sinks_rates_*.csv")))
+    model, tokenizer = cwcore.load_model(str(local_model))
+    want = sinks.sink_rates(model, tokenizer, cwcore.load_dataset(str(texts)), num_sequences=3, block_size=16)
+    assert len(got) == len(want) > 0
+    for column in ("sink_rate", "sink_rate_std"):
+        assert got[column].to_numpy() == pytest.approx(want[column].to_numpy(), abs=1e-6), column

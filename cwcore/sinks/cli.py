@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -276,7 +277,7 @@ def _main(argv: list[str] | None) -> int:
     if not args.from_raw and missing_local_file(args.data):  # before the model loads (it was found after)
         raise UsageError(f"--data {args.data}: no such file")
 
-    applied_bos = None  # documents: the blocks come tokenised, with the BOS the command line asked for
+    applied_bos = None  # the blocks come tokenised, with the BOS the command line asked for
     if args.from_raw:
         parts, blocks, recorded = _load_raw(raw, wanted)
         _refuse_another_run(args, given_run & {*_RECORDED, *CLI_OPTIONS}, blocks, recorded, raw)
@@ -290,16 +291,17 @@ def _main(argv: list[str] | None) -> int:
         dataset = load_dataset(args.data)
         check_block_size(args.block_size, model)  # after the data set's name is checked
         add_bos = {"default": None, "yes": True, "no": False}[args.add_bos]
+        from ..data import _resolve_bos, document_blocks, lm_blocks
+
         if args.sampling == "documents":  # independent units: one block per document (intervals over documents)
-            from ..data import document_blocks
-
-            from ..data import _resolve_bos
-
-            dataset = sampled_blocks(lambda: document_blocks(dataset, tokenizer, args.block_size, args.num_sequences,
-                                                             seed=args.seed, add_bos=add_bos), args.block_size,
-                                     args.data, True)
-            applied_bos = _resolve_bos(tokenizer, add_bos) is not None  # what the summary records
-            add_bos = None  # applied: the blocks are tokenised
+            make = functools.partial(document_blocks, dataset, tokenizer, args.block_size, args.num_sequences,
+                                     seed=args.seed, add_bos=add_bos)
+        else:  # consecutive blocks of the texts, as the analyses cut them, made here to refuse too few in one line
+            make = functools.partial(lm_blocks, dataset, tokenizer, block_size=args.block_size,
+                                     num_blocks=args.num_sequences, add_bos=add_bos)
+        dataset = sampled_blocks(make, args.block_size, args.data, args.sampling == "documents")
+        applied_bos = _resolve_bos(tokenizer, add_bos) is not None  # what the summary records
+        add_bos = None  # applied: the blocks are tokenised
         from ..cache import caching
 
         with caching(enabled=not args.no_cache):  # the command line caches its pieces unless --no-cache
