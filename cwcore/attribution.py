@@ -110,6 +110,7 @@ def attribute(
     it (value zeroing's reruns are the model's own forward, in its dtype; the random control's scores are a seeded
     hash, float32). Returns an :class:`Attribution` (token-level methods: compare with contribution weights summed
     over heads)."""
+    from .core.architectures import UnsupportedModelError
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
     from .core.inputs import (InputError, cached_length, check_compute_dtype, check_inputs, check_sequence_ids,
@@ -117,7 +118,6 @@ def attribute(
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
     from .faithfulness.methods.registry import refuse_encoder_decoder
-    from .core.architectures import UnsupportedModelError
 
     if isinstance(method, str):
         if method not in available_methods():

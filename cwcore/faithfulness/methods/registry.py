@@ -333,8 +333,9 @@ def _watch_block_outputs(model, layers, changed: dict, handles: list) -> None:
     from ...core.attention_features import changed_output
 
     thread = threading.get_ident()  # another thread's forwards of the same model are not this call's
+    blocks = attention_blocks(model)
     for layer in layers:
-        block, projected = attention_blocks(model)[layer], {}
+        block, projected = blocks[layer], {}
         projection = block.output_module()
         if projection is None or not any(m is projection for m in block.module.modules()):
             continue
