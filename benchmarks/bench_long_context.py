@@ -22,7 +22,8 @@ rounding may rank in either order; the top terms' values are then compared with 
 terms the summary chose, and the k largest c rank by rank, see ``relative_differences``). Both forwards compute the
 logits of the last position only (``logits_to_keep=1``): the logits of every position of a 32k-token
 input would be the largest tensor of either run (34 GB for Gemma 3's vocabulary) and are no part of
-the attention's cost. The input is ``--tokens`` random ids (seed 0).
+the attention's cost. The input is ``--tokens`` random ids (seed 0). ``--first-layers N`` keeps the model's first N decoder layers
+(a slice, for quick comparisons) and ``--profile`` prints the operators of a second call by self CPU time.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def _peak_gib() -> float:
 def _setup(args, attention: str = "sdpa"):
     model, _ = cwcore.load_model(args.model)
     model.config._attn_implementation = attention
+    if args.first_layers:  # a slice of the model, for profiles: its first N decoder layers
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None or not 0 < args.first_layers <= len(layers):
+            raise SystemExit(f"--first-layers {args.first_layers}: {args.model} has no model.layers of that length")
+        model.model.layers = layers[: args.first_layers]
+        model.config.num_hidden_layers = args.first_layers
+        model.eval()  # the slice is a new ModuleList, in training mode
     if args.dtype == "float64":  # the check without float32 rounding: both paths then agree to float64's
         model = model.to(torch.float64)
     ids = torch.randint(100, model.config.vocab_size - 100, (1, args.tokens),
@@ -57,20 +65,42 @@ def _setup(args, attention: str = "sdpa"):
     return model, ids
 
 
+def _profiled(args, call) -> None:
+    """``--profile``: the operators of a second call, by self CPU time, on stderr (the timed call was the first)."""
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as profiler:
+            call()
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+
+
 def run_sdpa(args) -> dict:
     model, ids = _setup(args)
+
+    def forward():
+        with torch.inference_mode():
+            model(input_ids=ids, logits_to_keep=1)
+
     start, cpu = time.perf_counter(), time.process_time()
-    with torch.inference_mode():
-        model(input_ids=ids, logits_to_keep=1)
-    return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
+    forward()
+    result = {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
+    _profiled(args, forward)
+    return result
 
 
 def run_summary(args) -> dict:
     model, ids = _setup(args, args.summary_attention)
+
+    def summary():
+        return cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1,
+                                progress=False)
+
     start, cpu = time.perf_counter(), time.process_time()
-    summary = cwcore.summarize(model, input_ids=ids, top_k=args.top_k, rows=[-1], logits_to_keep=1)
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "cpu_s": time.process_time() - cpu, "layers": len(summary)}
+    layers = len(summary())
+    result = {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "layers": layers}
+    _profiled(args, summary)
+    return result
 
 
 def _compare(summary, reference, dense, worst, where, mismatch):
@@ -111,7 +141,9 @@ def run_check(args) -> dict:
 
 def _spawn(args, mode: str) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--model", args.model, "--tokens", str(args.tokens),
-               "--mode", mode, "--top-k", str(args.top_k), "--summary-attention", args.summary_attention] + (["--threads", str(args.threads)] if args.threads else [])
+               "--mode", mode, "--top-k", str(args.top_k), "--summary-attention", args.summary_attention]
+    command += ["--threads", str(args.threads)] if args.threads else []
+    command += ["--first-layers", str(args.first_layers)] if args.first_layers else []
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -128,6 +160,10 @@ def main() -> None:
                         help="the attention the model is configured with in summary mode: sdpa (default) keeps the "
                              "model's own SDPA output in every layer, one SDPA call per layer on top of the "
                              "summary's; eager hands the summary's blockwise output to the next layer")
+    parser.add_argument("--first-layers", type=int, default=None,
+                        help="keep the model's first N decoder layers only (a slice, for profiles)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed call, profile a second one and print its operators on stderr")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: torch's); on a shared machine 1 keeps the two modes comparable")
     args = parser.parse_args()
@@ -141,7 +177,7 @@ def main() -> None:
     else:
         result = {"sdpa": run_sdpa, "summary": run_summary, "check": run_check}[args.mode](args)
         result["peak_rss_gib"] = _peak_gib()
-    result = {"model": args.model, "tokens": args.tokens, "mode": args.mode, "dtype": args.dtype,
+    result = {"model": args.model, "tokens": args.tokens, "first_layers": args.first_layers, "mode": args.mode, "dtype": args.dtype,
               "summary_attention": args.summary_attention if args.mode in ("summary", "ratios") else None,
               "threads": torch.get_num_threads(), "load_average": round(os.getloadavg()[0], 2), **result}
     print(json.dumps(result))
