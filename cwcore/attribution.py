@@ -195,7 +195,8 @@ def attribute(
 
         forward_inputs = prepare_inputs(model, checked)
         with torch.inference_mode(), intervene(model, {}, attention_mask=attention_mask, compute_dtype=compute_dtype,
-                                               observers={layer: [observe] for layer in observed}):
+                                               observers={layer: [observe] for layer in observed}) as session:
+            context.changed_outputs = session.changed_outputs
             model(**forward_inputs)
     attribution = _assemble(chosen.name, raw, input_ids.shape, attention_mask, heads)
     attribution.num_blocks, attribution.undecomposable = len(blocks), undecomposable

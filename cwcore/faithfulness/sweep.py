@@ -168,13 +168,17 @@ class Sweep:
                                "run the sweep through run_sweep, which estimates them")
         return self.stand_ins[batch.index][layer]
 
-    def _forward(self, batch: Batch, masks=None, observers=None, transforms=None) -> torch.Tensor:
+    def _forward(self, batch: Batch, masks=None, observers=None, transforms=None, context=None) -> torch.Tensor:
+        """The logits of one forward of ``batch`` under ``intervene``; ``context``: the scoring context of that
+        forward, which reads its session's changed block outputs (see :func:`~cwcore.faithfulness.methods.scoring`)."""
         inputs = prepare_inputs(self.model, {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask})
         masks = masks or {}
         stand_in = None if self.protocol.removal == "zero" else {layer: self._stand_in(batch, layer) for layer in masks}
         with torch.inference_mode(), intervene(self.model, masks, attention_mask=batch.attention_mask,
                                                observers=observers or {}, transforms=transforms or {},
-                                               stand_in=stand_in):
+                                               stand_in=stand_in) as session:
+            if context is not None:
+                context.changed_outputs = session.changed_outputs
             out = self.model(**inputs)
         return lm_logits(self.model, out, "faithfulness", "there is no perplexity or answer score to measure")
 
@@ -220,7 +224,7 @@ class Sweep:
             observers = {layer: [causal] for layer in self.layers}
             for layer in observed:
                 observers.setdefault(layer, []).append(ranker)
-            logits = self._forward(batch, observers=observers)  # a model without logits is refused for that first
+            logits = self._forward(batch, observers=observers, context=context)  # a model without logits is refused for that first
             if refused:
                 raise refused[0]
         return logits, buckets, removed
@@ -313,7 +317,7 @@ class Sweep:
                     mask = removal_mask(chosen.buckets[mode], 0, candidates[call.layer] if layer_scope else None)
                     return removal(mask, self._stand_in(batch, call.layer))(call)
 
-                logits = self._forward(batch, transforms={layer: [live] for layer in observed})
+                logits = self._forward(batch, transforms={layer: [live] for layer in observed}, context=context)
         return scorer(logits, batch, removed)
 
     def candidate_terms(self, batch: Batch) -> torch.Tensor:

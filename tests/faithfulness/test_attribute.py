@@ -468,28 +468,47 @@ def test_attribute_truncates_as_decompose_does_and_names_the_missing_head_before
         cwcore.attribute(bert, method="grad_x_input", **enc)
 
 
-def test_the_block_output_watch_reads_only_its_own_threads_forwards():
-    """The watch behind ALTI's block-output refusal hooked the shared model and read every thread's forwards: another
-    thread's hooked forward made this call's layer look changed (and could hide a real change). Here a forward with
-    the block's output doubled, run in another thread, leaves the watch empty; the control: the same forward in the
-    watching thread is recorded."""
+def test_the_block_output_refusal_reads_only_its_own_threads_forwards():
+    """ALTI's block-output refusal reads the scored forward's session, which hooks the shared model: another thread's
+    forward must not make this call's layer look changed (nor hide a real change). Here a forward with the block's
+    output doubled, run in another thread inside the session, leaves the session's record empty; the control: the
+    same forward in the session's thread is recorded, and attribute refuses it."""
     import threading
 
-    from cwcore.faithfulness.methods.registry import _watch_block_outputs
+    from cwcore.core.interventions import intervene
 
     model, ids = _model("llama"), _ids(n=1, length=5)
-    changed, handles = {}, []
     doubling = model.model.layers[0].self_attn.register_forward_hook(lambda module, args, out: (out[0] * 2, *out[1:]))
     try:
-        _watch_block_outputs(model, [0, 1], changed, handles)
-        other = threading.Thread(target=lambda: model(input_ids=ids))
-        with torch.no_grad():
+        geometry = {0: [lambda call: call.geometry()], 1: [lambda call: call.geometry()]}  # as ALTI reads the layers
+        with torch.no_grad(), intervene(model, {}, observers=geometry) as session:
+            other = threading.Thread(target=lambda: model(input_ids=ids))
             other.start()
             other.join()
-            assert changed == {}
+            assert session.changed_outputs == {}
             model(input_ids=ids)
-        assert list(changed) == [0] and "relative difference 1" in changed[0]
+        assert list(session.changed_outputs) == [0] and "relative difference 1" in session.changed_outputs[0]
+        with pytest.raises(cwcore.UnsupportedModelError, match="alti models what attention layer 0 adds"):
+            cwcore.attribute(model, method="alti", input_ids=ids)
     finally:
         doubling.remove()
-        for handle in handles:
-            handle.remove()
+
+
+def test_a_scoring_context_whose_caller_never_hands_over_the_block_outputs_is_an_error_not_a_silent_pass():
+    """The block-output refusal reads what the caller hands over from its forward's session: a caller that forgot
+    (a new sweep, say) would drop the refusal silently, so scoring raises instead. The control: the same forward
+    with the session's record handed over leaves scoring quietly."""
+    from cwcore.core.interventions import intervene
+    from cwcore.faithfulness.methods.registry import scoring
+
+    model, ids = _model("llama"), _ids(n=1, length=5)
+    mask = torch.ones_like(ids)
+    with pytest.raises(RuntimeError, match="set context.changed_outputs"):
+        with scoring(model, [methods.get_method("alti")], ids, mask, layers=[0]):
+            with torch.no_grad():
+                model(input_ids=ids)
+    with scoring(model, [methods.get_method("alti")], ids, mask, layers=[0]) as context:
+        with torch.no_grad(), intervene(model, {}, observers={0: [lambda call: call.geometry()]}) as session:
+            context.changed_outputs = session.changed_outputs
+            model(input_ids=ids)
+    assert context.changed_outputs == {}

@@ -223,6 +223,9 @@ class ScoreContext:
         self.block_inputs: dict[int, tuple] = {}
         self.gradients: dict[int, torch.Tensor] = {}
         self.post_attention_norms: dict[int, nn.Module | None] = {}
+        # layer -> why its block returned another tensor than its projection's result: the scored forward's
+        # AttentionSession.changed_outputs, handed over by the caller (read on leaving scoring())
+        self.changed_outputs: dict[int, str] | None = None
 
     def scores(self, method: Method, layer_decomposition: LayerDecomposition, call=None, kind: str | None = None):
         """``[batch, head, query, key]`` scores of ``method`` for one layer. Token-level scores are copied
@@ -244,6 +247,8 @@ class ScoreContext:
             context["output_gradient"] = self.gradients.get(layer)
         if "post_attention_norm" in method.needs:
             context["post_attention_norm"] = self.post_attention_norms.get(layer)
+        if "block_output" in method.needs and call is not None:
+            call.geometry()  # the session checks a block's output where it built the layer's geometry (see scoring)
         accepted = _accepted(method.fn)
         if accepted is not None:
             context = {k: v for k, v in context.items() if k in accepted}
@@ -302,7 +307,6 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
     if "output_gradient" in needs:
         context.gradients = output_gradients(model, input_ids, attention_mask, layers)
     handles = []
-    changed: dict[int, str] = {}  # layer -> why its block returned another tensor than its projection's result
     try:  # every hook inside: one registration that fails removes those before it
         if "block_input" in needs:
             for layer in layers:
@@ -310,54 +314,20 @@ def scoring(model, methods, input_ids, attention_mask, *, layers, groups=None, c
                     context.block_inputs[layer] = (args, kwargs)
                     return None
                 handles.append(_parent(model, layer).register_forward_pre_hook(capture, with_kwargs=True))
-        if "block_output" in needs:
-            _watch_block_outputs(model, layers, changed, handles)
         yield context
     finally:
         for handle in handles:
             handle.remove()
-    if changed:
-        layer, why = min(changed.items())
-        users = ", ".join(m.name for m in methods if "block_output" in m.needs)
-        raise UnsupportedModelError(f"{users} models what attention layer {layer} adds to the residual stream as its "
-                                    f"output projection's result, but {why}")
-
-
-def _watch_block_outputs(model, layers, changed: dict, handles: list) -> None:
-    """Hooks (appended to ``handles``) that record in ``changed`` (layer -> why) each of ``layers`` whose attention
-    block returns another tensor than its output projection's result in this thread's forwards
-    (:func:`~cwcore.core.attention_features.changed_output`). A block whose projection runs outside it (BERT's
-    ``output.dense`` in the parent) is not watched: its result is not the block's to return."""
-    import threading
-
-    from ...core.attention_features import changed_output
-
-    thread = threading.get_ident()  # another thread's forwards of the same model are not this call's
-    blocks = attention_blocks(model)
-    for layer in layers:
-        block, projected = blocks[layer], {}
-        projection = block.output_module()
-        if projection is None or not any(m is projection for m in block.module.modules()):
-            continue
-
-        def start(module, args, projected=projected):
-            if threading.get_ident() == thread:
-                projected.clear()  # a forward's own projection result only, never an earlier one's
-
-        def keep(module, args, result, projected=projected):
-            if threading.get_ident() == thread:
-                projected["result"] = result[0] if isinstance(result, tuple) else result
-
-        def compare(module, args, result, block=block, projected=projected):
-            if threading.get_ident() != thread:
-                return
-            why = changed_output(block, result, projected.pop("result", None))
-            if why is not None:
-                changed.setdefault(block.layer, why)
-
-        handles.append(block.module.register_forward_pre_hook(start))
-        handles.append(projection.register_forward_hook(keep))
-        handles.append(block.module.register_forward_hook(compare))
+    if "block_output" in needs:
+        if context.changed_outputs is None:  # a caller that forgot would drop the refusal silently
+            raise RuntimeError("scoring: a method needs the block outputs checked; set context.changed_outputs to the "
+                               "scored forward's AttentionSession.changed_outputs")
+        changed = {layer: why for layer, why in context.changed_outputs.items() if layer in layers}
+        if changed:
+            layer, why = min(changed.items())
+            users = ", ".join(m.name for m in methods if "block_output" in m.needs)
+            raise UnsupportedModelError(f"{users} models what attention layer {layer} adds to the residual stream as "
+                                        f"its output projection's result, but {why}")
 
 
 def lm_logits(model, out, caller: str, why: str) -> torch.Tensor:
@@ -447,7 +417,8 @@ def method_scores(model, metric, input_ids, attention_mask=None, *, layers=None,
 
         inputs = prepare_inputs(model, {"input_ids": input_ids, "attention_mask": attention_mask})
         with torch.inference_mode(), intervene(model, {}, attention_mask=attention_mask, compute_dtype=compute_dtype,
-                                               observers={l: [observe] for l in observed}):
+                                               observers={l: [observe] for l in observed}) as session:
+            context.changed_outputs = session.changed_outputs
             model(**inputs)
     return results
 
