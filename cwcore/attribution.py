@@ -114,7 +114,7 @@ def attribute(
     from .core.attention import default_compute_dtype
     from .core.decomposition import LayerDecomposition, prepare_inputs, select_layers
     from .core.inputs import (InputError, cached_length, check_compute_dtype, check_inputs, check_sequence_ids,
-                              own_options, unwrap_compiled)
+                              own_options, refuse_unknown_inputs, unwrap_compiled)
     from .core.interventions import intervene
     from .faithfulness.methods import as_method, available_methods, get_method, scoring
     from .faithfulness.methods.registry import refuse_encoder_decoder
@@ -139,6 +139,7 @@ def attribute(
                         + (f" (its options: {', '.join(options)})" if options else " (it has no options)"))
     if inputs is not None:
         if keywords:
+            refuse_unknown_inputs(model, keywords, "attribute", own_options(attribute) + tuple(options))
             raise InputError("attribute: give the inputs once, either as one mapping (attribute(model, enc)) or as "
                              "keywords (attribute(model, **enc))")
         if not isinstance(inputs, Mapping):

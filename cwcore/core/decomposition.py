@@ -33,7 +33,8 @@ from .architectures import UnsupportedModelError, attention_blocks, has_cross_at
 from .attention import AttentionSession, LayerCall, cwcore_attention, default_compute_dtype
 from .geometry import HeadSpaceGeometry
 from .inputs import (InputError, InputTypeError, is_integer_number, plain_integer, _shown, check_compute_dtype,
-                     check_inputs, check_layers, check_materialised, own_options, unwrap_compiled)
+                     check_inputs, check_layers, check_materialised, own_options, refuse_unknown_inputs,
+                     unwrap_compiled)
 
 __all__ = ["Decomposition", "LayerDecomposition", "LayerNotDecomposedError", "decompose", "METRICS", "Rung", "ZERO_NORM",
            "prepare_inputs"]
@@ -622,12 +623,13 @@ def layers_not_run(blocks, wanted, done: Iterable[int], layers, caller: str,
     return {layer: "it did not run in this forward pass" for layer in missing}
 
 
-def positional_inputs(model, layers, inputs: dict, caller: str) -> tuple:
+def positional_inputs(model, layers, inputs: dict, caller: str, options: Iterable[str] = ()) -> tuple:
     """``(model, layers, inputs)`` of ``caller(model, ...)``, whose first two parameters are positional only so that
     the second may hold the layers or the inputs as one mapping: ``caller(model, enc)`` is ``caller(model, **enc)``
     with every layer, and ``caller(model, enc, layers=[2])`` chooses them; ``model=`` and ``layers=`` given by keyword
     arrive among ``inputs`` and are taken from there (``layers=enc``, a mapping, is the inputs, as it always was). A
-    tensor in the layers' slot, or the layers given twice, is refused in one sentence."""
+    tensor in the layers' slot, or the layers given twice, is refused in one sentence; so is a keyword beside the
+    mapping that the model does not take (``layer=[2]``: did you mean one of the caller's ``options``?)."""
     if model is None and "model" in inputs:
         model = inputs.pop("model")
     if model is None:
@@ -637,6 +639,7 @@ def positional_inputs(model, layers, inputs: dict, caller: str) -> tuple:
         layers, chosen = chosen, None  # decompose(model, layers=enc)
     if isinstance(layers, Mapping) and not isinstance(layers, (str, bytes)):  # decompose(model, enc)
         if inputs:
+            refuse_unknown_inputs(model, inputs, caller, options)  # a misspelt option is not a second set of inputs
             raise InputError(f"{caller}: give the inputs once, either as one mapping ({caller}(model, enc)) or "
                              f"as keywords ({caller}(model, **enc))")
         return model, chosen, dict(layers)
@@ -696,7 +699,7 @@ def decompose(
     With a key/value cache (``cache=``) the key axis is what each layer attends to, cached and new tokens; a
     sliding-window layer's cache keeps only its last ones, so its key ``j`` is position ``total - keys + j``.
     """
-    model, layers, inputs = positional_inputs(model, layers, inputs, "decompose")
+    model, layers, inputs = positional_inputs(model, layers, inputs, "decompose", own_options(decompose))
     model, blocks, wanted, undecomposable = select_layers(model, layers, "decompose")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)

@@ -23,6 +23,7 @@ __all__ = [
     "query_positions", "query_positions_as_given",
     "check_mask", "check_not_empty", "check_ratios", "check_sequence_ids", "check_sweep_arguments", "check_targets",
     "check_texts", "check_token_sequences", "context_length", "did_you_mean", "finite_scores", "is_integer_number",
+    "refuse_unknown_inputs",
     "plain_integer",
 ]
 
@@ -155,6 +156,25 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def refuse_unknown_inputs(model: nn.Module, names: Iterable[str], caller: str, options: Iterable[str] = ()) -> None:
+    """Refuse, in one sentence, keywords ``names`` the model's forward does not take: a tokenizer output that is no
+    model input (``token_type_ids`` for a decoder), or a misspelling, named with the closest accepted keyword or the
+    closest of the caller's own ``options`` (``rows`` for ``row``)."""
+    accepted = _accepted_keywords(model)
+    unknown = [] if accepted is None else sorted(set(names) - accepted)
+    extras = [name for name in unknown if name in _TOKENIZER_OUTPUTS]
+    if extras:
+        one = len(extras) == 1
+        raise InputTypeError(f"{caller}(): {', '.join(map(repr, extras))} {'is' if one else 'are'} the tokenizer's own "
+                             f"output{'' if one else 's'}, not {'a model input' if one else 'model inputs'}: leave "
+                             f"{'it' if one else 'them'} out, e.g. {caller}(model, input_ids=enc['input_ids'], "
+                             "attention_mask=enc['attention_mask'])")
+    if unknown:
+        hints = [f"{name!r}" + did_you_mean(name, (accepted - _KERNEL_KEYWORDS) | set(options)) for name in unknown]
+        raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
+                             f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")
+
+
 def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", truncate: bool = False,
                  options: Iterable[str] = ()) -> dict:
     """The model inputs, checked (and 1-D ``input_ids``/``attention_mask`` promoted to a batch of one).
@@ -169,19 +189,7 @@ def check_inputs(model: nn.Module, inputs: dict, *, caller: str = "decompose", t
     if not inputs:  # else the model's own error, many frames deep
         raise InputError(f"{caller}: no inputs: give the model's inputs as keywords, e.g. "
                          f"{caller}(model, **tokenizer(text, return_tensors='pt'))")
-    accepted = _accepted_keywords(model)
-    unknown = [] if accepted is None else sorted(set(inputs) - accepted)
-    extras = [name for name in unknown if name in _TOKENIZER_OUTPUTS]
-    if extras:
-        one = len(extras) == 1
-        raise InputTypeError(f"{caller}(): {', '.join(map(repr, extras))} {'is' if one else 'are'} the tokenizer's own "
-                             f"output{'' if one else 's'}, not {'a model input' if one else 'model inputs'}: leave "
-                             f"{'it' if one else 'them'} out, e.g. {caller}(model, input_ids=enc['input_ids'], "
-                             "attention_mask=enc['attention_mask'])")
-    if unknown:
-        hints = [f"{name!r}" + did_you_mean(name, (accepted - _KERNEL_KEYWORDS) | set(options)) for name in unknown]
-        raise InputTypeError(f"{caller}() got unexpected keyword argument(s) {', '.join(hints)}; "
-                        f"{type(model).__name__} accepts {', '.join(sorted(accepted - _GENERAL_KEYWORDS))}")
+    refuse_unknown_inputs(model, inputs, caller, options)
     inputs = dict(inputs)
     ids = inputs.get("input_ids")
     if ids is not None and inputs.get("inputs_embeds") is not None:  # else the model's own error, many frames deep

@@ -673,7 +673,7 @@ def summarize(
     if progress is not None and not isinstance(progress, bool):
         raise InputError(f"progress must be True, False or None, got {progress!r}")
     top_k = check_count(top_k, "top_k")
-    model, layers, inputs = positional_inputs(model, layers, inputs, "summarize")  # summarize(model, enc) too
+    model, layers, inputs = positional_inputs(model, layers, inputs, "summarize", own_options(summarize))
     model, blocks, wanted, undecomposable = select_layers(model, layers, "summarize", "summarised")
     num_layers = len(blocks)
     compute_dtype = default_compute_dtype(model) if compute_dtype is None else check_compute_dtype(compute_dtype)

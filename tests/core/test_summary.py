@@ -304,6 +304,11 @@ def test_the_tokenizers_output_as_one_argument_is_the_inputs_as_for_decompose():
     torch.testing.assert_close(given[1].top.contribution, keywords[1].top.contribution, rtol=0, atol=0)
     with pytest.raises(InputError, match=r"^summarize: give the inputs once"):
         cwcore.summarize(model, enc, input_ids=IDS[:1])
+    # a misspelt option beside the mapping is named as such (it said "give the inputs once"), in both calls
+    for call in (cwcore.summarize, cwcore.decompose):
+        with pytest.raises(TypeError, match=rf"^{call.__name__}\(\) got unexpected keyword argument\(s\) 'layer' "
+                           r"\(did you mean 'layers'\?\)"):
+            call(model, enc, layer=[1])
     with pytest.raises(InputError, match=r"^summarize\(model, tensor\): the second positional argument is layers"):
         cwcore.summarize(model, IDS[:1])
 

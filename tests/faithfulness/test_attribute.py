@@ -210,6 +210,10 @@ def test_names_and_keywords_fail_in_one_line():
         cwcore.attribute(model, method="alti", input_ids=ids, layer=1)
     with pytest.raises(ValueError, match="give the inputs once"):
         cwcore.attribute(model, {"input_ids": ids}, method="alti", attention_mask=torch.ones_like(ids))
+    # beside the inputs as one mapping, a misspelt option is named, not taken for a second set of inputs
+    with pytest.raises(TypeError, match=r"^attribute\(\) got unexpected keyword argument\(s\) 'layer' \(did you mean "
+                       r"'layers'\?\)"):
+        cwcore.attribute(model, {"input_ids": ids}, method="alti", layer=1)
     with pytest.raises(ValueError, match="kind must be 'inter' or 'intra'"):
         cwcore.attribute(model, method="contribution", input_ids=ids, kind="outer")
     # faithfulness_curve's spelling "contribution_intra": before, only the list of registered names
