@@ -400,6 +400,9 @@ def test_summarize_enters_as_decompose_does_a_compiled_model_and_one_without_wei
     for layer in plain.layers:
         torch.testing.assert_close(compiled[layer].contribution_received, plain[layer].contribution_received,
                                    rtol=0, atol=0)
+    # numbers alone pass through dynamo's eager backend too: the module itself was summarised, under its own names
+    assert [compiled[layer].block_name for layer in compiled.layers] == ["model.layers.0.self_attn",
+                                                                          "model.layers.1.self_attn"]
     with torch.device("meta"):
         empty = transformers.AutoModelForCausalLM.from_config(model.config)
     with pytest.raises(InputError, match="meta device"):
