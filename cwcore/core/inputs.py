@@ -23,8 +23,7 @@ __all__ = [
     "query_positions", "query_positions_as_given",
     "check_mask", "check_not_empty", "check_ratios", "check_sequence_ids", "check_sweep_arguments", "check_targets",
     "check_texts", "check_token_sequences", "context_length", "did_you_mean", "finite_scores", "is_integer_number",
-    "refuse_unknown_inputs",
-    "plain_integer",
+    "plain_integer", "refuse_unknown_inputs",
 ]
 
 
