@@ -728,3 +728,44 @@ def test_choice_batches_move_a_contexts_trailing_space_to_its_continuation():
     assert tokens == ["the", "Ġcat", "Ġsat", "Ġon", "Ġthe", "Ġmat", "Ġ."]
     assert batch["continuation_mask"][0].tolist() == [False] * 5 + [True] * 2
 
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"])
+@pytest.mark.parametrize("value", ["1", "yes", "True", " on "])
+def test_each_offline_variable_in_each_spelling_turns_offline_mode_on(variable, value, monkeypatch):
+    # HF_DATASETS_OFFLINE alone, or 'yes'/'true'/'on', went unread without a test noticing
+    import huggingface_hub.constants
+
+    from cwcore import hub
+
+    for name in hub.OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert hub.offline() is False
+    monkeypatch.setenv(variable, value)
+    assert hub.offline() is True
+    monkeypatch.setenv(variable, "0")
+    assert hub.offline() is False
+
+
+def test_the_hub_probe_is_remembered_a_minute_then_asked_again(monkeypatch):
+    # an answer remembered for good would call a hub that came back unreachable for the whole process
+    import socket
+    import time
+
+    from cwcore import hub
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(4)
+    try:
+        for name in ("NO_PROXY", "no_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        monkeypatch.setattr(hub, "endpoint", lambda: url)
+        key = f"{url} 127.0.0.1:{listening.getsockname()[1]}"
+        monkeypatch.setattr(hub, "_remembered", {key: (time.monotonic() - 30, False)})
+        assert hub.reachable(timeout=1.0) is False  # 30 s old: the remembered answer, no probe
+        hub._remembered[key] = (time.monotonic() - 61, False)
+        assert hub.reachable(timeout=1.0) is True  # 61 s old: probed again, and the live socket answers
+    finally:
+        listening.close()
