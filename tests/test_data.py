@@ -124,6 +124,9 @@ def test_wikipedia():
     assert first["text"].startswith(first["title"] + "\n\nRomania elected its members")
     assert not any("<doc" in t or "</doc>" in t or "&amp;" in t for t in ds["text"])
     assert any("Kool & the Gang" in t for t in ds["text"])  # entities unescaped
+    # the title attribute is escaped too ('Sooty &amp; Co.'); unescaped, it agrees with the article's first line
+    assert "Sooty & Co." in ds["title"] and not any("&amp;" in t or "&quot;" in t for t in ds["title"])
+    assert all(text.startswith(title + "\n\n") for text, title in zip(ds["text"], ds["title"]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -769,3 +772,13 @@ def test_the_hub_probe_is_remembered_a_minute_then_asked_again(monkeypatch):
         assert hub.reachable(timeout=1.0) is True  # 61 s old: probed again, and the live socket answers
     finally:
         listening.close()
+
+
+def test_choice_batches_refuse_a_continuation_without_tokens_and_a_choice_with_nothing_before_it(tiny):
+    # either went through without a word: a row scored 0 whatever the model, or a first token scored on nothing
+    with pytest.raises(ValueError, match=r"^continuation 1 \(' '\) has no tokens$"):
+        choice_batches({"contexts": ["the cat", "the dog"], "continuations": [" sat", " "]}, tiny)
+    example = {"contexts": [""], "continuations": ["the cat"]}
+    with pytest.raises(ValueError, match=r"^choice 0 has nothing \(context or BOS\) before its continuation"):
+        choice_batches(example, tiny, add_bos=False)
+    assert choice_batches(example, tiny)["input_ids"][0].tolist() == [tiny.bos_token_id, *_ids(tiny, "the cat")]
