@@ -204,10 +204,12 @@ def test_boolq_format(mc):
 
 
 def test_results_are_independent_objects():
-    a = load_dataset("boolq", limit=3)
-    a.set_format("torch")
-    b = load_dataset("boolq", limit=3)
-    assert isinstance(b[0]["gold"], int)
+    # without a limit too: limit=3 makes a select() of its own, so a shared packaged Dataset passed with it alone
+    for limit in (3, None):
+        a = load_dataset("boolq", limit=limit)
+        a.set_format("torch")
+        b = load_dataset("boolq", limit=limit)
+        assert isinstance(b[0]["gold"], int)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,9 +402,12 @@ def test_lm_batches(tiny):
         assert b["input_ids"].shape[1] == 6 and bool((b["attention_mask"] == 1).all())
     assert torch.equal(torch.cat([b["input_ids"] for b in batches]), torch.tensor(blocks["input_ids"]))
     assert len(list(lm_batches(blocks, n + 1, drop_last=True))) == 0
-    # a caller's torch format does not change what comes out
-    again = next(lm_batches(blocks.with_format("torch"), 2))
-    assert torch.equal(again["input_ids"], batches[0]["input_ids"])
+    # a caller's format does not change what comes out; a custom transform (one column shown) is a format too
+    shown = blocks.with_transform(lambda rows: {"input_ids": rows["input_ids"]})
+    for formatted in (*(blocks.with_format(fmt) for fmt in ("torch", "numpy", "pandas", "arrow")), shown):
+        again = next(lm_batches(formatted, 2))
+        assert torch.equal(again["input_ids"], batches[0]["input_ids"]), formatted.format
+        assert torch.equal(again["attention_mask"], batches[0]["attention_mask"]), formatted.format
 
 
 # ---------------------------------------------------------------------------------------------
@@ -782,3 +787,14 @@ def test_choice_batches_refuse_a_continuation_without_tokens_and_a_choice_with_n
     with pytest.raises(ValueError, match=r"^choice 0 has nothing \(context or BOS\) before its continuation"):
         choice_batches(example, tiny, add_bos=False)
     assert choice_batches(example, tiny)["input_ids"][0].tolist() == [tiny.bos_token_id, *_ids(tiny, "the cat")]
+
+
+def test_a_local_file_under_the_home_folder_is_read_from_a_tilde_path(tmp_path, monkeypatch):
+    # "~/corpus.txt" was found by the missing-file check but then looked up on the hub
+    from cwcore import hub
+
+    monkeypatch.setattr(hub, "offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda *a, **k: False)  # a wrong turn to the hub fails at once
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus.txt").write_text("one\n\ntwo\n", encoding="utf-8")
+    assert load_dataset("~/corpus.txt")["text"] == ["one", "two"]
