@@ -710,3 +710,22 @@ def test_a_variant_of_a_packaged_model_without_gguf_is_refused_by_name(offline):
             load_model(name, variant=variant)
     with pytest.raises(ValueError, match=r"^variant must be one of \['requantized'\], got 'int8'$"):
         load_model("smollm2-135m", variant="int8")
+
+
+def test_a_config_without_architectures_that_says_is_decoder_loads_as_a_causal_lm(tmp_path):
+    # a hand-written config.json names no architectures: is_decoder=True is then what marks a decoder with a head
+    from transformers import BertConfig, BertLMHeadModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, max_position_embeddings=64, is_decoder=True)
+    saved = BertLMHeadModel(config).eval()
+    saved.save_pretrained(tmp_path)
+    tiny_tokenizer(with_pad=True).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    del written["architectures"]
+    (tmp_path / "config.json").write_text(json.dumps(written))
+    model, _ = load_model(tmp_path)
+    assert type(model).__name__ == "BertLMHeadModel"
+    ids = [3, 4, 5]  # the reference may run sdpa attention, hence float32 rounding differences
+    torch.testing.assert_close(logits(model, ids), logits(saved, ids), rtol=0, atol=1e-5)
