@@ -798,3 +798,14 @@ def test_a_local_file_under_the_home_folder_is_read_from_a_tilde_path(tmp_path, 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "corpus.txt").write_text("one\n\ntwo\n", encoding="utf-8")
     assert load_dataset("~/corpus.txt")["text"] == ["one", "two"]
+
+
+def test_lm_blocks_cut_one_stream_across_hundreds_of_documents(tiny):
+    # documents are read 256 at a time: the tokens left over between two reads, or a row skipped between them,
+    # were lost without a test noticing (every other test has fewer documents)
+    docs = [" ".join(_WORDS[i % 7 : i % 7 + 1 + i % 3]) for i in range(700)]
+    stream = _stream(tiny, docs, tiny.eos_token_id)
+    for source in (datasets.Dataset.from_dict({"text": docs}), docs):
+        blocks = lm_blocks(source, tiny, block_size=8)
+        assert len(blocks) == len(stream) // 7
+        assert blocks["input_ids"] == [[tiny.bos_token_id, *stream[k : k + 7]] for k in range(0, 7 * len(blocks), 7)]
