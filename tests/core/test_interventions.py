@@ -312,3 +312,68 @@ def test_a_three_dimensional_mask_is_refused_as_ambiguous():
         one = model(input_ids=ids).logits
     with torch.no_grad(), cwcore.intervene(model, {0: per_sequence[0]}):
         torch.testing.assert_close(model(input_ids=ids).logits, one, rtol=0, atol=0)
+
+
+def test_the_decomposition_a_callable_mask_receives_keeps_the_clean_probabilities_after_the_removal():
+    """The callable's LayerDecomposition shares the softmax output; zeroing in place (saving a copy) would rewrite the
+    decomposition the user holds. The reference: decompose's clean attention; the control: the removal took place."""
+    model = tiny_model("llama")
+    ids = _ids()
+    clean = cwcore.decompose(model, input_ids=ids)
+    held = {}
+
+    def remove_first_key(layer):
+        held["layer"] = layer  # kept as given, not cloned, as a user may
+        mask = torch.zeros_like(layer.attention, dtype=torch.bool)
+        mask[..., 0] = True
+        return mask
+
+    with torch.no_grad(), cwcore.intervene(model, {0: remove_first_key}, record=[0]) as session:
+        model(input_ids=ids)
+    assert session.recorded[0].attention[..., 0].abs().max() == 0  # the control: key 0 was removed
+    torch.testing.assert_close(held["layer"].attention, clean[0].attention, rtol=0, atol=0)
+
+
+def test_compute_dtype_sets_the_precision_of_the_recorded_decompositions():
+    """``compute_dtype=torch.float64`` on a float32 model: the recorded decompositions are float64 and agree with
+    the same model in float64 to float32's rounding of its inputs; the control: the float32 record differs."""
+    import copy
+
+    model = tiny_model("llama")
+    ids = _ids(seed=2)
+    mask = torch.zeros(1, 1, 9, 9, dtype=torch.bool)
+    mask[..., 1] = True
+
+    def recorded(net, dtype=None):
+        with torch.no_grad(), cwcore.intervene(net, {0: mask}, record=[1], compute_dtype=dtype) as session:
+            net(input_ids=ids)
+        return session.recorded[1].contribution("inter")
+
+    wide, single = recorded(model, torch.float64), recorded(model, torch.float32)
+    reference = recorded(copy.deepcopy(model).double())
+    assert wide.dtype == reference.dtype == torch.float64 and single.dtype == torch.float32
+    assert not torch.equal(wide, single.double())  # the control
+    torch.testing.assert_close(wide, reference, rtol=0, atol=5e-7)
+
+
+def test_record_and_mask_layers_are_numbered_as_elsewhere_and_out_of_range_ones_refused():
+    """``record=[-1]`` records the last layer as masks' -1 removes from it; a layer the model lacks is refused by
+    name (masks={2: ...} on two layers wrapped round to layer 0, silently)."""
+    from cwcore.core.inputs import InputIndexError
+
+    model = tiny_model("llama")
+    ids = _ids(batch=1, length=6)
+    mask = torch.zeros(1, 4, 6, 6, dtype=torch.bool)
+    mask[..., 1] = True
+    with torch.no_grad(), cwcore.intervene(model, {-1: mask}, record=[-1]) as last:
+        model(input_ids=ids)
+    with torch.no_grad(), cwcore.intervene(model, {1: mask}, record=[1]) as positive:
+        model(input_ids=ids)
+    assert list(last.recorded) == [1]
+    torch.testing.assert_close(last.recorded[1].attention, positive.recorded[1].attention, rtol=0, atol=0)
+    assert last.recorded[1].attention[..., 1].abs().max() == 0  # the control: the removal is what was recorded
+    for bad in (2, -3):
+        with pytest.raises(InputIndexError, match=f"masks: layer {bad} out of range"):
+            cwcore.intervene(model, {bad: mask}).__enter__()
+        with pytest.raises(InputIndexError, match=f"record: layer {bad} out of range"):
+            cwcore.intervene(model, {}, record=[bad]).__enter__()
