@@ -334,6 +334,24 @@ def test_the_decomposition_a_callable_mask_receives_keeps_the_clean_probabilitie
     torch.testing.assert_close(held["layer"].attention, clean[0].attention, rtol=0, atol=0)
 
 
+def test_a_probe_forward_inside_intervene_is_not_held_to_its_attention_mask():
+    """Finding a model's post-attention norms runs a probe forward on its own [1, 4] tokens; inside intervene with a
+    [2, 7] padding mask it would be refused as a forward on other tokens. The control: the padded forward itself is
+    still checked (a forward without the mask is refused)."""
+    from cwcore.core.architectures import post_attention_norms
+    from cwcore.core.inputs import InputError
+
+    model = tiny_model("gemma3")  # a fresh model: the probe has not run, its result is not cached yet
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
+    with torch.no_grad(), cwcore.intervene(model, {}, attention_mask=padding):
+        norms = post_attention_norms(model)
+        with pytest.raises(InputError, match="called without one"):
+            model(input_ids=ids)
+    assert set(norms) == {0, 1} and all(norm is model.model.layers[i].post_attention_layernorm
+                                        for i, norm in norms.items())
+
+
 def test_compute_dtype_sets_the_precision_of_the_recorded_decompositions():
     """``compute_dtype=torch.float64`` on a float32 model: the recorded decompositions are float64 and agree with
     the same model in float64 to float32's rounding of its inputs; the control: the float32 record differs."""
@@ -354,6 +372,28 @@ def test_compute_dtype_sets_the_precision_of_the_recorded_decompositions():
     assert wide.dtype == reference.dtype == torch.float64 and single.dtype == torch.float32
     assert not torch.equal(wide, single.double())  # the control
     torch.testing.assert_close(wide, reference, rtol=0, atol=5e-7)
+
+
+def test_positional_input_ids_and_attention_mask_are_checked_as_keywords_are():
+    """model(ids, mask) passes both positionally: the mask must be read there (not taken as missing) and the tokens'
+    shape compared with intervene's mask as for input_ids=... . The reference: the same call with keywords."""
+    from cwcore.core.inputs import InputError
+
+    model = tiny_model("llama")
+    heads, _ = _heads(model)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
+    removed = torch.zeros(2, heads, 7, 7, dtype=torch.bool)
+    removed[..., 5] = True
+    inputs = prepare_inputs(model, dict(input_ids=ids, attention_mask=padding))
+    with torch.no_grad(), cwcore.intervene(model, {0: removed}, attention_mask=padding):
+        by_keyword = model(**inputs).logits
+        by_position = model(inputs["input_ids"], inputs["attention_mask"], inputs.get("position_ids")).logits
+    torch.testing.assert_close(by_position, by_keyword, rtol=0, atol=0)
+    with pytest.raises(InputError, match=r"attention_mask has shape \(2, 7\) but the model was called on inputs "
+                                         r"\(2, 4\)"):
+        with torch.no_grad(), cwcore.intervene(model, {}, attention_mask=torch.ones_like(ids)):
+            model(ids[:, 3:])  # positional tokens, no mask: the all-ones mask describes other tokens
 
 
 def test_record_and_mask_layers_are_numbered_as_elsewhere_and_out_of_range_ones_refused():
