@@ -417,3 +417,61 @@ def test_record_and_mask_layers_are_numbered_as_elsewhere_and_out_of_range_ones_
             cwcore.intervene(model, {bad: mask}).__enter__()
         with pytest.raises(InputIndexError, match=f"record: layer {bad} out of range"):
             cwcore.intervene(model, {}, record=[bad]).__enter__()
+
+
+def test_user_transforms_run_after_the_removal():
+    """``transforms=`` (the sweep's live removals use it) were never exercised: ignored, or run before the removal,
+    every test passed. A transform renormalising each row after the removal gives, against the naive sum,
+    o_proj input = sum_j alpha_ij (1 - m_ij) v_j / sum_j alpha_ij (1 - m_ij); the other order would give the
+    unrenormalised removal (renormalising the untouched rows first changes nothing)."""
+    model = tiny_model("llama")
+    ids = _ids(length=8, seed=3)
+    heads, kv = _heads(model)
+    b, n = ids.shape
+    with torch.no_grad():
+        alpha = model(input_ids=ids, output_attentions=True).attentions[0].double()
+    mask = torch.rand(b, heads, n, n, generator=torch.Generator().manual_seed(4)) < 0.4
+    mask[..., 0] = False  # every row keeps a term, so the renormalised row is defined
+    value_module, projection, extract = _value_and_projection(model, "llama", 0)
+    captured = {}
+    handles = [
+        value_module.register_forward_hook(lambda m, a, out: captured.__setitem__("v", extract(out).detach())),
+        projection.register_forward_pre_hook(lambda m, args: captured.__setitem__("z", args[0].detach())),
+    ]
+
+    def renormalise(call):
+        return call.probs / call.probs.sum(-1, keepdim=True)
+
+    try:
+        with torch.no_grad(), cwcore.intervene(model, {0: mask}, transforms={0: [renormalise]}):
+            model(input_ids=ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    head_dim = captured["v"].shape[-1] // kv
+    v = captured["v"].double().reshape(b, n, kv, head_dim).transpose(1, 2).repeat_interleave(heads // kv, dim=1)
+    kept = alpha * (~mask)
+    expected = (kept / kept.sum(-1, keepdim=True)) @ v
+    got = captured["z"].double().reshape(b, n, heads, head_dim).transpose(1, 2)
+    torch.testing.assert_close(got, expected, rtol=RTOL, atol=ATOL)
+    assert (got - kept @ v).abs().max() > 1e-3  # the control: the transform changed the plain removal
+
+
+def test_stand_in_layers_are_numbered_as_mask_layers():
+    """``stand_in={-1: mu}`` goes with masks' -1 (the last layer), as the masks' own numbering; the reference is the
+    same removal spelled with positive numbers; the control: the stand-in is not plain zeroing."""
+    model = tiny_model("llama")
+    heads, _ = _heads(model)
+    ids = _ids(batch=1, length=6)
+    mask = torch.zeros(1, heads, 6, 6, dtype=torch.bool)
+    mask[..., 1:3] = True
+    mu = torch.randn(heads, model.config.hidden_size // heads, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with cwcore.intervene(model, {1: mask}, stand_in={1: mu}):
+            expected = model(input_ids=ids).logits
+        with cwcore.intervene(model, {-1: mask}, stand_in={-1: mu}):
+            negative = model(input_ids=ids).logits
+        with cwcore.intervene(model, {1: mask}):
+            zeroed = model(input_ids=ids).logits
+    torch.testing.assert_close(negative, expected, rtol=0, atol=0)
+    assert (expected - zeroed).abs().max() > 1e-4  # the control
