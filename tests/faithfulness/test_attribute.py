@@ -516,3 +516,57 @@ def test_a_scoring_context_whose_caller_never_hands_over_the_block_outputs_is_an
             context.changed_outputs = session.changed_outputs
             model(input_ids=ids)
     assert context.changed_outputs == {}
+
+
+def test_alti_counts_the_output_projections_bias_in_the_attention_output():
+    """y_i = x_i + a_i with a_i = sum_j sum_h alpha^h_ij v~^h_j + b: no model in these tests had a nonzero W_O bias
+    (Llama and Gemma have none, a fresh OPT's is zero), so ALTI without b passed. Here a pre-LN OPT with random
+    biases against the naive ALTI of tests/faithfulness/test_methods.py, fed by the model's own eager maps, values
+    and layer inputs; its residual stream y_i is checked against the one the model computed."""
+    import transformers as tf
+
+    from test_methods import _alti_row
+
+    torch.manual_seed(0)
+    config = tf.OPTConfig(vocab_size=97, hidden_size=64, ffn_dim=96, num_hidden_layers=2, num_attention_heads=4,
+                          max_position_embeddings=64, word_embed_proj_dim=64, do_layer_norm_before=True,
+                          attn_implementation="eager")
+    model = tf.OPTForCausalLM(config).eval()
+    layers = model.model.decoder.layers
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.out_proj.bias.normal_(0, 0.02)
+    ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    got = cwcore.attribute(model, method="alti", input_ids=ids)
+    seen = {}
+
+    def keep(name, l, output=False):
+        if output:
+            return lambda module, args, out: seen.__setitem__((name, l), out)
+        return lambda module, args: seen.__setitem__((name, l), args[0])
+
+    handles = []
+    for l, layer in enumerate(layers):  # the layer's input x, its values v, its residual stream y (the MLP's norm)
+        handles += [layer.register_forward_pre_hook(keep("x", l)),
+                    layer.self_attn.v_proj.register_forward_hook(keep("v", l, output=True)),
+                    layer.final_layer_norm.register_forward_pre_hook(keep("y", l))]
+    try:
+        with torch.no_grad():
+            attentions = model(input_ids=ids, output_attentions=True).attentions
+    finally:
+        for handle in handles:
+            handle.remove()
+    b, n = ids.shape
+    for l, layer in enumerate(layers):
+        out_proj = layer.self_attn.out_proj
+        weight, bias = out_proj.weight.detach().double(), out_proj.bias.detach().double()
+        v = seen[("v", l)].double().reshape(b, n, 4, 16)
+        projected = torch.einsum("bjhd,mhd->bhjm", v, weight.reshape(64, 4, 16))  # v~^h_j = v^h_j W_O^h
+        terms = torch.einsum("bhij,bhjm->bijm", attentions[l].double(), projected)
+        y = seen[("y", l)].double().reshape(b, n, -1)  # OPT flattens the tokens before its MLP's norm
+        naive = torch.zeros(b, n, n, dtype=torch.float64)
+        for r in range(b):
+            for i in range(n):
+                naive[r, i] = _alti_row("opt", layer, terms[r, i], bias, seen[("x", l)][r, i].double(),
+                                        y[r, i], i, n)
+        torch.testing.assert_close(got[l].double(), naive, rtol=1e-5, atol=1e-6)
