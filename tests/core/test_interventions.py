@@ -475,3 +475,32 @@ def test_stand_in_layers_are_numbered_as_mask_layers():
             zeroed = model(input_ids=ids).logits
     torch.testing.assert_close(negative, expected, rtol=0, atol=0)
     assert (expected - zeroed).abs().max() > 1e-4  # the control
+
+
+def test_an_intervened_forward_can_be_differentiated_and_an_empty_mask_keeps_the_models_gradients():
+    """Zeroing the softmax output in place saves a copy, but softmax's backward reads that output: under autograd the
+    removal must not be in place (backward would fail, "modified by an inplace operation"). The reference: the
+    model's own gradients, which an explicit all-False mask must leave bit for bit; the control: a removal changes
+    them."""
+    model = tiny_model("llama")
+    ids = _ids(length=6)
+    heads, _ = _heads(model)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+
+    def gradient(masks=None):
+        model.zero_grad()
+        if masks is None:
+            model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        else:
+            with cwcore.intervene(model, masks):
+                model(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        return weight.grad.clone()
+
+    reference = gradient()
+    removed = torch.zeros(2, heads, 6, 6, dtype=torch.bool)
+    try:
+        torch.testing.assert_close(gradient({0: torch.zeros_like(removed)}), reference, rtol=0, atol=0)
+        removed[..., 1] = True
+        assert (gradient({0: removed}) - reference).abs().max() > 1e-6  # the control
+    finally:
+        model.zero_grad(set_to_none=True)
