@@ -23,7 +23,9 @@ def alti(layer_decomposition, call, block_input, post_attention_norm=None, model
     v~^h_j) (+ x_i when j = i), where N_lin is the norm's linear part at the clean run's statistics:
     ALTI splits LayerNorm(sum_j z_j) into sum_j g * (z_j - mean z_j) / sigma; for **RMSNorm the same
     split without the mean subtraction**, g * z_j / rms(a_i), which is exact. Contribution:
-    c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j. One layer, no
+    c_ij = max(0, ||y_i||_1 - ||y_i - T_i(x_j)||_1), normalised to sum 1 over keys j; a query where every c_ij is 0
+    (each T_i(x_j) as far from y_i as zero is, e.g. under a large W_O bias b, which no token carries) gets a row of
+    zeros, not NaN: no key contributes, so there is nothing to normalise. One layer, no
     rollout over layers. Pre-norm models (Llama, Qwen, SmolLM2) have N = identity
     (``post_attention_norm`` None). Refused: a post-LN layer, which adds the residual inside its LayerNorm,
     y_i = LN(x_i + a_i) (BERT, BART, OPT-350m: found by a probe forward,
