@@ -427,3 +427,108 @@ def test_the_findings_page_reads_the_committed_requantised_rows(tmp_path):
     assert len(pairs) > 0
     assert r.phrases["requantized_status"].startswith(f"of the {len(pairs)} primary steps it ran, {same} keep their "
                                                       "verdict on the re-quantised weights")
+
+
+def _primary_findings(diffs, p, mde=0.05, mode="comprehensiveness", protocol="default", data="gsm8k"):
+    """faithfulness_findings of one primary slice of smollm2-135m (|c|, full range): the three steps, then
+    the helper's extra random->attention row (never a member), with per-row ``p`` and ``mde``."""
+    lad = ladder(diffs, mode=mode).assign(protocol=protocol, importance="absolute", range="full", data=data, n=64,
+                                          sample_unit="document", mde=mde, p=p)
+    return F.faithfulness_findings(lad, model="smollm2-135m")
+
+
+def test_a_primary_test_holds_only_when_holm_p_is_strictly_below_alpha():
+    # one measured member of the 32, the others count as p = 1: Holm multiplies its p by 32. At p = ALPHA/32
+    # the adjusted p is ALPHA itself, and the rule (book/preregistration.md) says "Holm-adjusted p < 0.05"
+    boundary = evidence.ALPHA / 32
+    assert 32 * boundary == evidence.ALPHA  # exact in floats, so the test sits on the boundary
+    steps = [(0.2, 0.1, 0.3), (0.0, 0.0, 0.0), (0.0, -0.005, 0.005)]
+    on = F.primary_decisions(_primary_findings(steps, p=[boundary, 1.0, 1.0, 1.0]))
+    row = on[on["primary"]].set_index("claim").loc["step 1->2"]
+    assert row["p_holm"] == evidence.ALPHA and row["verdict"] == I
+    # the control: just below the boundary the same interval holds
+    below = F.primary_decisions(_primary_findings(steps, p=[0.99 * boundary, 1.0, 1.0, 1.0]))
+    assert below[below["primary"]].set_index("claim").loc["step 1->2", "verdict"] == H
+
+
+def test_a_primary_interval_touching_the_margin_is_not_negligible():
+    # "negligible: the whole 95% interval lies inside +-margin": an end on the margin is not inside, so a
+    # small Holm p decides by the estimate's side (3->4 above 0: holds; 1->2 below 0: contradicted)
+    margin = evidence.MARGINS["comprehensiveness"]
+    steps = [(-0.004, -margin, 0.002), (0.0, 0.0, 0.0), (0.004, -0.002, margin)]
+    rows = F.primary_decisions(_primary_findings(steps, p=[1e-5, 1.0, 1e-5, 1.0]))
+    primary = rows[rows["primary"]].set_index("claim")
+    assert primary.loc["step 1->2", "verdict"] == C and primary.loc["step 3->4", "verdict"] == H
+    # the control: strictly inside the margin, the same p gives negligible
+    inside = [(-0.004, -0.9 * margin, 0.002), (0.0, 0.0, 0.0), (0.004, -0.002, 0.9 * margin)]
+    rows = F.primary_decisions(_primary_findings(inside, p=[1e-5, 1.0, 1e-5, 1.0]))
+    assert set(rows[rows["primary"]].set_index("claim").loc[["step 1->2", "step 3->4"], "verdict"]) == {G}
+
+
+def test_too_small_to_decide_compares_the_margin_with_the_mde_at_alpha_over_32():
+    from scipy.stats import norm
+
+    # the registration: a primary row's mde (80% power) at Holm's strictest level, alpha / 32; computed here
+    # from the normal quantiles, restating an mde found at the 5% level
+    def at_level(mde, level):
+        return mde * (norm.ppf(1 - level / 2) + norm.ppf(0.8)) / (norm.ppf(1 - 0.05 / 2) + norm.ppf(0.8))
+
+    # both steps inconclusive (interval across 0, p = 0.5); 1->2's mde passes the margin only at alpha / 32
+    steps = [(0.005, -0.02, 0.03), (0.0, 0.0, 0.0), (0.005, -0.02, 0.03)]
+    rows = F.primary_decisions(_primary_findings(steps, p=[0.5, 1.0, 0.5, 1.0], mde=[0.008, 0.05, 0.005, 0.05]))
+    primary = rows[rows["primary"]].set_index("claim")
+    margin = evidence.MARGINS["comprehensiveness"]
+    assert at_level(0.008, 0.05) < margin < at_level(0.008, 0.05 / 32)
+    assert primary.loc["step 1->2", "mde"] == pytest.approx(at_level(0.008, 0.05 / 32), rel=1e-9)
+    assert primary.loc["step 1->2", "verdict"] == I and "too small to decide" in primary.loc["step 1->2", "measured"]
+    # the control: an mde below the margin even at alpha / 32 says nothing of the kind
+    assert at_level(0.005, 0.05 / 32) < margin
+    assert primary.loc["step 3->4", "verdict"] == I and "too small" not in primary.loc["step 3->4", "measured"]
+
+
+def test_the_primary_ordering_chains_the_three_steps_and_not_contribution_against_random():
+    # every step holds (1->2, 3->4 under default, 2->3 under per-head); contribution loses to random: the
+    # derived ordering row still holds, the random comparison is its own test
+    up = [(0.2, 0.1, 0.3), (0.2, 0.1, 0.3), (0.4, 0.3, 0.5)]
+    against_random = pd.DataFrame([{"mode": "comprehensiveness", "lower": "random", "higher": "contribution",
+                                    "difference": -0.3, "ci_low": -0.4, "ci_high": -0.2, "verdict": C}])
+    parts = [pd.concat([ladder(up), against_random], ignore_index=True).assign(protocol="default"),
+             ladder(up).assign(protocol="per-head")]
+    lad = pd.concat(parts, ignore_index=True).assign(importance="absolute", range="full", data="gsm8k", n=64,
+                                                     sample_unit="document", mde=0.05, p=1e-6)
+    rows = F.primary_decisions(F.faithfulness_findings(lad, model="smollm2-135m"))
+    primary = rows[rows["primary"]].set_index("claim")
+    assert primary.loc["contribution beats random", "verdict"] == C
+    assert (primary.loc[["step 1->2", "step 2->3", "step 3->4"], "verdict"] == H).all()
+    chain = rows[(rows["claim"] == "ordering") & (rows["protocol"] == "primary steps")]
+    assert chain["verdict"].tolist() == [H]
+
+
+def test_a_primary_test_is_prospective_unless_its_cell_was_seen_before_the_registration(tmp_path):
+    # gemma3-270m's GSM8K default cell is one of the five computed before the exploratory registration; its
+    # GSM8K per-head cell and its web-text cells are not; on the confirmatory sample every test is prospective
+    seen = registration_seen()
+    assert ("gemma3-270m", "gsm8k", "default") in seen and ("gemma3-270m", "gsm8k", "per-head") not in seen
+    assert ("gemma3-270m", "web-text", "default") not in seen
+    up = [(0.2, 0.1, 0.3), (0.2, 0.1, 0.3), (0.4, 0.3, 0.5)]
+    lad = pd.concat([ladder(up).assign(data=data, protocol=protocol) for data in ("gsm8k", "web-text")
+                     for protocol in ("default", "per-head")], ignore_index=True)
+    lad = lad.assign(importance="absolute", range="full", n=64, sample_unit="document", mde=0.05, p=0.001)
+    for profile in ("evidence", "confirmatory"):
+        folder = tmp_path / profile
+        F.save_results(book.results_path(folder, "04_faithfulness", "gemma3-270m"), lad, chapter="04_faithfulness",
+                       model="gemma3-270m", profile=profile)
+        csv = F.findings_csv(folder, ["gemma3-270m"], profile=profile)
+        primary = csv[csv["primary"]]
+        # per data set: 1->2, 3->4 and random (not measured) under default, 2->3 under per-head
+        assert len(primary) == 2 * 4
+        expected = [profile == "confirmatory" or (d, p) != ("gsm8k", "default")
+                    for d, p in zip(primary["data"], primary["protocol"])]
+        assert primary["prospective"].tolist() == expected, profile
+        assert csv.loc[~csv["primary"], "prospective"].isna().all()
+
+
+def registration_seen():
+    from cwbook import registration
+
+    return set(registration.SEEN_BEFORE_REGISTRATION)
