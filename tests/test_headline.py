@@ -293,3 +293,34 @@ def test_a_sink_chapter_draws_the_verdicts_of_its_answer(tmp_path):
     assert (codes[row] == 3).all() and (codes[[i for i in range(len(claims)) if i != row]] == 0).all()
     assert headline.sink_chapter_figure("06_sinks_as_suppressors", "other", exploratory_dir=tmp_path,
                                         confirmatory_dir=tmp_path / "none") is None
+
+
+def test_each_part_is_judged_against_its_own_registered_threshold(tmp_path):
+    # "many heads are sink heads" needs its share above 0.5 and the tail shares above 0.1: intervals above 0
+    # but below those thresholds contradict the claims (a rule reading 0 for every part would call them holds)
+    _claims(tmp_path, "m", {"sink_eps_by_layer": (0.3, 0.45), "tail_alpha_share": (0.02, 0.08)})
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"]).set_index(["data", "claim"])["verdict"]
+    for data in registration.CONFIRMATORY_DATA:
+        assert verdicts[(data, "many heads are sink heads")] == "contradicted"
+        assert verdicts[(data, "sink driven by value geometry, tail by attention and alignment")] == "contradicted"
+        assert verdicts[(data, "anti-alignment")] == "holds"  # the control: the other claims are untouched
+
+
+def test_a_sink_claim_not_computed_on_one_data_set_is_not_measured_for_its_model(tmp_path):
+    # the registered rule combines a model's data sets by combine_all: a claim that holds on GSM8K but whose
+    # control is missing on web text is not decided for the model (never "holds")
+    _claims(tmp_path, "m", {})
+    table = book.results_path(tmp_path, "06_sinks_as_suppressors", "m")
+    frame = pd.read_csv(table)
+    first, second = registration.CONFIRMATORY_DATA
+    findings.save_results(table, frame[frame["key"] != f"{second}/share_interior_minus_random_direction"],
+                          chapter="06_sinks_as_suppressors", model="m", profile="evidence")
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"])
+    convexity = verdicts[verdicts["claim"] == "convexity"].set_index("data")["verdict"]
+    assert (convexity[first], convexity[second]) == ("holds", "not measured")
+    assert headline.claim_model_verdicts(verdicts)[("convexity", "m")] == "not measured"
+    sentence = next(line for line in headline.sink_sentences(verdicts) if line.startswith("*convexity*"))
+    assert sentence == (f"*convexity*: m not measured (the random-direction control was not computed on "
+                        f"{headline.DATA_NAMES[second]}).")
+    n = len(registration.SINK_CLAIMS)
+    assert headline.sink_tally(verdicts).endswith(f"{n - 1} holds, 1 not measured of {n} (claim, model) pairs.")
