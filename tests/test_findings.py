@@ -504,6 +504,22 @@ def test_the_primary_ordering_chains_the_three_steps_and_not_contribution_agains
     assert chain["verdict"].tolist() == [H]
 
 
+def test_cosine_gain_needs_intervals_apart_and_reads_sufficiency_below_zero():
+    per_head = dict(protocol="per-head")
+    # 3->4's interval touches 1->2's at 0.3: not above it, so the gain is not shown to be the largest
+    touching = ladder([(0.2, 0.1, 0.3), (0.15, 0.05, 0.25), (0.4, 0.3, 0.5)]).assign(**per_head)
+    assert F.cosine_gain(touching).verdict == I
+    # 3->4's interval touches 1->2's from below at 0.1: not below it either
+    under = ladder([(0.2, 0.1, 0.3), (0.15, 0.05, 0.25), (0.05, 0.0, 0.1)]).assign(**per_head)
+    assert F.cosine_gain(under).verdict == I
+    # sufficiency: the larger gain is the more negative difference; 3->4 clearly the largest holds
+    down = ladder([(-0.2, -0.3, -0.1), (-0.1, -0.2, -0.05), (-0.6, -0.7, -0.5)], mode="sufficiency")
+    assert F.cosine_gain(down.assign(**per_head), mode="sufficiency").verdict == H
+    # and the smallest (closest to 0) is contradicted
+    small = ladder([(-0.6, -0.7, -0.5), (-0.5, -0.6, -0.4), (-0.2, -0.3, -0.1)], mode="sufficiency")
+    assert F.cosine_gain(small.assign(**per_head), mode="sufficiency").verdict == C
+
+
 def test_a_primary_test_is_prospective_unless_its_cell_was_seen_before_the_registration(tmp_path):
     # gemma3-270m's GSM8K default cell is one of the five computed before the exploratory registration; its
     # GSM8K per-head cell and its web-text cells are not; on the confirmatory sample every test is prospective
