@@ -324,3 +324,42 @@ def test_a_sink_claim_not_computed_on_one_data_set_is_not_measured_for_its_model
                         f"{headline.DATA_NAMES[second]}).")
     n = len(registration.SINK_CLAIMS)
     assert headline.sink_tally(verdicts).endswith(f"{n - 1} holds, 1 not measured of {n} (claim, model) pairs.")
+
+
+def test_an_ordering_with_a_step_missing_is_not_measured_and_the_judged_tests_are_counted():
+    # a primary step without a row (its cell not computed) is not measured, and so is the ordering of that cell:
+    # never "holds" because the other steps hold
+    table = _primary({})
+    missing = (table["model"] == "smollm2-135m") & (table["data"] == "gsm8k") & \
+              (table["mode"] == "comprehensiveness") & (table["claim"] == "step 2->3")
+    summary = headline.ordering_summary(table[~missing]).set_index(["model", "data", "mode"])
+    cell = summary.loc[("smollm2-135m", "gsm8k", "comprehensiveness")]
+    assert cell["step 2->3"] == "not measured" and cell["ordering"] == "not measured"
+    assert (summary.drop(index=("smollm2-135m", "gsm8k", "comprehensiveness"))["ordering"] == "holds").all()
+    # two tests not measured: 30 of the 32 are judged, and the not measured ones are not among the counted
+    gone = table.assign(verdict=np.where(missing | ((table["model"] == "gemma3-270m") & (table["claim"] == "step 1->2")
+                                                    & (table["data"] == "web-text") & (table["mode"] == "sufficiency")),
+                                         "not measured", table["verdict"]))
+    first = headline.ladder_sentences(gone, "exploratory")[0]
+    assert first.startswith("30 of the 32 registered tests are judged (30 holds; Holm-adjusted")
+    assert "over its 8 cells (model x data set x mode): holds in 6 and not measured in 2." in first
+    # secondary rows (not primary: other signs, ranges, variants) are never counted among the 32
+    secondary = gone.assign(primary=False, verdict="contradicted", importance="signed")
+    assert headline.ladder_sentences(pd.concat([gone, secondary]), "exploratory")[0] == first
+
+
+def test_the_agreement_counts_only_tests_judged_on_both_samples():
+    # a test not measured on the exploratory sample is not "the same" nor "different": it is left out
+    exploratory = _primary({("gemma3-270m", "web-text", "sufficiency", "step 3->4"): "not measured"})
+    confirmatory = _primary({}, "confirmatory")
+    assert headline.ladder_agreement(pd.concat([exploratory, confirmatory])) == (
+        "Beside the exploratory sample: the same verdict in 31 of the 31 tests judged on both.")
+
+
+def test_a_cell_one_document_short_is_partly_computed_not_complete():
+    cells = [{"model": "a", "data": "x", "protocol": p, "documents": n}
+             for p, n in (("default", registration.CONFIRMATORY_DOCUMENTS),
+                          ("per-head", registration.CONFIRMATORY_DOCUMENTS - 1))]
+    assert headline.progress_clause(cells) == (
+        "1 of its 2 ladder cells (model x data set x mode) hold all 64 documents and 1 more is partly computed; "
+        "the tests are judged once every cell is in")
