@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cwbook import registration
@@ -217,3 +218,46 @@ def test_the_confirmatory_runs_draw_the_registered_sample_and_smoke_runs_the_exp
         list(registration.confirmatory_blocks("gsm8k", tokenizer)["document"]))
     smoke = list(confirmatory._sample("gsm8k", tokenizer, 3)["document"])
     assert set(smoke) <= _exploratory_ids()["gsm8k"] and not set(smoke) & set(registered)
+
+
+@pytest.mark.parametrize("owner, name, value", [
+    (evidence, "ALPHA", 0.01), (evidence, "N_PERMUTATIONS", 999), (registration, "N_BOOTSTRAP", 1000),
+    (registration, "SINK_RESAMPLES", 2000), (registration, "RANDOM_SEEDS", 1), (registration, "MDE_LEVEL", 0.05),
+    (registration, "EXPLORATORY_PREFIX", 83), (registration, "STREAM_DOCUMENTS", 32),
+    (registration, "CONFIRMATORY_DOCUMENTS", 32), (registration, "CONFIRMATORY_SEQ_LEN", 256),
+])
+def test_the_hash_reads_each_deciding_constant_where_it_is_defined(monkeypatch, owner, name, value):
+    """A constant written into constants() as a literal would keep the registered hash however the code that
+    decides changed (the level, the resamples, the control's seeds, the sample's size): each moves it."""
+    before = registration.constants_hash()
+    assert getattr(owner, name) != value
+    monkeypatch.setattr(owner, name, value)
+    assert registration.constants_hash() != before
+
+
+def test_the_left_out_documents_are_the_registered_prefix_and_stream():
+    # the registration's words: the first 128 positions of the seed-0 permutation and the first 64 documents
+    # in data-set order; 1000 rows keep the two parts mostly apart, so a shorter part shows in the size
+    n_rows = 1000
+    prefix = np.random.default_rng(0).permutation(n_rows)[:128]
+    expected = {int(i) for i in prefix} | set(range(64))
+    assert registration.exploratory_documents(n_rows) == expected
+    assert len(expected) > 128  # the stream adds documents the prefix does not hold
+    # a data set shorter than the stream: all of it is left out
+    assert registration.exploratory_documents(40) == set(range(40))
+
+
+def test_the_confirmatory_status_counts_a_cell_done_only_with_every_registered_document(tmp_path, monkeypatch):
+    """STATUS.md's "N of M parts done": a ladder cell is done when its export holds all 64 documents (one short,
+    or none, is not); a model's sink part when all three chapters' tables verify (none here)."""
+    from cwbook import confirmatory
+
+    n = registration.CONFIRMATORY_DOCUMENTS
+    cells = [{"model": "smollm2-135m", "data": "gsm8k", "protocol": p, "documents": d, "created": ""}
+             for p, d in (("default", n), ("per-head", n - 1), ("token-unit", 0))]
+    monkeypatch.setattr(confirmatory, "ladder_progress", lambda out: cells)
+    page = confirmatory.status(tmp_path)
+    parts = len(cells) + len(registration.CONFIRMATORY_MODELS)
+    assert f"1 of {parts} parts done" in page
+    assert f"| smollm2-135m | gsm8k | per-head | {n - 1} of {n} |  |" in page
+    assert f"| {registration.CONFIRMATORY_MODELS[0]} | 0 of 3 | none |" in page
