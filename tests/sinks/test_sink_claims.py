@@ -251,3 +251,28 @@ def test_each_sink_chapter_builds_its_claims_in_one_place_and_the_confirmatory_b
         pd.testing.assert_frame_equal(tables[chapter], sink_claims.stack_data({"gsm8k": table}))
     with pytest.raises(ValueError, match="not a sink chapter"):
         sink_claims.chapter_claims("04_faithfulness", result)
+
+
+def test_claim_verdicts_combine_the_parts_of_each_claim_as_the_chapters_rule_says():
+    # cwcore.stats.combine_verdicts, by hand: any contradicted part contradicts the claim; parts not measured
+    # are left aside while another part is measured; all holding parts hold; a mix is inconclusive
+    H, C, I, N = cstats.HOLDS, cstats.CONTRADICTED, cstats.INCONCLUSIVE, cstats.NOT_MEASURED
+    parts = [("a", H), ("a", C), ("b", H), ("b", N), ("c", N), ("d", H), ("d", I), ("e", C), ("e", N)]
+    claims = pd.DataFrame(parts, columns=["claim", "verdict"])
+    assert SC.claim_verdicts(claims).to_dict() == {"a": C, "b": H, "c": N, "d": I, "e": C}
+
+
+def test_pooled_suppression_counts_strictly_shorter_outputs_of_heads_strictly_above_eps():
+    # head 0 (rate 0.9) is a sink head; head 1 sits exactly at eps = 0.3, so it is not one ("exceeds eps");
+    # head 2 is far below. Per sequence, head 0 has one output exactly as long as ||s_i|| (not shortened),
+    # one shorter, one longer and one shorter again: 2 of 4 shortened in each of 4 sequences
+    eps = 0.3
+    fits = pd.DataFrame({"scope": "head", "layer": 0, "head": [0, 1, 2], "sink_rate": [0.9, eps, 0.1]})
+    rows = []
+    for sequence in range(4):
+        rows += [{"sequence": sequence, "layer": 0, "head": 0, "norm": n, "s_sq": s}
+                 for n, s in ((1.0, 1.0), (0.5, 1.0), (2.0, 1.0), (0.25, 0.25))]
+        rows += [{"sequence": sequence, "layer": 0, "head": h, "norm": 0.1, "s_sq": 1.0} for h in (1, 2)]
+    share, low, high = SC.pooled_suppression(fits, pd.DataFrame(rows), eps=eps, n_resamples=200, seed=0)
+    # every sequence holds the same share: the bootstrap over sequences collapses onto it
+    assert (share, low, high) == pytest.approx((0.5, 0.5, 0.5))
