@@ -363,3 +363,15 @@ def test_a_cell_one_document_short_is_partly_computed_not_complete():
     assert headline.progress_clause(cells) == (
         "1 of its 2 ladder cells (model x data set x mode) hold all 64 documents and 1 more is partly computed; "
         "the tests are judged once every cell is in")
+
+
+def test_a_claim_is_explained_by_its_contradicted_part_before_an_inconclusive_one(tmp_path):
+    # anti-alignment's main part is inconclusive and its centred-values control contradicted: the claim is
+    # contradicted, and its sentence names the contradiction, not the part merely left open
+    _claims(tmp_path, "m", {"cos_semantic": (-0.1, 0.1), "cos_semantic_centred": (0.01, 0.05)})
+    verdicts = headline.registered_sink_verdicts(tmp_path, ["m"])
+    sentence = next(line for line in headline.sink_sentences(verdicts) if line.startswith("*anti-alignment*"))
+    assert sentence == "*anti-alignment*: m contradicted (the centred-values control is contradicted)."
+    anti = verdicts[verdicts["claim"] == "anti-alignment"]
+    assert (anti["failing"] == "the centred-values control is contradicted; the sink's cosine with the semantic "
+                               "component is inconclusive").all()
