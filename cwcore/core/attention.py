@@ -762,11 +762,11 @@ class AttentionSession:
         def hook(projection, args, result):
             if self._elsewhere():
                 return
+            output = result[0] if isinstance(result, tuple) else result
+            self._projected[block.layer] = output  # for _leave_block, in every touched layer (a transformed one too)
             call = self._calls.pop(block.layer, None)
             if call is None:
                 return
-            output = result[0] if isinstance(result, tuple) else result
-            self._projected[block.layer] = output  # compared with what the block returns (_leave_block)
             geometry = call.geometry()
             _, bias = call.output_projection()
             allowed = self.tolerance(output.dtype, block.layer)

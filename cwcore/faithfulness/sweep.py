@@ -224,7 +224,8 @@ class Sweep:
             observers = {layer: [causal] for layer in self.layers}
             for layer in observed:
                 observers.setdefault(layer, []).append(ranker)
-            logits = self._forward(batch, observers=observers, context=context)  # a model without logits is refused for that first
+            # a model without logits is refused for that first
+            logits = self._forward(batch, observers=observers, context=context)
             if refused:
                 raise refused[0]
         return logits, buckets, removed

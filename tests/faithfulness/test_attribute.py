@@ -412,9 +412,12 @@ def test_alti_refuses_a_layer_whose_block_output_a_hook_changes_and_the_sweep_do
         with pytest.raises(cwcore.UnsupportedModelError, match=r"^alti models what attention layer 1 adds to the "
                            r"residual stream as its output projection's result, but .* \(relative difference 1\)"):
             cwcore.attribute(model, method="alti", input_ids=ids)
-        with pytest.raises(cwcore.UnsupportedModelError, match="alti models what attention layer 1 adds"):
-            fa.faithfulness_curve(model, None, ids, metric=["alti"], ratios=[0.5], mode="comprehensiveness",
-                                  n_bootstrap=2, progress=False)
+        # live scores: ALTI scores the intervened forward, where a layer's removal changes its probabilities (the
+        # session's reconstruction check then skips it; the block's own output is still compared)
+        for scores in ("clean", "live"):
+            with pytest.raises(cwcore.UnsupportedModelError, match="alti models what attention layer 1 adds"):
+                fa.faithfulness_curve(model, None, ids, metric=["alti"], ratios=[0.5], mode="comprehensiveness",
+                                      n_bootstrap=2, progress=False, scores=scores)
         assert cwcore.attribute(model, method="contribution", input_ids=ids).layers == [0, 1]
         torch.testing.assert_close(cwcore.attribute(model, method="alti", input_ids=ids, layers=0)[0], unhooked[0])
     finally:

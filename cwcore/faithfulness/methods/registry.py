@@ -247,8 +247,6 @@ class ScoreContext:
             context["output_gradient"] = self.gradients.get(layer)
         if "post_attention_norm" in method.needs:
             context["post_attention_norm"] = self.post_attention_norms.get(layer)
-        if "block_output" in method.needs and call is not None:
-            call.geometry()  # the session checks a block's output where it built the layer's geometry (see scoring)
         accepted = _accepted(method.fn)
         if accepted is not None:
             context = {k: v for k, v in context.items() if k in accepted}
