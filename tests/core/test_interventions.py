@@ -47,6 +47,17 @@ def _heads(model):
     return heads, kv
 
 
+def _padded_removal(model):
+    """(ids [2, 7], a padding mask whose second row pads 3 tokens, a removal of key 5 in every head
+    [2, head, 7, 7]): the set-up of the tests of intervene's padding mask."""
+    heads, _ = _heads(model)
+    ids = _ids(batch=2, length=7, seed=6)
+    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
+    removed = torch.zeros(2, heads, 7, 7, dtype=torch.bool)
+    removed[..., 5] = True
+    return ids, padding, removed
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_empty_mask_is_bit_identical_to_eager(family):
     model = tiny_model(family)
@@ -253,11 +264,7 @@ def test_a_padding_mask_given_to_intervene_must_reach_the_forward():
     from cwcore.core.inputs import InputError
 
     model = tiny_model("llama")
-    heads, _ = _heads(model)
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
-    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
-    removed = torch.zeros(2, heads, 7, 7, dtype=torch.bool)
-    removed[..., 5] = True
+    ids, padding, removed = _padded_removal(model)
     with torch.no_grad(), cwcore.intervene(model, {0: removed}, attention_mask=padding):
         padded = model(**prepare_inputs(model, dict(input_ids=ids, attention_mask=padding))).logits
         with pytest.raises(InputError, match="called without one, so it would be ignored"):
@@ -342,8 +349,7 @@ def test_a_probe_forward_inside_intervene_is_not_held_to_its_attention_mask():
     from cwcore.core.inputs import InputError
 
     model = tiny_model("gemma3")  # a fresh model: the probe has not run, its result is not cached yet
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
-    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
+    ids, padding, _ = _padded_removal(model)
     with torch.no_grad(), cwcore.intervene(model, {}, attention_mask=padding):
         norms = post_attention_norms(model)
         with pytest.raises(InputError, match="called without one"):
@@ -380,11 +386,7 @@ def test_positional_input_ids_and_attention_mask_are_checked_as_keywords_are():
     from cwcore.core.inputs import InputError
 
     model = tiny_model("llama")
-    heads, _ = _heads(model)
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
-    padding = torch.tensor([[1] * 7, [0] * 3 + [1] * 4])
-    removed = torch.zeros(2, heads, 7, 7, dtype=torch.bool)
-    removed[..., 5] = True
+    ids, padding, removed = _padded_removal(model)
     inputs = prepare_inputs(model, dict(input_ids=ids, attention_mask=padding))
     with torch.no_grad(), cwcore.intervene(model, {0: removed}, attention_mask=padding):
         by_keyword = model(**inputs).logits
